@@ -1,0 +1,45 @@
+"""sqllocker: distributed locks kept as rows in an SQL table.
+
+    from sqllocker import Locker
+
+    locker = Locker("postgresql://db/app")
+    with locker.lock("digest 42", expires=60):
+        ...
+
+See README.md for the table, the guarantees, and what happens when a lock expires.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from .errors import (
+    DatabaseError,
+    LockBusy,
+    LockError,
+    LockLost,
+    LockTypeError,
+    LockValueError,
+    TableMissing,
+)
+from .lock import Lock
+from .locker import Locker, LockInfo
+from .schema import lock_table
+
+try:
+    __version__ = version("sqllocker")
+except PackageNotFoundError:  # running from a checkout that was never installed
+    __version__ = "0+unknown"
+
+__all__ = [
+    "DatabaseError",
+    "Lock",
+    "LockBusy",
+    "LockError",
+    "LockInfo",
+    "LockLost",
+    "LockTypeError",
+    "LockValueError",
+    "Locker",
+    "TableMissing",
+    "__version__",
+    "lock_table",
+]

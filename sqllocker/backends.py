@@ -1,0 +1,144 @@
+"""What differs between SQLite, PostgreSQL and MySQL/MariaDB, and nothing else.
+
+Each backend says how to read the *server's* clock and shift it by a number of seconds (client
+clocks are never consulted: DBIx::Locker's client-side local-time strings let a purge in another
+time zone delete a live lock), how acquire can take over an expired row, and how its driver
+reports the few errors sqllocker must tell apart.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Dialect
+from sqlalchemy.sql.elements import ColumnElement
+
+from .schema import UTCDateTime
+
+SQLITE_TIMESTAMP_FORMAT = "%Y-%m-%d %H:%M:%f"
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One database family's clock, capabilities and error codes."""
+
+    name: str
+    # PostgreSQL can insert-or-take-over-if-expired in one statement (ON CONFLICT DO UPDATE);
+    # the others insert, and on conflict delete the expired row and insert again.
+    atomic_takeover: bool
+    # SQLite runs every write in BEGIN IMMEDIATE: in WAL mode a deferred transaction that has
+    # read and then writes after another commit fails "database is locked" at once, ignoring
+    # busy_timeout.
+    begin_immediate: bool
+    insert_returning: bool
+    update_returning: bool
+
+    def now(self) -> ColumnElement[Any]:
+        """The server's current time, re-read per statement (not frozen at transaction start)."""
+        if self.name == "postgresql":
+            return sa.func.clock_timestamp(type_=UTCDateTime())
+        if self.name == "mysql":
+            return sa.func.utc_timestamp(sa.literal_column("6"), type_=UTCDateTime())
+        return sa.func.strftime(SQLITE_TIMESTAMP_FORMAT, "now", type_=UTCDateTime())
+
+    def shifted_now(self, param: str) -> ColumnElement[Any]:
+        """The server's time plus the bound parameter ``param`` (see :meth:`seconds_value`)."""
+        if self.name == "postgresql":
+            return sa.func.clock_timestamp(type_=UTCDateTime()) + sa.bindparam(
+                param, type_=sa.Interval()
+            )
+        if self.name == "mysql":
+            return sa.func.timestampadd(
+                sa.literal_column("MICROSECOND"),
+                sa.bindparam(param, type_=sa.BigInteger()),
+                sa.func.utc_timestamp(sa.literal_column("6")),
+                type_=UTCDateTime(),
+            )
+        return sa.func.strftime(
+            SQLITE_TIMESTAMP_FORMAT,
+            sa.func.julianday("now") + sa.bindparam(param, type_=sa.Float()) / 86400.0,
+            type_=UTCDateTime(),
+        )
+
+    def seconds_value(self, seconds: float) -> Any:
+        """A number of seconds as :meth:`shifted_now` wants its parameter."""
+        if self.name == "postgresql":
+            return timedelta(seconds=seconds)
+        if self.name == "mysql":
+            return round(seconds * 1_000_000)
+        return seconds
+
+    # -- errors -------------------------------------------------------------------------------
+
+    def is_unique_violation(self, error: sa.exc.DBAPIError) -> bool:
+        if self.name == "postgresql":
+            return _sqlstate(error) == "23505"
+        if self.name == "mysql":
+            return _mysql_errno(error) == 1062
+        return isinstance(error.orig, sqlite3.IntegrityError) and "UNIQUE" in str(error.orig)
+
+    def is_transient_conflict(self, error: sa.exc.DBAPIError) -> bool:
+        """Contention the database resolved by failing us: try again, it is not a fault."""
+        if self.name == "postgresql":
+            # serialization failure, deadlock, lock_timeout
+            return _sqlstate(error) in {"40001", "40P01", "55P03"}
+        if self.name == "mysql":
+            return _mysql_errno(error) in {1205, 1213}  # lock wait timeout, deadlock
+        return _sqlite_busy(error)
+
+    def is_missing_table(self, error: sa.exc.DBAPIError) -> bool:
+        if self.name == "postgresql":
+            return _sqlstate(error) == "42P01"
+        if self.name == "mysql":
+            return _mysql_errno(error) == 1146
+        return "no such table" in str(error.orig)
+
+
+def backend_for(dialect: Dialect) -> Backend:
+    name = dialect.name
+    if name == "postgresql":
+        return Backend(
+            name,
+            atomic_takeover=True,
+            begin_immediate=False,
+            insert_returning=True,
+            update_returning=True,
+        )
+    if name in {"mysql", "mariadb"}:
+        # MariaDB >= 10.5 has INSERT ... RETURNING, MySQL none; neither has UPDATE ... RETURNING.
+        return Backend(
+            "mysql",
+            atomic_takeover=False,
+            begin_immediate=False,
+            insert_returning=bool(dialect.insert_returning),
+            update_returning=False,
+        )
+    if name == "sqlite":
+        returning = sqlite3.sqlite_version_info >= (3, 35)
+        return Backend(
+            name,
+            atomic_takeover=False,
+            begin_immediate=True,
+            insert_returning=returning,
+            update_returning=returning,
+        )
+    raise ValueError(f"sqllocker supports SQLite, PostgreSQL and MySQL/MariaDB, not {name!r}")
+
+
+def _sqlstate(error: sa.exc.DBAPIError) -> str | None:
+    return getattr(error.orig, "sqlstate", None)
+
+
+def _mysql_errno(error: sa.exc.DBAPIError) -> int | None:
+    args = getattr(error.orig, "args", ())
+    return args[0] if args and isinstance(args[0], int) else None
+
+
+def _sqlite_busy(error: sa.exc.DBAPIError) -> bool:
+    return isinstance(error.orig, sqlite3.OperationalError) and (
+        "database is locked" in str(error.orig) or "database table is locked" in str(error.orig)
+    )

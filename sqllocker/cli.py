@@ -1,0 +1,5 @@
+"""Placeholder replaced in the CLI step."""
+
+
+def main() -> None:
+    pass

@@ -1,0 +1,109 @@
+"""Turning what the caller gave (nothing, a URL, an Engine) into the engine the locker uses.
+
+Only engines sqllocker creates get its connection settings (SQLite WAL and busy timeout,
+PostgreSQL ``synchronous_commit=on``, connect timeouts); a caller's own Engine is used as it is,
+with AUTOCOMMIT applied per connection, because changing it would change the caller's other work.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import URL, Engine, make_url
+
+logger = logging.getLogger("sqllocker")
+
+URL_ENVIRONMENT_VARIABLE = "SQLLOCKER_URL"
+DEFAULT_SQLITE_FILE = "sqllocker.db"
+CONNECT_TIMEOUT_SECONDS = 10
+# How long an SQLite connection waits for another process's write transaction. Lock operations
+# hold the write lock for microseconds; this only has to outlast a burst of 8+ writers or a purge
+# batch, and keeps "database is locked" from reaching users.
+SQLITE_BUSY_TIMEOUT_SECONDS = 60
+# PostgreSQL/MariaDB: a lock statement waits on another session's uncommitted row only if that
+# session inserted inside a long transaction (not sqllocker's way). Bound the wait; a timeout is
+# treated as contention, not as a failure.
+ROW_LOCK_TIMEOUT_SECONDS = 10
+
+_DRIVER_FOR_SCHEME = {
+    "postgres": "postgresql+psycopg",
+    "postgresql": "postgresql+psycopg",
+    "mysql": "mysql+pymysql",
+    "mariadb": "mysql+pymysql",
+}
+
+_engines_we_own: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def resolve_url(url: str | URL | None) -> URL:
+    """None means $SQLLOCKER_URL, else the SQLite file sqllocker.db in the working directory."""
+    if url is None:
+        url = os.environ.get(URL_ENVIRONMENT_VARIABLE) or f"sqlite:///{DEFAULT_SQLITE_FILE}"
+    if isinstance(url, str):
+        scheme, separator, rest = url.partition("://")
+        if separator and scheme in _DRIVER_FOR_SCHEME:
+            url = f"{_DRIVER_FOR_SCHEME[scheme]}://{rest}"
+        url = make_url(url)
+    return url
+
+
+def create_locker_engine(url: URL) -> Engine:
+    """An engine configured for short autocommit lock statements on ``url``'s backend."""
+    backend = url.get_backend_name()
+    connect_args: dict[str, Any] = {}
+    if backend == "sqlite":
+        connect_args["timeout"] = SQLITE_BUSY_TIMEOUT_SECONDS
+        # Lockers are shared between threads; SQLAlchemy's pool hands a connection to one at a time.
+        connect_args["check_same_thread"] = False
+    elif backend == "postgresql":
+        connect_args.setdefault("connect_timeout", CONNECT_TIMEOUT_SECONDS)
+        if "options" not in url.query:
+            # A lock row acknowledged and then lost in a crash would let a second holder in with
+            # the same id; synchronous_commit=off does exactly that. Force it on for our session.
+            connect_args["options"] = (
+                f"-c synchronous_commit=on -c lock_timeout={ROW_LOCK_TIMEOUT_SECONDS * 1000}"
+            )
+        if "application_name" not in url.query:
+            connect_args["application_name"] = "sqllocker"
+    elif backend in {"mysql", "mariadb"}:
+        connect_args.setdefault("connect_timeout", CONNECT_TIMEOUT_SECONDS)
+        if "init_command" not in url.query:
+            connect_args["init_command"] = (
+                f"SET SESSION innodb_lock_wait_timeout = {ROW_LOCK_TIMEOUT_SECONDS}"
+            )
+    engine = sa.create_engine(url, isolation_level="AUTOCOMMIT", connect_args=connect_args)
+    if backend == "sqlite":
+        sa.event.listen(engine, "connect", _configure_sqlite_connection)
+    _engines_we_own.add(engine)
+    return engine
+
+
+def _configure_sqlite_connection(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    try:
+        # WAL lets readers (sqllocker list, operators) run beside writers. NORMAL synchronous is
+        # durable across application crashes; only an OS crash can lose the last commits, and
+        # SQLite locks are one-machine locks, so every holder dies with the OS too.
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+    finally:
+        cursor.close()
+
+
+def _forget_pools_after_fork() -> None:
+    # A child must not use (or, on garbage collection, close) its parent's pooled sockets.
+    for engine in list(_engines_we_own):
+        engine.dispose(close=False)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools_after_fork)
+
+
+def describe_url(url: URL) -> str:
+    """The URL without its password, for messages."""
+    return url.render_as_string(hide_password=True)

@@ -1,0 +1,143 @@
+"""The one hierarchy of sqllocker errors, rooted at :class:`LockError`.
+
+Every error carries the lockstring it concerns (``None`` when it concerns no single lock) so that a
+caller juggling many locks can tell which one failed without parsing the message, and every error
+pickles, so it survives being raised in a worker process and re-raised in its parent.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+
+class LockError(Exception):
+    """Base class of every error sqllocker raises on purpose."""
+
+    def __init__(self, message: str, lockstring: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.lockstring = lockstring
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Exception pickles as cls(*self.args), which would drop the keyword attributes of the
+        # subclasses; rebuild from the full __dict__ instead.
+        return (_rebuild, (type(self), self.__dict__))
+
+
+def _rebuild(cls: type[LockError], state: dict[str, Any]) -> LockError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, state.get("message", ""))
+    error.__dict__.update(state)
+    return error
+
+
+class LockValueError(LockError, ValueError):
+    """An argument has the right type but a value sqllocker refuses; nothing was sent."""
+
+
+class LockTypeError(LockError, TypeError):
+    """An argument has the wrong type; nothing was sent to the database."""
+
+
+class LockBusy(LockError):
+    """The lock is held by someone else (and ``wait`` ran out, if one was given).
+
+    The holder's row is described by :attr:`holder` (the ``locked_by`` JSON), :attr:`lock_id`,
+    :attr:`created` and :attr:`expires`, each ``None`` if the row vanished before it could be read.
+    """
+
+    def __init__(
+        self,
+        lockstring: str,
+        *,
+        holder: Mapping[str, Any] | None = None,
+        lock_id: int | None = None,
+        created: datetime | None = None,
+        expires: datetime | None = None,
+        waited: float = 0.0,
+    ) -> None:
+        self.holder = dict(holder) if holder is not None else None
+        self.lock_id = lock_id
+        self.created = created
+        self.expires = expires
+        self.waited = waited
+        super().__init__(_busy_message(lockstring, self), lockstring)
+
+    @property
+    def host(self) -> str | None:
+        return _str_or_none((self.holder or {}).get("host"))
+
+    @property
+    def pid(self) -> int | None:
+        pid = (self.holder or {}).get("pid")
+        return pid if isinstance(pid, int) else None
+
+
+class LockLost(LockError):
+    """A lock we held is no longer ours: it expired and was purged or taken over, or was broken.
+
+    Raised by ``unlock()``, ``extend()`` and ``check()``. Whatever the holder was protecting may
+    have been touched by someone else since; the fencing token (``lock_id``) is how a protected
+    resource tells the stale holder's writes from the new holder's.
+    """
+
+    def __init__(self, message: str, lockstring: str | None = None, lock_id: int | None = None):
+        super().__init__(message, lockstring)
+        self.lock_id = lock_id
+
+
+class TableMissing(LockError):
+    """The lock table does not exist; the message names the command that creates it."""
+
+
+class DatabaseError(LockError):
+    """The database could not be reached, or failed; the driver's error is the ``__cause__``."""
+
+
+def describe_holder(holder: Mapping[str, Any] | None) -> str:
+    """One phrase naming the holder of a lock, for operators: ``host:pid (program, user)``."""
+    if not holder:
+        return "an unknown holder"
+    place = f"{holder.get('host', '?')}:{holder.get('pid', '?')}"
+    details = [str(holder[key]) for key in ("program", "user") if holder.get(key)]
+    return f"{place} ({', '.join(details)})" if details else place
+
+
+def _busy_message(lockstring: str, busy: LockBusy) -> str:
+    parts = [f"lock {lockstring!r} is held by {describe_holder(busy.holder)}"]
+    if busy.created is not None:
+        parts.append(f"since {busy.created.isoformat(timespec='seconds')}")
+    if busy.expires is not None:
+        parts.append(f"until {busy.expires.isoformat(timespec='seconds')}")
+    if busy.lock_id is not None:
+        parts.append(f"(lock id {busy.lock_id})")
+    message = " ".join(parts)
+    if (
+        busy.holder
+        and busy.holder.get("pid") == os.getpid()
+        and busy.holder.get("host") == socket.gethostname()
+    ):
+        message += " -- that is this very process: sqllocker locks are not re-entrant"
+    if busy.waited:
+        message += f"; gave up after waiting {busy.waited:.3g}s"
+    return (
+        message + "; wait for it (wait=SECONDS), or, if that holder is dead, break it with "
+        f"`sqllocker release {_shell_quote(lockstring)} --force`"
+    )
+
+
+def _shell_quote(text: str) -> str:
+    import shlex
+
+    return shlex.quote(text)
+
+
+def _str_or_none(value: object) -> str | None:
+    return value if isinstance(value, str) else None

@@ -1,0 +1,475 @@
+"""The Locker: takes, extends, releases and purges lock rows on one table of one database.
+
+Every operation checks out a connection, runs its statement(s) in one short autocommit
+transaction, and gives the connection back, so holding a lock holds no connection, and a
+caller's own transaction never contains (or waits on, or rolls back) a lock row.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy.engine import URL, Connection, Engine
+
+from . import validation
+from .backends import Backend, backend_for
+from .engine import create_locker_engine, describe_url, resolve_url
+from .errors import DatabaseError, LockBusy, LockError, LockLost, LockTypeError, TableMissing
+from .identity import holder_details
+from .lock import Lock
+from .schema import DEFAULT_TABLE, lock_table, to_utc
+from .statements import Statements
+from .waiting import Backoff
+
+logger = logging.getLogger("sqllocker")
+
+T = TypeVar("T")
+
+DEFAULT_EXPIRES = 3600.0
+DEFAULT_GRACE = 1.0
+DEFAULT_PURGE_BATCH = 1000
+# Attempts at one acquire when the holder vanishes between our refused INSERT and our look-up of
+# who holds it; past this, the caller is told "busy" (and, with a wait, simply tries again later).
+_ATTEMPTS_PER_TRY = 3
+
+
+@dataclass(frozen=True)
+class LockInfo:
+    """One row of the lock table, as :meth:`Locker.locks` reports it."""
+
+    lock_id: int
+    lockstring: str
+    guid: str
+    created: datetime
+    expires: datetime
+    locked_by: dict[str, Any]
+    expired: bool
+
+
+@dataclass(frozen=True)
+class _Acquired:
+    lock_id: int
+    created: datetime
+    expires: datetime
+
+
+@dataclass(frozen=True)
+class _Refused:
+    busy: LockBusy | None  # None: refused by contention without a holder to name
+    server_now: datetime | None
+
+
+class Locker:
+    """Hands out locks kept as rows of ``table`` in the database at ``url_or_engine``.
+
+    ``url_or_engine``: an SQLAlchemy URL or Engine; ``None`` means ``$SQLLOCKER_URL``, else the
+    SQLite file ``sqllocker.db`` in the working directory. ``postgres://`` and ``postgresql://``
+    mean psycopg 3; ``mysql://`` and ``mariadb://`` mean PyMySQL.
+
+    ``expires`` is the default lifetime of a lock in seconds; a lock that is not released or
+    extended within it may be taken over by the next acquirer once a further ``grace`` seconds
+    have passed (the grace lets a holder that just noticed its expiry stop first).
+
+    ``auto_create`` creates the table on first use if it is missing: by default for SQLite, whose
+    file sqllocker owns, and never for a server, whose schema is the operator's (``sqllocker
+    migrate``).
+    """
+
+    def __init__(
+        self,
+        url_or_engine: str | URL | Engine | None = None,
+        *,
+        table: str = DEFAULT_TABLE,
+        expires: float = DEFAULT_EXPIRES,
+        grace: float = DEFAULT_GRACE,
+        auto_create: bool | None = None,
+    ) -> None:
+        self.table_name = validation.check_table_name(table)
+        self.expires = validation.check_seconds(expires, "expires")
+        self.grace = validation.check_grace(grace)
+        self.engine: Engine
+        if isinstance(url_or_engine, Engine):
+            self.engine = url_or_engine.execution_options(isolation_level="AUTOCOMMIT")
+            self._owns_engine = False
+        elif url_or_engine is None or isinstance(url_or_engine, str | URL):
+            self.engine = create_locker_engine(resolve_url(url_or_engine))
+            self._owns_engine = True
+        else:
+            raise LockTypeError(
+                f"url_or_engine must be a URL string, sqlalchemy URL or Engine, not "
+                f"{type(url_or_engine).__name__}"
+            )
+        self.url = self.engine.url
+        self.table = lock_table(self.table_name)
+        self.auto_create = (
+            self.engine.dialect.name == "sqlite" if auto_create is None else auto_create
+        )
+        self._backend: Backend | None = None
+        self._statements: Statements | None = None
+        self._setup_lock = threading.Lock()
+
+    # -- public API -----------------------------------------------------------------------------
+
+    def lock(
+        self,
+        lockstring: str,
+        *,
+        expires: float | None = None,
+        wait: float | None = 0,
+        locked_by: dict[str, Any] | None = None,
+    ) -> Lock:
+        """Acquire ``lockstring`` or raise LockBusy.
+
+        ``expires``: seconds until the lock may be taken over (default: the locker's).
+        ``wait``: 0 tries once; a number of seconds keeps trying until then, backing off with
+        jitter; ``None`` waits forever. ``locked_by``: extra JSON details stored with the
+        holder's host, pid, thread, program and user.
+        """
+        lockstring = validation.check_lockstring(lockstring)
+        ttl = (
+            self.expires
+            if expires is None
+            else validation.check_seconds(expires, "expires", lockstring)
+        )
+        wait = validation.check_wait(wait, lockstring)
+        extra = validation.check_locked_by(locked_by, lockstring)
+        backoff = Backoff.for_wait(wait)
+        while True:
+            outcome = self._try_acquire(lockstring, ttl, extra)
+            if isinstance(outcome, Lock):
+                return outcome
+            if backoff.expired():
+                waited = 0.0 if wait is None else wait
+                busy = outcome.busy or LockBusy(lockstring, waited=waited)
+                if waited:
+                    busy = LockBusy(
+                        lockstring,
+                        holder=busy.holder,
+                        lock_id=busy.lock_id,
+                        created=busy.created,
+                        expires=busy.expires,
+                        waited=waited,
+                    )
+                raise busy
+            backoff.sleep(
+                backoff.next_delay(
+                    outcome.busy.expires if outcome.busy else None, outcome.server_now, self.grace
+                )
+            )
+
+    def try_lock(
+        self,
+        lockstring: str,
+        *,
+        expires: float | None = None,
+        locked_by: dict[str, Any] | None = None,
+    ) -> Lock | None:
+        """Acquire ``lockstring`` if it is free: a Lock, or None if someone holds it."""
+        try:
+            return self.lock(lockstring, expires=expires, wait=0, locked_by=locked_by)
+        except LockBusy:
+            return None
+
+    def purge_expired_locks(self, batch_size: int = DEFAULT_PURGE_BATCH) -> int:
+        """Delete rows expired (by the server's clock) for longer than grace; returns how many.
+
+        Deletes in batches of ``batch_size``, each its own short transaction, so a large purge
+        never blocks acquirers for long. Database errors propagate.
+        """
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise LockTypeError(f"batch_size must be a positive int, not {batch_size!r}")
+        total = 0
+        while True:
+            deleted = self._run(None, lambda conn: self._purge_batch(conn, batch_size))
+            total += deleted
+            if deleted < batch_size:
+                break
+        if total:
+            logger.info("purged %d expired lock(s) from %s", total, self.table_name)
+        return total
+
+    def locks(self) -> list[LockInfo]:
+        """Every row of the table, live and expired, ordered by lockstring."""
+
+        def read(conn: Connection) -> list[LockInfo]:
+            rows = conn.execute(self._sql.list_locks).all()
+            return [
+                LockInfo(
+                    lock_id=row.id,
+                    lockstring=row.lockstring,
+                    guid=row.guid,
+                    created=row.created,
+                    expires=row.expires,
+                    locked_by=row.locked_by,
+                    expired=bool(row.expired),
+                )
+                for row in rows
+            ]
+
+        return self._run(None, read)
+
+    def create_table(self) -> None:
+        """Create or upgrade the table by applying the shipped migrations; safe to repeat."""
+        from .migrations import upgrade
+
+        upgrade(self.engine, self.table_name)
+
+    def close(self) -> None:
+        """Close the pooled connections of an engine the locker created (not a caller's)."""
+        if self._owns_engine:
+            self.engine.dispose()
+
+    def __repr__(self) -> str:
+        return f"<Locker {describe_url(self.url)} table={self.table_name}>"
+
+    # -- operations used by Lock ----------------------------------------------------------------
+
+    def _release(self, lockstring: str, lock_id: int, guid: str) -> None:
+        deleted = self._run(
+            lockstring,
+            lambda conn: self._write(
+                conn,
+                lambda: (
+                    conn.execute(
+                        self._sql.release, {"lock_id": lock_id, "lock_guid": guid}
+                    ).rowcount
+                ),
+            ),
+        )
+        if deleted != 1:
+            raise LockLost(
+                f"lock {lockstring!r} (id {lock_id}) was no longer ours at release: it expired "
+                "and was purged, taken over or broken; work done under it may have overlapped "
+                "with another holder's",
+                lockstring,
+                lock_id,
+            )
+        logger.debug("released %r (id %d)", lockstring, lock_id)
+
+    def _extend(self, lockstring: str, lock_id: int, guid: str, seconds: float | None) -> datetime:
+        ttl = (
+            self.expires
+            if seconds is None
+            else validation.check_seconds(seconds, "expires", lockstring)
+        )
+        params = {"lock_id": lock_id, "lock_guid": guid, "ttl": self._be.seconds_value(ttl)}
+
+        def extend(conn: Connection) -> datetime | None:
+            def statements() -> datetime | None:
+                result = conn.execute(self._sql.extend, params)
+                if self._be.update_returning:
+                    row = result.first()
+                    return None if row is None else row.expires
+                if result.rowcount != 1:
+                    return None
+                times = conn.execute(self._sql.times_of, params).one()
+                return times.expires  # type: ignore[no-any-return]
+
+            return self._write(conn, statements)
+
+        expires = self._run(lockstring, extend)
+        if expires is None:
+            raise LockLost(
+                f"lock {lockstring!r} (id {lock_id}) could not be extended: it had already "
+                "expired, or was purged, taken over or broken; an expired lock is never revived",
+                lockstring,
+                lock_id,
+            )
+        return expires
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _try_acquire(self, lockstring: str, ttl: float, extra: dict[str, Any]) -> Lock | _Refused:
+        guid = str(uuid.uuid4())
+        details = holder_details(guid, extra)
+        refused = _Refused(None, None)
+        for _attempt in range(_ATTEMPTS_PER_TRY):
+            outcome = self._run(
+                lockstring, lambda conn: self._acquire_on(conn, lockstring, guid, ttl, details)
+            )
+            if isinstance(outcome, _Acquired):
+                logger.debug("acquired %r (id %d)", lockstring, outcome.lock_id)
+                return Lock(
+                    self,
+                    lockstring=lockstring,
+                    lock_id=outcome.lock_id,
+                    guid=guid,
+                    created=outcome.created,
+                    expires=outcome.expires,
+                    locked_by=details,
+                    ttl=ttl,
+                )
+            refused = outcome
+            if outcome.busy is not None:
+                break  # a live holder: no point asking again at once
+        return refused
+
+    def _acquire_on(
+        self, conn: Connection, lockstring: str, guid: str, ttl: float, details: dict[str, Any]
+    ) -> _Acquired | _Refused:
+        be, sql = self._be, self._sql
+        params = {
+            "ls": lockstring,
+            "lock_guid": guid,
+            "ttl": be.seconds_value(ttl),
+            "minus_grace": be.seconds_value(-self.grace),
+            "holder": details,
+        }
+
+        def statements() -> _Acquired | _Refused:
+            acquired = self._insert(conn, params)
+            # The row may be an expired holder's: delete it only if so (by the server's clock),
+            # then insert again. Two racers may both get here; the unique key lets one win.
+            if (
+                acquired is None
+                and not be.atomic_takeover
+                and conn.execute(sql.take_over_expired, params).rowcount
+            ):
+                acquired = self._insert(conn, params)
+            if acquired is not None:
+                return acquired
+            row = conn.execute(sql.holder, params).first()
+            if row is None:
+                return _Refused(None, None)  # released in between: try again
+            if row.guid == guid:
+                # Our INSERT committed but its answer was lost with the connection (_run retried).
+                return _Acquired(row.id, row.created, row.expires)
+            busy = LockBusy(
+                lockstring,
+                holder=row.locked_by,
+                lock_id=row.id,
+                created=row.created,
+                expires=row.expires,
+            )
+            return _Refused(busy, to_utc(row.server_now))
+
+        try:
+            return self._write(conn, statements)
+        except sa.exc.DBAPIError as error:
+            if be.is_transient_conflict(error):
+                logger.debug("acquire of %r met contention (%s); retrying", lockstring, error.orig)
+                return _Refused(None, None)
+            raise
+
+    def _insert(self, conn: Connection, params: dict[str, Any]) -> _Acquired | None:
+        try:
+            result = conn.execute(self._sql.acquire, params)
+        except sa.exc.IntegrityError as error:
+            if self._be.is_unique_violation(error):
+                return None
+            raise
+        if self._be.insert_returning:
+            row = result.first()
+            return None if row is None else _Acquired(row.id, row.created, row.expires)
+        if result.rowcount != 1:
+            return None
+        primary_key = result.inserted_primary_key
+        if primary_key is None:
+            raise LockError("internal error: the INSERT returned no primary key")
+        lock_id = primary_key[0]
+        mine = {"lock_id": lock_id, "lock_guid": params["lock_guid"]}
+        times = conn.execute(self._sql.times_of, mine).one()
+        return _Acquired(lock_id, times.created, times.expires)
+
+    def _purge_batch(self, conn: Connection, batch_size: int) -> int:
+        params = {"minus_grace": self._be.seconds_value(-self.grace)}
+        return self._write(
+            conn, lambda: conn.execute(self._sql.purge_batch(batch_size), params).rowcount
+        )
+
+    def _write(self, conn: Connection, statements: Callable[[], T]) -> T:
+        """Run ``statements`` as one transaction (SQLite: BEGIN IMMEDIATE), or as autocommit
+        statements on the servers, where each one is atomic by itself."""
+        if not self._be.begin_immediate:
+            return statements()
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        try:
+            result = statements()
+        except BaseException:
+            if conn.connection.dbapi_connection is not None:
+                conn.connection.dbapi_connection.rollback()
+            raise
+        conn.exec_driver_sql("COMMIT")
+        return result
+
+    def _run(self, lockstring: str | None, operation: Callable[[Connection], T]) -> T:
+        """Run ``operation`` on a pooled connection, translating driver errors into LockErrors.
+
+        A connection that turns out dead (the server restarted since it was pooled) is replaced
+        and the operation tried once more; every operation is safe to repeat (acquire recognises
+        its own row by guid).
+        """
+        created_table = False
+        retried_connection = False
+        while True:
+            try:
+                with self._connect() as conn:
+                    return operation(conn)
+            except sa.exc.DBAPIError as error:
+                if error.connection_invalidated and not retried_connection:
+                    retried_connection = True
+                    logger.warning("database connection was lost (%s); reconnecting", error.orig)
+                    continue
+                if self._backend is not None and self._be.is_missing_table(error):
+                    if self.auto_create and not created_table:
+                        created_table = True
+                        logger.info("creating lock table %s", self.table_name)
+                        self.create_table()
+                        continue
+                    raise self._table_missing(lockstring) from error
+                raise DatabaseError(
+                    f"database error on {describe_url(self.url)}"
+                    + (f" for lock {lockstring!r}" if lockstring is not None else "")
+                    + f": {error.orig}",
+                    lockstring,
+                ) from error
+
+    @contextmanager
+    def _connect(self) -> Iterator[Connection]:
+        try:
+            conn = self.engine.connect()
+        except sa.exc.DBAPIError as error:
+            raise DatabaseError(
+                f"cannot connect to {describe_url(self.url)}: {error.orig}; check the URL "
+                "(--url or $SQLLOCKER_URL) and that the server is running"
+            ) from error
+        with conn:
+            if self._backend is None:
+                self._setup(conn)
+            yield conn
+
+    def _setup(self, conn: Connection) -> None:
+        # The backend's capabilities (MariaDB's RETURNING) are known only once connected.
+        with self._setup_lock:
+            if self._backend is None:
+                backend = backend_for(conn.dialect)
+                self._statements = Statements(self.table, backend)
+                self._backend = backend
+
+    def _table_missing(self, lockstring: str | None) -> TableMissing:
+        return TableMissing(
+            f"lock table {self.table_name!r} does not exist in {describe_url(self.url)}; "
+            f"create it with `sqllocker migrate --url URL --table {self.table_name}` "
+            "(or Locker.create_table())",
+            lockstring,
+        )
+
+    @property
+    def _be(self) -> Backend:
+        if self._backend is None:
+            raise LockError("internal error: backend used before the first connection")
+        return self._backend
+
+    @property
+    def _sql(self) -> Statements:
+        if self._statements is None:
+            raise LockError("internal error: statements used before the first connection")
+        return self._statements

@@ -1,0 +1,136 @@
+"""The lock table: the single definition that create_table(), the migrations and the statements use.
+
+The column types are where the three backends are made to agree:
+
+* ``id`` is the fencing token, so it must never be reused. SQLite reuses the highest deleted rowid
+  unless the table is ``AUTOINCREMENT`` (DBIx::Locker's delete-by-id then deleted the next holder's
+  lock); PostgreSQL sequences and InnoDB's persisted AUTO_INCREMENT never go back.
+* ``lockstring`` compares exactly everywhere. MariaDB's default collations fold case and ignore
+  trailing spaces, and even ``utf8mb4_bin`` pads; a NO PAD binary collation makes "Foo", "foo",
+  "Foo " and "Foö" four locks there, as they are on PostgreSQL and SQLite.
+* ``created``/``expires`` are UTC instants written from the server's clock only. SQLite has no
+  timestamp type: they are stored as ``YYYY-MM-DD HH:MM:SS.SSS`` UTC text, which sorts correctly
+  and reads plainly in the sqlite3 shell.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import mysql, postgresql
+from sqlalchemy.engine import Dialect
+from sqlalchemy.types import TypeEngine
+
+from .validation import MAX_LOCKSTRING_LENGTH, check_table_name
+
+DEFAULT_TABLE = "semaphores"
+GUID_LENGTH = 36
+
+
+class Lockstring(sa.TypeDecorator[str]):
+    """VARCHAR(128) with exact (binary, no-pad) comparison on every backend."""
+
+    impl = sa.String(MAX_LOCKSTRING_LENGTH)
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
+        if dialect.name == "mysql":
+            # MySQL 8 has no utf8mb4_nopad_bin; its utf8mb4_0900_bin is NO PAD binary too.
+            collation = "utf8mb4_nopad_bin" if _is_mariadb(dialect) else "utf8mb4_0900_bin"
+            return dialect.type_descriptor(
+                mysql.VARCHAR(MAX_LOCKSTRING_LENGTH, charset="utf8mb4", collation=collation)
+            )
+        return dialect.type_descriptor(sa.String(MAX_LOCKSTRING_LENGTH))
+
+
+class UTCDateTime(sa.TypeDecorator[datetime]):
+    """A UTC instant; results are always timezone-aware UTC datetimes, whatever the backend."""
+
+    impl = sa.DateTime(timezone=True)
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
+        if dialect.name == "mysql":
+            return dialect.type_descriptor(mysql.DATETIME(fsp=6))
+        if dialect.name == "sqlite":
+            # Plain text in, plain text out: the values are written by strftime() in SQL, and
+            # SQLAlchemy's own SQLite DATETIME parser would insist on its own format.
+            return dialect.type_descriptor(_SQLiteTimestampText())
+        return dialect.type_descriptor(sa.DateTime(timezone=True))
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> Any:
+        if value is None:
+            return None
+        value = value.astimezone(timezone.utc)
+        if dialect.name == "sqlite":
+            return value.strftime("%Y-%m-%d %H:%M:%S.%f")[:23]
+        if dialect.name == "mysql":
+            return value.replace(tzinfo=None)
+        return value
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
+        return to_utc(value)
+
+
+class _SQLiteTimestampText(sa.types.UserDefinedType[str]):
+    """Declared as DATETIME so that the column reads as a timestamp to people and tools."""
+
+    cache_ok = True
+
+    def get_col_spec(self, **kw: Any) -> str:
+        return "DATETIME"
+
+
+def to_utc(value: Any) -> datetime | None:
+    """A timestamp from any backend (aware, naive-UTC, or SQLite text) as an aware UTC datetime."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value)
+    if not isinstance(value, datetime):
+        raise TypeError(f"not a timestamp: {value!r}")
+    if value.tzinfo is None:
+        return value.replace(tzinfo=timezone.utc)
+    return value.astimezone(timezone.utc)
+
+
+def lock_table(name: str = DEFAULT_TABLE, metadata: sa.MetaData | None = None) -> sa.Table:
+    """The lock table named ``name``; a fresh MetaData unless one is given."""
+    check_table_name(name)
+    return sa.Table(
+        name,
+        metadata if metadata is not None else sa.MetaData(),
+        sa.Column(
+            "id",
+            sa.BigInteger().with_variant(sa.Integer(), "sqlite"),
+            primary_key=True,
+            autoincrement=True,
+            comment="fencing token: strictly increasing, never reused",
+        ),
+        sa.Column("lockstring", Lockstring(), nullable=False),
+        sa.Column("guid", sa.String(GUID_LENGTH), nullable=False),
+        sa.Column("created", UTCDateTime(), nullable=False),
+        sa.Column("expires", UTCDateTime(), nullable=False),
+        sa.Column(
+            "locked_by", sa.JSON().with_variant(postgresql.JSONB(), "postgresql"), nullable=False
+        ),
+        sa.UniqueConstraint("lockstring", name=unique_constraint_name(name)),
+        sa.Index(expires_index_name(name), "expires"),
+        sqlite_autoincrement=True,
+        mysql_engine="InnoDB",
+        mysql_charset="utf8mb4",
+    )
+
+
+def unique_constraint_name(table: str) -> str:
+    return f"uq_{table}_lockstring"
+
+
+def expires_index_name(table: str) -> str:
+    return f"ix_{table}_expires"
+
+
+def _is_mariadb(dialect: Dialect) -> bool:
+    return bool(getattr(dialect, "is_mariadb", False))

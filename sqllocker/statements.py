@@ -1,0 +1,155 @@
+"""Every SQL statement sqllocker runs, built once per (table, backend) and nowhere else.
+
+Statements take bound parameters only; the table name is the one identifier that reaches SQL, and
+it is validated (``validation.check_table_name``) before the Table is built. Parameter names:
+
+``ls`` lockstring, ``lock_guid`` the acquisition's secret, ``holder`` the locked_by JSON,
+``lock_id`` the lock id; ``ttl`` and ``minus_grace`` are seconds to add to the server's clock
+(the latter negative), converted by ``Backend.seconds_value``.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property, lru_cache
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.sql import Delete, Select, Update
+from sqlalchemy.sql.dml import ReturningInsert
+
+from .backends import Backend
+
+
+class Statements:
+    """The statements for one lock table on one backend."""
+
+    def __init__(self, table: sa.Table, backend: Backend) -> None:
+        self.table = table
+        self.backend = backend
+        c = table.c
+        self._now = backend.now()
+        # A row may be taken over or purged only once it has been expired for `grace` seconds,
+        # so that a holder whose local deadline just passed has stopped before anyone else starts.
+        self._expired_beyond_grace = c.expires <= backend.shifted_now("minus_grace")
+
+    @cached_property
+    def acquire(self) -> sa.Insert | ReturningInsert[Any]:
+        """Insert our row. On PostgreSQL it also takes over an expired row, atomically.
+
+        PostgreSQL: ``ON CONFLICT DO UPDATE ... WHERE expired`` replaces an expired holder's row in
+        place with ours, including a fresh id from the sequence (``excluded.id``), so the fencing
+        token still grows; a live holder makes it return no row, with no ERROR in the server log.
+        SQLite: ``ON CONFLICT DO NOTHING`` returns no row when held. MySQL: a plain INSERT, whose
+        duplicate-key error means held (never ``INSERT IGNORE``: it truncates over-long keys).
+        """
+        c = self.table.c
+        values = {
+            "lockstring": sa.bindparam("ls", type_=c.lockstring.type),
+            "guid": sa.bindparam("lock_guid", type_=c.guid.type),
+            "created": self._now,
+            "expires": self.backend.shifted_now("ttl"),
+            "locked_by": sa.bindparam("holder", type_=c.locked_by.type),
+        }
+        returned = (c.id, c.created, c.expires)
+        if self.backend.name == "postgresql":
+            pg = postgresql.insert(self.table).values(values)
+            return pg.on_conflict_do_update(
+                index_elements=[c.lockstring],
+                set_={
+                    name: pg.excluded[name]
+                    for name in ("id", "guid", "created", "expires", "locked_by")
+                },
+                where=self._expired_beyond_grace,
+            ).returning(*returned)
+        if self.backend.name == "sqlite":
+            lite = sqlite.insert(self.table).values(values)
+            lite = lite.on_conflict_do_nothing(index_elements=[c.lockstring])
+            return lite.returning(*returned) if self.backend.insert_returning else lite
+        plain = sa.insert(self.table).values(values)
+        return plain.returning(*returned) if self.backend.insert_returning else plain
+
+    @cached_property
+    def take_over_expired(self) -> Delete:
+        """Delete the lockstring's row if it has expired (by the server's clock) beyond grace."""
+        c = self.table.c
+        return sa.delete(self.table).where(
+            c.lockstring == sa.bindparam("ls", type_=c.lockstring.type),
+            self._expired_beyond_grace,
+        )
+
+    @cached_property
+    def holder(self) -> Select[Any]:
+        """Who holds a lockstring, to tell a caller that was refused, and the server's time then."""
+        c = self.table.c
+        return sa.select(
+            c.id, c.guid, c.created, c.expires, c.locked_by, self._now.label("server_now")
+        ).where(c.lockstring == sa.bindparam("ls", type_=c.lockstring.type))
+
+    @cached_property
+    def times_of(self) -> Select[Any]:
+        """created/expires of our row, where INSERT or UPDATE cannot return them (MySQL)."""
+        c = self.table.c
+        return sa.select(c.created, c.expires).where(
+            c.id == sa.bindparam("lock_id"), c.guid == sa.bindparam("lock_guid")
+        )
+
+    @cached_property
+    def release(self) -> Delete:
+        """Delete our row, matched by id *and* guid: a stale holder can never delete another's."""
+        c = self.table.c
+        return sa.delete(self.table).where(
+            c.id == sa.bindparam("lock_id"), c.guid == sa.bindparam("lock_guid")
+        )
+
+    @cached_property
+    def extend(self) -> Update:
+        """Push our row's expiry to server now + ttl, unless it is gone or has already expired.
+
+        ``expires > now`` is what keeps an extend from reviving a lock that lapsed (DBIx::Locker's
+        setter revived them): once expired, someone else may already have acted.
+        """
+        c = self.table.c
+        update = (
+            sa.update(self.table)
+            .where(
+                c.id == sa.bindparam("lock_id"),
+                c.guid == sa.bindparam("lock_guid"),
+                c.expires > self._now,
+            )
+            .values(expires=self.backend.shifted_now("ttl"))
+        )
+        return update.returning(c.expires) if self.backend.update_returning else update
+
+    @lru_cache(maxsize=8)  # noqa: B019 -- one entry per batch size; Statements live as long as their Locker
+    def purge_batch(self, batch_size: int) -> Delete:
+        """Delete at most ``batch_size`` rows expired beyond grace.
+
+        Batches keep a purge of a million stale rows from holding one long transaction. The
+        expiry test is repeated on the deleted row itself, so a row taken over (new id, new
+        expiry) between the sub-select and the delete is left alone.
+        """
+        c = self.table.c
+        if self.backend.name == "mysql":
+            # MySQL refuses LIMIT in an IN (sub-select) on the same table; DELETE ... LIMIT is fine.
+            return (
+                sa.delete(self.table)
+                .where(self._expired_beyond_grace)
+                .with_dialect_options(mysql_limit=batch_size)
+            )
+        expired_ids = sa.select(c.id).where(self._expired_beyond_grace).limit(batch_size)
+        return sa.delete(self.table).where(c.id.in_(expired_ids), self._expired_beyond_grace)
+
+    @cached_property
+    def list_locks(self) -> Select[Any]:
+        """Every row, with whether it has expired by the server's clock."""
+        c = self.table.c
+        return sa.select(
+            c.id,
+            c.lockstring,
+            c.guid,
+            c.created,
+            c.expires,
+            c.locked_by,
+            sa.case((c.expires <= self._now, True), else_=False).label("expired"),
+        ).order_by(c.lockstring)

@@ -1,0 +1,127 @@
+"""Checks on every caller-supplied value, run before any SQL is sent.
+
+The three backends disagree about bad input (SQLite stores 1,000 characters in a VARCHAR(128) and
+keeps NUL bytes; MariaDB's ``INSERT IGNORE`` truncates; psycopg refuses NUL before sending), so
+sqllocker decides here, identically for all of them, and a refused call writes nothing anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import LockTypeError, LockValueError
+
+MAX_LOCKSTRING_LENGTH = 128
+# Longer expiries than ten years are almost certainly unit mistakes (milliseconds passed as
+# seconds) and would overflow some backends' timestamp ranges.
+MAX_SECONDS = 10 * 365 * 24 * 3600
+# Table names are embedded in derived identifiers (index, view, alembic version table), and the
+# longest of those must stay under MySQL's 64-character identifier limit.
+MAX_TABLE_NAME_LENGTH = 32
+RESERVED_LOCKED_BY_KEYS = frozenset({"guid", "host", "pid", "thread", "program", "user"})
+
+_TABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def check_lockstring(lockstring: object) -> str:
+    if not isinstance(lockstring, str):
+        raise LockTypeError(f"a lockstring must be a str, not {type(lockstring).__name__}")
+    if not lockstring:
+        raise LockValueError("a lockstring must not be empty", lockstring)
+    if len(lockstring) > MAX_LOCKSTRING_LENGTH:
+        raise LockValueError(
+            f"a lockstring is at most {MAX_LOCKSTRING_LENGTH} characters; "
+            f"this one has {len(lockstring)}: {lockstring[:40]!r}...",
+            lockstring,
+        )
+    if "\x00" in lockstring:
+        raise LockValueError(f"a lockstring must not contain NUL: {lockstring!r}", lockstring)
+    try:
+        lockstring.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise LockValueError(
+            f"a lockstring must be encodable as UTF-8 (it has a lone surrogate?): {lockstring!r}",
+            lockstring,
+        ) from error
+    return lockstring
+
+
+def check_seconds(value: object, name: str, lockstring: str | None = None) -> float:
+    """A positive, finite number of seconds (expires, extend's ttl, grace excepted)."""
+    number = _number(value, name, lockstring)
+    if not math.isfinite(number) or number <= 0:
+        raise LockValueError(
+            f"{name} must be a positive, finite number of seconds, not {value!r}", lockstring
+        )
+    if number > MAX_SECONDS:
+        raise LockValueError(
+            f"{name} must be at most {MAX_SECONDS} seconds (ten years), not {value!r}", lockstring
+        )
+    return number
+
+
+def check_wait(value: object, lockstring: str | None = None) -> float | None:
+    """``None`` or infinity means wait forever; otherwise a finite number of seconds >= 0."""
+    if value is None:
+        return None
+    number = _number(value, "wait", lockstring)
+    if math.isnan(number) or number < 0:
+        raise LockValueError(
+            f"wait must be None (forever) or a number of seconds >= 0, not {value!r}", lockstring
+        )
+    return None if math.isinf(number) else number
+
+
+def check_grace(value: object) -> float:
+    number = _number(value, "grace", None)
+    if not math.isfinite(number) or number < 0 or number > MAX_SECONDS:
+        raise LockValueError(f"grace must be a finite number of seconds >= 0, not {value!r}")
+    return number
+
+
+def check_table_name(name: object) -> str:
+    if not isinstance(name, str):
+        raise LockTypeError(f"a table name must be a str, not {type(name).__name__}")
+    if not _TABLE_NAME.fullmatch(name) or len(name) > MAX_TABLE_NAME_LENGTH:
+        raise LockValueError(
+            f"table name {name!r} is not a plain identifier: use letters, digits and underscores, "
+            f"not starting with a digit, at most {MAX_TABLE_NAME_LENGTH} characters"
+        )
+    return name
+
+
+def check_locked_by(details: object, lockstring: str | None = None) -> dict[str, Any]:
+    """Caller-supplied ``locked_by`` details: a JSON-serialisable mapping with string keys."""
+    if details is None:
+        return {}
+    if not isinstance(details, Mapping):
+        raise LockTypeError(
+            f"locked_by must be a mapping of details, not {type(details).__name__}", lockstring
+        )
+    for key in details:
+        if not isinstance(key, str):
+            raise LockTypeError(f"locked_by keys must be str, not {key!r}", lockstring)
+    clashes = sorted(RESERVED_LOCKED_BY_KEYS.intersection(details))
+    if clashes:
+        raise LockValueError(
+            f"locked_by must not set {', '.join(clashes)}: sqllocker fills those in itself",
+            lockstring,
+        )
+    try:
+        json.dumps(details, allow_nan=False)
+    except (TypeError, ValueError) as error:
+        raise LockValueError(f"locked_by must be JSON-serialisable: {error}", lockstring) from error
+    return dict(details)
+
+
+def _number(value: object, name: str, lockstring: str | None) -> float:
+    # bool is an int subclass, and expires=True meaning "1 second" would be a surprise.
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise LockTypeError(
+            f"{name} must be a number of seconds, not {type(value).__name__}", lockstring
+        )
+    return float(value)

@@ -1,0 +1,59 @@
+"""How a refused acquirer waits before trying again.
+
+Capped exponential backoff with full jitter, so that waiters spread out instead of stampeding
+the row together after each release, and a wake-up at the moment the holder's row can be taken
+over (its ``expires`` plus grace, by the server's clock as of the refusal), so a crashed holder
+is replaced on time without polling fast for the whole wait.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+
+FIRST_DELAY = 0.002
+MAX_DELAY = 0.25
+
+
+@dataclass
+class Backoff:
+    """The delays of one waiting acquirer; ``deadline`` is monotonic, ``None`` for forever."""
+
+    deadline: float | None
+    first_delay: float = FIRST_DELAY
+    max_delay: float = MAX_DELAY
+    attempts: int = field(default=0, init=False)
+
+    @classmethod
+    def for_wait(cls, wait: float | None) -> Backoff:
+        return cls(deadline=None if wait is None else time.monotonic() + wait)
+
+    def remaining(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def expired(self) -> bool:
+        remaining = self.remaining()
+        return remaining is not None and remaining <= 0
+
+    def next_delay(
+        self,
+        holder_expires: datetime | None = None,
+        server_now: datetime | None = None,
+        grace: float = 0.0,
+    ) -> float:
+        """Seconds to sleep before the next attempt (0 if the deadline has passed)."""
+        ceiling = min(self.max_delay, self.first_delay * 2**self.attempts)
+        self.attempts += 1
+        delay = random.uniform(ceiling / 2, ceiling)
+        if holder_expires is not None and server_now is not None:
+            # Sleep no longer than until the holder's row becomes takeable.
+            until_takeover = (holder_expires - server_now).total_seconds() + grace
+            delay = min(delay, max(until_takeover, 0.0) + self.first_delay)
+        remaining = self.remaining()
+        return delay if remaining is None else min(delay, remaining)
+
+    def sleep(self, delay: float) -> None:
+        if delay > 0:
+            time.sleep(delay)
