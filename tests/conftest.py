@@ -1,0 +1,122 @@
+"""Fixtures: every test that takes ``url`` runs on SQLite, PostgreSQL and MariaDB/MySQL.
+
+Each test run creates a private database on each server (dropped at the end) and each test a
+table of its own, so parallel runs and tests never see each other's rows. Under CI (``CI=true``)
+a server that cannot be reached fails the run instead of skipping its tests.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import make_url
+
+from sqllocker import Lock, Locker, lock_table
+from sqllocker.engine import resolve_url
+
+POSTGRES_ADMIN_URL = os.environ.get(
+    "SQLLOCKER_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
+)
+MYSQL_ADMIN_URL = os.environ.get("SQLLOCKER_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/test")
+BACKENDS = ["sqlite", "postgresql", "mysql"]
+IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
+
+_table_numbers = itertools.count(1)
+_RUN_ID = uuid.uuid4().hex[:10]
+
+
+def _server_database(admin_url: str, kind: str) -> Iterator[str]:
+    """Create ``sqllocker_test_<run>`` on the server; yield its URL; drop it afterwards."""
+    name = f"sqllocker_test_{_RUN_ID}"
+    admin = sa.create_engine(resolve_url(admin_url), isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f"CREATE DATABASE {name}")
+    except sa.exc.OperationalError as error:
+        admin.dispose()
+        message = f"{kind} server at {admin_url} is unreachable: {error.orig}"
+        if IN_CI:
+            pytest.fail(f"{message} (CI requires every backend)", pytrace=False)
+        pytest.skip(message)
+    url = make_url(resolve_url(admin_url)).set(database=name)
+    try:
+        yield url.render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            if kind == "postgresql":
+                conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+            else:
+                conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name}")
+        admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def postgresql_url() -> Iterator[str]:
+    yield from _server_database(POSTGRES_ADMIN_URL, "postgresql")
+
+
+@pytest.fixture(scope="session")
+def mysql_url() -> Iterator[str]:
+    yield from _server_database(MYSQL_ADMIN_URL, "mysql")
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def url(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A database URL for this test's backend (SQLite: a file of its own)."""
+    if backend == "sqlite":
+        return f"sqlite:///{tmp_path / 'locks.db'}"
+    return str(request.getfixturevalue(f"{backend}_url"))
+
+
+@pytest.fixture
+def table_name() -> str:
+    return f"t{next(_table_numbers)}_{uuid.uuid4().hex[:6]}"
+
+
+@pytest.fixture
+def make_locker(url: str, table_name: str) -> Iterator[Callable[..., Locker]]:
+    """Build Lockers on this test's table (created once, directly from the Table definition;
+    the migration path has tests of its own). grace defaults to 0 here so expiry tests are quick."""
+    lockers: list[Locker] = []
+    engine = sa.create_engine(resolve_url(url))
+    lock_table(table_name).create(engine)
+    engine.dispose()
+
+    def make(**options: object) -> Locker:
+        options.setdefault("table", table_name)
+        options.setdefault("grace", 0)
+        locker = Locker(url, **options)  # type: ignore[arg-type]
+        lockers.append(locker)
+        return locker
+
+    yield make
+    for locker in lockers:
+        locker.close()
+
+
+@pytest.fixture
+def locker(make_locker: Callable[..., Locker]) -> Locker:
+    return make_locker()
+
+
+def count_rows(locker: Locker) -> int:
+    with locker.engine.connect() as conn:
+        return int(conn.execute(sa.select(sa.func.count()).select_from(locker.table)).scalar_one())
+
+
+def abandon(lock: Lock) -> Lock:
+    """Make ``lock`` behave like a holder that crashed: its row stays until it expires."""
+    lock._finalizer.detach()
+    lock._row.held = False
+    return lock

@@ -1,0 +1,237 @@
+"""Bad input is refused before any SQL is sent; keys compare exactly alike on every backend; errors
+name the lock, the holder and the fix, and pickle."""
+
+from __future__ import annotations
+
+import pickle
+import unicodedata
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from sqllocker import (
+    DatabaseError,
+    LockBusy,
+    Locker,
+    LockError,
+    LockLost,
+    LockTypeError,
+    LockValueError,
+    TableMissing,
+)
+from tests.conftest import count_rows
+
+
+@pytest.fixture
+def statements_sent(locker: Locker) -> Iterator[list[str]]:
+    """Every statement the locker's engine sends from now on."""
+    sent: list[str] = []
+
+    def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        sent.append(statement)
+
+    sa.event.listen(locker.engine, "before_cursor_execute", record)
+    yield sent
+    sa.event.remove(locker.engine, "before_cursor_execute", record)
+
+
+BAD_LOCKSTRINGS: list[tuple[object, type[Exception]]] = [
+    ("", LockValueError),
+    ("x" * 129, LockValueError),
+    ("nul\x00byte", LockValueError),
+    ("lone \udc80 surrogate", LockValueError),
+    (None, LockTypeError),
+    (42, LockTypeError),
+    (b"bytes", LockTypeError),
+    (["list"], LockTypeError),
+]
+
+
+@pytest.mark.parametrize(("lockstring", "error"), BAD_LOCKSTRINGS)
+def test_bad_lockstring_is_refused_and_nothing_is_sent(
+    locker: Locker, statements_sent: list[str], lockstring: object, error: type[Exception]
+) -> None:
+    with pytest.raises(error) as caught:
+        locker.lock(lockstring)  # type: ignore[arg-type]
+    assert isinstance(caught.value, LockError)
+    assert statements_sent == []
+    assert count_rows(locker) == 0
+
+
+BAD_OPTIONS: list[tuple[dict[str, Any], type[Exception]]] = [
+    ({"expires": 0}, LockValueError),
+    ({"expires": -1}, LockValueError),
+    ({"expires": float("nan")}, LockValueError),
+    ({"expires": float("inf")}, LockValueError),
+    ({"expires": 10**12}, LockValueError),
+    ({"expires": "60"}, LockTypeError),
+    ({"expires": True}, LockTypeError),
+    ({"wait": -1}, LockValueError),
+    ({"wait": float("nan")}, LockValueError),
+    ({"wait": "5"}, LockTypeError),
+    ({"locked_by": {"when": object()}}, LockValueError),
+    ({"locked_by": {"x": float("nan")}}, LockValueError),
+    ({"locked_by": {1: "int key"}}, LockTypeError),
+    ({"locked_by": ["not", "a", "mapping"]}, LockTypeError),
+    ({"locked_by": {"guid": "forged"}}, LockValueError),
+    ({"locked_by": {"pid": 1}}, LockValueError),
+]
+
+
+@pytest.mark.parametrize(("options", "error"), BAD_OPTIONS)
+def test_bad_options_are_refused_and_nothing_is_sent(
+    locker: Locker, statements_sent: list[str], options: dict[str, Any], error: type[Exception]
+) -> None:
+    with pytest.raises(error):
+        locker.lock("job", **options)
+    assert statements_sent == []
+    assert count_rows(locker) == 0
+
+
+def test_bad_extend_is_refused_and_the_row_is_untouched(locker: Locker) -> None:
+    with locker.lock("job", expires=60) as lock:
+        before = lock.expires
+        for bad in (0, -5, float("nan"), "10"):
+            with pytest.raises(LockError):
+                lock.extend(bad)  # type: ignore[arg-type]
+        (row,) = locker.locks()
+        assert row.expires == before
+        assert lock.is_locked
+
+
+@pytest.mark.parametrize(
+    "table",
+    ["semaphores; DROP TABLE x", "1starts_with_digit", "has space", "dot.ted", "", "a" * 33, "é"],
+)
+def test_bad_table_names_are_refused(table: str) -> None:
+    with pytest.raises(LockValueError, match="plain identifier"):
+        Locker("sqlite://", table=table)
+
+
+def test_non_string_table_name_is_refused() -> None:
+    with pytest.raises(LockTypeError):
+        Locker("sqlite://", table=None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf")])
+def test_bad_default_expiry_is_refused(bad: float) -> None:
+    with pytest.raises(LockValueError):
+        Locker("sqlite://", expires=bad)
+
+
+def test_sql_metacharacters_are_ordinary_lockstrings(locker: Locker) -> None:
+    hostile = [
+        "'; DROP TABLE semaphores; --",
+        "%",
+        "_",
+        "\\",
+        "a%b_c\\d",
+        '"q"',
+        "x' OR '1'='1",
+    ]
+    locks = [locker.lock(text) for text in hostile]
+    assert sorted(row.lockstring for row in locker.locks()) == sorted(hostile)
+    for text in hostile:
+        assert locker.try_lock(text) is None
+    assert locker.try_lock("a") is not None  # "%" and "_" are not patterns
+    for lock in locks:
+        lock.unlock()
+
+
+def test_longest_lockstring_round_trips(locker: Locker) -> None:
+    longest = "ü" * 128
+    with locker.lock(longest) as lock:
+        assert lock.lockstring == longest
+        (row,) = locker.locks()
+        assert row.lockstring == longest
+
+
+def test_keys_compare_exactly_on_every_backend(locker: Locker) -> None:
+    nfc = unicodedata.normalize("NFC", "Foö")
+    nfd = unicodedata.normalize("NFD", "Foö")
+    assert nfc != nfd
+    keys = ["Foo", "foo", "Foo ", "FOO", nfc, nfd, " Foo"]
+    locks = [locker.lock(key) for key in keys]  # each a different lock: none is refused
+    assert len({lock.lock_id for lock in locks}) == len(keys)
+    for key in keys:
+        with pytest.raises(LockBusy):
+            locker.lock(key)
+    for lock in locks:
+        lock.unlock()
+
+
+def test_missing_table_names_the_command_that_creates_it(url: str) -> None:
+    locker = Locker(url, table="no_such_table", auto_create=False)
+    with pytest.raises(TableMissing) as caught:
+        locker.lock("job")
+    message = str(caught.value)
+    assert "no_such_table" in message
+    assert "sqllocker migrate" in message
+    assert caught.value.lockstring == "job"
+    with pytest.raises(TableMissing):
+        locker.purge_expired_locks()
+    with pytest.raises(TableMissing):
+        locker.locks()
+    locker.close()
+
+
+def test_sqlite_creates_its_table_on_first_use(tmp_path: Any) -> None:
+    locker = Locker(f"sqlite:///{tmp_path / 'fresh.db'}")
+    with locker.lock("job") as lock:
+        assert lock.lock_id == 1
+    from sqllocker.migrations import current_revision, head_revision
+
+    assert current_revision(locker.engine) == head_revision()
+    locker.close()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://postgres@127.0.0.1:1/test",
+        "mysql://root@127.0.0.1:1/test",
+        "sqlite:////nonexistent-directory/for/sure/locks.db",
+    ],
+)
+def test_unreachable_database_raises_a_lock_error_chained_to_the_driver(url: str) -> None:
+    locker = Locker(url)
+    with pytest.raises(DatabaseError) as caught:
+        locker.lock("job")
+    assert isinstance(caught.value.__cause__, sa.exc.DBAPIError)
+    assert "127.0.0.1:1" in str(caught.value) or "nonexistent" in str(caught.value)
+    assert "check the URL" in str(caught.value)
+
+
+def test_unknown_url_or_engine_type_is_refused() -> None:
+    with pytest.raises(LockTypeError):
+        Locker(42)  # type: ignore[arg-type]
+
+
+ERRORS: list[Callable[[], LockError]] = [
+    lambda: LockError("plain", "job"),
+    lambda: LockBusy("job", holder={"host": "h", "pid": 7}, lock_id=3, waited=1.5),
+    lambda: LockLost("gone", "job", 9),
+    lambda: TableMissing("missing", "job"),
+    lambda: DatabaseError("down"),
+    lambda: LockValueError("bad", "job"),
+    lambda: LockTypeError("bad type"),
+]
+
+
+@pytest.mark.parametrize("make_error", ERRORS)
+def test_errors_pickle_with_their_attributes(make_error: Callable[[], LockError]) -> None:
+    error = make_error()
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is type(error)
+    assert str(copy) == str(error)
+    assert copy.__dict__ == error.__dict__
+    assert copy.lockstring == error.lockstring
+
+
+def test_errors_form_one_hierarchy() -> None:
+    for cls in (LockBusy, LockLost, TableMissing, DatabaseError, LockValueError, LockTypeError):
+        assert issubclass(cls, LockError)
+    assert issubclass(LockValueError, ValueError)
+    assert issubclass(LockTypeError, TypeError)

@@ -1,0 +1,303 @@
+"""The lock lifecycle on every backend, starting with DBIx::Locker's own t/basic.t, ported."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from sqllocker import Lock, LockBusy, Locker, LockLost
+from tests.conftest import abandon, count_rows
+
+# -- DBIx::Locker t/basic.t ---------------------------------------------------------------------
+
+
+def test_lock_returns_a_lock_with_lockstring_numeric_id_and_future_expiry(locker: Locker) -> None:
+    lock = locker.lock("Zombie Soup", expires=60)
+    assert isinstance(lock, Lock)
+    assert lock.lockstring == "Zombie Soup"
+    assert isinstance(lock.lock_id, int)
+    assert lock.lock_id > 0
+    assert lock.expires > lock.created
+    assert timedelta(seconds=59) < lock.expires - lock.created < timedelta(seconds=61)
+    lock.unlock()
+
+
+def test_second_lock_on_the_same_string_is_refused(locker: Locker) -> None:
+    with locker.lock("Zombie Soup"), pytest.raises(LockBusy):
+        locker.lock("Zombie Soup")
+
+
+def test_unlock_flips_is_locked_and_a_second_unlock_is_a_no_op(locker: Locker) -> None:
+    lock = locker.lock("Zombie Soup")
+    assert lock.is_locked
+    lock.unlock()
+    assert not lock.is_locked
+    lock.unlock()
+    assert count_rows(locker) == 0
+
+
+def test_relocking_after_unlock_gives_a_new_guid_and_a_higher_id(locker: Locker) -> None:
+    first = locker.lock("Zombie Soup")
+    first.unlock()
+    second = locker.lock("Zombie Soup")
+    assert second.guid != first.guid
+    assert second.lock_id > first.lock_id
+    second.unlock()
+
+
+def test_two_strings_at_once_get_distinct_ids(locker: Locker) -> None:
+    with locker.lock("Zombie Soup") as soup, locker.lock("Zombie Cola") as cola:
+        assert soup.lock_id != cola.lock_id
+
+
+def test_extend_updates_the_object_and_the_row(locker: Locker) -> None:
+    with locker.lock("Zombie Soup", expires=10) as lock:
+        before = lock.expires
+        new_expires = lock.extend(600)
+        assert new_expires == lock.expires
+        assert new_expires > before + timedelta(seconds=500)
+        (row,) = locker.locks()
+        assert row.expires == lock.expires
+
+
+def test_a_lock_nobody_keeps_is_released_at_once(locker: Locker) -> None:
+    # DBIx::Locker dies when lock() is called in void context; in Python the unkept Lock is
+    # garbage-collected, and its finaliser releases the row.
+    locker.lock("Zombie Soup")
+    gc.collect()
+    assert count_rows(locker) == 0
+    locker.lock("Zombie Soup", wait=0).unlock()
+
+
+# -- the rest of the contract ---------------------------------------------------------------------
+
+
+def test_with_block_releases_on_exit_and_when_the_body_raises(locker: Locker) -> None:
+    with locker.lock("job") as lock:
+        assert lock.is_locked
+    assert not lock.is_locked
+    assert count_rows(locker) == 0
+    with pytest.raises(ZeroDivisionError), locker.lock("job"):
+        1 / 0
+    assert count_rows(locker) == 0
+
+
+def test_try_lock_returns_none_instead_of_raising(locker: Locker) -> None:
+    with locker.lock("job"):
+        assert locker.try_lock("job") is None
+    lock = locker.try_lock("job")
+    assert lock is not None
+    lock.unlock()
+
+
+def test_busy_error_names_the_holder(locker: Locker) -> None:
+    with (
+        locker.lock("digest 42", locked_by={"job": "digest"}) as held,
+        pytest.raises(LockBusy) as caught,
+    ):
+        locker.lock("digest 42")
+    busy = caught.value
+    assert busy.lockstring == "digest 42"
+    assert busy.lock_id == held.lock_id
+    assert busy.holder is not None
+    assert busy.holder["job"] == "digest"
+    assert busy.pid == held.locked_by["pid"]
+    assert busy.host == held.locked_by["host"]
+    assert busy.created == held.created
+    assert busy.expires == held.expires
+    message = str(busy)
+    assert "digest 42" in message
+    assert f"{busy.host}:{busy.pid}" in message
+    assert "sqllocker release" in message
+
+
+def test_locked_by_has_the_standard_keys_and_the_callers(locker: Locker) -> None:
+    with locker.lock("job", locked_by={"job": "report", "n": [1, 2]}) as lock:
+        (row,) = locker.locks()
+    for key in ("host", "pid", "thread", "program", "user", "guid"):
+        assert key in row.locked_by
+    assert row.locked_by["guid"] == lock.guid
+    assert row.locked_by["thread"] == threading.current_thread().name
+    assert row.locked_by["job"] == "report"
+    assert row.locked_by["n"] == [1, 2]
+    assert row.locked_by == lock.locked_by
+
+
+def test_timestamps_are_aware_utc(locker: Locker) -> None:
+    with locker.lock("job", expires=30) as lock:
+        for value in (lock.created, lock.expires):
+            assert value.tzinfo is not None
+            assert value.utcoffset() == timedelta(0)
+        # The server clock and this machine's agree here (same host); within a minute is enough.
+        assert abs(lock.created - datetime.now(timezone.utc)) < timedelta(minutes=1)
+
+
+def test_wait_acquires_once_the_holder_releases(locker: Locker) -> None:
+    held = locker.lock("job")
+    threading.Timer(0.3, held.unlock).start()
+    started = time.monotonic()
+    with locker.lock("job", wait=10):
+        assert time.monotonic() - started >= 0.25
+
+
+def test_wait_none_waits_until_released(locker: Locker) -> None:
+    held = locker.lock("job")
+    threading.Timer(0.3, held.unlock).start()
+    with locker.lock("job", wait=None) as lock:
+        assert lock.is_locked
+
+
+def test_wait_gives_up_after_the_given_time(locker: Locker) -> None:
+    with locker.lock("job"):
+        started = time.monotonic()
+        with pytest.raises(LockBusy) as caught:
+            locker.lock("job", wait=0.3)
+        elapsed = time.monotonic() - started
+    assert caught.value.waited == 0.3
+    assert "waiting" in str(caught.value)
+    assert 0.25 <= elapsed < 5
+
+
+def test_expired_row_is_taken_over_at_acquire_time_with_a_higher_id(locker: Locker) -> None:
+    stale = locker.lock("job", expires=0.2)
+    time.sleep(0.4)
+    fresh = locker.lock("job")
+    assert fresh.lock_id > stale.lock_id
+    assert count_rows(locker) == 1
+    fresh.unlock()
+
+
+def test_takeover_waits_for_the_grace_period(make_locker: object) -> None:
+    locker = make_locker(grace=1.0)  # type: ignore[operator]
+    stale = locker.lock("job", expires=0.2)
+    time.sleep(0.4)
+    with pytest.raises(LockBusy):
+        locker.lock("job")  # expired, but not for `grace` seconds yet
+    fresh = locker.lock("job", wait=5)
+    assert fresh.lock_id > stale.lock_id
+    fresh.unlock()
+
+
+def test_waiter_takes_over_an_expired_row_without_a_purge(locker: Locker) -> None:
+    abandon(locker.lock("job", expires=0.5))  # a holder that died holding it
+    started = time.monotonic()
+    with locker.lock("job", wait=10):
+        assert 0.3 <= time.monotonic() - started < 5
+
+
+def test_stale_holder_cannot_unlock_the_new_holders_row(locker: Locker) -> None:
+    stale = locker.lock("job", expires=0.2)
+    time.sleep(0.4)
+    fresh = locker.lock("job")
+    with pytest.raises(LockLost) as caught:
+        stale.unlock()
+    assert caught.value.lockstring == "job"
+    assert caught.value.lock_id == stale.lock_id
+    assert not stale.is_locked
+    (row,) = locker.locks()
+    assert (row.lock_id, row.guid) == (fresh.lock_id, fresh.guid)
+    fresh.unlock()
+
+
+def test_stale_holder_cannot_extend_the_new_holders_row(locker: Locker) -> None:
+    stale = locker.lock("job", expires=0.2)
+    time.sleep(0.4)
+    fresh = locker.lock("job", expires=60)
+    with pytest.raises(LockLost):
+        stale.extend(3600)
+    (row,) = locker.locks()
+    assert row.expires == fresh.expires
+    fresh.unlock()
+
+
+def test_extend_never_revives_an_expired_lock(locker: Locker) -> None:
+    lock = locker.lock("job", expires=0.2)
+    time.sleep(0.4)
+    (before,) = locker.locks()
+    assert before.expired
+    with pytest.raises(LockLost):
+        lock.extend(60)
+    assert not lock.is_locked
+    (after,) = locker.locks()
+    assert after.expires == before.expires
+
+
+def test_stale_holder_after_purge_and_reacquire_cannot_release(locker: Locker) -> None:
+    # DBIx::Locker's bug: delete-by-id plus SQLite rowid reuse deleted the next holder's lock.
+    stale = locker.lock("job", expires=0.2)
+    time.sleep(0.4)
+    assert locker.purge_expired_locks() == 1
+    fresh = locker.lock("job")
+    assert fresh.lock_id != stale.lock_id
+    with pytest.raises(LockLost):
+        stale.unlock()
+    assert [row.lock_id for row in locker.locks()] == [fresh.lock_id]
+    fresh.unlock()
+
+
+def test_ids_are_never_reused_after_the_highest_row_is_deleted(locker: Locker) -> None:
+    seen = []
+    for _ in range(5):
+        lock = locker.lock("job")
+        seen.append(lock.lock_id)
+        lock.unlock()  # the highest row is deleted each time
+    assert seen == sorted(set(seen))
+
+
+def test_purge_deletes_exactly_the_expired_rows(locker: Locker) -> None:
+    live = [locker.lock(f"live {n}", expires=600) for n in range(5)]
+    dead = [locker.lock(f"dead {n}", expires=0.2) for n in range(7)]
+    for lock in dead:
+        abandon(lock)
+    time.sleep(0.4)
+    assert locker.purge_expired_locks(batch_size=3) == 7
+    assert sorted(row.lock_id for row in locker.locks()) == sorted(lock.lock_id for lock in live)
+    assert locker.purge_expired_locks() == 0
+    for lock in live:
+        lock.unlock()
+
+
+def test_locks_lists_rows_with_their_expired_flag(locker: Locker) -> None:
+    live = locker.lock("b live", expires=600)
+    dead = locker.lock("a dead", expires=0.2)
+    time.sleep(0.4)
+    rows = locker.locks()
+    assert [(row.lockstring, row.expired) for row in rows] == [("a dead", True), ("b live", False)]
+    assert rows[1].lock_id == live.lock_id
+    live.unlock()
+    with pytest.raises(LockLost):
+        dead.extend()
+
+
+def test_body_exception_survives_a_failing_release(locker: Locker) -> None:
+    lock = locker.lock("job", expires=0.2)
+    time.sleep(0.4)
+    locker.lock("job").unlock()  # take over and release: our row is gone
+    with pytest.raises(LockLost) as caught, lock:
+        raise KeyError("the body's own error")
+    assert isinstance(caught.value.__cause__, KeyError)
+
+
+def test_lock_is_visible_at_once_and_survives_the_callers_rollback(
+    url: str, table_name: str, make_locker: object
+) -> None:
+    import sqlalchemy as sa
+
+    from sqllocker.engine import resolve_url
+
+    engine = sa.create_engine(resolve_url(url))
+    locker = Locker(engine, table=table_name, grace=0)
+    other = make_locker()  # type: ignore[operator]
+    with engine.connect() as conn:
+        transaction = conn.begin()
+        conn.execute(sa.select(1))
+        lock = locker.lock("job")
+        assert other.try_lock("job") is None  # visible to others at once
+        transaction.rollback()
+    assert other.try_lock("job") is None  # survived the caller's rollback
+    lock.unlock()
+    engine.dispose()
