@@ -1,0 +1,147 @@
+"""Fork safety, and independence from the client's clock and time zone."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+import time_machine
+
+from sqllocker import Locker
+from sqllocker.engine import resolve_url
+from tests.conftest import abandon
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_in_child(body: Callable[[], None]) -> int:
+    """Fork; run ``body`` in the child; return the child's exit code (0 if body returned)."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        code = 1
+        try:
+            body()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def test_child_after_fork_never_releases_the_parents_lock(
+    locker: Locker, caplog: pytest.LogCaptureFixture
+) -> None:
+    lock = locker.lock("parent's")
+
+    def child() -> None:
+        lock.__exit__(None, None, None)  # the child leaving the parent's `with` block
+        lock._finalizer()  # what garbage collection or interpreter exit would run
+        gc.collect()
+        # The child's engine works, on connections of its own.
+        with locker.lock("child's own"):
+            pass
+        locker.engine.dispose()  # closes the child's pool, not the parent's sockets
+
+    assert run_in_child(child) == 0
+    assert lock.is_locked
+    assert [row.lockstring for row in locker.locks()] == ["parent's"]  # parent's pool still works
+    lock.unlock()
+    assert locker.locks() == []
+    # Had the child used (and closed) the parent's pooled connection, the parent would have had
+    # to reconnect.
+    assert not [r for r in caplog.records if "connection was lost" in r.getMessage()]
+
+
+# -- client clocks and time zones ----------------------------------------------------------------
+
+
+@pytest.fixture
+def far_east_locker(url: str, table_name: str, make_locker: Any) -> Iterator[Locker]:
+    """A locker on the caller's own engine whose process and database session both think they
+    are at UTC+14 (Pacific/Kiritimati), while the holders run at UTC-5."""
+    make_locker()  # creates the table
+    options: dict[str, Any] = {}
+    backend = resolve_url(url).get_backend_name()
+    if backend == "postgresql":
+        options["connect_args"] = {"options": "-c timezone=Pacific/Kiritimati"}
+    engine = sa.create_engine(resolve_url(url), **options)
+    if backend == "mysql":
+        sa.event.listen(
+            engine,
+            "connect",
+            lambda dbapi_connection, _: dbapi_connection.cursor().execute(
+                "SET time_zone = '+13:00'"  # MariaDB's furthest east
+            ),
+        )
+    old_tz = os.environ.get("TZ")
+    os.environ["TZ"] = "Pacific/Kiritimati"
+    time.tzset()
+    try:
+        yield Locker(engine, table=table_name, grace=0)
+    finally:
+        if old_tz is None:
+            del os.environ["TZ"]
+        else:
+            os.environ["TZ"] = old_tz
+        time.tzset()
+        engine.dispose()
+
+
+def hold_in_other_time_zone(url: str, table: str, lockstring: str, expires: float) -> None:
+    """A holder process at UTC-5 that takes ``lockstring`` and exits without releasing it."""
+    code = (
+        "import os, sys; from sqllocker import Locker\n"
+        f"lock = Locker({url!r}, table={table!r}).lock({lockstring!r}, expires={expires})\n"
+        "sys.stdout.flush(); os._exit(0)  # die holding it\n"
+    )
+    env = dict(os.environ, TZ="America/New_York", PGTZ="America/New_York")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, check=True, timeout=60)
+
+
+def test_other_time_zone_neither_takes_over_nor_purges_a_live_lock(
+    url: str, table_name: str, far_east_locker: Locker
+) -> None:
+    hold_in_other_time_zone(url, table_name, "report", expires=60)
+    assert far_east_locker.try_lock("report") is None
+    assert far_east_locker.purge_expired_locks() == 0
+    (row,) = far_east_locker.locks()
+    assert not row.expired
+    remaining = row.expires - datetime.now(timezone.utc)
+    assert timedelta(seconds=50) < remaining < timedelta(seconds=61)
+
+
+def test_other_time_zone_takes_over_an_expired_lock_on_time(
+    url: str, table_name: str, far_east_locker: Locker
+) -> None:
+    hold_in_other_time_zone(url, table_name, "report", expires=0.5)
+    time.sleep(0.7)
+    with far_east_locker.lock("report") as lock:
+        assert lock.is_locked
+
+
+@pytest.mark.parametrize("skew", [timedelta(minutes=10), timedelta(minutes=-10)])
+def test_client_clock_skew_changes_nothing(locker: Locker, skew: timedelta) -> None:
+    live = locker.lock("live", expires=60)
+    dying = abandon(locker.lock("dying", expires=0.3))
+    real_now = datetime.now(timezone.utc)
+    with time_machine.travel(real_now + skew, tick=True):
+        assert abs(datetime.now(timezone.utc) - real_now - skew) < timedelta(seconds=5)
+        assert abs(time.time() - real_now.timestamp() - skew.total_seconds()) < 5
+        # No early takeover, no live row purged.
+        assert locker.try_lock("live") is None
+        assert locker.purge_expired_locks() == 0
+        assert "live" in [row.lockstring for row in locker.locks() if not row.expired]
+        # And an expired row is still taken over on time.
+        time.sleep(0.5)
+        taken = locker.lock("dying", wait=2)
+        assert taken.lock_id > dying.lock_id
+        taken.unlock()
+    live.unlock()
