@@ -72,6 +72,22 @@ class Backend:
             return round(seconds * 1_000_000)
         return seconds
 
+    def matches_glob(self, column: ColumnElement[str]) -> ColumnElement[bool]:
+        """``column`` matches the bound ``pattern`` (see :meth:`glob_value`), case-sensitively."""
+        pattern = sa.bindparam("pattern", type_=sa.String())
+        if self.name == "sqlite":
+            # SQLite's LIKE ignores ASCII case; GLOB does not, and is a glob already.
+            return column.op("GLOB")(pattern)
+        return column.like(pattern, escape="\\")
+
+    def glob_value(self, pattern: str) -> str:
+        """A shell-style pattern (``*`` and ``?`` are the wildcards) as :meth:`matches_glob`
+        wants it; every other character, SQL's own wildcards included, matches only itself."""
+        if self.name == "sqlite":
+            return pattern.replace("[", "[[]")
+        escaped = pattern.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+        return escaped.replace("*", "%").replace("?", "_")
+
     # -- errors -------------------------------------------------------------------------------
 
     def is_unique_violation(self, error: sa.exc.DBAPIError) -> bool:

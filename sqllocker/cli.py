@@ -1,5 +1,367 @@
-"""Placeholder replaced in the CLI step."""
+"""The ``sqllocker`` command: cron's purge job, running commands under a lock, and inspection.
+
+Every command works on the embedded SQLite default with no set-up, and on a server given
+``--url`` or ``$SQLLOCKER_URL``. Errors are one line on stderr and exit 1; usage errors exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+import click
+
+from . import __version__
+from .engine import URL_ENVIRONMENT_VARIABLE, describe_url
+from .errors import LockError, describe_holder
+from .locker import DEFAULT_PURGE_BATCH, Locker, LockInfo
+from .runner import EXIT_LOCK_LOST, RunOptions, run_locked
+from .schema import DEFAULT_TABLE
+
+CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "show_default": True}
 
 
-def main() -> None:
-    pass
+class _Settings:
+    def __init__(self, url: str | None, table: str) -> None:
+        self.url = url
+        self.table = table
+        self._locker: Locker | None = None
+
+    def locker(self, **options: Any) -> Locker:
+        if self._locker is None:
+            self._locker = Locker(self.url, table=self.table, **options)
+        return self._locker
+
+
+pass_settings = click.make_pass_decorator(_Settings)
+
+
+@click.group(context_settings=CONTEXT_SETTINGS)
+@click.option(
+    "--url",
+    envvar=URL_ENVIRONMENT_VARIABLE,
+    show_envvar=True,
+    help="Database URL (postgres://, mysql://, sqlite:///PATH) [default: sqlite:///sqllocker.db]",
+)
+@click.option(
+    "--table",
+    default=DEFAULT_TABLE,
+    envvar="SQLLOCKER_TABLE",
+    show_envvar=True,
+    help="Name of the lock table.",
+)
+@click.version_option(__version__, "--version", prog_name="sqllocker")
+@click.pass_context
+def cli(context: click.Context, url: str | None, table: str) -> None:
+    """Distributed locks kept as rows in an SQL table."""
+    logging.basicConfig(level=logging.WARNING, format="sqllocker: %(message)s")
+    context.obj = _Settings(url or None, table)
+
+
+# -- purge-expired --------------------------------------------------------------------------------
+
+
+@cli.command("purge-expired")
+@click.option(
+    "--batch-size",
+    type=click.IntRange(min=1),
+    default=DEFAULT_PURGE_BATCH,
+    help="Rows deleted per transaction.",
+)
+@click.option(
+    "--grace",
+    type=click.FloatRange(min=0),
+    default=1.0,
+    help="Leave rows that expired less than this many seconds ago.",
+)
+@click.option("--dry-run", is_flag=True, help="Print what would be purged; delete nothing.")
+@click.option("--json", "as_json", is_flag=True, help='Print {"purged": N} (or what would go).')
+@click.option("-v", "--verbose", is_flag=True, help="Print how many rows were purged.")
+@pass_settings
+def purge_expired(
+    settings: _Settings, batch_size: int, grace: float, dry_run: bool, as_json: bool, verbose: bool
+) -> None:
+    """Delete expired locks, in batches: the job to run from cron.
+
+    Only rows expired by the database server's clock are deleted; a live lock is never touched,
+    whatever this machine's clock or time zone says. Prints nothing on success unless asked.
+    """
+    locker = settings.locker(grace=grace)
+    if dry_run:
+        doomed = locker.expired_locks()
+        if as_json:
+            _print_json({"would_purge": len(doomed), "locks": [_info_json(i) for i in doomed]})
+        else:
+            for info in doomed:
+                click.echo(
+                    f"would purge {info.lockstring!r} (id {info.lock_id}), "
+                    f"expired {_when(info.expires)}, held by {describe_holder(info.locked_by)}"
+                )
+            click.echo(f"{len(doomed)} expired lock(s) would be purged")
+        return
+    purged = locker.purge_expired_locks(batch_size=batch_size)
+    if as_json:
+        _print_json({"purged": purged})
+    elif verbose:
+        click.echo(f"purged {purged} expired lock(s)")
+
+
+# -- list / show ----------------------------------------------------------------------------------
+
+
+@cli.command("list")
+@click.argument("pattern", required=False)
+@click.option("--json", "as_json", is_flag=True, help="A JSON array of objects.")
+@click.option("--expired", "expired_only", is_flag=True, help="Only expired (not yet purged) rows.")
+@pass_settings
+def list_locks(settings: _Settings, pattern: str | None, as_json: bool, expired_only: bool) -> None:
+    """List locks, optionally those matching PATTERN (a glob: * and ? are wildcards)."""
+    infos = settings.locker().locks(pattern)
+    if expired_only:
+        infos = [info for info in infos if info.expired]
+    if as_json:
+        _print_json([_info_json(info) for info in infos])
+        return
+    header = ("LOCKSTRING", "ID", "HOLDER", "PROGRAM", "CREATED", "EXPIRES", "LEFT")
+    rows = [
+        (
+            info.lockstring,
+            str(info.lock_id),
+            f"{info.locked_by.get('host', '?')}:{info.locked_by.get('pid', '?')}",
+            str(info.locked_by.get("program", "")),
+            _when(info.created),
+            _when(info.expires),
+            "expired" if info.expired else _duration(info.seconds_left),
+        )
+        for info in infos
+    ]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        click.echo(
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        )
+
+
+@cli.command()
+@click.argument("lockstring")
+@click.option("--json", "as_json", is_flag=True, help="A JSON object.")
+@pass_settings
+def show(settings: _Settings, lockstring: str, as_json: bool) -> None:
+    """Show one lock in detail; exit 1 if nobody holds LOCKSTRING."""
+    info = settings.locker().lock_info(lockstring)
+    if info is None:
+        if as_json:
+            _print_json(None)
+        else:
+            click.echo(f"sqllocker: lock {lockstring!r} is not held", err=True)
+        sys.exit(1)
+    if as_json:
+        _print_json(_info_json(info))
+        return
+    state = "expired" if info.expired else f"held, {_duration(info.seconds_left)} left"
+    click.echo(f"lockstring: {info.lockstring}")
+    click.echo(f"lock id:    {info.lock_id}")
+    click.echo(f"state:      {state}")
+    click.echo(f"holder:     {describe_holder(info.locked_by)}")
+    click.echo(f"created:    {_when(info.created)}")
+    click.echo(f"expires:    {_when(info.expires)}")
+    for key, value in sorted(info.locked_by.items()):
+        click.echo(f"  {key}: {json.dumps(value) if not isinstance(value, str) else value}")
+
+
+# -- release --------------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.argument("lockstring")
+@click.option("--force", is_flag=True, help="Required: you know the holder is dead.")
+@click.option("--id", "lock_id", type=int, help="Break only this acquisition (lock id).")
+@pass_settings
+def release(settings: _Settings, lockstring: str, force: bool, lock_id: int | None) -> None:
+    """Break LOCKSTRING's lock, whoever holds it (for holders known to be dead).
+
+    The holder is not told until it next extends or releases, when it gets LockLost; meanwhile
+    someone else may take the lock. Prefer waiting for the lock to expire.
+    """
+    if not force:
+        raise click.UsageError(
+            f"refusing to break lock {lockstring!r} without --force: its holder may be alive"
+        )
+    broken = settings.locker().break_lock(lockstring, lock_id=lock_id)
+    if broken is None:
+        which = f" with id {lock_id}" if lock_id is not None else ""
+        click.echo(f"sqllocker: lock {lockstring!r}{which} is not held", err=True)
+        sys.exit(1)
+    click.echo(
+        f"broke lock {lockstring!r} (id {broken.lock_id}) "
+        f"held by {describe_holder(broken.locked_by)}"
+    )
+
+
+# -- run ------------------------------------------------------------------------------------------
+
+
+@cli.command(context_settings={"ignore_unknown_options": False})
+@click.argument("lockstring")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.option(
+    "-n", "--nonblock", is_flag=True, help="Fail at once if the lock is held (the default)."
+)
+@click.option(
+    "-w",
+    "--wait",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Wait up to SECONDS for the lock instead.",
+)
+@click.option(
+    "-E",
+    "--conflict-exit-code",
+    type=click.IntRange(0, 255),
+    default=1,
+    help="Exit status when the lock is held by someone else.",
+)
+@click.option(
+    "--expires",
+    type=click.FloatRange(min=0, min_open=True),
+    default=60.0,
+    help="Expiry period; renewed every third of it while the command runs.",
+)
+@click.option("-q", "--quiet", is_flag=True, help="Say nothing when the lock is held.")
+@click.option(
+    "--kill-on-lost",
+    is_flag=True,
+    help="Stop the command (SIGTERM) if the lock is lost while it runs.",
+)
+@pass_settings
+def run(
+    settings: _Settings,
+    lockstring: str,
+    command: Sequence[str],
+    nonblock: bool,
+    wait: float | None,
+    conflict_exit_code: int,
+    expires: float,
+    quiet: bool,
+    kill_on_lost: bool,
+) -> None:
+    """Run COMMAND while holding LOCKSTRING, like flock(1) across machines.
+
+    \b
+    sqllocker run "nightly report" -- ./report.sh --full
+
+    Unlike flock(1), which waits by default, this fails at once if the lock is held (as the
+    library's lock() does); -w waits. The lock is renewed for as long as COMMAND runs, so
+    --expires only bounds how long a crashed sqllocker keeps others out. COMMAND's exit status
+    is returned (128+N if it died of signal N); INT, TERM, HUP and QUIT are passed on to it; the
+    lock is released when it ends. If the lock is lost while it runs, that is said on stderr and
+    the exit status is 75 unless COMMAND itself failed. COMMAND sees the lock's fencing token in
+    $SQLLOCKER_LOCK_ID.
+    """
+    if nonblock and wait is not None:
+        raise click.UsageError("--nonblock and --wait contradict each other")
+    options = RunOptions(
+        wait=0 if wait is None else wait,
+        expires=expires,
+        conflict_exit_code=conflict_exit_code,
+        quiet=quiet,
+        kill_on_lost=kill_on_lost,
+    )
+    sys.exit(run_locked(settings.locker(), lockstring, command, options))
+
+
+# -- migrate --------------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.option(
+    "--sql",
+    "print_sql",
+    is_flag=True,
+    help="Print the DDL instead of applying it (for DBAs who apply it themselves).",
+)
+@click.option("--check", is_flag=True, help="Exit 1 if the database is behind; change nothing.")
+@pass_settings
+def migrate(settings: _Settings, print_sql: bool, check: bool) -> None:
+    """Create or upgrade the lock table (and its `<table>_held` view)."""
+    from . import migrations
+
+    locker = settings.locker(auto_create=False)
+    if print_sql:
+        click.echo(migrations.upgrade_sql(locker.url, locker.table_name), nl=False)
+        return
+    try:
+        current = migrations.current_revision(locker.engine, locker.table_name)
+        if check:
+            head = migrations.head_revision()
+            if current != head:
+                click.echo(
+                    f"sqllocker: {locker.table_name!r} in {describe_url(locker.url)} is at "
+                    f"revision {current or 'none'}, behind {head}; run `sqllocker migrate`",
+                    err=True,
+                )
+                sys.exit(1)
+            click.echo(f"{locker.table_name} is up to date (revision {head})")
+            return
+        migrations.upgrade(locker.engine, locker.table_name)
+    except LockError:
+        raise
+    except Exception as error:  # alembic and the driver: one line, not a traceback
+        raise LockError(f"migration of {describe_url(locker.url)} failed: {error}") from error
+    head = migrations.head_revision()
+    if current != head:
+        click.echo(f"migrated {locker.table_name} from {current or 'nothing'} to revision {head}")
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+
+def _when(moment: datetime) -> str:
+    return moment.strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, seconds = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{minutes}m{seconds:02d}s"
+
+
+def _info_json(info: LockInfo) -> dict[str, Any]:
+    return {
+        "lockstring": info.lockstring,
+        "lock_id": info.lock_id,
+        "created": info.created.isoformat(),
+        "expires": info.expires.isoformat(),
+        "expired": info.expired,
+        "seconds_left": round(info.seconds_left, 3),
+        "locked_by": info.locked_by,
+    }
+
+
+def _print_json(value: object) -> None:
+    click.echo(json.dumps(value, indent=2, sort_keys=True))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """The console script: LockErrors become one line on stderr and exit status 1."""
+    try:
+        cli.main(args=argv, prog_name="sqllocker", standalone_mode=False)
+    except click.exceptions.Exit as done:
+        sys.exit(done.exit_code)
+    except click.ClickException as error:
+        error.show()
+        sys.exit(error.exit_code)
+    except click.exceptions.Abort:
+        click.echo("sqllocker: aborted", err=True)
+        sys.exit(130)
+    except LockError as error:
+        click.echo(f"sqllocker: error: {error}", err=True)
+        sys.exit(1)
+
+
+__all__ = ["EXIT_LOCK_LOST", "cli", "main"]

@@ -101,6 +101,11 @@ class DatabaseError(LockError):
     """The database could not be reached, or failed; the driver's error is the ``__cause__``."""
 
 
+def one_line(text: object) -> str:
+    """A driver's message folded onto one line, for one-line errors and logs."""
+    return " ".join(str(text).split())
+
+
 def describe_holder(holder: Mapping[str, Any] | None) -> str:
     """One phrase naming the holder of a lock, for operators: ``host:pid (program, user)``."""
     if not holder:
@@ -128,7 +133,7 @@ def _busy_message(lockstring: str, busy: LockBusy) -> str:
     if busy.waited:
         message += f"; gave up after waiting {busy.waited:.3g}s"
     return (
-        message + "; wait for it (wait=SECONDS), or, if that holder is dead, break it with "
+        message + "; wait for it, or, if that holder is dead, break it with "
         f"`sqllocker release {_shell_quote(lockstring)} --force`"
     )
 

@@ -22,7 +22,16 @@ from sqlalchemy.engine import URL, Connection, Engine
 from . import validation
 from .backends import Backend, backend_for
 from .engine import create_locker_engine, describe_url, resolve_url
-from .errors import DatabaseError, LockBusy, LockError, LockLost, LockTypeError, TableMissing
+from .errors import (
+    DatabaseError,
+    LockBusy,
+    LockError,
+    LockLost,
+    LockTypeError,
+    TableMissing,
+    describe_holder,
+    one_line,
+)
 from .identity import holder_details
 from .lock import Lock
 from .schema import DEFAULT_TABLE, lock_table, to_utc
@@ -52,6 +61,20 @@ class LockInfo:
     expires: datetime
     locked_by: dict[str, Any]
     expired: bool
+    seconds_left: float  # until expiry by the server's clock; negative once expired
+
+
+def _lock_info(row: Any) -> LockInfo:
+    return LockInfo(
+        lock_id=row.id,
+        lockstring=row.lockstring,
+        guid=row.guid,
+        created=row.created,
+        expires=row.expires,
+        locked_by=row.locked_by,
+        expired=bool(row.expired),
+        seconds_left=(row.expires - to_utc(row.server_now)).total_seconds(),
+    )
 
 
 @dataclass(frozen=True)
@@ -196,25 +219,71 @@ class Locker:
             logger.info("purged %d expired lock(s) from %s", total, self.table_name)
         return total
 
-    def locks(self) -> list[LockInfo]:
-        """Every row of the table, live and expired, ordered by lockstring."""
+    def locks(self, pattern: str | None = None) -> list[LockInfo]:
+        """Every row of the table, live and expired, ordered by lockstring; with ``pattern``, only
+        lockstrings matching that shell-style glob (``*`` and ``?``; case-sensitive)."""
+        if pattern is not None and not isinstance(pattern, str):
+            raise LockTypeError(f"pattern must be a str, not {type(pattern).__name__}")
 
         def read(conn: Connection) -> list[LockInfo]:
-            rows = conn.execute(self._sql.list_locks).all()
-            return [
-                LockInfo(
-                    lock_id=row.id,
-                    lockstring=row.lockstring,
-                    guid=row.guid,
-                    created=row.created,
-                    expires=row.expires,
-                    locked_by=row.locked_by,
-                    expired=bool(row.expired),
-                )
-                for row in rows
-            ]
+            if pattern is None:
+                rows = conn.execute(self._sql.list_locks())
+            else:
+                glob = self._be.glob_value(pattern)
+                rows = conn.execute(self._sql.list_locks(pattern=True), {"pattern": glob})
+            return [_lock_info(row) for row in rows]
 
         return self._run(None, read)
+
+    def lock_info(self, lockstring: str) -> LockInfo | None:
+        """The row of ``lockstring``, live or expired, or None if there is none."""
+        lockstring = validation.check_lockstring(lockstring)
+
+        def read(conn: Connection) -> LockInfo | None:
+            row = conn.execute(self._sql.holder, {"ls": lockstring}).first()
+            return None if row is None else _lock_info(row)
+
+        return self._run(lockstring, read)
+
+    def expired_locks(self) -> list[LockInfo]:
+        """The rows purge_expired_locks() would delete now (expired for longer than grace)."""
+
+        def read(conn: Connection) -> list[LockInfo]:
+            params = {"minus_grace": self._be.seconds_value(-self.grace)}
+            return [_lock_info(row) for row in conn.execute(self._sql.purgeable, params)]
+
+        return self._run(None, read)
+
+    def break_lock(self, lockstring: str, lock_id: int | None = None) -> LockInfo | None:
+        """Delete ``lockstring``'s row whoever holds it (an operator's tool for dead holders).
+
+        With ``lock_id``, only that exact acquisition is broken. Returns the row that was deleted,
+        or None if there was none (or it had another id). The holder finds out at its next
+        extend or unlock, which raise LockLost.
+        """
+        lockstring = validation.check_lockstring(lockstring)
+
+        def delete(conn: Connection) -> LockInfo | None:
+            def statements() -> LockInfo | None:
+                row = conn.execute(self._sql.holder, {"ls": lockstring}).first()
+                if row is None or (lock_id is not None and row.id != lock_id):
+                    return None
+                params = {"ls": lockstring, "lock_id": row.id}
+                deleted = conn.execute(self._sql.break_lock, params).rowcount
+                return _lock_info(row) if deleted else None
+
+            return self._write(conn, statements)
+
+        broken = self._run(lockstring, delete)
+        if broken is not None:
+            logger.warning(
+                "broke lock %r (id %d) held by %s, on behalf of %s",
+                lockstring,
+                broken.lock_id,
+                describe_holder(broken.locked_by),
+                describe_holder(holder_details("-", {})),
+            )
+        return broken
 
     def create_table(self) -> None:
         """Create or upgrade the table by applying the shipped migrations; safe to repeat."""
@@ -349,7 +418,7 @@ class Locker:
                 created=row.created,
                 expires=row.expires,
             )
-            return _Refused(busy, to_utc(row.server_now))
+            return _Refused(busy, row.server_now)
 
         try:
             return self._write(conn, statements)
@@ -428,7 +497,7 @@ class Locker:
                 raise DatabaseError(
                     f"database error on {describe_url(self.url)}"
                     + (f" for lock {lockstring!r}" if lockstring is not None else "")
-                    + f": {error.orig}",
+                    + f": {one_line(error.orig)}",
                     lockstring,
                 ) from error
 
@@ -438,8 +507,8 @@ class Locker:
             conn = self.engine.connect()
         except sa.exc.DBAPIError as error:
             raise DatabaseError(
-                f"cannot connect to {describe_url(self.url)}: {error.orig}; check the URL "
-                "(--url or $SQLLOCKER_URL) and that the server is running"
+                f"cannot connect to {describe_url(self.url)}: {one_line(error.orig)}; check the "
+                "URL (--url or $SQLLOCKER_URL) and that the server is running"
             ) from error
         with conn:
             if self._backend is None:

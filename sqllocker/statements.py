@@ -79,12 +79,45 @@ class Statements:
         )
 
     @cached_property
-    def holder(self) -> Select[Any]:
-        """Who holds a lockstring, to tell a caller that was refused, and the server's time then."""
+    def _rows(self) -> Select[Any]:
+        """Whole rows, with whether each has expired and the server's time, both by its clock."""
         c = self.table.c
         return sa.select(
-            c.id, c.guid, c.created, c.expires, c.locked_by, self._now.label("server_now")
-        ).where(c.lockstring == sa.bindparam("ls", type_=c.lockstring.type))
+            c.id,
+            c.lockstring,
+            c.guid,
+            c.created,
+            c.expires,
+            c.locked_by,
+            sa.case((c.expires <= self._now, True), else_=False).label("expired"),
+            self._now.label("server_now"),
+        )
+
+    @cached_property
+    def holder(self) -> Select[Any]:
+        """The row of one lockstring: who holds it, for a refused caller or an operator."""
+        c = self.table.c
+        return self._rows.where(c.lockstring == sa.bindparam("ls", type_=c.lockstring.type))
+
+    def list_locks(self, pattern: bool = False) -> Select[Any]:
+        """Every row, or those whose lockstring matches the bound shell-style ``pattern``
+        (converted by ``Backend.glob_value``)."""
+        rows = self._rows.order_by(self.table.c.lockstring)
+        return rows.where(self.backend.matches_glob(self.table.c.lockstring)) if pattern else rows
+
+    @cached_property
+    def purgeable(self) -> Select[Any]:
+        """The rows a purge would delete now: expired beyond grace."""
+        return self._rows.where(self._expired_beyond_grace).order_by(self.table.c.expires)
+
+    @cached_property
+    def break_lock(self) -> Delete:
+        """An operator's forced release of one acquisition, named by lockstring and id."""
+        c = self.table.c
+        return sa.delete(self.table).where(
+            c.lockstring == sa.bindparam("ls", type_=c.lockstring.type),
+            c.id == sa.bindparam("lock_id"),
+        )
 
     @cached_property
     def times_of(self) -> Select[Any]:
@@ -139,17 +172,3 @@ class Statements:
             )
         expired_ids = sa.select(c.id).where(self._expired_beyond_grace).limit(batch_size)
         return sa.delete(self.table).where(c.id.in_(expired_ids), self._expired_beyond_grace)
-
-    @cached_property
-    def list_locks(self) -> Select[Any]:
-        """Every row, with whether it has expired by the server's clock."""
-        c = self.table.c
-        return sa.select(
-            c.id,
-            c.lockstring,
-            c.guid,
-            c.created,
-            c.expires,
-            c.locked_by,
-            sa.case((c.expires <= self._now, True), else_=False).label("expired"),
-        ).order_by(c.lockstring)

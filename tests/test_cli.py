@@ -1,0 +1,438 @@
+"""The real ``sqllocker`` console script, run in subprocesses, on every backend."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from sqllocker import Locker
+from sqllocker.engine import resolve_url
+from tests.conftest import abandon
+
+SQLLOCKER = str(Path(sys.executable).parent / "sqllocker")
+Run = Callable[..., subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture
+def sqllocker(url: str, table_name: str, tmp_path: Path) -> Run:
+    """Run the console script against this test's database and table."""
+
+    def run(
+        *args: str, timeout: float = 120, **options: object
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [SQLLOCKER, "--url", url, "--table", table_name, *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=tmp_path,
+            **options,  # type: ignore[call-overload]
+        )
+
+    return run
+
+
+@pytest.fixture
+def migrated(sqllocker: Run, url: str, table_name: str) -> Locker:
+    result = sqllocker("migrate")
+    assert result.returncode == 0, result.stderr
+    return Locker(url, table=table_name, grace=0)
+
+
+def popen(url: str, table: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [SQLLOCKER, "--url", url, "--table", table, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+# -- help and version -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "command", [[], ["purge-expired"], ["list"], ["show"], ["release"], ["run"], ["migrate"]]
+)
+def test_every_command_has_help(command: list[str]) -> None:
+    result = subprocess.run([SQLLOCKER, *command, "--help"], capture_output=True, text=True)
+    assert result.returncode == 0
+    assert "Usage: sqllocker" in result.stdout
+    if not command:
+        assert "SQLLOCKER_URL" in result.stdout  # the variable shows in --help
+
+
+def test_version() -> None:
+    from sqllocker import __version__
+
+    result = subprocess.run([SQLLOCKER, "--version"], capture_output=True, text=True)
+    assert result.returncode == 0
+    assert __version__ in result.stdout
+
+
+def test_run_help_says_it_does_not_wait_by_default() -> None:
+    result = subprocess.run([SQLLOCKER, "run", "--help"], capture_output=True, text=True)
+    assert "Unlike flock(1), which waits by default" in " ".join(result.stdout.split())
+
+
+def test_usage_errors_exit_2(sqllocker: Run) -> None:
+    for args in (["no-such-command"], ["run", "x"], ["purge-expired", "--batch-size", "0"]):
+        result = sqllocker(*args)
+        assert result.returncode == 2, args
+        assert "Traceback" not in result.stderr
+
+
+# -- migrate --------------------------------------------------------------------------------------
+
+
+def test_migrate_check_apply_and_sql(sqllocker: Run, url: str, table_name: str) -> None:
+    behind = sqllocker("migrate", "--check")
+    assert behind.returncode == 1
+    assert "sqllocker migrate" in behind.stderr
+    applied = sqllocker("migrate")
+    assert applied.returncode == 0, applied.stderr
+    assert "migrated" in applied.stdout
+    assert sqllocker("migrate").returncode == 0  # again: nothing to do
+    assert sqllocker("migrate", "--check").returncode == 0
+    ddl = sqllocker("migrate", "--sql")
+    assert ddl.returncode == 0
+    assert f"CREATE TABLE {table_name}" in ddl.stdout
+    assert f"CREATE VIEW {table_name}_held" in ddl.stdout
+
+
+def test_missing_table_is_a_one_line_error_naming_migrate(sqllocker: Run, backend: str) -> None:
+    for args in (["list"], ["purge-expired"], ["run", "job", "--", "true"]):
+        result = sqllocker(*args)
+        if backend == "sqlite":  # SQLite, the zero-set-up default, creates its table on first use
+            assert result.returncode == 0, result.stderr
+            continue
+        assert result.returncode == 1, args
+        assert "sqllocker migrate" in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+        assert "Traceback" not in result.stderr
+
+
+def test_unreachable_database_is_a_one_line_error() -> None:
+    result = subprocess.run(
+        [SQLLOCKER, "--url", "postgres://postgres@127.0.0.1:1/x", "purge-expired"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "cannot connect" in result.stderr
+
+
+def test_sqlite_default_needs_no_set_up(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "SQLLOCKER_URL"}
+    result = subprocess.run(
+        [SQLLOCKER, "run", "nightly report", "--", "echo", "ran"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "ran\n"
+    assert (tmp_path / "sqllocker.db").exists()
+
+
+# -- list / show ----------------------------------------------------------------------------------
+
+
+def test_list_and_show_in_text_and_json(sqllocker: Run, migrated: Locker) -> None:
+    live = migrated.lock("report 1", expires=600, locked_by={"job": "report"})
+    other = migrated.lock("digest", expires=600)
+    dead = abandon(migrated.lock("report 2", expires=0.2))
+    time.sleep(0.4)
+
+    table = sqllocker("list")
+    assert table.returncode == 0
+    lines = table.stdout.splitlines()
+    assert lines[0].split() == [
+        "LOCKSTRING",
+        "ID",
+        "HOLDER",
+        "PROGRAM",
+        "CREATED",
+        "EXPIRES",
+        "LEFT",
+    ]
+    assert len(lines) == 4
+    assert any("report 2" in line and line.endswith("expired") for line in lines)
+
+    listed = json.loads(sqllocker("list", "--json").stdout)
+    assert [item["lockstring"] for item in listed] == ["digest", "report 1", "report 2"]
+    first = listed[1]
+    assert first["lock_id"] == live.lock_id
+    assert first["locked_by"]["job"] == "report"
+    assert first["locked_by"]["guid"] == live.guid
+    assert first["expired"] is False
+    assert 500 < first["seconds_left"] <= 600
+    assert set(first) == {
+        "lockstring",
+        "lock_id",
+        "created",
+        "expires",
+        "expired",
+        "seconds_left",
+        "locked_by",
+    }
+
+    matching = json.loads(sqllocker("list", "report*", "--json").stdout)
+    assert [item["lockstring"] for item in matching] == ["report 1", "report 2"]
+    expired = json.loads(sqllocker("list", "--expired", "--json").stdout)
+    assert [item["lock_id"] for item in expired] == [dead.lock_id]
+    assert json.loads(sqllocker("list", "%", "--json").stdout) == []  # no SQL wildcards
+
+    shown = sqllocker("show", "report 1")
+    assert shown.returncode == 0
+    assert f"lock id:    {live.lock_id}" in shown.stdout
+    assert json.loads(sqllocker("show", "report 1", "--json").stdout)["lock_id"] == live.lock_id
+    absent = sqllocker("show", "nobody holds this")
+    assert absent.returncode == 1
+    assert "not held" in absent.stderr
+    live.unlock()
+    other.unlock()
+
+
+# -- release --------------------------------------------------------------------------------------
+
+
+def test_release_needs_force_and_can_name_the_acquisition(sqllocker: Run, migrated: Locker) -> None:
+    lock = migrated.lock("stuck job", expires=600)
+    refused = sqllocker("release", "stuck job")
+    assert refused.returncode == 2
+    assert "--force" in refused.stderr
+    assert migrated.lock_info("stuck job") is not None
+
+    wrong_id = sqllocker("release", "stuck job", "--force", "--id", str(lock.lock_id + 1000))
+    assert wrong_id.returncode == 1
+    assert migrated.lock_info("stuck job") is not None
+
+    broken = sqllocker("release", "stuck job", "--force", "--id", str(lock.lock_id))
+    assert broken.returncode == 0, broken.stderr
+    assert "broke lock 'stuck job'" in broken.stderr  # the log line: whose lock, broken by whom
+    assert migrated.lock_info("stuck job") is None
+    assert sqllocker("release", "stuck job", "--force").returncode == 1
+    with pytest.raises(Exception, match="no longer ours"):
+        lock.unlock()
+
+
+# -- purge-expired --------------------------------------------------------------------------------
+
+
+def test_purge_expired_output_modes(sqllocker: Run, migrated: Locker) -> None:
+    live = migrated.lock("live", expires=600)
+    for n in range(3):
+        abandon(migrated.lock(f"dead {n}", expires=0.2))
+    time.sleep(0.4)
+    dry = sqllocker("purge-expired", "--grace", "0", "--dry-run")
+    assert dry.returncode == 0
+    assert "3 expired lock(s) would be purged" in dry.stdout
+    dry_json = json.loads(sqllocker("purge-expired", "--grace", "0", "--dry-run", "--json").stdout)
+    assert dry_json["would_purge"] == 3
+    assert len(migrated.locks()) == 4  # nothing deleted by a dry run
+
+    quiet = sqllocker("purge-expired", "--grace", "0")
+    assert (quiet.returncode, quiet.stdout, quiet.stderr) == (0, "", "")
+    assert [info.lockstring for info in migrated.locks()] == ["live"]
+    abandon(migrated.lock("dead again", expires=0.2))
+    time.sleep(0.4)
+    verbose = sqllocker("purge-expired", "--grace", "0", "--verbose")
+    assert verbose.stdout == "purged 1 expired lock(s)\n"
+    assert json.loads(sqllocker("purge-expired", "--json").stdout) == {"purged": 0}
+    live.unlock()
+
+
+def test_purge_of_100000_expired_rows_interleaved_with_live_ones(
+    sqllocker: Run, migrated: Locker
+) -> None:
+    table = migrated.table
+    dead, live = 100_000, 1_000
+    past = "2000-01-01 00:00:00"
+    future = "2999-01-01 00:00:00"
+    rows = [
+        {
+            "lockstring": f"row {n}",
+            "guid": f"guid-{n}",
+            "created": past,
+            "expires": future if n % 101 == 0 else past,  # every 101st row is live
+            "locked_by": {"pid": n},
+        }
+        for n in range(dead + live)
+    ]
+    expected_live = sorted(r["lockstring"] for r in rows if r["expires"] == future)
+    from datetime import datetime, timezone
+
+    for row in rows:
+        row["created"] = datetime.fromisoformat(row["created"]).replace(tzinfo=timezone.utc)
+        row["expires"] = datetime.fromisoformat(row["expires"]).replace(tzinfo=timezone.utc)
+    engine = sa.create_engine(migrated.url)
+    with engine.begin() as conn:
+        conn.execute(sa.insert(table), rows)
+    engine.dispose()
+
+    started = time.monotonic()
+    result = sqllocker("purge-expired", "--json", "--batch-size", "5000", timeout=600)
+    elapsed = time.monotonic() - started
+    assert result.returncode == 0, result.stderr
+    purged = json.loads(result.stdout)["purged"]
+    assert purged == len(rows) - len(expected_live)
+    assert sorted(info.lockstring for info in migrated.locks()) == expected_live
+    print(f"\npurged {purged} rows in batches of 5000 in {elapsed:.1f}s")
+
+
+def test_purge_runs_in_batches(migrated: Locker) -> None:
+    for n in range(25):
+        abandon(migrated.lock(f"dead {n}", expires=0.1))
+    time.sleep(0.3)
+    deletes: list[str] = []
+    sa.event.listen(
+        migrated.engine,
+        "before_cursor_execute",
+        lambda *args: deletes.append(args[2]) if args[2].startswith("DELETE") else None,
+    )
+    assert migrated.purge_expired_locks(batch_size=10) == 25
+    assert len(deletes) == 3  # 10 + 10 + 5
+
+
+# -- run ------------------------------------------------------------------------------------------
+
+
+def test_run_returns_the_commands_exit_status(sqllocker: Run, migrated: Locker) -> None:
+    assert sqllocker("run", "job", "--", "true").returncode == 0
+    assert sqllocker("run", "job", "--", "sh", "-c", "exit 3").returncode == 3
+    killed = sqllocker("run", "job", "--", "sh", "-c", "kill -KILL $$")
+    assert killed.returncode == 128 + signal.SIGKILL
+    assert sqllocker("run", "job", "--", "/no/such/program").returncode == 127
+    assert migrated.locks() == []  # released every time
+
+
+def test_run_gives_the_command_its_fencing_token(sqllocker: Run, migrated: Locker) -> None:
+    result = sqllocker(
+        "run", "job", "--", "sh", "-c", 'echo "$SQLLOCKER_LOCK_ID $SQLLOCKER_LOCKSTRING"'
+    )
+    lock_id, lockstring = result.stdout.split(maxsplit=1)
+    assert int(lock_id) > 0
+    assert lockstring.strip() == "job"
+
+
+def test_run_conflict_exit_code_and_message(
+    sqllocker: Run, migrated: Locker, url: str, table_name: str
+) -> None:
+    holder = popen(url, table_name, "run", "job", "--", "sleep", "30")
+    try:
+        wait_until(lambda: migrated.lock_info("job") is not None)
+        conflict = sqllocker("run", "job", "--", "echo", "must not run")
+        assert conflict.returncode == 1
+        assert conflict.stdout == ""
+        assert "is held by" in conflict.stderr
+        assert str(holder.pid) in conflict.stderr
+        assert len(conflict.stderr.strip().splitlines()) == 1
+        custom = sqllocker("run", "-E", "7", "-q", "job", "--", "true")
+        assert (custom.returncode, custom.stderr) == (7, "")
+        timed_out = sqllocker("run", "-w", "0.5", "job", "--", "true")
+        assert timed_out.returncode == 1
+    finally:
+        holder.terminate()
+        holder.communicate(timeout=30)
+
+
+def test_run_with_wait_runs_once_the_holder_is_done(
+    sqllocker: Run, migrated: Locker, url: str, table_name: str
+) -> None:
+    holder = popen(url, table_name, "run", "job", "--", "sleep", "1.5")
+    wait_until(lambda: migrated.lock_info("job") is not None)
+    waiter = sqllocker("run", "-w", "30", "job", "--", "echo", "ran after")
+    assert waiter.returncode == 0, waiter.stderr
+    assert waiter.stdout == "ran after\n"
+    assert holder.wait(timeout=30) == 0
+
+
+def test_run_keeps_the_lock_for_several_expiry_periods(
+    migrated: Locker, url: str, table_name: str, tmp_path: Path
+) -> None:
+    done = tmp_path / "command-finished"
+    runner = popen(
+        url, table_name, "run", "--expires", "1", "job", "--", "sh", "-c", f"sleep 4; touch {done}"
+    )
+    wait_until(lambda: migrated.lock_info("job") is not None)
+    first_id = migrated.lock_info("job").lock_id  # type: ignore[union-attr]
+    while runner.poll() is None:
+        contender = migrated.try_lock("job")  # grace=0: any expiry would let us in
+        if contender is not None:
+            contender.unlock()
+            assert done.exists(), "took the lock while the command still ran"
+        info = migrated.lock_info("job")
+        assert info is None or info.lock_id == first_id
+        time.sleep(0.2)
+    _out, err = runner.communicate()
+    assert runner.returncode == 0, err
+    assert migrated.locks() == []
+
+
+def test_run_forwards_sigterm_and_releases(
+    migrated: Locker, url: str, table_name: str, tmp_path: Path
+) -> None:
+    marker = tmp_path / "got-term"
+    script = f"trap 'touch {marker}; kill $!; exit 9' TERM; sleep 30 & wait"
+    runner = popen(url, table_name, "run", "job", "--", "sh", "-c", script)
+    wait_until(lambda: migrated.lock_info("job") is not None)
+    time.sleep(0.3)  # let the shell install its trap
+    runner.send_signal(signal.SIGTERM)
+    runner.communicate(timeout=30)
+    assert marker.exists()  # the command got the signal
+    assert runner.returncode == 9  # and its own status came back
+    assert migrated.locks() == []
+
+
+def test_run_reports_a_lost_lock(
+    migrated: Locker, url: str, table_name: str, sqllocker: Run
+) -> None:
+    runner = popen(url, table_name, "run", "--expires", "1", "job", "--", "sleep", "2")
+    wait_until(lambda: migrated.lock_info("job") is not None)
+    assert sqllocker("release", "job", "--force").returncode == 0
+    _, err = runner.communicate(timeout=30)
+    assert runner.returncode == 75
+    assert "no longer ours" in err or "could not be extended" in err
+
+
+def test_run_kill_on_lost_stops_the_command(
+    migrated: Locker, url: str, table_name: str, sqllocker: Run
+) -> None:
+    runner = popen(
+        url, table_name, "run", "--expires", "1", "--kill-on-lost", "job", "--", "sleep", "30"
+    )
+    wait_until(lambda: migrated.lock_info("job") is not None)
+    started = time.monotonic()
+    assert sqllocker("release", "job", "--force").returncode == 0
+    _, err = runner.communicate(timeout=30)
+    assert time.monotonic() - started < 10
+    assert runner.returncode == 128 + signal.SIGTERM
+    assert "--kill-on-lost" in err
+
+
+def test_resolve_url_maps_postgres_scheme_to_psycopg() -> None:
+    assert resolve_url("postgres://u@h/db").drivername == "postgresql+psycopg"
+    assert resolve_url("postgresql://u@h/db").drivername == "postgresql+psycopg"
+    assert resolve_url("mysql://u@h/db").drivername == "mysql+pymysql"
+    assert resolve_url("postgresql+psycopg2://u@h/db").drivername == "postgresql+psycopg2"

@@ -1,0 +1,144 @@
+"""The shipped migrations build exactly sqllocker.schema.lock_table(), and ship in the wheel."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from sqllocker import Locker
+from sqllocker.engine import resolve_url
+from sqllocker.migrations import (
+    VERSION_TABLE,
+    current_revision,
+    head_revision,
+    schema_differences,
+    upgrade,
+    upgrade_sql,
+    version_table_for,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_migrations_produce_exactly_the_table(url: str, table_name: str) -> None:
+    engine = sa.create_engine(resolve_url(url))
+    upgrade(engine, table_name)
+    assert schema_differences(engine, table_name) == []
+    assert current_revision(engine, table_name) == head_revision()
+    engine.dispose()
+
+
+def test_the_comparison_notices_a_table_that_differs(url: str, table_name: str) -> None:
+    engine = sa.create_engine(resolve_url(url))
+    upgrade(engine, table_name)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            f"DROP INDEX ix_{table_name}_expires"
+            + (f" ON {table_name}" if engine.dialect.name == "mysql" else "")
+        )
+    assert schema_differences(engine, table_name) != []
+    engine.dispose()
+
+
+def test_upgrade_is_idempotent_and_uses_its_own_version_table(url: str) -> None:
+    engine = sa.create_engine(resolve_url(url))
+    locker = Locker(engine)  # the default table, "semaphores"
+    locker.create_table()
+    locker.create_table()
+    tables = set(sa.inspect(engine).get_table_names())
+    assert VERSION_TABLE in tables
+    assert "alembic_version" not in tables  # the application's own alembic is left alone
+    with locker.lock("job"):
+        pass
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f"DROP TABLE {VERSION_TABLE}")
+        conn.exec_driver_sql("DROP VIEW semaphores_held")
+        conn.exec_driver_sql("DROP TABLE semaphores")
+    engine.dispose()
+
+
+def test_each_table_has_its_own_version_table() -> None:
+    assert version_table_for("semaphores") == "sqllocker_alembic_version"
+    assert version_table_for("job_locks") == "sqllocker_alembic_version_job_locks"
+
+
+@pytest.mark.parametrize("dialect", ["postgresql", "mysql", "sqlite"])
+def test_offline_sql_is_the_ddl_for_the_dialect(dialect: str) -> None:
+    urls = {
+        "postgresql": "postgresql://localhost/x",
+        "mysql": "mysql://localhost/x",
+        "sqlite": "sqlite:///x.db",
+    }
+    ddl = upgrade_sql(resolve_url(urls[dialect]), "semaphores")
+    assert "CREATE TABLE semaphores" in ddl
+    assert "ix_semaphores_expires" in ddl
+    assert "sqllocker_alembic_version" in ddl
+    expected = {"postgresql": "JSONB", "mysql": "utf8mb4_nopad_bin", "sqlite": "AUTOINCREMENT"}
+    if dialect == "mysql":
+        # Offline there is no server to ask whether it is MariaDB; the MySQL 8 collation is used.
+        expected["mysql"] = "utf8mb4_0900_bin"
+    assert expected[dialect] in ddl
+
+
+def test_sqlite_processes_creating_the_table_at_once_do_not_collide(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'race.db'}"
+    code = f"from sqllocker import Locker\nwith Locker({url!r}).lock('first use', wait=30): pass\n"
+    workers = [
+        subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stderr=subprocess.PIPE, text=True)
+        for _ in range(6)
+    ]
+    for worker in workers:
+        _, err = worker.communicate(timeout=120)
+        assert worker.returncode == 0, err
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX venv layout")
+def test_built_wheel_installs_in_a_fresh_venv_and_migrates(tmp_path: Path) -> None:
+    dist = tmp_path / "dist"
+    subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--outdir", str(dist), str(REPO)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    (wheel,) = dist.glob("sqllocker-*.whl")
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=True)
+    python = env_dir / "bin" / "python"
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "--quiet", str(wheel)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    database = tmp_path / "wheel.db"
+    elsewhere = tmp_path / "elsewhere"  # not the checkout: the scripts must come from the wheel
+    elsewhere.mkdir()
+    sqllocker = env_dir / "bin" / "sqllocker"
+    migrate = subprocess.run(
+        [str(sqllocker), "--url", f"sqlite:///{database}", "migrate"],
+        cwd=elsewhere,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert migrate.returncode == 0, migrate.stderr
+    engine = sa.create_engine(f"sqlite:///{database}")
+    assert current_revision(engine) == head_revision()
+    assert schema_differences(engine) == []
+    engine.dispose()
+    where = subprocess.run(
+        [str(python), "-c", "import sqllocker.migrations as m; print(m.script_location())"],
+        cwd=elsewhere,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "site-packages" in where.stdout
+    assert (Path(where.stdout.strip()) / "versions").is_dir()
