@@ -19,6 +19,8 @@ from .errors import (
     LockTypeError,
     LockValueError,
     TableMissing,
+    UnsafeDatabase,
+    UnsafeDatabaseWarning,
 )
 from .lock import Lock
 from .locker import Locker, LockInfo
@@ -40,6 +42,8 @@ __all__ = [
     "LockValueError",
     "Locker",
     "TableMissing",
+    "UnsafeDatabase",
+    "UnsafeDatabaseWarning",
     "__version__",
     "lock_table",
 ]

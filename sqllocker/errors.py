@@ -97,6 +97,15 @@ class TableMissing(LockError):
     """The lock table does not exist; the message names the command that creates it."""
 
 
+class UnsafeDatabase(LockError):
+    """The database is configured so that a crash can lose an acknowledged lock row (raised
+    with ``strict=True``; otherwise an ``UnsafeDatabaseWarning`` is issued)."""
+
+
+class UnsafeDatabaseWarning(UserWarning):
+    """The database is configured so that a crash can lose an acknowledged lock row."""
+
+
 class DatabaseError(LockError):
     """The database could not be reached, or failed; the driver's error is the ``__cause__``."""
 

@@ -3,16 +3,27 @@
 A Lock holds no connection and no transaction, only what identifies its row (``lock_id`` and
 the secret ``guid``). Every later statement matches both, so a Lock whose row expired and was
 taken over can never touch the new holder's row.
+
+Besides the row, a Lock knows until when it may *act* as the holder: a validity deadline on the
+monotonic clock, taken when the acquire (or last extend) statement was sent, plus the expiry
+period, minus a safety margin. The row cannot expire before that moment (the server starts its
+clock no earlier than the statement was sent), and nobody can take it over before expiry plus
+grace, so a holder that stops at its deadline has always stopped before anyone else starts.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 import weakref
+from collections.abc import Callable
 from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
+
+from sqlalchemy.engine import Connection
 
 from .errors import LockLost
 
@@ -21,36 +32,116 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("sqllocker")
 
+OnLost = Callable[[LockLost], object]
 
-class _Row:
-    """What the finaliser needs to release an abandoned lock, kept apart from the Lock itself
-    (a finaliser that referred to the Lock would keep it alive forever)."""
 
-    __slots__ = ("guid", "held", "lock_id", "locker", "lockstring", "pid")
+def safety_margin(ttl: float) -> float:
+    """How long before the local deadline a holder stops trusting its lock: a tenth of the
+    expiry period, at most a second (ample for the drift of a monotonic clock against the
+    server's over any expiry period sqllocker accepts)."""
+    return min(1.0, ttl / 10)
 
-    def __init__(self, locker: Locker, lockstring: str, lock_id: int, guid: str) -> None:
+
+class LockState:
+    """Everything about one acquisition that outlives calls: its identity, whether it is held,
+    whether it is known lost, and its deadline. The keep-alive thread and the finaliser work on
+    this, never on the Lock, so neither keeps a dropped Lock alive.
+
+    ``op_lock`` serialises extend, renewal and release: once release() returns, no renewal
+    statement of this lock can still be in flight or start.
+    """
+
+    def __init__(
+        self,
+        locker: Locker,
+        lockstring: str,
+        lock_id: int,
+        guid: str,
+        ttl: float,
+        sent_at: float,
+        on_lost: OnLost | None,
+    ) -> None:
         self.locker = locker
         self.lockstring = lockstring
         self.lock_id = lock_id
         self.guid = guid
+        self.ttl = ttl
         self.pid = os.getpid()
         self.held = True
+        self.lost: LockLost | None = None
+        self.on_lost = on_lost
+        self.valid_until = sent_at + ttl - safety_margin(ttl)
+        self.op_lock = threading.RLock()
+        self._lost_lock = threading.Lock()
+
+    def is_valid(self) -> bool:
+        return self.held and self.lost is None and time.monotonic() < self.valid_until
+
+    def extend(self, ttl: float) -> datetime:
+        """Push the row's expiry to server now + ``ttl``; LockLost (and lost) if it is not ours."""
+        with self.op_lock:
+            if not self.held:
+                raise LockLost(
+                    f"lock {self.lockstring!r} (id {self.lock_id}) is not held: it was released",
+                    self.lockstring,
+                    self.lock_id,
+                )
+            if self.lost is not None:
+                raise self.lost
+            sent_at = time.monotonic()
+            try:
+                expires = self.locker._extend(self.lockstring, self.lock_id, self.guid, ttl)
+            except LockLost as lost:
+                self.mark_lost(lost)
+                raise
+            self.ttl = ttl
+            self.valid_until = sent_at + ttl - safety_margin(ttl)
+            return expires
+
+    def release(self) -> None:
+        """Delete the row (once); LockLost if it was no longer ours."""
+        with self.op_lock:
+            if not self.held:
+                return
+            self.held = False
+            self.locker._forget_kept_alive(self)
+            self.locker._release(self.lockstring, self.lock_id, self.guid)
+
+    def mark_lost(self, lost: LockLost) -> bool:
+        """Record that the lock is lost; call on_lost the first time. True if this was the first."""
+        with self._lost_lock:
+            if self.lost is not None:
+                return False
+            self.lost = lost
+        logger.warning("%s", lost)
+        if self.on_lost is not None and self.pid == os.getpid():
+            try:
+                self.on_lost(lost)
+            except Exception:
+                logger.exception("on_lost callback for lock %r raised", self.lockstring)
+        return True
 
 
-def _release_abandoned(row: _Row) -> None:
+def _release_abandoned(state: LockState) -> None:
     """Runs when a held Lock is garbage-collected or the interpreter exits; never raises."""
-    if not row.held or row.pid != os.getpid():
+    if not state.held or state.pid != os.getpid():
         return  # a forked child must not release its parent's lock
-    row.held = False
     try:
-        row.locker._release(row.lockstring, row.lock_id, row.guid)
+        state.release()
         logger.warning(
             "lock %r (id %d) was released by garbage collection; unlock() it or use `with`",
-            row.lockstring,
-            row.lock_id,
+            state.lockstring,
+            state.lock_id,
         )
-    except Exception:
-        logger.exception("could not release abandoned lock %r (id %d)", row.lockstring, row.lock_id)
+    except LockLost:
+        logger.info("abandoned lock %r (id %d) was already gone", state.lockstring, state.lock_id)
+    except Exception as error:
+        logger.warning(
+            "could not release abandoned lock %r (id %d); it will expire: %s",
+            state.lockstring,
+            state.lock_id,
+            error,
+        )
 
 
 class Lock:
@@ -58,36 +149,59 @@ class Lock:
 
     def __init__(
         self,
-        locker: Locker,
+        state: LockState,
         *,
-        lockstring: str,
-        lock_id: int,
-        guid: str,
         created: datetime,
         expires: datetime,
         locked_by: dict[str, Any],
-        ttl: float,
     ) -> None:
-        self.locker = locker
-        self.lockstring = lockstring
-        self.lock_id = lock_id
-        self.guid = guid
+        self._state = state
+        self.locker = state.locker
+        self.lockstring = state.lockstring
+        self.lock_id = state.lock_id
+        self.guid = state.guid
         self.created = created
         self.expires = expires
         self.locked_by = locked_by
-        self.ttl = ttl
-        self._row = _Row(locker, lockstring, lock_id, guid)
-        self._finalizer = weakref.finalize(self, _release_abandoned, self._row)
+        self._finalizer = weakref.finalize(self, _release_abandoned, state)
+
+    @property
+    def ttl(self) -> float:
+        """The expiry period: extend() and keep-alive renew by this many seconds."""
+        return self._state.ttl
 
     @property
     def is_locked(self) -> bool:
-        """True until unlock() or the discovery that the lock was lost."""
-        return self._row.held
+        """True until unlock(), or until the lock is found to be lost."""
+        return self._state.held and self._state.lost is None
 
     @property
     def fencing_token(self) -> int:
         """The lock id: strictly increasing across acquisitions, for protected resources."""
         return self.lock_id
+
+    def is_valid(self) -> bool:
+        """Whether the holder may still act: held, not known lost, and before its deadline.
+
+        Checked locally, without a round trip: the deadline is the moment the last successful
+        acquire or extend was *sent* plus the expiry period, less a safety margin.
+        """
+        return self._state.is_valid()
+
+    def check(self) -> None:
+        """Raise LockLost unless :meth:`is_valid`; call it before each step of long work."""
+        if self.is_valid():
+            return
+        state = self._state
+        if state.lost is not None:
+            raise state.lost
+        reason = "was released" if not state.held else "passed its deadline without renewal"
+        raise LockLost(
+            f"lock {self.lockstring!r} (id {self.lock_id}) {reason}; another process may hold "
+            "it now",
+            self.lockstring,
+            self.lock_id,
+        )
 
     def unlock(self) -> None:
         """Delete our row. A second call is a no-op.
@@ -95,31 +209,44 @@ class Lock:
         Raises LockLost if the row was no longer ours (purged, taken over or broken after it
         expired): whatever the lock protected may have been touched by someone else meanwhile.
         """
-        if not self._row.held:
+        if not self._state.held:
             return
-        self._row.held = False
         self._finalizer.detach()
-        self.locker._release(self.lockstring, self.lock_id, self.guid)
+        self._state.release()
 
     def extend(self, seconds: float | None = None) -> datetime:
-        """Set expiry to the server's now + ``seconds`` (default: the lock's own expiry period).
+        """Set expiry to the server's now + ``seconds`` (default: the lock's expiry period).
 
-        Raises LockLost, and the lock counts as no longer held, if the row is gone or has
-        already expired: an expired lock is never revived, because someone may have acted on it.
+        Raises LockLost, and the lock counts as lost, if the row is gone or has already
+        expired: an expired lock is never revived, because someone may have acted on it.
         """
-        if not self._row.held:
-            raise LockLost(
-                f"lock {self.lockstring!r} (id {self.lock_id}) is not held: it was released",
-                self.lockstring,
-                self.lock_id,
-            )
-        try:
-            self.expires = self.locker._extend(self.lockstring, self.lock_id, self.guid, seconds)
-        except LockLost:
-            self._row.held = False
-            self._finalizer.detach()
-            raise
+        ttl = self.ttl if seconds is None else self.locker._check_seconds(seconds, self.lockstring)
+        self.expires = self._state.extend(ttl)
         return self.expires
+
+    def keep_alive(self, on_lost: OnLost | None = None) -> Lock:
+        """Keep the row's expiry pushed forward in the background until unlock().
+
+        Renewal happens every ``keep_alive_fraction`` (a third, by default) of the expiry
+        period, on the locker's one keep-alive thread. ``on_lost`` (else the locker's) is called
+        once, from that thread, if the lock is found gone or its deadline passes without a
+        successful renewal, which is always before anyone else can take it over.
+        """
+        if on_lost is not None:
+            self._state.on_lost = on_lost
+        self.locker._keep_alive(self._state)
+        return self
+
+    def guard(self, connection: Connection) -> None:
+        """Within ``connection``'s open transaction on the lock's own database, prove the lock is
+        still ours and keep it from being taken over or purged until that transaction ends.
+
+        Raises LockLost if the row is gone or expired; the caller should then roll back. If it
+        returns, a commit of the transaction happens while the lock is held: a stale holder's
+        transaction can never commit. PostgreSQL and MySQL take a shared row lock
+        (``FOR SHARE``); SQLite takes the database's write lock with a no-op update.
+        """
+        self.locker._guard(connection, self._state)
 
     def __enter__(self) -> Lock:
         return self
@@ -130,28 +257,35 @@ class Lock:
         exc_value: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        if self._row.pid != os.getpid():
+        if self._state.pid != os.getpid():
             logger.debug("not releasing %r in forked child %d", self.lockstring, os.getpid())
             return
-        if exc_value is None:
-            self.unlock()
-            return
-        # The body failed: its exception must reach the caller whatever happens to the release.
+        # A lock lost during the body (known lost, or past its deadline) must be reported even if
+        # nobody took the row over meanwhile: the body was not protected throughout.
+        lost: LockLost | None = None
+        try:
+            self.check()
+        except LockLost as error:
+            lost = error
         try:
             self.unlock()
-        except LockLost as lost:
-            # Losing the lock is worth knowing about more than the body's error, which stays
-            # attached as the cause.
-            raise lost from exc_value
+        except LockLost as error:
+            lost = error
         except Exception:
+            if exc_value is None:
+                raise
+            # The body failed: its exception must reach the caller whatever happens here.
             logger.exception(
                 "could not release lock %r (id %d) after the body raised; it will expire",
                 self.lockstring,
                 self.lock_id,
             )
+        if lost is not None:
+            # Losing the lock matters more than the body's error, which stays attached as cause.
+            raise lost from exc_value
 
     def __repr__(self) -> str:
-        state = "held" if self._row.held else "released"
+        state = "held" if self.is_locked else "released"
         return (
             f"<Lock {self.lockstring!r} id={self.lock_id} {state} "
             f"expires={self.expires.isoformat(timespec='seconds')}>"

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ from sqlalchemy.engine import URL, Connection, Engine
 
 from . import validation
 from .backends import Backend, backend_for
+from .durability import unsafe_settings
 from .engine import create_locker_engine, describe_url, resolve_url
 from .errors import (
     DatabaseError,
@@ -28,12 +31,16 @@ from .errors import (
     LockError,
     LockLost,
     LockTypeError,
+    LockValueError,
     TableMissing,
+    UnsafeDatabase,
+    UnsafeDatabaseWarning,
     describe_holder,
     one_line,
 )
 from .identity import holder_details
-from .lock import Lock
+from .keepalive import DEFAULT_FRACTION, KeepAlive
+from .lock import Lock, LockState, OnLost
 from .schema import DEFAULT_TABLE, lock_table, to_utc
 from .statements import Statements
 from .waiting import Backoff
@@ -104,6 +111,13 @@ class Locker:
     ``auto_create`` creates the table on first use if it is missing: by default for SQLite, whose
     file sqllocker owns, and never for a server, whose schema is the operator's (``sqllocker
     migrate``).
+
+    ``on_lost`` is the default callback for kept-alive locks found lost (see ``Lock.keep_alive``);
+    ``keep_alive_fraction`` is how much of its expiry period passes between two renewals.
+
+    On first use the locker checks the database's durability settings: with a setting that can
+    lose an acknowledged lock row in a crash (and so hand out a second holder and a reused
+    token), it warns, or with ``strict=True`` refuses with ``UnsafeDatabase``.
     """
 
     def __init__(
@@ -114,10 +128,24 @@ class Locker:
         expires: float = DEFAULT_EXPIRES,
         grace: float = DEFAULT_GRACE,
         auto_create: bool | None = None,
+        on_lost: OnLost | None = None,
+        keep_alive_fraction: float = DEFAULT_FRACTION,
+        strict: bool = False,
     ) -> None:
         self.table_name = validation.check_table_name(table)
         self.expires = validation.check_seconds(expires, "expires")
         self.grace = validation.check_grace(grace)
+        if isinstance(keep_alive_fraction, bool) or not (
+            isinstance(keep_alive_fraction, int | float) and 0 < keep_alive_fraction < 1
+        ):
+            raise LockValueError(
+                f"keep_alive_fraction must be between 0 and 1, not {keep_alive_fraction!r}"
+            )
+        if on_lost is not None and not callable(on_lost):
+            raise LockTypeError(f"on_lost must be callable, not {type(on_lost).__name__}")
+        self.on_lost = on_lost
+        self.strict = strict
+        self._keep_alives = KeepAlive(keep_alive_fraction)
         self.engine: Engine
         if isinstance(url_or_engine, Engine):
             self.engine = url_or_engine.execution_options(isolation_level="AUTOCOMMIT")
@@ -148,14 +176,20 @@ class Locker:
         expires: float | None = None,
         wait: float | None = 0,
         locked_by: dict[str, Any] | None = None,
+        keep_alive: bool = False,
+        on_lost: OnLost | None = None,
     ) -> Lock:
         """Acquire ``lockstring`` or raise LockBusy.
 
         ``expires``: seconds until the lock may be taken over (default: the locker's).
         ``wait``: 0 tries once; a number of seconds keeps trying until then, backing off with
         jitter; ``None`` waits forever. ``locked_by``: extra JSON details stored with the
-        holder's host, pid, thread, program and user.
+        holder's host, pid, thread, program and user. ``keep_alive``: renew the lock in the
+        background until it is released (see ``Lock.keep_alive``), calling ``on_lost`` (else the
+        locker's) if it is lost.
         """
+        if on_lost is not None and not callable(on_lost):
+            raise LockTypeError(f"on_lost must be callable, not {type(on_lost).__name__}")
         lockstring = validation.check_lockstring(lockstring)
         ttl = (
             self.expires
@@ -166,9 +200,9 @@ class Locker:
         extra = validation.check_locked_by(locked_by, lockstring)
         backoff = Backoff.for_wait(wait)
         while True:
-            outcome = self._try_acquire(lockstring, ttl, extra)
+            outcome = self._try_acquire(lockstring, ttl, extra, on_lost or self.on_lost)
             if isinstance(outcome, Lock):
-                return outcome
+                return outcome.keep_alive() if keep_alive else outcome
             if backoff.expired():
                 waited = 0.0 if wait is None else wait
                 busy = outcome.busy or LockBusy(lockstring, waited=waited)
@@ -292,7 +326,9 @@ class Locker:
         upgrade(self.engine, self.table_name)
 
     def close(self) -> None:
-        """Close the pooled connections of an engine the locker created (not a caller's)."""
+        """Stop keeping locks alive, and close the pooled connections of an engine the locker
+        created (not a caller's)."""
+        self._keep_alives.stop()
         if self._owns_engine:
             self.engine.dispose()
 
@@ -323,12 +359,44 @@ class Locker:
             )
         logger.debug("released %r (id %d)", lockstring, lock_id)
 
-    def _extend(self, lockstring: str, lock_id: int, guid: str, seconds: float | None) -> datetime:
-        ttl = (
-            self.expires
-            if seconds is None
-            else validation.check_seconds(seconds, "expires", lockstring)
-        )
+    def _check_seconds(self, seconds: object, lockstring: str) -> float:
+        return validation.check_seconds(seconds, "expires", lockstring)
+
+    def _keep_alive(self, state: LockState) -> None:
+        self._keep_alives.add(state)
+
+    def _forget_kept_alive(self, state: LockState) -> None:
+        self._keep_alives.remove(state)
+
+    def _guard(self, connection: Connection, state: LockState) -> None:
+        if not connection.in_transaction():
+            raise LockError(
+                "guard() needs a connection inside a transaction: the protection lasts until "
+                "that transaction ends",
+                state.lockstring,
+            )
+        if self._backend is None:
+            with self._connect():
+                pass  # learn the backend
+        params = {"lock_id": state.lock_id, "lock_guid": state.guid}
+        if self._be.begin_immediate:
+            # SQLite: a write takes the database's write lock until the caller's transaction
+            # ends, so nobody can take over or purge the row meanwhile.
+            proven = connection.execute(self._sql.guard_by_writing, params).rowcount == 1
+        else:
+            proven = connection.execute(self._sql.guard, params).first() is not None
+        if not proven or not state.held:
+            lost = LockLost(
+                f"lock {state.lockstring!r} (id {state.lock_id}) is no longer ours (expired, "
+                "taken over, purged or released); roll this transaction back",
+                state.lockstring,
+                state.lock_id,
+            )
+            if state.held:
+                state.mark_lost(lost)
+            raise lost
+
+    def _extend(self, lockstring: str, lock_id: int, guid: str, ttl: float) -> datetime:
         params = {"lock_id": lock_id, "lock_guid": guid, "ttl": self._be.seconds_value(ttl)}
 
         def extend(conn: Connection) -> datetime | None:
@@ -356,25 +424,24 @@ class Locker:
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _try_acquire(self, lockstring: str, ttl: float, extra: dict[str, Any]) -> Lock | _Refused:
+    def _try_acquire(
+        self, lockstring: str, ttl: float, extra: dict[str, Any], on_lost: OnLost | None
+    ) -> Lock | _Refused:
         guid = str(uuid.uuid4())
         details = holder_details(guid, extra)
         refused = _Refused(None, None)
         for _attempt in range(_ATTEMPTS_PER_TRY):
+            # The validity deadline counts from before the statement is sent: the server's
+            # expiry cannot start earlier than that.
+            sent_at = time.monotonic()
             outcome = self._run(
                 lockstring, lambda conn: self._acquire_on(conn, lockstring, guid, ttl, details)
             )
             if isinstance(outcome, _Acquired):
                 logger.debug("acquired %r (id %d)", lockstring, outcome.lock_id)
+                state = LockState(self, lockstring, outcome.lock_id, guid, ttl, sent_at, on_lost)
                 return Lock(
-                    self,
-                    lockstring=lockstring,
-                    lock_id=outcome.lock_id,
-                    guid=guid,
-                    created=outcome.created,
-                    expires=outcome.expires,
-                    locked_by=details,
-                    ttl=ttl,
+                    state, created=outcome.created, expires=outcome.expires, locked_by=details
                 )
             refused = outcome
             if outcome.busy is not None:
@@ -520,8 +587,23 @@ class Locker:
         with self._setup_lock:
             if self._backend is None:
                 backend = backend_for(conn.dialect)
+                self._check_durability(conn)
                 self._statements = Statements(self.table, backend)
                 self._backend = backend
+
+    def _check_durability(self, conn: Connection) -> None:
+        problems = unsafe_settings(conn, self.table_name)
+        if not problems:
+            return
+        message = (
+            f"{describe_url(self.url)} can lose acknowledged lock rows in a crash "
+            f"({', '.join(problems)}): a lost row lets a second holder in and its lock id be "
+            "reused; change the setting, or pass strict=True to refuse such databases"
+        )
+        if self.strict:
+            raise UnsafeDatabase(message)
+        logger.warning("%s", message)
+        warnings.warn(message, UnsafeDatabaseWarning, stacklevel=6)
 
     def _table_missing(self, lockstring: str | None) -> TableMissing:
         return TableMissing(

@@ -172,3 +172,33 @@ class Statements:
             )
         expired_ids = sa.select(c.id).where(self._expired_beyond_grace).limit(batch_size)
         return sa.delete(self.table).where(c.id.in_(expired_ids), self._expired_beyond_grace)
+
+    @cached_property
+    def guard(self) -> Select[Any]:
+        """Our unexpired row, share-locked until the caller's transaction ends (PostgreSQL
+        ``FOR SHARE``, MySQL ``LOCK IN SHARE MODE``): takeover and purge must wait for it."""
+        c = self.table.c
+        return (
+            sa.select(c.id)
+            .where(
+                c.id == sa.bindparam("lock_id"),
+                c.guid == sa.bindparam("lock_guid"),
+                c.expires > self._now,
+            )
+            .with_for_update(read=True)
+        )
+
+    @cached_property
+    def guard_by_writing(self) -> Update:
+        """SQLite's guard: a no-op write to our unexpired row, which takes the database's write
+        lock for the rest of the caller's transaction."""
+        c = self.table.c
+        return (
+            sa.update(self.table)
+            .where(
+                c.id == sa.bindparam("lock_id"),
+                c.guid == sa.bindparam("lock_guid"),
+                c.expires > self._now,
+            )
+            .values(expires=c.expires)
+        )

@@ -118,5 +118,5 @@ def count_rows(locker: Locker) -> int:
 def abandon(lock: Lock) -> Lock:
     """Make ``lock`` behave like a holder that crashed: its row stays until it expires."""
     lock._finalizer.detach()
-    lock._row.held = False
+    lock._state.held = False
     return lock

@@ -1,0 +1,199 @@
+"""Keeping held locks alive: one scheduler thread per Locker renews all of its kept-alive locks.
+
+Each lock is renewed every ``fraction`` of its expiry period with the same statement as
+``extend()`` (which never revives an expired row). The statements run on a single worker thread,
+apart from the scheduler, so that a renewal stuck on a stalled network cannot delay the other
+duty of the scheduler: declaring a lock lost, and calling its ``on_lost``, the moment its
+validity deadline passes without a successful renewal. That moment always comes before anyone
+else can take the lock over (see ``lock.py``).
+
+A transient database error is logged and retried with backoff until the deadline; a lock is
+declared lost only when its row is found gone or expired, or when the deadline passes. Neither
+thread holds a database connection between renewals, and both end when no lock is kept alive.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from .errors import LockError, LockLost
+from .lock import LockState
+
+logger = logging.getLogger("sqllocker")
+
+DEFAULT_FRACTION = 1 / 3
+FIRST_RETRY_DELAY = 0.05
+# How long the threads linger with nothing to renew before they end (and are started again by
+# the next keep_alive()), so an idle Locker costs no thread.
+IDLE_SECONDS = 5.0
+
+_instances: weakref.WeakSet[KeepAlive] = weakref.WeakSet()
+_numbers = itertools.count(1)
+
+
+class _Entry:
+    __slots__ = ("failures", "in_flight", "next_renewal", "state")
+
+    def __init__(self, state: LockState, next_renewal: float) -> None:
+        self.state = state
+        self.next_renewal = next_renewal
+        self.in_flight: Future[None] | None = None
+        self.failures = 0
+
+
+class KeepAlive:
+    """The kept-alive locks of one Locker, and the threads that renew them."""
+
+    def __init__(self, fraction: float = DEFAULT_FRACTION) -> None:
+        self.fraction = fraction
+        self.name = f"sqllocker-keepalive-{next(_numbers)}"
+        self._reset()
+        _instances.add(self)
+
+    def _reset(self) -> None:
+        self._condition = threading.Condition()
+        self._entries: dict[int, _Entry] = {}
+        self._thread: threading.Thread | None = None
+        self._worker: ThreadPoolExecutor | None = None
+        self._stopping = False
+        self._pid = os.getpid()
+
+    def add(self, state: LockState) -> None:
+        if self._pid != os.getpid():
+            self._reset()  # a forked child renews none of its parent's locks
+        with self._condition:
+            if not state.held or state.lost is not None:
+                return
+            due = time.monotonic() + state.ttl * self.fraction
+            self._entries[id(state)] = _Entry(state, due)
+            self._stopping = False
+            if self._thread is None or not self._thread.is_alive():
+                self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-renew")
+                self._thread = threading.Thread(target=self._schedule, name=self.name, daemon=True)
+                self._thread.start()
+            self._condition.notify()
+
+    def remove(self, state: LockState) -> None:
+        if self._pid != os.getpid():
+            return
+        with self._condition:
+            if self._entries.pop(id(state), None) is not None:
+                self._condition.notify()
+
+    def __len__(self) -> int:
+        with self._condition:
+            return len(self._entries)
+
+    def stop(self) -> None:
+        """Stop renewing everything (the locks stay held until they expire); the threads end."""
+        if self._pid != os.getpid():
+            return
+        with self._condition:
+            self._entries.clear()
+            self._stopping = True
+            self._condition.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(IDLE_SECONDS)
+
+    # -- the scheduler thread -------------------------------------------------------------------
+
+    def _schedule(self) -> None:
+        idle_since: float | None = None
+        with self._condition:
+            while True:
+                now = time.monotonic()
+                if not self._entries:
+                    idle_since = idle_since or now
+                    if self._stopping or now - idle_since >= IDLE_SECONDS:
+                        self._thread = None
+                        if self._worker is not None:
+                            self._worker.shutdown(wait=False)
+                            self._worker = None
+                        return
+                    self._condition.wait(IDLE_SECONDS)
+                    continue
+                idle_since = None
+                wake = now + IDLE_SECONDS
+                for key, entry in list(self._entries.items()):
+                    state = entry.state
+                    if not state.held or state.lost is not None:
+                        del self._entries[key]
+                        continue
+                    if now >= state.valid_until:
+                        del self._entries[key]
+                        self._declare_lost_at_deadline(state)
+                        continue
+                    if entry.in_flight is None and now >= entry.next_renewal:
+                        entry.in_flight = self._submit(entry)
+                    wake = min(wake, state.valid_until)
+                    if entry.in_flight is None:
+                        wake = min(wake, entry.next_renewal)
+                self._condition.wait(max(0.0, wake - time.monotonic()))
+
+    def _declare_lost_at_deadline(self, state: LockState) -> None:
+        lost = LockLost(
+            f"lock {state.lockstring!r} (id {state.lock_id}) could not be renewed before its "
+            "deadline; it must be treated as lost (another process may take it over once it "
+            "expires)",
+            state.lockstring,
+            state.lock_id,
+        )
+        # on_lost may take its time; let renewals of the other locks go on meanwhile.
+        self._condition.release()
+        try:
+            state.mark_lost(lost)
+        finally:
+            self._condition.acquire()
+
+    def _submit(self, entry: _Entry) -> Future[None] | None:
+        worker = self._worker
+        if worker is None:
+            return None
+        return worker.submit(self._renew, entry)
+
+    # -- the worker thread ------------------------------------------------------------------------
+
+    def _renew(self, entry: _Entry) -> None:
+        state = entry.state
+        try:
+            state.extend(state.ttl)
+        except LockLost:
+            pass  # extend() marked it lost and called on_lost; the scheduler drops it
+        except LockError as error:
+            entry.failures += 1
+            delay = min(state.ttl * self.fraction, FIRST_RETRY_DELAY * 2 ** (entry.failures - 1))
+            logger.warning(
+                "could not renew lock %r (id %d), attempt %d: %s; retrying in %.2fs",
+                state.lockstring,
+                state.lock_id,
+                entry.failures,
+                error,
+                delay,
+            )
+            entry.next_renewal = time.monotonic() + delay
+        except Exception:
+            logger.exception("unexpected error renewing lock %r", state.lockstring)
+            entry.next_renewal = time.monotonic() + state.ttl * self.fraction
+        else:
+            entry.failures = 0
+            entry.next_renewal = state.valid_until - state.ttl * (1 - self.fraction)
+        finally:
+            with self._condition:
+                entry.in_flight = None
+                self._condition.notify()
+
+
+def _reset_after_fork() -> None:
+    for keep_alive in list(_instances):
+        keep_alive._reset()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)

@@ -1,0 +1,292 @@
+"""Holding safely: keep-alive, validity deadlines, on_lost, guard() and the durability check."""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from sqllocker import (
+    DatabaseError,
+    Locker,
+    LockLost,
+    UnsafeDatabase,
+    UnsafeDatabaseWarning,
+    lock_table,
+)
+from sqllocker.engine import resolve_url
+from tests.conftest import count_rows
+
+
+def threads_of(locker: Locker) -> list[str]:
+    prefix = locker._keep_alives.name
+    return [t.name for t in threading.enumerate() if t.name.startswith(prefix)]
+
+
+class LostCalls:
+    """An on_lost callback that records its calls, their thread and time."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[LockLost, str, float]] = []
+        self.event = threading.Event()
+
+    def __call__(self, lost: LockLost) -> None:
+        self.calls.append((lost, threading.current_thread().name, time.monotonic()))
+        self.event.set()
+
+
+def test_keep_alive_holds_a_short_lock_for_many_expiry_periods(make_locker: Any) -> None:
+    holder, contender = make_locker(), make_locker()
+    lost = LostCalls()
+    lock = holder.lock("job", expires=0.6, keep_alive=True, on_lost=lost)
+    until = time.monotonic() + 6  # ten expiry periods
+    while time.monotonic() < until:
+        assert contender.try_lock("job") is None  # grace=0: any lapse would let it in
+        assert lock.is_valid()
+        time.sleep(0.1)
+    assert lost.calls == []
+    lock.unlock()
+    assert count_rows(holder) == 0
+
+
+def test_one_keep_alive_thread_serves_all_of_a_lockers_locks(locker: Locker) -> None:
+    locks = [locker.lock(f"job {n}", expires=1, keep_alive=True) for n in range(20)]
+    time.sleep(0.8)
+    names = threads_of(locker)
+    assert names.count(locker._keep_alives.name) == 1  # the scheduler
+    assert len(names) <= 2  # and at most one worker for the statements
+    assert all(lock.is_valid() for lock in locks)
+    for lock in locks:
+        lock.unlock()
+
+
+def test_on_lost_is_called_once_from_the_renewal_thread_when_the_lock_is_broken(
+    locker: Locker,
+) -> None:
+    lost = LostCalls()
+    lock = locker.lock("job", expires=0.6, keep_alive=True, on_lost=lost)
+    assert locker.break_lock("job") is not None
+    assert lost.event.wait(5)
+    time.sleep(0.5)
+    assert len(lost.calls) == 1
+    error, thread, _ = lost.calls[0]
+    assert thread.startswith("sqllocker")
+    assert error.lockstring == "job"
+    assert not lock.is_valid()
+    assert not lock.is_locked
+    with pytest.raises(LockLost):
+        lock.check()
+    with pytest.raises(LockLost):
+        lock.extend()
+
+
+def test_on_lost_fires_at_the_deadline_when_renewals_keep_failing(
+    locker: Locker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lost = LostCalls()
+    acquired_at = time.monotonic()
+    lock = locker.lock("job", expires=1.0, keep_alive=True, on_lost=lost)
+
+    def database_down(*_: object) -> None:
+        raise DatabaseError("simulated outage")
+
+    monkeypatch.setattr(locker, "_extend", database_down)
+    assert lost.event.wait(5)
+    _, _, when = lost.calls[0]
+    # Before the row can expire on the server (acquire sent + expires), let alone be taken over.
+    assert when < acquired_at + 1.0
+    assert when > acquired_at + 0.5  # ...but not before the deadline itself
+    assert not lock.is_valid()
+
+
+def test_transient_renewal_errors_are_retried(
+    locker: Locker, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    lost = LostCalls()
+    lock = locker.lock("job", expires=1.5, keep_alive=True, on_lost=lost)
+    real_extend = locker._extend
+    failures = {"left": 2}
+
+    def flaky(*args: Any) -> Any:
+        if failures["left"]:
+            failures["left"] -= 1
+            raise DatabaseError("simulated hiccup")
+        return real_extend(*args)
+
+    monkeypatch.setattr(locker, "_extend", flaky)
+    time.sleep(3.5)  # more than two expiry periods
+    assert failures["left"] == 0
+    assert lost.calls == []
+    assert lock.is_valid()
+    assert any("could not renew" in record.getMessage() for record in caplog.records)
+    lock.unlock()
+
+
+def test_is_valid_and_check_follow_the_local_deadline(locker: Locker) -> None:
+    lock = locker.lock("job", expires=0.5)
+    assert lock.is_valid()
+    lock.check()
+    time.sleep(0.5)
+    assert not lock.is_valid()  # the deadline is before the server's expiry
+    with pytest.raises(LockLost, match="deadline"):
+        lock.check()
+    lock.unlock()  # nobody took it over: the row is still ours to delete
+
+
+def test_leaving_a_with_block_whose_lock_lapsed_raises_lock_lost(locker: Locker) -> None:
+    with pytest.raises(LockLost), locker.lock("job", expires=0.3):
+        time.sleep(0.4)
+    assert count_rows(locker) == 0  # and the row was still cleaned up
+    with pytest.raises(LockLost) as caught, locker.lock("job", expires=0.3):
+        time.sleep(0.4)
+        raise ValueError("the body's own error")
+    assert isinstance(caught.value.__cause__, ValueError)
+
+
+def test_release_racing_renewal_leaves_no_row_and_no_late_write(make_locker: Any) -> None:
+    locker = make_locker(keep_alive_fraction=0.05)  # renew every 1.5 ms: many races
+    renewals: list[tuple[float, int]] = []
+
+    def record(
+        _conn: Any, _cursor: Any, statement: str, _params: Any, context: Any, _m: Any
+    ) -> None:
+        if statement.startswith("UPDATE"):
+            renewals.append((time.monotonic(), context.compiled_parameters[0]["lock_id"]))
+
+    sa.event.listen(locker.engine, "before_cursor_execute", record)
+    released_at: dict[int, float] = {}
+    rounds = 1000
+    for n in range(rounds):
+        lock = locker.lock("job", expires=0.03, keep_alive=True)
+        time.sleep((n % 7) * 0.002)
+        lock.unlock()
+        released_at[lock.lock_id] = time.monotonic()
+    time.sleep(0.1)
+    sa.event.remove(locker.engine, "before_cursor_execute", record)
+    late = [(when, lock_id) for when, lock_id in renewals if when > released_at[lock_id]]
+    print(f"\n{rounds} release/renewal races: {len(renewals)} renewals, late writes {len(late)}")
+    assert late == []
+    assert count_rows(locker) == 0
+    assert len(renewals) > 0  # the race was real: renewals did run
+
+
+def test_locks_dropped_while_kept_alive_stop_being_renewed(locker: Locker) -> None:
+    lock = locker.lock("job", expires=0.6, keep_alive=True)
+    del lock  # garbage collection releases it, and the keep-alive lets go of it
+    time.sleep(0.3)
+    assert count_rows(locker) == 0
+    assert len(locker._keep_alives) == 0
+
+
+# -- guard -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def app_engine(url: str) -> Iterator[sa.Engine]:
+    """The application's own engine on the lock's database, for its own transactions."""
+    engine = sa.create_engine(resolve_url(url))
+    yield engine
+    engine.dispose()
+
+
+def test_guard_holds_off_takeover_until_the_transaction_ends(
+    locker: Locker, make_locker: Any, app_engine: sa.Engine
+) -> None:
+    contender = make_locker()
+    lock = locker.lock("job", expires=0.5)
+    taken: list[float] = []
+    with app_engine.connect() as conn, conn.begin():
+        lock.guard(conn)
+        time.sleep(0.7)  # the lock expires while the guarded transaction is open
+
+        def take() -> None:
+            with contender.lock("job", wait=30):
+                taken.append(time.monotonic())
+
+        thread = threading.Thread(target=take)
+        thread.start()
+        time.sleep(0.5)
+        assert taken == []  # the takeover waits for the guarded transaction
+        committed = time.monotonic()
+    thread.join(30)
+    assert taken and taken[0] > committed
+
+
+def test_guard_refuses_a_stale_holder(locker: Locker, app_engine: sa.Engine) -> None:
+    stale = locker.lock("job", expires=0.2)
+    time.sleep(0.4)
+    fresh = locker.lock("job")
+    with app_engine.connect() as conn:
+        conn.begin()
+        with pytest.raises(LockLost, match="roll this transaction back"):
+            stale.guard(conn)
+        conn.rollback()
+        conn.begin()
+        fresh.guard(conn)
+        conn.commit()
+    fresh.unlock()
+
+
+def test_guard_needs_a_transaction(locker: Locker, app_engine: sa.Engine) -> None:
+    with (
+        locker.lock("job") as lock,
+        app_engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn,
+        pytest.raises(Exception, match="inside a transaction"),
+    ):
+        lock.guard(conn)
+
+
+# -- durability settings --------------------------------------------------------------------------
+
+
+def unsafe_engine(url: str, table: str) -> tuple[sa.Engine, Any]:
+    """An engine whose sessions (or table) can lose acknowledged rows; and how to undo it."""
+    engine = sa.create_engine(resolve_url(url))
+    backend = engine.dialect.name
+    if backend == "postgresql":
+        with engine.begin() as conn:
+            conn.exec_driver_sql(f"ALTER TABLE {table} SET UNLOGGED")
+        return engine, lambda: None
+    if backend == "mysql":
+        with engine.begin() as conn:
+            conn.exec_driver_sql("SET GLOBAL innodb_flush_log_at_trx_commit = 2")
+
+        def restore() -> None:
+            with engine.begin() as conn:
+                conn.exec_driver_sql("SET GLOBAL innodb_flush_log_at_trx_commit = 1")
+
+        return engine, restore
+    sa.event.listen(engine, "connect", lambda dbapi, _: dbapi.execute("PRAGMA synchronous=OFF"))
+    return engine, lambda: None
+
+
+def test_unsafe_durability_warns_or_refuses(url: str, table_name: str) -> None:
+    plain = sa.create_engine(resolve_url(url))
+    lock_table(table_name).create(plain)
+    plain.dispose()
+    engine, restore = unsafe_engine(url, table_name)
+    try:
+        with pytest.warns(UnsafeDatabaseWarning) as caught:
+            Locker(engine, table=table_name).lock("job").unlock()
+        message = str(caught[0].message)
+        assert any(
+            name in message
+            for name in ("UNLOGGED", "innodb_flush_log_at_trx_commit=2", "synchronous=OFF")
+        )
+        with pytest.raises(UnsafeDatabase):
+            Locker(engine, table=table_name, strict=True).lock("job")
+        assert count_rows(Locker(url, table=table_name)) == 0  # strict wrote nothing
+    finally:
+        restore()
+        engine.dispose()
+
+
+def test_safe_database_gives_no_warning(locker: Locker) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnsafeDatabaseWarning)
+        Locker(locker.url, table=locker.table_name, strict=True).lock("job").unlock()
