@@ -142,9 +142,14 @@ def test_leaving_a_with_block_whose_lock_lapsed_raises_lock_lost(locker: Locker)
     with pytest.raises(LockLost), locker.lock("job", expires=0.3):
         time.sleep(0.4)
     assert count_rows(locker) == 0  # and the row was still cleaned up
-    with pytest.raises(LockLost) as caught, locker.lock("job", expires=0.3):
-        time.sleep(0.4)
-        raise ValueError("the body's own error")
+
+    def lapse_then_fail() -> None:
+        with locker.lock("job", expires=0.3):
+            time.sleep(0.4)
+            raise ValueError("the body's own error")
+
+    with pytest.raises(LockLost) as caught:
+        lapse_then_fail()
     assert isinstance(caught.value.__cause__, ValueError)
 
 
@@ -214,7 +219,8 @@ def test_guard_holds_off_takeover_until_the_transaction_ends(
         assert taken == []  # the takeover waits for the guarded transaction
         committed = time.monotonic()
     thread.join(30)
-    assert taken and taken[0] > committed
+    assert taken
+    assert taken[0] > committed
 
 
 def test_guard_refuses_a_stale_holder(locker: Locker, app_engine: sa.Engine) -> None:
