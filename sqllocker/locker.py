@@ -8,6 +8,7 @@ caller's own transaction never contains (or waits on, or rolls back) a lock row.
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 import uuid
@@ -55,6 +56,10 @@ DEFAULT_PURGE_BATCH = 1000
 # Attempts at one acquire when the holder vanishes between our refused INSERT and our look-up of
 # who holds it; past this, the caller is told "busy" (and, with a wait, simply tries again later).
 _ATTEMPTS_PER_TRY = 3
+# Retries of an operation that the database failed because of contention (deadlock victim,
+# lock-wait timeout, SQLite busy). Each attempt may itself wait up to the backend's lock timeout.
+_CONFLICT_RETRIES = 8
+_FIRST_CONFLICT_DELAY = 0.005
 
 
 @dataclass(frozen=True)
@@ -539,12 +544,15 @@ class Locker:
     def _run(self, lockstring: str | None, operation: Callable[[Connection], T]) -> T:
         """Run ``operation`` on a pooled connection, translating driver errors into LockErrors.
 
-        A connection that turns out dead (the server restarted since it was pooled) is replaced
-        and the operation tried once more; every operation is safe to repeat (acquire recognises
-        its own row by guid).
+        Every operation is safe to repeat (acquire recognises its own row by guid), so two kinds
+        of failure are retried: a connection that turns out dead (the server restarted since it
+        was pooled) is replaced once, and contention that the database resolved by rolling the
+        statement back (a deadlock, a lock-wait timeout, SQLite busy) is retried with backoff,
+        so that, say, a release chosen as a deadlock victim still releases.
         """
         created_table = False
         retried_connection = False
+        conflicts = 0
         while True:
             try:
                 with self._connect() as conn:
@@ -553,6 +561,15 @@ class Locker:
                 if error.connection_invalidated and not retried_connection:
                     retried_connection = True
                     logger.warning("database connection was lost (%s); reconnecting", error.orig)
+                    continue
+                if (
+                    self._backend is not None
+                    and self._be.is_transient_conflict(error)
+                    and conflicts < _CONFLICT_RETRIES
+                ):
+                    conflicts += 1
+                    logger.info("contention (%s); trying again", one_line(error.orig))
+                    time.sleep(random.uniform(0, _FIRST_CONFLICT_DELAY * 2**conflicts))
                     continue
                 if self._backend is not None and self._be.is_missing_table(error):
                     if self.auto_create and not created_table:

@@ -1,9 +1,10 @@
 """``sqllocker run``: run a command while holding a lock, like flock(1) across machines.
 
-The lock is kept alive for as long as the command runs by extending it every third of its expiry
-period, so a short expiry protects a command of any length and a crashed runner blocks others for
-at most one period. Signals that would end sqllocker (INT, TERM, HUP, QUIT) are passed on to the
-command instead, and the lock is released once the command has ended, however it ended.
+The lock is kept alive for as long as the command runs (``Lock.keep_alive``: renewed every third
+of its expiry period), so a short expiry protects a command of any length and a crashed runner
+blocks others for at most one period; if it is lost, ``on_lost`` says so at once. Signals that
+would end sqllocker (INT, TERM, HUP, QUIT) are passed on to the command instead, and the lock is
+released once the command has ended, however it ended.
 """
 
 from __future__ import annotations
@@ -14,13 +15,12 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
 
-from .errors import LockBusy, LockError, LockLost
+from .errors import LockBusy, LockLost
 from .lock import Lock
 from .locker import Locker
 
@@ -31,10 +31,6 @@ EXIT_LOCK_LOST = 75  # EX_TEMPFAIL: the command ran, but not (all of it) under t
 EXIT_CANNOT_EXECUTE = 126
 EXIT_NOT_FOUND = 127
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
-# Extend this long before the deadline at the latest: a renewal must land while the row is live.
-SAFETY_MARGIN = 0.1
-# After a failed renewal (a database hiccup), try again this soon rather than a third of a period.
-RETRY_DELAY = 1.0
 
 
 @dataclass(frozen=True)
@@ -85,65 +81,28 @@ def _supervise(lock: Lock, command: Sequence[str], options: RunOptions) -> int:
         except PermissionError as error:
             print(f"sqllocker: {command[0]}: cannot execute: {error}", file=sys.stderr)
             return EXIT_CANNOT_EXECUTE
+
+        def on_lost(error: LockLost) -> None:
+            print(f"sqllocker: {error}", file=sys.stderr)
+            if options.kill_on_lost and child.poll() is None:
+                print("sqllocker: stopping the command (--kill-on-lost)", file=sys.stderr)
+                child.terminate()
+
+        lock.keep_alive(on_lost=on_lost)
         with _signals_forwarded_to(child):
-            returncode, lost = _wait_keeping_alive(child, lock, options)
+            returncode = child.wait()
+        lost = not lock.is_valid()
     finally:
-        if lock.is_locked:
-            try:
-                lock.unlock()
-            except LockLost as error:
-                lost = True
+        try:
+            lock.unlock()
+        except LockLost as error:
+            if not lost:
                 print(f"sqllocker: {error}", file=sys.stderr)
+            lost = True
     status = returncode if returncode >= 0 else 128 - returncode
     if lost and status == 0:
         return EXIT_LOCK_LOST
     return status
-
-
-def _wait_keeping_alive(
-    child: subprocess.Popen[bytes], lock: Lock, options: RunOptions
-) -> tuple[int, bool]:
-    """Wait for ``child``, extending ``lock`` meanwhile; returns (returncode, lock was lost)."""
-    period = options.expires
-    # The row is ours, for certain, until `period` after the last renewal that was *sent* and
-    # succeeded; past that, nobody can prove it, so the command is told the lock is lost.
-    valid_until = time.monotonic() + period - SAFETY_MARGIN
-    next_renewal = time.monotonic() + period / 3
-    lost = False
-    while True:
-        timeout = max(0.0, next_renewal - time.monotonic()) if not lost else None
-        try:
-            return child.wait(timeout=timeout), lost
-        except subprocess.TimeoutExpired:
-            pass
-        sent = time.monotonic()
-        try:
-            lock.extend(period)
-        except LockLost as error:
-            lost = _report_lost(child, options, f"sqllocker: {error}")
-            continue
-        except LockError as error:
-            if time.monotonic() >= valid_until:
-                lost = _report_lost(
-                    child,
-                    options,
-                    f"sqllocker: lock {lock.lockstring!r} could not be renewed "
-                    f"before it expired ({error}); another process may hold it now",
-                )
-            else:
-                logger.warning("could not renew lock %r (%s); retrying", lock.lockstring, error)
-                next_renewal = time.monotonic() + min(RETRY_DELAY, period / 3)
-            continue
-        valid_until = sent + period - SAFETY_MARGIN
-        next_renewal = sent + period / 3
-
-
-def _report_lost(child: subprocess.Popen[bytes], options: RunOptions, message: str) -> bool:
-    print(message, file=sys.stderr)
-    if options.kill_on_lost:
-        print("sqllocker: stopping the command (--kill-on-lost)", file=sys.stderr)
-        child.terminate()
-    return True
 
 
 @contextmanager

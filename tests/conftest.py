@@ -115,6 +115,11 @@ def count_rows(locker: Locker) -> int:
         return int(conn.execute(sa.select(sa.func.count()).select_from(locker.table)).scalar_one())
 
 
+def figure(scenario: str, backend: str, text: str) -> None:
+    """Print one figure of the reliability suite (README.md quotes them; run with -s)."""
+    print(f"\n[reliability] {scenario} [{backend}]: {text}")
+
+
 def abandon(lock: Lock) -> Lock:
     """Make ``lock`` behave like a holder that crashed: its row stays until it expires."""
     lock._finalizer.detach()

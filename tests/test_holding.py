@@ -20,7 +20,7 @@ from sqllocker import (
     lock_table,
 )
 from sqllocker.engine import resolve_url
-from tests.conftest import count_rows
+from tests.conftest import count_rows, figure
 
 
 def threads_of(locker: Locker) -> list[str]:
@@ -174,7 +174,12 @@ def test_release_racing_renewal_leaves_no_row_and_no_late_write(make_locker: Any
     time.sleep(0.1)
     sa.event.remove(locker.engine, "before_cursor_execute", record)
     late = [(when, lock_id) for when, lock_id in renewals if when > released_at[lock_id]]
-    print(f"\n{rounds} release/renewal races: {len(renewals)} renewals, late writes {len(late)}")
+    figure(
+        "release racing renewal",
+        locker.engine.dialect.name,
+        f"{rounds} releases under renewal every 1.5 ms, {len(renewals)} renewals; "
+        f"writes after release {len(late)}, rows left {count_rows(locker)}",
+    )
     assert late == []
     assert count_rows(locker) == 0
     assert len(renewals) > 0  # the race was real: renewals did run
@@ -296,3 +301,45 @@ def test_safe_database_gives_no_warning(locker: Locker) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", UnsafeDatabaseWarning)
         Locker(locker.url, table=locker.table_name, strict=True).lock("job").unlock()
+
+
+# -- contention the database resolves by failing a statement ---------------------------------------
+
+
+def impatient_engine(url: str) -> sa.Engine:
+    """An engine whose statements give up waiting for a row lock after one second."""
+    target = resolve_url(url)
+    backend = target.get_backend_name()
+    if backend == "postgresql":
+        return sa.create_engine(target, connect_args={"options": "-c lock_timeout=1000"})
+    if backend == "mysql":
+        return sa.create_engine(
+            target, connect_args={"init_command": "SET SESSION innodb_lock_wait_timeout = 1"}
+        )
+    return sa.create_engine(target, connect_args={"timeout": 1})
+
+
+def test_release_and_extend_outlast_a_lock_wait_timeout(
+    url: str, table_name: str, make_locker: Any, app_engine: sa.Engine
+) -> None:
+    make_locker()  # the table
+    engine = impatient_engine(url)
+    locker = Locker(engine, table=table_name, grace=0)
+    lock = locker.lock("job", expires=60)
+    for operation in (lock.extend, lock.unlock):
+        with app_engine.connect() as blocker:
+            blocker.begin()
+            if blocker.dialect.name == "sqlite":
+                blocker.exec_driver_sql("BEGIN IMMEDIATE")  # SQLite locks the whole database
+            else:
+                blocker.execute(
+                    sa.select(locker.table.c.id)
+                    .where(locker.table.c.id == lock.lock_id)
+                    .with_for_update()
+                )
+            threading.Timer(2.5, blocker.rollback).start()
+            started = time.monotonic()
+            operation()  # times out waiting twice, then succeeds once the blocker lets go
+            assert time.monotonic() - started >= 2
+    assert count_rows(locker) == 0
+    engine.dispose()

@@ -6,9 +6,11 @@ import itertools
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from sqllocker import Locker
+from tests.conftest import figure
 
 REPO = Path(__file__).resolve().parent.parent
 PROCESSES = 8
@@ -54,7 +56,9 @@ def run_workers(url: str, table: str, state: Path, processes: int, count: int) -
 
 def test_many_processes_never_hold_one_lock_at_once(locker: Locker, tmp_path: Path) -> None:
     url = locker.url.render_as_string(hide_password=False)
+    started = time.monotonic()
     reports = run_workers(url, locker.table_name, tmp_path, PROCESSES, ACQUISITIONS_EACH)
+    elapsed = time.monotonic() - started
 
     overlaps_seen_by_markers = sum(report["overlaps"] for report in reports)
     locks_lost = sum(report["lost"] for report in reports)
@@ -77,10 +81,13 @@ def test_many_processes_never_hold_one_lock_at_once(locker: Locker, tmp_path: Pa
         counted = int(count_file.read_text()) if count_file.exists() else 0
         lost_updates += len(mine) - counted
 
-    print(
-        f"\n{locker.engine.dialect.name}: {len(records)} acquisitions by {PROCESSES} processes, "
-        f"overlaps {overlaps_seen_by_markers}/{interval_overlaps}, lost updates {lost_updates}, "
-        f"token inversions {token_inversions}, locks lost {locks_lost}"
+    figure(
+        "contention",
+        locker.engine.dialect.name,
+        f"{len(records)} acquisitions by {PROCESSES} processes on {len(LOCKSTRINGS)} lockstrings "
+        f"in {elapsed:.1f}s; overlaps {overlaps_seen_by_markers} (markers) / {interval_overlaps} "
+        f"(intervals), lost updates {lost_updates}, token inversions {token_inversions}, "
+        f"locks lost {locks_lost}",
     )
     assert overlaps_seen_by_markers == 0
     assert interval_overlaps == 0

@@ -57,6 +57,68 @@ def counter(args: argparse.Namespace) -> int:
     return 0
 
 
+def hold(args: argparse.Namespace) -> int:
+    """Take a lock, report it, then obey commands on stdin: ``check`` (act as a possibly stale
+    holder and report what happened), ``release``, or end of input (exit holding it)."""
+    import sqlalchemy as sa
+
+    lost_calls: list[str] = []
+    locker = Locker(args.url, table=args.table, grace=args.grace)
+    lock = locker.lock(
+        args.lockstring,
+        wait=None,
+        expires=args.expires,
+        keep_alive=args.keep_alive,
+        on_lost=lambda error: lost_calls.append(str(error)),
+    )
+    _say(event="acquired", lock_id=lock.lock_id, at=time.monotonic())
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "check":
+            if args.keep_alive:
+                deadline = time.monotonic() + 2  # let the woken keep-alive thread notice
+                while not lost_calls and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            report: dict[str, object] = {"event": "checked", "is_valid": lock.is_valid()}
+            report["on_lost_called"] = len(lost_calls)
+            for name, step in (("check", lock.check), ("extend", lock.extend)):
+                try:
+                    step()
+                    report[name] = "ok"
+                except LockLost:
+                    report[name] = "LockLost"
+            engine = sa.create_engine(locker.url)
+            with engine.connect() as conn, conn.begin():
+                try:
+                    lock.guard(conn)
+                    report["guard"] = "ok"
+                except LockLost:
+                    report["guard"] = "LockLost"
+            with engine.begin() as conn:  # the protected resource's fenced write
+                report["fenced_rows_written"] = conn.execute(
+                    sa.text(
+                        "UPDATE fenced SET fence = :fence, value = 'stale' "
+                        "WHERE name = :name AND fence < :fence"
+                    ),
+                    {"fence": lock.lock_id, "name": args.lockstring},
+                ).rowcount
+            engine.dispose()
+            try:
+                lock.unlock()
+                report["unlock"] = "ok"
+            except LockLost:
+                report["unlock"] = "LockLost"
+            _say(**report)
+        elif command == "release":
+            lock.unlock()
+            _say(event="released", at=time.monotonic())
+    os._exit(0)  # leave holding it, as a crash would (no finaliser runs)
+
+
+def _say(**fields: object) -> None:
+    print(json.dumps(fields), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.workers")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -69,8 +131,15 @@ def main(argv: list[str] | None = None) -> int:
     work.add_argument("--hold", type=float, default=0.001)
     work.add_argument("--expires", type=float, default=60)
     work.add_argument("--grace", type=float, default=1.0)
+    holder = commands.add_parser("hold", help="hold one lock and obey commands on stdin")
+    holder.add_argument("--url", required=True)
+    holder.add_argument("--table", required=True)
+    holder.add_argument("--lockstring", required=True)
+    holder.add_argument("--expires", type=float, default=1.0)
+    holder.add_argument("--grace", type=float, default=1.0)
+    holder.add_argument("--keep-alive", action="store_true")
     args = parser.parse_args(argv)
-    return counter(args)
+    return counter(args) if args.command == "counter" else hold(args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,87 @@
+"""A TCP proxy on loopback that can stop forwarding: a network stall between a client and its
+database, for the fault-injection tests (and by hand: ``python scripts/stall_proxy.py 5432``).
+
+While stalled, bytes already sent are held and new connections are accepted but not forwarded,
+so clients see a silent network rather than an error. close() ends every connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import socket
+import sys
+import threading
+
+
+class StallProxy:
+    def __init__(self, target_port: int, target_host: str = "127.0.0.1") -> None:
+        self.target = (target_host, target_port)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self._listener.getsockname()[1]
+        self._flowing = threading.Event()
+        self._flowing.set()
+        self._closed = threading.Event()
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, name="stall-proxy", daemon=True).start()
+
+    def stall(self) -> None:
+        self._flowing.clear()
+
+    def resume(self) -> None:
+        self._flowing.set()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._flowing.set()
+        with self._lock:
+            for sock in [self._listener, *self._sockets]:
+                with contextlib.suppress(OSError):
+                    sock.close()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            self._flowing.wait()
+            if self._closed.is_set():
+                client.close()
+                return
+            try:
+                server = socket.create_connection(self.target, timeout=10)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._sockets += [client, server]
+            threading.Thread(target=self._pump, args=(client, server), daemon=True).start()
+
+    def _pump(self, client: socket.socket, server: socket.socket) -> None:
+        peers = {client: server, server: client}
+        try:
+            while not self._closed.is_set():
+                readable, _, _ = select.select(list(peers), [], [], 0.1)
+                for sock in readable:
+                    self._flowing.wait()  # a stall: hold the bytes, send nothing on
+                    if self._closed.is_set():
+                        return
+                    data = sock.recv(65536)
+                    if not data:
+                        return
+                    peers[sock].sendall(data)
+        except OSError:
+            return
+        finally:
+            client.close()
+            server.close()
+
+
+if __name__ == "__main__":
+    proxy = StallProxy(int(sys.argv[1]))
+    print(f"forwarding 127.0.0.1:{proxy.port} -> 127.0.0.1:{sys.argv[1]}; Enter toggles a stall")
+    for _ in sys.stdin:
+        (proxy.resume if not proxy._flowing.is_set() else proxy.stall)()
+        print("stalled" if not proxy._flowing.is_set() else "flowing")

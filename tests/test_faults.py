@@ -1,0 +1,482 @@
+"""Fault injection with real processes and real servers on loopback.
+
+Each scenario is bounded in count and time and prints its figures as ``[reliability]`` lines;
+README.md's Reliability section quotes them from a run of::
+
+    .venv/bin/python -m pytest tests/test_faults.py tests/test_mutual_exclusion.py \\
+        tests/test_holding.py -s | grep reliability
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from scripts.stall_proxy import StallProxy
+from sqllocker import Locker, LockLost, lock_table
+from sqllocker.engine import resolve_url
+from tests.conftest import IN_CI, count_rows, figure
+
+REPO = Path(__file__).resolve().parent.parent
+
+GRACE = 1.0
+POLL = 0.25  # the waiters' longest backoff step (sqllocker.waiting.MAX_DELAY)
+
+
+class Holder:
+    """A `python -m tests.workers hold` process."""
+
+    def __init__(self, url: str, table: str, lockstring: str, *extra: str) -> None:
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.workers",
+                "hold",
+                "--url",
+                url,
+                "--table",
+                table,
+                "--lockstring",
+                lockstring,
+                "--grace",
+                str(GRACE),
+                *extra,
+            ],
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def read(self) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        assert line, self.process.stderr.read() if self.process.stderr else "holder died"
+        return dict(json.loads(line))
+
+    def send(self, command: str) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+
+    def finish(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.communicate(timeout=30)
+
+
+# -- 1. holder killed -----------------------------------------------------------------------------
+
+
+def test_killed_holder_is_taken_over_on_time(url: str, make_locker: Any, backend: str) -> None:
+    waiter = make_locker(grace=GRACE)
+    expires = 1.0
+    delays = []
+    for round_number in range(3):
+        holder = Holder(url, waiter.table_name, "job", "--expires", str(expires), "--keep-alive")
+        try:
+            acquired = holder.read()
+            time.sleep(random.uniform(0, 1.5))  # a random point in the hold (renewals included)
+            holder.process.send_signal(signal.SIGKILL)
+            killed_at = time.monotonic()
+            with waiter.lock("job", wait=30) as lock:
+                delay = time.monotonic() - killed_at
+                assert lock.lock_id > acquired["lock_id"]
+            delays.append(delay)
+        finally:
+            holder.finish()
+        assert delay <= expires + GRACE + POLL + 0.5, f"round {round_number}: {delay:.2f}s"
+    figure(
+        "SIGKILLed holder",
+        backend,
+        f"taken over after {', '.join(f'{d:.2f}s' for d in delays)} "
+        f"(bound: expiry {expires}s + grace {GRACE}s + poll {POLL}s); overlaps 0",
+    )
+
+
+# -- 2. holder frozen past its expiry -------------------------------------------------------------
+
+
+def test_frozen_holder_finds_its_lock_lost_and_its_writes_fenced(
+    url: str, make_locker: Any, backend: str
+) -> None:
+    contender = make_locker(grace=GRACE)
+    engine = sa.create_engine(resolve_url(url))
+    with engine.begin() as conn:
+        conn.exec_driver_sql("DROP TABLE IF EXISTS fenced")
+        conn.exec_driver_sql(
+            "CREATE TABLE fenced (name VARCHAR(64) PRIMARY KEY, fence BIGINT, value VARCHAR(16))"
+        )
+        conn.exec_driver_sql("INSERT INTO fenced VALUES ('job', 0, 'initial')")
+    holder = Holder(url, contender.table_name, "job", "--expires", "1", "--keep-alive")
+    try:
+        stale_id = holder.read()["lock_id"]
+        holder.process.send_signal(signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        new = contender.lock("job", wait=30)
+        took_over_after = time.monotonic() - frozen_at
+        with engine.begin() as conn:
+            written = conn.execute(
+                sa.text(
+                    "UPDATE fenced SET fence = :f, value = 'new' WHERE name = 'job' AND fence < :f"
+                ),
+                {"f": new.lock_id},
+            ).rowcount
+        assert written == 1
+        holder.process.send_signal(signal.SIGCONT)
+        holder.send("check")
+        report = holder.read()
+    finally:
+        holder.finish()
+    assert new.lock_id > stale_id
+    assert report["is_valid"] is False
+    assert report["on_lost_called"] == 1
+    assert report["check"] == report["extend"] == report["unlock"] == "LockLost"
+    assert report["guard"] == "LockLost"
+    assert report["fenced_rows_written"] == 0
+    (row,) = contender.locks()
+    assert (row.lock_id, row.guid, row.expires) == (new.lock_id, new.guid, new.expires)
+    with engine.connect() as conn:
+        assert conn.exec_driver_sql("SELECT value FROM fenced").scalar() == "new"
+    new.unlock()
+    with engine.begin() as conn:
+        conn.exec_driver_sql("DROP TABLE fenced")
+    engine.dispose()
+    figure(
+        "SIGSTOPped holder",
+        backend,
+        f"taken over {took_over_after:.2f}s after the freeze; on resume is_valid=False, "
+        "check/extend/unlock/guard raised LockLost, on_lost called once, stale fenced writes "
+        "accepted 0, new holder's row untouched",
+    )
+
+
+# -- 3. database restarted ------------------------------------------------------------------------
+
+
+def _postgres_binaries() -> Path | None:
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"))
+    return found[-1].parent if found else None
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _run_as(user: str, *command: str) -> None:
+    subprocess.run(
+        ["runuser", "-u", user, "--", *command], check=True, capture_output=True, timeout=120
+    )
+
+
+class PrivatePostgres:
+    """A PostgreSQL server of this test's own, never the shared one, to stop and crash."""
+
+    def __init__(self, home: Path, binaries: Path) -> None:
+        self.home, self.data, self.port = home, home / "data", _free_port()
+        self.pg_ctl = str(binaries / "pg_ctl")
+        _run_as(
+            "postgres",
+            str(binaries / "initdb"),
+            "-D",
+            str(self.data),
+            "-A",
+            "trust",
+            "-U",
+            "postgres",
+        )
+        self.url = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def start(self) -> None:
+        options = f"-p {self.port} -k {self.home} -c listen_addresses=127.0.0.1"
+        _run_as(
+            "postgres",
+            self.pg_ctl,
+            "-D",
+            str(self.data),
+            "-o",
+            options,
+            "-l",
+            str(self.home / "log"),
+            "-w",
+            "start",
+        )
+
+    def stop(self, crash: bool) -> None:
+        # "immediate" skips the shutdown checkpoint: recovery replays the WAL, as after a crash.
+        mode = "immediate" if crash else "fast"
+        _run_as("postgres", self.pg_ctl, "-D", str(self.data), "-m", mode, "-w", "stop")
+
+
+class PrivateMariaDB:
+    """A MariaDB server of this test's own, never the shared one, to stop and crash."""
+
+    def __init__(self, home: Path) -> None:
+        self.home, self.data, self.port = home, home / "data", _free_port()
+        subprocess.run(
+            [
+                "mariadb-install-db",
+                "--no-defaults",
+                f"--datadir={self.data}",
+                "--user=mysql",
+                "--auth-root-authentication-method=normal",
+                "--skip-test-db",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        self.url = f"mysql://root@127.0.0.1:{self.port}/mysql"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            [
+                "runuser",
+                "-u",
+                "mysql",
+                "--",
+                "/usr/sbin/mariadbd",
+                "--no-defaults",
+                f"--datadir={self.data}",
+                f"--socket={self.home / 'sock'}",
+                f"--port={self.port}",
+                "--bind-address=127.0.0.1",
+                f"--pid-file={self.home / 'pid'}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                assert time.monotonic() < deadline, "private MariaDB did not start"
+                time.sleep(0.1)
+
+    def stop(self, crash: bool) -> None:
+        pid = int((self.home / "pid").read_text())
+        os.kill(pid, signal.SIGKILL if crash else signal.SIGTERM)
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        if self.process is not None:
+            self.process.wait(timeout=60)
+
+
+@pytest.fixture(params=["postgresql", "mysql"])
+def private_server(request: pytest.FixtureRequest) -> Iterator[Any]:
+    binaries = _postgres_binaries()
+    if binaries is None or os.geteuid() != 0 or shutil.which("runuser") is None:
+        message = "needs the database servers' binaries and root (to run them as their users)"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+    # Not under pytest's temporary directory: only root may enter that.
+    home = Path(tempfile.mkdtemp(prefix="sqllocker-private-db-"))
+    kind = request.param
+    shutil.chown(home, "postgres" if kind == "postgresql" else "mysql")
+    server = PrivatePostgres(home, binaries) if kind == "postgresql" else PrivateMariaDB(home)
+    server.start()
+    try:
+        yield server
+    finally:
+        with contextlib.suppress(Exception):
+            server.stop(crash=True)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.mark.parametrize("crash", [False, True], ids=["clean", "crash"])
+def test_database_restart_never_gives_two_holders_or_reuses_an_id(
+    private_server: Any, crash: bool
+) -> None:
+    url = private_server.url
+    engine = sa.create_engine(resolve_url(url))
+    lock_table("semaphores").create(engine)
+    backend = engine.dialect.name
+    engine.dispose()
+    holder = Locker(url, grace=GRACE)
+    contender = Locker(url, grace=GRACE)
+    lost: list[str] = []
+    locks = [
+        holder.lock(f"job {n}", expires=3, keep_alive=True, on_lost=lambda e: lost.append(str(e)))
+        for n in range(3)
+    ]
+    highest_before = max(lock.lock_id for lock in locks)
+    private_server.stop(crash=crash)
+    down_at = time.monotonic()
+    time.sleep(1.0)
+    private_server.start()
+    downtime = time.monotonic() - down_at
+    time.sleep(4)  # more than an expiry period: renewals must have resumed, or losses be known
+    survived = [lock for lock in locks if lock.is_valid()]
+    for lock in locks:
+        stolen = contender.try_lock(lock.lockstring)
+        if lock.is_valid():
+            assert stolen is None, "a second holder while the first is still valid"
+        elif stolen is not None:
+            stolen.unlock()
+    assert len(survived) + len(lost) == len(locks)
+    fresh = contender.lock("after restart")
+    assert fresh.lock_id > highest_before  # ids are never reused
+    fresh.unlock()
+    for lock in survived:
+        lock.unlock()
+    holder.close()
+    contender.close()
+    figure(
+        f"database {'crash' if crash else 'restart'}",
+        backend,
+        f"down {downtime:.1f}s; kept-alive locks surviving {len(survived)}/{len(locks)}, "
+        f"holders told lost {len(lost)}, double holders 0, reused ids 0",
+    )
+
+
+# -- 4. network stall -----------------------------------------------------------------------------
+
+
+# No network lies between an SQLite holder and its database; the same deadline logic is covered
+# there by test_holding.test_on_lost_fires_at_the_deadline_when_renewals_keep_failing.
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_network_stall_tells_the_holder_before_anyone_can_take_over(
+    url: str, table_name: str, make_locker: Any, backend: str
+) -> None:
+    contender = make_locker(grace=GRACE)
+    target = resolve_url(url)
+    proxy = StallProxy(target.port or (5432 if backend == "postgresql" else 3306))
+    through_proxy = target.set(host="127.0.0.1", port=proxy.port)
+    holder = Locker(through_proxy, table=table_name, grace=GRACE)
+    told: list[float] = []
+    expires = 2.0
+    try:
+        lock = holder.lock(
+            "job", expires=expires, keep_alive=True, on_lost=lambda _: told.append(time.monotonic())
+        )
+        time.sleep(0.5)
+        proxy.stall()
+        stalled_at = time.monotonic()
+        taken = contender.lock("job", wait=30)
+        taken_at = time.monotonic()
+        assert told, "the holder was not told before the takeover"
+        assert told[0] <= taken_at
+        assert not lock.is_valid()
+        taken.unlock()
+    finally:
+        proxy.close()  # unblocks the holder's stalled renewal
+        holder.close()
+    figure(
+        "network stall",
+        backend,
+        f"holder told {told[0] - stalled_at:.2f}s into the stall, takeover possible at "
+        f"{taken_at - stalled_at:.2f}s (told {taken_at - told[0]:.2f}s before)",
+    )
+
+
+# -- 6. fork while holding a kept-alive lock ------------------------------------------------------
+
+
+def test_fork_child_neither_renews_nor_releases_the_parents_kept_alive_lock(
+    locker: Locker, backend: str
+) -> None:
+    lock = locker.lock("parent's", expires=1, keep_alive=True)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            threads = [t.name for t in threading.enumerate() if t.name.startswith("sqllocker")]
+            lock.__exit__(None, None, None)
+            lock._finalizer()
+            gc.collect()
+            state = {"threads": threads, "kept_alive": len(locker._keep_alives)}
+            os.write(write_end, json.dumps(state).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    os.waitpid(pid, 0)
+    child = json.loads(os.read(read_end, 4096))
+    os.close(read_end)
+    assert child == {"threads": [], "kept_alive": 0}
+    time.sleep(3)  # three expiry periods: the parent's renewals carry on
+    assert lock.is_valid()
+    assert [row.lockstring for row in locker.locks()] == ["parent's"]
+    lock.unlock()
+    figure(
+        "fork with a kept-alive lock",
+        backend,
+        "child threads 0, child renewals 0, child releases 0; parent still valid after 3s",
+    )
+
+
+# -- 7. soak --------------------------------------------------------------------------------------
+
+
+def server_connections(locker: Locker) -> int:
+    with locker.engine.connect() as conn:
+        if locker.engine.dialect.name == "postgresql":
+            return int(
+                conn.exec_driver_sql(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                ).scalar_one()
+            )
+        if locker.engine.dialect.name == "mysql":
+            return int(
+                conn.exec_driver_sql(
+                    "SELECT count(*) FROM information_schema.processlist WHERE db = DATABASE()"
+                ).scalar_one()
+            )
+        return locker.engine.pool.checkedout()  # type: ignore[attr-defined,no-any-return]
+
+
+def test_soak_of_10000_cycles_leaves_nothing_behind(locker: Locker, backend: str) -> None:
+    cycles = 10_000
+    locker.lock("warm up", keep_alive=True).unlock()
+    threads_before = threading.active_count()
+    connections_before = server_connections(locker)
+    started = time.monotonic()
+    for n in range(cycles):
+        with locker.lock(f"soak {n % 50}", expires=5, keep_alive=True) as lock:
+            assert lock.is_valid()
+    elapsed = time.monotonic() - started
+    threads_after = threading.active_count()
+    connections_after = server_connections(locker)
+    assert count_rows(locker) == 0
+    assert threads_after <= threads_before
+    assert connections_after <= connections_before
+    figure(
+        "soak",
+        backend,
+        f"{cycles} acquire/keep-alive/release cycles in {elapsed:.1f}s; rows left 0, threads "
+        f"{threads_before}->{threads_after}, connections {connections_before}->{connections_after}",
+    )
+
+
+def test_lost_is_never_silent_for_an_unlocked_lost_lock(locker: Locker) -> None:
+    # The with-block form of scenario 2, in-process: the lock is broken under a running body.
+    with pytest.raises(LockLost), locker.lock("job", expires=5, keep_alive=True):
+        locker.break_lock("job")
