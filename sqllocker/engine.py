@@ -75,7 +75,15 @@ def create_locker_engine(url: URL) -> Engine:
             connect_args["init_command"] = (
                 f"SET SESSION innodb_lock_wait_timeout = {ROW_LOCK_TIMEOUT_SECONDS}"
             )
-    engine = sa.create_engine(url, isolation_level="AUTOCOMMIT", connect_args=connect_args)
+    engine = sa.create_engine(
+        url,
+        isolation_level="AUTOCOMMIT",
+        connect_args=connect_args,
+        # Every lock operation ends its own transaction (autocommit on the servers, an explicit
+        # COMMIT or ROLLBACK on SQLite), so the pool's rollback-on-return would be a wasted round
+        # trip per operation (PyMySQL sends it over the network: ~60 us of a ~400 us cycle).
+        pool_reset_on_return=None,
+    )
     if backend == "sqlite":
         sa.event.listen(engine, "connect", _configure_sqlite_connection)
     _engines_we_own.add(engine)
