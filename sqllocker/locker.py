@@ -39,9 +39,11 @@ from .errors import (
     describe_holder,
     one_line,
 )
+from .execution import PreparedCache, Session
 from .identity import holder_details
 from .keepalive import DEFAULT_FRACTION, KeepAlive
 from .lock import Lock, LockState, OnLost
+from .notify import ReleaseListener
 from .schema import DEFAULT_TABLE, lock_table, to_utc
 from .statements import Statements
 from .waiting import Backoff
@@ -170,7 +172,9 @@ class Locker:
         )
         self._backend: Backend | None = None
         self._statements: Statements | None = None
+        self._prepared: PreparedCache
         self._setup_lock = threading.Lock()
+        self._listener: ReleaseListener | None = None
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -204,11 +208,24 @@ class Locker:
         wait = validation.check_wait(wait, lockstring)
         extra = validation.check_locked_by(locked_by, lockstring)
         backoff = Backoff.for_wait(wait)
+        listener = self._release_listener() if wait != 0 else None
         while True:
-            outcome = self._try_acquire(lockstring, ttl, extra, on_lost or self.on_lost)
+            # Subscribe before the attempt: a release between a refusal and the sleep still
+            # wakes us.
+            waiter = listener.register(lockstring) if listener is not None else None
+            try:
+                outcome = self._try_acquire(lockstring, ttl, extra, on_lost or self.on_lost)
+            except BaseException:
+                if listener is not None and waiter is not None:
+                    listener.unregister(waiter)
+                raise
             if isinstance(outcome, Lock):
+                if listener is not None and waiter is not None:
+                    listener.unregister(waiter)
                 return outcome.keep_alive() if keep_alive else outcome
             if backoff.expired():
+                if listener is not None and waiter is not None:
+                    listener.unregister(waiter)
                 waited = 0.0 if wait is None else wait
                 busy = outcome.busy or LockBusy(lockstring, waited=waited)
                 if waited:
@@ -221,11 +238,14 @@ class Locker:
                         waited=waited,
                     )
                 raise busy
-            backoff.sleep(
-                backoff.next_delay(
-                    outcome.busy.expires if outcome.busy else None, outcome.server_now, self.grace
-                )
+            delay = backoff.next_delay(
+                outcome.busy.expires if outcome.busy else None, outcome.server_now, self.grace
             )
+            if listener is not None and waiter is not None:
+                waiter.event.wait(delay)  # a release notification, or the backoff, ends it
+                listener.unregister(waiter)
+            else:
+                backoff.sleep(delay)
 
     def try_lock(
         self,
@@ -264,7 +284,7 @@ class Locker:
         if pattern is not None and not isinstance(pattern, str):
             raise LockTypeError(f"pattern must be a str, not {type(pattern).__name__}")
 
-        def read(conn: Connection) -> list[LockInfo]:
+        def read(conn: Session) -> list[LockInfo]:
             if pattern is None:
                 rows = conn.execute(self._sql.list_locks())
             else:
@@ -278,7 +298,7 @@ class Locker:
         """The row of ``lockstring``, live or expired, or None if there is none."""
         lockstring = validation.check_lockstring(lockstring)
 
-        def read(conn: Connection) -> LockInfo | None:
+        def read(conn: Session) -> LockInfo | None:
             row = conn.execute(self._sql.holder, {"ls": lockstring}).first()
             return None if row is None else _lock_info(row)
 
@@ -287,7 +307,7 @@ class Locker:
     def expired_locks(self) -> list[LockInfo]:
         """The rows purge_expired_locks() would delete now (expired for longer than grace)."""
 
-        def read(conn: Connection) -> list[LockInfo]:
+        def read(conn: Session) -> list[LockInfo]:
             params = {"minus_grace": self._be.seconds_value(-self.grace)}
             return [_lock_info(row) for row in conn.execute(self._sql.purgeable, params)]
 
@@ -302,7 +322,7 @@ class Locker:
         """
         lockstring = validation.check_lockstring(lockstring)
 
-        def delete(conn: Connection) -> LockInfo | None:
+        def delete(conn: Session) -> LockInfo | None:
             def statements() -> LockInfo | None:
                 row = conn.execute(self._sql.holder, {"ls": lockstring}).first()
                 if row is None or (lock_id is not None and row.id != lock_id):
@@ -334,6 +354,8 @@ class Locker:
         """Stop keeping locks alive, and close the pooled connections of an engine the locker
         created (not a caller's)."""
         self._keep_alives.stop()
+        if self._listener is not None:
+            self._listener.stop()
         if self._owns_engine:
             self.engine.dispose()
 
@@ -364,6 +386,16 @@ class Locker:
             )
         logger.debug("released %r (id %d)", lockstring, lock_id)
 
+    def _release_listener(self) -> ReleaseListener | None:
+        """PostgreSQL (psycopg 3) waiters wake on NOTIFY; other backends back off and retry."""
+        dialect = self.engine.dialect
+        if dialect.name != "postgresql" or dialect.driver != "psycopg":
+            return None
+        with self._setup_lock:
+            if self._listener is None:
+                self._listener = ReleaseListener(self.engine, self.table_name)
+            return self._listener
+
     def _check_seconds(self, seconds: object, lockstring: str) -> float:
         return validation.check_seconds(seconds, "expires", lockstring)
 
@@ -381,8 +413,8 @@ class Locker:
                 state.lockstring,
             )
         if self._backend is None:
-            with self._connect():
-                pass  # learn the backend
+            with self._connection() as conn:
+                self._setup(conn)
         params = {"lock_id": state.lock_id, "lock_guid": state.guid}
         if self._be.begin_immediate:
             # SQLite: a write takes the database's write lock until the caller's transaction
@@ -404,7 +436,7 @@ class Locker:
     def _extend(self, lockstring: str, lock_id: int, guid: str, ttl: float) -> datetime:
         params = {"lock_id": lock_id, "lock_guid": guid, "ttl": self._be.seconds_value(ttl)}
 
-        def extend(conn: Connection) -> datetime | None:
+        def extend(conn: Session) -> datetime | None:
             def statements() -> datetime | None:
                 result = conn.execute(self._sql.extend, params)
                 if self._be.update_returning:
@@ -454,7 +486,7 @@ class Locker:
         return refused
 
     def _acquire_on(
-        self, conn: Connection, lockstring: str, guid: str, ttl: float, details: dict[str, Any]
+        self, conn: Session, lockstring: str, guid: str, ttl: float, details: dict[str, Any]
     ) -> _Acquired | _Refused:
         be, sql = self._be, self._sql
         params = {
@@ -500,7 +532,7 @@ class Locker:
                 return _Refused(None, None)
             raise
 
-    def _insert(self, conn: Connection, params: dict[str, Any]) -> _Acquired | None:
+    def _insert(self, conn: Session, params: dict[str, Any]) -> _Acquired | None:
         try:
             result = conn.execute(self._sql.acquire, params)
         except sa.exc.IntegrityError as error:
@@ -510,38 +542,34 @@ class Locker:
         if self._be.insert_returning:
             row = result.first()
             return None if row is None else _Acquired(row.id, row.created, row.expires)
-        if result.rowcount != 1:
+        if result.rowcount != 1 or result.lastrowid is None:
             return None
-        primary_key = result.inserted_primary_key
-        if primary_key is None:
-            raise LockError("internal error: the INSERT returned no primary key")
-        lock_id = primary_key[0]
+        lock_id = result.lastrowid
         mine = {"lock_id": lock_id, "lock_guid": params["lock_guid"]}
         times = conn.execute(self._sql.times_of, mine).one()
         return _Acquired(lock_id, times.created, times.expires)
 
-    def _purge_batch(self, conn: Connection, batch_size: int) -> int:
+    def _purge_batch(self, conn: Session, batch_size: int) -> int:
         params = {"minus_grace": self._be.seconds_value(-self.grace)}
         return self._write(
             conn, lambda: conn.execute(self._sql.purge_batch(batch_size), params).rowcount
         )
 
-    def _write(self, conn: Connection, statements: Callable[[], T]) -> T:
+    def _write(self, conn: Session, statements: Callable[[], T]) -> T:
         """Run ``statements`` as one transaction (SQLite: BEGIN IMMEDIATE), or as autocommit
         statements on the servers, where each one is atomic by itself."""
         if not self._be.begin_immediate:
             return statements()
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        conn.execute_text("BEGIN IMMEDIATE")
         try:
             result = statements()
         except BaseException:
-            if conn.connection.dbapi_connection is not None:
-                conn.connection.dbapi_connection.rollback()
+            conn.dbapi_connection.rollback()
             raise
-        conn.exec_driver_sql("COMMIT")
+        conn.execute_text("COMMIT")
         return result
 
-    def _run(self, lockstring: str | None, operation: Callable[[Connection], T]) -> T:
+    def _run(self, lockstring: str | None, operation: Callable[[Session], T]) -> T:
         """Run ``operation`` on a pooled connection, translating driver errors into LockErrors.
 
         Every operation is safe to repeat (acquire recognises its own row by guid), so two kinds
@@ -586,18 +614,53 @@ class Locker:
                 ) from error
 
     @contextmanager
-    def _connect(self) -> Iterator[Connection]:
-        try:
-            conn = self.engine.connect()
-        except sa.exc.DBAPIError as error:
-            raise DatabaseError(
-                f"cannot connect to {describe_url(self.url)}: {one_line(error.orig)}; check the "
-                "URL (--url or $SQLLOCKER_URL) and that the server is running"
-            ) from error
-        with conn:
-            if self._backend is None:
+    def _connect(self) -> Iterator[Session]:
+        """A cursor on a pooled connection in autocommit mode, for one operation.
+
+        An engine the locker made is AUTOCOMMIT for every connection, so its raw pooled
+        connections serve directly; a caller's Engine gets AUTOCOMMIT through an SQLAlchemy
+        Connection, which also restores the connection's own setting when it goes back.
+        """
+        if self._backend is None:
+            with self._connection() as conn:
                 self._setup(conn)
-            yield conn
+        try:
+            checkout: Any = self.engine.raw_connection() if self._owns_engine else None
+            connection = None if self._owns_engine else self.engine.connect()
+        except sa.exc.DBAPIError as error:
+            raise self._unreachable(error.orig) from error
+        except self.engine.dialect.loaded_dbapi.Error as error:  # raw_connection() does not wrap
+            raise self._unreachable(error) from error
+        fairy = checkout if connection is None else connection.connection
+        session = Session(fairy.driver_connection, self._prepared)
+        try:
+            yield session
+        except sa.exc.DBAPIError as error:
+            if error.connection_invalidated:
+                fairy.invalidate(error.orig)
+                if self._owns_engine:
+                    # The server went away: every pooled connection is as dead as this one.
+                    self.engine.dispose()
+            raise
+        finally:
+            session.close()
+            (fairy if connection is None else connection).close()
+
+    @contextmanager
+    def _connection(self) -> Iterator[Connection]:
+        """An SQLAlchemy Connection, for the rare statements outside the lock operations."""
+        try:
+            connection = self.engine.connect()
+        except sa.exc.DBAPIError as error:
+            raise self._unreachable(error.orig) from error
+        with connection:
+            yield connection
+
+    def _unreachable(self, error: BaseException | None) -> DatabaseError:
+        return DatabaseError(
+            f"cannot connect to {describe_url(self.url)}: {one_line(error)}; check the "
+            "URL (--url or $SQLLOCKER_URL) and that the server is running"
+        )
 
     def _setup(self, conn: Connection) -> None:
         # The backend's capabilities (MariaDB's RETURNING) are known only once connected.
@@ -606,6 +669,7 @@ class Locker:
                 backend = backend_for(conn.dialect)
                 self._check_durability(conn)
                 self._statements = Statements(self.table, backend)
+                self._prepared = PreparedCache(conn.dialect)
                 self._backend = backend
 
     def _check_durability(self, conn: Connection) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -301,17 +302,13 @@ def test_purge_of_100000_expired_rows_interleaved_with_live_ones(
     print(f"\npurged {purged} rows in batches of 5000 in {elapsed:.1f}s")
 
 
-def test_purge_runs_in_batches(migrated: Locker) -> None:
+def test_purge_runs_in_batches(migrated: Locker, caplog: pytest.LogCaptureFixture) -> None:
     for n in range(25):
         abandon(migrated.lock(f"dead {n}", expires=0.1))
     time.sleep(0.3)
-    deletes: list[str] = []
-    sa.event.listen(
-        migrated.engine,
-        "before_cursor_execute",
-        lambda *args: deletes.append(args[2]) if args[2].startswith("DELETE") else None,
-    )
+    caplog.set_level(logging.DEBUG, logger="sqllocker.sql")
     assert migrated.purge_expired_locks(batch_size=10) == 25
+    deletes = [r for r in caplog.records if r.getMessage().startswith("DELETE")]
     assert len(deletes) == 3  # 10 + 10 + 5
 
 

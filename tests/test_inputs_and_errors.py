@@ -3,9 +3,10 @@ name the lock, the holder and the fix, and pickle."""
 
 from __future__ import annotations
 
+import logging
 import pickle
 import unicodedata
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -23,18 +24,25 @@ from sqllocker import (
 )
 from tests.conftest import count_rows
 
+Sent = Callable[[], list[str]]
+
 
 @pytest.fixture
-def statements_sent(locker: Locker) -> Iterator[list[str]]:
-    """Every statement the locker's engine sends from now on."""
-    sent: list[str] = []
+def statements_sent(locker: Locker, caplog: pytest.LogCaptureFixture) -> Sent:
+    """A function returning every statement the locker has sent since the fixture was set up
+    (sqllocker logs each at DEBUG on the sqllocker.sql logger)."""
+    locker.lock("warm up").unlock()  # the first connection's set-up is not under test
+    caplog.set_level(logging.DEBUG, logger="sqllocker.sql")
+    caplog.clear()
+    return lambda: [r.getMessage() for r in caplog.records if r.name == "sqllocker.sql"]
 
-    def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
-        sent.append(statement)
 
-    sa.event.listen(locker.engine, "before_cursor_execute", record)
-    yield sent
-    sa.event.remove(locker.engine, "before_cursor_execute", record)
+def test_statements_sent_sees_what_the_locker_sends(locker: Locker, statements_sent: Sent) -> None:
+    assert statements_sent() == []
+    locker.lock("job").unlock()
+    sent = statements_sent()
+    assert any(statement.startswith("INSERT") for statement in sent)
+    assert any(statement.startswith("DELETE") for statement in sent)
 
 
 BAD_LOCKSTRINGS: list[tuple[object, type[Exception]]] = [
@@ -51,12 +59,15 @@ BAD_LOCKSTRINGS: list[tuple[object, type[Exception]]] = [
 
 @pytest.mark.parametrize(("lockstring", "error"), BAD_LOCKSTRINGS)
 def test_bad_lockstring_is_refused_and_nothing_is_sent(
-    locker: Locker, statements_sent: list[str], lockstring: object, error: type[Exception]
+    locker: Locker,
+    statements_sent: Sent,
+    lockstring: object,
+    error: type[Exception],
 ) -> None:
     with pytest.raises(error) as caught:
         locker.lock(lockstring)  # type: ignore[arg-type]
     assert isinstance(caught.value, LockError)
-    assert statements_sent == []
+    assert statements_sent() == []
     assert count_rows(locker) == 0
 
 
@@ -82,11 +93,14 @@ BAD_OPTIONS: list[tuple[dict[str, Any], type[Exception]]] = [
 
 @pytest.mark.parametrize(("options", "error"), BAD_OPTIONS)
 def test_bad_options_are_refused_and_nothing_is_sent(
-    locker: Locker, statements_sent: list[str], options: dict[str, Any], error: type[Exception]
+    locker: Locker,
+    statements_sent: Sent,
+    options: dict[str, Any],
+    error: type[Exception],
 ) -> None:
     with pytest.raises(error):
         locker.lock("job", **options)
-    assert statements_sent == []
+    assert statements_sent() == []
     assert count_rows(locker) == 0
 
 
@@ -235,3 +249,17 @@ def test_errors_form_one_hierarchy() -> None:
         assert issubclass(cls, LockError)
     assert issubclass(LockValueError, ValueError)
     assert issubclass(LockTypeError, TypeError)
+
+
+def test_database_gone_after_first_use_is_a_lock_error(tmp_path: Any) -> None:
+    import shutil
+
+    directory = tmp_path / "db"
+    directory.mkdir()
+    locker = Locker(f"sqlite:///{directory / 'locks.db'}")
+    locker.lock("job").unlock()
+    locker.engine.dispose()  # no pooled connection left: the next operation must connect
+    shutil.rmtree(directory)
+    with pytest.raises(DatabaseError) as caught:
+        locker.lock("job")
+    assert "cannot connect" in str(caught.value)

@@ -1,0 +1,139 @@
+"""Waking PostgreSQL waiters the moment a lock is released, instead of when a poll timer fires.
+
+Migration 0003 puts a trigger on the table that sends ``NOTIFY sqllocker_<table>, lockstring``
+on every DELETE (release, purge, an operator's DELETE). Each Locker keeps one listening
+connection, on one thread, shared by all its waiters. A waiter registers *before* each attempt,
+so a release that happens between its refused attempt and its sleep still wakes it.
+
+Each notification wakes the longest-waiting waiter of that lockstring in this process, not all
+of them: the others would only stampede the row and be refused again. Waiters still wake by
+themselves when the holder's row is due to expire, and at a slow fallback poll, so a lost
+notification (the listening connection dropped) costs latency, never correctness.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections import defaultdict, deque
+from typing import Any
+
+from sqlalchemy.engine import Engine
+
+logger = logging.getLogger("sqllocker")
+
+# How long the listener blocks in one read before checking whether it should stop.
+_READ_SECONDS = 1.0
+
+
+class Waiter:
+    """One registration: set when a release of its lockstring may have made it free."""
+
+    __slots__ = ("event", "lockstring")
+
+    def __init__(self, lockstring: str) -> None:
+        self.lockstring = lockstring
+        self.event = threading.Event()
+
+
+class ReleaseListener:
+    """One LISTEN connection per Locker, and the waiters it wakes."""
+
+    def __init__(self, engine: Engine, table: str) -> None:
+        self._engine = engine
+        self.channel = f"sqllocker_{table}"
+        self._lock = threading.Lock()
+        self._waiters: dict[str, deque[Waiter]] = defaultdict(deque)
+        self._thread: threading.Thread | None = None
+        self._listening = threading.Event()
+        self._stopping = False
+        self._pid = os.getpid()
+        self.notifications = 0
+
+    def register(self, lockstring: str) -> Waiter:
+        """Subscribe to ``lockstring``'s next release; call before the acquire attempt."""
+        self._ensure_listening()
+        waiter = Waiter(lockstring)
+        with self._lock:
+            self._waiters[lockstring].append(waiter)
+        return waiter
+
+    def unregister(self, waiter: Waiter) -> None:
+        with self._lock:
+            queue = self._waiters.get(waiter.lockstring)
+            if queue is not None:
+                with contextlib.suppress(ValueError):  # already woken and removed
+                    queue.remove(waiter)
+                if not queue:
+                    del self._waiters[waiter.lockstring]
+
+    def stop(self) -> None:
+        self._stopping = True
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(_READ_SECONDS * 3)
+
+    # -- the listening thread ------------------------------------------------------------------
+
+    def _ensure_listening(self) -> None:
+        if self._pid != os.getpid():  # a forked child listens on a connection of its own
+            self._pid, self._thread, self._stopping = os.getpid(), None, False
+            self._listening.clear()
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._listening.clear()
+                self._thread = threading.Thread(
+                    target=self._listen, name=f"sqllocker-listen-{self.channel}", daemon=True
+                )
+                self._thread.start()
+        # Subscribed before the caller's attempt, or not at all (then it polls): never a
+        # registration that silently misses the release.
+        self._listening.wait(5)
+
+    def _listen(self) -> None:
+        while not self._stopping:
+            try:
+                self._listen_once()
+            except Exception as error:  # the connection dropped: reconnect after a pause
+                self._listening.clear()
+                logger.warning("release notifications interrupted (%s); reconnecting", error)
+                self._wake_everyone()  # they may have missed a release meanwhile
+                if not self._stopping:
+                    threading.Event().wait(1.0)
+
+    def _listen_once(self) -> None:
+        fairy = self._engine.raw_connection()
+        connection: Any = fairy.driver_connection
+        fairy.detach()  # ours for good: it never goes back to the pool
+        try:
+            connection.autocommit = True
+            connection.execute(f'LISTEN "{self.channel}"')
+            self._listening.set()
+            while not self._stopping:
+                for notice in connection.notifies(timeout=_READ_SECONDS):
+                    self.notifications += 1
+                    self._wake_first(notice.payload)
+        finally:
+            self._listening.clear()
+            connection.close()
+
+    def _wake_first(self, lockstring: str) -> None:
+        with self._lock:
+            queue = self._waiters.get(lockstring)
+            if queue:
+                queue.popleft().event.set()
+                if not queue:
+                    del self._waiters[lockstring]
+
+    def _wake_everyone(self) -> None:
+        with self._lock:
+            for queue in self._waiters.values():
+                for waiter in queue:
+                    waiter.event.set()
+            self._waiters.clear()
+
+    @property
+    def is_listening(self) -> bool:
+        return self._listening.is_set()

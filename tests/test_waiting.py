@@ -1,0 +1,106 @@
+"""Waiting for a held lock: PostgreSQL waiters wake on NOTIFY; the others back off and retry."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from sqllocker import Locker
+from sqllocker.engine import resolve_url
+from sqllocker.migrations import upgrade
+from sqllocker.waiting import Backoff
+
+
+@pytest.fixture
+def migrated_postgres(postgresql_url: str, table_name: str) -> Iterator[str]:
+    """A table made by the migrations, so it has the release-notifying trigger."""
+    engine = sa.create_engine(resolve_url(postgresql_url))
+    upgrade(engine, table_name)
+    engine.dispose()
+    return postgresql_url
+
+
+@pytest.fixture
+def slow_polling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Waiters that would poll only every 30 s: if they come back sooner, NOTIFY woke them."""
+    monkeypatch.setattr(Backoff, "for_wait", classmethod(lambda cls, wait: cls(None, 30.0, 30.0)))
+
+
+@pytest.mark.parametrize("freed_by", ["release", "purge", "operator's DELETE"])
+def test_postgres_waiter_wakes_on_notify(
+    migrated_postgres: str, table_name: str, slow_polling: None, freed_by: str
+) -> None:
+    holder = Locker(migrated_postgres, table=table_name, grace=0)
+    waiter = Locker(migrated_postgres, table=table_name, grace=0)
+    held = holder.lock("job", expires=600 if freed_by != "purge" else 1)
+    acquired: list[float] = []
+
+    def wait() -> None:
+        with waiter.lock("job", wait=60):
+            acquired.append(time.monotonic())
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    time.sleep(0.5)  # the waiter has tried, been refused, and is sleeping
+    assert acquired == []
+    if freed_by == "release":
+        held.unlock()
+    elif freed_by == "purge":
+        time.sleep(1.2)
+        held._finalizer.detach()
+        assert holder.purge_expired_locks() == 1
+    else:
+        with sa.create_engine(resolve_url(migrated_postgres)).begin() as conn:
+            conn.execute(sa.text(f"DELETE FROM {table_name} WHERE lockstring = 'job'"))
+    freed = time.monotonic()
+    thread.join(20)
+    assert acquired, "the waiter was not woken"
+    assert acquired[0] - freed < 10  # far sooner than its 30 s poll: the notification woke it
+    assert waiter._listener is not None
+    assert waiter._listener.notifications >= 1
+    holder.close()
+    waiter.close()
+
+
+def test_one_release_wakes_one_waiter_of_a_process(
+    migrated_postgres: str, table_name: str, slow_polling: None
+) -> None:
+    holder = Locker(migrated_postgres, table=table_name, grace=0)
+    waiter = Locker(migrated_postgres, table=table_name, grace=0)
+    held = holder.lock("job")
+    woke: list[str] = []
+    release_next = threading.Event()
+
+    def wait(name: str) -> None:
+        with waiter.lock("job", wait=60):
+            woke.append(name)
+            release_next.wait(20)
+
+    threads = [threading.Thread(target=wait, args=(f"waiter {n}",)) for n in range(3)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.5)
+    held.unlock()
+    time.sleep(1.0)
+    assert len(woke) == 1  # not a stampede: the others were not woken to be refused
+    release_next.set()
+    for thread in threads:
+        thread.join(20)
+    assert sorted(woke) == ["waiter 0", "waiter 1", "waiter 2"]  # each release woke the next
+    holder.close()
+    waiter.close()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "mysql"])
+def test_other_backends_wait_by_backing_off(make_locker: Any, backend: str) -> None:
+    holder, waiter = make_locker(), make_locker()
+    held = holder.lock("job")
+    threading.Timer(0.3, held.unlock).start()
+    with waiter.lock("job", wait=10) as lock:
+        assert lock.is_locked
+    assert waiter._release_listener() is None
