@@ -32,6 +32,9 @@ class Statements:
         # A row may be taken over or purged only once it has been expired for `grace` seconds,
         # so that a holder whose local deadline just passed has stopped before anyone else starts.
         self._expired_beyond_grace = c.expires <= backend.shifted_now("minus_grace")
+        # One acquisition's row, named by id *and* guid: a stale holder can never match another's.
+        self._ours = sa.and_(c.id == sa.bindparam("lock_id"), c.guid == sa.bindparam("lock_guid"))
+        self._ours_and_live = sa.and_(self._ours, c.expires > self._now)
 
     @cached_property
     def acquire(self) -> sa.Insert | ReturningInsert[Any]:
@@ -123,17 +126,12 @@ class Statements:
     def times_of(self) -> Select[Any]:
         """created/expires of our row, where INSERT or UPDATE cannot return them (MySQL)."""
         c = self.table.c
-        return sa.select(c.created, c.expires).where(
-            c.id == sa.bindparam("lock_id"), c.guid == sa.bindparam("lock_guid")
-        )
+        return sa.select(c.created, c.expires).where(self._ours)
 
     @cached_property
     def release(self) -> Delete:
         """Delete our row, matched by id *and* guid: a stale holder can never delete another's."""
-        c = self.table.c
-        return sa.delete(self.table).where(
-            c.id == sa.bindparam("lock_id"), c.guid == sa.bindparam("lock_guid")
-        )
+        return sa.delete(self.table).where(self._ours)
 
     @cached_property
     def extend(self) -> Update:
@@ -145,11 +143,7 @@ class Statements:
         c = self.table.c
         update = (
             sa.update(self.table)
-            .where(
-                c.id == sa.bindparam("lock_id"),
-                c.guid == sa.bindparam("lock_guid"),
-                c.expires > self._now,
-            )
+            .where(self._ours_and_live)
             .values(expires=self.backend.shifted_now("ttl"))
         )
         return update.returning(c.expires) if self.backend.update_returning else update
@@ -177,28 +171,11 @@ class Statements:
     def guard(self) -> Select[Any]:
         """Our unexpired row, share-locked until the caller's transaction ends (PostgreSQL
         ``FOR SHARE``, MySQL ``LOCK IN SHARE MODE``): takeover and purge must wait for it."""
-        c = self.table.c
-        return (
-            sa.select(c.id)
-            .where(
-                c.id == sa.bindparam("lock_id"),
-                c.guid == sa.bindparam("lock_guid"),
-                c.expires > self._now,
-            )
-            .with_for_update(read=True)
-        )
+        return sa.select(self.table.c.id).where(self._ours_and_live).with_for_update(read=True)
 
     @cached_property
     def guard_by_writing(self) -> Update:
         """SQLite's guard: a no-op write to our unexpired row, which takes the database's write
         lock for the rest of the caller's transaction."""
         c = self.table.c
-        return (
-            sa.update(self.table)
-            .where(
-                c.id == sa.bindparam("lock_id"),
-                c.guid == sa.bindparam("lock_guid"),
-                c.expires > self._now,
-            )
-            .values(expires=c.expires)
-        )
+        return sa.update(self.table).where(self._ours_and_live).values(expires=c.expires)
