@@ -71,6 +71,34 @@ def timed_cycles(cycle: Callable[[int], None], count: int) -> dict[str, float]:
     }
 
 
+def postgres_connection(url: str) -> Any:
+    """A plain psycopg connection in autocommit mode: the alternatives' baseline, no library."""
+    import psycopg
+
+    target = resolve_url(url)
+    return psycopg.connect(
+        host=target.host,
+        port=target.port or 5432,
+        user=target.username,
+        dbname=target.database,
+        autocommit=True,
+    )
+
+
+def mysql_connection(url: str) -> Any:
+    """A plain PyMySQL connection in autocommit mode."""
+    import pymysql
+
+    target = resolve_url(url)
+    return pymysql.connect(
+        host=target.host,
+        port=target.port or 3306,
+        user=target.username,
+        database=target.database,
+        autocommit=True,
+    )
+
+
 def fresh_table(url: str) -> None:
     """An empty lock table made as users make it, by the migrations (on PostgreSQL they add the
     trigger whose NOTIFY wakes waiters)."""
@@ -142,16 +170,7 @@ def sqllocker_cycle(url: str) -> tuple[Callable[[int], None], Callable[[], None]
 
 
 def advisory_cycle(url: str) -> tuple[Callable[[int], None], Callable[[], None]]:
-    import psycopg
-
-    target = resolve_url(url)
-    connection = psycopg.connect(
-        host=target.host,
-        port=target.port or 5432,
-        user=target.username,
-        dbname=target.database,
-        autocommit=True,
-    )
+    connection = postgres_connection(url)
     cursor = connection.cursor()
 
     def cycle(n: int) -> None:
@@ -164,16 +183,7 @@ def advisory_cycle(url: str) -> tuple[Callable[[int], None], Callable[[], None]]
 
 
 def get_lock_cycle(url: str) -> tuple[Callable[[int], None], Callable[[], None]]:
-    import pymysql
-
-    target = resolve_url(url)
-    connection = pymysql.connect(
-        host=target.host,
-        port=target.port or 3306,
-        user=target.username,
-        database=target.database,
-        autocommit=True,
-    )
+    connection = mysql_connection(url)
     cursor = connection.cursor()
 
     def cycle(n: int) -> None:
@@ -294,32 +304,14 @@ def _blocking_lock(system: str, url: str) -> tuple[Callable[[], Any], Callable[[
             lambda lock: lock.unlock()
         )
     if system == "advisory lock":
-        import psycopg
-
-        target = resolve_url(url)
-        connection = psycopg.connect(
-            host=target.host,
-            port=target.port or 5432,
-            user=target.username,
-            dbname=target.database,
-            autocommit=True,
-        )
+        connection = postgres_connection(url)
 
         def acquire() -> None:
             connection.execute("SELECT pg_advisory_lock(42)").fetchone()
 
         return acquire, lambda _: connection.execute("SELECT pg_advisory_unlock(42)").fetchone()
     if system == "GET_LOCK":
-        import pymysql
-
-        target = resolve_url(url)
-        connection = pymysql.connect(
-            host=target.host,
-            port=target.port or 3306,
-            user=target.username,
-            database=target.database,
-            autocommit=True,
-        )
+        connection = mysql_connection(url)
         cursor = connection.cursor()
 
         def take() -> None:

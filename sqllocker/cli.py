@@ -18,7 +18,7 @@ import click
 from . import __version__
 from .engine import URL_ENVIRONMENT_VARIABLE, describe_url
 from .errors import LockError, describe_holder
-from .locker import DEFAULT_PURGE_BATCH, Locker, LockInfo
+from .locker import DEFAULT_GRACE, DEFAULT_PURGE_BATCH, Locker, LockInfo
 from .runner import EXIT_LOCK_LOST, RunOptions, run_locked
 from .schema import DEFAULT_TABLE
 
@@ -75,7 +75,7 @@ def cli(context: click.Context, url: str | None, table: str) -> None:
 @click.option(
     "--grace",
     type=click.FloatRange(min=0),
-    default=1.0,
+    default=DEFAULT_GRACE,
     help="Leave rows that expired less than this many seconds ago.",
 )
 @click.option("--dry-run", is_flag=True, help="Print what would be purged; delete nothing.")

@@ -8,6 +8,7 @@ pickles, so it survives being raised in a worker process and re-raised in its pa
 from __future__ import annotations
 
 import os
+import shlex
 import socket
 from collections.abc import Mapping
 from datetime import datetime
@@ -148,8 +149,6 @@ def _busy_message(lockstring: str, busy: LockBusy) -> str:
 
 
 def _shell_quote(text: str) -> str:
-    import shlex
-
     return shlex.quote(text)
 
 

@@ -215,37 +215,34 @@ class Locker:
             waiter = listener.register(lockstring) if listener is not None else None
             try:
                 outcome = self._try_acquire(lockstring, ttl, extra, on_lost or self.on_lost)
-            except BaseException:
+                if isinstance(outcome, Lock):
+                    return outcome.keep_alive() if keep_alive else outcome
+                if backoff.expired():
+                    raise self._busy_after(lockstring, outcome, wait)
+                delay = backoff.next_delay(
+                    outcome.busy.expires if outcome.busy else None, outcome.server_now, self.grace
+                )
+                if waiter is not None:
+                    waiter.event.wait(delay)  # a release notification, or the backoff, ends it
+                else:
+                    backoff.sleep(delay)
+            finally:
                 if listener is not None and waiter is not None:
                     listener.unregister(waiter)
-                raise
-            if isinstance(outcome, Lock):
-                if listener is not None and waiter is not None:
-                    listener.unregister(waiter)
-                return outcome.keep_alive() if keep_alive else outcome
-            if backoff.expired():
-                if listener is not None and waiter is not None:
-                    listener.unregister(waiter)
-                waited = 0.0 if wait is None else wait
-                busy = outcome.busy or LockBusy(lockstring, waited=waited)
-                if waited:
-                    busy = LockBusy(
-                        lockstring,
-                        holder=busy.holder,
-                        lock_id=busy.lock_id,
-                        created=busy.created,
-                        expires=busy.expires,
-                        waited=waited,
-                    )
-                raise busy
-            delay = backoff.next_delay(
-                outcome.busy.expires if outcome.busy else None, outcome.server_now, self.grace
-            )
-            if listener is not None and waiter is not None:
-                waiter.event.wait(delay)  # a release notification, or the backoff, ends it
-                listener.unregister(waiter)
-            else:
-                backoff.sleep(delay)
+
+    @staticmethod
+    def _busy_after(lockstring: str, refused: _Refused, wait: float | None) -> LockBusy:
+        """The LockBusy for a caller who tried (and, with ``wait``, waited) in vain."""
+        waited = 0.0 if wait is None else wait
+        busy = refused.busy
+        return LockBusy(
+            lockstring,
+            holder=busy.holder if busy else None,
+            lock_id=busy.lock_id if busy else None,
+            created=busy.created if busy else None,
+            expires=busy.expires if busy else None,
+            waited=waited,
+        )
 
     def try_lock(
         self,

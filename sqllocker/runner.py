@@ -9,7 +9,6 @@ released once the command has ended, however it ended.
 
 from __future__ import annotations
 
-import logging
 import os
 import shlex
 import signal
@@ -23,8 +22,6 @@ from types import FrameType
 from .errors import LockBusy, LockLost
 from .lock import Lock
 from .locker import Locker
-
-logger = logging.getLogger("sqllocker")
 
 # Exit statuses that are not the command's own, after the shells' and flock(1)'s conventions.
 EXIT_LOCK_LOST = 75  # EX_TEMPFAIL: the command ran, but not (all of it) under the lock
