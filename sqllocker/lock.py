@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.engine import Connection
 
 from .errors import LockLost
+from .validation import check_seconds
 
 if TYPE_CHECKING:
     from .locker import Locker
@@ -175,11 +176,6 @@ class Lock:
         """True until unlock(), or until the lock is found to be lost."""
         return self._state.held and self._state.lost is None
 
-    @property
-    def fencing_token(self) -> int:
-        """The lock id: strictly increasing across acquisitions, for protected resources."""
-        return self.lock_id
-
     def is_valid(self) -> bool:
         """Whether the holder may still act: held, not known lost, and before its deadline.
 
@@ -220,7 +216,7 @@ class Lock:
         Raises LockLost, and the lock counts as lost, if the row is gone or has already
         expired: an expired lock is never revived, because someone may have acted on it.
         """
-        ttl = self.ttl if seconds is None else self.locker._check_seconds(seconds, self.lockstring)
+        ttl = self.ttl if seconds is None else check_seconds(seconds, "expires", self.lockstring)
         self.expires = self._state.extend(ttl)
         return self.expires
 

@@ -44,7 +44,7 @@ from .identity import holder_details
 from .keepalive import DEFAULT_FRACTION, KeepAlive
 from .lock import Lock, LockState, OnLost
 from .notify import ReleaseListener
-from .schema import DEFAULT_TABLE, lock_table, to_utc
+from .schema import DEFAULT_TABLE, lock_table
 from .statements import Statements
 from .waiting import Backoff
 
@@ -87,7 +87,7 @@ def _lock_info(row: Any) -> LockInfo:
         expires=row.expires,
         locked_by=row.locked_by,
         expired=bool(row.expired),
-        seconds_left=(row.expires - to_utc(row.server_now)).total_seconds(),
+        seconds_left=(row.expires - row.server_now).total_seconds(),
     )
 
 
@@ -148,8 +148,7 @@ class Locker:
             raise LockValueError(
                 f"keep_alive_fraction must be between 0 and 1, not {keep_alive_fraction!r}"
             )
-        if on_lost is not None and not callable(on_lost):
-            raise LockTypeError(f"on_lost must be callable, not {type(on_lost).__name__}")
+        validation.check_on_lost(on_lost)
         self.on_lost = on_lost
         self.strict = strict
         self._keep_alives = KeepAlive(keep_alive_fraction)
@@ -197,8 +196,7 @@ class Locker:
         background until it is released (see ``Lock.keep_alive``), calling ``on_lost`` (else the
         locker's) if it is lost.
         """
-        if on_lost is not None and not callable(on_lost):
-            raise LockTypeError(f"on_lost must be callable, not {type(on_lost).__name__}")
+        validation.check_on_lost(on_lost)
         lockstring = validation.check_lockstring(lockstring)
         ttl = (
             self.expires
@@ -393,9 +391,6 @@ class Locker:
                 self._listener = ReleaseListener(self.engine, self.table_name)
             return self._listener
 
-    def _check_seconds(self, seconds: object, lockstring: str) -> float:
-        return validation.check_seconds(seconds, "expires", lockstring)
-
     def _keep_alive(self, state: LockState) -> None:
         self._keep_alives.add(state)
 
@@ -409,9 +404,7 @@ class Locker:
                 "that transaction ends",
                 state.lockstring,
             )
-        if self._backend is None:
-            with self._connection() as conn:
-                self._setup(conn)
+        self._ensure_setup()
         params = {"lock_id": state.lock_id, "lock_guid": state.guid}
         if self._be.begin_immediate:
             # SQLite: a write takes the database's write lock until the caller's transaction
@@ -618,9 +611,7 @@ class Locker:
         connections serve directly; a caller's Engine gets AUTOCOMMIT through an SQLAlchemy
         Connection, which also restores the connection's own setting when it goes back.
         """
-        if self._backend is None:
-            with self._connection() as conn:
-                self._setup(conn)
+        self._ensure_setup()
         try:
             checkout: Any = self.engine.raw_connection() if self._owns_engine else None
             connection = None if self._owns_engine else self.engine.connect()
@@ -658,6 +649,11 @@ class Locker:
             f"cannot connect to {describe_url(self.url)}: {one_line(error)}; check the "
             "URL (--url or $SQLLOCKER_URL) and that the server is running"
         )
+
+    def _ensure_setup(self) -> None:
+        if self._backend is None:
+            with self._connection() as conn:
+                self._setup(conn)
 
     def _setup(self, conn: Connection) -> None:
         # The backend's capabilities (MariaDB's RETURNING) are known only once connected.

@@ -133,7 +133,3 @@ class ReleaseListener:
                 for waiter in queue:
                     waiter.event.set()
             self._waiters.clear()
-
-    @property
-    def is_listening(self) -> bool:
-        return self._listening.is_set()

@@ -118,6 +118,11 @@ def check_locked_by(details: object, lockstring: str | None = None) -> dict[str,
     return dict(details)
 
 
+def check_on_lost(callback: object) -> None:
+    if callback is not None and not callable(callback):
+        raise LockTypeError(f"on_lost must be callable, not {type(callback).__name__}")
+
+
 def _number(value: object, name: str, lockstring: str | None) -> float:
     # bool is an int subclass, and expires=True meaning "1 second" would be a surprise.
     if isinstance(value, bool) or not isinstance(value, int | float):
