@@ -23,7 +23,8 @@ from .errors import (
     UnsafeDatabaseWarning,
 )
 from .lock import Lock
-from .locker import Locker, LockInfo
+from .locker import Locker
+from .operations import LockInfo
 from .schema import lock_table
 
 try:

@@ -138,17 +138,10 @@ class KeepAlive:
                 self._condition.wait(max(0.0, wake - time.monotonic()))
 
     def _declare_lost_at_deadline(self, state: LockState) -> None:
-        lost = LockLost(
-            f"lock {state.lockstring!r} (id {state.lock_id}) could not be renewed before its "
-            "deadline; it must be treated as lost (another process may take it over once it "
-            "expires)",
-            state.lockstring,
-            state.lock_id,
-        )
         # on_lost may take its time; let renewals of the other locks go on meanwhile.
         self._condition.release()
         try:
-            state.mark_lost(lost)
+            state.mark_lost(state.deadline_passed())
         finally:
             self._condition.acquire()
 

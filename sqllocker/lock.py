@@ -43,10 +43,109 @@ def safety_margin(ttl: float) -> float:
     return min(1.0, ttl / 10)
 
 
-class LockState:
-    """Everything about one acquisition that outlives calls: its identity, whether it is held,
-    whether it is known lost, and its deadline. The keep-alive thread and the finaliser work on
-    this, never on the Lock, so neither keeps a dropped Lock alive.
+class Holding:
+    """What the sync and async lock states share: one acquisition's identity, whether it is
+    held, whether it is known lost, its validity deadline, and the errors that describe it."""
+
+    def __init__(
+        self,
+        lockstring: str,
+        lock_id: int,
+        guid: str,
+        ttl: float,
+        sent_at: float,
+        on_lost: OnLost | None,
+    ) -> None:
+        self.lockstring = lockstring
+        self.lock_id = lock_id
+        self.guid = guid
+        self.ttl = ttl
+        self.pid = os.getpid()
+        self.held = True
+        self.lost: LockLost | None = None
+        self.on_lost = on_lost
+        self.valid_until = sent_at + ttl - safety_margin(ttl)
+        self._lost_lock = threading.Lock()
+
+    def is_valid(self) -> bool:
+        return self.held and self.lost is None and time.monotonic() < self.valid_until
+
+    def renewed(self, sent_at: float, ttl: float) -> None:
+        """An extend sent at ``sent_at`` succeeded: the deadline moves on from then."""
+        self.ttl = ttl
+        self.valid_until = sent_at + ttl - safety_margin(ttl)
+
+    def check_extendable(self) -> None:
+        """Raise LockLost if the lock was released or is known lost."""
+        if not self.held:
+            raise LockLost(
+                f"lock {self.lockstring!r} (id {self.lock_id}) is not held: it was released",
+                self.lockstring,
+                self.lock_id,
+            )
+        if self.lost is not None:
+            raise self.lost
+
+    def check_valid(self) -> None:
+        """Raise LockLost unless :meth:`is_valid`."""
+        if self.is_valid():
+            return
+        if self.lost is not None:
+            raise self.lost
+        reason = "was released" if not self.held else "passed its deadline without renewal"
+        raise LockLost(
+            f"lock {self.lockstring!r} (id {self.lock_id}) {reason}; another process may hold "
+            "it now",
+            self.lockstring,
+            self.lock_id,
+        )
+
+    def deadline_passed(self) -> LockLost:
+        """The error of a kept-alive lock whose renewals did not succeed before its deadline."""
+        return LockLost(
+            f"lock {self.lockstring!r} (id {self.lock_id}) could not be renewed before its "
+            "deadline; it must be treated as lost (another process may take it over once it "
+            "expires)",
+            self.lockstring,
+            self.lock_id,
+        )
+
+    def guard_failed(self, proven: bool) -> None:
+        """After a guard statement: raise LockLost (marking the lock lost) unless it proved the
+        row ours and the lock is still held."""
+        if proven and self.held:
+            return
+        lost = LockLost(
+            f"lock {self.lockstring!r} (id {self.lock_id}) is no longer ours (expired, taken "
+            "over, purged or released); roll this transaction back",
+            self.lockstring,
+            self.lock_id,
+        )
+        if self.held:
+            self.mark_lost(lost)
+        raise lost
+
+    def mark_lost(self, lost: LockLost) -> bool:
+        """Record that the lock is lost; call on_lost the first time. True if this was the first."""
+        with self._lost_lock:
+            if self.lost is not None:
+                return False
+            self.lost = lost
+        logger.warning("%s", lost)
+        if self.on_lost is not None and self.pid == os.getpid():
+            try:
+                self._call_on_lost(self.on_lost, lost)
+            except Exception:
+                logger.exception("on_lost callback for lock %r raised", self.lockstring)
+        return True
+
+    def _call_on_lost(self, on_lost: OnLost, lost: LockLost) -> None:
+        on_lost(lost)
+
+
+class LockState(Holding):
+    """A thread-side acquisition. The keep-alive thread and the finaliser work on this, never on
+    the Lock, so neither keeps a dropped Lock alive.
 
     ``op_lock`` serialises extend, renewal and release: once release() returns, no renewal
     statement of this lock can still be in flight or start.
@@ -62,41 +161,21 @@ class LockState:
         sent_at: float,
         on_lost: OnLost | None,
     ) -> None:
+        super().__init__(lockstring, lock_id, guid, ttl, sent_at, on_lost)
         self.locker = locker
-        self.lockstring = lockstring
-        self.lock_id = lock_id
-        self.guid = guid
-        self.ttl = ttl
-        self.pid = os.getpid()
-        self.held = True
-        self.lost: LockLost | None = None
-        self.on_lost = on_lost
-        self.valid_until = sent_at + ttl - safety_margin(ttl)
         self.op_lock = threading.RLock()
-        self._lost_lock = threading.Lock()
-
-    def is_valid(self) -> bool:
-        return self.held and self.lost is None and time.monotonic() < self.valid_until
 
     def extend(self, ttl: float) -> datetime:
         """Push the row's expiry to server now + ``ttl``; LockLost (and lost) if it is not ours."""
         with self.op_lock:
-            if not self.held:
-                raise LockLost(
-                    f"lock {self.lockstring!r} (id {self.lock_id}) is not held: it was released",
-                    self.lockstring,
-                    self.lock_id,
-                )
-            if self.lost is not None:
-                raise self.lost
+            self.check_extendable()
             sent_at = time.monotonic()
             try:
                 expires = self.locker._extend(self.lockstring, self.lock_id, self.guid, ttl)
             except LockLost as lost:
                 self.mark_lost(lost)
                 raise
-            self.ttl = ttl
-            self.valid_until = sent_at + ttl - safety_margin(ttl)
+            self.renewed(sent_at, ttl)
             return expires
 
     def release(self) -> None:
@@ -107,20 +186,6 @@ class LockState:
             self.held = False
             self.locker._forget_kept_alive(self)
             self.locker._release(self.lockstring, self.lock_id, self.guid)
-
-    def mark_lost(self, lost: LockLost) -> bool:
-        """Record that the lock is lost; call on_lost the first time. True if this was the first."""
-        with self._lost_lock:
-            if self.lost is not None:
-                return False
-            self.lost = lost
-        logger.warning("%s", lost)
-        if self.on_lost is not None and self.pid == os.getpid():
-            try:
-                self.on_lost(lost)
-            except Exception:
-                logger.exception("on_lost callback for lock %r raised", self.lockstring)
-        return True
 
 
 def _release_abandoned(state: LockState) -> None:
@@ -186,18 +251,7 @@ class Lock:
 
     def check(self) -> None:
         """Raise LockLost unless :meth:`is_valid`; call it before each step of long work."""
-        if self.is_valid():
-            return
-        state = self._state
-        if state.lost is not None:
-            raise state.lost
-        reason = "was released" if not state.held else "passed its deadline without renewal"
-        raise LockLost(
-            f"lock {self.lockstring!r} (id {self.lock_id}) {reason}; another process may hold "
-            "it now",
-            self.lockstring,
-            self.lock_id,
-        )
+        self._state.check_valid()
 
     def unlock(self) -> None:
         """Delete our row. A second call is a no-op.

@@ -1,107 +1,40 @@
-"""The Locker: takes, extends, releases and purges lock rows on one table of one database.
+"""The Locker: the synchronous front end: validates, waits, and hands out Locks.
 
-Every operation checks out a connection, runs its statement(s) in one short autocommit
-transaction, and gives the connection back, so holding a lock holds no connection, and a
-caller's own transaction never contains (or waits on, or rolls back) a lock row.
+The statements, retries and error handling live in ``operations.LockTable``, shared with the
+async front end (``sqllocker.asyncio``); this module adds what is particular to threads: waiting
+by sleeping, keep-alive on a thread, release notifications on a listening thread.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import threading
-import time
 import uuid
-import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any
 
-import sqlalchemy as sa
 from sqlalchemy.engine import URL, Connection, Engine
 
 from . import validation
-from .backends import Backend, backend_for
-from .durability import unsafe_settings
+from .backends import Backend
 from .engine import create_locker_engine, describe_url, resolve_url
-from .errors import (
-    DatabaseError,
-    LockBusy,
-    LockError,
-    LockLost,
-    LockTypeError,
-    LockValueError,
-    TableMissing,
-    UnsafeDatabase,
-    UnsafeDatabaseWarning,
-    describe_holder,
-    one_line,
-)
-from .execution import PreparedCache, Session
+from .errors import LockBusy, LockTypeError
 from .identity import holder_details
 from .keepalive import DEFAULT_FRACTION, KeepAlive
 from .lock import Lock, LockState, OnLost
 from .notify import ReleaseListener
-from .schema import DEFAULT_TABLE, lock_table
+from .operations import Acquired, LockInfo, LockTable, Refused
+from .schema import DEFAULT_TABLE
 from .statements import Statements
 from .waiting import Backoff
 
 logger = logging.getLogger("sqllocker")
 
-T = TypeVar("T")
-
 DEFAULT_EXPIRES = 3600.0
 DEFAULT_GRACE = 1.0
 DEFAULT_PURGE_BATCH = 1000
-# Attempts at one acquire when the holder vanishes between our refused INSERT and our look-up of
-# who holds it; past this, the caller is told "busy" (and, with a wait, simply tries again later).
-_ATTEMPTS_PER_TRY = 3
-# Retries of an operation that the database failed because of contention (deadlock victim,
-# lock-wait timeout, SQLite busy). Each attempt may itself wait up to the backend's lock timeout.
-_CONFLICT_RETRIES = 8
-_FIRST_CONFLICT_DELAY = 0.005
 
-
-@dataclass(frozen=True)
-class LockInfo:
-    """One row of the lock table, as :meth:`Locker.locks` reports it."""
-
-    lock_id: int
-    lockstring: str
-    guid: str
-    created: datetime
-    expires: datetime
-    locked_by: dict[str, Any]
-    expired: bool
-    seconds_left: float  # until expiry by the server's clock; negative once expired
-
-
-def _lock_info(row: Any) -> LockInfo:
-    return LockInfo(
-        lock_id=row.id,
-        lockstring=row.lockstring,
-        guid=row.guid,
-        created=row.created,
-        expires=row.expires,
-        locked_by=row.locked_by,
-        expired=bool(row.expired),
-        seconds_left=(row.expires - row.server_now).total_seconds(),
-    )
-
-
-@dataclass(frozen=True)
-class _Acquired:
-    lock_id: int
-    created: datetime
-    expires: datetime
-
-
-@dataclass(frozen=True)
-class _Refused:
-    busy: LockBusy | None  # None: refused by contention without a holder to name
-    server_now: datetime | None
+__all__ = ["DEFAULT_EXPIRES", "DEFAULT_GRACE", "DEFAULT_PURGE_BATCH", "LockInfo", "Locker"]
 
 
 class Locker:
@@ -139,39 +72,38 @@ class Locker:
         keep_alive_fraction: float = DEFAULT_FRACTION,
         strict: bool = False,
     ) -> None:
-        self.table_name = validation.check_table_name(table)
-        self.expires = validation.check_seconds(expires, "expires")
-        self.grace = validation.check_grace(grace)
-        if isinstance(keep_alive_fraction, bool) or not (
-            isinstance(keep_alive_fraction, int | float) and 0 < keep_alive_fraction < 1
-        ):
-            raise LockValueError(
-                f"keep_alive_fraction must be between 0 and 1, not {keep_alive_fraction!r}"
-            )
-        validation.check_on_lost(on_lost)
+        options = validation.check_locker_options(
+            table, expires, grace, keep_alive_fraction, on_lost
+        )
+        self.table_name, self.expires, self.grace = options
         self.on_lost = on_lost
         self.strict = strict
         self._keep_alives = KeepAlive(keep_alive_fraction)
         self.engine: Engine
         if isinstance(url_or_engine, Engine):
             self.engine = url_or_engine.execution_options(isolation_level="AUTOCOMMIT")
-            self._owns_engine = False
+            owns_engine = False
         elif url_or_engine is None or isinstance(url_or_engine, str | URL):
             self.engine = create_locker_engine(resolve_url(url_or_engine))
-            self._owns_engine = True
+            owns_engine = True
         else:
             raise LockTypeError(
                 f"url_or_engine must be a URL string, sqlalchemy URL or Engine, not "
                 f"{type(url_or_engine).__name__}"
             )
         self.url = self.engine.url
-        self.table = lock_table(self.table_name)
         self.auto_create = (
             self.engine.dialect.name == "sqlite" if auto_create is None else auto_create
         )
-        self._backend: Backend | None = None
-        self._statements: Statements | None = None
-        self._prepared: PreparedCache
+        self._table = LockTable(
+            self.engine,
+            self.table_name,
+            owns_engine=owns_engine,
+            grace=self.grace,
+            auto_create=self.auto_create,
+            strict=strict,
+        )
+        self.table = self._table.table
         self._setup_lock = threading.Lock()
         self._listener: ReleaseListener | None = None
 
@@ -196,15 +128,10 @@ class Locker:
         background until it is released (see ``Lock.keep_alive``), calling ``on_lost`` (else the
         locker's) if it is lost.
         """
-        validation.check_on_lost(on_lost)
-        lockstring = validation.check_lockstring(lockstring)
-        ttl = (
-            self.expires
-            if expires is None
-            else validation.check_seconds(expires, "expires", lockstring)
+        request = validation.check_lock_request(
+            lockstring, expires, self.expires, wait, locked_by, on_lost
         )
-        wait = validation.check_wait(wait, lockstring)
-        extra = validation.check_locked_by(locked_by, lockstring)
+        lockstring, ttl, wait, extra = request
         backoff = Backoff.for_wait(wait)
         listener = self._release_listener() if wait != 0 else None
         while True:
@@ -216,7 +143,7 @@ class Locker:
                 if isinstance(outcome, Lock):
                     return outcome.keep_alive() if keep_alive else outcome
                 if backoff.expired():
-                    raise self._busy_after(lockstring, outcome, wait)
+                    raise outcome.busy_after(lockstring, wait)
                 delay = backoff.next_delay(
                     outcome.busy.expires if outcome.busy else None, outcome.server_now, self.grace
                 )
@@ -227,20 +154,6 @@ class Locker:
             finally:
                 if listener is not None and waiter is not None:
                     listener.unregister(waiter)
-
-    @staticmethod
-    def _busy_after(lockstring: str, refused: _Refused, wait: float | None) -> LockBusy:
-        """The LockBusy for a caller who tried (and, with ``wait``, waited) in vain."""
-        waited = 0.0 if wait is None else wait
-        busy = refused.busy
-        return LockBusy(
-            lockstring,
-            holder=busy.holder if busy else None,
-            lock_id=busy.lock_id if busy else None,
-            created=busy.created if busy else None,
-            expires=busy.expires if busy else None,
-            waited=waited,
-        )
 
     def try_lock(
         self,
@@ -261,52 +174,20 @@ class Locker:
         Deletes in batches of ``batch_size``, each its own short transaction, so a large purge
         never blocks acquirers for long. Database errors propagate.
         """
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise LockTypeError(f"batch_size must be a positive int, not {batch_size!r}")
-        total = 0
-        while True:
-            deleted = self._run(None, lambda conn: self._purge_batch(conn, batch_size))
-            total += deleted
-            if deleted < batch_size:
-                break
-        if total:
-            logger.info("purged %d expired lock(s) from %s", total, self.table_name)
-        return total
+        return self._table.purge_expired(validation.check_batch_size(batch_size))
 
     def locks(self, pattern: str | None = None) -> list[LockInfo]:
         """Every row of the table, live and expired, ordered by lockstring; with ``pattern``, only
         lockstrings matching that shell-style glob (``*`` and ``?``; case-sensitive)."""
-        if pattern is not None and not isinstance(pattern, str):
-            raise LockTypeError(f"pattern must be a str, not {type(pattern).__name__}")
-
-        def read(conn: Session) -> list[LockInfo]:
-            if pattern is None:
-                rows = conn.execute(self._sql.list_locks())
-            else:
-                glob = self._be.glob_value(pattern)
-                rows = conn.execute(self._sql.list_locks(pattern=True), {"pattern": glob})
-            return [_lock_info(row) for row in rows]
-
-        return self._run(None, read)
+        return self._table.locks(validation.check_pattern(pattern))
 
     def lock_info(self, lockstring: str) -> LockInfo | None:
         """The row of ``lockstring``, live or expired, or None if there is none."""
-        lockstring = validation.check_lockstring(lockstring)
-
-        def read(conn: Session) -> LockInfo | None:
-            row = conn.execute(self._sql.holder, {"ls": lockstring}).first()
-            return None if row is None else _lock_info(row)
-
-        return self._run(lockstring, read)
+        return self._table.lock_info(validation.check_lockstring(lockstring))
 
     def expired_locks(self) -> list[LockInfo]:
         """The rows purge_expired_locks() would delete now (expired for longer than grace)."""
-
-        def read(conn: Session) -> list[LockInfo]:
-            params = {"minus_grace": self._be.seconds_value(-self.grace)}
-            return [_lock_info(row) for row in conn.execute(self._sql.purgeable, params)]
-
-        return self._run(None, read)
+        return self._table.expired_locks()
 
     def break_lock(self, lockstring: str, lock_id: int | None = None) -> LockInfo | None:
         """Delete ``lockstring``'s row whoever holds it (an operator's tool for dead holders).
@@ -315,35 +196,11 @@ class Locker:
         or None if there was none (or it had another id). The holder finds out at its next
         extend or unlock, which raise LockLost.
         """
-        lockstring = validation.check_lockstring(lockstring)
-
-        def delete(conn: Session) -> LockInfo | None:
-            def statements() -> LockInfo | None:
-                row = conn.execute(self._sql.holder, {"ls": lockstring}).first()
-                if row is None or (lock_id is not None and row.id != lock_id):
-                    return None
-                params = {"ls": lockstring, "lock_id": row.id}
-                deleted = conn.execute(self._sql.break_lock, params).rowcount
-                return _lock_info(row) if deleted else None
-
-            return self._write(conn, statements)
-
-        broken = self._run(lockstring, delete)
-        if broken is not None:
-            logger.warning(
-                "broke lock %r (id %d) held by %s, on behalf of %s",
-                lockstring,
-                broken.lock_id,
-                describe_holder(broken.locked_by),
-                describe_holder(holder_details("-", {})),
-            )
-        return broken
+        return self._table.break_lock(validation.check_lockstring(lockstring), lock_id)
 
     def create_table(self) -> None:
         """Create or upgrade the table by applying the shipped migrations; safe to repeat."""
-        from .migrations import upgrade
-
-        upgrade(self.engine, self.table_name)
+        self._table.create_table()
 
     def close(self) -> None:
         """Stop keeping locks alive, and close the pooled connections of an engine the locker
@@ -351,8 +208,7 @@ class Locker:
         self._keep_alives.stop()
         if self._listener is not None:
             self._listener.stop()
-        if self._owns_engine:
-            self.engine.dispose()
+        self._table.close()
 
     def __repr__(self) -> str:
         return f"<Locker {describe_url(self.url)} table={self.table_name}>"
@@ -360,26 +216,34 @@ class Locker:
     # -- operations used by Lock ----------------------------------------------------------------
 
     def _release(self, lockstring: str, lock_id: int, guid: str) -> None:
-        deleted = self._run(
-            lockstring,
-            lambda conn: self._write(
-                conn,
-                lambda: (
-                    conn.execute(
-                        self._sql.release, {"lock_id": lock_id, "lock_guid": guid}
-                    ).rowcount
-                ),
-            ),
+        self._table.release(lockstring, lock_id, guid)
+
+    def _extend(self, lockstring: str, lock_id: int, guid: str, ttl: float) -> datetime:
+        return self._table.extend(lockstring, lock_id, guid, ttl)
+
+    def _keep_alive(self, state: LockState) -> None:
+        self._keep_alives.add(state)
+
+    def _forget_kept_alive(self, state: LockState) -> None:
+        self._keep_alives.remove(state)
+
+    def _guard(self, connection: Connection, state: LockState) -> None:
+        state.guard_failed(
+            self._table.guard(connection, state.lockstring, state.lock_id, state.guid)
         )
-        if deleted != 1:
-            raise LockLost(
-                f"lock {lockstring!r} (id {lock_id}) was no longer ours at release: it expired "
-                "and was purged, taken over or broken; work done under it may have overlapped "
-                "with another holder's",
-                lockstring,
-                lock_id,
-            )
-        logger.debug("released %r (id %d)", lockstring, lock_id)
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _try_acquire(
+        self, lockstring: str, ttl: float, extra: dict[str, Any], on_lost: OnLost | None
+    ) -> Lock | Refused:
+        guid = str(uuid.uuid4())
+        details = holder_details(guid, extra)
+        outcome = self._table.try_acquire(lockstring, guid, ttl, details)
+        if not isinstance(outcome, Acquired):
+            return outcome
+        state = LockState(self, lockstring, outcome.lock_id, guid, ttl, outcome.sent_at, on_lost)
+        return Lock(state, created=outcome.created, expires=outcome.expires, locked_by=details)
 
     def _release_listener(self) -> ReleaseListener | None:
         """PostgreSQL (psycopg 3) waiters wake on NOTIFY; other backends back off and retry."""
@@ -391,310 +255,10 @@ class Locker:
                 self._listener = ReleaseListener(self.engine, self.table_name)
             return self._listener
 
-    def _keep_alive(self, state: LockState) -> None:
-        self._keep_alives.add(state)
-
-    def _forget_kept_alive(self, state: LockState) -> None:
-        self._keep_alives.remove(state)
-
-    def _guard(self, connection: Connection, state: LockState) -> None:
-        if not connection.in_transaction():
-            raise LockError(
-                "guard() needs a connection inside a transaction: the protection lasts until "
-                "that transaction ends",
-                state.lockstring,
-            )
-        self._ensure_setup()
-        params = {"lock_id": state.lock_id, "lock_guid": state.guid}
-        if self._be.begin_immediate:
-            # SQLite: a write takes the database's write lock until the caller's transaction
-            # ends, so nobody can take over or purge the row meanwhile.
-            proven = connection.execute(self._sql.guard_by_writing, params).rowcount == 1
-        else:
-            proven = connection.execute(self._sql.guard, params).first() is not None
-        if not proven or not state.held:
-            lost = LockLost(
-                f"lock {state.lockstring!r} (id {state.lock_id}) is no longer ours (expired, "
-                "taken over, purged or released); roll this transaction back",
-                state.lockstring,
-                state.lock_id,
-            )
-            if state.held:
-                state.mark_lost(lost)
-            raise lost
-
-    def _extend(self, lockstring: str, lock_id: int, guid: str, ttl: float) -> datetime:
-        params = {"lock_id": lock_id, "lock_guid": guid, "ttl": self._be.seconds_value(ttl)}
-
-        def extend(conn: Session) -> datetime | None:
-            def statements() -> datetime | None:
-                result = conn.execute(self._sql.extend, params)
-                if self._be.update_returning:
-                    row = result.first()
-                    return None if row is None else row.expires
-                if result.rowcount != 1:
-                    return None
-                times = conn.execute(self._sql.times_of, params).one()
-                return times.expires  # type: ignore[no-any-return]
-
-            return self._write(conn, statements)
-
-        expires = self._run(lockstring, extend)
-        if expires is None:
-            raise LockLost(
-                f"lock {lockstring!r} (id {lock_id}) could not be extended: it had already "
-                "expired, or was purged, taken over or broken; an expired lock is never revived",
-                lockstring,
-                lock_id,
-            )
-        return expires
-
-    # -- internals -------------------------------------------------------------------------------
-
-    def _try_acquire(
-        self, lockstring: str, ttl: float, extra: dict[str, Any], on_lost: OnLost | None
-    ) -> Lock | _Refused:
-        guid = str(uuid.uuid4())
-        details = holder_details(guid, extra)
-        refused = _Refused(None, None)
-        for _attempt in range(_ATTEMPTS_PER_TRY):
-            # The validity deadline counts from before the statement is sent: the server's
-            # expiry cannot start earlier than that.
-            sent_at = time.monotonic()
-            outcome = self._run(
-                lockstring, lambda conn: self._acquire_on(conn, lockstring, guid, ttl, details)
-            )
-            if isinstance(outcome, _Acquired):
-                logger.debug("acquired %r (id %d)", lockstring, outcome.lock_id)
-                state = LockState(self, lockstring, outcome.lock_id, guid, ttl, sent_at, on_lost)
-                return Lock(
-                    state, created=outcome.created, expires=outcome.expires, locked_by=details
-                )
-            refused = outcome
-            if outcome.busy is not None:
-                break  # a live holder: no point asking again at once
-        return refused
-
-    def _acquire_on(
-        self, conn: Session, lockstring: str, guid: str, ttl: float, details: dict[str, Any]
-    ) -> _Acquired | _Refused:
-        be, sql = self._be, self._sql
-        params = {
-            "ls": lockstring,
-            "lock_guid": guid,
-            "ttl": be.seconds_value(ttl),
-            "minus_grace": be.seconds_value(-self.grace),
-            "holder": details,
-        }
-
-        def statements() -> _Acquired | _Refused:
-            acquired = self._insert(conn, params)
-            # The row may be an expired holder's: delete it only if so (by the server's clock),
-            # then insert again. Two racers may both get here; the unique key lets one win.
-            if (
-                acquired is None
-                and not be.atomic_takeover
-                and conn.execute(sql.take_over_expired, params).rowcount
-            ):
-                acquired = self._insert(conn, params)
-            if acquired is not None:
-                return acquired
-            row = conn.execute(sql.holder, params).first()
-            if row is None:
-                return _Refused(None, None)  # released in between: try again
-            if row.guid == guid:
-                # Our INSERT committed but its answer was lost with the connection (_run retried).
-                return _Acquired(row.id, row.created, row.expires)
-            busy = LockBusy(
-                lockstring,
-                holder=row.locked_by,
-                lock_id=row.id,
-                created=row.created,
-                expires=row.expires,
-            )
-            return _Refused(busy, row.server_now)
-
-        try:
-            return self._write(conn, statements)
-        except sa.exc.DBAPIError as error:
-            if be.is_transient_conflict(error):
-                logger.debug("acquire of %r met contention (%s); retrying", lockstring, error.orig)
-                return _Refused(None, None)
-            raise
-
-    def _insert(self, conn: Session, params: dict[str, Any]) -> _Acquired | None:
-        try:
-            result = conn.execute(self._sql.acquire, params)
-        except sa.exc.IntegrityError as error:
-            if self._be.is_unique_violation(error):
-                return None
-            raise
-        if self._be.insert_returning:
-            row = result.first()
-            return None if row is None else _Acquired(row.id, row.created, row.expires)
-        if result.rowcount != 1 or result.lastrowid is None:
-            return None
-        lock_id = result.lastrowid
-        mine = {"lock_id": lock_id, "lock_guid": params["lock_guid"]}
-        times = conn.execute(self._sql.times_of, mine).one()
-        return _Acquired(lock_id, times.created, times.expires)
-
-    def _purge_batch(self, conn: Session, batch_size: int) -> int:
-        params = {"minus_grace": self._be.seconds_value(-self.grace)}
-        return self._write(
-            conn, lambda: conn.execute(self._sql.purge_batch(batch_size), params).rowcount
-        )
-
-    def _write(self, conn: Session, statements: Callable[[], T]) -> T:
-        """Run ``statements`` as one transaction (SQLite: BEGIN IMMEDIATE), or as autocommit
-        statements on the servers, where each one is atomic by itself."""
-        if not self._be.begin_immediate:
-            return statements()
-        conn.execute_text("BEGIN IMMEDIATE")
-        try:
-            result = statements()
-        except BaseException:
-            conn.dbapi_connection.rollback()
-            raise
-        conn.execute_text("COMMIT")
-        return result
-
-    def _run(self, lockstring: str | None, operation: Callable[[Session], T]) -> T:
-        """Run ``operation`` on a pooled connection, translating driver errors into LockErrors.
-
-        Every operation is safe to repeat (acquire recognises its own row by guid), so two kinds
-        of failure are retried: a connection that turns out dead (the server restarted since it
-        was pooled) is replaced once, and contention that the database resolved by rolling the
-        statement back (a deadlock, a lock-wait timeout, SQLite busy) is retried with backoff,
-        so that, say, a release chosen as a deadlock victim still releases.
-        """
-        created_table = False
-        retried_connection = False
-        conflicts = 0
-        while True:
-            try:
-                with self._connect() as conn:
-                    return operation(conn)
-            except sa.exc.DBAPIError as error:
-                if error.connection_invalidated and not retried_connection:
-                    retried_connection = True
-                    logger.warning("database connection was lost (%s); reconnecting", error.orig)
-                    continue
-                if (
-                    self._backend is not None
-                    and self._be.is_transient_conflict(error)
-                    and conflicts < _CONFLICT_RETRIES
-                ):
-                    conflicts += 1
-                    logger.info("contention (%s); trying again", one_line(error.orig))
-                    time.sleep(random.uniform(0, _FIRST_CONFLICT_DELAY * 2**conflicts))
-                    continue
-                if self._backend is not None and self._be.is_missing_table(error):
-                    if self.auto_create and not created_table:
-                        created_table = True
-                        logger.info("creating lock table %s", self.table_name)
-                        self.create_table()
-                        continue
-                    raise self._table_missing(lockstring) from error
-                raise DatabaseError(
-                    f"database error on {describe_url(self.url)}"
-                    + (f" for lock {lockstring!r}" if lockstring is not None else "")
-                    + f": {one_line(error.orig)}",
-                    lockstring,
-                ) from error
-
-    @contextmanager
-    def _connect(self) -> Iterator[Session]:
-        """A cursor on a pooled connection in autocommit mode, for one operation.
-
-        An engine the locker made is AUTOCOMMIT for every connection, so its raw pooled
-        connections serve directly; a caller's Engine gets AUTOCOMMIT through an SQLAlchemy
-        Connection, which also restores the connection's own setting when it goes back.
-        """
-        self._ensure_setup()
-        try:
-            checkout: Any = self.engine.raw_connection() if self._owns_engine else None
-            connection = None if self._owns_engine else self.engine.connect()
-        except sa.exc.DBAPIError as error:
-            raise self._unreachable(error.orig) from error
-        except self.engine.dialect.loaded_dbapi.Error as error:  # raw_connection() does not wrap
-            raise self._unreachable(error) from error
-        fairy = checkout if connection is None else connection.connection
-        session = Session(fairy.driver_connection, self._prepared)
-        try:
-            yield session
-        except sa.exc.DBAPIError as error:
-            if error.connection_invalidated:
-                fairy.invalidate(error.orig)
-                if self._owns_engine:
-                    # The server went away: every pooled connection is as dead as this one.
-                    self.engine.dispose()
-            raise
-        finally:
-            session.close()
-            (fairy if connection is None else connection).close()
-
-    @contextmanager
-    def _connection(self) -> Iterator[Connection]:
-        """An SQLAlchemy Connection, for the rare statements outside the lock operations."""
-        try:
-            connection = self.engine.connect()
-        except sa.exc.DBAPIError as error:
-            raise self._unreachable(error.orig) from error
-        with connection:
-            yield connection
-
-    def _unreachable(self, error: BaseException | None) -> DatabaseError:
-        return DatabaseError(
-            f"cannot connect to {describe_url(self.url)}: {one_line(error)}; check the "
-            "URL (--url or $SQLLOCKER_URL) and that the server is running"
-        )
-
-    def _ensure_setup(self) -> None:
-        if self._backend is None:
-            with self._connection() as conn:
-                self._setup(conn)
-
-    def _setup(self, conn: Connection) -> None:
-        # The backend's capabilities (MariaDB's RETURNING) are known only once connected.
-        with self._setup_lock:
-            if self._backend is None:
-                backend = backend_for(conn.dialect)
-                self._check_durability(conn)
-                self._statements = Statements(self.table, backend)
-                self._prepared = PreparedCache(conn.dialect)
-                self._backend = backend
-
-    def _check_durability(self, conn: Connection) -> None:
-        problems = unsafe_settings(conn, self.table_name)
-        if not problems:
-            return
-        message = (
-            f"{describe_url(self.url)} can lose acknowledged lock rows in a crash "
-            f"({', '.join(problems)}): a lost row lets a second holder in and its lock id be "
-            "reused; change the setting, or pass strict=True to refuse such databases"
-        )
-        if self.strict:
-            raise UnsafeDatabase(message)
-        logger.warning("%s", message)
-        warnings.warn(message, UnsafeDatabaseWarning, stacklevel=6)
-
-    def _table_missing(self, lockstring: str | None) -> TableMissing:
-        return TableMissing(
-            f"lock table {self.table_name!r} does not exist in {describe_url(self.url)}; "
-            f"create it with `sqllocker migrate --url URL --table {self.table_name}` "
-            "(or Locker.create_table())",
-            lockstring,
-        )
-
     @property
     def _be(self) -> Backend:
-        if self._backend is None:
-            raise LockError("internal error: backend used before the first connection")
-        return self._backend
+        return self._table.backend
 
     @property
     def _sql(self) -> Statements:
-        if self._statements is None:
-            raise LockError("internal error: statements used before the first connection")
-        return self._statements
+        return self._table.statements

@@ -13,12 +13,13 @@ notification (the listening connection dropped) costs latency, never correctness
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
 import threading
 from collections import defaultdict, deque
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from sqlalchemy.engine import Engine
 
@@ -28,39 +29,33 @@ logger = logging.getLogger("sqllocker")
 _READ_SECONDS = 1.0
 
 
-class Waiter:
+Event = TypeVar("Event", threading.Event, asyncio.Event)
+
+
+class Waiter(Generic[Event]):
     """One registration: set when a release of its lockstring may have made it free."""
 
     __slots__ = ("event", "lockstring")
 
-    def __init__(self, lockstring: str) -> None:
+    def __init__(self, lockstring: str, event: Event) -> None:
         self.lockstring = lockstring
-        self.event = threading.Event()
+        self.event: Event = event
 
 
-class ReleaseListener:
-    """One LISTEN connection per Locker, and the waiters it wakes."""
+class WaiterQueues:
+    """The registered waiters of one listener, per lockstring, oldest first (shared by the
+    thread and the asyncio listeners; the lock is never held across a wait)."""
 
-    def __init__(self, engine: Engine, table: str) -> None:
-        self._engine = engine
-        self.channel = f"sqllocker_{table}"
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._waiters: dict[str, deque[Waiter]] = defaultdict(deque)
-        self._thread: threading.Thread | None = None
-        self._listening = threading.Event()
-        self._stopping = False
-        self._pid = os.getpid()
-        self.notifications = 0
+        self._waiters: dict[str, deque[Waiter[Any]]] = defaultdict(deque)
 
-    def register(self, lockstring: str) -> Waiter:
-        """Subscribe to ``lockstring``'s next release; call before the acquire attempt."""
-        self._ensure_listening()
-        waiter = Waiter(lockstring)
+    def add(self, waiter: Waiter[Event]) -> Waiter[Event]:
         with self._lock:
-            self._waiters[lockstring].append(waiter)
+            self._waiters[waiter.lockstring].append(waiter)
         return waiter
 
-    def unregister(self, waiter: Waiter) -> None:
+    def remove(self, waiter: Waiter[Any]) -> None:
         with self._lock:
             queue = self._waiters.get(waiter.lockstring)
             if queue is not None:
@@ -68,6 +63,49 @@ class ReleaseListener:
                     queue.remove(waiter)
                 if not queue:
                     del self._waiters[waiter.lockstring]
+
+    def wake_first(self, lockstring: str) -> None:
+        with self._lock:
+            queue = self._waiters.get(lockstring)
+            if queue:
+                queue.popleft().event.set()
+                if not queue:
+                    del self._waiters[lockstring]
+
+    def wake_everyone(self) -> None:
+        with self._lock:
+            for queue in self._waiters.values():
+                for waiter in queue:
+                    waiter.event.set()
+            self._waiters.clear()
+
+
+def channel_for(table: str) -> str:
+    """The NOTIFY channel of ``table``'s DELETE trigger (migration 0003)."""
+    return f"sqllocker_{table}"
+
+
+class ReleaseListener:
+    """One LISTEN connection per Locker, and the waiters it wakes."""
+
+    def __init__(self, engine: Engine, table: str) -> None:
+        self._engine = engine
+        self.channel = channel_for(table)
+        self._lock = threading.Lock()
+        self._waiters = WaiterQueues()
+        self._thread: threading.Thread | None = None
+        self._listening = threading.Event()
+        self._stopping = False
+        self._pid = os.getpid()
+        self.notifications = 0
+
+    def register(self, lockstring: str) -> Waiter[threading.Event]:
+        """Subscribe to ``lockstring``'s next release; call before the acquire attempt."""
+        self._ensure_listening()
+        return self._waiters.add(Waiter(lockstring, threading.Event()))
+
+    def unregister(self, waiter: Waiter[threading.Event]) -> None:
+        self._waiters.remove(waiter)
 
     def stop(self) -> None:
         self._stopping = True
@@ -99,7 +137,7 @@ class ReleaseListener:
             except Exception as error:  # the connection dropped: reconnect after a pause
                 self._listening.clear()
                 logger.warning("release notifications interrupted (%s); reconnecting", error)
-                self._wake_everyone()  # they may have missed a release meanwhile
+                self._waiters.wake_everyone()  # they may have missed a release meanwhile
                 if not self._stopping:
                     threading.Event().wait(1.0)
 
@@ -114,22 +152,7 @@ class ReleaseListener:
             while not self._stopping:
                 for notice in connection.notifies(timeout=_READ_SECONDS):
                     self.notifications += 1
-                    self._wake_first(notice.payload)
+                    self._waiters.wake_first(notice.payload)
         finally:
             self._listening.clear()
             connection.close()
-
-    def _wake_first(self, lockstring: str) -> None:
-        with self._lock:
-            queue = self._waiters.get(lockstring)
-            if queue:
-                queue.popleft().event.set()
-                if not queue:
-                    del self._waiters[lockstring]
-
-    def _wake_everyone(self) -> None:
-        with self._lock:
-            for queue in self._waiters.values():
-                for waiter in queue:
-                    waiter.event.set()
-            self._waiters.clear()

@@ -22,7 +22,7 @@ MAX_SECONDS = 10 * 365 * 24 * 3600
 # Table names are embedded in derived identifiers (index, view, alembic version table), and the
 # longest of those must stay under MySQL's 64-character identifier limit.
 MAX_TABLE_NAME_LENGTH = 32
-RESERVED_LOCKED_BY_KEYS = frozenset({"guid", "host", "pid", "thread", "program", "user"})
+RESERVED_LOCKED_BY_KEYS = frozenset({"guid", "host", "pid", "thread", "task", "program", "user"})
 
 _TABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -121,6 +121,49 @@ def check_locked_by(details: object, lockstring: str | None = None) -> dict[str,
 def check_on_lost(callback: object) -> None:
     if callback is not None and not callable(callback):
         raise LockTypeError(f"on_lost must be callable, not {type(callback).__name__}")
+
+
+def check_keep_alive_fraction(value: object) -> float:
+    if isinstance(value, bool) or not (isinstance(value, int | float) and 0 < value < 1):
+        raise LockValueError(f"keep_alive_fraction must be between 0 and 1, not {value!r}")
+    return float(value)
+
+
+def check_batch_size(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise LockTypeError(f"batch_size must be a positive int, not {value!r}")
+    return value
+
+
+def check_pattern(pattern: object) -> str | None:
+    if pattern is not None and not isinstance(pattern, str):
+        raise LockTypeError(f"pattern must be a str, not {type(pattern).__name__}")
+    return pattern
+
+
+def check_locker_options(
+    table: object, expires: object, grace: object, keep_alive_fraction: object, on_lost: object
+) -> tuple[str, float, float]:
+    """A Locker's (or AsyncLocker's) options: the table name, default expiry and grace."""
+    checked = (check_table_name(table), check_seconds(expires, "expires"), check_grace(grace))
+    check_keep_alive_fraction(keep_alive_fraction)
+    check_on_lost(on_lost)
+    return checked
+
+
+def check_lock_request(
+    lockstring: object,
+    expires: object,
+    default_expires: float,
+    wait: object,
+    locked_by: object,
+    on_lost: object,
+) -> tuple[str, float, float | None, dict[str, Any]]:
+    """The arguments of ``lock()``: lockstring, expiry period, wait and extra holder details."""
+    check_on_lost(on_lost)
+    checked = check_lockstring(lockstring)
+    ttl = default_expires if expires is None else check_seconds(expires, "expires", checked)
+    return checked, ttl, check_wait(wait, checked), check_locked_by(locked_by, checked)
 
 
 def _number(value: object, name: str, lockstring: str | None) -> float:

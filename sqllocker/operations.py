@@ -1,0 +1,557 @@
+"""The lock operations on one table, shared by the sync and the async front ends.
+
+Each operation checks out a connection, runs its statement(s) in one short autocommit
+transaction, and gives the connection back, so holding a lock holds no connection, and a
+caller's own transaction never contains (or waits on, or rolls back) a lock row.
+
+The code here is synchronous. ``Locker`` calls it directly; ``sqllocker.asyncio.AsyncLocker``
+calls it inside SQLAlchemy's ``greenlet_spawn`` on its AsyncEngine's ``sync_engine``, where every
+driver call becomes an await on the event loop. So both front ends send the very same
+statements with the very same retries and error handling; they differ only in how they wait,
+hold locks and keep them alive.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from .backends import Backend, backend_for
+from .durability import unsafe_settings
+from .engine import describe_url
+from .errors import (
+    DatabaseError,
+    LockBusy,
+    LockError,
+    LockLost,
+    TableMissing,
+    UnsafeDatabase,
+    UnsafeDatabaseWarning,
+    describe_holder,
+    one_line,
+)
+from .execution import PreparedCache, Session
+from .identity import holder_details
+from .schema import lock_table
+from .statements import Statements
+
+logger = logging.getLogger("sqllocker")
+
+T = TypeVar("T")
+
+# Attempts at one acquire when the holder vanishes between our refused INSERT and our look-up of
+# who holds it; past this, the caller is told "busy" (and, with a wait, simply tries again later).
+_ATTEMPTS_PER_TRY = 3
+# Retries of an operation that the database failed because of contention (deadlock victim,
+# lock-wait timeout, SQLite busy). Each attempt may itself wait up to the backend's lock timeout.
+_CONFLICT_RETRIES = 8
+_FIRST_CONFLICT_DELAY = 0.005
+
+
+@dataclass(frozen=True)
+class LockInfo:
+    """One row of the lock table, as ``Locker.locks`` reports it."""
+
+    lock_id: int
+    lockstring: str
+    guid: str
+    created: datetime
+    expires: datetime
+    locked_by: dict[str, Any]
+    expired: bool
+    seconds_left: float  # until expiry by the server's clock; negative once expired
+
+
+def _lock_info(row: Any) -> LockInfo:
+    return LockInfo(
+        lock_id=row.id,
+        lockstring=row.lockstring,
+        guid=row.guid,
+        created=row.created,
+        expires=row.expires,
+        locked_by=row.locked_by,
+        expired=bool(row.expired),
+        seconds_left=(row.expires - row.server_now).total_seconds(),
+    )
+
+
+@dataclass(frozen=True)
+class Acquired:
+    """Our row was inserted. ``sent_at`` is the monotonic time the successful statement was
+    sent: the lock's validity deadline counts from it (see ``holding.py``)."""
+
+    lock_id: int
+    created: datetime
+    expires: datetime
+    sent_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Refused:
+    """Someone else holds the lockstring (``busy``), or contention refused us without a holder to
+    name (``busy`` None); ``server_now`` is the database's time as of the refusal."""
+
+    busy: LockBusy | None
+    server_now: datetime | None
+
+    def busy_after(self, lockstring: str, wait: float | None) -> LockBusy:
+        """The LockBusy for a caller who tried (and, with ``wait``, waited) in vain."""
+        busy = self.busy
+        return LockBusy(
+            lockstring,
+            holder=busy.holder if busy else None,
+            lock_id=busy.lock_id if busy else None,
+            created=busy.created if busy else None,
+            expires=busy.expires if busy else None,
+            waited=0.0 if wait is None else wait,
+        )
+
+
+class LockTable:
+    """The lock operations on ``table_name`` through ``engine`` (a sync Engine, or an AsyncEngine's
+    ``sync_engine`` when called from a greenlet).
+
+    ``owns_engine``: the engine was made by sqllocker (AUTOCOMMIT on every connection, so raw
+    pooled connections serve directly; disposed by :meth:`close`). ``sleep`` is how a retry after
+    contention waits: ``time.sleep``, or an await of ``asyncio.sleep`` for the async front end.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        table_name: str,
+        *,
+        owns_engine: bool,
+        grace: float,
+        auto_create: bool,
+        strict: bool,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.engine = engine
+        self.url = engine.url
+        self.table_name = table_name
+        self.table = lock_table(table_name)
+        self.owns_engine = owns_engine
+        self.grace = grace
+        self.auto_create = auto_create
+        self.strict = strict
+        self._sleep = sleep
+        self._backend: Backend | None = None
+        self._statements: Statements | None = None
+        self._prepared: PreparedCache
+        self._setup_lock = threading.Lock()
+
+    # -- the lock operations -----------------------------------------------------------------------
+
+    def try_acquire(
+        self, lockstring: str, guid: str, ttl: float, details: dict[str, Any]
+    ) -> Acquired | Refused:
+        """One attempt at ``lockstring`` (a few statements at most; never waits for a holder)."""
+        refused = Refused(None, None)
+        for _attempt in range(_ATTEMPTS_PER_TRY):
+            # The validity deadline counts from before the statement is sent: the server's
+            # expiry cannot start earlier than that.
+            sent_at = time.monotonic()
+            outcome = self._run(
+                lockstring, lambda conn: self._acquire_on(conn, lockstring, guid, ttl, details)
+            )
+            if isinstance(outcome, Acquired):
+                logger.debug("acquired %r (id %d)", lockstring, outcome.lock_id)
+                return Acquired(outcome.lock_id, outcome.created, outcome.expires, sent_at)
+            refused = outcome
+            if outcome.busy is not None:
+                break  # a live holder: no point asking again at once
+        return refused
+
+    def release(self, lockstring: str, lock_id: int, guid: str) -> None:
+        """Delete our row; LockLost if it was no longer ours."""
+        params = {"lock_id": lock_id, "lock_guid": guid}
+
+        def delete(conn: Session) -> int:
+            return self._write(conn, lambda: conn.execute(self._sql.release, params).rowcount)
+
+        deleted = self._run(lockstring, delete)
+        if deleted != 1:
+            raise LockLost(
+                f"lock {lockstring!r} (id {lock_id}) was no longer ours at release: it expired "
+                "and was purged, taken over or broken; work done under it may have overlapped "
+                "with another holder's",
+                lockstring,
+                lock_id,
+            )
+        logger.debug("released %r (id %d)", lockstring, lock_id)
+
+    def extend(self, lockstring: str, lock_id: int, guid: str, ttl: float) -> datetime:
+        """Push our row's expiry to the server's now + ``ttl``; LockLost if it is gone or has
+        already expired (an expired lock is never revived)."""
+
+        def extend(conn: Session) -> datetime | None:
+            params = {"lock_id": lock_id, "lock_guid": guid, "ttl": self._be.seconds_value(ttl)}
+
+            def statements() -> datetime | None:
+                result = conn.execute(self._sql.extend, params)
+                if self._be.update_returning:
+                    row = result.first()
+                    return None if row is None else row.expires
+                if result.rowcount != 1:
+                    return None
+                times = conn.execute(self._sql.times_of, params).one()
+                return times.expires  # type: ignore[no-any-return]
+
+            return self._write(conn, statements)
+
+        expires = self._run(lockstring, extend)
+        if expires is None:
+            raise LockLost(
+                f"lock {lockstring!r} (id {lock_id}) could not be extended: it had already "
+                "expired, or was purged, taken over or broken; an expired lock is never revived",
+                lockstring,
+                lock_id,
+            )
+        return expires
+
+    def purge_expired(self, batch_size: int) -> int:
+        """Delete rows expired beyond grace in batches, each its own short transaction, so a
+        large purge never blocks acquirers for long; returns how many."""
+        total = 0
+        while True:
+            deleted = self._run(None, lambda conn: self._purge_batch(conn, batch_size))
+            total += deleted
+            if deleted < batch_size:
+                break
+        if total:
+            logger.info("purged %d expired lock(s) from %s", total, self.table_name)
+        return total
+
+    def locks(self, pattern: str | None) -> list[LockInfo]:
+        def read(conn: Session) -> list[LockInfo]:
+            if pattern is None:
+                rows = conn.execute(self._sql.list_locks())
+            else:
+                glob = self._be.glob_value(pattern)
+                rows = conn.execute(self._sql.list_locks(pattern=True), {"pattern": glob})
+            return [_lock_info(row) for row in rows]
+
+        return self._run(None, read)
+
+    def lock_info(self, lockstring: str) -> LockInfo | None:
+        def read(conn: Session) -> LockInfo | None:
+            row = conn.execute(self._sql.holder, {"ls": lockstring}).first()
+            return None if row is None else _lock_info(row)
+
+        return self._run(lockstring, read)
+
+    def expired_locks(self) -> list[LockInfo]:
+        def read(conn: Session) -> list[LockInfo]:
+            params = {"minus_grace": self._be.seconds_value(-self.grace)}
+            return [_lock_info(row) for row in conn.execute(self._sql.purgeable, params)]
+
+        return self._run(None, read)
+
+    def break_lock(self, lockstring: str, lock_id: int | None) -> LockInfo | None:
+        def delete(conn: Session) -> LockInfo | None:
+            def statements() -> LockInfo | None:
+                row = conn.execute(self._sql.holder, {"ls": lockstring}).first()
+                if row is None or (lock_id is not None and row.id != lock_id):
+                    return None
+                params = {"ls": lockstring, "lock_id": row.id}
+                deleted = conn.execute(self._sql.break_lock, params).rowcount
+                return _lock_info(row) if deleted else None
+
+            return self._write(conn, statements)
+
+        broken = self._run(lockstring, delete)
+        if broken is not None:
+            logger.warning(
+                "broke lock %r (id %d) held by %s, on behalf of %s",
+                lockstring,
+                broken.lock_id,
+                describe_holder(broken.locked_by),
+                describe_holder(holder_details("-", {})),
+            )
+        return broken
+
+    def guard(self, connection: Connection, lockstring: str, lock_id: int, guid: str) -> bool:
+        """In ``connection``'s open transaction, whether our row is still ours and unexpired;
+        if so, it stays so until that transaction ends (see ``Lock.guard``)."""
+        if not connection.in_transaction():
+            raise LockError(
+                "guard() needs a connection inside a transaction: the protection lasts until "
+                "that transaction ends",
+                lockstring,
+            )
+        self.ensure_setup()
+        params = {"lock_id": lock_id, "lock_guid": guid}
+        if self._be.begin_immediate:
+            # SQLite: a write takes the database's write lock until the caller's transaction
+            # ends, so nobody can take over or purge the row meanwhile.
+            return connection.execute(self._sql.guard_by_writing, params).rowcount == 1
+        return connection.execute(self._sql.guard, params).first() is not None
+
+    def create_table(self) -> None:
+        """Create or upgrade the table by applying the shipped migrations; safe to repeat."""
+        from .migrations import upgrade
+
+        upgrade(self.engine, self.table_name)
+
+    def close(self) -> None:
+        if self.owns_engine:
+            self.engine.dispose()
+
+    # -- the statements of each operation ----------------------------------------------------------
+
+    def _acquire_on(
+        self, conn: Session, lockstring: str, guid: str, ttl: float, details: dict[str, Any]
+    ) -> Acquired | Refused:
+        be, sql = self._be, self._sql
+        params = {
+            "ls": lockstring,
+            "lock_guid": guid,
+            "ttl": be.seconds_value(ttl),
+            "minus_grace": be.seconds_value(-self.grace),
+            "holder": details,
+        }
+
+        def statements() -> Acquired | Refused:
+            acquired = self._insert(conn, params)
+            # The row may be an expired holder's: delete it only if so (by the server's clock),
+            # then insert again. Two racers may both get here; the unique key lets one win.
+            if (
+                acquired is None
+                and not be.atomic_takeover
+                and conn.execute(sql.take_over_expired, params).rowcount
+            ):
+                acquired = self._insert(conn, params)
+            if acquired is not None:
+                return acquired
+            row = conn.execute(sql.holder, params).first()
+            if row is None:
+                return Refused(None, None)  # released in between: try again
+            if row.guid == guid:
+                # Our INSERT committed but its answer was lost with the connection (_run retried).
+                return Acquired(row.id, row.created, row.expires)
+            busy = LockBusy(
+                lockstring,
+                holder=row.locked_by,
+                lock_id=row.id,
+                created=row.created,
+                expires=row.expires,
+            )
+            return Refused(busy, row.server_now)
+
+        try:
+            return self._write(conn, statements)
+        except sa.exc.DBAPIError as error:
+            if be.is_transient_conflict(error):
+                logger.debug("acquire of %r met contention (%s); retrying", lockstring, error.orig)
+                return Refused(None, None)
+            raise
+
+    def _insert(self, conn: Session, params: dict[str, Any]) -> Acquired | None:
+        try:
+            result = conn.execute(self._sql.acquire, params)
+        except sa.exc.IntegrityError as error:
+            if self._be.is_unique_violation(error):
+                return None
+            raise
+        if self._be.insert_returning:
+            row = result.first()
+            return None if row is None else Acquired(row.id, row.created, row.expires)
+        if result.rowcount != 1 or result.lastrowid is None:
+            return None
+        lock_id = result.lastrowid
+        mine = {"lock_id": lock_id, "lock_guid": params["lock_guid"]}
+        times = conn.execute(self._sql.times_of, mine).one()
+        return Acquired(lock_id, times.created, times.expires)
+
+    def _purge_batch(self, conn: Session, batch_size: int) -> int:
+        params = {"minus_grace": self._be.seconds_value(-self.grace)}
+        return self._write(
+            conn, lambda: conn.execute(self._sql.purge_batch(batch_size), params).rowcount
+        )
+
+    def _write(self, conn: Session, statements: Callable[[], T]) -> T:
+        """Run ``statements`` as one transaction (SQLite: BEGIN IMMEDIATE), or as autocommit
+        statements on the servers, where each one is atomic by itself."""
+        if not self._be.begin_immediate:
+            return statements()
+        conn.execute_text("BEGIN IMMEDIATE")
+        try:
+            result = statements()
+        except BaseException:
+            conn.dbapi_connection.rollback()
+            raise
+        conn.execute_text("COMMIT")
+        return result
+
+    # -- connections, retries and errors -----------------------------------------------------------
+
+    def _run(self, lockstring: str | None, operation: Callable[[Session], T]) -> T:
+        """Run ``operation`` on a pooled connection, translating driver errors into LockErrors.
+
+        Every operation is safe to repeat (acquire recognises its own row by guid), so two kinds
+        of failure are retried: a connection that turns out dead (the server restarted since it
+        was pooled) is replaced once, and contention that the database resolved by rolling the
+        statement back (a deadlock, a lock-wait timeout, SQLite busy) is retried with backoff,
+        so that, say, a release chosen as a deadlock victim still releases.
+        """
+        created_table = False
+        retried_connection = False
+        conflicts = 0
+        while True:
+            try:
+                with self._connect() as conn:
+                    return operation(conn)
+            except sa.exc.DBAPIError as error:
+                if error.connection_invalidated and not retried_connection:
+                    retried_connection = True
+                    logger.warning("database connection was lost (%s); reconnecting", error.orig)
+                    continue
+                if (
+                    self._backend is not None
+                    and self._be.is_transient_conflict(error)
+                    and conflicts < _CONFLICT_RETRIES
+                ):
+                    conflicts += 1
+                    logger.info("contention (%s); trying again", one_line(error.orig))
+                    self._sleep(random.uniform(0, _FIRST_CONFLICT_DELAY * 2**conflicts))
+                    continue
+                if self._backend is not None and self._be.is_missing_table(error):
+                    if self.auto_create and not created_table:
+                        created_table = True
+                        logger.info("creating lock table %s", self.table_name)
+                        self.create_table()
+                        continue
+                    raise self._table_missing(lockstring) from error
+                raise DatabaseError(
+                    f"database error on {describe_url(self.url)}"
+                    + (f" for lock {lockstring!r}" if lockstring is not None else "")
+                    + f": {one_line(error.orig)}",
+                    lockstring,
+                ) from error
+
+    @contextmanager
+    def _connect(self) -> Iterator[Session]:
+        """A cursor on a pooled connection in autocommit mode, for one operation.
+
+        An engine sqllocker made is AUTOCOMMIT for every connection, so its raw pooled
+        connections serve directly; a caller's Engine gets AUTOCOMMIT through an SQLAlchemy
+        Connection, which also restores the connection's own setting when it goes back.
+        """
+        self.ensure_setup()
+        try:
+            checkout: Any = self.engine.raw_connection() if self.owns_engine else None
+            connection = None if self.owns_engine else self.engine.connect()
+        except sa.exc.DBAPIError as error:
+            raise self.unreachable(error.orig) from error
+        except self.engine.dialect.loaded_dbapi.Error as error:  # raw_connection() does not wrap
+            raise self.unreachable(error) from error
+        fairy = checkout if connection is None else connection.connection
+        session = Session(fairy.dbapi_connection, self._prepared)
+        try:
+            yield session
+        except sa.exc.DBAPIError as error:
+            if error.connection_invalidated:
+                fairy.invalidate(error.orig)
+                if self.owns_engine:
+                    # The server went away: every pooled connection is as dead as this one.
+                    self.engine.dispose()
+            raise
+        except BaseException as error:
+            if not isinstance(error, Exception):
+                # Cancelled (async) or interrupted mid-statement: the connection's state is
+                # unknown (a statement may still be running), so it must not be reused.
+                fairy.invalidate(error)
+            raise
+        finally:
+            session.close()
+            (fairy if connection is None else connection).close()
+
+    @contextmanager
+    def connection(self) -> Iterator[Connection]:
+        """An SQLAlchemy Connection, for the rare statements outside the lock operations."""
+        try:
+            connection = self.engine.connect()
+        except sa.exc.DBAPIError as error:
+            raise self.unreachable(error.orig) from error
+        with connection:
+            yield connection
+
+    def unreachable(self, error: BaseException | None) -> DatabaseError:
+        return DatabaseError(
+            f"cannot connect to {describe_url(self.url)}: {one_line(error)}; check the "
+            "URL (--url or $SQLLOCKER_URL) and that the server is running"
+        )
+
+    def ensure_setup(self) -> None:
+        """Learn the backend on first use: its capabilities (MariaDB's RETURNING) are known only
+        once connected, and its durability settings are checked once."""
+        if self._backend is None:
+            with self.connection() as conn, self._setup_lock:
+                if self._backend is None:
+                    backend = backend_for(conn.dialect)
+                    self._check_durability(conn)
+                    self._statements = Statements(self.table, backend)
+                    self._prepared = PreparedCache(conn.dialect)
+                    self._backend = backend
+
+    def _check_durability(self, conn: Connection) -> None:
+        problems = unsafe_settings(conn, self.table_name)
+        if not problems:
+            return
+        message = (
+            f"{describe_url(self.url)} can lose acknowledged lock rows in a crash "
+            f"({', '.join(problems)}): a lost row lets a second holder in and its lock id be "
+            "reused; change the setting, or pass strict=True to refuse such databases"
+        )
+        if self.strict:
+            raise UnsafeDatabase(message)
+        logger.warning("%s", message)
+        warnings.warn(message, UnsafeDatabaseWarning, stacklevel=2)
+
+    def _table_missing(self, lockstring: str | None) -> TableMissing:
+        return TableMissing(
+            f"lock table {self.table_name!r} does not exist in {describe_url(self.url)}; "
+            f"create it with `sqllocker migrate --url URL --table {self.table_name}` "
+            "(or Locker.create_table())",
+            lockstring,
+        )
+
+    @property
+    def backend(self) -> Backend:
+        """The backend (set up on first use)."""
+        if self._backend is None:
+            self.ensure_setup()
+        assert self._backend is not None
+        return self._backend
+
+    @property
+    def statements(self) -> Statements:
+        """Every statement for this table (set up on first use)."""
+        if self._statements is None:
+            self.ensure_setup()
+        assert self._statements is not None
+        return self._statements
+
+    @property
+    def _be(self) -> Backend:
+        if self._backend is None:
+            raise LockError("internal error: backend used before the first connection")
+        return self._backend
+
+    @property
+    def _sql(self) -> Statements:
+        if self._statements is None:
+            raise LockError("internal error: statements used before the first connection")
+        return self._statements
