@@ -10,10 +10,15 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Engine, make_url
+
+from .errors import LockValueError
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
 
 logger = logging.getLogger("sqllocker")
 
@@ -35,24 +40,62 @@ _DRIVER_FOR_SCHEME = {
     "mysql": "mysql+pymysql",
     "mariadb": "mysql+pymysql",
 }
+# The async front end's drivers. psycopg 3 is both; aiomysql speaks PyMySQL's protocol and raises
+# PyMySQL's errors, and aiosqlite runs the standard sqlite3 module on a thread.
+_ASYNC_DRIVER_FOR_SCHEME = {
+    "postgres": "postgresql+psycopg",
+    "postgresql": "postgresql+psycopg",
+    "mysql": "mysql+aiomysql",
+    "mariadb": "mysql+aiomysql",
+    "sqlite": "sqlite+aiosqlite",
+}
 
 _engines_we_own: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
-def resolve_url(url: str | URL | None) -> URL:
-    """None means $SQLLOCKER_URL, else the SQLite file sqllocker.db in the working directory."""
+def resolve_url(url: str | URL | None, *, asynchronous: bool = False) -> URL:
+    """None means $SQLLOCKER_URL, else the SQLite file sqllocker.db in the working directory.
+
+    A URL that names no driver gets sqllocker's choice for its backend (an async driver if
+    ``asynchronous``); one that names a driver keeps it.
+    """
     if url is None:
         url = os.environ.get(URL_ENVIRONMENT_VARIABLE) or f"sqlite:///{DEFAULT_SQLITE_FILE}"
+    drivers = _ASYNC_DRIVER_FOR_SCHEME if asynchronous else _DRIVER_FOR_SCHEME
     if isinstance(url, str):
         scheme, separator, rest = url.partition("://")
-        if separator and scheme in _DRIVER_FOR_SCHEME:
-            url = f"{_DRIVER_FOR_SCHEME[scheme]}://{rest}"
+        if separator and scheme in drivers:
+            url = f"{drivers[scheme]}://{rest}"
         url = make_url(url)
+    elif asynchronous and "+" not in url.drivername and url.drivername in drivers:
+        url = url.set(drivername=drivers[url.drivername])
     return url
 
 
 def create_locker_engine(url: URL) -> Engine:
     """An engine configured for short autocommit lock statements on ``url``'s backend."""
+    engine = sa.create_engine(url, **_engine_options(url))
+    _configure(engine)
+    return engine
+
+
+def create_async_locker_engine(url: URL) -> AsyncEngine:
+    """The same, for the async front end (``url`` must name an async driver)."""
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    try:
+        engine = create_async_engine(url, **_engine_options(url))
+    except sa.exc.InvalidRequestError as error:  # a sync driver
+        raise LockValueError(
+            f"{describe_url(url)} names a driver without asyncio support; use "
+            "postgresql+psycopg://, mysql+aiomysql:// or sqlite+aiosqlite:/// (or leave the "
+            f"driver out): {error}"
+        ) from error
+    _configure(engine.sync_engine)
+    return engine
+
+
+def _engine_options(url: URL) -> dict[str, Any]:
     backend = url.get_backend_name()
     connect_args: dict[str, Any] = {}
     if backend == "sqlite":
@@ -69,25 +112,26 @@ def create_locker_engine(url: URL) -> Engine:
             )
         if "application_name" not in url.query:
             connect_args["application_name"] = "sqllocker"
-    elif backend in {"mysql", "mariadb"}:
+    elif backend in {"mysql", "mariadb"}:  # PyMySQL and aiomysql take the same arguments
         connect_args.setdefault("connect_timeout", CONNECT_TIMEOUT_SECONDS)
         if "init_command" not in url.query:
             connect_args["init_command"] = (
                 f"SET SESSION innodb_lock_wait_timeout = {ROW_LOCK_TIMEOUT_SECONDS}"
             )
-    engine = sa.create_engine(
-        url,
-        isolation_level="AUTOCOMMIT",
-        connect_args=connect_args,
+    return {
+        "isolation_level": "AUTOCOMMIT",
+        "connect_args": connect_args,
         # Every lock operation ends its own transaction (autocommit on the servers, an explicit
         # COMMIT or ROLLBACK on SQLite), so the pool's rollback-on-return would be a wasted round
         # trip per operation (PyMySQL sends it over the network: ~60 us of a ~400 us cycle).
-        pool_reset_on_return=None,
-    )
-    if backend == "sqlite":
+        "pool_reset_on_return": None,
+    }
+
+
+def _configure(engine: Engine) -> None:
+    if engine.dialect.name == "sqlite":
         sa.event.listen(engine, "connect", _configure_sqlite_connection)
     _engines_we_own.add(engine)
-    return engine
 
 
 def _configure_sqlite_connection(dbapi_connection: Any, _record: Any) -> None:

@@ -22,8 +22,9 @@ def _static_identity() -> tuple[str, str, str]:
     return socket.gethostname(), program, user
 
 
-def holder_details(guid: str, extra: dict[str, Any]) -> dict[str, Any]:
-    """The standard keys (host, pid, thread, program, user, guid) plus the caller's own."""
+def holder_details(guid: str, extra: dict[str, Any], task: str | None = None) -> dict[str, Any]:
+    """The standard keys (host, pid, thread, program, user, guid; ``task``, the asyncio task's
+    name, for async holders) plus the caller's own."""
     host, program, user = _static_identity()
     details: dict[str, Any] = {
         "host": host,
@@ -33,5 +34,7 @@ def holder_details(guid: str, extra: dict[str, Any]) -> dict[str, Any]:
         "user": user,
         "guid": guid,
     }
+    if task is not None:
+        details["task"] = task
     details.update(extra)
     return details

@@ -19,6 +19,8 @@ from sqlalchemy.engine import make_url
 
 from sqllocker import Lock, Locker, lock_table
 from sqllocker.engine import resolve_url
+from sqllocker.migrations import upgrade
+from sqllocker.waiting import Backoff
 
 POSTGRES_ADMIN_URL = os.environ.get(
     "SQLLOCKER_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
@@ -108,6 +110,21 @@ def make_locker(url: str, table_name: str) -> Iterator[Callable[..., Locker]]:
 @pytest.fixture
 def locker(make_locker: Callable[..., Locker]) -> Locker:
     return make_locker()
+
+
+@pytest.fixture
+def migrated_postgres(postgresql_url: str, table_name: str) -> Iterator[str]:
+    """A table made by the migrations, so it has the release-notifying trigger."""
+    engine = sa.create_engine(resolve_url(postgresql_url))
+    upgrade(engine, table_name)
+    engine.dispose()
+    return postgresql_url
+
+
+@pytest.fixture
+def slow_polling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Waiters that would poll only every 30 s: if they come back sooner, NOTIFY woke them."""
+    monkeypatch.setattr(Backoff, "for_wait", classmethod(lambda cls, wait: cls(None, 30.0, 30.0)))
 
 
 def count_rows(locker: Locker) -> int:

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from sqllocker import Locker
 from tests.conftest import figure
 
@@ -18,7 +20,10 @@ ACQUISITIONS_EACH = 200
 LOCKSTRINGS = ["alpha", "beta", "gamma"]
 
 
-def run_workers(url: str, table: str, state: Path, processes: int, count: int) -> list[dict]:
+def run_workers(
+    url: str, table: str, state: Path, processes: int, count: int, asyncio_processes: int = 0
+) -> list[dict]:
+    """Run ``processes`` workers, the last ``asyncio_processes`` of them through AsyncLocker."""
     workers = [
         subprocess.Popen(
             [
@@ -36,13 +41,14 @@ def run_workers(url: str, table: str, state: Path, processes: int, count: int) -
                 ",".join(LOCKSTRINGS),
                 "--count",
                 str(count),
+                *(["--asyncio"] if number >= processes - asyncio_processes else []),
             ],
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        for _ in range(processes)
+        for number in range(processes)
     ]
     reports = []
     for worker in workers:
@@ -54,10 +60,19 @@ def run_workers(url: str, table: str, state: Path, processes: int, count: int) -
     return reports
 
 
-def test_many_processes_never_hold_one_lock_at_once(locker: Locker, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "asyncio_processes", [0, PROCESSES // 2], ids=["sync processes", "sync and async processes"]
+)
+def test_many_processes_never_hold_one_lock_at_once(
+    locker: Locker, tmp_path: Path, asyncio_processes: int
+) -> None:
+    """Sync workers, or half sync and half async (each of those running four tasks at once),
+    contend for the same lockstrings of one table."""
     url = locker.url.render_as_string(hide_password=False)
     started = time.monotonic()
-    reports = run_workers(url, locker.table_name, tmp_path, PROCESSES, ACQUISITIONS_EACH)
+    reports = run_workers(
+        url, locker.table_name, tmp_path, PROCESSES, ACQUISITIONS_EACH, asyncio_processes
+    )
     elapsed = time.monotonic() - started
 
     overlaps_seen_by_markers = sum(report["overlaps"] for report in reports)
@@ -82,7 +97,7 @@ def test_many_processes_never_hold_one_lock_at_once(locker: Locker, tmp_path: Pa
         lost_updates += len(mine) - counted
 
     figure(
-        "contention",
+        "contention" if not asyncio_processes else "contention, sync and async",
         locker.engine.dialect.name,
         f"{len(records)} acquisitions by {PROCESSES} processes on {len(LOCKSTRINGS)} lockstrings "
         f"in {elapsed:.1f}s; overlaps {overlaps_seen_by_markers} (markers) / {interval_overlaps} "

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -12,23 +11,6 @@ import sqlalchemy as sa
 
 from sqllocker import Locker
 from sqllocker.engine import resolve_url
-from sqllocker.migrations import upgrade
-from sqllocker.waiting import Backoff
-
-
-@pytest.fixture
-def migrated_postgres(postgresql_url: str, table_name: str) -> Iterator[str]:
-    """A table made by the migrations, so it has the release-notifying trigger."""
-    engine = sa.create_engine(resolve_url(postgresql_url))
-    upgrade(engine, table_name)
-    engine.dispose()
-    return postgresql_url
-
-
-@pytest.fixture
-def slow_polling(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Waiters that would poll only every 30 s: if they come back sooner, NOTIFY woke them."""
-    monkeypatch.setattr(Backoff, "for_wait", classmethod(lambda cls, wait: cls(None, 30.0, 30.0)))
 
 
 @pytest.mark.parametrize("freed_by", ["release", "purge", "operator's DELETE"])

@@ -1,7 +1,8 @@
 """Worker processes for the multi-process tests: ``python -m tests.workers counter ...``.
 
-Each worker takes random lockstrings from a shared set, and under each lock does a
-read-sleep-write of a per-lockstring counter file. It also creates a marker file with O_EXCL on
+Each worker (a sync one, or with ``--asyncio`` an async one running several tasks) takes random
+lockstrings from a shared set, and under each lock does a read-sleep-write of a per-lockstring
+counter file. It also creates a marker file with O_EXCL on
 entry and removes it on exit, so a second holder is caught the instant it enters, and logs every
 acquisition (lockstring, lock id, monotonic entry and exit times) as a JSON line for the checker.
 """
@@ -9,42 +10,71 @@ acquisition (lockstring, lock id, monotonic entry and exit times) as a JSON line
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import random
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
 
 from sqllocker import Locker, LockLost
 
 
+def async_url(url: str) -> str:
+    """The async driver's URL for one of the test fixtures' (sync) URLs."""
+    for sync, asynchronous in (
+        ("mysql+pymysql://", "mysql+aiomysql://"),
+        ("sqlite://", "sqlite+aiosqlite://"),
+    ):
+        if url.startswith(sync):
+            return asynchronous + url[len(sync) :]
+    return url
+
+
+class CriticalSection:
+    """The work done under each lock: an O_EXCL marker file (a second holder is caught the
+    instant it enters) and a read-pause-write of the lockstring's counter file (a second holder
+    loses an update)."""
+
+    def __init__(self, state: Path) -> None:
+        self.state = state
+        self.overlaps = 0
+
+    def enter(self, lockstring: str) -> int:
+        try:
+            os.close(
+                os.open(self.state / f"{lockstring}.holder", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            )
+        except FileExistsError:
+            self.overlaps += 1
+        counter_file = self.state / f"{lockstring}.count"
+        try:
+            return int(counter_file.read_text()) if counter_file.exists() else 0
+        except ValueError:  # torn read: another holder is writing it right now
+            self.overlaps += 1
+            return 0
+
+    def leave(self, lockstring: str, value: int) -> None:
+        (self.state / f"{lockstring}.count").write_text(str(value + 1))
+        (self.state / f"{lockstring}.holder").unlink(missing_ok=True)
+
+
 def counter(args: argparse.Namespace) -> int:
     locker = Locker(args.url, table=args.table, grace=args.grace)
-    state = Path(args.state)
+    work = CriticalSection(Path(args.state))
     lockstrings = args.lockstrings.split(",")
-    overlaps = 0
     lost = 0
-    with open(state / f"log-{os.getpid()}.jsonl", "w") as log:
+    with open(work.state / f"log-{os.getpid()}.jsonl", "w") as log:
         for _ in range(args.count):
             lockstring = random.choice(lockstrings)
             lock = locker.lock(lockstring, wait=None, expires=args.expires)
             try:
                 entered = time.monotonic()
-                marker = state / f"{lockstring}.holder"
-                try:
-                    os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-                except FileExistsError:
-                    overlaps += 1
-                counter_file = state / f"{lockstring}.count"
-                try:
-                    value = int(counter_file.read_text()) if counter_file.exists() else 0
-                except ValueError:  # torn read: another holder is writing it right now
-                    overlaps += 1
-                    value = 0
+                value = work.enter(lockstring)
                 time.sleep(args.hold)
-                counter_file.write_text(str(value + 1))
-                marker.unlink(missing_ok=True)
+                work.leave(lockstring, value)
                 left = time.monotonic()
             finally:
                 try:
@@ -53,7 +83,49 @@ def counter(args: argparse.Namespace) -> int:
                     lost += 1
             record = {"ls": lockstring, "id": lock.lock_id, "in": entered, "out": left}
             log.write(json.dumps(record) + "\n")
-    print(json.dumps({"pid": os.getpid(), "overlaps": overlaps, "lost": lost}))
+    print(json.dumps({"pid": os.getpid(), "overlaps": work.overlaps, "lost": lost}))
+    return 0
+
+
+def async_counter(args: argparse.Namespace) -> int:
+    """``counter`` through AsyncLocker, by ``--tasks`` concurrent tasks sharing the process."""
+    return asyncio.run(_async_counter(args))
+
+
+async def _async_counter(args: argparse.Namespace) -> int:
+    from sqllocker.asyncio import AsyncLocker
+
+    locker = AsyncLocker(async_url(args.url), table=args.table, grace=args.grace)
+    work = CriticalSection(Path(args.state))
+    lockstrings = args.lockstrings.split(",")
+    lost = 0
+
+    async def task(log: TextIO, count: int) -> None:
+        nonlocal lost
+        for _ in range(count):
+            lockstring = random.choice(lockstrings)
+            lock = await locker.lock(lockstring, wait=None, expires=args.expires)
+            try:
+                entered = time.monotonic()
+                value = work.enter(lockstring)
+                await asyncio.sleep(args.hold)  # other tasks run meanwhile
+                work.leave(lockstring, value)
+                left = time.monotonic()
+            finally:
+                try:
+                    await lock.unlock()
+                except LockLost:
+                    lost += 1
+            record = {"ls": lockstring, "id": lock.lock_id, "in": entered, "out": left}
+            log.write(json.dumps(record) + "\n")
+
+    with open(work.state / f"log-{os.getpid()}.jsonl", "w") as log:
+        shares = [
+            args.count // args.tasks + (n < args.count % args.tasks) for n in range(args.tasks)
+        ]
+        await asyncio.gather(*(task(log, share) for share in shares))
+    await locker.aclose()
+    print(json.dumps({"pid": os.getpid(), "overlaps": work.overlaps, "lost": lost}))
     return 0
 
 
@@ -123,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.workers")
     commands = parser.add_subparsers(dest="command", required=True)
     work = commands.add_parser("counter", help="read-sleep-write a shared counter under locks")
+    work.add_argument("--asyncio", action="store_true", help="through AsyncLocker")
+    work.add_argument("--tasks", type=int, default=4, help="concurrent tasks (with --asyncio)")
     work.add_argument("--url", required=True)
     work.add_argument("--table", required=True)
     work.add_argument("--state", required=True, help="directory shared by the workers")
@@ -139,7 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     holder.add_argument("--grace", type=float, default=1.0)
     holder.add_argument("--keep-alive", action="store_true")
     args = parser.parse_args(argv)
-    return counter(args) if args.command == "counter" else hold(args)
+    if args.command == "counter":
+        return async_counter(args) if args.asyncio else counter(args)
+    return hold(args)
 
 
 if __name__ == "__main__":

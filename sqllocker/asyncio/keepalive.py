@@ -1,0 +1,104 @@
+"""Keeping async locks alive: one task per kept-alive lock, on the locker's event loop.
+
+The rules are the sync keep-alive's (``sqllocker/keepalive.py``): renew every ``fraction`` of
+the expiry period with the statement of ``extend()``, retry transient errors with backoff, and
+declare the lock lost, calling its ``on_lost``, the moment its validity deadline passes without
+a successful renewal, even while a renewal is still stuck on a stalled connection. No
+connection is held between renewals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from ..errors import LockError, LockLost
+from ..keepalive import FIRST_RETRY_DELAY
+from .lock import AsyncLockState
+from .tasks import spawn
+
+logger = logging.getLogger("sqllocker")
+
+
+class AsyncKeepAlive:
+    """The kept-alive locks of one AsyncLocker, each renewed by a task of its own."""
+
+    def __init__(self, fraction: float) -> None:
+        self.fraction = fraction
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+
+    def add(self, state: AsyncLockState) -> None:
+        if not state.held or state.lost is not None or id(state) in self._tasks:
+            return
+        task = spawn(self._keep(state), f"keep {state.lockstring!r} alive")
+        self._tasks[id(state)] = task
+        task.add_done_callback(lambda _: self._tasks.pop(id(state), None))
+
+    def remove(self, state: AsyncLockState) -> None:
+        task = self._tasks.pop(id(state), None)
+        if task is not None:
+            task.cancel()
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    async def stop(self) -> None:
+        """Stop renewing everything (the locks stay held until they expire)."""
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _keep(self, state: AsyncLockState) -> None:
+        next_renewal = time.monotonic() + state.ttl * self.fraction
+        failures = 0
+        renewal: asyncio.Task[object] | None = None
+        try:
+            while state.held and state.lost is None:
+                now = time.monotonic()
+                if now >= state.valid_until:
+                    state.mark_lost(state.deadline_passed())
+                    return
+                if renewal is None and now >= next_renewal:
+                    renewal = asyncio.ensure_future(state.extend(state.ttl))
+                if renewal is None:
+                    await asyncio.sleep(min(next_renewal, state.valid_until) - now)
+                    continue
+                # Wait for the renewal, but never past the deadline.
+                await asyncio.wait({renewal}, timeout=max(0.0, state.valid_until - now))
+                if not renewal.done():
+                    continue  # the deadline passed with the renewal still in flight
+                error = (
+                    LockError("renewal cancelled", state.lockstring)
+                    if renewal.cancelled()
+                    else renewal.exception()
+                )
+                renewal = None
+                if isinstance(error, LockLost):
+                    return  # extend() marked it lost (or it was released meanwhile)
+                if isinstance(error, LockError):
+                    failures += 1
+                    delay = min(state.ttl * self.fraction, FIRST_RETRY_DELAY * 2 ** (failures - 1))
+                    logger.warning(
+                        "could not renew lock %r (id %d), attempt %d: %s; retrying in %.2fs",
+                        state.lockstring,
+                        state.lock_id,
+                        failures,
+                        error,
+                        delay,
+                    )
+                    next_renewal = time.monotonic() + delay
+                elif error is not None:
+                    logger.error("unexpected error renewing lock %r: %r", state.lockstring, error)
+                    next_renewal = time.monotonic() + state.ttl * self.fraction
+                else:
+                    failures = 0
+                    next_renewal = state.valid_until - state.ttl * (1 - self.fraction)
+        finally:
+            if renewal is not None and not renewal.done():
+                renewal.cancel()

@@ -1,0 +1,343 @@
+"""The AsyncLocker: the asyncio front end, on the same table and statements as ``Locker``.
+
+Every operation is ``operations.LockTable``'s, run by SQLAlchemy's ``greenlet_spawn`` on the
+AsyncEngine's ``sync_engine``: the driver calls become awaits on the event loop, and the SQL,
+retries and error handling are exactly the sync front end's. So sync and async processes
+contend for the same lockstrings under the same rules. This module adds what is particular to
+asyncio: waiting with ``asyncio.sleep``, keep-alive tasks, an async LISTEN connection, and
+cancellation.
+
+Cancellation: a task cancelled while acquiring returns at once; its attempt finishes in the
+background, and a lock it turns out to have won is released straight away, so no row is left
+behind (unless the event loop itself shuts down mid-statement: then the row expires). A release
+is likewise finished in the background (see ``lock.py``), and a cancelled wait stops at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import uuid
+from collections.abc import Callable, Generator
+from datetime import datetime
+from types import TracebackType
+from typing import Any, TypeVar
+
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.util import greenlet_spawn
+
+from .. import validation
+from ..engine import create_async_locker_engine, describe_url, resolve_url
+from ..errors import LockBusy, LockTypeError
+from ..identity import holder_details
+from ..keepalive import DEFAULT_FRACTION
+from ..lock import OnLost
+from ..locker import DEFAULT_EXPIRES, DEFAULT_GRACE, DEFAULT_PURGE_BATCH
+from ..operations import Acquired, LockInfo, LockTable, Refused
+from ..schema import DEFAULT_TABLE
+from ..waiting import Backoff
+from .keepalive import AsyncKeepAlive
+from .lock import AsyncLock, AsyncLockState
+from .notify import AsyncReleaseListener
+from .tasks import spawn
+
+logger = logging.getLogger("sqllocker")
+
+T = TypeVar("T")
+
+
+def _sleep_in_greenlet(seconds: float) -> None:
+    """LockTable's pause between retries after contention, without blocking the event loop."""
+    try:
+        from sqlalchemy.util import await_
+    except ImportError:  # SQLAlchemy 2.0 calls it await_only
+        from sqlalchemy.util import await_only as await_
+    await_(asyncio.sleep(seconds))
+
+
+class AsyncLocker:
+    """Hands out locks kept as rows of ``table``, for asyncio code.
+
+    The arguments are ``Locker``'s. ``url_or_engine`` is a URL or an ``AsyncEngine``; a URL that
+    names no driver gets psycopg 3 (PostgreSQL), aiomysql (MySQL/MariaDB) or aiosqlite (SQLite).
+    ``on_lost`` may be a function or a coroutine function. Close it with ``await aclose()``, or
+    use ``async with AsyncLocker(...) as locker``. Its locks and connections belong to the event
+    loop that first used it.
+    """
+
+    def __init__(
+        self,
+        url_or_engine: str | URL | AsyncEngine | None = None,
+        *,
+        table: str = DEFAULT_TABLE,
+        expires: float = DEFAULT_EXPIRES,
+        grace: float = DEFAULT_GRACE,
+        auto_create: bool | None = None,
+        on_lost: OnLost | None = None,
+        keep_alive_fraction: float = DEFAULT_FRACTION,
+        strict: bool = False,
+    ) -> None:
+        options = validation.check_locker_options(
+            table, expires, grace, keep_alive_fraction, on_lost
+        )
+        self.table_name, self.expires, self.grace = options
+        self.on_lost = on_lost
+        self.strict = strict
+        self.engine: AsyncEngine
+        if isinstance(url_or_engine, AsyncEngine):
+            self.engine = url_or_engine.execution_options(isolation_level="AUTOCOMMIT")
+            self._owns_engine = False
+        elif url_or_engine is None or isinstance(url_or_engine, str | URL):
+            url = resolve_url(url_or_engine, asynchronous=True)
+            self.engine = create_async_locker_engine(url)
+            self._owns_engine = True
+        else:
+            raise LockTypeError(
+                f"url_or_engine must be a URL string, sqlalchemy URL or AsyncEngine, not "
+                f"{type(url_or_engine).__name__}"
+            )
+        self.url = self.engine.url
+        self.auto_create = (
+            self.engine.dialect.name == "sqlite" if auto_create is None else auto_create
+        )
+        self._table = LockTable(
+            self.engine.sync_engine,
+            self.table_name,
+            owns_engine=self._owns_engine,
+            grace=self.grace,
+            auto_create=self.auto_create,
+            strict=strict,
+            sleep=_sleep_in_greenlet,
+        )
+        self.table = self._table.table
+        self._keep_alives = AsyncKeepAlive(
+            validation.check_keep_alive_fraction(keep_alive_fraction)
+        )
+        self._setup_lock: asyncio.Lock | None = None
+        self._listener: AsyncReleaseListener | None = None
+
+    # -- public API -----------------------------------------------------------------------------
+
+    def lock(
+        self,
+        lockstring: str,
+        *,
+        expires: float | None = None,
+        wait: float | None = 0,
+        locked_by: dict[str, Any] | None = None,
+        keep_alive: bool = False,
+        on_lost: OnLost | None = None,
+    ) -> Acquiring:
+        """Acquire ``lockstring`` (arguments as ``Locker.lock``): ``await`` it for an AsyncLock,
+        or ``async with`` it to hold the lock for a block. Raises LockBusy if it stays held.
+
+        Bad arguments raise here, before anything is awaited or sent.
+        """
+        request = validation.check_lock_request(
+            lockstring, expires, self.expires, wait, locked_by, on_lost
+        )
+        return Acquiring(self._acquire(*request, keep_alive, on_lost or self.on_lost))
+
+    async def try_lock(
+        self,
+        lockstring: str,
+        *,
+        expires: float | None = None,
+        locked_by: dict[str, Any] | None = None,
+    ) -> AsyncLock | None:
+        """Acquire ``lockstring`` if it is free: an AsyncLock, or None if someone holds it."""
+        try:
+            return await self.lock(lockstring, expires=expires, wait=0, locked_by=locked_by)
+        except LockBusy:
+            return None
+
+    async def purge_expired_locks(self, batch_size: int = DEFAULT_PURGE_BATCH) -> int:
+        """Delete rows expired (by the server's clock) for longer than grace, in batches."""
+        return await self._call(self._table.purge_expired, validation.check_batch_size(batch_size))
+
+    async def locks(self, pattern: str | None = None) -> list[LockInfo]:
+        """Every row of the table (see ``Locker.locks``)."""
+        return await self._call(self._table.locks, validation.check_pattern(pattern))
+
+    async def lock_info(self, lockstring: str) -> LockInfo | None:
+        """The row of ``lockstring``, live or expired, or None if there is none."""
+        return await self._call(self._table.lock_info, validation.check_lockstring(lockstring))
+
+    async def expired_locks(self) -> list[LockInfo]:
+        """The rows purge_expired_locks() would delete now."""
+        return await self._call(self._table.expired_locks)
+
+    async def break_lock(self, lockstring: str, lock_id: int | None = None) -> LockInfo | None:
+        """Delete ``lockstring``'s row whoever holds it (see ``Locker.break_lock``)."""
+        checked = validation.check_lockstring(lockstring)
+        return await self._call(self._table.break_lock, checked, lock_id)
+
+    async def create_table(self) -> None:
+        """Create or upgrade the table by applying the shipped migrations; safe to repeat."""
+        await greenlet_spawn(self._table.create_table)
+
+    async def aclose(self) -> None:
+        """Stop keeping locks alive and listening, and dispose of an engine the locker made."""
+        await self._keep_alives.stop()
+        if self._listener is not None:
+            await self._listener.stop()
+        if self._owns_engine:
+            await self.engine.dispose()
+
+    async def __aenter__(self) -> AsyncLocker:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return f"<AsyncLocker {describe_url(self.url)} table={self.table_name}>"
+
+    # -- operations used by AsyncLock ------------------------------------------------------------
+
+    async def _release(self, lockstring: str, lock_id: int, guid: str) -> None:
+        await self._call(self._table.release, lockstring, lock_id, guid)
+
+    async def _extend(self, lockstring: str, lock_id: int, guid: str, ttl: float) -> datetime:
+        return await self._call(self._table.extend, lockstring, lock_id, guid, ttl)
+
+    def _keep_alive(self, state: AsyncLockState) -> None:
+        self._keep_alives.add(state)
+
+    def _forget_kept_alive(self, state: AsyncLockState) -> None:
+        self._keep_alives.remove(state)
+
+    async def _guard(self, connection: AsyncConnection, state: AsyncLockState) -> None:
+        await self._ready()
+        proven = await connection.run_sync(
+            self._table.guard, state.lockstring, state.lock_id, state.guid
+        )
+        state.guard_failed(proven)
+
+    # -- internals -------------------------------------------------------------------------------
+
+    async def _acquire(
+        self,
+        lockstring: str,
+        ttl: float,
+        wait: float | None,
+        extra: dict[str, Any],
+        keep_alive: bool,
+        on_lost: OnLost | None,
+    ) -> AsyncLock:
+        backoff = Backoff.for_wait(wait)
+        listener = await self._release_listener() if wait != 0 else None
+        while True:
+            # Subscribe before the attempt: a release between a refusal and the sleep still
+            # wakes us.
+            waiter = await listener.register(lockstring) if listener is not None else None
+            try:
+                outcome = await self._try_acquire(lockstring, ttl, extra, on_lost)
+                if isinstance(outcome, AsyncLock):
+                    return outcome.keep_alive() if keep_alive else outcome
+                if backoff.expired():
+                    raise outcome.busy_after(lockstring, wait)
+                delay = backoff.next_delay(
+                    outcome.busy.expires if outcome.busy else None, outcome.server_now, self.grace
+                )
+                if waiter is None:
+                    await asyncio.sleep(delay)
+                else:  # a release notification, or the backoff, ends the wait
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(waiter.event.wait(), delay)
+            finally:
+                if listener is not None and waiter is not None:
+                    listener.unregister(waiter)
+
+    async def _try_acquire(
+        self, lockstring: str, ttl: float, extra: dict[str, Any], on_lost: OnLost | None
+    ) -> AsyncLock | Refused:
+        guid = str(uuid.uuid4())
+        task = asyncio.current_task()
+        details = holder_details(guid, extra, task.get_name() if task is not None else None)
+        attempt = spawn(
+            self._call(self._table.try_acquire, lockstring, guid, ttl, details),
+            f"acquire {lockstring!r}",
+        )
+        try:
+            # Shielded: cancelling the caller must not cut the statement off halfway, when
+            # nobody would know whether the row was written.
+            outcome = await asyncio.shield(attempt)
+        except asyncio.CancelledError:
+            attempt.add_done_callback(functools.partial(self._undo_attempt, lockstring, guid))
+            raise
+        if not isinstance(outcome, Acquired):
+            return outcome
+        state = AsyncLockState(
+            self, lockstring, outcome.lock_id, guid, ttl, outcome.sent_at, on_lost
+        )
+        return AsyncLock(state, created=outcome.created, expires=outcome.expires, locked_by=details)
+
+    def _undo_attempt(self, lockstring: str, guid: str, attempt: asyncio.Task[Any]) -> None:
+        """The caller of an attempt was cancelled: release the lock if the attempt won it."""
+        if attempt.cancelled() or attempt.exception() is not None:
+            return
+        outcome = attempt.result()
+        if isinstance(outcome, Acquired):
+            logger.info(
+                "releasing %r (id %d): its acquirer was cancelled", lockstring, outcome.lock_id
+            )
+            release = self._call(self._table.release, lockstring, outcome.lock_id, guid)
+            spawn(release, f"release {lockstring!r} after cancellation")
+
+    async def _call(self, operation: Callable[..., T], *args: Any) -> T:
+        """Run one LockTable operation in a greenlet, where its driver calls are awaited."""
+        await self._ready()
+        return await greenlet_spawn(operation, *args)
+
+    async def _ready(self) -> None:
+        """Set up on first use, one task at a time: LockTable's own set-up lock is a thread
+        lock, which one task must never hold while another task on the same thread waits."""
+        if self._table._backend is not None:
+            return
+        if self._setup_lock is None:
+            self._setup_lock = asyncio.Lock()
+        async with self._setup_lock:
+            await greenlet_spawn(self._table.ensure_setup)
+
+    async def _release_listener(self) -> AsyncReleaseListener | None:
+        """PostgreSQL waiters wake on NOTIFY; other backends back off and retry."""
+        dialect = self.engine.dialect
+        if dialect.name != "postgresql" or dialect.driver != "psycopg":
+            return None
+        if self._listener is None:
+            self._listener = AsyncReleaseListener(self.engine, self.table_name)
+        return self._listener
+
+
+class Acquiring:
+    """What ``AsyncLocker.lock()`` returns: await it for the lock, or ``async with`` it to hold
+    the lock for the block (released at its end, as ``async with lock:`` does)."""
+
+    def __init__(self, acquire: Any) -> None:
+        self._acquire = acquire
+        self._lock: AsyncLock | None = None
+
+    def __await__(self) -> Generator[Any, None, AsyncLock]:
+        return self._acquire.__await__()  # type: ignore[no-any-return]
+
+    async def __aenter__(self) -> AsyncLock:
+        self._lock = await self._acquire
+        return self._lock
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        assert self._lock is not None
+        await self._lock.__aexit__(exc_type, exc_value, traceback)

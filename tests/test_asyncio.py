@@ -1,0 +1,517 @@
+"""sqllocker.asyncio on every backend: the core behaviours through AsyncLocker, sync and async
+lockers on one table, keep-alive tasks, NOTIFY wake-ups, and cancellation at every await.
+
+The multi-process mutual-exclusion test with sync and async workers side by side is in
+test_mutual_exclusion.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from sqllocker import (
+    DatabaseError,
+    LockBusy,
+    Locker,
+    LockError,
+    LockLost,
+    LockTypeError,
+    LockValueError,
+    TableMissing,
+)
+from sqllocker.asyncio import AsyncLock, AsyncLocker
+from sqllocker.engine import resolve_url
+from tests.conftest import abandon
+from tests.workers import async_url
+
+MakeAsync = Callable[..., AsyncLocker]
+
+
+@pytest.fixture
+async def make_async_locker(
+    make_locker: Callable[..., Locker], url: str, table_name: str
+) -> AsyncIterator[MakeAsync]:
+    """AsyncLockers on this test's table (created by make_locker); grace 0, as there."""
+    make_locker()  # creates the table
+    lockers: list[AsyncLocker] = []
+
+    def make(**options: Any) -> AsyncLocker:
+        options.setdefault("table", table_name)
+        options.setdefault("grace", 0)
+        locker = AsyncLocker(async_url(url), **options)
+        lockers.append(locker)
+        return locker
+
+    yield make
+    for locker in lockers:
+        await locker.aclose()
+
+
+@pytest.fixture
+def alocker(make_async_locker: MakeAsync) -> AsyncLocker:
+    return make_async_locker()
+
+
+@pytest.fixture
+def blocker(url: str) -> Iterator[sa.Connection]:
+    """A sync connection whose open transaction can make a lock statement wait: its write holds
+    the row (PostgreSQL, MariaDB) or the whole database (SQLite) until it rolls back."""
+    engine = sa.create_engine(resolve_url(url))
+    connection = engine.connect()
+    yield connection
+    connection.close()
+    engine.dispose()
+
+
+def hold_up(blocker: sa.Connection, locker: AsyncLocker, lockstring: str) -> None:
+    """In ``blocker``'s transaction, write a row that makes ``lockstring``'s statements wait."""
+    blocker.begin()
+    now = datetime.now(timezone.utc)
+    blocker.execute(
+        locker.table.insert().values(
+            lockstring=lockstring,
+            guid="blocker",
+            created=now,
+            expires=now + timedelta(hours=1),
+            locked_by={},
+        )
+    )
+
+
+def hold_row(blocker: sa.Connection, locker: AsyncLocker, lock: AsyncLock) -> None:
+    """In ``blocker``'s transaction, write ``lock``'s own row (a no-op update) so that a DELETE
+    of it waits."""
+    blocker.begin()
+    table = locker.table
+    blocker.execute(
+        table.update().where(table.c.id == lock.lock_id).values(expires=table.c.expires)
+    )
+
+
+async def eventually(check: Callable[[], Any], seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not await check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)
+
+
+# -- the core behaviours ------------------------------------------------------------------------
+
+
+async def test_lock_unlock_relock_and_busy(alocker: AsyncLocker) -> None:
+    lock = await alocker.lock("Zombie Soup", expires=60)
+    assert isinstance(lock, AsyncLock)
+    assert lock.lock_id > 0
+    assert timedelta(seconds=59) < lock.expires - lock.created < timedelta(seconds=61)
+    assert lock.locked_by["task"]  # the asyncio task's name, beside host, pid and thread
+    with pytest.raises(LockBusy) as busy:
+        await alocker.lock("Zombie Soup")
+    assert busy.value.lock_id == lock.lock_id
+    assert busy.value.holder is not None
+    assert busy.value.holder["guid"] == lock.guid
+    assert await alocker.try_lock("Zombie Soup") is None
+    await lock.unlock()
+    assert not lock.is_locked
+    await lock.unlock()  # a no-op
+    again = await alocker.lock("Zombie Soup")
+    assert again.lock_id > lock.lock_id
+    assert again.guid != lock.guid
+    await again.unlock()
+    assert await alocker.locks() == []
+
+
+async def test_async_with_releases_on_exit_and_when_the_body_raises(alocker: AsyncLocker) -> None:
+    async with alocker.lock("job") as lock:
+        assert lock.is_locked
+        assert (await alocker.lock_info("job")) is not None
+    assert not lock.is_locked
+    with pytest.raises(RuntimeError, match="body"):
+        async with await alocker.lock("job"):
+            raise RuntimeError("body")
+    assert await alocker.lock_info("job") is None
+
+
+async def test_sync_and_async_lockers_exclude_each_other(
+    alocker: AsyncLocker, make_locker: Callable[..., Locker]
+) -> None:
+    sync = make_locker()
+    with sync.lock("shared"):
+        assert await alocker.try_lock("shared") is None
+    async with alocker.lock("shared") as lock:
+        assert sync.try_lock("shared") is None
+        info = sync.lock_info("shared")
+        assert info is not None
+        assert info.lock_id == lock.lock_id
+
+
+async def test_extend_moves_expiry_and_never_revives(alocker: AsyncLocker) -> None:
+    lock = await alocker.lock("job", expires=10)
+    before = lock.expires
+    assert await lock.extend(600) > before
+    await lock.unlock()
+    short = await alocker.lock("short", expires=0.5)
+    await asyncio.sleep(1.0)
+    with pytest.raises(LockLost):
+        await short.extend()
+    assert not short.is_locked
+
+
+async def test_expired_row_is_taken_over_and_the_stale_holder_cannot_touch_it(
+    alocker: AsyncLocker,
+) -> None:
+    stale = await alocker.lock("job", expires=0.5)
+    await asyncio.sleep(1.0)
+    fresh = await alocker.lock("job")
+    assert fresh.lock_id > stale.lock_id
+    with pytest.raises(LockLost):
+        await stale.extend()
+    with pytest.raises(LockLost):
+        await stale.unlock()
+    info = await alocker.lock_info("job")
+    assert info is not None
+    assert info.lock_id == fresh.lock_id
+    await fresh.unlock()
+
+
+async def test_wait_acquires_once_released_and_gives_up_in_time(alocker: AsyncLocker) -> None:
+    held = await alocker.lock("job")
+    asyncio.get_running_loop().call_later(0.3, lambda: asyncio.ensure_future(held.unlock()))
+    async with alocker.lock("job", wait=10) as lock:
+        assert lock.is_locked
+        started = time.monotonic()
+        with pytest.raises(LockBusy) as busy:
+            await alocker.lock("job", wait=0.3)
+        assert time.monotonic() - started >= 0.3
+        assert busy.value.waited == 0.3
+        assert busy.value.lock_id == lock.lock_id
+
+
+async def test_tasks_never_hold_one_lock_at_once(alocker: AsyncLocker) -> None:
+    inside: list[str] = []
+    entries: list[int] = []
+    counter = {"value": 0}
+    overlaps = 0
+
+    async def worker(name: str) -> None:
+        nonlocal overlaps
+        for _ in range(15):
+            async with alocker.lock("counter", wait=None) as lock:
+                overlaps += bool(inside)
+                inside.append(name)
+                entries.append(lock.lock_id)
+                value = counter["value"]
+                await asyncio.sleep(0.001)  # every other task runs meanwhile
+                counter["value"] = value + 1
+                inside.remove(name)
+
+    await asyncio.wait_for(asyncio.gather(*(worker(f"task {n}") for n in range(6))), 120)
+    assert overlaps == 0
+    assert counter["value"] == 90
+    assert entries == sorted(entries)  # fencing tokens grow with each holder
+    assert len(set(entries)) == 90
+
+
+async def test_listing_purging_and_breaking(alocker: AsyncLocker) -> None:
+    kept = await alocker.lock("report:1")
+    abandon(await alocker.lock("report:2", expires=0.3))  # as if its holder had crashed
+    other = await alocker.lock("other")
+    assert [info.lockstring for info in await alocker.locks("report:*")] == [
+        "report:1",
+        "report:2",
+    ]
+    await asyncio.sleep(0.8)
+    assert [info.lockstring for info in await alocker.expired_locks()] == ["report:2"]
+    assert await alocker.purge_expired_locks() == 1
+    broken = await alocker.break_lock("other")
+    assert broken is not None
+    assert broken.lock_id == other.lock_id
+    with pytest.raises(LockLost):
+        await other.unlock()
+    await kept.unlock()
+
+
+async def test_a_dropped_lock_is_released_on_its_loop(alocker: AsyncLocker) -> None:
+    await alocker.lock("forgotten")  # nobody keeps it
+    gc.collect()
+
+    async def released() -> bool:
+        return await alocker.lock_info("forgotten") is None
+
+    await eventually(released, 5)
+
+
+# -- bad input and errors -------------------------------------------------------------------------
+
+
+async def test_bad_input_is_refused_before_anything_is_sent(
+    alocker: AsyncLocker, caplog: pytest.LogCaptureFixture
+) -> None:
+    await (await alocker.lock("warm up")).unlock()
+    caplog.set_level(logging.DEBUG, logger="sqllocker.sql")
+    caplog.clear()
+    bad_calls: list[tuple[Callable[[], Any], type[Exception]]] = [
+        (lambda: alocker.lock(""), LockValueError),
+        (lambda: alocker.lock("x" * 129), LockValueError),
+        (lambda: alocker.lock(42), LockTypeError),  # type: ignore[arg-type]
+        (lambda: alocker.lock("job", expires=-1), LockValueError),
+        (lambda: alocker.lock("job", wait=-1), LockValueError),
+        (lambda: alocker.lock("job", locked_by={"pid": 1}), LockValueError),
+        (lambda: alocker.lock("job", on_lost="nope"), LockTypeError),  # type: ignore[arg-type]
+    ]
+    for call, error in bad_calls:
+        with pytest.raises(error):
+            call()  # raises at the call, before anything is awaited
+    for coroutine, error in [
+        (lambda: alocker.purge_expired_locks(0), LockTypeError),
+        (lambda: alocker.locks(7), LockTypeError),  # type: ignore[arg-type]
+        (lambda: alocker.lock_info(""), LockValueError),
+    ]:
+        with pytest.raises(error):
+            await coroutine()
+    assert [r for r in caplog.records if r.name == "sqllocker.sql"] == []
+    assert await alocker.locks() == []
+
+
+def test_bad_locker_options_and_sync_drivers_are_refused(tmp_path: Any) -> None:
+    with pytest.raises(LockValueError):
+        AsyncLocker(f"sqlite+aiosqlite:///{tmp_path / 'x.db'}", table="bad name")
+    with pytest.raises(LockValueError):
+        AsyncLocker(f"sqlite+aiosqlite:///{tmp_path / 'x.db'}", expires=0)
+    with pytest.raises(LockTypeError):
+        AsyncLocker(42)  # type: ignore[arg-type]
+    with pytest.raises(LockTypeError):
+        AsyncLocker(sa.create_engine("sqlite://"))  # type: ignore[arg-type]
+    with pytest.raises(LockValueError, match="asyncio"):
+        AsyncLocker(f"sqlite+pysqlite:///{tmp_path / 'x.db'}")
+
+
+async def test_missing_table_names_the_command_that_creates_it(url: str) -> None:
+    async with AsyncLocker(async_url(url), table="no_such_table", auto_create=False) as locker:
+        with pytest.raises(TableMissing) as caught:
+            await locker.lock("job")
+        assert "sqllocker migrate" in str(caught.value)
+        assert caught.value.lockstring == "job"
+
+
+async def test_sqlite_creates_its_table_on_first_use(tmp_path: Any) -> None:
+    async with (
+        AsyncLocker(f"sqlite:///{tmp_path / 'fresh.db'}") as locker,
+        locker.lock("job") as lock,
+    ):
+        assert lock.lock_id == 1
+
+
+@pytest.mark.parametrize(
+    "bad_url",
+    [
+        "postgresql://postgres@127.0.0.1:1/test",
+        "mysql://root@127.0.0.1:1/test",
+        "sqlite:////nonexistent-directory/for/sure/locks.db",
+    ],
+)
+async def test_unreachable_database_is_a_database_error(bad_url: str) -> None:
+    async with AsyncLocker(bad_url) as locker:
+        with pytest.raises(DatabaseError, match="check the URL"):
+            await locker.lock("job")
+
+
+# -- keep-alive and on_lost -----------------------------------------------------------------------
+
+
+async def test_keep_alive_task_holds_a_short_lock(make_async_locker: MakeAsync) -> None:
+    locker, other = make_async_locker(), make_async_locker()
+    lock = await locker.lock("job", expires=1, keep_alive=True)
+    await asyncio.sleep(3.0)  # three expiry periods
+    assert lock.is_valid()
+    assert await other.try_lock("job") is None
+    await lock.unlock()
+    assert len(locker._keep_alives) == 0
+
+
+@pytest.mark.parametrize("kind", ["function", "coroutine function"])
+async def test_on_lost_is_called_once_when_the_lock_is_broken(
+    make_async_locker: MakeAsync, kind: str
+) -> None:
+    locker, operator = make_async_locker(), make_async_locker()
+    calls: list[LockLost] = []
+    called = asyncio.Event()
+
+    def on_lost(error: LockLost) -> None:
+        calls.append(error)
+        called.set()
+
+    async def on_lost_async(error: LockLost) -> None:
+        on_lost(error)
+
+    callback = on_lost if kind == "function" else on_lost_async
+    lock = await locker.lock("job", expires=1, keep_alive=True, on_lost=callback)
+    await operator.break_lock("job")
+    await asyncio.wait_for(called.wait(), 5)
+    await asyncio.sleep(0.8)  # no second call
+    assert len(calls) == 1
+    assert calls[0].lockstring == "job"
+    assert not lock.is_valid()
+    with pytest.raises(LockLost):
+        async with lock:
+            pass
+
+
+async def test_on_lost_fires_at_the_deadline_while_a_renewal_hangs(
+    alocker: AsyncLocker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    called = asyncio.Event()
+    acquired_at = time.monotonic()
+    lock = await alocker.lock("job", expires=1, keep_alive=True, on_lost=lambda _: called.set())
+
+    async def hang(*_: Any) -> datetime:
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    monkeypatch.setattr(alocker, "_extend", hang)
+    await asyncio.wait_for(called.wait(), 5)
+    assert time.monotonic() < acquired_at + 1.0  # before the row can expire on the server
+    assert not lock.is_valid()
+    with pytest.raises(LockLost):
+        lock.check()
+
+
+async def test_guard_proves_the_lock_inside_the_callers_transaction(
+    alocker: AsyncLocker, url: str
+) -> None:
+    engine: AsyncEngine = create_async_engine(async_url(url))
+    try:
+        lock = await alocker.lock("job")
+        async with engine.connect() as conn:
+            with pytest.raises(LockError, match="inside a transaction"):
+                await lock.guard(conn)
+            async with conn.begin():
+                await lock.guard(conn)
+        await lock.unlock()
+        stale = await alocker.lock("stale", expires=0.3)
+        await asyncio.sleep(0.8)
+        async with engine.connect() as conn, conn.begin():
+            with pytest.raises(LockLost):
+                await stale.guard(conn)
+    finally:
+        await engine.dispose()
+
+
+# -- cancellation -------------------------------------------------------------------------------
+
+
+async def test_cancelled_acquire_leaves_no_row(
+    alocker: AsyncLocker, blocker: sa.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    await (await alocker.lock("warm up")).unlock()
+    caplog.set_level(logging.INFO, logger="sqllocker")
+    hold_up(blocker, alocker, "job")  # our INSERT (SQLite: our BEGIN IMMEDIATE) now waits
+    acquiring = asyncio.ensure_future(alocker.lock("job", wait=None))
+    await asyncio.sleep(0.5)
+    assert not acquiring.done()
+    acquiring.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(acquiring, 2)  # at once, although the statement still waits
+    blocker.rollback()  # the attempt goes on, and wins the row...
+
+    async def undone() -> bool:
+        return any("its acquirer was cancelled" in r.getMessage() for r in caplog.records)
+
+    await eventually(undone)  # ...which is released, since nobody is left to hold it
+
+    async def gone() -> bool:
+        return await alocker.lock_info("job") is None
+
+    await eventually(gone)
+    async with alocker.lock("job"):
+        pass
+
+
+async def test_cancelled_release_can_still_be_released(
+    alocker: AsyncLocker, blocker: sa.Connection
+) -> None:
+    lock = await alocker.lock("job")
+    hold_row(blocker, alocker, lock)  # our DELETE (SQLite: our BEGIN IMMEDIATE) now waits
+    releasing = asyncio.ensure_future(lock.unlock())
+    await asyncio.sleep(0.5)
+    releasing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(releasing, 2)
+    assert lock.is_locked  # not released yet: the row is still there
+    second = asyncio.ensure_future(lock.unlock())  # waits for the release in flight
+    await asyncio.sleep(0.2)
+    blocker.rollback()
+    await asyncio.wait_for(second, 10)
+    assert not lock.is_locked
+    assert await alocker.lock_info("job") is None
+
+
+async def test_failed_release_can_be_retried(
+    alocker: AsyncLocker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lock = await alocker.lock("job")
+    real_release = alocker._release
+    failures = {"left": 1}
+
+    async def flaky(*args: Any) -> None:
+        if failures["left"]:
+            failures["left"] -= 1
+            raise DatabaseError("simulated outage", "job")
+        await real_release(*args)
+
+    monkeypatch.setattr(alocker, "_release", flaky)
+    with pytest.raises(DatabaseError):
+        await lock.unlock()
+    assert lock.is_locked
+    await lock.unlock()
+    assert not lock.is_locked
+    assert await alocker.lock_info("job") is None
+
+
+async def test_cancelled_wait_stops_at_once(make_async_locker: MakeAsync) -> None:
+    holder, waiter = make_async_locker(), make_async_locker()
+    held = await holder.lock("job")
+    waiting = asyncio.ensure_future(waiter.lock("job", wait=None))
+    await asyncio.sleep(0.5)
+    assert not waiting.done()
+    cancelled_at = time.monotonic()
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(waiting, 2)
+    assert time.monotonic() - cancelled_at < 1.0
+    info = await holder.lock_info("job")
+    assert info is not None
+    assert info.lock_id == held.lock_id
+    await held.unlock()
+    assert await holder.lock_info("job") is None
+
+
+# -- waking on NOTIFY (PostgreSQL) --------------------------------------------------------------
+
+
+async def test_postgres_async_waiter_wakes_on_notify(
+    migrated_postgres: str, table_name: str, slow_polling: None
+) -> None:
+    holder = Locker(migrated_postgres, table=table_name, grace=0)  # a sync process's release
+    held = holder.lock("job")
+    async with AsyncLocker(migrated_postgres, table=table_name, grace=0) as waiter:
+        waiting = asyncio.ensure_future(waiter.lock("job", wait=60))
+        await asyncio.sleep(0.5)  # refused, and waiting: its next poll is 30 s away
+        assert not waiting.done()
+        held.unlock()
+        freed = time.monotonic()
+        lock = await asyncio.wait_for(waiting, 20)
+        assert time.monotonic() - freed < 10  # far sooner than the poll: NOTIFY woke it
+        assert waiter._listener is not None
+        assert waiter._listener.notifications >= 1
+        await lock.unlock()
+    holder.close()
