@@ -20,6 +20,8 @@ Writes bench-results/bench.json and bench-results/bench.png.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import inspect
 import itertools
 import json
 import multiprocessing as mp
@@ -28,7 +30,7 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,7 @@ import sqlalchemy as sa
 from sqllocker import Locker, lock_table
 from sqllocker.engine import resolve_url
 from sqllocker.migrations import upgrade, version_table_for
+from sqllocker.operations import LockTable
 
 URLS = {
     "sqlite": "sqlite:///bench-results/bench.db",
@@ -63,7 +66,25 @@ def timed_cycles(cycle: Callable[[int], None], count: int) -> dict[str, float]:
         t0 = time.perf_counter()
         cycle(n)
         latencies.append(time.perf_counter() - t0)
-    elapsed = time.perf_counter() - started
+    return cycle_figures(latencies, time.perf_counter() - started)
+
+
+async def timed_async_cycles(
+    cycle: Callable[[int], Awaitable[None]], count: int
+) -> dict[str, float]:
+    for n in range(min(200, count // 10)):
+        await cycle(-n - 1)
+    latencies = []
+    started = time.perf_counter()
+    for n in range(count):
+        t0 = time.perf_counter()
+        await cycle(n)
+        latencies.append(time.perf_counter() - t0)
+    return cycle_figures(latencies, time.perf_counter() - started)
+
+
+def cycle_figures(latencies: list[float], elapsed: float) -> dict[str, float]:
+    count = len(latencies)
     return {
         "cycles_per_s": count / elapsed,
         "p50_ms": percentile(latencies, 0.5) * 1000,
@@ -116,38 +137,54 @@ def fresh_table(url: str) -> None:
 # -- uncontended ----------------------------------------------------------------------------------
 
 
+class FloorStatements:
+    """sqllocker's acquire and release statements, compiled for one dialect, as SQL text and
+    driver parameters: what the raw floors send."""
+
+    def __init__(self, table: LockTable) -> None:
+        from sqllocker.execution import Prepared
+
+        backend, statements, dialect = table.backend, table.statements, table.engine.dialect
+        self.acquire = Prepared(statements.acquire, dialect)
+        self.release = Prepared(statements.release, dialect)
+        self.sqlite = dialect.name == "sqlite"
+        self._ttl, self._minus_grace = backend.seconds_value(3600), backend.seconds_value(-1)
+        self._run = os.getpid()
+
+    def acquire_parameters(self, n: int, guid: str) -> Any:
+        values = {
+            "ls": f"floor {self._run} {n}",
+            "lock_guid": guid,
+            "ttl": self._ttl,
+            "minus_grace": self._minus_grace,
+            "holder": {"guid": guid},
+        }
+        return self.acquire.parameters(values)
+
+    def release_parameters(self, lock_id: int, guid: str) -> Any:
+        return self.release.parameters({"lock_id": lock_id, "lock_guid": guid})
+
+
 def raw_floor_cycle(url: str) -> tuple[Callable[[int], None], Callable[[], None]]:
     """sqllocker's own acquire and release statements, straight through the driver."""
     locker = Locker(url, table=TABLE)
     locker.lock("compile").unlock()  # connect, learn the backend
-    backend, statements, dialect = locker._be, locker._sql, locker.engine.dialect
-    from sqllocker.execution import Prepared
-
-    acquire, release = Prepared(statements.acquire, dialect), Prepared(statements.release, dialect)
+    floor = FloorStatements(locker._table)
     raw = locker.engine.raw_connection()
     connection = raw.driver_connection
     cursor = connection.cursor()
-    sqlite = dialect.name == "sqlite"
-    ttl, minus_grace = backend.seconds_value(3600), backend.seconds_value(-1)
-    run = os.getpid()
+    sqlite = floor.sqlite
 
     def cycle(n: int) -> None:
         guid = str(uuid.uuid4())
-        values = {
-            "ls": f"floor {run} {n}",
-            "lock_guid": guid,
-            "ttl": ttl,
-            "minus_grace": minus_grace,
-            "holder": {"guid": guid},
-        }
         if sqlite:
             cursor.execute("BEGIN IMMEDIATE")
-        cursor.execute(acquire.sql, acquire.parameters(values))
+        cursor.execute(floor.acquire.sql, floor.acquire_parameters(n, guid))
         lock_id = cursor.fetchone()[0]
         if sqlite:
             cursor.execute("COMMIT")
             cursor.execute("BEGIN IMMEDIATE")
-        cursor.execute(release.sql, release.parameters({"lock_id": lock_id, "lock_guid": guid}))
+        cursor.execute(floor.release.sql, floor.release_parameters(lock_id, guid))
         if sqlite:
             cursor.execute("COMMIT")
 
@@ -167,6 +204,75 @@ def sqllocker_cycle(url: str) -> tuple[Callable[[int], None], Callable[[], None]
         locker.lock(f"lib {run} {n}").unlock()
 
     return cycle, locker.close
+
+
+AsyncCycle = tuple[Callable[[int], Awaitable[None]], Callable[[], Awaitable[None]]]
+
+
+async def async_raw_floor_cycle(url: str) -> AsyncCycle:
+    """The same statements through the async driver (psycopg async, aiosqlite, aiomysql) on one
+    held connection of the AsyncLocker's own engine, with no library around them."""
+    from sqlalchemy.util import greenlet_spawn
+
+    from sqllocker.asyncio import AsyncLocker
+
+    locker = AsyncLocker(url, table=TABLE)
+    await (await locker.lock("compile")).unlock()
+    floor = FloorStatements(locker._table)
+    raw = await greenlet_spawn(locker.engine.sync_engine.raw_connection)
+    connection = raw.driver_connection
+    cursor = connection.cursor()
+    if inspect.isawaitable(cursor):  # aiosqlite and aiomysql; psycopg's is plain
+        cursor = await cursor
+    sqlite = floor.sqlite
+
+    async def cycle(n: int) -> None:
+        guid = str(uuid.uuid4())
+        if sqlite:
+            await cursor.execute("BEGIN IMMEDIATE")
+        await cursor.execute(floor.acquire.sql, floor.acquire_parameters(n, guid))
+        lock_id = (await cursor.fetchone())[0]
+        if sqlite:
+            await cursor.execute("COMMIT")
+            await cursor.execute("BEGIN IMMEDIATE")
+        await cursor.execute(floor.release.sql, floor.release_parameters(lock_id, guid))
+        if sqlite:
+            await cursor.execute("COMMIT")
+
+    async def close() -> None:
+        await cursor.close()
+        await greenlet_spawn(raw.close)
+        await locker.aclose()
+
+    return cycle, close
+
+
+async def async_sqllocker_cycle(url: str) -> AsyncCycle:
+    from sqllocker.asyncio import AsyncLocker
+
+    locker = AsyncLocker(url, table=TABLE)
+    run = os.getpid()
+
+    async def cycle(n: int) -> None:
+        await (await locker.lock(f"async lib {run} {n}")).unlock()
+
+    return cycle, locker.aclose
+
+
+async def async_figures(url: str, count: int) -> dict[str, dict[str, float]]:
+    """Async floor and AsyncLocker, interleaved twice (best of each), in one event loop."""
+    results: dict[str, dict[str, float]] = {}
+    for _round in range(2):
+        for name, make in (
+            ("async raw floor", async_raw_floor_cycle),
+            ("sqllocker.asyncio", async_sqllocker_cycle),
+        ):
+            cycle, close = await make(url)
+            figures = await timed_async_cycles(cycle, count)
+            await close()
+            if name not in results or figures["cycles_per_s"] > results[name]["cycles_per_s"]:
+                results[name] = figures
+    return results
 
 
 def advisory_cycle(url: str) -> tuple[Callable[[int], None], Callable[[], None]]:
@@ -245,6 +351,18 @@ def uncontended(backends: list[str], count: int) -> list[dict[str, Any]]:
                 if name not in results or figures["cycles_per_s"] > results[name]["cycles_per_s"]:
                     results[name] = figures
         floor = results["raw floor"]["cycles_per_s"]
+        for name, figures in results.items():
+            rows.append(
+                {
+                    "backend": backend,
+                    "system": name,
+                    **figures,
+                    "ratio_to_floor": figures["cycles_per_s"] / floor,
+                }
+            )
+        # The async rows' ratios are to the async floor: the same statements, the async driver.
+        results = asyncio.run(async_figures(url, count))
+        floor = results["async raw floor"]["cycles_per_s"]
         for name, figures in results.items():
             rows.append(
                 {
@@ -564,7 +682,8 @@ def chart(results: dict[str, Any], path: Path) -> None:
     contended_rows = results.get("contended") or []
     figure, axes = plt.subplots(1, 2 if contended_rows else 1, figsize=(13, 5), squeeze=False)
     labels = [f"{r['backend']}\n{r['system']}" for r in rows]
-    colours = ["#d62728" if r["system"] == "sqllocker" else "#7f7f7f" for r in rows]
+    ours = {"sqllocker": "#d62728", "sqllocker.asyncio": "#ff7f0e"}
+    colours = [ours.get(r["system"], "#7f7f7f") for r in rows]
     axes[0][0].barh(labels, [r["cycles_per_s"] for r in rows], color=colours)
     axes[0][0].set_xlabel("uncontended acquire+release cycles/s (higher is better)")
     axes[0][0].invert_yaxis()
