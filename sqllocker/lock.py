@@ -21,7 +21,7 @@ import weakref
 from collections.abc import Callable
 from datetime import datetime
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from sqlalchemy.engine import Connection
 
@@ -210,26 +210,30 @@ def _release_abandoned(state: LockState) -> None:
         )
 
 
-class Lock:
-    """A lock this process holds. Use it as a context manager, or call :meth:`unlock`."""
+HoldingT = TypeVar("HoldingT", bound=Holding)
+
+
+class LockHandle(Generic[HoldingT]):
+    """What a caller holds, sync or async: the row's identity and times, and the local checks
+    that need no round trip. Dropping a held handle runs ``release_abandoned`` on its state."""
 
     def __init__(
         self,
-        state: LockState,
+        state: HoldingT,
+        release_abandoned: Callable[[HoldingT], None],
         *,
         created: datetime,
         expires: datetime,
         locked_by: dict[str, Any],
     ) -> None:
         self._state = state
-        self.locker = state.locker
         self.lockstring = state.lockstring
         self.lock_id = state.lock_id
         self.guid = state.guid
         self.created = created
         self.expires = expires
         self.locked_by = locked_by
-        self._finalizer = weakref.finalize(self, _release_abandoned, state)
+        self._finalizer = weakref.finalize(self, release_abandoned, state)
 
     @property
     def ttl(self) -> float:
@@ -252,6 +256,39 @@ class Lock:
     def check(self) -> None:
         """Raise LockLost unless :meth:`is_valid`; call it before each step of long work."""
         self._state.check_valid()
+
+    def _lapsed(self) -> LockLost | None:
+        """At the end of a ``with`` block: the LockLost to report if the lock was lost (or
+        lapsed) while the body ran, even if nobody took the row over meanwhile."""
+        try:
+            self.check()
+        except LockLost as error:
+            return error
+        return None
+
+    def __repr__(self) -> str:
+        state = "held" if self.is_locked else "released"
+        return (
+            f"<{type(self).__name__} {self.lockstring!r} id={self.lock_id} {state} "
+            f"expires={self.expires.isoformat(timespec='seconds')}>"
+        )
+
+
+class Lock(LockHandle[LockState]):
+    """A lock this process holds. Use it as a context manager, or call :meth:`unlock`."""
+
+    def __init__(
+        self,
+        state: LockState,
+        *,
+        created: datetime,
+        expires: datetime,
+        locked_by: dict[str, Any],
+    ) -> None:
+        super().__init__(
+            state, _release_abandoned, created=created, expires=expires, locked_by=locked_by
+        )
+        self.locker = state.locker
 
     def unlock(self) -> None:
         """Delete our row. A second call is a no-op.
@@ -310,13 +347,7 @@ class Lock:
         if self._state.pid != os.getpid():
             logger.debug("not releasing %r in forked child %d", self.lockstring, os.getpid())
             return
-        # A lock lost during the body (known lost, or past its deadline) must be reported even if
-        # nobody took the row over meanwhile: the body was not protected throughout.
-        lost: LockLost | None = None
-        try:
-            self.check()
-        except LockLost as error:
-            lost = error
+        lost = self._lapsed()
         try:
             self.unlock()
         except LockLost as error:
@@ -333,10 +364,3 @@ class Lock:
         if lost is not None:
             # Losing the lock matters more than the body's error, which stays attached as cause.
             raise lost from exc_value
-
-    def __repr__(self) -> str:
-        state = "held" if self.is_locked else "released"
-        return (
-            f"<Lock {self.lockstring!r} id={self.lock_id} {state} "
-            f"expires={self.expires.isoformat(timespec='seconds')}>"
-        )

@@ -13,7 +13,6 @@ import inspect
 import logging
 import os
 import time
-import weakref
 from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -21,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ..errors import LockLost
-from ..lock import Holding, OnLost
+from ..lock import Holding, LockHandle, OnLost
 from ..validation import check_seconds
 from .tasks import spawn
 
@@ -146,7 +145,7 @@ def _release_in_loop(state: AsyncLockState) -> None:
     spawn(release(), f"release abandoned {state.lockstring!r}")
 
 
-class AsyncLock:
+class AsyncLock(LockHandle[AsyncLockState]):
     """A lock this process holds, for asyncio code: ``async with`` it, or ``await unlock()``."""
 
     def __init__(
@@ -157,33 +156,10 @@ class AsyncLock:
         expires: datetime,
         locked_by: dict[str, Any],
     ) -> None:
-        self._state = state
+        super().__init__(
+            state, _release_abandoned, created=created, expires=expires, locked_by=locked_by
+        )
         self.locker = state.locker
-        self.lockstring = state.lockstring
-        self.lock_id = state.lock_id
-        self.guid = state.guid
-        self.created = created
-        self.expires = expires
-        self.locked_by = locked_by
-        self._finalizer = weakref.finalize(self, _release_abandoned, state)
-
-    @property
-    def ttl(self) -> float:
-        """The expiry period: extend() and keep-alive renew by this many seconds."""
-        return self._state.ttl
-
-    @property
-    def is_locked(self) -> bool:
-        """True until unlock(), or until the lock is found to be lost."""
-        return self._state.held and self._state.lost is None
-
-    def is_valid(self) -> bool:
-        """Whether the holder may still act (no round trip; see ``sqllocker.Lock.is_valid``)."""
-        return self._state.is_valid()
-
-    def check(self) -> None:
-        """Raise LockLost unless :meth:`is_valid`; call it before each step of long work."""
-        self._state.check_valid()
 
     async def unlock(self) -> None:
         """Delete our row. A second call is a no-op (or waits for the first, if it is running).
@@ -234,13 +210,9 @@ class AsyncLock:
     ) -> None:
         if self._state.pid != os.getpid():
             return
-        # As in the sync Lock: losing the lock during the body is reported even if nobody took
-        # the row over, and it outranks the body's own error (attached as its cause).
-        lost: LockLost | None = None
-        try:
-            self.check()
-        except LockLost as error:
-            lost = error
+        # As in the sync Lock: losing the lock during the body outranks the body's own error
+        # (attached as its cause).
+        lost = self._lapsed()
         try:
             await self.unlock()
         except LockLost as error:
@@ -255,10 +227,3 @@ class AsyncLock:
             )
         if lost is not None:
             raise lost from exc_value
-
-    def __repr__(self) -> str:
-        state = "held" if self.is_locked else "released"
-        return (
-            f"<AsyncLock {self.lockstring!r} id={self.lock_id} {state} "
-            f"expires={self.expires.isoformat(timespec='seconds')}>"
-        )
