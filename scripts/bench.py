@@ -593,7 +593,7 @@ def scale(
         time.sleep(0.5)
         purger = Locker(url, table=TABLE)
         t0 = time.monotonic()
-        purged = purger.purge_expired_locks(batch_size=5000)
+        purged = purger.purge_expired_locks()  # the default batches, as `sqllocker purge-expired`
         purge_seconds = time.monotonic() - t0
         purger.close()
         busy = queue.get(timeout=seconds * 3 + 120)
