@@ -682,8 +682,9 @@ def chart(results: dict[str, Any], path: Path) -> None:
 
     rows = results["uncontended"]
     contended_rows = results.get("contended") or []
-    figure, axes = plt.subplots(1, 2 if contended_rows else 1, figsize=(13, 5), squeeze=False)
-    labels = [f"{r['backend']}\n{r['system']}" for r in rows]
+    height = max(5.0, 0.32 * len(rows) + 1.5)  # one readable line per bar
+    figure, axes = plt.subplots(1, 2 if contended_rows else 1, figsize=(14, height), squeeze=False)
+    labels = [f"{r['backend']}: {r['system']}" for r in rows]
     ours = {"sqllocker": "#d62728", "sqllocker.asyncio": "#ff7f0e"}
     colours = [ours.get(r["system"], "#7f7f7f") for r in rows]
     axes[0][0].barh(labels, [r["cycles_per_s"] for r in rows], color=colours)
@@ -691,7 +692,7 @@ def chart(results: dict[str, Any], path: Path) -> None:
     axes[0][0].invert_yaxis()
     if contended_rows:
         shown = [r for r in contended_rows if r["handoff_p50_ms"] is not None]
-        labels = [f"{r['backend']}\n{r['system']}" for r in shown]
+        labels = [f"{r['backend']}: {r['system']}" for r in shown]
         # p99 behind, p50 in front, both from the axis: stacking misleads on a log scale.
         axes[0][1].barh(labels, [r["handoff_p99_ms"] for r in shown], label="p99", color="#aec7e8")
         axes[0][1].barh(labels, [r["handoff_p50_ms"] for r in shown], label="p50", color="#1f77b4")

@@ -87,9 +87,14 @@ class Locker:
             self.engine = create_locker_engine(resolve_url(url_or_engine))
             owns_engine = True
         else:
+            kind = type(url_or_engine).__name__
             raise LockTypeError(
-                f"url_or_engine must be a URL string, sqlalchemy URL or Engine, not "
-                f"{type(url_or_engine).__name__}"
+                f"url_or_engine must be a URL string, sqlalchemy URL or Engine, not {kind}"
+                + (
+                    "; for an AsyncEngine use sqllocker.asyncio.AsyncLocker"
+                    if kind == "AsyncEngine"
+                    else ""
+                )
             )
         self.url = self.engine.url
         self.auto_create = (

@@ -293,6 +293,8 @@ def test_bad_locker_options_and_sync_drivers_are_refused(tmp_path: Any) -> None:
         AsyncLocker(sa.create_engine("sqlite://"))  # type: ignore[arg-type]
     with pytest.raises(LockValueError, match="asyncio"):
         AsyncLocker(f"sqlite+pysqlite:///{tmp_path / 'x.db'}")
+    with pytest.raises(LockTypeError, match="AsyncLocker"):
+        Locker(create_async_engine(f"sqlite+aiosqlite:///{tmp_path / 'x.db'}"))  # type: ignore[arg-type]
 
 
 async def test_missing_table_names_the_command_that_creates_it(url: str) -> None:
@@ -515,3 +517,22 @@ async def test_postgres_async_waiter_wakes_on_notify(
         assert waiter._listener.notifications >= 1
         await lock.unlock()
     holder.close()
+
+
+async def test_a_callers_async_engine_is_used_as_it_is(
+    make_locker: Callable[..., Locker], url: str, table_name: str
+) -> None:
+    make_locker()  # creates the table
+    engine = create_async_engine(async_url(url))
+    try:
+        async with AsyncLocker(engine, table=table_name, grace=0) as locker:
+            async with locker.lock("job") as lock:
+                assert await locker.try_lock("job") is None
+                info = await locker.lock_info("job")
+                assert info is not None
+                assert info.lock_id == lock.lock_id
+            assert await locker.locks() == []
+        async with engine.connect() as conn:  # the caller's engine still works: not disposed
+            assert (await conn.execute(sa.text("SELECT 1"))).scalar() == 1
+    finally:
+        await engine.dispose()
