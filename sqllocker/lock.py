@@ -179,13 +179,24 @@ class LockState(Holding):
             return expires
 
     def release(self) -> None:
-        """Delete the row (once); LockLost if it was no longer ours."""
+        """Delete the row (once); LockLost if it was no longer ours.
+
+        If the DELETE fails otherwise (the database unreachable past the retries), the lock still
+        counts as held, so that unlock() can be tried again, but it is no longer kept alive: a
+        holder that has stopped working must not keep others out beyond the expiry.
+        """
         with self.op_lock:
             if not self.held:
                 return
             self.held = False
             self.locker._forget_kept_alive(self)
-            self.locker._release(self.lockstring, self.lock_id, self.guid)
+            try:
+                self.locker._release(self.lockstring, self.lock_id, self.guid)
+            except LockLost:
+                raise
+            except BaseException:
+                self.held = True
+                raise
 
 
 def _release_abandoned(state: LockState) -> None:
@@ -295,11 +306,17 @@ class Lock(LockHandle[LockState]):
 
         Raises LockLost if the row was no longer ours (purged, taken over or broken after it
         expired): whatever the lock protected may have been touched by someone else meanwhile.
+        Any other error leaves the lock held (no longer kept alive): call unlock() again, or let
+        it expire.
         """
         if not self._state.held:
             return
+        try:
+            self._state.release()
+        except LockLost:
+            self._finalizer.detach()
+            raise
         self._finalizer.detach()
-        self._state.release()
 
     def extend(self, seconds: float | None = None) -> datetime:
         """Set expiry to the server's now + ``seconds`` (default: the lock's expiry period).

@@ -325,6 +325,10 @@ async def test_unreachable_database_is_a_database_error(bad_url: str) -> None:
     async with AsyncLocker(bad_url) as locker:
         with pytest.raises(DatabaseError, match="check the URL"):
             await locker.lock("job")
+    # aiosqlite stops the thread of a connection that failed to open without awaiting it, and
+    # the thread's reply then meets a closed loop (omnilib/aiosqlite#241, fix pending in #389);
+    # give it a moment while the loop still runs.
+    await asyncio.sleep(0.1)
 
 
 # -- keep-alive and on_lost -----------------------------------------------------------------------
@@ -460,7 +464,7 @@ async def test_cancelled_release_can_still_be_released(
 async def test_failed_release_can_be_retried(
     alocker: AsyncLocker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    lock = await alocker.lock("job")
+    lock = await alocker.lock("job", keep_alive=True)
     real_release = alocker._release
     failures = {"left": 1}
 
@@ -473,7 +477,8 @@ async def test_failed_release_can_be_retried(
     monkeypatch.setattr(alocker, "_release", flaky)
     with pytest.raises(DatabaseError):
         await lock.unlock()
-    assert lock.is_locked
+    assert lock.is_locked  # still held, so unlock() can be tried again...
+    assert len(alocker._keep_alives) == 0  # ...but no longer renewed
     await lock.unlock()
     assert not lock.is_locked
     assert await alocker.lock_info("job") is None

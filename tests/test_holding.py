@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -344,3 +345,35 @@ def test_release_and_extend_outlast_a_lock_wait_timeout(
             assert time.monotonic() - started >= 2
     assert count_rows(locker) == 0
     engine.dispose()
+
+
+def test_failed_release_leaves_the_lock_held_for_another_try(
+    locker: Locker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lock = locker.lock("job", expires=30, keep_alive=True)
+    real_release = locker._release
+    failures = {"left": 1}
+
+    def flaky(*args: Any) -> None:
+        if failures["left"]:
+            failures["left"] -= 1
+            raise DatabaseError("simulated outage", "job")
+        real_release(*args)
+
+    monkeypatch.setattr(locker, "_release", flaky)
+    with pytest.raises(DatabaseError):
+        lock.unlock()
+    assert lock.is_locked  # the row is still there, and unlock() can be tried again...
+    assert len(locker._keep_alives) == 0  # ...but it is no longer renewed
+    assert locker.lock_info("job") is not None
+    lock.unlock()
+    assert not lock.is_locked
+    assert locker.lock_info("job") is None
+    # A lock dropped after a failed release is still released by its finaliser.
+    dropped = locker.lock("dropped")
+    failures["left"] = 1
+    with pytest.raises(DatabaseError):
+        dropped.unlock()
+    del dropped
+    gc.collect()
+    assert locker.lock_info("dropped") is None

@@ -82,6 +82,9 @@ class AsyncLockState(Holding):
             async with self.op_lock:  # waits for a renewal in flight
                 if not self.held:
                     return
+                # Whatever the DELETE's outcome, renewals stop: a holder that has stopped working
+                # must not keep others out beyond the expiry.
+                self.locker._forget_kept_alive(self)
                 try:
                     await self.locker._release(self.lockstring, self.lock_id, self.guid)
                 except LockLost:
@@ -91,8 +94,6 @@ class AsyncLockState(Holding):
         finally:
             if self.held:
                 self.releasing = None  # it failed: a later unlock() tries again
-            else:
-                self.locker._forget_kept_alive(self)
 
     def _call_on_lost(self, on_lost: OnLost, lost: LockLost) -> None:
         result = on_lost(lost)
@@ -165,12 +166,18 @@ class AsyncLock(LockHandle[AsyncLockState]):
         """Delete our row. A second call is a no-op (or waits for the first, if it is running).
 
         Raises LockLost if the row was no longer ours. Cancelling the caller does not stop the
-        release: it finishes in the background.
+        release: it finishes in the background. Any other error leaves the lock held (no longer
+        kept alive): call unlock() again, or let it expire.
         """
         if not self._state.held:
             return
-        self._finalizer.detach()
-        await self._state.release()
+        try:
+            await self._state.release()
+        except LockLost:
+            self._finalizer.detach()
+            raise
+        if not self._state.held:
+            self._finalizer.detach()
 
     async def extend(self, seconds: float | None = None) -> datetime:
         """Set expiry to the server's now + ``seconds`` (default: the lock's expiry period).
