@@ -277,6 +277,25 @@ class LockHandle(Generic[HoldingT]):
             return error
         return None
 
+    def _release_failed_at_exit(
+        self, error: Exception, lost: LockLost | None, body_error: BaseException | None
+    ) -> LockLost | None:
+        """The release at the end of a ``with`` block raised ``error``: the LockLost to report,
+        or ``error`` itself re-raised, unless the body failed: its exception must reach the
+        caller whatever happens here."""
+        if isinstance(error, LockLost):
+            return error
+        if body_error is None:
+            raise error
+        logger.error(
+            "could not release lock %r (id %d) after the body raised; it will expire: %s",
+            self.lockstring,
+            self.lock_id,
+            error,
+            exc_info=error,
+        )
+        return lost
+
     def __repr__(self) -> str:
         state = "held" if self.is_locked else "released"
         return (
@@ -367,17 +386,8 @@ class Lock(LockHandle[LockState]):
         lost = self._lapsed()
         try:
             self.unlock()
-        except LockLost as error:
-            lost = error
-        except Exception:
-            if exc_value is None:
-                raise
-            # The body failed: its exception must reach the caller whatever happens here.
-            logger.exception(
-                "could not release lock %r (id %d) after the body raised; it will expire",
-                self.lockstring,
-                self.lock_id,
-            )
+        except Exception as error:
+            lost = self._release_failed_at_exit(error, lost, exc_value)
         if lost is not None:
             # Losing the lock matters more than the body's error, which stays attached as cause.
             raise lost from exc_value

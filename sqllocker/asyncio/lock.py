@@ -222,15 +222,7 @@ class AsyncLock(LockHandle[AsyncLockState]):
         lost = self._lapsed()
         try:
             await self.unlock()
-        except LockLost as error:
-            lost = error
-        except Exception:
-            if exc_value is None:
-                raise
-            logger.exception(
-                "could not release lock %r (id %d) after the body raised; it will expire",
-                self.lockstring,
-                self.lock_id,
-            )
+        except Exception as error:
+            lost = self._release_failed_at_exit(error, lost, exc_value)
         if lost is not None:
             raise lost from exc_value
