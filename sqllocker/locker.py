@@ -75,10 +75,10 @@ class Locker:
         options = validation.check_locker_options(
             table, expires, grace, keep_alive_fraction, on_lost
         )
-        self.table_name, self.expires, self.grace = options
+        self.table_name, self.expires, self.grace, fraction = options
         self.on_lost = on_lost
         self.strict = strict
-        self._keep_alives = KeepAlive(keep_alive_fraction)
+        self._keep_alives = KeepAlive(fraction)
         self.engine: Engine
         if isinstance(url_or_engine, Engine):
             self.engine = url_or_engine.execution_options(isolation_level="AUTOCOMMIT")
@@ -97,18 +97,16 @@ class Locker:
                 )
             )
         self.url = self.engine.url
-        self.auto_create = (
-            self.engine.dialect.name == "sqlite" if auto_create is None else auto_create
-        )
         self._table = LockTable(
             self.engine,
             self.table_name,
             owns_engine=owns_engine,
             grace=self.grace,
-            auto_create=self.auto_create,
+            auto_create=auto_create,
             strict=strict,
         )
         self.table = self._table.table
+        self.auto_create = self._table.auto_create
         self._setup_lock = threading.Lock()
         self._listener: ReleaseListener | None = None
 
@@ -252,8 +250,7 @@ class Locker:
 
     def _release_listener(self) -> ReleaseListener | None:
         """PostgreSQL (psycopg 3) waiters wake on NOTIFY; other backends back off and retry."""
-        dialect = self.engine.dialect
-        if dialect.name != "postgresql" or dialect.driver != "psycopg":
+        if not self._table.notifies_releases:
             return None
         with self._setup_lock:
             if self._listener is None:

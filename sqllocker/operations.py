@@ -134,7 +134,7 @@ class LockTable:
         *,
         owns_engine: bool,
         grace: float,
-        auto_create: bool,
+        auto_create: bool | None,
         strict: bool,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -144,7 +144,9 @@ class LockTable:
         self.table = lock_table(table_name)
         self.owns_engine = owns_engine
         self.grace = grace
-        self.auto_create = auto_create
+        # By default only for SQLite, whose file sqllocker owns; a server's schema is the
+        # operator's (`sqllocker migrate`).
+        self.auto_create = engine.dialect.name == "sqlite" if auto_create is None else auto_create
         self.strict = strict
         self._sleep = sleep
         self._backend: Backend | None = None
@@ -527,6 +529,13 @@ class LockTable:
             "(or Locker.create_table())",
             lockstring,
         )
+
+    @property
+    def notifies_releases(self) -> bool:
+        """Whether waiters can wake on the DELETE trigger's NOTIFY: PostgreSQL through psycopg 3
+        (sync or async); other backends back off and retry."""
+        dialect = self.engine.dialect
+        return dialect.name == "postgresql" and dialect.driver == "psycopg"
 
     @property
     def backend(self) -> Backend:

@@ -143,12 +143,16 @@ def check_pattern(pattern: object) -> str | None:
 
 def check_locker_options(
     table: object, expires: object, grace: object, keep_alive_fraction: object, on_lost: object
-) -> tuple[str, float, float]:
-    """A Locker's (or AsyncLocker's) options: the table name, default expiry and grace."""
-    checked = (check_table_name(table), check_seconds(expires, "expires"), check_grace(grace))
-    check_keep_alive_fraction(keep_alive_fraction)
+) -> tuple[str, float, float, float]:
+    """A Locker's (or AsyncLocker's) options: the table name, default expiry, grace and
+    keep-alive fraction."""
     check_on_lost(on_lost)
-    return checked
+    return (
+        check_table_name(table),
+        check_seconds(expires, "expires"),
+        check_grace(grace),
+        check_keep_alive_fraction(keep_alive_fraction),
+    )
 
 
 def check_lock_request(

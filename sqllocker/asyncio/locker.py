@@ -83,39 +83,35 @@ class AsyncLocker:
         options = validation.check_locker_options(
             table, expires, grace, keep_alive_fraction, on_lost
         )
-        self.table_name, self.expires, self.grace = options
+        self.table_name, self.expires, self.grace, fraction = options
         self.on_lost = on_lost
         self.strict = strict
         self.engine: AsyncEngine
         if isinstance(url_or_engine, AsyncEngine):
             self.engine = url_or_engine.execution_options(isolation_level="AUTOCOMMIT")
-            self._owns_engine = False
+            owns_engine = False
         elif url_or_engine is None or isinstance(url_or_engine, str | URL):
             url = resolve_url(url_or_engine, asynchronous=True)
             self.engine = create_async_locker_engine(url)
-            self._owns_engine = True
+            owns_engine = True
         else:
             raise LockTypeError(
                 f"url_or_engine must be a URL string, sqlalchemy URL or AsyncEngine, not "
                 f"{type(url_or_engine).__name__}"
             )
         self.url = self.engine.url
-        self.auto_create = (
-            self.engine.dialect.name == "sqlite" if auto_create is None else auto_create
-        )
         self._table = LockTable(
             self.engine.sync_engine,
             self.table_name,
-            owns_engine=self._owns_engine,
+            owns_engine=owns_engine,
             grace=self.grace,
-            auto_create=self.auto_create,
+            auto_create=auto_create,
             strict=strict,
             sleep=_sleep_in_greenlet,
         )
         self.table = self._table.table
-        self._keep_alives = AsyncKeepAlive(
-            validation.check_keep_alive_fraction(keep_alive_fraction)
-        )
+        self.auto_create = self._table.auto_create
+        self._keep_alives = AsyncKeepAlive(fraction)
         self._setup_lock: asyncio.Lock | None = None
         self._listener: AsyncReleaseListener | None = None
 
@@ -184,7 +180,7 @@ class AsyncLocker:
         await self._keep_alives.stop()
         if self._listener is not None:
             await self._listener.stop()
-        if self._owns_engine:
+        if self._table.owns_engine:
             await self.engine.dispose()
 
     async def __aenter__(self) -> AsyncLocker:
@@ -310,8 +306,7 @@ class AsyncLocker:
 
     async def _release_listener(self) -> AsyncReleaseListener | None:
         """PostgreSQL waiters wake on NOTIFY; other backends back off and retry."""
-        dialect = self.engine.dialect
-        if dialect.name != "postgresql" or dialect.driver != "psycopg":
+        if not self._table.notifies_releases:
             return None
         if self._listener is None:
             self._listener = AsyncReleaseListener(self.engine, self.table_name)
