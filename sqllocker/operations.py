@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.sql import ClauseElement
 
 from .backends import Backend, backend_for
 from .durability import unsafe_settings
@@ -326,23 +327,20 @@ class LockTable:
         }
 
         def statements() -> Acquired | Refused:
-            acquired = self._insert(conn, params)
-            # The row may be an expired holder's: delete it only if so (by the server's clock),
-            # then insert again. Two racers may both get here; the unique key lets one win.
-            if (
-                acquired is None
-                and not be.atomic_takeover
-                and conn.execute(sql.take_over_expired, params).rowcount
-            ):
-                acquired = self._insert(conn, params)
+            acquired = self._insert(conn, sql.acquire, params)
             if acquired is not None:
                 return acquired
-            row = conn.execute(sql.holder, params).first()
+            row = conn.execute(sql.holder_for_acquirer, params).first()
             if row is None:
                 return Refused(None, None)  # released in between: try again
             if row.guid == guid:
                 # Our INSERT committed but its answer was lost with the connection (_run retried).
                 return Acquired(row.id, row.created, row.expires)
+            if row.takeable:
+                # Expired beyond grace by the server's clock. The takeover checks that again
+                # itself, so of several acquirers racing for the row one wins; the others
+                # try again and find the winner's live row.
+                return self._take_over(conn, params) or Refused(None, None)
             busy = LockBusy(
                 lockstring,
                 holder=row.locked_by,
@@ -360,9 +358,21 @@ class LockTable:
                 return Refused(None, None)
             raise
 
-    def _insert(self, conn: Session, params: dict[str, Any]) -> Acquired | None:
+    def _take_over(self, conn: Session, params: dict[str, Any]) -> Acquired | None:
+        """Replace an expired holder's row with ours: atomically on PostgreSQL; elsewhere by
+        deleting it only if still expired, then inserting (the unique key picks one winner)."""
+        sql = self._sql
+        if self._be.atomic_takeover:
+            return self._insert(conn, sql.take_over, params)
+        if conn.execute(sql.take_over_expired, params).rowcount:
+            return self._insert(conn, sql.acquire, params)
+        return None
+
+    def _insert(
+        self, conn: Session, statement: ClauseElement, params: dict[str, Any]
+    ) -> Acquired | None:
         try:
-            result = conn.execute(self._sql.acquire, params)
+            result = conn.execute(statement, params)
         except sa.exc.IntegrityError as error:
             if self._be.is_unique_violation(error):
                 return None

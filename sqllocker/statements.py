@@ -38,39 +38,64 @@ class Statements:
 
     @cached_property
     def acquire(self) -> sa.Insert | ReturningInsert[Any]:
-        """Insert our row. On PostgreSQL it also takes over an expired row, atomically.
+        """Insert our row, or nothing if the lockstring has one (live or expired).
 
-        PostgreSQL: ``ON CONFLICT DO UPDATE ... WHERE expired`` replaces an expired holder's row in
-        place with ours, including a fresh id from the sequence (``excluded.id``), so the fencing
-        token still grows; a live holder makes it return no row, with no ERROR in the server log.
-        SQLite: ``ON CONFLICT DO NOTHING`` returns no row when held. MySQL: a plain INSERT, whose
+        PostgreSQL and SQLite: ``ON CONFLICT DO NOTHING`` returns no row when held, with no ERROR
+        in the server log, and (PostgreSQL) without locking the holder's row: an upsert that
+        decides not to update still locks the row it met and must flush its commit to disk, and
+        the holder's release then waits for that refused acquirer. MySQL: a plain INSERT, whose
         duplicate-key error means held (never ``INSERT IGNORE``: it truncates over-long keys).
+        An expired row is taken over by ``take_over`` (PostgreSQL) or ``take_over_expired`` and
+        this statement again (the others), once the holder's row shows it expired.
         """
         c = self.table.c
-        values = {
+        if self.backend.name == "postgresql":
+            pg = postgresql.insert(self.table).values(self._new_row)
+            return pg.on_conflict_do_nothing(index_elements=[c.lockstring]).returning(
+                *self._returned
+            )
+        if self.backend.name == "sqlite":
+            lite = sqlite.insert(self.table).values(self._new_row)
+            lite = lite.on_conflict_do_nothing(index_elements=[c.lockstring])
+            return lite.returning(*self._returned) if self.backend.insert_returning else lite
+        plain = sa.insert(self.table).values(self._new_row)
+        return plain.returning(*self._returned) if self.backend.insert_returning else plain
+
+    @cached_property
+    def take_over(self) -> ReturningInsert[Any]:
+        """PostgreSQL: replace an expired holder's row with ours in one atomic statement.
+
+        ``ON CONFLICT DO UPDATE ... WHERE expired`` replaces the row in place, including a fresh
+        id from the sequence (``excluded.id``), so the fencing token still grows; of several
+        acquirers racing for one expired row, the row lock lets exactly one match the WHERE.
+        A row that is not (or no longer) expired makes it return no row.
+        """
+        c = self.table.c
+        pg = postgresql.insert(self.table).values(self._new_row)
+        return pg.on_conflict_do_update(
+            index_elements=[c.lockstring],
+            set_={
+                name: pg.excluded[name]
+                for name in ("id", "guid", "created", "expires", "locked_by")
+            },
+            where=self._expired_beyond_grace,
+        ).returning(*self._returned)
+
+    @cached_property
+    def _new_row(self) -> dict[str, Any]:
+        c = self.table.c
+        return {
             "lockstring": sa.bindparam("ls", type_=c.lockstring.type),
             "guid": sa.bindparam("lock_guid", type_=c.guid.type),
             "created": self._now,
             "expires": self.backend.shifted_now("ttl"),
             "locked_by": sa.bindparam("holder", type_=c.locked_by.type),
         }
-        returned = (c.id, c.created, c.expires)
-        if self.backend.name == "postgresql":
-            pg = postgresql.insert(self.table).values(values)
-            return pg.on_conflict_do_update(
-                index_elements=[c.lockstring],
-                set_={
-                    name: pg.excluded[name]
-                    for name in ("id", "guid", "created", "expires", "locked_by")
-                },
-                where=self._expired_beyond_grace,
-            ).returning(*returned)
-        if self.backend.name == "sqlite":
-            lite = sqlite.insert(self.table).values(values)
-            lite = lite.on_conflict_do_nothing(index_elements=[c.lockstring])
-            return lite.returning(*returned) if self.backend.insert_returning else lite
-        plain = sa.insert(self.table).values(values)
-        return plain.returning(*returned) if self.backend.insert_returning else plain
+
+    @property
+    def _returned(self) -> tuple[sa.Column[Any], ...]:
+        c = self.table.c
+        return (c.id, c.created, c.expires)
 
     @cached_property
     def take_over_expired(self) -> Delete:
@@ -101,6 +126,16 @@ class Statements:
         """The row of one lockstring: who holds it, for a refused caller or an operator."""
         c = self.table.c
         return self._rows.where(c.lockstring == sa.bindparam("ls", type_=c.lockstring.type))
+
+    @cached_property
+    def holder_for_acquirer(self) -> Select[Any]:
+        """The holder's row for a refused acquirer, with whether it may be taken over now
+        (expired beyond grace, by the server's clock)."""
+        c = self.table.c
+        takeable = sa.case((self._expired_beyond_grace, True), else_=False).label("takeable")
+        return self._rows.add_columns(takeable).where(
+            c.lockstring == sa.bindparam("ls", type_=c.lockstring.type)
+        )
 
     def list_locks(self, pattern: bool = False) -> Select[Any]:
         """Every row, or those whose lockstring matches the bound shell-style ``pattern``
