@@ -7,6 +7,7 @@ by sleeping, keep-alive on a thread, release notifications on a listening thread
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import uuid
@@ -27,6 +28,7 @@ from .operations import Acquired, LockInfo, LockTable, Refused
 from .schema import DEFAULT_TABLE
 from .statements import Statements
 from .waiting import Backoff
+from .waiting_room import Turn, WaitingRoom
 
 logger = logging.getLogger("sqllocker")
 
@@ -109,6 +111,7 @@ class Locker:
         self.auto_create = self._table.auto_create
         self._setup_lock = threading.Lock()
         self._listener: ReleaseListener | None = None
+        self._room: WaitingRoom | None = None
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -126,7 +129,9 @@ class Locker:
 
         ``expires``: seconds until the lock may be taken over (default: the locker's).
         ``wait``: 0 tries once; a number of seconds keeps trying until then, backing off with
-        jitter; ``None`` waits forever. ``locked_by``: extra JSON details stored with the
+        jitter; ``None`` waits forever. On PostgreSQL waiters wake on the release's NOTIFY and
+        queue in the server, first come first served, each on a connection of its own while
+        it waits (see ``sqllocker.waiting_room``). ``locked_by``: extra JSON details stored with the
         holder's host, pid, thread, program and user. ``keep_alive``: renew the lock in the
         background until it is released (see ``Lock.keep_alive``), calling ``on_lost`` (else the
         locker's) if it is lost.
@@ -137,26 +142,44 @@ class Locker:
         lockstring, ttl, wait, extra = request
         backoff = Backoff.for_wait(wait)
         listener = self._release_listener() if wait != 0 else None
-        while True:
-            # Subscribe before the attempt: a release between a refusal and the sleep still
-            # wakes us.
-            waiter = listener.register(lockstring) if listener is not None else None
-            try:
-                outcome = self._try_acquire(lockstring, ttl, extra, on_lost or self.on_lost)
-                if isinstance(outcome, Lock):
-                    return outcome.keep_alive() if keep_alive else outcome
-                if backoff.expired():
-                    raise outcome.busy_after(lockstring, wait)
-                delay = backoff.next_delay(
-                    outcome.busy.expires if outcome.busy else None, outcome.server_now, self.grace
-                )
-                if waiter is not None:
-                    waiter.event.wait(delay)  # a release notification, or the backoff, ends it
-                else:
-                    backoff.sleep(delay)
-            finally:
-                if listener is not None and waiter is not None:
-                    listener.unregister(waiter)
+        room = self._waiting_room() if listener is not None else None
+        turn: Turn | None = None
+        try:
+            while True:
+                # Subscribe before the attempt: a release between a refusal and the sleep
+                # still wakes us.
+                waiter = listener.register(lockstring) if listener is not None else None
+                try:
+                    outcome = self._try_acquire(lockstring, ttl, extra, on_lost or self.on_lost)
+                    if isinstance(outcome, Lock):
+                        return outcome.keep_alive() if keep_alive else outcome
+                    if backoff.expired():
+                        raise outcome.busy_after(lockstring, wait)
+                    if room is not None and turn is None and listener and waiter:
+                        turn, blocked = room.enter(
+                            lockstring,
+                            backoff.remaining(),
+                            before_blocking=functools.partial(listener.unregister, waiter),
+                        )
+                        if turn is None:
+                            room = None  # full, or failed: wait unqueued from now on
+                        if blocked:
+                            continue  # we were not listening meanwhile: try again at once
+                    delay = backoff.next_delay(
+                        outcome.busy.expires if outcome.busy else None,
+                        outcome.server_now,
+                        self.grace,
+                    )
+                    if waiter is not None:
+                        waiter.event.wait(delay)  # a release notification, or the backoff
+                    else:
+                        backoff.sleep(delay)
+                finally:
+                    if listener is not None and waiter is not None:
+                        listener.unregister(waiter)
+        finally:
+            if turn is not None:
+                turn.leave()
 
     def try_lock(
         self,
@@ -211,6 +234,8 @@ class Locker:
         self._keep_alives.stop()
         if self._listener is not None:
             self._listener.stop()
+        if self._room is not None:
+            self._room.close()
         self._table.close()
 
     def __repr__(self) -> str:
@@ -256,6 +281,13 @@ class Locker:
             if self._listener is None:
                 self._listener = ReleaseListener(self.engine, self.table_name)
             return self._listener
+
+    def _waiting_room(self) -> WaitingRoom:
+        """Where PostgreSQL waiters queue, so that one of them at a time tries for the row."""
+        with self._setup_lock:
+            if self._room is None:
+                self._room = WaitingRoom(self.engine, self.table_name)
+            return self._room
 
     @property
     def _be(self) -> Backend:

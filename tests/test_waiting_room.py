@@ -1,14 +1,18 @@
-"""PostgreSQL: a refused acquirer costs the holder nothing."""
+"""PostgreSQL waiters queue in the server: first come, first served, and a refusal costs the
+holder nothing."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 import sqlalchemy as sa
 
-from sqllocker import Locker
+from sqllocker import LockBusy, Locker
 from sqllocker.engine import resolve_url
+from sqllocker.waiting_room import queue_key
 
 
 @pytest.fixture
@@ -16,6 +20,115 @@ def admin(migrated_postgres: str) -> Iterator[sa.Engine]:
     engine = sa.create_engine(resolve_url(migrated_postgres))
     yield engine
     engine.dispose()
+
+
+def queued(admin: sa.Engine, table: str, lockstring: str) -> tuple[int, int]:
+    """(granted, waiting) sessions on ``lockstring``'s queue, as pg_locks shows them."""
+    key = queue_key(table, lockstring) & 0xFFFFFFFFFFFFFFFF
+    with admin.connect() as conn:
+        rows = conn.execute(
+            sa.text(
+                "SELECT granted, count(*) FROM pg_locks WHERE locktype = 'advisory' "
+                "AND classid = :high AND objid = :low AND objsubid = 1 GROUP BY granted"
+            ),
+            {"high": key >> 32, "low": key & 0xFFFFFFFF},
+        ).all()
+    counts = dict(rows)
+    return counts.get(True, 0), counts.get(False, 0)
+
+
+def wait_until(condition: object, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_waiters_of_different_lockers_get_the_lock_in_the_order_they_came(
+    migrated_postgres: str, table_name: str, admin: sa.Engine, slow_polling: None
+) -> None:
+    """Each waiter has a Locker (and a listener) of its own, as separate processes would: every
+    release notifies all of them, and without the queue whichever reacted first would win."""
+    holder = Locker(migrated_postgres, table=table_name)
+    held = holder.lock("report")
+    order: list[int] = []
+    lockers = [Locker(migrated_postgres, table=table_name) for _ in range(5)]
+
+    def wait(number: int) -> None:
+        with lockers[number].lock("report", wait=60):
+            order.append(number)
+            time.sleep(0.05)
+
+    threads = []
+    for number in range(5):
+        threads.append(threading.Thread(target=wait, args=(number,)))
+        threads[-1].start()
+        # The first waiter heads the queue; each later one waits behind it.
+        wait_until(lambda n=number: queued(admin, table_name, "report") == (1, n))
+    held.unlock()
+    for thread in threads:
+        thread.join(30)
+    assert order == [0, 1, 2, 3, 4]
+    assert queued(admin, table_name, "report") == (0, 0)  # every waiter left the queue
+    for locker in [holder, *lockers]:
+        locker.close()
+
+
+def test_a_queued_waiter_gives_up_at_its_deadline_and_leaves_the_queue(
+    migrated_postgres: str, table_name: str, admin: sa.Engine
+) -> None:
+    holder = Locker(migrated_postgres, table=table_name)
+    head, behind = (Locker(migrated_postgres, table=table_name) for _ in range(2))
+    held = holder.lock("report")
+    got: list[bool] = []
+    first = threading.Thread(target=lambda: got.append(bool(head.lock("report", wait=30))))
+    first.start()
+    wait_until(lambda: queued(admin, table_name, "report") == (1, 0))
+
+    started = time.monotonic()
+    with pytest.raises(LockBusy) as busy:
+        behind.lock("report", wait=0.5)
+    assert 0.4 < time.monotonic() - started < 5
+    assert busy.value.lock_id == held.lock_id  # it still names the holder
+    assert queued(admin, table_name, "report") == (1, 0)  # only the head is left
+
+    held.unlock()
+    first.join(10)
+    assert got == [True]
+    for locker in (holder, head, behind):
+        locker.close()
+
+
+def test_waiters_beyond_the_rooms_capacity_wait_unqueued(
+    migrated_postgres: str, table_name: str, admin: sa.Engine
+) -> None:
+    holder = Locker(migrated_postgres, table=table_name)
+    waiters = Locker(migrated_postgres, table=table_name)
+    room = waiters._waiting_room()
+    room.capacity = 1
+    held = holder.lock("report")
+    acquired: list[int] = []
+    release = threading.Event()
+
+    def wait(number: int) -> None:
+        with waiters.lock("report", wait=30):
+            acquired.append(number)
+            release.wait(10)
+
+    threads = [threading.Thread(target=wait, args=(n,)) for n in range(3)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.5)
+    assert queued(admin, table_name, "report") == (1, 0)  # one queued, two waiting without
+    held.unlock()
+    wait_until(lambda: len(acquired) == 1)
+    release.set()
+    for thread in threads:
+        thread.join(20)
+    assert sorted(acquired) == [0, 1, 2]
+    waiters.close()
+    assert room._idle == []  # close() closed the connections kept for the next wait
+    holder.close()
 
 
 def test_a_refused_attempt_leaves_the_holders_row_untouched(

@@ -1,0 +1,169 @@
+"""PostgreSQL: waiters of one lockstring queue in the server, first come, first served.
+
+A release's NOTIFY reaches every listening Locker. If every waiter tried for the row on every
+release, all but one would be refused (load for nothing), and which one won would be chance:
+some waiters would wait far longer than others. So a waiter that has been refused queues on a
+session advisory lock keyed by table and lockstring, which the server grants in the order it
+was asked for; only the waiter holding it (the head of the queue) tries for the row on each
+release. Once the head has the row it leaves the queue and the next waiter becomes head.
+
+The advisory lock decides only who *tries*; who *holds* is decided by the row alone, as
+always. A queue connection that drops, or a hash shared by two lockstrings, costs fairness,
+never safety.
+
+A queued waiter holds a connection of its own while it waits: not one of the pool's, which
+holders need to release their locks. A Locker queues at most ``capacity`` waiters at once;
+further waiters wait unqueued (woken by NOTIFY, backing off), as they would without the room.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy.engine import Engine
+
+logger = logging.getLogger("sqllocker")
+
+DEFAULT_CAPACITY = 8
+# Connections kept open between waits, so that the next wait does not pay for a new one.
+KEEP_IDLE = 2
+_LOCK_NOT_AVAILABLE = "55P03"  # lock_timeout expired
+
+
+def queue_key(table: str, lockstring: str) -> int:
+    """The advisory lock key of ``lockstring``'s queue: a 64-bit hash, so it is all but certain
+    not to meet another lockstring's, nor the small integers applications pick for their own
+    advisory locks."""
+    digest = hashlib.blake2b(
+        f"{table}\0{lockstring}".encode(), digest_size=8, person=b"sqllocker"
+    ).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+class Turn:
+    """The head of one lockstring's queue: ``leave()`` once the row is ours, or the wait ends."""
+
+    def __init__(self, room: WaitingRoom, connection: Any, key: int) -> None:
+        self._room = room
+        self._connection: Any = connection
+        self._key = key
+
+    def leave(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            self._room.leave(connection, self._key)
+
+
+class WaitingRoom:
+    """One Locker's queues, and the connections its queued waiters wait on."""
+
+    def __init__(self, engine: Engine, table: str, capacity: int = DEFAULT_CAPACITY) -> None:
+        self._engine = engine
+        self._table = table
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._idle: list[Any] = []
+        self._in_use = 0
+        self._pid = os.getpid()
+        self._closed = False
+
+    def enter(
+        self, lockstring: str, timeout: float | None, before_blocking: Callable[[], None]
+    ) -> tuple[Turn | None, bool]:
+        """Become the head of ``lockstring``'s queue, waiting at most ``timeout`` seconds.
+
+        Returns the Turn, or None if the wait timed out, the room is full or the database failed
+        (the caller then waits unqueued); and whether the caller blocked in the queue, having
+        called ``before_blocking`` first (a waiter must stop listening for the row's releases
+        while it cannot act on them: the head of the queue in this process may need them).
+        """
+        connection = self._checkout()
+        if connection is None:
+            return None, False
+        key = queue_key(self._table, lockstring)
+        blocked = False
+        try:
+            if connection.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()[0]:
+                return Turn(self, connection, key), False
+            before_blocking()
+            blocked = True
+            # 0 disables the timeout: wait as long as the caller does.
+            milliseconds = 0 if timeout is None else max(1, round(timeout * 1000))
+            connection.execute("SELECT set_config('lock_timeout', %s, false)", (f"{milliseconds}",))
+            connection.execute("SELECT pg_advisory_lock(%s)", (key,)).fetchone()
+            return Turn(self, connection, key), True
+        except BaseException as error:
+            if getattr(error, "sqlstate", None) == _LOCK_NOT_AVAILABLE:
+                self._checkin(connection)  # the caller's deadline came first
+                return None, blocked
+            self._discard(connection)
+            if not isinstance(error, Exception):
+                raise  # KeyboardInterrupt: psycopg has cancelled the wait
+            logger.warning("could not queue for %r (%s); waiting unqueued", lockstring, error)
+            return None, blocked
+
+    def leave(self, connection: Any, key: int) -> None:
+        try:
+            connection.execute("SELECT pg_advisory_unlock(%s)", (key,)).fetchone()
+        except Exception as error:  # closing the connection ends the queue lock too
+            logger.warning("could not leave a lock queue (%s); closing its connection", error)
+            self._discard(connection)
+        else:
+            self._checkin(connection)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for connection in idle:
+            with contextlib.suppress(Exception):
+                connection.close()
+
+    # -- connections ----------------------------------------------------------------------------
+
+    def _checkout(self) -> Any | None:
+        with self._lock:
+            if self._pid != os.getpid():
+                # A forked child must not touch its parent's sockets, not even to close them.
+                self._pid, self._idle, self._in_use = os.getpid(), [], 0
+            if self._closed or self._in_use >= self.capacity:
+                return None
+            self._in_use += 1
+            if self._idle:
+                return self._idle.pop()
+        try:
+            fairy = self._engine.raw_connection()
+            connection: Any = fairy.driver_connection
+            fairy.detach()  # ours: it never goes back to the pool
+            connection.autocommit = True
+            return connection
+        except Exception as error:
+            with self._lock:
+                self._in_use -= 1
+            logger.warning("could not open a connection to queue on (%s)", error)
+            return None
+
+    def _checkin(self, connection: Any) -> None:
+        with self._lock:
+            if self._pid != os.getpid():
+                return  # the parent's: leave its socket alone
+            self._in_use -= 1
+            if not self._closed and len(self._idle) < KEEP_IDLE:
+                self._idle.append(connection)
+                return
+        with contextlib.suppress(Exception):
+            connection.close()
+
+    def _discard(self, connection: Any) -> None:
+        with self._lock:
+            if self._pid != os.getpid():
+                return
+            self._in_use -= 1
+        with contextlib.suppress(Exception):
+            connection.close()
