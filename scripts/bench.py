@@ -538,6 +538,43 @@ def _cycler(url: str, seconds: float, queue: Any) -> None:
     queue.put(latencies)
 
 
+def _timed_cycler(url: str, stop: Any, queue: Any) -> None:
+    """Cycles until ``stop`` is set; each as (monotonic start, latency)."""
+    cycle, close = sqllocker_cycle(url)
+    samples = []
+    n = 0
+    while not stop.is_set():
+        started, t0 = time.monotonic(), time.perf_counter()
+        cycle(n)
+        samples.append((started, time.perf_counter() - t0))
+        n += 1
+    close()
+    queue.put(samples)
+
+
+def purge_beside_a_worker(url: str, seconds: float) -> tuple[list[float], list[float], int, float]:
+    """A worker cycling for ``seconds`` (quiet), then while the table's expired rows are purged
+    with the defaults, as `sqllocker purge-expired` does: its latencies before and during the
+    purge (one worker process, so both sides share its connection, cache and luck), the rows
+    purged and how long the purge took."""
+    context = mp.get_context("spawn")
+    queue, stop = context.Queue(), context.Event()
+    worker = context.Process(target=_timed_cycler, args=(url, stop, queue))
+    worker.start()
+    time.sleep(seconds + 1.0)  # its first second (connecting, warming up) is left out below
+    purger = Locker(url, table=TABLE)
+    t0 = time.monotonic()
+    purged = purger.purge_expired_locks()
+    t1 = time.monotonic()
+    purger.close()
+    stop.set()
+    samples = queue.get(timeout=120)
+    worker.join()
+    quiet = [latency for started, latency in samples if t0 - seconds <= started < t0]
+    busy = [latency for started, latency in samples if t0 <= started < t1]
+    return quiet, busy, purged, t1 - t0
+
+
 def scale(
     backends: list[str], rows_in_table: int, count: int, seconds: float
 ) -> list[dict[str, Any]]:
@@ -582,22 +619,8 @@ def scale(
                 }
             )
         # A worker's p99 quiet, and while a large purge runs beside it.
-        queue = context.Queue()
-        worker = context.Process(target=_cycler, args=(url, seconds, queue))
-        worker.start()
-        quiet = queue.get(timeout=seconds + 120)
-        worker.join()
         fill(url, rows_in_table, expired=True)
-        worker = context.Process(target=_cycler, args=(url, seconds * 3, queue))
-        worker.start()
-        time.sleep(0.5)
-        purger = Locker(url, table=TABLE)
-        t0 = time.monotonic()
-        purged = purger.purge_expired_locks()  # the default batches, as `sqllocker purge-expired`
-        purge_seconds = time.monotonic() - t0
-        purger.close()
-        busy = queue.get(timeout=seconds * 3 + 120)
-        worker.join()
+        quiet, busy, purged, purge_seconds = purge_beside_a_worker(url, seconds)
         rows.append(
             {
                 "backend": backend,

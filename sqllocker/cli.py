@@ -18,7 +18,7 @@ import click
 from . import __version__
 from .engine import URL_ENVIRONMENT_VARIABLE, describe_url
 from .errors import LockError, describe_holder
-from .locker import DEFAULT_GRACE, DEFAULT_PURGE_BATCH, Locker, LockInfo
+from .locker import DEFAULT_GRACE, DEFAULT_PURGE_BATCH, DEFAULT_PURGE_PAUSE_RATIO, Locker, LockInfo
 from .runner import EXIT_LOCK_LOST, RunOptions, run_locked
 from .schema import DEFAULT_TABLE
 
@@ -73,6 +73,13 @@ def cli(context: click.Context, url: str | None, table: str) -> None:
     help="Rows deleted per transaction.",
 )
 @click.option(
+    "--pause-ratio",
+    type=click.FloatRange(min=0),
+    default=DEFAULT_PURGE_PAUSE_RATIO,
+    show_default=True,
+    help="After each batch, rest this many times as long as it took (0: flat out).",
+)
+@click.option(
     "--grace",
     type=click.FloatRange(min=0),
     default=DEFAULT_GRACE,
@@ -83,7 +90,13 @@ def cli(context: click.Context, url: str | None, table: str) -> None:
 @click.option("-v", "--verbose", is_flag=True, help="Print how many rows were purged.")
 @pass_settings
 def purge_expired(
-    settings: _Settings, batch_size: int, grace: float, dry_run: bool, as_json: bool, verbose: bool
+    settings: _Settings,
+    batch_size: int,
+    pause_ratio: float,
+    grace: float,
+    dry_run: bool,
+    as_json: bool,
+    verbose: bool,
 ) -> None:
     """Delete expired locks, in batches: the job to run from cron.
 
@@ -103,7 +116,7 @@ def purge_expired(
                 )
             click.echo(f"{len(doomed)} expired lock(s) would be purged")
         return
-    purged = locker.purge_expired_locks(batch_size=batch_size)
+    purged = locker.purge_expired_locks(batch_size=batch_size, pause_ratio=pause_ratio)
     if as_json:
         _print_json({"purged": purged})
     elif verbose:

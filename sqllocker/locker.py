@@ -34,9 +34,17 @@ logger = logging.getLogger("sqllocker")
 
 DEFAULT_EXPIRES = 3600.0
 DEFAULT_GRACE = 1.0
-DEFAULT_PURGE_BATCH = 1000
+DEFAULT_PURGE_BATCH = 5000
+DEFAULT_PURGE_PAUSE_RATIO = 3.0
 
-__all__ = ["DEFAULT_EXPIRES", "DEFAULT_GRACE", "DEFAULT_PURGE_BATCH", "LockInfo", "Locker"]
+__all__ = [
+    "DEFAULT_EXPIRES",
+    "DEFAULT_GRACE",
+    "DEFAULT_PURGE_BATCH",
+    "DEFAULT_PURGE_PAUSE_RATIO",
+    "LockInfo",
+    "Locker",
+]
 
 
 class Locker:
@@ -194,13 +202,21 @@ class Locker:
         except LockBusy:
             return None
 
-    def purge_expired_locks(self, batch_size: int = DEFAULT_PURGE_BATCH) -> int:
+    def purge_expired_locks(
+        self,
+        batch_size: int = DEFAULT_PURGE_BATCH,
+        pause_ratio: float = DEFAULT_PURGE_PAUSE_RATIO,
+    ) -> int:
         """Delete rows expired (by the server's clock) for longer than grace; returns how many.
 
         Deletes in batches of ``batch_size``, each its own short transaction, so a large purge
-        never blocks acquirers for long. Database errors propagate.
+        never blocks acquirers for long, and after each full batch rests ``pause_ratio`` times
+        as long as the batch took, so that it leaves most of the server to the acquirers (0:
+        flat out). Database errors propagate.
         """
-        return self._table.purge_expired(validation.check_batch_size(batch_size))
+        return self._table.purge_expired(
+            validation.check_batch_size(batch_size), validation.check_pause_ratio(pause_ratio)
+        )
 
     def locks(self, pattern: str | None = None) -> list[LockInfo]:
         """Every row of the table, live and expired, ordered by lockstring; with ``pattern``, only

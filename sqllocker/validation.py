@@ -135,6 +135,14 @@ def check_batch_size(value: object) -> int:
     return value
 
 
+def check_pause_ratio(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise LockTypeError(f"pause_ratio must be a number, not {type(value).__name__}")
+    if not math.isfinite(value) or value < 0:
+        raise LockValueError(f"pause_ratio must be 0 or more, not {value!r}")
+    return float(value)
+
+
 def check_pattern(pattern: object) -> str | None:
     if pattern is not None and not isinstance(pattern, str):
         raise LockTypeError(f"pattern must be a str, not {type(pattern).__name__}")

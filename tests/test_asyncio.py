@@ -273,6 +273,7 @@ async def test_bad_input_is_refused_before_anything_is_sent(
             call()  # raises at the call, before anything is awaited
     for coroutine, error in [
         (lambda: alocker.purge_expired_locks(0), LockTypeError),
+        (lambda: alocker.purge_expired_locks(pause_ratio=-1), LockValueError),
         (lambda: alocker.locks(7), LockTypeError),  # type: ignore[arg-type]
         (lambda: alocker.lock_info(""), LockValueError),
     ]:

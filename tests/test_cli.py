@@ -93,7 +93,12 @@ def test_run_help_says_it_does_not_wait_by_default() -> None:
 
 
 def test_usage_errors_exit_2(sqllocker: Run) -> None:
-    for args in (["no-such-command"], ["run", "x"], ["purge-expired", "--batch-size", "0"]):
+    for args in (
+        ["no-such-command"],
+        ["run", "x"],
+        ["purge-expired", "--batch-size", "0"],
+        ["purge-expired", "--pause-ratio", "-1"],
+    ):
         result = sqllocker(*args)
         assert result.returncode == 2, args
         assert "Traceback" not in result.stderr
@@ -310,6 +315,24 @@ def test_purge_runs_in_batches(migrated: Locker, caplog: pytest.LogCaptureFixtur
     assert migrated.purge_expired_locks(batch_size=10) == 25
     deletes = [r for r in caplog.records if r.getMessage().startswith("DELETE")]
     assert len(deletes) == 3  # 10 + 10 + 5
+
+
+def test_purge_rests_after_each_full_batch_in_proportion_to_it(migrated: Locker) -> None:
+    """A purge flat out keeps a server core busy; resting lets concurrent acquirers through."""
+    for n in range(25):
+        abandon(migrated.lock(f"dead {n}", expires=0.1))
+    time.sleep(0.3)
+    rests: list[float] = []
+    migrated._table._sleep = rests.append
+    assert migrated.purge_expired_locks(batch_size=10, pause_ratio=2) == 25
+    assert len(rests) == 2  # after the two full batches, not after the last, partial one
+    assert all(0 < rest < 10 for rest in rests)
+    for n in range(5):
+        abandon(migrated.lock(f"dead again {n}", expires=0.1))
+    time.sleep(0.3)
+    rests.clear()
+    assert migrated.purge_expired_locks(batch_size=2, pause_ratio=0) == 5
+    assert rests == []  # 0: flat out
 
 
 # -- run ------------------------------------------------------------------------------------------

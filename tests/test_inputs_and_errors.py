@@ -104,6 +104,26 @@ def test_bad_options_are_refused_and_nothing_is_sent(
     assert count_rows(locker) == 0
 
 
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        ({"batch_size": 0}, LockTypeError),
+        ({"batch_size": 2.5}, LockTypeError),
+        ({"pause_ratio": -1}, LockValueError),
+        ({"pause_ratio": float("nan")}, LockValueError),
+        ({"pause_ratio": float("inf")}, LockValueError),
+        ({"pause_ratio": "1"}, LockTypeError),
+        ({"pause_ratio": True}, LockTypeError),
+    ],
+)
+def test_bad_purge_options_are_refused_and_nothing_is_sent(
+    locker: Locker, statements_sent: Sent, options: dict[str, Any], error: type[Exception]
+) -> None:
+    with pytest.raises(error):
+        locker.purge_expired_locks(**options)
+    assert statements_sent() == []
+
+
 def test_bad_extend_is_refused_and_the_row_is_untouched(locker: Locker) -> None:
     with locker.lock("job", expires=60) as lock:
         before = lock.expires

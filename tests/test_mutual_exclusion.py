@@ -6,13 +6,14 @@ import itertools
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from sqllocker import Locker
-from tests.conftest import figure
+from tests.conftest import abandon, figure
 
 REPO = Path(__file__).resolve().parent.parent
 PROCESSES = 8
@@ -60,20 +61,50 @@ def run_workers(
     return reports
 
 
+def purge_meanwhile(locker: Locker, done: threading.Event) -> list[int]:
+    """Until ``done``: leave rows that expire at once under other lockstrings (crashed
+    holders) and purge them, in small batches with short rests, beside the workers."""
+    purger = Locker(locker.engine, table=locker.table_name, grace=0)
+    purged: list[int] = []
+    round_number = 0
+    while not done.is_set():
+        for n in range(5):
+            abandon(purger.lock(f"crashed {round_number} {n}", expires=0.05))
+        round_number += 1
+        time.sleep(0.1)
+        purged.append(purger.purge_expired_locks(batch_size=2, pause_ratio=0.5))
+    return purged
+
+
 @pytest.mark.parametrize(
-    "asyncio_processes", [0, PROCESSES // 2], ids=["sync processes", "sync and async processes"]
+    ("asyncio_processes", "purging"),
+    [(0, False), (PROCESSES // 2, False), (0, True)],
+    ids=["sync processes", "sync and async processes", "sync processes beside a purge"],
 )
 def test_many_processes_never_hold_one_lock_at_once(
-    locker: Locker, tmp_path: Path, asyncio_processes: int
+    locker: Locker, tmp_path: Path, asyncio_processes: int, purging: bool
 ) -> None:
     """Sync workers, or half sync and half async (each of those running four tasks at once),
-    contend for the same lockstrings of one table."""
+    contend for the same lockstrings of one table; or sync workers while a purge job keeps
+    deleting expired rows beside them (it must never take a live one)."""
     url = locker.url.render_as_string(hide_password=False)
+    done = threading.Event()
+    purges: list[list[int]] = []
+    purger = threading.Thread(target=lambda: purges.append(purge_meanwhile(locker, done)))
+    if purging:
+        purger.start()
     started = time.monotonic()
-    reports = run_workers(
-        url, locker.table_name, tmp_path, PROCESSES, ACQUISITIONS_EACH, asyncio_processes
-    )
+    try:
+        reports = run_workers(
+            url, locker.table_name, tmp_path, PROCESSES, ACQUISITIONS_EACH, asyncio_processes
+        )
+    finally:
+        done.set()
+        if purging:
+            purger.join(60)
     elapsed = time.monotonic() - started
+    if purging:
+        assert sum(purges[0]) >= 5 * len(purges[0])  # every round purged what it planted
 
     overlaps_seen_by_markers = sum(report["overlaps"] for report in reports)
     locks_lost = sum(report["lost"] for report in reports)
@@ -97,7 +128,11 @@ def test_many_processes_never_hold_one_lock_at_once(
         lost_updates += len(mine) - counted
 
     figure(
-        "contention" if not asyncio_processes else "contention, sync and async",
+        "contention, sync and async"
+        if asyncio_processes
+        else "contention beside a purge"
+        if purging
+        else "contention",
         locker.engine.dialect.name,
         f"{len(records)} acquisitions by {PROCESSES} processes on {len(LOCKSTRINGS)} lockstrings "
         f"in {elapsed:.1f}s; overlaps {overlaps_seen_by_markers} (markers) / {interval_overlaps} "

@@ -35,7 +35,12 @@ from ..errors import LockBusy, LockTypeError
 from ..identity import holder_details
 from ..keepalive import DEFAULT_FRACTION
 from ..lock import OnLost
-from ..locker import DEFAULT_EXPIRES, DEFAULT_GRACE, DEFAULT_PURGE_BATCH
+from ..locker import (
+    DEFAULT_EXPIRES,
+    DEFAULT_GRACE,
+    DEFAULT_PURGE_BATCH,
+    DEFAULT_PURGE_PAUSE_RATIO,
+)
 from ..operations import Acquired, LockInfo, LockTable, Refused
 from ..schema import DEFAULT_TABLE
 from ..waiting import Backoff
@@ -150,9 +155,18 @@ class AsyncLocker:
         except LockBusy:
             return None
 
-    async def purge_expired_locks(self, batch_size: int = DEFAULT_PURGE_BATCH) -> int:
-        """Delete rows expired (by the server's clock) for longer than grace, in batches."""
-        return await self._call(self._table.purge_expired, validation.check_batch_size(batch_size))
+    async def purge_expired_locks(
+        self,
+        batch_size: int = DEFAULT_PURGE_BATCH,
+        pause_ratio: float = DEFAULT_PURGE_PAUSE_RATIO,
+    ) -> int:
+        """Delete rows expired (by the server's clock) for longer than grace, in batches, resting
+        between them as ``Locker.purge_expired_locks`` does (with ``asyncio.sleep``)."""
+        return await self._call(
+            self._table.purge_expired,
+            validation.check_batch_size(batch_size),
+            validation.check_pause_ratio(pause_ratio),
+        )
 
     async def locks(self, pattern: str | None = None) -> list[LockInfo]:
         """Every row of the table (see ``Locker.locks``)."""
