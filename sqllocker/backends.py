@@ -27,8 +27,8 @@ class Backend:
     """One database family's clock, capabilities and error codes."""
 
     name: str
-    # PostgreSQL can insert-or-take-over-if-expired in one statement (ON CONFLICT DO UPDATE);
-    # the others insert, and on conflict delete the expired row and insert again.
+    # PostgreSQL takes over an expired row in one statement (ON CONFLICT DO UPDATE ... WHERE
+    # expired); the others delete the row if still expired and insert again.
     atomic_takeover: bool
     # SQLite runs every write in BEGIN IMMEDIATE: in WAL mode a deferred transaction that has
     # read and then writes after another commit fails "database is locked" at once, ignoring
