@@ -46,6 +46,49 @@ def queue_key(table: str, lockstring: str) -> int:
     return int.from_bytes(digest, "big", signed=True)
 
 
+class Seats:
+    """How many waiters of one room are queued, and the connections kept for the next ones:
+    the bookkeeping shared by the thread and the asyncio rooms (never held across I/O)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self.idle: list[Any] = []
+        self._in_use = 0
+        self._pid = os.getpid()
+        self._closed = False
+
+    def take(self) -> tuple[bool, Any | None]:
+        """(whether a seat is free, a kept connection to use or None to open one)."""
+        with self._lock:
+            if self._pid != os.getpid():
+                # A forked child must not touch its parent's sockets, not even to close them.
+                self._pid, self.idle, self._in_use = os.getpid(), [], 0
+            if self._closed or self._in_use >= self.capacity:
+                return False, None
+            self._in_use += 1
+            return True, self.idle.pop() if self.idle else None
+
+    def give_back(self, connection: Any | None) -> Any | None:
+        """Free a seat, keeping ``connection`` for the next waiter if there is room; returns
+        it if the caller must close it instead (None for a connection of the parent's)."""
+        with self._lock:
+            if self._pid != os.getpid():
+                return None
+            self._in_use -= 1
+            if connection is not None and not self._closed and len(self.idle) < KEEP_IDLE:
+                self.idle.append(connection)
+                return None
+            return connection
+
+    def close(self) -> list[Any]:
+        """No more seats; returns the kept connections, to be closed."""
+        with self._lock:
+            self._closed = True
+            idle, self.idle = self.idle, []
+            return idle
+
+
 class Turn:
     """The head of one lockstring's queue: ``leave()`` once the row is ours, or the wait ends."""
 
@@ -66,12 +109,7 @@ class WaitingRoom:
     def __init__(self, engine: Engine, table: str, capacity: int = DEFAULT_CAPACITY) -> None:
         self._engine = engine
         self._table = table
-        self.capacity = capacity
-        self._lock = threading.Lock()
-        self._idle: list[Any] = []
-        self._in_use = 0
-        self._pid = os.getpid()
-        self._closed = False
+        self.seats = Seats(capacity)
 
     def enter(
         self, lockstring: str, timeout: float | None, before_blocking: Callable[[], None]
@@ -118,52 +156,34 @@ class WaitingRoom:
             self._checkin(connection)
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-        for connection in idle:
+        for connection in self.seats.close():
             with contextlib.suppress(Exception):
                 connection.close()
 
     # -- connections ----------------------------------------------------------------------------
 
     def _checkout(self) -> Any | None:
-        with self._lock:
-            if self._pid != os.getpid():
-                # A forked child must not touch its parent's sockets, not even to close them.
-                self._pid, self._idle, self._in_use = os.getpid(), [], 0
-            if self._closed or self._in_use >= self.capacity:
-                return None
-            self._in_use += 1
-            if self._idle:
-                return self._idle.pop()
+        free, connection = self.seats.take()
+        if not free or connection is not None:
+            return connection
         try:
             fairy = self._engine.raw_connection()
-            connection: Any = fairy.driver_connection
+            opened: Any = fairy.driver_connection
             fairy.detach()  # ours: it never goes back to the pool
-            connection.autocommit = True
-            return connection
+            opened.autocommit = True
+            return opened
         except Exception as error:
-            with self._lock:
-                self._in_use -= 1
+            self.seats.give_back(None)
             logger.warning("could not open a connection to queue on (%s)", error)
             return None
 
     def _checkin(self, connection: Any) -> None:
-        with self._lock:
-            if self._pid != os.getpid():
-                return  # the parent's: leave its socket alone
-            self._in_use -= 1
-            if not self._closed and len(self._idle) < KEEP_IDLE:
-                self._idle.append(connection)
-                return
-        with contextlib.suppress(Exception):
-            connection.close()
+        extra = self.seats.give_back(connection)
+        if extra is not None:
+            with contextlib.suppress(Exception):
+                extra.close()
 
     def _discard(self, connection: Any) -> None:
-        with self._lock:
-            if self._pid != os.getpid():
-                return
-            self._in_use -= 1
+        self.seats.give_back(None)
         with contextlib.suppress(Exception):
             connection.close()

@@ -3,6 +3,7 @@ holder nothing."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -11,8 +12,10 @@ import pytest
 import sqlalchemy as sa
 
 from sqllocker import LockBusy, Locker
+from sqllocker.asyncio import AsyncLock, AsyncLocker
 from sqllocker.engine import resolve_url
 from sqllocker.waiting_room import queue_key
+from tests.workers import async_url
 
 
 @pytest.fixture
@@ -105,7 +108,7 @@ def test_waiters_beyond_the_rooms_capacity_wait_unqueued(
     holder = Locker(migrated_postgres, table=table_name)
     waiters = Locker(migrated_postgres, table=table_name)
     room = waiters._waiting_room()
-    room.capacity = 1
+    room.seats.capacity = 1
     held = holder.lock("report")
     acquired: list[int] = []
     release = threading.Event()
@@ -127,7 +130,7 @@ def test_waiters_beyond_the_rooms_capacity_wait_unqueued(
         thread.join(20)
     assert sorted(acquired) == [0, 1, 2]
     waiters.close()
-    assert room._idle == []  # close() closed the connections kept for the next wait
+    assert room.seats.idle == []  # close() closed the connections kept for the next wait
     holder.close()
 
 
@@ -147,3 +150,77 @@ def test_a_refused_attempt_leaves_the_holders_row_untouched(
     assert xmax == "0"
     held.unlock()
     locker.close()
+
+
+async def wait_until_async(condition: object, timeout: float = 10.0) -> None:
+    """``wait_until`` that lets the event loop run the waiting tasks meanwhile."""
+    deadline = time.monotonic() + timeout
+    while not await asyncio.to_thread(condition):  # type: ignore[arg-type]
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def test_sync_and_async_waiters_share_one_queue(
+    migrated_postgres: str, table_name: str, admin: sa.Engine, slow_polling: None
+) -> None:
+    holder = Locker(migrated_postgres, table=table_name)
+    held = holder.lock("report")
+    first, third = (AsyncLocker(async_url(migrated_postgres), table=table_name) for _ in range(2))
+    second = Locker(migrated_postgres, table=table_name)
+    order: list[str] = []
+
+    async def wait_async(name: str, locker: AsyncLocker) -> None:
+        async with locker.lock("report", wait=60):
+            order.append(name)
+            await asyncio.sleep(0.05)
+
+    def wait_sync() -> None:
+        with second.lock("report", wait=60):
+            order.append("second")
+            time.sleep(0.05)
+
+    tasks = [asyncio.create_task(wait_async("first", first))]
+    await wait_until_async(lambda: queued(admin, table_name, "report") == (1, 0))
+    thread = threading.Thread(target=wait_sync)
+    thread.start()
+    await wait_until_async(lambda: queued(admin, table_name, "report") == (1, 1))
+    tasks.append(asyncio.create_task(wait_async("third", third)))
+    await wait_until_async(lambda: queued(admin, table_name, "report") == (1, 2))
+    held.unlock()
+    await asyncio.gather(*tasks)
+    await asyncio.to_thread(thread.join, 20)
+    assert order == ["first", "second", "third"]
+    assert queued(admin, table_name, "report") == (0, 0)
+    holder.close()
+    second.close()
+    await first.aclose()
+    await third.aclose()
+
+
+async def test_a_cancelled_async_waiter_leaves_the_queue(
+    migrated_postgres: str, table_name: str, admin: sa.Engine, slow_polling: None
+) -> None:
+    holder = Locker(migrated_postgres, table=table_name)
+    held = holder.lock("report")
+    head, behind = (AsyncLocker(async_url(migrated_postgres), table=table_name) for _ in range(2))
+
+    async def take(locker: AsyncLocker) -> AsyncLock:
+        return await locker.lock("report", wait=60)
+
+    heading = asyncio.create_task(take(head))
+    await wait_until_async(lambda: queued(admin, table_name, "report") == (1, 0))
+    waiting = asyncio.create_task(take(behind))
+    await wait_until_async(lambda: queued(admin, table_name, "report") == (1, 1))
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    await wait_until_async(lambda: queued(admin, table_name, "report") == (1, 0))
+    assert behind._room is not None
+    assert behind._room.seats.idle == []
+    held.unlock()
+    lock = await asyncio.wait_for(heading, 20)
+    await lock.unlock()
+    assert queued(admin, table_name, "report") == (0, 0)
+    holder.close()
+    await head.aclose()
+    await behind.aclose()

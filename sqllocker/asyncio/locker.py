@@ -48,6 +48,7 @@ from .keepalive import AsyncKeepAlive
 from .lock import AsyncLock, AsyncLockState
 from .notify import AsyncReleaseListener
 from .tasks import spawn
+from .waiting_room import AsyncTurn, AsyncWaitingRoom
 
 logger = logging.getLogger("sqllocker")
 
@@ -119,6 +120,7 @@ class AsyncLocker:
         self._keep_alives = AsyncKeepAlive(fraction)
         self._setup_lock: asyncio.Lock | None = None
         self._listener: AsyncReleaseListener | None = None
+        self._room: AsyncWaitingRoom | None = None
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -194,6 +196,8 @@ class AsyncLocker:
         await self._keep_alives.stop()
         if self._listener is not None:
             await self._listener.stop()
+        if self._room is not None:
+            await self._room.close()
         if self._table.owns_engine:
             await self.engine.dispose()
 
@@ -245,27 +249,46 @@ class AsyncLocker:
     ) -> AsyncLock:
         backoff = Backoff.for_wait(wait)
         listener = await self._release_listener() if wait != 0 else None
-        while True:
-            # Subscribe before the attempt: a release between a refusal and the sleep still
-            # wakes us.
-            waiter = await listener.register(lockstring) if listener is not None else None
-            try:
-                outcome = await self._try_acquire(lockstring, ttl, extra, on_lost)
-                if isinstance(outcome, AsyncLock):
-                    return outcome.keep_alive() if keep_alive else outcome
-                if backoff.expired():
-                    raise outcome.busy_after(lockstring, wait)
-                delay = backoff.next_delay(
-                    outcome.busy.expires if outcome.busy else None, outcome.server_now, self.grace
-                )
-                if waiter is None:
-                    await asyncio.sleep(delay)
-                else:  # a release notification, or the backoff, ends the wait
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(waiter.event.wait(), delay)
-            finally:
-                if listener is not None and waiter is not None:
-                    listener.unregister(waiter)
+        room = self._waiting_room() if listener is not None else None
+        turn: AsyncTurn | None = None
+        try:
+            while True:
+                # Subscribe before the attempt: a release between a refusal and the sleep
+                # still wakes us.
+                waiter = await listener.register(lockstring) if listener is not None else None
+                try:
+                    outcome = await self._try_acquire(lockstring, ttl, extra, on_lost)
+                    if isinstance(outcome, AsyncLock):
+                        return outcome.keep_alive() if keep_alive else outcome
+                    if backoff.expired():
+                        raise outcome.busy_after(lockstring, wait)
+                    if room is not None and turn is None and listener and waiter:
+                        # Queue behind earlier waiters (see sqllocker.waiting_room).
+                        turn, blocked = await room.enter(
+                            lockstring,
+                            backoff.remaining(),
+                            before_blocking=functools.partial(listener.unregister, waiter),
+                        )
+                        if turn is None:
+                            room = None  # full, or failed: wait unqueued from now on
+                        if blocked:
+                            continue  # we were not listening meanwhile: try again at once
+                    delay = backoff.next_delay(
+                        outcome.busy.expires if outcome.busy else None,
+                        outcome.server_now,
+                        self.grace,
+                    )
+                    if waiter is None:
+                        await asyncio.sleep(delay)
+                    else:  # a release notification, or the backoff, ends the wait
+                        with contextlib.suppress(asyncio.TimeoutError):
+                            await asyncio.wait_for(waiter.event.wait(), delay)
+                finally:
+                    if listener is not None and waiter is not None:
+                        listener.unregister(waiter)
+        finally:
+            if turn is not None:
+                await turn.leave()
 
     async def _try_acquire(
         self, lockstring: str, ttl: float, extra: dict[str, Any], on_lost: OnLost | None
@@ -325,6 +348,12 @@ class AsyncLocker:
         if self._listener is None:
             self._listener = AsyncReleaseListener(self.engine, self.table_name)
         return self._listener
+
+    def _waiting_room(self) -> AsyncWaitingRoom:
+        """Where PostgreSQL waiters queue, sync and async alike, so that one at a time tries."""
+        if self._room is None:
+            self._room = AsyncWaitingRoom(self.engine, self.table_name)
+        return self._room
 
 
 class Acquiring:

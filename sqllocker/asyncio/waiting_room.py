@@ -1,0 +1,122 @@
+"""Queueing async PostgreSQL waiters in the server: the asyncio twin of
+``sqllocker/waiting_room.py`` (same advisory lock keys, so sync and async waiters of one
+lockstring share one queue, first come, first served).
+
+A queued waiter awaits ``pg_advisory_lock`` on a psycopg AsyncConnection of its own. If its
+task is cancelled meanwhile, the connection is closed, which ends the session and with it any
+place in the queue: a cancelled waiter never keeps others waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.util import greenlet_spawn
+
+from ..waiting_room import DEFAULT_CAPACITY, Seats, queue_key
+
+logger = logging.getLogger("sqllocker")
+
+_LOCK_NOT_AVAILABLE = "55P03"  # lock_timeout expired
+
+
+class AsyncTurn:
+    """The head of one lockstring's queue: ``await leave()`` once the row is ours, or the wait
+    ends."""
+
+    def __init__(self, room: AsyncWaitingRoom, connection: Any, key: int) -> None:
+        self._room = room
+        self._connection: Any = connection
+        self._key = key
+
+    async def leave(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            # Shielded: a second cancellation must not leave the queue lock held.
+            await asyncio.shield(self._room.leave(connection, self._key))
+
+
+class AsyncWaitingRoom:
+    """One AsyncLocker's queues, and the connections its queued waiters wait on."""
+
+    def __init__(self, engine: AsyncEngine, table: str, capacity: int = DEFAULT_CAPACITY) -> None:
+        self._engine = engine
+        self._table = table
+        self.seats = Seats(capacity)
+
+    async def enter(
+        self, lockstring: str, timeout: float | None, before_blocking: Callable[[], None]
+    ) -> tuple[AsyncTurn | None, bool]:
+        """As ``WaitingRoom.enter``: the Turn or None (the caller then waits unqueued), and
+        whether the caller blocked in the queue after calling ``before_blocking``."""
+        connection = await self._checkout()
+        if connection is None:
+            return None, False
+        key = queue_key(self._table, lockstring)
+        blocked = False
+        try:
+            cursor = await connection.execute("SELECT pg_try_advisory_lock(%s)", (key,))
+            if (await cursor.fetchone())[0]:
+                return AsyncTurn(self, connection, key), False
+            before_blocking()
+            blocked = True
+            milliseconds = 0 if timeout is None else max(1, round(timeout * 1000))
+            await connection.execute(
+                "SELECT set_config('lock_timeout', %s, false)", (f"{milliseconds}",)
+            )
+            await connection.execute("SELECT pg_advisory_lock(%s)", (key,))
+            return AsyncTurn(self, connection, key), True
+        except BaseException as error:
+            if getattr(error, "sqlstate", None) == _LOCK_NOT_AVAILABLE:
+                await self._checkin(connection)  # the caller's deadline came first
+                return None, blocked
+            await asyncio.shield(self._discard(connection))
+            if not isinstance(error, Exception):
+                raise  # cancelled: closing the connection has left the queue
+            logger.warning("could not queue for %r (%s); waiting unqueued", lockstring, error)
+            return None, blocked
+
+    async def leave(self, connection: Any, key: int) -> None:
+        try:
+            await connection.execute("SELECT pg_advisory_unlock(%s)", (key,))
+        except Exception as error:  # closing the connection ends the queue lock too
+            logger.warning("could not leave a lock queue (%s); closing its connection", error)
+            await self._discard(connection)
+        else:
+            await self._checkin(connection)
+
+    async def close(self) -> None:
+        for connection in self.seats.close():
+            with contextlib.suppress(Exception):
+                await connection.close()
+
+    async def _checkout(self) -> Any | None:
+        free, connection = self.seats.take()
+        if not free or connection is not None:
+            return connection
+        try:
+            fairy = await greenlet_spawn(self._engine.sync_engine.raw_connection)
+            opened: Any = fairy.driver_connection  # psycopg.AsyncConnection
+            fairy.detach()  # ours: it never goes back to the pool
+            await opened.set_autocommit(True)
+            return opened
+        except Exception as error:
+            self.seats.give_back(None)
+            logger.warning("could not open a connection to queue on (%s)", error)
+            return None
+
+    async def _checkin(self, connection: Any) -> None:
+        extra = self.seats.give_back(connection)
+        if extra is not None:
+            with contextlib.suppress(Exception):
+                await extra.close()
+
+    async def _discard(self, connection: Any) -> None:
+        self.seats.give_back(None)
+        with contextlib.suppress(Exception):
+            await connection.close()
