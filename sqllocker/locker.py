@@ -163,7 +163,12 @@ class Locker:
                         return outcome.keep_alive() if keep_alive else outcome
                     if backoff.expired():
                         raise outcome.busy_after(lockstring, wait)
-                    if room is not None and turn is None and listener and waiter:
+                    if (
+                        room is not None
+                        and turn is None
+                        and listener is not None
+                        and waiter is not None
+                    ):
                         turn, blocked = room.enter(
                             lockstring,
                             backoff.remaining(),

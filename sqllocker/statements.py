@@ -131,11 +131,8 @@ class Statements:
     def holder_for_acquirer(self) -> Select[Any]:
         """The holder's row for a refused acquirer, with whether it may be taken over now
         (expired beyond grace, by the server's clock)."""
-        c = self.table.c
         takeable = sa.case((self._expired_beyond_grace, True), else_=False).label("takeable")
-        return self._rows.add_columns(takeable).where(
-            c.lockstring == sa.bindparam("ls", type_=c.lockstring.type)
-        )
+        return self.holder.add_columns(takeable)
 
     def list_locks(self, pattern: bool = False) -> Select[Any]:
         """Every row, or those whose lockstring matches the bound shell-style ``pattern``

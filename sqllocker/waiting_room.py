@@ -33,7 +33,23 @@ logger = logging.getLogger("sqllocker")
 DEFAULT_CAPACITY = 8
 # Connections kept open between waits, so that the next wait does not pay for a new one.
 KEEP_IDLE = 2
-_LOCK_NOT_AVAILABLE = "55P03"  # lock_timeout expired
+
+# The queue's statements (psycopg parameters), for the thread and the asyncio rooms alike.
+TRY_ENTER = "SELECT pg_try_advisory_lock(%s)"
+SET_LOCK_TIMEOUT = "SELECT set_config('lock_timeout', %s, false)"
+ENTER = "SELECT pg_advisory_lock(%s)"
+LEAVE = "SELECT pg_advisory_unlock(%s)"
+
+
+def lock_timeout(timeout: float | None) -> str:
+    """The lock_timeout setting for a queued wait of ``timeout`` seconds ('0': no limit)."""
+    return "0" if timeout is None else str(max(1, round(timeout * 1000)))
+
+
+def timed_out(error: BaseException) -> bool:
+    """Whether ``error`` is the server giving up a lock wait at lock_timeout (the caller's
+    deadline), rather than a failure."""
+    return getattr(error, "sqlstate", None) == "55P03"
 
 
 def queue_key(table: str, lockstring: str) -> int:
@@ -127,17 +143,15 @@ class WaitingRoom:
         key = queue_key(self._table, lockstring)
         blocked = False
         try:
-            if connection.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()[0]:
+            if connection.execute(TRY_ENTER, (key,)).fetchone()[0]:
                 return Turn(self, connection, key), False
             before_blocking()
             blocked = True
-            # 0 disables the timeout: wait as long as the caller does.
-            milliseconds = 0 if timeout is None else max(1, round(timeout * 1000))
-            connection.execute("SELECT set_config('lock_timeout', %s, false)", (f"{milliseconds}",))
-            connection.execute("SELECT pg_advisory_lock(%s)", (key,)).fetchone()
+            connection.execute(SET_LOCK_TIMEOUT, (lock_timeout(timeout),))
+            connection.execute(ENTER, (key,)).fetchone()
             return Turn(self, connection, key), True
         except BaseException as error:
-            if getattr(error, "sqlstate", None) == _LOCK_NOT_AVAILABLE:
+            if timed_out(error):
                 self._checkin(connection)  # the caller's deadline came first
                 return None, blocked
             self._discard(connection)
@@ -148,7 +162,7 @@ class WaitingRoom:
 
     def leave(self, connection: Any, key: int) -> None:
         try:
-            connection.execute("SELECT pg_advisory_unlock(%s)", (key,)).fetchone()
+            connection.execute(LEAVE, (key,)).fetchone()
         except Exception as error:  # closing the connection ends the queue lock too
             logger.warning("could not leave a lock queue (%s); closing its connection", error)
             self._discard(connection)

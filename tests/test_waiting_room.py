@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import sqlalchemy as sa
@@ -36,13 +36,13 @@ def queued(admin: sa.Engine, table: str, lockstring: str) -> tuple[int, int]:
             ),
             {"high": key >> 32, "low": key & 0xFFFFFFFF},
         ).all()
-    counts = dict(rows)
+    counts: dict[bool, int] = {granted: count for granted, count in rows}
     return counts.get(True, 0), counts.get(False, 0)
 
 
-def wait_until(condition: object, timeout: float = 10.0) -> None:
+def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
-    while not condition():  # type: ignore[operator]
+    while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
 
@@ -67,7 +67,7 @@ def test_waiters_of_different_lockers_get_the_lock_in_the_order_they_came(
         threads.append(threading.Thread(target=wait, args=(number,)))
         threads[-1].start()
         # The first waiter heads the queue; each later one waits behind it.
-        wait_until(lambda n=number: queued(admin, table_name, "report") == (1, n))
+        wait_until(lambda: queued(admin, table_name, "report") == (1, number))
     held.unlock()
     for thread in threads:
         thread.join(30)
@@ -152,10 +152,10 @@ def test_a_refused_attempt_leaves_the_holders_row_untouched(
     locker.close()
 
 
-async def wait_until_async(condition: object, timeout: float = 10.0) -> None:
+async def wait_until_async(condition: Callable[[], bool], timeout: float = 10.0) -> None:
     """``wait_until`` that lets the event loop run the waiting tasks meanwhile."""
     deadline = time.monotonic() + timeout
-    while not await asyncio.to_thread(condition):  # type: ignore[arg-type]
+    while not await asyncio.to_thread(condition):
         assert time.monotonic() < deadline, "timed out"
         await asyncio.sleep(0.01)
 

@@ -262,7 +262,12 @@ class AsyncLocker:
                         return outcome.keep_alive() if keep_alive else outcome
                     if backoff.expired():
                         raise outcome.busy_after(lockstring, wait)
-                    if room is not None and turn is None and listener and waiter:
+                    if (
+                        room is not None
+                        and turn is None
+                        and listener is not None
+                        and waiter is not None
+                    ):
                         # Queue behind earlier waiters (see sqllocker.waiting_room).
                         turn, blocked = await room.enter(
                             lockstring,

@@ -18,11 +18,19 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.util import greenlet_spawn
 
-from ..waiting_room import DEFAULT_CAPACITY, Seats, queue_key
+from ..waiting_room import (
+    DEFAULT_CAPACITY,
+    ENTER,
+    LEAVE,
+    SET_LOCK_TIMEOUT,
+    TRY_ENTER,
+    Seats,
+    lock_timeout,
+    queue_key,
+    timed_out,
+)
 
 logger = logging.getLogger("sqllocker")
-
-_LOCK_NOT_AVAILABLE = "55P03"  # lock_timeout expired
 
 
 class AsyncTurn:
@@ -60,19 +68,16 @@ class AsyncWaitingRoom:
         key = queue_key(self._table, lockstring)
         blocked = False
         try:
-            cursor = await connection.execute("SELECT pg_try_advisory_lock(%s)", (key,))
+            cursor = await connection.execute(TRY_ENTER, (key,))
             if (await cursor.fetchone())[0]:
                 return AsyncTurn(self, connection, key), False
             before_blocking()
             blocked = True
-            milliseconds = 0 if timeout is None else max(1, round(timeout * 1000))
-            await connection.execute(
-                "SELECT set_config('lock_timeout', %s, false)", (f"{milliseconds}",)
-            )
-            await connection.execute("SELECT pg_advisory_lock(%s)", (key,))
+            await connection.execute(SET_LOCK_TIMEOUT, (lock_timeout(timeout),))
+            await connection.execute(ENTER, (key,))
             return AsyncTurn(self, connection, key), True
         except BaseException as error:
-            if getattr(error, "sqlstate", None) == _LOCK_NOT_AVAILABLE:
+            if timed_out(error):
                 await self._checkin(connection)  # the caller's deadline came first
                 return None, blocked
             await asyncio.shield(self._discard(connection))
@@ -83,7 +88,7 @@ class AsyncWaitingRoom:
 
     async def leave(self, connection: Any, key: int) -> None:
         try:
-            await connection.execute("SELECT pg_advisory_unlock(%s)", (key,))
+            await connection.execute(LEAVE, (key,))
         except Exception as error:  # closing the connection ends the queue lock too
             logger.warning("could not leave a lock queue (%s); closing its connection", error)
             await self._discard(connection)
