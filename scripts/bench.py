@@ -736,7 +736,8 @@ def main() -> int:
     parser.add_argument("--out", default="bench-results")
     args = parser.parse_args()
     backends = [b for b in args.backends.split(",") if b]
-    Path(args.out).mkdir(exist_ok=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    URLS["sqlite"] = f"sqlite:///{Path(args.out) / 'bench.db'}"  # beside the results, wherever
     skip = set(args.skip.split(","))
     count = 1000 if args.quick else 5000
     machine = f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}, SQLAlchemy {sa.__version__}"
