@@ -160,6 +160,8 @@ class Locker:
                 try:
                     outcome = self._try_acquire(lockstring, ttl, extra, on_lost or self.on_lost)
                     if isinstance(outcome, Lock):
+                        if turn is not None:
+                            turn.leave(in_background=True)
                         return outcome.keep_alive() if keep_alive else outcome
                     if backoff.expired():
                         raise outcome.busy_after(lockstring, wait)
@@ -177,7 +179,7 @@ class Locker:
                         if turn is None:
                             room = None  # full, or failed: wait unqueued from now on
                         if blocked:
-                            continue  # we were not listening meanwhile: try again at once
+                            continue  # we were not listening while queued: try again at once
                     delay = backoff.next_delay(
                         outcome.busy.expires if outcome.busy else None,
                         outcome.server_now,

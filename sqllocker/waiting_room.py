@@ -5,7 +5,8 @@ release, all but one would be refused (load for nothing), and which one won woul
 some waiters would wait far longer than others. So a waiter that has been refused queues on a
 session advisory lock keyed by table and lockstring, which the server grants in the order it
 was asked for; only the waiter holding it (the head of the queue) tries for the row on each
-release. Once the head has the row it leaves the queue and the next waiter becomes head.
+release. Once the head has the row it leaves the queue and the next waiter becomes head; that
+round trip is made by a background thread, so that lock() returns as soon as the row is ours.
 
 The advisory lock decides only who *tries*; who *holds* is decided by the row alone, as
 always. A queue connection that drops, or a hash shared by two lockstrings, costs fairness,
@@ -22,6 +23,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import queue
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -35,9 +37,11 @@ DEFAULT_CAPACITY = 8
 KEEP_IDLE = 2
 
 # The queue's statements (psycopg parameters), for the thread and the asyncio rooms alike.
-TRY_ENTER = "SELECT pg_try_advisory_lock(%s)"
-SET_LOCK_TIMEOUT = "SELECT set_config('lock_timeout', %s, false)"
-ENTER = "SELECT pg_advisory_lock(%s)"
+# ENTER sets the wait's limit and queues in one round trip: the sub-select in FROM runs first,
+# as the row the outer select is computed from. Parameters: (key, lock_timeout(...)).
+ENTER = (
+    "SELECT pg_advisory_lock(%s) FROM (SELECT set_config('lock_timeout', %s, false)) AS deadline"
+)
 LEAVE = "SELECT pg_advisory_unlock(%s)"
 
 
@@ -113,9 +117,15 @@ class Turn:
         self._connection: Any = connection
         self._key = key
 
-    def leave(self) -> None:
+    def leave(self, in_background: bool = False) -> None:
+        """Leave the queue; ``in_background`` once the row is ours, so the caller has its lock
+        without waiting for this round trip (the next waiter could not have the row anyway)."""
         connection, self._connection = self._connection, None
-        if connection is not None:
+        if connection is None:
+            return
+        if in_background:
+            self._room.leave_soon(connection, self._key)
+        else:
             self._room.leave(connection, self._key)
 
 
@@ -126,6 +136,10 @@ class WaitingRoom:
         self._engine = engine
         self._table = table
         self.seats = Seats(capacity)
+        self._leaving: queue.SimpleQueue[tuple[Any, int] | None] = queue.SimpleQueue()
+        self._leaver: threading.Thread | None = None
+        self._leaver_lock = threading.Lock()
+        self._leaver_pid = os.getpid()
 
     def enter(
         self, lockstring: str, timeout: float | None, before_blocking: Callable[[], None]
@@ -133,32 +147,28 @@ class WaitingRoom:
         """Become the head of ``lockstring``'s queue, waiting at most ``timeout`` seconds.
 
         Returns the Turn, or None if the wait timed out, the room is full or the database failed
-        (the caller then waits unqueued); and whether the caller blocked in the queue, having
-        called ``before_blocking`` first (a waiter must stop listening for the row's releases
-        while it cannot act on them: the head of the queue in this process may need them).
+        (the caller then waits unqueued); and whether ``before_blocking`` was called, after
+        which the caller must try for the row again at once: a waiter stops listening for the
+        row's releases while it queues (the head of the queue in this process may need them),
+        so it may have missed one.
         """
         connection = self._checkout()
         if connection is None:
             return None, False
         key = queue_key(self._table, lockstring)
-        blocked = False
+        before_blocking()
         try:
-            if connection.execute(TRY_ENTER, (key,)).fetchone()[0]:
-                return Turn(self, connection, key), False
-            before_blocking()
-            blocked = True
-            connection.execute(SET_LOCK_TIMEOUT, (lock_timeout(timeout),))
-            connection.execute(ENTER, (key,)).fetchone()
+            connection.execute(ENTER, (key, lock_timeout(timeout))).fetchone()
             return Turn(self, connection, key), True
         except BaseException as error:
             if timed_out(error):
                 self._checkin(connection)  # the caller's deadline came first
-                return None, blocked
+                return None, True
             self._discard(connection)
             if not isinstance(error, Exception):
                 raise  # KeyboardInterrupt: psycopg has cancelled the wait
             logger.warning("could not queue for %r (%s); waiting unqueued", lockstring, error)
-            return None, blocked
+            return None, True
 
     def leave(self, connection: Any, key: int) -> None:
         try:
@@ -169,7 +179,30 @@ class WaitingRoom:
         else:
             self._checkin(connection)
 
+    def leave_soon(self, connection: Any, key: int) -> None:
+        """``leave`` on the room's leaving thread."""
+        with self._leaver_lock:
+            if self._leaver_pid != os.getpid():  # a forked child starts a thread of its own
+                self._leaver_pid, self._leaver = os.getpid(), None
+                self._leaving = queue.SimpleQueue()
+            if self._leaver is None or not self._leaver.is_alive():
+                self._leaver = threading.Thread(
+                    target=self._leave_queued, name="sqllocker-queue-leaver", daemon=True
+                )
+                self._leaver.start()
+            self._leaving.put((connection, key))
+
+    def _leave_queued(self) -> None:
+        while (item := self._leaving.get()) is not None:
+            self.leave(*item)  # never raises: a failure closes the connection
+
     def close(self) -> None:
+        with self._leaver_lock:
+            leaver = self._leaver if self._leaver_pid == os.getpid() else None
+            if leaver is not None:
+                self._leaving.put(None)  # after the leaves already asked for
+        if leaver is not None:
+            leaver.join(10)
         for connection in self.seats.close():
             with contextlib.suppress(Exception):
                 connection.close()

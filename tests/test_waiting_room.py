@@ -72,7 +72,7 @@ def test_waiters_of_different_lockers_get_the_lock_in_the_order_they_came(
     for thread in threads:
         thread.join(30)
     assert order == [0, 1, 2, 3, 4]
-    assert queued(admin, table_name, "report") == (0, 0)  # every waiter left the queue
+    wait_until(lambda: queued(admin, table_name, "report") == (0, 0))  # every waiter left
     for locker in [holder, *lockers]:
         locker.close()
 
@@ -100,6 +100,38 @@ def test_a_queued_waiter_gives_up_at_its_deadline_and_leaves_the_queue(
     assert got == [True]
     for locker in (holder, head, behind):
         locker.close()
+
+
+def test_the_head_has_the_row_before_leaving_and_close_finishes_the_leaving(
+    migrated_postgres: str, table_name: str, admin: sa.Engine, slow_polling: None
+) -> None:
+    """The head leaves the queue on the room's own thread once the row is its own (lock()
+    does not wait for that round trip); close() waits for leaves still under way."""
+    holder = Locker(migrated_postgres, table=table_name)
+    waiter = Locker(migrated_postgres, table=table_name)
+    held = holder.lock("report")
+    got: list[object] = []
+    thread = threading.Thread(target=lambda: got.append(waiter.lock("report", wait=30)))
+    thread.start()
+    wait_until(lambda: queued(admin, table_name, "report") == (1, 0))
+    room = waiter._waiting_room()
+    leaving = threading.Event()
+    real_leave = room.leave
+
+    def slow_leave(connection: object, key: int) -> None:
+        leaving.set()
+        time.sleep(0.5)
+        real_leave(connection, key)
+
+    room.leave = slow_leave  # type: ignore[method-assign]
+    held.unlock()
+    thread.join(10)
+    assert len(got) == 1
+    assert leaving.wait(5)
+    assert queued(admin, table_name, "report") == (1, 0)  # lock() returned first
+    waiter.close()
+    assert queued(admin, table_name, "report") == (0, 0)  # close() waited for the leave
+    holder.close()
 
 
 def test_waiters_beyond_the_rooms_capacity_wait_unqueued(
@@ -190,11 +222,31 @@ async def test_sync_and_async_waiters_share_one_queue(
     await asyncio.gather(*tasks)
     await asyncio.to_thread(thread.join, 20)
     assert order == ["first", "second", "third"]
-    assert queued(admin, table_name, "report") == (0, 0)
+    await wait_until_async(lambda: queued(admin, table_name, "report") == (0, 0))
     holder.close()
     second.close()
     await first.aclose()
     await third.aclose()
+
+
+async def test_an_async_head_leaves_the_queue_by_aclose_at_the_latest(
+    migrated_postgres: str, table_name: str, admin: sa.Engine, slow_polling: None
+) -> None:
+    holder = Locker(migrated_postgres, table=table_name)
+    held = holder.lock("report")
+    waiter = AsyncLocker(async_url(migrated_postgres), table=table_name)
+
+    async def take() -> AsyncLock:
+        return await waiter.lock("report", wait=30)
+
+    heading = asyncio.create_task(take())
+    await wait_until_async(lambda: queued(admin, table_name, "report") == (1, 0))
+    await asyncio.to_thread(held.unlock)
+    lock = await asyncio.wait_for(heading, 10)
+    await waiter.aclose()  # waits for the leave still under way, if it is
+    assert queued(admin, table_name, "report") == (0, 0)
+    assert lock.lock_id > held.lock_id
+    holder.close()
 
 
 async def test_a_cancelled_async_waiter_leaves_the_queue(
@@ -220,7 +272,7 @@ async def test_a_cancelled_async_waiter_leaves_the_queue(
     held.unlock()
     lock = await asyncio.wait_for(heading, 20)
     await lock.unlock()
-    assert queued(admin, table_name, "report") == (0, 0)
+    await wait_until_async(lambda: queued(admin, table_name, "report") == (0, 0))
     holder.close()
     await head.aclose()
     await behind.aclose()

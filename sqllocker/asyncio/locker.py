@@ -259,6 +259,8 @@ class AsyncLocker:
                 try:
                     outcome = await self._try_acquire(lockstring, ttl, extra, on_lost)
                     if isinstance(outcome, AsyncLock):
+                        if turn is not None:
+                            turn.leave_soon()
                         return outcome.keep_alive() if keep_alive else outcome
                     if backoff.expired():
                         raise outcome.busy_after(lockstring, wait)
@@ -277,7 +279,7 @@ class AsyncLocker:
                         if turn is None:
                             room = None  # full, or failed: wait unqueued from now on
                         if blocked:
-                            continue  # we were not listening meanwhile: try again at once
+                            continue  # we were not listening while queued: try again at once
                     delay = backoff.next_delay(
                         outcome.busy.expires if outcome.busy else None,
                         outcome.server_now,

@@ -22,8 +22,6 @@ from ..waiting_room import (
     DEFAULT_CAPACITY,
     ENTER,
     LEAVE,
-    SET_LOCK_TIMEOUT,
-    TRY_ENTER,
     Seats,
     lock_timeout,
     queue_key,
@@ -48,6 +46,13 @@ class AsyncTurn:
             # Shielded: a second cancellation must not leave the queue lock held.
             await asyncio.shield(self._room.leave(connection, self._key))
 
+    def leave_soon(self) -> None:
+        """Leave in a task of its own, once the row is ours: the caller has its lock without
+        waiting for this round trip (the next waiter could not have the row anyway)."""
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            self._room.leave_soon(connection, self._key)
+
 
 class AsyncWaitingRoom:
     """One AsyncLocker's queues, and the connections its queued waiters wait on."""
@@ -56,35 +61,30 @@ class AsyncWaitingRoom:
         self._engine = engine
         self._table = table
         self.seats = Seats(capacity)
+        self._leaving: set[asyncio.Task[None]] = set()
 
     async def enter(
         self, lockstring: str, timeout: float | None, before_blocking: Callable[[], None]
     ) -> tuple[AsyncTurn | None, bool]:
         """As ``WaitingRoom.enter``: the Turn or None (the caller then waits unqueued), and
-        whether the caller blocked in the queue after calling ``before_blocking``."""
+        whether ``before_blocking`` was called (the caller must then try again at once)."""
         connection = await self._checkout()
         if connection is None:
             return None, False
         key = queue_key(self._table, lockstring)
-        blocked = False
+        before_blocking()
         try:
-            cursor = await connection.execute(TRY_ENTER, (key,))
-            if (await cursor.fetchone())[0]:
-                return AsyncTurn(self, connection, key), False
-            before_blocking()
-            blocked = True
-            await connection.execute(SET_LOCK_TIMEOUT, (lock_timeout(timeout),))
-            await connection.execute(ENTER, (key,))
+            await connection.execute(ENTER, (key, lock_timeout(timeout)))
             return AsyncTurn(self, connection, key), True
         except BaseException as error:
             if timed_out(error):
                 await self._checkin(connection)  # the caller's deadline came first
-                return None, blocked
+                return None, True
             await asyncio.shield(self._discard(connection))
             if not isinstance(error, Exception):
                 raise  # cancelled: closing the connection has left the queue
             logger.warning("could not queue for %r (%s); waiting unqueued", lockstring, error)
-            return None, blocked
+            return None, True
 
     async def leave(self, connection: Any, key: int) -> None:
         try:
@@ -95,7 +95,15 @@ class AsyncWaitingRoom:
         else:
             await self._checkin(connection)
 
+    def leave_soon(self, connection: Any, key: int) -> None:
+        """``leave`` in a task of its own, kept until it is done (``close`` waits for it)."""
+        task = asyncio.get_running_loop().create_task(self.leave(connection, key))
+        self._leaving.add(task)
+        task.add_done_callback(self._leaving.discard)
+
     async def close(self) -> None:
+        if self._leaving:
+            await asyncio.gather(*self._leaving, return_exceptions=True)
         for connection in self.seats.close():
             with contextlib.suppress(Exception):
                 await connection.close()
