@@ -171,14 +171,15 @@ class Locker:
                         and listener is not None
                         and waiter is not None
                     ):
-                        turn, blocked = room.enter(
+                        entry = room.enter(
                             lockstring,
                             backoff.remaining(),
                             before_blocking=functools.partial(listener.unregister, waiter),
                         )
-                        if turn is None:
-                            room = None  # full, or failed: wait unqueued from now on
-                        if blocked:
+                        turn = entry.turn
+                        if not entry.usable:
+                            room = None  # full, or failing: wait unqueued from now on
+                        if entry.try_again:
                             continue  # we were not listening while queued: try again at once
                     delay = backoff.next_delay(
                         outcome.busy.expires if outcome.busy else None,

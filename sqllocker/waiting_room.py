@@ -26,13 +26,21 @@ import os
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from sqlalchemy.engine import Engine
 
 logger = logging.getLogger("sqllocker")
 
+T = TypeVar("T")
+
 DEFAULT_CAPACITY = 8
+# The longest a waiter stays queued before trying the row again. A head whose process stopped
+# (Ctrl-Z, a debugger) keeps its place while its connection lives; those behind it would wait
+# for it however free the row was. After this long they try the row themselves and, if it is
+# still held, queue again (mostly in the same order: they run out of patience in turn).
+QUEUE_PATIENCE = 1.0
 # Connections kept open between waits, so that the next wait does not pay for a new one.
 KEEP_IDLE = 2
 
@@ -46,8 +54,21 @@ LEAVE = "SELECT pg_advisory_unlock(%s)"
 
 
 def lock_timeout(timeout: float | None) -> str:
-    """The lock_timeout setting for a queued wait of ``timeout`` seconds ('0': no limit)."""
-    return "0" if timeout is None else str(max(1, round(timeout * 1000)))
+    """The lock_timeout setting for one queued wait: the caller's remaining ``timeout``
+    (None: none) or QUEUE_PATIENCE, whichever is shorter."""
+    patience = QUEUE_PATIENCE if timeout is None else min(timeout, QUEUE_PATIENCE)
+    return str(max(1, round(patience * 1000)))
+
+
+@dataclass(frozen=True)
+class Entry(Generic[T]):
+    """What came of trying to queue: the Turn if we head the queue now; whether the caller
+    must try for the row again at once (it stopped listening to queue, so it may have missed
+    a release); and whether the room may be used again (not when full or failing)."""
+
+    turn: T | None
+    try_again: bool
+    usable: bool
 
 
 def timed_out(error: BaseException) -> bool:
@@ -143,32 +164,30 @@ class WaitingRoom:
 
     def enter(
         self, lockstring: str, timeout: float | None, before_blocking: Callable[[], None]
-    ) -> tuple[Turn | None, bool]:
-        """Become the head of ``lockstring``'s queue, waiting at most ``timeout`` seconds.
+    ) -> Entry[Turn]:
+        """Become the head of ``lockstring``'s queue, waiting at most ``timeout`` seconds (and
+        at most QUEUE_PATIENCE).
 
-        Returns the Turn, or None if the wait timed out, the room is full or the database failed
-        (the caller then waits unqueued); and whether ``before_blocking`` was called, after
-        which the caller must try for the row again at once: a waiter stops listening for the
-        row's releases while it queues (the head of the queue in this process may need them),
-        so it may have missed one.
+        ``before_blocking`` is called before queueing: a waiter stops listening for the row's
+        releases while it queues (the head of the queue in this process may need them).
         """
         connection = self._checkout()
         if connection is None:
-            return None, False
+            return Entry(None, try_again=False, usable=False)
         key = queue_key(self._table, lockstring)
         before_blocking()
         try:
             connection.execute(ENTER, (key, lock_timeout(timeout))).fetchone()
-            return Turn(self, connection, key), True
+            return Entry(Turn(self, connection, key), try_again=True, usable=True)
         except BaseException as error:
             if timed_out(error):
-                self._checkin(connection)  # the caller's deadline came first
-                return None, True
+                self._checkin(connection)  # the caller's deadline, or our patience, came first
+                return Entry(None, try_again=True, usable=True)
             self._discard(connection)
             if not isinstance(error, Exception):
                 raise  # KeyboardInterrupt: psycopg has cancelled the wait
             logger.warning("could not queue for %r (%s); waiting unqueued", lockstring, error)
-            return None, True
+            return Entry(None, try_again=True, usable=False)
 
     def leave(self, connection: Any, key: int) -> None:
         try:

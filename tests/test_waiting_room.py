@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import sqlalchemy as sa
 
-from sqllocker import LockBusy, Locker
+from sqllocker import LockBusy, Locker, waiting_room
 from sqllocker.asyncio import AsyncLock, AsyncLocker
 from sqllocker.engine import resolve_url
 from sqllocker.waiting_room import queue_key
@@ -134,6 +134,44 @@ def test_the_head_has_the_row_before_leaving_and_close_finishes_the_leaving(
     holder.close()
 
 
+def test_a_head_that_stopped_does_not_keep_the_queue_from_a_free_row(
+    migrated_postgres: str,
+    table_name: str,
+    admin: sa.Engine,
+    slow_polling: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A head whose process stopped (Ctrl-Z, a debugger) keeps its place at the front while its
+    connection lives. The waiters behind it give up their place after QUEUE_PATIENCE, find
+    the row free and take it, then queue again if it is not."""
+    monkeypatch.setattr(waiting_room, "QUEUE_PATIENCE", 0.3)
+    holder = Locker(migrated_postgres, table=table_name)
+    held = holder.lock("report")
+    stopped_head = admin.connect()  # in the queue and never coming back
+    key = queue_key(table_name, "report")
+    stopped_head.execute(sa.text("SELECT pg_advisory_lock(:key)"), {"key": key})
+    waiter = Locker(migrated_postgres, table=table_name)
+    got: list[float] = []
+
+    def wait() -> None:
+        with waiter.lock("report", wait=20):
+            got.append(time.monotonic())
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    wait_until(lambda: queued(admin, table_name, "report") == (1, 1))
+    time.sleep(1.0)  # several rounds of patience while the row is held: still waiting
+    assert got == []
+    released = time.monotonic()
+    held.unlock()
+    thread.join(10)
+    assert len(got) == 1
+    assert got[0] - released < 3  # not the 20 s of its deadline
+    stopped_head.close()
+    waiter.close()
+    holder.close()
+
+
 def test_waiters_beyond_the_rooms_capacity_wait_unqueued(
     migrated_postgres: str, table_name: str, admin: sa.Engine
 ) -> None:
@@ -246,6 +284,37 @@ async def test_an_async_head_leaves_the_queue_by_aclose_at_the_latest(
     await waiter.aclose()  # waits for the leave still under way, if it is
     assert queued(admin, table_name, "report") == (0, 0)
     assert lock.lock_id > held.lock_id
+    holder.close()
+
+
+async def test_an_async_waiter_behind_a_stopped_head_takes_a_free_row(
+    migrated_postgres: str,
+    table_name: str,
+    admin: sa.Engine,
+    slow_polling: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(waiting_room, "QUEUE_PATIENCE", 0.3)
+    holder = Locker(migrated_postgres, table=table_name)
+    held = holder.lock("report")
+    stopped_head = admin.connect()
+    stopped_head.execute(
+        sa.text("SELECT pg_advisory_lock(:key)"), {"key": queue_key(table_name, "report")}
+    )
+    waiter = AsyncLocker(async_url(migrated_postgres), table=table_name)
+
+    async def take() -> AsyncLock:
+        return await waiter.lock("report", wait=20)
+
+    waiting = asyncio.create_task(take())
+    await wait_until_async(lambda: queued(admin, table_name, "report") == (1, 1))
+    await asyncio.sleep(1.0)
+    assert not waiting.done()
+    await asyncio.to_thread(held.unlock)
+    lock = await asyncio.wait_for(waiting, 3)  # not the 20 s of its deadline
+    await lock.unlock()
+    stopped_head.close()
+    await waiter.aclose()
     holder.close()
 
 

@@ -271,14 +271,15 @@ class AsyncLocker:
                         and waiter is not None
                     ):
                         # Queue behind earlier waiters (see sqllocker.waiting_room).
-                        turn, blocked = await room.enter(
+                        entry = await room.enter(
                             lockstring,
                             backoff.remaining(),
                             before_blocking=functools.partial(listener.unregister, waiter),
                         )
-                        if turn is None:
-                            room = None  # full, or failed: wait unqueued from now on
-                        if blocked:
+                        turn = entry.turn
+                        if not entry.usable:
+                            room = None  # full, or failing: wait unqueued from now on
+                        if entry.try_again:
                             continue  # we were not listening while queued: try again at once
                     delay = backoff.next_delay(
                         outcome.busy.expires if outcome.busy else None,

@@ -22,6 +22,7 @@ from ..waiting_room import (
     DEFAULT_CAPACITY,
     ENTER,
     LEAVE,
+    Entry,
     Seats,
     lock_timeout,
     queue_key,
@@ -65,26 +66,25 @@ class AsyncWaitingRoom:
 
     async def enter(
         self, lockstring: str, timeout: float | None, before_blocking: Callable[[], None]
-    ) -> tuple[AsyncTurn | None, bool]:
-        """As ``WaitingRoom.enter``: the Turn or None (the caller then waits unqueued), and
-        whether ``before_blocking`` was called (the caller must then try again at once)."""
+    ) -> Entry[AsyncTurn]:
+        """As ``WaitingRoom.enter``."""
         connection = await self._checkout()
         if connection is None:
-            return None, False
+            return Entry(None, try_again=False, usable=False)
         key = queue_key(self._table, lockstring)
         before_blocking()
         try:
             await connection.execute(ENTER, (key, lock_timeout(timeout)))
-            return AsyncTurn(self, connection, key), True
+            return Entry(AsyncTurn(self, connection, key), try_again=True, usable=True)
         except BaseException as error:
             if timed_out(error):
-                await self._checkin(connection)  # the caller's deadline came first
-                return None, True
+                await self._checkin(connection)  # the caller's deadline, or our patience
+                return Entry(None, try_again=True, usable=True)
             await asyncio.shield(self._discard(connection))
             if not isinstance(error, Exception):
                 raise  # cancelled: closing the connection has left the queue
             logger.warning("could not queue for %r (%s); waiting unqueued", lockstring, error)
-            return None, True
+            return Entry(None, try_again=True, usable=False)
 
     async def leave(self, connection: Any, key: int) -> None:
         try:
