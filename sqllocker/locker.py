@@ -152,13 +152,18 @@ class Locker:
         listener = self._release_listener() if wait != 0 else None
         room = self._waiting_room() if listener is not None else None
         turn: Turn | None = None
+        # A waiter's first attempt does not take the row ahead of waiters already queued.
+        gate = room.key(lockstring) if room is not None else None
         try:
             while True:
                 # Subscribe before the attempt: a release between a refusal and the sleep
                 # still wakes us.
                 waiter = listener.register(lockstring) if listener is not None else None
                 try:
-                    outcome = self._try_acquire(lockstring, ttl, extra, on_lost or self.on_lost)
+                    outcome = self._try_acquire(
+                        lockstring, ttl, extra, on_lost or self.on_lost, gate
+                    )
+                    gate = None
                     if isinstance(outcome, Lock):
                         if turn is not None:
                             turn.leave(in_background=True)
@@ -287,11 +292,16 @@ class Locker:
     # -- internals -------------------------------------------------------------------------------
 
     def _try_acquire(
-        self, lockstring: str, ttl: float, extra: dict[str, Any], on_lost: OnLost | None
+        self,
+        lockstring: str,
+        ttl: float,
+        extra: dict[str, Any],
+        on_lost: OnLost | None,
+        queue_key: int | None = None,
     ) -> Lock | Refused:
         guid = str(uuid.uuid4())
         details = holder_details(guid, extra)
-        outcome = self._table.try_acquire(lockstring, guid, ttl, details)
+        outcome = self._table.try_acquire(lockstring, guid, ttl, details, queue_key)
         if not isinstance(outcome, Acquired):
             return outcome
         state = LockState(self, lockstring, outcome.lock_id, guid, ttl, outcome.sent_at, on_lost)

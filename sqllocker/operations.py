@@ -158,23 +158,33 @@ class LockTable:
     # -- the lock operations -----------------------------------------------------------------------
 
     def try_acquire(
-        self, lockstring: str, guid: str, ttl: float, details: dict[str, Any]
+        self,
+        lockstring: str,
+        guid: str,
+        ttl: float,
+        details: dict[str, Any],
+        queue_key: int | None = None,
     ) -> Acquired | Refused:
-        """One attempt at ``lockstring`` (a few statements at most; never waits for a holder)."""
+        """One attempt at ``lockstring`` (a few statements at most; never waits for a holder).
+
+        With ``queue_key`` (PostgreSQL), refused also while waiters are queued for it, however
+        free the row: see ``Statements.acquire_unless_queued``.
+        """
         refused = Refused(None, None)
         for _attempt in range(_ATTEMPTS_PER_TRY):
             # The validity deadline counts from before the statement is sent: the server's
             # expiry cannot start earlier than that.
             sent_at = time.monotonic()
             outcome = self._run(
-                lockstring, lambda conn: self._acquire_on(conn, lockstring, guid, ttl, details)
+                lockstring,
+                lambda conn: self._acquire_on(conn, lockstring, guid, ttl, details, queue_key),
             )
             if isinstance(outcome, Acquired):
                 logger.debug("acquired %r (id %d)", lockstring, outcome.lock_id)
                 return Acquired(outcome.lock_id, outcome.created, outcome.expires, sent_at)
             refused = outcome
-            if outcome.busy is not None:
-                break  # a live holder: no point asking again at once
+            if outcome.busy is not None or queue_key is not None:
+                break  # a live holder, or a queue to join: no point asking again at once
         return refused
 
     def release(self, lockstring: str, lock_id: int, guid: str) -> None:
@@ -323,7 +333,13 @@ class LockTable:
     # -- the statements of each operation ----------------------------------------------------------
 
     def _acquire_on(
-        self, conn: Session, lockstring: str, guid: str, ttl: float, details: dict[str, Any]
+        self,
+        conn: Session,
+        lockstring: str,
+        guid: str,
+        ttl: float,
+        details: dict[str, Any],
+        queue_key: int | None,
     ) -> Acquired | Refused:
         be, sql = self._be, self._sql
         params = {
@@ -333,9 +349,12 @@ class LockTable:
             "minus_grace": be.seconds_value(-self.grace),
             "holder": details,
         }
+        insert = sql.acquire
+        if queue_key is not None:
+            insert, params["queue_key"] = sql.acquire_unless_queued, queue_key
 
         def statements() -> Acquired | Refused:
-            acquired = self._insert(conn, sql.acquire, params)
+            acquired = self._insert(conn, insert, params)
             if acquired is not None:
                 return acquired
             row = conn.execute(sql.holder_for_acquirer, params).first()

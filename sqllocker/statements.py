@@ -62,6 +62,27 @@ class Statements:
         return plain.returning(*self._returned) if self.backend.insert_returning else plain
 
     @cached_property
+    def acquire_unless_queued(self) -> ReturningInsert[Any]:
+        """PostgreSQL: ``acquire``, unless waiters are queued for the lockstring (see
+        ``sqllocker.waiting_room``): then insert nothing, as if refused.
+
+        A waiting acquirer's first attempt uses this, so that it cannot take the row in the
+        moment between a release and the head of the queue's INSERT, which let a few
+        processes take turns while queued waiters waited on. The queue's advisory lock, held
+        by its head and asked for by those behind, is tried in shared mode for this statement's
+        transaction only (``queue_key``): that fails while anyone holds or waits for it.
+        """
+        c = self.table.c
+        new_row = self._new_row
+        nobody_queued = sa.func.pg_try_advisory_xact_lock_shared(
+            sa.bindparam("queue_key", type_=sa.BigInteger)
+        )
+        pg = postgresql.insert(self.table).from_select(
+            list(new_row), sa.select(*new_row.values()).where(nobody_queued)
+        )
+        return pg.on_conflict_do_nothing(index_elements=[c.lockstring]).returning(*self._returned)
+
+    @cached_property
     def take_over(self) -> ReturningInsert[Any]:
         """PostgreSQL: replace an expired holder's row with ours in one atomic statement.
 

@@ -162,6 +162,10 @@ class WaitingRoom:
         self._leaver_lock = threading.Lock()
         self._leaver_pid = os.getpid()
 
+    def key(self, lockstring: str) -> int:
+        """The advisory lock key of ``lockstring``'s queue in this room's table."""
+        return queue_key(self._table, lockstring)
+
     def enter(
         self, lockstring: str, timeout: float | None, before_blocking: Callable[[], None]
     ) -> Entry[Turn]:
@@ -174,7 +178,7 @@ class WaitingRoom:
         connection = self._checkout()
         if connection is None:
             return Entry(None, try_again=False, usable=False)
-        key = queue_key(self._table, lockstring)
+        key = self.key(lockstring)
         before_blocking()
         try:
             connection.execute(ENTER, (key, lock_timeout(timeout))).fetchone()

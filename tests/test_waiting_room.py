@@ -172,6 +172,33 @@ def test_a_head_that_stopped_does_not_keep_the_queue_from_a_free_row(
     holder.close()
 
 
+def test_a_newcomer_does_not_take_the_row_ahead_of_the_queue(
+    migrated_postgres: str,
+    table_name: str,
+    admin: sa.Engine,
+    slow_polling: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Between a release and the head's INSERT the row is free; a newcomer's first attempt
+    must not take it then, or the same few processes keep taking turns while queued waiters
+    wait on. Here the head never acts (a session holding the queue lock), so the row stays
+    free: a waiting newcomer queues instead (and, after QUEUE_PATIENCE, takes the row past the
+    stopped head); try_lock, which never waits, still takes a free row at once."""
+    monkeypatch.setattr(waiting_room, "QUEUE_PATIENCE", 0.5)
+    head = admin.connect()
+    head.execute(sa.text("SELECT pg_advisory_lock(:key)"), {"key": queue_key(table_name, "report")})
+    newcomer = Locker(migrated_postgres, table=table_name)
+    started = time.monotonic()
+    lock = newcomer.lock("report", wait=10)
+    assert time.monotonic() - started >= 0.45  # it waited its turn, as long as its patience
+    lock.unlock()
+    taken = newcomer.try_lock("report")
+    assert taken is not None
+    taken.unlock()
+    head.close()
+    newcomer.close()
+
+
 def test_waiters_beyond_the_rooms_capacity_wait_unqueued(
     migrated_postgres: str, table_name: str, admin: sa.Engine
 ) -> None:

@@ -251,13 +251,16 @@ class AsyncLocker:
         listener = await self._release_listener() if wait != 0 else None
         room = self._waiting_room() if listener is not None else None
         turn: AsyncTurn | None = None
+        # A waiter's first attempt does not take the row ahead of waiters already queued.
+        gate = room.key(lockstring) if room is not None else None
         try:
             while True:
                 # Subscribe before the attempt: a release between a refusal and the sleep
                 # still wakes us.
                 waiter = await listener.register(lockstring) if listener is not None else None
                 try:
-                    outcome = await self._try_acquire(lockstring, ttl, extra, on_lost)
+                    outcome = await self._try_acquire(lockstring, ttl, extra, on_lost, gate)
+                    gate = None
                     if isinstance(outcome, AsyncLock):
                         if turn is not None:
                             turn.leave_soon()
@@ -299,13 +302,18 @@ class AsyncLocker:
                 await turn.leave()
 
     async def _try_acquire(
-        self, lockstring: str, ttl: float, extra: dict[str, Any], on_lost: OnLost | None
+        self,
+        lockstring: str,
+        ttl: float,
+        extra: dict[str, Any],
+        on_lost: OnLost | None,
+        queue_key: int | None = None,
     ) -> AsyncLock | Refused:
         guid = str(uuid.uuid4())
         task = asyncio.current_task()
         details = holder_details(guid, extra, task.get_name() if task is not None else None)
         attempt = spawn(
-            self._call(self._table.try_acquire, lockstring, guid, ttl, details),
+            self._call(self._table.try_acquire, lockstring, guid, ttl, details, queue_key),
             f"acquire {lockstring!r}",
         )
         try:

@@ -64,6 +64,10 @@ class AsyncWaitingRoom:
         self.seats = Seats(capacity)
         self._leaving: set[asyncio.Task[None]] = set()
 
+    def key(self, lockstring: str) -> int:
+        """The advisory lock key of ``lockstring``'s queue in this room's table."""
+        return queue_key(self._table, lockstring)
+
     async def enter(
         self, lockstring: str, timeout: float | None, before_blocking: Callable[[], None]
     ) -> Entry[AsyncTurn]:
@@ -71,7 +75,7 @@ class AsyncWaitingRoom:
         connection = await self._checkout()
         if connection is None:
             return Entry(None, try_again=False, usable=False)
-        key = queue_key(self._table, lockstring)
+        key = self.key(lockstring)
         before_blocking()
         try:
             await connection.execute(ENTER, (key, lock_timeout(timeout)))
