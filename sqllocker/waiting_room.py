@@ -7,6 +7,10 @@ session advisory lock keyed by table and lockstring, which the server grants in 
 was asked for; only the waiter holding it (the head of the queue) tries for the row on each
 release. Once the head has the row it leaves the queue and the next waiter becomes head; that
 round trip is made by a background thread, so that lock() returns as soon as the row is ours.
+A waiter's first attempt is refused while anyone holds or waits in the queue
+(``Statements.acquire_unless_queued``): a newcomer joins the queue rather than taking the row
+between a release and the head's INSERT. A queued wait lasts at most QUEUE_PATIENCE, so a head
+that stopped (its process suspended, its connection alive) holds the others up only that long.
 
 The advisory lock decides only who *tries*; who *holds* is decided by the row alone, as
 always. A queue connection that drops, or a hash shared by two lockstrings, costs fairness,
