@@ -270,8 +270,9 @@ def run(
     Unlike flock(1), which waits by default, this fails at once if the lock is held (as the
     library's lock() does); -w waits. The lock is renewed for as long as COMMAND runs, so
     --expires only bounds how long a crashed sqllocker keeps others out. COMMAND's exit status
-    is returned (128+N if it died of signal N); INT, TERM, HUP and QUIT are passed on to it; the
-    lock is released when it ends. If the lock is lost while it runs, that is said on stderr and
+    is returned (128+N if it died of signal N); INT, TERM, HUP and QUIT are passed on to it
+    (a Ctrl-C typed at the terminal reaches it by itself, once); the lock is released when it
+    ends. If the lock is lost while it runs, that is said on stderr and
     the exit status is 75 unless COMMAND itself failed. COMMAND sees the lock's fencing token in
     $SQLLOCKER_LOCK_ID.
     """

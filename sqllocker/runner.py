@@ -5,6 +5,11 @@ of its expiry period), so a short expiry protects a command of any length and a 
 blocks others for at most one period; if it is lost, ``on_lost`` says so at once. Signals that
 would end sqllocker (INT, TERM, HUP, QUIT) are passed on to the command instead, and the lock is
 released once the command has ended, however it ended.
+
+Ctrl-C and Ctrl-\\ at a terminal are the exception: the terminal sends them to its whole
+foreground process group, which the command shares with sqllocker, so the command already has
+them. Passing them on as well would interrupt it twice, and many programs take a second
+interrupt as "stop now, skip the clean-up".
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ EXIT_LOCK_LOST = 75  # EX_TEMPFAIL: the command ran, but not (all of it) under t
 EXIT_CANNOT_EXECUTE = 126
 EXIT_NOT_FOUND = 127
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+# What a terminal's keys send (Ctrl-C, Ctrl-\) to its foreground process group.
+TERMINAL_KEY_SIGNALS = (signal.SIGINT, signal.SIGQUIT)
 
 
 @dataclass(frozen=True)
@@ -123,8 +130,11 @@ def _signals_raise() -> Iterator[None]:
 @contextmanager
 def _signals_forwarded_to(child: subprocess.Popen[bytes]) -> Iterator[None]:
     def forward(signum: int, _frame: FrameType | None) -> None:
-        if child.poll() is None:
-            child.send_signal(signum)
+        if child.poll() is not None:
+            return
+        if signum in TERMINAL_KEY_SIGNALS and _hears_the_terminal_with_us(child):
+            return  # the terminal sent it to the command too
+        child.send_signal(signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
     try:
@@ -132,3 +142,25 @@ def _signals_forwarded_to(child: subprocess.Popen[bytes]) -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _hears_the_terminal_with_us(child: subprocess.Popen[bytes]) -> bool:
+    """Whether ``child`` is in sqllocker's process group and that group is in the foreground of
+    a controlling terminal: then a Ctrl-C there reached the child as it reached us.
+
+    Judged when the signal comes, since job control can move the group to the background. A
+    ``kill -INT`` of sqllocker from elsewhere then is not passed on either, the price of not
+    telling the two apart (the signal's sender is not visible to a Python handler).
+    """
+    try:
+        if os.getpgid(child.pid) != os.getpgrp():
+            return False
+        terminal = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY)
+    except OSError:  # no controlling terminal (cron, a service), or the child is gone
+        return False
+    try:
+        return os.tcgetpgrp(terminal) == os.getpgrp()
+    except OSError:
+        return False
+    finally:
+        os.close(terminal)

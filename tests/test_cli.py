@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -423,6 +424,83 @@ def test_run_forwards_sigterm_and_releases(
     assert marker.exists()  # the command got the signal
     assert runner.returncode == 9  # and its own status came back
     assert migrated.locks() == []
+
+
+# A command that logs each SIGINT it gets, and exits half a second after the first.
+COUNT_INTERRUPTS = """
+import pathlib, signal, sys, time
+log, first = pathlib.Path(sys.argv[1]), []
+def interrupted(signum, frame):
+    first.append(time.monotonic())
+    with log.open("a") as out:
+        out.write("INT\\n")
+signal.signal(signal.SIGINT, interrupted)
+(log.parent / "ready").touch()
+deadline = time.monotonic() + 20
+while time.monotonic() < (first[0] + 0.5 if first else deadline):
+    time.sleep(0.02)
+"""
+
+
+def interrupts_counted(tmp_path: Path, send: Callable[[int], None], pid: int) -> int:
+    """Wait for COUNT_INTERRUPTS to be ready under `sqllocker run` (process ``pid``), ``send``
+    the interrupt, and count the SIGINTs the command got."""
+    wait_until(lambda: (tmp_path / "ready").exists())
+    send(pid)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    return (tmp_path / "interrupts").read_text().count("INT")
+
+
+def run_counting_interrupts(tmp_path: Path) -> list[str]:
+    url = f"sqlite:///{tmp_path / 'locks.db'}"
+    log = str(tmp_path / "interrupts")
+    return [
+        SQLLOCKER,
+        "--url",
+        url,
+        "run",
+        "job",
+        "--",
+        sys.executable,
+        "-c",
+        COUNT_INTERRUPTS,
+        log,
+    ]
+
+
+def test_run_passes_on_an_interrupt_sent_to_it_alone(tmp_path: Path) -> None:
+    """``kill -INT`` of sqllocker (no terminal): the command would not get it otherwise."""
+    runner = subprocess.Popen(run_counting_interrupts(tmp_path), start_new_session=True)
+    count = interrupts_counted(tmp_path, lambda pid: os.kill(pid, signal.SIGINT), runner.pid)
+    runner.returncode = 0  # reaped above
+    assert count == 1
+
+
+def test_ctrl_c_at_a_terminal_reaches_the_command_once(tmp_path: Path) -> None:
+    """The terminal interrupts its whole foreground process group, the command included:
+    sqllocker must not interrupt it a second time."""
+    pty = pytest.importorskip("pty")
+    pid, terminal = pty.fork()  # the child leads a new session on a new pseudo-terminal
+    if pid == 0:
+        os.execv(SQLLOCKER, run_counting_interrupts(tmp_path))
+    output = bytearray()
+
+    def drain() -> None:
+        try:
+            while chunk := os.read(terminal, 4096):
+                output.extend(chunk)
+        except OSError:  # EIO: the terminal's last process has gone
+            pass
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    try:
+        count = interrupts_counted(tmp_path, lambda _pid: os.write(terminal, b"\x03"), pid)
+    finally:
+        reader.join(30)
+        os.close(terminal)
+    assert count == 1, output.decode(errors="replace")
 
 
 def test_run_reports_a_lost_lock(
