@@ -147,7 +147,6 @@ class FloorStatements:
         backend, statements, dialect = table.backend, table.statements, table.engine.dialect
         self.acquire = Prepared(statements.acquire, dialect)
         self.release = Prepared(statements.release, dialect)
-        self.sqlite = dialect.name == "sqlite"
         self._ttl, self._minus_grace = backend.seconds_value(3600), backend.seconds_value(-1)
         self._run = os.getpid()
 
@@ -173,20 +172,12 @@ def raw_floor_cycle(url: str) -> tuple[Callable[[int], None], Callable[[], None]
     raw = locker.engine.raw_connection()
     connection = raw.driver_connection
     cursor = connection.cursor()
-    sqlite = floor.sqlite
 
     def cycle(n: int) -> None:
         guid = str(uuid.uuid4())
-        if sqlite:
-            cursor.execute("BEGIN IMMEDIATE")
         cursor.execute(floor.acquire.sql, floor.acquire_parameters(n, guid))
-        lock_id = cursor.fetchone()[0]
-        if sqlite:
-            cursor.execute("COMMIT")
-            cursor.execute("BEGIN IMMEDIATE")
+        lock_id = cursor.fetchall()[0][0]
         cursor.execute(floor.release.sql, floor.release_parameters(lock_id, guid))
-        if sqlite:
-            cursor.execute("COMMIT")
 
     def close() -> None:
         cursor.close()
@@ -224,20 +215,12 @@ async def async_raw_floor_cycle(url: str) -> AsyncCycle:
     cursor = connection.cursor()
     if inspect.isawaitable(cursor):  # aiosqlite and aiomysql; psycopg's is plain
         cursor = await cursor
-    sqlite = floor.sqlite
 
     async def cycle(n: int) -> None:
         guid = str(uuid.uuid4())
-        if sqlite:
-            await cursor.execute("BEGIN IMMEDIATE")
         await cursor.execute(floor.acquire.sql, floor.acquire_parameters(n, guid))
-        lock_id = (await cursor.fetchone())[0]
-        if sqlite:
-            await cursor.execute("COMMIT")
-            await cursor.execute("BEGIN IMMEDIATE")
+        lock_id = (await cursor.fetchall())[0][0]
         await cursor.execute(floor.release.sql, floor.release_parameters(lock_id, guid))
-        if sqlite:
-            await cursor.execute("COMMIT")
 
     async def close() -> None:
         await cursor.close()

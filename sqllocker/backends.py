@@ -30,10 +30,9 @@ class Backend:
     # PostgreSQL takes over an expired row in one statement (ON CONFLICT DO UPDATE ... WHERE
     # expired); the others delete the row if still expired and insert again.
     atomic_takeover: bool
-    # SQLite runs every write in BEGIN IMMEDIATE: in WAL mode a deferred transaction that has
-    # read and then writes after another commit fails "database is locked" at once, ignoring
-    # busy_timeout.
-    begin_immediate: bool
+    # PostgreSQL and MySQL can share-lock one row until the caller's transaction ends (FOR
+    # SHARE); SQLite can only take its database-wide write lock, by writing to the row.
+    share_locks_rows: bool
     insert_returning: bool
     update_returning: bool
 
@@ -120,7 +119,7 @@ def backend_for(dialect: Dialect) -> Backend:
         return Backend(
             name,
             atomic_takeover=True,
-            begin_immediate=False,
+            share_locks_rows=True,
             insert_returning=True,
             update_returning=True,
         )
@@ -129,7 +128,7 @@ def backend_for(dialect: Dialect) -> Backend:
         return Backend(
             "mysql",
             atomic_takeover=False,
-            begin_immediate=False,
+            share_locks_rows=True,
             insert_returning=bool(dialect.insert_returning),
             update_returning=False,
         )
@@ -138,7 +137,7 @@ def backend_for(dialect: Dialect) -> Backend:
         return Backend(
             name,
             atomic_takeover=False,
-            begin_immediate=True,
+            share_locks_rows=False,
             insert_returning=returning,
             update_returning=returning,
         )

@@ -121,9 +121,9 @@ def _engine_options(url: URL) -> dict[str, Any]:
     return {
         "isolation_level": "AUTOCOMMIT",
         "connect_args": connect_args,
-        # Every lock operation ends its own transaction (autocommit on the servers, an explicit
-        # COMMIT or ROLLBACK on SQLite), so the pool's rollback-on-return would be a wasted round
-        # trip per operation (PyMySQL sends it over the network: ~60 us of a ~400 us cycle).
+        # Every lock statement commits by itself, so the pool's rollback-on-return would be a
+        # wasted round trip per operation (PyMySQL sends it over the network: ~60 us of a
+        # ~400 us cycle).
         "pool_reset_on_return": None,
     }
 

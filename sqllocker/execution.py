@@ -105,14 +105,6 @@ class Session:
             raise self._wrap(error, prepared.sql) from error
         return Result(rows, cursor.rowcount, getattr(cursor, "lastrowid", None))
 
-    def execute_text(self, sql: str) -> None:
-        if sql_logger.isEnabledFor(logging.DEBUG):
-            sql_logger.debug("%s", sql, extra={"sqllocker_values": {}})
-        try:
-            self.cursor.execute(sql)
-        except self.dialect.loaded_dbapi.Error as error:
-            raise self._wrap(error, sql) from error
-
     def _wrap(self, error: Exception, sql: str) -> sa.exc.DBAPIError:
         """The driver's exception as SQLAlchemy would have raised it (IntegrityError, ...),
         marked connection_invalidated when the connection is dead."""

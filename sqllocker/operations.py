@@ -1,8 +1,11 @@
 """The lock operations on one table, shared by the sync and the async front ends.
 
-Each operation checks out a connection, runs its statement(s) in one short autocommit
-transaction, and gives the connection back, so holding a lock holds no connection, and a
-caller's own transaction never contains (or waits on, or rolls back) a lock row.
+Each operation checks out a connection, runs its statement(s), each one an autocommit
+transaction of its own, and gives the connection back, so holding a lock holds no connection,
+and a caller's own transaction never contains (or waits on, or rolls back) a lock row. No
+operation needs a transaction around several statements: every write checks, in its own WHERE
+clause, what makes it right (our id and guid, or expiry by the server's clock), so a row that
+changed between two statements makes the second do nothing rather than something wrong.
 
 The code here is synchronous. ``Locker`` calls it directly; ``sqllocker.asyncio.AsyncLocker``
 calls it inside SQLAlchemy's ``greenlet_spawn`` on its AsyncEngine's ``sync_engine``, where every
@@ -190,11 +193,9 @@ class LockTable:
     def release(self, lockstring: str, lock_id: int, guid: str) -> None:
         """Delete our row; LockLost if it was no longer ours."""
         params = {"lock_id": lock_id, "lock_guid": guid}
-
-        def delete(conn: Session) -> int:
-            return self._write(conn, lambda: conn.execute(self._sql.release, params).rowcount)
-
-        deleted = self._run(lockstring, delete)
+        deleted = self._run(
+            lockstring, lambda conn: conn.execute(self._sql.release, params).rowcount
+        )
         if deleted != 1:
             raise LockLost(
                 f"lock {lockstring!r} (id {lock_id}) was no longer ours at release: it expired "
@@ -211,18 +212,15 @@ class LockTable:
 
         def extend(conn: Session) -> datetime | None:
             params = {"lock_id": lock_id, "lock_guid": guid, "ttl": self._be.seconds_value(ttl)}
-
-            def statements() -> datetime | None:
-                result = conn.execute(self._sql.extend, params)
-                if self._be.update_returning:
-                    row = result.first()
-                    return None if row is None else row.expires
-                if result.rowcount != 1:
-                    return None
-                times = conn.execute(self._sql.times_of, params).one()
-                return times.expires  # type: ignore[no-any-return]
-
-            return self._write(conn, statements)
+            result = conn.execute(self._sql.extend, params)
+            if self._be.update_returning:
+                row = result.first()
+                return None if row is None else row.expires
+            if result.rowcount != 1:
+                return None
+            # Gone again already (released by another thread, or broken): not ours any more.
+            times = conn.execute(self._sql.times_of, params).first()
+            return None if times is None else times.expires
 
         expires = self._run(lockstring, extend)
         if expires is None:
@@ -282,15 +280,13 @@ class LockTable:
 
     def break_lock(self, lockstring: str, lock_id: int | None) -> LockInfo | None:
         def delete(conn: Session) -> LockInfo | None:
-            def statements() -> LockInfo | None:
-                row = conn.execute(self._sql.holder, {"ls": lockstring}).first()
-                if row is None or (lock_id is not None and row.id != lock_id):
-                    return None
-                params = {"ls": lockstring, "lock_id": row.id}
-                deleted = conn.execute(self._sql.break_lock, params).rowcount
-                return _lock_info(row) if deleted else None
-
-            return self._write(conn, statements)
+            row = conn.execute(self._sql.holder, {"ls": lockstring}).first()
+            if row is None or (lock_id is not None and row.id != lock_id):
+                return None
+            # By id: if the row was released and taken again since we read it, nothing is broken.
+            params = {"ls": lockstring, "lock_id": row.id}
+            deleted = conn.execute(self._sql.break_lock, params).rowcount
+            return _lock_info(row) if deleted else None
 
         broken = self._run(lockstring, delete)
         if broken is not None:
@@ -314,7 +310,7 @@ class LockTable:
             )
         self.ensure_setup()
         params = {"lock_id": lock_id, "lock_guid": guid}
-        if self._be.begin_immediate:
+        if not self._be.share_locks_rows:
             # SQLite: a write takes the database's write lock until the caller's transaction
             # ends, so nobody can take over or purge the row meanwhile.
             return connection.execute(self._sql.guard_by_writing, params).rowcount == 1
@@ -352,38 +348,45 @@ class LockTable:
         insert = sql.acquire
         if queue_key is not None:
             insert, params["queue_key"] = sql.acquire_unless_queued, queue_key
-
-        def statements() -> Acquired | Refused:
-            acquired = self._insert(conn, insert, params)
-            if acquired is not None:
-                return acquired
-            row = conn.execute(sql.holder_for_acquirer, params).first()
-            if row is None:
-                return Refused(None, None)  # released in between: try again
-            if row.guid == guid:
-                # Our INSERT committed but its answer was lost with the connection (_run retried).
-                return Acquired(row.id, row.created, row.expires)
-            if row.takeable:
-                # Expired beyond grace by the server's clock. The takeover checks that again
-                # itself, so of several acquirers racing for the row one wins; the others
-                # try again and find the winner's live row.
-                return self._take_over(conn, params) or Refused(None, None)
-            busy = LockBusy(
-                lockstring,
-                holder=row.locked_by,
-                lock_id=row.id,
-                created=row.created,
-                expires=row.expires,
-            )
-            return Refused(busy, row.server_now)
-
         try:
-            return self._write(conn, statements)
+            return self._insert_or_learn_holder(conn, insert, params)
         except sa.exc.DBAPIError as error:
             if be.is_transient_conflict(error):
                 logger.debug("acquire of %r met contention (%s); retrying", lockstring, error.orig)
                 return Refused(None, None)
             raise
+
+    def _insert_or_learn_holder(
+        self, conn: Session, insert: ClauseElement, params: dict[str, Any]
+    ) -> Acquired | Refused:
+        """Insert our row; if refused, read the holder's row and take it over if it has expired.
+
+        Each statement commits by itself: what makes this safe is in the statements, not in a
+        transaction around them. The INSERT is refused while any row holds the lockstring; the
+        takeover deletes (or, PostgreSQL, replaces) the row only if it is still expired when
+        it runs, so of several acquirers racing for one expired row one wins and the others'
+        INSERTs are refused by the winner's row.
+        """
+        acquired = self._insert(conn, insert, params)
+        if acquired is not None:
+            return acquired
+        row = conn.execute(self._sql.holder_for_acquirer, params).first()
+        if row is None:
+            return Refused(None, None)  # released in between: try again
+        if row.guid == params["lock_guid"]:
+            # Our INSERT committed but its answer was lost with the connection (_run retried).
+            return Acquired(row.id, row.created, row.expires)
+        if row.takeable:
+            # Expired beyond grace by the server's clock: take it over, or lose the race.
+            return self._take_over(conn, params) or Refused(None, None)
+        busy = LockBusy(
+            params["ls"],
+            holder=row.locked_by,
+            lock_id=row.id,
+            created=row.created,
+            expires=row.expires,
+        )
+        return Refused(busy, row.server_now)
 
     def _take_over(self, conn: Session, params: dict[str, Any]) -> Acquired | None:
         """Replace an expired holder's row with ours: atomically on PostgreSQL; elsewhere by
@@ -416,23 +419,7 @@ class LockTable:
 
     def _purge_batch(self, conn: Session, batch_size: int) -> int:
         params = {"minus_grace": self._be.seconds_value(-self.grace)}
-        return self._write(
-            conn, lambda: conn.execute(self._sql.purge_batch(batch_size), params).rowcount
-        )
-
-    def _write(self, conn: Session, statements: Callable[[], T]) -> T:
-        """Run ``statements`` as one transaction (SQLite: BEGIN IMMEDIATE), or as autocommit
-        statements on the servers, where each one is atomic by itself."""
-        if not self._be.begin_immediate:
-            return statements()
-        conn.execute_text("BEGIN IMMEDIATE")
-        try:
-            result = statements()
-        except BaseException:
-            conn.dbapi_connection.rollback()
-            raise
-        conn.execute_text("COMMIT")
-        return result
+        return conn.execute(self._sql.purge_batch(batch_size), params).rowcount
 
     # -- connections, retries and errors -----------------------------------------------------------
 

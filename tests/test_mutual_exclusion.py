@@ -22,9 +22,16 @@ LOCKSTRINGS = ["alpha", "beta", "gamma"]
 
 
 def run_workers(
-    url: str, table: str, state: Path, processes: int, count: int, asyncio_processes: int = 0
+    url: str,
+    table: str,
+    state: Path,
+    processes: int,
+    count: int,
+    asyncio_processes: int = 0,
+    options: tuple[str, ...] = (),
 ) -> list[dict]:
-    """Run ``processes`` workers, the last ``asyncio_processes`` of them through AsyncLocker."""
+    """Run ``processes`` workers, the last ``asyncio_processes`` of them through AsyncLocker,
+    with further ``options`` of tests.workers' counter."""
     workers = [
         subprocess.Popen(
             [
@@ -43,6 +50,7 @@ def run_workers(
                 "--count",
                 str(count),
                 *(["--asyncio"] if number >= processes - asyncio_processes else []),
+                *options,
             ],
             cwd=REPO,
             stdout=subprocess.PIPE,
@@ -76,17 +84,32 @@ def purge_meanwhile(locker: Locker, done: threading.Event) -> list[int]:
     return purged
 
 
+# Workers that leave every 25th lock held, as if they had crashed: short expiry and no grace, so
+# the waiters race to take each abandoned row over as soon as it expires.
+ABANDONING = ("--abandon-every", "25", "--expires", "0.25", "--grace", "0")
+
+
 @pytest.mark.parametrize(
-    ("asyncio_processes", "purging"),
-    [(0, False), (PROCESSES // 2, False), (0, True)],
-    ids=["sync processes", "sync and async processes", "sync processes beside a purge"],
+    ("asyncio_processes", "purging", "options"),
+    [(0, False, ()), (PROCESSES // 2, False, ()), (0, True, ()), (0, False, ABANDONING)],
+    ids=[
+        "sync processes",
+        "sync and async processes",
+        "sync processes beside a purge",
+        "sync processes taking over abandoned rows",
+    ],
 )
 def test_many_processes_never_hold_one_lock_at_once(
-    locker: Locker, tmp_path: Path, asyncio_processes: int, purging: bool
+    locker: Locker,
+    tmp_path: Path,
+    asyncio_processes: int,
+    purging: bool,
+    options: tuple[str, ...],
 ) -> None:
     """Sync workers, or half sync and half async (each of those running four tasks at once),
     contend for the same lockstrings of one table; or sync workers while a purge job keeps
-    deleting expired rows beside them (it must never take a live one)."""
+    deleting expired rows beside them (it must never take a live one); or sync workers that
+    now and then abandon a lock, whose row the others then race to take over."""
     url = locker.url.render_as_string(hide_password=False)
     done = threading.Event()
     purges: list[list[int]] = []
@@ -96,7 +119,13 @@ def test_many_processes_never_hold_one_lock_at_once(
     started = time.monotonic()
     try:
         reports = run_workers(
-            url, locker.table_name, tmp_path, PROCESSES, ACQUISITIONS_EACH, asyncio_processes
+            url,
+            locker.table_name,
+            tmp_path,
+            PROCESSES,
+            ACQUISITIONS_EACH,
+            asyncio_processes,
+            options,
         )
     finally:
         done.set()
@@ -108,6 +137,7 @@ def test_many_processes_never_hold_one_lock_at_once(
 
     overlaps_seen_by_markers = sum(report["overlaps"] for report in reports)
     locks_lost = sum(report["lost"] for report in reports)
+    abandoned = sum(report.get("abandoned", 0) for report in reports)
     records = [
         json.loads(line)
         for log in tmp_path.glob("log-*.jsonl")
@@ -132,16 +162,25 @@ def test_many_processes_never_hold_one_lock_at_once(
         if asyncio_processes
         else "contention beside a purge"
         if purging
+        else "contention with takeovers"
+        if options
         else "contention",
         locker.engine.dialect.name,
         f"{len(records)} acquisitions by {PROCESSES} processes on {len(LOCKSTRINGS)} lockstrings "
         f"in {elapsed:.1f}s; overlaps {overlaps_seen_by_markers} (markers) / {interval_overlaps} "
         f"(intervals), lost updates {lost_updates}, token inversions {token_inversions}, "
-        f"locks lost {locks_lost}",
+        f"locks lost {locks_lost}" + (f", {abandoned} abandoned rows" if abandoned else ""),
     )
     assert overlaps_seen_by_markers == 0
     assert interval_overlaps == 0
     assert lost_updates == 0
     assert token_inversions == 0
     assert locks_lost == 0
-    assert locker.locks() == []
+    if options:  # all taken over but the last abandoned rows, which stay until they expire
+        assert abandoned == PROCESSES * ACQUISITIONS_EACH // 25
+        time.sleep(0.3)
+        left = locker.locks()
+        assert all(info.expired for info in left)
+        assert len(left) <= len(LOCKSTRINGS)
+    else:
+        assert locker.locks() == []

@@ -65,9 +65,9 @@ def counter(args: argparse.Namespace) -> int:
     locker = Locker(args.url, table=args.table, grace=args.grace)
     work = CriticalSection(Path(args.state))
     lockstrings = args.lockstrings.split(",")
-    lost = 0
+    lost = abandoned = 0
     with open(work.state / f"log-{os.getpid()}.jsonl", "w") as log:
-        for _ in range(args.count):
+        for number in range(args.count):
             lockstring = random.choice(lockstrings)
             lock = locker.lock(lockstring, wait=None, expires=args.expires)
             try:
@@ -77,13 +77,20 @@ def counter(args: argparse.Namespace) -> int:
                 work.leave(lockstring, value)
                 left = time.monotonic()
             finally:
-                try:
-                    lock.unlock()
-                except LockLost:
-                    lost += 1
+                if args.abandon_every and number % args.abandon_every == 0:
+                    # Like a holder that crashed: the row stays until the others take it over.
+                    lock._finalizer.detach()
+                    lock._state.held = False
+                    abandoned += 1
+                else:
+                    try:
+                        lock.unlock()
+                    except LockLost:
+                        lost += 1
             record = {"ls": lockstring, "id": lock.lock_id, "in": entered, "out": left}
             log.write(json.dumps(record) + "\n")
-    print(json.dumps({"pid": os.getpid(), "overlaps": work.overlaps, "lost": lost}))
+    report = {"pid": os.getpid(), "overlaps": work.overlaps, "lost": lost, "abandoned": abandoned}
+    print(json.dumps(report))
     return 0
 
 
@@ -205,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     work.add_argument("--hold", type=float, default=0.001)
     work.add_argument("--expires", type=float, default=60)
     work.add_argument("--grace", type=float, default=1.0)
+    work.add_argument(
+        "--abandon-every", type=int, default=0, help="leave every Nth lock held (sync only)"
+    )
     holder = commands.add_parser("hold", help="hold one lock and obey commands on stdin")
     holder.add_argument("--url", required=True)
     holder.add_argument("--table", required=True)
