@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import datetime, timedelta, timezone
@@ -542,3 +543,54 @@ async def test_a_callers_async_engine_is_used_as_it_is(
             assert (await conn.execute(sa.text("SELECT 1"))).scalar() == 1
     finally:
         await engine.dispose()
+
+
+def test_one_locker_serves_one_event_loop_after_another(
+    make_locker: Callable[..., Locker], url: str, table_name: str
+) -> None:
+    """``asyncio.run`` twice, or pytest-asyncio's loop per test, with one AsyncLocker: each loop
+    gets connections (and, on PostgreSQL, a listener and a queue) of its own; the previous
+    loop's are unusable once it has closed."""
+    holder = make_locker(grace=0)
+    locker = AsyncLocker(async_url(url), table=table_name, grace=0)
+
+    async def wait_for_a_release_and_keep_alive(name: str) -> int:
+        held = holder.lock(name)
+        asyncio.get_running_loop().call_later(0.2, held.unlock)
+        lock = await locker.lock(name, wait=10, expires=1, keep_alive=True)
+        await asyncio.sleep(1.2)  # past the deadline, unless this loop's task renewed it
+        assert lock.is_valid()
+        await lock.unlock()
+        return lock.lock_id
+
+    first = asyncio.run(wait_for_a_release_and_keep_alive("loop job"))
+    second = asyncio.run(wait_for_a_release_and_keep_alive("loop job"))
+    assert second > first
+    assert asyncio.run(locker.locks()) == []
+    asyncio.run(locker.aclose())
+
+
+def test_one_locker_on_two_running_loops_at_once_is_refused(url: str, table_name: str) -> None:
+    """Two threads each running a loop cannot share an AsyncLocker (its connections are bound
+    to one loop): the second gets a LockError saying so, not a driver's 'attached to a
+    different loop'."""
+    Locker(url, table=table_name).create_table()
+    locker = AsyncLocker(async_url(url), table=table_name)
+    entered, leave = threading.Event(), threading.Event()
+
+    async def hold_the_loop() -> None:
+        await (await locker.lock("first loop")).unlock()
+        entered.set()
+        while not leave.is_set():
+            await asyncio.sleep(0.01)
+        await locker.aclose()
+
+    other = threading.Thread(target=asyncio.run, args=(hold_the_loop(),))
+    other.start()
+    try:
+        assert entered.wait(30)
+        with pytest.raises(LockError, match="event loop"):
+            asyncio.run(locker.locks())
+    finally:
+        leave.set()
+        other.join(30)

@@ -41,6 +41,11 @@ class AsyncKeepAlive:
         if task is not None:
             task.cancel()
 
+    def forget_tasks(self) -> None:
+        """Drop the tasks of an event loop that has ended (they can be neither awaited nor
+        cancelled from another loop); their locks are renewed no more and expire."""
+        self._tasks.clear()
+
     def __len__(self) -> int:
         return len(self._tasks)
 

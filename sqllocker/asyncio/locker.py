@@ -31,7 +31,7 @@ from sqlalchemy.util import greenlet_spawn
 
 from .. import validation
 from ..engine import create_async_locker_engine, describe_url, resolve_url
-from ..errors import LockBusy, LockTypeError
+from ..errors import LockBusy, LockError, LockTypeError
 from ..identity import holder_details
 from ..keepalive import DEFAULT_FRACTION
 from ..lock import OnLost
@@ -70,8 +70,14 @@ class AsyncLocker:
     The arguments are ``Locker``'s. ``url_or_engine`` is a URL or an ``AsyncEngine``; a URL that
     names no driver gets psycopg 3 (PostgreSQL), aiomysql (MySQL/MariaDB) or aiosqlite (SQLite).
     ``on_lost`` may be a function or a coroutine function. Close it with ``await aclose()``, or
-    use ``async with AsyncLocker(...) as locker``. Its locks and connections belong to the event
-    loop that first used it.
+    use ``async with AsyncLocker(...) as locker``.
+
+    Its connections, listener and keep-alive tasks belong to the event loop that runs them. One
+    AsyncLocker may serve one loop after another (``asyncio.run`` twice, a test framework's loop
+    per test): when a new loop first uses it, what belonged to the previous loop is dropped,
+    and its connections are made afresh (with a caller's AsyncEngine, disposing of the old
+    loop's pooled connections is the caller's part). Two loops running at once cannot share
+    one; the second is refused with a LockError.
     """
 
     def __init__(
@@ -118,6 +124,7 @@ class AsyncLocker:
         self.table = self._table.table
         self.auto_create = self._table.auto_create
         self._keep_alives = AsyncKeepAlive(fraction)
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._setup_lock: asyncio.Lock | None = None
         self._listener: AsyncReleaseListener | None = None
         self._room: AsyncWaitingRoom | None = None
@@ -193,6 +200,7 @@ class AsyncLocker:
 
     async def aclose(self) -> None:
         """Stop keeping locks alive and listening, and dispose of an engine the locker made."""
+        self._bind_to_running_loop()
         await self._keep_alives.stop()
         if self._listener is not None:
             await self._listener.stop()
@@ -247,6 +255,7 @@ class AsyncLocker:
         keep_alive: bool,
         on_lost: OnLost | None,
     ) -> AsyncLock:
+        await self._ready()
         backoff = Backoff.for_wait(wait)
         listener = await self._release_listener() if wait != 0 else None
         room = self._waiting_room() if listener is not None else None
@@ -350,12 +359,40 @@ class AsyncLocker:
     async def _ready(self) -> None:
         """Set up on first use, one task at a time: LockTable's own set-up lock is a thread
         lock, which one task must never hold while another task on the same thread waits."""
+        self._bind_to_running_loop()
         if self._table._backend is not None:
             return
         if self._setup_lock is None:
             self._setup_lock = asyncio.Lock()
         async with self._setup_lock:
             await greenlet_spawn(self._table.ensure_setup)
+
+    def _bind_to_running_loop(self) -> None:
+        """Make the running loop this locker's, dropping what belonged to the previous one.
+
+        A driver connection, an asyncio.Event or a task made on one loop fails on another
+        ("attached to a different loop"); once that loop has ended they are useless anyway.
+        Its pooled connections are forgotten without closing them: closing needs their loop.
+        """
+        loop = asyncio.get_running_loop()
+        previous = self._loop
+        if previous is loop:
+            return
+        if previous is not None and previous.is_running():
+            raise LockError(
+                f"{self!r} is in use on another event loop that is still running (in another "
+                "thread); its connections belong to that loop: make one AsyncLocker per loop"
+            )
+        self._loop = loop
+        if previous is None:
+            return
+        logger.info("%r moves to a new event loop, dropping the previous loop's connections", self)
+        self._listener = None
+        self._room = None
+        self._setup_lock = None
+        self._keep_alives.forget_tasks()
+        if self._table.owns_engine:
+            self.engine.sync_engine.dispose(close=False)
 
     async def _release_listener(self) -> AsyncReleaseListener | None:
         """PostgreSQL waiters wake on NOTIFY; other backends back off and retry."""
