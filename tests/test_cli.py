@@ -314,8 +314,14 @@ def test_purge_runs_in_batches(migrated: Locker, caplog: pytest.LogCaptureFixtur
     time.sleep(0.3)
     caplog.set_level(logging.DEBUG, logger="sqllocker.sql")
     assert migrated.purge_expired_locks(batch_size=10) == 25
-    deletes = [r for r in caplog.records if r.getMessage().startswith("DELETE")]
-    assert len(deletes) == 3  # 10 + 10 + 5
+    statements = [r.getMessage().split()[0] for r in caplog.records]
+    assert statements.count("DELETE") == 3  # 10 + 10 + 5
+    if migrated.engine.dialect.name == "sqlite":
+        # Each batch copies the pages it wrote back into the database itself, so that a lock
+        # operation committing next is not the one that pays for them.
+        assert statements == ["DELETE", "PRAGMA"] * 3
+    else:
+        assert "PRAGMA" not in statements
 
 
 def test_purge_rests_after_each_full_batch_in_proportion_to_it(migrated: Locker) -> None:
