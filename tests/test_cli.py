@@ -342,6 +342,31 @@ def test_purge_rests_after_each_full_batch_in_proportion_to_it(migrated: Locker)
     assert rests == []  # 0: flat out
 
 
+def test_purge_options_reach_the_library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--batch-size and --pause-ratio are what the purge is given (their effect on the purge is
+    tested above, through the library)."""
+    from click.testing import CliRunner
+
+    from sqllocker.cli import cli
+
+    given: list[tuple[int, float]] = []
+
+    def purge(self: Locker, batch_size: int, pause_ratio: float) -> int:
+        given.append((batch_size, pause_ratio))
+        return 0
+
+    monkeypatch.setattr(Locker, "purge_expired_locks", purge)
+    url = f"sqlite:///{tmp_path / 'locks.db'}"
+    for options, expected in [
+        ([], (5000, 3.0)),
+        (["--batch-size", "7", "--pause-ratio", "0"], (7, 0.0)),
+        (["--pause-ratio", "0.5"], (5000, 0.5)),
+    ]:
+        result = CliRunner().invoke(cli, ["--url", url, "purge-expired", *options])
+        assert result.exit_code == 0, result.output
+        assert given.pop() == expected
+
+
 # -- run ------------------------------------------------------------------------------------------
 
 
