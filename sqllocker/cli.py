@@ -272,9 +272,8 @@ def run(
     --expires only bounds how long a crashed sqllocker keeps others out. COMMAND's exit status
     is returned (128+N if it died of signal N); INT, TERM, HUP and QUIT are passed on to it
     (a Ctrl-C typed at the terminal reaches it by itself, once); the lock is released when it
-    ends. If the lock is lost while it runs, that is said on stderr and
-    the exit status is 75 unless COMMAND itself failed. COMMAND sees the lock's fencing token in
-    $SQLLOCKER_LOCK_ID.
+    ends. If the lock is lost while it runs, that is said on stderr and the exit status is 75
+    unless COMMAND itself failed. COMMAND sees the lock's fencing token in $SQLLOCKER_LOCK_ID.
     """
     if nonblock and wait is not None:
         raise click.UsageError("--nonblock and --wait contradict each other")

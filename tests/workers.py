@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TextIO
 
 from sqllocker import Locker, LockLost
+from tests.conftest import abandon
 
 
 def async_url(url: str) -> str:
@@ -78,9 +79,7 @@ def counter(args: argparse.Namespace) -> int:
                 left = time.monotonic()
             finally:
                 if args.abandon_every and number % args.abandon_every == 0:
-                    # Like a holder that crashed: the row stays until the others take it over.
-                    lock._finalizer.detach()
-                    lock._state.held = False
+                    abandon(lock)  # the row stays until the others take it over
                     abandoned += 1
                 else:
                     try:
