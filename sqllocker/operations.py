@@ -494,9 +494,8 @@ class LockTable:
         except self.engine.dialect.loaded_dbapi.Error as error:  # raw_connection() does not wrap
             raise self.unreachable(error) from error
         fairy = checkout if connection is None else connection.connection
-        session = Session(fairy.dbapi_connection, self._prepared)
         try:
-            yield session
+            yield Session(fairy, self._prepared)
         except sa.exc.DBAPIError as error:
             if error.connection_invalidated:
                 fairy.invalidate(error.orig)
@@ -511,7 +510,6 @@ class LockTable:
                 fairy.invalidate(error)
             raise
         finally:
-            session.close()
             (fairy if connection is None else connection).close()
 
     @contextmanager
