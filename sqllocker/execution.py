@@ -84,34 +84,40 @@ class Result:
         return iter(self.rows)
 
 
-# Where a pooled connection keeps its cursor (in the pool's per-connection ``info``), next to
-# the DBAPI connection it belongs to.
+# Where a connection of SQLAlchemy's pool keeps its cursor (in the pool's per-connection
+# ``info``), next to the DBAPI connection it belongs to.
 _CURSOR_KEY = "sqllocker.cursor"
 
 
-class Session:
-    """A DBAPI cursor on one checked-out connection, for the length of one operation.
+def kept_cursor(pooled: Any) -> Any:
+    """The cursor of ``pooled`` (a checked-out ``PoolProxiedConnection``), made on its first use
+    and kept for every later operation on that connection.
 
-    The cursor is made once per pooled connection and reused by every later operation on it:
-    a fresh psycopg cursor per operation rebuilt its adapters each time (about 40 us of a
+    A fresh psycopg cursor per operation rebuilt its adapters each time (about 40 us of a
     ~900 us PostgreSQL cycle, PyMySQL about 35 us: measured with the floor's own statements),
     and an async driver's cursor is made and closed with an await each. The pool hands a
     connection to one thread or task at a time, so its cursor is never shared.
     """
+    dbapi_connection = pooled.dbapi_connection
+    kept = pooled.info.get(_CURSOR_KEY)
+    # The identity check: a record that reconnected must not hand out the old cursor.
+    if kept is not None and kept[0] is dbapi_connection:
+        return kept[1]
+    cursor = dbapi_connection.cursor()
+    pooled.info[_CURSOR_KEY] = (dbapi_connection, cursor)
+    return cursor
 
-    def __init__(self, pooled: Any, prepared: PreparedCache) -> None:
-        """``pooled``: a checked-out pool connection (SQLAlchemy's ``PoolProxiedConnection``)."""
-        dbapi_connection = pooled.dbapi_connection
+
+class Session:
+    """A DBAPI connection and its cursor, for the length of one operation."""
+
+    __slots__ = ("_prepared", "cursor", "dbapi_connection", "dialect")
+
+    def __init__(self, dbapi_connection: Any, cursor: Any, prepared: PreparedCache) -> None:
         self.dbapi_connection = dbapi_connection
+        self.cursor = cursor
         self.dialect = prepared.dialect
         self._prepared = prepared
-        kept = pooled.info.get(_CURSOR_KEY)
-        # The identity check: a record that reconnected must not hand out the old cursor.
-        if kept is not None and kept[0] is dbapi_connection:
-            self.cursor = kept[1]
-        else:
-            self.cursor = dbapi_connection.cursor()
-            pooled.info[_CURSOR_KEY] = (dbapi_connection, self.cursor)
 
     def execute(self, statement: ClauseElement, values: Mapping[str, Any] | None = None) -> Result:
         prepared = self._prepared[statement]

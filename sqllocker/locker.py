@@ -114,6 +114,7 @@ class Locker:
             grace=self.grace,
             auto_create=auto_create,
             strict=strict,
+            direct_connections=owns_engine,
         )
         self.table = self._table.table
         self.auto_create = self._table.auto_create

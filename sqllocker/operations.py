@@ -29,9 +29,11 @@ from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.pool import QueuePool
 from sqlalchemy.sql import ClauseElement
 
 from .backends import Backend, backend_for
+from .connections import ConnectionStack
 from .durability import unsafe_settings
 from .engine import describe_url
 from .errors import (
@@ -45,7 +47,7 @@ from .errors import (
     describe_holder,
     one_line,
 )
-from .execution import PreparedCache, Session
+from .execution import PreparedCache, Session, kept_cursor
 from .identity import holder_details
 from .schema import lock_table
 from .statements import Statements
@@ -127,8 +129,11 @@ class LockTable:
     ``sync_engine`` when called from a greenlet).
 
     ``owns_engine``: the engine was made by sqllocker (AUTOCOMMIT on every connection, so raw
-    pooled connections serve directly; disposed by :meth:`close`). ``sleep`` is how a retry after
-    contention waits: ``time.sleep``, or an await of ``asyncio.sleep`` for the async front end.
+    pooled connections serve directly; disposed by :meth:`close`). ``direct_connections``: run
+    the lock operations on a ConnectionStack of the engine's connections rather than through
+    its pool (sync, and an engine sqllocker made: see ``connections.py``). ``sleep`` is how a
+    retry after contention waits: ``time.sleep``, or an await of ``asyncio.sleep`` for the
+    async front end.
     """
 
     def __init__(
@@ -140,6 +145,7 @@ class LockTable:
         grace: float,
         auto_create: bool | None,
         strict: bool,
+        direct_connections: bool = False,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.engine = engine
@@ -153,6 +159,9 @@ class LockTable:
         self.auto_create = engine.dialect.name == "sqlite" if auto_create is None else auto_create
         self.strict = strict
         self._sleep = sleep
+        # An in-memory SQLite database lives in one connection (SingletonThreadPool): no stack.
+        direct = direct_connections and owns_engine and isinstance(engine.pool, QueuePool)
+        self._stack = ConnectionStack(engine) if direct else None
         self._backend: Backend | None = None
         self._statements: Statements | None = None
         self._prepared: PreparedCache
@@ -326,6 +335,14 @@ class LockTable:
         if self.owns_engine:
             self.engine.dispose()
 
+    def connections(self) -> tuple[int, int]:
+        """(open, in use): the connections the lock operations have now, for the benchmark and
+        the soak test (the engine's pool also counts those it lends to other statements)."""
+        if self._stack is not None:
+            return self._stack.open, self._stack.in_use
+        pool: Any = self.engine.pool
+        return pool.checkedin() + pool.checkedout(), pool.checkedout()
+
     # -- the statements of each operation ----------------------------------------------------------
 
     def _acquire_on(
@@ -447,8 +464,7 @@ class LockTable:
         conflicts = 0
         while True:
             try:
-                with self._connect() as conn:
-                    return operation(conn)
+                return self._run_once(operation)
             except sa.exc.DBAPIError as error:
                 if error.connection_invalidated and not retried_connection:
                     retried_connection = True
@@ -477,15 +493,53 @@ class LockTable:
                     lockstring,
                 ) from error
 
+    def _run_once(self, operation: Callable[[Session], T]) -> T:
+        """``operation`` on a connection of its own, in autocommit mode, given back after.
+
+        A sync Locker on an engine sqllocker made runs it on its ConnectionStack; an AsyncLocker,
+        or a caller's Engine, on a connection of the engine's pool (see :meth:`_pooled`).
+        """
+        self.ensure_setup()
+        stack = self._stack
+        if stack is None:
+            with self._pooled() as session:
+                return operation(session)
+        try:
+            held = stack.take()
+        except sa.exc.DBAPIError as error:
+            raise self.unreachable(error.orig) from error
+        except self.engine.dialect.loaded_dbapi.Error as error:  # raw_connection() does not wrap
+            raise self.unreachable(error) from error
+        try:
+            result = operation(Session(held.connection, held.cursor, self._prepared))
+        except sa.exc.DBAPIError as error:
+            if error.connection_invalidated:
+                stack.discard(held)
+                # The server went away: every connection is as dead as this one (the stack
+                # closes its idle ones when the engine is disposed of).
+                self.engine.dispose()
+            else:
+                stack.give_back(held)
+            raise
+        except Exception:
+            stack.give_back(held)
+            raise
+        except BaseException:
+            # Interrupted mid-statement: the connection's state is unknown (a statement may
+            # still be running), so it must not be reused.
+            stack.discard(held)
+            raise
+        stack.give_back(held)
+        return result
+
     @contextmanager
-    def _connect(self) -> Iterator[Session]:
-        """A cursor on a pooled connection in autocommit mode, for one operation.
+    def _pooled(self) -> Iterator[Session]:
+        """A connection of the engine's pool, in autocommit mode, for one operation.
 
         An engine sqllocker made is AUTOCOMMIT for every connection, so its raw pooled
         connections serve directly; a caller's Engine gets AUTOCOMMIT through an SQLAlchemy
         Connection, which also restores the connection's own setting when it goes back.
         """
-        self.ensure_setup()
         try:
             checkout: Any = self.engine.raw_connection() if self.owns_engine else None
             connection = None if self.owns_engine else self.engine.connect()
@@ -495,7 +549,7 @@ class LockTable:
             raise self.unreachable(error) from error
         fairy = checkout if connection is None else connection.connection
         try:
-            yield Session(fairy, self._prepared)
+            yield Session(fairy.dbapi_connection, kept_cursor(fairy), self._prepared)
         except sa.exc.DBAPIError as error:
             if error.connection_invalidated:
                 fairy.invalidate(error.orig)

@@ -9,7 +9,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from sqllocker import Lock, LockBusy, Locker, LockLost, execution
+from sqllocker import Lock, LockBusy, Locker, LockLost
 from tests.conftest import abandon, count_rows
 
 # -- DBIx::Locker t/basic.t ---------------------------------------------------------------------
@@ -301,38 +301,3 @@ def test_lock_is_visible_at_once_and_survives_the_callers_rollback(
     assert other.try_lock("job") is None  # survived the caller's rollback
     lock.unlock()
     engine.dispose()
-
-
-def test_operations_reuse_a_connections_cursor_but_never_a_replaced_connections(
-    locker: Locker,
-) -> None:
-    """One cursor per pooled connection, made once (a fresh psycopg cursor per operation cost
-    ~5% of a cycle); a connection that was replaced must never be handed its old cursor."""
-    locker.lock("warm up").unlock()  # one thread: the pool holds one connection
-
-    def kept_cursor() -> tuple[object, object]:
-        fairy = locker.engine.raw_connection()
-        try:
-            return fairy.info[execution._CURSOR_KEY]  # type: ignore[no-any-return]
-        finally:
-            fairy.close()
-
-    first = kept_cursor()
-    locker.lock("a").unlock()
-    assert kept_cursor()[1] is first[1]
-    assert first[0] is first[1].connection  # type: ignore[attr-defined]
-
-    # The connection is replaced (as after a server restart); even if its old cursor were
-    # still on record, an operation must make a new one on the new connection.
-    fairy = locker.engine.raw_connection()
-    fairy.invalidate()
-    fairy = locker.engine.raw_connection()  # its replacement
-    replacement = fairy.dbapi_connection
-    fairy.info[execution._CURSOR_KEY] = first
-    fairy.close()
-    with locker.lock("b") as lock:
-        assert lock.lock_id > 0
-    replaced = kept_cursor()
-    assert replaced[1] is not first[1]
-    # On the replacement itself: the old cursor did not fail it into yet another reconnect.
-    assert replaced[0] is replacement

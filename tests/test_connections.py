@@ -1,0 +1,234 @@
+"""The connections lock operations run on: the sync Locker's ConnectionStack on an engine it
+made, and a caller's Engine's pool. What is checked: one connection and one cursor serve one
+operation after another; a dead or interrupted connection is never reused; the pool's limits
+hold; a forked child never touches its parent's connections."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from sqllocker import Locker, execution
+from sqllocker.connections import ConnectionStack, Held
+from sqllocker.engine import create_locker_engine, resolve_url
+from tests.test_fork_and_clocks import run_in_child
+
+
+def stack_of(locker: Locker) -> ConnectionStack:
+    stack = locker._table._stack
+    assert stack is not None, "a Locker on a URL runs its lock operations on a ConnectionStack"
+    return stack
+
+
+def test_one_connection_and_one_cursor_serve_operation_after_operation(locker: Locker) -> None:
+    locker.lock("warm up").unlock()
+    stack = stack_of(locker)
+    (held,) = stack._idle
+    cursor = held.cursor
+    for n in range(20):
+        with locker.lock(f"job {n}") as lock:
+            lock.extend(60)
+    assert stack._idle == [held]
+    assert held.cursor is cursor
+    assert locker._table.connections() == (1, 0)
+
+
+def test_connections_closed_under_the_stack_are_replaced_and_the_idle_ones_dropped(
+    locker: Locker, caplog: pytest.LogCaptureFixture
+) -> None:
+    stack = stack_of(locker)
+    first, second = stack.take(), stack.take()
+    stack.give_back(first)
+    stack.give_back(second)
+    assert locker._table.connections() == (2, 0)
+    for held in (first, second):  # as when the server restarts
+        held.connection.close()
+
+    with locker.lock("after the restart"):
+        pass
+
+    assert "connection was lost" in caplog.text
+    assert locker._table.connections() == (1, 0)
+    (replacement,) = stack._idle
+    assert replacement.connection not in (first.connection, second.connection)
+
+
+def test_disposing_of_the_engine_closes_the_idle_connections(locker: Locker) -> None:
+    locker.lock("warm up").unlock()
+    (held,) = stack_of(locker)._idle
+    locker.engine.dispose()  # what a user does to drop every connection
+    assert locker._table.connections() == (0, 0)
+    locker.lock("next").unlock()
+    assert stack_of(locker)._idle[0] is not held
+
+
+def test_an_interrupted_operations_connection_is_never_reused(
+    locker: Locker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    locker.lock("warm up").unlock()
+    (interrupted,) = stack_of(locker)._idle
+
+    def interrupt(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(execution.Session, "execute", interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            locker.lock("interrupted")
+    assert locker._table.connections() == (0, 0)
+    locker.lock("next").unlock()
+    assert locker._table.connections() == (1, 0)
+    assert stack_of(locker)._idle[0] is not interrupted
+
+
+@pytest.fixture
+def small_engine(tmp_path: Path) -> Iterator[sa.Engine]:
+    engine = sa.create_engine(
+        f"sqlite:///{tmp_path / 'small.db'}", pool_size=1, max_overflow=1, pool_timeout=0.2
+    )
+    yield engine
+    engine.dispose()
+
+
+def test_the_stack_keeps_the_pools_limits(small_engine: sa.Engine) -> None:
+    stack = ConnectionStack(small_engine)
+    first, second = stack.take(), stack.take()  # pool_size + max_overflow
+    with pytest.raises(sa.exc.TimeoutError, match=r"in use for 0\.2 s"):
+        stack.take()
+    assert (stack.open, stack.in_use) == (2, 2)
+    stack.give_back(first)
+    stack.give_back(second)  # beyond pool_size idle: closed
+    assert (stack.open, stack.in_use) == (1, 0)
+    assert stack.take() is first
+
+
+def test_a_caller_at_the_limit_gets_the_next_connection_given_back(tmp_path: Path) -> None:
+    engine = sa.create_engine(
+        f"sqlite:///{tmp_path / 'small.db'}", pool_size=1, max_overflow=1, pool_timeout=30
+    )
+    stack = ConnectionStack(engine)
+    first, second = stack.take(), stack.take()
+    got: list[Held | BaseException] = []
+
+    def wait_for_one() -> None:
+        try:
+            got.append(stack.take())
+        except BaseException as error:
+            got.append(error)
+
+    waiter = threading.Thread(target=wait_for_one)
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive(), "it should be waiting: both connections are in use"
+    stack.give_back(second)
+    waiter.join(10)  # far less than the pool's 30 s timeout
+    assert got == [second]
+    assert (stack.open, stack.in_use) == (2, 2)
+    stack.give_back(first)
+    stack.give_back(second)
+    engine.dispose()
+
+
+def test_a_failed_connect_frees_its_place(tmp_path: Path) -> None:
+    engine = sa.create_engine(
+        f"sqlite:///{tmp_path / 'missing dir' / 'x.db'}", pool_size=1, max_overflow=0
+    )
+    stack = ConnectionStack(engine)
+    for _ in range(3):  # would time out on the second try if the first kept its place
+        with pytest.raises(Exception, match="unable to open database file"):
+            stack.take()
+    assert stack.open == 0
+
+
+def test_threads_share_the_stack_without_sharing_a_connection(locker: Locker) -> None:
+    stack = stack_of(locker)
+    in_use: set[int] = set()
+    clashes = []
+    guard = threading.Lock()
+    real_take, real_give_back = stack.take, stack.give_back
+
+    def take() -> Held:
+        held = real_take()
+        with guard:
+            if id(held) in in_use:
+                clashes.append(held)
+            in_use.add(id(held))
+        return held
+
+    def give_back(held: Held) -> None:
+        with guard:
+            in_use.discard(id(held))
+        real_give_back(held)
+
+    stack.take, stack.give_back = take, give_back  # type: ignore[method-assign]
+
+    def work(n: int) -> None:
+        for m in range(40):
+            locker.lock(f"thread {n} job {m}").unlock()
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert clashes == []
+    assert locker.locks() == []
+    assert locker._table.connections()[1] == 0
+
+
+def test_a_forked_child_opens_connections_of_its_own(locker: Locker) -> None:
+    locker.lock("warm up").unlock()
+    stack = stack_of(locker)
+    (parents,) = stack._idle
+
+    def child() -> None:
+        with locker.lock("child's own"):
+            pass
+        assert stack._idle[0] is not parents
+        assert stack._parents == [parents]  # kept, never closed by the child
+        locker.engine.dispose()  # closes the child's connections, never the parent's
+        assert stack._idle == []
+
+    assert run_in_child(child) == 0
+    assert stack._idle == [parents]
+    locker.lock("parent's, on the same connection as before").unlock()
+    assert stack._idle == [parents]
+
+
+def test_a_callers_engine_keeps_its_pool_and_never_reuses_a_replaced_connections_cursor(
+    url: str, table_name: str
+) -> None:
+    """A caller's Engine runs lock operations through its pool, one cursor per pooled
+    connection; a connection that was replaced is never handed its old cursor."""
+    engine = create_locker_engine(resolve_url(url))
+    locker = Locker(engine, table=table_name, auto_create=True)
+    assert locker._table._stack is None
+    locker.lock("warm up").unlock()
+
+    def kept() -> tuple[object, object]:
+        fairy = engine.raw_connection()
+        try:
+            return fairy.info[execution._CURSOR_KEY]  # type: ignore[no-any-return]
+        finally:
+            fairy.close()
+
+    first = kept()
+    locker.lock("a").unlock()
+    assert kept()[1] is first[1]
+
+    fairy = engine.raw_connection()
+    fairy.invalidate()  # replaced at its next checkout, as after a server restart
+    fairy = engine.raw_connection()
+    replacement = fairy.dbapi_connection
+    fairy.info[execution._CURSOR_KEY] = first  # as if the old cursor were still on record
+    fairy.close()
+    locker.lock("b").unlock()
+    assert kept()[1] is not first[1]
+    # On the replacement itself: the old cursor did not fail it into yet another reconnect.
+    assert kept()[0] is replacement
+    locker.close()
+    engine.dispose()
