@@ -18,6 +18,7 @@ import sqlalchemy as sa
 
 from sqllocker import Locker, lock_table
 from sqllocker.engine import resolve_url
+from tests.conftest import figure
 
 SLOW_SECONDS = 1.0
 
@@ -68,4 +69,9 @@ def test_a_delayed_acquirers_earlier_id_is_never_held_after_a_later_one(
 
     assert failures == []
     ids_in_holding_order = [lock_id for _, _, lock_id in sorted(held)]
+    figure(
+        "acquirer delayed between drawing its id and the unique check",
+        "postgresql",
+        f"ids in holding order {ids_in_holding_order} ({', '.join(w for _, w, _ in sorted(held))})",
+    )
     assert ids_in_holding_order == sorted(set(ids_in_holding_order)), held
