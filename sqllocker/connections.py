@@ -11,7 +11,7 @@ keep driver connections of their own on a stack instead, each with its one curso
 They come from the engine's pool (``raw_connection()``, so its connect-time settings apply:
 AUTOCOMMIT, SQLite's WAL, PostgreSQL's synchronous_commit) and are detached from it for good:
 the pool's idle set-up connection becomes the stack's first. The pool's limits still hold: at
-most ``pool_size`` connections are kept idle, at most ``pool_size + max_overflow`` are in use at
+most ``pool_size`` connections are kept idle, at most ``pool_size + max_overflow`` are open at
 once, and a caller beyond that waits up to the pool's timeout, as the pool would make it.
 """
 
