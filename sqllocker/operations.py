@@ -506,9 +506,7 @@ class LockTable:
                 return operation(session)
         try:
             held = stack.take()
-        except sa.exc.DBAPIError as error:
-            raise self.unreachable(error.orig) from error
-        except self.engine.dialect.loaded_dbapi.Error as error:  # raw_connection() does not wrap
+        except self._connect_errors as error:
             raise self.unreachable(error) from error
         try:
             result = operation(Session(held.connection, held.cursor, self._prepared))
@@ -543,9 +541,7 @@ class LockTable:
         try:
             checkout: Any = self.engine.raw_connection() if self.owns_engine else None
             connection = None if self.owns_engine else self.engine.connect()
-        except sa.exc.DBAPIError as error:
-            raise self.unreachable(error.orig) from error
-        except self.engine.dialect.loaded_dbapi.Error as error:  # raw_connection() does not wrap
+        except self._connect_errors as error:
             raise self.unreachable(error) from error
         fairy = checkout if connection is None else connection.connection
         try:
@@ -572,11 +568,21 @@ class LockTable:
         try:
             connection = self.engine.connect()
         except sa.exc.DBAPIError as error:
-            raise self.unreachable(error.orig) from error
+            raise self.unreachable(error) from error
         with connection:
             yield connection
 
+    @property
+    def _connect_errors(self) -> tuple[type[BaseException], ...]:
+        """What opening a connection raises: SQLAlchemy's wrapped errors, or the driver's own
+        (``raw_connection()`` does not wrap them)."""
+        return (sa.exc.DBAPIError, self.engine.dialect.loaded_dbapi.Error)
+
     def unreachable(self, error: BaseException | None) -> DatabaseError:
+        """The error for a database that could not be connected to; ``error`` is the driver's,
+        or SQLAlchemy's wrapping of it."""
+        if isinstance(error, sa.exc.DBAPIError):
+            error = error.orig
         return DatabaseError(
             f"cannot connect to {describe_url(self.url)}: {one_line(error)}; check the "
             "URL (--url or $SQLLOCKER_URL) and that the server is running"
