@@ -211,8 +211,25 @@ class Statements:
 
     @cached_property
     def release(self) -> Delete:
-        """Delete our row, matched by id *and* guid: a stale holder can never delete another's."""
-        return sa.delete(self.table).where(self._ours)
+        """Delete our row, matched by id *and* guid: a stale holder can never delete another's.
+
+        PostgreSQL: the release's transaction commits without waiting for its WAL to reach
+        disk (``synchronous_commit`` off for that transaction only), so that a hand-off under
+        contention waits for the disk once, at the next holder's acquire, not twice (bench.py's
+        contended rows, three interleaved rounds: 4-38% more acquisitions/s, relative to
+        advisory locks). A release lost in a server crash is safe: the row comes back, and the
+        lock stays held until it expires. It cannot come back after someone else's acquire
+        did, because that acquire's commit waits for the WAL to be flushed up to its own
+        record, which the release's precedes. Acquire, extend, takeover, break and purge still
+        wait: a lost acquire or extend would let a second holder in.
+        """
+        release = sa.delete(self.table).where(self._ours)
+        if self.backend.name == "postgresql":
+            # Evaluated on the matched row, before it is deleted; the setting ends with the
+            # statement's transaction.
+            unflushed = sa.func.set_config("synchronous_commit", "off", sa.true())
+            release = release.where(unflushed == "off")
+        return release
 
     @cached_property
     def extend(self) -> Update:

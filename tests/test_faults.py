@@ -358,6 +358,54 @@ def test_database_restart_never_gives_two_holders_or_reuses_an_id(
     )
 
 
+@pytest.mark.parametrize("private_server", ["postgresql"], indirect=True)
+def test_a_release_lost_in_a_crash_keeps_the_lock_held_until_it_expires(
+    private_server: Any,
+) -> None:
+    """PostgreSQL commits a release without waiting for the disk (Statements.release): a crash
+    right after one brings the row back. It must come back as the released acquisition, be
+    held by nobody until it expires, and then go to an acquirer with a higher id."""
+    url = private_server.url
+    engine = sa.create_engine(resolve_url(url))
+    lock_table("semaphores").create(engine)
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        # Leave a release's WAL unflushed for seconds: nothing else writes, the WAL writer
+        # sleeps 10 s between rounds, and the background writer writes no pages (a page
+        # written would take the WAL before it to disk).
+        quiet = ("wal_writer_delay = '10s'", "autovacuum = off", "bgwriter_lru_maxpages = 0")
+        for setting in quiet:
+            conn.exec_driver_sql(f"ALTER SYSTEM SET {setting}")
+        conn.exec_driver_sql("SELECT pg_reload_conf()")
+    engine.dispose()
+    time.sleep(0.5)  # the settings reach the server's processes
+    holder, contender = Locker(url, grace=GRACE), Locker(url, grace=GRACE)
+    expires = 3.0
+    lock = holder.lock("job", expires=expires)
+    released_id = lock.lock_id
+    lock.unlock()
+    released_at = time.monotonic()
+    private_server.stop(crash=True)
+    private_server.start()
+
+    back = contender.lock_info("job")
+    assert back is not None, "the release survived the crash: no lost release to test"
+    assert back.lock_id == released_id  # the released acquisition, no other
+    assert contender.try_lock("job") is None  # held until it expires, by nobody
+    taken = contender.lock("job", wait=expires + GRACE + 5)
+    taken_at = time.monotonic()
+    assert taken.lock_id > released_id
+    taken.unlock()
+    holder.close()
+    contender.close()
+    figure(
+        "database crash right after a release",
+        "postgresql",
+        f"released lock back after restart (id {released_id}), free again "
+        f"{taken_at - released_at:.1f}s after the release (expiry {expires:.0f}s + grace "
+        f"{GRACE:.0f}s); double holders 0",
+    )
+
+
 # -- 4. network stall -----------------------------------------------------------------------------
 
 

@@ -377,3 +377,68 @@ def test_failed_release_leaves_the_lock_held_for_another_try(
     del dropped
     gc.collect()
     assert locker.lock_info("dropped") is None
+
+
+# -- what each statement waits for: PostgreSQL's commit flush -------------------------------------
+
+
+@pytest.fixture
+def commit_modes(postgresql_url: str, table_name: str) -> str:
+    """The test's table, with a trigger that notes each write's ``synchronous_commit``: the
+    setting its transaction commits under."""
+    engine = sa.create_engine(resolve_url(postgresql_url))
+    lock_table(table_name).create(engine)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            f"CREATE TABLE {table_name}_modes (n serial, op text, lockstring text, mode text)"
+        )
+        conn.exec_driver_sql(
+            f"CREATE FUNCTION {table_name}_mode() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            f"INSERT INTO {table_name}_modes (op, lockstring, mode) VALUES (TG_OP, "
+            "COALESCE(NEW.lockstring, OLD.lockstring), current_setting('synchronous_commit')); "
+            "RETURN NULL; END $$"
+        )
+        conn.exec_driver_sql(
+            f"CREATE TRIGGER {table_name}_mode AFTER INSERT OR UPDATE OR DELETE ON {table_name} "
+            f"FOR EACH ROW EXECUTE FUNCTION {table_name}_mode()"
+        )
+    engine.dispose()
+    return postgresql_url
+
+
+def test_only_a_release_commits_before_its_flush_on_postgresql(
+    commit_modes: str, table_name: str
+) -> None:
+    """A release lost in a server crash leaves the lock held until it expires: no second holder
+    (an acquirer's own flush covers every earlier commit). A lost acquire or extend would let
+    one in, so those, the takeover, an operator's break and the purge wait for the flush."""
+    locker = Locker(commit_modes, table=table_name, grace=0)
+    lock = locker.lock("job", expires=60)
+    lock.extend(60)
+    lock.unlock()
+    again = locker.lock("job", expires=60)  # on the release's connection: its setting is gone
+    locker.break_lock("job", again.lock_id)
+    expiring = locker.lock("expiring", expires=0.2)
+    purged = locker.lock("purged", expires=0.2)
+    time.sleep(0.5)
+    taken_over = locker.lock("expiring", expires=60)
+    assert locker.purge_expired_locks() == 1
+    taken_over.unlock()
+    del again, expiring, purged  # each already gone from the table: their finalisers write nothing
+    locker.close()
+    with sa.create_engine(resolve_url(commit_modes)).connect() as conn:
+        modes = conn.exec_driver_sql(
+            f"SELECT op, lockstring, mode FROM {table_name}_modes ORDER BY n"
+        ).all()
+    assert [tuple(row) for row in modes] == [
+        ("INSERT", "job", "on"),
+        ("UPDATE", "job", "on"),
+        ("DELETE", "job", "off"),  # the release
+        ("INSERT", "job", "on"),
+        ("DELETE", "job", "on"),  # broken by an operator
+        ("INSERT", "expiring", "on"),
+        ("INSERT", "purged", "on"),
+        ("UPDATE", "expiring", "on"),  # taken over in place
+        ("DELETE", "purged", "on"),
+        ("DELETE", "expiring", "off"),  # the release
+    ]
