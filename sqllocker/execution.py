@@ -24,6 +24,9 @@ from sqlalchemy.sql.compiler import SQLCompiler
 # record's ``sqllocker_values``.
 sql_logger = logging.getLogger("sqllocker.sql")
 
+# In Prepared's plan: a parameter the caller must supply (no literal of the statement's own).
+_REQUIRED = object()
+
 
 class Prepared:
     """One statement compiled for one dialect, with what it takes to run it on a cursor."""
@@ -33,14 +36,23 @@ class Prepared:
         self.sql: str = compiled.string
         self._positions: Sequence[str] | None = compiled.positiontup
         every = compiled.construct_params(_check=False) or {}
-        self._names = list(every)
-        # Literal values SQLAlchemy bound itself ('now', format strings, constants).
-        self._constants = {name: value for name, value in every.items() if value is not None}
-        self._bind_processors: dict[str, Callable[[Any], Any]] = {}
+        processors: dict[str, Callable[[Any], Any]] = {}
         for bind in compiled.binds.values():
             processor = bind.type.dialect_impl(dialect).bind_processor(dialect)
             if processor is not None:
-                self._bind_processors[compiled.bind_names[bind]] = processor
+                processors[compiled.bind_names[bind]] = processor
+        # One step per parameter, in the order the driver takes them: its name, its processor,
+        # and (for a literal SQLAlchemy bound itself: 'now', a format string) the value to send,
+        # processed once here rather than on every execution.
+        self._plan: list[tuple[str, Callable[[Any], Any] | None, Any]] = []
+        for name in self._positions if self._positions is not None else list(every):
+            processor = processors.get(name)
+            constant = every.get(name)
+            if constant is None:
+                constant = _REQUIRED
+            elif processor is not None:
+                constant = processor(constant)
+            self._plan.append((name, processor, constant))
         columns = list(getattr(statement, "exported_columns", ()))
         self._row: Any = namedtuple("_Row", [column.key for column in columns])  # type: ignore[misc]
         self._result_processors = [
@@ -48,19 +60,27 @@ class Prepared:
         ]
 
     def parameters(self, values: Mapping[str, Any]) -> Sequence[Any] | dict[str, Any]:
-        params = dict(self._constants)
-        params.update(values)
-        for name, processor in self._bind_processors.items():
-            if name in params:
-                params[name] = processor(params[name])
+        """The driver's parameters: ``values`` by name, processed as SQLAlchemy would, with the
+        statement's own literals where ``values`` has none."""
+        sent = []
+        for name, processor, constant in self._plan:
+            if name in values:
+                value = values[name]
+                sent.append(value if processor is None else processor(value))
+            elif constant is _REQUIRED:
+                raise KeyError(name)
+            else:
+                sent.append(constant)
         if self._positions is not None:
-            return tuple(params[name] for name in self._positions)
-        return {name: params[name] for name in self._names}
+            return tuple(sent)
+        return {step[0]: value for step, value in zip(self._plan, sent, strict=True)}
 
     def row(self, values: Sequence[Any]) -> Any:
         return self._row._make(
-            value if process is None else process(value)
-            for process, value in zip(self._result_processors, values, strict=True)
+            [
+                value if process is None else process(value)
+                for process, value in zip(self._result_processors, values, strict=True)
+            ]
         )
 
 

@@ -73,6 +73,17 @@ class UTCDateTime(sa.TypeDecorator[datetime]):
     def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
         return to_utc(value)
 
+    def result_processor(self, dialect: Dialect, coltype: object) -> Any:
+        # SQLite's text is always ours (strftime in SQL, UTC): read it in one step, not through
+        # the decorator's generic chain, since two of these are read on every acquire.
+        if dialect.name == "sqlite":
+            return _sqlite_text_to_utc
+        return super().result_processor(dialect, coltype)
+
+
+def _sqlite_text_to_utc(value: str | None) -> datetime | None:
+    return None if value is None else datetime.fromisoformat(value).replace(tzinfo=timezone.utc)
+
 
 class _SQLiteTimestampText(sa.types.UserDefinedType[str]):
     """Declared as DATETIME so that the column reads as a timestamp to people and tools."""
