@@ -46,13 +46,13 @@ class Prepared:
         # processed once here rather than on every execution.
         self._plan: list[tuple[str, Callable[[Any], Any] | None, Any]] = []
         for name in self._positions if self._positions is not None else list(every):
-            processor = processors.get(name)
+            process = processors.get(name)
             constant = every.get(name)
             if constant is None:
                 constant = _REQUIRED
-            elif processor is not None:
-                constant = processor(constant)
-            self._plan.append((name, processor, constant))
+            elif process is not None:
+                constant = process(constant)
+            self._plan.append((name, process, constant))
         columns = list(getattr(statement, "exported_columns", ()))
         self._row: Any = namedtuple("_Row", [column.key for column in columns])  # type: ignore[misc]
         self._result_processors = [
