@@ -50,6 +50,7 @@ URLS = {
 }
 REDIS_URL = os.environ.get("SQLLOCKER_BENCH_REDIS_URL", "redis://127.0.0.1:6379/15")
 TABLE = "sqllocker_bench"
+FULL_TABLE = "sqllocker_bench_full"  # the scale row's table with a million other rows
 
 
 def percentile(values: list[float], fraction: float) -> float:
@@ -120,17 +121,24 @@ def mysql_connection(url: str) -> Any:
     )
 
 
-def fresh_table(url: str) -> None:
+def fresh_table(url: str, table: str = TABLE) -> None:
     """An empty lock table made as users make it, by the migrations (on PostgreSQL they add the
     trigger whose NOTIFY wakes waiters)."""
+    drop_table(url, table)
+    engine = sa.create_engine(resolve_url(url))
+    upgrade(engine, table)
+    engine.dispose()
+
+
+def drop_table(url: str, table: str) -> None:
+    """The lock table and what its migrations made beside it, gone."""
     engine = sa.create_engine(resolve_url(url))
     with engine.begin() as conn:
-        conn.exec_driver_sql(f"DROP VIEW IF EXISTS {TABLE}_held")
-        conn.exec_driver_sql(f"DROP TABLE IF EXISTS {TABLE}")
-        conn.exec_driver_sql(f"DROP TABLE IF EXISTS {version_table_for(TABLE)}")
+        conn.exec_driver_sql(f"DROP VIEW IF EXISTS {table}_held")
+        conn.exec_driver_sql(f"DROP TABLE IF EXISTS {table}")
+        conn.exec_driver_sql(f"DROP TABLE IF EXISTS {version_table_for(table)}")
         if engine.dialect.name == "postgresql":
-            conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {TABLE}_notify_release()")
-    upgrade(engine, TABLE)
+            conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {table}_notify_release()")
     engine.dispose()
 
 
@@ -187,8 +195,10 @@ def raw_floor_cycle(url: str) -> tuple[Callable[[int], None], Callable[[], None]
     return cycle, close
 
 
-def sqllocker_cycle(url: str) -> tuple[Callable[[int], None], Callable[[], None]]:
-    locker = Locker(url, table=TABLE)
+def sqllocker_cycle(
+    url: str, table: str = TABLE
+) -> tuple[Callable[[int], None], Callable[[], None]]:
+    locker = Locker(url, table=table)
     run = os.getpid()
 
     def cycle(n: int) -> None:
@@ -481,9 +491,9 @@ def contended(
 # -- scale ----------------------------------------------------------------------------------------
 
 
-def fill(url: str, count: int, expired: bool) -> None:
+def fill(url: str, count: int, expired: bool, table_name: str = TABLE) -> None:
     engine = sa.create_engine(resolve_url(url))
-    table = lock_table(TABLE)
+    table = lock_table(table_name)
     when = "2000-01-01" if expired else "2999-01-01"
     from datetime import datetime, timezone
 
@@ -566,13 +576,20 @@ def scale(
     for backend in backends:
         url = URLS[backend]
         fresh_table(url)
-        cycle, close = sqllocker_cycle(url)
-        empty = timed_cycles(cycle, count)
-        close()
-        fill(url, rows_in_table, expired=False)
-        cycle, close = sqllocker_cycle(url)
-        full = timed_cycles(cycle, count)
-        close()
+        fresh_table(url, FULL_TABLE)
+        fill(url, rows_in_table, expired=False, table_name=FULL_TABLE)
+        # The empty and the full table in turn, best of three each: measured once each, minutes
+        # apart, this row moved between runs by more than the 20% it is judged by.
+        best: dict[str, dict[str, float]] = {}
+        for _round in range(3):
+            for name, table in (("empty", TABLE), ("full", FULL_TABLE)):
+                cycle, close = sqllocker_cycle(url, table)
+                figures = timed_cycles(cycle, count)
+                close()
+                if name not in best or figures["cycles_per_s"] > best[name]["cycles_per_s"]:
+                    best[name] = figures
+        drop_table(url, FULL_TABLE)
+        empty, full = best["empty"], best["full"]
         rows.append(
             {
                 "backend": backend,
