@@ -74,15 +74,11 @@ class UTCDateTime(sa.TypeDecorator[datetime]):
         return to_utc(value)
 
     def result_processor(self, dialect: Dialect, coltype: object) -> Any:
-        # SQLite's text is always ours (strftime in SQL, UTC): read it in one step, not through
-        # the decorator's generic chain, since two of these are read on every acquire.
+        # SQLite's driver returns the text as it is, so to_utc alone reads it: two of these are
+        # read on every acquire, and the decorator's generic chain cost two calls more each.
         if dialect.name == "sqlite":
-            return _sqlite_text_to_utc
+            return to_utc
         return super().result_processor(dialect, coltype)
-
-
-def _sqlite_text_to_utc(value: str | None) -> datetime | None:
-    return None if value is None else datetime.fromisoformat(value).replace(tzinfo=timezone.utc)
 
 
 class _SQLiteTimestampText(sa.types.UserDefinedType[str]):
