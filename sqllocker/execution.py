@@ -53,6 +53,7 @@ class Prepared:
             elif process is not None:
                 constant = process(constant)
             self._plan.append((name, process, constant))
+        self._names = tuple(name for name, _, _ in self._plan)
         columns = list(getattr(statement, "exported_columns", ()))
         self._row: Any = namedtuple("_Row", [column.key for column in columns])  # type: ignore[misc]
         self._result_processors = [
@@ -73,7 +74,7 @@ class Prepared:
                 sent.append(constant)
         if self._positions is not None:
             return tuple(sent)
-        return {step[0]: value for step, value in zip(self._plan, sent, strict=True)}
+        return dict(zip(self._names, sent, strict=True))
 
     def row(self, values: Sequence[Any]) -> Any:
         return self._row._make(
