@@ -164,12 +164,14 @@ class Locker:
                     outcome = self._try_acquire(
                         lockstring, ttl, extra, on_lost or self.on_lost, gate
                     )
-                    gate = None
+                    gated, gate = gate is not None, None
                     if isinstance(outcome, Lock):
                         if turn is not None:
                             turn.leave(in_background=True)
                         return outcome.keep_alive() if keep_alive else outcome
                     if backoff.expired():
+                        if gated and outcome.busy is None:
+                            continue  # the gate refused us unasked: one full attempt first
                         raise outcome.busy_after(lockstring, wait)
                     if (
                         room is not None

@@ -362,20 +362,21 @@ class LockTable:
             "minus_grace": be.seconds_value(-self.grace),
             "holder": details,
         }
-        insert = sql.acquire
-        if queue_key is not None:
-            insert, params["queue_key"] = sql.acquire_unless_queued, queue_key
         try:
-            return self._insert_or_learn_holder(conn, insert, params)
+            if queue_key is not None:
+                # A waiter's first attempt. Refused, it queues and tries again at the head of
+                # the queue, where it learns who holds the row (and takes over an expired
+                # one); asking now too would add a round trip to every hand-off.
+                params["queue_key"] = queue_key
+                return self._insert(conn, sql.acquire_unless_queued, params) or Refused(None, None)
+            return self._insert_or_learn_holder(conn, params)
         except sa.exc.DBAPIError as error:
             if be.is_transient_conflict(error):
                 logger.debug("acquire of %r met contention (%s); retrying", lockstring, error.orig)
                 return Refused(None, None)
             raise
 
-    def _insert_or_learn_holder(
-        self, conn: Session, insert: ClauseElement, params: dict[str, Any]
-    ) -> Acquired | Refused:
+    def _insert_or_learn_holder(self, conn: Session, params: dict[str, Any]) -> Acquired | Refused:
         """Insert our row; if refused, read the holder's row and take it over if it has expired.
 
         Each statement commits by itself: what makes this safe is in the statements, not in a
@@ -384,7 +385,7 @@ class LockTable:
         it runs, so of several acquirers racing for one expired row one wins and the others'
         INSERTs are refused by the winner's row.
         """
-        acquired = self._insert(conn, insert, params)
+        acquired = self._insert(conn, self._sql.acquire, params)
         if acquired is not None:
             return acquired
         row = conn.execute(self._sql.holder_for_acquirer, params).first()

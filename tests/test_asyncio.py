@@ -197,6 +197,22 @@ async def test_wait_acquires_once_released_and_gives_up_in_time(alocker: AsyncLo
         assert busy.value.lock_id == lock.lock_id
 
 
+async def test_a_wait_that_runs_out_at_once_names_the_holder_or_takes_over(
+    alocker: AsyncLocker,
+) -> None:
+    # A PostgreSQL waiter's first attempt does not ask who holds the row: see test_locking.
+    async with alocker.lock("job") as held:
+        with pytest.raises(LockBusy) as busy:
+            await alocker.lock("job", wait=1e-9)
+        assert busy.value.lock_id == held.lock_id
+        assert busy.value.holder is not None
+    stale = await alocker.lock("job", expires=0.2)
+    await asyncio.sleep(0.4)
+    fresh = await alocker.lock("job", wait=1e-9)
+    assert fresh.lock_id > stale.lock_id
+    await fresh.unlock()
+
+
 async def test_tasks_never_hold_one_lock_at_once(alocker: AsyncLocker) -> None:
     inside: list[str] = []
     entries: list[int] = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import time
 from datetime import datetime, timedelta, timezone
@@ -160,6 +161,26 @@ def test_wait_gives_up_after_the_given_time(locker: Locker) -> None:
     assert caught.value.waited == 0.3
     assert "waiting" in str(caught.value)
     assert 0.25 <= elapsed < 5
+
+
+def test_a_wait_that_runs_out_at_once_still_names_the_holder(locker: Locker) -> None:
+    # On PostgreSQL a waiter's first attempt does not ask who holds the row (it queues, and asks
+    # at the head of the queue); if its time is up by then, the error must still say.
+    with locker.lock("job") as held, pytest.raises(LockBusy) as caught:
+        locker.lock("job", wait=1e-9)
+    assert caught.value.lock_id == held.lock_id
+    assert caught.value.holder is not None
+    assert caught.value.holder["pid"] == os.getpid()
+    assert "unknown holder" not in str(caught.value)
+
+
+def test_a_wait_that_runs_out_at_once_still_takes_over_an_expired_row(locker: Locker) -> None:
+    stale = locker.lock("job", expires=0.2)
+    time.sleep(0.4)
+    fresh = locker.lock("job", wait=1e-9)
+    assert fresh.lock_id > stale.lock_id
+    assert count_rows(locker) == 1
+    fresh.unlock()
 
 
 def test_expired_row_is_taken_over_at_acquire_time_with_a_higher_id(locker: Locker) -> None:

@@ -269,12 +269,14 @@ class AsyncLocker:
                 waiter = await listener.register(lockstring) if listener is not None else None
                 try:
                     outcome = await self._try_acquire(lockstring, ttl, extra, on_lost, gate)
-                    gate = None
+                    gated, gate = gate is not None, None
                     if isinstance(outcome, AsyncLock):
                         if turn is not None:
                             turn.leave_soon()
                         return outcome.keep_alive() if keep_alive else outcome
                     if backoff.expired():
+                        if gated and outcome.busy is None:
+                            continue  # the gate refused us unasked: one full attempt first
                         raise outcome.busy_after(lockstring, wait)
                     if (
                         room is not None
