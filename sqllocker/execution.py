@@ -55,6 +55,9 @@ class Prepared:
             self._plan.append((name, process, constant))
         self._names = tuple(name for name, _, _ in self._plan)
         columns = list(getattr(statement, "exported_columns", ()))
+        # Known to return rows (a SELECT, a RETURNING): fetched without asking the cursor
+        # first, as psycopg builds its ``description`` anew on every call.
+        self.returns_rows = bool(columns)
         self._row: Any = namedtuple("_Row", [column.key for column in columns])  # type: ignore[misc]
         self._result_processors = [
             column.type.dialect_impl(dialect).result_processor(dialect, None) for column in columns
@@ -147,7 +150,8 @@ class Session:
             sql_logger.debug("%s %r", prepared.sql, values, extra={"sqllocker_values": values})
         try:
             cursor.execute(prepared.sql, prepared.parameters(values or {}))
-            rows = [prepared.row(row) for row in cursor.fetchall()] if cursor.description else []
+            returns_rows = prepared.returns_rows or cursor.description
+            rows = [prepared.row(row) for row in cursor.fetchall()] if returns_rows else []
         except self.dialect.loaded_dbapi.Error as error:
             raise self._wrap(error, prepared.sql) from error
         return Result(rows, cursor.rowcount, getattr(cursor, "lastrowid", None))
