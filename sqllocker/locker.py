@@ -182,7 +182,7 @@ class Locker:
                         entry = room.enter(
                             lockstring,
                             backoff.remaining(),
-                            before_blocking=functools.partial(listener.unregister, waiter),
+                            before_blocking=functools.partial(listener.step_aside, waiter),
                         )
                         turn = entry.turn
                         if not entry.usable:

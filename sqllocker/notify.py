@@ -64,6 +64,15 @@ class WaiterQueues:
                 if not queue:
                     del self._waiters[waiter.lockstring]
 
+    def step_aside(self, waiter: Waiter[Any]) -> None:
+        """Remove ``waiter``, which stops listening in order to queue for its lockstring, and
+        hand a release that already woke it on to the next waiter. It acts on nothing until
+        it heads the queue itself; the waiter that does head it (registered after this one,
+        when its turn came) would otherwise sleep through the release."""
+        self.remove(waiter)
+        if waiter.event.is_set():
+            self.wake_first(waiter.lockstring)
+
     def wake_first(self, lockstring: str) -> None:
         with self._lock:
             queue = self._waiters.get(lockstring)
@@ -106,6 +115,10 @@ class ReleaseListener:
 
     def unregister(self, waiter: Waiter[threading.Event]) -> None:
         self._waiters.remove(waiter)
+
+    def step_aside(self, waiter: Waiter[threading.Event]) -> None:
+        """``unregister`` for a waiter about to queue: see ``WaiterQueues.step_aside``."""
+        self._waiters.step_aside(waiter)
 
     def stop(self) -> None:
         self._stopping = True

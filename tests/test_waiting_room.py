@@ -7,6 +7,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -199,6 +200,65 @@ def test_a_newcomer_does_not_take_the_row_ahead_of_the_queue(
     newcomer.close()
 
 
+def test_a_release_that_woke_a_newcomer_about_to_queue_still_wakes_the_head(
+    migrated_postgres: str,
+    table_name: str,
+    admin: sa.Engine,
+    slow_polling: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Locker's release notification wakes one waiter of the lockstring: the one registered
+    first. A newcomer registers before its first attempt; if the release lands then, the
+    newcomer is the one woken, though it goes on to queue behind the head and acts on nothing
+    until its own turn. The head, asleep, must be woken all the same."""
+    monkeypatch.setattr(waiting_room, "QUEUE_PATIENCE", 10.0)
+    holder = Locker(migrated_postgres, table=table_name)
+    held = holder.lock("report")
+    stand_in = admin.connect()  # heads the queue until the head-to-be should take over
+    key = queue_key(table_name, "report")
+    stand_in.execute(sa.text("SELECT pg_advisory_lock(:key)"), {"key": key})
+    waiters = Locker(migrated_postgres, table=table_name)
+    got: list[tuple[str, float]] = []
+
+    def wait() -> None:
+        with waiters.lock("report", wait=60):
+            got.append((threading.current_thread().name, time.monotonic()))
+            time.sleep(0.1)
+
+    head = threading.Thread(target=wait, name="head")
+    head.start()
+    wait_until(lambda: queued(admin, table_name, "report") == (1, 1))
+    # The newcomer registers for releases, then is held back before its first attempt.
+    newcomer_registered, newcomer_may_try = threading.Event(), threading.Event()
+    try_acquire = waiters._try_acquire
+
+    def held_back(*args: Any) -> Any:
+        if threading.current_thread().name == "newcomer" and not newcomer_may_try.is_set():
+            newcomer_registered.set()
+            newcomer_may_try.wait(10)
+        return try_acquire(*args)
+
+    monkeypatch.setattr(waiters, "_try_acquire", held_back)
+    newcomer = threading.Thread(target=wait, name="newcomer")
+    newcomer.start()
+    assert newcomer_registered.wait(10)
+    # The stand-in leaves: the head-to-be heads the queue, registers behind the newcomer,
+    # finds the row held and sleeps.
+    stand_in.execute(sa.text("SELECT pg_advisory_unlock(:key)"), {"key": key})
+    wait_until(lambda: queued(admin, table_name, "report") == (1, 0))
+    time.sleep(0.5)
+    held.unlock()  # the notification wakes the newcomer, registered first
+    released = time.monotonic()
+    newcomer_may_try.set()  # refused at the gate, it queues behind the head
+    head.join(20)
+    newcomer.join(20)
+    assert [name for name, _ in got] == ["head", "newcomer"]
+    assert got[0][1] - released < 3  # woken, not left to its 30 s poll or the 10 s patience
+    stand_in.close()
+    waiters.close()
+    holder.close()
+
+
 def test_waiters_beyond_the_rooms_capacity_wait_unqueued(
     migrated_postgres: str, table_name: str, admin: sa.Engine
 ) -> None:
@@ -292,6 +352,58 @@ async def test_sync_and_async_waiters_share_one_queue(
     second.close()
     await first.aclose()
     await third.aclose()
+
+
+async def test_an_async_release_that_woke_a_newcomer_about_to_queue_still_wakes_the_head(
+    migrated_postgres: str,
+    table_name: str,
+    admin: sa.Engine,
+    slow_polling: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """test_a_release_that_woke_a_newcomer_about_to_queue_still_wakes_the_head, with tasks."""
+    monkeypatch.setattr(waiting_room, "QUEUE_PATIENCE", 10.0)
+    holder = Locker(migrated_postgres, table=table_name)
+    held = holder.lock("report")
+    stand_in = admin.connect()
+    key = queue_key(table_name, "report")
+    stand_in.execute(sa.text("SELECT pg_advisory_lock(:key)"), {"key": key})
+    waiters = AsyncLocker(async_url(migrated_postgres), table=table_name)
+    got: list[tuple[str, float]] = []
+
+    async def wait() -> None:
+        async with waiters.lock("report", wait=60):
+            task = asyncio.current_task()
+            got.append((task.get_name() if task else "?", time.monotonic()))
+            await asyncio.sleep(0.1)
+
+    head = asyncio.create_task(wait(), name="head")
+    await wait_until_async(lambda: queued(admin, table_name, "report") == (1, 1))
+    newcomer_registered, newcomer_may_try = asyncio.Event(), asyncio.Event()
+    try_acquire = waiters._try_acquire
+
+    async def held_back(*args: Any) -> Any:
+        task = asyncio.current_task()
+        if task is not None and task.get_name() == "newcomer" and not newcomer_may_try.is_set():
+            newcomer_registered.set()
+            await newcomer_may_try.wait()
+        return await try_acquire(*args)
+
+    monkeypatch.setattr(waiters, "_try_acquire", held_back)
+    newcomer = asyncio.create_task(wait(), name="newcomer")
+    await asyncio.wait_for(newcomer_registered.wait(), 10)
+    stand_in.execute(sa.text("SELECT pg_advisory_unlock(:key)"), {"key": key})
+    await wait_until_async(lambda: queued(admin, table_name, "report") == (1, 0))
+    await asyncio.sleep(0.5)
+    await asyncio.to_thread(held.unlock)
+    released = time.monotonic()
+    newcomer_may_try.set()
+    await asyncio.wait_for(asyncio.gather(head, newcomer), 20)
+    assert [name for name, _ in got] == ["head", "newcomer"]
+    assert got[0][1] - released < 3
+    stand_in.close()
+    await waiters.aclose()
+    holder.close()
 
 
 async def test_an_async_head_leaves_the_queue_by_aclose_at_the_latest(

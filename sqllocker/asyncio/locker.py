@@ -288,7 +288,7 @@ class AsyncLocker:
                         entry = await room.enter(
                             lockstring,
                             backoff.remaining(),
-                            before_blocking=functools.partial(listener.unregister, waiter),
+                            before_blocking=functools.partial(listener.step_aside, waiter),
                         )
                         turn = entry.turn
                         if not entry.usable:

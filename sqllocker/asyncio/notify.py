@@ -52,6 +52,10 @@ class AsyncReleaseListener:
     def unregister(self, waiter: Waiter[asyncio.Event]) -> None:
         self._waiters.remove(waiter)
 
+    def step_aside(self, waiter: Waiter[asyncio.Event]) -> None:
+        """``unregister`` for a waiter about to queue: see ``WaiterQueues.step_aside``."""
+        self._waiters.step_aside(waiter)
+
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is not None:
