@@ -52,7 +52,7 @@ class Statements:
         c = self.table.c
         if self.backend.name == "postgresql":
             pg = postgresql.insert(self.table).from_select(
-                list(self._new_row), self._new_row_in_id_order
+                list(self._new_row), self._new_row_in_id_order()
             )
             return pg.on_conflict_do_nothing(index_elements=[c.lockstring]).returning(
                 *self._returned
@@ -80,7 +80,7 @@ class Statements:
             sa.bindparam("queue_key", type_=sa.BigInteger)
         )
         pg = postgresql.insert(self.table).from_select(
-            list(self._new_row), self._new_row_in_id_order.where(nobody_queued)
+            list(self._new_row), self._new_row_in_id_order(only_if=nobody_queued)
         )
         return pg.on_conflict_do_nothing(index_elements=[c.lockstring]).returning(*self._returned)
 
@@ -95,7 +95,7 @@ class Statements:
         """
         c = self.table.c
         pg = postgresql.insert(self.table).from_select(
-            list(self._new_row), self._new_row_in_id_order
+            list(self._new_row), self._new_row_in_id_order()
         )
         return pg.on_conflict_do_update(
             index_elements=[c.lockstring],
@@ -117,10 +117,10 @@ class Statements:
             "locked_by": sa.bindparam("holder", type_=c.locked_by.type),
         }
 
-    @cached_property
-    def _new_row_in_id_order(self) -> Select[Any]:
+    def _new_row_in_id_order(self, only_if: sa.ColumnElement[bool] | None = None) -> Select[Any]:
         """PostgreSQL: our new row, as a SELECT to insert from, which first waits for any other
-        acquirer of the lockstring to finish its INSERT's transaction.
+        acquirer of the lockstring to finish its INSERT's transaction; with ``only_if``, no row
+        (and no wait) unless that holds, checked before the wait.
 
         The sequence gives a row its id when the INSERT forms the row, before the unique index
         is checked: an acquirer that drew id n and was then delayed (descheduled on a busy
@@ -138,8 +138,12 @@ class Statements:
                 sa.func.hashtext(sa.literal(table.name)),
                 sa.func.hashtext(sa.bindparam("ls", type_=table.c.lockstring.type)),
             ).label("drawn_in_turn")
-        ).subquery("ids_in_order")
-        return sa.select(*self._new_row.values()).select_from(in_turn)
+        )
+        if only_if is not None:
+            # A WHERE without a FROM is a one-time filter, evaluated before the target list:
+            # refused, the INSERT neither waits for others' turn nor makes them wait for its.
+            in_turn = in_turn.where(only_if)
+        return sa.select(*self._new_row.values()).select_from(in_turn.subquery("ids_in_order"))
 
     @property
     def _returned(self) -> tuple[sa.Column[Any], ...]:

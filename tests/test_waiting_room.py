@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,6 +16,7 @@ import sqlalchemy as sa
 from sqllocker import LockBusy, Locker, waiting_room
 from sqllocker.asyncio import AsyncLock, AsyncLocker
 from sqllocker.engine import resolve_url
+from sqllocker.operations import Refused
 from sqllocker.waiting_room import queue_key
 from tests.workers import async_url
 
@@ -289,6 +291,44 @@ def test_waiters_beyond_the_rooms_capacity_wait_unqueued(
     waiters.close()
     assert room.seats.idle == []  # close() closed the connections kept for the next wait
     holder.close()
+
+
+def test_a_first_attempt_refused_at_the_gate_does_not_wait_for_anothers_insert(
+    migrated_postgres: str, table_name: str, admin: sa.Engine
+) -> None:
+    """An INSERT waits for the lockstring's other INSERTs to finish (its turn to draw an id,
+    ``Statements._new_row_in_id_order``), which lasts until their commits reach the disk. A
+    waiter's first attempt that the queue refuses inserts nothing, so it must not wait for
+    that turn either: while it waited, the head's INSERT, next in turn, would wait behind it.
+    (PostgreSQL 15's planner checks the gate first even when it is written outside the
+    subquery that waits; the statement now says so itself.)"""
+    locker = Locker(migrated_postgres, table=table_name)
+    locker.lock("warm-up").unlock()
+    inserting = admin.connect()  # another acquirer, in the middle of its INSERT
+    inserting.execute(
+        sa.text("SELECT pg_advisory_xact_lock(hashtext(:table), hashtext('report'))"),
+        {"table": table_name},
+    )
+    head = admin.connect()
+    key = queue_key(table_name, "report")
+    head.execute(sa.text("SELECT pg_advisory_lock(:key)"), {"key": key})
+    outcomes: list[object] = []
+    attempt = threading.Thread(
+        target=lambda: outcomes.append(
+            locker._table.try_acquire("report", str(uuid.uuid4()), 60.0, {}, queue_key=key)
+        )
+    )
+    attempt.start()
+    attempt.join(3)
+    finished = not attempt.is_alive()
+    inserting.rollback()  # lets it finish either way
+    attempt.join(10)
+    assert finished, "the refused attempt waited for the other INSERT's turn"
+    assert isinstance(outcomes[0], Refused)
+    assert locker.lock_info("report") is None
+    inserting.close()
+    head.close()
+    locker.close()
 
 
 def test_a_refused_attempt_leaves_the_holders_row_untouched(
