@@ -43,6 +43,23 @@ def queued(admin: sa.Engine, table: str, lockstring: str) -> tuple[int, int]:
     return counts.get(True, 0), counts.get(False, 0)
 
 
+def head_the_queue(admin: sa.Engine, table: str, lockstring: str = "report") -> sa.Connection:
+    """A session that heads ``lockstring``'s queue (holds its advisory lock) and never tries
+    for the row, as a waiter whose process was stopped would; ``leave_the_queue`` or closing
+    it ends that."""
+    connection = admin.connect()
+    connection.execute(
+        sa.text("SELECT pg_advisory_lock(:key)"), {"key": queue_key(table, lockstring)}
+    )
+    return connection
+
+
+def leave_the_queue(connection: sa.Connection, table: str, lockstring: str = "report") -> None:
+    connection.execute(
+        sa.text("SELECT pg_advisory_unlock(:key)"), {"key": queue_key(table, lockstring)}
+    )
+
+
 def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -150,9 +167,7 @@ def test_a_head_that_stopped_does_not_keep_the_queue_from_a_free_row(
     monkeypatch.setattr(waiting_room, "QUEUE_PATIENCE", 0.3)
     holder = Locker(migrated_postgres, table=table_name)
     held = holder.lock("report")
-    stopped_head = admin.connect()  # in the queue and never coming back
-    key = queue_key(table_name, "report")
-    stopped_head.execute(sa.text("SELECT pg_advisory_lock(:key)"), {"key": key})
+    stopped_head = head_the_queue(admin, table_name)  # and never coming back
     waiter = Locker(migrated_postgres, table=table_name)
     got: list[float] = []
 
@@ -188,8 +203,7 @@ def test_a_newcomer_does_not_take_the_row_ahead_of_the_queue(
     free: a waiting newcomer queues instead (and, after QUEUE_PATIENCE, takes the row past the
     stopped head); try_lock, which never waits, still takes a free row at once."""
     monkeypatch.setattr(waiting_room, "QUEUE_PATIENCE", 0.5)
-    head = admin.connect()
-    head.execute(sa.text("SELECT pg_advisory_lock(:key)"), {"key": queue_key(table_name, "report")})
+    head = head_the_queue(admin, table_name)
     newcomer = Locker(migrated_postgres, table=table_name)
     started = time.monotonic()
     lock = newcomer.lock("report", wait=10)
@@ -216,9 +230,7 @@ def test_a_release_that_woke_a_newcomer_about_to_queue_still_wakes_the_head(
     monkeypatch.setattr(waiting_room, "QUEUE_PATIENCE", 10.0)
     holder = Locker(migrated_postgres, table=table_name)
     held = holder.lock("report")
-    stand_in = admin.connect()  # heads the queue until the head-to-be should take over
-    key = queue_key(table_name, "report")
-    stand_in.execute(sa.text("SELECT pg_advisory_lock(:key)"), {"key": key})
+    stand_in = head_the_queue(admin, table_name)  # until the head-to-be should take over
     waiters = Locker(migrated_postgres, table=table_name)
     got: list[tuple[str, float]] = []
 
@@ -246,7 +258,7 @@ def test_a_release_that_woke_a_newcomer_about_to_queue_still_wakes_the_head(
     assert newcomer_registered.wait(10)
     # The stand-in leaves: the head-to-be heads the queue, registers behind the newcomer,
     # finds the row held and sleeps.
-    stand_in.execute(sa.text("SELECT pg_advisory_unlock(:key)"), {"key": key})
+    leave_the_queue(stand_in, table_name)
     wait_until(lambda: queued(admin, table_name, "report") == (1, 0))
     time.sleep(0.5)
     held.unlock()  # the notification wakes the newcomer, registered first
@@ -309,9 +321,8 @@ def test_a_first_attempt_refused_at_the_gate_does_not_wait_for_anothers_insert(
         sa.text("SELECT pg_advisory_xact_lock(hashtext(:table), hashtext('report'))"),
         {"table": table_name},
     )
-    head = admin.connect()
+    head = head_the_queue(admin, table_name)
     key = queue_key(table_name, "report")
-    head.execute(sa.text("SELECT pg_advisory_lock(:key)"), {"key": key})
     outcomes: list[object] = []
     attempt = threading.Thread(
         target=lambda: outcomes.append(
@@ -405,9 +416,7 @@ async def test_an_async_release_that_woke_a_newcomer_about_to_queue_still_wakes_
     monkeypatch.setattr(waiting_room, "QUEUE_PATIENCE", 10.0)
     holder = Locker(migrated_postgres, table=table_name)
     held = holder.lock("report")
-    stand_in = admin.connect()
-    key = queue_key(table_name, "report")
-    stand_in.execute(sa.text("SELECT pg_advisory_lock(:key)"), {"key": key})
+    stand_in = head_the_queue(admin, table_name)
     waiters = AsyncLocker(async_url(migrated_postgres), table=table_name)
     got: list[tuple[str, float]] = []
 
@@ -432,7 +441,7 @@ async def test_an_async_release_that_woke_a_newcomer_about_to_queue_still_wakes_
     monkeypatch.setattr(waiters, "_try_acquire", held_back)
     newcomer = asyncio.create_task(wait(), name="newcomer")
     await asyncio.wait_for(newcomer_registered.wait(), 10)
-    stand_in.execute(sa.text("SELECT pg_advisory_unlock(:key)"), {"key": key})
+    leave_the_queue(stand_in, table_name)
     await wait_until_async(lambda: queued(admin, table_name, "report") == (1, 0))
     await asyncio.sleep(0.5)
     await asyncio.to_thread(held.unlock)
@@ -476,10 +485,7 @@ async def test_an_async_waiter_behind_a_stopped_head_takes_a_free_row(
     monkeypatch.setattr(waiting_room, "QUEUE_PATIENCE", 0.3)
     holder = Locker(migrated_postgres, table=table_name)
     held = holder.lock("report")
-    stopped_head = admin.connect()
-    stopped_head.execute(
-        sa.text("SELECT pg_advisory_lock(:key)"), {"key": queue_key(table_name, "report")}
-    )
+    stopped_head = head_the_queue(admin, table_name)
     waiter = AsyncLocker(async_url(migrated_postgres), table=table_name)
 
     async def take() -> AsyncLock:
