@@ -11,9 +11,10 @@ held autocommit connection with no library around them.
 
 Rows: uncontended cycles (acquire + release of distinct names, one process) with p50/p99
 latency; contended hand-off (processes taking turns on one name, each holding it ~1 ms and then
-stepping back so that waiters really wait) with a mutual-exclusion check; and scale: cycle cost
-with many other rows in the table, throughput as processes are added, a worker's p99 while a
-large purge runs, and the connections a process holding many kept-alive locks uses.
+stepping back so that waiters really wait) with a mutual-exclusion check and a fairness one (the
+most acquisitions by others between one's asking and its getting); and scale: cycle cost with
+many other rows in the table, throughput as processes are added, a worker's p99 while a large
+purge runs, and the connections a process holding many kept-alive locks uses.
 Writes bench-results/bench.json and bench-results/bench.png.
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import inspect
 import itertools
 import json
@@ -473,6 +475,14 @@ def contended(
             if after[0] < before[3]
         ]  # only when the next holder was already waiting
         waits = [got - asked for asked, got, _, _ in records]
+        gots = [record[1] for record in records]
+        # Fairness: how many acquisitions by others fell between each one's asking and its
+        # getting. Served first come, first served, a process is passed at most once by each
+        # of the others; a starved waiter would be passed many times.
+        overtaken = [
+            bisect.bisect_left(gots, got) - bisect.bisect_right(gots, asked)
+            for asked, got, _, _ in records
+        ]
         rows.append(
             {
                 "backend": backend,
@@ -482,6 +492,7 @@ def contended(
                 "handoff_p50_ms": percentile(handoffs, 0.5) * 1000 if handoffs else None,
                 "handoff_p99_ms": percentile(handoffs, 0.99) * 1000 if handoffs else None,
                 "wait_p99_ms": percentile(waits, 0.99) * 1000,
+                "overtaken_max": max(overtaken),
                 "violations": violations,
             }
         )
@@ -675,14 +686,15 @@ def report(results: dict[str, Any], out: Path) -> None:
         print(f"\nContended hand-off ({results['contended'][0]['processes']} processes, one name)")
         print(
             f"{'backend':<11} {'system':<15} {'acq/s':>7} {'hand-off p50':>13} {'p99':>8} "
-            f"{'wait p99':>9} {'violations':>10}"
+            f"{'wait p99':>9} {'passed by':>9} {'violations':>10}"
         )
         for row in results["contended"]:
             p50 = "-" if row["handoff_p50_ms"] is None else f"{row['handoff_p50_ms']:.2f} ms"
             p99 = "-" if row["handoff_p99_ms"] is None else f"{row['handoff_p99_ms']:.2f} ms"
             print(
                 f"{row['backend']:<11} {row['system']:<15} {row['acquisitions_per_s']:>7.0f} "
-                f"{p50:>13} {p99:>8} {row['wait_p99_ms']:>7.1f}ms {row['violations']:>10}"
+                f"{p50:>13} {p99:>8} {row['wait_p99_ms']:>7.1f}ms {row['overtaken_max']:>9} "
+                f"{row['violations']:>10}"
             )
     if results.get("scale"):
         print("\nScale")
