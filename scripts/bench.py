@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
+import collections
 import inspect
 import itertools
 import json
@@ -493,6 +494,8 @@ def contended(
                 "handoff_p99_ms": percentile(handoffs, 0.99) * 1000 if handoffs else None,
                 "wait_p99_ms": percentile(waits, 0.99) * 1000,
                 "overtaken_max": max(overtaken),
+                # {passed by n others: how many acquisitions}
+                "overtaken_counts": dict(sorted(collections.Counter(overtaken).items())),
                 "violations": violations,
             }
         )
