@@ -181,7 +181,7 @@ def raw_floor_cycle(url: str) -> tuple[Callable[[int], None], Callable[[], None]
     locker.lock("compile").unlock()  # connect, learn the backend
     floor = FloorStatements(locker._table)
     raw = locker.engine.raw_connection()
-    connection = raw.driver_connection
+    connection: Any = raw.driver_connection
     cursor = connection.cursor()
 
     def cycle(n: int) -> None:
@@ -224,7 +224,7 @@ async def async_raw_floor_cycle(url: str) -> AsyncCycle:
     await (await locker.lock("compile")).unlock()
     floor = FloorStatements(locker._table)
     raw = await greenlet_spawn(locker.engine.sync_engine.raw_connection)
-    connection = raw.driver_connection
+    connection: Any = raw.driver_connection
     cursor = connection.cursor()
     if inspect.isawaitable(cursor):  # aiosqlite and aiomysql; psycopg's is plain
         cursor = await cursor
@@ -327,21 +327,18 @@ def uncontended(backends: list[str], count: int) -> list[dict[str, Any]]:
     for backend in backends:
         url = URLS[backend]
         fresh_table(url)
-        systems: list[tuple[str, Callable[[], tuple[Callable[[int], None], Callable[[], None]]]]]
-        systems = [
-            ("raw floor", lambda u=url: raw_floor_cycle(u)),
-            ("sqllocker", lambda u=url: sqllocker_cycle(u)),
-        ]
+        systems: list[tuple[str, Callable[[str], tuple[Callable[[int], None], Callable[[], None]]]]]
+        systems = [("raw floor", raw_floor_cycle), ("sqllocker", sqllocker_cycle)]
         if backend == "postgresql":
-            systems.append(("advisory try-lock", lambda u=url: advisory_cycle(u)))
+            systems.append(("advisory try-lock", advisory_cycle))
         if backend == "mysql":
-            systems.append(("GET_LOCK", lambda u=url: get_lock_cycle(u)))
-        results = {}
+            systems.append(("GET_LOCK", get_lock_cycle))
+        results: dict[str, dict[str, float]] = {}
         # Interleave floor and sqllocker twice and keep each one's better run: drift in the
         # machine's load then hits both sides alike.
         for _round in range(2):
             for name, make in systems:
-                cycle, close = make()
+                cycle, close = make(url)
                 figures = timed_cycles(cycle, count)
                 close()
                 if name not in results or figures["cycles_per_s"] > results[name]["cycles_per_s"]:
@@ -370,8 +367,11 @@ def uncontended(backends: list[str], count: int) -> list[dict[str, Any]]:
             )
     try:
         results = {}
-        for name, make in (("raw SET NX + DEL", redis_floor_cycle), ("redis-py Lock", redis_cycle)):
-            cycle, close = make()
+        for name, make_redis in (
+            ("raw SET NX + DEL", redis_floor_cycle),
+            ("redis-py Lock", redis_cycle),
+        ):
+            cycle, close = make_redis()
             results[name] = timed_cycles(cycle, count)
             close()
         floor = results["raw SET NX + DEL"]["cycles_per_s"]
@@ -393,7 +393,7 @@ def uncontended(backends: list[str], count: int) -> list[dict[str, Any]]:
 
 
 def _contender(system: str, url: str, seconds: float, start: float, queue: Any) -> None:
-    acquire, release = _blocking_lock(system, url)
+    acquire, release, close = _blocking_lock(system, url)
     records = []
     while time.monotonic() < start:
         time.sleep(0.001)
@@ -408,14 +408,20 @@ def _contender(system: str, url: str, seconds: float, start: float, queue: Any) 
         released = time.monotonic()
         records.append((asked, got, left, released))
         time.sleep(0.002)  # step back: the waiters, not the releaser, should get it next
+    close()  # not left to the process's exit, which the server logs as a connection reset
     queue.put(records)
 
 
-def _blocking_lock(system: str, url: str) -> tuple[Callable[[], Any], Callable[[Any], None]]:
+def _blocking_lock(
+    system: str, url: str
+) -> tuple[Callable[[], Any], Callable[[Any], None], Callable[[], None]]:
+    """(acquire, release, close) of one contender's blocking lock."""
     if system == "sqllocker":
         locker = Locker(url, table=TABLE, grace=1)
-        return (lambda: locker.lock("contended", wait=None, expires=60)), (
-            lambda lock: lock.unlock()
+        return (
+            (lambda: locker.lock("contended", wait=None, expires=60)),
+            (lambda lock: lock.unlock()),
+            locker.close,
         )
     if system == "advisory lock":
         connection = postgres_connection(url)
@@ -423,7 +429,10 @@ def _blocking_lock(system: str, url: str) -> tuple[Callable[[], Any], Callable[[
         def acquire() -> None:
             connection.execute("SELECT pg_advisory_lock(42)").fetchone()
 
-        return acquire, lambda _: connection.execute("SELECT pg_advisory_unlock(42)").fetchone()
+        def release(_: Any) -> None:
+            connection.execute("SELECT pg_advisory_unlock(42)").fetchone()
+
+        return acquire, release, connection.close
     if system == "GET_LOCK":
         connection = mysql_connection(url)
         cursor = connection.cursor()
@@ -436,7 +445,7 @@ def _blocking_lock(system: str, url: str) -> tuple[Callable[[], Any], Callable[[
             cursor.execute("SELECT RELEASE_LOCK('contended')")
             cursor.fetchone()
 
-        return take, give
+        return take, give, connection.close
     import redis
 
     client = redis.Redis.from_url(REDIS_URL)
@@ -446,7 +455,7 @@ def _blocking_lock(system: str, url: str) -> tuple[Callable[[], Any], Callable[[
         lock.acquire(blocking=True)
         return lock
 
-    return take_redis, lambda lock: lock.release()
+    return take_redis, lambda lock: lock.release(), client.close
 
 
 def contended(
