@@ -458,6 +458,37 @@ def _blocking_lock(
     return take_redis, lambda lock: lock.release(), client.close
 
 
+Turn = tuple[float, float, float, float]  # monotonic: asked, got, began releasing, released
+
+
+def turn_figures(turns: list[Turn]) -> dict[str, Any]:
+    """What the contended rows report of every process's turns together: hand-off latency,
+    the wait, how unfair the order was, and overlaps (two holders at once; must be 0)."""
+    turns = sorted(turns, key=lambda turn: turn[1])
+    violations = sum(after[1] < before[2] for before, after in itertools.pairwise(turns))
+    handoffs = [
+        after[1] - before[3] for before, after in itertools.pairwise(turns) if after[0] < before[3]
+    ]  # only when the next holder was already waiting
+    waits = [got - asked for asked, got, _, _ in turns]
+    gots = [turn[1] for turn in turns]
+    # Fairness: how many acquisitions by others fell between each one's asking and its
+    # getting. Served first come, first served, a process is passed at most once by each of the
+    # others; a starved waiter would be passed many times.
+    overtaken = [
+        bisect.bisect_left(gots, got) - bisect.bisect_right(gots, asked)
+        for asked, got, _, _ in turns
+    ]
+    return {
+        "handoff_p50_ms": percentile(handoffs, 0.5) * 1000 if handoffs else None,
+        "handoff_p99_ms": percentile(handoffs, 0.99) * 1000 if handoffs else None,
+        "wait_p99_ms": percentile(waits, 0.99) * 1000,
+        "overtaken_max": max(overtaken),
+        # {passed by n others: how many acquisitions}
+        "overtaken_counts": dict(sorted(collections.Counter(overtaken).items())),
+        "violations": violations,
+    }
+
+
 def contended(
     targets: list[tuple[str, str, str]], processes: int, seconds: float
 ) -> list[dict[str, Any]]:
@@ -477,35 +508,13 @@ def contended(
         records = [record for _ in workers for record in queue.get(timeout=seconds + 120)]
         for worker in workers:
             worker.join()
-        records.sort(key=lambda r: r[1])
-        violations = sum(after[1] < before[2] for before, after in itertools.pairwise(records))
-        handoffs = [
-            after[1] - before[3]
-            for before, after in itertools.pairwise(records)
-            if after[0] < before[3]
-        ]  # only when the next holder was already waiting
-        waits = [got - asked for asked, got, _, _ in records]
-        gots = [record[1] for record in records]
-        # Fairness: how many acquisitions by others fell between each one's asking and its
-        # getting. Served first come, first served, a process is passed at most once by each
-        # of the others; a starved waiter would be passed many times.
-        overtaken = [
-            bisect.bisect_left(gots, got) - bisect.bisect_right(gots, asked)
-            for asked, got, _, _ in records
-        ]
         rows.append(
             {
                 "backend": backend,
                 "system": system,
                 "processes": processes,
                 "acquisitions_per_s": len(records) / seconds,
-                "handoff_p50_ms": percentile(handoffs, 0.5) * 1000 if handoffs else None,
-                "handoff_p99_ms": percentile(handoffs, 0.99) * 1000 if handoffs else None,
-                "wait_p99_ms": percentile(waits, 0.99) * 1000,
-                "overtaken_max": max(overtaken),
-                # {passed by n others: how many acquisitions}
-                "overtaken_counts": dict(sorted(collections.Counter(overtaken).items())),
-                "violations": violations,
+                **turn_figures(records),
             }
         )
     return rows

@@ -1,0 +1,60 @@
+"""The benchmark's contended figures, on turns made up to show each one (the README's tables
+come from them, so a wrong count there would be a wrong claim there)."""
+
+from __future__ import annotations
+
+import pytest
+
+from scripts.bench import Turn, turn_figures
+
+HOLD, HANDOFF, STEP_BACK = 1.0, 0.05, 2.0
+
+
+def round_robin(processes: int, turns: int) -> list[Turn]:
+    """Processes taking turns in order, as a first-come-first-served lock serves them: each
+    holds for HOLD, hands off in HANDOFF, steps back for STEP_BACK and asks again."""
+    made: list[Turn] = []
+    for k in range(turns):
+        got = k * (HOLD + 2 * HANDOFF)
+        left = got + HOLD
+        released = left + HANDOFF
+        previous = made[k - processes] if k >= processes else None
+        asked = previous[3] + STEP_BACK if previous is not None else -HANDOFF  # all at once
+        made.append((asked, got, left, released))
+    return made
+
+
+def as_collected(turns: list[Turn]) -> list[Turn]:
+    """The turns out of the order they happened in, as the benchmark collects them (each
+    process's own, one process after another)."""
+    return sorted(turns, key=lambda turn: hash(turn) % 7)
+
+
+def test_turns_served_in_order_are_passed_by_at_most_the_others_once() -> None:
+    figures = turn_figures(as_collected(round_robin(4, 400)))
+    assert figures["violations"] == 0
+    assert figures["overtaken_max"] == 3
+    # The first four, asked for at once, pass by 0, 1, 2 and 3; every later turn waits out one
+    # other's (STEP_BACK is about two turns).
+    assert figures["overtaken_counts"] == {0: 1, 1: 1 + 396, 2: 1, 3: 1}
+    assert figures["handoff_p50_ms"] == pytest.approx(HANDOFF * 1000)
+
+
+def test_a_starved_waiter_shows_how_many_got_in_ahead_of_it() -> None:
+    turns = round_robin(3, 30)
+    last_got = turns[-1][1]
+    # A fourth process asked before all of them and got the lock only after all of them.
+    starved: Turn = (-1.0, last_got + 5.0, last_got + 6.0, last_got + 6.1)
+    figures = turn_figures(as_collected([*turns, starved]))
+    assert figures["overtaken_max"] == 30
+    assert figures["overtaken_counts"][30] == 1
+    assert figures["violations"] == 0
+
+
+def test_two_holders_at_once_are_counted() -> None:
+    turns = round_robin(4, 20)
+    asked, got, _, _ = turns[10]
+    # Another process got the lock while turn 10 still held it, and gave it back before turn 11.
+    turns.append((asked, got + HOLD / 2, got + HOLD * 3 / 4, got + HOLD * 3 / 4 + 0.01))
+    assert turn_figures(as_collected(turns))["violations"] == 1
+    assert turn_figures(as_collected(round_robin(4, 20)))["violations"] == 0
