@@ -142,6 +142,7 @@ def drop_table(url: str, table: str) -> None:
         conn.exec_driver_sql(f"DROP TABLE IF EXISTS {version_table_for(table)}")
         if engine.dialect.name == "postgresql":
             conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {table}_notify_release()")
+            conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {table}_queue_wait(bigint, integer)")
     engine.dispose()
 
 

@@ -11,6 +11,8 @@ A waiter's first attempt is refused while anyone holds or waits in the queue
 (``Statements.acquire_unless_queued``): a newcomer joins the queue rather than taking the row
 between a release and the head's INSERT. A queued wait lasts at most QUEUE_PATIENCE, so a head
 that stopped (its process suspended, its connection alive) holds the others up only that long.
+The wait runs in migration 0004's function, which ends it without an ERROR in the server's log
+(``QueueWait``).
 
 The advisory lock decides only who *tries*; who *holds* is decided by the row alone, as
 always. A queue connection that drops, or a hash shared by two lockstrings, costs fairness,
@@ -49,19 +51,63 @@ QUEUE_PATIENCE = 1.0
 KEEP_IDLE = 2
 
 # The queue's statements (psycopg parameters), for the thread and the asyncio rooms alike.
-# ENTER sets the wait's limit and queues in one round trip: the sub-select in FROM runs first,
-# as the row the outer select is computed from. Parameters: (key, lock_timeout(...)).
-ENTER = (
+# QUIET_WAIT is migration 0004's function: it waits at most patience_ms and returns whether it
+# got the queue lock, with no ERROR in the server's log when it did not.
+QUIET_WAIT = "SELECT {table}_queue_wait(%s, %s)"
+HAS_QUIET_WAIT = "SELECT to_regprocedure(%s) IS NOT NULL"
+# A table not yet migrated to 0004 queues with the bare advisory lock. The sub-select in FROM
+# sets the wait's limit first, in the same round trip; a limit that fires is an ERROR, which
+# the server logs. Parameters: (key, patience in ms as text).
+LOUD_WAIT = (
     "SELECT pg_advisory_lock(%s) FROM (SELECT set_config('lock_timeout', %s, false)) AS deadline"
 )
 LEAVE = "SELECT pg_advisory_unlock(%s)"
 
 
-def lock_timeout(timeout: float | None) -> str:
-    """The lock_timeout setting for one queued wait: the caller's remaining ``timeout``
+def patience_ms(timeout: float | None) -> int:
+    """How long one queued wait may last, in milliseconds: the caller's remaining ``timeout``
     (None: none) or QUEUE_PATIENCE, whichever is shorter."""
     patience = QUEUE_PATIENCE if timeout is None else min(timeout, QUEUE_PATIENCE)
-    return str(max(1, round(patience * 1000)))
+    return max(1, round(patience * 1000))
+
+
+class QueueWait:
+    """How one table's waiters wait in a queue: through migration 0004's function, or the bare
+    advisory lock on a table not yet migrated (learned from the first connection a room opens;
+    shared by the thread and the asyncio rooms)."""
+
+    def __init__(self, table: str) -> None:
+        self._table = table
+        self._function = f"{table}_queue_wait"
+        self.quiet: bool | None = None  # not known until the first connection
+
+    @property
+    def probe(self) -> tuple[str, tuple[str]]:
+        """The query (and parameters) whose one value says whether the function exists."""
+        return HAS_QUIET_WAIT, (f"{self._function}(bigint,integer)",)
+
+    def learn(self, exists: bool) -> None:
+        if not exists and self.quiet is None:
+            logger.warning(
+                "lock table %r lacks %s() (migration 0004): each queued wait that times out "
+                "logs an ERROR on the server; run `sqllocker migrate --table %s`",
+                self._table,
+                self._function,
+                self._table,
+            )
+        self.quiet = exists
+
+    def statement(self, key: int, timeout: float | None) -> tuple[str, tuple[int, int | str]]:
+        """The statement (and parameters) that waits, at most ``timeout`` seconds, to head the
+        queue of ``key``; ``granted`` reads its row."""
+        if self.quiet:
+            return QUIET_WAIT.format(table=self._table), (key, patience_ms(timeout))
+        return LOUD_WAIT, (key, str(patience_ms(timeout)))
+
+    def granted(self, row: Any) -> bool:
+        """Whether ``statement``'s row says the queue lock is ours (the bare advisory lock
+        returns only once it is, or raises)."""
+        return bool(row[0]) if self.quiet else True
 
 
 @dataclass(frozen=True)
@@ -161,6 +207,7 @@ class WaitingRoom:
         self._engine = engine
         self._table = table
         self.seats = Seats(capacity)
+        self.queue_wait = QueueWait(table)
         self._leaving: queue.SimpleQueue[tuple[Any, int] | None] = queue.SimpleQueue()
         self._leaver: threading.Thread | None = None
         self._leaver_lock = threading.Lock()
@@ -185,8 +232,11 @@ class WaitingRoom:
         key = self.key(lockstring)
         before_blocking()
         try:
-            connection.execute(ENTER, (key, lock_timeout(timeout))).fetchone()
-            return Entry(Turn(self, connection, key), try_again=True, usable=True)
+            row = connection.execute(*self.queue_wait.statement(key, timeout)).fetchone()
+            if self.queue_wait.granted(row):
+                return Entry(Turn(self, connection, key), try_again=True, usable=True)
+            self._checkin(connection)  # the caller's deadline, or our patience, came first
+            return Entry(None, try_again=True, usable=True)
         except BaseException as error:
             if timed_out(error):
                 self._checkin(connection)  # the caller's deadline, or our patience, came first
@@ -240,14 +290,17 @@ class WaitingRoom:
         free, connection = self.seats.take()
         if not free or connection is not None:
             return connection
+        opened: Any = None
         try:
             fairy = self._engine.raw_connection()
-            opened: Any = fairy.driver_connection
+            opened = fairy.driver_connection
             fairy.detach()  # ours: it never goes back to the pool
             opened.autocommit = True
+            if self.queue_wait.quiet is None:
+                self.queue_wait.learn(opened.execute(*self.queue_wait.probe).fetchone()[0])
             return opened
         except Exception as error:
-            self.seats.give_back(None)
+            self._discard(opened)
             logger.warning("could not open a connection to queue on (%s)", error)
             return None
 
@@ -257,7 +310,8 @@ class WaitingRoom:
             with contextlib.suppress(Exception):
                 extra.close()
 
-    def _discard(self, connection: Any) -> None:
+    def _discard(self, connection: Any | None) -> None:
         self.seats.give_back(None)
-        with contextlib.suppress(Exception):
-            connection.close()
+        if connection is not None:
+            with contextlib.suppress(Exception):
+                connection.close()

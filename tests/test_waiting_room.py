@@ -4,20 +4,23 @@ holder nothing."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
-from sqllocker import LockBusy, Locker, waiting_room
+from sqllocker import LockBusy, Locker, lock_table, waiting_room
 from sqllocker.asyncio import AsyncLock, AsyncLocker
+from sqllocker.asyncio import waiting_room as async_waiting_room
 from sqllocker.engine import resolve_url
 from sqllocker.operations import Refused
-from sqllocker.waiting_room import queue_key
+from sqllocker.waiting_room import QueueWait, queue_key, timed_out
 from tests.workers import async_url
 
 
@@ -358,6 +361,115 @@ def test_a_refused_attempt_leaves_the_holders_row_untouched(
     assert xmax == "0"
     held.unlock()
     locker.close()
+
+
+@dataclass
+class QueuedWaits:
+    """What queued waits came to: errors that reached the client (the server logs every one),
+    and how many waits ran out of time without one."""
+
+    errors: list[BaseException]
+    quiet_timeouts: int = 0
+
+
+@pytest.fixture
+def queued_waits(monkeypatch: pytest.MonkeyPatch) -> QueuedWaits:
+    """Watch every queued wait, in the thread and the asyncio rooms, with a patience of 0.2 s."""
+    monkeypatch.setattr(waiting_room, "QUEUE_PATIENCE", 0.2)
+    seen = QueuedWaits([])
+    real_granted = QueueWait.granted
+
+    def seen_timed_out(error: BaseException) -> bool:
+        seen.errors.append(error)
+        return timed_out(error)
+
+    def granted(self: QueueWait, row: Any) -> bool:
+        got = real_granted(self, row)
+        seen.quiet_timeouts += not got
+        return got
+
+    monkeypatch.setattr(waiting_room, "timed_out", seen_timed_out)
+    monkeypatch.setattr(async_waiting_room, "timed_out", seen_timed_out)
+    monkeypatch.setattr(QueueWait, "granted", granted)
+    return seen
+
+
+def test_a_queued_wait_that_runs_out_of_patience_logs_no_error_on_the_server(
+    migrated_postgres: str, table_name: str, admin: sa.Engine, queued_waits: QueuedWaits
+) -> None:
+    """A lock_timeout that fires is an ERROR, and the server logs each one: a waiter behind a
+    job holding its lock for ten minutes logged one every QUEUE_PATIENCE. Migration 0004's
+    function catches it on the server, so none reaches the client (nor the log)."""
+    holder = Locker(migrated_postgres, table=table_name)
+    held = holder.lock("report")
+    stopped_head = head_the_queue(admin, table_name)
+    waiter = Locker(migrated_postgres, table=table_name)
+    with pytest.raises(LockBusy):
+        waiter.lock("report", wait=1.0)
+    assert queued_waits.errors == []
+    assert queued_waits.quiet_timeouts >= 3  # it did queue, and ran out of patience each time
+    assert waiter._waiting_room().queue_wait.quiet is True
+    stopped_head.close()
+    held.unlock()
+    got = waiter.lock("report", wait=10)  # through the queue, now free
+    assert got.lock_id > held.lock_id
+    got.unlock()
+    waiter.close()
+    holder.close()
+
+
+def test_a_table_not_yet_migrated_to_0004_still_queues_and_says_to_migrate(
+    postgresql_url: str,
+    table_name: str,
+    queued_waits: QueuedWaits,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A library upgraded before its table was: waiters queue with the bare advisory lock,
+    as before 0004, and one warning names the command that adds the function."""
+    engine = sa.create_engine(resolve_url(postgresql_url))
+    lock_table(table_name).create(engine)  # no migrations: neither trigger nor function
+    holder = Locker(postgresql_url, table=table_name)
+    held = holder.lock("report")
+    stopped_head = head_the_queue(engine, table_name)
+    waiter = Locker(postgresql_url, table=table_name)
+    with caplog.at_level(logging.WARNING, logger="sqllocker"), pytest.raises(LockBusy):
+        waiter.lock("report", wait=1.0)
+    assert len(queued_waits.errors) >= 3
+    assert all(timed_out(error) for error in queued_waits.errors)  # the server's lock_timeout
+    assert waiter._waiting_room().queue_wait.quiet is False
+    warnings = [r.getMessage() for r in caplog.records if "migration 0004" in r.getMessage()]
+    assert len(warnings) == 1
+    assert f"sqllocker migrate --table {table_name}" in warnings[0]
+    stopped_head.close()
+    held.unlock()
+    got = waiter.lock("report", wait=10)
+    assert got.lock_id > held.lock_id
+    got.unlock()
+    waiter.close()
+    holder.close()
+    engine.dispose()
+
+
+async def test_an_async_queued_wait_that_runs_out_of_patience_logs_no_error_on_the_server(
+    migrated_postgres: str, table_name: str, admin: sa.Engine, queued_waits: QueuedWaits
+) -> None:
+    holder = Locker(migrated_postgres, table=table_name)
+    held = holder.lock("report")
+    stopped_head = head_the_queue(admin, table_name)
+    waiter = AsyncLocker(async_url(migrated_postgres), table=table_name)
+    with pytest.raises(LockBusy):
+        await waiter.lock("report", wait=1.0)
+    assert queued_waits.errors == []
+    assert queued_waits.quiet_timeouts >= 3
+    assert waiter._room is not None
+    assert waiter._room.queue_wait.quiet is True
+    stopped_head.close()
+    held.unlock()
+    got = await waiter.lock("report", wait=10)
+    assert got.lock_id > held.lock_id
+    await got.unlock()
+    await waiter.aclose()
+    holder.close()
 
 
 async def wait_until_async(condition: Callable[[], bool], timeout: float = 10.0) -> None:

@@ -20,11 +20,10 @@ from sqlalchemy.util import greenlet_spawn
 
 from ..waiting_room import (
     DEFAULT_CAPACITY,
-    ENTER,
     LEAVE,
     Entry,
+    QueueWait,
     Seats,
-    lock_timeout,
     queue_key,
     timed_out,
 )
@@ -62,6 +61,7 @@ class AsyncWaitingRoom:
         self._engine = engine
         self._table = table
         self.seats = Seats(capacity)
+        self.queue_wait = QueueWait(table)
         self._leaving: set[asyncio.Task[None]] = set()
 
     def key(self, lockstring: str) -> int:
@@ -78,8 +78,11 @@ class AsyncWaitingRoom:
         key = self.key(lockstring)
         before_blocking()
         try:
-            await connection.execute(ENTER, (key, lock_timeout(timeout)))
-            return Entry(AsyncTurn(self, connection, key), try_again=True, usable=True)
+            cursor = await connection.execute(*self.queue_wait.statement(key, timeout))
+            if self.queue_wait.granted(await cursor.fetchone()):
+                return Entry(AsyncTurn(self, connection, key), try_again=True, usable=True)
+            await self._checkin(connection)  # the caller's deadline, or our patience, came first
+            return Entry(None, try_again=True, usable=True)
         except BaseException as error:
             if timed_out(error):
                 await self._checkin(connection)  # the caller's deadline, or our patience
@@ -116,14 +119,18 @@ class AsyncWaitingRoom:
         free, connection = self.seats.take()
         if not free or connection is not None:
             return connection
+        opened: Any = None
         try:
             fairy = await greenlet_spawn(self._engine.sync_engine.raw_connection)
-            opened: Any = fairy.driver_connection  # psycopg.AsyncConnection
+            opened = fairy.driver_connection  # psycopg.AsyncConnection
             fairy.detach()  # ours: it never goes back to the pool
             await opened.set_autocommit(True)
+            if self.queue_wait.quiet is None:
+                probe = await opened.execute(*self.queue_wait.probe)
+                self.queue_wait.learn((await probe.fetchone())[0])
             return opened
         except Exception as error:
-            self.seats.give_back(None)
+            await self._discard(opened)
             logger.warning("could not open a connection to queue on (%s)", error)
             return None
 
@@ -133,7 +140,8 @@ class AsyncWaitingRoom:
             with contextlib.suppress(Exception):
                 await extra.close()
 
-    async def _discard(self, connection: Any) -> None:
+    async def _discard(self, connection: Any | None) -> None:
         self.seats.give_back(None)
-        with contextlib.suppress(Exception):
-            await connection.close()
+        if connection is not None:
+            with contextlib.suppress(Exception):
+                await connection.close()
