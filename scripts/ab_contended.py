@@ -1,0 +1,60 @@
+"""Compare the contended PostgreSQL rows of two or more source trees, interleaved.
+
+One run of bench.py moves by ±10% from the next, more than most changes to the hand-off are
+worth, so a change is judged against the code before it in alternating rounds: each round
+runs every tree's sqllocker and advisory-lock rows back to back (in a fresh interpreter, from
+that tree), reversing the order of the trees every other round, and prints one JSON line per
+tree and round. Make the other tree with ``git worktree add /tmp/base HEAD``, for example:
+
+    .venv/bin/python scripts/ab_contended.py --rounds 4 --seconds 8 new=. base=/tmp/base
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+_ONE_ROUND = """
+import json
+from scripts import bench
+url = bench.URLS["postgresql"]
+ours, advisory = bench.contended(
+    [("postgresql", "sqllocker", url), ("postgresql", "advisory lock", url)], 4, {seconds}
+)
+bench.drop_table(url, bench.TABLE)
+print(json.dumps({{
+    "x_advisory": round(ours["acquisitions_per_s"] / advisory["acquisitions_per_s"], 3),
+    "acquisitions_per_s": ours["acquisitions_per_s"],
+    "advisory_per_s": advisory["acquisitions_per_s"],
+    "handoff_p50_ms": ours["handoff_p50_ms"],
+    "handoff_p99_ms": ours["handoff_p99_ms"],
+    "passed_by": ours["overtaken_max"],
+    "overlaps": ours["violations"],
+}}))
+"""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("trees", nargs="+", help="name=path of a checkout, two or more")
+    args = parser.parse_args()
+    trees = [tuple(tree.split("=", 1)) for tree in args.trees]
+    for number in range(args.rounds):
+        for name, path in trees if number % 2 == 0 else trees[::-1]:
+            done = subprocess.run(
+                [sys.executable, "-c", _ONE_ROUND.format(seconds=args.seconds)],
+                cwd=path,
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            lines = done.stdout.strip().splitlines()
+            print(number, name, lines[-1] if lines else done.stderr[-2000:], flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
