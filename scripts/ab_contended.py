@@ -41,6 +41,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("trees", nargs="+", help="name=path of a checkout, two or more")
     args = parser.parse_args()
+    if len(args.trees) < 2 or not all("=" in tree for tree in args.trees):
+        parser.error("give two or more trees, each as name=path")
     trees = [tuple(tree.split("=", 1)) for tree in args.trees]
     for number in range(args.rounds):
         for name, path in trees if number % 2 == 0 else trees[::-1]:

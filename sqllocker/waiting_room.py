@@ -79,6 +79,7 @@ class QueueWait:
     def __init__(self, table: str) -> None:
         self._table = table
         self._function = f"{table}_queue_wait"
+        self._quiet_wait = QUIET_WAIT.format(table=table)  # a validated identifier
         self.quiet: bool | None = None  # not known until the first connection
 
     @property
@@ -101,7 +102,7 @@ class QueueWait:
         """The statement (and parameters) that waits, at most ``timeout`` seconds, to head the
         queue of ``key``; ``granted`` reads its row."""
         if self.quiet:
-            return QUIET_WAIT.format(table=self._table), (key, patience_ms(timeout))
+            return self._quiet_wait, (key, patience_ms(timeout))
         return LOUD_WAIT, (key, str(patience_ms(timeout)))
 
     def granted(self, row: Any) -> bool:
