@@ -41,7 +41,7 @@ import sqlalchemy as sa
 
 from sqllocker import Locker, lock_table
 from sqllocker.engine import resolve_url
-from sqllocker.migrations import upgrade, version_table_for
+from sqllocker.migrations import current_revision, downgrade, upgrade, version_table_for
 from sqllocker.operations import LockTable
 
 URLS = {
@@ -134,15 +134,15 @@ def fresh_table(url: str, table: str = TABLE) -> None:
 
 
 def drop_table(url: str, table: str) -> None:
-    """The lock table and what its migrations made beside it, gone."""
+    """The lock table and what its migrations made beside it, gone (by the migrations
+    themselves, where the table has its version table)."""
     engine = sa.create_engine(resolve_url(url))
+    if current_revision(engine, table) is not None:
+        downgrade(engine, table)
     with engine.begin() as conn:
-        conn.exec_driver_sql(f"DROP VIEW IF EXISTS {table}_held")
+        conn.exec_driver_sql(f"DROP VIEW IF EXISTS {table}_held")  # a table left by hand
         conn.exec_driver_sql(f"DROP TABLE IF EXISTS {table}")
         conn.exec_driver_sql(f"DROP TABLE IF EXISTS {version_table_for(table)}")
-        if engine.dialect.name == "postgresql":
-            conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {table}_notify_release()")
-            conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {table}_queue_wait(bigint, integer)")
     engine.dispose()
 
 

@@ -74,6 +74,13 @@ def upgrade(engine: Engine, table: str = DEFAULT_TABLE, revision: str = "head") 
         command.upgrade(alembic_config(table, connection=conn), revision)
 
 
+def downgrade(engine: Engine, table: str = DEFAULT_TABLE, revision: str = "base") -> None:
+    """Undo the migrations down to ``revision``: by default everything they made (the table,
+    and on PostgreSQL its trigger, functions and requests table), for tearing a table down."""
+    with _migration_connection(engine) as conn:
+        command.downgrade(alembic_config(table, connection=conn), revision)
+
+
 def upgrade_sql(url: URL, table: str = DEFAULT_TABLE) -> str:
     """The DDL of a full upgrade for ``url``'s dialect, for DBAs who apply it themselves."""
     buffer = io.StringIO()
