@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 import uuid
 from datetime import datetime
 from typing import Any
@@ -23,12 +24,12 @@ from .errors import LockBusy, LockTypeError
 from .identity import holder_details
 from .keepalive import DEFAULT_FRACTION, KeepAlive
 from .lock import Lock, LockState, OnLost
-from .notify import ReleaseListener
+from .notify import Grant, ReleaseListener
 from .operations import Acquired, LockInfo, LockTable, Refused
 from .schema import DEFAULT_TABLE
 from .statements import Statements
 from .waiting import Backoff
-from .waiting_room import Turn, WaitingRoom
+from .waiting_room import Request, Turn, WaitingRoom, hand_off_started
 
 logger = logging.getLogger("sqllocker")
 
@@ -149,26 +150,36 @@ class Locker:
             lockstring, expires, self.expires, wait, locked_by, on_lost
         )
         lockstring, ttl, wait, extra = request
+        on_lost = on_lost or self.on_lost
+        # One guid for every attempt of this call: a release may hand the row to it (as our
+        # Request, at the head of the queue), and an attempt that finds the row under it knows
+        # the row is ours.
+        guid = str(uuid.uuid4())
+        details = holder_details(guid, extra)
         backoff = Backoff.for_wait(wait)
         listener = self._release_listener() if wait != 0 else None
         room = self._waiting_room() if listener is not None else None
         turn: Turn | None = None
         # A waiter's first attempt does not take the row ahead of waiters already queued.
         gate = room.key(lockstring) if room is not None else None
+        # The latest refusal that read the server's clock: (monotonic time before it was sent,
+        # the server's time it read), to place a granted row's start on our clock.
+        clock: tuple[float, datetime] | None = None
         try:
             while True:
                 # Subscribe before the attempt: a release between a refusal and the sleep
                 # still wakes us.
-                waiter = listener.register(lockstring) if listener is not None else None
+                waiter = listener.register(lockstring, guid) if listener is not None else None
                 try:
-                    outcome = self._try_acquire(
-                        lockstring, ttl, extra, on_lost or self.on_lost, gate
-                    )
+                    attempted_at = time.monotonic()
+                    outcome = self._try_acquire(lockstring, guid, details, ttl, on_lost, gate)
                     gated, gate = gate is not None, None
                     if isinstance(outcome, Lock):
                         if turn is not None:
-                            turn.leave(in_background=True)
+                            turn.leave(in_background=turn.request is None, give_back=False)
                         return outcome.keep_alive() if keep_alive else outcome
+                    if outcome.server_now is not None:
+                        clock = (attempted_at, outcome.server_now)
                     if backoff.expired():
                         if gated and outcome.busy is None:
                             continue  # the gate refused us unasked: one full attempt first
@@ -183,6 +194,7 @@ class Locker:
                             lockstring,
                             backoff.remaining(),
                             before_blocking=functools.partial(listener.step_aside, waiter),
+                            request=Request(lockstring, guid, details, ttl),
                         )
                         turn = entry.turn
                         if not entry.usable:
@@ -196,6 +208,13 @@ class Locker:
                     )
                     if waiter is not None:
                         waiter.event.wait(delay)  # a release notification, or the backoff
+                        if waiter.grant is not None and turn is not None:
+                            grant = waiter.grant
+                            lock = self._granted(
+                                lockstring, grant, details, ttl, on_lost, turn, clock
+                            )
+                            turn.granted()
+                            return lock.keep_alive() if keep_alive else lock
                     else:
                         backoff.sleep(delay)
                 finally:
@@ -203,7 +222,7 @@ class Locker:
                         listener.unregister(waiter)
         finally:
             if turn is not None:
-                turn.leave()
+                turn.leave()  # withdrawing our request, and giving back a row granted to it
 
     def try_lock(
         self,
@@ -297,18 +316,33 @@ class Locker:
     def _try_acquire(
         self,
         lockstring: str,
+        guid: str,
+        details: dict[str, Any],
         ttl: float,
-        extra: dict[str, Any],
         on_lost: OnLost | None,
         queue_key: int | None = None,
     ) -> Lock | Refused:
-        guid = str(uuid.uuid4())
-        details = holder_details(guid, extra)
         outcome = self._table.try_acquire(lockstring, guid, ttl, details, queue_key)
         if not isinstance(outcome, Acquired):
             return outcome
         state = LockState(self, lockstring, outcome.lock_id, guid, ttl, outcome.sent_at, on_lost)
         return Lock(state, created=outcome.created, expires=outcome.expires, locked_by=details)
+
+    def _granted(
+        self,
+        lockstring: str,
+        grant: Grant,
+        details: dict[str, Any],
+        ttl: float,
+        on_lost: OnLost | None,
+        turn: Turn,
+        clock: tuple[float, datetime] | None,
+    ) -> Lock:
+        """The Lock on a row a release handed to our request (``turn``'s)."""
+        started = hand_off_started(grant.created, turn.requested_at, clock)
+        state = LockState(self, lockstring, grant.lock_id, grant.guid, ttl, started, on_lost)
+        logger.debug("acquired %r (id %d), handed over by its release", lockstring, grant.lock_id)
+        return Lock(state, created=grant.created, expires=grant.expires, locked_by=details)
 
     def _release_listener(self) -> ReleaseListener | None:
         """PostgreSQL (psycopg 3) waiters wake on NOTIFY; other backends back off and retry."""

@@ -9,6 +9,11 @@ Each notification wakes the longest-waiting waiter of that lockstring in this pr
 of them: the others would only stampede the row and be refused again. Waiters still wake by
 themselves when the holder's row is due to expire, and at a slow fallback poll, so a lost
 notification (the listening connection dropped) costs latency, never correctness.
+
+Migration 0005's trigger may instead hand the row to the head of the lockstring's queue, and say
+so on a second channel, ``sqllocker_<table>_granted``, with the new row's guid, id, created and
+expires: the waiter registered with that guid is given the Grant and woken. A lost grant
+notification costs latency too: the head's next attempt finds the row under its own guid.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import logging
 import os
 import threading
 from collections import defaultdict, deque
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any, Generic, TypeVar
 
 from sqlalchemy.engine import Engine
@@ -32,14 +39,45 @@ _READ_SECONDS = 1.0
 Event = TypeVar("Event", threading.Event, asyncio.Event)
 
 
+@dataclass(frozen=True)
+class Grant:
+    """A row that a release inserted for the head of a lockstring's queue (migration 0005)."""
+
+    guid: str
+    lock_id: int
+    created: datetime
+    expires: datetime
+
+
+def _epoch(text: str) -> datetime:
+    """An ``extract(epoch ...)`` value as a UTC datetime, to the microsecond (no float)."""
+    seconds, _, fraction = text.partition(".")
+    return datetime.fromtimestamp(int(seconds), timezone.utc).replace(
+        microsecond=int((fraction + "000000")[:6])
+    )
+
+
+def parse_grant(payload: str) -> Grant | None:
+    """The Grant in a ``sqllocker_<table>_granted`` payload, or None if it is not one."""
+    try:
+        guid, lock_id, created, expires = payload.split(" ")
+        return Grant(guid, int(lock_id), _epoch(created), _epoch(expires))
+    except ValueError:
+        logger.warning("ignored a malformed hand-off notification: %r", payload[:100])
+        return None
+
+
 class Waiter(Generic[Event]):
-    """One registration: set when a release of its lockstring may have made it free."""
+    """One registration: set when a release of its lockstring may have made it free, or when a
+    release handed the row to ``guid`` (then ``grant`` says which row)."""
 
-    __slots__ = ("event", "lockstring")
+    __slots__ = ("event", "grant", "guid", "lockstring")
 
-    def __init__(self, lockstring: str, event: Event) -> None:
+    def __init__(self, lockstring: str, event: Event, guid: str | None = None) -> None:
         self.lockstring = lockstring
         self.event: Event = event
+        self.guid = guid
+        self.grant: Grant | None = None
 
 
 class WaiterQueues:
@@ -49,14 +87,19 @@ class WaiterQueues:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._waiters: dict[str, deque[Waiter[Any]]] = defaultdict(deque)
+        self._by_guid: dict[str, Waiter[Any]] = {}
 
     def add(self, waiter: Waiter[Event]) -> Waiter[Event]:
         with self._lock:
             self._waiters[waiter.lockstring].append(waiter)
+            if waiter.guid is not None:
+                self._by_guid[waiter.guid] = waiter
         return waiter
 
     def remove(self, waiter: Waiter[Any]) -> None:
         with self._lock:
+            if waiter.guid is not None and self._by_guid.get(waiter.guid) is waiter:
+                del self._by_guid[waiter.guid]
             queue = self._waiters.get(waiter.lockstring)
             if queue is not None:
                 with contextlib.suppress(ValueError):  # already woken and removed
@@ -81,17 +124,34 @@ class WaiterQueues:
                 if not queue:
                     del self._waiters[lockstring]
 
+    def hand_over(self, grant: Grant) -> bool:
+        """Give ``grant`` to the waiter registered with its guid, and wake it; False if none is
+        (it is between two attempts, or in another process)."""
+        with self._lock:
+            waiter = self._by_guid.pop(grant.guid, None)
+            if waiter is None:
+                return False
+            waiter.grant = grant
+            waiter.event.set()
+            return True
+
     def wake_everyone(self) -> None:
         with self._lock:
             for queue in self._waiters.values():
                 for waiter in queue:
                     waiter.event.set()
             self._waiters.clear()
+            self._by_guid.clear()
 
 
 def channel_for(table: str) -> str:
     """The NOTIFY channel of ``table``'s DELETE trigger (migration 0003)."""
     return f"sqllocker_{table}"
+
+
+def grants_channel_for(table: str) -> str:
+    """The NOTIFY channel on which the DELETE trigger says whom it handed a row (0005)."""
+    return f"sqllocker_{table}_granted"
 
 
 class ReleaseListener:
@@ -100,6 +160,7 @@ class ReleaseListener:
     def __init__(self, engine: Engine, table: str) -> None:
         self._engine = engine
         self.channel = channel_for(table)
+        self.grants_channel = grants_channel_for(table)
         self._lock = threading.Lock()
         self._waiters = WaiterQueues()
         self._thread: threading.Thread | None = None
@@ -107,11 +168,13 @@ class ReleaseListener:
         self._stopping = False
         self._pid = os.getpid()
         self.notifications = 0
+        self.grants = 0
 
-    def register(self, lockstring: str) -> Waiter[threading.Event]:
-        """Subscribe to ``lockstring``'s next release; call before the acquire attempt."""
+    def register(self, lockstring: str, guid: str | None = None) -> Waiter[threading.Event]:
+        """Subscribe to ``lockstring``'s next release, and to a hand-off of its row to ``guid``;
+        call before the acquire attempt."""
         self._ensure_listening()
-        return self._waiters.add(Waiter(lockstring, threading.Event()))
+        return self._waiters.add(Waiter(lockstring, threading.Event(), guid))
 
     def unregister(self, waiter: Waiter[threading.Event]) -> None:
         self._waiters.remove(waiter)
@@ -161,11 +224,15 @@ class ReleaseListener:
         try:
             connection.autocommit = True
             connection.execute(f'LISTEN "{self.channel}"')
+            connection.execute(f'LISTEN "{self.grants_channel}"')
             self._listening.set()
             while not self._stopping:
                 for notice in connection.notifies(timeout=_READ_SECONDS):
                     self.notifications += 1
-                    self._waiters.wake_first(notice.payload)
+                    if notice.channel == self.channel:
+                        self._waiters.wake_first(notice.payload)
+                    elif (grant := parse_grant(notice.payload)) is not None:
+                        self.grants += self._waiters.hand_over(grant)
         finally:
             self._listening.clear()
             connection.close()

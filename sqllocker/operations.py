@@ -95,12 +95,16 @@ def _lock_info(row: Any) -> LockInfo:
 @dataclass(frozen=True)
 class Acquired:
     """Our row was inserted. ``sent_at`` is the monotonic time the successful statement was
-    sent: the lock's validity deadline counts from it (see ``holding.py``)."""
+    sent: the lock's validity deadline counts from it (see ``lock.py``). ``age``: seconds the
+    row had already existed, by the server's clock, when an attempt found it under our guid
+    (inserted by an earlier attempt whose answer was lost, or by a release that handed it to
+    us), to be taken off ``sent_at``."""
 
     lock_id: int
     created: datetime
     expires: datetime
     sent_at: float = 0.0
+    age: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -193,7 +197,8 @@ class LockTable:
             )
             if isinstance(outcome, Acquired):
                 logger.debug("acquired %r (id %d)", lockstring, outcome.lock_id)
-                return Acquired(outcome.lock_id, outcome.created, outcome.expires, sent_at)
+                started = sent_at - outcome.age
+                return Acquired(outcome.lock_id, outcome.created, outcome.expires, started)
             refused = outcome
             if outcome.busy is not None or queue_key is not None:
                 break  # a live holder, or a queue to join: no point asking again at once
@@ -392,8 +397,11 @@ class LockTable:
         if row is None:
             return Refused(None, None)  # released in between: try again
         if row.guid == params["lock_guid"]:
-            # Our INSERT committed but its answer was lost with the connection (_run retried).
-            return Acquired(row.id, row.created, row.expires)
+            # Ours: an INSERT of ours committed but its answer was lost with the connection
+            # (_run retried), or a release handed the row to our request. Its expiry period
+            # began when it was inserted, not now.
+            age = max(0.0, (row.server_now - row.created).total_seconds())
+            return Acquired(row.id, row.created, row.expires, age=age)
         if row.takeable:
             # Expired beyond grace by the server's clock: take it over, or lose the race.
             return self._take_over(conn, params) or Refused(None, None)

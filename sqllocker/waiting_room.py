@@ -14,6 +14,14 @@ that stopped (its process suspended, its connection alive) holds the others up o
 The wait runs in migration 0004's function, which ends it without an ERROR in the server's log
 (``QueueWait``).
 
+With migration 0005, a sync waiter that becomes the head of the queue leaves a *request* in the
+same statement (``Request``), and a release hands it the row in the release's own transaction
+(see that migration): the head has the lock when the release commits and learns it from the
+grant's NOTIFY, with no INSERT of its own on the hand-off's path. A head that stops waiting
+withdraws its request, giving back a row granted meanwhile, in the statement that leaves the
+queue; one that got the row by its own INSERT withdraws it before lock() returns, so that no
+later release can hand a row to a request nobody waits on.
+
 The advisory lock decides only who *tries*; who *holds* is decided by the row alone, as
 always. A queue connection that drops, or a hash shared by two lockstrings, costs fairness,
 never safety.
@@ -27,12 +35,15 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Generic, TypeVar
 
 from sqlalchemy.engine import Engine
@@ -54,7 +65,13 @@ KEEP_IDLE = 2
 # QUIET_WAIT is migration 0004's function: it waits at most patience_ms and returns whether it
 # got the queue lock, with no ERROR in the server's log when it did not.
 QUIET_WAIT = "SELECT {table}_queue_wait(%s, %s)"
-HAS_QUIET_WAIT = "SELECT to_regprocedure(%s) IS NOT NULL"
+# Migration 0005's: the quiet wait that also leaves the head's request, and the leaving that
+# withdraws it (giving back a row granted meanwhile, if asked to), returning whether it had been
+# granted. Parameters: (key, patience in ms, lockstring, guid, holder JSON, ttl seconds) and
+# (key, lockstring, guid, give back).
+HAND_OFF_WAIT = "SELECT {table}_queue_for_hand_off(%s, %s, %s, %s, %s, %s)"
+HAND_OFF_LEAVE = "SELECT {table}_queue_leave(%s, %s, %s, %s)"
+HAS_FUNCTIONS = "SELECT to_regprocedure(%s) IS NOT NULL, to_regprocedure(%s) IS NOT NULL"
 # A table not yet migrated to 0004 queues with the bare advisory lock. The sub-select in FROM
 # sets the wait's limit first, in the same round trip; a limit that fires is an ERROR, which
 # the server logs. Parameters: (key, patience in ms as text).
@@ -71,23 +88,64 @@ def patience_ms(timeout: float | None) -> int:
     return max(1, round(patience * 1000))
 
 
+@dataclass(frozen=True)
+class Request:
+    """What a release needs to hand the row to a waiter at the head of the queue: the row it
+    would insert itself (guid, holder details, expiry period)."""
+
+    lockstring: str
+    guid: str
+    holder: dict[str, Any]
+    ttl: float
+
+
+def hand_off_started(
+    created: datetime, requested_at: float, clock: tuple[float, datetime] | None
+) -> float:
+    """The monotonic time from which the lock on a row handed to our request counts its
+    validity: no later than the release's INSERT, when the row's expiry period began (at
+    ``created``, by the server's clock), however late we heard of it.
+
+    That moment is no earlier than our request was sent (``requested_at``). ``clock`` is the
+    latest refusal that read the server's time: (monotonic time before it was sent, the time it
+    read). The server read it no earlier than we sent it, so ``created`` is no earlier than
+    that much after the sending, on our clock.
+    """
+    started = requested_at
+    if clock is not None:
+        sent, server_now = clock
+        started = max(started, sent + (created - server_now).total_seconds())
+    return min(started, time.monotonic())
+
+
 class QueueWait:
-    """How one table's waiters wait in a queue: through migration 0004's function, or the bare
-    advisory lock on a table not yet migrated (learned from the first connection a room opens;
-    shared by the thread and the asyncio rooms)."""
+    """How one table's waiters wait in a queue: through migration 0004's function (0005's, which
+    also leaves a Request, for a waiter that gives one), or the bare advisory lock on a table not
+    yet migrated (learned from the first connection a room opens; shared by the thread and the
+    asyncio rooms)."""
 
     def __init__(self, table: str) -> None:
         self._table = table
         self._function = f"{table}_queue_wait"
-        self._quiet_wait = QUIET_WAIT.format(table=table)  # a validated identifier
+        # A validated identifier, safe to write into SQL.
+        self._quiet_wait = QUIET_WAIT.format(table=table)
+        self._hand_off_wait = HAND_OFF_WAIT.format(table=table)
+        self._hand_off_leave = HAND_OFF_LEAVE.format(table=table)
         self.quiet: bool | None = None  # not known until the first connection
+        self.hand_off = False
 
     @property
-    def probe(self) -> tuple[str, tuple[str]]:
-        """The query (and parameters) whose one value says whether the function exists."""
-        return HAS_QUIET_WAIT, (f"{self._function}(bigint,integer)",)
+    def probe(self) -> tuple[str, tuple[str, str]]:
+        """The query (and parameters) whose two values say whether 0004's and 0005's functions
+        exist."""
+        return HAS_FUNCTIONS, (
+            f"{self._function}(bigint,integer)",
+            f"{self._table}_queue_for_hand_off"
+            "(bigint,integer,character varying,character varying,jsonb,double precision)",
+        )
 
-    def learn(self, exists: bool) -> None:
+    def learn(self, exists: bool, hand_off: bool = False) -> None:
+        self.hand_off = hand_off
         if not exists and self.quiet is None:
             logger.warning(
                 "lock table %r lacks %s() (migration 0004): each queued wait that times out "
@@ -98,12 +156,39 @@ class QueueWait:
             )
         self.quiet = exists
 
-    def statement(self, key: int, timeout: float | None) -> tuple[str, tuple[int, int | str]]:
+    def statement(
+        self, key: int, timeout: float | None, request: Request | None = None
+    ) -> tuple[str, tuple[Any, ...]]:
         """The statement (and parameters) that waits, at most ``timeout`` seconds, to head the
-        queue of ``key``; ``granted`` reads its row."""
+        queue of ``key``, leaving ``request`` once it does where the table can take one (see
+        ``hands_off``); ``granted`` reads its row."""
+        if request is not None and self.hand_off:
+            holder = json.dumps(request.holder)
+            return self._hand_off_wait, (
+                key,
+                patience_ms(timeout),
+                request.lockstring,
+                request.guid,
+                holder,
+                request.ttl,
+            )
         if self.quiet:
             return self._quiet_wait, (key, patience_ms(timeout))
         return LOUD_WAIT, (key, str(patience_ms(timeout)))
+
+    def hands_off(self, request: Request | None) -> bool:
+        """Whether ``statement`` leaves ``request`` for a release to grant."""
+        return request is not None and self.hand_off
+
+    def leave_statement(
+        self, key: int, request: Request | None, give_back: bool
+    ) -> tuple[str, tuple[Any, ...]]:
+        """The statement that leaves the queue of ``key``: withdrawing ``request`` if it was
+        left (and with ``give_back``, deleting a row granted to it); its one value says
+        whether a row had been granted."""
+        if request is not None:
+            return self._hand_off_leave, (key, request.lockstring, request.guid, give_back)
+        return LEAVE, (key,)
 
     def granted(self, row: Any) -> bool:
         """Whether ``statement``'s row says the queue lock is ours (the bare advisory lock
@@ -182,23 +267,49 @@ class Seats:
 
 
 class Turn:
-    """The head of one lockstring's queue: ``leave()`` once the row is ours, or the wait ends."""
+    """The head of one lockstring's queue: ``leave()`` once the row is ours, or the wait ends.
 
-    def __init__(self, room: WaitingRoom, connection: Any, key: int) -> None:
+    ``request``: the Request it left for a release to grant (None if it left none), and
+    ``requested_at``, the monotonic time before it was sent: a granted row's expiry period
+    cannot have started earlier.
+    """
+
+    def __init__(
+        self,
+        room: WaitingRoom,
+        connection: Any,
+        key: int,
+        request: Request | None = None,
+        requested_at: float = 0.0,
+    ) -> None:
         self._room = room
         self._connection: Any = connection
         self._key = key
+        self.request = request
+        self.requested_at = requested_at
 
-    def leave(self, in_background: bool = False) -> None:
-        """Leave the queue; ``in_background`` once the row is ours, so the caller has its lock
-        without waiting for this round trip (the next waiter could not have the row anyway)."""
+    def leave(self, in_background: bool = False, give_back: bool = True) -> bool:
+        """Leave the queue; returns whether a row had been granted to our request (given back
+        with ``give_back``; without, it is the caller's).
+
+        ``in_background`` once the row is ours, so the caller has its lock without waiting for
+        this round trip (the next waiter could not have the row anyway). Not with a request
+        still standing: that must be withdrawn before the caller has its lock, or a release of
+        some later holder's row could grant one to a waiter that is gone.
+        """
         connection, self._connection = self._connection, None
         if connection is None:
-            return
+            return False
         if in_background:
             self._room.leave_soon(connection, self._key)
-        else:
-            self._room.leave(connection, self._key)
+            return False
+        return self._room.leave(connection, self._key, self.request, give_back)
+
+    def granted(self) -> None:
+        """Leave the queue in the background after a release handed us the row (which took
+        our request with it)."""
+        self.request = None
+        self.leave(in_background=True)
 
 
 class WaitingRoom:
@@ -219,10 +330,15 @@ class WaitingRoom:
         return queue_key(self._table, lockstring)
 
     def enter(
-        self, lockstring: str, timeout: float | None, before_blocking: Callable[[], None]
+        self,
+        lockstring: str,
+        timeout: float | None,
+        before_blocking: Callable[[], None],
+        request: Request | None = None,
     ) -> Entry[Turn]:
         """Become the head of ``lockstring``'s queue, waiting at most ``timeout`` seconds (and
-        at most QUEUE_PATIENCE).
+        at most QUEUE_PATIENCE), and leave ``request`` for a release to grant if the table
+        can take one.
 
         ``before_blocking`` is called before queueing: a waiter stops listening for the row's
         releases while it queues (the head of the queue in this process may need them).
@@ -232,10 +348,14 @@ class WaitingRoom:
             return Entry(None, try_again=False, usable=False)
         key = self.key(lockstring)
         before_blocking()
+        if not self.queue_wait.hands_off(request):
+            request = None
         try:
-            row = connection.execute(*self.queue_wait.statement(key, timeout)).fetchone()
+            requested_at = time.monotonic()
+            row = connection.execute(*self.queue_wait.statement(key, timeout, request)).fetchone()
             if self.queue_wait.granted(row):
-                return Entry(Turn(self, connection, key), try_again=True, usable=True)
+                turn = Turn(self, connection, key, request, requested_at)
+                return Entry(turn, try_again=True, usable=True)
             self._checkin(connection)  # the caller's deadline, or our patience, came first
             return Entry(None, try_again=True, usable=True)
         except BaseException as error:
@@ -248,14 +368,23 @@ class WaitingRoom:
             logger.warning("could not queue for %r (%s); waiting unqueued", lockstring, error)
             return Entry(None, try_again=True, usable=False)
 
-    def leave(self, connection: Any, key: int) -> None:
+    def leave(
+        self, connection: Any, key: int, request: Request | None = None, give_back: bool = True
+    ) -> bool:
+        """Leave the queue of ``key`` (see ``Turn.leave``); never raises."""
+        statement = self.queue_wait.leave_statement(key, request, give_back)
         try:
-            connection.execute(LEAVE, (key,)).fetchone()
-        except Exception as error:  # closing the connection ends the queue lock too
-            logger.warning("could not leave a lock queue (%s); closing its connection", error)
+            row = connection.execute(*statement).fetchone()
+        except BaseException as error:
+            # Closing the connection ends the queue lock too, and a request left standing is
+            # never granted once its session no longer heads the queue.
             self._discard(connection)
-        else:
-            self._checkin(connection)
+            if not isinstance(error, Exception):
+                raise  # KeyboardInterrupt: still nothing left standing
+            logger.warning("could not leave a lock queue (%s); closing its connection", error)
+            return False
+        self._checkin(connection)
+        return request is not None and bool(row[0])
 
     def leave_soon(self, connection: Any, key: int) -> None:
         """``leave`` on the room's leaving thread."""
@@ -298,7 +427,7 @@ class WaitingRoom:
             fairy.detach()  # ours: it never goes back to the pool
             opened.autocommit = True
             if self.queue_wait.quiet is None:
-                self.queue_wait.learn(opened.execute(*self.queue_wait.probe).fetchone()[0])
+                self.queue_wait.learn(*opened.execute(*self.queue_wait.probe).fetchone())
             return opened
         except Exception as error:
             self._discard(opened)

@@ -88,7 +88,15 @@ def counter(args: argparse.Namespace) -> int:
                         lost += 1
             record = {"ls": lockstring, "id": lock.lock_id, "in": entered, "out": left}
             log.write(json.dumps(record) + "\n")
-    report = {"pid": os.getpid(), "overlaps": work.overlaps, "lost": lost, "abandoned": abandoned}
+    # PostgreSQL: how many of its locks a release handed over (migration 0005).
+    handed_over = locker._listener.grants if locker._listener is not None else 0
+    report = {
+        "pid": os.getpid(),
+        "overlaps": work.overlaps,
+        "lost": lost,
+        "abandoned": abandoned,
+        "handed_over": handed_over,
+    }
     print(json.dumps(report))
     return 0
 

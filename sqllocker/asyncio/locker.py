@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 import uuid
 from collections.abc import Callable, Generator
 from datetime import datetime
@@ -44,6 +45,7 @@ from ..locker import (
 from ..operations import Acquired, LockInfo, LockTable, Refused
 from ..schema import DEFAULT_TABLE
 from ..waiting import Backoff
+from ..waiting_room import Request, hand_off_started
 from .keepalive import AsyncKeepAlive
 from .lock import AsyncLock, AsyncLockState
 from .notify import AsyncReleaseListener
@@ -256,24 +258,36 @@ class AsyncLocker:
         on_lost: OnLost | None,
     ) -> AsyncLock:
         await self._ready()
+        # One guid for every attempt, as in Locker.lock: a release may hand the row to it.
+        guid = str(uuid.uuid4())
+        task = asyncio.current_task()
+        details = holder_details(guid, extra, task.get_name() if task is not None else None)
         backoff = Backoff.for_wait(wait)
         listener = await self._release_listener() if wait != 0 else None
         room = self._waiting_room() if listener is not None else None
         turn: AsyncTurn | None = None
         # A waiter's first attempt does not take the row ahead of waiters already queued.
         gate = room.key(lockstring) if room is not None else None
+        # The latest refusal that read the server's clock (see Locker.lock).
+        clock: tuple[float, datetime] | None = None
         try:
             while True:
                 # Subscribe before the attempt: a release between a refusal and the sleep
                 # still wakes us.
-                waiter = await listener.register(lockstring) if listener is not None else None
+                waiter = await listener.register(lockstring, guid) if listener is not None else None
                 try:
-                    outcome = await self._try_acquire(lockstring, ttl, extra, on_lost, gate)
+                    attempted_at = time.monotonic()
+                    outcome = await self._try_acquire(lockstring, guid, details, ttl, on_lost, gate)
                     gated, gate = gate is not None, None
                     if isinstance(outcome, AsyncLock):
                         if turn is not None:
-                            turn.leave_soon()
+                            if turn.request is None:
+                                turn.leave_soon()
+                            else:  # withdrawn before the caller has the lock
+                                await turn.leave(give_back=False)
                         return outcome.keep_alive() if keep_alive else outcome
+                    if outcome.server_now is not None:
+                        clock = (attempted_at, outcome.server_now)
                     if backoff.expired():
                         if gated and outcome.busy is None:
                             continue  # the gate refused us unasked: one full attempt first
@@ -289,6 +303,7 @@ class AsyncLocker:
                             lockstring,
                             backoff.remaining(),
                             before_blocking=functools.partial(listener.step_aside, waiter),
+                            request=Request(lockstring, guid, details, ttl),
                         )
                         turn = entry.turn
                         if not entry.usable:
@@ -305,24 +320,37 @@ class AsyncLocker:
                     else:  # a release notification, or the backoff, ends the wait
                         with contextlib.suppress(asyncio.TimeoutError):
                             await asyncio.wait_for(waiter.event.wait(), delay)
+                        if waiter.grant is not None and turn is not None:
+                            grant = waiter.grant
+                            started = hand_off_started(grant.created, turn.requested_at, clock)
+                            state = AsyncLockState(
+                                self, lockstring, grant.lock_id, guid, ttl, started, on_lost
+                            )
+                            lock = AsyncLock(
+                                state,
+                                created=grant.created,
+                                expires=grant.expires,
+                                locked_by=details,
+                            )
+                            turn.granted()
+                            return lock.keep_alive() if keep_alive else lock
                 finally:
                     if listener is not None and waiter is not None:
                         listener.unregister(waiter)
         finally:
             if turn is not None:
+                # Withdrawing our request, and giving back a row handed to it meanwhile.
                 await turn.leave()
 
     async def _try_acquire(
         self,
         lockstring: str,
+        guid: str,
+        details: dict[str, Any],
         ttl: float,
-        extra: dict[str, Any],
         on_lost: OnLost | None,
         queue_key: int | None = None,
     ) -> AsyncLock | Refused:
-        guid = str(uuid.uuid4())
-        task = asyncio.current_task()
-        details = holder_details(guid, extra, task.get_name() if task is not None else None)
         attempt = spawn(
             self._call(self._table.try_acquire, lockstring, guid, ttl, details, queue_key),
             f"acquire {lockstring!r}",

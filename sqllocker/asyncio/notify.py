@@ -2,9 +2,10 @@
 
 One task per AsyncLocker holds a psycopg 3 AsyncConnection that LISTENs on the table's channel
 (migration 0003's DELETE trigger sends the lockstring), and each notification wakes the
-longest-waiting waiter of that lockstring. Waiters register before each attempt, and still wake
-by themselves at their backoff or the holder's expiry, so a dropped listening connection costs
-latency, never correctness.
+longest-waiting waiter of that lockstring; a hand-off to the head of a queue (migration 0005's
+``sqllocker_<table>_granted``) wakes the waiter registered with its guid. Waiters register
+before each attempt, and still wake by themselves at their backoff or the holder's expiry, so a
+dropped listening connection costs latency, never correctness.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.util import greenlet_spawn
 
-from ..notify import Waiter, WaiterQueues, channel_for
+from ..notify import Waiter, WaiterQueues, channel_for, grants_channel_for, parse_grant
 
 logger = logging.getLogger("sqllocker")
 
@@ -31,13 +32,16 @@ class AsyncReleaseListener:
     def __init__(self, engine: AsyncEngine, table: str) -> None:
         self._engine = engine
         self.channel = channel_for(table)
+        self.grants_channel = grants_channel_for(table)
         self._waiters = WaiterQueues()
         self._task: asyncio.Task[None] | None = None
         self._listening = asyncio.Event()
         self.notifications = 0
+        self.grants = 0
 
-    async def register(self, lockstring: str) -> Waiter[asyncio.Event]:
-        """Subscribe to ``lockstring``'s next release; call before the acquire attempt."""
+    async def register(self, lockstring: str, guid: str | None = None) -> Waiter[asyncio.Event]:
+        """Subscribe to ``lockstring``'s next release, and to a hand-off of its row to ``guid``;
+        call before the acquire attempt."""
         if self._task is None or self._task.done():
             self._listening.clear()
             self._task = asyncio.get_running_loop().create_task(
@@ -47,7 +51,7 @@ class AsyncReleaseListener:
         # caller's backoff polls: never a registration that silently misses the release.
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._listening.wait(), _SUBSCRIBE_SECONDS)
-        return self._waiters.add(Waiter(lockstring, asyncio.Event()))
+        return self._waiters.add(Waiter(lockstring, asyncio.Event(), guid))
 
     def unregister(self, waiter: Waiter[asyncio.Event]) -> None:
         self._waiters.remove(waiter)
@@ -82,10 +86,14 @@ class AsyncReleaseListener:
         try:
             await connection.set_autocommit(True)
             await connection.execute(f'LISTEN "{self.channel}"')
+            await connection.execute(f'LISTEN "{self.grants_channel}"')
             self._listening.set()
             async for notice in connection.notifies():
                 self.notifications += 1
-                self._waiters.wake_first(notice.payload)
+                if notice.channel == self.channel:
+                    self._waiters.wake_first(notice.payload)
+                elif (grant := parse_grant(notice.payload)) is not None:
+                    self.grants += self._waiters.hand_over(grant)
         finally:
             self._listening.clear()
             await connection.close()

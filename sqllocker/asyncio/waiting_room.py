@@ -4,7 +4,8 @@ lockstring share one queue, first come, first served).
 
 A queued waiter awaits ``pg_advisory_lock`` on a psycopg AsyncConnection of its own. If its
 task is cancelled meanwhile, the connection is closed, which ends the session and with it any
-place in the queue: a cancelled waiter never keeps others waiting.
+place in the queue: a cancelled waiter never keeps others waiting. The head of a queue leaves a
+Request for a release to grant, and withdraws it as a sync head does (see ``Turn``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,9 +22,9 @@ from sqlalchemy.util import greenlet_spawn
 
 from ..waiting_room import (
     DEFAULT_CAPACITY,
-    LEAVE,
     Entry,
     QueueWait,
+    Request,
     Seats,
     queue_key,
     timed_out,
@@ -33,25 +35,45 @@ logger = logging.getLogger("sqllocker")
 
 class AsyncTurn:
     """The head of one lockstring's queue: ``await leave()`` once the row is ours, or the wait
-    ends."""
+    ends. ``request`` and ``requested_at`` as for ``Turn``."""
 
-    def __init__(self, room: AsyncWaitingRoom, connection: Any, key: int) -> None:
+    def __init__(
+        self,
+        room: AsyncWaitingRoom,
+        connection: Any,
+        key: int,
+        request: Request | None = None,
+        requested_at: float = 0.0,
+    ) -> None:
         self._room = room
         self._connection: Any = connection
         self._key = key
+        self.request = request
+        self.requested_at = requested_at
 
-    async def leave(self) -> None:
+    async def leave(self, give_back: bool = True) -> bool:
+        """As ``Turn.leave``, in the foreground."""
         connection, self._connection = self._connection, None
-        if connection is not None:
-            # Shielded: a second cancellation must not leave the queue lock held.
-            await asyncio.shield(self._room.leave(connection, self._key))
+        if connection is None:
+            return False
+        # Shielded: a second cancellation must not leave the queue lock (or a request) held.
+        return await asyncio.shield(
+            self._room.leave(connection, self._key, self.request, give_back)
+        )
 
     def leave_soon(self) -> None:
-        """Leave in a task of its own, once the row is ours: the caller has its lock without
-        waiting for this round trip (the next waiter could not have the row anyway)."""
+        """Leave in a task of its own, once the row is ours and no request of ours stands:
+        the caller has its lock without waiting for this round trip (the next waiter could
+        not have the row anyway)."""
+        assert self.request is None, "a standing request is withdrawn in the foreground"
         connection, self._connection = self._connection, None
         if connection is not None:
             self._room.leave_soon(connection, self._key)
+
+    def granted(self) -> None:
+        """``leave_soon`` after a release handed us the row (which took our request with it)."""
+        self.request = None
+        self.leave_soon()
 
 
 class AsyncWaitingRoom:
@@ -62,14 +84,18 @@ class AsyncWaitingRoom:
         self._table = table
         self.seats = Seats(capacity)
         self.queue_wait = QueueWait(table)
-        self._leaving: set[asyncio.Task[None]] = set()
+        self._leaving: set[asyncio.Task[bool]] = set()
 
     def key(self, lockstring: str) -> int:
         """The advisory lock key of ``lockstring``'s queue in this room's table."""
         return queue_key(self._table, lockstring)
 
     async def enter(
-        self, lockstring: str, timeout: float | None, before_blocking: Callable[[], None]
+        self,
+        lockstring: str,
+        timeout: float | None,
+        before_blocking: Callable[[], None],
+        request: Request | None = None,
     ) -> Entry[AsyncTurn]:
         """As ``WaitingRoom.enter``."""
         connection = await self._checkout()
@@ -77,10 +103,15 @@ class AsyncWaitingRoom:
             return Entry(None, try_again=False, usable=False)
         key = self.key(lockstring)
         before_blocking()
+        if not self.queue_wait.hands_off(request):
+            request = None
         try:
-            cursor = await connection.execute(*self.queue_wait.statement(key, timeout))
+            requested_at = time.monotonic()
+            statement = self.queue_wait.statement(key, timeout, request)
+            cursor = await connection.execute(*statement)
             if self.queue_wait.granted(await cursor.fetchone()):
-                return Entry(AsyncTurn(self, connection, key), try_again=True, usable=True)
+                turn = AsyncTurn(self, connection, key, request, requested_at)
+                return Entry(turn, try_again=True, usable=True)
             await self._checkin(connection)  # the caller's deadline, or our patience, came first
             return Entry(None, try_again=True, usable=True)
         except BaseException as error:
@@ -93,14 +124,21 @@ class AsyncWaitingRoom:
             logger.warning("could not queue for %r (%s); waiting unqueued", lockstring, error)
             return Entry(None, try_again=True, usable=False)
 
-    async def leave(self, connection: Any, key: int) -> None:
+    async def leave(
+        self, connection: Any, key: int, request: Request | None = None, give_back: bool = True
+    ) -> bool:
+        """As ``WaitingRoom.leave``."""
         try:
-            await connection.execute(LEAVE, (key,))
+            cursor = await connection.execute(
+                *self.queue_wait.leave_statement(key, request, give_back)
+            )
+            row = await cursor.fetchone()
         except Exception as error:  # closing the connection ends the queue lock too
             logger.warning("could not leave a lock queue (%s); closing its connection", error)
             await self._discard(connection)
-        else:
-            await self._checkin(connection)
+            return False
+        await self._checkin(connection)
+        return request is not None and bool(row[0])
 
     def leave_soon(self, connection: Any, key: int) -> None:
         """``leave`` in a task of its own, kept until it is done (``close`` waits for it)."""
@@ -127,7 +165,7 @@ class AsyncWaitingRoom:
             await opened.set_autocommit(True)
             if self.queue_wait.quiet is None:
                 probe = await opened.execute(*self.queue_wait.probe)
-                self.queue_wait.learn((await probe.fetchone())[0])
+                self.queue_wait.learn(*(await probe.fetchone()))
             return opened
         except Exception as error:
             await self._discard(opened)

@@ -1,0 +1,391 @@
+"""PostgreSQL: a release hands the row to the head of the queue (migration 0005), and never to a
+waiter that is no longer there."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+
+from sqllocker import Lock, Locker, notify
+from sqllocker.asyncio import AsyncLocker
+from sqllocker.engine import resolve_url
+from sqllocker.lock import safety_margin
+from sqllocker.migrations import downgrade, upgrade
+from sqllocker.waiting import Backoff
+from sqllocker.waiting_room import queue_key
+from tests.test_waiting_room import (
+    admin,
+    head_the_queue,
+    leave_the_queue,
+    queued,
+    wait_until,
+    wait_until_async,
+)
+from tests.workers import async_url
+
+__all__ = ["admin"]  # a fixture, used by name
+
+
+def requests(admin: sa.Engine, table: str) -> list[tuple[str, str]]:
+    """The standing requests: (lockstring, guid)."""
+    with admin.connect() as conn:
+        return [
+            tuple(row)
+            for row in conn.exec_driver_sql(f"SELECT lockstring, guid FROM {table}_requests")
+        ]  # type: ignore[misc]
+
+
+def head_is_waiting(admin: sa.Engine, table: str) -> None:
+    """Until a waiter heads the queue with its request, and a moment more: its first attempt at
+    the head (an INSERT, refused) must be over before the release, or that INSERT holds the
+    lockstring's id-order lock just then and the trigger, rather than wait for it, leaves the
+    row to that INSERT (which takes it, by the waiter's own hand)."""
+    wait_until(lambda: len(requests(admin, table)) == 1)
+    time.sleep(0.3)
+
+
+async def head_is_waiting_async(admin: sa.Engine, table: str) -> None:
+    await wait_until_async(lambda: len(requests(admin, table)) == 1)
+    await asyncio.sleep(0.3)
+
+
+def wait_in_thread(
+    locker: Locker, lockstring: str = "report", **options: Any
+) -> tuple[threading.Thread, dict[str, Any]]:
+    """``locker.lock(lockstring, **options)`` on a thread of its own; the result holds the Lock
+    (or the error) and the monotonic time lock() returned."""
+    result: dict[str, Any] = {}
+
+    def wait() -> None:
+        try:
+            result["lock"] = locker.lock(lockstring, **options)
+        except BaseException as error:
+            result["error"] = error
+        result["returned"] = time.monotonic()
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    return thread, result
+
+
+@pytest.fixture
+def holder_and_waiter(migrated_postgres: str, table_name: str) -> Iterator[tuple[Locker, Locker]]:
+    lockers = (
+        Locker(migrated_postgres, table=table_name),
+        Locker(migrated_postgres, table=table_name),
+    )
+    yield lockers
+    for locker in lockers:
+        locker.close()
+
+
+class RawHead:
+    """A session that heads ``lockstring``'s queue and leaves a request through migration 0005's
+    functions, as a waiter does, but acts only when told: the waiter's moves, one at a time."""
+
+    def __init__(self, url: str, table: str, lockstring: str = "report", ttl: float = 30.0) -> None:
+        self.table, self.lockstring = table, lockstring
+        self.key = queue_key(table, lockstring)
+        self.guid = str(uuid.uuid4())
+        target = sa.make_url(resolve_url(url))
+        self.connection = psycopg.connect(
+            host=target.host,
+            port=target.port,
+            user=target.username,
+            dbname=target.database,
+            autocommit=True,
+        )
+        row = self.connection.execute(
+            f"SELECT {table}_queue_for_hand_off(%s, %s, %s, %s, %s, %s)",
+            (self.key, 10_000, lockstring, self.guid, json.dumps({"guid": self.guid}), ttl),
+        ).fetchone()
+        assert row == (True,)
+
+    def leave(self, give_back: bool) -> bool:
+        row = self.connection.execute(
+            f"SELECT {self.table}_queue_leave(%s, %s, %s, %s)",
+            (self.key, self.lockstring, self.guid, give_back),
+        ).fetchone()
+        assert row is not None
+        return bool(row[0])
+
+
+def test_a_release_hands_the_row_to_the_head_of_the_queue(
+    holder_and_waiter: tuple[Locker, Locker], table_name: str, admin: sa.Engine, slow_polling: None
+) -> None:
+    """The head has the lock when the release commits, by the grant's NOTIFY alone (its own
+    attempts would come only after 30 s here), and counts the lock's validity from before the
+    release returned: the row's expiry period began inside the release."""
+    holder, waiter = holder_and_waiter
+    held = holder.lock("report")
+    thread, result = wait_in_thread(waiter, wait=60, expires=20)
+    head_is_waiting(admin, table_name)
+
+    held.unlock()
+    released = time.monotonic()
+    thread.join(10)
+    lock: Lock = result["lock"]
+    assert result["returned"] - released < 5  # not the 30 s poll
+    assert waiter._listener is not None
+    assert waiter._listener.grants == 1
+    info = waiter.lock_info("report")
+    assert info is not None
+    assert (info.lock_id, info.guid) == (lock.lock_id, lock.guid)
+    assert lock.lock_id > held.lock_id  # the fencing token still grows
+    assert lock.expires == info.expires
+    assert lock.created == info.created
+    assert lock._state.valid_until <= released + 20 - safety_margin(20)
+    wait_until(lambda: queued(admin, table_name, "report") == (0, 0))  # it left the queue
+    assert requests(admin, table_name) == []
+    lock.unlock()
+    assert waiter.lock_info("report") is None  # and nobody was handed the row again
+
+
+def test_a_hand_off_heard_late_counts_from_the_release_not_from_the_hearing(
+    holder_and_waiter: tuple[Locker, Locker],
+    table_name: str,
+    admin: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+    slow_polling: None,
+) -> None:
+    """The row's expiry period began inside the release; a head that hears of it later (its
+    listener thread starved of CPU, say) must not count its validity from then."""
+    hand_over = notify.WaiterQueues.hand_over
+
+    def late(self: notify.WaiterQueues, grant: notify.Grant) -> bool:
+        time.sleep(0.5)
+        return hand_over(self, grant)
+
+    monkeypatch.setattr(notify.WaiterQueues, "hand_over", late)
+    holder, waiter = holder_and_waiter
+    held = holder.lock("report")
+    thread, result = wait_in_thread(waiter, wait=60, expires=20)
+    head_is_waiting(admin, table_name)
+    held.unlock()
+    released = time.monotonic()
+    thread.join(10)
+    lock: Lock = result["lock"]
+    assert result["returned"] - released > 0.4  # heard late, by the NOTIFY
+    assert lock._state.valid_until <= released + 20 - safety_margin(20)
+    lock.unlock()
+
+
+def test_a_lost_hand_off_notification_is_found_by_the_heads_next_attempt(
+    holder_and_waiter: tuple[Locker, Locker],
+    table_name: str,
+    admin: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without the grant's NOTIFY (its listener reconnecting, say), the head finds the row under
+    its own guid at its next attempt, and counts its validity from the row's creation."""
+    monkeypatch.setattr(notify.WaiterQueues, "hand_over", lambda self, grant: False)
+    holder, waiter = holder_and_waiter
+    held = holder.lock("report")
+    thread, result = wait_in_thread(waiter, wait=60, expires=20)
+    head_is_waiting(admin, table_name)
+    held.unlock()
+    released = time.monotonic()
+    thread.join(10)
+    lock: Lock = result["lock"]
+    info = waiter.lock_info("report")
+    assert info is not None
+    assert (info.lock_id, info.guid) == (lock.lock_id, lock.guid)
+    assert lock._state.valid_until <= released + 20 - safety_margin(20)
+    lock.unlock()
+    wait_until(lambda: queued(admin, table_name, "report") == (0, 0))
+    assert requests(admin, table_name) == []
+
+
+def test_a_head_that_took_the_row_itself_withdraws_its_request_before_it_has_the_lock(
+    holder_and_waiter: tuple[Locker, Locker], table_name: str, admin: sa.Engine
+) -> None:
+    """A head whose own INSERT won the row (it was free when the head came to the front) must
+    not leave its request standing: a later release of another holder's row would hand that
+    row to a waiter that is gone, and nobody could have the lock until it expired."""
+    holder, waiter = holder_and_waiter
+    held = holder.lock("report")
+    blocker = head_the_queue(admin, table_name)  # a head that leaves no request
+    thread, result = wait_in_thread(waiter, wait=60)
+    wait_until(lambda: queued(admin, table_name, "report") == (1, 1))
+    held.unlock()  # no request stands: the row is simply free
+    leave_the_queue(blocker, table_name)  # the waiter heads the queue and inserts the row itself
+    thread.join(10)
+    lock: Lock = result["lock"]
+    assert waiter._listener is not None
+    assert waiter._listener.grants == 0
+    assert requests(admin, table_name) == []  # withdrawn before lock() returned
+    lock.unlock()
+    again = holder.lock("report")  # someone else's row, released with the waiter gone
+    again.unlock()
+    assert holder.lock_info("report") is None
+    blocker.close()
+
+
+def test_no_row_is_handed_to_a_head_whose_session_ended(
+    migrated_postgres: str, table_name: str, admin: sa.Engine
+) -> None:
+    """A head whose process died leaves its request behind; its session no longer holds the
+    queue, so the release does not hand it the row, and the next acquirer has it at once."""
+    locker = Locker(migrated_postgres, table=table_name)
+    held = locker.lock("report")
+    head = RawHead(migrated_postgres, table_name)
+    head.connection.close()  # the process died: its request stays, its queue lock goes
+    wait_until(lambda: queued(admin, table_name, "report") == (0, 0))
+    held.unlock()
+    assert locker.lock_info("report") is None
+    assert requests(admin, table_name) == [("report", head.guid)]  # stale, never granted
+    with locker.lock("report"):
+        pass
+    locker.close()
+
+
+def test_a_release_of_the_heads_own_row_does_not_hand_it_back(
+    migrated_postgres: str, table_name: str, admin: sa.Engine
+) -> None:
+    """The row of a head that won it by its own INSERT carries its request's guid; a release
+    of that row before the request is withdrawn must not insert it again."""
+    locker = Locker(migrated_postgres, table=table_name)
+    head = RawHead(migrated_postgres, table_name)
+    with admin.begin() as conn:
+        conn.exec_driver_sql(
+            f"INSERT INTO {table_name} (lockstring, guid, created, expires, locked_by) "
+            "VALUES ('report', %(guid)s, now(), now() + interval '30 s', '{}')",
+            {"guid": head.guid},
+        )
+        conn.exec_driver_sql(f"DELETE FROM {table_name} WHERE guid = %(guid)s", {"guid": head.guid})
+    assert locker.lock_info("report") is None
+    assert head.leave(give_back=False) is False  # the request was still there to withdraw
+    locker.close()
+
+
+@pytest.mark.parametrize("give_back", [True, False])
+def test_leaving_the_queue_says_whether_the_row_was_handed_over_and_can_give_it_back(
+    migrated_postgres: str, table_name: str, admin: sa.Engine, give_back: bool
+) -> None:
+    """A head that stops waiting (its deadline, an error) leaves with give_back: a row handed
+    to it meanwhile is deleted in the same statement, so nobody is kept waiting for a lock
+    whose holder has gone. A head that keeps the row leaves without it."""
+    locker = Locker(migrated_postgres, table=table_name)
+    held = locker.lock("report")
+    head = RawHead(migrated_postgres, table_name)
+    held.unlock()
+    info = locker.lock_info("report")
+    assert info is not None
+    assert info.guid == head.guid
+    assert info.lock_id > held.lock_id
+    assert head.leave(give_back=give_back) is True  # it had been handed the row
+    assert (locker.lock_info("report") is None) is give_back
+    assert requests(admin, table_name) == []
+    head.connection.close()
+    locker.close()
+
+
+def test_break_lock_and_purge_hand_the_row_to_the_head_too(
+    holder_and_waiter: tuple[Locker, Locker], table_name: str, admin: sa.Engine, slow_polling: None
+) -> None:
+    holder, waiter = holder_and_waiter
+    held = holder.lock("report")
+    thread, result = wait_in_thread(waiter, wait=60)
+    head_is_waiting(admin, table_name)
+    holder.break_lock("report", held.lock_id)
+    thread.join(10)
+    assert result["lock"].lock_id > held.lock_id
+    result["lock"].unlock()
+
+    purger = Locker(holder.engine, table=table_name, grace=0)
+    expiring = purger.lock("report", expires=0.3)
+    thread, result = wait_in_thread(waiter, wait=60)  # it would take over at expiry + 1 s
+    head_is_waiting(admin, table_name)
+    time.sleep(0.4)
+    assert purger.purge_expired_locks() == 1
+    thread.join(10)
+    assert result["lock"].lock_id > expiring.lock_id
+    result["lock"].unlock()
+    assert waiter._listener is not None
+    assert waiter._listener.grants == 2
+
+
+def test_downgrading_0005_restores_the_plain_release(
+    migrated_postgres: str, table_name: str
+) -> None:
+    engine = sa.create_engine(resolve_url(migrated_postgres))
+    downgrade(engine, table_name, "0004")
+    assert not sa.inspect(engine).has_table(f"{table_name}_requests")
+    locker = Locker(engine, table=table_name)
+    held = locker.lock("report")
+    thread, result = wait_in_thread(locker, wait=30)
+    time.sleep(0.2)
+    held.unlock()
+    thread.join(10)
+    assert result["lock"].lock_id > held.lock_id  # by its own INSERT, woken by NOTIFY
+    result["lock"].unlock()
+    assert locker._listener is not None
+    assert locker._listener.grants == 0
+    locker.close()
+    upgrade(engine, table_name)
+    assert sa.inspect(engine).has_table(f"{table_name}_requests")
+    downgrade(engine, table_name)
+    assert not sa.inspect(engine).has_table(table_name)
+    engine.dispose()
+
+
+async def test_an_async_head_is_handed_the_row_too(
+    migrated_postgres: str, table_name: str, admin: sa.Engine, slow_polling: None
+) -> None:
+    holder = Locker(migrated_postgres, table=table_name)
+    waiter = AsyncLocker(async_url(migrated_postgres), table=table_name)
+    held = holder.lock("report")
+    task = asyncio.ensure_future(waiter.lock("report", wait=60, expires=20))
+    await head_is_waiting_async(admin, table_name)
+    await asyncio.to_thread(held.unlock)
+    released = time.monotonic()
+    lock = await asyncio.wait_for(task, 10)
+    assert time.monotonic() - released < 5  # not the 30 s poll
+    assert waiter._listener is not None
+    assert waiter._listener.grants == 1
+    info = holder.lock_info("report")
+    assert info is not None
+    assert (info.lock_id, info.guid) == (lock.lock_id, lock.guid)
+    assert lock._state.valid_until <= released + 20 - safety_margin(20)
+    await lock.unlock()
+    await wait_until_async(lambda: queued(admin, table_name, "report") == (0, 0))
+    assert requests(admin, table_name) == []
+    assert holder.lock_info("report") is None
+    holder.close()
+    await waiter.aclose()
+
+
+async def test_a_cancelled_async_head_leaves_no_request_and_no_row_behind(
+    migrated_postgres: str, table_name: str, admin: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelled just as a release handed it the row (the NOTIFY not yet heard), the head
+    gives the row back as it leaves the queue: nobody is left waiting for a holder that is
+    gone."""
+    monkeypatch.setattr(notify.WaiterQueues, "hand_over", lambda self, grant: False)
+    monkeypatch.setattr(Backoff, "for_wait", classmethod(lambda cls, wait: cls(None, 30.0, 30.0)))
+    holder = Locker(migrated_postgres, table=table_name)
+    waiter = AsyncLocker(async_url(migrated_postgres), table=table_name)
+    held = holder.lock("report")
+    task = asyncio.ensure_future(waiter.lock("report", wait=60))
+    await head_is_waiting_async(admin, table_name)
+    await asyncio.to_thread(held.unlock)
+    info = holder.lock_info("report")
+    assert info is not None  # handed to the waiter, which has not heard of it
+    assert info.lock_id > held.lock_id
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_until_async(lambda: queued(admin, table_name, "report") == (0, 0))
+    assert requests(admin, table_name) == []
+    assert holder.lock_info("report") is None  # given back
+    holder.close()
+    await waiter.aclose()
