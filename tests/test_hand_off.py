@@ -9,6 +9,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -77,6 +78,26 @@ def wait_in_thread(
     return thread, result
 
 
+@dataclass(frozen=True)
+class HandOff:
+    held: Lock  # the holder's lock, released
+    lock: Lock  # what the waiter got
+    released: float  # monotonic: the holder's unlock() returned
+    returned: float  # monotonic: the waiter's lock() returned
+
+
+def hand_off(holder: Locker, waiter: Locker, admin: sa.Engine, table: str) -> HandOff:
+    """The holder takes "report"; the waiter waits for it (expiry 20 s) until it heads the
+    queue; the holder releases it."""
+    held = holder.lock("report")
+    thread, result = wait_in_thread(waiter, wait=60, expires=20)
+    head_is_waiting(admin, table)
+    held.unlock()
+    released = time.monotonic()
+    thread.join(10)
+    return HandOff(held, result["lock"], released, result["returned"])
+
+
 @pytest.fixture
 def holder_and_waiter(migrated_postgres: str, table_name: str) -> Iterator[tuple[Locker, Locker]]:
     lockers = (
@@ -126,15 +147,9 @@ def test_a_release_hands_the_row_to_the_head_of_the_queue(
     attempts would come only after 30 s here), and counts the lock's validity from before the
     release returned: the row's expiry period began inside the release."""
     holder, waiter = holder_and_waiter
-    held = holder.lock("report")
-    thread, result = wait_in_thread(waiter, wait=60, expires=20)
-    head_is_waiting(admin, table_name)
-
-    held.unlock()
-    released = time.monotonic()
-    thread.join(10)
-    lock: Lock = result["lock"]
-    assert result["returned"] - released < 5  # not the 30 s poll
+    done = hand_off(holder, waiter, admin, table_name)
+    held, lock, released = done.held, done.lock, done.released
+    assert done.returned - released < 5  # not the 30 s poll
     assert waiter._listener is not None
     assert waiter._listener.grants == 1
     info = waiter.lock_info("report")
@@ -167,14 +182,9 @@ def test_a_hand_off_heard_late_counts_from_the_release_not_from_the_hearing(
 
     monkeypatch.setattr(notify.WaiterQueues, "hand_over", late)
     holder, waiter = holder_and_waiter
-    held = holder.lock("report")
-    thread, result = wait_in_thread(waiter, wait=60, expires=20)
-    head_is_waiting(admin, table_name)
-    held.unlock()
-    released = time.monotonic()
-    thread.join(10)
-    lock: Lock = result["lock"]
-    assert result["returned"] - released > 0.4  # heard late, by the NOTIFY
+    done = hand_off(holder, waiter, admin, table_name)
+    lock, released = done.lock, done.released
+    assert done.returned - released > 0.4  # heard late, by the NOTIFY
     assert lock._state.valid_until <= released + 20 - safety_margin(20)
     lock.unlock()
 
@@ -189,13 +199,8 @@ def test_a_lost_hand_off_notification_is_found_by_the_heads_next_attempt(
     its own guid at its next attempt, and counts its validity from the row's creation."""
     monkeypatch.setattr(notify.WaiterQueues, "hand_over", lambda self, grant: False)
     holder, waiter = holder_and_waiter
-    held = holder.lock("report")
-    thread, result = wait_in_thread(waiter, wait=60, expires=20)
-    head_is_waiting(admin, table_name)
-    held.unlock()
-    released = time.monotonic()
-    thread.join(10)
-    lock: Lock = result["lock"]
+    done = hand_off(holder, waiter, admin, table_name)
+    lock, released = done.lock, done.released
     info = waiter.lock_info("report")
     assert info is not None
     assert (info.lock_id, info.guid) == (lock.lock_id, lock.guid)
