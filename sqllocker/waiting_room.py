@@ -14,12 +14,12 @@ that stopped (its process suspended, its connection alive) holds the others up o
 The wait runs in migration 0004's function, which ends it without an ERROR in the server's log
 (``QueueWait``).
 
-With migration 0005, a sync waiter that becomes the head of the queue leaves a *request* in the
-same statement (``Request``), and a release hands it the row in the release's own transaction
-(see that migration): the head has the lock when the release commits and learns it from the
-grant's NOTIFY, with no INSERT of its own on the hand-off's path. A head that stops waiting
-withdraws its request, giving back a row granted meanwhile, in the statement that leaves the
-queue; one that got the row by its own INSERT withdraws it before lock() returns, so that no
+With migration 0005, a waiter (sync or async) that becomes the head of the queue leaves a
+*request* in the same statement (``Request``), and a release hands it the row in the release's
+own transaction (see that migration): the head has the lock when the release commits and learns
+it from the grant's NOTIFY, with no INSERT of its own on the hand-off's path. A head that stops
+waiting withdraws its request, giving back a row granted meanwhile, in the statement that leaves
+the queue; one that got the row by its own INSERT withdraws it before lock() returns, so that no
 later release can hand a row to a request nobody waits on.
 
 The advisory lock decides only who *tries*; who *holds* is decided by the row alone, as
@@ -144,7 +144,7 @@ class QueueWait:
             "(bigint,integer,character varying,character varying,jsonb,double precision)",
         )
 
-    def learn(self, exists: bool, hand_off: bool = False) -> None:
+    def learn(self, exists: bool, hand_off: bool) -> None:
         self.hand_off = hand_off
         if not exists and self.quiet is None:
             logger.warning(
@@ -162,7 +162,7 @@ class QueueWait:
         """The statement (and parameters) that waits, at most ``timeout`` seconds, to head the
         queue of ``key``, leaving ``request`` once it does where the table can take one (see
         ``hands_off``); ``granted`` reads its row."""
-        if request is not None and self.hand_off:
+        if request is not None and self.hands_off(request):
             holder = json.dumps(request.holder)
             return self._hand_off_wait, (
                 key,
@@ -301,6 +301,7 @@ class Turn:
         if connection is None:
             return False
         if in_background:
+            assert self.request is None, "a standing request is withdrawn in the foreground"
             self._room.leave_soon(connection, self._key)
             return False
         return self._room.leave(connection, self._key, self.request, give_back)

@@ -7,8 +7,10 @@ a server that cannot be reached fails the run instead of skipping its tests.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,6 +23,7 @@ from sqllocker import Lock, Locker, lock_table
 from sqllocker.engine import resolve_url
 from sqllocker.migrations import upgrade
 from sqllocker.waiting import Backoff
+from sqllocker.waiting_room import queue_key
 
 POSTGRES_ADMIN_URL = os.environ.get(
     "SQLLOCKER_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
@@ -142,6 +145,63 @@ def abandon(lock: Lock) -> Lock:
     lock._finalizer.detach()
     lock._state.held = False
     return lock
+
+
+# -- PostgreSQL lock queues (tests/test_waiting_room.py, tests/test_hand_off.py) -------------
+
+
+@pytest.fixture
+def admin(migrated_postgres: str) -> Iterator[sa.Engine]:
+    engine = sa.create_engine(resolve_url(migrated_postgres))
+    yield engine
+    engine.dispose()
+
+
+def queued(admin: sa.Engine, table: str, lockstring: str) -> tuple[int, int]:
+    """(granted, waiting) sessions on ``lockstring``'s queue, as pg_locks shows them."""
+    key = queue_key(table, lockstring) & 0xFFFFFFFFFFFFFFFF
+    with admin.connect() as conn:
+        rows = conn.execute(
+            sa.text(
+                "SELECT granted, count(*) FROM pg_locks WHERE locktype = 'advisory' "
+                "AND classid = :high AND objid = :low AND objsubid = 1 GROUP BY granted"
+            ),
+            {"high": key >> 32, "low": key & 0xFFFFFFFF},
+        ).all()
+    counts: dict[bool, int] = {granted: count for granted, count in rows}
+    return counts.get(True, 0), counts.get(False, 0)
+
+
+def head_the_queue(admin: sa.Engine, table: str, lockstring: str = "report") -> sa.Connection:
+    """A session that heads ``lockstring``'s queue (holds its advisory lock) and never tries
+    for the row, as a waiter whose process was stopped would; ``leave_the_queue`` or closing
+    it ends that."""
+    connection = admin.connect()
+    connection.execute(
+        sa.text("SELECT pg_advisory_lock(:key)"), {"key": queue_key(table, lockstring)}
+    )
+    return connection
+
+
+def leave_the_queue(connection: sa.Connection, table: str, lockstring: str = "report") -> None:
+    connection.execute(
+        sa.text("SELECT pg_advisory_unlock(:key)"), {"key": queue_key(table, lockstring)}
+    )
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+async def wait_until_async(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    """``wait_until`` that lets the event loop run the waiting tasks meanwhile."""
+    deadline = time.monotonic() + timeout
+    while not await asyncio.to_thread(condition):
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

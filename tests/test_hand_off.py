@@ -23,8 +23,7 @@ from sqllocker.lock import safety_margin
 from sqllocker.migrations import downgrade, upgrade
 from sqllocker.waiting import Backoff
 from sqllocker.waiting_room import queue_key
-from tests.test_waiting_room import (
-    admin,
+from tests.conftest import (
     head_the_queue,
     leave_the_queue,
     queued,
@@ -32,8 +31,6 @@ from tests.test_waiting_room import (
     wait_until_async,
 )
 from tests.workers import async_url
-
-__all__ = ["admin"]  # a fixture, used by name
 
 
 def requests(admin: sa.Engine, table: str) -> list[tuple[str, str]]:
@@ -233,6 +230,42 @@ def test_a_head_that_took_the_row_itself_withdraws_its_request_before_it_has_the
     again.unlock()
     assert holder.lock_info("report") is None
     blocker.close()
+
+
+def test_a_head_whose_wait_ends_in_an_error_gives_back_a_row_handed_to_it(
+    holder_and_waiter: tuple[Locker, Locker],
+    table_name: str,
+    admin: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The sync twin of the cancelled async head: the release hands the row over, the head has
+    not heard (its NOTIFY lost), and its next attempt fails (the database went away, say).
+    Leaving the queue, it gives the row back: nobody is left waiting for a holder that is
+    gone."""
+    monkeypatch.setattr(notify.WaiterQueues, "hand_over", lambda self, grant: False)
+    # No attempt of its own until woken below: none can be under way when the release lands.
+    monkeypatch.setattr(Backoff, "for_wait", classmethod(lambda cls, wait: cls(None, 30.0, 30.0)))
+    try_acquire = Locker._try_acquire
+
+    def fail_once_handed_the_row(self: Locker, lockstring: str, guid: str, *args: Any) -> Any:
+        info = self.lock_info(lockstring)
+        if info is not None and info.guid == guid:  # this attempt would find the row ours
+            raise RuntimeError("the database went away")
+        return try_acquire(self, lockstring, guid, *args)
+
+    holder, waiter = holder_and_waiter
+    held = holder.lock("report")
+    monkeypatch.setattr(Locker, "_try_acquire", fail_once_handed_the_row)
+    thread, result = wait_in_thread(waiter, wait=60)
+    head_is_waiting(admin, table_name)
+    held.unlock()
+    assert waiter._listener is not None
+    waiter._listener._waiters.wake_everyone()  # as a dropped listening connection does
+    thread.join(10)
+    assert isinstance(result.get("error"), RuntimeError)  # it was handed the row, then failed
+    assert holder.lock_info("report") is None  # given back
+    assert requests(admin, table_name) == []
+    wait_until(lambda: queued(admin, table_name, "report") == (0, 0))
 
 
 def test_no_row_is_handed_to_a_head_whose_session_ended(

@@ -8,7 +8,6 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,53 +20,8 @@ from sqllocker.asyncio import waiting_room as async_waiting_room
 from sqllocker.engine import resolve_url
 from sqllocker.operations import Refused
 from sqllocker.waiting_room import QueueWait, queue_key, timed_out
+from tests.conftest import head_the_queue, leave_the_queue, queued, wait_until, wait_until_async
 from tests.workers import async_url
-
-
-@pytest.fixture
-def admin(migrated_postgres: str) -> Iterator[sa.Engine]:
-    engine = sa.create_engine(resolve_url(migrated_postgres))
-    yield engine
-    engine.dispose()
-
-
-def queued(admin: sa.Engine, table: str, lockstring: str) -> tuple[int, int]:
-    """(granted, waiting) sessions on ``lockstring``'s queue, as pg_locks shows them."""
-    key = queue_key(table, lockstring) & 0xFFFFFFFFFFFFFFFF
-    with admin.connect() as conn:
-        rows = conn.execute(
-            sa.text(
-                "SELECT granted, count(*) FROM pg_locks WHERE locktype = 'advisory' "
-                "AND classid = :high AND objid = :low AND objsubid = 1 GROUP BY granted"
-            ),
-            {"high": key >> 32, "low": key & 0xFFFFFFFF},
-        ).all()
-    counts: dict[bool, int] = {granted: count for granted, count in rows}
-    return counts.get(True, 0), counts.get(False, 0)
-
-
-def head_the_queue(admin: sa.Engine, table: str, lockstring: str = "report") -> sa.Connection:
-    """A session that heads ``lockstring``'s queue (holds its advisory lock) and never tries
-    for the row, as a waiter whose process was stopped would; ``leave_the_queue`` or closing
-    it ends that."""
-    connection = admin.connect()
-    connection.execute(
-        sa.text("SELECT pg_advisory_lock(:key)"), {"key": queue_key(table, lockstring)}
-    )
-    return connection
-
-
-def leave_the_queue(connection: sa.Connection, table: str, lockstring: str = "report") -> None:
-    connection.execute(
-        sa.text("SELECT pg_advisory_unlock(:key)"), {"key": queue_key(table, lockstring)}
-    )
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 def test_waiters_of_different_lockers_get_the_lock_in_the_order_they_came(
@@ -470,14 +424,6 @@ async def test_an_async_queued_wait_that_runs_out_of_patience_logs_no_error_on_t
     await got.unlock()
     await waiter.aclose()
     holder.close()
-
-
-async def wait_until_async(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    """``wait_until`` that lets the event loop run the waiting tasks meanwhile."""
-    deadline = time.monotonic() + timeout
-    while not await asyncio.to_thread(condition):
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.01)
 
 
 async def test_sync_and_async_waiters_share_one_queue(
