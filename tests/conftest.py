@@ -204,6 +204,29 @@ async def wait_until_async(condition: Callable[[], bool], timeout: float = 10.0)
         await asyncio.sleep(0.01)
 
 
+def requests(admin: sa.Engine, table: str) -> list[tuple[str, str]]:
+    """The standing requests: (lockstring, guid)."""
+    with admin.connect() as conn:
+        return [
+            tuple(row)
+            for row in conn.exec_driver_sql(f"SELECT lockstring, guid FROM {table}_requests")
+        ]  # type: ignore[misc]
+
+
+def head_is_waiting(admin: sa.Engine, table: str) -> None:
+    """Until a waiter heads the queue with its request, and a moment more: its first attempt at
+    the head (an INSERT, refused) must be over before the release, or that INSERT holds the
+    lockstring's id-order lock just then and the trigger, rather than wait for it, leaves the
+    row to that INSERT (which takes it, by the waiter's own hand)."""
+    wait_until(lambda: len(requests(admin, table)) == 1)
+    time.sleep(0.3)
+
+
+async def head_is_waiting_async(admin: sa.Engine, table: str) -> None:
+    await wait_until_async(lambda: len(requests(admin, table)) == 1)
+    await asyncio.sleep(0.3)
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     # Locks that some tests deliberately leave held are released by their finalisers at exit,
     # after the per-run databases have been dropped; those warnings would only be noise.

@@ -20,7 +20,14 @@ from sqllocker.asyncio import waiting_room as async_waiting_room
 from sqllocker.engine import resolve_url
 from sqllocker.operations import Refused
 from sqllocker.waiting_room import QueueWait, queue_key, timed_out
-from tests.conftest import head_the_queue, leave_the_queue, queued, wait_until, wait_until_async
+from tests.conftest import (
+    head_is_waiting,
+    head_the_queue,
+    leave_the_queue,
+    queued,
+    wait_until,
+    wait_until_async,
+)
 from tests.workers import async_url
 
 
@@ -91,14 +98,17 @@ def test_the_head_has_the_row_before_leaving_and_close_finishes_the_leaving(
     thread = threading.Thread(target=lambda: got.append(waiter.lock("report", wait=30)))
     thread.start()
     wait_until(lambda: queued(admin, table_name, "report") == (1, 0))
+    # Handed the row by the release, not won by its own first INSERT at the head: that one
+    # must withdraw its request before lock() returns (see test_hand_off.py).
+    head_is_waiting(admin, table_name)
     room = waiter._waiting_room()
     leaving = threading.Event()
     real_leave = room.leave
 
-    def slow_leave(connection: object, key: int) -> None:
+    def slow_leave(*args: Any) -> bool:
         leaving.set()
         time.sleep(0.5)
-        real_leave(connection, key)
+        return real_leave(*args)
 
     room.leave = slow_leave  # type: ignore[method-assign]
     held.unlock()
