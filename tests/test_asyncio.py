@@ -114,6 +114,9 @@ async def test_lock_unlock_relock_and_busy(alocker: AsyncLocker) -> None:
     assert isinstance(lock, AsyncLock)
     assert lock.lock_id > 0
     assert timedelta(seconds=59) < lock.expires - lock.created < timedelta(seconds=61)
+    row = await alocker.lock_info("Zombie Soup")
+    assert row is not None
+    assert (lock.created, lock.expires) == (row.created, row.expires)
     assert lock.locked_by["task"]  # the asyncio task's name, beside host, pid and thread
     with pytest.raises(LockBusy) as busy:
         await alocker.lock("Zombie Soup")

@@ -137,6 +137,34 @@ def test_timestamps_are_aware_utc(locker: Locker) -> None:
         assert abs(lock.created - datetime.now(timezone.utc)) < timedelta(minutes=1)
 
 
+def test_a_locks_times_are_its_rows_as_read_back(locker: Locker) -> None:
+    """The acquire hands its times over as the driver read them (SQLite's text), and the Lock
+    reads them into datetimes when asked: they must be the very instants the row holds, before
+    and after an extend, for the SQL and the Python views of a lock to agree."""
+    with locker.lock("job", expires=30) as lock:
+        row = locker.lock_info("job")
+        assert row is not None
+        assert (lock.created, lock.expires) == (row.created, row.expires)
+        assert lock.created.tzinfo is timezone.utc
+        assert lock.expires.tzinfo is timezone.utc
+        extended = lock.extend(60)
+        row = locker.lock_info("job")
+        assert row is not None
+        assert lock.expires == extended == row.expires
+        assert lock.created == row.created
+
+
+def test_each_acquisition_has_its_own_secret(locker: Locker) -> None:
+    """The guid proves a row ours in every later statement: 128 random bits, never repeated."""
+    guids = set()
+    for _ in range(50):
+        with locker.lock("job") as lock:
+            assert len(lock.guid) == 32
+            int(lock.guid, 16)
+            guids.add(lock.guid)
+    assert len(guids) == 50
+
+
 def test_wait_acquires_once_the_holder_releases(locker: Locker) -> None:
     held = locker.lock("job")
     threading.Timer(0.3, held.unlock).start()

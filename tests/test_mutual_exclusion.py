@@ -112,16 +112,30 @@ def purge_meanwhile(locker: Locker, done: threading.Event) -> list[int]:
 # Workers that leave every 25th lock held, as if they had crashed: short expiry and no grace, so
 # the waiters race to take each abandoned row over as soon as it expires.
 ABANDONING = ("--abandon-every", "25", "--expires", "0.25", "--grace", "0")
+# Workers that never wait: each acquisition tries again and again (the one-attempt path).
+TRYING = ("--try-only",)
+# Workers that hold every 100th lock for three expiry periods, kept alive, with no grace: a
+# renewal that failed to happen would let a waiter take the row over mid-hold.
+OUTLIVING = ("--outlive-every", "100", "--expires", "0.4", "--grace", "0")
 
 
 @pytest.mark.parametrize(
     ("asyncio_processes", "purging", "options"),
-    [(0, False, ()), (PROCESSES // 2, False, ()), (0, True, ()), (0, False, ABANDONING)],
+    [
+        (0, False, ()),
+        (PROCESSES // 2, False, ()),
+        (0, True, ()),
+        (0, False, ABANDONING),
+        (0, False, TRYING),
+        (0, False, OUTLIVING),
+    ],
     ids=[
         "sync processes",
         "sync and async processes",
         "sync processes beside a purge",
         "sync processes taking over abandoned rows",
+        "sync processes trying without waiting",
+        "sync processes outliving expiry by keep-alive",
     ],
 )
 def test_many_processes_never_hold_one_lock_at_once(
@@ -164,6 +178,7 @@ def test_many_processes_never_hold_one_lock_at_once(
     locks_lost = sum(report["lost"] for report in reports)
     abandoned = sum(report.get("abandoned", 0) for report in reports)
     handed_over = sum(report.get("handed_over", 0) for report in reports)
+    renewed = sum(report.get("renewed", 0) for report in reports)
     records = [
         json.loads(line)
         for log in tmp_path.glob("log-*.jsonl")
@@ -189,7 +204,11 @@ def test_many_processes_never_hold_one_lock_at_once(
         else "contention beside a purge"
         if purging
         else "contention with takeovers"
-        if options
+        if options == ABANDONING
+        else "contention, trying without waiting"
+        if options == TRYING
+        else "contention, outliving expiry by keep-alive"
+        if options == OUTLIVING
         else "contention",
         locker.engine.dialect.name,
         f"{len(records)} acquisitions by {PROCESSES} processes on {len(LOCKSTRINGS)} lockstrings "
@@ -197,18 +216,21 @@ def test_many_processes_never_hold_one_lock_at_once(
         f"(intervals), lost updates {lost_updates}, token inversions {token_inversions}, "
         f"locks lost {locks_lost}"
         + (f", {abandoned} abandoned rows" if abandoned else "")
-        + (f", {handed_over} handed over by their release" if handed_over else ""),
+        + (f", {handed_over} handed over by their release" if handed_over else "")
+        + (f", {renewed} held past expiry by keep-alive" if renewed else ""),
     )
     assert overlaps_seen_by_markers == 0
     assert interval_overlaps == 0
     assert lost_updates == 0
     assert token_inversions == 0
     assert locks_lost == 0
-    if locker.engine.dialect.name == "postgresql":
+    if locker.engine.dialect.name == "postgresql" and options != TRYING:
         # The queue's head is handed the row by the release (migration 0005): this test must
         # exercise that path, not only the waiters' own INSERTs.
         assert handed_over > 0
-    if options:  # all taken over but the last abandoned rows, which stay until they expire
+    if options == OUTLIVING:  # every outliving hold was renewed, and still ours at its end
+        assert renewed == PROCESSES * ACQUISITIONS_EACH // 100
+    if options == ABANDONING:  # all taken over but the last abandoned rows, until they expire
         assert abandoned == PROCESSES * ACQUISITIONS_EACH // 25
         time.sleep(0.3)
         left = locker.locks()

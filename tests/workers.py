@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from sqllocker import Locker, LockLost
+from sqllocker import Lock, LockBusy, Locker, LockLost
 from tests.conftest import abandon
 
 
@@ -62,19 +62,38 @@ class CriticalSection:
         (self.state / f"{lockstring}.holder").unlink(missing_ok=True)
 
 
+def acquire(locker: Locker, lockstring: str, args: argparse.Namespace, keep_alive: bool) -> Lock:
+    """Wait for the lock (``wait=None``), or with ``--try-only`` try again and again without
+    waiting (``wait=0``, the one-attempt path), as a poller of its own would."""
+    if not args.try_only:
+        return locker.lock(lockstring, wait=None, expires=args.expires, keep_alive=keep_alive)
+    while True:
+        try:
+            return locker.lock(lockstring, expires=args.expires, keep_alive=keep_alive)
+        except LockBusy:
+            time.sleep(random.uniform(0, 0.002))
+
+
 def counter(args: argparse.Namespace) -> int:
     locker = Locker(args.url, table=args.table, grace=args.grace)
     work = CriticalSection(Path(args.state))
     lockstrings = args.lockstrings.split(",")
-    lost = abandoned = 0
+    lost = abandoned = renewed = 0
     with open(work.state / f"log-{os.getpid()}.jsonl", "w") as log:
         for number in range(args.count):
             lockstring = random.choice(lockstrings)
-            lock = locker.lock(lockstring, wait=None, expires=args.expires)
+            keep_alive = bool(args.outlive_every) and number % args.outlive_every == 0
+            lock = acquire(locker, lockstring, args, keep_alive)
             try:
                 entered = time.monotonic()
                 value = work.enter(lockstring)
-                time.sleep(args.hold)
+                # Held beyond its expiry now and then: only its keep-alive keeps it ours.
+                time.sleep(args.expires * 3 if keep_alive else args.hold)
+                if keep_alive:
+                    # Still our row, pushed past the expiry the acquire set: renewed.
+                    row = locker.lock_info(lockstring)
+                    ours = row is not None and row.lock_id == lock.lock_id
+                    renewed += ours and row is not None and row.expires > lock.expires
                 work.leave(lockstring, value)
                 left = time.monotonic()
             finally:
@@ -96,6 +115,7 @@ def counter(args: argparse.Namespace) -> int:
         "lost": lost,
         "abandoned": abandoned,
         "handed_over": handed_over,
+        "renewed": renewed,
     }
     print(json.dumps(report))
     return 0
@@ -221,6 +241,15 @@ def main(argv: list[str] | None = None) -> int:
     work.add_argument("--grace", type=float, default=1.0)
     work.add_argument(
         "--abandon-every", type=int, default=0, help="leave every Nth lock held (sync only)"
+    )
+    work.add_argument(
+        "--try-only", action="store_true", help="acquire by trying repeatedly (sync only)"
+    )
+    work.add_argument(
+        "--outlive-every",
+        type=int,
+        default=0,
+        help="keep every Nth lock alive and hold it for three expiry periods (sync only)",
     )
     holder = commands.add_parser("hold", help="hold one lock and obey commands on stdin")
     holder.add_argument("--url", required=True)

@@ -153,8 +153,8 @@ class AsyncLock(LockHandle[AsyncLockState]):
         self,
         state: AsyncLockState,
         *,
-        created: datetime,
-        expires: datetime,
+        created: object,
+        expires: object,
         locked_by: dict[str, Any],
     ) -> None:
         super().__init__(

@@ -20,7 +20,6 @@ import contextlib
 import functools
 import logging
 import time
-import uuid
 from collections.abc import Callable, Generator
 from datetime import datetime
 from types import TracebackType
@@ -33,7 +32,7 @@ from sqlalchemy.util import greenlet_spawn
 from .. import validation
 from ..engine import create_async_locker_engine, describe_url, resolve_url
 from ..errors import LockBusy, LockError, LockTypeError
-from ..identity import holder_details
+from ..identity import holder_details, new_guid
 from ..keepalive import DEFAULT_FRACTION
 from ..lock import OnLost
 from ..locker import (
@@ -259,11 +258,31 @@ class AsyncLocker:
     ) -> AsyncLock:
         await self._ready()
         # One guid for every attempt, as in Locker.lock: a release may hand the row to it.
-        guid = str(uuid.uuid4())
+        guid = new_guid()
         task = asyncio.current_task()
         details = holder_details(guid, extra, task.get_name() if task is not None else None)
+        if wait == 0:
+            outcome = await self._try_acquire(lockstring, guid, details, ttl, on_lost)
+            if not isinstance(outcome, AsyncLock):
+                raise outcome.busy_after(lockstring, wait)
+            lock = outcome
+        else:
+            lock = await self._wait_for(lockstring, guid, details, ttl, wait, on_lost)
+        return lock.keep_alive() if keep_alive else lock
+
+    async def _wait_for(
+        self,
+        lockstring: str,
+        guid: str,
+        details: dict[str, Any],
+        ttl: float,
+        wait: float | None,
+        on_lost: OnLost | None,
+    ) -> AsyncLock:
+        """Attempts until one succeeds, or LockBusy once ``wait`` has passed (as
+        ``Locker._wait_for``)."""
         backoff = Backoff.for_wait(wait)
-        listener = await self._release_listener() if wait != 0 else None
+        listener = await self._release_listener()
         room = self._waiting_room() if listener is not None else None
         turn: AsyncTurn | None = None
         # A waiter's first attempt does not take the row ahead of waiters already queued.
@@ -285,7 +304,7 @@ class AsyncLocker:
                                 turn.leave_soon()
                             else:  # withdrawn before the caller has the lock
                                 await turn.leave(give_back=False)
-                        return outcome.keep_alive() if keep_alive else outcome
+                        return outcome
                     if outcome.server_now is not None:
                         clock = (attempted_at, outcome.server_now)
                     if backoff.expired():
@@ -333,7 +352,7 @@ class AsyncLocker:
                                 locked_by=details,
                             )
                             turn.granted()
-                            return lock.keep_alive() if keep_alive else lock
+                            return lock
                 finally:
                     if listener is not None and waiter is not None:
                         listener.unregister(waiter)
