@@ -7,7 +7,9 @@
 Every ratio compares figures measured in the same run, so a busy or slow machine moves both
 sides. The *raw floor* of a backend is the very statements sqllocker sends for an uncontended
 acquire and release (compiled from sqllocker.statements), run through the same driver on one
-held autocommit connection with no library around them.
+held autocommit connection with no library around them, with the values sqllocker sends: a
+guid of 16 random bytes in hex and a ``locked_by`` JSON of the same keys (host, pid, thread,
+program, user, guid), made once, so that both write the same rows.
 
 Rows: uncontended cycles (acquire + release of distinct names, one process) with p50/p99
 latency; contended hand-off (processes taking turns on one name, each holding it ~1 ms and then
@@ -32,7 +34,6 @@ import os
 import statistics
 import sys
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -151,16 +152,20 @@ def drop_table(url: str, table: str) -> None:
 
 class FloorStatements:
     """sqllocker's acquire and release statements, compiled for one dialect, as SQL text and
-    driver parameters: what the raw floors send."""
+    driver parameters: what the raw floors send, with values of the same size as sqllocker's
+    (until 2026-11-24 the floor's ``locked_by`` was only the guid: a smaller row to write, and
+    on MariaDB less for PyMySQL to escape)."""
 
     def __init__(self, table: LockTable) -> None:
         from sqllocker.execution import Prepared
+        from sqllocker.identity import holder_details
 
         backend, statements, dialect = table.backend, table.statements, table.engine.dialect
         self.acquire = Prepared(statements.acquire, dialect)
         self.release = Prepared(statements.release, dialect)
         self._ttl, self._minus_grace = backend.seconds_value(3600), backend.seconds_value(-1)
         self._run = os.getpid()
+        self._holder = holder_details("", {})  # made once: the floor's rows, not its work
 
     def acquire_parameters(self, n: int, guid: str) -> Any:
         values = {
@@ -168,7 +173,7 @@ class FloorStatements:
             "lock_guid": guid,
             "ttl": self._ttl,
             "minus_grace": self._minus_grace,
-            "holder": {"guid": guid},
+            "holder": {**self._holder, "guid": guid},
         }
         return self.acquire.parameters(values)
 
@@ -186,7 +191,7 @@ def raw_floor_cycle(url: str) -> tuple[Callable[[int], None], Callable[[], None]
     cursor = connection.cursor()
 
     def cycle(n: int) -> None:
-        guid = str(uuid.uuid4())
+        guid = os.urandom(16).hex()  # as sqllocker.identity.new_guid
         cursor.execute(floor.acquire.sql, floor.acquire_parameters(n, guid))
         lock_id = cursor.fetchall()[0][0]
         cursor.execute(floor.release.sql, floor.release_parameters(lock_id, guid))
@@ -231,7 +236,7 @@ async def async_raw_floor_cycle(url: str) -> AsyncCycle:
         cursor = await cursor
 
     async def cycle(n: int) -> None:
-        guid = str(uuid.uuid4())
+        guid = os.urandom(16).hex()  # as sqllocker.identity.new_guid
         await cursor.execute(floor.acquire.sql, floor.acquire_parameters(n, guid))
         lock_id = (await cursor.fetchall())[0][0]
         await cursor.execute(floor.release.sql, floor.release_parameters(lock_id, guid))
