@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -140,10 +141,37 @@ def _configure_sqlite_connection(dbapi_connection: Any, _record: Any) -> None:
         # WAL lets readers (sqllocker list, operators) run beside writers. NORMAL synchronous is
         # durable across application crashes; only an OS crash can lose the last commits, and
         # SQLite locks are one-machine locks, so every holder dies with the OS too.
-        cursor.execute("PRAGMA journal_mode=WAL")
+        _use_wal(cursor)
         cursor.execute("PRAGMA synchronous=NORMAL")
     finally:
         cursor.close()
+
+
+def _use_wal(cursor: Any) -> None:
+    """Put the file in WAL mode (which it keeps) unless it already is.
+
+    Switching needs the file to itself, and SQLite answers "database is locked" at once,
+    without waiting in its busy handler, while another connection writes. A file made by
+    other tools starts in rollback-journal mode, and processes starting together on it failed
+    to connect; so the switch is retried for as long as the busy timeout, and a file already
+    in WAL mode, the usual case, is not asked to switch at all. (An in-memory database answers
+    "memory" to the switch: that is as far as it goes.)
+    """
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_SECONDS
+    delay = 0.001
+    while True:
+        cursor.execute("PRAGMA journal_mode")
+        if str(cursor.fetchone()[0]).lower() == "wal":
+            return
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.fetchall()
+            return
+        except Exception as error:  # sqlite3's or aiosqlite's OperationalError
+            if "database is locked" not in str(error) or time.monotonic() >= deadline:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
 
 
 def _forget_pools_after_fork() -> None:

@@ -232,3 +232,31 @@ def test_a_callers_engine_keeps_its_pool_and_never_reuses_a_replaced_connections
     assert kept()[0] is replacement
     locker.close()
     engine.dispose()
+
+
+def test_a_first_connection_waits_while_another_process_writes_to_a_rollback_journal_file(
+    tmp_path: Path,
+) -> None:
+    """Switching an SQLite file to WAL needs it to itself, and SQLite refuses at once, without
+    its busy handler, while another connection writes. A file made by other tools starts in
+    rollback-journal mode, so processes starting together on it met "database is locked" on
+    connecting (seen in the contention test: its table is made by a plain engine)."""
+    path = tmp_path / "locks.db"
+    maker = Locker(f"sqlite:///{path}", table="semaphores")
+    maker.create_table()
+    maker.close()
+    writer = sa.create_engine(f"sqlite:///{path}", isolation_level="AUTOCOMMIT")
+    with writer.connect() as conn:
+        conn.exec_driver_sql("PRAGMA journal_mode=DELETE")
+        conn.exec_driver_sql("BEGIN IMMEDIATE")  # another process, mid-write
+        conn.exec_driver_sql("CREATE TABLE other (x)")
+        threading.Timer(0.3, lambda: conn.exec_driver_sql("COMMIT")).start()
+        locker = Locker(f"sqlite:///{path}", table="semaphores")
+        try:
+            with locker.lock("job"):
+                pass
+            with locker.engine.connect() as own:
+                assert own.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+        finally:
+            locker.close()
+    writer.dispose()
