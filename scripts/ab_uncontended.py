@@ -1,0 +1,120 @@
+"""Compare the uncontended sync cycle of two or more source trees, interleaved.
+
+The library's own Python is a few tens of microseconds a cycle, and one run moves by more
+than a single change to it is worth, so a change is judged against the code before it in
+alternating rounds: each round, every tree (in a fresh interpreter, from that tree) measures
+a raw floor and its own ``Locker``, back to back, best of two runs each, reversing the order
+of the trees every other round. The floor is defined here, not in the trees, so that every
+tree is measured against the very same floor: sqllocker's acquire and release statements
+(from that tree's ``sqllocker.statements``) on one held driver connection, with values of the
+size sqllocker sends. Make the other tree with ``git worktree add /tmp/base HEAD``, then:
+
+    .venv/bin/python scripts/ab_uncontended.py --rounds 4 new=. base=/tmp/base
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+_ONE_ROUND = """
+import json, os, sys, time
+from sqllocker import Locker
+from sqllocker.execution import Prepared
+from sqllocker.identity import holder_details
+
+url, table, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+locker = Locker(url, table=table, auto_create=True)
+locker.lock("compile").unlock()
+lock_table = locker._table
+dialect = lock_table.engine.dialect
+acquire = Prepared(lock_table.statements.acquire, dialect)
+release = Prepared(lock_table.statements.release, dialect)
+ttl, minus_grace = lock_table.backend.seconds_value(3600), lock_table.backend.seconds_value(-1)
+holder = holder_details("", {})
+raw = locker.engine.raw_connection()
+cursor = raw.driver_connection.cursor()
+run = os.getpid()
+
+
+def floor(n):
+    guid = os.urandom(16).hex()
+    values = {"ls": f"floor {run} {n}", "lock_guid": guid, "ttl": ttl,
+              "minus_grace": minus_grace, "holder": {**holder, "guid": guid}}
+    cursor.execute(acquire.sql, acquire.parameters(values))
+    lock_id = cursor.fetchall()[0][0]
+    cursor.execute(release.sql, release.parameters({"lock_id": lock_id, "lock_guid": guid}))
+
+
+def library(n):
+    locker.lock(f"lib {run} {n}").unlock()
+
+
+best = {}
+for repeat in range(2):
+    for name, cycle in (("floor", floor), ("sqllocker", library)):
+        for n in range(200):  # warm up
+            cycle(10**7 + repeat * 1000 + n)
+        started = time.perf_counter()
+        for n in range(count):
+            cycle(repeat * 10**6 + n)
+        us = (time.perf_counter() - started) / count * 1e6
+        best[name] = min(best.get(name, us), us)
+cursor.close()
+raw.close()
+locker.close()
+print(json.dumps({"floor_us": round(best["floor"], 1), "sqllocker_us": round(best["sqllocker"], 1),
+                  "x_floor": round(best["floor"] / best["sqllocker"], 3)}))
+"""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--cycles", type=int, default=3000)
+    parser.add_argument("--backend", choices=["sqlite", "postgresql", "mysql"], default="sqlite")
+    parser.add_argument("trees", nargs="+", help="name=path of a checkout, two or more")
+    args = parser.parse_args()
+    if len(args.trees) < 2 or not all("=" in tree for tree in args.trees):
+        parser.error("give two or more trees, each as name=path")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from scripts import bench
+
+    trees = [tuple(tree.split("=", 1)) for tree in args.trees]
+    table = "ab_uncontended"
+    ratios: dict[str, list[float]] = {name: [] for name, _ in trees}
+    with tempfile.TemporaryDirectory() as scratch:
+        sqlite_url = f"sqlite:///{scratch}/ab.db"
+        url = sqlite_url if args.backend == "sqlite" else bench.URLS[args.backend]
+        try:
+            for number in range(args.rounds):
+                for name, path in trees if number % 2 == 0 else trees[::-1]:
+                    done = subprocess.run(
+                        [sys.executable, "-c", _ONE_ROUND, url, table, str(args.cycles)],
+                        cwd=path,
+                        capture_output=True,
+                        text=True,
+                        check=False,
+                    )
+                    lines = done.stdout.strip().splitlines()
+                    if done.returncode != 0 or not lines:
+                        print(number, name, done.stderr[-2000:], flush=True)
+                        continue
+                    ratios[name].append(json.loads(lines[-1])["x_floor"])
+                    print(number, name, lines[-1], flush=True)
+        finally:
+            if args.backend != "sqlite":
+                bench.drop_table(url, table)
+    for name, measured in ratios.items():
+        if measured:
+            print(name, "median x floor", round(statistics.median(measured), 3))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

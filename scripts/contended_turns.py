@@ -1,0 +1,73 @@
+"""Where a contended turn's time goes: bench.py's contended rows, taken apart turn by turn.
+
+Runs bench.py's contenders (4 processes, one lockstring, each holding ~1 ms and stepping back
+2 ms) for sqllocker and blocking advisory locks on PostgreSQL, alternately, and prints the
+medians of: a turn (one acquisition's return to the next's), the holding, the release (the
+holder's release call), and the hand-off (the release's return to the next acquisition's).
+
+    .venv/bin/python scripts/contended_turns.py --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from scripts import bench
+
+
+def turns_of(system: str, url: str, seconds: float) -> dict[str, float]:
+    if system == "sqllocker":
+        bench.fresh_table(url)
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    start = time.monotonic() + 2.0
+    workers = [
+        context.Process(target=bench._contender, args=(system, url, seconds, start, queue))
+        for _ in range(4)
+    ]
+    for worker in workers:
+        worker.start()
+    turns = sorted(
+        (turn for _ in workers for turn in queue.get(timeout=seconds + 120)),
+        key=lambda turn: turn[1],
+    )
+    for worker in workers:
+        worker.join()
+    if system == "sqllocker":
+        bench.drop_table(url, bench.TABLE)
+    pairs = list(itertools.pairwise(turns))
+    return {
+        "turn_ms": statistics.median(after[1] - before[1] for before, after in pairs) * 1000,
+        "hold_ms": statistics.median(left - got for _, got, left, _ in turns) * 1000,
+        "release_ms": statistics.median(done - left for _, _, left, done in turns) * 1000,
+        "handoff_ms": statistics.median(
+            after[1] - before[3] for before, after in pairs if after[0] < before[3]
+        )
+        * 1000,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--seconds", type=float, default=6.0)
+    args = parser.parse_args()
+    url = bench.URLS["postgresql"]
+    for number in range(args.rounds):
+        for system in ("sqllocker", "advisory lock"):
+            figures = turns_of(system, url, args.seconds)
+            shown = "  ".join(f"{name} {value:.3f}" for name, value in figures.items())
+            print(number, f"{system:<14}", shown, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
