@@ -687,6 +687,7 @@ def connections_used(backend: str, held: int) -> dict[str, Any]:
     for lock in locks:
         lock.unlock()
     locker.close()
+    drop_table(url, TABLE)  # the last step of a run: nothing is left on the servers
     return {
         "backend": backend,
         "row": f"{held} kept-alive locks",
