@@ -28,20 +28,22 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from sqlalchemy.pool import QueuePool
 
+from .execution import Session
+
 logger = logging.getLogger("sqllocker")
 
 
 class Held:
     """One connection of the stack, the cursor every operation on it uses, and ``session``:
-    the lock operations' wrapper of the two (``execution.Session``), made on the connection's
-    first operation and kept for the rest."""
+    the lock operations' wrapper of the two, made on the connection's first operation and kept
+    for the rest."""
 
     __slots__ = ("connection", "cursor", "session")
 
     def __init__(self, connection: Any) -> None:
         self.connection = connection
         self.cursor = connection.cursor()
-        self.session: Any = None
+        self.session: Session | None = None
 
 
 class ConnectionStack:

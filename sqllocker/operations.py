@@ -521,10 +521,9 @@ class LockTable:
         except self._connect_errors as error:
             raise self.unreachable(error) from error
         try:
-            session = held.session
-            if session is None:
-                session = held.session = Session(held.connection, held.cursor, self._prepared)
-            result = operation(session)
+            if held.session is None:
+                held.session = Session(held.connection, held.cursor, self._prepared)
+            result = operation(held.session)
         except sa.exc.DBAPIError as error:
             if error.connection_invalidated:
                 stack.discard(held)
