@@ -187,7 +187,8 @@ class Locker:
         Deletes in batches of ``batch_size``, each its own short transaction, so a large purge
         never blocks acquirers for long, and after each full batch rests ``pause_ratio`` times
         as long as the batch took, so that it leaves most of the server to the acquirers (0:
-        flat out). Database errors propagate.
+        flat out). On PostgreSQL it also deletes the hand-off requests of queued waiters
+        whose process died, which are not counted. Database errors propagate.
         """
         return self._table.purge_expired(
             validation.check_batch_size(batch_size), validation.check_pause_ratio(pause_ratio)

@@ -297,6 +297,41 @@ class Statements:
         )
 
     @cached_property
+    def has_hand_off_requests(self) -> Select[Any] | None:
+        """PostgreSQL: whether the table has migration 0005's table of hand-off requests (one
+        migrated only to 0004 has none); None elsewhere."""
+        if self.backend.name != "postgresql":
+            return None
+        requests = sa.literal(f"{self.table.name}_requests", type_=sa.Text)
+        return sa.select(sa.func.to_regclass(requests).is_not(None).label("exists"))
+
+    @cached_property
+    def sweep_stale_requests(self) -> sa.TextClause | None:
+        """PostgreSQL: delete the hand-off requests (migration 0005) whose session no longer
+        heads its lockstring's queue; None elsewhere.
+
+        A head whose process died leaves its request standing until the next head of that
+        lockstring replaces it, which for a lockstring never contended again is never. Such a
+        request is never granted (the release trigger grants only to a session that holds the
+        queue's advisory lock, by the same pg_locks test as here), so deleting it changes no
+        outcome; it only stops every later release of that lockstring from looking it up. A
+        request being written by a new head is not yet visible here, and one whose head holds
+        the queue lock is kept.
+        """
+        if self.backend.name != "postgresql":
+            return None
+        # A validated identifier (letters, digits, underscores): safe to write into SQL.
+        return sa.text(
+            f"DELETE FROM {self.table.name}_requests AS q "  # noqa: S608
+            "WHERE NOT EXISTS ("
+            "SELECT FROM pg_locks AS l "
+            "WHERE l.locktype = 'advisory' AND l.granted AND l.pid = q.pid "
+            "AND l.classid::bigint = (q.queue_key >> 32) & 4294967295 "
+            "AND l.objid::bigint = q.queue_key & 4294967295 "
+            "AND l.objsubid = 1)"
+        )
+
+    @cached_property
     def guard(self) -> Select[Any]:
         """Our unexpired row, share-locked until the caller's transaction ends (PostgreSQL
         ``FOR SHARE``, MySQL ``LOCK IN SHARE MODE``): takeover and purge must wait for it."""

@@ -266,6 +266,34 @@ def test_no_row_is_handed_to_a_head_whose_session_ended(
     locker.close()
 
 
+def test_purge_sweeps_the_requests_of_heads_that_are_gone_and_keeps_a_live_heads(
+    migrated_postgres: str, table_name: str, admin: sa.Engine
+) -> None:
+    """A dead head's request would stay until the next head of its lockstring replaced it:
+    for a lockstring never contended again, for ever, and every release of it would look
+    the request up in pg_locks. purge-expired sweeps those; a request whose session still
+    heads its queue is kept, and is still granted."""
+    locker = Locker(migrated_postgres, table=table_name)
+    held = locker.lock("report")
+    dead = [RawHead(migrated_postgres, table_name, lockstring=f"gone {n}") for n in range(3)]
+    for head in dead:
+        head.connection.close()
+    live = RawHead(migrated_postgres, table_name)
+    wait_until(lambda: all(queued(admin, table_name, f"gone {n}") == (0, 0) for n in range(3)))
+    assert len(requests(admin, table_name)) == 4
+
+    assert locker.purge_expired_locks() == 0  # no expired rows: only requests were swept
+    assert requests(admin, table_name) == [("report", live.guid)]
+
+    held.unlock()
+    info = locker.lock_info("report")
+    assert info is not None
+    assert info.guid == live.guid  # the live head's request was granted
+    assert live.leave(give_back=True) is True
+    live.connection.close()
+    locker.close()
+
+
 def test_a_release_of_the_heads_own_row_does_not_hand_it_back(
     migrated_postgres: str, table_name: str, admin: sa.Engine
 ) -> None:
@@ -339,6 +367,7 @@ def test_downgrading_0005_restores_the_plain_release(
     downgrade(engine, table_name, "0004")
     assert not sa.inspect(engine).has_table(f"{table_name}_requests")
     locker = Locker(engine, table=table_name)
+    assert locker.purge_expired_locks() == 0  # with no requests to sweep
     held = locker.lock("report")
     thread, result = wait_in_thread(locker, wait=30)
     time.sleep(0.2)
@@ -380,6 +409,20 @@ async def test_an_async_head_is_handed_the_row_too(
     assert holder.lock_info("report") is None
     holder.close()
     await waiter.aclose()
+
+
+async def test_an_async_purge_sweeps_the_requests_of_heads_that_are_gone(
+    migrated_postgres: str, table_name: str, admin: sa.Engine
+) -> None:
+    locker = AsyncLocker(async_url(migrated_postgres), table=table_name)
+    dead = RawHead(migrated_postgres, table_name, lockstring="gone")
+    dead.connection.close()
+    live = RawHead(migrated_postgres, table_name)
+    await wait_until_async(lambda: queued(admin, table_name, "gone") == (0, 0))
+    assert await locker.purge_expired_locks() == 0
+    assert requests(admin, table_name) == [("report", live.guid)]
+    live.connection.close()
+    await locker.aclose()
 
 
 async def test_a_cancelled_async_head_leaves_no_request_and_no_row_behind(
