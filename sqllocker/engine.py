@@ -7,14 +7,16 @@ with AUTOCOMMIT applied per connection, because changing it would change the cal
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import URL, Engine, make_url
+from sqlalchemy.engine import URL, AdaptedConnection, Engine, make_url
 
 from .errors import LockValueError
 
@@ -141,13 +143,21 @@ def _configure_sqlite_connection(dbapi_connection: Any, _record: Any) -> None:
         # WAL lets readers (sqllocker list, operators) run beside writers. NORMAL synchronous is
         # durable across application crashes; only an OS crash can lose the last commits, and
         # SQLite locks are one-machine locks, so every holder dies with the OS too.
-        _use_wal(cursor)
+        _use_wal(cursor, _sleep_for(dbapi_connection))
         cursor.execute("PRAGMA synchronous=NORMAL")
     finally:
         cursor.close()
 
 
-def _use_wal(cursor: Any) -> None:
+def _sleep_for(dbapi_connection: Any) -> Callable[[float], None]:
+    """How to pause on this connection: aiosqlite's (adapted by SQLAlchemy) connects on the
+    application's event loop, where a blocking sleep would stall every other task."""
+    if isinstance(dbapi_connection, AdaptedConnection):
+        return lambda seconds: dbapi_connection.run_async(lambda _: asyncio.sleep(seconds))
+    return time.sleep
+
+
+def _use_wal(cursor: Any, sleep: Callable[[float], None]) -> None:
     """Put the file in WAL mode (which it keeps) unless it already is.
 
     Switching needs the file to itself, and SQLite answers "database is locked" at once,
@@ -170,7 +180,7 @@ def _use_wal(cursor: Any) -> None:
         except Exception as error:  # sqlite3's or aiosqlite's OperationalError
             if "database is locked" not in str(error) or time.monotonic() >= deadline:
                 raise
-        time.sleep(delay)
+        sleep(delay)
         delay = min(delay * 2, 0.05)
 
 

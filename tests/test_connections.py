@@ -6,13 +6,16 @@ hold; a forked child never touches its parent's connections."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import sqlalchemy as sa
 
-from sqllocker import Locker, execution
+from sqllocker import Locker, engine, execution
+from sqllocker.asyncio import AsyncLocker
 from sqllocker.connections import ConnectionStack, Held
 from sqllocker.engine import create_locker_engine, resolve_url
 from tests.test_fork_and_clocks import run_in_child
@@ -259,4 +262,37 @@ def test_a_first_connection_waits_while_another_process_writes_to_a_rollback_jou
                 assert own.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
         finally:
             locker.close()
+    writer.dispose()
+
+
+async def test_an_async_first_connection_waits_there_without_blocking_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same wait under aiosqlite sleeps with asyncio: a blocking sleep there would stall
+    every task of the application for up to the busy timeout."""
+
+    def blocking_sleep(seconds: float) -> None:
+        raise AssertionError(f"time.sleep({seconds}) on the event loop")
+
+    path = tmp_path / "locks.db"
+    maker = Locker(f"sqlite:///{path}", table="semaphores")
+    maker.create_table()
+    maker.close()
+    monkeypatch.setattr(
+        engine, "time", SimpleNamespace(monotonic=time.monotonic, sleep=blocking_sleep)
+    )
+    writer = sa.create_engine(f"sqlite:///{path}", isolation_level="AUTOCOMMIT")
+    with writer.connect() as conn:
+        conn.exec_driver_sql("PRAGMA journal_mode=DELETE")
+        conn.exec_driver_sql("BEGIN IMMEDIATE")  # another process, mid-write
+        conn.exec_driver_sql("CREATE TABLE other (x)")
+        threading.Timer(0.3, lambda: conn.exec_driver_sql("COMMIT")).start()
+        locker = AsyncLocker(f"sqlite+aiosqlite:///{path}", table="semaphores")
+        try:
+            started = time.monotonic()
+            async with locker.lock("job"):
+                pass
+            assert time.monotonic() - started >= 0.25  # it did wait for the writer
+        finally:
+            await locker.aclose()
     writer.dispose()
