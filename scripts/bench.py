@@ -35,6 +35,7 @@ import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,34 @@ URLS = {
 REDIS_URL = os.environ.get("SQLLOCKER_BENCH_REDIS_URL", "redis://127.0.0.1:6379/15")
 TABLE = "sqllocker_bench"
 FULL_TABLE = "sqllocker_bench_full"  # the scale row's table with a million other rows
+
+
+def processes_context() -> Any:
+    """Where the benchmark's worker processes come from: a fork server that has imported the
+    drivers and sqllocker once, holding no connection. Each worker is a fork of it, with
+    nothing of the parent's (as with spawn), without the second or two of imports a spawned
+    interpreter pays, which made up most of a ``--quick`` run's contended and scale rows."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["sqlalchemy", "psycopg", "pymysql", "redis", "sqllocker"])
+    return context
+
+
+@dataclass(frozen=True)
+class Profile:
+    """How much one run measures: the README's figures, or a smoke run's (``--quick``)."""
+
+    cycles: int  # uncontended cycles per system and round, and the scale row's
+    contended_seconds: float  # each contended row
+    other_rows: int  # rows beside the scale row's cycles, and the purge's backlog
+    scale_seconds: float  # each processes row, and the purge row's quiet stretch
+    scale_rounds: int  # rounds of the empty and the full table, best of
+    kept_alive: int  # locks held and kept alive by the connections row
+    kept_alive_expires: float  # their expiry period: each is renewed at a third of it
+    sampled_seconds: float  # how long the connections row samples, every 0.1 s
+
+
+FULL = Profile(5000, 8.0, 1_000_000, 5.0, 3, 1000, 30.0, 15.0)
+QUICK = Profile(500, 1.0, 20_000, 0.5, 1, 100, 3.0, 3.0)
 
 
 def percentile(values: list[float], fraction: float) -> float:
@@ -398,12 +427,14 @@ def uncontended(backends: list[str], count: int) -> list[dict[str, Any]]:
 # -- contended hand-off ---------------------------------------------------------------------------
 
 
-def _contender(system: str, url: str, seconds: float, start: float, queue: Any) -> None:
+def _contender(system: str, url: str, seconds: float, ready: Any, queue: Any) -> None:
+    """One of the processes taking turns: it sets up its lock, waits at ``ready`` (a Barrier)
+    until every other process and the parent have too, then asks, holds, releases and steps
+    back for ``seconds``."""
     acquire, release, close = _blocking_lock(system, url)
     records = []
-    while time.monotonic() < start:
-        time.sleep(0.001)
-    deadline = start + seconds
+    ready.wait()
+    deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         asked = time.monotonic()
         token = acquire()
@@ -495,25 +526,31 @@ def turn_figures(turns: list[Turn]) -> dict[str, Any]:
     }
 
 
+def contend(system: str, url: str, processes: int, seconds: float) -> list[Turn]:
+    """Every turn of ``processes`` contenders for ``seconds``, once all of them are ready."""
+    context = processes_context()
+    queue, ready = context.Queue(), context.Barrier(processes + 1)
+    workers = [
+        context.Process(target=_contender, args=(system, url, seconds, ready, queue))
+        for _ in range(processes)
+    ]
+    for worker in workers:
+        worker.start()
+    ready.wait(timeout=120)
+    records = [record for _ in workers for record in queue.get(timeout=seconds + 120)]
+    for worker in workers:
+        worker.join()
+    return records
+
+
 def contended(
     targets: list[tuple[str, str, str]], processes: int, seconds: float
 ) -> list[dict[str, Any]]:
     rows = []
-    context = mp.get_context("spawn")
     for backend, system, url in targets:
         if system == "sqllocker":
             fresh_table(url)
-        queue = context.Queue()
-        start = time.monotonic() + 2.0  # let every process connect first
-        workers = [
-            context.Process(target=_contender, args=(system, url, seconds, start, queue))
-            for _ in range(processes)
-        ]
-        for worker in workers:
-            worker.start()
-        records = [record for _ in workers for record in queue.get(timeout=seconds + 120)]
-        for worker in workers:
-            worker.join()
+        records = contend(system, url, processes, seconds)
         rows.append(
             {
                 "backend": backend,
@@ -588,7 +625,7 @@ def purge_beside_a_worker(url: str, seconds: float) -> tuple[list[float], list[f
     with the defaults, as `sqllocker purge-expired` does: its latencies before and during the
     purge (one worker process, so both sides share its connection, cache and luck), the rows
     purged and how long the purge took."""
-    context = mp.get_context("spawn")
+    context = processes_context()
     queue, stop = context.Queue(), context.Event()
     worker = context.Process(target=_timed_cycler, args=(url, stop, queue))
     worker.start()
@@ -606,11 +643,10 @@ def purge_beside_a_worker(url: str, seconds: float) -> tuple[list[float], list[f
     return quiet, busy, purged, t1 - t0
 
 
-def scale(
-    backends: list[str], rows_in_table: int, count: int, seconds: float
-) -> list[dict[str, Any]]:
+def scale(backends: list[str], profile: Profile) -> list[dict[str, Any]]:
+    rows_in_table, count, seconds = profile.other_rows, profile.cycles, profile.scale_seconds
     rows: list[dict[str, Any]] = []
-    context = mp.get_context("spawn")
+    context = processes_context()
     for backend in backends:
         url = URLS[backend]
         fresh_table(url)
@@ -619,7 +655,7 @@ def scale(
         # The empty and the full table in turn, best of three each: measured once each, minutes
         # apart, this row moved between runs by more than the 20% it is judged by.
         best: dict[str, dict[str, float]] = {}
-        for _round in range(3):
+        for _round in range(profile.scale_rounds):
             for name, table in (("empty", TABLE), ("full", FULL_TABLE)):
                 cycle, close = sqllocker_cycle(url, table)
                 figures = timed_cycles(cycle, count)
@@ -671,15 +707,18 @@ def scale(
     return rows
 
 
-def connections_used(backend: str, held: int) -> dict[str, Any]:
+def connections_used(backend: str, profile: Profile) -> dict[str, Any]:
     url = URLS[backend]
+    held = profile.kept_alive
     fresh_table(url)
     locker = Locker(url, table=TABLE)
-    # Renewed every 10 s: 1,000 renewals take a second or two of each period on a slow machine,
-    # and 15 s of samples show whether a connection stays checked out between them.
-    locks = [locker.lock(f"kept {n}", expires=30, keep_alive=True) for n in range(held)]
+    # Full run: renewed every 10 s; 1,000 renewals take a second or two of each period on a
+    # slow machine, and 15 s of samples show whether a connection stays checked out between
+    # them.
+    expires = profile.kept_alive_expires
+    locks = [locker.lock(f"kept {n}", expires=expires, keep_alive=True) for n in range(held)]
     samples = []
-    for _ in range(150):
+    for _ in range(round(profile.sampled_seconds * 10)):
         samples.append(locker._table.connections()[1])  # in use by a lock operation now
         time.sleep(0.1)
     pool_size = locker.engine.pool.size()  # type: ignore[attr-defined]
@@ -770,7 +809,7 @@ def chart(results: dict[str, Any], path: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small counts: under a minute")
+    parser.add_argument("--quick", action="store_true", help="small counts: about a minute")
     parser.add_argument("--backends", default="sqlite,postgresql,mysql")
     parser.add_argument("--skip", default="", help="comma-separated: contended,scale")
     parser.add_argument("--out", default="bench-results")
@@ -779,10 +818,10 @@ def main() -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     URLS["sqlite"] = f"sqlite:///{Path(args.out) / 'bench.db'}"  # beside the results, wherever
     skip = set(args.skip.split(","))
-    count = 1000 if args.quick else 5000
+    profile = QUICK if args.quick else FULL
     machine = f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}, SQLAlchemy {sa.__version__}"
-    results: dict[str, Any] = {"machine": machine, "quick": args.quick}
-    results["uncontended"] = uncontended(backends, count)
+    results: dict[str, Any] = {"machine": machine, "quick": args.quick, "profile": asdict(profile)}
+    results["uncontended"] = uncontended(backends, profile.cycles)
     if "contended" not in skip:
         targets = [(b, "sqllocker", URLS[b]) for b in backends]
         if "postgresql" in backends:
@@ -790,12 +829,10 @@ def main() -> int:
         if "mysql" in backends:
             targets.append(("mysql", "GET_LOCK", URLS["mysql"]))
         targets.append(("redis", "redis-py Lock", REDIS_URL))
-        results["contended"] = contended(targets, 4, 2.0 if args.quick else 8.0)
+        results["contended"] = contended(targets, 4, profile.contended_seconds)
     if "scale" not in skip:
-        results["scale"] = scale(
-            backends, 20_000 if args.quick else 1_000_000, count, 1.0 if args.quick else 5.0
-        )
-        results["scale"] += [connections_used(b, 100 if args.quick else 1000) for b in backends]
+        results["scale"] = scale(backends, profile)
+        results["scale"] += [connections_used(b, profile) for b in backends]
     report(results, Path(args.out))
     return 0
 

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import multiprocessing as mp
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -26,21 +24,7 @@ from scripts import bench
 def turns_of(system: str, url: str, seconds: float) -> dict[str, float]:
     if system == "sqllocker":
         bench.fresh_table(url)
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    start = time.monotonic() + 2.0
-    workers = [
-        context.Process(target=bench._contender, args=(system, url, seconds, start, queue))
-        for _ in range(4)
-    ]
-    for worker in workers:
-        worker.start()
-    turns = sorted(
-        (turn for _ in workers for turn in queue.get(timeout=seconds + 120)),
-        key=lambda turn: turn[1],
-    )
-    for worker in workers:
-        worker.join()
+    turns = sorted(bench.contend(system, url, 4, seconds), key=lambda turn: turn[1])
     if system == "sqllocker":
         bench.drop_table(url, bench.TABLE)
     pairs = list(itertools.pairwise(turns))
