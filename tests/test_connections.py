@@ -5,6 +5,7 @@ hold; a forked child never touches its parent's connections."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -237,14 +238,10 @@ def test_a_callers_engine_keeps_its_pool_and_never_reuses_a_replaced_connections
     engine.dispose()
 
 
-def test_a_first_connection_waits_while_another_process_writes_to_a_rollback_journal_file(
-    tmp_path: Path,
-) -> None:
-    """Switching an SQLite file to WAL needs it to itself, and SQLite refuses at once, without
-    its busy handler, while another connection writes. A file made by other tools starts in
-    rollback-journal mode, so processes starting together on it met "database is locked" on
-    connecting (seen in the contention test: its table is made by a plain engine)."""
-    path = tmp_path / "locks.db"
+@contextlib.contextmanager
+def a_rollback_journal_file_being_written(path: Path) -> Iterator[str]:
+    """A lock table's file in rollback-journal mode (as other tools make one), which another
+    connection, mid-write, holds for 0.3 s more; yields its path for a URL."""
     maker = Locker(f"sqlite:///{path}", table="semaphores")
     maker.create_table()
     maker.close()
@@ -254,6 +251,18 @@ def test_a_first_connection_waits_while_another_process_writes_to_a_rollback_jou
         conn.exec_driver_sql("BEGIN IMMEDIATE")  # another process, mid-write
         conn.exec_driver_sql("CREATE TABLE other (x)")
         threading.Timer(0.3, lambda: conn.exec_driver_sql("COMMIT")).start()
+        yield str(path)
+    writer.dispose()
+
+
+def test_a_first_connection_waits_while_another_process_writes_to_a_rollback_journal_file(
+    tmp_path: Path,
+) -> None:
+    """Switching an SQLite file to WAL needs it to itself, and SQLite refuses at once, without
+    its busy handler, while another connection writes. A file made by other tools starts in
+    rollback-journal mode, so processes starting together on it met "database is locked" on
+    connecting (seen in the contention test: its table is made by a plain engine)."""
+    with a_rollback_journal_file_being_written(tmp_path / "locks.db") as path:
         locker = Locker(f"sqlite:///{path}", table="semaphores")
         try:
             with locker.lock("job"):
@@ -262,7 +271,6 @@ def test_a_first_connection_waits_while_another_process_writes_to_a_rollback_jou
                 assert own.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
         finally:
             locker.close()
-    writer.dispose()
 
 
 async def test_an_async_first_connection_waits_there_without_blocking_the_event_loop(
@@ -274,19 +282,10 @@ async def test_an_async_first_connection_waits_there_without_blocking_the_event_
     def blocking_sleep(seconds: float) -> None:
         raise AssertionError(f"time.sleep({seconds}) on the event loop")
 
-    path = tmp_path / "locks.db"
-    maker = Locker(f"sqlite:///{path}", table="semaphores")
-    maker.create_table()
-    maker.close()
     monkeypatch.setattr(
         engine, "time", SimpleNamespace(monotonic=time.monotonic, sleep=blocking_sleep)
     )
-    writer = sa.create_engine(f"sqlite:///{path}", isolation_level="AUTOCOMMIT")
-    with writer.connect() as conn:
-        conn.exec_driver_sql("PRAGMA journal_mode=DELETE")
-        conn.exec_driver_sql("BEGIN IMMEDIATE")  # another process, mid-write
-        conn.exec_driver_sql("CREATE TABLE other (x)")
-        threading.Timer(0.3, lambda: conn.exec_driver_sql("COMMIT")).start()
+    with a_rollback_journal_file_being_written(tmp_path / "locks.db") as path:
         locker = AsyncLocker(f"sqlite+aiosqlite:///{path}", table="semaphores")
         try:
             started = time.monotonic()
@@ -295,4 +294,3 @@ async def test_an_async_first_connection_waits_there_without_blocking_the_event_
             assert time.monotonic() - started >= 0.25  # it did wait for the writer
         finally:
             await locker.aclose()
-    writer.dispose()
