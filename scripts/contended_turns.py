@@ -3,7 +3,9 @@
 Runs bench.py's contenders (4 processes, one lockstring, each holding ~1 ms and stepping back
 2 ms) for sqllocker and blocking advisory locks on PostgreSQL, alternately, and prints the
 medians of: a turn (one acquisition's return to the next's), the holding, the release (the
-holder's release call), and the hand-off (the release's return to the next acquisition's).
+holder's release call), and the hand-off (the release's return to the next acquisition's); and
+the wait (asking to getting) at p50 and p99, beside the p50 that the other medians predict for
+four processes served in turn (``wait_model_ms``).
 
     .venv/bin/python scripts/contended_turns.py --rounds 2
 """
@@ -20,6 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scripts import bench
 
+STEP_BACK_MS = 2.0  # bench._contender's pause after each release
+
 
 def turns_of(system: str, url: str, seconds: float) -> dict[str, float]:
     if system == "sqllocker":
@@ -28,14 +32,23 @@ def turns_of(system: str, url: str, seconds: float) -> dict[str, float]:
     if system == "sqllocker":
         bench.drop_table(url, bench.TABLE)
     pairs = list(itertools.pairwise(turns))
+    hold = statistics.median(left - got for _, got, left, _ in turns) * 1000
+    release = statistics.median(done - left for _, _, left, done in turns) * 1000
+    handoff = (
+        statistics.median(after[1] - before[3] for before, after in pairs if after[0] < before[3])
+        * 1000
+    )
+    waits = [(got - asked) * 1000 for asked, got, _, _ in turns]
     return {
         "turn_ms": statistics.median(after[1] - before[1] for before, after in pairs) * 1000,
-        "hold_ms": statistics.median(left - got for _, got, left, _ in turns) * 1000,
-        "release_ms": statistics.median(done - left for _, _, left, done in turns) * 1000,
-        "handoff_ms": statistics.median(
-            after[1] - before[3] for before, after in pairs if after[0] < before[3]
-        )
-        * 1000,
+        "hold_ms": hold,
+        "release_ms": release,
+        "handoff_ms": handoff,
+        "wait_p50_ms": bench.percentile(waits, 0.5),
+        "wait_p99_ms": bench.percentile(waits, 0.99),
+        # Four processes served in turn: a process's round (wait, hold, release, step back) is
+        # four turns of hold + release + hand-off, so its wait is what is left of them.
+        "wait_model_ms": 3 * (hold + release) + 4 * handoff - STEP_BACK_MS,
     }
 
 
