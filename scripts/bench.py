@@ -62,7 +62,10 @@ def processes_context() -> Any:
     """Where the benchmark's worker processes come from: a fork server that has imported the
     drivers and sqllocker once, holding no connection. Each worker is a fork of it, with
     nothing of the parent's (as with spawn), without the second or two of imports a spawned
-    interpreter pays, which made up most of a ``--quick`` run's contended and scale rows."""
+    interpreter pays, which made up most of a ``--quick`` run's contended and scale rows.
+    Spawned where there is no fork server (Windows)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(["sqlalchemy", "psycopg", "pymysql", "redis", "sqllocker"])
     return context
