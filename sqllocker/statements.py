@@ -316,7 +316,9 @@ class Statements:
         queue's advisory lock, by the same pg_locks test as here), so deleting it changes no
         outcome; it only stops every later release of that lockstring from looking it up. A
         request being written by a new head is not yet visible here, and one whose head holds
-        the queue lock is kept.
+        the queue lock is kept. Were a race to delete a live head's request all the same, that
+        head would only not be handed the row: the release's NOTIFY wakes it to try for the
+        row itself, as on a table without hand-off.
         """
         if self.backend.name != "postgresql":
             return None
