@@ -429,6 +429,9 @@ def uncontended(backends: list[str], count: int) -> list[dict[str, Any]]:
 
 # -- contended hand-off ---------------------------------------------------------------------------
 
+HOLD_SECONDS = 0.001  # each contender holds the lock this long
+STEP_BACK_SECONDS = 0.002  # and then pauses: the waiters, not the releaser, should get it next
+
 
 def _contender(system: str, url: str, seconds: float, ready: Any, queue: Any) -> None:
     """One of the processes taking turns: it sets up its lock, waits at ``ready`` (a Barrier)
@@ -442,12 +445,12 @@ def _contender(system: str, url: str, seconds: float, ready: Any, queue: Any) ->
         asked = time.monotonic()
         token = acquire()
         got = time.monotonic()
-        time.sleep(0.001)  # hold it ~1 ms
+        time.sleep(HOLD_SECONDS)
         left = time.monotonic()
         release(token)
         released = time.monotonic()
         records.append((asked, got, left, released))
-        time.sleep(0.002)  # step back: the waiters, not the releaser, should get it next
+        time.sleep(STEP_BACK_SECONDS)
     close()  # not left to the process's exit, which the server logs as a connection reset
     queue.put(records)
 

@@ -22,8 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scripts import bench
 
-STEP_BACK_MS = 2.0  # bench._contender's pause after each release
-
 
 def turns_of(system: str, url: str, seconds: float) -> dict[str, float]:
     if system == "sqllocker":
@@ -48,7 +46,7 @@ def turns_of(system: str, url: str, seconds: float) -> dict[str, float]:
         "wait_p99_ms": bench.percentile(waits, 0.99),
         # Four processes served in turn: a process's round (wait, hold, release, step back) is
         # four turns of hold + release + hand-off, so its wait is what is left of them.
-        "wait_model_ms": 3 * (hold + release) + 4 * handoff - STEP_BACK_MS,
+        "wait_model_ms": 3 * (hold + release) + 4 * handoff - bench.STEP_BACK_SECONDS * 1000,
     }
 
 
