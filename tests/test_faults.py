@@ -9,17 +9,13 @@ README.md's Reliability section quotes them from a run of::
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import os
 import random
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -32,7 +28,8 @@ import sqlalchemy as sa
 from scripts.stall_proxy import StallProxy
 from sqllocker import Locker, LockLost, lock_table
 from sqllocker.engine import resolve_url
-from tests.conftest import IN_CI, count_rows, figure
+from tests.conftest import count_rows, figure
+from tests.private_servers import running_private_server
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -173,143 +170,10 @@ def test_frozen_holder_finds_its_lock_lost_and_its_writes_fenced(
 # -- 3. database restarted ------------------------------------------------------------------------
 
 
-def _postgres_binaries() -> Path | None:
-    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"))
-    return found[-1].parent if found else None
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def _run_as(user: str, *command: str) -> None:
-    subprocess.run(
-        ["runuser", "-u", user, "--", *command], check=True, capture_output=True, timeout=120
-    )
-
-
-class PrivatePostgres:
-    """A PostgreSQL server of this test's own, never the shared one, to stop and crash."""
-
-    def __init__(self, home: Path, binaries: Path) -> None:
-        self.home, self.data, self.port = home, home / "data", _free_port()
-        self.pg_ctl = str(binaries / "pg_ctl")
-        _run_as(
-            "postgres",
-            str(binaries / "initdb"),
-            "-D",
-            str(self.data),
-            "-A",
-            "trust",
-            "-U",
-            "postgres",
-        )
-        self.url = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
-
-    def start(self) -> None:
-        options = f"-p {self.port} -k {self.home} -c listen_addresses=127.0.0.1"
-        _run_as(
-            "postgres",
-            self.pg_ctl,
-            "-D",
-            str(self.data),
-            "-o",
-            options,
-            "-l",
-            str(self.home / "log"),
-            "-w",
-            "start",
-        )
-
-    def stop(self, crash: bool) -> None:
-        # "immediate" skips the shutdown checkpoint: recovery replays the WAL, as after a crash.
-        mode = "immediate" if crash else "fast"
-        _run_as("postgres", self.pg_ctl, "-D", str(self.data), "-m", mode, "-w", "stop")
-
-
-class PrivateMariaDB:
-    """A MariaDB server of this test's own, never the shared one, to stop and crash."""
-
-    def __init__(self, home: Path) -> None:
-        self.home, self.data, self.port = home, home / "data", _free_port()
-        subprocess.run(
-            [
-                "mariadb-install-db",
-                "--no-defaults",
-                f"--datadir={self.data}",
-                "--user=mysql",
-                "--auth-root-authentication-method=normal",
-                "--skip-test-db",
-            ],
-            check=True,
-            capture_output=True,
-            timeout=120,
-        )
-        self.url = f"mysql://root@127.0.0.1:{self.port}/mysql"
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.process = subprocess.Popen(
-            [
-                "runuser",
-                "-u",
-                "mysql",
-                "--",
-                "/usr/sbin/mariadbd",
-                "--no-defaults",
-                f"--datadir={self.data}",
-                f"--socket={self.home / 'sock'}",
-                f"--port={self.port}",
-                "--bind-address=127.0.0.1",
-                f"--pid-file={self.home / 'pid'}",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return
-            except OSError:
-                assert time.monotonic() < deadline, "private MariaDB did not start"
-                time.sleep(0.1)
-
-    def stop(self, crash: bool) -> None:
-        pid = int((self.home / "pid").read_text())
-        os.kill(pid, signal.SIGKILL if crash else signal.SIGTERM)
-        while True:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.05)
-        if self.process is not None:
-            self.process.wait(timeout=60)
-
-
 @pytest.fixture(params=["postgresql", "mysql"])
 def private_server(request: pytest.FixtureRequest) -> Iterator[Any]:
-    binaries = _postgres_binaries()
-    if binaries is None or os.geteuid() != 0 or shutil.which("runuser") is None:
-        message = "needs the database servers' binaries and root (to run them as their users)"
-        if IN_CI:
-            pytest.fail(message)
-        pytest.skip(message)
-    # Not under pytest's temporary directory: only root may enter that.
-    home = Path(tempfile.mkdtemp(prefix="sqllocker-private-db-"))
-    kind = request.param
-    shutil.chown(home, "postgres" if kind == "postgresql" else "mysql")
-    server = PrivatePostgres(home, binaries) if kind == "postgresql" else PrivateMariaDB(home)
-    server.start()
-    try:
+    with running_private_server(request.param) as server:
         yield server
-    finally:
-        with contextlib.suppress(Exception):
-            server.stop(crash=True)
-        shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.mark.parametrize("crash", [False, True], ids=["clean", "crash"])

@@ -1,0 +1,167 @@
+"""Database servers of a test's own, never the shared ones: to stop, crash, or attach a debugger to.
+
+They run as the servers' own users (initdb and mariadbd refuse root), so tests using them need
+root and the servers' binaries: ``require_private_servers`` fails under CI without them, and
+skips elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import IN_CI
+
+
+@contextlib.contextmanager
+def running_private_server(kind: str) -> Iterator[PrivatePostgres | PrivateMariaDB]:
+    """A fresh, started server of ``kind`` ("postgresql" or "mysql"), removed afterwards."""
+    binaries = _postgres_binaries()
+    if binaries is None or os.geteuid() != 0 or shutil.which("runuser") is None:
+        message = "needs the database servers' binaries and root (to run them as their users)"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+    # Not under pytest's temporary directory: only root may enter that.
+    home = Path(tempfile.mkdtemp(prefix="sqllocker-private-db-"))
+    shutil.chown(home, "postgres" if kind == "postgresql" else "mysql")
+    server = PrivatePostgres(home, binaries) if kind == "postgresql" else PrivateMariaDB(home)
+    server.start()
+    try:
+        yield server
+    finally:
+        with contextlib.suppress(Exception):
+            server.stop(crash=True)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def _postgres_binaries() -> Path | None:
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"))
+    return found[-1].parent if found else None
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _run_as(user: str, *command: str) -> None:
+    subprocess.run(
+        ["runuser", "-u", user, "--", *command], check=True, capture_output=True, timeout=120
+    )
+
+
+class PrivatePostgres:
+    """A PostgreSQL server of this test's own, never the shared one, to stop and crash."""
+
+    def __init__(self, home: Path, binaries: Path) -> None:
+        self.home, self.data, self.port = home, home / "data", _free_port()
+        self.pg_ctl = str(binaries / "pg_ctl")
+        _run_as(
+            "postgres",
+            str(binaries / "initdb"),
+            "-D",
+            str(self.data),
+            "-A",
+            "trust",
+            "-U",
+            "postgres",
+        )
+        self.url = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def start(self) -> None:
+        options = f"-p {self.port} -k {self.home} -c listen_addresses=127.0.0.1"
+        _run_as(
+            "postgres",
+            self.pg_ctl,
+            "-D",
+            str(self.data),
+            "-o",
+            options,
+            "-l",
+            str(self.home / "log"),
+            "-w",
+            "start",
+        )
+
+    def stop(self, crash: bool) -> None:
+        # "immediate" skips the shutdown checkpoint: recovery replays the WAL, as after a crash.
+        mode = "immediate" if crash else "fast"
+        _run_as("postgres", self.pg_ctl, "-D", str(self.data), "-m", mode, "-w", "stop")
+
+
+class PrivateMariaDB:
+    """A MariaDB server of this test's own, never the shared one, to stop and crash."""
+
+    def __init__(self, home: Path) -> None:
+        self.home, self.data, self.port = home, home / "data", _free_port()
+        subprocess.run(
+            [
+                "mariadb-install-db",
+                "--no-defaults",
+                f"--datadir={self.data}",
+                "--user=mysql",
+                "--auth-root-authentication-method=normal",
+                "--skip-test-db",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        self.url = f"mysql://root@127.0.0.1:{self.port}/mysql"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            [
+                "runuser",
+                "-u",
+                "mysql",
+                "--",
+                "/usr/sbin/mariadbd",
+                "--no-defaults",
+                f"--datadir={self.data}",
+                f"--socket={self.home / 'sock'}",
+                f"--port={self.port}",
+                "--bind-address=127.0.0.1",
+                f"--pid-file={self.home / 'pid'}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                assert time.monotonic() < deadline, "private MariaDB did not start"
+                time.sleep(0.1)
+
+    @property
+    def pid(self) -> int:
+        """mariadbd's process id (runuser's child, not ``self.process``)."""
+        return int((self.home / "pid").read_text())
+
+    def stop(self, crash: bool) -> None:
+        pid = self.pid
+        os.kill(pid, signal.SIGKILL if crash else signal.SIGTERM)
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        if self.process is not None:
+            self.process.wait(timeout=60)
