@@ -99,12 +99,13 @@ class TableMissing(LockError):
 
 
 class UnsafeDatabase(LockError):
-    """The database is configured so that a crash can lose an acknowledged lock row (raised
-    with ``strict=True``; otherwise an ``UnsafeDatabaseWarning`` is issued)."""
+    """The database is configured so that a guarantee does not hold: a crash can lose an
+    acknowledged lock row, or lock ids can come out of holding order (raised with
+    ``strict=True``; otherwise an ``UnsafeDatabaseWarning`` is issued)."""
 
 
 class UnsafeDatabaseWarning(UserWarning):
-    """The database is configured so that a crash can lose an acknowledged lock row."""
+    """The database is configured so that a guarantee of the locks does not hold."""
 
 
 class DatabaseError(LockError):

@@ -65,9 +65,11 @@ class Locker:
     ``on_lost`` is the default callback for kept-alive locks found lost (see ``Lock.keep_alive``);
     ``keep_alive_fraction`` is how much of its expiry period passes between two renewals.
 
-    On first use the locker checks the database's durability settings: with a setting that can
-    lose an acknowledged lock row in a crash (and so hand out a second holder and a reused
-    token), it warns, or with ``strict=True`` refuses with ``UnsafeDatabase``.
+    On first use the locker checks the database settings its guarantees rest on: with a setting
+    that can lose an acknowledged lock row in a crash (and so hand out a second holder and a
+    reused token), or hand out tokens out of holding order (MariaDB/MySQL
+    ``innodb_autoinc_lock_mode=2``), it warns, or with ``strict=True`` refuses with
+    ``UnsafeDatabase``.
     """
 
     def __init__(

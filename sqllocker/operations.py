@@ -34,7 +34,6 @@ from sqlalchemy.sql import ClauseElement
 
 from .backends import Backend, backend_for
 from .connections import ConnectionStack
-from .durability import unsafe_settings
 from .engine import describe_url
 from .errors import (
     DatabaseError,
@@ -50,6 +49,7 @@ from .errors import (
 from .execution import PreparedCache, Session, kept_cursor
 from .identity import holder_details
 from .schema import lock_table
+from .server_settings import unsafe_settings
 from .statements import Statements
 
 logger = logging.getLogger("sqllocker")
@@ -619,24 +619,28 @@ class LockTable:
 
     def ensure_setup(self) -> None:
         """Learn the backend on first use: its capabilities (MariaDB's RETURNING) are known only
-        once connected, and its durability settings are checked once."""
+        once connected, and the settings its guarantees rest on are checked once."""
         if self._backend is None:
             with self.connection() as conn, self._setup_lock:
                 if self._backend is None:
                     backend = backend_for(conn.dialect)
-                    self._check_durability(conn)
+                    self._check_settings(conn)
                     self._statements = Statements(self.table, backend)
                     self._prepared = PreparedCache(conn.dialect)
                     self._backend = backend
 
-    def _check_durability(self, conn: Connection) -> None:
+    def _check_settings(self, conn: Connection) -> None:
         problems = unsafe_settings(conn, self.table_name)
         if not problems:
             return
+        harms = {
+            harm: ", ".join(p.setting for p in problems if p.harm == harm)
+            for harm in dict.fromkeys(p.harm for p in problems)
+        }
         message = (
-            f"{describe_url(self.url)} can lose acknowledged lock rows in a crash "
-            f"({', '.join(problems)}): a lost row lets a second holder in and its lock id be "
-            "reused; change the setting, or pass strict=True to refuse such databases"
+            f"{describe_url(self.url)}: "
+            + "; ".join(f"{settings} {harm}" for harm, settings in harms.items())
+            + "; change the setting, or pass strict=True to refuse such databases"
         )
         if self.strict:
             raise UnsafeDatabase(message)

@@ -44,8 +44,9 @@ class Statements:
         PostgreSQL and SQLite: ``ON CONFLICT DO NOTHING`` returns no row when held, with no ERROR
         in the server log, and (PostgreSQL) without locking the holder's row: an upsert that
         decides not to update still locks the row it met and must flush its commit to disk, and
-        the holder's release then waits for that refused acquirer. MySQL: a plain INSERT, whose
-        duplicate-key error means held (never ``INSERT IGNORE``: it truncates over-long keys).
+        the holder's release then waits for that refused acquirer. MySQL: an INSERT (of a SELECT,
+        see below) whose duplicate-key error means held (never ``INSERT IGNORE``: it truncates
+        over-long keys).
         An expired row is taken over by ``take_over`` (PostgreSQL) or ``take_over_expired`` and
         this statement again (the others), once the holder's row shows it expired.
         """
@@ -61,8 +62,19 @@ class Statements:
             lite = sqlite.insert(self.table).values(self._new_row)
             lite = lite.on_conflict_do_nothing(index_elements=[c.lockstring])
             return lite.returning(*self._returned) if self.backend.insert_returning else lite
-        plain = sa.insert(self.table).values(self._new_row)
-        return plain.returning(*self._returned) if self.backend.insert_returning else plain
+        # MySQL: INSERT ... SELECT, never ... VALUES, for the order of fencing tokens. InnoDB
+        # draws the auto-increment value before the unique check. For INSERT ... VALUES it draws
+        # under a mutex released straight away, so an acquirer delayed between its draw and its
+        # check could insert after a later acquirer had held and released the lock, and hold it
+        # with the smaller id (seen once in the 8-process test; tests/test_fencing.py pauses an
+        # acquirer there with gdb). For INSERT ... SELECT it takes the table's AUTO-INC lock and
+        # keeps it until the statement ends, so no one else draws an id meanwhile. That holds
+        # with innodb_autoinc_lock_mode 0 or 1 (MariaDB's default), not 2, which the settings
+        # check reports (``server_settings``).
+        mine = sa.insert(self.table).from_select(
+            list(self._new_row), sa.select(*self._new_row.values())
+        )
+        return mine.returning(*self._returned) if self.backend.insert_returning else mine
 
     @cached_property
     def acquire_unless_queued(self) -> ReturningInsert[Any]:

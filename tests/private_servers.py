@@ -24,8 +24,9 @@ from tests.conftest import IN_CI
 
 
 @contextlib.contextmanager
-def running_private_server(kind: str) -> Iterator[PrivatePostgres | PrivateMariaDB]:
-    """A fresh, started server of ``kind`` ("postgresql" or "mysql"), removed afterwards."""
+def running_private_server(kind: str, *options: str) -> Iterator[PrivatePostgres | PrivateMariaDB]:
+    """A fresh, started server of ``kind`` ("postgresql" or "mysql"), removed afterwards;
+    MariaDB's ``options`` go to mariadbd."""
     binaries = _postgres_binaries()
     if binaries is None or os.geteuid() != 0 or shutil.which("runuser") is None:
         message = "needs the database servers' binaries and root (to run them as their users)"
@@ -35,7 +36,9 @@ def running_private_server(kind: str) -> Iterator[PrivatePostgres | PrivateMaria
     # Not under pytest's temporary directory: only root may enter that.
     home = Path(tempfile.mkdtemp(prefix="sqllocker-private-db-"))
     shutil.chown(home, "postgres" if kind == "postgresql" else "mysql")
-    server = PrivatePostgres(home, binaries) if kind == "postgresql" else PrivateMariaDB(home)
+    server = (
+        PrivatePostgres(home, binaries) if kind == "postgresql" else PrivateMariaDB(home, *options)
+    )
     server.start()
     try:
         yield server
@@ -104,8 +107,9 @@ class PrivatePostgres:
 class PrivateMariaDB:
     """A MariaDB server of this test's own, never the shared one, to stop and crash."""
 
-    def __init__(self, home: Path) -> None:
+    def __init__(self, home: Path, *options: str) -> None:
         self.home, self.data, self.port = home, home / "data", _free_port()
+        self.options = options  # mariadbd's own, e.g. "--innodb-autoinc-lock-mode=2"
         subprocess.run(
             [
                 "mariadb-install-db",
@@ -136,6 +140,7 @@ class PrivateMariaDB:
                 f"--port={self.port}",
                 "--bind-address=127.0.0.1",
                 f"--pid-file={self.home / 'pid'}",
+                *self.options,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -1,4 +1,4 @@
-"""Holding safely: keep-alive, validity deadlines, on_lost, guard() and the durability check."""
+"""Holding safely: keep-alive, validity deadlines, on_lost, guard() and the settings check."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from sqllocker import (
 )
 from sqllocker.engine import resolve_url
 from tests.conftest import count_rows, figure
+from tests.private_servers import running_private_server
 
 
 def threads_of(locker: Locker) -> list[str]:
@@ -253,7 +254,7 @@ def test_guard_needs_a_transaction(locker: Locker, app_engine: sa.Engine) -> Non
         lock.guard(conn)
 
 
-# -- durability settings --------------------------------------------------------------------------
+# -- server settings ------------------------------------------------------------------------------
 
 
 def unsafe_engine(url: str, table: str) -> tuple[sa.Engine, Any]:
@@ -277,7 +278,7 @@ def unsafe_engine(url: str, table: str) -> tuple[sa.Engine, Any]:
     return engine, lambda: None
 
 
-def test_unsafe_durability_warns_or_refuses(url: str, table_name: str) -> None:
+def test_settings_that_lose_rows_warn_or_refuse(url: str, table_name: str) -> None:
     plain = sa.create_engine(resolve_url(url))
     lock_table(table_name).create(plain)
     plain.dispose()
@@ -297,6 +298,20 @@ def test_unsafe_durability_warns_or_refuses(url: str, table_name: str) -> None:
     finally:
         restore()
         engine.dispose()
+
+
+def test_mariadb_autoinc_lock_mode_2_warns_or_refuses(table_name: str) -> None:
+    # A server setting (read-only while it runs), so a private server started with it.
+    with running_private_server("mysql", "--innodb-autoinc-lock-mode=2") as server:
+        engine = sa.create_engine(resolve_url(server.url))
+        lock_table(table_name).create(engine)
+        engine.dispose()
+        reorders = "innodb_autoinc_lock_mode=2 can hand out lock ids out of holding order"
+        with pytest.warns(UnsafeDatabaseWarning, match=reorders):
+            Locker(server.url, table=table_name).lock("job").unlock()
+        with pytest.raises(UnsafeDatabase, match=reorders):
+            Locker(server.url, table=table_name, strict=True).lock("job")
+        assert count_rows(Locker(server.url, table=table_name)) == 0  # strict wrote nothing
 
 
 def test_safe_database_gives_no_warning(locker: Locker) -> None:

@@ -1,0 +1,66 @@
+"""Checking the database settings that the locks' guarantees rest on.
+
+A lock row that the database acknowledged and then lost in a crash lets a second holder in, and
+the lost id can be handed out again, breaking the fencing token. These settings allow exactly
+that (each observed on this project's test machine): PostgreSQL ``synchronous_commit=off``,
+``fsync=off`` or an UNLOGGED table; MariaDB/MySQL ``innodb_flush_log_at_trx_commit`` other than 1;
+SQLite ``synchronous=OFF`` or a journal that is off or in memory.
+
+MariaDB/MySQL ``innodb_autoinc_lock_mode=2`` (MySQL 8's default) draws auto-increment values
+under no lock that lasts the statement, so an acquirer delayed between drawing its id and the
+unique check can hold the lock after a later holder, with a smaller fencing token (see
+``Statements.acquire``). Mutual exclusion does not depend on it; the order of tokens does.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from sqlalchemy.engine import Connection
+
+LOSES_ROWS = (
+    "can lose acknowledged lock rows in a crash, which lets a second holder in and reuses its "
+    "lock id"
+)
+REORDERS_IDS = (
+    "can hand out lock ids out of holding order, so a later holder may carry a smaller fencing "
+    "token"
+)
+
+
+class UnsafeSetting(NamedTuple):
+    setting: str  # as the operator would set it, e.g. "innodb_autoinc_lock_mode=2"
+    harm: str
+
+
+def unsafe_settings(conn: Connection, table: str) -> list[UnsafeSetting]:
+    """The settings on ``conn``'s database that break a guarantee of the locks, with what each
+    breaks."""
+    name = conn.dialect.name
+    problems: list[UnsafeSetting] = []
+    if name == "postgresql":
+        if conn.exec_driver_sql("SHOW synchronous_commit").scalar() == "off":
+            problems.append(UnsafeSetting("synchronous_commit=off", LOSES_ROWS))
+        if conn.exec_driver_sql("SHOW fsync").scalar() == "off":
+            problems.append(UnsafeSetting("fsync=off", LOSES_ROWS))
+        persistence = conn.exec_driver_sql(
+            "SELECT relpersistence FROM pg_class WHERE oid = to_regclass(%(table)s)",
+            {"table": table},
+        ).scalar()
+        if persistence == "u":
+            problems.append(UnsafeSetting(f"table {table} is UNLOGGED", LOSES_ROWS))
+    elif name == "mysql":
+        flush, autoinc = conn.exec_driver_sql(
+            "SELECT @@innodb_flush_log_at_trx_commit, @@innodb_autoinc_lock_mode"
+        ).one()
+        if flush is not None and int(flush) != 1:
+            problems.append(UnsafeSetting(f"innodb_flush_log_at_trx_commit={flush}", LOSES_ROWS))
+        if autoinc is not None and int(autoinc) == 2:
+            problems.append(UnsafeSetting("innodb_autoinc_lock_mode=2", REORDERS_IDS))
+    elif name == "sqlite":
+        if conn.exec_driver_sql("PRAGMA synchronous").scalar() == 0:
+            problems.append(UnsafeSetting("PRAGMA synchronous=OFF", LOSES_ROWS))
+        journal = str(conn.exec_driver_sql("PRAGMA journal_mode").scalar()).lower()
+        if journal in {"off", "memory"}:
+            problems.append(UnsafeSetting(f"PRAGMA journal_mode={journal.upper()}", LOSES_ROWS))
+    return problems
