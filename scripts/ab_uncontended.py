@@ -4,10 +4,12 @@ The library's own Python is a few tens of microseconds a cycle, and one run move
 than a single change to it is worth, so a change is judged against the code before it in
 alternating rounds: each round, every tree (in a fresh interpreter, from that tree) measures
 a raw floor and its own ``Locker``, back to back, best of two runs each, reversing the order
-of the trees every other round. The floor is defined here, not in the trees, so that every
-tree is measured against the very same floor: sqllocker's acquire and release statements
-(from that tree's ``sqllocker.statements``) on one held driver connection, with values of the
-size sqllocker sends. Make the other tree with ``git worktree add /tmp/base HEAD``, then:
+of the trees every other round. The floor's code is defined here, not in the trees, so that
+every tree runs the very same floor: sqllocker's acquire and release statements on one held
+driver connection, with values of the size sqllocker sends. The statements are that tree's
+(``sqllocker.statements``), so a change to them shows in ``floor_us``, and ``x_floor`` is
+against the floor of the statements the tree sends. Make the other tree with
+``git worktree add /tmp/base HEAD``, then:
 
     .venv/bin/python scripts/ab_uncontended.py --rounds 4 new=. base=/tmp/base
 """
@@ -87,7 +89,7 @@ def main() -> int:
 
     trees = [tuple(tree.split("=", 1)) for tree in args.trees]
     table = "ab_uncontended"
-    ratios: dict[str, list[float]] = {name: [] for name, _ in trees}
+    rounds: dict[str, list[dict[str, float]]] = {name: [] for name, _ in trees}
     with tempfile.TemporaryDirectory() as scratch:
         sqlite_url = f"sqlite:///{scratch}/ab.db"
         url = sqlite_url if args.backend == "sqlite" else bench.URLS[args.backend]
@@ -105,14 +107,19 @@ def main() -> int:
                     if done.returncode != 0 or not lines:
                         print(number, name, done.stderr[-2000:], flush=True)
                         continue
-                    ratios[name].append(json.loads(lines[-1])["x_floor"])
+                    rounds[name].append(json.loads(lines[-1]))
                     print(number, name, lines[-1], flush=True)
         finally:
             if args.backend != "sqlite":
                 bench.drop_table(url, table)
-    for name, measured in ratios.items():
+    # The floor is each tree's own statements, so a change to them shows in floor_us.
+    for name, measured in rounds.items():
         if measured:
-            print(name, "median x floor", round(statistics.median(measured), 3))
+            medians = {
+                key: round(statistics.median(figures[key] for figures in measured), 3)
+                for key in ("x_floor", "floor_us", "sqllocker_us")
+            }
+            print(name, "median", json.dumps(medians))
     return 0
 
 
