@@ -640,7 +640,8 @@ class LockTable:
         message = (
             f"{describe_url(self.url)}: "
             + "; ".join(f"{settings} {harm}" for harm, settings in harms.items())
-            + "; change the setting, or pass strict=True to refuse such databases"
+            + f"; change {'these settings' if len(problems) > 1 else 'the setting'}, or pass "
+            "strict=True to refuse such databases"
         )
         if self.strict:
             raise UnsafeDatabase(message)
