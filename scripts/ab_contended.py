@@ -12,8 +12,12 @@ tree and round. Make the other tree with ``git worktree add /tmp/base HEAD``, fo
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from scripts.interleaved import print_medians, run_rounds, trees_of
 
 _ONE_ROUND = """
 import json
@@ -41,20 +45,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("trees", nargs="+", help="name=path of a checkout, two or more")
     args = parser.parse_args()
-    if len(args.trees) < 2 or not all("=" in tree for tree in args.trees):
-        parser.error("give two or more trees, each as name=path")
-    trees = [tuple(tree.split("=", 1)) for tree in args.trees]
-    for number in range(args.rounds):
-        for name, path in trees if number % 2 == 0 else trees[::-1]:
-            done = subprocess.run(
-                [sys.executable, "-c", _ONE_ROUND.format(seconds=args.seconds)],
-                cwd=path,
-                capture_output=True,
-                text=True,
-                check=False,
-            )
-            lines = done.stdout.strip().splitlines()
-            print(number, name, lines[-1] if lines else done.stderr[-2000:], flush=True)
+    trees = trees_of(parser, args.trees)
+    print_medians(run_rounds(trees, args.rounds, _ONE_ROUND.format(seconds=args.seconds)))
     return 0
 
 

@@ -13,10 +13,12 @@ round, then each tree's medians. Make the other tree with ``git worktree add /tm
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import subprocess
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from scripts.interleaved import print_medians, run_rounds, trees_of
 
 _ONE_ROUND = """
 import json, sys
@@ -24,21 +26,10 @@ from scripts import bench
 
 backend, seconds = sys.argv[1], float(sys.argv[2])
 url = bench.URLS[backend]
-context = bench.processes_context()
 bench.fresh_table(url)
 figures = {}
 for processes in (1, 2, 4):
-    queue = context.Queue()
-    workers = [
-        context.Process(target=bench._cycler, args=(url, seconds, queue))
-        for _ in range(processes)
-    ]
-    for worker in workers:
-        worker.start()
-    total = sum(len(queue.get(timeout=seconds + 120)) for _ in workers)
-    for worker in workers:
-        worker.join()
-    figures[f"cycles_per_s_{processes}"] = round(total / seconds)
+    figures[f"cycles_per_s_{processes}"] = round(bench.cycles_per_s_of(url, processes, seconds))
 (ours,) = bench.contended([(backend, "sqllocker", url)], 4, seconds)
 figures["contended_per_s"] = round(ours["acquisitions_per_s"], 1)
 figures["handoff_p50_ms"] = round(ours["handoff_p50_ms"], 3)
@@ -56,29 +47,8 @@ def main() -> int:
     parser.add_argument("--backend", choices=["postgresql", "mysql"], default="mysql")
     parser.add_argument("trees", nargs="+", help="name=path of a checkout, two or more")
     args = parser.parse_args()
-    if len(args.trees) < 2 or not all("=" in tree for tree in args.trees):
-        parser.error("give two or more trees, each as name=path")
-    trees = [tuple(tree.split("=", 1)) for tree in args.trees]
-    rounds: dict[str, list[dict[str, float]]] = {name: [] for name, _ in trees}
-    for number in range(args.rounds):
-        for name, path in trees if number % 2 == 0 else trees[::-1]:
-            done = subprocess.run(
-                [sys.executable, "-c", _ONE_ROUND, args.backend, str(args.seconds)],
-                cwd=path,
-                capture_output=True,
-                text=True,
-                check=False,
-            )
-            lines = done.stdout.strip().splitlines()
-            if done.returncode != 0 or not lines:
-                print(number, name, done.stderr[-2000:], flush=True)
-                continue
-            rounds[name].append(json.loads(lines[-1]))
-            print(number, name, lines[-1], flush=True)
-    for name, measured in rounds.items():
-        if measured:
-            medians = {key: statistics.median(m[key] for m in measured) for key in measured[0]}
-            print(name, "median", json.dumps(medians))
+    trees = trees_of(parser, args.trees)
+    print_medians(run_rounds(trees, args.rounds, _ONE_ROUND, args.backend, str(args.seconds)))
     return 0
 
 

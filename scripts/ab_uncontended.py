@@ -17,12 +17,14 @@ against the floor of the statements the tree sends. Make the other tree with
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from scripts import bench
+from scripts.interleaved import print_medians, run_rounds, trees_of
 
 _ONE_ROUND = """
 import json, os, sys, time
@@ -82,44 +84,18 @@ def main() -> int:
     parser.add_argument("--backend", choices=["sqlite", "postgresql", "mysql"], default="sqlite")
     parser.add_argument("trees", nargs="+", help="name=path of a checkout, two or more")
     args = parser.parse_args()
-    if len(args.trees) < 2 or not all("=" in tree for tree in args.trees):
-        parser.error("give two or more trees, each as name=path")
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from scripts import bench
-
-    trees = [tuple(tree.split("=", 1)) for tree in args.trees]
+    trees = trees_of(parser, args.trees)
     table = "ab_uncontended"
-    rounds: dict[str, list[dict[str, float]]] = {name: [] for name, _ in trees}
     with tempfile.TemporaryDirectory() as scratch:
         sqlite_url = f"sqlite:///{scratch}/ab.db"
         url = sqlite_url if args.backend == "sqlite" else bench.URLS[args.backend]
         try:
-            for number in range(args.rounds):
-                for name, path in trees if number % 2 == 0 else trees[::-1]:
-                    done = subprocess.run(
-                        [sys.executable, "-c", _ONE_ROUND, url, table, str(args.cycles)],
-                        cwd=path,
-                        capture_output=True,
-                        text=True,
-                        check=False,
-                    )
-                    lines = done.stdout.strip().splitlines()
-                    if done.returncode != 0 or not lines:
-                        print(number, name, done.stderr[-2000:], flush=True)
-                        continue
-                    rounds[name].append(json.loads(lines[-1]))
-                    print(number, name, lines[-1], flush=True)
+            results = run_rounds(trees, args.rounds, _ONE_ROUND, url, table, str(args.cycles))
         finally:
             if args.backend != "sqlite":
                 bench.drop_table(url, table)
     # The floor is each tree's own statements, so a change to them shows in floor_us.
-    for name, measured in rounds.items():
-        if measured:
-            medians = {
-                key: round(statistics.median(figures[key] for figures in measured), 3)
-                for key in ("x_floor", "floor_us", "sqllocker_us")
-            }
-            print(name, "median", json.dumps(medians))
+    print_medians(results)
     return 0
 
 

@@ -627,6 +627,22 @@ def _timed_cycler(url: str, stop: Any, queue: Any) -> None:
     queue.put(samples)
 
 
+def cycles_per_s_of(url: str, processes: int, seconds: float) -> float:
+    """Lock cycles per second of ``processes`` processes cycling on distinct lockstrings, in
+    all."""
+    context = processes_context()
+    queue = context.Queue()
+    workers = [
+        context.Process(target=_cycler, args=(url, seconds, queue)) for _ in range(processes)
+    ]
+    for worker in workers:
+        worker.start()
+    total = sum(len(queue.get(timeout=seconds + 120)) for _ in workers)
+    for worker in workers:
+        worker.join()
+    return total / seconds
+
+
 def purge_beside_a_worker(
     url: str, seconds: float, batch_size: int = DEFAULT_PURGE_BATCH
 ) -> tuple[list[float], list[float], int, float]:
@@ -655,7 +671,6 @@ def purge_beside_a_worker(
 def scale(backends: list[str], profile: Profile) -> list[dict[str, Any]]:
     rows_in_table, count, seconds = profile.other_rows, profile.cycles, profile.scale_seconds
     rows: list[dict[str, Any]] = []
-    context = processes_context()
     for backend in backends:
         url = URLS[backend]
         fresh_table(url)
@@ -683,21 +698,11 @@ def scale(backends: list[str], profile: Profile) -> list[dict[str, Any]]:
         )
         fresh_table(url)
         for processes in (1, 2, 4):
-            queue = context.Queue()
-            workers = [
-                context.Process(target=_cycler, args=(url, seconds, queue))
-                for _ in range(processes)
-            ]
-            for worker in workers:
-                worker.start()
-            total = sum(len(queue.get(timeout=seconds + 120)) for _ in workers)
-            for worker in workers:
-                worker.join()
             rows.append(
                 {
                     "backend": backend,
                     "row": f"{processes} process(es), distinct names",
-                    "value": total / seconds,
+                    "value": cycles_per_s_of(url, processes, seconds),
                     "detail": "cycles/s in total",
                 }
             )
