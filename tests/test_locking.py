@@ -9,8 +9,10 @@ import time
 from datetime import datetime, timedelta, timezone
 
 import pytest
+import sqlalchemy as sa
 
-from sqllocker import Lock, LockBusy, Locker, LockLost
+from sqllocker import Lock, LockBusy, Locker, LockLost, lock_table
+from sqllocker.engine import resolve_url
 from tests.conftest import abandon, count_rows
 
 # -- DBIx::Locker t/basic.t ---------------------------------------------------------------------
@@ -350,3 +352,37 @@ def test_lock_is_visible_at_once_and_survives_the_callers_rollback(
     assert other.try_lock("job") is None  # survived the caller's rollback
     lock.unlock()
     engine.dispose()
+
+
+# -- MySQL, which has no INSERT ... RETURNING ------------------------------------------------------
+
+
+def test_without_returning_the_acquire_reads_its_row_back(mysql_url: str, table_name: str) -> None:
+    """MySQL has no INSERT ... RETURNING (MariaDB has): the acquire's id is the driver's
+    lastrowid and its times are read back by id and guid. MariaDB stands in for MySQL here, its
+    dialect told after connecting (which is when it learns the server's version) that it has
+    none."""
+    engine = sa.create_engine(resolve_url(mysql_url))
+    with engine.connect():
+        pass
+    engine.dialect.insert_returning = False
+    lock_table(table_name).create(engine)
+    locker = Locker(engine, table=table_name, grace=0)
+    try:
+        first = locker.lock("no returning", expires=0.3)
+        assert not locker._table.backend.insert_returning
+        row = locker.lock_info("no returning")
+        assert row is not None
+        assert row.lock_id == first.lock_id
+        assert first.created < first.expires
+        with pytest.raises(LockBusy):
+            locker.lock("no returning")
+        time.sleep(0.5)  # expired: the next acquire deletes the row and inserts its own
+        second = locker.lock("no returning")
+        assert second.lock_id > first.lock_id
+        assert locker.lock_info("no returning").lock_id == second.lock_id  # type: ignore[union-attr]
+        second.unlock()
+        assert count_rows(locker) == 0
+    finally:
+        locker.close()
+        engine.dispose()
