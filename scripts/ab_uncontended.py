@@ -94,7 +94,6 @@ def main() -> int:
         finally:
             if args.backend != "sqlite":
                 bench.drop_table(url, table)
-    # The floor is each tree's own statements, so a change to them shows in floor_us.
     print_medians(results)
     return 0
 

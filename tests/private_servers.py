@@ -1,7 +1,7 @@
 """Database servers of a test's own, never the shared ones: to stop, crash, or attach a debugger to.
 
 They run as the servers' own users (initdb and mariadbd refuse root), so tests using them need
-root and the servers' binaries: ``require_private_servers`` fails under CI without them, and
+root and the servers' binaries: ``running_private_server`` fails under CI without them, and
 skips elsewhere.
 """
 
@@ -105,7 +105,8 @@ class PrivatePostgres:
 
 
 class PrivateMariaDB:
-    """A MariaDB server of this test's own, never the shared one, to stop and crash."""
+    """A MariaDB server of this test's own, never the shared one, to stop, crash, start with
+    other settings, or attach gdb to."""
 
     def __init__(self, home: Path, *options: str) -> None:
         self.home, self.data, self.port = home, home / "data", _free_port()

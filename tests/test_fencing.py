@@ -156,9 +156,9 @@ def test_mariadb_acquirer_paused_after_drawing_its_id_never_holds_after_a_later_
     tmp_path: Path, table_name: str
 ) -> None:
     with running_private_server("mysql") as server:
-        Locker(server.url, table=table_name).create_table()
         slow = Locker(server.url, table=table_name, grace=0)
         quick = Locker(server.url, table=table_name, grace=0)
+        slow.create_table()
         for locker in (slow, quick):
             # Connected and set up before the pause, so that nothing else draws an id and no
             # new server thread has to start while gdb holds one.
