@@ -10,10 +10,13 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -613,3 +616,52 @@ def test_one_locker_on_two_running_loops_at_once_is_refused(url: str, table_name
     finally:
         leave.set()
         other.join(30)
+
+
+_LOOP_AFTER_LOOP = """
+import asyncio, gc, sys, threading
+from sqllocker import Locker
+from sqllocker.asyncio import AsyncLocker
+
+sync_url, async_url, table = sys.argv[1:4]
+holder = Locker(sync_url, table=table, grace=0)
+holder.create_table()  # by the migrations: on PostgreSQL, with the queue's functions
+locker = AsyncLocker(async_url, table=table, grace=0)
+kept = []
+
+
+async def one_loop(n):
+    async with locker.lock(f"job {n}"):
+        pass
+    held = holder.lock("contended")  # a waiter: on PostgreSQL, the listener and the queue
+    threading.Timer(0.2, held.unlock).start()
+    await (await locker.lock("contended", wait=10)).unlock()
+    # Left held, kept alive, when the loop ends: its task is cancelled with the loop's.
+    kept.append(await locker.lock(f"left held {n}", expires=60, keep_alive=True))
+    return len(await locker.locks())
+
+
+print([asyncio.run(one_loop(n)) for n in range(3)])
+gc.collect()
+holder.close()
+"""
+
+
+def test_loop_after_loop_leaves_no_connection_behind(url: str, table_name: str) -> None:
+    """An AsyncLocker used by ``asyncio.run`` after ``asyncio.run``, never closed: each loop's
+    connections are closed as that loop shuts down, while it still can. Forgotten instead,
+    they were closed by the garbage collector after their loop had closed: a ResourceWarning
+    from every driver, and from aiomysql a traceback ("Event loop is closed") on stderr."""
+    arguments = [url, async_url(url), table_name]
+    finished = subprocess.run(
+        [sys.executable, "-W", "always::ResourceWarning", "-c", _LOOP_AFTER_LOOP, *arguments],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert finished.returncode == 0, finished.stderr
+    # Each loop's lock left held is still there: the loop's end released nothing.
+    assert finished.stdout.split() == ["[1,", "2,", "3]"]
+    for sign in ("ResourceWarning", "Event loop is closed", "Exception ignored", "Traceback"):
+        assert sign not in finished.stderr, finished.stderr

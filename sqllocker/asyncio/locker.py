@@ -20,7 +20,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Generator
+from collections.abc import AsyncGenerator, Callable, Generator
 from datetime import datetime
 from types import TracebackType
 from typing import Any, TypeVar
@@ -47,6 +47,7 @@ from ..waiting import Backoff
 from ..waiting_room import Request, hand_off_started
 from .keepalive import AsyncKeepAlive
 from .lock import AsyncLock, AsyncLockState
+from .loop_end import at_loop_end
 from .notify import AsyncReleaseListener
 from .tasks import spawn
 from .waiting_room import AsyncTurn, AsyncWaitingRoom
@@ -76,9 +77,11 @@ class AsyncLocker:
     Its connections, listener and keep-alive tasks belong to the event loop that runs them. One
     AsyncLocker may serve one loop after another (``asyncio.run`` twice, a test framework's loop
     per test): when a new loop first uses it, what belonged to the previous loop is dropped,
-    and its connections are made afresh (with a caller's AsyncEngine, disposing of the old
-    loop's pooled connections is the caller's part). Two loops running at once cannot share
-    one; the second is refused with a LockError.
+    and its connections are made afresh. A loop that shuts down its async generators before
+    closing (``asyncio.run`` does) closes the locker's connections as it ends, as ``aclose()``
+    would (see ``loop_end``); with a caller's AsyncEngine, disposing of that engine's pooled
+    connections stays the caller's part. Two loops running at once cannot share one; the
+    second is refused with a LockError.
     """
 
     def __init__(
@@ -126,6 +129,7 @@ class AsyncLocker:
         self.auto_create = self._table.auto_create
         self._keep_alives = AsyncKeepAlive(fraction)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_end: AsyncGenerator[None, None] | None = None
         self._setup_lock: asyncio.Lock | None = None
         self._listener: AsyncReleaseListener | None = None
         self._room: AsyncWaitingRoom | None = None
@@ -433,6 +437,7 @@ class AsyncLocker:
                 "thread); its connections belong to that loop: make one AsyncLocker per loop"
             )
         self._loop = loop
+        self._loop_end = at_loop_end(self._close_at_loop_end)
         if previous is None:
             return
         logger.info("%r moves to a new event loop, dropping the previous loop's connections", self)
@@ -442,6 +447,16 @@ class AsyncLocker:
         self._keep_alives.forget_tasks()
         if self._table.owns_engine:
             self.engine.sync_engine.dispose(close=False)
+
+    async def _close_at_loop_end(self) -> None:
+        """``aclose()``, as this locker's loop shuts down: its connections can be closed only
+        on it (see ``loop_end``). The locker stays usable, on the next loop."""
+        if self._loop is not asyncio.get_running_loop():
+            return
+        try:
+            await self.aclose()
+        except Exception as error:
+            logger.warning("%r: closing its connections at its loop's end failed: %s", self, error)
 
     async def _release_listener(self) -> AsyncReleaseListener | None:
         """PostgreSQL waiters wake on NOTIFY; other backends back off and retry."""
