@@ -48,7 +48,7 @@ from .errors import (
 )
 from .execution import PreparedCache, Session, kept_cursor
 from .identity import holder_details
-from .schema import lock_table
+from .schema import ID_ORDER_STRIPES, has_id_order_table, id_order_table, lock_table
 from .server_settings import unsafe_settings
 from .statements import Statements
 
@@ -445,13 +445,31 @@ class LockTable:
             raise
         if self._be.insert_returning:
             row = result.first()
-            return None if row is None else Acquired(row.id, row.created, row.expires)
+            if row is None:
+                self._check_silent_refusal(params)
+                return None
+            return Acquired(row.id, row.created, row.expires)
         if result.rowcount != 1 or result.lastrowid is None:
+            self._check_silent_refusal(params)
             return None
         lock_id = result.lastrowid
         mine = {"lock_id": lock_id, "lock_guid": params["lock_guid"]}
         times = conn.execute(self._sql.times_of, mine).one()
         return Acquired(lock_id, times.created, times.expires)
+
+    def _check_silent_refusal(self, params: dict[str, Any]) -> None:
+        """An INSERT that inserted nothing without an error: held, under ON CONFLICT DO NOTHING.
+        On MySQL a held row is a duplicate-key error; nothing inserted means that the stripes
+        table had no row to lock for the lockstring, which would refuse it for ever."""
+        id_order = self._sql.id_order
+        if id_order is None:
+            return
+        raise TableMissing(
+            f"lock table {self.table_name!r}'s {id_order.name} lacks the row of "
+            f"{params['ls']!r}'s stripe; insert again the stripes 0 to {ID_ORDER_STRIPES - 1} "
+            "that migration 0006 inserted",
+            params["ls"],
+        )
 
     def _purge_batch(self, conn: Session, batch_size: int) -> int:
         params = {"minus_grace": self._be.seconds_value(-self.grace)}
@@ -624,13 +642,15 @@ class LockTable:
             with self.connection() as conn, self._setup_lock:
                 if self._backend is None:
                     backend = backend_for(conn.dialect)
-                    self._check_settings(conn)
-                    self._statements = Statements(self.table, backend)
+                    ordered = has_id_order_table(conn, self.table_name)
+                    self._check_settings(conn, ids_ordered_by_table=ordered)
+                    id_order = id_order_table(self.table_name) if ordered else None
+                    self._statements = Statements(self.table, backend, id_order)
                     self._prepared = PreparedCache(conn.dialect)
                     self._backend = backend
 
-    def _check_settings(self, conn: Connection) -> None:
-        problems = unsafe_settings(conn, self.table_name)
+    def _check_settings(self, conn: Connection, ids_ordered_by_table: bool) -> None:
+        problems = unsafe_settings(conn, self.table_name, ids_ordered_by_table)
         if not problems:
             return
         harms = {

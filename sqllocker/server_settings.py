@@ -7,9 +7,10 @@ that (each observed on this project's test machine): PostgreSQL ``synchronous_co
 SQLite ``synchronous=OFF`` or a journal that is off or in memory.
 
 MariaDB/MySQL ``innodb_autoinc_lock_mode=2`` (MySQL 8's default) draws auto-increment values
-under no lock that lasts the statement, so an acquirer delayed between drawing its id and the
-unique check can hold the lock after a later holder, with a smaller fencing token (see
-``Statements.acquire``). Mutual exclusion does not depend on it; the order of tokens does.
+under no lock that lasts the statement. Then only the stripes table of migration 0006 keeps an
+acquirer delayed between drawing its id and the unique check from holding the lock after a
+later holder, with a smaller fencing token (see ``Statements.acquire``), so a table without it
+is reported. Mutual exclusion does not depend on it; the order of tokens does.
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ class UnsafeSetting(NamedTuple):
     harm: str
 
 
-def unsafe_settings(conn: Connection, table: str) -> list[UnsafeSetting]:
+def unsafe_settings(
+    conn: Connection, table: str, ids_ordered_by_table: bool = False
+) -> list[UnsafeSetting]:
     """The settings on ``conn``'s database that break a guarantee of the locks, with what each
-    breaks."""
+    breaks. ``ids_ordered_by_table``: MySQL, the lock table has its stripes table."""
     name = conn.dialect.name
     problems: list[UnsafeSetting] = []
     if name == "postgresql":
@@ -55,8 +58,12 @@ def unsafe_settings(conn: Connection, table: str) -> list[UnsafeSetting]:
         ).one()
         if flush is not None and int(flush) != 1:
             problems.append(UnsafeSetting(f"innodb_flush_log_at_trx_commit={flush}", LOSES_ROWS))
-        if autoinc is not None and int(autoinc) == 2:
-            problems.append(UnsafeSetting("innodb_autoinc_lock_mode=2", REORDERS_IDS))
+        if autoinc is not None and int(autoinc) == 2 and not ids_ordered_by_table:
+            setting = (
+                f"innodb_autoinc_lock_mode=2 with lock table {table} lacking {table}_id_order "
+                f"(migration 0006: run `sqllocker migrate --table {table}`)"
+            )
+            problems.append(UnsafeSetting(setting, REORDERS_IDS))
     elif name == "sqlite":
         if conn.exec_driver_sql("PRAGMA synchronous").scalar() == 0:
             problems.append(UnsafeSetting("PRAGMA synchronous=OFF", LOSES_ROWS))

@@ -14,20 +14,24 @@ from functools import cached_property, lru_cache
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.sql import Delete, Select, Update
 from sqlalchemy.sql.dml import ReturningInsert
 from sqlalchemy.sql.selectable import TextualSelect
 
 from .backends import Backend
+from .schema import ID_ORDER_STRIPES
 
 
 class Statements:
     """The statements for one lock table on one backend."""
 
-    def __init__(self, table: sa.Table, backend: Backend) -> None:
+    def __init__(self, table: sa.Table, backend: Backend, id_order: sa.Table | None = None) -> None:
+        """``id_order``: MySQL/MariaDB, the table's stripes table, if it has one (migration
+        0006); see :attr:`acquire`."""
         self.table = table
         self.backend = backend
+        self.id_order = id_order
         c = table.c
         self._now = backend.now()
         # A row may be taken over or purged only once it has been expired for `grace` seconds,
@@ -62,18 +66,25 @@ class Statements:
             lite = sqlite.insert(self.table).values(self._new_row)
             lite = lite.on_conflict_do_nothing(index_elements=[c.lockstring])
             return lite.returning(*self._returned) if self.backend.insert_returning else lite
-        # MySQL: INSERT ... SELECT, never ... VALUES, for the order of fencing tokens. InnoDB
-        # draws the auto-increment value before the unique check. For INSERT ... VALUES it draws
-        # under a mutex released straight away, so an acquirer delayed between its draw and its
-        # check could insert after a later acquirer had held and released the lock, and hold it
-        # with the smaller id (seen once in the 8-process test; tests/test_fencing.py pauses an
-        # acquirer there with gdb). For INSERT ... SELECT it takes the table's AUTO-INC lock and
-        # keeps it until the statement ends, so no one else draws an id meanwhile. That holds
-        # with innodb_autoinc_lock_mode 0 or 1 (MariaDB's default), not 2, which the settings
-        # check reports (``server_settings``).
-        mine = sa.insert(self.table).from_select(
-            list(self._new_row), sa.select(*self._new_row.values())
-        )
+        # MySQL: INSERT ... SELECT, for the order of fencing tokens. InnoDB draws the
+        # auto-increment value before the unique check, so an acquirer delayed between its draw
+        # and its check could insert after a later acquirer had held and released the lock, and
+        # hold it with the smaller id (seen once in the 8-process test; tests/test_fencing.py
+        # pauses an acquirer there with gdb). The SELECT first locks the row of the lockstring's
+        # stripe (migration 0006) until the statement commits, so acquirers of one lockstring
+        # draw their ids one at a time, in the order they can hold the row. Without that table
+        # only the AUTO-INC lock that InnoDB keeps to the end of an INSERT ... SELECT (never of
+        # an INSERT ... VALUES) orders them, and only with innodb_autoinc_lock_mode 0 or 1, not
+        # 2 (MySQL 8's default), which the settings check then reports (``server_settings``).
+        new_row = sa.select(*self._new_row.values())
+        if self.id_order is not None:
+            # CRC32 of the lockstring's UTF-8 bytes, whatever the connection's character set.
+            utf8 = sa.cast(
+                sa.bindparam("ls", type_=c.lockstring.type), mysql.CHAR(charset="utf8mb4")
+            )
+            stripe = sa.func.crc32(utf8) % ID_ORDER_STRIPES
+            new_row = new_row.where(self.id_order.c.stripe == stripe).with_for_update()
+        mine = sa.insert(self.table).from_select(list(self._new_row), new_row)
         return mine.returning(*self._returned) if self.backend.insert_returning else mine
 
     @cached_property

@@ -152,10 +152,18 @@ class PausedDraw:
             self.gdb.wait()
 
 
+@pytest.mark.parametrize(
+    "autoinc_lock_mode",
+    [
+        pytest.param((), id="default autoinc lock mode"),
+        # MySQL 8's default: no AUTO-INC table lock for any INSERT.
+        pytest.param(("--innodb-autoinc-lock-mode=2",), id="autoinc lock mode 2"),
+    ],
+)
 def test_mariadb_acquirer_paused_after_drawing_its_id_never_holds_after_a_later_one(
-    tmp_path: Path, table_name: str
+    tmp_path: Path, table_name: str, autoinc_lock_mode: tuple[str, ...]
 ) -> None:
-    with running_private_server("mysql") as server:
+    with running_private_server("mysql", *autoinc_lock_mode) as server:
         slow = Locker(server.url, table=table_name, grace=0)
         quick = Locker(server.url, table=table_name, grace=0)
         slow.create_table()

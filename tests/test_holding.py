@@ -22,6 +22,7 @@ from sqllocker import (
     lock_table,
 )
 from sqllocker.engine import resolve_url
+from sqllocker.migrations import upgrade
 from tests.conftest import count_rows, figure
 from tests.private_servers import running_private_server
 
@@ -300,18 +301,31 @@ def test_settings_that_lose_rows_warn_or_refuse(url: str, table_name: str) -> No
         engine.dispose()
 
 
-def test_mariadb_autoinc_lock_mode_2_warns_or_refuses(table_name: str) -> None:
+def test_mariadb_autoinc_lock_mode_2_is_safe_only_with_the_id_order_table(
+    table_name: str,
+) -> None:
+    """With innodb_autoinc_lock_mode=2 (MySQL 8's default) only migration 0006's stripes table
+    keeps lock ids in holding order (see test_fencing.py): a table without it warns, or with
+    strict refuses, naming the command that adds it; once migrated, neither."""
     # A server setting (read-only while it runs), so a private server started with it.
     with running_private_server("mysql", "--innodb-autoinc-lock-mode=2") as server:
         engine = sa.create_engine(resolve_url(server.url))
-        lock_table(table_name).create(engine)
-        engine.dispose()
-        reorders = "innodb_autoinc_lock_mode=2 can hand out lock ids out of holding order"
+        upgrade(engine, table_name, "0005")
+        reorders = (
+            f"innodb_autoinc_lock_mode=2 with lock table {table_name} lacking "
+            f"{table_name}_id_order \\(migration 0006: run `sqllocker migrate --table "
+            f"{table_name}`\\) can hand out lock ids out of holding order"
+        )
         with pytest.warns(UnsafeDatabaseWarning, match=reorders):
             Locker(server.url, table=table_name).lock("job").unlock()
         with pytest.raises(UnsafeDatabase, match=reorders):
             Locker(server.url, table=table_name, strict=True).lock("job")
         assert count_rows(Locker(server.url, table=table_name)) == 0  # strict wrote nothing
+        upgrade(engine, table_name)
+        engine.dispose()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UnsafeDatabaseWarning)
+            Locker(server.url, table=table_name, strict=True).lock("job").unlock()
 
 
 def test_safe_database_gives_no_warning(locker: Locker) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from sqllocker import Locker
+from sqllocker import Locker, TableMissing
 from sqllocker.engine import resolve_url
 from sqllocker.migrations import (
     VERSION_TABLE,
@@ -23,6 +23,7 @@ from sqllocker.migrations import (
     upgrade_sql,
     version_table_for,
 )
+from sqllocker.schema import ID_ORDER_STRIPES
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -85,7 +86,57 @@ def test_offline_sql_is_the_ddl_for_the_dialect(dialect: str) -> None:
     if dialect == "mysql":
         # Offline there is no server to ask whether it is MariaDB; the MySQL 8 collation is used.
         expected["mysql"] = "utf8mb4_0900_bin"
+        assert "INSERT INTO semaphores_id_order (stripe) VALUES (0), (1), " in ddl
     assert expected[dialect] in ddl
+
+
+def test_mysql_stripes_table_orders_acquires_once_migrated(mysql_url: str, table_name: str) -> None:
+    """Migration 0006 makes the stripes table that MySQL's acquire locks (see
+    Statements.acquire); a table migrated only to 0005 still works, with the plain
+    ``INSERT ... SELECT``, and downgrading takes the stripes table away again."""
+    engine = sa.create_engine(resolve_url(mysql_url))
+    stripes = f"{table_name}_id_order"
+    upgrade(engine, table_name, "0005")
+    before = Locker(mysql_url, table=table_name)
+    with before.lock("job") as lock:
+        assert lock.lock_id == 1
+    assert before._table.statements.id_order is None
+    before.close()
+    upgrade(engine, table_name)
+    after = Locker(mysql_url, table=table_name)
+    with after.lock("job") as lock:
+        assert lock.lock_id == 2
+    assert after._table.statements.id_order is not None
+    assert "FOR UPDATE" in str(after._table.statements.acquire.compile(dialect=engine.dialect))
+    after.close()
+    with engine.connect() as conn:
+        count, low, high = conn.exec_driver_sql(
+            f"SELECT COUNT(*), MIN(stripe), MAX(stripe) FROM {stripes}"
+        ).one()
+    assert (count, low, high) == (ID_ORDER_STRIPES, 0, ID_ORDER_STRIPES - 1)
+    downgrade(engine, table_name, "0005")
+    assert stripes not in sa.inspect(engine).get_table_names()
+    engine.dispose()
+
+
+def test_mysql_stripe_row_gone_is_a_clear_error_and_writes_nothing(
+    mysql_url: str, table_name: str
+) -> None:
+    """Without its stripe's row, an acquire would insert nothing, silently, for ever."""
+    engine = sa.create_engine(resolve_url(mysql_url))
+    upgrade(engine, table_name)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            f"DELETE FROM {table_name}_id_order WHERE stripe = CRC32('job') %% {ID_ORDER_STRIPES}"
+        )
+    locker = Locker(mysql_url, table=table_name)
+    with pytest.raises(TableMissing, match=f"{table_name}_id_order lacks the row of 'job'"):
+        locker.lock("job")
+    assert locker.locks() == []
+    with locker.lock("another job"):  # another stripe
+        pass
+    locker.close()
+    engine.dispose()
 
 
 def test_sqlite_processes_creating_the_table_at_once_do_not_collide(tmp_path: Path) -> None:
