@@ -49,7 +49,7 @@ from .errors import (
 from .execution import PreparedCache, Session, kept_cursor
 from .identity import holder_details
 from .schema import ID_ORDER_STRIPES, has_id_order_table, id_order_table, lock_table
-from .server_settings import unsafe_settings
+from .server_settings import ids_need_id_order, unsafe_settings
 from .statements import Statements
 
 logger = logging.getLogger("sqllocker")
@@ -642,7 +642,7 @@ class LockTable:
             with self.connection() as conn, self._setup_lock:
                 if self._backend is None:
                     backend = backend_for(conn.dialect)
-                    ordered = has_id_order_table(conn, self.table_name)
+                    ordered = ids_need_id_order(conn) and has_id_order_table(conn, self.table_name)
                     self._check_settings(conn, ids_ordered_by_table=ordered)
                     id_order = id_order_table(self.table_name) if ordered else None
                     self._statements = Statements(self.table, backend, id_order)

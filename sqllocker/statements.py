@@ -27,8 +27,8 @@ class Statements:
     """The statements for one lock table on one backend."""
 
     def __init__(self, table: sa.Table, backend: Backend, id_order: sa.Table | None = None) -> None:
-        """``id_order``: MySQL/MariaDB, the table's stripes table, if it has one (migration
-        0006); see :attr:`acquire`."""
+        """``id_order``: MySQL/MariaDB, the stripes table (migration 0006) that acquires lock,
+        where the server needs it (``server_settings.ids_need_id_order``); see :attr:`acquire`."""
         self.table = table
         self.backend = backend
         self.id_order = id_order
@@ -70,12 +70,13 @@ class Statements:
         # auto-increment value before the unique check, so an acquirer delayed between its draw
         # and its check could insert after a later acquirer had held and released the lock, and
         # hold it with the smaller id (seen once in the 8-process test; tests/test_fencing.py
-        # pauses an acquirer there with gdb). The SELECT first locks the row of the lockstring's
-        # stripe (migration 0006) until the statement commits, so acquirers of one lockstring
-        # draw their ids one at a time, in the order they can hold the row. Without that table
-        # only the AUTO-INC lock that InnoDB keeps to the end of an INSERT ... SELECT (never of
-        # an INSERT ... VALUES) orders them, and only with innodb_autoinc_lock_mode 0 or 1, not
-        # 2 (MySQL 8's default), which the settings check then reports (``server_settings``).
+        # pauses an acquirer there with gdb). With innodb_autoinc_lock_mode 0 or 1 (MariaDB's
+        # default) InnoDB keeps the table's AUTO-INC lock to the end of an INSERT ... SELECT
+        # (never of an INSERT ... VALUES), so no one else draws an id meanwhile. With 2 (MySQL
+        # 8's default) it takes no such lock, and the SELECT first locks the row of the
+        # lockstring's stripe (``id_order``, migration 0006) until the statement commits, so
+        # acquirers of one lockstring draw their ids one at a time, in the order they can hold
+        # the row. Mode 2 without that table is reported by the settings check.
         new_row = sa.select(*self._new_row.values())
         if self.id_order is not None:
             # CRC32 of the lockstring's UTF-8 bytes, whatever the connection's character set.

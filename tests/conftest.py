@@ -22,7 +22,6 @@ from sqlalchemy.engine import make_url
 from sqllocker import Lock, Locker, lock_table
 from sqllocker.engine import resolve_url
 from sqllocker.migrations import upgrade
-from sqllocker.schema import ID_ORDER_STRIPES, id_order_table
 from sqllocker.waiting import Backoff
 from sqllocker.waiting_room import queue_key
 
@@ -97,11 +96,6 @@ def make_locker(url: str, table_name: str) -> Iterator[Callable[..., Locker]]:
     lockers: list[Locker] = []
     engine = sa.create_engine(resolve_url(url))
     lock_table(table_name).create(engine)
-    if engine.dialect.name == "mysql":  # and migration 0006's stripes table
-        id_order = id_order_table(table_name)
-        id_order.create(engine)
-        with engine.begin() as conn:
-            conn.execute(id_order.insert(), [{"stripe": n} for n in range(ID_ORDER_STRIPES)])
     engine.dispose()
 
     def make(**options: object) -> Locker:

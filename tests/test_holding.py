@@ -17,12 +17,14 @@ from sqllocker import (
     DatabaseError,
     Locker,
     LockLost,
+    TableMissing,
     UnsafeDatabase,
     UnsafeDatabaseWarning,
     lock_table,
 )
 from sqllocker.engine import resolve_url
 from sqllocker.migrations import upgrade
+from sqllocker.schema import ID_ORDER_STRIPES
 from tests.conftest import count_rows, figure
 from tests.private_servers import running_private_server
 
@@ -322,10 +324,25 @@ def test_mariadb_autoinc_lock_mode_2_is_safe_only_with_the_id_order_table(
             Locker(server.url, table=table_name, strict=True).lock("job")
         assert count_rows(Locker(server.url, table=table_name)) == 0  # strict wrote nothing
         upgrade(engine, table_name)
-        engine.dispose()
         with warnings.catch_warnings():
             warnings.simplefilter("error", UnsafeDatabaseWarning)
-            Locker(server.url, table=table_name, strict=True).lock("job").unlock()
+            migrated = Locker(server.url, table=table_name, strict=True)
+            migrated.lock("job").unlock()
+        statements = migrated._table.statements
+        assert statements.id_order is not None
+        assert "FOR UPDATE" in str(statements.acquire.compile(dialect=engine.dialect))
+        # Without its stripe's row an acquire would insert nothing, silently, for ever.
+        with engine.begin() as conn:
+            conn.exec_driver_sql(
+                f"DELETE FROM {table_name}_id_order "
+                f"WHERE stripe = CRC32('job') %% {ID_ORDER_STRIPES}"
+            )
+        with pytest.raises(TableMissing, match=f"{table_name}_id_order lacks the row of 'job'"):
+            migrated.lock("job")
+        assert migrated.locks() == []
+        migrated.lock("another job").unlock()  # another stripe
+        migrated.close()
+        engine.dispose()
 
 
 def test_safe_database_gives_no_warning(locker: Locker) -> None:
