@@ -48,8 +48,8 @@ from .errors import (
 )
 from .execution import PreparedCache, Session, kept_cursor
 from .identity import holder_details
-from .schema import ID_ORDER_STRIPES, has_id_order_table, id_order_table, lock_table
-from .server_settings import ids_need_id_order, unsafe_settings
+from .schema import ID_ORDER_STRIPES, id_order_table, lock_table
+from .server_settings import UnsafeSetting, read_settings
 from .statements import Statements
 
 logger = logging.getLogger("sqllocker")
@@ -642,15 +642,15 @@ class LockTable:
             with self.connection() as conn, self._setup_lock:
                 if self._backend is None:
                     backend = backend_for(conn.dialect)
-                    ordered = ids_need_id_order(conn) and has_id_order_table(conn, self.table_name)
-                    self._check_settings(conn, ids_ordered_by_table=ordered)
-                    id_order = id_order_table(self.table_name) if ordered else None
+                    settings = read_settings(conn, self.table_name)
+                    self._report(settings.unsafe)
+                    id_order = id_order_table(self.table_name) if settings.lock_stripes else None
                     self._statements = Statements(self.table, backend, id_order)
                     self._prepared = PreparedCache(conn.dialect)
                     self._backend = backend
 
-    def _check_settings(self, conn: Connection, ids_ordered_by_table: bool) -> None:
-        problems = unsafe_settings(conn, self.table_name, ids_ordered_by_table)
+    def _report(self, problems: list[UnsafeSetting]) -> None:
+        """Warn of (or, strict, refuse) settings that break a guarantee of the locks."""
         if not problems:
             return
         harms = {

@@ -154,26 +154,11 @@ def id_order_table_name(table: str) -> str:
     return f"{check_table_name(table)}_id_order"
 
 
-def id_order_table(table: str, metadata: sa.MetaData | None = None) -> sa.Table:
+def id_order_table(table: str) -> sa.Table:
     """MySQL/MariaDB: the stripes table beside lock table ``table`` (migration 0006)."""
     return sa.Table(
         id_order_table_name(table),
-        metadata if metadata is not None else sa.MetaData(),
+        sa.MetaData(),
         sa.Column("stripe", sa.SmallInteger(), primary_key=True, autoincrement=False),
         mysql_engine="InnoDB",
-    )
-
-
-def has_id_order_table(conn: sa.Connection, table: str) -> bool:
-    """Whether lock table ``table`` has its stripes table (MySQL/MariaDB at migration 0006)."""
-    if conn.dialect.name != "mysql":
-        return False
-    return bool(
-        conn.execute(
-            sa.text(
-                "SELECT COUNT(*) FROM information_schema.tables "
-                "WHERE table_schema = DATABASE() AND table_name = :name"
-            ),
-            {"name": id_order_table_name(table)},
-        ).scalar()
     )

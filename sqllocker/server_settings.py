@@ -19,6 +19,8 @@ from typing import NamedTuple
 
 from sqlalchemy.engine import Connection
 
+from .schema import id_order_table_name
+
 LOSES_ROWS = (
     "can lose acknowledged lock rows in a crash, which lets a second holder in and reuses its "
     "lock id"
@@ -34,26 +36,21 @@ class UnsafeSetting(NamedTuple):
     harm: str
 
 
-def ids_need_id_order(conn: Connection) -> bool:
-    """MySQL: whether acquires must lock their stripe of migration 0006's table to draw ids in
-    holding order. With innodb_autoinc_lock_mode 0 or 1 the AUTO-INC lock that InnoDB keeps to
-    the end of an INSERT ... SELECT does that already, and the stripe lock would only cost
-    (a tenth more server CPU per lock cycle, a tenth fewer cycles/s with four processes: README,
-    Speed); with 2, or a server that does not say, it is needed."""
-    if conn.dialect.name != "mysql":
-        return False
-    mode = conn.exec_driver_sql("SELECT @@innodb_autoinc_lock_mode").scalar()
-    return mode is None or int(mode) == 2
+class ServerSettings(NamedTuple):
+    unsafe: list[UnsafeSetting]  # what breaks a guarantee of the locks, with what each breaks
+    # MySQL with innodb_autoinc_lock_mode=2: acquires lock their stripe of migration 0006's
+    # table (see ``Statements.acquire``). With 0 or 1 the AUTO-INC lock that InnoDB keeps to the
+    # end of an INSERT ... SELECT orders the ids already, and the stripe lock would only cost
+    # (fewer cycles/s with four processes: README, Speed).
+    lock_stripes: bool
 
 
-def unsafe_settings(
-    conn: Connection, table: str, ids_ordered_by_table: bool = False
-) -> list[UnsafeSetting]:
-    """The settings on ``conn``'s database that break a guarantee of the locks, with what each
-    breaks. ``ids_ordered_by_table``: MySQL, acquires lock their stripe (``ids_need_id_order``
-    and the table has the stripes table)."""
+def read_settings(conn: Connection, table: str) -> ServerSettings:
+    """The settings of ``conn``'s database that the locks' guarantees rest on, read once when a
+    Locker is set up."""
     name = conn.dialect.name
     problems: list[UnsafeSetting] = []
+    lock_stripes = False
     if name == "postgresql":
         if conn.exec_driver_sql("SHOW synchronous_commit").scalar() == "off":
             problems.append(UnsafeSetting("synchronous_commit=off", LOSES_ROWS))
@@ -71,16 +68,29 @@ def unsafe_settings(
         ).one()
         if flush is not None and int(flush) != 1:
             problems.append(UnsafeSetting(f"innodb_flush_log_at_trx_commit={flush}", LOSES_ROWS))
-        if autoinc is not None and int(autoinc) == 2 and not ids_ordered_by_table:
-            setting = (
-                f"innodb_autoinc_lock_mode=2 with lock table {table} lacking {table}_id_order "
-                f"(migration 0006: run `sqllocker migrate --table {table}`)"
-            )
-            problems.append(UnsafeSetting(setting, REORDERS_IDS))
+        if autoinc is not None and int(autoinc) == 2:
+            lock_stripes = _has_id_order_table(conn, table)
+            if not lock_stripes:
+                setting = (
+                    f"innodb_autoinc_lock_mode=2 with lock table {table} lacking "
+                    f"{id_order_table_name(table)} (migration 0006: run `sqllocker migrate "
+                    f"--table {table}`)"
+                )
+                problems.append(UnsafeSetting(setting, REORDERS_IDS))
     elif name == "sqlite":
         if conn.exec_driver_sql("PRAGMA synchronous").scalar() == 0:
             problems.append(UnsafeSetting("PRAGMA synchronous=OFF", LOSES_ROWS))
         journal = str(conn.exec_driver_sql("PRAGMA journal_mode").scalar()).lower()
         if journal in {"off", "memory"}:
             problems.append(UnsafeSetting(f"PRAGMA journal_mode={journal.upper()}", LOSES_ROWS))
-    return problems
+    return ServerSettings(problems, lock_stripes)
+
+
+def _has_id_order_table(conn: Connection, table: str) -> bool:
+    return bool(
+        conn.exec_driver_sql(
+            "SELECT COUNT(*) FROM information_schema.tables "
+            "WHERE table_schema = DATABASE() AND table_name = %(name)s",
+            {"name": id_order_table_name(table)},
+        ).scalar()
+    )

@@ -28,7 +28,8 @@ class Statements:
 
     def __init__(self, table: sa.Table, backend: Backend, id_order: sa.Table | None = None) -> None:
         """``id_order``: MySQL/MariaDB, the stripes table (migration 0006) that acquires lock,
-        where the server needs it (``server_settings.ids_need_id_order``); see :attr:`acquire`."""
+        where the server needs it (``server_settings.ServerSettings.lock_stripes``); see
+        :attr:`acquire`."""
         self.table = table
         self.backend = backend
         self.id_order = id_order
