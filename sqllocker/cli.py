@@ -26,14 +26,20 @@ CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "show_default": True}
 
 
 class _Settings:
-    def __init__(self, url: str | None, table: str) -> None:
+    def __init__(self, url: str | None, table: str, transaction_pooling: bool) -> None:
         self.url = url
         self.table = table
+        self.transaction_pooling = transaction_pooling
         self._locker: Locker | None = None
 
     def locker(self, **options: Any) -> Locker:
         if self._locker is None:
-            self._locker = Locker(self.url, table=self.table, **options)
+            self._locker = Locker(
+                self.url,
+                table=self.table,
+                transaction_pooling=self.transaction_pooling,
+                **options,
+            )
         return self._locker
 
 
@@ -54,12 +60,20 @@ pass_settings = click.make_pass_decorator(_Settings)
     show_envvar=True,
     help="Name of the lock table.",
 )
+@click.option(
+    "--transaction-pooling",
+    is_flag=True,
+    envvar="SQLLOCKER_TRANSACTION_POOLING",
+    show_envvar=True,
+    help="PostgreSQL is reached through a transaction-pooling PgBouncer: send no session "
+    "settings, prepare nothing, and wait by retrying.",
+)
 @click.version_option(__version__, "--version", prog_name="sqllocker")
 @click.pass_context
-def cli(context: click.Context, url: str | None, table: str) -> None:
+def cli(context: click.Context, url: str | None, table: str, transaction_pooling: bool) -> None:
     """Distributed locks kept as rows in an SQL table."""
     logging.basicConfig(level=logging.WARNING, format="sqllocker: %(message)s")
-    context.obj = _Settings(url or None, table)
+    context.obj = _Settings(url or None, table, transaction_pooling)
 
 
 # -- purge-expired --------------------------------------------------------------------------------

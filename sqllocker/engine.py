@@ -75,19 +75,20 @@ def resolve_url(url: str | URL | None, *, asynchronous: bool = False) -> URL:
     return url
 
 
-def create_locker_engine(url: URL) -> Engine:
-    """An engine configured for short autocommit lock statements on ``url``'s backend."""
-    engine = sa.create_engine(url, **_engine_options(url))
+def create_locker_engine(url: URL, *, transaction_pooling: bool = False) -> Engine:
+    """An engine configured for short autocommit lock statements on ``url``'s backend (reached
+    through a transaction-pooling PgBouncer if ``transaction_pooling``)."""
+    engine = sa.create_engine(url, **_engine_options(url, transaction_pooling))
     _configure(engine)
     return engine
 
 
-def create_async_locker_engine(url: URL) -> AsyncEngine:
+def create_async_locker_engine(url: URL, *, transaction_pooling: bool = False) -> AsyncEngine:
     """The same, for the async front end (``url`` must name an async driver)."""
     from sqlalchemy.ext.asyncio import create_async_engine
 
     try:
-        engine = create_async_engine(url, **_engine_options(url))
+        engine = create_async_engine(url, **_engine_options(url, transaction_pooling))
     except sa.exc.InvalidRequestError as error:  # a sync driver
         raise LockValueError(
             f"{describe_url(url)} names a driver without asyncio support; use "
@@ -98,7 +99,7 @@ def create_async_locker_engine(url: URL) -> AsyncEngine:
     return engine
 
 
-def _engine_options(url: URL) -> dict[str, Any]:
+def _engine_options(url: URL, transaction_pooling: bool) -> dict[str, Any]:
     backend = url.get_backend_name()
     connect_args: dict[str, Any] = {}
     if backend == "sqlite":
@@ -107,7 +108,13 @@ def _engine_options(url: URL) -> dict[str, Any]:
         connect_args["check_same_thread"] = False
     elif backend == "postgresql":
         connect_args.setdefault("connect_timeout", CONNECT_TIMEOUT_SECONDS)
-        if "options" not in url.query:
+        if transaction_pooling:
+            # Each transaction may run on another server session: a statement prepared on one
+            # is missing on the next (PgBouncer before 1.21), and PgBouncer refuses the
+            # ``options`` startup parameter, whose settings would not reach later sessions
+            # anyway. The settings check reads the server's own synchronous_commit instead.
+            connect_args["prepare_threshold"] = None
+        elif "options" not in url.query:
             # A lock row acknowledged and then lost in a crash would let a second holder in with
             # the same id; synchronous_commit=off does exactly that. Force it on for our session.
             connect_args["options"] = (
@@ -192,6 +199,13 @@ def _forget_pools_after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pools_after_fork)
+
+
+def prepares_statements(driver_connection: Any) -> bool:
+    """Whether ``driver_connection`` (psycopg's, sync or async) prepares statements it runs
+    often on the server, which a transaction pooler before PgBouncer 1.21 breaks: the next
+    run lands on another server session, where "prepared statement ... does not exist"."""
+    return getattr(driver_connection, "prepare_threshold", None) is not None
 
 
 def describe_url(url: URL) -> str:

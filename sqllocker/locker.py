@@ -70,6 +70,13 @@ class Locker:
     reused token), or hand out tokens out of holding order (MariaDB/MySQL
     ``innodb_autoinc_lock_mode=2``), it warns, or with ``strict=True`` refuses with
     ``UnsafeDatabase``.
+
+    ``transaction_pooling``: PostgreSQL is reached through a pooler that lends a server session
+    per transaction (PgBouncer's ``pool_mode = transaction``), where no session setting, prepared
+    statement, LISTEN or session lock lasts from one statement to the next. The locker then
+    sends no session settings and prepares nothing (a caller's Engine must be made with
+    ``connect_args={"prepare_threshold": None}``), and waiters back off and retry instead of
+    queueing and waking on NOTIFY.
     """
 
     def __init__(
@@ -83,11 +90,13 @@ class Locker:
         on_lost: OnLost | None = None,
         keep_alive_fraction: float = DEFAULT_FRACTION,
         strict: bool = False,
+        transaction_pooling: bool = False,
     ) -> None:
         options = validation.check_locker_options(
             table, expires, grace, keep_alive_fraction, on_lost
         )
         self.table_name, self.expires, self.grace, fraction = options
+        pooled = validation.check_flag(transaction_pooling, "transaction_pooling")
         self.on_lost = on_lost
         self.strict = strict
         self._keep_alives = KeepAlive(fraction)
@@ -96,7 +105,8 @@ class Locker:
             self.engine = url_or_engine.execution_options(isolation_level="AUTOCOMMIT")
             owns_engine = False
         elif url_or_engine is None or isinstance(url_or_engine, str | URL):
-            self.engine = create_locker_engine(resolve_url(url_or_engine))
+            url = resolve_url(url_or_engine)
+            self.engine = create_locker_engine(url, transaction_pooling=pooled)
             owns_engine = True
         else:
             kind = type(url_or_engine).__name__
@@ -116,6 +126,7 @@ class Locker:
             grace=self.grace,
             auto_create=auto_create,
             strict=strict,
+            transaction_pooling=pooled,
             direct_connections=owns_engine,
         )
         self.table = self._table.table

@@ -34,12 +34,13 @@ from sqlalchemy.sql import ClauseElement
 
 from .backends import Backend, backend_for
 from .connections import ConnectionStack
-from .engine import describe_url
+from .engine import describe_url, prepares_statements
 from .errors import (
     DatabaseError,
     LockBusy,
     LockError,
     LockLost,
+    LockValueError,
     TableMissing,
     UnsafeDatabase,
     UnsafeDatabaseWarning,
@@ -137,11 +138,13 @@ class LockTable:
     ``sync_engine`` when called from a greenlet).
 
     ``owns_engine``: the engine was made by sqllocker (AUTOCOMMIT on every connection, so raw
-    pooled connections serve directly; disposed by :meth:`close`). ``direct_connections``: run
-    the lock operations on a ConnectionStack of the engine's connections rather than through
-    its pool (sync, and an engine sqllocker made: see ``connections.py``). ``sleep`` is how a
-    retry after contention waits: ``time.sleep``, or an await of ``asyncio.sleep`` for the
-    async front end.
+    pooled connections serve directly; disposed by :meth:`close`). ``transaction_pooling``: the
+    connections reach PostgreSQL through a pooler that lends a server session per transaction,
+    so nothing may rest on a session's state (see ``notifies_releases``).
+    ``direct_connections``: run the lock operations on a ConnectionStack of the engine's
+    connections rather than through its pool (sync, and an engine sqllocker made: see
+    ``connections.py``). ``sleep`` is how a retry after contention waits: ``time.sleep``, or an
+    await of ``asyncio.sleep`` for the async front end.
     """
 
     def __init__(
@@ -153,6 +156,7 @@ class LockTable:
         grace: float,
         auto_create: bool | None,
         strict: bool,
+        transaction_pooling: bool = False,
         direct_connections: bool = False,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -166,6 +170,7 @@ class LockTable:
         # operator's (`sqllocker migrate`).
         self.auto_create = engine.dialect.name == "sqlite" if auto_create is None else auto_create
         self.strict = strict
+        self.transaction_pooling = transaction_pooling
         self._sleep = sleep
         # An in-memory SQLite database lives in one connection (SingletonThreadPool): no stack.
         direct = direct_connections and owns_engine and isinstance(engine.pool, QueuePool)
@@ -630,10 +635,15 @@ class LockTable:
         or SQLAlchemy's wrapping of it."""
         if isinstance(error, sa.exc.DBAPIError):
             error = error.orig
-        return DatabaseError(
-            f"cannot connect to {describe_url(self.url)}: {one_line(error)}; check the "
-            "URL (--url or $SQLLOCKER_URL) and that the server is running"
-        )
+        advice = "check the URL (--url or $SQLLOCKER_URL) and that the server is running"
+        if "unsupported startup parameter" in str(error):
+            advice = (
+                "a pooler such as PgBouncer refused the session settings sqllocker sends; if "
+                "it pools transactions, pass transaction_pooling=True (the command line's "
+                "--transaction-pooling)"
+            )
+        url = describe_url(self.url)
+        return DatabaseError(f"cannot connect to {url}: {one_line(error)}; {advice}")
 
     def ensure_setup(self) -> None:
         """Learn the backend on first use: its capabilities (MariaDB's RETURNING) are known only
@@ -641,6 +651,7 @@ class LockTable:
         if self._backend is None:
             with self.connection() as conn, self._setup_lock:
                 if self._backend is None:
+                    self._check_pooled_connection(conn)
                     backend = backend_for(conn.dialect)
                     settings = read_settings(conn, self.table_name)
                     self._report(settings.unsafe)
@@ -648,6 +659,17 @@ class LockTable:
                     self._statements = Statements(self.table, backend, id_order)
                     self._prepared = PreparedCache(conn.dialect)
                     self._backend = backend
+
+    def _check_pooled_connection(self, conn: Connection) -> None:
+        """Through a transaction pooler, refuse a caller's Engine whose connections prepare
+        statements: sqllocker's own are made not to, and it cannot change a caller's."""
+        if self.transaction_pooling and prepares_statements(conn.connection.driver_connection):
+            raise LockValueError(
+                f"{describe_url(self.url)}: with transaction_pooling=True the engine's "
+                "connections must not prepare statements, which a transaction pooler hands to "
+                "one server session and the next statement may not find; create it with "
+                "connect_args={'prepare_threshold': None}"
+            )
 
     def _report(self, problems: list[UnsafeSetting]) -> None:
         """Warn of (or, strict, refuse) settings that break a guarantee of the locks."""
@@ -678,10 +700,16 @@ class LockTable:
 
     @property
     def notifies_releases(self) -> bool:
-        """Whether waiters can wake on the DELETE trigger's NOTIFY: PostgreSQL through psycopg 3
-        (sync or async); other backends back off and retry."""
+        """Whether waiters can wake on the DELETE trigger's NOTIFY and queue on a session
+        advisory lock: PostgreSQL through psycopg 3 (sync or async), unless a transaction
+        pooler is between (LISTEN and the queue's lock would stay behind on whichever server
+        session ran them); other backends back off and retry."""
         dialect = self.engine.dialect
-        return dialect.name == "postgresql" and dialect.driver == "psycopg"
+        return (
+            dialect.name == "postgresql"
+            and dialect.driver == "psycopg"
+            and not self.transaction_pooling
+        )
 
     @property
     def backend(self) -> Backend:

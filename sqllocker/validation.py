@@ -123,6 +123,13 @@ def check_on_lost(callback: object) -> None:
         raise LockTypeError(f"on_lost must be callable, not {type(callback).__name__}")
 
 
+def check_flag(value: object, name: str) -> bool:
+    # A string "false" is truthy: taking any truthy value would turn an option on by mistake.
+    if not isinstance(value, bool):
+        raise LockTypeError(f"{name} must be True or False, not {type(value).__name__}")
+    return value
+
+
 def check_keep_alive_fraction(value: object) -> float:
     if isinstance(value, bool) or not (isinstance(value, int | float) and 0 < value < 1):
         raise LockValueError(f"keep_alive_fraction must be between 0 and 1, not {value!r}")

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sqlalchemy.engine import make_url
 
 from tests.conftest import IN_CI
 
@@ -171,3 +172,59 @@ class PrivateMariaDB:
             time.sleep(0.05)
         if self.process is not None:
             self.process.wait(timeout=60)
+
+
+@contextlib.contextmanager
+def running_pgbouncer(server_url: str) -> Iterator[str]:
+    """A PgBouncer of this test's own in transaction pooling mode, in front of ``server_url``'s
+    server (every database of it), with a pool of two server connections per database, so that
+    a client's statements land on different server sessions; yields ``server_url`` through it.
+    Its refusal of startup parameters it does not know (``options``) is left as it is by
+    default. It runs as ``postgres`` (PgBouncer refuses root): under CI it must be installed."""
+    binary = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
+    if not Path(binary).exists() or os.geteuid() != 0 or shutil.which("runuser") is None:
+        message = "needs PgBouncer (Debian's pgbouncer package) and root (to run it as postgres)"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+    url = make_url(server_url)
+    home = Path(tempfile.mkdtemp(prefix="sqllocker-pgbouncer-"))
+    port = _free_port()
+    (home / "users.txt").write_text(f'"{url.username}" ""\n')
+    (home / "pgbouncer.ini").write_text(
+        "[databases]\n"
+        f"* = host={url.host} port={url.port or 5432}\n"
+        "[pgbouncer]\n"
+        f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
+        f"auth_type = trust\nauth_file = {home / 'users.txt'}\n"
+        "pool_mode = transaction\ndefault_pool_size = 2\nmax_client_conn = 500\n"
+        f"pidfile = {home / 'pid'}\nlogfile = {home / 'log'}\n"
+    )
+    shutil.chown(home, "postgres")
+    for path in home.iterdir():
+        shutil.chown(path, "postgres")
+    process = subprocess.Popen(
+        ["runuser", "-u", "postgres", "--", binary, str(home / "pgbouncer.ini")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert process.poll() is None, (home / "log").read_text(errors="replace")
+                assert time.monotonic() < deadline, "PgBouncer did not start"
+                time.sleep(0.05)
+        yield url.set(port=port).render_as_string(hide_password=False)
+    finally:
+        with contextlib.suppress(Exception):
+            os.kill(int((home / "pid").read_text()), signal.SIGTERM)
+        with contextlib.suppress(Exception):
+            process.wait(timeout=30)
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        shutil.rmtree(home, ignore_errors=True)

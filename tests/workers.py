@@ -75,7 +75,12 @@ def acquire(locker: Locker, lockstring: str, args: argparse.Namespace, keep_aliv
 
 
 def counter(args: argparse.Namespace) -> int:
-    locker = Locker(args.url, table=args.table, grace=args.grace)
+    locker = Locker(
+        args.url,
+        table=args.table,
+        grace=args.grace,
+        transaction_pooling=args.transaction_pooling,
+    )
     work = CriticalSection(Path(args.state))
     lockstrings = args.lockstrings.split(",")
     lost = abandoned = renewed = 0
@@ -129,7 +134,12 @@ def async_counter(args: argparse.Namespace) -> int:
 async def _async_counter(args: argparse.Namespace) -> int:
     from sqllocker.asyncio import AsyncLocker
 
-    locker = AsyncLocker(async_url(args.url), table=args.table, grace=args.grace)
+    locker = AsyncLocker(
+        async_url(args.url),
+        table=args.table,
+        grace=args.grace,
+        transaction_pooling=args.transaction_pooling,
+    )
     work = CriticalSection(Path(args.state))
     lockstrings = args.lockstrings.split(",")
     lost = 0
@@ -250,6 +260,11 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=0,
         help="keep every Nth lock alive and hold it for three expiry periods (sync only)",
+    )
+    work.add_argument(
+        "--transaction-pooling",
+        action="store_true",
+        help="through a transaction-pooling PgBouncer (Locker's transaction_pooling)",
     )
     holder = commands.add_parser("hold", help="hold one lock and obey commands on stdin")
     holder.add_argument("--url", required=True)

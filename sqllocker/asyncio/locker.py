@@ -95,11 +95,13 @@ class AsyncLocker:
         on_lost: OnLost | None = None,
         keep_alive_fraction: float = DEFAULT_FRACTION,
         strict: bool = False,
+        transaction_pooling: bool = False,
     ) -> None:
         options = validation.check_locker_options(
             table, expires, grace, keep_alive_fraction, on_lost
         )
         self.table_name, self.expires, self.grace, fraction = options
+        pooled = validation.check_flag(transaction_pooling, "transaction_pooling")
         self.on_lost = on_lost
         self.strict = strict
         self.engine: AsyncEngine
@@ -108,7 +110,7 @@ class AsyncLocker:
             owns_engine = False
         elif url_or_engine is None or isinstance(url_or_engine, str | URL):
             url = resolve_url(url_or_engine, asynchronous=True)
-            self.engine = create_async_locker_engine(url)
+            self.engine = create_async_locker_engine(url, transaction_pooling=pooled)
             owns_engine = True
         else:
             raise LockTypeError(
@@ -123,6 +125,7 @@ class AsyncLocker:
             grace=self.grace,
             auto_create=auto_create,
             strict=strict,
+            transaction_pooling=pooled,
             sleep=_sleep_in_greenlet,
         )
         self.table = self._table.table
