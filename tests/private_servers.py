@@ -175,12 +175,15 @@ class PrivateMariaDB:
 
 
 @contextlib.contextmanager
-def running_pgbouncer(server_url: str) -> Iterator[str]:
-    """A PgBouncer of this test's own in transaction pooling mode, in front of ``server_url``'s
-    server (every database of it), with a pool of two server connections per database, so that
-    a client's statements land on different server sessions; yields ``server_url`` through it.
-    Its refusal of startup parameters it does not know (``options``) is left as it is by
-    default. It runs as ``postgres`` (PgBouncer refuses root): under CI it must be installed."""
+def running_pgbouncer(
+    server_url: str, pool_mode: str = "transaction", ignore_options: bool = False
+) -> Iterator[str]:
+    """A PgBouncer of this test's own in front of ``server_url``'s server (every database of
+    it), in ``pool_mode``; in transaction mode with a pool of two server connections per
+    database, so that a client's statements land on different server sessions. It yields
+    ``server_url`` through it. It refuses the ``options`` startup parameter unless
+    ``ignore_options``. It runs as ``postgres`` (PgBouncer refuses root): under CI it must be
+    installed."""
     binary = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
     if not Path(binary).exists() or os.geteuid() != 0 or shutil.which("runuser") is None:
         message = "needs PgBouncer (Debian's pgbouncer package) and root (to run it as postgres)"
@@ -190,6 +193,8 @@ def running_pgbouncer(server_url: str) -> Iterator[str]:
     url = make_url(server_url)
     home = Path(tempfile.mkdtemp(prefix="sqllocker-pgbouncer-"))
     port = _free_port()
+    # In session mode each client keeps its server connection: the pool must cover them all.
+    size = 2 if pool_mode == "transaction" else 20
     (home / "users.txt").write_text(f'"{url.username}" ""\n')
     (home / "pgbouncer.ini").write_text(
         "[databases]\n"
@@ -197,8 +202,9 @@ def running_pgbouncer(server_url: str) -> Iterator[str]:
         "[pgbouncer]\n"
         f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
         f"auth_type = trust\nauth_file = {home / 'users.txt'}\n"
-        "pool_mode = transaction\ndefault_pool_size = 2\nmax_client_conn = 500\n"
-        f"pidfile = {home / 'pid'}\nlogfile = {home / 'log'}\n"
+        f"pool_mode = {pool_mode}\ndefault_pool_size = {size}\nmax_client_conn = 500\n"
+        + ("ignore_startup_parameters = options\n" if ignore_options else "")
+        + f"pidfile = {home / 'pid'}\nlogfile = {home / 'log'}\n"
     )
     shutil.chown(home, "postgres")
     for path in home.iterdir():

@@ -32,7 +32,7 @@ from sqllocker import (
 from sqllocker.asyncio import AsyncLocker
 from sqllocker.engine import resolve_url
 from sqllocker.migrations import upgrade
-from tests.conftest import wait_until
+from tests.conftest import queued, wait_until
 from tests.private_servers import running_pgbouncer
 from tests.test_mutual_exclusion import TRYING, contend
 
@@ -251,6 +251,36 @@ def test_many_processes_through_the_pooler(
         contend(locker, tmp_path, 0, False, options, ", through PgBouncer (transaction pooling)")
     finally:
         locker.close()
+
+
+@pytest.mark.usefixtures("slow_polling")
+def test_in_session_pooling_mode_waiters_still_wake_on_the_release(
+    postgresql_url: str, direct: Locker
+) -> None:
+    """A session-pooling PgBouncer told to drop the ``options`` startup parameter: a client
+    keeps its server session, so waiters LISTEN and queue as directly. They poll only every
+    30 s here: a waiter served within the test's time was woken by the release."""
+    with running_pgbouncer(postgresql_url, "session", ignore_options=True) as url:
+        locker = Locker(url, table=direct.table_name)
+        try:
+            held = locker.lock("report")
+            got: list[Lock] = []
+            waiter = threading.Thread(target=lambda: got.append(locker.lock("report", wait=60)))
+            waiter.start()
+            wait_until(lambda: queued_waiters(direct, "report") == 1)
+            held.unlock()
+            waiter.join(10)
+            assert got
+            assert got[0].lock_id > held.lock_id
+            got[0].unlock()
+        finally:
+            locker.close()
+    assert direct.locks() == []
+
+
+def queued_waiters(direct: Locker, lockstring: str) -> int:
+    """Sessions in ``lockstring``'s queue, at its head or behind it."""
+    return sum(queued(direct.engine, direct.table_name, lockstring))
 
 
 def test_transaction_pooling_must_be_a_bool() -> None:
