@@ -31,7 +31,6 @@ from sqllocker import (
 )
 from sqllocker.asyncio import AsyncLocker
 from sqllocker.engine import resolve_url
-from sqllocker.migrations import upgrade
 from tests.conftest import queued, wait_until
 from tests.private_servers import running_pgbouncer
 from tests.test_mutual_exclusion import TRYING, contend
@@ -47,12 +46,9 @@ def pooler_url(postgresql_url: str) -> Iterator[str]:
 
 
 @pytest.fixture
-def direct(postgresql_url: str, table_name: str) -> Iterator[Locker]:
+def direct(migrated_postgres: str, table_name: str) -> Iterator[Locker]:
     """A Locker straight to the server, on a table made by the migrations."""
-    engine = sa.create_engine(resolve_url(postgresql_url))
-    upgrade(engine, table_name)
-    engine.dispose()
-    locker = Locker(postgresql_url, table=table_name, grace=0)
+    locker = Locker(migrated_postgres, table=table_name, grace=0)
     yield locker
     locker.close()
 
