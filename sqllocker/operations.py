@@ -178,6 +178,7 @@ class LockTable:
         self._backend: Backend | None = None
         self._statements: Statements | None = None
         self._prepared: PreparedCache
+        self._needs_setup = True  # see ensure_setup
         self._setup_lock = threading.Lock()
 
     # -- the lock operations -----------------------------------------------------------------------
@@ -350,6 +351,8 @@ class LockTable:
         from .migrations import upgrade
 
         upgrade(self.engine, self.table_name)
+        # A migration may change what the settings check found (0006's stripes table).
+        self._needs_setup = True
 
     def close(self) -> None:
         if self.owns_engine:
@@ -515,6 +518,8 @@ class LockTable:
             try:
                 return self._run_once(operation)
             except sa.exc.DBAPIError as error:
+                if error.connection_invalidated:
+                    self._needs_setup = True  # the server may have restarted: see ensure_setup
                 if error.connection_invalidated and not retried_connection:
                     retried_connection = True
                     logger.warning("database connection was lost (%s); reconnecting", error.orig)
@@ -548,7 +553,7 @@ class LockTable:
         A sync Locker on an engine sqllocker made runs it on its ConnectionStack; an AsyncLocker,
         or a caller's Engine, on a connection of the engine's pool (see :meth:`_pooled`).
         """
-        if self._backend is None:
+        if self._needs_setup:
             self.ensure_setup()
         stack = self._stack
         if stack is None:
@@ -646,19 +651,25 @@ class LockTable:
         return DatabaseError(f"cannot connect to {url}: {one_line(error)}; {advice}")
 
     def ensure_setup(self) -> None:
-        """Learn the backend on first use: its capabilities (MariaDB's RETURNING) are known only
-        once connected, and the settings its guarantees rest on are checked once."""
-        if self._backend is None:
+        """Learn the backend and check the settings the locks' guarantees rest on: on first use,
+        as the backend's capabilities (MariaDB's RETURNING) are known only once connected, and
+        again after a connection was found lost. A server restarted since may run with other
+        settings: one unsafe now is reported (strict: refused), and one switched to MySQL 8's
+        ``innodb_autoinc_lock_mode=2`` needs the stripe lock from the next acquire on, not from
+        the application's next restart."""
+        if self._needs_setup:
             with self.connection() as conn, self._setup_lock:
-                if self._backend is None:
+                if self._needs_setup:
                     self._check_pooled_connection(conn)
                     backend = backend_for(conn.dialect)
                     settings = read_settings(conn, self.table_name)
                     self._report(settings.unsafe)
                     id_order = id_order_table(self.table_name) if settings.lock_stripes else None
+                    if self._backend is None:
+                        self._prepared = PreparedCache(conn.dialect)
                     self._statements = Statements(self.table, backend, id_order)
-                    self._prepared = PreparedCache(conn.dialect)
                     self._backend = backend
+                    self._needs_setup = False
 
     def _check_pooled_connection(self, conn: Connection) -> None:
         """Through a transaction pooler, refuse a caller's Engine whose connections prepare

@@ -26,7 +26,7 @@ from sqllocker.engine import resolve_url
 from sqllocker.migrations import upgrade
 from sqllocker.schema import ID_ORDER_STRIPES
 from tests.conftest import count_rows, figure
-from tests.private_servers import running_private_server
+from tests.private_servers import PrivateMariaDB, running_private_server
 
 
 def threads_of(locker: Locker) -> list[str]:
@@ -318,14 +318,18 @@ def test_mariadb_autoinc_lock_mode_2_is_safe_only_with_the_id_order_table(
             f"{table_name}_id_order \\(migration 0006: run `sqllocker migrate --table "
             f"{table_name}`\\) can hand out lock ids out of holding order"
         )
+        warned = Locker(server.url, table=table_name)
         with pytest.warns(UnsafeDatabaseWarning, match=reorders):
-            Locker(server.url, table=table_name).lock("job").unlock()
+            warned.lock("job").unlock()
+        assert warned._table.statements.id_order is None
         with pytest.raises(UnsafeDatabase, match=reorders):
             Locker(server.url, table=table_name, strict=True).lock("job")
         assert count_rows(Locker(server.url, table=table_name)) == 0  # strict wrote nothing
-        upgrade(engine, table_name)
+        warned.create_table()  # migrates to 0006
         with warnings.catch_warnings():
             warnings.simplefilter("error", UnsafeDatabaseWarning)
+            warned.lock("job").unlock()  # the locker that migrated takes the stripe lock now
+            assert warned._table.statements.id_order is not None
             migrated = Locker(server.url, table=table_name, strict=True)
             migrated.lock("job").unlock()
         statements = migrated._table.statements
@@ -343,6 +347,32 @@ def test_mariadb_autoinc_lock_mode_2_is_safe_only_with_the_id_order_table(
         migrated.lock("another job").unlock()  # another stripe
         migrated.close()
         engine.dispose()
+
+
+def test_a_server_restarted_with_other_settings_is_checked_again(table_name: str) -> None:
+    """A Locker reads the settings when it first connects, and again once it finds its
+    connection lost, as a restart shows: a server restarted in MySQL 8's autoinc mode then gets
+    the stripe lock, and one restarted with an unsafe setting the warning, while the
+    application runs on."""
+    with running_private_server("mysql") as server:
+        assert isinstance(server, PrivateMariaDB)
+        engine = sa.create_engine(resolve_url(server.url))
+        upgrade(engine, table_name)
+        engine.dispose()
+        locker = Locker(server.url, table=table_name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UnsafeDatabaseWarning)
+            locker.lock("job").unlock()
+        assert locker._table.statements.id_order is None  # mode 1: the AUTO-INC lock orders
+        server.stop(crash=False)
+        server.options = ("--innodb-autoinc-lock-mode=2", "--innodb-flush-log-at-trx-commit=2")
+        server.start()
+        with pytest.warns(UnsafeDatabaseWarning, match="innodb_flush_log_at_trx_commit=2"):
+            locker.lock("job").unlock()
+        assert locker._table.statements.id_order is not None
+        statement = str(locker._table.statements.acquire.compile(dialect=locker.engine.dialect))
+        assert "FOR UPDATE" in statement
+        locker.close()
 
 
 def test_safe_database_gives_no_warning(locker: Locker) -> None:
