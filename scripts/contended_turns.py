@@ -8,14 +8,20 @@ the wait (asking to getting) at p50 and p99, beside the p50 that the other media
 four processes served in turn (``wait_model_ms``).
 
     .venv/bin/python scripts/contended_turns.py --rounds 2
+
+With ``--ballast 0,1000,5000`` it measures sqllocker only, while another session holds that
+many advisory locks: a release that hands the row over looks its waiter up in ``pg_locks``,
+which lists every lock of the server, so this shows what a busy lock table costs a hand-off.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import statistics
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -50,12 +56,41 @@ def turns_of(system: str, url: str, seconds: float) -> dict[str, float]:
     }
 
 
+@contextlib.contextmanager
+def ballast(url: str, count: int) -> Iterator[int]:
+    """A session holding ``count`` advisory locks (keys no contender uses) meanwhile; yields how
+    many entries ``pg_locks`` then lists."""
+    connection = bench.postgres_connection(url)
+    try:
+        connection.execute(
+            "SELECT count(pg_advisory_lock(2147483647, g)) FROM generate_series(1, %s) AS g",
+            (count,),
+        )
+        row = connection.execute("SELECT count(*) FROM pg_locks").fetchone()
+        yield int(row[0]) if row else 0
+    finally:
+        connection.close()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=6.0)
+    parser.add_argument(
+        "--ballast",
+        help="comma-separated counts of advisory locks another session holds (sqllocker only)",
+    )
     args = parser.parse_args()
     url = bench.URLS["postgresql"]
+    if args.ballast:
+        counts = [int(count) for count in args.ballast.split(",")]
+        for number in range(args.rounds):
+            for count in counts if number % 2 == 0 else reversed(counts):
+                with ballast(url, count) as listed:
+                    figures = turns_of("sqllocker", url, args.seconds)
+                shown = "  ".join(f"{name} {value:.3f}" for name, value in figures.items())
+                print(number, f"pg_locks {listed:>6}", shown, flush=True)
+        return 0
     for number in range(args.rounds):
         for system in ("sqllocker", "advisory lock"):
             figures = turns_of(system, url, args.seconds)
