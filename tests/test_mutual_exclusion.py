@@ -185,6 +185,8 @@ def contend(
 ) -> None:
     """Run the workers on ``locker``'s table and check what they did: no overlap, no lost
     update, no token inversion, no lock lost. ``setting`` is added to the figure's name."""
+    # Which of the scenarios above ``options`` holds (other options may come with it).
+    abandoning, trying, outliving = (kind[0] in options for kind in (ABANDONING, TRYING, OUTLIVING))
     url = locker.url.render_as_string(hide_password=False)
     done = threading.Event()
     purges: list[list[int]] = []
@@ -240,11 +242,11 @@ def contend(
         else "contention beside a purge"
         if purging
         else "contention with takeovers"
-        if options == ABANDONING
+        if abandoning
         else "contention, trying without waiting"
-        if TRYING[0] in options
+        if trying
         else "contention, outliving expiry by keep-alive"
-        if options == OUTLIVING
+        if outliving
         else "contention"
     )
     figure(
@@ -263,14 +265,14 @@ def contend(
     assert lost_updates == 0
     assert token_inversions == 0
     assert locks_lost == 0
-    if locker._table.notifies_releases and TRYING[0] not in options:
+    if locker._table.notifies_releases and not trying:
         # The queue's head is handed the row by the release (migration 0005): this test must
         # exercise that path, not only the waiters' own INSERTs. (Through a transaction
         # pooler waiters back off instead: nobody queues.)
         assert handed_over > 0
-    if options == OUTLIVING:  # every outliving hold was renewed, and still ours at its end
+    if outliving:  # every outliving hold was renewed, and still ours at its end
         assert renewed == PROCESSES * ACQUISITIONS_EACH // 100
-    if options == ABANDONING:  # all taken over but the last abandoned rows, until they expire
+    if abandoning:  # all taken over but the last abandoned rows, until they expire
         assert abandoned == PROCESSES * ACQUISITIONS_EACH // 25
         time.sleep(0.3)
         left = locker.locks()

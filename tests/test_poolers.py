@@ -33,7 +33,7 @@ from sqllocker.asyncio import AsyncLocker
 from sqllocker.engine import resolve_url
 from tests.conftest import queued, wait_until
 from tests.private_servers import running_pgbouncer
-from tests.test_mutual_exclusion import TRYING, contend
+from tests.test_mutual_exclusion import ABANDONING, OUTLIVING, TRYING, contend
 
 REPO = Path(__file__).resolve().parent.parent
 POOLED = ("--transaction-pooling",)
@@ -239,12 +239,17 @@ def test_through_the_pooler_the_servers_synchronous_commit_is_checked(
         admin.dispose()
 
 
-@pytest.mark.parametrize("options", [POOLED, (*POOLED, *TRYING)], ids=["waiting", "trying"])
+@pytest.mark.parametrize(
+    "options",
+    [POOLED, (*POOLED, *TRYING), (*POOLED, *ABANDONING), (*POOLED, *OUTLIVING)],
+    ids=["waiting", "trying", "taking over abandoned rows", "outliving expiry by keep-alive"],
+)
 def test_many_processes_through_the_pooler(
     pooler_url: str, direct: Locker, tmp_path: Path, options: tuple[str, ...]
 ) -> None:
-    """The contention test of test_mutual_exclusion, every worker through the pooler: no
-    overlap, no lost update, no token inversion, no lock lost."""
+    """The contention tests of test_mutual_exclusion, every worker through the pooler: no
+    overlap, no lost update, no token inversion, no lock lost; with takeovers of abandoned
+    rows, and with locks kept alive past their expiry by renewals through the pooler."""
     locker = Locker(pooler_url, table=direct.table_name, grace=0, transaction_pooling=True)
     try:
         contend(locker, tmp_path, 0, False, options, ", through PgBouncer (transaction pooling)")
