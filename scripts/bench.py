@@ -56,6 +56,8 @@ URLS = {
 }
 REDIS_URL = os.environ.get("SQLLOCKER_BENCH_REDIS_URL", "redis://127.0.0.1:6379/15")
 TABLE = "sqllocker_bench"
+# A contender through a transaction pooler (scripts/pooler_rounds.py): its waiters back off.
+POOLED_SQLLOCKER = "sqllocker, transaction pooling"
 FULL_TABLE = "sqllocker_bench_full"  # the scale row's table with a million other rows
 
 
@@ -214,9 +216,12 @@ class FloorStatements:
         return self.release.parameters({"lock_id": lock_id, "lock_guid": guid})
 
 
-def raw_floor_cycle(url: str) -> tuple[Callable[[int], None], Callable[[], None]]:
-    """sqllocker's own acquire and release statements, straight through the driver."""
-    locker = Locker(url, table=TABLE)
+def raw_floor_cycle(
+    url: str, transaction_pooling: bool = False
+) -> tuple[Callable[[int], None], Callable[[], None]]:
+    """sqllocker's own acquire and release statements, straight through the driver (on a
+    connection made as sqllocker makes its own, with ``transaction_pooling`` as given)."""
+    locker = Locker(url, table=TABLE, transaction_pooling=transaction_pooling)
     locker.lock("compile").unlock()  # connect, learn the backend
     floor = FloorStatements(locker._table)
     raw = locker.engine.raw_connection()
@@ -238,9 +243,9 @@ def raw_floor_cycle(url: str) -> tuple[Callable[[int], None], Callable[[], None]
 
 
 def sqllocker_cycle(
-    url: str, table: str = TABLE
+    url: str, table: str = TABLE, transaction_pooling: bool = False
 ) -> tuple[Callable[[int], None], Callable[[], None]]:
-    locker = Locker(url, table=table)
+    locker = Locker(url, table=table, transaction_pooling=transaction_pooling)
     run = os.getpid()
 
     def cycle(n: int) -> None:
@@ -460,8 +465,9 @@ def _blocking_lock(
     system: str, url: str
 ) -> tuple[Callable[[], Any], Callable[[Any], None], Callable[[], None]]:
     """(acquire, release, close) of one contender's blocking lock."""
-    if system == "sqllocker":
-        locker = Locker(url, table=TABLE, grace=1)
+    if system in {"sqllocker", POOLED_SQLLOCKER}:
+        pooled = system == POOLED_SQLLOCKER
+        locker = Locker(url, table=TABLE, grace=1, transaction_pooling=pooled)
         return (
             (lambda: locker.lock("contended", wait=None, expires=60)),
             (lambda lock: lock.unlock()),
