@@ -520,10 +520,12 @@ class LockTable:
             except sa.exc.DBAPIError as error:
                 if error.connection_invalidated:
                     self._needs_setup = True  # the server may have restarted: see ensure_setup
-                if error.connection_invalidated and not retried_connection:
-                    retried_connection = True
-                    logger.warning("database connection was lost (%s); reconnecting", error.orig)
-                    continue
+                    if not retried_connection:
+                        retried_connection = True
+                        logger.warning(
+                            "database connection was lost (%s); reconnecting", error.orig
+                        )
+                        continue
                 if (
                     self._backend is not None
                     and self._be.is_transient_conflict(error)

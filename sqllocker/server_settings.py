@@ -46,8 +46,9 @@ class ServerSettings(NamedTuple):
 
 
 def read_settings(conn: Connection, table: str) -> ServerSettings:
-    """The settings of ``conn``'s database that the locks' guarantees rest on, read once when a
-    Locker is set up."""
+    """The settings of ``conn``'s database that the locks' guarantees rest on, read when a
+    Locker is set up, and again after it lost a connection or migrated its table (see
+    ``LockTable.ensure_setup``)."""
     name = conn.dialect.name
     problems: list[UnsafeSetting] = []
     lock_stripes = False
