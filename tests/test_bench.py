@@ -3,9 +3,14 @@ come from them, so a wrong count there would be a wrong claim there)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from scripts import bench
 from scripts.bench import Turn, turn_figures
+from scripts.flat_cycle import SYSTEMS, FlatCycles, rounds
+from sqllocker import Locker
 
 HOLD, HANDOFF, STEP_BACK = 1.0, 0.05, 2.0
 
@@ -58,3 +63,25 @@ def test_two_holders_at_once_are_counted() -> None:
     turns.append((asked, got + HOLD / 2, got + HOLD * 3 / 4, got + HOLD * 3 / 4 + 0.01))
     assert turn_figures(as_collected(turns))["violations"] == 1
     assert turn_figures(as_collected(round_robin(4, 20)))["violations"] == 0
+
+
+def test_the_flat_cycles_take_and_give_back_real_rows(tmp_path: Path) -> None:
+    """scripts/flat_cycle.py reaches into the library's internals (its connection stack and
+    Lock): a change to those must not leave it timing something else, or nothing."""
+    url = f"sqlite:///{tmp_path}/flat.db"
+    bench.fresh_table(url)
+    locker = Locker(url, table=bench.TABLE)
+    flat = FlatCycles(locker)
+    seen: list[int] = []
+    locker._table._stack._idle[-1].connection.set_trace_callback(
+        lambda sql: seen.append(1) if sql.startswith(("INSERT", "DELETE")) else None
+    )
+    flat.flat(1)
+    flat.flat_lock(1)
+    assert len(seen) == 4  # an INSERT and a DELETE each
+    assert locker.locks() == []
+    took = rounds(url, 20, 2)
+    assert set(took) == set(SYSTEMS)
+    assert all(len(figures) == 2 and min(figures) > 0 for figures in took.values())
+    assert locker.locks() == []
+    locker.close()
