@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from typing import Any
@@ -28,6 +27,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from sqlalchemy.pool import QueuePool
 
+from . import forks
 from .execution import Session
 
 logger = logging.getLogger("sqllocker")
@@ -72,7 +72,7 @@ class ConnectionStack:
         """Start empty: at creation, and in a forked child, which must not use its parent's
         connections, nor close them: they are kept referenced, so that no driver's finaliser
         can close (or, worse, log off) a connection the parent is still using."""
-        self._pid = os.getpid()
+        self._pid = forks.pid
         self._parents += self._idle
         self._idle = []
         self._open = 0  # idle and in use; changed only under _changes
@@ -86,7 +86,7 @@ class ConnectionStack:
         ``sqlalchemy.exc.TimeoutError`` if the limit is reached and none is given back within
         the pool's timeout.
         """
-        if self._pid != os.getpid():
+        if self._pid != forks.pid:
             self._reset()
         try:
             return self._idle.pop()
@@ -130,7 +130,7 @@ class ConnectionStack:
 
     def give_back(self, held: Held) -> None:
         """An operation ended with the connection in a known, reusable state."""
-        if self._pid != os.getpid():
+        if self._pid != forks.pid:
             return  # taken before a fork: the parent's
         if self._waiting or len(self._idle) < self._keep:
             self._idle.append(held)
@@ -142,7 +142,7 @@ class ConnectionStack:
 
     def discard(self, held: Held) -> None:
         """An operation ended with the connection dead or in an unknown state: close it."""
-        if self._pid != os.getpid():
+        if self._pid != forks.pid:
             return
         self._close(held)
 
@@ -150,7 +150,7 @@ class ConnectionStack:
         """The engine was disposed of, to drop every connection (by sqllocker after a lost one
         or at close, or by its user): the idle ones here go too. In a forked child, whose
         engine is disposed of without closing anything, they are only dropped."""
-        if self._pid != os.getpid():
+        if self._pid != forks.pid:
             self._reset()
             return
         while True:

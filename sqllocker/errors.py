@@ -7,12 +7,13 @@ pickles, so it survives being raised in a worker process and re-raised in its pa
 
 from __future__ import annotations
 
-import os
 import shlex
 import socket
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
+
+from . import forks
 
 
 class LockError(Exception):
@@ -137,7 +138,7 @@ def _busy_message(lockstring: str, busy: LockBusy) -> str:
     message = " ".join(parts)
     if (
         busy.holder
-        and busy.holder.get("pid") == os.getpid()
+        and busy.holder.get("pid") == forks.pid
         and busy.holder.get("host") == socket.gethostname()
     ):
         message += " -- that is this very process: sqllocker locks are not re-entrant"

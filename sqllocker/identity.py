@@ -10,6 +10,8 @@ import threading
 from functools import lru_cache
 from typing import Any
 
+from . import forks
+
 
 @lru_cache(maxsize=1)
 def _static_identity() -> tuple[str, str, str]:
@@ -38,7 +40,7 @@ def holder_details(guid: str, extra: dict[str, Any], task: str | None = None) ->
     host, program, user = _static_identity()
     details: dict[str, Any] = {
         "host": host,
-        "pid": os.getpid(),
+        "pid": forks.pid,
         "thread": threading.current_thread().name,
         "program": program,
         "user": user,

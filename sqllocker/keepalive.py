@@ -22,6 +22,7 @@ import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from . import forks
 from .errors import LockError, LockLost
 from .lock import LockState
 
@@ -62,10 +63,10 @@ class KeepAlive:
         self._thread: threading.Thread | None = None
         self._worker: ThreadPoolExecutor | None = None
         self._stopping = False
-        self._pid = os.getpid()
+        self._pid = forks.pid
 
     def add(self, state: LockState) -> None:
-        if self._pid != os.getpid():
+        if self._pid != forks.pid:
             self._reset()  # a forked child renews none of its parent's locks
         with self._condition:
             if not state.held or state.lost is not None:
@@ -84,7 +85,7 @@ class KeepAlive:
         # turned away without the condition. Looking unlocked is safe: an add() racing with
         # this for the same state comes from keep_alive() racing with the release, and the
         # state is then already not held, which the scheduler drops instead of renewing.
-        if self._pid != os.getpid() or id(state) not in self._entries:
+        if self._pid != forks.pid or id(state) not in self._entries:
             return
         with self._condition:
             if self._entries.pop(id(state), None) is not None:
@@ -96,7 +97,7 @@ class KeepAlive:
 
     def stop(self) -> None:
         """Stop renewing everything (the locks stay held until they expire); the threads end."""
-        if self._pid != os.getpid():
+        if self._pid != forks.pid:
             return
         with self._condition:
             self._entries.clear()

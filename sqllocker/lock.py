@@ -14,7 +14,6 @@ grace, so a holder that stops at its deadline has always stopped before anyone e
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import weakref
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from sqlalchemy.engine import Connection
 
+from . import forks
 from .errors import LockLost
 from .schema import to_utc
 from .validation import check_seconds
@@ -61,7 +61,7 @@ class Holding:
         self.lock_id = lock_id
         self.guid = guid
         self.ttl = ttl
-        self.pid = os.getpid()
+        self.pid = forks.pid
         self.held = True
         self.lost: LockLost | None = None
         self.on_lost = on_lost
@@ -133,7 +133,7 @@ class Holding:
                 return False
             self.lost = lost
         logger.warning("%s", lost)
-        if self.on_lost is not None and self.pid == os.getpid():
+        if self.on_lost is not None and self.pid == forks.pid:
             try:
                 self._call_on_lost(self.on_lost, lost)
             except Exception:
@@ -202,7 +202,7 @@ class LockState(Holding):
 
 def _release_abandoned(state: LockState) -> None:
     """Runs when a held Lock is garbage-collected or the interpreter exits; never raises."""
-    if not state.held or state.pid != os.getpid():
+    if not state.held or state.pid != forks.pid:
         return  # a forked child must not release its parent's lock
     try:
         state.release()
@@ -414,8 +414,8 @@ class Lock(LockHandle[LockState]):
         exc_value: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        if self._state.pid != os.getpid():
-            logger.debug("not releasing %r in forked child %d", self.lockstring, os.getpid())
+        if self._state.pid != forks.pid:
+            logger.debug("not releasing %r in forked child %d", self.lockstring, forks.pid)
             return
         lost = self._lapsed()
         try:

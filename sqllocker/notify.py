@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import threading
 from collections import defaultdict, deque
 from dataclasses import dataclass
@@ -29,6 +28,8 @@ from datetime import datetime, timezone
 from typing import Any, Generic, TypeVar
 
 from sqlalchemy.engine import Engine
+
+from . import forks
 
 logger = logging.getLogger("sqllocker")
 
@@ -166,7 +167,7 @@ class ReleaseListener:
         self._thread: threading.Thread | None = None
         self._listening = threading.Event()
         self._stopping = False
-        self._pid = os.getpid()
+        self._pid = forks.pid
         self.notifications = 0
         self.grants = 0
 
@@ -192,8 +193,8 @@ class ReleaseListener:
     # -- the listening thread ------------------------------------------------------------------
 
     def _ensure_listening(self) -> None:
-        if self._pid != os.getpid():  # a forked child listens on a connection of its own
-            self._pid, self._thread, self._stopping = os.getpid(), None, False
+        if self._pid != forks.pid:  # a forked child listens on a connection of its own
+            self._pid, self._thread, self._stopping = forks.pid, None, False
             self._listening.clear()
         with self._lock:
             if self._thread is None or not self._thread.is_alive():

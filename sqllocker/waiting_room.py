@@ -37,7 +37,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import queue
 import threading
 import time
@@ -47,6 +46,8 @@ from datetime import datetime
 from typing import Any, Generic, TypeVar
 
 from sqlalchemy.engine import Engine
+
+from . import forks
 
 logger = logging.getLogger("sqllocker")
 
@@ -232,15 +233,15 @@ class Seats:
         self._lock = threading.Lock()
         self.idle: list[Any] = []
         self._in_use = 0
-        self._pid = os.getpid()
+        self._pid = forks.pid
         self._closed = False
 
     def take(self) -> tuple[bool, Any | None]:
         """(whether a seat is free, a kept connection to use or None to open one)."""
         with self._lock:
-            if self._pid != os.getpid():
+            if self._pid != forks.pid:
                 # A forked child must not touch its parent's sockets, not even to close them.
-                self._pid, self.idle, self._in_use = os.getpid(), [], 0
+                self._pid, self.idle, self._in_use = forks.pid, [], 0
             if self._closed or self._in_use >= self.capacity:
                 return False, None
             self._in_use += 1
@@ -250,7 +251,7 @@ class Seats:
         """Free a seat, keeping ``connection`` for the next waiter if there is room; returns
         it if the caller must close it instead (None for a connection of the parent's)."""
         with self._lock:
-            if self._pid != os.getpid():
+            if self._pid != forks.pid:
                 return None
             self._in_use -= 1
             if connection is not None and not self._closed and len(self.idle) < KEEP_IDLE:
@@ -324,7 +325,7 @@ class WaitingRoom:
         self._leaving: queue.SimpleQueue[tuple[Any, int] | None] = queue.SimpleQueue()
         self._leaver: threading.Thread | None = None
         self._leaver_lock = threading.Lock()
-        self._leaver_pid = os.getpid()
+        self._leaver_pid = forks.pid
 
     def key(self, lockstring: str) -> int:
         """The advisory lock key of ``lockstring``'s queue in this room's table."""
@@ -390,8 +391,8 @@ class WaitingRoom:
     def leave_soon(self, connection: Any, key: int) -> None:
         """``leave`` on the room's leaving thread."""
         with self._leaver_lock:
-            if self._leaver_pid != os.getpid():  # a forked child starts a thread of its own
-                self._leaver_pid, self._leaver = os.getpid(), None
+            if self._leaver_pid != forks.pid:  # a forked child starts a thread of its own
+                self._leaver_pid, self._leaver = forks.pid, None
                 self._leaving = queue.SimpleQueue()
             if self._leaver is None or not self._leaver.is_alive():
                 self._leaver = threading.Thread(
@@ -406,7 +407,7 @@ class WaitingRoom:
 
     def close(self) -> None:
         with self._leaver_lock:
-            leaver = self._leaver if self._leaver_pid == os.getpid() else None
+            leaver = self._leaver if self._leaver_pid == forks.pid else None
             if leaver is not None:
                 self._leaving.put(None)  # after the leaves already asked for
         if leaver is not None:

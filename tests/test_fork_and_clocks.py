@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -58,6 +59,32 @@ def test_child_after_fork_never_releases_the_parents_lock(
     # Had the child used (and closed) the parent's pooled connection, the parent would have had
     # to reconnect.
     assert not [r for r in caplog.records if "connection was lost" in r.getMessage()]
+
+
+def _record_holder_pid(locker: Locker, lockstring: str) -> None:
+    with locker.lock(lockstring) as lock:
+        assert lock.locked_by["pid"] == os.getpid()
+        row = locker.lock_info(lockstring)
+        assert row is not None and row.locked_by["pid"] == os.getpid()
+
+
+@pytest.mark.parametrize("how", ["os.fork", "multiprocessing fork"])
+def test_a_forked_childs_locks_name_the_child(locker: Locker, how: str) -> None:
+    """sqllocker keeps its pid without a system call per operation (``sqllocker.forks``): a
+    child must still know it is not its parent, in what it writes as in what it refuses."""
+    with locker.lock("parent's first"):  # the parent's pid is in use before the fork
+        pass
+    if how == "os.fork":
+        assert run_in_child(lambda: _record_holder_pid(locker, "child's")) == 0
+    else:
+        child = multiprocessing.get_context("fork").Process(
+            target=_record_holder_pid, args=(locker, "child's")
+        )
+        child.start()
+        child.join(60)
+        assert child.exitcode == 0
+    with locker.lock("parent's again") as lock:
+        assert lock.locked_by["pid"] == os.getpid()
 
 
 # -- client clocks and time zones ----------------------------------------------------------------

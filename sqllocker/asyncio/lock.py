@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import os
 import time
 from datetime import datetime
 from types import TracebackType
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from .. import forks
 from ..errors import LockLost
 from ..lock import Holding, LockHandle, OnLost
 from ..validation import check_seconds
@@ -111,7 +111,7 @@ async def _await(awaitable: Any) -> None:
 def _release_abandoned(state: AsyncLockState) -> None:
     """Runs when a held AsyncLock is garbage-collected; it cannot await, so it hands the release
     to the lock's event loop if that still runs, and otherwise leaves the row to expire."""
-    if not state.held or state.pid != os.getpid() or state.releasing is not None:
+    if not state.held or state.pid != forks.pid or state.releasing is not None:
         return
     loop = state.loop
     if loop.is_closed():
@@ -215,7 +215,7 @@ class AsyncLock(LockHandle[AsyncLockState]):
         exc_value: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        if self._state.pid != os.getpid():
+        if self._state.pid != forks.pid:
             return
         # As in the sync Lock: losing the lock during the body outranks the body's own error
         # (attached as its cause).
