@@ -12,6 +12,12 @@ against the floor of the statements the tree sends. Make the other tree with
 ``git worktree add /tmp/base HEAD``, then:
 
     .venv/bin/python scripts/ab_uncontended.py --rounds 4 new=. base=/tmp/base
+
+A change worth a few microseconds of Python is lost in that noise (a round's ratio moves by
+0.1, about 20 us of an SQLite cycle). ``--stub-driver`` times the library's own Python alone:
+each tree's ``Locker`` on SQLite with its connection's cursor replaced by a stub that answers
+at once as the database would (the acquire's row, the release's rowcount), best of five runs
+per round, as ``library_us``.
 """
 
 from __future__ import annotations
@@ -77,20 +83,63 @@ print(json.dumps({"floor_us": round(best["floor"], 1), "sqllocker_us": round(bes
 """
 
 
+_STUB_ROUND = """
+import json, sys, time
+from sqllocker import Locker
+
+url, table, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+locker = Locker(url, table=table, auto_create=True)
+locker.lock("compile").unlock()
+
+
+class StubCursor:
+    # What SQLite answers in an uncontended cycle, without SQLite.
+    rowcount, lastrowid, description = 1, None, None
+    rows = []
+
+    def execute(self, sql, parameters):
+        inserting = sql.startswith("INSERT")
+        self.rows = [(1, "2026-11-25 00:00:00.000", "2026-11-25 01:00:00.000")] if inserting else []
+
+    def fetchall(self):
+        return self.rows
+
+
+for held in locker._table._stack._idle:
+    held.cursor, held.session = StubCursor(), None
+best = None
+for repeat in range(5):
+    started = time.perf_counter()
+    for n in range(count):
+        locker.lock(f"lib {n}").unlock()
+    us = (time.perf_counter() - started) / count * 1e6
+    best = us if best is None else min(best, us)
+locker.close()
+print(json.dumps({"library_us": round(best, 2)}))
+"""
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--cycles", type=int, default=3000)
     parser.add_argument("--backend", choices=["sqlite", "postgresql", "mysql"], default="sqlite")
+    parser.add_argument(
+        "--stub-driver", action="store_true", help="time the library's Python alone (SQLite)"
+    )
     parser.add_argument("trees", nargs="+", help="name=path of a checkout, two or more")
     args = parser.parse_args()
     trees = trees_of(parser, args.trees)
+    if args.stub_driver and args.backend != "sqlite":
+        parser.error("--stub-driver stubs SQLite's answers: use it with --backend sqlite")
+    program = _STUB_ROUND if args.stub_driver else _ONE_ROUND
+    cycles = str(args.cycles * 5 if args.stub_driver else args.cycles)
     table = "ab_uncontended"
     with tempfile.TemporaryDirectory() as scratch:
         sqlite_url = f"sqlite:///{scratch}/ab.db"
         url = sqlite_url if args.backend == "sqlite" else bench.URLS[args.backend]
         try:
-            results = run_rounds(trees, args.rounds, _ONE_ROUND, url, table, str(args.cycles))
+            results = run_rounds(trees, args.rounds, program, url, table, cycles)
         finally:
             if args.backend != "sqlite":
                 bench.drop_table(url, table)
