@@ -3,9 +3,11 @@ come from them, so a wrong count there would be a wrong claim there)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 
 from scripts import bench
 from scripts.bench import Turn, turn_figures
@@ -85,3 +87,26 @@ def test_the_flat_cycles_take_and_give_back_real_rows(tmp_path: Path) -> None:
     assert all(len(figures) == 2 and min(figures) > 0 for figures in took.values())
     assert locker.locks() == []
     locker.close()
+
+
+def test_release_parts_times_real_grants_and_puts_the_trigger_back(
+    postgresql_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """scripts/release_parts.py rewrites the release trigger (migration 0005's) into variants:
+    a change to the trigger must make it stop with a message, not time something else."""
+    import scripts.release_parts as release_parts
+
+    monkeypatch.setattr(sys, "argv", ["release_parts.py", "--rounds", "1", "--url", postgresql_url])
+    assert release_parts.main() == 0  # each grant is checked: it exits if none was made
+    printed = capsys.readouterr().out
+    assert [line.split("  ")[0] for line in printed.splitlines()] == list(
+        release_parts.variants(release_parts.LIVENESS + release_parts.FLUSH)
+    )
+    engine = sa.create_engine(postgresql_url)
+    with engine.connect() as conn:  # the scratch table and its functions are gone
+        left = conn.exec_driver_sql(
+            "SELECT count(*) FROM pg_proc WHERE proname LIKE 'release_parts%%'"
+        ).scalar()
+        assert left == 0
+        assert not sa.inspect(conn).has_table(release_parts.TABLE)
+    engine.dispose()

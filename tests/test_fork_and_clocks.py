@@ -65,7 +65,8 @@ def _record_holder_pid(locker: Locker, lockstring: str) -> None:
     with locker.lock(lockstring) as lock:
         assert lock.locked_by["pid"] == os.getpid()
         row = locker.lock_info(lockstring)
-        assert row is not None and row.locked_by["pid"] == os.getpid()
+        assert row is not None
+        assert row.locked_by["pid"] == os.getpid()
 
 
 @pytest.mark.parametrize("how", ["os.fork", "multiprocessing fork"])
