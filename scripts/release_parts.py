@@ -5,10 +5,9 @@ Under contention the release is on every waiter's path: with four processes taki
 DELETE alone, from one client, with the queue's head waiting on a second connection, and the
 release trigger (migration 0005) swapped for variants of itself on a scratch table:
 
-- ``as shipped``: the trigger as migrated;
-- ``liveness by try-lock``: the waiter's liveness tested with ``pg_try_advisory_xact_lock`` on
-  the queue's key instead of looking its session up in ``pg_locks`` (not exact: it cannot tell
-  the waiter from the next head, so it is a measurement only);
+- ``as shipped``: the trigger as migrated (0007: the head's liveness told by its request's own
+  key, with ``pg_try_advisory_xact_lock``);
+- ``liveness in pg_locks``: 0005's test instead, the head's session looked up in ``pg_locks``;
 - ``no liveness test``: the request granted without any test;
 - ``no flush``: as shipped, but the grant's commit does not wait for the disk (unsafe: a
   grant lost in a crash would leave its waiter believing it holds the lock);
@@ -41,7 +40,9 @@ from sqllocker.execution import Prepared
 
 TABLE = "release_parts"
 QUEUE_KEY = 7_000_000_001  # the scratch table's one queue
-LIVENESS = """AND EXISTS (
+# The head's liveness test of migration 0007, and of 0005 before it.
+LIVENESS = "AND NOT pg_try_advisory_xact_lock(q.request_key)"
+IN_PG_LOCKS = """AND EXISTS (
                        SELECT FROM pg_locks AS l
                         WHERE l.locktype = 'advisory' AND l.granted AND l.pid = q.pid
                           AND l.classid::bigint = (q.queue_key >> 32) & 4294967295
@@ -57,9 +58,7 @@ def variants(shipped: str) -> dict[str, str | None]:
             raise SystemExit(f"the release trigger has changed; update this script ({part!r})")
     return {
         "as shipped": shipped,
-        "liveness by try-lock": shipped.replace(
-            LIVENESS, "AND NOT pg_try_advisory_xact_lock(q.queue_key)"
-        ),
+        "liveness in pg_locks": shipped.replace(LIVENESS, IN_PG_LOCKS),
         "no liveness test": shipped.replace(LIVENESS, ""),
         "no flush": shipped.replace(FLUSH, ""),
         "nobody queued": None,

@@ -338,8 +338,11 @@ class Statements:
         A head whose process died leaves its request standing until the next head of that
         lockstring replaces it, which for a lockstring never contended again is never. Such a
         request is never granted (the release trigger grants only to a session that holds the
-        queue's advisory lock, by the same pg_locks test as here), so deleting it changes no
-        outcome; it only stops every later release of that lockstring from looking it up. A
+        queue's advisory lock, by the same pg_locks test as here until migration 0007, and from
+        0007 on only to one that holds its request's own key, which a head takes after the
+        queue's lock and gives up with it), so deleting it changes no outcome; it only stops
+        every later release of that lockstring from looking it up. This works on tables of
+        either migration, and a purge is rare enough for pg_locks' cost. A
         request being written by a new head is not yet visible here, and one whose head holds
         the queue lock is kept. Were a race to delete a live head's request all the same, that
         head would only not be handed the row: the release's NOTIFY wakes it to try for the

@@ -79,7 +79,10 @@ HAS_FUNCTIONS = "SELECT to_regprocedure(%s) IS NOT NULL, to_regprocedure(%s) IS 
 LOUD_WAIT = (
     "SELECT pg_advisory_lock(%s) FROM (SELECT set_config('lock_timeout', %s, false)) AS deadline"
 )
-LEAVE = "SELECT pg_advisory_unlock(%s)"
+# A head that was handed the row, or queued without a request, leaves by releasing every
+# advisory lock of its session: the queue's and, from migration 0007 on, the lock its request's
+# liveness is told by. A queue connection serves one waiter at a time and holds no others.
+LEAVE = "SELECT pg_advisory_unlock_all()"
 
 
 def patience_ms(timeout: float | None) -> int:
@@ -189,7 +192,7 @@ class QueueWait:
         whether a row had been granted."""
         if request is not None:
             return self._hand_off_leave, (key, request.lockstring, request.guid, give_back)
-        return LEAVE, (key,)
+        return LEAVE, ()
 
     def granted(self, row: Any) -> bool:
         """Whether ``statement``'s row says the queue lock is ours (the bare advisory lock

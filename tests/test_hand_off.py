@@ -266,6 +266,121 @@ def test_no_row_is_handed_to_a_head_whose_session_ended(
     locker.close()
 
 
+def advisory_locks_of(admin: sa.Engine, backend_pid: int) -> int:
+    """How many advisory locks the session ``backend_pid`` holds."""
+    with admin.connect() as conn:
+        held = conn.execute(
+            sa.text(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted "
+                "AND pid = :pid"
+            ),
+            {"pid": backend_pid},
+        ).scalar_one()
+    return int(held)
+
+
+def test_a_dead_heads_request_is_not_granted_while_the_next_head_holds_the_queue(
+    migrated_postgres: str, table_name: str, admin: sa.Engine
+) -> None:
+    """The moment after a head died and the next one took the queue's lock, before it has
+    written its own request: the dead head's request still stands, and the queue's lock is
+    held. A release must tell the two heads apart (migration 0007: by the dead head's own key,
+    which nobody holds), or it hands the row to nobody until it expires."""
+    locker = Locker(migrated_postgres, table=table_name)
+    held = locker.lock("report")
+    dead = RawHead(migrated_postgres, table_name)
+    dead.connection.close()
+    wait_until(lambda: queued(admin, table_name, "report") == (0, 0))
+    next_head = head_the_queue(admin, table_name)  # the queue's lock, no request yet
+    held.unlock()
+    assert locker.lock_info("report") is None  # not handed to the dead head
+    assert requests(admin, table_name) == [("report", dead.guid)]
+    leave_the_queue(next_head, table_name)
+    next_head.close()
+    locker.close()
+
+
+def test_a_head_holds_a_key_of_its_own_and_leaves_with_every_lock_given_up(
+    holder_and_waiter: tuple[Locker, Locker],
+    migrated_postgres: str,
+    table_name: str,
+    admin: sa.Engine,
+) -> None:
+    """A head holds the queue's lock and its request's own (migration 0007), and gives both
+    up when it leaves: by withdrawing its request, and after a release handed it the row (a
+    lock left behind on a kept connection would stay in the server's lock table)."""
+    head = RawHead(migrated_postgres, table_name)
+    pid = head.connection.info.backend_pid
+    assert advisory_locks_of(admin, pid) == 2
+    with admin.connect() as conn:
+        key = conn.exec_driver_sql(f"SELECT request_key FROM {table_name}_requests").scalar()
+    assert key is not None
+    assert head.leave(give_back=True) is False
+    assert advisory_locks_of(admin, pid) == 0
+    head.connection.close()
+
+    holder, waiter = holder_and_waiter
+    done = hand_off(holder, waiter, admin, table_name)
+    assert waiter._listener is not None
+    assert waiter._listener.grants == 1
+    with admin.connect() as conn:
+        wait_until(
+            lambda: (
+                conn.exec_driver_sql(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND database = "
+                    "(SELECT oid FROM pg_database WHERE datname = current_database())"
+                ).scalar()
+                == 0
+            )
+        )
+    done.lock.unlock()
+
+
+def test_a_head_of_an_older_client_leaves_no_lock_behind_for_long(
+    migrated_postgres: str, table_name: str, admin: sa.Engine
+) -> None:
+    """A client of migration 0005's time leaves after a grant by releasing the queue's lock
+    only; its request's key stays held on that connection until it heads a queue again, which
+    releases it, so kept connections do not pile keys up in the server's lock table."""
+    locker = Locker(migrated_postgres, table=table_name)
+    held = locker.lock("report")
+    head = RawHead(migrated_postgres, table_name)
+    pid = head.connection.info.backend_pid
+    held.unlock()
+    info = locker.lock_info("report")
+    assert info is not None
+    assert info.guid == head.guid  # granted
+    head.connection.execute("SELECT pg_advisory_unlock(%s)", (head.key,))  # 0005's leave
+    assert advisory_locks_of(admin, pid) == 1  # the key
+    locker.break_lock("report")
+    row = head.connection.execute(
+        f"SELECT {table_name}_queue_for_hand_off(%s, %s, %s, %s, %s, %s)",
+        (head.key, 10_000, "report", head.guid, json.dumps({"guid": head.guid}), 30.0),
+    ).fetchone()
+    assert row == (True,)
+    assert advisory_locks_of(admin, pid) == 2  # the queue's and a new key, not three
+    assert head.leave(give_back=True) is False
+    head.connection.close()
+    locker.close()
+
+
+def test_a_request_without_a_key_is_not_granted(
+    migrated_postgres: str, table_name: str, admin: sa.Engine
+) -> None:
+    """A request written before migration 0007 has no key: not granted (its waiter, woken by
+    the release's NOTIFY, tries for the row itself)."""
+    locker = Locker(migrated_postgres, table=table_name)
+    held = locker.lock("report")
+    head = RawHead(migrated_postgres, table_name)
+    with admin.begin() as conn:
+        conn.exec_driver_sql(f"UPDATE {table_name}_requests SET request_key = NULL")
+    held.unlock()
+    assert locker.lock_info("report") is None
+    assert head.leave(give_back=True) is False  # its request was still there to withdraw
+    head.connection.close()
+    locker.close()
+
+
 def test_purge_sweeps_the_requests_of_heads_that_are_gone_and_keeps_a_live_heads(
     migrated_postgres: str, table_name: str, admin: sa.Engine
 ) -> None:
