@@ -10,8 +10,9 @@ four processes served in turn (``wait_model_ms``).
     .venv/bin/python scripts/contended_turns.py --rounds 2
 
 With ``--ballast 0,1000,5000`` it measures sqllocker only, while another session holds that
-many advisory locks: a release that hands the row over looks its waiter up in ``pg_locks``,
-which lists every lock of the server, so this shows what a busy lock table costs a hand-off.
+many advisory locks: until migration 0007 a release that handed the row over looked its waiter
+up in ``pg_locks``, which lists every lock of the server, and this showed what a busy lock
+table cost a hand-off (now nothing: the release asks for the waiter's own key).
 """
 
 from __future__ import annotations
