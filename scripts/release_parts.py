@@ -22,6 +22,7 @@ the medians in milliseconds.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -40,14 +41,10 @@ from sqllocker.execution import Prepared
 
 TABLE = "release_parts"
 QUEUE_KEY = 7_000_000_001  # the scratch table's one queue
-# The head's liveness test of migration 0007, and of 0005 before it.
-LIVENESS = "AND NOT pg_try_advisory_xact_lock(q.request_key)"
-IN_PG_LOCKS = """AND EXISTS (
-                       SELECT FROM pg_locks AS l
-                        WHERE l.locktype = 'advisory' AND l.granted AND l.pid = q.pid
-                          AND l.classid::bigint = (q.queue_key >> 32) & 4294967295
-                          AND l.objid::bigint = q.queue_key & 4294967295
-                          AND l.objsubid = 1)"""
+# The head's liveness test of migration 0007, and of 0005 before it, as the migration has them.
+_MIGRATION = importlib.import_module("migrations.versions.0007_request_locks")
+LIVENESS = f"AND {_MIGRATION.HEAD_HOLDS_ITS_KEY}"
+IN_PG_LOCKS = f"AND {_MIGRATION.HEAD_IN_PG_LOCKS}"
 FLUSH = "PERFORM set_config('synchronous_commit', 'on', true);"
 
 
