@@ -305,6 +305,7 @@ def test_a_head_holds_a_key_of_its_own_and_leaves_with_every_lock_given_up(
     migrated_postgres: str,
     table_name: str,
     admin: sa.Engine,
+    slow_polling: None,
 ) -> None:
     """A head holds the queue's lock and its request's own (migration 0007), and gives both
     up when it leaves: by withdrawing its request, and after a release handed it the row (a
