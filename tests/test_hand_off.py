@@ -102,9 +102,20 @@ class RawHead:
             dbname=target.database,
             autocommit=True,
         )
+        self.ttl = ttl
+        self.head_the_queue()
+
+    def head_the_queue(self) -> None:
         row = self.connection.execute(
-            f"SELECT {table}_queue_for_hand_off(%s, %s, %s, %s, %s, %s)",
-            (self.key, 10_000, lockstring, self.guid, json.dumps({"guid": self.guid}), ttl),
+            f"SELECT {self.table}_queue_for_hand_off(%s, %s, %s, %s, %s, %s)",
+            (
+                self.key,
+                10_000,
+                self.lockstring,
+                self.guid,
+                json.dumps({"guid": self.guid}),
+                self.ttl,
+            ),
         ).fetchone()
         assert row == (True,)
 
@@ -354,11 +365,7 @@ def test_a_head_of_an_older_client_leaves_no_lock_behind_for_long(
     head.connection.execute("SELECT pg_advisory_unlock(%s)", (head.key,))  # 0005's leave
     assert advisory_locks_of(admin, pid) == 1  # the key
     locker.break_lock("report")
-    row = head.connection.execute(
-        f"SELECT {table_name}_queue_for_hand_off(%s, %s, %s, %s, %s, %s)",
-        (head.key, 10_000, "report", head.guid, json.dumps({"guid": head.guid}), 30.0),
-    ).fetchone()
-    assert row == (True,)
+    head.head_the_queue()
     assert advisory_locks_of(admin, pid) == 2  # the queue's and a new key, not three
     assert head.leave(give_back=True) is False
     head.connection.close()
@@ -386,8 +393,8 @@ def test_purge_sweeps_the_requests_of_heads_that_are_gone_and_keeps_a_live_heads
     migrated_postgres: str, table_name: str, admin: sa.Engine
 ) -> None:
     """A dead head's request would stay until the next head of its lockstring replaced it:
-    for a lockstring never contended again, for ever, and every release of it would look
-    the request up in pg_locks. purge-expired sweeps those; a request whose session still
+    for a lockstring never contended again, for ever, and every release of it would test
+    the request's head again. purge-expired sweeps those; a request whose session still
     heads its queue is kept, and is still granted."""
     locker = Locker(migrated_postgres, table=table_name)
     held = locker.lock("report")
