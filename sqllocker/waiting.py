@@ -4,6 +4,10 @@ Capped exponential backoff with full jitter, so that waiters spread out instead 
 the row together after each release, and a wake-up at the moment the holder's row can be taken
 over (its ``expires`` plus grace, by the server's clock as of the refusal), so a crashed holder
 is replaced on time without polling fast for the whole wait.
+
+A waiter whose request heads the queue on PostgreSQL (see ``sqllocker.waiting_room``) is handed
+the row by the release, and told so by its NOTIFY: its timer then guards only against a lost
+notification, and waits the longest delay.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ class Backoff:
     first_delay: float = FIRST_DELAY
     max_delay: float = MAX_DELAY
     attempts: int = field(default=0, init=False)
+    awaiting_hand_off: bool = field(default=False, init=False)
 
     @classmethod
     def for_wait(cls, wait: float | None) -> Backoff:
@@ -32,6 +37,13 @@ class Backoff:
 
     def remaining(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def await_hand_off(self) -> None:
+        """From now on a release hands the row over and says so. An attempt made meanwhile is
+        a wasted round trip, and one that meets the release holds the lockstring's id-order
+        lock just then, so that the release's trigger leaves the row to that INSERT instead of
+        handing it over (most turns under contention, once holds lasted a few ms)."""
+        self.awaiting_hand_off = True
 
     def expired(self) -> bool:
         remaining = self.remaining()
@@ -44,7 +56,10 @@ class Backoff:
         grace: float = 0.0,
     ) -> float:
         """Seconds to sleep before the next attempt (0 if the deadline has passed)."""
-        ceiling = min(self.max_delay, self.first_delay * 2**self.attempts)
+        if self.awaiting_hand_off:
+            ceiling = self.max_delay
+        else:
+            ceiling = min(self.max_delay, self.first_delay * 2**self.attempts)
         self.attempts += 1
         delay = random.uniform(ceiling / 2, ceiling)
         if holder_expires is not None and server_now is not None:

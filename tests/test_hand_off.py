@@ -24,6 +24,7 @@ from sqllocker.migrations import downgrade, upgrade
 from sqllocker.waiting import Backoff
 from sqllocker.waiting_room import queue_key
 from tests.conftest import (
+    abandon,
     head_is_waiting,
     head_is_waiting_async,
     head_the_queue,
@@ -196,6 +197,71 @@ def test_a_lost_hand_off_notification_is_found_by_the_heads_next_attempt(
     lock.unlock()
     wait_until(lambda: queued(admin, table_name, "report") == (0, 0))
     assert requests(admin, table_name) == []
+
+
+def counting_attempts(locker: Locker | AsyncLocker, monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The monotonic times of ``locker``'s attempts at a row from now on."""
+    attempts: list[float] = []
+    try_acquire = locker._table.try_acquire
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        attempts.append(time.monotonic())
+        return try_acquire(*args, **kwargs)
+
+    monkeypatch.setattr(locker._table, "try_acquire", counted)
+    return attempts
+
+
+# A head with its request standing, for this long: backing off from 2 ms it would make 9-11
+# attempts; at the longest delay (0.125-0.25 s) at most four, and one more on heading the queue.
+HEADS_FOR = 0.6
+AT_MOST_WHILE_HEADING = 5
+
+
+def test_a_head_with_its_request_in_waits_for_the_release_not_for_a_poll_timer(
+    holder_and_waiter: tuple[Locker, Locker],
+    table_name: str,
+    admin: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Once its request stands, the release hands the head the row and its NOTIFY says so, so
+    the head's timer only guards against a lost notification (and the holder's expiry). Polling
+    from 2 ms up cost a round trip each time, and an attempt that met the release held the
+    lockstring's id-order lock just then: the trigger left the row to that INSERT instead of
+    handing it over (under contention, most turns once holds lasted a few ms)."""
+    holder, waiter = holder_and_waiter
+    attempts = counting_attempts(waiter, monkeypatch)
+    held = holder.lock("report")
+    thread, result = wait_in_thread(waiter, wait=60, expires=20)
+    wait_until(lambda: len(requests(admin, table_name)) == 1)
+    queued_at = time.monotonic()
+    time.sleep(HEADS_FOR)
+    heading = [moment for moment in attempts if moment >= queued_at]
+    held.unlock()
+    thread.join(10)
+    assert len(heading) <= AT_MOST_WHILE_HEADING, heading
+    lock = result["lock"]
+    info = waiter.lock_info("report")
+    assert info is not None
+    assert (info.lock_id, info.guid) == (lock.lock_id, lock.guid)
+    lock.unlock()
+
+
+def test_a_head_takes_over_a_crashed_holders_row_when_it_can_be_taken_over(
+    holder_and_waiter: tuple[Locker, Locker], table_name: str, admin: sa.Engine
+) -> None:
+    """No release comes from a holder that crashed: the head's timer, however long it waits
+    for a hand-off, still wakes it when the row can be taken over (expiry plus grace, 1 s)."""
+    holder, waiter = holder_and_waiter
+    dead = abandon(holder.lock("report", expires=0.5))
+    started = time.monotonic()
+    thread, result = wait_in_thread(waiter, wait=60, expires=20)
+    wait_until(lambda: len(requests(admin, table_name)) == 1)  # it heads the queue
+    thread.join(10)
+    lock = result["lock"]
+    assert 1.3 <= result["returned"] - started < 3.0
+    assert lock.lock_id > dead.lock_id
+    lock.unlock()
 
 
 def test_a_head_that_took_the_row_itself_withdraws_its_request_before_it_has_the_lock(
@@ -530,6 +596,29 @@ async def test_an_async_head_is_handed_the_row_too(
     await wait_until_async(lambda: queued(admin, table_name, "report") == (0, 0))
     assert requests(admin, table_name) == []
     assert holder.lock_info("report") is None
+    holder.close()
+    await waiter.aclose()
+
+
+async def test_an_async_head_with_its_request_in_waits_for_the_release_too(
+    migrated_postgres: str, table_name: str, admin: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    holder = Locker(migrated_postgres, table=table_name)
+    waiter = AsyncLocker(async_url(migrated_postgres), table=table_name)
+    attempts = counting_attempts(waiter, monkeypatch)
+    held = holder.lock("report")
+    task = asyncio.ensure_future(waiter.lock("report", wait=60, expires=20))
+    await wait_until_async(lambda: len(requests(admin, table_name)) == 1)
+    queued_at = time.monotonic()
+    await asyncio.sleep(HEADS_FOR)
+    heading = [moment for moment in attempts if moment >= queued_at]
+    await asyncio.to_thread(held.unlock)
+    lock = await asyncio.wait_for(task, 10)
+    assert len(heading) <= AT_MOST_WHILE_HEADING, heading
+    info = holder.lock_info("report")
+    assert info is not None
+    assert (info.lock_id, info.guid) == (lock.lock_id, lock.guid)
+    await lock.unlock()
     holder.close()
     await waiter.aclose()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ import sqlalchemy as sa
 
 from sqllocker import Locker
 from sqllocker.engine import resolve_url
+from sqllocker.waiting import FIRST_DELAY, MAX_DELAY, Backoff
 
 
 @pytest.mark.parametrize("freed_by", ["release", "purge", "operator's DELETE"])
@@ -86,3 +88,16 @@ def test_other_backends_wait_by_backing_off(make_locker: Any, backend: str) -> N
     with waiter.lock("job", wait=10) as lock:
         assert lock.is_locked
     assert waiter._release_listener() is None
+
+
+def test_a_waiter_awaiting_a_hand_off_waits_the_longest_delay_but_not_past_a_takeover() -> None:
+    """A head whose request stands polls only as a guard against a lost notification; it still
+    wakes when the holder's row can be taken over."""
+    backoff = Backoff.for_wait(None)
+    assert backoff.next_delay() <= FIRST_DELAY
+    backoff.await_hand_off()
+    delays = [backoff.next_delay() for _ in range(50)]
+    assert all(MAX_DELAY / 2 <= delay <= MAX_DELAY for delay in delays)
+    now = datetime.now(timezone.utc)
+    soon = backoff.next_delay(now + timedelta(seconds=0.01), now, grace=0.0)
+    assert soon <= 0.01 + FIRST_DELAY

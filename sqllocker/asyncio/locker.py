@@ -332,6 +332,8 @@ class AsyncLocker:
                             request=Request(lockstring, guid, details, ttl),
                         )
                         turn = entry.turn
+                        if turn is not None and turn.request is not None:
+                            backoff.await_hand_off()
                         if not entry.usable:
                             room = None  # full, or failing: wait unqueued from now on
                         if entry.try_again:
