@@ -7,6 +7,10 @@ that tree), reversing the order of the trees every other round, and prints one J
 tree and round. Make the other tree with ``git worktree add /tmp/base HEAD``, for example:
 
     .venv/bin/python scripts/ab_contended.py --rounds 4 --seconds 8 new=. base=/tmp/base
+
+``--hold-ms`` sets how long each contender holds the lock (bench.py's 1 ms by default). Each
+tree's own ``scripts/bench.py`` runs the contenders; one from before that option existed needs
+this tree's ``scripts/`` copied into it.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import json
 from scripts import bench
 url = bench.URLS["postgresql"]
 ours, advisory = bench.contended(
-    [("postgresql", "sqllocker", url), ("postgresql", "advisory lock", url)], 4, {seconds}
+    [("postgresql", "sqllocker", url), ("postgresql", "advisory lock", url)], 4, {seconds}, {hold}
 )
 bench.drop_table(url, bench.TABLE)
 print(json.dumps({{
@@ -33,6 +37,7 @@ print(json.dumps({{
     "advisory_per_s": advisory["acquisitions_per_s"],
     "handoff_p50_ms": ours["handoff_p50_ms"],
     "handoff_p99_ms": ours["handoff_p99_ms"],
+    "wait_p99_x_advisory": round(ours["wait_p99_ms"] / advisory["wait_p99_ms"], 2),
     "passed_by": ours["overtaken_max"],
     "overlaps": ours["violations"],
 }}))
@@ -43,10 +48,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--hold-ms", type=float, default=1.0)
     parser.add_argument("trees", nargs="+", help="name=path of a checkout, two or more")
     args = parser.parse_args()
     trees = trees_of(parser, args.trees)
-    print_medians(run_rounds(trees, args.rounds, _ONE_ROUND.format(seconds=args.seconds)))
+    one_round = _ONE_ROUND.format(seconds=args.seconds, hold=args.hold_ms / 1000)
+    print_medians(run_rounds(trees, args.rounds, one_round))
     return 0
 
 

@@ -439,10 +439,10 @@ HOLD_SECONDS = 0.001  # each contender holds the lock this long
 STEP_BACK_SECONDS = 0.002  # and then pauses: the waiters, not the releaser, should get it next
 
 
-def _contender(system: str, url: str, seconds: float, ready: Any, queue: Any) -> None:
+def _contender(system: str, url: str, seconds: float, hold: float, ready: Any, queue: Any) -> None:
     """One of the processes taking turns: it sets up its lock, waits at ``ready`` (a Barrier)
-    until every other process and the parent have too, then asks, holds, releases and steps
-    back for ``seconds``."""
+    until every other process and the parent have too, then asks, holds for ``hold`` seconds,
+    releases and steps back, for ``seconds``."""
     acquire, release, close = _blocking_lock(system, url)
     records = []
     ready.wait()
@@ -451,7 +451,7 @@ def _contender(system: str, url: str, seconds: float, ready: Any, queue: Any) ->
         asked = time.monotonic()
         token = acquire()
         got = time.monotonic()
-        time.sleep(HOLD_SECONDS)
+        time.sleep(hold)
         left = time.monotonic()
         release(token)
         released = time.monotonic()
@@ -539,12 +539,14 @@ def turn_figures(turns: list[Turn]) -> dict[str, Any]:
     }
 
 
-def contend(system: str, url: str, processes: int, seconds: float) -> list[Turn]:
+def contend(
+    system: str, url: str, processes: int, seconds: float, hold: float = HOLD_SECONDS
+) -> list[Turn]:
     """Every turn of ``processes`` contenders for ``seconds``, once all of them are ready."""
     context = processes_context()
     queue, ready = context.Queue(), context.Barrier(processes + 1)
     workers = [
-        context.Process(target=_contender, args=(system, url, seconds, ready, queue))
+        context.Process(target=_contender, args=(system, url, seconds, hold, ready, queue))
         for _ in range(processes)
     ]
     for worker in workers:
@@ -557,13 +559,16 @@ def contend(system: str, url: str, processes: int, seconds: float) -> list[Turn]
 
 
 def contended(
-    targets: list[tuple[str, str, str]], processes: int, seconds: float
+    targets: list[tuple[str, str, str]],
+    processes: int,
+    seconds: float,
+    hold: float = HOLD_SECONDS,
 ) -> list[dict[str, Any]]:
     rows = []
     for backend, system, url in targets:
         if system == "sqllocker":
             fresh_table(url)
-        records = contend(system, url, processes, seconds)
+        records = contend(system, url, processes, seconds, hold)
         rows.append(
             {
                 "backend": backend,
