@@ -10,9 +10,11 @@ import pytest
 import sqlalchemy as sa
 
 from scripts import bench
+from scripts.async_layers import Layers
 from scripts.bench import Turn, turn_figures
 from scripts.flat_cycle import SYSTEMS, FlatCycles, rounds
 from sqllocker import Locker
+from sqllocker.asyncio import AsyncLocker
 
 HOLD, HANDOFF, STEP_BACK = 1.0, 0.05, 2.0
 
@@ -110,3 +112,23 @@ def test_release_parts_times_real_grants_and_puts_the_trigger_back(
         assert left == 0
         assert not sa.inspect(conn).has_table(release_parts.TABLE)
     engine.dispose()
+
+
+async def test_each_async_layer_takes_and_gives_back_a_row(tmp_path: Path) -> None:
+    """scripts/async_layers.py reaches into the library's internals (its engine, kept cursors
+    and floor statements): a change to those must not leave it timing nothing."""
+    url = f"sqlite:///{tmp_path}/layers.db"
+    bench.fresh_table(url)
+    locker = AsyncLocker(url, table=bench.TABLE)
+    layers = Layers(locker)
+    await layers.open()
+    for n, (name, cycle) in enumerate(layers.cycles().items()):
+        before = await locker.lock(f"before {n}")
+        await before.unlock()
+        await cycle(n)
+        after = await locker.lock(f"after {n}")
+        await after.unlock()
+        assert after.lock_id == before.lock_id + 2, name  # the cycle's own row came between
+    assert await locker.locks() == []
+    await layers.close()
+    await locker.aclose()
