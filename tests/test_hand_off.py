@@ -212,7 +212,7 @@ def counting_attempts(locker: Locker | AsyncLocker, monkeypatch: pytest.MonkeyPa
     return attempts
 
 
-# A head with its request standing, for this long: backing off from 2 ms it would make 9-11
+# A head with its request standing, for this long: backing off from 2 ms it made 8 or more
 # attempts; at the longest delay (0.125-0.25 s) at most four, and one more on heading the queue.
 HEADS_FOR = 0.6
 AT_MOST_WHILE_HEADING = 5
