@@ -8,6 +8,10 @@ tree and round. Make the other tree with ``git worktree add /tmp/base HEAD``, fo
 
     .venv/bin/python scripts/ab_contended.py --rounds 4 --seconds 8 new=. base=/tmp/base
 
+Each line also gives ``commit_flush_ms``, a durable commit's p50 on the server just before the
+round (``bench.commit_flush``): every hand-off waits for one, and on this machine it is ~0.2 ms
+at some hours and ~4 ms at others, so rounds are comparable only within one kind of hour.
+
 ``--hold-ms`` sets how long each contender holds the lock (bench.py's 1 ms by default). Each
 tree's own ``scripts/bench.py`` runs the contenders; one from before that option existed needs
 this tree's ``scripts/`` copied into it.
@@ -27,6 +31,9 @@ _ONE_ROUND = """
 import json
 from scripts import bench
 url = bench.URLS["postgresql"]
+# A tree from before commit_flush existed times no commit (see the module's docstring).
+flush = getattr(bench, "commit_flush", None)
+flush_ms = round(flush("postgresql", url)["commit_p50_ms"], 3) if flush else None
 ours, advisory = bench.contended(
     [("postgresql", "sqllocker", url), ("postgresql", "advisory lock", url)], 4, {seconds}, {hold}
 )
@@ -40,6 +47,7 @@ print(json.dumps({{
     "wait_p99_x_advisory": round(ours["wait_p99_ms"] / advisory["wait_p99_ms"], 2),
     "passed_by": ours["overtaken_max"],
     "overlaps": ours["violations"],
+    "commit_flush_ms": flush_ms,
 }}))
 """
 

@@ -114,6 +114,23 @@ def test_release_parts_times_real_grants_and_puts_the_trigger_back(
     engine.dispose()
 
 
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_commit_flush_times_real_commits_and_leaves_no_table(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    """The contended rows are read against this figure (README): it must time committed
+    INSERTs on the server named, and clean up after itself."""
+    url = str(request.getfixturevalue(f"{backend}_url"))
+    figures = bench.commit_flush(backend, url, count=5)
+    assert figures["backend"] == backend
+    assert figures["commit_p50_ms"] > 0
+    assert figures["round_trip_p50_ms"] > 0
+    engine = sa.create_engine(url)
+    with engine.connect() as conn:
+        assert not sa.inspect(conn).has_table(bench.FLUSH_TABLE)
+    engine.dispose()
+
+
 async def test_each_async_layer_takes_and_gives_back_a_row(tmp_path: Path) -> None:
     """scripts/async_layers.py reaches into the library's internals (its engine, kept cursors
     and floor statements): a change to those must not leave it timing nothing."""
