@@ -15,6 +15,11 @@ With ``--ballast 0,1000,5000`` it measures sqllocker only, while another session
 many advisory locks: until migration 0007 a release that handed the row over looked its waiter
 up in ``pg_locks``, which lists every lock of the server, and this showed what a busy lock
 table cost a hand-off (now nothing: the release asks for the waiter's own key).
+
+With ``--flush-delay-ms 4`` it runs in a scratch database whose sessions wait that long before
+each flush of the server's log (``commit_delay``), as if the disk were that much slower: what
+this machine's disk does at some hours by itself. Advisory locks never flush; every sqllocker
+hand-off waits for one (the grant's), so the rows show what a slow disk costs each.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import os
 import statistics
 import sys
 from collections.abc import Iterator
@@ -30,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scripts import bench
+from sqllocker.engine import resolve_url
 
 
 def turns_of(system: str, url: str, seconds: float) -> dict[str, float]:
@@ -60,6 +67,28 @@ def turns_of(system: str, url: str, seconds: float) -> dict[str, float]:
 
 
 @contextlib.contextmanager
+def slow_flush(url: str, delay_ms: float) -> Iterator[str]:
+    """A scratch database on ``url``'s server whose sessions wait ``delay_ms`` before every
+    flush of the log, as on a disk that much slower; yields its URL, and drops it after.
+
+    ``commit_delay`` applies only while ``commit_siblings`` other transactions are active;
+    with 0 it applies to every flush. Set on the database, it reaches every session the
+    contenders open there (the library's own startup settings included) and no other
+    database's: a run beside this one, or the tests, keep the server's real flush.
+    """
+    database = f"sqllocker_slow_flush_{os.getpid()}"
+    admin = bench.postgres_connection(url)
+    try:
+        admin.execute(f"CREATE DATABASE {database}")
+        admin.execute(f"ALTER DATABASE {database} SET commit_delay = {round(delay_ms * 1000)}")
+        admin.execute(f"ALTER DATABASE {database} SET commit_siblings = 0")
+        yield resolve_url(url).set(database=database).render_as_string(hide_password=False)
+    finally:
+        admin.execute(f"DROP DATABASE IF EXISTS {database} WITH (FORCE)")
+        admin.close()
+
+
+@contextlib.contextmanager
 def ballast(url: str, count: int) -> Iterator[int]:
     """A session holding ``count`` advisory locks (keys no contender uses) meanwhile; yields how
     many entries ``pg_locks`` then lists."""
@@ -83,8 +112,20 @@ def main() -> int:
         "--ballast",
         help="comma-separated counts of advisory locks another session holds (sqllocker only)",
     )
+    parser.add_argument(
+        "--flush-delay-ms",
+        type=float,
+        help="wait this long before each flush of the server's log (a slower disk)",
+    )
     args = parser.parse_args()
     url = bench.URLS["postgresql"]
+    if args.flush_delay_ms:
+        with slow_flush(url, args.flush_delay_ms) as slow_url:
+            return measure(args, slow_url)
+    return measure(args, url)
+
+
+def measure(args: argparse.Namespace, url: str) -> int:
     if args.ballast:
         counts = [int(count) for count in args.ballast.split(",")]
         for number in range(args.rounds):

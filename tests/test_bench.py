@@ -131,6 +131,35 @@ def test_commit_flush_times_real_commits_and_leaves_no_table(
     engine.dispose()
 
 
+def test_slow_flush_slows_only_its_own_database(postgresql_url: str) -> None:
+    """contended_turns.py --flush-delay-ms: the delay must reach the sessions the library opens
+    there (with the library's own settings kept) and nothing outside its scratch database."""
+    from scripts.contended_turns import slow_flush
+
+    def settings(url: str) -> list[str]:
+        locker = Locker(url, table=bench.TABLE)
+        with locker.engine.connect() as conn:
+            shown = [str(conn.exec_driver_sql(f"SHOW {name}").scalar()) for name in SETTINGS]
+        locker.close()
+        return shown
+
+    outside = settings(postgresql_url)
+    with slow_flush(postgresql_url, 2.5) as url:
+        assert settings(url) == ["2500", "0", "on"]
+        database = sa.make_url(url).database
+    assert settings(postgresql_url) == outside
+    engine = sa.create_engine(postgresql_url)
+    with engine.connect() as conn:
+        left = conn.exec_driver_sql(
+            "SELECT count(*) FROM pg_database WHERE datname = %(name)s", {"name": database}
+        ).scalar()
+    engine.dispose()
+    assert left == 0
+
+
+SETTINGS = ("commit_delay", "commit_siblings", "synchronous_commit")
+
+
 async def test_each_async_layer_takes_and_gives_back_a_row(tmp_path: Path) -> None:
     """scripts/async_layers.py reaches into the library's internals (its engine, kept cursors
     and floor statements): a change to those must not leave it timing nothing."""
