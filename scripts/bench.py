@@ -45,7 +45,7 @@ import sqlalchemy as sa
 
 from sqllocker import Locker, lock_table
 from sqllocker.engine import resolve_url
-from sqllocker.locker import DEFAULT_PURGE_BATCH
+from sqllocker.locker import DEFAULT_PURGE_BATCH, DEFAULT_PURGE_PAUSE_RATIO
 from sqllocker.migrations import current_revision, downgrade, upgrade, version_table_for
 from sqllocker.operations import LockTable
 
@@ -704,12 +704,16 @@ def cycles_per_s_of(url: str, processes: int, seconds: float) -> float:
 
 
 def purge_beside_a_worker(
-    url: str, seconds: float, batch_size: int = DEFAULT_PURGE_BATCH
+    url: str,
+    seconds: float,
+    batch_size: int = DEFAULT_PURGE_BATCH,
+    pause_ratio: float = DEFAULT_PURGE_PAUSE_RATIO,
 ) -> tuple[list[float], list[float], int, float]:
     """A worker cycling for ``seconds`` (quiet), then while the table's expired rows are purged
-    with the defaults, as `sqllocker purge-expired` does (or in batches of ``batch_size``): its
-    latencies before and during the purge (one worker process, so both sides share its
-    connection, cache and luck), the rows purged and how long the purge took."""
+    with the defaults, as `sqllocker purge-expired` does (or in batches of ``batch_size``,
+    resting ``pause_ratio`` times each batch's duration): its latencies before and during the
+    purge (one worker process, so both sides share its connection, cache and luck), the rows
+    purged and how long the purge took."""
     context = processes_context()
     queue, stop = context.Queue(), context.Event()
     worker = context.Process(target=_timed_cycler, args=(url, stop, queue))
@@ -717,7 +721,7 @@ def purge_beside_a_worker(
     time.sleep(seconds + 1.0)  # its first second (connecting, warming up) is left out below
     purger = Locker(url, table=TABLE)
     t0 = time.monotonic()
-    purged = purger.purge_expired_locks(batch_size=batch_size)
+    purged = purger.purge_expired_locks(batch_size=batch_size, pause_ratio=pause_ratio)
     t1 = time.monotonic()
     purger.close()
     stop.set()

@@ -363,7 +363,7 @@ def test_purge_options_reach_the_library(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setattr(Locker, "purge_expired_locks", purge)
     url = f"sqlite:///{tmp_path / 'locks.db'}"
     for options, expected in [
-        ([], (5000, 3.0)),
+        ([], (5000, 6.0)),
         (["--batch-size", "7", "--pause-ratio", "0"], (7, 0.0)),
         (["--pause-ratio", "0.5"], (5000, 0.5)),
     ]:
