@@ -9,8 +9,9 @@ tree and round. Make the other tree with ``git worktree add /tmp/base HEAD``, fo
     .venv/bin/python scripts/ab_contended.py --rounds 4 --seconds 8 new=. base=/tmp/base
 
 Each line also gives ``commit_flush_ms``, a durable commit's p50 on the server just before the
-round (``bench.commit_flush``): every hand-off waits for one, and on this machine it is ~0.2 ms
-at some hours and ~4 ms at others, so rounds are comparable only within one kind of hour.
+round (``bench.commit_flush``): every hand-off waits for one. On this machine it is ~0.2 ms
+most of the time and was 3-4 ms for some minutes of 2026-11-25 (cause unknown), so rounds are
+comparable only where it was alike.
 
 ``--hold-ms`` sets how long each contender holds the lock (bench.py's 1 ms by default). Each
 tree's own ``scripts/bench.py`` runs the contenders; one from before that option existed needs

@@ -597,9 +597,10 @@ def commit_flush(backend: str, url: str, count: int = FLUSH_COMMITS) -> dict[str
     A table lock waits for one such flush on every acquisition, and on PostgreSQL every hand-off
     under contention (the release grants the row to the head of the queue in its own
     transaction, which must be on disk before the head may act on it). Advisory locks,
-    ``GET_LOCK`` and Redis wait for none. This machine's disk answers a flush in ~0.2 ms at
-    some hours and in ~4 ms at others, which moves the contended rows far more than any change
-    to the library: measured beside them, the rows say which kind of hour they came from.
+    ``GET_LOCK`` and Redis wait for none. This machine's disk answers a flush in ~0.2 ms most
+    of the time, and took 3-4 ms for some minutes of 2026-11-25 (cause unknown); a flush that
+    slow moves the contended rows far more than any change to the library did
+    (``contended_turns.py --flush-delay-ms``). Measured beside them, it says what they ran on.
     """
     if backend == "postgresql":
         connection: Any = postgres_connection(url)

@@ -7,7 +7,7 @@ holder's release call), and the hand-off (the release's return to the next acqui
 the wait (asking to getting) at p50 and p99, beside the p50 that the other medians predict for
 four processes served in turn (``wait_model_ms``). Before each round it times a durable commit
 on the server (``bench.commit_flush``): a granting release waits for one, and this machine's
-disk answers a flush in ~0.2 ms at some hours and ~4 ms at others.
+disk answers a flush in ~0.2 ms most of the time, 3-4 ms for some minutes of 2026-11-25.
 
     .venv/bin/python scripts/contended_turns.py --rounds 2
 
@@ -17,8 +17,8 @@ up in ``pg_locks``, which lists every lock of the server, and this showed what a
 table cost a hand-off (now nothing: the release asks for the waiter's own key).
 
 With ``--flush-delay-ms 4`` it runs in a scratch database whose sessions wait that long before
-each flush of the server's log (``commit_delay``), as if the disk were that much slower: what
-this machine's disk does at some hours by itself. Advisory locks never flush; every sqllocker
+each flush of the server's log (``commit_delay``), as if the disk were that much slower, as
+this machine's was for some minutes of 2026-11-25. Advisory locks never flush; every sqllocker
 hand-off waits for one (the grant's), so the rows show what a slow disk costs each.
 """
 
