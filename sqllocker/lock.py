@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from datetime import datetime, timezone
 from types import TracebackType
@@ -26,6 +25,7 @@ from sqlalchemy.engine import Connection
 
 from . import forks
 from .errors import LockLost
+from .finaliser import Finaliser
 from .schema import to_utc
 from .validation import check_seconds
 
@@ -257,7 +257,7 @@ class LockHandle(Generic[HoldingT]):
         self._created = created
         self._expires = expires
         self.locked_by = locked_by
-        self._finalizer = weakref.finalize(self, release_abandoned, state)
+        self._finalizer = Finaliser(self, release_abandoned, state)
 
     @property
     def created(self) -> datetime:

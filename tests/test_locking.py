@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
 import threading
 import time
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -74,6 +77,58 @@ def test_a_lock_nobody_keeps_is_released_at_once(locker: Locker) -> None:
     gc.collect()
     assert count_rows(locker) == 0
     locker.lock("Zombie Soup", wait=0).unlock()
+
+
+def test_a_dropped_lock_in_a_reference_cycle_is_released_by_the_collector(locker: Locker) -> None:
+    # Reference counting never frees a lock that refers to itself; only the cycle collector
+    # does, and it calls back only through weak references that something else keeps alive.
+    lock = locker.lock("Zombie Soup")
+    lock.itself = lock  # type: ignore[attr-defined]
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        del lock
+        assert count_rows(locker) == 1
+        gc.collect()
+        assert count_rows(locker) == 0
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def test_a_lock_still_held_when_the_interpreter_exits_is_released(
+    locker: Locker, url: str, tmp_path: Path
+) -> None:
+    # A script that ends without unlocking gives its rows back, newest first, rather than
+    # leaving them to expire; a lock unlocked before the exit is not released a second time.
+    # An exit hook registered before sqllocker's import runs after sqllocker's: by then the
+    # rows must be gone, before module teardown (which frees what is left with half the
+    # interpreter gone).
+    script = tmp_path / "ends_holding.py"
+    script.write_text(
+        "import atexit, logging, sys\n"
+        "atexit.register(lambda: print('after the exit pass', len(locker.locks()), flush=True))\n"
+        "from sqllocker import Locker\n"
+        "logging.basicConfig(level=logging.INFO, stream=sys.stdout, format='%(message)s')\n"
+        "locker = Locker(sys.argv[1], table=sys.argv[2], grace=0)\n"
+        "kept = [locker.lock(f'left {n}', expires=3600) for n in range(3)]\n"
+        "locker.lock('unlocked', expires=3600).unlock()\n"
+        "print('holding', len(locker.locks()), flush=True)\n"
+    )
+    finished = subprocess.run(
+        [sys.executable, str(script), url, locker.table_name],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    lines = finished.stdout.splitlines()
+    assert lines[0] == "holding 3"
+    released = [line for line in lines if "released by garbage collection" in line]
+    assert [line.split("'")[1] for line in released] == ["left 2", "left 1", "left 0"]
+    assert "already gone" not in finished.stdout
+    assert lines[-1] == "after the exit pass 0"
+    assert count_rows(locker) == 0
 
 
 # -- the rest of the contract ---------------------------------------------------------------------
