@@ -445,25 +445,34 @@ class LockTable:
     def _insert(
         self, conn: Session, statement: ClauseElement, params: dict[str, Any]
     ) -> Acquired | None:
+        be = self._be
         try:
-            result = conn.execute(statement, params)
+            if be.insert_returning:
+                row = conn.first_row(statement, params)
+            else:
+                row = self._insert_then_read(conn, statement, params)
         except sa.exc.IntegrityError as error:
-            if self._be.is_unique_violation(error):
+            if be.is_unique_violation(error):
                 return None
             raise
-        if self._be.insert_returning:
-            row = result.first()
-            if row is None:
-                self._check_silent_refusal(params)
-                return None
-            return Acquired(row.id, row.created, row.expires)
-        if result.rowcount != 1 or result.lastrowid is None:
+        if row is None:
             self._check_silent_refusal(params)
+            return None
+        lock_id, created, expires = row
+        return Acquired(lock_id, created, expires)
+
+    def _insert_then_read(
+        self, conn: Session, statement: ClauseElement, params: dict[str, Any]
+    ) -> tuple[int, object, object] | None:
+        """Without RETURNING (MySQL 8): the INSERT, then its row's id and times, read by the
+        id the driver reports and our guid; None if it inserted nothing."""
+        result = conn.execute(statement, params)
+        if result.rowcount != 1 or result.lastrowid is None:
             return None
         lock_id = result.lastrowid
         mine = {"lock_id": lock_id, "lock_guid": params["lock_guid"]}
         times = conn.execute(self._sql.times_of, mine).one()
-        return Acquired(lock_id, times.created, times.expires)
+        return lock_id, times.created, times.expires
 
     def _check_silent_refusal(self, params: dict[str, Any]) -> None:
         """An INSERT that inserted nothing without an error: held, under ON CONFLICT DO NOTHING.

@@ -80,7 +80,7 @@ def test_an_interrupted_operations_connection_is_never_reused(
         raise KeyboardInterrupt
 
     with monkeypatch.context() as patch:
-        patch.setattr(execution.Session, "execute", interrupt)
+        patch.setattr(execution.Session, "_send", interrupt)
         with pytest.raises(KeyboardInterrupt):
             locker.lock("interrupted")
     assert locker._table.connections() == (0, 0)
