@@ -155,6 +155,11 @@ class Session:
             [prepared.row(row) for row in rows], cursor.rowcount, getattr(cursor, "lastrowid", None)
         )
 
+    def affected(self, statement: ClauseElement, values: Mapping[str, Any]) -> int:
+        """How many rows ``statement`` (a DELETE or UPDATE without RETURNING) changed."""
+        self._send(self._prepared[statement], values)
+        return self.cursor.rowcount  # type: ignore[no-any-return]
+
     def first_row(self, statement: ClauseElement, values: Mapping[str, Any]) -> Any:
         """The first row of ``statement``, or None, read by position: a plain tuple when its
         columns need no conversion, as an acquire's do (see ``Statements._returned``).

@@ -215,9 +215,7 @@ class LockTable:
     def release(self, lockstring: str, lock_id: int, guid: str) -> None:
         """Delete our row; LockLost if it was no longer ours."""
         params = {"lock_id": lock_id, "lock_guid": guid}
-        deleted = self._run(
-            lockstring, lambda conn: conn.execute(self._sql.release, params).rowcount
-        )
+        deleted = self._run(lockstring, lambda conn: conn.affected(self._sql.release, params))
         if deleted != 1:
             raise LockLost(
                 f"lock {lockstring!r} (id {lock_id}) was no longer ours at release: it expired "
@@ -315,7 +313,7 @@ class LockTable:
                 return None
             # By id: if the row was released and taken again since we read it, nothing is broken.
             params = {"ls": lockstring, "lock_id": row.id}
-            deleted = conn.execute(self._sql.break_lock, params).rowcount
+            deleted = conn.affected(self._sql.break_lock, params)
             return _lock_info(row) if deleted else None
 
         broken = self._run(lockstring, delete)
@@ -438,7 +436,7 @@ class LockTable:
         sql = self._sql
         if self._be.atomic_takeover:
             return self._insert(conn, sql.take_over, params)
-        if conn.execute(sql.take_over_expired, params).rowcount:
+        if conn.affected(sql.take_over_expired, params):
             return self._insert(conn, sql.acquire, params)
         return None
 
@@ -490,7 +488,7 @@ class LockTable:
 
     def _purge_batch(self, conn: Session, batch_size: int) -> int:
         params = {"minus_grace": self._be.seconds_value(-self.grace)}
-        deleted: int = conn.execute(self._sql.purge_batch(batch_size), params).rowcount
+        deleted = conn.affected(self._sql.purge_batch(batch_size), params)
         checkpoint = self._sql.checkpoint
         if deleted and checkpoint is not None:
             # Beside a worker cycling on SQLite, this took the median rise of its p99 during a
@@ -506,8 +504,7 @@ class LockTable:
         probe, sweep = self._sql.has_hand_off_requests, self._sql.sweep_stale_requests
         if probe is None or sweep is None or not conn.execute(probe).one().exists:
             return 0  # not PostgreSQL, or a table not migrated to 0005
-        swept: int = conn.execute(sweep).rowcount
-        return swept
+        return conn.affected(sweep, {})
 
     # -- connections, retries and errors -----------------------------------------------------------
 
