@@ -17,7 +17,8 @@ A change worth a few microseconds of Python is lost in that noise (a round's rat
 0.1, about 20 us of an SQLite cycle). ``--stub-driver`` times the library's own Python alone:
 each tree's ``Locker`` on SQLite with its connection's cursor replaced by a stub that answers
 at once as the database would (the acquire's row, the release's rowcount), best of five runs
-per round, as ``library_us``.
+per round, as ``library_us``; and the floor's own Python (its guid, parameters and JSON) on the
+same stub, as ``floor_us``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from scripts import bench
 from scripts.interleaved import print_medians, run_rounds, trees_of
 
-_ONE_ROUND = """
+# Both programs: the tree's Locker, and the floor's cycle on whatever ``cursor`` is then.
+_SETUP = """
 import json, os, sys, time
 from sqllocker import Locker
 from sqllocker.execution import Prepared
@@ -47,8 +49,6 @@ acquire = Prepared(lock_table.statements.acquire, dialect)
 release = Prepared(lock_table.statements.release, dialect)
 ttl, minus_grace = lock_table.backend.seconds_value(3600), lock_table.backend.seconds_value(-1)
 holder = holder_details("", {})
-raw = locker.engine.raw_connection()
-cursor = raw.driver_connection.cursor()
 run = os.getpid()
 
 
@@ -63,8 +63,13 @@ def floor(n):
 
 def library(n):
     locker.lock(f"lib {run} {n}").unlock()
+"""
 
-
+_ONE_ROUND = (
+    _SETUP
+    + """
+raw = locker.engine.raw_connection()
+cursor = raw.driver_connection.cursor()
 best = {}
 for repeat in range(2):
     for name, cycle in (("floor", floor), ("sqllocker", library)):
@@ -81,16 +86,12 @@ locker.close()
 print(json.dumps({"floor_us": round(best["floor"], 1), "sqllocker_us": round(best["sqllocker"], 1),
                   "x_floor": round(best["floor"] / best["sqllocker"], 3)}))
 """
+)
 
-
-_STUB_ROUND = """
-import json, sys, time
-from sqllocker import Locker
-
-url, table, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
-locker = Locker(url, table=table, auto_create=True)
-locker.lock("compile").unlock()
-
+# The floor's own Python too (``floor_us``: its guid, parameters and JSON), on the same stub.
+_STUB_ROUND = (
+    _SETUP
+    + """
 
 class StubCursor:
     # What SQLite answers in an uncontended cycle, without SQLite.
@@ -105,18 +106,21 @@ class StubCursor:
         return self.rows
 
 
+cursor = StubCursor()
 for held in locker._table._stack._idle:
     held.cursor, held.session = StubCursor(), None
-best = None
+best = {}
 for repeat in range(5):
-    started = time.perf_counter()
-    for n in range(count):
-        locker.lock(f"lib {n}").unlock()
-    us = (time.perf_counter() - started) / count * 1e6
-    best = us if best is None else min(best, us)
+    for name, cycle in (("floor", floor), ("library", library)):
+        started = time.perf_counter()
+        for n in range(count):
+            cycle(repeat * 10**6 + n)
+        us = (time.perf_counter() - started) / count * 1e6
+        best[name] = min(best.get(name, us), us)
 locker.close()
-print(json.dumps({"library_us": round(best, 2)}))
+print(json.dumps({"library_us": round(best["library"], 2), "floor_us": round(best["floor"], 2)}))
 """
+)
 
 
 def main() -> int:
