@@ -37,7 +37,7 @@ DEFAULT_GRACE = 1.0
 DEFAULT_PURGE_BATCH = 5000
 # A purge rests this many times each batch's duration after it. A worker taking locks meanwhile
 # kept its cycle p99 within 1.3-2.7x of its quiet one in every round measured on each backend
-# but one that other work disturbed (resting 3x left SQLite's at 7-10x; see README, "Speed"),
+# but one that other work disturbed (resting 3x left SQLite's at 7-10x; see docs/speed-history.md),
 # and a backlog of 1,000,000 rows still goes in under two minutes.
 DEFAULT_PURGE_PAUSE_RATIO = 6.0
 

@@ -41,7 +41,7 @@ class ServerSettings(NamedTuple):
     # MySQL with innodb_autoinc_lock_mode=2: acquires lock their stripe of migration 0006's
     # table (see ``Statements.acquire``). With 0 or 1 the AUTO-INC lock that InnoDB keeps to the
     # end of an INSERT ... SELECT orders the ids already, and the stripe lock would only cost
-    # (fewer cycles/s with four processes: README, Speed).
+    # (fewer cycles/s with four processes: docs/speed-history.md).
     lock_stripes: bool
 
 
