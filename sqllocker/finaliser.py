@@ -38,9 +38,9 @@ class Finaliser:
         self._ref = weakref.ref(owner, _collected)
         _pending[self._ref] = (callback, argument)
 
-    def detach(self) -> bool:
-        """Never call back; True if the callback was still due."""
-        return _pending.pop(self._ref, None) is not None
+    def detach(self) -> None:
+        """Never call back."""
+        _pending.pop(self._ref, None)
 
     def __call__(self) -> None:
         _collected(self._ref)

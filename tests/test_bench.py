@@ -131,6 +131,9 @@ def test_commit_flush_times_real_commits_and_leaves_no_table(
     engine.dispose()
 
 
+SETTINGS = ("commit_delay", "commit_siblings", "synchronous_commit")
+
+
 def test_slow_flush_slows_only_its_own_database(postgresql_url: str) -> None:
     """contended_turns.py --flush-delay-ms: the delay must reach the sessions the library opens
     there (with the library's own settings kept) and nothing outside its scratch database."""
@@ -155,9 +158,6 @@ def test_slow_flush_slows_only_its_own_database(postgresql_url: str) -> None:
         ).scalar()
     engine.dispose()
     assert left == 0
-
-
-SETTINGS = ("commit_delay", "commit_siblings", "synchronous_commit")
 
 
 async def test_each_async_layer_takes_and_gives_back_a_row(tmp_path: Path) -> None:
