@@ -48,7 +48,7 @@ dialect = lock_table.engine.dialect
 acquire = Prepared(lock_table.statements.acquire, dialect)
 release = Prepared(lock_table.statements.release, dialect)
 ttl, minus_grace = lock_table.backend.seconds_value(3600), lock_table.backend.seconds_value(-1)
-holder = holder_details("", {})
+holder = holder_details({})
 run = os.getpid()
 
 

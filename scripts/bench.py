@@ -202,7 +202,7 @@ class FloorStatements:
         self.release = Prepared(statements.release, dialect)
         self._ttl, self._minus_grace = backend.seconds_value(3600), backend.seconds_value(-1)
         self._run = os.getpid()
-        self._holder = holder_details("", {})  # made once: the floor's rows, not its work
+        self._holder = holder_details({})  # made once: the floor's rows, not its work
 
     def acquire_parameters(self, n: int, guid: str) -> Any:
         values = {

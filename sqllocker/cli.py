@@ -17,7 +17,7 @@ import click
 
 from . import __version__
 from .engine import URL_ENVIRONMENT_VARIABLE, describe_url
-from .errors import LockError, describe_holder
+from .errors import LockError, describe_holder, printable
 from .locker import DEFAULT_GRACE, DEFAULT_PURGE_BATCH, DEFAULT_PURGE_PAUSE_RATIO, Locker, LockInfo
 from .runner import EXIT_LOCK_LOST, RunOptions, run_locked
 from .schema import DEFAULT_TABLE
@@ -157,10 +157,10 @@ def list_locks(settings: _Settings, pattern: str | None, as_json: bool, expired_
     header = ("LOCKSTRING", "ID", "HOLDER", "PROGRAM", "CREATED", "EXPIRES", "LEFT")
     rows = [
         (
-            info.lockstring,
+            printable(info.lockstring),
             str(info.lock_id),
-            f"{info.locked_by.get('host', '?')}:{info.locked_by.get('pid', '?')}",
-            str(info.locked_by.get("program", "")),
+            printable(f"{info.locked_by.get('host', '?')}:{info.locked_by.get('pid', '?')}"),
+            printable(info.locked_by.get("program", "")),
             _when(info.created),
             _when(info.expires),
             "expired" if info.expired else _duration(info.seconds_left),
@@ -191,14 +191,15 @@ def show(settings: _Settings, lockstring: str, as_json: bool) -> None:
         _print_json(_info_json(info))
         return
     state = "expired" if info.expired else f"held, {_duration(info.seconds_left)} left"
-    click.echo(f"lockstring: {info.lockstring}")
+    click.echo(f"lockstring: {printable(info.lockstring)}")
     click.echo(f"lock id:    {info.lock_id}")
     click.echo(f"state:      {state}")
     click.echo(f"holder:     {describe_holder(info.locked_by)}")
     click.echo(f"created:    {_when(info.created)}")
     click.echo(f"expires:    {_when(info.expires)}")
     for key, value in sorted(info.locked_by.items()):
-        click.echo(f"  {key}: {json.dumps(value) if not isinstance(value, str) else value}")
+        shown = value if isinstance(value, str) else json.dumps(value)
+        click.echo(f"  {printable(key)}: {printable(shown)}")
 
 
 # -- release --------------------------------------------------------------------------------------

@@ -69,7 +69,15 @@ def resolve_url(url: str | URL | None, *, asynchronous: bool = False) -> URL:
         scheme, separator, rest = url.partition("://")
         if separator and scheme in drivers:
             url = f"{drivers[scheme]}://{rest}"
-        url = make_url(url)
+        try:
+            url = make_url(url)
+        except (sa.exc.ArgumentError, ValueError):
+            # The message must not repeat the string: it may hold a password.
+            raise LockValueError(
+                f"not a database URL: {scheme + separator if separator else 'no scheme'}...; "
+                "expected e.g. postgresql://user@host/db, mysql://user@host/db or "
+                "sqlite:///path/to.db"
+            ) from None
     elif asynchronous and "+" not in url.drivername and url.drivername in drivers:
         url = url.set(drivername=drivers[url.drivername])
     return url
@@ -78,7 +86,13 @@ def resolve_url(url: str | URL | None, *, asynchronous: bool = False) -> URL:
 def create_locker_engine(url: URL, *, transaction_pooling: bool = False) -> Engine:
     """An engine configured for short autocommit lock statements on ``url``'s backend (reached
     through a transaction-pooling PgBouncer if ``transaction_pooling``)."""
-    engine = sa.create_engine(url, **_engine_options(url, transaction_pooling))
+    try:
+        engine = sa.create_engine(url, **_engine_options(url, transaction_pooling))
+    except (sa.exc.NoSuchModuleError, ImportError) as error:
+        raise LockValueError(
+            f"{describe_url(url)}: sqllocker cannot reach this database: {error} (supported: "
+            "sqlite, postgresql (pip install 'sqllocker[postgres]'), mysql (sqllocker[mysql]))"
+        ) from None
     _configure(engine)
     return engine
 
@@ -208,6 +222,17 @@ def prepares_statements(driver_connection: Any) -> bool:
     return getattr(driver_connection, "prepare_threshold", None) is not None
 
 
+# Query parameters that carry secrets (libpq's password and sslpassword, a token, ...).
+_SECRET_QUERY_WORDS = ("pass", "pwd", "secret", "token", "key")
+
+
 def describe_url(url: URL) -> str:
-    """The URL without its password, for messages."""
-    return url.render_as_string(hide_password=True)
+    """The URL without its password, nor any secret among its query parameters, for messages."""
+    hidden = {
+        name: "***"
+        for name in url.query
+        if any(word in name.lower() for word in _SECRET_QUERY_WORDS)
+    }
+    if hidden:
+        url = url.update_query_dict(hidden)
+    return url.render_as_string(hide_password=True).replace("%2A%2A%2A", "***")

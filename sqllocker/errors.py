@@ -7,6 +7,7 @@ pickles, so it survives being raised in a worker process and re-raised in its pa
 
 from __future__ import annotations
 
+import re
 import shlex
 import socket
 from collections.abc import Mapping
@@ -118,13 +119,31 @@ def one_line(text: object) -> str:
     return " ".join(str(text).split())
 
 
+# Characters that steer a terminal or reorder what it shows: C0 and C1 controls (escape
+# sequences), and the invisible and bidirectional formatting characters.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
+
+
+def printable(text: object) -> str:
+    """``text`` safe to show on a terminal or in a log line: whatever a lock row holds (its
+    lockstring, its locked_by) was written by someone else, and a control character in it must
+    not move the cursor, recolour the screen or forge a line. Each such character is shown as
+    its escape (``\\x1b``, ``\\u202e``)."""
+    return _UNPRINTABLE.sub(_escape, str(text))
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
+
+
 def describe_holder(holder: Mapping[str, Any] | None) -> str:
     """One phrase naming the holder of a lock, for operators: ``host:pid (program, user)``."""
     if not holder:
         return "an unknown holder"
     place = f"{holder.get('host', '?')}:{holder.get('pid', '?')}"
     details = [str(holder[key]) for key in ("program", "user") if holder.get(key)]
-    return f"{place} ({', '.join(details)})" if details else place
+    return printable(f"{place} ({', '.join(details)})" if details else place)
 
 
 def _busy_message(lockstring: str, busy: LockBusy) -> str:
@@ -151,7 +170,7 @@ def _busy_message(lockstring: str, busy: LockBusy) -> str:
 
 
 def _shell_quote(text: str) -> str:
-    return shlex.quote(text)
+    return printable(shlex.quote(text))
 
 
 def _str_or_none(value: object) -> str | None:

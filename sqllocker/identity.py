@@ -34,9 +34,10 @@ def new_guid() -> str:
     return os.urandom(16).hex()
 
 
-def holder_details(guid: str, extra: dict[str, Any], task: str | None = None) -> dict[str, Any]:
-    """The standard keys (host, pid, thread, program, user, guid; ``task``, the asyncio task's
-    name, for async holders) plus the caller's own."""
+def holder_details(extra: dict[str, Any], task: str | None = None) -> dict[str, Any]:
+    """The standard keys (host, pid, thread, program, user; ``task``, the asyncio task's name,
+    for async holders) plus the caller's own. The acquisition's guid is not among them: it is
+    the secret that proves the row ours, and ``locked_by`` is for anyone to read."""
     host, program, user = _static_identity()
     details: dict[str, Any] = {
         "host": host,
@@ -44,9 +45,18 @@ def holder_details(guid: str, extra: dict[str, Any], task: str | None = None) ->
         "thread": threading.current_thread().name,
         "program": program,
         "user": user,
-        "guid": guid,
     }
     if task is not None:
         details["task"] = task
     details.update(extra)
     return details
+
+
+def public_details(locked_by: object) -> dict[str, Any]:
+    """A row's ``locked_by`` as it may be shown to anyone: without the ``guid`` key that rows
+    written before it was taken out still carry (it is the row's secret)."""
+    if not isinstance(locked_by, dict):
+        return {}
+    if "guid" not in locked_by:
+        return locked_by
+    return {key: value for key, value in locked_by.items() if key != "guid"}

@@ -18,11 +18,10 @@ import itertools
 import logging
 import os
 import threading
-import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from . import forks
+from . import clock, forks
 from .errors import LockError, LockLost
 from .lock import LockState
 
@@ -71,7 +70,7 @@ class KeepAlive:
         with self._condition:
             if not state.held or state.lost is not None:
                 return
-            due = time.monotonic() + state.ttl * self.fraction
+            due = clock.now() + state.ttl * self.fraction
             self._entries[id(state)] = _Entry(state, due)
             self._stopping = False
             if self._thread is None or not self._thread.is_alive():
@@ -113,7 +112,7 @@ class KeepAlive:
         idle_since: float | None = None
         with self._condition:
             while True:
-                now = time.monotonic()
+                now = clock.now()
                 if not self._entries:
                     idle_since = idle_since or now
                     if self._stopping or now - idle_since >= IDLE_SECONDS:
@@ -140,7 +139,7 @@ class KeepAlive:
                     wake = min(wake, state.valid_until)
                     if entry.in_flight is None:
                         wake = min(wake, entry.next_renewal)
-                self._condition.wait(max(0.0, wake - time.monotonic()))
+                self._condition.wait(max(0.0, wake - clock.now()))
 
     def _declare_lost_at_deadline(self, state: LockState) -> None:
         # on_lost may take its time; let renewals of the other locks go on meanwhile.
@@ -175,10 +174,10 @@ class KeepAlive:
                 error,
                 delay,
             )
-            entry.next_renewal = time.monotonic() + delay
+            entry.next_renewal = clock.now() + delay
         except Exception:
             logger.exception("unexpected error renewing lock %r", state.lockstring)
-            entry.next_renewal = time.monotonic() + state.ttl * self.fraction
+            entry.next_renewal = clock.now() + state.ttl * self.fraction
         else:
             entry.failures = 0
             entry.next_renewal = state.valid_until - state.ttl * (1 - self.fraction)

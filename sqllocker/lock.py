@@ -4,18 +4,18 @@ A Lock holds no connection and no transaction, only what identifies its row (``l
 the secret ``guid``). Every later statement matches both, so a Lock whose row expired and was
 taken over can never touch the new holder's row.
 
-Besides the row, a Lock knows until when it may *act* as the holder: a validity deadline on the
-monotonic clock, taken when the acquire (or last extend) statement was sent, plus the expiry
-period, minus a safety margin. The row cannot expire before that moment (the server starts its
-clock no earlier than the statement was sent), and nobody can take it over before expiry plus
-grace, so a holder that stops at its deadline has always stopped before anyone else starts.
+Besides the row, a Lock knows until when it may *act* as the holder: a validity deadline on
+``clock.now()`` (a clock that counts time spent suspended), taken when the acquire (or last
+extend) statement was sent, plus the expiry period, minus a safety margin. The row cannot
+expire before that moment (the server starts its clock no earlier than the statement was
+sent), and nobody can take it over before expiry plus grace, so a holder that stops at its
+deadline has always stopped before anyone else starts.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from types import TracebackType
@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from sqlalchemy.engine import Connection
 
-from . import forks
-from .errors import LockLost
+from . import clock, forks
+from .errors import LockError, LockLost
 from .finaliser import Finaliser
 from .schema import to_utc
 from .validation import check_seconds
@@ -37,11 +37,15 @@ logger = logging.getLogger("sqllocker")
 OnLost = Callable[[LockLost], object]
 
 
+# How fast our clock may run slow against the server's: twice the 500 ppm that NTP slews a clock
+# by at most, so that the margin of a day-long lock covers a day of drift, not a second.
+CLOCK_DRIFT = 1e-3
+
+
 def safety_margin(ttl: float) -> float:
-    """How long before the local deadline a holder stops trusting its lock: a tenth of the
-    expiry period, at most a second (ample for the drift of a monotonic clock against the
-    server's over any expiry period sqllocker accepts)."""
-    return min(1.0, ttl / 10)
+    """How long before the row's expiry a holder stops trusting its lock: a second plus the
+    drift our clock may gather over the expiry period, and never more than a tenth of it."""
+    return min(ttl / 10, 1.0 + ttl * CLOCK_DRIFT)
 
 
 class Holding:
@@ -69,7 +73,7 @@ class Holding:
         self._lost_lock = threading.Lock()
 
     def is_valid(self) -> bool:
-        return self.held and self.lost is None and time.monotonic() < self.valid_until
+        return self.held and self.lost is None and clock.now() < self.valid_until
 
     def renewed(self, sent_at: float, ttl: float) -> None:
         """An extend sent at ``sent_at`` succeeded: the deadline moves on from then."""
@@ -170,7 +174,7 @@ class LockState(Holding):
         """Push the row's expiry to server now + ``ttl``; LockLost (and lost) if it is not ours."""
         with self.op_lock:
             self.check_extendable()
-            sent_at = time.monotonic()
+            sent_at = clock.now()
             try:
                 expires = self.locker._extend(self.lockstring, self.lock_id, self.guid, ttl)
             except LockLost as lost:
@@ -302,6 +306,22 @@ class LockHandle(Generic[HoldingT]):
         """Raise LockLost unless :meth:`is_valid`; call it before each step of long work."""
         self._state.check_valid()
 
+    def _refuse_in_forked_child(self, action: str) -> None:
+        """A forked child shares its parent's lock handles but not its lock: releasing or
+        renewing the row would pull it from under the parent, which still acts on it."""
+        if self._state.pid != forks.pid:
+            raise LockError(
+                f"cannot {action} lock {self.lockstring!r} (id {self.lock_id}) in process "
+                f"{forks.pid}: it was acquired by process {self._state.pid}, which this one was "
+                "forked from, and only that process may release or extend it",
+                self.lockstring,
+            )
+
+    def _unlocked_by_caller(self) -> bool:
+        """Whether the caller released the lock with unlock() (then leaving a ``with`` block
+        is quiet, as a second unlock() is)."""
+        return not self._state.held and self._state.lost is None
+
     def _lapsed(self) -> LockLost | None:
         """At the end of a ``with`` block: the LockLost to report if the lock was lost (or
         lapsed) while the body ran, even if nobody took the row over meanwhile."""
@@ -362,6 +382,7 @@ class Lock(LockHandle[LockState]):
         Any other error leaves the lock held (no longer kept alive): call unlock() again, or let
         it expire.
         """
+        self._refuse_in_forked_child("release")
         if not self._state.held:
             return
         try:
@@ -378,6 +399,7 @@ class Lock(LockHandle[LockState]):
         expired: an expired lock is never revived, because someone may have acted on it.
         """
         ttl = self.ttl if seconds is None else check_seconds(seconds, "expires", self.lockstring)
+        self._refuse_in_forked_child("extend")
         self.expires = self._state.extend(ttl)
         return self.expires
 
@@ -416,6 +438,8 @@ class Lock(LockHandle[LockState]):
     ) -> None:
         if self._state.pid != forks.pid:
             logger.debug("not releasing %r in forked child %d", self.lockstring, forks.pid)
+            return
+        if self._unlocked_by_caller():
             return
         lost = self._lapsed()
         try:

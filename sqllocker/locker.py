@@ -10,13 +10,12 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-import time
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy.engine import URL, Connection, Engine
 
-from . import validation
+from . import clock, validation
 from .backends import Backend
 from .engine import create_locker_engine, describe_url, resolve_url
 from .errors import LockBusy, LockTypeError
@@ -171,7 +170,7 @@ class Locker:
         # Request, at the head of the queue), and an attempt that finds the row under it knows
         # the row is ours.
         guid = new_guid()
-        details = holder_details(guid, extra)
+        details = holder_details(extra)
         if wait == 0:
             outcome = self._try_acquire(lockstring, guid, details, ttl, on_lost)
             if not isinstance(outcome, Lock):
@@ -291,14 +290,14 @@ class Locker:
         gate = room.key(lockstring) if room is not None else None
         # The latest refusal that read the server's clock: (monotonic time before it was sent,
         # the server's time it read), to place a granted row's start on our clock.
-        clock: tuple[float, datetime] | None = None
+        server_clock: tuple[float, datetime] | None = None
         try:
             while True:
                 # Subscribe before the attempt: a release between a refusal and the sleep
                 # still wakes us.
                 waiter = listener.register(lockstring, guid) if listener is not None else None
                 try:
-                    attempted_at = time.monotonic()
+                    attempted_at = clock.now()
                     outcome = self._try_acquire(lockstring, guid, details, ttl, on_lost, gate)
                     gated, gate = gate is not None, None
                     if isinstance(outcome, Lock):
@@ -306,7 +305,7 @@ class Locker:
                             turn.leave(in_background=turn.request is None, give_back=False)
                         return outcome
                     if outcome.server_now is not None:
-                        clock = (attempted_at, outcome.server_now)
+                        server_clock = (attempted_at, outcome.server_now)
                     if backoff.expired():
                         if gated and outcome.busy is None:
                             continue  # the gate refused us unasked: one full attempt first
@@ -340,7 +339,7 @@ class Locker:
                         if waiter.grant is not None and turn is not None:
                             grant = waiter.grant
                             lock = self._granted(
-                                lockstring, grant, details, ttl, on_lost, turn, clock
+                                lockstring, grant, details, ttl, on_lost, turn, server_clock
                             )
                             turn.granted()
                             return lock
@@ -376,10 +375,10 @@ class Locker:
         ttl: float,
         on_lost: OnLost | None,
         turn: Turn,
-        clock: tuple[float, datetime] | None,
+        server_clock: tuple[float, datetime] | None,
     ) -> Lock:
         """The Lock on a row a release handed to our request (``turn``'s)."""
-        started = hand_off_started(grant.created, turn.requested_at, clock)
+        started = hand_off_started(grant.created, turn.requested_at, server_clock)
         state = LockState(self, lockstring, grant.lock_id, grant.guid, ttl, started, on_lost)
         logger.debug("acquired %r (id %d), handed over by its release", lockstring, grant.lock_id)
         return Lock(state, created=grant.created, expires=grant.expires, locked_by=details)

@@ -32,6 +32,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import QueuePool
 from sqlalchemy.sql import ClauseElement
 
+from . import clock
 from .backends import Backend, backend_for
 from .connections import ConnectionStack
 from .engine import describe_url, prepares_statements
@@ -48,7 +49,7 @@ from .errors import (
     one_line,
 )
 from .execution import PreparedCache, Session, kept_cursor
-from .identity import holder_details
+from .identity import holder_details, public_details
 from .schema import ID_ORDER_STRIPES, id_order_table, lock_table
 from .server_settings import UnsafeSetting, read_settings
 from .statements import Statements
@@ -72,7 +73,6 @@ class LockInfo:
 
     lock_id: int
     lockstring: str
-    guid: str
     created: datetime
     expires: datetime
     locked_by: dict[str, Any]
@@ -84,10 +84,9 @@ def _lock_info(row: Any) -> LockInfo:
     return LockInfo(
         lock_id=row.id,
         lockstring=row.lockstring,
-        guid=row.guid,
         created=row.created,
         expires=row.expires,
-        locked_by=row.locked_by,
+        locked_by=public_details(row.locked_by),
         expired=bool(row.expired),
         seconds_left=(row.expires - row.server_now).total_seconds(),
     )
@@ -203,7 +202,7 @@ class LockTable:
         for _attempt in range(_ATTEMPTS_PER_TRY):
             # The validity deadline counts from before the statement is sent: the server's
             # expiry cannot start earlier than that.
-            sent_at = time.monotonic()
+            sent_at = clock.now()
             outcome = self._run(
                 lockstring,
                 lambda conn: self._acquire_on(conn, lockstring, guid, ttl, details, queue_key),
@@ -268,13 +267,13 @@ class LockTable:
         """
         total = 0
         while True:
-            started = time.monotonic()
+            started = clock.now()
             deleted = self._run(None, lambda conn: self._purge_batch(conn, batch_size))
             total += deleted
             if deleted < batch_size:
                 break
             if pause_ratio:
-                self._sleep((time.monotonic() - started) * pause_ratio)
+                self._sleep((clock.now() - started) * pause_ratio)
         if total:
             logger.info("purged %d expired lock(s) from %s", total, self.table_name)
         if self._sql.sweep_stale_requests is not None:
@@ -327,7 +326,7 @@ class LockTable:
                 lockstring,
                 broken.lock_id,
                 describe_holder(broken.locked_by),
-                describe_holder(holder_details("-", {})),
+                describe_holder(holder_details({})),
             )
         return broken
 
@@ -416,7 +415,7 @@ class LockTable:
         row = conn.execute(self._sql.holder_for_acquirer, params).first()
         if row is None:
             return Refused(None, None)  # released in between: try again
-        if row.guid == params["lock_guid"]:
+        if row.ours:
             # Ours: an INSERT of ours committed but its answer was lost with the connection
             # (_run retried), or a release handed the row to our request. Its expiry period
             # began when it was inserted, not now.
@@ -427,7 +426,7 @@ class LockTable:
             return self._take_over(conn, params) or Refused(None, None)
         busy = LockBusy(
             params["ls"],
-            holder=row.locked_by,
+            holder=public_details(row.locked_by),
             lock_id=row.id,
             created=row.created,
             expires=row.expires,

@@ -195,12 +195,12 @@ class Statements:
 
     @cached_property
     def _rows(self) -> Select[Any]:
-        """Whole rows, with whether each has expired and the server's time, both by its clock."""
+        """Rows (all but the secret guid), with whether each has expired and the server's
+        time, both by its clock."""
         c = self.table.c
         return sa.select(
             c.id,
             c.lockstring,
-            c.guid,
             c.created,
             c.expires,
             c.locked_by,
@@ -217,9 +217,12 @@ class Statements:
     @cached_property
     def holder_for_acquirer(self) -> Select[Any]:
         """The holder's row for a refused acquirer, with whether it may be taken over now
-        (expired beyond grace, by the server's clock)."""
+        (expired beyond grace, by the server's clock) and whether it is ours (under our guid:
+        compared here, so that no guid is ever read back)."""
+        c = self.table.c
         takeable = sa.case((self._expired_beyond_grace, True), else_=False).label("takeable")
-        return self.holder.add_columns(takeable)
+        ours = sa.case((c.guid == sa.bindparam("lock_guid"), True), else_=False).label("ours")
+        return self.holder.add_columns(takeable, ours)
 
     def list_locks(self, pattern: bool = False) -> Select[Any]:
         """Every row, or those whose lockstring matches the bound shell-style ``pattern``

@@ -7,6 +7,7 @@ sqllocker decides here, identically for all of them, and a refused call writes n
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -23,8 +24,16 @@ MAX_SECONDS = 10 * 365 * 24 * 3600
 # longest of those must stay under MySQL's 64-character identifier limit.
 MAX_TABLE_NAME_LENGTH = 32
 RESERVED_LOCKED_BY_KEYS = frozenset({"guid", "host", "pid", "thread", "task", "program", "user"})
+# A caller's locked_by details, as JSON: enough for a job's description, not a way to store data
+# in every lock row (or to fill an operator's screen).
+MAX_LOCKED_BY_BYTES = 8192
+# A renewal later than this fraction of the expiry period could come after the lock's validity
+# deadline, whose safety margin is at most a tenth of the period.
+MAX_KEEP_ALIVE_FRACTION = 0.9
 
-_TABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Lower case only: an unquoted identifier folds to lower case on PostgreSQL and keeps its case on
+# MySQL, so a mixed-case name would name two different tables.
+_TABLE_NAME = re.compile(r"[a-z_][a-z0-9_]*")
 
 
 def check_lockstring(lockstring: object) -> str:
@@ -84,14 +93,35 @@ def check_grace(value: object) -> float:
 
 
 def check_table_name(name: object) -> str:
+    """A table name that every backend reads as the same table without quoting: it is written
+    into SQL as it is (and into the names derived from it: index, view, functions)."""
     if not isinstance(name, str):
         raise LockTypeError(f"a table name must be a str, not {type(name).__name__}")
     if not _TABLE_NAME.fullmatch(name) or len(name) > MAX_TABLE_NAME_LENGTH:
         raise LockValueError(
-            f"table name {name!r} is not a plain identifier: use letters, digits and underscores, "
-            f"not starting with a digit, at most {MAX_TABLE_NAME_LENGTH} characters"
+            f"table name {name!r} is not a plain identifier: use lower-case letters, digits and "
+            f"underscores, not starting with a digit, at most {MAX_TABLE_NAME_LENGTH} characters"
+        )
+    if name in _reserved_words():
+        raise LockValueError(
+            f"table name {name!r} is a reserved word in SQL on some backend: choose another"
         )
     return name
+
+
+@functools.lru_cache(maxsize=1)
+def _reserved_words() -> frozenset[str]:
+    """The words that some supported database reserves (and so refuses as a bare table name)."""
+    from sqlalchemy.dialects.mysql import reserved_words
+    from sqlalchemy.dialects.postgresql.base import RESERVED_WORDS as POSTGRESQL
+    from sqlalchemy.dialects.sqlite.base import SQLiteIdentifierPreparer
+
+    return frozenset(
+        POSTGRESQL
+        | reserved_words.RESERVED_WORDS_MARIADB
+        | reserved_words.RESERVED_WORDS_MYSQL
+        | SQLiteIdentifierPreparer.reserved_words
+    )
 
 
 def check_locked_by(details: object, lockstring: str | None = None) -> dict[str, Any]:
@@ -112,9 +142,15 @@ def check_locked_by(details: object, lockstring: str | None = None) -> dict[str,
             lockstring,
         )
     try:
-        json.dumps(details, allow_nan=False)
+        encoded = json.dumps(details, allow_nan=False)
     except (TypeError, ValueError) as error:
         raise LockValueError(f"locked_by must be JSON-serialisable: {error}", lockstring) from error
+    size = len(encoded.encode("utf-8", "surrogatepass"))
+    if size > MAX_LOCKED_BY_BYTES:
+        raise LockValueError(
+            f"locked_by is at most {MAX_LOCKED_BY_BYTES} bytes of JSON; this one has {size}",
+            lockstring,
+        )
     return dict(details)
 
 
@@ -131,8 +167,14 @@ def check_flag(value: object, name: str) -> bool:
 
 
 def check_keep_alive_fraction(value: object) -> float:
-    if isinstance(value, bool) or not (isinstance(value, int | float) and 0 < value < 1):
-        raise LockValueError(f"keep_alive_fraction must be between 0 and 1, not {value!r}")
+    if isinstance(value, bool) or not (
+        isinstance(value, int | float) and 0 < value < MAX_KEEP_ALIVE_FRACTION
+    ):
+        raise LockValueError(
+            f"keep_alive_fraction must be above 0 and below {MAX_KEEP_ALIVE_FRACTION}, not "
+            f"{value!r}: a renewal any later could come after the lock's validity deadline "
+            "(its expiry less a safety margin of up to a tenth of it)"
+        )
     return float(value)
 
 

@@ -39,7 +39,6 @@ import json
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -47,7 +46,7 @@ from typing import Any, Generic, TypeVar
 
 from sqlalchemy.engine import Engine
 
-from . import forks
+from . import clock, forks
 
 logger = logging.getLogger("sqllocker")
 
@@ -104,22 +103,22 @@ class Request:
 
 
 def hand_off_started(
-    created: datetime, requested_at: float, clock: tuple[float, datetime] | None
+    created: datetime, requested_at: float, server_clock: tuple[float, datetime] | None
 ) -> float:
-    """The monotonic time from which the lock on a row handed to our request counts its
+    """The time (on ``clock``) from which the lock on a row handed to our request counts its
     validity: no later than the release's INSERT, when the row's expiry period began (at
     ``created``, by the server's clock), however late we heard of it.
 
-    That moment is no earlier than our request was sent (``requested_at``). ``clock`` is the
-    latest refusal that read the server's time: (monotonic time before it was sent, the time it
+    That moment is no earlier than our request was sent (``requested_at``). ``server_clock`` is
+    the latest refusal that read the server's time: (our time before it was sent, the time it
     read). The server read it no earlier than we sent it, so ``created`` is no earlier than
     that much after the sending, on our clock.
     """
     started = requested_at
-    if clock is not None:
-        sent, server_now = clock
+    if server_clock is not None:
+        sent, server_now = server_clock
         started = max(started, sent + (created - server_now).total_seconds())
-    return min(started, time.monotonic())
+    return min(started, clock.now())
 
 
 class QueueWait:
@@ -356,7 +355,7 @@ class WaitingRoom:
         if not self.queue_wait.hands_off(request):
             request = None
         try:
-            requested_at = time.monotonic()
+            requested_at = clock.now()
             row = connection.execute(*self.queue_wait.statement(key, timeout, request)).fetchone()
             if self.queue_wait.granted(row):
                 turn = Turn(self, connection, key, request, requested_at)

@@ -125,7 +125,8 @@ async def test_lock_unlock_relock_and_busy(alocker: AsyncLocker) -> None:
         await alocker.lock("Zombie Soup")
     assert busy.value.lock_id == lock.lock_id
     assert busy.value.holder is not None
-    assert busy.value.holder["guid"] == lock.guid
+    assert busy.value.holder["task"] == lock.locked_by["task"]
+    assert "guid" not in busy.value.holder
     assert await alocker.try_lock("Zombie Soup") is None
     await lock.unlock()
     assert not lock.is_locked
@@ -146,6 +147,15 @@ async def test_async_with_releases_on_exit_and_when_the_body_raises(alocker: Asy
         async with await alocker.lock("job"):
             raise RuntimeError("body")
     assert await alocker.lock_info("job") is None
+
+
+async def test_leaving_async_with_after_an_explicit_unlock_is_quiet(alocker: AsyncLocker) -> None:
+    async with alocker.lock("job") as lock:
+        await lock.unlock()
+        async with lock:
+            pass
+    assert not lock.is_locked
+    assert await alocker.locks() == []
 
 
 async def test_sync_and_async_lockers_exclude_each_other(

@@ -191,7 +191,10 @@ def test_list_and_show_in_text_and_json(sqllocker: Run, migrated: Locker) -> Non
     first = listed[1]
     assert first["lock_id"] == live.lock_id
     assert first["locked_by"]["job"] == "report"
-    assert first["locked_by"]["guid"] == live.guid
+    assert "guid" not in first["locked_by"]
+    assert (
+        live.guid not in sqllocker("list", "--json").stdout + sqllocker("show", "report 1").stdout
+    )
     assert first["expired"] is False
     assert 500 < first["seconds_left"] <= 600
     assert set(first) == {
@@ -222,6 +225,24 @@ def test_list_and_show_in_text_and_json(sqllocker: Run, migrated: Locker) -> Non
 
 
 # -- release --------------------------------------------------------------------------------------
+
+
+def test_control_characters_in_a_row_never_reach_the_terminal(
+    sqllocker: Run, migrated: Locker
+) -> None:
+    forged = "job\x1b[2K\r\x1b[1Afake row\u202e"
+    lock = migrated.lock(forged, locked_by={"note": "\x1b]0;title\x07"})
+    for command in (["list"], ["show", forged]):
+        shown = sqllocker(*command)
+        assert shown.returncode == 0, shown.stderr
+        assert not any(ch in shown.stdout for ch in "\x1b\r\x07\u202e")
+        assert "job\\x1b[2K\\x0d" in shown.stdout
+    exact = json.loads(sqllocker("list", "--json").stdout)
+    assert exact[0]["lockstring"] == forged  # JSON output stays exact
+    busy = sqllocker("run", forged, "--", "true")
+    assert busy.returncode == 1
+    assert "\x1b" not in busy.stderr
+    lock.unlock()
 
 
 def test_release_needs_force_and_can_name_the_acquisition(sqllocker: Run, migrated: Locker) -> None:

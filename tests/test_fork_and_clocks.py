@@ -16,9 +16,10 @@ import pytest
 import sqlalchemy as sa
 import time_machine
 
-from sqllocker import Locker
+from sqllocker import Locker, LockError
 from sqllocker.engine import resolve_url
-from tests.conftest import abandon
+from sqllocker.lock import CLOCK_DRIFT, safety_margin
+from tests.conftest import IN_CI, abandon
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -173,3 +174,55 @@ def test_client_clock_skew_changes_nothing(locker: Locker, skew: timedelta) -> N
         assert taken.lock_id > dying.lock_id
         taken.unlock()
     live.unlock()
+
+
+def test_a_forked_childs_unlock_of_its_parents_lock_is_refused(locker: Locker) -> None:
+    lock = locker.lock("parent's")
+
+    def child() -> None:
+        for action in (lock.unlock, lock.extend):
+            with pytest.raises(LockError, match="forked from"):
+                action()
+
+    assert run_in_child(child) == 0
+    assert lock.is_valid()
+    assert [row.lock_id for row in locker.locks()] == [lock.lock_id]  # the parent's row stands
+    lock.unlock()
+
+
+def test_the_validity_deadline_counts_time_the_machine_spends_suspended(tmp_path: Any) -> None:
+    """A suspended machine's monotonic clock stops, its CLOCK_BOOTTIME does not. In a time
+    namespace whose boot-time clock runs an hour ahead of its monotonic clock, a lock's deadline
+    must be an expiry period ahead of the boot-time clock: on the monotonic clock it would look
+    an hour further off, as it does to a machine resumed from an hour's sleep."""
+    if not hasattr(time, "CLOCK_BOOTTIME"):
+        pytest.skip("CLOCK_BOOTTIME is Linux's")
+    script = (
+        "import time; from sqllocker import Locker\n"
+        f"lock = Locker('sqlite:///{tmp_path / 'locks.db'}').lock('job', expires=60)\n"
+        "print(lock._state.valid_until - time.clock_gettime(time.CLOCK_BOOTTIME))\n"
+        "lock.unlock()\n"
+    )
+    try:
+        done = subprocess.run(
+            ["unshare", "--time", "--boottime", "3600", sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+    except (FileNotFoundError, subprocess.CalledProcessError) as error:
+        if IN_CI:
+            raise
+        pytest.skip(f"no time namespace here (unshare --time needs root): {error}")
+    left = float(done.stdout)
+    assert 60 - safety_margin(60) - 5 < left <= 60 - safety_margin(60)
+
+
+@pytest.mark.parametrize("ttl", [0.5, 10, 60, 3600, 86400, 30 * 86400])
+def test_the_safety_margin_grows_with_the_expiry_period(ttl: float) -> None:
+    margin = safety_margin(ttl)
+    assert margin <= ttl / 10  # a lock is always valid for most of its period
+    assert margin >= min(ttl / 10, ttl * CLOCK_DRIFT)  # and allows for a day's drift on a day
+    if ttl >= 86400:
+        assert margin > 60

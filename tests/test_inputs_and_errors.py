@@ -88,6 +88,7 @@ BAD_OPTIONS: list[tuple[dict[str, Any], type[Exception]]] = [
     ({"locked_by": ["not", "a", "mapping"]}, LockTypeError),
     ({"locked_by": {"guid": "forged"}}, LockValueError),
     ({"locked_by": {"pid": 1}}, LockValueError),
+    ({"locked_by": {"blob": "x" * 8192}}, LockValueError),
 ]
 
 
@@ -137,11 +138,69 @@ def test_bad_extend_is_refused_and_the_row_is_untouched(locker: Locker) -> None:
 
 @pytest.mark.parametrize(
     "table",
-    ["semaphores; DROP TABLE x", "1starts_with_digit", "has space", "dot.ted", "", "a" * 33, "é"],
+    [
+        "semaphores; DROP TABLE x",
+        "1starts_with_digit",
+        "has space",
+        "dot.ted",
+        "",
+        "a" * 33,
+        "é",
+        "AuditMixed",
+        "Semaphores",
+    ],
 )
 def test_bad_table_names_are_refused(table: str) -> None:
     with pytest.raises(LockValueError, match="plain identifier"):
         Locker("sqlite://", table=table)
+
+
+@pytest.mark.parametrize("table", ["order", "select", "user", "group", "table"])
+def test_reserved_words_are_refused_as_table_names(table: str) -> None:
+    with pytest.raises(LockValueError, match="reserved word"):
+        Locker("sqlite://", table=table)
+
+
+def test_locked_by_of_8_kib_is_accepted_and_one_byte_more_refused(locker: Locker) -> None:
+    filler = "x" * (8192 - len('{"blob": ""}'))
+    with locker.lock("job", locked_by={"blob": filler}) as lock:
+        assert lock.locked_by["blob"] == filler
+    with pytest.raises(LockValueError, match="at most 8192 bytes"):
+        locker.lock("job", locked_by={"blob": filler + "x"})
+    assert count_rows(locker) == 0
+
+
+@pytest.mark.parametrize("fraction", [0.9, 0.95, 1, 0, -0.1, True])
+def test_a_keep_alive_fraction_that_could_renew_past_the_deadline_is_refused(
+    fraction: object,
+) -> None:
+    with pytest.raises(LockValueError, match="keep_alive_fraction"):
+        Locker("sqlite://", keep_alive_fraction=fraction)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://app:hunter2@127.0.0.1:1/test?sslpassword=hunter2",
+        "postgresql://app@127.0.0.1:1/test?password=hunter2",
+        "mysql://app@127.0.0.1:1/test?password=hunter2",
+    ],
+)
+def test_passwords_in_a_url_never_reach_a_message(url: str) -> None:
+    locker = Locker(url)
+    with pytest.raises(DatabaseError) as caught:
+        locker.lock("job")
+    assert "hunter2" not in str(caught.value)
+    assert "127.0.0.1:1" in str(caught.value)
+    assert "hunter2" not in repr(locker)
+
+
+@pytest.mark.parametrize("url", ["nonsense", "foo://host/db", "postgresql://u:hunter2@h:port/db"])
+def test_a_bad_url_is_a_lock_error_that_hides_its_password(url: str) -> None:
+    with pytest.raises(LockValueError) as caught:
+        Locker(url)
+    assert "hunter2" not in str(caught.value)
+    assert "\n" not in str(caught.value)
 
 
 def test_non_string_table_name_is_refused() -> None:

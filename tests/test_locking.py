@@ -191,9 +191,8 @@ def test_busy_error_names_the_holder(locker: Locker) -> None:
 def test_locked_by_has_the_standard_keys_and_the_callers(locker: Locker) -> None:
     with locker.lock("job", locked_by={"job": "report", "n": [1, 2]}) as lock:
         (row,) = locker.locks()
-    for key in ("host", "pid", "thread", "program", "user", "guid"):
+    for key in ("host", "pid", "thread", "program", "user"):
         assert key in row.locked_by
-    assert row.locked_by["guid"] == lock.guid
     assert row.locked_by["thread"] == threading.current_thread().name
     assert row.locked_by["job"] == "report"
     assert row.locked_by["n"] == [1, 2]
@@ -320,7 +319,7 @@ def test_stale_holder_cannot_unlock_the_new_holders_row(locker: Locker) -> None:
     assert caught.value.lock_id == stale.lock_id
     assert not stale.is_locked
     (row,) = locker.locks()
-    assert (row.lock_id, row.guid) == (fresh.lock_id, fresh.guid)
+    assert row.lock_id == fresh.lock_id
     fresh.unlock()
 
 
@@ -456,3 +455,46 @@ def test_without_returning_the_acquire_reads_its_row_back(mysql_url: str, table_
     finally:
         locker.close()
         engine.dispose()
+
+
+def test_leaving_a_with_block_after_an_explicit_unlock_is_quiet(locker: Locker) -> None:
+    with locker.lock("job") as lock:
+        lock.unlock()
+        with lock:  # a nested block on the same, already released, lock
+            pass
+    assert not lock.is_locked
+    assert count_rows(locker) == 0
+
+
+def test_no_guid_is_shown_to_anyone_but_the_holder(locker: Locker) -> None:
+    lock = locker.lock("job", locked_by={"job": "nightly"})
+    assert "guid" not in lock.locked_by
+    info = locker.lock_info("job")
+    assert info is not None
+    assert "guid" not in info.locked_by
+    assert not hasattr(info, "guid")
+    with pytest.raises(LockBusy) as busy:
+        locker.lock("job")
+    assert busy.value.holder is not None
+    assert "guid" not in busy.value.holder
+    assert lock.guid not in str(busy.value)
+    with locker.engine.connect() as conn:  # the row keeps it, in its own column
+        stored = conn.execute(sa.select(locker.table.c.guid, locker.table.c.locked_by)).one()
+    assert stored.guid == lock.guid
+    assert "guid" not in stored.locked_by
+    lock.unlock()
+
+
+def test_a_guid_left_in_locked_by_by_an_older_version_is_not_shown(locker: Locker) -> None:
+    lock = locker.lock("job")
+    with locker.engine.begin() as conn:
+        conn.execute(
+            sa.update(locker.table).values(locked_by={"host": "old", "pid": 1, "guid": lock.guid})
+        )
+    info = locker.lock_info("job")
+    assert info is not None
+    assert info.locked_by == {"host": "old", "pid": 1}
+    with pytest.raises(LockBusy) as busy:
+        locker.lock("job")
+    assert busy.value.holder == {"host": "old", "pid": 1}
+    lock.unlock()

@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 
+from .. import clock
 from ..errors import LockError, LockLost
 from ..keepalive import FIRST_RETRY_DELAY
 from .lock import AsyncLockState
@@ -60,12 +60,12 @@ class AsyncKeepAlive:
                 await task
 
     async def _keep(self, state: AsyncLockState) -> None:
-        next_renewal = time.monotonic() + state.ttl * self.fraction
+        next_renewal = clock.now() + state.ttl * self.fraction
         failures = 0
         renewal: asyncio.Task[object] | None = None
         try:
             while state.held and state.lost is None:
-                now = time.monotonic()
+                now = clock.now()
                 if now >= state.valid_until:
                     state.mark_lost(state.deadline_passed())
                     return
@@ -97,10 +97,10 @@ class AsyncKeepAlive:
                         error,
                         delay,
                     )
-                    next_renewal = time.monotonic() + delay
+                    next_renewal = clock.now() + delay
                 elif error is not None:
                     logger.error("unexpected error renewing lock %r: %r", state.lockstring, error)
-                    next_renewal = time.monotonic() + state.ttl * self.fraction
+                    next_renewal = clock.now() + state.ttl * self.fraction
                 else:
                     failures = 0
                     next_renewal = state.valid_until - state.ttl * (1 - self.fraction)

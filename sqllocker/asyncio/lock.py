@@ -11,14 +11,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import time
 from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from .. import forks
+from .. import clock, forks
 from ..errors import LockLost
 from ..lock import Holding, LockHandle, OnLost
 from ..validation import check_seconds
@@ -57,7 +56,7 @@ class AsyncLockState(Holding):
         """Push the row's expiry to server now + ``ttl``; LockLost (and lost) if it is not ours."""
         async with self.op_lock:
             self.check_extendable()
-            sent_at = time.monotonic()
+            sent_at = clock.now()
             try:
                 expires = await self.locker._extend(self.lockstring, self.lock_id, self.guid, ttl)
             except LockLost as lost:
@@ -169,6 +168,7 @@ class AsyncLock(LockHandle[AsyncLockState]):
         release: it finishes in the background. Any other error leaves the lock held (no longer
         kept alive): call unlock() again, or let it expire.
         """
+        self._refuse_in_forked_child("release")
         if not self._state.held:
             return
         try:
@@ -186,6 +186,7 @@ class AsyncLock(LockHandle[AsyncLockState]):
         expired: an expired lock is never revived.
         """
         ttl = self.ttl if seconds is None else check_seconds(seconds, "expires", self.lockstring)
+        self._refuse_in_forked_child("extend")
         self.expires = await self._state.extend(ttl)
         return self.expires
 
@@ -215,7 +216,7 @@ class AsyncLock(LockHandle[AsyncLockState]):
         exc_value: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        if self._state.pid != forks.pid:
+        if self._state.pid != forks.pid or self._unlocked_by_caller():
             return
         # As in the sync Lock: losing the lock during the body outranks the body's own error
         # (attached as its cause).

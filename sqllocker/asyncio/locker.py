@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import time
 from collections.abc import AsyncGenerator, Callable, Generator
 from datetime import datetime
 from types import TracebackType
@@ -29,7 +28,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.util import greenlet_spawn
 
-from .. import validation
+from .. import clock, validation
 from ..engine import create_async_locker_engine, describe_url, resolve_url
 from ..errors import LockBusy, LockError, LockTypeError
 from ..identity import holder_details, new_guid
@@ -267,7 +266,7 @@ class AsyncLocker:
         # One guid for every attempt, as in Locker.lock: a release may hand the row to it.
         guid = new_guid()
         task = asyncio.current_task()
-        details = holder_details(guid, extra, task.get_name() if task is not None else None)
+        details = holder_details(extra, task.get_name() if task is not None else None)
         if wait == 0:
             outcome = await self._try_acquire(lockstring, guid, details, ttl, on_lost)
             if not isinstance(outcome, AsyncLock):
@@ -295,14 +294,14 @@ class AsyncLocker:
         # A waiter's first attempt does not take the row ahead of waiters already queued.
         gate = room.key(lockstring) if room is not None else None
         # The latest refusal that read the server's clock (see Locker.lock).
-        clock: tuple[float, datetime] | None = None
+        server_clock: tuple[float, datetime] | None = None
         try:
             while True:
                 # Subscribe before the attempt: a release between a refusal and the sleep
                 # still wakes us.
                 waiter = await listener.register(lockstring, guid) if listener is not None else None
                 try:
-                    attempted_at = time.monotonic()
+                    attempted_at = clock.now()
                     outcome = await self._try_acquire(lockstring, guid, details, ttl, on_lost, gate)
                     gated, gate = gate is not None, None
                     if isinstance(outcome, AsyncLock):
@@ -313,7 +312,7 @@ class AsyncLocker:
                                 await turn.leave(give_back=False)
                         return outcome
                     if outcome.server_now is not None:
-                        clock = (attempted_at, outcome.server_now)
+                        server_clock = (attempted_at, outcome.server_now)
                     if backoff.expired():
                         if gated and outcome.busy is None:
                             continue  # the gate refused us unasked: one full attempt first
@@ -350,7 +349,9 @@ class AsyncLocker:
                             await asyncio.wait_for(waiter.event.wait(), delay)
                         if waiter.grant is not None and turn is not None:
                             grant = waiter.grant
-                            started = hand_off_started(grant.created, turn.requested_at, clock)
+                            started = hand_off_started(
+                                grant.created, turn.requested_at, server_clock
+                            )
                             state = AsyncLockState(
                                 self, lockstring, grant.lock_id, guid, ttl, started, on_lost
                             )

@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.util import greenlet_spawn
 
+from .. import clock
 from ..waiting_room import (
     DEFAULT_CAPACITY,
     Entry,
@@ -106,7 +106,7 @@ class AsyncWaitingRoom:
         if not self.queue_wait.hands_off(request):
             request = None
         try:
-            requested_at = time.monotonic()
+            requested_at = clock.now()
             statement = self.queue_wait.statement(key, timeout, request)
             cursor = await connection.execute(*statement)
             if self.queue_wait.granted(await cursor.fetchone()):
