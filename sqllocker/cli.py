@@ -19,7 +19,7 @@ from . import __version__
 from .engine import URL_ENVIRONMENT_VARIABLE, describe_url
 from .errors import LockError, describe_holder, printable
 from .locker import DEFAULT_GRACE, DEFAULT_PURGE_BATCH, DEFAULT_PURGE_PAUSE_RATIO, Locker, LockInfo
-from .runner import EXIT_LOCK_LOST, RunOptions, run_locked
+from .runner import DEFAULT_KILL_AFTER, EXIT_LOCK_LOST, ON_LOST_CHOICES, RunOptions, run_locked
 from .schema import DEFAULT_TABLE
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "show_default": True}
@@ -262,9 +262,32 @@ def release(settings: _Settings, lockstring: str, force: bool, lock_id: int | No
 )
 @click.option("-q", "--quiet", is_flag=True, help="Say nothing when the lock is held.")
 @click.option(
-    "--kill-on-lost",
+    "--on-lost",
+    type=click.Choice(ON_LOST_CHOICES),
+    default="stop",
+    envvar="SQLLOCKER_ON_LOST",
+    show_envvar=True,
+    help="If the lock is lost while COMMAND runs: stop its process group (SIGTERM, then "
+    "SIGKILL after --kill-after), or only warn.",
+)
+@click.option(
+    "--kill-after",
+    type=click.FloatRange(min=0),
+    default=DEFAULT_KILL_AFTER,
+    metavar="SECONDS",
+    help="How long COMMAND has to end after SIGTERM before SIGKILL (0: SIGKILL at once).",
+)
+@click.option(
+    "--pass-url",
     is_flag=True,
-    help="Stop the command (SIGTERM) if the lock is lost while it runs.",
+    help=f"Leave ${URL_ENVIRONMENT_VARIABLE} in COMMAND's environment (removed by default: it "
+    "may hold a password).",
+)
+@click.option(
+    "--record-args",
+    is_flag=True,
+    help="Record COMMAND's arguments in the lock's locked_by, not only the program's name "
+    "(arguments may hold secrets).",
 )
 @pass_settings
 def run(
@@ -276,7 +299,10 @@ def run(
     conflict_exit_code: int,
     expires: float,
     quiet: bool,
-    kill_on_lost: bool,
+    on_lost: str,
+    kill_after: float,
+    pass_url: bool,
+    record_args: bool,
 ) -> None:
     """Run COMMAND while holding LOCKSTRING, like flock(1) across machines.
 
@@ -286,10 +312,15 @@ def run(
     Unlike flock(1), which waits by default, this fails at once if the lock is held (as the
     library's lock() does); -w waits. The lock is renewed for as long as COMMAND runs, so
     --expires only bounds how long a crashed sqllocker keeps others out. COMMAND's exit status
-    is returned (128+N if it died of signal N); INT, TERM, HUP and QUIT are passed on to it
-    (a Ctrl-C typed at the terminal reaches it by itself, once); the lock is released when it
-    ends. If the lock is lost while it runs, that is said on stderr and the exit status is 75
-    unless COMMAND itself failed. COMMAND sees the lock's fencing token in $SQLLOCKER_LOCK_ID.
+    is returned (128+N if it died of signal N); INT, TERM, HUP and QUIT are passed on to its
+    process group (a Ctrl-C typed at the terminal reaches it directly, once); the lock is
+    released when it ends.
+
+    It fails closed: COMMAND runs in a process group of its own, and if the lock is lost while
+    it runs (broken, or not renewable before its deadline, which comes before anyone else can
+    take it), the whole group is stopped (see --on-lost) and the exit status is 75; if
+    sqllocker itself is killed, the group is stopped the same way. COMMAND sees the lock's
+    fencing token in $SQLLOCKER_LOCK_ID, and not the database URL (see --pass-url).
     """
     if nonblock and wait is not None:
         raise click.UsageError("--nonblock and --wait contradict each other")
@@ -298,7 +329,10 @@ def run(
         expires=expires,
         conflict_exit_code=conflict_exit_code,
         quiet=quiet,
-        kill_on_lost=kill_on_lost,
+        on_lost=on_lost,
+        kill_after=kill_after,
+        pass_url=pass_url,
+        record_args=record_args,
     )
     sys.exit(run_locked(settings.locker(), lockstring, command, options))
 

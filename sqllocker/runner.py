@@ -2,28 +2,41 @@
 
 The lock is kept alive for as long as the command runs (``Lock.keep_alive``: renewed every third
 of its expiry period), so a short expiry protects a command of any length and a crashed runner
-blocks others for at most one period; if it is lost, ``on_lost`` says so at once. Signals that
-would end sqllocker (INT, TERM, HUP, QUIT) are passed on to the command instead, and the lock is
-released once the command has ended, however it ended.
+blocks others for at most one period.
 
-Ctrl-C and Ctrl-\\ at a terminal are the exception: the terminal sends them to its whole
-foreground process group, which the command shares with sqllocker, so the command already has
-them. Passing them on as well would interrupt it twice, and many programs take a second
-interrupt as "stop now, skip the clean-up".
+It fails closed, as a leader that loses its lease steps down:
+
+- the command runs in a process group of its own, led by a watchdog (``watchdog.py``), so that
+  everything it starts can be stopped together;
+- if the lock is lost while it runs (broken by an operator, or not renewable before its
+  deadline, which comes before anyone else can take it over), the group gets SIGTERM at once,
+  and SIGKILL ``kill_after`` seconds later (``on_lost="warn"`` only says so instead), and the
+  exit status is 75;
+- if sqllocker itself dies, the watchdog stops the group the same way;
+- signals that would end sqllocker (INT, TERM, HUP, QUIT) are passed on to the group, handlers
+  installed before the command starts. At a terminal, the group is made the foreground, so a
+  Ctrl-C there reaches the command directly, once;
+- the command's environment has no database URL (it may hold a password) unless asked, and the
+  row records the program's name, not its arguments (which may hold secrets), unless asked.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
+from typing import Any
 
+from .engine import URL_ENVIRONMENT_VARIABLE
 from .errors import LockBusy, LockLost
 from .lock import Lock
 from .locker import Locker
@@ -33,8 +46,9 @@ EXIT_LOCK_LOST = 75  # EX_TEMPFAIL: the command ran, but not (all of it) under t
 EXIT_CANNOT_EXECUTE = 126
 EXIT_NOT_FOUND = 127
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
-# What a terminal's keys send (Ctrl-C, Ctrl-\) to its foreground process group.
-TERMINAL_KEY_SIGNALS = (signal.SIGINT, signal.SIGQUIT)
+DEFAULT_KILL_AFTER = 10.0
+ON_LOST_CHOICES = ("stop", "warn")
+WATCHDOG = Path(__file__).with_name("watchdog.py")
 
 
 @dataclass(frozen=True)
@@ -43,7 +57,10 @@ class RunOptions:
     expires: float
     conflict_exit_code: int = 1
     quiet: bool = False
-    kill_on_lost: bool = False
+    on_lost: str = "stop"
+    kill_after: float = DEFAULT_KILL_AFTER
+    pass_url: bool = False
+    record_args: bool = False
 
 
 class _Interrupted(Exception):
@@ -54,13 +71,14 @@ class _Interrupted(Exception):
 
 def run_locked(locker: Locker, lockstring: str, command: Sequence[str], options: RunOptions) -> int:
     """Run ``command`` under ``lockstring``; return the exit status sqllocker should exit with."""
+    recorded = shlex.join(command) if options.record_args else command[0]
     try:
         with _signals_raise():
             lock = locker.lock(
                 lockstring,
                 wait=options.wait,
                 expires=options.expires,
-                locked_by={"command": shlex.join(command)},
+                locked_by={"command": recorded},
             )
     except LockBusy as busy:
         if not options.quiet:
@@ -71,42 +89,170 @@ def run_locked(locker: Locker, lockstring: str, command: Sequence[str], options:
     return _supervise(lock, command, options)
 
 
+class _Group:
+    """The command's process group: its watchdog (the leader) and the command."""
+
+    def __init__(self, kill_after: float) -> None:
+        self.kill_after = kill_after
+        self.watchdog = _spawn_in_group(
+            [sys.executable, "-I", "-S", str(WATCHDOG), str(kill_after)], 0, stdin=subprocess.PIPE
+        )
+        self.id = self.watchdog.pid
+        self.command: subprocess.Popen[bytes] | None = None
+        self._terminal = _ForegroundTerminal(self.id)
+        self._kill_timer: threading.Timer | None = None
+
+    def start(self, command: Sequence[str], environment: dict[str, str]) -> None:
+        self.command = _spawn_in_group(list(command), self.id, env=environment)
+
+    def signal(self, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.id, signum)
+
+    def stop(self) -> None:
+        """SIGTERM now, SIGKILL ``kill_after`` seconds later (at once if 0)."""
+        if self.kill_after == 0:
+            self.signal(signal.SIGKILL)
+            return
+        self.signal(signal.SIGTERM)
+        self._kill_timer = threading.Timer(self.kill_after, self.signal, (signal.SIGKILL,))
+        self._kill_timer.daemon = True
+        self._kill_timer.start()
+
+    def close(self) -> None:
+        """The command has ended (or never started): the watchdog stands down."""
+        if self._kill_timer is not None:
+            self._kill_timer.cancel()
+        self._terminal.restore()
+        assert self.watchdog.stdin is not None
+        with contextlib.suppress(BrokenPipeError):
+            self.watchdog.stdin.write(b"done")
+            self.watchdog.stdin.close()
+        self.watchdog.wait()
+
+
+def _spawn_in_group(args: list[str], group: int, **options: Any) -> subprocess.Popen[bytes]:
+    """``Popen(args)`` in process group ``group`` (0: a new one, led by the new process)."""
+    if sys.version_info >= (3, 11):
+        return subprocess.Popen(args, process_group=group, **options)
+    return subprocess.Popen(  # pragma: no cover - Python 3.10
+        args, preexec_fn=lambda: os.setpgid(0, group), **options
+    )
+
+
+class _ForegroundTerminal:
+    """At a terminal where sqllocker runs in the foreground, the command's group takes the
+    foreground (as a shell gives it to a job), so that the terminal's keys reach the command
+    directly and its reads of the terminal are not stopped; given back at the end."""
+
+    def __init__(self, group: int) -> None:
+        self._fd: int | None = None
+        try:
+            fd = sys.stdin.fileno()
+            if not os.isatty(fd) or os.tcgetpgrp(fd) != os.getpgrp():
+                return
+            with _ignoring(signal.SIGTTOU):
+                os.tcsetpgrp(fd, group)
+            self._fd = fd
+        except (OSError, ValueError):  # no terminal, or it went away
+            return
+
+    def restore(self) -> None:
+        if self._fd is None:
+            return
+        with contextlib.suppress(OSError), _ignoring(signal.SIGTTOU):
+            os.tcsetpgrp(self._fd, os.getpgrp())
+        self._fd = None
+
+
+@contextmanager
+def _ignoring(signum: int) -> Iterator[None]:
+    previous = signal.signal(signum, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signum, previous)
+
+
 def _supervise(lock: Lock, command: Sequence[str], options: RunOptions) -> int:
     environment = dict(
         os.environ, SQLLOCKER_LOCKSTRING=lock.lockstring, SQLLOCKER_LOCK_ID=str(lock.lock_id)
     )
-    lost = False
+    if not options.pass_url:
+        environment.pop(URL_ENVIRONMENT_VARIABLE, None)
+    lost = threading.Event()
+    forwarder = _Forwarder()
+
+    def on_lost(error: LockLost) -> None:
+        lost.set()
+        print(f"sqllocker: {error}", file=sys.stderr)
+        if options.on_lost == "stop" and forwarder.group is not None:
+            print("sqllocker: stopping the command: its lock is lost", file=sys.stderr)
+            forwarder.group.stop()
+
     try:
-        try:
-            child = subprocess.Popen(list(command), env=environment)
-        except FileNotFoundError:
-            print(f"sqllocker: {command[0]}: command not found", file=sys.stderr)
-            return EXIT_NOT_FOUND
-        except PermissionError as error:
-            print(f"sqllocker: {command[0]}: cannot execute: {error}", file=sys.stderr)
-            return EXIT_CANNOT_EXECUTE
-
-        def on_lost(error: LockLost) -> None:
-            print(f"sqllocker: {error}", file=sys.stderr)
-            if options.kill_on_lost and child.poll() is None:
-                print("sqllocker: stopping the command (--kill-on-lost)", file=sys.stderr)
-                child.terminate()
-
-        lock.keep_alive(on_lost=on_lost)
-        with _signals_forwarded_to(child):
-            returncode = child.wait()
-        lost = not lock.is_valid()
+        with forwarder:
+            group = _Group(options.kill_after)
+            try:
+                group.start(command, environment)
+            except FileNotFoundError:
+                print(f"sqllocker: {command[0]}: command not found", file=sys.stderr)
+                return EXIT_NOT_FOUND
+            except PermissionError as error:
+                print(f"sqllocker: {command[0]}: cannot execute: {error}", file=sys.stderr)
+                return EXIT_CANNOT_EXECUTE
+            finally:
+                forwarder.attach(group)
+            lock.keep_alive(on_lost=on_lost)
+            assert group.command is not None
+            returncode = group.command.wait()
     finally:
+        if forwarder.group is not None:
+            forwarder.group.close()
+        was_valid = lock.is_valid()
         try:
             lock.unlock()
         except LockLost as error:
-            if not lost:
+            if not lost.is_set():
                 print(f"sqllocker: {error}", file=sys.stderr)
-            lost = True
-    status = returncode if returncode >= 0 else 128 - returncode
-    if lost and status == 0:
+            lost.set()
+        if not was_valid:
+            lost.set()
+    if lost.is_set():
         return EXIT_LOCK_LOST
-    return status
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+class _Forwarder:
+    """Passes INT, TERM, HUP and QUIT on to the command's group while it runs: installed
+    before the group exists, so that none is missed; one that comes before the command has
+    started is passed on as soon as it has."""
+
+    def __init__(self) -> None:
+        self.group: _Group | None = None
+        self._pending: list[int] = []
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> _Forwarder:
+        self._previous = {sig: signal.signal(sig, self._forward) for sig in FORWARDED_SIGNALS}
+        return self
+
+    def attach(self, group: _Group) -> None:
+        self.group = group
+        if group.command is not None:
+            for signum in self._pending:
+                group.signal(signum)
+        self._pending.clear()
+
+    def _forward(self, signum: int, _frame: FrameType | None) -> None:
+        if self.group is None or self.group.command is None:
+            self._pending.append(signum)
+        else:
+            self.group.signal(signum)
+
+    def __exit__(self, *_: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
 
 
 @contextmanager
@@ -125,42 +271,3 @@ def _signals_raise() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-@contextmanager
-def _signals_forwarded_to(child: subprocess.Popen[bytes]) -> Iterator[None]:
-    def forward(signum: int, _frame: FrameType | None) -> None:
-        if child.poll() is not None:
-            return
-        if signum in TERMINAL_KEY_SIGNALS and _hears_the_terminal_with_us(child):
-            return  # the terminal sent it to the command too
-        child.send_signal(signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _hears_the_terminal_with_us(child: subprocess.Popen[bytes]) -> bool:
-    """Whether ``child`` is in sqllocker's process group and that group is in the foreground of
-    a controlling terminal: then a Ctrl-C there reached the child as it reached us.
-
-    Judged when the signal comes, since job control can move the group to the background. A
-    ``kill -INT`` of sqllocker from elsewhere then is not passed on either, the price of not
-    telling the two apart (the signal's sender is not visible to a Python handler).
-    """
-    try:
-        if os.getpgid(child.pid) != os.getpgrp():
-            return False
-        terminal = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY)
-    except OSError:  # no controlling terminal (cron, a service), or the child is gone
-        return False
-    try:
-        return os.tcgetpgrp(terminal) == os.getpgrp()
-    except OSError:
-        return False
-    finally:
-        os.close(terminal)

@@ -341,7 +341,7 @@ def test_purge_runs_in_batches(migrated: Locker, caplog: pytest.LogCaptureFixtur
     assert len(batches) == 3  # 10 + 10 + 5
     if migrated.engine.dialect.name == "postgresql":
         # and then the sweep of hand-off requests whose waiter has gone
-        assert messages[-1].startswith(f"DELETE FROM {migrated.table_name}_requests ")
+        assert f"{migrated.table_name}_sweep_requests()" in messages[-1]
     if migrated.engine.dialect.name == "sqlite":
         # Each batch copies the pages it wrote back into the database itself, so that a lock
         # operation committing next is not the one that pays for them.
@@ -571,19 +571,140 @@ def test_run_reports_a_lost_lock(
     assert "no longer ours" in err or "could not be extended" in err
 
 
-def test_run_kill_on_lost_stops_the_command(
-    migrated: Locker, url: str, table_name: str, sqllocker: Run
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, killed and not yet reaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in {"Z", "X"}
+
+
+# A command that starts a grandchild and says which: what a lost lock must stop, all of it.
+WITH_GRANDCHILD = "sleep 60 & echo $! > {pids}; echo $$ >> {pids}; wait"
+
+
+def started_pids(path: Path) -> list[int]:
+    wait_until(lambda: path.exists() and len(path.read_text().split()) == 2)
+    return [int(pid) for pid in path.read_text().split()]
+
+
+def test_run_stops_the_commands_whole_group_when_the_lock_is_lost(
+    migrated: Locker, url: str, table_name: str, sqllocker: Run, tmp_path: Path
 ) -> None:
-    runner = popen(
-        url, table_name, "run", "--expires", "1", "--kill-on-lost", "job", "--", "sleep", "30"
-    )
-    wait_until(lambda: migrated.lock_info("job") is not None)
+    pids = tmp_path / "pids"
+    script = WITH_GRANDCHILD.format(pids=pids)
+    runner = popen(url, table_name, "run", "--expires", "1", "job", "--", "sh", "-c", script)
+    grandchild, child = started_pids(pids)
     started = time.monotonic()
     assert sqllocker("release", "job", "--force").returncode == 0
     _, err = runner.communicate(timeout=30)
-    assert time.monotonic() - started < 10
-    assert runner.returncode == 128 + signal.SIGTERM
-    assert "--kill-on-lost" in err
+    assert time.monotonic() - started < 5  # at the next renewal, not at the command's end
+    assert runner.returncode == 75
+    assert "stopping the command" in err
+    wait_until(lambda: not alive(grandchild) and not alive(child), timeout=5)
+
+
+def test_run_kills_a_command_that_ignores_sigterm_after_kill_after(
+    migrated: Locker, url: str, table_name: str, sqllocker: Run, tmp_path: Path
+) -> None:
+    pids = tmp_path / "pids"
+    script = "trap '' TERM; " + WITH_GRANDCHILD.format(pids=pids)  # both ignore SIGTERM
+    runner = popen(
+        url,
+        table_name,
+        "run",
+        "--expires",
+        "1",
+        "--kill-after",
+        "1",
+        "job",
+        "--",
+        "sh",
+        "-c",
+        script,
+    )
+    grandchild, child = started_pids(pids)
+    started = time.monotonic()
+    assert sqllocker("release", "job", "--force").returncode == 0
+    runner.communicate(timeout=30)
+    assert runner.returncode == 75
+    assert 1 <= time.monotonic() - started < 6
+    wait_until(lambda: not alive(grandchild) and not alive(child), timeout=5)
+
+
+def test_run_with_on_lost_warn_lets_the_command_finish(
+    migrated: Locker, url: str, table_name: str, sqllocker: Run, tmp_path: Path
+) -> None:
+    done = tmp_path / "done"
+    runner = popen(
+        url,
+        table_name,
+        "run",
+        "--expires",
+        "1",
+        "--on-lost",
+        "warn",
+        "job",
+        "--",
+        "sh",
+        "-c",
+        f"sleep 2; touch {done}",
+    )
+    wait_until(lambda: migrated.lock_info("job") is not None)
+    assert sqllocker("release", "job", "--force").returncode == 0
+    _, err = runner.communicate(timeout=30)
+    assert done.exists()
+    assert runner.returncode == 75
+    assert "no longer ours" in err or "could not be extended" in err
+
+
+def test_a_killed_sqllocker_takes_its_commands_group_with_it(
+    migrated: Locker, url: str, table_name: str, tmp_path: Path
+) -> None:
+    pids = tmp_path / "pids"
+    runner = popen(
+        url,
+        table_name,
+        "run",
+        "--kill-after",
+        "1",
+        "job",
+        "--",
+        "sh",
+        "-c",
+        WITH_GRANDCHILD.format(pids=pids),
+    )
+    grandchild, child = started_pids(pids)
+    runner.kill()  # SIGKILL: no handler of sqllocker's runs
+    runner.communicate(timeout=30)
+    wait_until(lambda: not alive(grandchild) and not alive(child), timeout=5)
+
+
+def test_run_keeps_the_url_and_the_arguments_to_itself_unless_asked(
+    migrated: Locker, url: str, table_name: str, tmp_path: Path
+) -> None:
+    environment = dict(os.environ, SQLLOCKER_URL=url, SQLLOCKER_TABLE=table_name)
+    seen = tmp_path / "seen"
+    script = f'echo "${{SQLLOCKER_URL-no url}}" > {seen}; sleep 1'
+
+    def run(*options: str) -> tuple[str, dict[str, object]]:
+        runner = subprocess.Popen(
+            [SQLLOCKER, "run", *options, "job", "--", "sh", "-c", script, "password=hunter2"],
+            env=environment,
+        )
+        wait_until(lambda: migrated.lock_info("job") is not None)
+        info = migrated.lock_info("job")
+        assert info is not None
+        assert runner.wait(30) == 0
+        return seen.read_text().strip(), info.locked_by
+
+    shown, locked_by = run()
+    assert shown == "no url"
+    assert locked_by["command"] == "sh"
+    shown, locked_by = run("--pass-url", "--record-args")
+    assert shown == url
+    assert "password=hunter2" in str(locked_by["command"])
 
 
 def test_resolve_url_maps_postgres_scheme_to_psycopg() -> None:
