@@ -39,7 +39,7 @@ class Backend:
     def now(self) -> ColumnElement[Any]:
         """The server's current time, re-read per statement (not frozen at transaction start)."""
         if self.name == "postgresql":
-            return sa.func.clock_timestamp(type_=UTCDateTime())
+            return sa.func.pg_catalog.clock_timestamp(type_=UTCDateTime())
         if self.name == "mysql":
             return sa.func.utc_timestamp(sa.literal_column("6"), type_=UTCDateTime())
         return sa.func.strftime(SQLITE_TIMESTAMP_FORMAT, "now", type_=UTCDateTime())
@@ -47,8 +47,8 @@ class Backend:
     def shifted_now(self, param: str) -> ColumnElement[Any]:
         """The server's time plus the bound parameter ``param`` (see :meth:`seconds_value`)."""
         if self.name == "postgresql":
-            return sa.func.clock_timestamp(type_=UTCDateTime()) + sa.bindparam(
-                param, type_=sa.Interval()
+            return sa.func.pg_catalog.clock_timestamp(type_=UTCDateTime()) + sa.cast(
+                sa.bindparam(param, type_=sa.Interval()), sa.Interval()
             )
         if self.name == "mysql":
             return sa.func.timestampadd(
@@ -71,13 +71,27 @@ class Backend:
             return round(seconds * 1_000_000)
         return seconds
 
+    def equal(self, left: ColumnElement[Any], right: ColumnElement[Any]) -> ColumnElement[bool]:
+        """``left = right`` for strings. On PostgreSQL both sides are cast to text: varchar has
+        no ``=`` of its own, so an exact ``=(varchar, varchar)`` that another role created in a
+        schema on our path would be chosen over pg_catalog's (CVE-2018-1058); with text on both
+        sides, pg_catalog's is the exact match, and it comes first."""
+        return self._as_text(left) == self._as_text(right)
+
+    def _as_text(self, value: ColumnElement[Any]) -> ColumnElement[Any]:
+        return sa.cast(value, sa.Text) if self.name == "postgresql" else value
+
+    def quote_identifier(self, name: str) -> str:
+        """``name`` as a quoted SQL identifier (PostgreSQL's rules)."""
+        return '"' + name.replace('"', '""') + '"'
+
     def matches_glob(self, column: ColumnElement[str]) -> ColumnElement[bool]:
         """``column`` matches the bound ``pattern`` (see :meth:`glob_value`), case-sensitively."""
         pattern = sa.bindparam("pattern", type_=sa.String())
         if self.name == "sqlite":
             # SQLite's LIKE ignores ASCII case; GLOB does not, and is a glob already.
             return column.op("GLOB")(pattern)
-        return column.like(pattern, escape="\\")
+        return self._as_text(column).like(pattern, escape="\\")
 
     def glob_value(self, pattern: str) -> str:
         """A shell-style pattern (``*`` and ``?`` are the wildcards) as :meth:`matches_glob`

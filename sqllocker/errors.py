@@ -54,6 +54,9 @@ class LockBusy(LockError):
 
     The holder's row is described by :attr:`holder` (the ``locked_by`` JSON), :attr:`lock_id`,
     :attr:`created` and :attr:`expires`, each ``None`` if the row vanished before it could be read.
+    :attr:`key_holder_pid` (PostgreSQL): the lockstring could not even be tried, because a
+    session that holds no row has held its advisory key (which acquirers take only for their
+    INSERT) for longer than an acquire waits for it; that session's pid.
     """
 
     def __init__(
@@ -65,12 +68,14 @@ class LockBusy(LockError):
         created: datetime | None = None,
         expires: datetime | None = None,
         waited: float = 0.0,
+        key_holder_pid: int | None = None,
     ) -> None:
         self.holder = dict(holder) if holder is not None else None
         self.lock_id = lock_id
         self.created = created
         self.expires = expires
         self.waited = waited
+        self.key_holder_pid = key_holder_pid
         super().__init__(_busy_message(lockstring, self), lockstring)
 
     @property
@@ -147,6 +152,14 @@ def describe_holder(holder: Mapping[str, Any] | None) -> str:
 
 
 def _busy_message(lockstring: str, busy: LockBusy) -> str:
+    if busy.key_holder_pid is not None and busy.holder is None:
+        waited = f"; gave up after waiting {busy.waited:.3g}s" if busy.waited else ""
+        return (
+            f"lock {lockstring!r} could not be tried: PostgreSQL session {busy.key_holder_pid} "
+            "holds its advisory key, which acquirers hold only while they insert, and holds "
+            "no row of the lock table (a session outside sqllocker, or a stuck one: see "
+            f"pg_stat_activity where pid = {busy.key_holder_pid}){waited}"
+        )
     parts = [f"lock {lockstring!r} is held by {describe_holder(busy.holder)}"]
     if busy.created is not None:
         parts.append(f"since {busy.created.isoformat(timespec='seconds')}")

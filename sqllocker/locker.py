@@ -15,19 +15,19 @@ from typing import Any
 
 from sqlalchemy.engine import URL, Connection, Engine
 
-from . import clock, validation
+from . import validation
 from .backends import Backend
 from .engine import create_locker_engine, describe_url, resolve_url
 from .errors import LockBusy, LockTypeError
 from .identity import holder_details, new_guid
 from .keepalive import DEFAULT_FRACTION, KeepAlive
 from .lock import Lock, LockState, OnLost
-from .notify import Grant, ReleaseListener
+from .notify import ReleaseListener
 from .operations import Acquired, LockInfo, LockTable, Refused
 from .schema import DEFAULT_TABLE
 from .statements import Statements
 from .waiting import Backoff
-from .waiting_room import Request, Turn, WaitingRoom, hand_off_started
+from .waiting_room import Request, Turn, WaitingRoom
 
 logger = logging.getLogger("sqllocker")
 
@@ -288,24 +288,19 @@ class Locker:
         turn: Turn | None = None
         # A waiter's first attempt does not take the row ahead of waiters already queued.
         gate = room.key(lockstring) if room is not None else None
-        # The latest refusal that read the server's clock: (monotonic time before it was sent,
-        # the server's time it read), to place a granted row's start on our clock.
-        server_clock: tuple[float, datetime] | None = None
         try:
             while True:
                 # Subscribe before the attempt: a release between a refusal and the sleep
                 # still wakes us.
-                waiter = listener.register(lockstring, guid) if listener is not None else None
+                heading = turn is not None and turn.request is not None
+                waiter = listener.register(lockstring, heading) if listener is not None else None
                 try:
-                    attempted_at = clock.now()
                     outcome = self._try_acquire(lockstring, guid, details, ttl, on_lost, gate)
                     gated, gate = gate is not None, None
                     if isinstance(outcome, Lock):
                         if turn is not None:
                             turn.leave(in_background=turn.request is None, give_back=False)
                         return outcome
-                    if outcome.server_now is not None:
-                        server_clock = (attempted_at, outcome.server_now)
                     if backoff.expired():
                         if gated and outcome.busy is None:
                             continue  # the gate refused us unasked: one full attempt first
@@ -337,12 +332,12 @@ class Locker:
                     if waiter is not None:
                         waiter.event.wait(delay)  # a release notification, or the backoff
                         if waiter.grant is not None and turn is not None:
-                            grant = waiter.grant
-                            lock = self._granted(
-                                lockstring, grant, details, ttl, on_lost, turn, server_clock
+                            claimed = self._table.claim_grant(
+                                lockstring, waiter.grant.lock_id, guid
                             )
-                            turn.granted()
-                            return lock
+                            if claimed is not None:
+                                turn.granted()
+                                return self._lock(lockstring, guid, claimed, ttl, details, on_lost)
                     else:
                         backoff.sleep(delay)
                 finally:
@@ -364,24 +359,19 @@ class Locker:
         outcome = self._table.try_acquire(lockstring, guid, ttl, details, queue_key)
         if not isinstance(outcome, Acquired):
             return outcome
-        state = LockState(self, lockstring, outcome.lock_id, guid, ttl, outcome.sent_at, on_lost)
-        return Lock(state, created=outcome.created, expires=outcome.expires, locked_by=details)
+        return self._lock(lockstring, guid, outcome, ttl, details, on_lost)
 
-    def _granted(
+    def _lock(
         self,
         lockstring: str,
-        grant: Grant,
-        details: dict[str, Any],
+        guid: str,
+        acquired: Acquired,
         ttl: float,
+        details: dict[str, Any],
         on_lost: OnLost | None,
-        turn: Turn,
-        server_clock: tuple[float, datetime] | None,
     ) -> Lock:
-        """The Lock on a row a release handed to our request (``turn``'s)."""
-        started = hand_off_started(grant.created, turn.requested_at, server_clock)
-        state = LockState(self, lockstring, grant.lock_id, grant.guid, ttl, started, on_lost)
-        logger.debug("acquired %r (id %d), handed over by its release", lockstring, grant.lock_id)
-        return Lock(state, created=grant.created, expires=grant.expires, locked_by=details)
+        state = LockState(self, lockstring, acquired.lock_id, guid, ttl, acquired.sent_at, on_lost)
+        return Lock(state, created=acquired.created, expires=acquired.expires, locked_by=details)
 
     def _release_listener(self) -> ReleaseListener | None:
         """PostgreSQL (psycopg 3) waiters wake on NOTIFY; other backends back off and retry."""
@@ -396,7 +386,7 @@ class Locker:
         """Where PostgreSQL waiters queue, so that one of them at a time tries for the row."""
         with self._setup_lock:
             if self._room is None:
-                self._room = WaitingRoom(self.engine, self.table_name)
+                self._room = WaitingRoom(self.engine, self._table.statements)
             return self._room
 
     @property

@@ -1,19 +1,22 @@
 """Waking PostgreSQL waiters the moment a lock is released, instead of when a poll timer fires.
 
-Migration 0003 puts a trigger on the table that sends ``NOTIFY sqllocker_<table>, lockstring``
-on every DELETE (release, purge, an operator's DELETE). Each Locker keeps one listening
-connection, on one thread, shared by all its waiters. A waiter registers *before* each attempt,
-so a release that happens between its refused attempt and its sleep still wakes it.
+The table's DELETE trigger sends ``NOTIFY sqllocker_<table>, lockstring`` when a row is deleted
+(release, purge, an operator's DELETE) while waiters are queued for its lockstring. Each Locker
+keeps one listening connection, on one thread, shared by all its waiters. A waiter registers
+*before* each attempt, so a release that happens between its refused attempt and its sleep
+still wakes it.
 
 Each notification wakes the longest-waiting waiter of that lockstring in this process, not all
 of them: the others would only stampede the row and be refused again. Waiters still wake by
 themselves when the holder's row is due to expire, and at a slow fallback poll, so a lost
-notification (the listening connection dropped) costs latency, never correctness.
+notification (the listening connection dropped, or the server's notification queue filling
+up) costs latency, never correctness.
 
-Migration 0005's trigger may instead hand the row to the head of the lockstring's queue, and say
-so on a second channel, ``sqllocker_<table>_granted``, with the new row's guid, id, created and
-expires: the waiter registered with that guid is given the Grant and woken. A lost grant
-notification costs latency too: the head's next attempt finds the row under its own guid.
+The trigger may instead hand the row to the head of the lockstring's queue, and say so on a
+second channel, ``sqllocker_<table>_granted``, with the new row's id and lockstring: the head of
+that lockstring's queue in this process is given the Grant and woken, and believes it only once
+it has read the row back under its own guid (``LockTable.claim_grant``). A notification proves
+nothing: any role that can connect can send one.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import logging
 import threading
 from collections import defaultdict, deque
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Any, Generic, TypeVar
 
 from sqlalchemy.engine import Engine
@@ -42,42 +44,35 @@ Event = TypeVar("Event", threading.Event, asyncio.Event)
 
 @dataclass(frozen=True)
 class Grant:
-    """A row that a release inserted for the head of a lockstring's queue (migration 0005)."""
+    """What a hand-off notification claims: a release inserted row ``lock_id`` of ``lockstring``
+    for the head of that lockstring's queue. To be read back before it is believed."""
 
-    guid: str
     lock_id: int
-    created: datetime
-    expires: datetime
-
-
-def _epoch(text: str) -> datetime:
-    """An ``extract(epoch ...)`` value as a UTC datetime, to the microsecond (no float)."""
-    seconds, _, fraction = text.partition(".")
-    return datetime.fromtimestamp(int(seconds), timezone.utc).replace(
-        microsecond=int((fraction + "000000")[:6])
-    )
+    lockstring: str
 
 
 def parse_grant(payload: str) -> Grant | None:
-    """The Grant in a ``sqllocker_<table>_granted`` payload, or None if it is not one."""
+    """The Grant in a ``sqllocker_<table>_granted`` payload (``<id> <lockstring>``), or None
+    if it is not one."""
+    lock_id, _, lockstring = payload.partition(" ")
     try:
-        guid, lock_id, created, expires = payload.split(" ")
-        return Grant(guid, int(lock_id), _epoch(created), _epoch(expires))
+        return Grant(int(lock_id), lockstring)
     except ValueError:
         logger.warning("ignored a malformed hand-off notification: %r", payload[:100])
         return None
 
 
 class Waiter(Generic[Event]):
-    """One registration: set when a release of its lockstring may have made it free, or when a
-    release handed the row to ``guid`` (then ``grant`` says which row)."""
+    """One registration: set when a release of its lockstring may have made it free, or, for
+    the ``head`` of the lockstring's queue, when a release says it handed it the row (then
+    ``grant`` says which row)."""
 
-    __slots__ = ("event", "grant", "guid", "lockstring")
+    __slots__ = ("event", "grant", "head", "lockstring")
 
-    def __init__(self, lockstring: str, event: Event, guid: str | None = None) -> None:
+    def __init__(self, lockstring: str, event: Event, head: bool = False) -> None:
         self.lockstring = lockstring
         self.event: Event = event
-        self.guid = guid
+        self.head = head
         self.grant: Grant | None = None
 
 
@@ -88,19 +83,19 @@ class WaiterQueues:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._waiters: dict[str, deque[Waiter[Any]]] = defaultdict(deque)
-        self._by_guid: dict[str, Waiter[Any]] = {}
+        self._heads: dict[str, Waiter[Any]] = {}
 
     def add(self, waiter: Waiter[Event]) -> Waiter[Event]:
         with self._lock:
             self._waiters[waiter.lockstring].append(waiter)
-            if waiter.guid is not None:
-                self._by_guid[waiter.guid] = waiter
+            if waiter.head:
+                self._heads[waiter.lockstring] = waiter
         return waiter
 
     def remove(self, waiter: Waiter[Any]) -> None:
         with self._lock:
-            if waiter.guid is not None and self._by_guid.get(waiter.guid) is waiter:
-                del self._by_guid[waiter.guid]
+            if waiter.head and self._heads.get(waiter.lockstring) is waiter:
+                del self._heads[waiter.lockstring]
             queue = self._waiters.get(waiter.lockstring)
             if queue is not None:
                 with contextlib.suppress(ValueError):  # already woken and removed
@@ -126,10 +121,10 @@ class WaiterQueues:
                     del self._waiters[lockstring]
 
     def hand_over(self, grant: Grant) -> bool:
-        """Give ``grant`` to the waiter registered with its guid, and wake it; False if none is
-        (it is between two attempts, or in another process)."""
+        """Give ``grant`` to the head of its lockstring's queue registered here, and wake it;
+        False if none is (it is between two attempts, or in another process)."""
         with self._lock:
-            waiter = self._by_guid.pop(grant.guid, None)
+            waiter = self._heads.pop(grant.lockstring, None)
             if waiter is None:
                 return False
             waiter.grant = grant
@@ -142,16 +137,16 @@ class WaiterQueues:
                 for waiter in queue:
                     waiter.event.set()
             self._waiters.clear()
-            self._by_guid.clear()
+            self._heads.clear()
 
 
 def channel_for(table: str) -> str:
-    """The NOTIFY channel of ``table``'s DELETE trigger (migration 0003)."""
+    """The NOTIFY channel of ``table``'s DELETE trigger."""
     return f"sqllocker_{table}"
 
 
 def grants_channel_for(table: str) -> str:
-    """The NOTIFY channel on which the DELETE trigger says whom it handed a row (0005)."""
+    """The NOTIFY channel on which the DELETE trigger says it handed a row to a queue's head."""
     return f"sqllocker_{table}_granted"
 
 
@@ -171,11 +166,11 @@ class ReleaseListener:
         self.notifications = 0
         self.grants = 0
 
-    def register(self, lockstring: str, guid: str | None = None) -> Waiter[threading.Event]:
-        """Subscribe to ``lockstring``'s next release, and to a hand-off of its row to ``guid``;
-        call before the acquire attempt."""
+    def register(self, lockstring: str, head: bool = False) -> Waiter[threading.Event]:
+        """Subscribe to ``lockstring``'s next release, and, for the ``head`` of its queue, to a
+        hand-off of its row; call before the acquire attempt."""
         self._ensure_listening()
-        return self._waiters.add(Waiter(lockstring, threading.Event(), guid))
+        return self._waiters.add(Waiter(lockstring, threading.Event(), head))
 
     def unregister(self, waiter: Waiter[threading.Event]) -> None:
         self._waiters.remove(waiter)

@@ -133,6 +133,7 @@ class Refused:
             created=busy.created if busy else None,
             expires=busy.expires if busy else None,
             waited=0.0 if wait is None else wait,
+            key_holder_pid=busy.key_holder_pid if busy else None,
         )
 
 
@@ -214,6 +215,27 @@ class LockTable:
             if outcome.busy is not None or queue_key is not None:
                 break  # a live holder, or a queue to join: no point asking again at once
         return outcome
+
+    def claim_grant(self, lockstring: str, lock_id: int, guid: str) -> Acquired | None:
+        """The row a hand-off notification says a release inserted for us (``lock_id``), if
+        the table bears it out: ours (by guid) and unexpired. None otherwise: anyone who can
+        connect can send a NOTIFY, and a row is ours only if the table says so."""
+        params = {"lock_id": lock_id, "lock_guid": guid}
+        sent_at = clock.now()
+        row = self._run(lockstring, lambda conn: conn.execute(self._sql.own_row, params).first())
+        if row is None:
+            logger.warning(
+                "a hand-off notification for %r (id %d) is not borne out by the table; ignored",
+                lockstring,
+                lock_id,
+            )
+            return None
+        # Its expiry period began when the release inserted it, before we heard of it.
+        age = max(0.0, (row.server_now - row.created).total_seconds())
+        acquired = Acquired(row.id, row.created, row.expires, age=age)
+        acquired.sent_at = sent_at - age
+        logger.debug("acquired %r (id %d), handed over by its release", lockstring, row.id)
+        return acquired
 
     def release(self, lockstring: str, lock_id: int, guid: str) -> None:
         """Delete our row; LockLost if it was no longer ours."""
@@ -395,10 +417,23 @@ class LockTable:
                 return self._insert(conn, sql.acquire_unless_queued, params) or Refused(None, None)
             return self._insert_or_learn_holder(conn, params)
         except sa.exc.DBAPIError as error:
-            if be.is_transient_conflict(error):
-                logger.debug("acquire of %r met contention (%s); retrying", lockstring, error.orig)
-                return Refused(None, None)
-            raise
+            if not be.is_transient_conflict(error):
+                raise
+            logger.debug("acquire of %r met contention (%s); retrying", lockstring, error.orig)
+            return Refused(self._key_blocker(conn, lockstring), None)
+
+    def _key_blocker(self, conn: Session, lockstring: str) -> LockBusy | None:
+        """After an acquire waited out its bound for the lockstring's id-order key
+        (PostgreSQL): the LockBusy that names the session holding that key, if one does. Held
+        longer than an INSERT, it is held by a session outside sqllocker's protocol."""
+        statement = self._sql.id_order_blocker
+        if statement is None:
+            return None
+        try:
+            row = conn.execute(statement, {"ls": lockstring}).first()
+        except sa.exc.DBAPIError:
+            return None  # pg_locks not readable: the caller says "busy", as it would anyway
+        return None if row is None else LockBusy(lockstring, key_holder_pid=row.pid)
 
     def _insert_or_learn_holder(self, conn: Session, params: dict[str, Any]) -> Acquired | Refused:
         """Insert our row; if refused, read the holder's row and take it over if it has expired.
@@ -504,10 +539,8 @@ class LockTable:
         return deleted
 
     def _sweep_stale_requests(self, conn: Session) -> int:
-        probe, sweep = self._sql.has_hand_off_requests, self._sql.sweep_stale_requests
-        if probe is None or sweep is None or not conn.execute(probe).one().exists:
-            return 0  # not PostgreSQL, or a table not migrated to 0005
-        return conn.affected(sweep, {})
+        sweep = self._sql.sweep_stale_requests
+        return 0 if sweep is None else int(conn.execute(sweep).one().swept)
 
     # -- connections, retries and errors -----------------------------------------------------------
 
@@ -678,7 +711,13 @@ class LockTable:
                     id_order = id_order_table(self.table_name) if settings.lock_stripes else None
                     if self._backend is None:
                         self._prepared = PreparedCache(conn.dialect)
-                    self._statements = Statements(self.table, backend, id_order)
+                    self._statements = Statements(
+                        self.table,
+                        backend,
+                        id_order,
+                        settings.schema,
+                        has_functions=settings.has_functions,
+                    )
                     self._backend = backend
                     self._needs_setup = False
 
@@ -725,12 +764,14 @@ class LockTable:
         """Whether waiters can wake on the DELETE trigger's NOTIFY and queue on a session
         advisory lock: PostgreSQL through psycopg 3 (sync or async), unless a transaction
         pooler is between (LISTEN and the queue's lock would stay behind on whichever server
-        session ran them); other backends back off and retry."""
+        session ran them), and only on a table made by its migration, which adds the trigger
+        and the queue's functions; other backends back off and retry."""
         dialect = self.engine.dialect
         return (
             dialect.name == "postgresql"
             and dialect.driver == "psycopg"
             and not self.transaction_pooling
+            and self.statements.has_functions
         )
 
     @property

@@ -43,6 +43,13 @@ class ServerSettings(NamedTuple):
     # end of an INSERT ... SELECT orders the ids already, and the stripe lock would only cost
     # (fewer cycles/s with four processes: docs/speed-history.md).
     lock_stripes: bool
+    # PostgreSQL: the schema the lock table is in (where the search path finds it; where it
+    # would be made, if it is not there yet). Its functions are called by their full names,
+    # and its advisory keys include it.
+    schema: str | None = None
+    # PostgreSQL: whether the table has the functions its migration makes (a table made by
+    # ``lock_table().create()`` has none): without them waiters back off, as elsewhere.
+    has_functions: bool = False
 
 
 def read_settings(conn: Connection, table: str) -> ServerSettings:
@@ -52,13 +59,17 @@ def read_settings(conn: Connection, table: str) -> ServerSettings:
     name = conn.dialect.name
     problems: list[UnsafeSetting] = []
     lock_stripes = False
+    schema = None
+    has_functions = False
     if name == "postgresql":
+        schema, has_functions = conn.exec_driver_sql(_TABLE_SCHEMA, {"table": table}).one()
         if conn.exec_driver_sql("SHOW synchronous_commit").scalar() == "off":
             problems.append(UnsafeSetting("synchronous_commit=off", LOSES_ROWS))
         if conn.exec_driver_sql("SHOW fsync").scalar() == "off":
             problems.append(UnsafeSetting("fsync=off", LOSES_ROWS))
         persistence = conn.exec_driver_sql(
-            "SELECT relpersistence FROM pg_class WHERE oid = to_regclass(%(table)s)",
+            "SELECT relpersistence FROM pg_catalog.pg_class "
+            "WHERE oid OPERATOR(pg_catalog.=) pg_catalog.to_regclass(%(table)s::text)",
             {"table": table},
         ).scalar()
         if persistence == "u":
@@ -74,8 +85,7 @@ def read_settings(conn: Connection, table: str) -> ServerSettings:
             if not lock_stripes:
                 setting = (
                     f"innodb_autoinc_lock_mode=2 with lock table {table} lacking "
-                    f"{id_order_table_name(table)} (migration 0006: run `sqllocker migrate "
-                    f"--table {table}`)"
+                    f"{id_order_table_name(table)} (run `sqllocker migrate --table {table}`)"
                 )
                 problems.append(UnsafeSetting(setting, REORDERS_IDS))
     elif name == "sqlite":
@@ -84,7 +94,18 @@ def read_settings(conn: Connection, table: str) -> ServerSettings:
         journal = str(conn.exec_driver_sql("PRAGMA journal_mode").scalar()).lower()
         if journal in {"off", "memory"}:
             problems.append(UnsafeSetting(f"PRAGMA journal_mode={journal.upper()}", LOSES_ROWS))
-    return ServerSettings(problems, lock_stripes)
+    return ServerSettings(problems, lock_stripes, schema, bool(has_functions))
+
+
+_TABLE_SCHEMA = (
+    "SELECT s.name, pg_catalog.to_regprocedure(pg_catalog.quote_ident(s.name) "
+    "OPERATOR(pg_catalog.||) '.' OPERATOR(pg_catalog.||) %(table)s::text "
+    "OPERATOR(pg_catalog.||) '_queue_leave(bigint,varchar,varchar,boolean)') IS NOT NULL "
+    "FROM (SELECT COALESCE((SELECT n.nspname::text FROM pg_catalog.pg_class AS c "
+    "JOIN pg_catalog.pg_namespace AS n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace "
+    "WHERE c.oid OPERATOR(pg_catalog.=) pg_catalog.to_regclass(%(table)s::text)), "
+    "pg_catalog.current_schema()::text) AS name) AS s"
+)
 
 
 def _has_id_order_table(conn: Connection, table: str) -> bool:

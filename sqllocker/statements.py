@@ -22,25 +22,48 @@ from sqlalchemy.sql.selectable import TextualSelect
 from .backends import Backend
 from .schema import ID_ORDER_STRIPES
 
+# How long an acquire waits (PostgreSQL) for the lockstring's id-order key, which others hold only
+# for their INSERT: a wait this long means a session outside the protocol holds it.
+ID_ORDER_WAIT_MS = 1000
+
 
 class Statements:
     """The statements for one lock table on one backend."""
 
-    def __init__(self, table: sa.Table, backend: Backend, id_order: sa.Table | None = None) -> None:
-        """``id_order``: MySQL/MariaDB, the stripes table (migration 0006) that acquires lock,
-        where the server needs it (``server_settings.ServerSettings.lock_stripes``); see
-        :attr:`acquire`."""
+    def __init__(
+        self,
+        table: sa.Table,
+        backend: Backend,
+        id_order: sa.Table | None = None,
+        schema: str | None = None,
+        *,
+        has_functions: bool = False,
+    ) -> None:
+        """``id_order``: MySQL/MariaDB, the stripes table that acquires lock, where the server
+        needs it (``server_settings.ServerSettings.lock_stripes``); see :attr:`acquire`.
+        ``schema``: PostgreSQL, the schema the table was found in, which the advisory keys and
+        the queue's function names include (same-named tables in two schemas stay apart);
+        ``has_functions``, whether the table has the functions its migration makes there."""
         self.table = table
         self.backend = backend
         self.id_order = id_order
+        self.schema = schema
+        self.has_functions = has_functions
+        self.table_key = table.name if schema is None else f"{schema}.{table.name}"
         c = table.c
         self._now = backend.now()
         # A row may be taken over or purged only once it has been expired for `grace` seconds,
         # so that a holder whose local deadline just passed has stopped before anyone else starts.
         self._expired_beyond_grace = c.expires <= backend.shifted_now("minus_grace")
         # One acquisition's row, named by id *and* guid: a stale holder can never match another's.
-        self._ours = sa.and_(c.id == sa.bindparam("lock_id"), c.guid == sa.bindparam("lock_guid"))
+        self._ours = sa.and_(
+            c.id == sa.bindparam("lock_id"),
+            backend.equal(c.guid, sa.bindparam("lock_guid", type_=c.guid.type)),
+        )
         self._ours_and_live = sa.and_(self._ours, c.expires > self._now)
+        self._this_lockstring = backend.equal(
+            c.lockstring, sa.bindparam("ls", type_=c.lockstring.type)
+        )
 
     @cached_property
     def acquire(self) -> sa.Insert | ReturningInsert[Any]:
@@ -75,7 +98,7 @@ class Statements:
         # default) InnoDB keeps the table's AUTO-INC lock to the end of an INSERT ... SELECT
         # (never of an INSERT ... VALUES), so no one else draws an id meanwhile. With 2 (MySQL
         # 8's default) it takes no such lock, and the SELECT first locks the row of the
-        # lockstring's stripe (``id_order``, migration 0006) until the statement commits, so
+        # lockstring's stripe (``id_order``) until the statement commits, so
         # acquirers of one lockstring draw their ids one at a time, in the order they can hold
         # the row. Mode 2 without that table is reported by the settings check.
         new_row = sa.select(*self._new_row.values())
@@ -101,8 +124,8 @@ class Statements:
         transaction only (``queue_key``): that fails while anyone holds or waits for it.
         """
         c = self.table.c
-        nobody_queued = sa.func.pg_try_advisory_xact_lock_shared(
-            sa.bindparam("queue_key", type_=sa.BigInteger)
+        nobody_queued = sa.func.pg_catalog.pg_try_advisory_xact_lock_shared(
+            sa.cast(sa.bindparam("queue_key", type_=sa.BigInteger), sa.BigInteger)
         )
         pg = postgresql.insert(self.table).from_select(
             list(self._new_row), self._new_row_in_id_order(only_if=nobody_queued)
@@ -157,18 +180,56 @@ class Statements:
         from the queue's bigint keys (``waiting_room``); two lockstrings whose hashes meet only
         wait for each other's INSERT, a matter of microseconds.
         """
-        table = self.table
+        catalog = sa.func.pg_catalog
         in_turn = sa.select(
-            sa.func.pg_advisory_xact_lock(
-                sa.func.hashtext(sa.literal(table.name)),
-                sa.func.hashtext(sa.bindparam("ls", type_=table.c.lockstring.type)),
+            catalog.pg_advisory_xact_lock(
+                catalog.hashtext(sa.cast(sa.literal(self.table_key), sa.Text)),
+                catalog.hashtext(sa.cast(self._lockstring_param, sa.Text)),
             ).label("drawn_in_turn")
         )
+        # A WHERE without a FROM is a one-time filter, evaluated before the target list. It
+        # bounds the wait for the key (a session outside sqllocker's protocol may hold it: see
+        # ``id_order_blocker``), also where no session setting reaches (a transaction pooler);
+        # the limit ends with the statement's transaction. Refused by ``only_if``, the INSERT
+        # neither waits for others' turn nor makes them wait for its.
+        in_turn = in_turn.where(
+            catalog.set_config(
+                sa.cast(sa.literal("lock_timeout"), sa.Text),
+                sa.cast(sa.literal(f"{ID_ORDER_WAIT_MS}"), sa.Text),
+                sa.true(),
+            ).is_not(None)
+        )
         if only_if is not None:
-            # A WHERE without a FROM is a one-time filter, evaluated before the target list:
-            # refused, the INSERT neither waits for others' turn nor makes them wait for its.
             in_turn = in_turn.where(only_if)
         return sa.select(*self._new_row.values()).select_from(in_turn.subquery("ids_in_order"))
+
+    @property
+    def _lockstring_param(self) -> sa.BindParameter[str]:
+        return sa.bindparam("ls", type_=self.table.c.lockstring.type)
+
+    @cached_property
+    def id_order_blocker(self) -> TextualSelect | None:
+        """PostgreSQL: the pid of another session holding the lockstring's id-order key, which
+        an acquirer holds only for its INSERT; an acquire that waited out its bound for that
+        key names it (a session of a role outside sqllocker's protocol, or a stuck one)."""
+        if self.backend.name != "postgresql":
+            return None
+        return (
+            sa.text(
+                "SELECT l.pid FROM pg_catalog.pg_locks AS l "
+                "WHERE l.locktype OPERATOR(pg_catalog.=) 'advisory'::text AND l.granted "
+                "AND l.objsubid OPERATOR(pg_catalog.=) 2::smallint "
+                "AND l.database OPERATOR(pg_catalog.=) (SELECT d.oid FROM pg_catalog.pg_database "
+                "AS d WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database()) "
+                "AND l.classid::bigint OPERATOR(pg_catalog.=) (pg_catalog.hashtext("
+                "CAST(:table_key AS text))::bigint OPERATOR(pg_catalog.&) 4294967295::bigint) "
+                "AND l.objid::bigint OPERATOR(pg_catalog.=) (pg_catalog.hashtext("
+                "CAST(:ls AS text))::bigint OPERATOR(pg_catalog.&) 4294967295::bigint) "
+                "AND l.pid OPERATOR(pg_catalog.<>) pg_catalog.pg_backend_pid() LIMIT 1"
+            )
+            .bindparams(sa.bindparam("table_key", self.table_key, type_=sa.Text))
+            .columns(sa.column("pid", sa.Integer))
+        )
 
     @property
     def _returned(self) -> tuple[sa.ColumnElement[Any], ...]:
@@ -187,11 +248,7 @@ class Statements:
     @cached_property
     def take_over_expired(self) -> Delete:
         """Delete the lockstring's row if it has expired (by the server's clock) beyond grace."""
-        c = self.table.c
-        return sa.delete(self.table).where(
-            c.lockstring == sa.bindparam("ls", type_=c.lockstring.type),
-            self._expired_beyond_grace,
-        )
+        return sa.delete(self.table).where(self._this_lockstring, self._expired_beyond_grace)
 
     @cached_property
     def _rows(self) -> Select[Any]:
@@ -211,8 +268,7 @@ class Statements:
     @cached_property
     def holder(self) -> Select[Any]:
         """The row of one lockstring: who holds it, for a refused caller or an operator."""
-        c = self.table.c
-        return self._rows.where(c.lockstring == sa.bindparam("ls", type_=c.lockstring.type))
+        return self._rows.where(self._this_lockstring)
 
     @cached_property
     def holder_for_acquirer(self) -> Select[Any]:
@@ -221,7 +277,8 @@ class Statements:
         compared here, so that no guid is ever read back)."""
         c = self.table.c
         takeable = sa.case((self._expired_beyond_grace, True), else_=False).label("takeable")
-        ours = sa.case((c.guid == sa.bindparam("lock_guid"), True), else_=False).label("ours")
+        mine = self.backend.equal(c.guid, sa.bindparam("lock_guid", type_=c.guid.type))
+        ours = sa.case((mine, True), else_=False).label("ours")
         return self.holder.add_columns(takeable, ours)
 
     def list_locks(self, pattern: bool = False) -> Select[Any]:
@@ -238,10 +295,17 @@ class Statements:
     @cached_property
     def break_lock(self) -> Delete:
         """An operator's forced release of one acquisition, named by lockstring and id."""
-        c = self.table.c
         return sa.delete(self.table).where(
-            c.lockstring == sa.bindparam("ls", type_=c.lockstring.type),
-            c.id == sa.bindparam("lock_id"),
+            self._this_lockstring, self.table.c.id == sa.bindparam("lock_id")
+        )
+
+    @cached_property
+    def own_row(self) -> Select[Any]:
+        """Our unexpired row, with the server's time: a hand-off notification claims a row for
+        us, and only the table can say whether it is so (anyone may send a NOTIFY)."""
+        c = self.table.c
+        return sa.select(c.id, c.created, c.expires, self._now.label("server_now")).where(
+            self._ours_and_live
         )
 
     @cached_property
@@ -268,8 +332,12 @@ class Statements:
         if self.backend.name == "postgresql":
             # Evaluated on the matched row, before it is deleted; the setting ends with the
             # statement's transaction.
-            unflushed = sa.func.set_config("synchronous_commit", "off", sa.true())
-            release = release.where(unflushed == "off")
+            unflushed = sa.func.pg_catalog.set_config(
+                sa.cast(sa.literal("synchronous_commit"), sa.Text),
+                sa.cast(sa.literal("off"), sa.Text),
+                sa.true(),
+            )
+            release = release.where(self.backend.equal(unflushed, sa.literal("off")))
         return release
 
     @cached_property
@@ -325,44 +393,29 @@ class Statements:
         )
 
     @cached_property
-    def has_hand_off_requests(self) -> Select[Any] | None:
-        """PostgreSQL: whether the table has migration 0005's table of hand-off requests (one
-        migrated only to 0004 has none); None elsewhere."""
-        if self.backend.name != "postgresql":
-            return None
-        requests = sa.literal(f"{self.table.name}_requests", type_=sa.Text)
-        return sa.select(sa.func.to_regclass(requests).is_not(None).label("exists"))
-
-    @cached_property
-    def sweep_stale_requests(self) -> sa.TextClause | None:
-        """PostgreSQL: delete the hand-off requests (migration 0005) whose session no longer
-        heads its lockstring's queue; None elsewhere.
+    def sweep_stale_requests(self) -> TextualSelect | None:
+        """PostgreSQL: delete the hand-off requests whose session no longer heads its
+        lockstring's queue (the table's ``_sweep_requests`` function); None elsewhere.
 
         A head whose process died leaves its request standing until the next head of that
         lockstring replaces it, which for a lockstring never contended again is never. Such a
-        request is never granted (the release trigger grants only to a session that holds the
-        queue's advisory lock, by the same pg_locks test as here until migration 0007, and from
-        0007 on only to one that holds its request's own key, which a head takes after the
-        queue's lock and gives up with it), so deleting it changes no outcome; it only stops
-        every later release of that lockstring from looking it up. This works on tables of
-        either migration, and a purge is rare enough for pg_locks' cost. A
-        request being written by a new head is not yet visible here, and one whose head holds
-        the queue lock is kept. Were a race to delete a live head's request all the same, that
-        head would only not be handed the row: the release's NOTIFY wakes it to try for the
-        row itself, as on a table without hand-off.
+        request is never granted (a release grants only to a session that holds its request's
+        own key), so deleting it changes no outcome; it only spares every later release of that
+        lockstring the look-up.
         """
-        if self.backend.name != "postgresql":
+        if not self.has_functions:
             return None
-        # A validated identifier (letters, digits, underscores): safe to write into SQL.
-        return sa.text(
-            f"DELETE FROM {self.table.name}_requests AS q "  # noqa: S608
-            "WHERE NOT EXISTS ("
-            "SELECT FROM pg_locks AS l "
-            "WHERE l.locktype = 'advisory' AND l.granted AND l.pid = q.pid "
-            "AND l.classid::bigint = (q.queue_key >> 32) & 4294967295 "
-            "AND l.objid::bigint = q.queue_key & 4294967295 "
-            "AND l.objsubid = 1)"
+        return sa.text(f"SELECT {self.function('sweep_requests')}()").columns(
+            sa.column("swept", sa.BigInteger)
         )
+
+    def function(self, name: str) -> str:
+        """PostgreSQL: the schema-qualified name of the table's function ``<table>_<name>``,
+        as SQL: called by its full name, so that no function of that name in another schema
+        on the caller's path can stand in for it."""
+        assert self.schema is not None, "the schema is PostgreSQL's, known once connected"
+        quoted = self.backend.quote_identifier(self.schema)
+        return f"{quoted}.{self.table.name}_{name}"
 
     @cached_property
     def guard(self) -> Select[Any]:

@@ -10,17 +10,18 @@ round trip is made by a background thread, so that lock() returns as soon as the
 A waiter's first attempt is refused while anyone holds or waits in the queue
 (``Statements.acquire_unless_queued``): a newcomer joins the queue rather than taking the row
 between a release and the head's INSERT. A queued wait lasts at most QUEUE_PATIENCE, so a head
-that stopped (its process suspended, its connection alive) holds the others up only that long.
-The wait runs in migration 0004's function, which ends it without an ERROR in the server's log
-(``QueueWait``).
+that stopped (its process suspended, its connection alive) holds the others up only that long,
+and so does a session outside sqllocker that holds a queue's key. The wait runs in the table's
+``_queue_for_hand_off`` function, which ends it without an ERROR in the server's log.
 
-With migration 0005, a waiter (sync or async) that becomes the head of the queue leaves a
-*request* in the same statement (``Request``), and a release hands it the row in the release's
-own transaction (see that migration): the head has the lock when the release commits and learns
-it from the grant's NOTIFY, with no INSERT of its own on the hand-off's path. A head that stops
-waiting withdraws its request, giving back a row granted meanwhile, in the statement that leaves
-the queue; one that got the row by its own INSERT withdraws it before lock() returns, so that no
-later release can hand a row to a request nobody waits on.
+A waiter (sync or async) that becomes the head of the queue leaves a *request* in the same
+statement (``Request``), and a release hands it the row in the release's own transaction (see
+the migration): the head has the lock when the release commits. The release's NOTIFY tells it
+the new row's id, never its guid, and the head reads its row back by id and guid before it
+believes it: anyone who can connect can send a NOTIFY. A head that stops waiting withdraws its
+request, giving back a row granted meanwhile, in the statement that leaves the queue; one that
+got the row by its own INSERT withdraws it before lock() returns, so that no later release can
+hand a row to a request nobody waits on.
 
 The advisory lock decides only who *tries*; who *holds* is decided by the row alone, as
 always. A queue connection that drops, or a hash shared by two lockstrings, costs fairness,
@@ -41,12 +42,12 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any, Generic, TypeVar
 
 from sqlalchemy.engine import Engine
 
-from . import clock, forks
+from . import forks
+from .statements import Statements
 
 logger = logging.getLogger("sqllocker")
 
@@ -61,27 +62,10 @@ QUEUE_PATIENCE = 1.0
 # Connections kept open between waits, so that the next wait does not pay for a new one.
 KEEP_IDLE = 2
 
-# The queue's statements (psycopg parameters), for the thread and the asyncio rooms alike.
-# QUIET_WAIT is migration 0004's function: it waits at most patience_ms and returns whether it
-# got the queue lock, with no ERROR in the server's log when it did not.
-QUIET_WAIT = "SELECT {table}_queue_wait(%s, %s)"
-# Migration 0005's: the quiet wait that also leaves the head's request, and the leaving that
-# withdraws it (giving back a row granted meanwhile, if asked to), returning whether it had been
-# granted. Parameters: (key, patience in ms, lockstring, guid, holder JSON, ttl seconds) and
-# (key, lockstring, guid, give back).
-HAND_OFF_WAIT = "SELECT {table}_queue_for_hand_off(%s, %s, %s, %s, %s, %s)"
-HAND_OFF_LEAVE = "SELECT {table}_queue_leave(%s, %s, %s, %s)"
-HAS_FUNCTIONS = "SELECT to_regprocedure(%s) IS NOT NULL, to_regprocedure(%s) IS NOT NULL"
-# A table not yet migrated to 0004 queues with the bare advisory lock. The sub-select in FROM
-# sets the wait's limit first, in the same round trip; a limit that fires is an ERROR, which
-# the server logs. Parameters: (key, patience in ms as text).
-LOUD_WAIT = (
-    "SELECT pg_advisory_lock(%s) FROM (SELECT set_config('lock_timeout', %s, false)) AS deadline"
-)
-# A head that was handed the row, or queued without a request, leaves by releasing every
-# advisory lock of its session: the queue's and, from migration 0007 on, the lock its request's
-# liveness is told by. A queue connection serves one waiter at a time and holds no others.
-LEAVE = "SELECT pg_advisory_unlock_all()"
+# A head that was handed the row leaves by releasing every advisory lock of its session: the
+# queue's and the one its request's liveness is told by. A queue connection serves one waiter at
+# a time and holds no others.
+LEAVE = "SELECT pg_catalog.pg_advisory_unlock_all()"
 
 
 def patience_ms(timeout: float | None) -> int:
@@ -102,101 +86,55 @@ class Request:
     ttl: float
 
 
-def hand_off_started(
-    created: datetime, requested_at: float, server_clock: tuple[float, datetime] | None
-) -> float:
-    """The time (on ``clock``) from which the lock on a row handed to our request counts its
-    validity: no later than the release's INSERT, when the row's expiry period began (at
-    ``created``, by the server's clock), however late we heard of it.
-
-    That moment is no earlier than our request was sent (``requested_at``). ``server_clock`` is
-    the latest refusal that read the server's time: (our time before it was sent, the time it
-    read). The server read it no earlier than we sent it, so ``created`` is no earlier than
-    that much after the sending, on our clock.
-    """
-    started = requested_at
-    if server_clock is not None:
-        sent, server_now = server_clock
-        started = max(started, sent + (created - server_now).total_seconds())
-    return min(started, clock.now())
-
-
 class QueueWait:
-    """How one table's waiters wait in a queue: through migration 0004's function (0005's, which
-    also leaves a Request, for a waiter that gives one), or the bare advisory lock on a table not
-    yet migrated (learned from the first connection a room opens; shared by the thread and the
-    asyncio rooms)."""
+    """The statements one table's waiters queue and leave by (psycopg parameters, for the
+    thread and the asyncio rooms alike): the table's own functions, called by their full
+    names with their exact argument types."""
 
-    def __init__(self, table: str) -> None:
-        self._table = table
-        self._function = f"{table}_queue_wait"
-        # A validated identifier, safe to write into SQL.
-        self._quiet_wait = QUIET_WAIT.format(table=table)
-        self._hand_off_wait = HAND_OFF_WAIT.format(table=table)
-        self._hand_off_leave = HAND_OFF_LEAVE.format(table=table)
-        self.quiet: bool | None = None  # not known until the first connection
-        self.hand_off = False
-
-    @property
-    def probe(self) -> tuple[str, tuple[str, str]]:
-        """The query (and parameters) whose two values say whether 0004's and 0005's functions
-        exist."""
-        return HAS_FUNCTIONS, (
-            f"{self._function}(bigint,integer)",
-            f"{self._table}_queue_for_hand_off"
-            "(bigint,integer,character varying,character varying,jsonb,double precision)",
+    def __init__(self, statements: Statements) -> None:
+        self._table_key = statements.table_key
+        self._wait = (
+            f"SELECT {statements.function('queue_for_hand_off')}(%s::bigint, %s::integer, "
+            "%s::varchar, %s::varchar, %s::jsonb, %s::double precision)"
+        )
+        self._leave = (
+            f"SELECT {statements.function('queue_leave')}"
+            "(%s::bigint, %s::varchar, %s::varchar, %s::boolean)"
         )
 
-    def learn(self, exists: bool, hand_off: bool) -> None:
-        self.hand_off = hand_off
-        if not exists and self.quiet is None:
-            logger.warning(
-                "lock table %r lacks %s() (migration 0004): each queued wait that times out "
-                "logs an ERROR on the server; run `sqllocker migrate --table %s`",
-                self._table,
-                self._function,
-                self._table,
-            )
-        self.quiet = exists
+    def key(self, lockstring: str) -> int:
+        """The advisory lock key of ``lockstring``'s queue in this table."""
+        return queue_key(self._table_key, lockstring)
 
     def statement(
-        self, key: int, timeout: float | None, request: Request | None = None
+        self, key: int, timeout: float | None, request: Request
     ) -> tuple[str, tuple[Any, ...]]:
         """The statement (and parameters) that waits, at most ``timeout`` seconds, to head the
-        queue of ``key``, leaving ``request`` once it does where the table can take one (see
-        ``hands_off``); ``granted`` reads its row."""
-        if request is not None and self.hands_off(request):
-            holder = json.dumps(request.holder)
-            return self._hand_off_wait, (
-                key,
-                patience_ms(timeout),
-                request.lockstring,
-                request.guid,
-                holder,
-                request.ttl,
-            )
-        if self.quiet:
-            return self._quiet_wait, (key, patience_ms(timeout))
-        return LOUD_WAIT, (key, str(patience_ms(timeout)))
+        queue of ``key``, and leaves ``request`` once it does; its one value says whether it
+        heads the queue."""
+        holder = json.dumps(request.holder)
+        return self._wait, (
+            key,
+            patience_ms(timeout),
+            request.lockstring,
+            request.guid,
+            holder,
+            request.ttl,
+        )
 
-    def hands_off(self, request: Request | None) -> bool:
-        """Whether ``statement`` leaves ``request`` for a release to grant."""
-        return request is not None and self.hand_off
+    def granted(self, row: Any) -> bool:
+        """Whether ``statement``'s row says the queue is ours (else the wait ran out)."""
+        return bool(row[0])
 
     def leave_statement(
         self, key: int, request: Request | None, give_back: bool
     ) -> tuple[str, tuple[Any, ...]]:
-        """The statement that leaves the queue of ``key``: withdrawing ``request`` if it was
-        left (and with ``give_back``, deleting a row granted to it); its one value says
+        """The statement that leaves the queue of ``key``: withdrawing ``request`` if it still
+        stands (and with ``give_back``, deleting a row granted to it); its one value says
         whether a row had been granted."""
         if request is not None:
-            return self._hand_off_leave, (key, request.lockstring, request.guid, give_back)
+            return self._leave, (key, request.lockstring, request.guid, give_back)
         return LEAVE, ()
-
-    def granted(self, row: Any) -> bool:
-        """Whether ``statement``'s row says the queue lock is ours (the bare advisory lock
-        returns only once it is, or raises)."""
-        return bool(row[0]) if self.quiet else True
 
 
 @dataclass(frozen=True)
@@ -272,9 +210,7 @@ class Seats:
 class Turn:
     """The head of one lockstring's queue: ``leave()`` once the row is ours, or the wait ends.
 
-    ``request``: the Request it left for a release to grant (None if it left none), and
-    ``requested_at``, the monotonic time before it was sent: a granted row's expiry period
-    cannot have started earlier.
+    ``request``: the Request it left for a release to grant (None once a release took it).
     """
 
     def __init__(
@@ -283,13 +219,11 @@ class Turn:
         connection: Any,
         key: int,
         request: Request | None = None,
-        requested_at: float = 0.0,
     ) -> None:
         self._room = room
         self._connection: Any = connection
         self._key = key
         self.request = request
-        self.requested_at = requested_at
 
     def leave(self, in_background: bool = False, give_back: bool = True) -> bool:
         """Leave the queue; returns whether a row had been granted to our request (given back
@@ -319,11 +253,12 @@ class Turn:
 class WaitingRoom:
     """One Locker's queues, and the connections its queued waiters wait on."""
 
-    def __init__(self, engine: Engine, table: str, capacity: int = DEFAULT_CAPACITY) -> None:
+    def __init__(
+        self, engine: Engine, statements: Statements, capacity: int = DEFAULT_CAPACITY
+    ) -> None:
         self._engine = engine
-        self._table = table
         self.seats = Seats(capacity)
-        self.queue_wait = QueueWait(table)
+        self.queue_wait = QueueWait(statements)
         self._leaving: queue.SimpleQueue[tuple[Any, int] | None] = queue.SimpleQueue()
         self._leaver: threading.Thread | None = None
         self._leaver_lock = threading.Lock()
@@ -331,18 +266,17 @@ class WaitingRoom:
 
     def key(self, lockstring: str) -> int:
         """The advisory lock key of ``lockstring``'s queue in this room's table."""
-        return queue_key(self._table, lockstring)
+        return self.queue_wait.key(lockstring)
 
     def enter(
         self,
         lockstring: str,
         timeout: float | None,
         before_blocking: Callable[[], None],
-        request: Request | None = None,
+        request: Request,
     ) -> Entry[Turn]:
         """Become the head of ``lockstring``'s queue, waiting at most ``timeout`` seconds (and
-        at most QUEUE_PATIENCE), and leave ``request`` for a release to grant if the table
-        can take one.
+        at most QUEUE_PATIENCE), and leave ``request`` for a release to grant.
 
         ``before_blocking`` is called before queueing: a waiter stops listening for the row's
         releases while it queues (the head of the queue in this process may need them).
@@ -352,13 +286,10 @@ class WaitingRoom:
             return Entry(None, try_again=False, usable=False)
         key = self.key(lockstring)
         before_blocking()
-        if not self.queue_wait.hands_off(request):
-            request = None
         try:
-            requested_at = clock.now()
             row = connection.execute(*self.queue_wait.statement(key, timeout, request)).fetchone()
             if self.queue_wait.granted(row):
-                turn = Turn(self, connection, key, request, requested_at)
+                turn = Turn(self, connection, key, request)
                 return Entry(turn, try_again=True, usable=True)
             self._checkin(connection)  # the caller's deadline, or our patience, came first
             return Entry(None, try_again=True, usable=True)
@@ -430,8 +361,6 @@ class WaitingRoom:
             opened = fairy.driver_connection
             fairy.detach()  # ours: it never goes back to the pool
             opened.autocommit = True
-            if self.queue_wait.quiet is None:
-                self.queue_wait.learn(*opened.execute(*self.queue_wait.probe).fetchone())
             return opened
         except Exception as error:
             self._discard(opened)

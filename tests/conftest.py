@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -159,7 +161,7 @@ def admin(migrated_postgres: str) -> Iterator[sa.Engine]:
 
 def queued(admin: sa.Engine, table: str, lockstring: str) -> tuple[int, int]:
     """(granted, waiting) sessions on ``lockstring``'s queue, as pg_locks shows them."""
-    key = queue_key(table, lockstring) & 0xFFFFFFFFFFFFFFFF
+    key = queue_key(f"public.{table}", lockstring) & 0xFFFFFFFFFFFFFFFF
     with admin.connect() as conn:
         rows = conn.execute(
             sa.text(
@@ -178,15 +180,35 @@ def head_the_queue(admin: sa.Engine, table: str, lockstring: str = "report") -> 
     it ends that."""
     connection = admin.connect()
     connection.execute(
-        sa.text("SELECT pg_advisory_lock(:key)"), {"key": queue_key(table, lockstring)}
+        sa.text("SELECT pg_advisory_lock(:key)"), {"key": queue_key(f"public.{table}", lockstring)}
     )
     return connection
 
 
 def leave_the_queue(connection: sa.Connection, table: str, lockstring: str = "report") -> None:
     connection.execute(
-        sa.text("SELECT pg_advisory_unlock(:key)"), {"key": queue_key(table, lockstring)}
+        sa.text("SELECT pg_advisory_unlock(:key)"),
+        {"key": queue_key(f"public.{table}", lockstring)},
     )
+
+
+def wait_in_thread(
+    locker: Locker, lockstring: str = "report", **options: Any
+) -> tuple[threading.Thread, dict[str, Any]]:
+    """``locker.lock(lockstring, **options)`` on a thread of its own; the result holds the Lock
+    (or the error) and the monotonic time lock() returned."""
+    result: dict[str, Any] = {}
+
+    def wait() -> None:
+        try:
+            result["lock"] = locker.lock(lockstring, **options)
+        except BaseException as error:
+            result["error"] = error
+        result["returned"] = time.monotonic()
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    return thread, result
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -202,6 +224,14 @@ async def wait_until_async(condition: Callable[[], bool], timeout: float = 10.0)
     while not await asyncio.to_thread(condition):
         assert time.monotonic() < deadline, "timed out"
         await asyncio.sleep(0.01)
+
+
+def row_guid(admin: sa.Engine, table: str, lockstring: str) -> str | None:
+    """The guid of ``lockstring``'s row, as only the table (and its owner) may show it."""
+    with admin.connect() as conn:
+        return conn.exec_driver_sql(
+            f"SELECT guid FROM {table} WHERE lockstring = %(ls)s", {"ls": lockstring}
+        ).scalar()
 
 
 def requests(admin: sa.Engine, table: str) -> list[tuple[str, str]]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,7 +19,6 @@ from sqllocker import Lock, Locker, notify
 from sqllocker.asyncio import AsyncLocker
 from sqllocker.engine import resolve_url
 from sqllocker.lock import safety_margin
-from sqllocker.migrations import downgrade, upgrade
 from sqllocker.waiting import Backoff
 from sqllocker.waiting_room import queue_key
 from tests.conftest import (
@@ -31,29 +29,12 @@ from tests.conftest import (
     leave_the_queue,
     queued,
     requests,
+    row_guid,
+    wait_in_thread,
     wait_until,
     wait_until_async,
 )
 from tests.workers import async_url
-
-
-def wait_in_thread(
-    locker: Locker, lockstring: str = "report", **options: Any
-) -> tuple[threading.Thread, dict[str, Any]]:
-    """``locker.lock(lockstring, **options)`` on a thread of its own; the result holds the Lock
-    (or the error) and the monotonic time lock() returned."""
-    result: dict[str, Any] = {}
-
-    def wait() -> None:
-        try:
-            result["lock"] = locker.lock(lockstring, **options)
-        except BaseException as error:
-            result["error"] = error
-        result["returned"] = time.monotonic()
-
-    thread = threading.Thread(target=wait)
-    thread.start()
-    return thread, result
 
 
 @dataclass(frozen=True)
@@ -93,7 +74,7 @@ class RawHead:
 
     def __init__(self, url: str, table: str, lockstring: str = "report", ttl: float = 30.0) -> None:
         self.table, self.lockstring = table, lockstring
-        self.key = queue_key(table, lockstring)
+        self.key = queue_key(f"public.{table}", lockstring)
         self.guid = str(uuid.uuid4())
         target = sa.make_url(resolve_url(url))
         self.connection = psycopg.connect(
@@ -114,7 +95,7 @@ class RawHead:
                 10_000,
                 self.lockstring,
                 self.guid,
-                json.dumps({"guid": self.guid}),
+                json.dumps({"job": "raw head"}),
                 self.ttl,
             ),
         ).fetchone()
@@ -143,7 +124,7 @@ def test_a_release_hands_the_row_to_the_head_of_the_queue(
     assert waiter._listener.grants == 1
     info = waiter.lock_info("report")
     assert info is not None
-    assert (info.lock_id, info.guid) == (lock.lock_id, lock.guid)
+    assert info.lock_id == lock.lock_id
     assert lock.lock_id > held.lock_id  # the fencing token still grows
     assert lock.expires == info.expires
     assert lock.created == info.created
@@ -192,7 +173,7 @@ def test_a_lost_hand_off_notification_is_found_by_the_heads_next_attempt(
     lock, released = done.lock, done.released
     info = waiter.lock_info("report")
     assert info is not None
-    assert (info.lock_id, info.guid) == (lock.lock_id, lock.guid)
+    assert info.lock_id == lock.lock_id
     assert lock._state.valid_until <= released + 20 - safety_margin(20)
     lock.unlock()
     wait_until(lambda: queued(admin, table_name, "report") == (0, 0))
@@ -243,7 +224,7 @@ def test_a_head_with_its_request_in_waits_for_the_release_not_for_a_poll_timer(
     lock = result["lock"]
     info = waiter.lock_info("report")
     assert info is not None
-    assert (info.lock_id, info.guid) == (lock.lock_id, lock.guid)
+    assert info.lock_id == lock.lock_id
     lock.unlock()
 
 
@@ -305,8 +286,7 @@ def test_a_head_whose_wait_ends_in_an_error_gives_back_a_row_handed_to_it(
     try_acquire = Locker._try_acquire
 
     def fail_once_handed_the_row(self: Locker, lockstring: str, guid: str, *args: Any) -> Any:
-        info = self.lock_info(lockstring)
-        if info is not None and info.guid == guid:  # this attempt would find the row ours
+        if row_guid(admin, table_name, lockstring) == guid:  # this attempt would find it ours
             raise RuntimeError("the database went away")
         return try_acquire(self, lockstring, guid, *args)
 
@@ -414,47 +394,6 @@ def test_a_head_holds_a_key_of_its_own_and_leaves_with_every_lock_given_up(
     done.lock.unlock()
 
 
-def test_a_head_of_an_older_client_leaves_no_lock_behind_for_long(
-    migrated_postgres: str, table_name: str, admin: sa.Engine
-) -> None:
-    """A client of migration 0005's time leaves after a grant by releasing the queue's lock
-    only; its request's key stays held on that connection until it heads a queue again, which
-    releases it, so kept connections do not pile keys up in the server's lock table."""
-    locker = Locker(migrated_postgres, table=table_name)
-    held = locker.lock("report")
-    head = RawHead(migrated_postgres, table_name)
-    pid = head.connection.info.backend_pid
-    held.unlock()
-    info = locker.lock_info("report")
-    assert info is not None
-    assert info.guid == head.guid  # granted
-    head.connection.execute("SELECT pg_advisory_unlock(%s)", (head.key,))  # 0005's leave
-    assert advisory_locks_of(admin, pid) == 1  # the key
-    locker.break_lock("report")
-    head.head_the_queue()
-    assert advisory_locks_of(admin, pid) == 2  # the queue's and a new key, not three
-    assert head.leave(give_back=True) is False
-    head.connection.close()
-    locker.close()
-
-
-def test_a_request_without_a_key_is_not_granted(
-    migrated_postgres: str, table_name: str, admin: sa.Engine
-) -> None:
-    """A request written before migration 0007 has no key: not granted (its waiter, woken by
-    the release's NOTIFY, tries for the row itself)."""
-    locker = Locker(migrated_postgres, table=table_name)
-    held = locker.lock("report")
-    head = RawHead(migrated_postgres, table_name)
-    with admin.begin() as conn:
-        conn.exec_driver_sql(f"UPDATE {table_name}_requests SET request_key = NULL")
-    held.unlock()
-    assert locker.lock_info("report") is None
-    assert head.leave(give_back=True) is False  # its request was still there to withdraw
-    head.connection.close()
-    locker.close()
-
-
 def test_purge_sweeps_the_requests_of_heads_that_are_gone_and_keeps_a_live_heads(
     migrated_postgres: str, table_name: str, admin: sa.Engine
 ) -> None:
@@ -475,9 +414,7 @@ def test_purge_sweeps_the_requests_of_heads_that_are_gone_and_keeps_a_live_heads
     assert requests(admin, table_name) == [("report", live.guid)]
 
     held.unlock()
-    info = locker.lock_info("report")
-    assert info is not None
-    assert info.guid == live.guid  # the live head's request was granted
+    assert row_guid(admin, table_name, "report") == live.guid  # the live head's was granted
     assert live.leave(give_back=True) is True
     live.connection.close()
     locker.close()
@@ -515,7 +452,7 @@ def test_leaving_the_queue_says_whether_the_row_was_handed_over_and_can_give_it_
     held.unlock()
     info = locker.lock_info("report")
     assert info is not None
-    assert info.guid == head.guid
+    assert row_guid(admin, table_name, "report") == head.guid
     assert info.lock_id > held.lock_id
     assert head.leave(give_back=give_back) is True  # it had been handed the row
     assert (locker.lock_info("report") is None) is give_back
@@ -549,31 +486,6 @@ def test_break_lock_and_purge_hand_the_row_to_the_head_too(
     assert waiter._listener.grants == 2
 
 
-def test_downgrading_0005_restores_the_plain_release(
-    migrated_postgres: str, table_name: str
-) -> None:
-    engine = sa.create_engine(resolve_url(migrated_postgres))
-    downgrade(engine, table_name, "0004")
-    assert not sa.inspect(engine).has_table(f"{table_name}_requests")
-    locker = Locker(engine, table=table_name)
-    assert locker.purge_expired_locks() == 0  # with no requests to sweep
-    held = locker.lock("report")
-    thread, result = wait_in_thread(locker, wait=30)
-    time.sleep(0.2)
-    held.unlock()
-    thread.join(10)
-    assert result["lock"].lock_id > held.lock_id  # by its own INSERT, woken by NOTIFY
-    result["lock"].unlock()
-    assert locker._listener is not None
-    assert locker._listener.grants == 0
-    locker.close()
-    upgrade(engine, table_name)
-    assert sa.inspect(engine).has_table(f"{table_name}_requests")
-    downgrade(engine, table_name)
-    assert not sa.inspect(engine).has_table(table_name)
-    engine.dispose()
-
-
 async def test_an_async_head_is_handed_the_row_too(
     migrated_postgres: str, table_name: str, admin: sa.Engine, slow_polling: None
 ) -> None:
@@ -590,7 +502,7 @@ async def test_an_async_head_is_handed_the_row_too(
     assert waiter._listener.grants == 1
     info = holder.lock_info("report")
     assert info is not None
-    assert (info.lock_id, info.guid) == (lock.lock_id, lock.guid)
+    assert info.lock_id == lock.lock_id
     assert lock._state.valid_until <= released + 20 - safety_margin(20)
     await lock.unlock()
     await wait_until_async(lambda: queued(admin, table_name, "report") == (0, 0))
@@ -617,7 +529,7 @@ async def test_an_async_head_with_its_request_in_waits_for_the_release_too(
     assert len(heading) <= AT_MOST_WHILE_HEADING, heading
     info = holder.lock_info("report")
     assert info is not None
-    assert (info.lock_id, info.guid) == (lock.lock_id, lock.guid)
+    assert info.lock_id == lock.lock_id
     await lock.unlock()
     holder.close()
     await waiter.aclose()

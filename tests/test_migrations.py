@@ -90,7 +90,7 @@ def test_offline_sql_is_the_ddl_for_the_dialect(dialect: str) -> None:
     assert expected[dialect] in ddl
 
 
-def test_mysql_migration_0006_makes_the_stripes_table(mysql_url: str, table_name: str) -> None:
+def test_mysql_migration_makes_the_stripes_table(mysql_url: str, table_name: str) -> None:
     """The stripes table that MySQL's acquire locks with innodb_autoinc_lock_mode=2 (see
     Statements.acquire; that mode is tested on a private server in test_holding.py and
     test_fencing.py). This server runs MariaDB's default mode 1, where the AUTO-INC lock
@@ -108,9 +108,18 @@ def test_mysql_migration_0006_makes_the_stripes_table(mysql_url: str, table_name
     with locker.lock("job"):
         assert locker._table.statements.id_order is None
     locker.close()
-    downgrade(engine, table_name, "0005")
+    downgrade(engine, table_name)
     assert stripes not in sa.inspect(engine).get_table_names()
     engine.dispose()
+
+
+def test_the_migration_keeps_its_own_snapshot_of_the_stripe_count() -> None:
+    """A migration is a snapshot: the count of stripes it inserts is its own constant, which
+    must agree with the one the acquire hashes lockstrings by."""
+    from sqllocker.migrations import script_location
+
+    source = (script_location() / "versions" / "0001_create_lock_table.py").read_text()
+    assert f"STRIPES = {ID_ORDER_STRIPES}\n" in source
 
 
 def test_sqlite_processes_creating_the_table_at_once_do_not_collide(tmp_path: Path) -> None:

@@ -4,7 +4,6 @@ holder nothing."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import time
 import uuid
@@ -14,10 +13,9 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from sqllocker import LockBusy, Locker, lock_table, waiting_room
+from sqllocker import LockBusy, Locker, waiting_room
 from sqllocker.asyncio import AsyncLock, AsyncLocker
 from sqllocker.asyncio import waiting_room as async_waiting_room
-from sqllocker.engine import resolve_url
 from sqllocker.operations import Refused
 from sqllocker.waiting_room import QueueWait, queue_key, timed_out
 from tests.conftest import (
@@ -289,7 +287,7 @@ def test_a_first_attempt_refused_at_the_gate_does_not_wait_for_anothers_insert(
         {"table": table_name},
     )
     head = head_the_queue(admin, table_name)
-    key = queue_key(table_name, "report")
+    key = queue_key(f"public.{table_name}", "report")
     outcomes: list[object] = []
     attempt = threading.Thread(
         target=lambda: outcomes.append(
@@ -362,7 +360,7 @@ def test_a_queued_wait_that_runs_out_of_patience_logs_no_error_on_the_server(
     migrated_postgres: str, table_name: str, admin: sa.Engine, queued_waits: QueuedWaits
 ) -> None:
     """A lock_timeout that fires is an ERROR, and the server logs each one: a waiter behind a
-    job holding its lock for ten minutes logged one every QUEUE_PATIENCE. Migration 0004's
+    job holding its lock for ten minutes logged one every QUEUE_PATIENCE. The queue's
     function catches it on the server, so none reaches the client (nor the log)."""
     holder = Locker(migrated_postgres, table=table_name)
     held = holder.lock("report")
@@ -372,7 +370,6 @@ def test_a_queued_wait_that_runs_out_of_patience_logs_no_error_on_the_server(
         waiter.lock("report", wait=1.0)
     assert queued_waits.errors == []
     assert queued_waits.quiet_timeouts >= 3  # it did queue, and ran out of patience each time
-    assert waiter._waiting_room().queue_wait.quiet is True
     stopped_head.close()
     held.unlock()
     got = waiter.lock("report", wait=10)  # through the queue, now free
@@ -380,38 +377,6 @@ def test_a_queued_wait_that_runs_out_of_patience_logs_no_error_on_the_server(
     got.unlock()
     waiter.close()
     holder.close()
-
-
-def test_a_table_not_yet_migrated_to_0004_still_queues_and_says_to_migrate(
-    postgresql_url: str,
-    table_name: str,
-    queued_waits: QueuedWaits,
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """A library upgraded before its table was: waiters queue with the bare advisory lock,
-    as before 0004, and one warning names the command that adds the function."""
-    engine = sa.create_engine(resolve_url(postgresql_url))
-    lock_table(table_name).create(engine)  # no migrations: neither trigger nor function
-    holder = Locker(postgresql_url, table=table_name)
-    held = holder.lock("report")
-    stopped_head = head_the_queue(engine, table_name)
-    waiter = Locker(postgresql_url, table=table_name)
-    with caplog.at_level(logging.WARNING, logger="sqllocker"), pytest.raises(LockBusy):
-        waiter.lock("report", wait=1.0)
-    assert len(queued_waits.errors) >= 3
-    assert all(timed_out(error) for error in queued_waits.errors)  # the server's lock_timeout
-    assert waiter._waiting_room().queue_wait.quiet is False
-    warnings = [r.getMessage() for r in caplog.records if "migration 0004" in r.getMessage()]
-    assert len(warnings) == 1
-    assert f"sqllocker migrate --table {table_name}" in warnings[0]
-    stopped_head.close()
-    held.unlock()
-    got = waiter.lock("report", wait=10)
-    assert got.lock_id > held.lock_id
-    got.unlock()
-    waiter.close()
-    holder.close()
-    engine.dispose()
 
 
 async def test_an_async_queued_wait_that_runs_out_of_patience_logs_no_error_on_the_server(
@@ -425,8 +390,6 @@ async def test_an_async_queued_wait_that_runs_out_of_patience_logs_no_error_on_t
         await waiter.lock("report", wait=1.0)
     assert queued_waits.errors == []
     assert queued_waits.quiet_timeouts >= 3
-    assert waiter._room is not None
-    assert waiter._room.queue_wait.quiet is True
     stopped_head.close()
     held.unlock()
     got = await waiter.lock("report", wait=10)

@@ -1,8 +1,27 @@
-"""Create the lock table.
+"""The lock table, its view of held locks, and (PostgreSQL) the queue and hand-off machinery.
+
+- ``<table>``: one row per held lock (``sqllocker.schema.lock_table`` is the same definition).
+- ``<table>_held``: the unexpired rows, with the holder's host, pid and program as columns, and
+  without any secret: what read-only roles should be granted.
+- PostgreSQL: ``<table>_requests`` (the hand-off requests of the waiters heading each
+  lockstring's queue, readable only by the owner: a request holds its waiter's secret guid), the
+  functions waiters queue and leave through, the purge's sweep of requests whose waiter is gone,
+  and the DELETE trigger that hands a released row to the head of its queue, or tells waiters
+  it is free (see ``sqllocker/waiting_room.py``).
+- MySQL/MariaDB: ``<table>_id_order``, one row per stripe of lockstrings, which an acquire locks
+  where ``innodb_autoinc_lock_mode=2`` would otherwise let ids come out of holding order (see
+  ``Statements.acquire``).
+
+Every PostgreSQL function runs with its ``search_path`` pinned to ``pg_catalog``, the table's
+own schema and ``pg_temp`` (last), and calls catalog functions and operators with their exact
+argument types, so that nothing another role creates in a schema on a caller's path can run in
+its place (CVE-2018-1058). The functions are ``SECURITY DEFINER``: they reach the requests
+table for the roles that take locks, which need no privilege on it, only EXECUTE, which PUBLIC
+does not get.
 
 Revision ID: 0001
 Revises:
-Create Date: 2026-11-22
+Create Date: 2026-11-25
 """
 
 from collections.abc import Sequence
@@ -12,15 +31,212 @@ from alembic import context, op
 from sqlalchemy.dialects import postgresql
 
 from sqllocker.schema import Lockstring, UTCDateTime
+from sqllocker.validation import check_table_name
 
 revision: str = "0001"
 down_revision: str | None = None
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
+# sqllocker.schema.ID_ORDER_STRIPES when this was written: a snapshot, as every migration is
+# (tests/test_migrations.py checks that the two agree).
+STRIPES = 1024
+
+# The table name is a validated identifier (lower-case letters, digits, underscores, no reserved
+# word), so it can be written into DDL; nothing else here comes from outside.
+_HELD_VIEWS = {
+    "postgresql": """
+        SELECT id AS lock_id, lockstring, created, expires,
+               locked_by ->> 'host' AS host,
+               (locked_by ->> 'pid')::bigint AS pid,
+               locked_by ->> 'program' AS program,
+               locked_by - 'guid' AS locked_by
+        FROM {table}
+        WHERE expires > clock_timestamp()""",
+    "mysql": """
+        SELECT id AS lock_id, lockstring, created, expires,
+               JSON_UNQUOTE(JSON_EXTRACT(locked_by, '$.host')) AS host,
+               CAST(JSON_EXTRACT(locked_by, '$.pid') AS SIGNED) AS pid,
+               JSON_UNQUOTE(JSON_EXTRACT(locked_by, '$.program')) AS program,
+               JSON_REMOVE(locked_by, '$.guid') AS locked_by
+        FROM {table}
+        WHERE expires > UTC_TIMESTAMP(6)""",
+    "sqlite": """
+        SELECT id AS lock_id, lockstring, created, expires,
+               json_extract(locked_by, '$.host') AS host,
+               json_extract(locked_by, '$.pid') AS pid,
+               json_extract(locked_by, '$.program') AS program,
+               json_remove(locked_by, '$.guid') AS locked_by
+        FROM {table}
+        WHERE expires > strftime('%Y-%m-%d %H:%M:%f', 'now')""",
+}
+
+# What the functions share: the owner's rights (and a pinned path: see _pinned_path).
+_FUNCTION = "LANGUAGE plpgsql SECURITY DEFINER"
+
+# Notifications are skipped once the server's queue of them is this full (a listener somewhere
+# that stopped reading): a release must never fail because a NOTIFY cannot be queued, and a
+# skipped one only makes waiters find out by their own timers. Settable per session or role as
+# ``sqllocker.notify_queue_limit``.
+_NOTIFY_UNLESS_QUEUE_FULL = """
+    IF pg_catalog.pg_notification_queue_usage() OPERATOR(pg_catalog.<) COALESCE(
+           NULLIF(pg_catalog.current_setting('sqllocker.notify_queue_limit', true), '')
+               ::double precision,
+           0.5::double precision)
+    THEN
+        PERFORM pg_catalog.pg_notify({channel}, {payload});
+    END IF;"""
+
+
+def _postgresql_functions(table: str) -> list[str]:
+    notify_release = _NOTIFY_UNLESS_QUEUE_FULL.format(
+        channel=f"'sqllocker_{table}'::text", payload="OLD.lockstring::text"
+    )
+    notify_grant = _NOTIFY_UNLESS_QUEUE_FULL.format(
+        channel=f"'sqllocker_{table}_granted'::text",
+        payload="granted.id::text OPERATOR(pg_catalog.||) ' '::text "
+        "OPERATOR(pg_catalog.||) OLD.lockstring::text",
+    )
+    # The release trigger. Nobody queued for the lockstring: nothing to do (no notification; a
+    # waiter that is not queued yet tries again before it blocks). A head of the queue still
+    # there (it holds its request's own key, so this release cannot take that key): the row is
+    # inserted for it, in this transaction, and it is told the new row's id (never its guid:
+    # it reads its row back from the table). The grant takes the lockstring's id-order lock (see
+    # Statements._new_row_in_id_order) only if it is free: an acquirer holding it is waiting
+    # for this very DELETE to commit, and waiting for it in turn would be a deadlock; such a
+    # release only notifies, and the head tries for the row itself.
+    release = f"""
+        CREATE FUNCTION {table}_notify_release() RETURNS trigger {_FUNCTION} AS $$
+        DECLARE
+            request record;
+            granted record;
+            now_ timestamptz;
+        BEGIN
+            IF NOT EXISTS (
+                SELECT FROM {table}_requests
+                 WHERE lockstring::text OPERATOR(pg_catalog.=) OLD.lockstring::text)
+            THEN
+                RETURN NULL;
+            END IF;
+            IF pg_catalog.pg_try_advisory_xact_lock(
+                   pg_catalog.hashtext(
+                       TG_TABLE_SCHEMA::text OPERATOR(pg_catalog.||) '.'::text
+                       OPERATOR(pg_catalog.||) TG_TABLE_NAME::text),
+                   pg_catalog.hashtext(OLD.lockstring::text))
+            THEN
+                DELETE FROM {table}_requests AS q
+                 WHERE q.lockstring::text OPERATOR(pg_catalog.=) OLD.lockstring::text
+                   AND q.guid::text OPERATOR(pg_catalog.<>) OLD.guid::text
+                   AND NOT pg_catalog.pg_try_advisory_xact_lock(q.request_key)
+                RETURNING q.guid, q.locked_by, q.ttl INTO request;
+                IF FOUND THEN
+                    -- A release commits without waiting for the disk; a grant must not.
+                    PERFORM pg_catalog.set_config('synchronous_commit'::text, 'on'::text, true);
+                    now_ := pg_catalog.clock_timestamp();
+                    INSERT INTO {table} (lockstring, guid, created, expires, locked_by)
+                    VALUES (OLD.lockstring, request.guid, now_,
+                            now_ OPERATOR(pg_catalog.+)
+                                pg_catalog.make_interval(secs => request.ttl),
+                            request.locked_by)
+                    RETURNING id INTO granted;
+                    {notify_grant}
+                    RETURN NULL;
+                END IF;
+            END IF;
+            {notify_release}
+            RETURN NULL;
+        END
+        $$"""
+    # Wait (at most patience_ms, without an ERROR in the server's log when it runs out) to head
+    # the lockstring's queue; then draw a key of one's own, hold it, and leave the request a
+    # release grants while that key is held. Any advisory lock left from before is given up
+    # first: a queue connection serves one waiter at a time.
+    queue_for_hand_off = f"""
+        CREATE FUNCTION {table}_queue_for_hand_off(
+            queue_key bigint, patience_ms integer, ls varchar, request_guid varchar,
+            holder jsonb, ttl double precision)
+        RETURNS boolean {_FUNCTION} AS $$
+        DECLARE
+            key bigint;
+        BEGIN
+            PERFORM pg_catalog.pg_advisory_unlock_all();
+            PERFORM pg_catalog.set_config('lock_timeout'::text, patience_ms::text, true);
+            PERFORM pg_catalog.pg_advisory_lock(queue_key);
+            LOOP
+                key := (pg_catalog.random() OPERATOR(pg_catalog.*) 4e18::double precision)::bigint;
+                EXIT WHEN pg_catalog.pg_try_advisory_lock(key);
+            END LOOP;
+            INSERT INTO {table}_requests
+                (lockstring, guid, locked_by, ttl, queue_key, pid, request_key)
+            VALUES (ls, request_guid, holder, ttl, queue_key, pg_catalog.pg_backend_pid(), key)
+            ON CONFLICT (lockstring) DO UPDATE
+               SET guid = excluded.guid, locked_by = excluded.locked_by, ttl = excluded.ttl,
+                   queue_key = excluded.queue_key, pid = excluded.pid,
+                   request_key = excluded.request_key;
+            RETURN true;
+        EXCEPTION WHEN lock_not_available THEN
+            RETURN false;
+        END
+        $$"""
+    # Leave the queue, withdrawing the request; returns whether it had been granted already.
+    # With give_back, a granted row is deleted again (its requester stopped waiting).
+    queue_leave = f"""
+        CREATE FUNCTION {table}_queue_leave(
+            queue_key bigint, ls varchar, request_guid varchar, give_back boolean)
+        RETURNS boolean {_FUNCTION} AS $$
+        DECLARE
+            withdrawn boolean;
+        BEGIN
+            DELETE FROM {table}_requests
+             WHERE lockstring::text OPERATOR(pg_catalog.=) ls::text
+               AND guid::text OPERATOR(pg_catalog.=) request_guid::text;
+            withdrawn := FOUND;
+            IF NOT withdrawn AND give_back THEN
+                DELETE FROM {table}
+                 WHERE lockstring::text OPERATOR(pg_catalog.=) ls::text
+                   AND guid::text OPERATOR(pg_catalog.=) request_guid::text;
+            END IF;
+            PERFORM pg_catalog.pg_advisory_unlock_all();
+            RETURN NOT withdrawn;
+        END
+        $$"""
+    # The purge's sweep: requests whose session no longer heads their queue are never granted,
+    # and a lockstring never contended again would keep its dead head's request for ever.
+    sweep = f"""
+        CREATE FUNCTION {table}_sweep_requests() RETURNS bigint {_FUNCTION} AS $$
+        DECLARE
+            swept bigint;
+        BEGIN
+            DELETE FROM {table}_requests AS q
+             WHERE NOT EXISTS (
+                SELECT FROM pg_catalog.pg_locks AS l
+                 WHERE l.locktype OPERATOR(pg_catalog.=) 'advisory'::text
+                   AND l.granted
+                   AND l.pid OPERATOR(pg_catalog.=) q.pid
+                   AND l.classid::bigint OPERATOR(pg_catalog.=)
+                       ((q.queue_key OPERATOR(pg_catalog.>>) 32)
+                        OPERATOR(pg_catalog.&) 4294967295::bigint)
+                   AND l.objid::bigint OPERATOR(pg_catalog.=)
+                       (q.queue_key OPERATOR(pg_catalog.&) 4294967295::bigint)
+                   AND l.objsubid OPERATOR(pg_catalog.=) 1::smallint);
+            GET DIAGNOSTICS swept = ROW_COUNT;
+            RETURN swept;
+        END
+        $$"""
+    return [release, queue_for_hand_off, queue_leave, sweep]
+
+
+_FUNCTION_SIGNATURES = (
+    "{table}_notify_release()",
+    "{table}_queue_for_hand_off(bigint, integer, varchar, varchar, jsonb, double precision)",
+    "{table}_queue_leave(bigint, varchar, varchar, boolean)",
+    "{table}_sweep_requests()",
+)
+
 
 def upgrade() -> None:
-    table = context.config.attributes["table"]
+    table = check_table_name(context.config.attributes["table"])
+    dialect = op.get_context().dialect.name
     op.create_table(
         table,
         sa.Column(
@@ -43,9 +259,93 @@ def upgrade() -> None:
         mysql_charset="utf8mb4",
     )
     op.create_index(f"ix_{table}_expires", table, ["expires"])
+    op.execute(f"CREATE VIEW {table}_held AS {_HELD_VIEWS[dialect].format(table=table)}")
+    if dialect == "postgresql":
+        _upgrade_postgresql(table)
+    elif dialect == "mysql":
+        op.create_table(
+            f"{table}_id_order",
+            sa.Column("stripe", sa.SmallInteger(), primary_key=True, autoincrement=False),
+            mysql_engine="InnoDB",
+        )
+        # One statement, also in the SQL that `sqllocker migrate --sql` prints for a DBA.
+        stripes = ", ".join(f"({stripe})" for stripe in range(STRIPES))
+        op.execute(f"INSERT INTO {table}_id_order (stripe) VALUES {stripes}")
+
+
+def _upgrade_postgresql(table: str) -> None:
+    # Requests live in an UNLOGGED table: writing one needs no flush to disk, and a crash that
+    # empties it also ended every session that could have been waiting on one.
+    op.execute(
+        f"""
+        CREATE UNLOGGED TABLE {table}_requests (
+            lockstring varchar(128) PRIMARY KEY,
+            guid varchar(36) NOT NULL,
+            locked_by jsonb NOT NULL,
+            ttl double precision NOT NULL,
+            queue_key bigint NOT NULL,
+            pid integer NOT NULL,
+            request_key bigint NOT NULL
+        )"""
+    )
+    op.execute(f"REVOKE ALL ON {table}_requests FROM PUBLIC")
+    with _pinned_path(table):
+        for function in _postgresql_functions(table):
+            op.execute(function)
+    for signature in _FUNCTION_SIGNATURES:
+        op.execute(f"REVOKE ALL ON FUNCTION {signature.format(table=table)} FROM PUBLIC")
+    op.execute(
+        f"CREATE TRIGGER {table}_released AFTER DELETE ON {table} "
+        f"FOR EACH ROW EXECUTE FUNCTION {table}_notify_release()"
+    )
+
+
+class _pinned_path:
+    """While the functions are made, the transaction's search_path is the table's schema, so
+    that they are made beside it; then each is pinned (``ALTER FUNCTION ... SET search_path FROM
+    CURRENT``) to pg_catalog, that schema and pg_temp, in that order. In SQL, so that
+    ``sqllocker migrate --sql`` prints it for a DBA too."""
+
+    def __init__(self, table: str) -> None:
+        self._table = table
+
+    def __enter__(self) -> None:
+        op.execute(
+            "SELECT pg_catalog.set_config('sqllocker.saved_search_path', "
+            "pg_catalog.current_setting('search_path'), true), "
+            "pg_catalog.set_config('sqllocker.schema', "
+            "pg_catalog.quote_ident(pg_catalog.current_schema()), true)"
+        )
+        op.execute(
+            "SELECT pg_catalog.set_config('search_path', "
+            "pg_catalog.current_setting('sqllocker.schema'), true)"
+        )
+
+    def __exit__(self, *_: object) -> None:
+        op.execute(
+            "SELECT pg_catalog.set_config('search_path', 'pg_catalog, ' "
+            "OPERATOR(pg_catalog.||) pg_catalog.current_setting('sqllocker.schema') "
+            "OPERATOR(pg_catalog.||) ', pg_temp', true)"
+        )
+        for signature in _FUNCTION_SIGNATURES:
+            function = signature.format(table=self._table)
+            op.execute(f"ALTER FUNCTION {function} SET search_path FROM CURRENT")
+        op.execute(
+            "SELECT pg_catalog.set_config('search_path', "
+            "pg_catalog.current_setting('sqllocker.saved_search_path'), true)"
+        )
 
 
 def downgrade() -> None:
-    table = context.config.attributes["table"]
+    table = check_table_name(context.config.attributes["table"])
+    dialect = op.get_context().dialect.name
+    if dialect == "postgresql":
+        op.execute(f"DROP TRIGGER {table}_released ON {table}")
+        for signature in _FUNCTION_SIGNATURES:
+            op.execute(f"DROP FUNCTION {signature.format(table=table)}")
+        op.execute(f"DROP TABLE {table}_requests")
+    elif dialect == "mysql":
+        op.drop_table(f"{table}_id_order")
+    op.execute(f"DROP VIEW {table}_held")
     op.drop_index(f"ix_{table}_expires", table_name=table)
     op.drop_table(table)

@@ -28,7 +28,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.util import greenlet_spawn
 
-from .. import clock, validation
+from .. import validation
 from ..engine import create_async_locker_engine, describe_url, resolve_url
 from ..errors import LockBusy, LockError, LockTypeError
 from ..identity import holder_details, new_guid
@@ -43,7 +43,7 @@ from ..locker import (
 from ..operations import Acquired, LockInfo, LockTable, Refused
 from ..schema import DEFAULT_TABLE
 from ..waiting import Backoff
-from ..waiting_room import Request, hand_off_started
+from ..waiting_room import Request
 from .keepalive import AsyncKeepAlive
 from .lock import AsyncLock, AsyncLockState
 from .loop_end import at_loop_end
@@ -293,15 +293,13 @@ class AsyncLocker:
         turn: AsyncTurn | None = None
         # A waiter's first attempt does not take the row ahead of waiters already queued.
         gate = room.key(lockstring) if room is not None else None
-        # The latest refusal that read the server's clock (see Locker.lock).
-        server_clock: tuple[float, datetime] | None = None
         try:
             while True:
                 # Subscribe before the attempt: a release between a refusal and the sleep
                 # still wakes us.
-                waiter = await listener.register(lockstring, guid) if listener is not None else None
+                heading = turn is not None and turn.request is not None
+                waiter = await listener.register(lockstring, heading) if listener else None
                 try:
-                    attempted_at = clock.now()
                     outcome = await self._try_acquire(lockstring, guid, details, ttl, on_lost, gate)
                     gated, gate = gate is not None, None
                     if isinstance(outcome, AsyncLock):
@@ -311,8 +309,6 @@ class AsyncLocker:
                             else:  # withdrawn before the caller has the lock
                                 await turn.leave(give_back=False)
                         return outcome
-                    if outcome.server_now is not None:
-                        server_clock = (attempted_at, outcome.server_now)
                     if backoff.expired():
                         if gated and outcome.busy is None:
                             continue  # the gate refused us unasked: one full attempt first
@@ -348,21 +344,12 @@ class AsyncLocker:
                         with contextlib.suppress(asyncio.TimeoutError):
                             await asyncio.wait_for(waiter.event.wait(), delay)
                         if waiter.grant is not None and turn is not None:
-                            grant = waiter.grant
-                            started = hand_off_started(
-                                grant.created, turn.requested_at, server_clock
+                            claimed = await self._call(
+                                self._table.claim_grant, lockstring, waiter.grant.lock_id, guid
                             )
-                            state = AsyncLockState(
-                                self, lockstring, grant.lock_id, guid, ttl, started, on_lost
-                            )
-                            lock = AsyncLock(
-                                state,
-                                created=grant.created,
-                                expires=grant.expires,
-                                locked_by=details,
-                            )
-                            turn.granted()
-                            return lock
+                            if claimed is not None:
+                                turn.granted()
+                                return self._lock(lockstring, guid, claimed, ttl, details, on_lost)
                 finally:
                     if listener is not None and waiter is not None:
                         listener.unregister(waiter)
@@ -393,10 +380,23 @@ class AsyncLocker:
             raise
         if not isinstance(outcome, Acquired):
             return outcome
+        return self._lock(lockstring, guid, outcome, ttl, details, on_lost)
+
+    def _lock(
+        self,
+        lockstring: str,
+        guid: str,
+        acquired: Acquired,
+        ttl: float,
+        details: dict[str, Any],
+        on_lost: OnLost | None,
+    ) -> AsyncLock:
         state = AsyncLockState(
-            self, lockstring, outcome.lock_id, guid, ttl, outcome.sent_at, on_lost
+            self, lockstring, acquired.lock_id, guid, ttl, acquired.sent_at, on_lost
         )
-        return AsyncLock(state, created=outcome.created, expires=outcome.expires, locked_by=details)
+        return AsyncLock(
+            state, created=acquired.created, expires=acquired.expires, locked_by=details
+        )
 
     def _undo_attempt(self, lockstring: str, guid: str, attempt: asyncio.Task[Any]) -> None:
         """The caller of an attempt was cancelled: release the lock if the attempt won it."""
@@ -475,7 +475,7 @@ class AsyncLocker:
     def _waiting_room(self) -> AsyncWaitingRoom:
         """Where PostgreSQL waiters queue, sync and async alike, so that one at a time tries."""
         if self._room is None:
-            self._room = AsyncWaitingRoom(self.engine, self.table_name)
+            self._room = AsyncWaitingRoom(self.engine, self._table.statements)
         return self._room
 
 

@@ -1,11 +1,12 @@
 """Waking async PostgreSQL waiters on release: the asyncio twin of ``sqllocker/notify.py``.
 
 One task per AsyncLocker holds a psycopg 3 AsyncConnection that LISTENs on the table's channel
-(migration 0003's DELETE trigger sends the lockstring), and each notification wakes the
-longest-waiting waiter of that lockstring; a hand-off to the head of a queue (migration 0005's
-``sqllocker_<table>_granted``) wakes the waiter registered with its guid. Waiters register
-before each attempt, and still wake by themselves at their backoff or the holder's expiry, so a
-dropped listening connection costs latency, never correctness.
+(the DELETE trigger sends the lockstring while waiters are queued), and each notification wakes
+the longest-waiting waiter of that lockstring; a hand-off to the head of a queue
+(``sqllocker_<table>_granted``) wakes that lockstring's head, which reads its row back before
+it believes it. Waiters register before each attempt, and still wake by themselves at their
+backoff or the holder's expiry, so a dropped listening connection costs latency, never
+correctness.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ class AsyncReleaseListener:
         self.notifications = 0
         self.grants = 0
 
-    async def register(self, lockstring: str, guid: str | None = None) -> Waiter[asyncio.Event]:
-        """Subscribe to ``lockstring``'s next release, and to a hand-off of its row to ``guid``;
-        call before the acquire attempt."""
+    async def register(self, lockstring: str, head: bool = False) -> Waiter[asyncio.Event]:
+        """Subscribe to ``lockstring``'s next release, and, for the ``head`` of its queue, to a
+        hand-off of its row; call before the acquire attempt."""
         if self._task is None or self._task.done():
             self._listening.clear()
             self._task = asyncio.get_running_loop().create_task(
@@ -51,7 +52,7 @@ class AsyncReleaseListener:
         # caller's backoff polls: never a registration that silently misses the release.
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._listening.wait(), _SUBSCRIBE_SECONDS)
-        return self._waiters.add(Waiter(lockstring, asyncio.Event(), guid))
+        return self._waiters.add(Waiter(lockstring, asyncio.Event(), head))
 
     def unregister(self, waiter: Waiter[asyncio.Event]) -> None:
         self._waiters.remove(waiter)

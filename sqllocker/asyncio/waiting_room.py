@@ -19,14 +19,13 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.util import greenlet_spawn
 
-from .. import clock
+from ..statements import Statements
 from ..waiting_room import (
     DEFAULT_CAPACITY,
     Entry,
     QueueWait,
     Request,
     Seats,
-    queue_key,
     timed_out,
 )
 
@@ -35,7 +34,7 @@ logger = logging.getLogger("sqllocker")
 
 class AsyncTurn:
     """The head of one lockstring's queue: ``await leave()`` once the row is ours, or the wait
-    ends. ``request`` and ``requested_at`` as for ``Turn``."""
+    ends. ``request`` as for ``Turn``."""
 
     def __init__(
         self,
@@ -43,13 +42,11 @@ class AsyncTurn:
         connection: Any,
         key: int,
         request: Request | None = None,
-        requested_at: float = 0.0,
     ) -> None:
         self._room = room
         self._connection: Any = connection
         self._key = key
         self.request = request
-        self.requested_at = requested_at
 
     async def leave(self, give_back: bool = True) -> bool:
         """As ``Turn.leave``, in the foreground."""
@@ -79,23 +76,24 @@ class AsyncTurn:
 class AsyncWaitingRoom:
     """One AsyncLocker's queues, and the connections its queued waiters wait on."""
 
-    def __init__(self, engine: AsyncEngine, table: str, capacity: int = DEFAULT_CAPACITY) -> None:
+    def __init__(
+        self, engine: AsyncEngine, statements: Statements, capacity: int = DEFAULT_CAPACITY
+    ) -> None:
         self._engine = engine
-        self._table = table
         self.seats = Seats(capacity)
-        self.queue_wait = QueueWait(table)
+        self.queue_wait = QueueWait(statements)
         self._leaving: set[asyncio.Task[bool]] = set()
 
     def key(self, lockstring: str) -> int:
         """The advisory lock key of ``lockstring``'s queue in this room's table."""
-        return queue_key(self._table, lockstring)
+        return self.queue_wait.key(lockstring)
 
     async def enter(
         self,
         lockstring: str,
         timeout: float | None,
         before_blocking: Callable[[], None],
-        request: Request | None = None,
+        request: Request,
     ) -> Entry[AsyncTurn]:
         """As ``WaitingRoom.enter``."""
         connection = await self._checkout()
@@ -103,14 +101,11 @@ class AsyncWaitingRoom:
             return Entry(None, try_again=False, usable=False)
         key = self.key(lockstring)
         before_blocking()
-        if not self.queue_wait.hands_off(request):
-            request = None
         try:
-            requested_at = clock.now()
             statement = self.queue_wait.statement(key, timeout, request)
             cursor = await connection.execute(*statement)
             if self.queue_wait.granted(await cursor.fetchone()):
-                turn = AsyncTurn(self, connection, key, request, requested_at)
+                turn = AsyncTurn(self, connection, key, request)
                 return Entry(turn, try_again=True, usable=True)
             await self._checkin(connection)  # the caller's deadline, or our patience, came first
             return Entry(None, try_again=True, usable=True)
@@ -163,9 +158,6 @@ class AsyncWaitingRoom:
             opened = fairy.driver_connection  # psycopg.AsyncConnection
             fairy.detach()  # ours: it never goes back to the pool
             await opened.set_autocommit(True)
-            if self.queue_wait.quiet is None:
-                probe = await opened.execute(*self.queue_wait.probe)
-                self.queue_wait.learn(*(await probe.fetchone()))
             return opened
         except Exception as error:
             await self._discard(opened)

@@ -1,0 +1,324 @@
+"""PostgreSQL shared with other roles: what a role that can only connect (or one that can create
+functions in a schema on our path) can and cannot do to the locks.
+
+Each test plays the other role on a connection of its own, and checks that no second holder,
+no stolen secret and no unbounded wait can come of it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from urllib.parse import quote
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+
+from sqllocker import LockBusy, Locker
+from sqllocker.engine import resolve_url
+from sqllocker.migrations import upgrade
+from sqllocker.waiting_room import queue_key
+from tests.conftest import head_is_waiting, requests, wait_in_thread, wait_until
+
+_numbers = itertools.count(1)
+
+
+def connect(url: str, **options: str) -> psycopg.Connection[tuple[object, ...]]:
+    target = sa.make_url(resolve_url(url))
+    return psycopg.connect(
+        host=target.host,
+        port=target.port,
+        user=options.pop("user", target.username),
+        dbname=target.database,
+        autocommit=True,
+        **options,
+    )
+
+
+def with_options(url: str, options: str) -> str:
+    """``url`` whose sessions start with the server ``options`` (``-c name=value ...``)."""
+    return f"{url}?options={quote(options)}"
+
+
+@pytest.fixture
+def intruder(postgresql_url: str) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
+    """A session of a role that may only connect to the database: no privilege on any table."""
+    role = f"sqllocker_intruder_{uuid.uuid4().hex[:8]}"
+    database = sa.make_url(resolve_url(postgresql_url)).database
+    with connect(postgresql_url) as admin:
+        admin.execute(f"CREATE ROLE {role} LOGIN")
+        admin.execute(f"GRANT CONNECT ON DATABASE {database} TO {role}")
+    connection = connect(postgresql_url, user=role)
+    yield connection
+    connection.close()
+    with connect(postgresql_url) as admin:
+        admin.execute(f"DROP OWNED BY {role}")
+        admin.execute(f"DROP ROLE {role}")
+
+
+def test_a_forged_grant_notification_is_not_taken_for_a_lock(
+    migrated_postgres: str,
+    table_name: str,
+    admin: sa.Engine,
+    intruder: psycopg.Connection[tuple[object, ...]],
+) -> None:
+    """Anyone who can connect can NOTIFY on the grants channel, naming any id. The head of the
+    queue must read its row back (id and its own guid) before it believes a grant."""
+    holder = Locker(migrated_postgres, table=table_name)
+    waiter = Locker(migrated_postgres, table=table_name)
+    held = holder.lock("report")
+    thread, result = wait_in_thread(waiter, wait=30)
+    head_is_waiting(admin, table_name)
+    (standing,) = requests(admin, table_name)  # as a role allowed to read requests would
+    now = time.time()
+    old_format = f"{standing[1]} {held.lock_id + 1} {now} {now + 30}"  # guid, id, times
+    for forged in (f"{held.lock_id} report", f"{held.lock_id + 1} report", old_format):
+        intruder.execute("SELECT pg_notify(%s, %s)", (f"sqllocker_{table_name}_granted", forged))
+    time.sleep(1.0)
+    assert "lock" not in result, "the head took a forged notification for its lock"
+    assert thread.is_alive()
+    held.unlock()  # now a true hand-off
+    thread.join(10)
+    lock = result["lock"]
+    assert lock.lock_id > held.lock_id
+    info = waiter.lock_info("report")
+    assert info is not None
+    assert info.lock_id == lock.lock_id
+    lock.unlock()
+    holder.close()
+    waiter.close()
+
+
+def test_a_role_that_can_only_connect_learns_no_guid(
+    migrated_postgres: str,
+    table_name: str,
+    admin: sa.Engine,
+    intruder: psycopg.Connection[tuple[object, ...]],
+) -> None:
+    """Requests hold their waiter's guid: only the table's owner can read them (the queue's
+    functions reach them for the roles that take locks). Notifications carry no guid."""
+    holder = Locker(migrated_postgres, table=table_name)
+    waiter = Locker(migrated_postgres, table=table_name)
+    held = holder.lock("report")
+    intruder.execute(f'LISTEN "sqllocker_{table_name}_granted"')
+    thread, result = wait_in_thread(waiter, wait=30)
+    head_is_waiting(admin, table_name)
+    (standing,) = requests(admin, table_name)
+    for table in (f"{table_name}_requests", table_name, f"{table_name}_held"):
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            intruder.execute(f"SELECT * FROM {table}")
+    with pytest.raises(psycopg.errors.InsufficientPrivilege):
+        intruder.execute(f"SELECT {table_name}_queue_leave(1, 'report', %s, true)", (standing[1],))
+    held.unlock()
+    thread.join(10)
+    lock = result["lock"]
+    payloads = [notice.payload for notice in intruder.notifies(timeout=1, stop_after=1)]
+    assert payloads == [f"{lock.lock_id} report"]
+    assert lock.guid not in payloads[0]
+    with admin.connect() as conn:  # the view, what read-only roles are given, has none either
+        view = conn.exec_driver_sql(f"SELECT * FROM {table_name}_held").mappings().one()
+    assert "guid" not in view
+    assert "guid" not in view["locked_by"]
+    lock.unlock()
+    holder.close()
+    waiter.close()
+
+
+@pytest.fixture
+def planted(postgresql_url: str) -> Iterator[str]:
+    """A schema in which another role planted look-alikes of the catalog's functions: each one
+    records that it ran, and hands back what the real one would (or a clock set back a day)."""
+    schema = f"planted_{next(_numbers)}_{uuid.uuid4().hex[:6]}"
+    with connect(postgresql_url) as conn:
+        conn.execute(f"CREATE SCHEMA {schema}")
+        conn.execute(f"CREATE TABLE {schema}.ran (what text)")
+        conn.execute(
+            f"CREATE FUNCTION {schema}.pg_notify(text, varchar) RETURNS void "
+            f"LANGUAGE sql AS $$ INSERT INTO {schema}.ran VALUES ('pg_notify') $$"
+        )
+        conn.execute(
+            f"CREATE FUNCTION {schema}.clock_timestamp() RETURNS timestamptz "
+            f"LANGUAGE sql AS $$ INSERT INTO {schema}.ran VALUES ('clock_timestamp'); "
+            "SELECT pg_catalog.clock_timestamp() - interval '1 day' $$"
+        )
+        conn.execute(
+            f"CREATE FUNCTION {schema}.hashtext(varchar) RETURNS integer "
+            f"LANGUAGE sql AS $$ INSERT INTO {schema}.ran VALUES ('hashtext'); SELECT 7 $$"
+        )
+    yield schema
+    with connect(postgresql_url) as conn:
+        conn.execute(f"DROP SCHEMA {schema} CASCADE")
+
+
+def test_functions_planted_on_the_callers_path_never_run(
+    migrated_postgres: str, table_name: str, admin: sa.Engine, planted: str
+) -> None:
+    """CVE-2018-1058: a function in a schema ahead on the caller's path, with argument types
+    that match better than pg_catalog's, runs in place of the catalog's, as the caller. Here
+    the releasing (and acquiring) role's path puts the planted schema before pg_catalog; the
+    trigger and the queue's functions pin their own path, and every statement names
+    pg_catalog's functions with their exact types."""
+    path_first = with_options(migrated_postgres, f"-c search_path={planted},pg_catalog,public")
+    holder = Locker(path_first, table=table_name)
+    waiter = Locker(path_first, table=table_name)
+    held = holder.lock("report", expires=60)
+    thread, result = wait_in_thread(waiter, wait=30, expires=60)
+    head_is_waiting(admin, table_name)
+    held.unlock()  # the trigger hands the row over and notifies
+    thread.join(10)
+    lock = result["lock"]
+    assert lock.expires > held.expires  # a day early, had the planted clock run
+    lock.unlock()
+    with holder.lock("report") as again:  # an uncontended cycle too
+        assert again.is_valid()
+    holder.purge_expired_locks()
+    with admin.connect() as conn:
+        ran = conn.exec_driver_sql(f"SELECT what FROM {planted}.ran").scalars().all()
+    assert ran == []
+    holder.close()
+    waiter.close()
+
+
+def test_an_advisory_key_held_outside_the_protocol_bounds_the_wait_and_names_its_holder(
+    migrated_postgres: str,
+    table_name: str,
+    intruder: psycopg.Connection[tuple[object, ...]],
+) -> None:
+    """Acquirers of a lockstring hold its id-order key only while they insert. A role that can
+    only connect can take it and keep it: every acquire then waits out its bound (not the
+    session's lock_timeout, three times over) and says who holds the key; through a
+    transaction pooler, which carries no session settings, the wait is bounded all the same."""
+    intruder.execute(
+        "SELECT pg_advisory_lock(hashtext(%s), hashtext(%s))", (f"public.{table_name}", "job")
+    )
+    (pid,) = intruder.execute("SELECT pg_backend_pid()").fetchone()  # type: ignore[misc]
+    for pooled in (False, True):
+        locker = Locker(migrated_postgres, table=table_name, transaction_pooling=pooled)
+        started = time.monotonic()
+        with pytest.raises(LockBusy) as busy:
+            locker.lock("job")
+        assert time.monotonic() - started < 5
+        assert busy.value.key_holder_pid == pid
+        assert f"session {pid}" in str(busy.value)
+        assert "holds no row" in str(busy.value)
+        with pytest.raises(LockBusy, match=f"session {pid}"):
+            locker.lock("job", wait=2)
+        assert locker.try_lock("other job") is not None  # other lockstrings are untouched
+        locker.close()
+    intruder.execute("SELECT pg_advisory_unlock_all()")
+    locker = Locker(migrated_postgres, table=table_name)
+    locker.lock("job").unlock()
+    locker.close()
+
+
+def test_a_queue_key_held_outside_the_protocol_delays_a_waiter_by_one_patience_at_most(
+    migrated_postgres: str,
+    table_name: str,
+    intruder: psycopg.Connection[tuple[object, ...]],
+) -> None:
+    """The queue's key is known to anyone who knows the table and the lockstring. Holding it
+    refuses a waiter's first attempt and heads the queue for ever; the waiter gives up queueing
+    after its patience and takes the free row."""
+    intruder.execute("SELECT pg_advisory_lock(%s)", (queue_key(f"public.{table_name}", "job"),))
+    locker = Locker(migrated_postgres, table=table_name)
+    started = time.monotonic()
+    lock = locker.lock("job", wait=10)
+    assert time.monotonic() - started < 3
+    lock.unlock()
+    locker.close()
+
+
+def test_same_named_tables_in_two_schemas_have_keys_of_their_own(
+    postgresql_url: str, intruder: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    schemas = [f"keys_{next(_numbers)}_{uuid.uuid4().hex[:6]}" for _ in range(2)]
+    lockers = []
+    for schema in schemas:
+        with connect(postgresql_url) as conn:
+            conn.execute(f"CREATE SCHEMA {schema}")
+        url = with_options(postgresql_url, f"-c search_path={schema}")
+        engine = sa.create_engine(resolve_url(url))
+        upgrade(engine, "semaphores")
+        engine.dispose()
+        lockers.append(Locker(url))
+    assert queue_key(f"{schemas[0]}.semaphores", "job") != queue_key(
+        f"{schemas[1]}.semaphores", "job"
+    )
+    intruder.execute(
+        "SELECT pg_advisory_lock(hashtext(%s), hashtext(%s))", (f"{schemas[0]}.semaphores", "job")
+    )
+    with pytest.raises(LockBusy, match="holds no row"):
+        lockers[0].lock("job")
+    lockers[1].lock("job").unlock()  # the other schema's table is not held up
+    intruder.execute("SELECT pg_advisory_unlock_all()")
+    for locker, schema in zip(lockers, schemas, strict=True):
+        locker.close()
+        with connect(postgresql_url) as conn:
+            conn.execute(f"DROP SCHEMA {schema} CASCADE")
+
+
+def listened(url: str, channel: str) -> Callable[[], list[str]]:
+    """Start listening on ``channel``; the returned function drains what has arrived."""
+    connection = connect(url)
+    connection.execute(f'LISTEN "{channel}"')
+
+    def drain() -> list[str]:
+        return [notice.payload for notice in connection.notifies(timeout=0.5)]
+
+    return drain
+
+
+def test_a_release_with_nobody_queued_sends_no_notification(
+    migrated_postgres: str, table_name: str
+) -> None:
+    heard = listened(migrated_postgres, f"sqllocker_{table_name}")
+    locker = Locker(migrated_postgres, table=table_name)
+    for _ in range(3):
+        locker.lock("job").unlock()
+    locker.break_lock("job")
+    assert heard() == []
+    locker.close()
+
+
+def test_a_release_succeeds_and_skips_its_notification_when_the_queue_is_filling(
+    migrated_postgres: str, table_name: str, admin: sa.Engine
+) -> None:
+    """A listener anywhere in the cluster that stops reading holds the server's notification
+    queue back; once it is full, every NOTIFY fails at commit, and a release that notified
+    would fail with it. The trigger skips its notification past a threshold of the queue's
+    use (``sqllocker.notify_queue_limit``, set very low here, as the real queue is 8 GB): the
+    release deletes its row, the head still gets the row (it finds it at its next attempt)."""
+    stalled = connect(migrated_postgres)
+    stalled.execute('LISTEN "filler"')
+    # A backend takes notifications off the queue when its session is idle, whether its client
+    # reads them or not; inside an open transaction it takes none.
+    stalled.autocommit = False
+    stalled.execute("SELECT 1")
+    filler = connect(migrated_postgres)
+    for _ in range(40):
+        filler.execute("SELECT pg_notify('filler', repeat('x', 7000))")
+    with admin.connect() as conn:
+        usage = conn.exec_driver_sql("SELECT pg_notification_queue_usage()").scalar()
+    assert usage is not None
+    assert usage > 1e-5
+    heard = listened(migrated_postgres, f"sqllocker_{table_name}_granted")
+    limited = with_options(migrated_postgres, "-c sqllocker.notify_queue_limit=0.000001")
+    holder = Locker(limited, table=table_name)
+    waiter = Locker(migrated_postgres, table=table_name)
+    held = holder.lock("report")
+    thread, result = wait_in_thread(waiter, wait=30)
+    head_is_waiting(admin, table_name)
+    held.unlock()  # no error, and the row is gone (handed over)
+    thread.join(10)
+    lock = result["lock"]
+    assert lock.lock_id > held.lock_id
+    assert heard() == []  # the grant was made, its notification skipped
+    lock.unlock()
+    wait_until(lambda: holder.lock_info("report") is None)
+    stalled.close()
+    filler.close()
+    holder.close()
+    waiter.close()
