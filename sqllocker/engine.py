@@ -36,6 +36,14 @@ SQLITE_BUSY_TIMEOUT_SECONDS = 60
 # session inserted inside a long transaction (not sqllocker's way). Bound the wait; a timeout is
 # treated as contention, not as a failure.
 ROW_LOCK_TIMEOUT_SECONDS = 10
+# The longest any one statement may take, waits included (a purge batch, a migration step), and
+# the longest a driver waits for an answer: past it, a statement stuck on a dead connection or a
+# hung server fails, and an unlock() queued behind it gets its turn. A URL parameter of the same
+# name (statement_timeout, read_timeout, ...) overrides it.
+STATEMENT_TIMEOUT_SECONDS = 60
+# PostgreSQL: a connection whose peer stopped answering is given up after this long (TCP
+# keepalives for an idle one, tcp_user_timeout for unacknowledged data).
+DEAD_PEER_SECONDS = 15
 
 _DRIVER_FOR_SCHEME = {
     "postgres": "postgresql+psycopg",
@@ -116,12 +124,24 @@ def create_async_locker_engine(url: URL, *, transaction_pooling: bool = False) -
 def _engine_options(url: URL, transaction_pooling: bool) -> dict[str, Any]:
     backend = url.get_backend_name()
     connect_args: dict[str, Any] = {}
+
+    def default(name: str, value: object) -> None:
+        """A driver argument, unless the URL gives its own (the URL's wins)."""
+        if name not in url.query:
+            connect_args[name] = value
+
     if backend == "sqlite":
         connect_args["timeout"] = SQLITE_BUSY_TIMEOUT_SECONDS
         # Lockers are shared between threads; SQLAlchemy's pool hands a connection to one at a time.
         connect_args["check_same_thread"] = False
     elif backend == "postgresql":
         connect_args.setdefault("connect_timeout", CONNECT_TIMEOUT_SECONDS)
+        # libpq's own settings (not the server's), so they pass through a pooler too.
+        default("keepalives", 1)
+        default("keepalives_idle", DEAD_PEER_SECONDS // 3)
+        default("keepalives_interval", DEAD_PEER_SECONDS // 6)
+        default("keepalives_count", 3)
+        default("tcp_user_timeout", DEAD_PEER_SECONDS * 1000)
         if transaction_pooling:
             # Each transaction may run on another server session: a statement prepared on one
             # is missing on the next (PgBouncer before 1.21), and PgBouncer refuses the
@@ -132,12 +152,16 @@ def _engine_options(url: URL, transaction_pooling: bool) -> dict[str, Any]:
             # A lock row acknowledged and then lost in a crash would let a second holder in with
             # the same id; synchronous_commit=off does exactly that. Force it on for our session.
             connect_args["options"] = (
-                f"-c synchronous_commit=on -c lock_timeout={ROW_LOCK_TIMEOUT_SECONDS * 1000}"
+                f"-c synchronous_commit=on -c lock_timeout={ROW_LOCK_TIMEOUT_SECONDS * 1000} "
+                f"-c statement_timeout={STATEMENT_TIMEOUT_SECONDS * 1000}"
             )
         if "application_name" not in url.query:
             connect_args["application_name"] = "sqllocker"
     elif backend in {"mysql", "mariadb"}:  # PyMySQL and aiomysql take the same arguments
         connect_args.setdefault("connect_timeout", CONNECT_TIMEOUT_SECONDS)
+        if url.get_driver_name() == "pymysql":  # aiomysql has no socket timeouts
+            default("read_timeout", STATEMENT_TIMEOUT_SECONDS)
+            default("write_timeout", STATEMENT_TIMEOUT_SECONDS)
         if "init_command" not in url.query:
             connect_args["init_command"] = (
                 f"SET SESSION innodb_lock_wait_timeout = {ROW_LOCK_TIMEOUT_SECONDS}"

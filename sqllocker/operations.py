@@ -605,6 +605,8 @@ class LockTable:
                 return operation(session)
         try:
             held = stack.take()
+        except sa.exc.TimeoutError as error:
+            raise self._no_free_connection(error) from error
         except self._connect_errors as error:
             raise self.unreachable(error) from error
         try:
@@ -642,6 +644,8 @@ class LockTable:
         try:
             checkout: Any = self.engine.raw_connection() if self.owns_engine else None
             connection = None if self.owns_engine else self.engine.connect()
+        except sa.exc.TimeoutError as error:
+            raise self._no_free_connection(error) from error
         except self._connect_errors as error:
             raise self.unreachable(error) from error
         fairy = checkout if connection is None else connection.connection
@@ -668,6 +672,8 @@ class LockTable:
         """An SQLAlchemy Connection, for the rare statements outside the lock operations."""
         try:
             connection = self.engine.connect()
+        except sa.exc.TimeoutError as error:
+            raise self._no_free_connection(error) from error
         except sa.exc.DBAPIError as error:
             raise self.unreachable(error) from error
         with connection:
@@ -678,6 +684,14 @@ class LockTable:
         """What opening a connection raises: SQLAlchemy's wrapped errors, or the driver's own
         (``raw_connection()`` does not wrap them)."""
         return (sa.exc.DBAPIError, self.engine.dialect.loaded_dbapi.Error)
+
+    def _no_free_connection(self, error: sa.exc.TimeoutError) -> DatabaseError:
+        """The error for a pool that lent no connection within its timeout."""
+        return DatabaseError(
+            f"no connection to {describe_url(self.url)} came free in time: {one_line(error)}; "
+            "more threads run lock operations at once than the pool allows (pool_size + "
+            "max_overflow), or connections are held elsewhere"
+        )
 
     def unreachable(self, error: BaseException | None) -> DatabaseError:
         """The error for a database that could not be connected to; ``error`` is the driver's,

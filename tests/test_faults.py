@@ -26,7 +26,7 @@ import pytest
 import sqlalchemy as sa
 
 from scripts.stall_proxy import StallProxy
-from sqllocker import Locker, LockLost, lock_table
+from sqllocker import Locker, LockError, LockLost, lock_table
 from sqllocker.engine import resolve_url
 from tests.conftest import count_rows, figure
 from tests.private_servers import running_private_server
@@ -308,6 +308,39 @@ def test_network_stall_tells_the_holder_before_anyone_can_take_over(
         f"holder told {told[0] - stalled_at:.2f}s into the stall, takeover possible at "
         f"{taken_at - stalled_at:.2f}s (told {taken_at - told[0]:.2f}s before)",
     )
+
+
+def test_unlock_is_not_held_up_for_ever_by_a_renewal_stuck_on_a_stalled_connection(
+    mysql_url: str, table_name: str
+) -> None:
+    """A renewal whose answer never comes holds the lock's operations (release and renewal are
+    serialised). The driver's read timeout (PyMySQL's read_timeout, set by sqllocker, shortened
+    here through the URL) fails it, so that unlock() gets its turn and ends, with a LockError,
+    within a bounded time. libpq has no read timeout: on PostgreSQL, keepalives and
+    tcp_user_timeout end a connection to a peer that is gone, but not one that answers TCP
+    and nothing more, as this proxy does."""
+    engine = sa.create_engine(resolve_url(mysql_url))
+    lock_table(table_name).create(engine)
+    engine.dispose()
+    target = resolve_url(mysql_url)
+    proxy = StallProxy(target.port or 3306)
+    through_proxy = target.set(
+        host="127.0.0.1",
+        port=proxy.port,
+        query={"read_timeout": "1", "write_timeout": "1", "connect_timeout": "1"},
+    )
+    holder = Locker(through_proxy, table=table_name)
+    try:
+        lock = holder.lock("job", expires=3, keep_alive=True)
+        proxy.stall()
+        time.sleep(1.2)  # the first renewal (at 1 s) is stuck now
+        started = time.monotonic()
+        with pytest.raises(LockError):
+            lock.unlock()
+        assert time.monotonic() - started < 15
+    finally:
+        proxy.close()
+        holder.close()
 
 
 # -- 6. fork while holding a kept-alive lock ------------------------------------------------------

@@ -22,6 +22,7 @@ from sqllocker import (
     LockValueError,
     TableMissing,
 )
+from sqllocker.engine import resolve_url
 from tests.conftest import count_rows
 
 Sent = Callable[[], list[str]]
@@ -342,3 +343,37 @@ def test_database_gone_after_first_use_is_a_lock_error(tmp_path: Any) -> None:
     with pytest.raises(DatabaseError) as caught:
         locker.lock("job")
     assert "cannot connect" in str(caught.value)
+
+
+def test_a_pool_with_no_connection_free_is_a_lock_error(url: str, table_name: str) -> None:
+    """SQLAlchemy's pool raises its own TimeoutError when it lends nothing within its timeout;
+    a caller catching LockError must see that too."""
+    engine = sa.create_engine(
+        resolve_url(url), pool_size=1, max_overflow=0, pool_timeout=0.3, poolclass=sa.QueuePool
+    )
+    locker = Locker(engine, table=table_name, auto_create=True)
+    locker.lock("warm up").unlock()
+    # The pool's only connection, held elsewhere:
+    with engine.connect(), pytest.raises(DatabaseError, match="came free in time"):
+        locker.lock("job")
+    locker.lock("job").unlock()
+    engine.dispose()
+
+
+def test_every_statement_and_connection_of_a_locker_is_bounded(url: str, backend: str) -> None:
+    """Connect, statement and socket timeouts on the engine a Locker makes (each overridable
+    by a URL parameter of the same name)."""
+    locker = Locker(url)
+    with locker.engine.connect() as conn:
+        driver = conn.connection.dbapi_connection
+        if backend == "postgresql":
+            assert conn.exec_driver_sql("SHOW statement_timeout").scalar() == "1min"
+            parameters = driver.info.get_parameters()  # type: ignore[union-attr]
+            assert parameters["tcp_user_timeout"] == "15000"
+            assert parameters["keepalives"] == "1"
+            assert parameters["connect_timeout"] == "10"
+        elif backend == "mysql":
+            assert driver._read_timeout == 60  # type: ignore[union-attr]
+            assert driver._write_timeout == 60  # type: ignore[union-attr]
+            assert driver.connect_timeout == 10  # type: ignore[union-attr]
+    locker.close()
