@@ -97,7 +97,9 @@ def cli(context: click.Context, url: str | None, table: str, transaction_pooling
     "--grace",
     type=click.FloatRange(min=0),
     default=DEFAULT_GRACE,
-    help="Leave rows that expired less than this many seconds ago.",
+    help="Leave rows that expired less than this many seconds ago. The table does not record "
+    "the grace its Lockers use (each process sets its own): give the largest of theirs, so that "
+    "no row is purged sooner than a Locker would take it over. The default is Locker's.",
 )
 @click.option("--dry-run", is_flag=True, help="Print what would be purged; delete nothing.")
 @click.option("--json", "as_json", is_flag=True, help='Print {"purged": N} (or what would go).')
