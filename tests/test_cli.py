@@ -147,6 +147,32 @@ def test_unreachable_database_is_a_one_line_error() -> None:
     assert "cannot connect" in result.stderr
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "nonsense",
+        "foo://host/db",
+        "postgresql://app:hunter2@host:port/db",
+        "postgresql://app@127.0.0.1:1/db?password=hunter2",
+    ],
+)
+def test_a_bad_url_is_one_line_without_its_password(url: str) -> None:
+    result = subprocess.run(
+        [SQLLOCKER, "--url", url, "list"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 1
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "hunter2" not in result.stderr
+
+
+def test_purge_help_says_which_grace_to_give() -> None:
+    shown = subprocess.run(
+        [SQLLOCKER, "purge-expired", "--help"], capture_output=True, text=True, timeout=60
+    ).stdout
+    assert "does not record" in " ".join(shown.split())
+
+
 def test_sqlite_default_needs_no_set_up(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "SQLLOCKER_URL"}
     result = subprocess.run(
