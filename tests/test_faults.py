@@ -25,11 +25,11 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from scripts.stall_proxy import StallProxy
 from sqllocker import Locker, LockError, LockLost, lock_table
 from sqllocker.engine import resolve_url
 from tests.conftest import count_rows, figure
 from tests.private_servers import running_private_server
+from tests.stall_proxy import StallProxy
 
 REPO = Path(__file__).resolve().parent.parent
 
