@@ -14,6 +14,7 @@ from datetime import timedelta
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Dialect
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -62,6 +63,34 @@ class Backend:
             sa.func.julianday("now") + sa.bindparam(param, type_=sa.Float()) / 86400.0,
             type_=UTCDateTime(),
         )
+
+    def shifted(self, moment: ColumnElement[Any], param: str) -> ColumnElement[Any]:
+        """A timestamp column (or expression) plus the bound parameter ``param`` (see
+        :meth:`seconds_value`)."""
+        if self.name == "postgresql":
+            return moment + sa.cast(sa.bindparam(param, type_=sa.Interval()), sa.Interval())
+        if self.name == "mysql":
+            return sa.func.timestampadd(
+                sa.literal_column("MICROSECOND"),
+                sa.bindparam(param, type_=sa.BigInteger()),
+                moment,
+                type_=UTCDateTime(),
+            )
+        return sa.func.strftime(
+            SQLITE_TIMESTAMP_FORMAT,
+            sa.func.julianday(moment) + sa.bindparam(param, type_=sa.Float()) / 86400.0,
+            type_=UTCDateTime(),
+        )
+
+    def with_json_key(
+        self, document: ColumnElement[Any], key: str, text: ColumnElement[Any]
+    ) -> ColumnElement[Any]:
+        """JSON ``document`` with ``key`` set to the string ``text`` (an SQL expression)."""
+        if self.name == "postgresql":
+            path = sa.cast(sa.literal("{" + key + "}"), postgresql.ARRAY(sa.Text))
+            value = sa.func.pg_catalog.to_jsonb(sa.cast(text, sa.Text))
+            return sa.func.pg_catalog.jsonb_set(document, path, value)
+        return sa.func.json_set(document, sa.literal(f"$.{key}"), sa.cast(text, sa.String))
 
     def seconds_value(self, seconds: float) -> Any:
         """A number of seconds as :meth:`shifted_now` wants its parameter."""

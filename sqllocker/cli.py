@@ -264,6 +264,16 @@ def release(settings: _Settings, lockstring: str, force: bool, lock_id: int | No
 )
 @click.option("-q", "--quiet", is_flag=True, help="Say nothing when the lock is held.")
 @click.option(
+    "--hold-at-least",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    metavar="SECONDS",
+    envvar="SQLLOCKER_HOLD_AT_LEAST",
+    show_envvar=True,
+    help="Keep the lock at least this long after taking it, even if COMMAND ends sooner: a job "
+    "that cron starts on several machines then runs once per window, however short it is.",
+)
+@click.option(
     "--on-lost",
     type=click.Choice(ON_LOST_CHOICES),
     default="stop",
@@ -301,6 +311,7 @@ def run(
     conflict_exit_code: int,
     expires: float,
     quiet: bool,
+    hold_at_least: float | None,
     on_lost: str,
     kill_after: float,
     pass_url: bool,
@@ -331,6 +342,7 @@ def run(
         expires=expires,
         conflict_exit_code=conflict_exit_code,
         quiet=quiet,
+        hold_at_least=hold_at_least,
         on_lost=on_lost,
         kill_after=kill_after,
         pass_url=pass_url,

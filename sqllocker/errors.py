@@ -160,7 +160,14 @@ def _busy_message(lockstring: str, busy: LockBusy) -> str:
             "no row of the lock table (a session outside sqllocker, or a stuck one: see "
             f"pg_stat_activity where pid = {busy.key_holder_pid}){waited}"
         )
-    parts = [f"lock {lockstring!r} is held by {describe_holder(busy.holder)}"]
+    finished = (busy.holder or {}).get("finished")
+    if finished is not None:
+        parts = [
+            f"lock {lockstring!r} was held by {describe_holder(busy.holder)}, which finished at "
+            f"{printable(finished)} and keeps it for the rest of its window (hold_at_least)"
+        ]
+    else:
+        parts = [f"lock {lockstring!r} is held by {describe_holder(busy.holder)}"]
     if busy.created is not None:
         parts.append(f"since {busy.created.isoformat(timespec='seconds')}")
     if busy.expires is not None:

@@ -69,6 +69,8 @@ class Holding:
         self.held = True
         self.lost: LockLost | None = None
         self.on_lost = on_lost
+        # Seconds from the row's creation that a release keeps it for (see Locker.lock).
+        self.hold_at_least: float | None = None
         self.valid_until = sent_at + ttl - safety_margin(ttl)
         self._lost_lock = threading.Lock()
 
@@ -196,7 +198,7 @@ class LockState(Holding):
             self.held = False
             self.locker._forget_kept_alive(self)
             try:
-                self.locker._release(self.lockstring, self.lock_id, self.guid)
+                self.locker._release(self.lockstring, self.lock_id, self.guid, self.hold_at_least)
             except LockLost:
                 raise
             except BaseException:

@@ -149,6 +149,7 @@ class Locker:
         locked_by: dict[str, Any] | None = None,
         keep_alive: bool = False,
         on_lost: OnLost | None = None,
+        hold_at_least: float | None = None,
     ) -> Lock:
         """Acquire ``lockstring`` or raise LockBusy.
 
@@ -159,12 +160,16 @@ class Locker:
         it waits (see ``sqllocker.waiting_room``). ``locked_by``: extra JSON details stored with the
         holder's host, pid, thread, program and user. ``keep_alive``: renew the lock in the
         background until it is released (see ``Lock.keep_alive``), calling ``on_lost`` (else the
-        locker's) if it is lost.
+        locker's) if it is lost. ``hold_at_least``: a release within that many seconds of the
+        acquire (by the server's clock) keeps the row until then, so that nobody else takes
+        the lock in that window: a job scheduled on several machines runs once per window,
+        however quickly it finishes.
         """
         request = validation.check_lock_request(
             lockstring, expires, self.expires, wait, locked_by, on_lost
         )
         lockstring, ttl, wait, extra = request
+        hold = validation.check_hold_at_least(hold_at_least, lockstring)
         on_lost = on_lost or self.on_lost
         # One guid for every attempt of this call: a release may hand the row to it (as our
         # Request, at the head of the queue), and an attempt that finds the row under it knows
@@ -178,6 +183,7 @@ class Locker:
             lock = outcome
         else:
             lock = self._wait_for(lockstring, guid, details, ttl, wait, on_lost)
+        lock._state.hold_at_least = hold
         return lock.keep_alive() if keep_alive else lock
 
     def try_lock(
@@ -251,8 +257,10 @@ class Locker:
 
     # -- operations used by Lock ----------------------------------------------------------------
 
-    def _release(self, lockstring: str, lock_id: int, guid: str) -> None:
-        self._table.release(lockstring, lock_id, guid)
+    def _release(
+        self, lockstring: str, lock_id: int, guid: str, hold_at_least: float | None
+    ) -> None:
+        self._table.release(lockstring, lock_id, guid, hold_at_least)
 
     def _extend(self, lockstring: str, lock_id: int, guid: str, ttl: float) -> datetime:
         return self._table.extend(lockstring, lock_id, guid, ttl)

@@ -237,9 +237,23 @@ class LockTable:
         logger.debug("acquired %r (id %d), handed over by its release", lockstring, row.id)
         return acquired
 
-    def release(self, lockstring: str, lock_id: int, guid: str) -> None:
-        """Delete our row; LockLost if it was no longer ours."""
-        params = {"lock_id": lock_id, "lock_guid": guid}
+    def release(
+        self, lockstring: str, lock_id: int, guid: str, hold_at_least: float | None = None
+    ) -> None:
+        """Delete our row; LockLost if it was no longer ours. With ``hold_at_least``, a release
+        within that many seconds of the row's creation keeps the row until then instead (see
+        ``Statements.finish_within_window``)."""
+        params: dict[str, Any] = {"lock_id": lock_id, "lock_guid": guid}
+        if hold_at_least is not None:
+            params["hold"] = self._be.seconds_value(hold_at_least)
+            kept = self._run(
+                lockstring, lambda conn: conn.affected(self._sql.finish_within_window, params)
+            )
+            if kept == 1:
+                logger.debug(
+                    "finished %r (id %d); it stays held till its window ends", lockstring, lock_id
+                )
+                return
         deleted = self._run(lockstring, lambda conn: conn.affected(self._sql.release, params))
         if deleted != 1:
             raise LockLost(

@@ -57,6 +57,7 @@ class RunOptions:
     expires: float
     conflict_exit_code: int = 1
     quiet: bool = False
+    hold_at_least: float | None = None
     on_lost: str = "stop"
     kill_after: float = DEFAULT_KILL_AFTER
     pass_url: bool = False
@@ -79,6 +80,7 @@ def run_locked(locker: Locker, lockstring: str, command: Sequence[str], options:
                 wait=options.wait,
                 expires=options.expires,
                 locked_by={"command": recorded},
+                hold_at_least=options.hold_at_least,
             )
     except LockBusy as busy:
         if not options.quiet:

@@ -341,6 +341,24 @@ class Statements:
         return release
 
     @cached_property
+    def finish_within_window(self) -> Update:
+        """A release before ``created + hold`` (``hold_at_least``): the row stays, expiring at
+        the end of that window, and says when its holder finished (``locked_by.finished``), so
+        that a scheduled job whose next run comes within the window is refused. Only our own
+        unexpired row, and only while the window is still open: otherwise the release deletes
+        the row as usual."""
+        c = self.table.c
+        window_ends = self.backend.shifted(c.created, "hold")
+        return (
+            sa.update(self.table)
+            .where(self._ours_and_live, window_ends > self._now)
+            .values(
+                expires=window_ends,
+                locked_by=self.backend.with_json_key(c.locked_by, "finished", self._now),
+            )
+        )
+
+    @cached_property
     def extend(self) -> Update:
         """Push our row's expiry to server now + ttl, unless it is gone or has already expired.
 

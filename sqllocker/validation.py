@@ -23,7 +23,9 @@ MAX_SECONDS = 10 * 365 * 24 * 3600
 # Table names are embedded in derived identifiers (index, view, alembic version table), and the
 # longest of those must stay under MySQL's 64-character identifier limit.
 MAX_TABLE_NAME_LENGTH = 32
-RESERVED_LOCKED_BY_KEYS = frozenset({"guid", "host", "pid", "thread", "task", "program", "user"})
+RESERVED_LOCKED_BY_KEYS = frozenset(
+    {"guid", "host", "pid", "thread", "task", "program", "user", "finished"}
+)
 # A caller's locked_by details, as JSON: enough for a job's description, not a way to store data
 # in every lock row (or to fill an operator's screen).
 MAX_LOCKED_BY_BYTES = 8192
@@ -225,6 +227,11 @@ def check_lock_request(
     checked = check_lockstring(lockstring)
     ttl = default_expires if expires is None else check_seconds(expires, "expires", checked)
     return checked, ttl, check_wait(wait, checked), check_locked_by(locked_by, checked)
+
+
+def check_hold_at_least(value: object, lockstring: str | None = None) -> float | None:
+    """``hold_at_least``: None, or a positive number of seconds."""
+    return None if value is None else check_seconds(value, "hold_at_least", lockstring)
 
 
 def _number(value: object, name: str, lockstring: str | None) -> float:

@@ -158,6 +158,18 @@ async def test_leaving_async_with_after_an_explicit_unlock_is_quiet(alocker: Asy
     assert await alocker.locks() == []
 
 
+async def test_an_async_lock_held_at_least_keeps_its_row_for_the_window(
+    alocker: AsyncLocker,
+) -> None:
+    async with alocker.lock("report", hold_at_least=1.0) as lock:
+        pass
+    info = await alocker.lock_info("report")
+    assert info is not None
+    assert info.lock_id == lock.lock_id
+    with pytest.raises(LockBusy, match="finished at"):
+        await alocker.lock("report")
+
+
 async def test_sync_and_async_lockers_exclude_each_other(
     alocker: AsyncLocker, make_locker: Callable[..., Locker]
 ) -> None:

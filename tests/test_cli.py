@@ -597,6 +597,59 @@ def test_run_reports_a_lost_lock(
     assert "no longer ours" in err or "could not be extended" in err
 
 
+def test_a_job_cron_starts_on_two_machines_runs_once_per_window(
+    migrated: Locker, url: str, table_name: str, tmp_path: Path
+) -> None:
+    """The README's cron recipe: two machines' cron fire 0.3 s apart, the job takes 0.1 s.
+    Without --hold-at-least the first run has released its row before the second asks, and
+    the job runs twice; with it, once, and the next window's run goes ahead with a higher id."""
+    ran = tmp_path / "ran"
+    job = ["sh", "-c", f'echo "$SQLLOCKER_LOCK_ID" >> {ran}; sleep 0.1']
+
+    def cron() -> subprocess.Popen[str]:
+        return popen(
+            url, table_name, "run", "-q", "-E", "0", "--hold-at-least", "2", "job", "--", *job
+        )
+
+    first = cron()
+    time.sleep(0.3)
+    second = cron()
+    assert first.wait(30) == 0
+    assert second.wait(30) == 0
+    assert len(ran.read_text().split()) == 1
+    time.sleep(3.5)  # the next window (2 s) and the takeover grace (1 s)
+    assert cron().wait(30) == 0
+    ids = [int(line) for line in ran.read_text().split()]
+    assert len(ids) == 2
+    assert ids[1] > ids[0]
+
+
+def test_of_eight_machines_starting_a_held_job_at_once_one_runs(
+    migrated: Locker, url: str, table_name: str, tmp_path: Path
+) -> None:
+    ran = tmp_path / "ran"
+    runners = [
+        popen(
+            url,
+            table_name,
+            "run",
+            "-q",
+            "-E",
+            "0",
+            "--hold-at-least",
+            "10",
+            "job",
+            "--",
+            "sh",
+            "-c",
+            f"echo x >> {ran}",
+        )
+        for _ in range(8)
+    ]
+    assert [runner.wait(60) for runner in runners] == [0] * 8
+    assert ran.read_text().split() == ["x"]
+
+
 def alive(pid: int) -> bool:
     """Whether process ``pid`` runs (a zombie, killed and not yet reaped, does not)."""
     try:

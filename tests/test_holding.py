@@ -306,16 +306,18 @@ def test_settings_that_lose_rows_warn_or_refuse(url: str, table_name: str) -> No
 def test_mariadb_autoinc_lock_mode_2_is_safe_only_with_the_id_order_table(
     table_name: str,
 ) -> None:
-    """With innodb_autoinc_lock_mode=2 (MySQL 8's default) only migration 0006's stripes table
-    keeps lock ids in holding order (see test_fencing.py): a table without it warns, or with
-    strict refuses, naming the command that adds it; once migrated, neither."""
+    """With innodb_autoinc_lock_mode=2 (MySQL 8's default) only the stripes table the
+    migration makes keeps lock ids in holding order (see test_fencing.py): a table without it
+    warns, or with strict refuses, naming the command that makes it; once it is there, neither."""
     # A server setting (read-only while it runs), so a private server started with it.
     with running_private_server("mysql", "--innodb-autoinc-lock-mode=2") as server:
         engine = sa.create_engine(resolve_url(server.url))
-        upgrade(engine, table_name, "0005")
+        upgrade(engine, table_name)
+        with engine.begin() as conn:  # as on a table whose stripes were dropped
+            conn.exec_driver_sql(f"DROP TABLE {table_name}_id_order")
         reorders = (
             f"innodb_autoinc_lock_mode=2 with lock table {table_name} lacking "
-            f"{table_name}_id_order \\(migration 0006: run `sqllocker migrate --table "
+            f"{table_name}_id_order \\(run `sqllocker migrate --table "
             f"{table_name}`\\) can hand out lock ids out of holding order"
         )
         warned = Locker(server.url, table=table_name)
@@ -325,7 +327,13 @@ def test_mariadb_autoinc_lock_mode_2_is_safe_only_with_the_id_order_table(
         with pytest.raises(UnsafeDatabase, match=reorders):
             Locker(server.url, table=table_name, strict=True).lock("job")
         assert count_rows(Locker(server.url, table=table_name)) == 0  # strict wrote nothing
-        warned.create_table()  # migrates to 0006
+        with engine.begin() as conn:  # the stripes back, as the migration makes them
+            conn.exec_driver_sql(
+                f"CREATE TABLE {table_name}_id_order (stripe SMALLINT PRIMARY KEY) ENGINE=InnoDB"
+            )
+            stripes = ", ".join(f"({n})" for n in range(ID_ORDER_STRIPES))
+            conn.exec_driver_sql(f"INSERT INTO {table_name}_id_order VALUES {stripes}")
+        warned.create_table()  # up to date already; the settings are read again after it
         with warnings.catch_warnings():
             warnings.simplefilter("error", UnsafeDatabaseWarning)
             warned.lock("job").unlock()  # the locker that migrated takes the stripe lock now

@@ -498,3 +498,40 @@ def test_a_guid_left_in_locked_by_by_an_older_version_is_not_shown(locker: Locke
         locker.lock("job")
     assert busy.value.holder == {"host": "old", "pid": 1}
     lock.unlock()
+
+
+# -- hold_at_least: scheduled jobs run once per window --------------------------------------------
+
+
+def test_a_lock_held_at_least_keeps_its_row_for_the_window_after_unlock(locker: Locker) -> None:
+    lock = locker.lock("report", expires=60, hold_at_least=1.5)
+    lock.unlock()  # the job was quick
+    assert not lock.is_locked
+    info = locker.lock_info("report")
+    assert info is not None
+    assert info.lock_id == lock.lock_id
+    assert (info.expires - info.created).total_seconds() == pytest.approx(1.5, abs=0.01)
+    assert "finished" in info.locked_by
+    with pytest.raises(LockBusy, match="finished at") as busy:
+        locker.lock("report")
+    assert "hold_at_least" in str(busy.value)
+    time.sleep(1.6)
+    again = locker.lock("report")  # the window is over: taken over, with a higher id
+    assert again.lock_id > lock.lock_id
+    again.unlock()
+    assert locker.lock_info("report") is None  # no window of its own: deleted
+
+
+def test_an_unlock_after_the_window_deletes_the_row(locker: Locker) -> None:
+    lock = locker.lock("report", hold_at_least=0.3)
+    time.sleep(0.5)
+    lock.unlock()
+    assert locker.lock_info("report") is None
+
+
+def test_a_lost_lock_held_at_least_is_still_lost_at_unlock(locker: Locker) -> None:
+    lock = locker.lock("report", hold_at_least=30)
+    locker.break_lock("report")
+    with pytest.raises(LockLost):
+        lock.unlock()
+    assert locker.lock_info("report") is None  # never revived

@@ -85,7 +85,9 @@ class AsyncLockState(Holding):
                 # must not keep others out beyond the expiry.
                 self.locker._forget_kept_alive(self)
                 try:
-                    await self.locker._release(self.lockstring, self.lock_id, self.guid)
+                    await self.locker._release(
+                        self.lockstring, self.lock_id, self.guid, self.hold_at_least
+                    )
                 except LockLost:
                     self.held = False
                     raise

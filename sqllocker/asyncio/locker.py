@@ -147,6 +147,7 @@ class AsyncLocker:
         locked_by: dict[str, Any] | None = None,
         keep_alive: bool = False,
         on_lost: OnLost | None = None,
+        hold_at_least: float | None = None,
     ) -> Acquiring:
         """Acquire ``lockstring`` (arguments as ``Locker.lock``): ``await`` it for an AsyncLock,
         or ``async with`` it to hold the lock for a block. Raises LockBusy if it stays held.
@@ -156,7 +157,8 @@ class AsyncLocker:
         request = validation.check_lock_request(
             lockstring, expires, self.expires, wait, locked_by, on_lost
         )
-        return Acquiring(self._acquire(*request, keep_alive, on_lost or self.on_lost))
+        hold = validation.check_hold_at_least(hold_at_least, request[0])
+        return Acquiring(self._acquire(*request, keep_alive, on_lost or self.on_lost, hold))
 
     async def try_lock(
         self,
@@ -232,8 +234,10 @@ class AsyncLocker:
 
     # -- operations used by AsyncLock ------------------------------------------------------------
 
-    async def _release(self, lockstring: str, lock_id: int, guid: str) -> None:
-        await self._call(self._table.release, lockstring, lock_id, guid)
+    async def _release(
+        self, lockstring: str, lock_id: int, guid: str, hold_at_least: float | None
+    ) -> None:
+        await self._call(self._table.release, lockstring, lock_id, guid, hold_at_least)
 
     async def _extend(self, lockstring: str, lock_id: int, guid: str, ttl: float) -> datetime:
         return await self._call(self._table.extend, lockstring, lock_id, guid, ttl)
@@ -261,6 +265,7 @@ class AsyncLocker:
         extra: dict[str, Any],
         keep_alive: bool,
         on_lost: OnLost | None,
+        hold_at_least: float | None = None,
     ) -> AsyncLock:
         await self._ready()
         # One guid for every attempt, as in Locker.lock: a release may hand the row to it.
@@ -274,6 +279,7 @@ class AsyncLocker:
             lock = outcome
         else:
             lock = await self._wait_for(lockstring, guid, details, ttl, wait, on_lost)
+        lock._state.hold_at_least = hold_at_least
         return lock.keep_alive() if keep_alive else lock
 
     async def _wait_for(
