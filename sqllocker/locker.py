@@ -8,15 +8,18 @@ by sleeping, keep-alive on a thread, release notifications on a listening thread
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import threading
+from collections.abc import Callable
 from datetime import datetime
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from sqlalchemy.engine import URL, Connection, Engine
 
 from . import validation
 from .backends import Backend
+from .decorators import LockstringTemplate, check_on_busy, when_busy
 from .engine import create_locker_engine, describe_url, resolve_url
 from .errors import LockBusy, LockTypeError
 from .identity import holder_details, new_guid
@@ -30,6 +33,9 @@ from .waiting import Backoff
 from .waiting_room import Request, Turn, WaitingRoom
 
 logger = logging.getLogger("sqllocker")
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 DEFAULT_EXPIRES = 3600.0
 DEFAULT_GRACE = 1.0
@@ -185,6 +191,61 @@ class Locker:
             lock = self._wait_for(lockstring, guid, details, ttl, wait, on_lost)
         lock._state.hold_at_least = hold
         return lock.keep_alive() if keep_alive else lock
+
+    def locked(
+        self,
+        lockstring: str,
+        *,
+        wait: float | None = 0,
+        on_busy: str = "skip",
+        expires: float | None = None,
+        keep_alive: bool = True,
+        hold_at_least: float | None = None,
+    ) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
+        """Decorate a function to run under a lock: ``@locker.locked("report {day}")``.
+
+        ``lockstring`` is a ``str.format`` template over the function's arguments, by name
+        (checked against its signature now). When the lock is held by someone else (after
+        ``wait``), ``on_busy="skip"`` returns None without calling the function (logged at
+        INFO) and ``"raise"`` raises LockBusy. The lock is kept alive while the function runs
+        (``keep_alive``), released when it returns or raises (unless ``hold_at_least`` keeps
+        it), and LockLost is raised at the end if it was lost meanwhile. For coroutine
+        functions, use ``AsyncLocker.locked``.
+        """
+        behaviour = check_on_busy(on_busy)
+        validation.check_wait(wait)
+        if expires is not None:
+            validation.check_seconds(expires, "expires")
+        validation.check_hold_at_least(hold_at_least)
+
+        def decorate(function: Callable[P, R]) -> Callable[P, R | None]:
+            if inspect.iscoroutinefunction(function):
+                raise LockTypeError(
+                    f"{function.__qualname__} is a coroutine function: decorate it with "
+                    "sqllocker.asyncio.AsyncLocker.locked"
+                )
+            template = LockstringTemplate(lockstring, function)
+
+            @functools.wraps(function)
+            def under_lock(*args: P.args, **kwargs: P.kwargs) -> R | None:
+                name = template.render(args, kwargs)
+                try:
+                    lock = self.lock(
+                        name,
+                        wait=wait,
+                        expires=expires,
+                        keep_alive=keep_alive,
+                        hold_at_least=hold_at_least,
+                    )
+                except LockBusy as busy:
+                    when_busy(behaviour, function, busy)
+                    return None
+                with lock:
+                    return function(*args, **kwargs)
+
+            return under_lock
+
+        return decorate
 
     def try_lock(
         self,

@@ -18,17 +18,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import inspect
 import logging
-from collections.abc import AsyncGenerator, Callable, Generator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator
 from datetime import datetime
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.util import greenlet_spawn
 
 from .. import validation
+from ..decorators import LockstringTemplate, check_on_busy, when_busy
 from ..engine import create_async_locker_engine, describe_url, resolve_url
 from ..errors import LockBusy, LockError, LockTypeError
 from ..identity import holder_details, new_guid
@@ -54,6 +56,8 @@ from .waiting_room import AsyncTurn, AsyncWaitingRoom
 logger = logging.getLogger("sqllocker")
 
 T = TypeVar("T")
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def _sleep_in_greenlet(seconds: float) -> None:
@@ -159,6 +163,53 @@ class AsyncLocker:
         )
         hold = validation.check_hold_at_least(hold_at_least, request[0])
         return Acquiring(self._acquire(*request, keep_alive, on_lost or self.on_lost, hold))
+
+    def locked(
+        self,
+        lockstring: str,
+        *,
+        wait: float | None = 0,
+        on_busy: str = "skip",
+        expires: float | None = None,
+        keep_alive: bool = True,
+        hold_at_least: float | None = None,
+    ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R | None]]]:
+        """``Locker.locked`` for coroutine functions: the lock is taken and released with
+        ``await``, and kept alive by a task while the coroutine runs."""
+        behaviour = check_on_busy(on_busy)
+        validation.check_wait(wait)
+        if expires is not None:
+            validation.check_seconds(expires, "expires")
+        validation.check_hold_at_least(hold_at_least)
+
+        def decorate(function: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R | None]]:
+            if not inspect.iscoroutinefunction(function):
+                raise LockTypeError(
+                    f"{function.__qualname__} is not a coroutine function: decorate it with "
+                    "sqllocker.Locker.locked"
+                )
+            template = LockstringTemplate(lockstring, function)
+
+            @functools.wraps(function)
+            async def under_lock(*args: P.args, **kwargs: P.kwargs) -> R | None:
+                name = template.render(args, kwargs)
+                try:
+                    lock = await self.lock(
+                        name,
+                        wait=wait,
+                        expires=expires,
+                        keep_alive=keep_alive,
+                        hold_at_least=hold_at_least,
+                    )
+                except LockBusy as busy:
+                    when_busy(behaviour, function, busy)
+                    return None
+                async with lock:
+                    return await function(*args, **kwargs)
+
+            return under_lock
+
+        return decorate
 
     async def try_lock(
         self,
