@@ -26,6 +26,7 @@ from .lock import Lock
 from .locker import Locker
 from .operations import LockInfo
 from .schema import lock_table
+from .semaphore import Semaphore
 
 try:
     __version__ = version("sqllocker")
@@ -42,6 +43,7 @@ __all__ = [
     "LockTypeError",
     "LockValueError",
     "Locker",
+    "Semaphore",
     "TableMissing",
     "UnsafeDatabase",
     "UnsafeDatabaseWarning",

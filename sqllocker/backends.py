@@ -122,6 +122,13 @@ class Backend:
             return column.op("GLOB")(pattern)
         return self._as_text(column).like(pattern, escape="\\")
 
+    def literal_glob(self, text: str) -> str:
+        """``text`` as the start of a :meth:`matches_glob` pattern that matches only itself:
+        nothing in it is a wildcard, ``*`` and ``?`` included."""
+        if self.name == "sqlite":
+            return "".join(f"[{ch}]" if ch in "[*?" else ch for ch in text)
+        return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+
     def glob_value(self, pattern: str) -> str:
         """A shell-style pattern (``*`` and ``?`` are the wildcards) as :meth:`matches_glob`
         wants it; every other character, SQL's own wildcards included, matches only itself."""

@@ -28,6 +28,7 @@ from .lock import Lock, LockState, OnLost
 from .notify import ReleaseListener
 from .operations import Acquired, LockInfo, LockTable, Refused
 from .schema import DEFAULT_TABLE
+from .semaphore import Semaphore
 from .statements import Statements
 from .waiting import Backoff
 from .waiting_room import Request, Turn, WaitingRoom
@@ -246,6 +247,12 @@ class Locker:
             return under_lock
 
         return decorate
+
+    def semaphore(self, name: str, limit: int) -> Semaphore:
+        """A counting semaphore: at most ``limit`` holders of ``name`` at once, each holding a
+        permit (a Lock of its own) from ``.acquire(wait=..., expires=..., keep_alive=...)``
+        (see ``sqllocker.semaphore``)."""
+        return Semaphore(self, self._table, name, limit)
 
     def try_lock(
         self,

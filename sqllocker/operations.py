@@ -331,6 +331,27 @@ class LockTable:
 
         return self._run(None, read)
 
+    def count_live(self, literal: str, wildcard: str) -> int:
+        """How many rows that cannot be taken over now have a lockstring that is ``literal``
+        followed by what the glob ``wildcard`` matches."""
+        params = {
+            "pattern": self._be.literal_glob(literal) + self._be.glob_value(wildcard),
+            "minus_grace": self._be.seconds_value(-self.grace),
+        }
+        return int(
+            self._run(literal, lambda conn: conn.execute(self._sql.count_live, params).one().live)
+        )
+
+    def permits(self, literal: str, wildcard: str) -> list[LockInfo]:
+        """The unexpired rows whose lockstring is ``literal`` then what ``wildcard`` matches."""
+
+        def read(conn: Session) -> list[LockInfo]:
+            pattern = self._be.literal_glob(literal) + self._be.glob_value(wildcard)
+            rows = conn.execute(self._sql.list_locks(pattern=True), {"pattern": pattern})
+            return [info for info in map(_lock_info, rows) if not info.expired]
+
+        return self._run(literal, read)
+
     def lock_info(self, lockstring: str) -> LockInfo | None:
         def read(conn: Session) -> LockInfo | None:
             row = conn.execute(self._sql.holder, {"ls": lockstring}).first()

@@ -288,6 +288,15 @@ class Statements:
         return rows.where(self.backend.matches_glob(self.table.c.lockstring)) if pattern else rows
 
     @cached_property
+    def count_live(self) -> Select[Any]:
+        """How many rows whose lockstring matches the bound ``pattern`` cannot be taken over
+        now (a semaphore's permits: see ``sqllocker.semaphore``)."""
+        lockstring = self.table.c.lockstring
+        return sa.select(sa.func.count().label("live")).where(
+            self.backend.matches_glob(lockstring), sa.not_(self._expired_beyond_grace)
+        )
+
+    @cached_property
     def purgeable(self) -> Select[Any]:
         """The rows a purge would delete now: expired beyond grace."""
         return self._rows.where(self._expired_beyond_grace).order_by(self.table.c.expires)

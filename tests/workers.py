@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import fcntl
 import json
 import os
 import random
@@ -231,6 +232,38 @@ def hold(args: argparse.Namespace) -> int:
     os._exit(0)  # leave holding it, as a crash would (no finaliser runs)
 
 
+def semaphore(args: argparse.Namespace) -> int:
+    """Take permits of one semaphore again and again until ``--seconds`` have passed; while
+    holding one, count this process among the holders in a file shared by the workers (under
+    an flock of its own, so the count is exact), and record the most holders ever seen."""
+    locker = Locker(args.url, table=args.table, grace=args.grace)
+    permits = locker.semaphore(args.name, args.limit)
+    holders = Path(args.state) / "holders"
+    deadline = time.monotonic() + args.seconds
+    taken = 0
+
+    def count(change: int) -> None:
+        with open(Path(args.state) / "count.lock", "a") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            now = int(holders.read_text()) if holders.exists() else 0
+            now += change
+            holders.write_text(str(now))
+            most = Path(args.state) / "most"
+            if now > (int(most.read_text()) if most.exists() else 0):
+                most.write_text(str(now))
+
+    while time.monotonic() < deadline:
+        permit = permits.acquire(wait=None, expires=args.expires)
+        count(+1)
+        time.sleep(random.uniform(0.005, 0.03))
+        count(-1)
+        permit.unlock()
+        taken += 1
+    _say(taken=taken)
+    locker.close()
+    return 0
+
+
 def _say(**fields: object) -> None:
     print(json.dumps(fields), flush=True)
 
@@ -273,9 +306,20 @@ def main(argv: list[str] | None = None) -> int:
     holder.add_argument("--expires", type=float, default=1.0)
     holder.add_argument("--grace", type=float, default=1.0)
     holder.add_argument("--keep-alive", action="store_true")
+    permits = commands.add_parser("semaphore", help="take permits of a semaphore, counted")
+    permits.add_argument("--url", required=True)
+    permits.add_argument("--table", required=True)
+    permits.add_argument("--state", required=True, help="directory shared by the workers")
+    permits.add_argument("--name", required=True)
+    permits.add_argument("--limit", type=int, required=True)
+    permits.add_argument("--seconds", type=float, default=10)
+    permits.add_argument("--expires", type=float, default=60)
+    permits.add_argument("--grace", type=float, default=1.0)
     args = parser.parse_args(argv)
     if args.command == "counter":
         return async_counter(args) if args.asyncio else counter(args)
+    if args.command == "semaphore":
+        return semaphore(args)
     return hold(args)
 
 

@@ -11,5 +11,6 @@ Needs the ``asyncio`` extra (greenlet and aiosqlite; aiomysql for MySQL/MariaDB)
 
 from .lock import AsyncLock
 from .locker import Acquiring, AsyncLocker
+from .semaphore import AsyncSemaphore
 
-__all__ = ["Acquiring", "AsyncLock", "AsyncLocker"]
+__all__ = ["Acquiring", "AsyncLock", "AsyncLocker", "AsyncSemaphore"]

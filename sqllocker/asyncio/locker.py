@@ -50,6 +50,7 @@ from .keepalive import AsyncKeepAlive
 from .lock import AsyncLock, AsyncLockState
 from .loop_end import at_loop_end
 from .notify import AsyncReleaseListener
+from .semaphore import AsyncSemaphore
 from .tasks import spawn
 from .waiting_room import AsyncTurn, AsyncWaitingRoom
 
@@ -210,6 +211,10 @@ class AsyncLocker:
             return under_lock
 
         return decorate
+
+    def semaphore(self, name: str, limit: int) -> AsyncSemaphore:
+        """A counting semaphore (see ``Locker.semaphore``): ``await sem.acquire()``."""
+        return AsyncSemaphore(self, self._table, name, limit)
 
     async def try_lock(
         self,

@@ -1,0 +1,170 @@
+"""Counting semaphores: at most ``limit`` holders, each a lock row of its own."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from sqllocker import LockBusy, Locker, LockTypeError, LockValueError
+from sqllocker.asyncio import AsyncLocker
+from tests.conftest import abandon, count_rows, figure
+from tests.workers import async_url
+
+
+def test_at_most_limit_permits_each_a_lock_with_its_own_token(locker: Locker) -> None:
+    permits = locker.semaphore("api quota", limit=3)
+    held = [permits.acquire() for _ in range(3)]
+    assert len({permit.lock_id for permit in held}) == 3
+    assert sorted(permit.lockstring for permit in held) == [
+        f"api quota (permit {slot})" for slot in range(3)
+    ]
+    with pytest.raises(LockBusy, match="all 3 permits are held"):
+        permits.acquire()
+    assert [info.lockstring for info in permits.holders()] == sorted(p.lockstring for p in held)
+    held[1].unlock()
+    again = permits.acquire()
+    assert again.lockstring == held[1].lockstring
+    assert again.lock_id > max(permit.lock_id for permit in held)
+    for permit in (held[0], held[2], again):
+        permit.unlock()
+    assert permits.holders() == []
+
+
+def test_a_smaller_limit_admits_no_newcomer_until_enough_permits_are_released(
+    locker: Locker,
+) -> None:
+    wide = locker.semaphore("pool", limit=5)
+    held = [wide.acquire() for _ in range(4)]
+    narrow = locker.semaphore("pool", limit=3)
+    with pytest.raises(LockBusy):
+        narrow.acquire()  # four held, whatever slots they are in
+    held[0].unlock()
+    with pytest.raises(LockBusy):
+        narrow.acquire()  # three held: a fourth would be one too many for the smaller limit
+    assert len(narrow.holders()) == 3
+    held[1].unlock()
+    got = narrow.acquire()  # two held: it fits
+    assert len(narrow.holders()) == 3
+    for permit in (got, held[2], held[3]):
+        permit.unlock()
+
+
+def test_a_crashed_permit_holders_slot_is_taken_over_after_it_expires(locker: Locker) -> None:
+    permits = locker.semaphore("worker", limit=1)
+    crashed = abandon(permits.acquire(expires=0.5))
+    with pytest.raises(LockBusy):
+        permits.acquire()
+    started = time.monotonic()
+    taken = permits.acquire(wait=10)
+    assert 0.3 < time.monotonic() - started < 5
+    assert taken.lock_id > crashed.lock_id
+    taken.unlock()
+
+
+def test_a_permit_can_be_kept_alive_and_waited_for(locker: Locker) -> None:
+    permits = locker.semaphore("job", limit=1)
+    held = permits.acquire(expires=1, keep_alive=True)
+    with pytest.raises(LockBusy, match="gave up after waiting"):
+        permits.acquire(wait=1.5)  # renewed meanwhile: never taken over
+    assert held.is_valid()
+    held.unlock()
+
+
+@pytest.mark.parametrize(
+    ("name", "limit", "error"),
+    [
+        ("quota", 0, LockValueError),
+        ("quota", 1001, LockValueError),
+        ("quota", 2.5, LockTypeError),
+        ("quota", True, LockTypeError),
+        ("", 3, LockValueError),
+        ("x" * 120, 3, LockValueError),
+    ],
+)
+def test_bad_semaphores_are_refused_before_any_sql(
+    locker: Locker, name: str, limit: object, error: type[Exception]
+) -> None:
+    with pytest.raises(error):
+        locker.semaphore(name, limit)  # type: ignore[arg-type]
+    assert count_rows(locker) == 0
+
+
+def test_names_with_wildcards_count_only_their_own_permits(locker: Locker) -> None:
+    star = locker.semaphore("a*", limit=1)
+    other = locker.semaphore("ab", limit=1)
+    percent = locker.semaphore("a%_", limit=1)
+    held = [star.acquire(), other.acquire(), percent.acquire()]
+    assert [len(s.holders()) for s in (star, other, percent)] == [1, 1, 1]
+    for permit in held:
+        permit.unlock()
+
+
+async def test_async_permits(url: str, make_locker: Callable[..., Locker], table_name: str) -> None:
+    sync = make_locker()
+    alocker = AsyncLocker(async_url(url), table=table_name, grace=0)
+    permits = alocker.semaphore("api quota", limit=2)
+    held = [await permits.acquire(), sync.semaphore("api quota", 2).acquire()]
+    with pytest.raises(LockBusy):
+        await permits.acquire()
+    assert len(await permits.holders()) == 2
+    await held[0].unlock()
+    held[1].unlock()
+    await alocker.aclose()
+
+
+def test_sixteen_processes_never_hold_more_permits_than_the_limit(
+    url: str, make_locker: Callable[..., Locker], table_name: str, backend: str, tmp_path: Path
+) -> None:
+    make_locker()  # the table
+    started = time.monotonic()
+    workers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.workers",
+                "semaphore",
+                "--url",
+                url,
+                "--table",
+                table_name,
+                "--state",
+                str(tmp_path),
+                "--name",
+                "api quota",
+                "--limit",
+                "3",
+                "--seconds",
+                "10",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).resolve().parents[1],
+        )
+        for _ in range(16)
+    ]
+    taken = []
+    for worker in workers:
+        out, _ = worker.communicate(timeout=120)
+        assert worker.returncode == 0
+        taken.append(json.loads(out.splitlines()[-1])["taken"])
+    most = int((tmp_path / "most").read_text())
+    figure(
+        "semaphore, 16 processes, limit 3, 10 s",
+        backend,
+        f"most holders at once {most}; permits taken {sum(taken)} "
+        f"({min(taken)}-{max(taken)} a process); {time.monotonic() - started:.1f} s",
+    )
+    assert most == 3
+    assert all(count > 0 for count in taken)  # every waiter was served
+    engine = sa.create_engine(url)
+    with engine.connect() as conn:
+        assert conn.execute(sa.text(f"SELECT COUNT(*) FROM {table_name}")).scalar() == 0
+    engine.dispose()
