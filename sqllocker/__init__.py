@@ -22,6 +22,7 @@ from .errors import (
     UnsafeDatabase,
     UnsafeDatabaseWarning,
 )
+from .group import LockGroup
 from .lock import Lock
 from .locker import Locker
 from .operations import LockInfo
@@ -38,6 +39,7 @@ __all__ = [
     "Lock",
     "LockBusy",
     "LockError",
+    "LockGroup",
     "LockInfo",
     "LockLost",
     "LockTypeError",

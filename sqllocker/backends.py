@@ -37,6 +37,13 @@ class Backend:
     insert_returning: bool
     update_returning: bool
 
+    @property
+    def begin(self) -> str:
+        """How a transaction of several lock statements starts: SQLite takes its write lock at
+        once (a deferred transaction that writes after another's commit fails "database is
+        locked" at once, whatever the busy timeout)."""
+        return "BEGIN IMMEDIATE" if self.name == "sqlite" else "BEGIN"
+
     def now(self) -> ColumnElement[Any]:
         """The server's current time, re-read per statement (not frozen at transaction start)."""
         if self.name == "postgresql":
@@ -152,7 +159,10 @@ class Backend:
             # serialization failure, deadlock, lock_timeout
             return _sqlstate(error) in {"40001", "40P01", "55P03"}
         if self.name == "mysql":
-            return _mysql_errno(error) in {1205, 1213}  # lock wait timeout, deadlock
+            # lock wait timeout, deadlock, and InnoDB's AUTO-INC lock lost to a deadlock or a
+            # timeout ("Failed to read auto-increment value"), met by transactions of several
+            # INSERT ... SELECTs (lock_all)
+            return _mysql_errno(error) in {1205, 1213, 1467}
         return _sqlite_busy(error)
 
     def is_missing_table(self, error: sa.exc.DBAPIError) -> bool:

@@ -155,6 +155,16 @@ class Session:
             [prepared.row(row) for row in rows], cursor.rowcount, getattr(cursor, "lastrowid", None)
         )
 
+    def transaction_control(self, sql: str) -> None:
+        """BEGIN, COMMIT or ROLLBACK (as the backend spells it) on this autocommit connection:
+        for the rare operation that must take several rows or none."""
+        if sql_logger.isEnabledFor(logging.DEBUG):
+            sql_logger.debug("%s", sql)
+        try:
+            self.cursor.execute(sql)
+        except self.dialect.loaded_dbapi.Error as error:
+            raise self._wrap(error, sql) from error
+
     def affected(self, statement: ClauseElement, values: Mapping[str, Any]) -> int:
         """How many rows ``statement`` (a DELETE or UPDATE without RETURNING) changed."""
         self._send(self._prepared[statement], values)

@@ -11,7 +11,7 @@ import functools
 import inspect
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any, ParamSpec, TypeVar
 
@@ -22,6 +22,7 @@ from .backends import Backend
 from .decorators import LockstringTemplate, check_on_busy, when_busy
 from .engine import create_locker_engine, describe_url, resolve_url
 from .errors import LockBusy, LockTypeError
+from .group import LockGroup, canonical_order
 from .identity import holder_details, new_guid
 from .keepalive import DEFAULT_FRACTION, KeepAlive
 from .lock import Lock, LockState, OnLost
@@ -247,6 +248,49 @@ class Locker:
             return under_lock
 
         return decorate
+
+    def lock_all(
+        self,
+        lockstrings: Sequence[str],
+        *,
+        wait: float | None = 0,
+        expires: float | None = None,
+        locked_by: dict[str, Any] | None = None,
+        keep_alive: bool = False,
+        on_lost: OnLost | None = None,
+    ) -> LockGroup:
+        """Acquire every one of ``lockstrings`` at once, or none: a LockGroup, or LockBusy
+        naming a member that is held (after ``wait``, as ``lock()`` waits).
+
+        Each attempt takes the rows in one transaction, in a canonical order (by code point),
+        so that groups that overlap never deadlock; one held member refuses the attempt, which
+        then takes nothing. The members are ordinary Locks, each with its own fencing token.
+        """
+        names = canonical_order(lockstrings)
+        request = validation.check_lock_request(
+            names[0], expires, self.expires, wait, locked_by, on_lost
+        )
+        _, ttl, wait, extra = request
+        on_lost = on_lost or self.on_lost
+        details = holder_details(extra)
+        members = [(name, new_guid()) for name in names]
+        backoff = Backoff.for_wait(wait)
+        while True:
+            outcome = self._table.try_acquire_all(members, ttl, details)
+            if not isinstance(outcome, Refused):
+                locks = [
+                    self._lock(name, guid, acquired, ttl, details, on_lost)
+                    for (name, guid), acquired in zip(members, outcome, strict=True)
+                ]
+                group = LockGroup(locks)
+                return group.keep_alive() if keep_alive else group
+            if backoff.expired():
+                held = outcome.busy.lockstring if outcome.busy else names[0]
+                raise outcome.busy_after(held or names[0], wait)
+            busy = outcome.busy
+            backoff.sleep(
+                backoff.next_delay(busy.expires if busy else None, outcome.server_now, self.grace)
+            )
 
     def semaphore(self, name: str, limit: int) -> Semaphore:
         """A counting semaphore: at most ``limit`` holders of ``name`` at once, each holding a

@@ -16,6 +16,7 @@ hold locks and keep them alive.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
@@ -215,6 +216,68 @@ class LockTable:
             if outcome.busy is not None or queue_key is not None:
                 break  # a live holder, or a queue to join: no point asking again at once
         return outcome
+
+    def try_acquire_all(
+        self, members: list[tuple[str, str]], ttl: float, details: dict[str, Any]
+    ) -> list[Acquired] | Refused:
+        """One attempt at every ``(lockstring, guid)`` of ``members`` (already in their
+        canonical order) in one transaction: every row, or none.
+
+        Rows are taken in that order, so two groups that overlap wait for each other in the
+        same order and cannot deadlock (nor, with single locks, which wait for one row only).
+        A member held by someone else, or contention the database resolved by failing us,
+        rolls the whole attempt back and refuses it.
+        """
+        sent_at = clock.now()
+        outcome = self._run(
+            members[0][0], lambda conn: self._acquire_all_on(conn, members, ttl, details)
+        )
+        if isinstance(outcome, list):
+            for acquired in outcome:
+                acquired.sent_at = sent_at - acquired.age
+            logger.debug("acquired %d locks at once", len(outcome))
+        return outcome
+
+    def _acquire_all_on(
+        self,
+        conn: Session,
+        members: list[tuple[str, str]],
+        ttl: float,
+        details: dict[str, Any],
+    ) -> list[Acquired] | Refused:
+        be = self._be
+        conn.transaction_control(be.begin)
+        try:
+            taken: list[Acquired] = []
+            for lockstring, guid in members:
+                params = {
+                    "ls": lockstring,
+                    "lock_guid": guid,
+                    "ttl": be.seconds_value(ttl),
+                    "minus_grace": be.seconds_value(-self.grace),
+                    "holder": details,
+                }
+                outcome = self._insert_or_learn_holder(conn, params)
+                if not isinstance(outcome, Acquired):
+                    conn.transaction_control("ROLLBACK")
+                    return outcome
+                taken.append(outcome)
+            conn.transaction_control("COMMIT")
+            return taken
+        except sa.exc.DBAPIError as error:
+            self._roll_back_quietly(conn)
+            if be.is_transient_conflict(error):
+                return Refused(None, None)
+            raise
+        except BaseException:
+            self._roll_back_quietly(conn)
+            raise
+
+    @staticmethod
+    def _roll_back_quietly(conn: Session) -> None:
+        """Roll back after a failure (a connection that is gone has nothing to roll back)."""
+        with contextlib.suppress(Exception):
+            conn.transaction_control("ROLLBACK")
 
     def claim_grant(self, lockstring: str, lock_id: int, guid: str) -> Acquired | None:
         """The row a hand-off notification says a release inserted for us (``lock_id``), if

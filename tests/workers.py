@@ -232,6 +232,31 @@ def hold(args: argparse.Namespace) -> int:
     os._exit(0)  # leave holding it, as a crash would (no finaliser runs)
 
 
+def pairs(args: argparse.Namespace) -> int:
+    """Take random pairs of the lockstrings together (``lock_all``) ``--count`` times; under
+    each pair, the read-sleep-write of both lockstrings' counters, and a log line per member."""
+    locker = Locker(args.url, table=args.table, grace=args.grace)
+    work = CriticalSection(Path(args.state))
+    lockstrings = args.lockstrings.split(",")
+    with open(work.state / f"log-{os.getpid()}.jsonl", "w") as log:
+        for _ in range(args.count):
+            pair = random.sample(lockstrings, 2)
+            group = locker.lock_all(pair, wait=None, expires=args.expires)
+            entered = time.monotonic()
+            values = {lockstring: work.enter(lockstring) for lockstring in pair}
+            time.sleep(args.hold)
+            for lockstring, value in values.items():
+                work.leave(lockstring, value)
+            left = time.monotonic()
+            group.unlock()
+            for lock in group.locks:
+                record = {"ls": lock.lockstring, "id": lock.lock_id, "in": entered, "out": left}
+                log.write(json.dumps(record) + "\n")
+    print(json.dumps({"pid": os.getpid(), "overlaps": work.overlaps}))
+    locker.close()
+    return 0
+
+
 def semaphore(args: argparse.Namespace) -> int:
     """Take permits of one semaphore again and again until ``--seconds`` have passed; while
     holding one, count this process among the holders in a file shared by the workers (under
@@ -306,6 +331,15 @@ def main(argv: list[str] | None = None) -> int:
     holder.add_argument("--expires", type=float, default=1.0)
     holder.add_argument("--grace", type=float, default=1.0)
     holder.add_argument("--keep-alive", action="store_true")
+    both = commands.add_parser("pairs", help="take random pairs of locks together, counted")
+    both.add_argument("--url", required=True)
+    both.add_argument("--table", required=True)
+    both.add_argument("--state", required=True, help="directory shared by the workers")
+    both.add_argument("--lockstrings", required=True, help="comma-separated")
+    both.add_argument("--count", type=int, default=200)
+    both.add_argument("--hold", type=float, default=0.001)
+    both.add_argument("--expires", type=float, default=60)
+    both.add_argument("--grace", type=float, default=1.0)
     permits = commands.add_parser("semaphore", help="take permits of a semaphore, counted")
     permits.add_argument("--url", required=True)
     permits.add_argument("--table", required=True)
@@ -320,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         return async_counter(args) if args.asyncio else counter(args)
     if args.command == "semaphore":
         return semaphore(args)
+    if args.command == "pairs":
+        return pairs(args)
     return hold(args)
 
 

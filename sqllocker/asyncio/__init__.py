@@ -9,8 +9,9 @@
 Needs the ``asyncio`` extra (greenlet and aiosqlite; aiomysql for MySQL/MariaDB).
 """
 
+from .group import AsyncLockGroup
 from .lock import AsyncLock
 from .locker import Acquiring, AsyncLocker
 from .semaphore import AsyncSemaphore
 
-__all__ = ["Acquiring", "AsyncLock", "AsyncLocker", "AsyncSemaphore"]
+__all__ = ["Acquiring", "AsyncLock", "AsyncLockGroup", "AsyncLocker", "AsyncSemaphore"]

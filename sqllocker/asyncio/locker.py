@@ -20,7 +20,7 @@ import contextlib
 import functools
 import inspect
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable, Generator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Sequence
 from datetime import datetime
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
@@ -33,6 +33,7 @@ from .. import validation
 from ..decorators import LockstringTemplate, check_on_busy, when_busy
 from ..engine import create_async_locker_engine, describe_url, resolve_url
 from ..errors import LockBusy, LockError, LockTypeError
+from ..group import canonical_order
 from ..identity import holder_details, new_guid
 from ..keepalive import DEFAULT_FRACTION
 from ..lock import OnLost
@@ -46,6 +47,7 @@ from ..operations import Acquired, LockInfo, LockTable, Refused
 from ..schema import DEFAULT_TABLE
 from ..waiting import Backoff
 from ..waiting_room import Request
+from .group import AsyncLockGroup
 from .keepalive import AsyncKeepAlive
 from .lock import AsyncLock, AsyncLockState
 from .loop_end import at_loop_end
@@ -211,6 +213,63 @@ class AsyncLocker:
             return under_lock
 
         return decorate
+
+    async def lock_all(
+        self,
+        lockstrings: Sequence[str],
+        *,
+        wait: float | None = 0,
+        expires: float | None = None,
+        locked_by: dict[str, Any] | None = None,
+        keep_alive: bool = False,
+        on_lost: OnLost | None = None,
+    ) -> AsyncLockGroup:
+        """Every one of ``lockstrings`` at once, or none (see ``Locker.lock_all``)."""
+        names = canonical_order(lockstrings)
+        request = validation.check_lock_request(
+            names[0], expires, self.expires, wait, locked_by, on_lost
+        )
+        _, ttl, wait, extra = request
+        on_lost = on_lost or self.on_lost
+        await self._ready()
+        task = asyncio.current_task()
+        details = holder_details(extra, task.get_name() if task is not None else None)
+        members = [(name, new_guid()) for name in names]
+        backoff = Backoff.for_wait(wait)
+        while True:
+            attempt = spawn(
+                self._call(self._table.try_acquire_all, members, ttl, details),
+                f"acquire {len(names)} locks",
+            )
+            try:
+                outcome = await asyncio.shield(attempt)
+            except asyncio.CancelledError:
+                attempt.add_done_callback(functools.partial(self._undo_group, members))
+                raise
+            if not isinstance(outcome, Refused):
+                locks = [
+                    self._lock(name, guid, acquired, ttl, details, on_lost)
+                    for (name, guid), acquired in zip(members, outcome, strict=True)
+                ]
+                group = AsyncLockGroup(locks)
+                return group.keep_alive() if keep_alive else group
+            if backoff.expired():
+                held = outcome.busy.lockstring if outcome.busy else None
+                raise outcome.busy_after(held or names[0], wait)
+            busy = outcome.busy
+            await asyncio.sleep(
+                backoff.next_delay(busy.expires if busy else None, outcome.server_now, self.grace)
+            )
+
+    def _undo_group(self, members: list[tuple[str, str]], attempt: asyncio.Task[Any]) -> None:
+        """The caller of a group's attempt was cancelled: release the rows it took, if any."""
+        if attempt.cancelled() or attempt.exception() is not None:
+            return
+        outcome = attempt.result()
+        if isinstance(outcome, list):
+            for (name, guid), acquired in zip(members, outcome, strict=True):
+                release = self._call(self._table.release, name, acquired.lock_id, guid)
+                spawn(release, f"release {name!r} after cancellation")
 
     def semaphore(self, name: str, limit: int) -> AsyncSemaphore:
         """A counting semaphore (see ``Locker.semaphore``): ``await sem.acquire()``."""

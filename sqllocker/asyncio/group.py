@@ -1,0 +1,50 @@
+"""Several async locks taken together: ``sqllocker.group``'s, released with ``await``."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from types import TracebackType
+
+from ..errors import LockError
+from ..group import GroupBase
+from .lock import AsyncLock
+
+
+class AsyncLockGroup(GroupBase[AsyncLock]):
+    """Locks taken together by ``AsyncLocker.lock_all``: ``async with`` it, or
+    ``await unlock()``."""
+
+    async def unlock(self) -> None:
+        """Release every member (each is tried); the first error met is raised after."""
+        errors: list[BaseException] = []
+        for lock in self.locks:
+            try:
+                await lock.unlock()
+            except LockError as error:
+                errors.append(error)
+        self._first_error(errors)
+
+    async def extend(self, seconds: float | None = None) -> list[datetime]:
+        return [await lock.extend(seconds) for lock in self.locks]
+
+    def keep_alive(self) -> AsyncLockGroup:
+        for lock in self.locks:
+            lock.keep_alive()
+        return self
+
+    async def __aenter__(self) -> AsyncLockGroup:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        errors: list[BaseException] = []
+        for lock in self.locks:
+            try:
+                await lock.__aexit__(exc_type, exc_value, traceback)
+            except LockError as error:
+                errors.append(error)
+        self._first_error(errors)
