@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -65,6 +68,33 @@ def test_a_crashed_permit_holders_slot_is_taken_over_after_it_expires(locker: Lo
     taken = permits.acquire(wait=10)
     assert 0.3 < time.monotonic() - started < 5
     assert taken.lock_id > crashed.lock_id
+    taken.unlock()
+
+
+def test_a_sigkilled_permit_holders_slot_is_taken_over_after_it_expires(
+    url: str, locker: Locker, table_name: str
+) -> None:
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from sqllocker import Locker\n"
+            f"permit = Locker({url!r}, table={table_name!r}).semaphore('worker', 1)"
+            ".acquire(expires=1)\n"
+            "print(permit.lock_id, flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout is not None
+    killed_id = int(holder.stdout.readline())
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait()
+    permits = locker.semaphore("worker", limit=1)
+    with pytest.raises(LockBusy):
+        permits.acquire()
+    taken = permits.acquire(wait=10)
+    assert taken.lock_id > killed_id
     taken.unlock()
 
 
@@ -156,13 +186,27 @@ def test_sixteen_processes_never_hold_more_permits_than_the_limit(
         assert worker.returncode == 0
         taken.append(json.loads(out.splitlines()[-1])["taken"])
     most = int((tmp_path / "most").read_text())
+    records = [
+        json.loads(line)
+        for log in tmp_path.glob("log-*.jsonl")
+        for line in log.read_text().splitlines()
+    ]
+    slot_overlaps = token_inversions = 0
+    for slot in {record["ls"] for record in records}:
+        mine = sorted((r for r in records if r["ls"] == slot), key=lambda r: r["in"])
+        for before, after in itertools.pairwise(mine):
+            slot_overlaps += after["in"] < before["out"]
+            token_inversions += after["id"] <= before["id"]
     figure(
         "semaphore, 16 processes, limit 3, 10 s",
         backend,
         f"most holders at once {most}; permits taken {sum(taken)} "
+        f"(overlaps on a slot {slot_overlaps}, token inversions {token_inversions}) "
         f"({min(taken)}-{max(taken)} a process); {time.monotonic() - started:.1f} s",
     )
     assert most == 3
+    assert slot_overlaps == 0
+    assert token_inversions == 0
     assert all(count > 0 for count in taken)  # every waiter was served
     engine = sa.create_engine(url)
     with engine.connect() as conn:

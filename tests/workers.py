@@ -277,13 +277,18 @@ def semaphore(args: argparse.Namespace) -> int:
             if now > (int(most.read_text()) if most.exists() else 0):
                 most.write_text(str(now))
 
-    while time.monotonic() < deadline:
-        permit = permits.acquire(wait=None, expires=args.expires)
-        count(+1)
-        time.sleep(random.uniform(0.005, 0.03))
-        count(-1)
-        permit.unlock()
-        taken += 1
+    with open(Path(args.state) / f"log-{os.getpid()}.jsonl", "w") as log:
+        while time.monotonic() < deadline:
+            permit = permits.acquire(wait=None, expires=args.expires)
+            entered = time.monotonic()
+            count(+1)
+            time.sleep(random.uniform(0.005, 0.03))
+            count(-1)
+            left = time.monotonic()
+            permit.unlock()
+            taken += 1
+            record = {"ls": permit.lockstring, "id": permit.lock_id, "in": entered, "out": left}
+            log.write(json.dumps(record) + "\n")
     _say(taken=taken)
     locker.close()
     return 0
