@@ -26,7 +26,7 @@ from .group import LockGroup, canonical_order
 from .identity import holder_details, new_guid
 from .keepalive import DEFAULT_FRACTION, KeepAlive
 from .lock import Lock, LockState, OnLost
-from .notify import ReleaseListener
+from .notify import ReleaseListener, guid_digest
 from .operations import Acquired, LockInfo, LockTable, Refused
 from .schema import DEFAULT_TABLE
 from .semaphore import Semaphore
@@ -408,11 +408,12 @@ class Locker:
         turn: Turn | None = None
         # A waiter's first attempt does not take the row ahead of waiters already queued.
         gate = room.key(lockstring) if room is not None else None
+        digest = guid_digest(guid)  # what a release's grant names this waiter by
         try:
             while True:
                 # Subscribe before the attempt: a release between a refusal and the sleep
                 # still wakes us.
-                heading = turn is not None and turn.request is not None
+                heading = digest if turn is not None and turn.request is not None else None
                 waiter = listener.register(lockstring, heading) if listener is not None else None
                 try:
                     outcome = self._try_acquire(lockstring, guid, details, ttl, on_lost, gate)

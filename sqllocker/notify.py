@@ -13,16 +13,17 @@ notification (the listening connection dropped, or the server's notification que
 up) costs latency, never correctness.
 
 The trigger may instead hand the row to the head of the lockstring's queue, and say so on a
-second channel, ``sqllocker_<table>_granted``, with the new row's id and lockstring: the head of
-that lockstring's queue in this process is given the Grant and woken, and believes it only once
-it has read the row back under its own guid (``LockTable.claim_grant``). A notification proves
-nothing: any role that can connect can send one.
+second channel, ``sqllocker_<table>_granted``, with the new row's id: the head of
+that lockstring's queue is found by the SHA-256 of its guid, given the Grant and woken, and
+believes it only once it has read the row back under its own guid (``LockTable.claim_grant``).
+A notification proves nothing: any role that can connect can send one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import threading
 from collections import defaultdict, deque
@@ -44,19 +45,26 @@ Event = TypeVar("Event", threading.Event, asyncio.Event)
 
 @dataclass(frozen=True)
 class Grant:
-    """What a hand-off notification claims: a release inserted row ``lock_id`` of ``lockstring``
-    for the head of that lockstring's queue. To be read back before it is believed."""
+    """What a hand-off notification claims: a release inserted row ``lock_id`` for the head of
+    a queue whose guid has the SHA-256 ``digest``. To be read back before it is believed."""
 
     lock_id: int
-    lockstring: str
+    digest: str
+
+
+def guid_digest(guid: str) -> str:
+    """What a grant's notification names its head by: the SHA-256 of its guid, in hex, as the
+    release trigger computes it. It tells the head's listener which waiter to wake, and gives
+    the guid itself away to nobody."""
+    return hashlib.sha256(guid.encode()).hexdigest()
 
 
 def parse_grant(payload: str) -> Grant | None:
-    """The Grant in a ``sqllocker_<table>_granted`` payload (``<id> <lockstring>``), or None
-    if it is not one."""
-    lock_id, _, lockstring = payload.partition(" ")
+    """The Grant in a ``sqllocker_<table>_granted`` payload (``<id> <digest>``), or None if it
+    is not one."""
+    lock_id, _, digest = payload.partition(" ")
     try:
-        return Grant(int(lock_id), lockstring)
+        return Grant(int(lock_id), digest)
     except ValueError:
         logger.warning("ignored a malformed hand-off notification: %r", payload[:100])
         return None
@@ -64,15 +72,15 @@ def parse_grant(payload: str) -> Grant | None:
 
 class Waiter(Generic[Event]):
     """One registration: set when a release of its lockstring may have made it free, or, for
-    the ``head`` of the lockstring's queue, when a release says it handed it the row (then
-    ``grant`` says which row)."""
+    the head of the lockstring's queue (``digest``: of its guid), when a release says it
+    handed it the row (then ``grant`` says which row)."""
 
-    __slots__ = ("event", "grant", "head", "lockstring")
+    __slots__ = ("digest", "event", "grant", "lockstring")
 
-    def __init__(self, lockstring: str, event: Event, head: bool = False) -> None:
+    def __init__(self, lockstring: str, event: Event, digest: str | None = None) -> None:
         self.lockstring = lockstring
         self.event: Event = event
-        self.head = head
+        self.digest = digest
         self.grant: Grant | None = None
 
 
@@ -88,14 +96,14 @@ class WaiterQueues:
     def add(self, waiter: Waiter[Event]) -> Waiter[Event]:
         with self._lock:
             self._waiters[waiter.lockstring].append(waiter)
-            if waiter.head:
-                self._heads[waiter.lockstring] = waiter
+            if waiter.digest is not None:
+                self._heads[waiter.digest] = waiter
         return waiter
 
     def remove(self, waiter: Waiter[Any]) -> None:
         with self._lock:
-            if waiter.head and self._heads.get(waiter.lockstring) is waiter:
-                del self._heads[waiter.lockstring]
+            if waiter.digest is not None and self._heads.get(waiter.digest) is waiter:
+                del self._heads[waiter.digest]
             queue = self._waiters.get(waiter.lockstring)
             if queue is not None:
                 with contextlib.suppress(ValueError):  # already woken and removed
@@ -121,10 +129,10 @@ class WaiterQueues:
                     del self._waiters[lockstring]
 
     def hand_over(self, grant: Grant) -> bool:
-        """Give ``grant`` to the head of its lockstring's queue registered here, and wake it;
-        False if none is (it is between two attempts, or in another process)."""
+        """Give ``grant`` to the head it names, if it is registered here, and wake it; False if
+        it is not (it is between two attempts, or in another process)."""
         with self._lock:
-            waiter = self._heads.pop(grant.lockstring, None)
+            waiter = self._heads.pop(grant.digest, None)
             if waiter is None:
                 return False
             waiter.grant = grant
@@ -166,11 +174,11 @@ class ReleaseListener:
         self.notifications = 0
         self.grants = 0
 
-    def register(self, lockstring: str, head: bool = False) -> Waiter[threading.Event]:
-        """Subscribe to ``lockstring``'s next release, and, for the ``head`` of its queue, to a
-        hand-off of its row; call before the acquire attempt."""
+    def register(self, lockstring: str, digest: str | None = None) -> Waiter[threading.Event]:
+        """Subscribe to ``lockstring``'s next release, and, for the head of its queue (the
+        ``digest`` of its guid), to a hand-off of its row; call before the acquire attempt."""
         self._ensure_listening()
-        return self._waiters.add(Waiter(lockstring, threading.Event(), head))
+        return self._waiters.add(Waiter(lockstring, threading.Event(), digest))
 
     def unregister(self, waiter: Waiter[threading.Event]) -> None:
         self._waiters.remove(waiter)

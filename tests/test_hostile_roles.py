@@ -20,6 +20,7 @@ import sqlalchemy as sa
 from sqllocker import LockBusy, Locker
 from sqllocker.engine import resolve_url
 from sqllocker.migrations import upgrade
+from sqllocker.notify import guid_digest
 from sqllocker.waiting_room import queue_key
 from tests.conftest import head_is_waiting, requests, wait_in_thread, wait_until
 
@@ -75,7 +76,10 @@ def test_a_forged_grant_notification_is_not_taken_for_a_lock(
     (standing,) = requests(admin, table_name)  # as a role allowed to read requests would
     now = time.time()
     old_format = f"{standing[1]} {held.lock_id + 1} {now} {now + 30}"  # guid, id, times
-    for forged in (f"{held.lock_id} report", f"{held.lock_id + 1} report", old_format):
+    # Even one that names the head rightly (a digest is no secret to whoever saw the
+    # notification of an earlier grant, or derived it from a guid it read somewhere).
+    named = f"{held.lock_id + 1} {guid_digest(standing[1])}"
+    for forged in (f"{held.lock_id} report", named, old_format):
         intruder.execute("SELECT pg_notify(%s, %s)", (f"sqllocker_{table_name}_granted", forged))
     time.sleep(1.0)
     assert "lock" not in result, "the head took a forged notification for its lock"
@@ -116,7 +120,7 @@ def test_a_role_that_can_only_connect_learns_no_guid(
     thread.join(10)
     lock = result["lock"]
     payloads = [notice.payload for notice in intruder.notifies(timeout=1, stop_after=1)]
-    assert payloads == [f"{lock.lock_id} report"]
+    assert payloads == [f"{lock.lock_id} {guid_digest(lock.guid)}"]  # a digest of it, one-way
     assert lock.guid not in payloads[0]
     with admin.connect() as conn:  # the view, what read-only roles are given, has none either
         view = conn.exec_driver_sql(f"SELECT * FROM {table_name}_held").mappings().one()

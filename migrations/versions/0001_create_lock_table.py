@@ -94,14 +94,16 @@ def _postgresql_functions(table: str) -> list[str]:
     )
     notify_grant = _NOTIFY_UNLESS_QUEUE_FULL.format(
         channel=f"'sqllocker_{table}_granted'::text",
-        payload="granted.id::text OPERATOR(pg_catalog.||) ' '::text "
-        "OPERATOR(pg_catalog.||) OLD.lockstring::text",
+        payload="granted.id::text OPERATOR(pg_catalog.||) ' '::text OPERATOR(pg_catalog.||) "
+        "pg_catalog.encode(pg_catalog.sha256(pg_catalog.convert_to(request.guid::text, "
+        "'UTF8'::name)), 'hex'::text)",
     )
     # The release trigger. Nobody queued for the lockstring: nothing to do (no notification; a
     # waiter that is not queued yet tries again before it blocks). A head of the queue still
     # there (it holds its request's own key, so this release cannot take that key): the row is
-    # inserted for it, in this transaction, and it is told the new row's id (never its guid:
-    # it reads its row back from the table). The grant takes the lockstring's id-order lock (see
+    # inserted for it, in this transaction, and it is told the new row's id and the SHA-256 of
+    # its guid (which finds it among the waiters of every process listening, and gives the
+    # guid away to nobody); it reads its row back from the table before it believes it. The grant takes the lockstring's id-order lock (see
     # Statements._new_row_in_id_order) only if it is free: an acquirer holding it is waiting
     # for this very DELETE to commit, and waiting for it in turn would be a deadlock; such a
     # release only notifies, and the head tries for the row itself.

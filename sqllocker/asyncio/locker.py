@@ -43,6 +43,7 @@ from ..locker import (
     DEFAULT_PURGE_BATCH,
     DEFAULT_PURGE_PAUSE_RATIO,
 )
+from ..notify import guid_digest
 from ..operations import Acquired, LockInfo, LockTable, Refused
 from ..schema import DEFAULT_TABLE
 from ..waiting import Backoff
@@ -414,11 +415,12 @@ class AsyncLocker:
         turn: AsyncTurn | None = None
         # A waiter's first attempt does not take the row ahead of waiters already queued.
         gate = room.key(lockstring) if room is not None else None
+        digest = guid_digest(guid)  # what a release's grant names this waiter by
         try:
             while True:
                 # Subscribe before the attempt: a release between a refusal and the sleep
                 # still wakes us.
-                heading = turn is not None and turn.request is not None
+                heading = digest if turn is not None and turn.request is not None else None
                 waiter = await listener.register(lockstring, heading) if listener else None
                 try:
                     outcome = await self._try_acquire(lockstring, guid, details, ttl, on_lost, gate)

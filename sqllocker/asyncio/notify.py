@@ -40,9 +40,9 @@ class AsyncReleaseListener:
         self.notifications = 0
         self.grants = 0
 
-    async def register(self, lockstring: str, head: bool = False) -> Waiter[asyncio.Event]:
-        """Subscribe to ``lockstring``'s next release, and, for the ``head`` of its queue, to a
-        hand-off of its row; call before the acquire attempt."""
+    async def register(self, lockstring: str, digest: str | None = None) -> Waiter[asyncio.Event]:
+        """Subscribe to ``lockstring``'s next release, and, for the head of its queue (the
+        ``digest`` of its guid), to a hand-off of its row; call before the acquire attempt."""
         if self._task is None or self._task.done():
             self._listening.clear()
             self._task = asyncio.get_running_loop().create_task(
@@ -52,7 +52,7 @@ class AsyncReleaseListener:
         # caller's backoff polls: never a registration that silently misses the release.
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._listening.wait(), _SUBSCRIBE_SECONDS)
-        return self._waiters.add(Waiter(lockstring, asyncio.Event(), head))
+        return self._waiters.add(Waiter(lockstring, asyncio.Event(), digest))
 
     def unregister(self, waiter: Waiter[asyncio.Event]) -> None:
         self._waiters.remove(waiter)
