@@ -30,7 +30,9 @@ from .schema import to_utc
 from .validation import check_seconds
 
 if TYPE_CHECKING:
+    from .keepalive import KeepAlive
     from .locker import Locker
+    from .operations import LockTable
 
 logger = logging.getLogger("sqllocker")
 
@@ -152,7 +154,8 @@ class Holding:
 
 class LockState(Holding):
     """A thread-side acquisition. The keep-alive thread and the finaliser work on this, never on
-    the Lock, so neither keeps a dropped Lock alive.
+    the Lock, so neither keeps a dropped Lock alive. It has what its operations need: the
+    table's statements (``table``) and the keep-alive scheduler (``keep_alives``).
 
     ``op_lock`` serialises extend, renewal and release: once release() returns, no renewal
     statement of this lock can still be in flight or start.
@@ -160,7 +163,8 @@ class LockState(Holding):
 
     def __init__(
         self,
-        locker: Locker,
+        table: LockTable,
+        keep_alives: KeepAlive,
         lockstring: str,
         lock_id: int,
         guid: str,
@@ -169,7 +173,8 @@ class LockState(Holding):
         on_lost: OnLost | None,
     ) -> None:
         super().__init__(lockstring, lock_id, guid, ttl, sent_at, on_lost)
-        self.locker = locker
+        self.table = table
+        self.keep_alives = keep_alives
         self.op_lock = threading.RLock()
 
     def extend(self, ttl: float) -> datetime:
@@ -178,7 +183,7 @@ class LockState(Holding):
             self.check_extendable()
             sent_at = clock.now()
             try:
-                expires = self.locker._extend(self.lockstring, self.lock_id, self.guid, ttl)
+                expires = self.table.extend(self.lockstring, self.lock_id, self.guid, ttl)
             except LockLost as lost:
                 self.mark_lost(lost)
                 raise
@@ -196,14 +201,17 @@ class LockState(Holding):
             if not self.held:
                 return
             self.held = False
-            self.locker._forget_kept_alive(self)
+            self.keep_alives.remove(self)
             try:
-                self.locker._release(self.lockstring, self.lock_id, self.guid, self.hold_at_least)
+                self.table.release(self.lockstring, self.lock_id, self.guid, self.hold_at_least)
             except LockLost:
                 raise
             except BaseException:
                 self.held = True
                 raise
+
+    def guard(self, connection: Connection) -> None:
+        self.guard_failed(self.table.guard(connection, self.lockstring, self.lock_id, self.guid))
 
 
 def _release_abandoned(state: LockState) -> None:
@@ -365,6 +373,7 @@ class Lock(LockHandle[LockState]):
 
     def __init__(
         self,
+        locker: Locker,
         state: LockState,
         *,
         created: object,
@@ -374,7 +383,7 @@ class Lock(LockHandle[LockState]):
         super().__init__(
             state, _release_abandoned, created=created, expires=expires, locked_by=locked_by
         )
-        self.locker = state.locker
+        self.locker = locker  # the Locker it came from, for the caller: it calls nothing on it
 
     def unlock(self) -> None:
         """Delete our row. A second call is a no-op.
@@ -415,7 +424,7 @@ class Lock(LockHandle[LockState]):
         """
         if on_lost is not None:
             self._state.on_lost = on_lost
-        self.locker._keep_alive(self._state)
+        self._state.keep_alives.add(self._state)
         return self
 
     def guard(self, connection: Connection) -> None:
@@ -427,7 +436,7 @@ class Lock(LockHandle[LockState]):
         transaction can never commit. PostgreSQL and MySQL take a shared row lock
         (``FOR SHARE``); SQLite takes the database's write lock with a no-op update.
         """
-        self.locker._guard(connection, self._state)
+        self._state.guard(connection)
 
     def __enter__(self) -> Lock:
         return self

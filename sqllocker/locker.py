@@ -12,10 +12,9 @@ import inspect
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from datetime import datetime
 from typing import Any, ParamSpec, TypeVar
 
-from sqlalchemy.engine import URL, Connection, Engine
+from sqlalchemy.engine import URL, Engine
 
 from . import validation
 from .backends import Backend
@@ -367,27 +366,6 @@ class Locker:
     def __repr__(self) -> str:
         return f"<Locker {describe_url(self.url)} table={self.table_name}>"
 
-    # -- operations used by Lock ----------------------------------------------------------------
-
-    def _release(
-        self, lockstring: str, lock_id: int, guid: str, hold_at_least: float | None
-    ) -> None:
-        self._table.release(lockstring, lock_id, guid, hold_at_least)
-
-    def _extend(self, lockstring: str, lock_id: int, guid: str, ttl: float) -> datetime:
-        return self._table.extend(lockstring, lock_id, guid, ttl)
-
-    def _keep_alive(self, state: LockState) -> None:
-        self._keep_alives.add(state)
-
-    def _forget_kept_alive(self, state: LockState) -> None:
-        self._keep_alives.remove(state)
-
-    def _guard(self, connection: Connection, state: LockState) -> None:
-        state.guard_failed(
-            self._table.guard(connection, state.lockstring, state.lock_id, state.guid)
-        )
-
     # -- internals -------------------------------------------------------------------------------
 
     def _wait_for(
@@ -491,8 +469,19 @@ class Locker:
         details: dict[str, Any],
         on_lost: OnLost | None,
     ) -> Lock:
-        state = LockState(self, lockstring, acquired.lock_id, guid, ttl, acquired.sent_at, on_lost)
-        return Lock(state, created=acquired.created, expires=acquired.expires, locked_by=details)
+        state = LockState(
+            self._table,
+            self._keep_alives,
+            lockstring,
+            acquired.lock_id,
+            guid,
+            ttl,
+            acquired.sent_at,
+            on_lost,
+        )
+        return Lock(
+            self, state, created=acquired.created, expires=acquired.expires, locked_by=details
+        )
 
     def _release_listener(self) -> ReleaseListener | None:
         """PostgreSQL (psycopg 3) waiters wake on NOTIFY; other backends back off and retry."""

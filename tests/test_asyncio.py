@@ -429,7 +429,7 @@ async def test_on_lost_fires_at_the_deadline_while_a_renewal_hangs(
         await asyncio.sleep(3600)
         raise AssertionError("unreachable")
 
-    monkeypatch.setattr(alocker, "_extend", hang)
+    monkeypatch.setattr(lock._state, "run", hang)  # every statement of this lock hangs
     await asyncio.wait_for(called.wait(), 5)
     assert time.monotonic() < acquired_at + 1.0  # before the row can expire on the server
     assert not lock.is_valid()
@@ -511,16 +511,16 @@ async def test_failed_release_can_be_retried(
     alocker: AsyncLocker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     lock = await alocker.lock("job", keep_alive=True)
-    real_release = alocker._release
+    real_release = alocker._table.release
     failures = {"left": 1}
 
-    async def flaky(*args: Any) -> None:
+    def flaky(*args: Any) -> None:  # runs in the operation's greenlet, as the real one does
         if failures["left"]:
             failures["left"] -= 1
             raise DatabaseError("simulated outage", "job")
-        await real_release(*args)
+        real_release(*args)
 
-    monkeypatch.setattr(alocker, "_release", flaky)
+    monkeypatch.setattr(alocker._table, "release", flaky)
     with pytest.raises(DatabaseError):
         await lock.unlock()
     assert lock.is_locked  # still held, so unlock() can be tried again...

@@ -101,7 +101,7 @@ def test_on_lost_fires_at_the_deadline_when_renewals_keep_failing(
     def database_down(*_: object) -> None:
         raise DatabaseError("simulated outage")
 
-    monkeypatch.setattr(locker, "_extend", database_down)
+    monkeypatch.setattr(locker._table, "extend", database_down)
     assert lost.event.wait(5)
     _, _, when = lost.calls[0]
     # Before the row can expire on the server (acquire sent + expires), let alone be taken over.
@@ -115,7 +115,7 @@ def test_transient_renewal_errors_are_retried(
 ) -> None:
     lost = LostCalls()
     lock = locker.lock("job", expires=1.5, keep_alive=True, on_lost=lost)
-    real_extend = locker._extend
+    real_extend = locker._table.extend
     failures = {"left": 2}
 
     def flaky(*args: Any) -> Any:
@@ -124,7 +124,7 @@ def test_transient_renewal_errors_are_retried(
             raise DatabaseError("simulated hiccup")
         return real_extend(*args)
 
-    monkeypatch.setattr(locker, "_extend", flaky)
+    monkeypatch.setattr(locker._table, "extend", flaky)
     time.sleep(3.5)  # more than two expiry periods
     assert failures["left"] == 0
     assert lost.calls == []
@@ -435,7 +435,7 @@ def test_failed_release_leaves_the_lock_held_for_another_try(
     locker: Locker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     lock = locker.lock("job", expires=30, keep_alive=True)
-    real_release = locker._release
+    real_release = locker._table.release
     failures = {"left": 1}
 
     def flaky(*args: Any) -> None:
@@ -444,7 +444,7 @@ def test_failed_release_leaves_the_lock_held_for_another_try(
             raise DatabaseError("simulated outage", "job")
         real_release(*args)
 
-    monkeypatch.setattr(locker, "_release", flaky)
+    monkeypatch.setattr(locker._table, "release", flaky)
     with pytest.raises(DatabaseError):
         lock.unlock()
     assert lock.is_locked  # the row is still there, and unlock() can be tried again...

@@ -103,10 +103,11 @@ def _postgresql_functions(table: str) -> list[str]:
     # there (it holds its request's own key, so this release cannot take that key): the row is
     # inserted for it, in this transaction, and it is told the new row's id and the SHA-256 of
     # its guid (which finds it among the waiters of every process listening, and gives the
-    # guid away to nobody); it reads its row back from the table before it believes it. The grant takes the lockstring's id-order lock (see
-    # Statements._new_row_in_id_order) only if it is free: an acquirer holding it is waiting
-    # for this very DELETE to commit, and waiting for it in turn would be a deadlock; such a
-    # release only notifies, and the head tries for the row itself.
+    # guid away to nobody); it reads its row back from the table before it believes it. The
+    # grant takes the lockstring's id-order lock (see Statements._new_row_in_id_order) only if
+    # it is free: an acquirer holding it is waiting for this very DELETE to commit, and waiting
+    # for it in turn would be a deadlock; such a release only notifies, and the head tries for
+    # the row itself.
     release = f"""
         CREATE FUNCTION {table}_notify_release() RETURNS trigger {_FUNCTION} AS $$
         DECLARE

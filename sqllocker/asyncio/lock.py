@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -24,21 +25,31 @@ from ..validation import check_seconds
 from .tasks import spawn
 
 if TYPE_CHECKING:
+    from ..operations import LockTable
+    from .keepalive import AsyncKeepAlive
     from .locker import AsyncLocker
+
+# Runs one LockTable operation from the event loop: AsyncLocker's, with its set-up and loop
+# binding.
+Run = Callable[..., Awaitable[Any]]
 
 logger = logging.getLogger("sqllocker")
 
 
 class AsyncLockState(Holding):
     """An acquisition made on an event loop. The keep-alive task and the finaliser work on this,
-    never on the AsyncLock, so neither keeps a dropped lock alive.
+    never on the AsyncLock, so neither keeps a dropped lock alive. It has what its operations
+    need: the table's statements (``table``), how to run one of them from the event loop
+    (``run``: in a greenlet, on the connections of the running loop) and the keep-alive tasks.
 
     ``op_lock`` serialises extend, renewal and release, as in the sync LockState.
     """
 
     def __init__(
         self,
-        locker: AsyncLocker,
+        table: LockTable,
+        run: Run,
+        keep_alives: AsyncKeepAlive,
         lockstring: str,
         lock_id: int,
         guid: str,
@@ -47,7 +58,9 @@ class AsyncLockState(Holding):
         on_lost: OnLost | None,
     ) -> None:
         super().__init__(lockstring, lock_id, guid, ttl, sent_at, on_lost)
-        self.locker = locker
+        self.table = table
+        self.run = run
+        self.keep_alives = keep_alives
         self.loop = asyncio.get_running_loop()
         self.op_lock = asyncio.Lock()
         self.releasing: asyncio.Task[None] | None = None
@@ -58,7 +71,9 @@ class AsyncLockState(Holding):
             self.check_extendable()
             sent_at = clock.now()
             try:
-                expires = await self.locker._extend(self.lockstring, self.lock_id, self.guid, ttl)
+                expires: datetime = await self.run(
+                    self.table.extend, self.lockstring, self.lock_id, self.guid, ttl
+                )
             except LockLost as lost:
                 self.mark_lost(lost)
                 raise
@@ -83,10 +98,14 @@ class AsyncLockState(Holding):
                     return
                 # Whatever the DELETE's outcome, renewals stop: a holder that has stopped working
                 # must not keep others out beyond the expiry.
-                self.locker._forget_kept_alive(self)
+                self.keep_alives.remove(self)
                 try:
-                    await self.locker._release(
-                        self.lockstring, self.lock_id, self.guid, self.hold_at_least
+                    await self.run(
+                        self.table.release,
+                        self.lockstring,
+                        self.lock_id,
+                        self.guid,
+                        self.hold_at_least,
                     )
                 except LockLost:
                     self.held = False
@@ -152,6 +171,7 @@ class AsyncLock(LockHandle[AsyncLockState]):
 
     def __init__(
         self,
+        locker: AsyncLocker,
         state: AsyncLockState,
         *,
         created: object,
@@ -161,7 +181,7 @@ class AsyncLock(LockHandle[AsyncLockState]):
         super().__init__(
             state, _release_abandoned, created=created, expires=expires, locked_by=locked_by
         )
-        self.locker = state.locker
+        self.locker = locker  # the AsyncLocker it came from, for the caller
 
     async def unlock(self) -> None:
         """Delete our row. A second call is a no-op (or waits for the first, if it is running).
@@ -201,13 +221,17 @@ class AsyncLock(LockHandle[AsyncLockState]):
         """
         if on_lost is not None:
             self._state.on_lost = on_lost
-        self.locker._keep_alive(self._state)
+        self._state.keep_alives.add(self._state)
         return self
 
     async def guard(self, connection: AsyncConnection) -> None:
         """Within ``connection``'s open transaction, prove the lock is still ours and keep it
         from being taken over or purged until that transaction ends (see ``Lock.guard``)."""
-        await self.locker._guard(connection, self._state)
+        state = self._state
+        proven = await connection.run_sync(
+            state.table.guard, state.lockstring, state.lock_id, state.guid
+        )
+        state.guard_failed(proven)
 
     async def __aenter__(self) -> AsyncLock:
         return self

@@ -21,12 +21,11 @@ import functools
 import inspect
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Sequence
-from datetime import datetime
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
 from sqlalchemy.engine import URL
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.util import greenlet_spawn
 
 from .. import validation
@@ -348,29 +347,6 @@ class AsyncLocker:
     def __repr__(self) -> str:
         return f"<AsyncLocker {describe_url(self.url)} table={self.table_name}>"
 
-    # -- operations used by AsyncLock ------------------------------------------------------------
-
-    async def _release(
-        self, lockstring: str, lock_id: int, guid: str, hold_at_least: float | None
-    ) -> None:
-        await self._call(self._table.release, lockstring, lock_id, guid, hold_at_least)
-
-    async def _extend(self, lockstring: str, lock_id: int, guid: str, ttl: float) -> datetime:
-        return await self._call(self._table.extend, lockstring, lock_id, guid, ttl)
-
-    def _keep_alive(self, state: AsyncLockState) -> None:
-        self._keep_alives.add(state)
-
-    def _forget_kept_alive(self, state: AsyncLockState) -> None:
-        self._keep_alives.remove(state)
-
-    async def _guard(self, connection: AsyncConnection, state: AsyncLockState) -> None:
-        await self._ready()
-        proven = await connection.run_sync(
-            self._table.guard, state.lockstring, state.lock_id, state.guid
-        )
-        state.guard_failed(proven)
-
     # -- internals -------------------------------------------------------------------------------
 
     async def _acquire(
@@ -515,10 +491,18 @@ class AsyncLocker:
         on_lost: OnLost | None,
     ) -> AsyncLock:
         state = AsyncLockState(
-            self, lockstring, acquired.lock_id, guid, ttl, acquired.sent_at, on_lost
+            self._table,
+            self._call,
+            self._keep_alives,
+            lockstring,
+            acquired.lock_id,
+            guid,
+            ttl,
+            acquired.sent_at,
+            on_lost,
         )
         return AsyncLock(
-            state, created=acquired.created, expires=acquired.expires, locked_by=details
+            self, state, created=acquired.created, expires=acquired.expires, locked_by=details
         )
 
     def _undo_attempt(self, lockstring: str, guid: str, attempt: asyncio.Task[Any]) -> None:
