@@ -35,7 +35,7 @@ from sqllocker import (
 )
 from sqllocker.asyncio import AsyncLock, AsyncLocker
 from sqllocker.engine import resolve_url
-from tests.conftest import abandon
+from tests.helpers import abandon
 from tests.workers import async_url
 
 MakeAsync = Callable[..., AsyncLocker]

@@ -18,7 +18,7 @@ import sqlalchemy as sa
 
 from sqllocker import Locker
 from sqllocker.engine import resolve_url
-from tests.conftest import abandon
+from tests.helpers import abandon
 
 SQLLOCKER = str(Path(sys.executable).parent / "sqllocker")
 Run = Callable[..., subprocess.CompletedProcess[str]]

@@ -10,7 +10,7 @@ import pytest
 
 from sqllocker import LockBusy, Locker, LockLost, LockTypeError, LockValueError
 from sqllocker.asyncio import AsyncLocker
-from tests.conftest import count_rows
+from tests.helpers import count_rows
 from tests.workers import async_url
 
 

@@ -27,7 +27,7 @@ import sqlalchemy as sa
 
 from sqllocker import Locker, LockError, LockLost, lock_table
 from sqllocker.engine import resolve_url
-from tests.conftest import count_rows, figure
+from tests.helpers import count_rows, figure
 from tests.private_servers import running_private_server
 from tests.stall_proxy import StallProxy
 

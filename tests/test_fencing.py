@@ -23,7 +23,8 @@ import sqlalchemy as sa
 
 from sqllocker import Locker, lock_table
 from sqllocker.engine import resolve_url
-from tests.conftest import IN_CI, figure
+from tests.conftest import IN_CI
+from tests.helpers import figure
 from tests.private_servers import running_private_server
 
 SLOW_SECONDS = 1.0

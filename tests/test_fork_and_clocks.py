@@ -19,7 +19,8 @@ import time_machine
 from sqllocker import Locker, LockError
 from sqllocker.engine import resolve_url
 from sqllocker.lock import CLOCK_DRIFT, safety_margin
-from tests.conftest import IN_CI, abandon
+from tests.conftest import IN_CI
+from tests.helpers import abandon
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -15,7 +15,7 @@ import pytest
 
 from sqllocker import LockBusy, Locker, LockGroup, LockLost, LockTypeError, LockValueError
 from sqllocker.asyncio import AsyncLocker
-from tests.conftest import abandon, count_rows, figure
+from tests.helpers import abandon, count_rows, figure
 from tests.workers import async_url
 
 ACCOUNTS = ["account 1", "account 2", "account 3", "account 4", "account 5"]

@@ -21,7 +21,7 @@ from sqllocker.engine import resolve_url
 from sqllocker.lock import safety_margin
 from sqllocker.waiting import Backoff
 from sqllocker.waiting_room import queue_key
-from tests.conftest import (
+from tests.helpers import (
     abandon,
     head_is_waiting,
     head_is_waiting_async,

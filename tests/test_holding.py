@@ -25,7 +25,7 @@ from sqllocker import (
 from sqllocker.engine import resolve_url
 from sqllocker.migrations import upgrade
 from sqllocker.schema import ID_ORDER_STRIPES
-from tests.conftest import count_rows, figure
+from tests.helpers import count_rows, figure
 from tests.private_servers import PrivateMariaDB, running_private_server
 
 

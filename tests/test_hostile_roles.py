@@ -22,7 +22,7 @@ from sqllocker.engine import resolve_url
 from sqllocker.migrations import upgrade
 from sqllocker.notify import guid_digest
 from sqllocker.waiting_room import queue_key
-from tests.conftest import head_is_waiting, requests, wait_in_thread, wait_until
+from tests.helpers import head_is_waiting, requests, wait_in_thread, wait_until
 
 _numbers = itertools.count(1)
 

@@ -23,7 +23,7 @@ from sqllocker import (
     TableMissing,
 )
 from sqllocker.engine import resolve_url
-from tests.conftest import count_rows
+from tests.helpers import count_rows
 
 Sent = Callable[[], list[str]]
 

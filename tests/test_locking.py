@@ -16,7 +16,7 @@ import sqlalchemy as sa
 
 from sqllocker import Lock, LockBusy, Locker, LockLost, lock_table
 from sqllocker.engine import resolve_url
-from tests.conftest import abandon, count_rows
+from tests.helpers import abandon, count_rows
 
 # -- DBIx::Locker t/basic.t ---------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from sqllocker import Locker
 from sqllocker.engine import resolve_url
 from sqllocker.migrations import upgrade
-from tests.conftest import abandon, figure
+from tests.helpers import abandon, figure
 from tests.private_servers import running_private_server
 
 REPO = Path(__file__).resolve().parent.parent

@@ -31,7 +31,7 @@ from sqllocker import (
 )
 from sqllocker.asyncio import AsyncLocker
 from sqllocker.engine import resolve_url
-from tests.conftest import queued, wait_until
+from tests.helpers import queued, wait_until
 from tests.private_servers import running_pgbouncer
 from tests.test_mutual_exclusion import ABANDONING, OUTLIVING, TRYING, contend
 

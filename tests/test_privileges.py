@@ -18,7 +18,7 @@ import sqlalchemy as sa
 
 from sqllocker import Locker
 from sqllocker.engine import resolve_url
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 
 SQLLOCKER = str(Path(__file__).resolve().parents[1] / ".venv" / "bin" / "sqllocker")
 

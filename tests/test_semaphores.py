@@ -17,7 +17,7 @@ import sqlalchemy as sa
 
 from sqllocker import LockBusy, Locker, LockTypeError, LockValueError
 from sqllocker.asyncio import AsyncLocker
-from tests.conftest import abandon, count_rows, figure
+from tests.helpers import abandon, count_rows, figure
 from tests.workers import async_url
 
 

@@ -18,7 +18,7 @@ from sqllocker.asyncio import AsyncLock, AsyncLocker
 from sqllocker.asyncio import waiting_room as async_waiting_room
 from sqllocker.operations import Refused
 from sqllocker.waiting_room import QueueWait, queue_key, timed_out
-from tests.conftest import (
+from tests.helpers import (
     head_is_waiting,
     head_the_queue,
     leave_the_queue,

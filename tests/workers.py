@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TextIO
 
 from sqllocker import Lock, LockBusy, Locker, LockLost
-from tests.conftest import abandon
+from tests.helpers import abandon
 
 
 def async_url(url: str) -> str:
