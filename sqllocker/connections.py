@@ -29,6 +29,7 @@ from sqlalchemy.pool import QueuePool
 
 from . import forks
 from .execution import Session
+from .sqlalchemy_internals import most_connections
 
 logger = logging.getLogger("sqllocker")
 
@@ -60,8 +61,7 @@ class ConnectionStack:
             raise TypeError(f"ConnectionStack needs a QueuePool, not {type(pool).__name__}")
         self._engine = engine
         self._keep = pool.size()
-        overflow = pool._max_overflow
-        self._limit = None if overflow < 0 else pool.size() + overflow
+        self._limit = most_connections(pool)
         self._timeout = pool.timeout()
         self._parents: list[Held] = []
         self._idle: list[Held] = []

@@ -20,6 +20,8 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import SQLCompiler
 
+from .sqlalchemy_internals import bind_order, literal_binds
+
 # Every statement sqllocker sends, at DEBUG (like SQLAlchemy's echo); the values are in the
 # record's ``sqllocker_values``.
 sql_logger = logging.getLogger("sqllocker.sql")
@@ -34,8 +36,8 @@ class Prepared:
     def __init__(self, statement: ClauseElement, dialect: Dialect) -> None:
         compiled = cast(SQLCompiler, statement.compile(dialect=dialect))
         self.sql: str = compiled.string
-        self._positions: Sequence[str] | None = compiled.positiontup
-        every = compiled.construct_params(_check=False) or {}
+        self._positions = bind_order(compiled)
+        every = literal_binds(compiled)
         processors: dict[str, Callable[[Any], Any]] = {}
         for bind in compiled.binds.values():
             processor = bind.type.dialect_impl(dialect).bind_processor(dialect)

@@ -1,0 +1,42 @@
+"""The SQLAlchemy internals of ``sqllocker.sqlalchemy_internals``, against the installed
+SQLAlchemy (CI runs this with the oldest version the project declares, and the newest)."""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import mysql, postgresql, sqlite
+from sqlalchemy.pool import QueuePool
+
+from sqllocker.sqlalchemy_internals import bind_order, literal_binds, most_connections
+
+
+def test_most_connections_is_the_pools_size_plus_its_overflow(tmp_path: object) -> None:
+    engine = sa.create_engine(
+        f"sqlite:///{tmp_path}/x.db", poolclass=QueuePool, pool_size=3, max_overflow=4
+    )
+    assert isinstance(engine.pool, QueuePool)
+    assert most_connections(engine.pool) == 7
+    unlimited = sa.create_engine(
+        f"sqlite:///{tmp_path}/y.db", poolclass=QueuePool, pool_size=2, max_overflow=-1
+    )
+    assert isinstance(unlimited.pool, QueuePool)
+    assert most_connections(unlimited.pool) is None
+
+
+def test_bind_order_and_literal_binds_of_a_compiled_statement() -> None:
+    statement = sa.select(
+        sa.func.strftime("%Y", "now"), sa.bindparam("given"), sa.bindparam("other")
+    )
+    for dialect in (sqlite.dialect(), mysql.dialect(), postgresql.dialect()):
+        compiled = statement.compile(dialect=dialect)
+        binds = literal_binds(compiled)  # type: ignore[arg-type]
+        assert binds["given"] is None  # to be supplied on each execution
+        assert binds["other"] is None
+        assert sorted(value for value in binds.values() if value is not None) == ["%Y", "now"]
+        order = bind_order(compiled)  # type: ignore[arg-type]
+        if dialect.positional:
+            assert order is not None
+            assert sorted(order) == sorted(binds)
+            assert list(order)[-2:] == ["given", "other"]
+        else:
+            assert not order
