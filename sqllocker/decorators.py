@@ -16,15 +16,22 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .errors import LockBusy, LockTypeError, LockValueError
+from .validation import check_hold_at_least, check_seconds, check_wait
 
 logger = logging.getLogger("sqllocker")
 
 ON_BUSY = ("skip", "raise")
 
 
-def check_on_busy(on_busy: object) -> str:
+def check_decoration(on_busy: object, wait: object, expires: object, hold_at_least: object) -> str:
+    """The options of ``locked()``, checked when the function is decorated; returns
+    ``on_busy``."""
     if on_busy not in ON_BUSY:
         raise LockValueError(f"on_busy must be 'skip' or 'raise', not {on_busy!r}")
+    check_wait(wait)
+    if expires is not None:
+        check_seconds(expires, "expires")
+    check_hold_at_least(hold_at_least)
     return str(on_busy)
 
 

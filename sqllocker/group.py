@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import datetime
 from types import TracebackType
 from typing import Any, Generic, TypeVar
@@ -73,13 +73,7 @@ class LockGroup(GroupBase[Lock]):
     def unlock(self) -> None:
         """Release every member (each is tried); the first LockLost (or other error) met is
         raised after."""
-        errors: list[BaseException] = []
-        for lock in self.locks:
-            try:
-                lock.unlock()
-            except LockError as error:
-                errors.append(error)
-        self._first_error(errors)
+        self._each(Lock.unlock)
 
     def extend(self, seconds: float | None = None) -> list[datetime]:
         """Extend every member (see ``Lock.extend``); LockLost if any is no longer ours."""
@@ -99,10 +93,13 @@ class LockGroup(GroupBase[Lock]):
         exc_value: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        self._each(lambda lock: lock.__exit__(exc_type, exc_value, traceback))
+
+    def _each(self, release: Callable[[Lock], None]) -> None:
         errors: list[BaseException] = []
         for lock in self.locks:
             try:
-                lock.__exit__(exc_type, exc_value, traceback)
+                release(lock)
             except LockError as error:
                 errors.append(error)
         self._first_error(errors)

@@ -18,7 +18,7 @@ from sqlalchemy.engine import URL, Engine
 
 from . import validation
 from .backends import Backend
-from .decorators import LockstringTemplate, check_on_busy, when_busy
+from .decorators import LockstringTemplate, check_decoration, when_busy
 from .engine import create_locker_engine, describe_url, resolve_url
 from .errors import LockBusy, LockTypeError
 from .group import LockGroup, canonical_order
@@ -213,11 +213,7 @@ class Locker:
         it), and LockLost is raised at the end if it was lost meanwhile. For coroutine
         functions, use ``AsyncLocker.locked``.
         """
-        behaviour = check_on_busy(on_busy)
-        validation.check_wait(wait)
-        if expires is not None:
-            validation.check_seconds(expires, "expires")
-        validation.check_hold_at_least(hold_at_least)
+        behaviour = check_decoration(on_busy, wait, expires, hold_at_least)
 
         def decorate(function: Callable[P, R]) -> Callable[P, R | None]:
             if inspect.iscoroutinefunction(function):
@@ -283,13 +279,7 @@ class Locker:
                 ]
                 group = LockGroup(locks)
                 return group.keep_alive() if keep_alive else group
-            if backoff.expired():
-                held = outcome.busy.lockstring if outcome.busy else names[0]
-                raise outcome.busy_after(held or names[0], wait)
-            busy = outcome.busy
-            backoff.sleep(
-                backoff.next_delay(busy.expires if busy else None, outcome.server_now, self.grace)
-            )
+            backoff.sleep(backoff.after_refusal(outcome, names[0], wait, self.grace))
 
     def semaphore(self, name: str, limit: int) -> Semaphore:
         """A counting semaphore: at most ``limit`` holders of ``name`` at once, each holding a

@@ -250,13 +250,7 @@ class LockTable:
         try:
             taken: list[Acquired] = []
             for lockstring, guid in members:
-                params = {
-                    "ls": lockstring,
-                    "lock_guid": guid,
-                    "ttl": be.seconds_value(ttl),
-                    "minus_grace": be.seconds_value(-self.grace),
-                    "holder": details,
-                }
+                params = self._acquire_params(lockstring, guid, ttl, details)
                 outcome = self._insert_or_learn_holder(conn, params)
                 if not isinstance(outcome, Acquired):
                     conn.transaction_control("ROLLBACK")
@@ -499,13 +493,7 @@ class LockTable:
         queue_key: int | None,
     ) -> Acquired | Refused:
         be, sql = self._be, self._sql
-        params = {
-            "ls": lockstring,
-            "lock_guid": guid,
-            "ttl": be.seconds_value(ttl),
-            "minus_grace": be.seconds_value(-self.grace),
-            "holder": details,
-        }
+        params = self._acquire_params(lockstring, guid, ttl, details)
         try:
             if queue_key is not None:
                 # A waiter's first attempt. Refused, it queues and tries again at the head of
@@ -532,6 +520,18 @@ class LockTable:
         except sa.exc.DBAPIError:
             return None  # pg_locks not readable: the caller says "busy", as it would anyway
         return None if row is None else LockBusy(lockstring, key_holder_pid=row.pid)
+
+    def _acquire_params(
+        self, lockstring: str, guid: str, ttl: float, details: dict[str, Any]
+    ) -> dict[str, Any]:
+        be = self._be
+        return {
+            "ls": lockstring,
+            "lock_guid": guid,
+            "ttl": be.seconds_value(ttl),
+            "minus_grace": be.seconds_value(-self.grace),
+            "holder": details,
+        }
 
     def _insert_or_learn_holder(self, conn: Session, params: dict[str, Any]) -> Acquired | Refused:
         """Insert our row; if refused, read the holder's row and take it over if it has expired.

@@ -16,6 +16,10 @@ import random
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .operations import Refused
 
 FIRST_DELAY = 0.002
 MAX_DELAY = 0.25
@@ -68,6 +72,17 @@ class Backoff:
             delay = min(delay, max(until_takeover, 0.0) + self.first_delay)
         remaining = self.remaining()
         return delay if remaining is None else min(delay, remaining)
+
+    def after_refusal(
+        self, refused: Refused, lockstring: str, wait: float | None, grace: float
+    ) -> float:
+        """After a refused attempt at ``lockstring``: the delay before the next, or, once the
+        wait is over, the LockBusy to raise (it names the holder the refusal met)."""
+        if self.expired():
+            held = refused.busy.lockstring if refused.busy is not None else None
+            raise refused.busy_after(held or lockstring, wait)
+        busy = refused.busy
+        return self.next_delay(busy.expires if busy else None, refused.server_now, grace)
 
     def sleep(self, delay: float) -> None:
         if delay > 0:

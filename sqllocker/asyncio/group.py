@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 from types import TracebackType
 
@@ -16,13 +17,7 @@ class AsyncLockGroup(GroupBase[AsyncLock]):
 
     async def unlock(self) -> None:
         """Release every member (each is tried); the first error met is raised after."""
-        errors: list[BaseException] = []
-        for lock in self.locks:
-            try:
-                await lock.unlock()
-            except LockError as error:
-                errors.append(error)
-        self._first_error(errors)
+        await self._each(AsyncLock.unlock)
 
     async def extend(self, seconds: float | None = None) -> list[datetime]:
         return [await lock.extend(seconds) for lock in self.locks]
@@ -41,10 +36,13 @@ class AsyncLockGroup(GroupBase[AsyncLock]):
         exc_value: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        await self._each(lambda lock: lock.__aexit__(exc_type, exc_value, traceback))
+
+    async def _each(self, release: Callable[[AsyncLock], Awaitable[None]]) -> None:
         errors: list[BaseException] = []
         for lock in self.locks:
             try:
-                await lock.__aexit__(exc_type, exc_value, traceback)
+                await release(lock)
             except LockError as error:
                 errors.append(error)
         self._first_error(errors)

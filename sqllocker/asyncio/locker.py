@@ -29,7 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.util import greenlet_spawn
 
 from .. import validation
-from ..decorators import LockstringTemplate, check_on_busy, when_busy
+from ..decorators import LockstringTemplate, check_decoration, when_busy
 from ..engine import create_async_locker_engine, describe_url, resolve_url
 from ..errors import LockBusy, LockError, LockTypeError
 from ..group import canonical_order
@@ -179,11 +179,7 @@ class AsyncLocker:
     ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R | None]]]:
         """``Locker.locked`` for coroutine functions: the lock is taken and released with
         ``await``, and kept alive by a task while the coroutine runs."""
-        behaviour = check_on_busy(on_busy)
-        validation.check_wait(wait)
-        if expires is not None:
-            validation.check_seconds(expires, "expires")
-        validation.check_hold_at_least(hold_at_least)
+        behaviour = check_decoration(on_busy, wait, expires, hold_at_least)
 
         def decorate(function: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R | None]]:
             if not inspect.iscoroutinefunction(function):
@@ -253,13 +249,7 @@ class AsyncLocker:
                 ]
                 group = AsyncLockGroup(locks)
                 return group.keep_alive() if keep_alive else group
-            if backoff.expired():
-                held = outcome.busy.lockstring if outcome.busy else None
-                raise outcome.busy_after(held or names[0], wait)
-            busy = outcome.busy
-            await asyncio.sleep(
-                backoff.next_delay(busy.expires if busy else None, outcome.server_now, self.grace)
-            )
+            await asyncio.sleep(backoff.after_refusal(outcome, names[0], wait, self.grace))
 
     def _undo_group(self, members: list[tuple[str, str]], attempt: asyncio.Task[Any]) -> None:
         """The caller of a group's attempt was cancelled: release the rows it took, if any."""
