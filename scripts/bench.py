@@ -923,6 +923,8 @@ def main() -> int:
     if "scale" not in skip:
         results["scale"] = scale(backends, profile)
         results["scale"] += [connections_used(b, profile) for b in backends]
+    for backend in backends:  # whatever was skipped, nothing is left on the servers
+        drop_table(URLS[backend], TABLE)
     report(results, Path(args.out))
     return 0
 
