@@ -43,7 +43,7 @@ from sqllocker.identity import holder_details
 url, table, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
 locker = Locker(url, table=table, auto_create=True)
 locker.lock("compile").unlock()
-lock_table = locker._table
+lock_table = locker._operations
 dialect = lock_table.engine.dialect
 acquire = Prepared(lock_table.statements.acquire, dialect)
 release = Prepared(lock_table.statements.release, dialect)
@@ -107,7 +107,7 @@ class StubCursor:
 
 
 cursor = StubCursor()
-for held in locker._table._stack._idle:
+for held in locker._operations._stack._idle:
     held.cursor, held.session = StubCursor(), None
 best = {}
 for repeat in range(5):

@@ -47,7 +47,7 @@ from sqllocker import Locker, lock_table
 from sqllocker.engine import resolve_url
 from sqllocker.locker import DEFAULT_PURGE_BATCH, DEFAULT_PURGE_PAUSE_RATIO
 from sqllocker.migrations import current_revision, downgrade, upgrade, version_table_for
-from sqllocker.operations import LockTable
+from sqllocker.operations import LockOperations
 
 URLS = {
     "sqlite": "sqlite:///bench-results/bench.db",
@@ -193,7 +193,7 @@ class FloorStatements:
     (until 2026-11-24 the floor's ``locked_by`` was only the guid: a smaller row to write, and
     on MariaDB less for PyMySQL to escape)."""
 
-    def __init__(self, table: LockTable) -> None:
+    def __init__(self, table: LockOperations) -> None:
         from sqllocker.execution import Prepared
         from sqllocker.identity import holder_details
 
@@ -225,7 +225,7 @@ def raw_floor_cycle(
     connection made as sqllocker makes its own, with ``transaction_pooling`` as given)."""
     locker = Locker(url, table=TABLE, transaction_pooling=transaction_pooling)
     locker.lock("compile").unlock()  # connect, learn the backend
-    floor = FloorStatements(locker._table)
+    floor = FloorStatements(locker._operations)
     raw = locker.engine.raw_connection()
     connection: Any = raw.driver_connection
     cursor = connection.cursor()
@@ -268,7 +268,7 @@ async def async_raw_floor_cycle(url: str) -> AsyncCycle:
 
     locker = AsyncLocker(url, table=TABLE)
     await (await locker.lock("compile")).unlock()
-    floor = FloorStatements(locker._table)
+    floor = FloorStatements(locker._operations)
     raw = await greenlet_spawn(locker.engine.sync_engine.raw_connection)
     connection: Any = raw.driver_connection
     cursor = connection.cursor()
@@ -798,10 +798,10 @@ def connections_used(backend: str, profile: Profile) -> dict[str, Any]:
     locks = [locker.lock(f"kept {n}", expires=expires, keep_alive=True) for n in range(held)]
     samples = []
     for _ in range(round(profile.sampled_seconds * 10)):
-        samples.append(locker._table.connections()[1])  # in use by a lock operation now
+        samples.append(locker._operations.connections()[1])  # in use by a lock operation now
         time.sleep(0.1)
     pool_size = locker.engine.pool.size()  # type: ignore[attr-defined]
-    opened = locker._table.connections()[0]
+    opened = locker._operations.connections()[0]
     for lock in locks:
         lock.unlock()
     locker.close()

@@ -28,13 +28,13 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.pool import QueuePool
 
 from . import forks
-from .execution import Session
+from .execution import DriverSession
 from .sqlalchemy_internals import most_connections
 
 logger = logging.getLogger("sqllocker")
 
 
-class Held:
+class StackedConnection:
     """One connection of the stack, the cursor every operation on it uses, and ``session``:
     the lock operations' wrapper of the two, made on the connection's first operation and kept
     for the rest."""
@@ -44,7 +44,7 @@ class Held:
     def __init__(self, connection: Any) -> None:
         self.connection = connection
         self.cursor = connection.cursor()
-        self.session: Session | None = None
+        self.session: DriverSession | None = None
 
 
 class ConnectionStack:
@@ -63,8 +63,8 @@ class ConnectionStack:
         self._keep = pool.size()
         self._limit = most_connections(pool)
         self._timeout = pool.timeout()
-        self._parents: list[Held] = []
-        self._idle: list[Held] = []
+        self._parents: list[StackedConnection] = []
+        self._idle: list[StackedConnection] = []
         self._reset()
         sa.event.listen(engine, "engine_disposed", self._engine_disposed)
 
@@ -79,7 +79,7 @@ class ConnectionStack:
         self._waiting = 0  # callers in _open_or_wait; changed only under _changes
         self._changes = threading.Condition()
 
-    def take(self) -> Held:
+    def take(self) -> StackedConnection:
         """A connection for one operation; give it back, or discard it, when done.
 
         Raises the driver's (or SQLAlchemy's) error if a new connection cannot be opened, and
@@ -93,7 +93,7 @@ class ConnectionStack:
         except IndexError:
             return self._open_or_wait()
 
-    def _open_or_wait(self) -> Held:
+    def _open_or_wait(self) -> StackedConnection:
         deadline: float | None = None
         with self._changes:
             # Counted before looking at the idle list: a connection given back after the look
@@ -121,14 +121,14 @@ class ConnectionStack:
                 self._waiting -= 1
         try:
             fairy = self._engine.raw_connection()
-            held = Held(fairy.dbapi_connection)
+            held = StackedConnection(fairy.dbapi_connection)
             fairy.detach()  # ours for good: it never goes back to the pool
         except BaseException:
             self._forget_one()
             raise
         return held
 
-    def give_back(self, held: Held) -> None:
+    def give_back(self, held: StackedConnection) -> None:
         """An operation ended with the connection in a known, reusable state."""
         if self._pid != forks.pid:
             return  # taken before a fork: the parent's
@@ -140,7 +140,7 @@ class ConnectionStack:
         else:
             self._close(held)
 
-    def discard(self, held: Held) -> None:
+    def discard(self, held: StackedConnection) -> None:
         """An operation ended with the connection dead or in an unknown state: close it."""
         if self._pid != forks.pid:
             return
@@ -169,7 +169,7 @@ class ConnectionStack:
     def in_use(self) -> int:
         return max(0, self._open - len(self._idle))
 
-    def _close(self, held: Held) -> None:
+    def _close(self, held: StackedConnection) -> None:
         self._forget_one()
         with contextlib.suppress(Exception):
             held.connection.close()

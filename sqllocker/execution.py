@@ -138,7 +138,7 @@ def kept_cursor(pooled: Any) -> Any:
     return cursor
 
 
-class Session:
+class DriverSession:
     """A DBAPI connection and its cursor, for the length of one operation."""
 
     __slots__ = ("_prepared", "cursor", "dbapi_connection", "dialect")

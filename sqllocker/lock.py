@@ -32,7 +32,7 @@ from .validation import check_seconds
 if TYPE_CHECKING:
     from .keepalive import KeepAlive
     from .locker import Locker
-    from .operations import LockTable
+    from .operations import LockOperations
 
 logger = logging.getLogger("sqllocker")
 
@@ -155,7 +155,7 @@ class Holding:
 class LockState(Holding):
     """A thread-side acquisition. The keep-alive thread and the finaliser work on this, never on
     the Lock, so neither keeps a dropped Lock alive. It has what its operations need: the
-    table's statements (``table``) and the keep-alive scheduler (``keep_alives``).
+    table's operations (``operations``) and the keep-alive scheduler (``keep_alives``).
 
     ``op_lock`` serialises extend, renewal and release: once release() returns, no renewal
     statement of this lock can still be in flight or start.
@@ -163,7 +163,7 @@ class LockState(Holding):
 
     def __init__(
         self,
-        table: LockTable,
+        operations: LockOperations,
         keep_alives: KeepAlive,
         lockstring: str,
         lock_id: int,
@@ -173,7 +173,7 @@ class LockState(Holding):
         on_lost: OnLost | None,
     ) -> None:
         super().__init__(lockstring, lock_id, guid, ttl, sent_at, on_lost)
-        self.table = table
+        self.operations = operations
         self.keep_alives = keep_alives
         self.op_lock = threading.RLock()
 
@@ -183,7 +183,7 @@ class LockState(Holding):
             self.check_extendable()
             sent_at = clock.now()
             try:
-                expires = self.table.extend(self.lockstring, self.lock_id, self.guid, ttl)
+                expires = self.operations.extend(self.lockstring, self.lock_id, self.guid, ttl)
             except LockLost as lost:
                 self.mark_lost(lost)
                 raise
@@ -203,7 +203,9 @@ class LockState(Holding):
             self.held = False
             self.keep_alives.remove(self)
             try:
-                self.table.release(self.lockstring, self.lock_id, self.guid, self.hold_at_least)
+                self.operations.release(
+                    self.lockstring, self.lock_id, self.guid, self.hold_at_least
+                )
             except LockLost:
                 raise
             except BaseException:
@@ -211,7 +213,9 @@ class LockState(Holding):
                 raise
 
     def guard(self, connection: Connection) -> None:
-        self.guard_failed(self.table.guard(connection, self.lockstring, self.lock_id, self.guid))
+        self.guard_failed(
+            self.operations.guard(connection, self.lockstring, self.lock_id, self.guid)
+        )
 
 
 def _release_abandoned(state: LockState) -> None:

@@ -1,6 +1,6 @@
 """The Locker: the synchronous front end: validates, waits, and hands out Locks.
 
-The statements, retries and error handling live in ``operations.LockTable``, shared with the
+The statements, retries and error handling live in ``operations.LockOperations``, shared with the
 async front end (``sqllocker.asyncio``); this module adds what is particular to threads: waiting
 by sleeping, keep-alive on a thread, release notifications on a listening thread.
 """
@@ -18,6 +18,7 @@ from sqlalchemy.engine import URL, Engine
 
 from . import validation
 from .backends import Backend
+from .backoff import Backoff
 from .decorators import LockstringTemplate, check_decoration, when_busy
 from .engine import create_locker_engine, describe_url, resolve_url
 from .errors import LockBusy, LockTypeError
@@ -26,11 +27,10 @@ from .identity import holder_details, new_guid
 from .keepalive import DEFAULT_FRACTION, KeepAlive
 from .lock import Lock, LockState, OnLost
 from .notify import ReleaseListener, guid_digest
-from .operations import Acquired, LockInfo, LockTable, Refused
+from .operations import Acquired, LockInfo, LockOperations, Refused
 from .schema import DEFAULT_TABLE
 from .semaphore import Semaphore
 from .statements import Statements
-from .waiting import Backoff
 from .waiting_room import Request, Turn, WaitingRoom
 
 logger = logging.getLogger("sqllocker")
@@ -129,7 +129,7 @@ class Locker:
                 )
             )
         self.url = self.engine.url
-        self._table = LockTable(
+        self._operations = LockOperations(
             self.engine,
             self.table_name,
             owns_engine=owns_engine,
@@ -139,8 +139,8 @@ class Locker:
             transaction_pooling=pooled,
             direct_connections=owns_engine,
         )
-        self.table = self._table.table
-        self.auto_create = self._table.auto_create
+        self.table = self._operations.table
+        self.auto_create = self._operations.auto_create
         self._setup_lock = threading.Lock()
         self._listener: ReleaseListener | None = None
         self._room: WaitingRoom | None = None
@@ -271,7 +271,7 @@ class Locker:
         members = [(name, new_guid()) for name in names]
         backoff = Backoff.for_wait(wait)
         while True:
-            outcome = self._table.try_acquire_all(members, ttl, details)
+            outcome = self._operations.try_acquire_all(members, ttl, details)
             if not isinstance(outcome, Refused):
                 locks = [
                     self._lock(name, guid, acquired, ttl, details, on_lost)
@@ -285,7 +285,7 @@ class Locker:
         """A counting semaphore: at most ``limit`` holders of ``name`` at once, each holding a
         permit (a Lock of its own) from ``.acquire(wait=..., expires=..., keep_alive=...)``
         (see ``sqllocker.semaphore``)."""
-        return Semaphore(self, self._table, name, limit)
+        return Semaphore(self, self._operations, name, limit)
 
     def try_lock(
         self,
@@ -313,22 +313,22 @@ class Locker:
         flat out). On PostgreSQL it also deletes the hand-off requests of queued waiters
         whose process died, which are not counted. Database errors propagate.
         """
-        return self._table.purge_expired(
+        return self._operations.purge_expired(
             validation.check_batch_size(batch_size), validation.check_pause_ratio(pause_ratio)
         )
 
     def locks(self, pattern: str | None = None) -> list[LockInfo]:
         """Every row of the table, live and expired, ordered by lockstring; with ``pattern``, only
         lockstrings matching that shell-style glob (``*`` and ``?``; case-sensitive)."""
-        return self._table.locks(validation.check_pattern(pattern))
+        return self._operations.locks(validation.check_pattern(pattern))
 
     def lock_info(self, lockstring: str) -> LockInfo | None:
         """The row of ``lockstring``, live or expired, or None if there is none."""
-        return self._table.lock_info(validation.check_lockstring(lockstring))
+        return self._operations.lock_info(validation.check_lockstring(lockstring))
 
     def expired_locks(self) -> list[LockInfo]:
         """The rows purge_expired_locks() would delete now (expired for longer than grace)."""
-        return self._table.expired_locks()
+        return self._operations.expired_locks()
 
     def break_lock(self, lockstring: str, lock_id: int | None = None) -> LockInfo | None:
         """Delete ``lockstring``'s row whoever holds it (an operator's tool for dead holders).
@@ -337,11 +337,11 @@ class Locker:
         or None if there was none (or it had another id). The holder finds out at its next
         extend or unlock, which raise LockLost.
         """
-        return self._table.break_lock(validation.check_lockstring(lockstring), lock_id)
+        return self._operations.break_lock(validation.check_lockstring(lockstring), lock_id)
 
     def create_table(self) -> None:
         """Create or upgrade the table by applying the shipped migrations; safe to repeat."""
-        self._table.create_table()
+        self._operations.create_table()
 
     def close(self) -> None:
         """Stop keeping locks alive, and close the pooled connections of an engine the locker
@@ -351,7 +351,7 @@ class Locker:
             self._listener.stop()
         if self._room is not None:
             self._room.close()
-        self._table.close()
+        self._operations.close()
 
     def __repr__(self) -> str:
         return f"<Locker {describe_url(self.url)} table={self.table_name}>"
@@ -421,7 +421,7 @@ class Locker:
                     if waiter is not None:
                         waiter.event.wait(delay)  # a release notification, or the backoff
                         if waiter.grant is not None and turn is not None:
-                            claimed = self._table.claim_grant(
+                            claimed = self._operations.claim_grant(
                                 lockstring, waiter.grant.lock_id, guid
                             )
                             if claimed is not None:
@@ -445,7 +445,7 @@ class Locker:
         on_lost: OnLost | None,
         queue_key: int | None = None,
     ) -> Lock | Refused:
-        outcome = self._table.try_acquire(lockstring, guid, ttl, details, queue_key)
+        outcome = self._operations.try_acquire(lockstring, guid, ttl, details, queue_key)
         if not isinstance(outcome, Acquired):
             return outcome
         return self._lock(lockstring, guid, outcome, ttl, details, on_lost)
@@ -460,7 +460,7 @@ class Locker:
         on_lost: OnLost | None,
     ) -> Lock:
         state = LockState(
-            self._table,
+            self._operations,
             self._keep_alives,
             lockstring,
             acquired.lock_id,
@@ -475,7 +475,7 @@ class Locker:
 
     def _release_listener(self) -> ReleaseListener | None:
         """PostgreSQL (psycopg 3) waiters wake on NOTIFY; other backends back off and retry."""
-        if not self._table.notifies_releases:
+        if not self._operations.notifies_releases:
             return None
         with self._setup_lock:
             if self._listener is None:
@@ -486,13 +486,13 @@ class Locker:
         """Where PostgreSQL waiters queue, so that one of them at a time tries for the row."""
         with self._setup_lock:
             if self._room is None:
-                self._room = WaitingRoom(self.engine, self._table.statements)
+                self._room = WaitingRoom(self.engine, self._operations.statements)
             return self._room
 
     @property
     def _be(self) -> Backend:
-        return self._table.backend
+        return self._operations.backend
 
     @property
     def _sql(self) -> Statements:
-        return self._table.statements
+        return self._operations.statements

@@ -15,7 +15,7 @@ up) costs latency, never correctness.
 The trigger may instead hand the row to the head of the lockstring's queue, and say so on a
 second channel, ``sqllocker_<table>_granted``, with the new row's id: the head of
 that lockstring's queue is found by the SHA-256 of its guid, given the Grant and woken, and
-believes it only once it has read the row back under its own guid (``LockTable.claim_grant``).
+believes it only once it has read the row back under its own guid (``LockOperations.claim_grant``).
 A notification proves nothing: any role that can connect can send one.
 """
 

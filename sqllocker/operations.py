@@ -49,7 +49,7 @@ from .errors import (
     describe_holder,
     one_line,
 )
-from .execution import PreparedCache, Session, kept_cursor
+from .execution import DriverSession, PreparedCache, kept_cursor
 from .identity import holder_details, public_details
 from .schema import ID_ORDER_STRIPES, id_order_table, lock_table
 from .server_settings import UnsafeSetting, read_settings
@@ -138,7 +138,7 @@ class Refused:
         )
 
 
-class LockTable:
+class LockOperations:
     """The lock operations on ``table_name`` through ``engine`` (a sync Engine, or an AsyncEngine's
     ``sync_engine`` when called from a greenlet).
 
@@ -240,7 +240,7 @@ class LockTable:
 
     def _acquire_all_on(
         self,
-        conn: Session,
+        conn: DriverSession,
         members: list[tuple[str, str]],
         ttl: float,
         details: dict[str, Any],
@@ -268,7 +268,7 @@ class LockTable:
             raise
 
     @staticmethod
-    def _roll_back_quietly(conn: Session) -> None:
+    def _roll_back_quietly(conn: DriverSession) -> None:
         """Roll back after a failure (a connection that is gone has nothing to roll back)."""
         with contextlib.suppress(Exception):
             conn.transaction_control("ROLLBACK")
@@ -326,7 +326,7 @@ class LockTable:
         """Push our row's expiry to the server's now + ``ttl``; LockLost if it is gone or has
         already expired (an expired lock is never revived)."""
 
-        def extend(conn: Session) -> datetime | None:
+        def extend(conn: DriverSession) -> datetime | None:
             params = {"lock_id": lock_id, "lock_guid": guid, "ttl": self._be.seconds_value(ttl)}
             result = conn.execute(self._sql.extend, params)
             if self._be.update_returning:
@@ -378,7 +378,7 @@ class LockTable:
         return total
 
     def locks(self, pattern: str | None) -> list[LockInfo]:
-        def read(conn: Session) -> list[LockInfo]:
+        def read(conn: DriverSession) -> list[LockInfo]:
             if pattern is None:
                 rows = conn.execute(self._sql.list_locks())
             else:
@@ -402,7 +402,7 @@ class LockTable:
     def permits(self, literal: str, wildcard: str) -> list[LockInfo]:
         """The unexpired rows whose lockstring is ``literal`` then what ``wildcard`` matches."""
 
-        def read(conn: Session) -> list[LockInfo]:
+        def read(conn: DriverSession) -> list[LockInfo]:
             pattern = self._be.literal_glob(literal) + self._be.glob_value(wildcard)
             rows = conn.execute(self._sql.list_locks(pattern=True), {"pattern": pattern})
             return [info for info in map(_lock_info, rows) if not info.expired]
@@ -410,21 +410,21 @@ class LockTable:
         return self._run(literal, read)
 
     def lock_info(self, lockstring: str) -> LockInfo | None:
-        def read(conn: Session) -> LockInfo | None:
+        def read(conn: DriverSession) -> LockInfo | None:
             row = conn.execute(self._sql.holder, {"ls": lockstring}).first()
             return None if row is None else _lock_info(row)
 
         return self._run(lockstring, read)
 
     def expired_locks(self) -> list[LockInfo]:
-        def read(conn: Session) -> list[LockInfo]:
+        def read(conn: DriverSession) -> list[LockInfo]:
             params = {"minus_grace": self._be.seconds_value(-self.grace)}
             return [_lock_info(row) for row in conn.execute(self._sql.purgeable, params)]
 
         return self._run(None, read)
 
     def break_lock(self, lockstring: str, lock_id: int | None) -> LockInfo | None:
-        def delete(conn: Session) -> LockInfo | None:
+        def delete(conn: DriverSession) -> LockInfo | None:
             row = conn.execute(self._sql.holder, {"ls": lockstring}).first()
             if row is None or (lock_id is not None and row.id != lock_id):
                 return None
@@ -485,7 +485,7 @@ class LockTable:
 
     def _acquire_on(
         self,
-        conn: Session,
+        conn: DriverSession,
         lockstring: str,
         guid: str,
         ttl: float,
@@ -508,7 +508,7 @@ class LockTable:
             logger.debug("acquire of %r met contention (%s); retrying", lockstring, error.orig)
             return Refused(self._key_blocker(conn, lockstring), None)
 
-    def _key_blocker(self, conn: Session, lockstring: str) -> LockBusy | None:
+    def _key_blocker(self, conn: DriverSession, lockstring: str) -> LockBusy | None:
         """After an acquire waited out its bound for the lockstring's id-order key
         (PostgreSQL): the LockBusy that names the session holding that key, if one does. Held
         longer than an INSERT, it is held by a session outside sqllocker's protocol."""
@@ -533,7 +533,9 @@ class LockTable:
             "holder": details,
         }
 
-    def _insert_or_learn_holder(self, conn: Session, params: dict[str, Any]) -> Acquired | Refused:
+    def _insert_or_learn_holder(
+        self, conn: DriverSession, params: dict[str, Any]
+    ) -> Acquired | Refused:
         """Insert our row; if refused, read the holder's row and take it over if it has expired.
 
         Each statement commits by itself: what makes this safe is in the statements, not in a
@@ -566,7 +568,7 @@ class LockTable:
         )
         return Refused(busy, row.server_now)
 
-    def _take_over(self, conn: Session, params: dict[str, Any]) -> Acquired | None:
+    def _take_over(self, conn: DriverSession, params: dict[str, Any]) -> Acquired | None:
         """Replace an expired holder's row with ours: atomically on PostgreSQL; elsewhere by
         deleting it only if still expired, then inserting (the unique key picks one winner)."""
         sql = self._sql
@@ -577,7 +579,7 @@ class LockTable:
         return None
 
     def _insert(
-        self, conn: Session, statement: ClauseElement, params: dict[str, Any]
+        self, conn: DriverSession, statement: ClauseElement, params: dict[str, Any]
     ) -> Acquired | None:
         be = self._be
         try:
@@ -596,7 +598,7 @@ class LockTable:
         return Acquired(lock_id, created, expires)
 
     def _insert_then_read(
-        self, conn: Session, statement: ClauseElement, params: dict[str, Any]
+        self, conn: DriverSession, statement: ClauseElement, params: dict[str, Any]
     ) -> tuple[int, object, object] | None:
         """Without RETURNING (MySQL 8): the INSERT, then its row's id and times, read by the
         id the driver reports and our guid; None if it inserted nothing."""
@@ -622,7 +624,7 @@ class LockTable:
             params["ls"],
         )
 
-    def _purge_batch(self, conn: Session, batch_size: int) -> int:
+    def _purge_batch(self, conn: DriverSession, batch_size: int) -> int:
         params = {"minus_grace": self._be.seconds_value(-self.grace)}
         deleted = conn.affected(self._sql.purge_batch(batch_size), params)
         checkpoint = self._sql.checkpoint
@@ -636,13 +638,13 @@ class LockTable:
                     raise
         return deleted
 
-    def _sweep_stale_requests(self, conn: Session) -> int:
+    def _sweep_stale_requests(self, conn: DriverSession) -> int:
         sweep = self._sql.sweep_stale_requests
         return 0 if sweep is None else int(conn.execute(sweep).one().swept)
 
     # -- connections, retries and errors -----------------------------------------------------------
 
-    def _run(self, lockstring: str | None, operation: Callable[[Session], T]) -> T:
+    def _run(self, lockstring: str | None, operation: Callable[[DriverSession], T]) -> T:
         """Run ``operation`` on a pooled connection, translating driver errors into LockErrors.
 
         Every operation is safe to repeat (acquire recognises its own row by guid), so two kinds
@@ -689,7 +691,7 @@ class LockTable:
                     lockstring,
                 ) from error
 
-    def _run_once(self, operation: Callable[[Session], T]) -> T:
+    def _run_once(self, operation: Callable[[DriverSession], T]) -> T:
         """``operation`` on a connection of its own, in autocommit mode, given back after.
 
         A sync Locker on an engine sqllocker made runs it on its ConnectionStack; an AsyncLocker,
@@ -709,7 +711,7 @@ class LockTable:
             raise self.unreachable(error) from error
         try:
             if held.session is None:
-                held.session = Session(held.connection, held.cursor, self._prepared)
+                held.session = DriverSession(held.connection, held.cursor, self._prepared)
             result = operation(held.session)
         except sa.exc.DBAPIError as error:
             if error.connection_invalidated:
@@ -732,7 +734,7 @@ class LockTable:
         return result
 
     @contextmanager
-    def _pooled(self) -> Iterator[Session]:
+    def _pooled(self) -> Iterator[DriverSession]:
         """A connection of the engine's pool, in autocommit mode, for one operation.
 
         An engine sqllocker made is AUTOCOMMIT for every connection, so its raw pooled
@@ -748,7 +750,7 @@ class LockTable:
             raise self.unreachable(error) from error
         fairy = checkout if connection is None else connection.connection
         try:
-            yield Session(fairy.dbapi_connection, kept_cursor(fairy), self._prepared)
+            yield DriverSession(fairy.dbapi_connection, kept_cursor(fairy), self._prepared)
         except sa.exc.DBAPIError as error:
             if error.connection_invalidated:
                 fairy.invalidate(error.orig)

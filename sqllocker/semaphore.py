@@ -20,14 +20,14 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING, Any
 
+from .backoff import Backoff
 from .errors import LockBusy, LockTypeError, LockValueError
 from .validation import MAX_LOCKSTRING_LENGTH, check_lockstring, check_wait
-from .waiting import Backoff
 
 if TYPE_CHECKING:
     from .lock import Lock
     from .locker import Locker
-    from .operations import LockInfo, LockTable
+    from .operations import LockInfo, LockOperations
 
 MAX_LIMIT = 1000
 _SLOT = " (permit {slot})"
@@ -82,9 +82,9 @@ class Semaphore:
     """At most ``limit`` holders of ``name`` at once (see the module's docstring); from
     ``Locker.semaphore``."""
 
-    def __init__(self, locker: Locker, table: LockTable, name: str, limit: int) -> None:
+    def __init__(self, locker: Locker, table: LockOperations, name: str, limit: int) -> None:
         self.locker = locker
-        self._table = table
+        self._operations = table
         self.name, self.limit = check_semaphore(name, limit)
 
     def acquire(
@@ -106,7 +106,7 @@ class Semaphore:
                     permit = self.locker.lock(lockstring, expires=expires, **options)
                 except LockBusy:
                     continue
-                if self._table.count_live(*permit_pattern(self.name)) <= self.limit:
+                if self._operations.count_live(*permit_pattern(self.name)) <= self.limit:
                     return permit.keep_alive() if keep_alive else permit
                 permit.unlock()  # over a smaller limit than others': no newcomer for now
                 break
@@ -116,7 +116,7 @@ class Semaphore:
 
     def holders(self) -> list[LockInfo]:
         """The live permits, ordered by lockstring (each ``LockInfo`` names its slot)."""
-        return self._table.permits(*permit_pattern(self.name))
+        return self._operations.permits(*permit_pattern(self.name))
 
     def __repr__(self) -> str:
         return f"<Semaphore {self.name!r} limit={self.limit}>"

@@ -55,7 +55,7 @@ class ServerSettings(NamedTuple):
 def read_settings(conn: Connection, table: str) -> ServerSettings:
     """The settings of ``conn``'s database that the locks' guarantees rest on, read when a
     Locker is set up, and again after it lost a connection or migrated its table (see
-    ``LockTable.ensure_setup``)."""
+    ``LockOperations.ensure_setup``)."""
     name = conn.dialect.name
     problems: list[UnsafeSetting] = []
     lock_stripes = False

@@ -18,9 +18,9 @@ import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
 from sqllocker import Locker, lock_table
+from sqllocker.backoff import Backoff
 from sqllocker.engine import resolve_url
 from sqllocker.migrations import upgrade
-from sqllocker.waiting import Backoff
 
 POSTGRES_ADMIN_URL = os.environ.get(
     "SQLLOCKER_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"

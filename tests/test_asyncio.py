@@ -511,7 +511,7 @@ async def test_failed_release_can_be_retried(
     alocker: AsyncLocker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     lock = await alocker.lock("job", keep_alive=True)
-    real_release = alocker._table.release
+    real_release = alocker._operations.release
     failures = {"left": 1}
 
     def flaky(*args: Any) -> None:  # runs in the operation's greenlet, as the real one does
@@ -520,7 +520,7 @@ async def test_failed_release_can_be_retried(
             raise DatabaseError("simulated outage", "job")
         real_release(*args)
 
-    monkeypatch.setattr(alocker._table, "release", flaky)
+    monkeypatch.setattr(alocker._operations, "release", flaky)
     with pytest.raises(DatabaseError):
         await lock.unlock()
     assert lock.is_locked  # still held, so unlock() can be tried again...

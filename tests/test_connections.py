@@ -17,13 +17,13 @@ import sqlalchemy as sa
 
 from sqllocker import Locker, engine, execution
 from sqllocker.asyncio import AsyncLocker
-from sqllocker.connections import ConnectionStack, Held
+from sqllocker.connections import ConnectionStack, StackedConnection
 from sqllocker.engine import create_locker_engine, resolve_url
 from tests.test_fork_and_clocks import run_in_child
 
 
 def stack_of(locker: Locker) -> ConnectionStack:
-    stack = locker._table._stack
+    stack = locker._operations._stack
     assert stack is not None, "a Locker on a URL runs its lock operations on a ConnectionStack"
     return stack
 
@@ -38,7 +38,7 @@ def test_one_connection_and_one_cursor_serve_operation_after_operation(locker: L
             lock.extend(60)
     assert stack._idle == [held]
     assert held.cursor is cursor
-    assert locker._table.connections() == (1, 0)
+    assert locker._operations.connections() == (1, 0)
 
 
 def test_connections_closed_under_the_stack_are_replaced_and_the_idle_ones_dropped(
@@ -48,7 +48,7 @@ def test_connections_closed_under_the_stack_are_replaced_and_the_idle_ones_dropp
     first, second = stack.take(), stack.take()
     stack.give_back(first)
     stack.give_back(second)
-    assert locker._table.connections() == (2, 0)
+    assert locker._operations.connections() == (2, 0)
     for held in (first, second):  # as when the server restarts
         held.connection.close()
 
@@ -56,7 +56,7 @@ def test_connections_closed_under_the_stack_are_replaced_and_the_idle_ones_dropp
         pass
 
     assert "connection was lost" in caplog.text
-    assert locker._table.connections() == (1, 0)
+    assert locker._operations.connections() == (1, 0)
     (replacement,) = stack._idle
     assert replacement.connection not in (first.connection, second.connection)
 
@@ -65,7 +65,7 @@ def test_disposing_of_the_engine_closes_the_idle_connections(locker: Locker) -> 
     locker.lock("warm up").unlock()
     (held,) = stack_of(locker)._idle
     locker.engine.dispose()  # what a user does to drop every connection
-    assert locker._table.connections() == (0, 0)
+    assert locker._operations.connections() == (0, 0)
     locker.lock("next").unlock()
     assert stack_of(locker)._idle[0] is not held
 
@@ -80,12 +80,12 @@ def test_an_interrupted_operations_connection_is_never_reused(
         raise KeyboardInterrupt
 
     with monkeypatch.context() as patch:
-        patch.setattr(execution.Session, "_send", interrupt)
+        patch.setattr(execution.DriverSession, "_send", interrupt)
         with pytest.raises(KeyboardInterrupt):
             locker.lock("interrupted")
-    assert locker._table.connections() == (0, 0)
+    assert locker._operations.connections() == (0, 0)
     locker.lock("next").unlock()
-    assert locker._table.connections() == (1, 0)
+    assert locker._operations.connections() == (1, 0)
     assert stack_of(locker)._idle[0] is not interrupted
 
 
@@ -116,7 +116,7 @@ def test_a_caller_at_the_limit_gets_the_next_connection_given_back(tmp_path: Pat
     )
     stack = ConnectionStack(engine)
     first, second = stack.take(), stack.take()
-    got: list[Held | BaseException] = []
+    got: list[StackedConnection | BaseException] = []
 
     def wait_for_one() -> None:
         try:
@@ -155,7 +155,7 @@ def test_threads_share_the_stack_without_sharing_a_connection(locker: Locker) ->
     guard = threading.Lock()
     real_take, real_give_back = stack.take, stack.give_back
 
-    def take() -> Held:
+    def take() -> StackedConnection:
         held = real_take()
         with guard:
             if id(held) in in_use:
@@ -163,7 +163,7 @@ def test_threads_share_the_stack_without_sharing_a_connection(locker: Locker) ->
             in_use.add(id(held))
         return held
 
-    def give_back(held: Held) -> None:
+    def give_back(held: StackedConnection) -> None:
         with guard:
             in_use.discard(id(held))
         real_give_back(held)
@@ -181,7 +181,7 @@ def test_threads_share_the_stack_without_sharing_a_connection(locker: Locker) ->
         thread.join()
     assert clashes == []
     assert locker.locks() == []
-    assert locker._table.connections()[1] == 0
+    assert locker._operations.connections()[1] == 0
 
 
 def test_a_forked_child_opens_connections_of_its_own(locker: Locker) -> None:
@@ -210,7 +210,7 @@ def test_a_callers_engine_keeps_its_pool_and_never_reuses_a_replaced_connections
     connection; a connection that was replaced is never handed its old cursor."""
     engine = create_locker_engine(resolve_url(url))
     locker = Locker(engine, table=table_name, auto_create=True)
-    assert locker._table._stack is None
+    assert locker._operations._stack is None
     locker.lock("warm up").unlock()
 
     def kept() -> tuple[object, object]:

@@ -34,7 +34,7 @@ from tests.stall_proxy import StallProxy
 REPO = Path(__file__).resolve().parent.parent
 
 GRACE = 1.0
-POLL = 0.25  # the waiters' longest backoff step (sqllocker.waiting.MAX_DELAY)
+POLL = 0.25  # the waiters' longest backoff step (sqllocker.backoff.MAX_DELAY)
 
 
 class Holder:
@@ -395,7 +395,7 @@ def server_connections(locker: Locker) -> int:
                     "SELECT count(*) FROM information_schema.processlist WHERE db = DATABASE()"
                 ).scalar_one()
             )
-        return locker._table.connections()[0]  # SQLite: the lock operations' open connections
+        return locker._operations.connections()[0]  # SQLite: the lock operations' open connections
 
 
 def test_soak_of_10000_cycles_leaves_nothing_behind(locker: Locker, backend: str) -> None:

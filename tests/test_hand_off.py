@@ -17,9 +17,9 @@ import sqlalchemy as sa
 
 from sqllocker import Lock, Locker, notify
 from sqllocker.asyncio import AsyncLocker
+from sqllocker.backoff import Backoff
 from sqllocker.engine import resolve_url
 from sqllocker.lock import safety_margin
-from sqllocker.waiting import Backoff
 from sqllocker.waiting_room import queue_key
 from tests.helpers import (
     abandon,
@@ -183,13 +183,13 @@ def test_a_lost_hand_off_notification_is_found_by_the_heads_next_attempt(
 def counting_attempts(locker: Locker | AsyncLocker, monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """The monotonic times of ``locker``'s attempts at a row from now on."""
     attempts: list[float] = []
-    try_acquire = locker._table.try_acquire
+    try_acquire = locker._operations.try_acquire
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         attempts.append(time.monotonic())
         return try_acquire(*args, **kwargs)
 
-    monkeypatch.setattr(locker._table, "try_acquire", counted)
+    monkeypatch.setattr(locker._operations, "try_acquire", counted)
     return attempts
 
 

@@ -101,7 +101,7 @@ def test_on_lost_fires_at_the_deadline_when_renewals_keep_failing(
     def database_down(*_: object) -> None:
         raise DatabaseError("simulated outage")
 
-    monkeypatch.setattr(locker._table, "extend", database_down)
+    monkeypatch.setattr(locker._operations, "extend", database_down)
     assert lost.event.wait(5)
     _, _, when = lost.calls[0]
     # Before the row can expire on the server (acquire sent + expires), let alone be taken over.
@@ -115,7 +115,7 @@ def test_transient_renewal_errors_are_retried(
 ) -> None:
     lost = LostCalls()
     lock = locker.lock("job", expires=1.5, keep_alive=True, on_lost=lost)
-    real_extend = locker._table.extend
+    real_extend = locker._operations.extend
     failures = {"left": 2}
 
     def flaky(*args: Any) -> Any:
@@ -124,7 +124,7 @@ def test_transient_renewal_errors_are_retried(
             raise DatabaseError("simulated hiccup")
         return real_extend(*args)
 
-    monkeypatch.setattr(locker._table, "extend", flaky)
+    monkeypatch.setattr(locker._operations, "extend", flaky)
     time.sleep(3.5)  # more than two expiry periods
     assert failures["left"] == 0
     assert lost.calls == []
@@ -323,7 +323,7 @@ def test_mariadb_autoinc_lock_mode_2_is_safe_only_with_the_id_order_table(
         warned = Locker(server.url, table=table_name)
         with pytest.warns(UnsafeDatabaseWarning, match=reorders):
             warned.lock("job").unlock()
-        assert warned._table.statements.id_order is None
+        assert warned._operations.statements.id_order is None
         with pytest.raises(UnsafeDatabase, match=reorders):
             Locker(server.url, table=table_name, strict=True).lock("job")
         assert count_rows(Locker(server.url, table=table_name)) == 0  # strict wrote nothing
@@ -337,10 +337,10 @@ def test_mariadb_autoinc_lock_mode_2_is_safe_only_with_the_id_order_table(
         with warnings.catch_warnings():
             warnings.simplefilter("error", UnsafeDatabaseWarning)
             warned.lock("job").unlock()  # the locker that migrated takes the stripe lock now
-            assert warned._table.statements.id_order is not None
+            assert warned._operations.statements.id_order is not None
             migrated = Locker(server.url, table=table_name, strict=True)
             migrated.lock("job").unlock()
-        statements = migrated._table.statements
+        statements = migrated._operations.statements
         assert statements.id_order is not None
         assert "FOR UPDATE" in str(statements.acquire.compile(dialect=engine.dialect))
         # Without its stripe's row an acquire would insert nothing, silently, for ever.
@@ -371,14 +371,16 @@ def test_a_server_restarted_with_other_settings_is_checked_again(table_name: str
         with warnings.catch_warnings():
             warnings.simplefilter("error", UnsafeDatabaseWarning)
             locker.lock("job").unlock()
-        assert locker._table.statements.id_order is None  # mode 1: the AUTO-INC lock orders
+        assert locker._operations.statements.id_order is None  # mode 1: the AUTO-INC lock orders
         server.stop(crash=False)
         server.options = ("--innodb-autoinc-lock-mode=2", "--innodb-flush-log-at-trx-commit=2")
         server.start()
         with pytest.warns(UnsafeDatabaseWarning, match="innodb_flush_log_at_trx_commit=2"):
             locker.lock("job").unlock()
-        assert locker._table.statements.id_order is not None
-        statement = str(locker._table.statements.acquire.compile(dialect=locker.engine.dialect))
+        assert locker._operations.statements.id_order is not None
+        statement = str(
+            locker._operations.statements.acquire.compile(dialect=locker.engine.dialect)
+        )
         assert "FOR UPDATE" in statement
         locker.close()
 
@@ -435,7 +437,7 @@ def test_failed_release_leaves_the_lock_held_for_another_try(
     locker: Locker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     lock = locker.lock("job", expires=30, keep_alive=True)
-    real_release = locker._table.release
+    real_release = locker._operations.release
     failures = {"left": 1}
 
     def flaky(*args: Any) -> None:
@@ -444,7 +446,7 @@ def test_failed_release_leaves_the_lock_held_for_another_try(
             raise DatabaseError("simulated outage", "job")
         real_release(*args)
 
-    monkeypatch.setattr(locker._table, "release", flaky)
+    monkeypatch.setattr(locker._operations, "release", flaky)
     with pytest.raises(DatabaseError):
         lock.unlock()
     assert lock.is_locked  # the row is still there, and unlock() can be tried again...

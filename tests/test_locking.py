@@ -439,7 +439,7 @@ def test_without_returning_the_acquire_reads_its_row_back(mysql_url: str, table_
     locker = Locker(engine, table=table_name, grace=0)
     try:
         first = locker.lock("no returning", expires=0.3)
-        assert not locker._table.backend.insert_returning
+        assert not locker._operations.backend.insert_returning
         row = locker.lock_info("no returning")
         assert row is not None
         assert row.lock_id == first.lock_id

@@ -106,7 +106,7 @@ def test_mysql_migration_makes_the_stripes_table(mysql_url: str, table_name: str
     assert (count, low, high) == (ID_ORDER_STRIPES, 0, ID_ORDER_STRIPES - 1)
     locker = Locker(mysql_url, table=table_name)
     with locker.lock("job"):
-        assert locker._table.statements.id_order is None
+        assert locker._operations.statements.id_order is None
     locker.close()
     downgrade(engine, table_name)
     assert stripes not in sa.inspect(engine).get_table_names()

@@ -168,7 +168,7 @@ def test_many_processes_on_mariadb_in_autoinc_lock_mode_2(
     with running_private_server("mysql", "--innodb-autoinc-lock-mode=2") as server:
         locker = Locker(server.url, table=table_name, grace=0)
         locker.create_table()
-        assert locker._table.statements.id_order is not None
+        assert locker._operations.statements.id_order is not None
         try:
             contend(locker, tmp_path, 0, False, options, ", innodb_autoinc_lock_mode=2")
         finally:
@@ -265,7 +265,7 @@ def contend(
     assert lost_updates == 0
     assert token_inversions == 0
     assert locks_lost == 0
-    if locker._table.notifies_releases and not trying:
+    if locker._operations.notifies_releases and not trying:
         # The queue's head is handed the row by the release (migration 0005): this test must
         # exercise that path, not only the waiters' own INSERTs. (Through a transaction
         # pooler waiters back off instead: nobody queues.)

@@ -129,7 +129,7 @@ def test_a_waiter_through_the_pooler_keeps_no_session_state(pooled: Locker, dire
     waiter = threading.Thread(target=lambda: got.append(pooled.lock("report", wait=30)))
     waiter.start()
     try:
-        wait_until(lambda: pooled._table.connections()[0] > 0)
+        wait_until(lambda: pooled._operations.connections()[0] > 0)
         for _ in range(20):  # through a few of its attempts
             assert session_state(direct, "report") == (0, 0)
             threading.Event().wait(0.02)

@@ -291,7 +291,7 @@ def test_a_first_attempt_refused_at_the_gate_does_not_wait_for_anothers_insert(
     outcomes: list[object] = []
     attempt = threading.Thread(
         target=lambda: outcomes.append(
-            locker._table.try_acquire("report", str(uuid.uuid4()), 60.0, {}, queue_key=key)
+            locker._operations.try_acquire("report", str(uuid.uuid4()), 60.0, {}, queue_key=key)
         )
     )
     attempt.start()

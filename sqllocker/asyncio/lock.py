@@ -25,11 +25,11 @@ from ..validation import check_seconds
 from .tasks import spawn
 
 if TYPE_CHECKING:
-    from ..operations import LockTable
+    from ..operations import LockOperations
     from .keepalive import AsyncKeepAlive
     from .locker import AsyncLocker
 
-# Runs one LockTable operation from the event loop: AsyncLocker's, with its set-up and loop
+# Runs one LockOperations operation from the event loop: AsyncLocker's, with its set-up and loop
 # binding.
 Run = Callable[..., Awaitable[Any]]
 
@@ -39,7 +39,7 @@ logger = logging.getLogger("sqllocker")
 class AsyncLockState(Holding):
     """An acquisition made on an event loop. The keep-alive task and the finaliser work on this,
     never on the AsyncLock, so neither keeps a dropped lock alive. It has what its operations
-    need: the table's statements (``table``), how to run one of them from the event loop
+    need: the table's operations (``operations``), how to run one of them from the event loop
     (``run``: in a greenlet, on the connections of the running loop) and the keep-alive tasks.
 
     ``op_lock`` serialises extend, renewal and release, as in the sync LockState.
@@ -47,7 +47,7 @@ class AsyncLockState(Holding):
 
     def __init__(
         self,
-        table: LockTable,
+        operations: LockOperations,
         run: Run,
         keep_alives: AsyncKeepAlive,
         lockstring: str,
@@ -58,7 +58,7 @@ class AsyncLockState(Holding):
         on_lost: OnLost | None,
     ) -> None:
         super().__init__(lockstring, lock_id, guid, ttl, sent_at, on_lost)
-        self.table = table
+        self.operations = operations
         self.run = run
         self.keep_alives = keep_alives
         self.loop = asyncio.get_running_loop()
@@ -72,7 +72,7 @@ class AsyncLockState(Holding):
             sent_at = clock.now()
             try:
                 expires: datetime = await self.run(
-                    self.table.extend, self.lockstring, self.lock_id, self.guid, ttl
+                    self.operations.extend, self.lockstring, self.lock_id, self.guid, ttl
                 )
             except LockLost as lost:
                 self.mark_lost(lost)
@@ -101,7 +101,7 @@ class AsyncLockState(Holding):
                 self.keep_alives.remove(self)
                 try:
                     await self.run(
-                        self.table.release,
+                        self.operations.release,
                         self.lockstring,
                         self.lock_id,
                         self.guid,
@@ -229,7 +229,7 @@ class AsyncLock(LockHandle[AsyncLockState]):
         from being taken over or purged until that transaction ends (see ``Lock.guard``)."""
         state = self._state
         proven = await connection.run_sync(
-            state.table.guard, state.lockstring, state.lock_id, state.guid
+            state.operations.guard, state.lockstring, state.lock_id, state.guid
         )
         state.guard_failed(proven)
 

@@ -1,6 +1,6 @@
 """The AsyncLocker: the asyncio front end, on the same table and statements as ``Locker``.
 
-Every operation is ``operations.LockTable``'s, run by SQLAlchemy's ``greenlet_spawn`` on the
+Every operation is ``operations.LockOperations``'s, run by SQLAlchemy's ``greenlet_spawn`` on the
 AsyncEngine's ``sync_engine``: the driver calls become awaits on the event loop, and the SQL,
 retries and error handling are exactly the sync front end's. So sync and async processes
 contend for the same lockstrings under the same rules. This module adds what is particular to
@@ -29,6 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.util import greenlet_spawn
 
 from .. import validation
+from ..backoff import Backoff
 from ..decorators import LockstringTemplate, check_decoration, when_busy
 from ..engine import create_async_locker_engine, describe_url, resolve_url
 from ..errors import LockBusy, LockError, LockTypeError
@@ -43,9 +44,8 @@ from ..locker import (
     DEFAULT_PURGE_PAUSE_RATIO,
 )
 from ..notify import guid_digest
-from ..operations import Acquired, LockInfo, LockTable, Refused
+from ..operations import Acquired, LockInfo, LockOperations, Refused
 from ..schema import DEFAULT_TABLE
-from ..waiting import Backoff
 from ..waiting_room import Request
 from .group import AsyncLockGroup
 from .keepalive import AsyncKeepAlive
@@ -64,7 +64,7 @@ R = TypeVar("R")
 
 
 def _sleep_in_greenlet(seconds: float) -> None:
-    """LockTable's pause between retries after contention, without blocking the event loop."""
+    """LockOperations's pause between retries after contention, without blocking the event loop."""
     try:
         from sqlalchemy.util import await_
     except ImportError:  # SQLAlchemy 2.0 calls it await_only
@@ -124,7 +124,7 @@ class AsyncLocker:
                 f"{type(url_or_engine).__name__}"
             )
         self.url = self.engine.url
-        self._table = LockTable(
+        self._operations = LockOperations(
             self.engine.sync_engine,
             self.table_name,
             owns_engine=owns_engine,
@@ -134,8 +134,8 @@ class AsyncLocker:
             transaction_pooling=pooled,
             sleep=_sleep_in_greenlet,
         )
-        self.table = self._table.table
-        self.auto_create = self._table.auto_create
+        self.table = self._operations.table
+        self.auto_create = self._operations.auto_create
         self._keep_alives = AsyncKeepAlive(fraction)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_end: AsyncGenerator[None, None] | None = None
@@ -234,7 +234,7 @@ class AsyncLocker:
         backoff = Backoff.for_wait(wait)
         while True:
             attempt = spawn(
-                self._call(self._table.try_acquire_all, members, ttl, details),
+                self._call(self._operations.try_acquire_all, members, ttl, details),
                 f"acquire {len(names)} locks",
             )
             try:
@@ -258,12 +258,12 @@ class AsyncLocker:
         outcome = attempt.result()
         if isinstance(outcome, list):
             for (name, guid), acquired in zip(members, outcome, strict=True):
-                release = self._call(self._table.release, name, acquired.lock_id, guid)
+                release = self._call(self._operations.release, name, acquired.lock_id, guid)
                 spawn(release, f"release {name!r} after cancellation")
 
     def semaphore(self, name: str, limit: int) -> AsyncSemaphore:
         """A counting semaphore (see ``Locker.semaphore``): ``await sem.acquire()``."""
-        return AsyncSemaphore(self, self._table, name, limit)
+        return AsyncSemaphore(self, self._operations, name, limit)
 
     async def try_lock(
         self,
@@ -286,31 +286,31 @@ class AsyncLocker:
         """Delete rows expired (by the server's clock) for longer than grace, in batches, resting
         between them as ``Locker.purge_expired_locks`` does (with ``asyncio.sleep``)."""
         return await self._call(
-            self._table.purge_expired,
+            self._operations.purge_expired,
             validation.check_batch_size(batch_size),
             validation.check_pause_ratio(pause_ratio),
         )
 
     async def locks(self, pattern: str | None = None) -> list[LockInfo]:
         """Every row of the table (see ``Locker.locks``)."""
-        return await self._call(self._table.locks, validation.check_pattern(pattern))
+        return await self._call(self._operations.locks, validation.check_pattern(pattern))
 
     async def lock_info(self, lockstring: str) -> LockInfo | None:
         """The row of ``lockstring``, live or expired, or None if there is none."""
-        return await self._call(self._table.lock_info, validation.check_lockstring(lockstring))
+        return await self._call(self._operations.lock_info, validation.check_lockstring(lockstring))
 
     async def expired_locks(self) -> list[LockInfo]:
         """The rows purge_expired_locks() would delete now."""
-        return await self._call(self._table.expired_locks)
+        return await self._call(self._operations.expired_locks)
 
     async def break_lock(self, lockstring: str, lock_id: int | None = None) -> LockInfo | None:
         """Delete ``lockstring``'s row whoever holds it (see ``Locker.break_lock``)."""
         checked = validation.check_lockstring(lockstring)
-        return await self._call(self._table.break_lock, checked, lock_id)
+        return await self._call(self._operations.break_lock, checked, lock_id)
 
     async def create_table(self) -> None:
         """Create or upgrade the table by applying the shipped migrations; safe to repeat."""
-        await greenlet_spawn(self._table.create_table)
+        await greenlet_spawn(self._operations.create_table)
 
     async def aclose(self) -> None:
         """Stop keeping locks alive and listening, and dispose of an engine the locker made."""
@@ -320,7 +320,7 @@ class AsyncLocker:
             await self._listener.stop()
         if self._room is not None:
             await self._room.close()
-        if self._table.owns_engine:
+        if self._operations.owns_engine:
             await self.engine.dispose()
 
     async def __aenter__(self) -> AsyncLocker:
@@ -434,7 +434,7 @@ class AsyncLocker:
                             await asyncio.wait_for(waiter.event.wait(), delay)
                         if waiter.grant is not None and turn is not None:
                             claimed = await self._call(
-                                self._table.claim_grant, lockstring, waiter.grant.lock_id, guid
+                                self._operations.claim_grant, lockstring, waiter.grant.lock_id, guid
                             )
                             if claimed is not None:
                                 turn.granted()
@@ -457,7 +457,7 @@ class AsyncLocker:
         queue_key: int | None = None,
     ) -> AsyncLock | Refused:
         attempt = spawn(
-            self._call(self._table.try_acquire, lockstring, guid, ttl, details, queue_key),
+            self._call(self._operations.try_acquire, lockstring, guid, ttl, details, queue_key),
             f"acquire {lockstring!r}",
         )
         try:
@@ -481,7 +481,7 @@ class AsyncLocker:
         on_lost: OnLost | None,
     ) -> AsyncLock:
         state = AsyncLockState(
-            self._table,
+            self._operations,
             self._call,
             self._keep_alives,
             lockstring,
@@ -504,24 +504,24 @@ class AsyncLocker:
             logger.info(
                 "releasing %r (id %d): its acquirer was cancelled", lockstring, outcome.lock_id
             )
-            release = self._call(self._table.release, lockstring, outcome.lock_id, guid)
+            release = self._call(self._operations.release, lockstring, outcome.lock_id, guid)
             spawn(release, f"release {lockstring!r} after cancellation")
 
     async def _call(self, operation: Callable[..., T], *args: Any) -> T:
-        """Run one LockTable operation in a greenlet, where its driver calls are awaited."""
+        """Run one LockOperations operation in a greenlet, where its driver calls are awaited."""
         await self._ready()
         return await greenlet_spawn(operation, *args)
 
     async def _ready(self) -> None:
-        """Set up on first use, one task at a time: LockTable's own set-up lock is a thread
+        """Set up on first use, one task at a time: LockOperations's own set-up lock is a thread
         lock, which one task must never hold while another task on the same thread waits."""
         self._bind_to_running_loop()
-        if self._table._backend is not None:
+        if self._operations._backend is not None:
             return
         if self._setup_lock is None:
             self._setup_lock = asyncio.Lock()
         async with self._setup_lock:
-            await greenlet_spawn(self._table.ensure_setup)
+            await greenlet_spawn(self._operations.ensure_setup)
 
     def _bind_to_running_loop(self) -> None:
         """Make the running loop this locker's, dropping what belonged to the previous one.
@@ -548,7 +548,7 @@ class AsyncLocker:
         self._room = None
         self._setup_lock = None
         self._keep_alives.forget_tasks()
-        if self._table.owns_engine:
+        if self._operations.owns_engine:
             self.engine.sync_engine.dispose(close=False)
 
     async def _close_at_loop_end(self) -> None:
@@ -563,7 +563,7 @@ class AsyncLocker:
 
     async def _release_listener(self) -> AsyncReleaseListener | None:
         """PostgreSQL waiters wake on NOTIFY; other backends back off and retry."""
-        if not self._table.notifies_releases:
+        if not self._operations.notifies_releases:
             return None
         if self._listener is None:
             self._listener = AsyncReleaseListener(self.engine, self.table_name)
@@ -572,7 +572,7 @@ class AsyncLocker:
     def _waiting_room(self) -> AsyncWaitingRoom:
         """Where PostgreSQL waiters queue, sync and async alike, so that one at a time tries."""
         if self._room is None:
-            self._room = AsyncWaitingRoom(self.engine, self._table.statements)
+            self._room = AsyncWaitingRoom(self.engine, self._operations.statements)
         return self._room
 
 

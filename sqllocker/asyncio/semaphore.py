@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
+from ..backoff import Backoff
 from ..errors import LockBusy
 from ..semaphore import check_semaphore, permit_lockstring, permit_pattern, refused, slots_to_try
 from ..validation import check_wait
-from ..waiting import Backoff
 
 if TYPE_CHECKING:
-    from ..operations import LockInfo, LockTable
+    from ..operations import LockInfo, LockOperations
     from .lock import AsyncLock
     from .locker import AsyncLocker
 
@@ -19,9 +19,9 @@ if TYPE_CHECKING:
 class AsyncSemaphore:
     """At most ``limit`` holders of ``name`` at once; from ``AsyncLocker.semaphore``."""
 
-    def __init__(self, locker: AsyncLocker, table: LockTable, name: str, limit: int) -> None:
+    def __init__(self, locker: AsyncLocker, table: LockOperations, name: str, limit: int) -> None:
         self.locker = locker
-        self._table = table
+        self._operations = table
         self.name, self.limit = check_semaphore(name, limit)
 
     async def acquire(
@@ -41,7 +41,9 @@ class AsyncSemaphore:
                     permit = await self.locker.lock(lockstring, expires=expires, **options)
                 except LockBusy:
                     continue
-                live = await self.locker._call(self._table.count_live, *permit_pattern(self.name))
+                live = await self.locker._call(
+                    self._operations.count_live, *permit_pattern(self.name)
+                )
                 if live <= self.limit:
                     return permit.keep_alive() if keep_alive else permit
                 await permit.unlock()  # over a smaller limit than others': no newcomer now
@@ -52,7 +54,7 @@ class AsyncSemaphore:
 
     async def holders(self) -> list[LockInfo]:
         """The live permits, ordered by lockstring."""
-        return await self.locker._call(self._table.permits, *permit_pattern(self.name))
+        return await self.locker._call(self._operations.permits, *permit_pattern(self.name))
 
     def __repr__(self) -> str:
         return f"<AsyncSemaphore {self.name!r} limit={self.limit}>"

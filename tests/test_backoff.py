@@ -11,8 +11,8 @@ import pytest
 import sqlalchemy as sa
 
 from sqllocker import Locker
+from sqllocker.backoff import FIRST_DELAY, MAX_DELAY, Backoff
 from sqllocker.engine import resolve_url
-from sqllocker.waiting import FIRST_DELAY, MAX_DELAY, Backoff
 
 
 @pytest.mark.parametrize("freed_by", ["release", "purge", "operator's DELETE"])
