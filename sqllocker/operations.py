@@ -247,6 +247,7 @@ class LockOperations:
     ) -> list[Acquired] | Refused:
         be = self._be
         conn.transaction_control(be.begin)
+        lockstring = members[0][0]
         try:
             taken: list[Acquired] = []
             for lockstring, guid in members:
@@ -261,7 +262,8 @@ class LockOperations:
         except sa.exc.DBAPIError as error:
             self._roll_back_quietly(conn)
             if be.is_transient_conflict(error):
-                return Refused(None, None)
+                # As for one lock: a wait for a member's key that ran out names who holds it.
+                return Refused(self._key_blocker(conn, lockstring), None)
             raise
         except BaseException:
             self._roll_back_quietly(conn)

@@ -75,6 +75,7 @@ def refused(name: str, limit: int, wait: float | None) -> LockBusy:
         + (f"; gave up after waiting {wait:.3g}s" if wait else "")
         + f"; `sqllocker list {name!r}*` shows their holders"
     )
+    busy.args = (busy.message,)  # repr() and pickling say the same as str()
     return busy
 
 

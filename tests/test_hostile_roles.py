@@ -210,6 +210,8 @@ def test_an_advisory_key_held_outside_the_protocol_bounds_the_wait_and_names_its
         assert "holds no row" in str(busy.value)
         with pytest.raises(LockBusy, match=f"session {pid}"):
             locker.lock("job", wait=2)
+        with pytest.raises(LockBusy, match=f"session {pid}"):
+            locker.lock_all(["job", "other job"])  # a group names the key's holder too
         assert locker.try_lock("other job") is not None  # other lockstrings are untouched
         locker.close()
     intruder.execute("SELECT pg_advisory_unlock_all()")
