@@ -13,6 +13,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from .errors import (
     DatabaseError,
+    ForeignTable,
     LockBusy,
     LockError,
     LockLost,
@@ -36,6 +37,7 @@ except PackageNotFoundError:  # running from a checkout that was never installed
 
 __all__ = [
     "DatabaseError",
+    "ForeignTable",
     "Lock",
     "LockBusy",
     "LockError",

@@ -114,6 +114,17 @@ class Backend:
         sides, pg_catalog's is the exact match, and it comes first."""
         return self._as_text(left) == self._as_text(right)
 
+    def starts_with(self, column: ColumnElement[str], prefix: str) -> ColumnElement[bool]:
+        """``column`` starts with the constant ``prefix`` (which holds no wildcard), exactly."""
+        if self.name == "postgresql":
+            return sa.func.pg_catalog.starts_with(
+                self._as_text(column), sa.cast(sa.literal(prefix), sa.Text), type_=sa.Boolean()
+            )
+        if self.name == "sqlite":
+            # GLOB, as LIKE would ignore case.
+            return column.op("GLOB", is_comparison=True)(sa.literal(prefix + "*"))
+        return column.like(sa.literal(prefix + "%"))
+
     def _as_text(self, value: ColumnElement[Any]) -> ColumnElement[Any]:
         return sa.cast(value, sa.Text) if self.name == "postgresql" else value
 

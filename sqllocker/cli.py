@@ -12,15 +12,17 @@ import sys
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import click
 
 from . import __version__
+from .adoption import check_zone
 from .engine import URL_ENVIRONMENT_VARIABLE, describe_url
-from .errors import LockError, describe_holder, printable
+from .errors import LockError, describe_holder, one_line, printable
 from .locker import DEFAULT_GRACE, DEFAULT_PURGE_BATCH, DEFAULT_PURGE_PAUSE_RATIO, Locker, LockInfo
 from .runner import DEFAULT_KILL_AFTER, EXIT_LOCK_LOST, ON_LOST_CHOICES, RunOptions, run_locked
-from .schema import DEFAULT_TABLE
+from .schema import DEFAULT_TABLE, FOREIGN_CLOCK_MARGIN
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "show_default": True}
 
@@ -163,8 +165,8 @@ def list_locks(settings: _Settings, pattern: str | None, as_json: bool, expired_
             str(info.lock_id),
             printable(f"{info.locked_by.get('host', '?')}:{info.locked_by.get('pid', '?')}"),
             printable(info.locked_by.get("program", "")),
-            _when(info.created),
-            _when(info.expires),
+            _when(info.created) + ("!" if info.created_in_future else ""),
+            _when(info.expires) + ("*" if info.dbix_locker else ""),
             "expired" if info.expired else _duration(info.seconds_left),
         )
         for info in infos
@@ -174,6 +176,10 @@ def list_locks(settings: _Settings, pattern: str | None, as_json: bool, expired_
         click.echo(
             "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
         )
+    flagged = (any(i.created_in_future for i in infos), any(i.dbix_locker for i in infos))
+    for note, applies in zip(ROW_NOTES, flagged, strict=True):
+        if applies:
+            click.echo(note)
 
 
 @cli.command()
@@ -197,8 +203,11 @@ def show(settings: _Settings, lockstring: str, as_json: bool) -> None:
     click.echo(f"lock id:    {info.lock_id}")
     click.echo(f"state:      {state}")
     click.echo(f"holder:     {describe_holder(info.locked_by)}")
-    click.echo(f"created:    {_when(info.created)}")
-    click.echo(f"expires:    {_when(info.expires)}")
+    click.echo(f"created:    {_when(info.created)}" + ("!" if info.created_in_future else ""))
+    click.echo(f"expires:    {_when(info.expires)}" + ("*" if info.dbix_locker else ""))
+    for note, applies in zip(ROW_NOTES, (info.created_in_future, info.dbix_locker), strict=True):
+        if applies:
+            click.echo(note)
     for key, value in sorted(info.locked_by.items()):
         shown = value if isinstance(value, str) else json.dumps(value)
         click.echo(f"  {printable(key)}: {printable(shown)}")
@@ -362,12 +371,51 @@ def run(
     help="Print the DDL instead of applying it (for DBAs who apply it themselves).",
 )
 @click.option("--check", is_flag=True, help="Exit 1 if the database is behind; change nothing.")
+@click.option(
+    "--adopt-dbix-locker",
+    "adopt",
+    is_flag=True,
+    help="Convert the DBIx::Locker table of this name into sqllocker's, keeping its rows "
+    "(needs --perl-tz; with --sql, print the conversion with the rows as they are now).",
+)
+@click.option(
+    "--perl-tz",
+    metavar="ZONE",
+    help="With --adopt-dbix-locker: the time zone the Perl processes ran in (e.g. "
+    "America/New_York); DBIx::Locker wrote its times in it.",
+)
+@click.option(
+    "--exact-lockstrings",
+    is_flag=True,
+    help='With --adopt-dbix-locker, MySQL/MariaDB: compare lockstrings exactly ("Foo" and '
+    '"foo" two locks) instead of by the table\'s case-folding collation.',
+)
 @pass_settings
-def migrate(settings: _Settings, print_sql: bool, check: bool) -> None:
-    """Create or upgrade the lock table (and its `<table>_held` view)."""
+def migrate(
+    settings: _Settings,
+    print_sql: bool,
+    check: bool,
+    adopt: bool,
+    perl_tz: str | None,
+    exact_lockstrings: bool,
+) -> None:
+    """Create or upgrade the lock table (and its `<table>_held` view), or adopt a DBIx::Locker
+    table."""
     from . import migrations
 
     locker = settings.locker(auto_create=False)
+    if adopt:
+        if check:
+            raise click.UsageError("--check and --adopt-dbix-locker contradict each other")
+        if perl_tz is None:
+            raise click.UsageError(
+                "--adopt-dbix-locker needs --perl-tz ZONE: the time zone DBIx::Locker wrote "
+                "its times in (the Perl processes' TZ; UTC if they ran with TZ=UTC)"
+            )
+        _adopt(locker, check_zone(perl_tz), exact_lockstrings, print_sql)
+        return
+    if perl_tz is not None or exact_lockstrings:
+        raise click.UsageError("--perl-tz and --exact-lockstrings go with --adopt-dbix-locker")
     if print_sql:
         click.echo(migrations.upgrade_sql(locker.url, locker.table_name), nl=False)
         return
@@ -388,10 +436,35 @@ def migrate(settings: _Settings, print_sql: bool, check: bool) -> None:
     except LockError:
         raise
     except Exception as error:  # alembic and the driver: one line, not a traceback
-        raise LockError(f"migration of {describe_url(locker.url)} failed: {error}") from error
+        raise LockError(
+            f"migration of {describe_url(locker.url)} failed: {one_line(error)}"
+        ) from error
     head = migrations.head_revision()
     if current != head:
         click.echo(f"migrated {locker.table_name} from {current or 'nothing'} to revision {head}")
+
+
+def _adopt(locker: Locker, perl_tz: ZoneInfo, exact_lockstrings: bool, print_sql: bool) -> None:
+    from . import migrations
+
+    table = locker.table_name
+    try:
+        if print_sql:
+            sql = migrations.adoption_sql(locker.engine, table, perl_tz, exact_lockstrings)
+            click.echo(sql, nl=False)
+            return
+        rows = migrations.adopt_dbix_locker(locker.engine, table, perl_tz, exact_lockstrings)
+    except LockError:
+        raise
+    except Exception as error:  # alembic and the driver: one line, not a traceback
+        raise LockError(
+            f"adoption of {table!r} in {describe_url(locker.url)} failed: {one_line(error)}"
+        ) from error
+    click.echo(
+        f"adopted {table} with its {rows} row{'s' if rows != 1 else ''} (times read as "
+        f"{perl_tz.key}); its rows written by DBIx::Locker are taken over or purged only once "
+        "expired in every time zone"
+    )
 
 
 # -- helpers --------------------------------------------------------------------------------------
@@ -408,6 +481,16 @@ def _duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{minutes}m{seconds:02d}s"
 
 
+# What `list` and `show` mark with "!" and "*".
+ROW_NOTES = (
+    "! created in the future by the database's clock: written from a client's clock in another "
+    "time zone (DBIx::Locker writes local times)",
+    f"* written by DBIx::Locker, in its client's local time: taken over or purged only "
+    f"{FOREIGN_CLOCK_MARGIN // 3600} hours "
+    "after this expiry, once past in every time zone",
+)
+
+
 def _info_json(info: LockInfo) -> dict[str, Any]:
     return {
         "lockstring": info.lockstring,
@@ -417,6 +500,8 @@ def _info_json(info: LockInfo) -> dict[str, Any]:
         "expired": info.expired,
         "seconds_left": round(info.seconds_left, 3),
         "locked_by": info.locked_by,
+        "dbix_locker": info.dbix_locker,
+        "created_in_future": info.created_in_future,
     }
 
 

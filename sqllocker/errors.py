@@ -105,6 +105,20 @@ class TableMissing(LockError):
     """The lock table does not exist; the message names the command that creates it."""
 
 
+class ForeignTable(LockError):
+    """The lock table was not made by sqllocker (a DBIx::Locker table, say): every operation
+    refuses it, purge included, as its rows do not mean what sqllocker's mean; the message
+    names the command that adopts it."""
+
+    @classmethod
+    def naming(cls, table: str, where: str, reason: str) -> ForeignTable:
+        return cls(
+            f"lock table {table!r} in {where} was not made by sqllocker ({reason}: a "
+            f"DBIx::Locker table?); convert it, keeping its rows, with `sqllocker migrate "
+            f"--url URL --table {table} --adopt-dbix-locker --perl-tz ZONE`"
+        )
+
+
 class UnsafeDatabase(LockError):
     """The database is configured so that a guarantee does not hold: a crash can lose an
     acknowledged lock row, or lock ids can come out of holding order (raised with

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import sqlalchemy as sa
 from alembic import command
@@ -22,7 +23,11 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.engine import URL, Connection, Engine
 
-from .schema import DEFAULT_TABLE, lock_table
+from .adoption import plan_adoption, set_aside_name, set_table_aside
+from .engine import describe_url
+from .errors import ForeignTable, LockError, LockValueError, one_line
+from .schema import DEFAULT_TABLE, FOREIGN_GUID_PREFIX, lock_table
+from .server_settings import foreign_table
 from .validation import check_table_name
 
 VERSION_TABLE = "sqllocker_alembic_version"
@@ -64,14 +69,68 @@ def head_revision() -> str:
 
 def current_revision(engine: Engine, table: str = DEFAULT_TABLE) -> str | None:
     with engine.connect() as conn:
-        context = MigrationContext.configure(conn, opts={"version_table": version_table_for(table)})
-        return context.get_current_revision()
+        return current_revision_on(conn, table)
+
+
+def current_revision_on(conn: Connection, table: str = DEFAULT_TABLE) -> str | None:
+    context = MigrationContext.configure(conn, opts={"version_table": version_table_for(table)})
+    return context.get_current_revision()
 
 
 def upgrade(engine: Engine, table: str = DEFAULT_TABLE, revision: str = "head") -> None:
-    """Apply the migrations up to ``revision``, serialised against concurrent upgrades."""
+    """Apply the migrations up to ``revision``, serialised against concurrent upgrades.
+
+    A table sqllocker did not make (``server_settings.foreign_table``) is refused before anything
+    is written: on MySQL, alembic's version table would otherwise stay behind."""
     with _migration_connection(engine) as conn:
+        reason = foreign_table(conn, table)
+        if reason is not None:
+            raise ForeignTable.naming(table, describe_url(engine.url), reason)
         command.upgrade(alembic_config(table, connection=conn), revision)
+
+
+def adopt_dbix_locker(
+    engine: Engine, table: str, perl_tz: ZoneInfo, exact_lockstrings: bool = False
+) -> int:
+    """Convert DBIx::Locker table ``table`` into sqllocker's, at the newest revision, keeping
+    its rows (see ``sqllocker.adoption``); returns how many rows it kept."""
+    with _migration_connection(engine) as conn:
+        set_aside = engine.dialect.name == "mysql"
+        if set_aside:
+            _columns_or_refuse(conn, table)
+            set_table_aside(conn, table)
+        elif engine.dialect.name == "postgresql":
+            _columns_or_refuse(conn, table)
+            conn.exec_driver_sql(f"LOCK TABLE {check_table_name(table)} IN ACCESS EXCLUSIVE MODE")
+        try:
+            adoption = plan_adoption(conn, table, perl_tz, exact_lockstrings, set_aside=set_aside)
+            command.upgrade(alembic_config(table, connection=conn, adoption=adoption), "head")
+        except Exception as error:
+            if set_aside:
+                raise LockError(
+                    f"adoption of {table!r} failed: {one_line(error)}; its rows are in table "
+                    f"{set_aside_name(table)!r} (rename it back to retry)"
+                ) from error
+            raise
+        return adoption.rows
+
+
+def adoption_sql(
+    engine: Engine, table: str, perl_tz: ZoneInfo, exact_lockstrings: bool = False
+) -> str:
+    """The SQL :func:`adopt_dbix_locker` would run now, for a DBA to read or apply: it holds
+    the table's rows as they are when it is made."""
+    with engine.connect() as conn:
+        adoption = plan_adoption(conn, table, perl_tz, exact_lockstrings, set_aside=False)
+    buffer = io.StringIO()
+    config = alembic_config(table, url=engine.url, output_buffer=buffer, adoption=adoption)
+    command.upgrade(config, "head", sql=True)
+    return buffer.getvalue()
+
+
+def _columns_or_refuse(conn: Connection, table: str) -> None:
+    if not sa.inspect(conn).has_table(check_table_name(table)):
+        raise LockValueError(f"there is no table {table!r} to adopt")
 
 
 def downgrade(engine: Engine, table: str = DEFAULT_TABLE, revision: str = "base") -> None:
@@ -107,12 +166,35 @@ def schema_differences(engine: Engine, table: str = DEFAULT_TABLE) -> list[Any]:
             conn,
             opts={
                 "compare_type": True,
-                "compare_server_default": True,
+                "compare_server_default": _compare_server_default,
                 "include_object": ours,
                 "version_table": version_table_for(table),
             },
         )
         return list(compare_metadata(context, metadata))
+
+
+def _compare_server_default(
+    context: Any,
+    inspected_column: Any,
+    metadata_column: Any,
+    inspected_default: str | None,
+    metadata_default: Any,
+    rendered_metadata_default: str | None,
+) -> bool | None:
+    """Whether a column's default differs: the guid's random expression is the same whenever the
+    database shows its prefix (alembic would evaluate both sides on PostgreSQL, and random
+    values never agree; SQLAlchemy does not reflect MySQL's expression defaults at all); every
+    other column, alembic's own comparison."""
+    if metadata_column.name != "guid":
+        return None
+    if inspected_default is None and context.dialect.name == "mysql":
+        inspected_default = context.connection.exec_driver_sql(
+            "SELECT column_default FROM information_schema.columns WHERE table_schema = "
+            "DATABASE() AND table_name = %(table)s AND column_name = 'guid'",
+            {"table": metadata_column.table.name},
+        ).scalar()
+    return inspected_default is None or FOREIGN_GUID_PREFIX not in inspected_default
 
 
 @contextmanager

@@ -39,6 +39,7 @@ from .connections import ConnectionStack
 from .engine import describe_url, prepares_statements
 from .errors import (
     DatabaseError,
+    ForeignTable,
     LockBusy,
     LockError,
     LockLost,
@@ -51,7 +52,7 @@ from .errors import (
 )
 from .execution import DriverSession, PreparedCache, kept_cursor
 from .identity import holder_details, public_details
-from .schema import ID_ORDER_STRIPES, id_order_table, lock_table
+from .schema import FOREIGN_CLOCK_MARGIN, ID_ORDER_STRIPES, id_order_table, lock_table
 from .server_settings import UnsafeSetting, read_settings
 from .statements import Statements
 
@@ -79,6 +80,12 @@ class LockInfo:
     locked_by: dict[str, Any]
     expired: bool
     seconds_left: float  # until expiry by the server's clock; negative once expired
+    # Written by DBIx::Locker (its guid is the column's default): its times are its client's
+    # local times, so it is taken over or purged only once expired in every time zone.
+    dbix_locker: bool = False
+    # Created after the server's now: a client's clock, not the server's, wrote it (DBIx::Locker
+    # east of UTC writes times hours ahead).
+    created_in_future: bool = False
 
 
 def _lock_info(row: Any) -> LockInfo:
@@ -90,6 +97,8 @@ def _lock_info(row: Any) -> LockInfo:
         locked_by=public_details(row.locked_by),
         expired=bool(row.expired),
         seconds_left=(row.expires - row.server_now).total_seconds(),
+        dbix_locker=bool(row.dbix_locker),
+        created_in_future=row.created > row.server_now,
     )
 
 
@@ -395,7 +404,7 @@ class LockOperations:
         followed by what the glob ``wildcard`` matches."""
         params = {
             "pattern": self._be.literal_glob(literal) + self._be.glob_value(wildcard),
-            "minus_grace": self._be.seconds_value(-self.grace),
+            **self._expiry_params(),
         }
         return int(
             self._run(literal, lambda conn: conn.execute(self._sql.count_live, params).one().live)
@@ -420,7 +429,7 @@ class LockOperations:
 
     def expired_locks(self) -> list[LockInfo]:
         def read(conn: DriverSession) -> list[LockInfo]:
-            params = {"minus_grace": self._be.seconds_value(-self.grace)}
+            params = self._expiry_params()
             return [_lock_info(row) for row in conn.execute(self._sql.purgeable, params)]
 
         return self._run(None, read)
@@ -531,8 +540,16 @@ class LockOperations:
             "ls": lockstring,
             "lock_guid": guid,
             "ttl": be.seconds_value(ttl),
-            "minus_grace": be.seconds_value(-self.grace),
             "holder": details,
+            **self._expiry_params(),
+        }
+
+    def _expiry_params(self) -> dict[str, Any]:
+        """The parameters of the test whether a row may be taken over or purged now."""
+        be = self._be
+        return {
+            "minus_grace": be.seconds_value(-self.grace),
+            "minus_foreign_grace": be.seconds_value(-self.grace - FOREIGN_CLOCK_MARGIN),
         }
 
     def _insert_or_learn_holder(
@@ -627,7 +644,7 @@ class LockOperations:
         )
 
     def _purge_batch(self, conn: DriverSession, batch_size: int) -> int:
-        params = {"minus_grace": self._be.seconds_value(-self.grace)}
+        params = self._expiry_params()
         deleted = conn.affected(self._sql.purge_batch(batch_size), params)
         checkpoint = self._sql.checkpoint
         if deleted and checkpoint is not None:
@@ -823,6 +840,10 @@ class LockOperations:
                     self._check_pooled_connection(conn)
                     backend = backend_for(conn.dialect)
                     settings = read_settings(conn, self.table_name)
+                    if settings.foreign is not None:
+                        raise ForeignTable.naming(
+                            self.table_name, describe_url(self.url), settings.foreign
+                        )
                     self._report(settings.unsafe)
                     id_order = id_order_table(self.table_name) if settings.lock_stripes else None
                     if self._backend is None:

@@ -11,6 +11,9 @@ The column types are where the three backends are made to agree:
 * ``created``/``expires`` are UTC instants written from the server's clock only. SQLite has no
   timestamp type: they are stored as ``YYYY-MM-DD HH:MM:SS.SSS`` UTC text, which sorts correctly
   and reads plainly in the sqlite3 shell.
+* ``guid`` has a database-side default, which sqllocker never uses: it lets DBIx::Locker, which
+  does not know the column, keep inserting during a move from Perl, and marks its rows
+  (:data:`FOREIGN_GUID_PREFIX`) so that they are judged by its clock's rules, not ours.
 """
 
 from __future__ import annotations
@@ -21,12 +24,55 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql, postgresql
 from sqlalchemy.engine import Dialect
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.types import TypeEngine
 
 from .validation import MAX_LOCKSTRING_LENGTH, check_table_name
 
 DEFAULT_TABLE = "semaphores"
 GUID_LENGTH = 36
+# The start of the guid the database writes for a client that leaves the column out
+# (DBIx::Locker); sqllocker's own guids are hex digits only, so they never start with it.
+FOREIGN_GUID_PREFIX = "dbix-"
+# How much longer than its written expiry such a row counts as held. DBIx::Locker writes
+# ``expires`` as its client's local time, which the table reads as UTC: a client west of UTC
+# writes a time that many hours early. Waiting out the largest offset there is (14 hours) means
+# no such row is ever taken over or purged while its holder still counts on it.
+FOREIGN_CLOCK_MARGIN = 14 * 3600
+
+
+class ForeignGuidDefault(sa.sql.expression.FunctionElement[str]):
+    """The guid column's server default: :data:`FOREIGN_GUID_PREFIX` and 31 random hex digits.
+
+    Such a row's holder knows no guid (DBIx::Locker releases by id alone), so the value only has
+    to fill the column and mark the row; it is not a secret.
+    """
+
+    type = sa.String(GUID_LENGTH)
+    name = "foreign_guid_default"
+    inherit_cache = True
+
+
+@compiles(ForeignGuidDefault, "postgresql")
+def _foreign_guid_postgresql(element: ForeignGuidDefault, compiler: SQLCompiler, **kw: Any) -> str:
+    # Every name qualified: the expression is stored resolved, but written by a migration that
+    # may run with another role's schema ahead on its path.
+    return (
+        f"('{FOREIGN_GUID_PREFIX}'::text OPERATOR(pg_catalog.||) pg_catalog.substr(pg_catalog.md5("
+        "pg_catalog.random()::text OPERATOR(pg_catalog.||) pg_catalog.clock_timestamp()::text), "
+        "1, 31))"
+    )
+
+
+@compiles(ForeignGuidDefault, "mysql")
+def _foreign_guid_mysql(element: ForeignGuidDefault, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"(concat('{FOREIGN_GUID_PREFIX}', substr(md5(concat(rand(), uuid())), 1, 31)))"
+
+
+@compiles(ForeignGuidDefault, "sqlite")
+def _foreign_guid_sqlite(element: ForeignGuidDefault, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"('{FOREIGN_GUID_PREFIX}' || substr(lower(hex(randomblob(16))), 1, 31))"
 
 
 class Lockstring(sa.TypeDecorator[str]):
@@ -117,7 +163,9 @@ def lock_table(name: str = DEFAULT_TABLE, metadata: sa.MetaData | None = None) -
             comment="fencing token: strictly increasing, never reused",
         ),
         sa.Column("lockstring", Lockstring(), nullable=False),
-        sa.Column("guid", sa.String(GUID_LENGTH), nullable=False),
+        sa.Column(
+            "guid", sa.String(GUID_LENGTH), nullable=False, server_default=ForeignGuidDefault()
+        ),
         sa.Column("created", UTCDateTime(), nullable=False),
         sa.Column("expires", UTCDateTime(), nullable=False),
         sa.Column(

@@ -50,6 +50,9 @@ class ServerSettings(NamedTuple):
     # PostgreSQL: whether the table has the functions its migration makes (a table made by
     # ``lock_table().create()`` has none): without them waiters back off, as elsewhere.
     has_functions: bool = False
+    # Why the table, if it exists, is not sqllocker's (a DBIx::Locker table): no operation may
+    # run on it (see ``foreign_table``).
+    foreign: str | None = None
 
 
 def read_settings(conn: Connection, table: str) -> ServerSettings:
@@ -94,7 +97,61 @@ def read_settings(conn: Connection, table: str) -> ServerSettings:
         journal = str(conn.exec_driver_sql("PRAGMA journal_mode").scalar()).lower()
         if journal in {"off", "memory"}:
             problems.append(UnsafeSetting(f"PRAGMA journal_mode={journal.upper()}", LOSES_ROWS))
-    return ServerSettings(problems, lock_stripes, schema, bool(has_functions))
+    foreign = foreign_table(conn, table)
+    return ServerSettings(problems, lock_stripes, schema, bool(has_functions), foreign)
+
+
+def foreign_table(conn: Connection, table: str) -> str | None:
+    """Why ``table`` is not a table sqllocker made, or None (also when it does not exist).
+
+    A DBIx::Locker table has no ``guid``; its ``locked_by`` is text; on SQLite its ids are reused
+    (no AUTOINCREMENT); on MySQL its lockstrings fold case. Each breaks a guarantee: a purge would
+    judge Perl's local-time expiries as UTC, a reused id lets a stale holder release the next
+    one's lock. A MySQL table adopted without ``--exact-lockstrings`` keeps its collation on
+    purpose, and has a version row to show for it.
+    """
+    name = conn.dialect.name
+    columns: dict[str, str | None]
+    if name == "postgresql":
+        columns = dict(conn.exec_driver_sql(_POSTGRESQL_COLUMNS, {"table": table}).all())
+        if columns and columns.get("locked_by") not in (None, "jsonb", "json"):
+            return f"its locked_by column is {columns['locked_by']}, not JSON"
+    elif name == "mysql":
+        columns = dict(conn.exec_driver_sql(_MYSQL_COLLATIONS, {"table": table}).all())
+        collation = columns.get("lockstring")
+        if collation and not collation.endswith("_bin") and not _has_version_row(conn, table):
+            return f"its lockstrings compare by collation {collation}, which folds case"
+    else:
+        columns = dict.fromkeys(
+            conn.exec_driver_sql("SELECT name FROM pragma_table_info(?)", (table,)).scalars()
+        )
+        ddl = conn.exec_driver_sql(
+            "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)
+        ).scalar()
+        if ddl is not None and "guid" in columns and "AUTOINCREMENT" not in ddl.upper():
+            return "it is not AUTOINCREMENT, so SQLite reuses the ids of deleted rows"
+    if columns and "guid" not in columns:
+        return "it has no guid column"
+    return None
+
+
+def _has_version_row(conn: Connection, table: str) -> bool:
+    from .migrations import current_revision_on
+
+    return current_revision_on(conn, table) is not None
+
+
+_POSTGRESQL_COLUMNS = (
+    "SELECT a.attname::text, pg_catalog.format_type(a.atttypid, a.atttypmod) "
+    "FROM pg_catalog.pg_attribute AS a "
+    "WHERE a.attrelid OPERATOR(pg_catalog.=) pg_catalog.to_regclass(%(table)s::text) "
+    "AND a.attnum OPERATOR(pg_catalog.>) 0::smallint AND NOT a.attisdropped"
+)
+# Every column, with the collation of those that have one.
+_MYSQL_COLLATIONS = (
+    "SELECT column_name, COALESCE(collation_name, '') FROM information_schema.columns "
+    "WHERE table_schema = DATABASE() AND table_name = %(table)s"
+)
 
 
 _TABLE_SCHEMA = (

@@ -4,8 +4,8 @@ Statements take bound parameters only; the table name is the one identifier that
 it is validated (``validation.check_table_name``) before the Table is built. Parameter names:
 
 ``ls`` lockstring, ``lock_guid`` the acquisition's secret, ``holder`` the locked_by JSON,
-``lock_id`` the lock id; ``ttl`` and ``minus_grace`` are seconds to add to the server's clock
-(the latter negative), converted by ``Backend.seconds_value``.
+``lock_id`` the lock id; ``ttl``, ``minus_grace`` and ``minus_foreign_grace`` are seconds to
+add to the server's clock (the last two negative), converted by ``Backend.seconds_value``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from sqlalchemy.sql.dml import ReturningInsert
 from sqlalchemy.sql.selectable import TextualSelect
 
 from .backends import Backend
-from .schema import ID_ORDER_STRIPES
+from .schema import FOREIGN_GUID_PREFIX, ID_ORDER_STRIPES
 
 # How long an acquire waits (PostgreSQL) for the lockstring's id-order key, which others hold only
 # for their INSERT: a wait this long means a session outside the protocol holds it.
@@ -53,8 +53,17 @@ class Statements:
         c = table.c
         self._now = backend.now()
         # A row may be taken over or purged only once it has been expired for `grace` seconds,
-        # so that a holder whose local deadline just passed has stopped before anyone else starts.
-        self._expired_beyond_grace = c.expires <= backend.shifted_now("minus_grace")
+        # so that a holder whose local deadline just passed has stopped before anyone else starts;
+        # a row DBIx::Locker wrote, once its local-time expiry is past in every time zone
+        # (``schema.FOREIGN_CLOCK_MARGIN``). The first test alone still bounds the index scan.
+        self._foreign = backend.starts_with(c.guid, FOREIGN_GUID_PREFIX)
+        self._expired_beyond_grace = sa.and_(
+            c.expires <= backend.shifted_now("minus_grace"),
+            sa.or_(
+                sa.not_(self._foreign),
+                c.expires <= backend.shifted_now("minus_foreign_grace"),
+            ),
+        )
         # One acquisition's row, named by id *and* guid: a stale holder can never match another's.
         self._ours = sa.and_(
             c.id == sa.bindparam("lock_id"),
@@ -263,6 +272,7 @@ class Statements:
             c.locked_by,
             sa.case((c.expires <= self._now, True), else_=False).label("expired"),
             self._now.label("server_now"),
+            sa.case((self._foreign, True), else_=False).label("dbix_locker"),
         )
 
     @cached_property

@@ -30,7 +30,7 @@ import sqlalchemy as sa
 from alembic import context, op
 from sqlalchemy.dialects import postgresql
 
-from sqllocker.schema import Lockstring, UTCDateTime
+from sqllocker.schema import ForeignGuidDefault, Lockstring, UTCDateTime
 from sqllocker.validation import check_table_name
 
 revision: str = "0001"
@@ -240,6 +240,11 @@ _FUNCTION_SIGNATURES = (
 def upgrade() -> None:
     table = check_table_name(context.config.attributes["table"])
     dialect = op.get_context().dialect.name
+    # Adopting a DBIx::Locker table (sqllocker/adoption.py): its statements that move the old
+    # table out of the way, and those that bring its rows in once everything here exists.
+    adoption = context.config.attributes.get("adoption")
+    for statement in adoption.before_create if adoption else ():
+        op.execute(statement)
     op.create_table(
         table,
         sa.Column(
@@ -250,7 +255,8 @@ def upgrade() -> None:
             comment="fencing token: strictly increasing, never reused",
         ),
         sa.Column("lockstring", Lockstring(), nullable=False),
-        sa.Column("guid", sa.String(36), nullable=False),
+        # The default is for DBIx::Locker, which leaves the column out (see sqllocker.schema).
+        sa.Column("guid", sa.String(36), nullable=False, server_default=ForeignGuidDefault()),
         sa.Column("created", UTCDateTime(), nullable=False),
         sa.Column("expires", UTCDateTime(), nullable=False),
         sa.Column(
@@ -274,6 +280,8 @@ def upgrade() -> None:
         # One statement, also in the SQL that `sqllocker migrate --sql` prints for a DBA.
         stripes = ", ".join(f"({stripe})" for stripe in range(STRIPES))
         op.execute(f"INSERT INTO {table}_id_order (stripe) VALUES {stripes}")
+    for statement in adoption.after_create if adoption else ():
+        op.execute(statement)
 
 
 def _upgrade_postgresql(table: str) -> None:

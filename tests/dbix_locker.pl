@@ -1,0 +1,85 @@
+#!/usr/bin/perl
+# DBIx::Locker itself, driven by tests/test_dbix_locker.py beside sqllocker. The module is not
+# part of this project: the test puts its unmodified copy on PERL5LIB.
+#
+#   dbix_locker.pl DSN USER TABLE hold LOCKSTRING SECONDS
+#       lock; print "locked <id>" (or "refused <error>"); then, for each line on stdin:
+#       "unlock" -> print "unlocked" or "unlock failed <error>"; "leave" -> exit with the row
+#       left behind, as a crashed process leaves it.
+#   dbix_locker.pl DSN USER TABLE count LOCKSTRING TIMES COUNTER MARKER
+#       TIMES turns of: take the lock (trying again until it is free), create MARKER (which must
+#       not exist: someone else inside means two holders), read COUNTER, pause, write it plus
+#       one, remove MARKER, release. Prints "ids <id> <id> ...".
+#   dbix_locker.pl DSN USER TABLE purge
+use strict;
+use warnings;
+use DBIx::Locker;
+use Fcntl qw(O_CREAT O_EXCL O_WRONLY);
+use Time::HiRes qw(sleep);
+
+$| = 1;
+my ($dsn, $user, $table, $command, @args) = @ARGV;
+my $locker = DBIx::Locker->new({ dbi_args => [ $dsn, $user, '' ], table => $table });
+
+if ($command eq 'hold') {
+    my ($lockstring, $seconds) = @args;
+    my $lock = eval { $locker->lock($lockstring, { expires => $seconds }) };
+    if (!$lock) {
+        (my $error = $@) =~ s/\s+/ /g;
+        print "refused $error\n";
+        exit 0;
+    }
+    print "locked ", $lock->lock_id, "\n";
+    while (my $line = <STDIN>) {
+        chomp $line;
+        if ($line eq 'unlock') {
+            if (eval { $lock->unlock; 1 }) {
+                print "unlocked\n";
+            } else {
+                (my $error = $@) =~ s/\s+/ /g;
+                print "unlock failed $error\n";
+            }
+            $lock->is_locked(0);
+            exit 0;
+        }
+        if ($line eq 'leave') {
+            $lock->is_locked(0);    # no unlock on the way out: the row stays, as after a crash
+            exit 0;
+        }
+    }
+    exit 0;
+}
+
+if ($command eq 'count') {
+    my ($lockstring, $times, $counter, $marker) = @args;
+    my @ids;
+    for (1 .. $times) {
+        my $lock;
+        until ($lock = eval { $locker->lock($lockstring, { expires => 60 }) }) {
+            sleep(0.001 + rand(0.004));
+        }
+        sysopen(my $inside, $marker, O_CREAT | O_EXCL | O_WRONLY)
+          or die "two holders at once: $marker exists ($!)\n";
+        open(my $in, '<', $counter) or die "read $counter: $!\n";
+        my $value = <$in>;
+        close $in;
+        sleep(0.02);
+        open(my $out, '>', $counter) or die "write $counter: $!\n";
+        print $out $value + 1;
+        close $out;
+        close $inside;
+        unlink $marker or die "unlink $marker: $!\n";
+        push @ids, $lock->lock_id;
+        $lock->unlock;
+    }
+    print "ids @ids\n";
+    exit 0;
+}
+
+if ($command eq 'purge') {
+    $locker->purge_expired_locks;
+    print "purged\n";
+    exit 0;
+}
+
+die "unknown command $command\n";

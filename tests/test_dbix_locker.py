@@ -1,0 +1,494 @@
+"""DBIx::Locker itself beside sqllocker, on every backend: refusing its table until adopted, the
+adoption, Perl processes in other time zones, and the two excluding each other.
+
+The Perl module is the unmodified copy of DBIx::Locker 1.103 in ../shared/vendor (see its
+NOTICE), run from there with Debian's Perl packages. Outside CI these tests skip without them;
+under CI they must run (.ci/run installs the packages).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from sqllocker import ForeignTable, LockBusy, Locker
+from sqllocker.adoption import SQLITE_ID_GAP
+from sqllocker.engine import resolve_url
+from sqllocker.migrations import (
+    current_revision,
+    head_revision,
+    schema_differences,
+    upgrade,
+    version_table_for,
+)
+from sqllocker.schema import FOREIGN_CLOCK_MARGIN
+
+from .conftest import IN_CI
+from .test_cli import SQLLOCKER
+
+HERE = Path(__file__).resolve().parent
+DBIX_LOCKER = Path(
+    os.environ.get(
+        "SQLLOCKER_DBIX_LOCKER", HERE.parent.parent / "shared" / "vendor" / "dbix-locker-1.103"
+    )
+)
+PERL_MODULES = ("DBI", "DBD::SQLite", "DBD::Pg", "DBD::mysql", "Data::GUID", "Sub::Install", "JSON")
+
+
+def _perl_missing() -> str | None:
+    if shutil.which("perl") is None:
+        return "perl is not installed"
+    if not (DBIX_LOCKER / "lib" / "DBIx" / "Locker.pm").is_file():
+        return f"DBIx::Locker is not at {DBIX_LOCKER}"
+    uses = "; ".join(f"use {module}" for module in PERL_MODULES)
+    probe = subprocess.run(["perl", "-e", uses], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"Perl lacks a module DBIx::Locker needs: {probe.stderr.splitlines()[0]}"
+    return None
+
+
+_MISSING = _perl_missing()
+if _MISSING is not None and IN_CI:
+    raise RuntimeError(f"under CI the DBIx::Locker tests must run: {_MISSING}")
+pytestmark = pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")
+
+
+# -- DBIx::Locker's side ------------------------------------------------------------------------
+
+
+def dbi_source(url: str) -> tuple[str, str]:
+    """The DBI data source and user for one of the test fixtures' URLs."""
+    parsed = sa.engine.make_url(url)
+    backend = parsed.get_backend_name()
+    if backend == "sqlite":
+        return f"dbi:SQLite:dbname={parsed.database}", ""
+    driver = "Pg" if backend == "postgresql" else "mysql"
+    name = "dbname" if backend == "postgresql" else "database"
+    source = f"dbi:{driver}:{name}={parsed.database};host={parsed.host};port={parsed.port}"
+    return source, parsed.username or ""
+
+
+def perl_command(url: str, table: str, *args: str) -> list[str]:
+    source, user = dbi_source(url)
+    return ["perl", str(HERE / "dbix_locker.pl"), source, user, table, *args]
+
+
+def perl_environment(zone: str) -> dict[str, str]:
+    return {**os.environ, "PERL5LIB": str(DBIX_LOCKER / "lib"), "TZ": zone}
+
+
+_HOLDERS: list[subprocess.Popen[str]] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_perl_left_behind() -> Iterator[None]:
+    """Perl holders a failed test left running are ended before their table is dropped."""
+    yield
+    while _HOLDERS:
+        process = _HOLDERS.pop()
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+
+
+class PerlHolder:
+    """A Perl process holding a DBIx::Locker lock until told to unlock it or to leave it."""
+
+    def __init__(self, url: str, table: str, lockstring: str, seconds: int, zone: str) -> None:
+        self.process = subprocess.Popen(
+            perl_command(url, table, "hold", lockstring, str(seconds)),
+            env=perl_environment(zone),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        _HOLDERS.append(self.process)
+        assert self.process.stdout is not None
+        self.answer = self.process.stdout.readline().strip()
+        self.lock_id = int(self.answer.split()[1]) if self.answer.startswith("locked ") else None
+
+    def tell(self, line: str) -> str:
+        assert self.process.stdin is not None
+        assert self.process.stdout is not None
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+        answer = self.process.stdout.readline().strip() if line == "unlock" else ""
+        self.process.wait(timeout=30)
+        return answer
+
+
+def perl_leaves_lock(url: str, table: str, lockstring: str, seconds: int, zone: str) -> int:
+    """A Perl process that locks and dies without unlocking; the lock's id."""
+    holder = PerlHolder(url, table, lockstring, seconds, zone)
+    assert holder.lock_id is not None, holder.answer
+    holder.tell("leave")
+    return holder.lock_id
+
+
+def create_dbix_table(url: str, table: str) -> None:
+    """The table as DBIx::Locker's own DDL makes it (its sql/; PostgreSQL, which it ships none
+    for, a direct translation of the MySQL one)."""
+    backend = sa.engine.make_url(url).get_backend_name()
+    if backend == "postgresql":
+        ddl = (
+            f"CREATE TABLE {table} (id bigserial PRIMARY KEY, lockstring varchar(128) UNIQUE, "
+            "created timestamp NOT NULL, expires timestamp NOT NULL, locked_by text NOT NULL)"
+        )
+    else:
+        shipped = (DBIX_LOCKER / "sql" / f"{backend}.sql").read_text()
+        ddl = shipped.replace("TABLE semaphores", f"TABLE {table}")
+        ddl = ddl.replace("TABLE locks", f"TABLE {table}").strip().rstrip(";")
+    engine = sa.create_engine(resolve_url(url))
+    with engine.begin() as conn:
+        conn.exec_driver_sql(ddl)
+    engine.dispose()
+
+
+# -- fixtures and helpers -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def db(url: str, table_name: str) -> Iterator[sa.Engine]:
+    """An engine on the test's database; drops what the test made there."""
+    engine = sa.create_engine(resolve_url(url))
+    yield engine
+    with engine.begin() as conn:
+        if engine.dialect.name == "postgresql":
+            conn.exec_driver_sql(f"DROP TABLE IF EXISTS {table_name} CASCADE")
+            conn.exec_driver_sql(f"DROP TABLE IF EXISTS {table_name}_requests")
+            for name in ("notify_release", "queue_for_hand_off", "queue_leave", "sweep_requests"):
+                conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {table_name}_{name} CASCADE")
+        else:
+            conn.exec_driver_sql(f"DROP VIEW IF EXISTS {table_name}_held")
+        for name in (
+            table_name,
+            f"{table_name}_dbix_locker",
+            f"{table_name}_id_order",
+            version_table_for(table_name),
+        ):
+            conn.exec_driver_sql(f"DROP TABLE IF EXISTS {name}")
+    engine.dispose()
+
+
+def sqllocker_cli(url: str, table: str, *args: str) -> tuple[int, str]:
+    """The console script's exit status and what it printed (stdout, then stderr)."""
+    result = subprocess.run(
+        [SQLLOCKER, "--url", url, "--table", table, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return result.returncode, result.stdout + result.stderr
+
+
+def server_now(db: sa.Engine) -> datetime:
+    with db.connect() as conn:
+        if db.dialect.name == "postgresql":
+            value = conn.exec_driver_sql("SELECT now() AT TIME ZONE 'UTC'").scalar()
+        elif db.dialect.name == "mysql":
+            value = conn.exec_driver_sql("SELECT UTC_TIMESTAMP(6)").scalar()
+        else:
+            value = datetime.fromisoformat(
+                conn.exec_driver_sql("SELECT strftime('%Y-%m-%d %H:%M:%f', 'now')").scalar()
+            )
+    assert isinstance(value, datetime)
+    return value.replace(tzinfo=timezone.utc)
+
+
+def set_expiry(db: sa.Engine, table: str, lockstring: str, expires: datetime) -> None:
+    """Write a row's expiry as the backend stores UTC instants (as sqllocker writes them)."""
+    value: object = expires
+    if db.dialect.name == "mysql":
+        value = expires.replace(tzinfo=None)
+    elif db.dialect.name == "sqlite":
+        value = expires.strftime("%Y-%m-%d %H:%M:%S.%f")[:23]
+    rows = sa.table(table, sa.column("lockstring"), sa.column("expires"))
+    with db.begin() as conn:
+        conn.execute(sa.update(rows).where(rows.c.lockstring == lockstring).values(expires=value))
+
+
+def row_count(db: sa.Engine, table: str) -> int:
+    with db.connect() as conn:
+        return int(conn.exec_driver_sql(f"SELECT COUNT(*) FROM {table}").scalar() or 0)
+
+
+# -- detect and refuse --------------------------------------------------------------------------
+
+
+def test_a_dbix_locker_table_is_refused_until_adopted(
+    url: str, table_name: str, db: sa.Engine
+) -> None:
+    create_dbix_table(url, table_name)
+    perl_leaves_lock(url, table_name, "nightly report", 3600, "America/New_York")
+    locker = Locker(url, table=table_name)
+    try:
+        for operation in (
+            lambda: locker.lock("nightly report"),
+            lambda: locker.lock("something else"),
+            lambda: locker.locks(),
+            lambda: locker.lock_info("nightly report"),
+            lambda: locker.purge_expired_locks(),
+        ):
+            with pytest.raises(ForeignTable) as refused:
+                operation()
+            message = str(refused.value)
+            assert "\n" not in message
+            assert "not made by sqllocker" in message
+            assert "--adopt-dbix-locker --perl-tz ZONE" in message
+    finally:
+        locker.close()
+
+    for command in (["purge-expired"], ["list"], ["migrate"]):
+        code, output = sqllocker_cli(url, table_name, *command)
+        assert code != 0
+        assert len(output.strip().splitlines()) == 1, output
+        assert "--adopt-dbix-locker" in output
+    # The refused migrate left nothing behind, and the Perl lock is still there.
+    assert not sa.inspect(db).has_table(version_table_for(table_name))
+    assert row_count(db, table_name) == 1
+
+
+# -- adoption -----------------------------------------------------------------------------------
+
+
+def test_adoption_keeps_rows_converts_times_and_the_rows_still_exclude(
+    url: str, backend: str, table_name: str, db: sa.Engine
+) -> None:
+    create_dbix_table(url, table_name)
+    live = PerlHolder(url, table_name, "nightly report", 3600, "America/New_York")
+    assert live.lock_id is not None, live.answer
+    crashed_id = perl_leaves_lock(url, table_name, "crashed job", 7200, "America/New_York")
+
+    code, printed = sqllocker_cli(
+        url, table_name, "migrate", "--adopt-dbix-locker", "--perl-tz", "America/New_York", "--sql"
+    )
+    assert code == 0, printed
+    assert "nightly report" in printed
+    assert "crashed job" in printed
+    assert "guid" not in {c["name"] for c in sa.inspect(db).get_columns(table_name)}
+
+    code, output = sqllocker_cli(
+        url, table_name, "migrate", "--adopt-dbix-locker", "--perl-tz", "America/New_York"
+    )
+    assert code == 0, output
+    assert f"adopted {table_name} with its 2 rows" in output
+    assert current_revision(db, table_name) == head_revision()
+    if backend != "mysql":  # MySQL keeps the case-folding collation: see the test below
+        assert schema_differences(db, table_name) == []
+
+    now = server_now(db)
+    locker = Locker(url, table=table_name)
+    try:
+        rows = {info.lockstring: info for info in locker.locks()}
+        assert rows["nightly report"].lock_id == live.lock_id
+        assert rows["crashed job"].lock_id == crashed_id
+        # Written as New York's local time, read back as the UTC instant it meant.
+        assert abs(rows["nightly report"].expires - (now + timedelta(hours=1))) < timedelta(
+            minutes=2
+        )
+        assert abs(rows["crashed job"].expires - (now + timedelta(hours=2))) < timedelta(minutes=2)
+        assert all(info.dbix_locker and not info.created_in_future for info in rows.values())
+
+        with pytest.raises(LockBusy):
+            locker.lock("nightly report")
+        # The Perl process still releases its lock by its id, after which Python takes it, with
+        # an id above any the old table handed out.
+        assert live.tell("unlock") == "unlocked"
+        lock = locker.lock("nightly report")
+        floor = max(live.lock_id, crashed_id) + (SQLITE_ID_GAP if backend == "sqlite" else 0)
+        assert lock.lock_id > floor
+        # And an unmodified Perl process still locks on the adopted table, excluded by Python.
+        later = PerlHolder(url, table_name, "nightly report", 60, "UTC")
+        assert later.answer.startswith("refused could not lock resource"), later.answer
+        fresh = PerlHolder(url, table_name, "weekly report", 60, "UTC")
+        assert fresh.lock_id is not None, fresh.answer
+        with pytest.raises(LockBusy):
+            locker.lock("weekly report")
+        assert fresh.tell("unlock") == "unlocked"
+        lock.unlock()
+    finally:
+        locker.close()
+
+
+@pytest.mark.parametrize("backend", ["mysql"])
+@pytest.mark.parametrize("exact", [False, True], ids=["folding", "exact"])
+def test_mysql_adoption_keeps_case_folding_unless_asked(
+    url: str, table_name: str, db: sa.Engine, exact: bool
+) -> None:
+    create_dbix_table(url, table_name)
+    perl_leaves_lock(url, table_name, "Report", 3600, "UTC")
+    options = ["--exact-lockstrings"] if exact else []
+    code, output = sqllocker_cli(
+        url, table_name, "migrate", "--adopt-dbix-locker", "--perl-tz", "UTC", *options
+    )
+    assert code == 0, output
+    locker = Locker(url, table=table_name)
+    try:
+        if exact:
+            locker.lock("report").unlock()
+            assert schema_differences(db, table_name) == []
+        else:
+            with pytest.raises(LockBusy):
+                locker.lock("report")
+    finally:
+        locker.close()
+
+
+def test_adoption_refuses_what_is_not_a_dbix_locker_table(
+    url: str, table_name: str, db: sa.Engine
+) -> None:
+    code, output = sqllocker_cli(url, table_name, "migrate", "--adopt-dbix-locker")
+    assert code != 0
+    assert "needs --perl-tz" in output
+    code, output = sqllocker_cli(
+        url, table_name, "migrate", "--adopt-dbix-locker", "--perl-tz", "Mars/Olympus"
+    )
+    assert code != 0
+    assert "unknown time zone" in output
+    code, output = sqllocker_cli(
+        url, table_name, "migrate", "--adopt-dbix-locker", "--perl-tz", "UTC"
+    )
+    assert code != 0
+    assert "no table" in output
+    upgrade(db, table_name)
+    code, output = sqllocker_cli(
+        url, table_name, "migrate", "--adopt-dbix-locker", "--perl-tz", "UTC"
+    )
+    assert code != 0
+    assert "sqllocker's already" in output
+    assert len(output.strip().splitlines()) == 1
+
+
+# -- side by side -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("zone", ["America/New_York", "Asia/Tokyo"])
+def test_perl_rows_are_taken_over_only_once_expired_in_every_time_zone(
+    url: str, table_name: str, db: sa.Engine, zone: str
+) -> None:
+    upgrade(db, table_name)
+    perl = PerlHolder(url, table_name, "nightly report", 3600, zone)
+    assert perl.lock_id is not None, perl.answer
+    locker = Locker(url, table=table_name, grace=0)
+    try:
+        info = locker.lock_info("nightly report")
+        assert info is not None
+        assert info.dbix_locker
+        # Tokyo's local time reads as hours ahead of the server's UTC clock (on PostgreSQL, whose
+        # session reads the text in its own zone, too), and is flagged.
+        assert info.created_in_future == (zone == "Asia/Tokyo")
+        now = server_now(db)
+        # Its written expiry hours past by UTC, as New York's local time reads: still held.
+        set_expiry(db, table_name, "nightly report", now - timedelta(hours=5))
+        with pytest.raises(LockBusy):
+            locker.lock("nightly report")
+        assert locker.purge_expired_locks() == 0
+        margin = timedelta(seconds=FOREIGN_CLOCK_MARGIN)
+        set_expiry(db, table_name, "nightly report", now - margin + timedelta(minutes=5))
+        with pytest.raises(LockBusy):
+            locker.lock("nightly report")
+        # Past in every zone: taken over, with a new id, and the stale Perl holder cannot
+        # release the new holder's lock.
+        set_expiry(db, table_name, "nightly report", now - margin - timedelta(minutes=1))
+        lock = locker.lock("nightly report")
+        assert lock.lock_id > perl.lock_id
+        assert perl.tell("unlock").startswith("unlock failed")
+        assert locker.lock_info("nightly report") is not None
+        lock.check()
+        lock.unlock()
+    finally:
+        locker.close()
+
+
+def test_a_python_lock_is_not_taken_by_perl(url: str, table_name: str, db: sa.Engine) -> None:
+    upgrade(db, table_name)
+    locker = Locker(url, table=table_name)
+    try:
+        with locker.lock("nightly report", expires=600):
+            for zone in ("America/New_York", "Asia/Tokyo", "UTC"):
+                perl = PerlHolder(url, table_name, "nightly report", 60, zone)
+                assert perl.answer.startswith("refused could not lock resource"), perl.answer
+                perl.process.wait(timeout=30)
+    finally:
+        locker.close()
+
+
+def test_perl_and_python_processes_exclude_each_other(
+    url: str, table_name: str, db: sa.Engine, tmp_path: Path
+) -> None:
+    """Two Perl processes (New York, Tokyo) and two Python ones (UTC) increment one counter
+    under one lockstring: no two inside at once (O_EXCL marker), no update lost."""
+    upgrade(db, table_name)
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "counter.count").write_text("0")
+    turns = 40
+    perls = [
+        subprocess.Popen(
+            perl_command(
+                url,
+                table_name,
+                "count",
+                "counter",
+                str(turns),
+                str(state / "counter.count"),
+                str(state / "counter.holder"),
+            ),
+            env=perl_environment(zone),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for zone in ("America/New_York", "Asia/Tokyo")
+    ]
+    pythons = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.workers",
+                "counter",
+                f"--url={url}",
+                f"--table={table_name}",
+                f"--state={state}",
+                "--lockstrings=counter",
+                f"--count={turns}",
+                "--hold=0.002",
+                "--expires=60",
+            ],
+            cwd=HERE.parent,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    perl_ids: list[int] = []
+    for process in perls:
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err
+        perl_ids += [int(value) for value in out.split()[1:]]
+    for process in pythons:
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err
+        report = json.loads(out.strip().splitlines()[-1])
+        assert report["overlaps"] == 0
+        assert report["lost"] == 0
+    assert int((state / "counter.count").read_text()) == 4 * turns
+    assert len(perl_ids) == 2 * turns
+    python_ids = [
+        json.loads(line)["id"]
+        for log in state.glob("log-*.jsonl")
+        for line in log.read_text().splitlines()
+    ]
+    # Every acquisition, Perl's and Python's, had an id of its own.
+    assert len(set(perl_ids) | set(python_ids)) == 4 * turns
