@@ -231,7 +231,11 @@ def test_list_and_show_in_text_and_json(sqllocker: Run, migrated: Locker) -> Non
         "expired",
         "seconds_left",
         "locked_by",
+        "dbix_locker",
+        "created_in_future",
     }
+    assert first["dbix_locker"] is False
+    assert first["created_in_future"] is False
 
     matching = json.loads(sqllocker("list", "report*", "--json").stdout)
     assert [item["lockstring"] for item in matching] == ["report 1", "report 2"]
