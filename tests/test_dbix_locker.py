@@ -8,6 +8,7 @@ under CI they must run (.ci/run installs the packages).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -22,6 +23,7 @@ import sqlalchemy as sa
 
 from sqllocker import ForeignTable, LockBusy, Locker
 from sqllocker.adoption import SQLITE_ID_GAP
+from sqllocker.asyncio import AsyncLocker
 from sqllocker.engine import resolve_url
 from sqllocker.migrations import (
     current_revision,
@@ -34,6 +36,7 @@ from sqllocker.schema import FOREIGN_CLOCK_MARGIN
 
 from .conftest import IN_CI
 from .test_cli import SQLLOCKER
+from .workers import async_url
 
 HERE = Path(__file__).resolve().parent
 DBIX_LOCKER = Path(
@@ -246,6 +249,16 @@ def test_a_dbix_locker_table_is_refused_until_adopted(
             assert "--adopt-dbix-locker --perl-tz ZONE" in message
     finally:
         locker.close()
+
+    async def async_lock() -> None:
+        async_locker = AsyncLocker(async_url(str(resolve_url(url))), table=table_name)
+        try:
+            await async_locker.lock("nightly report")
+        finally:
+            await async_locker.aclose()
+
+    with pytest.raises(ForeignTable):
+        asyncio.run(async_lock())
 
     for command in (["purge-expired"], ["list"], ["migrate"]):
         code, output = sqllocker_cli(url, table_name, *command)
