@@ -13,7 +13,6 @@ process still holding a stale id can never release a lock taken after the adopti
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -23,20 +22,16 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 from sqlalchemy.sql.expression import Executable
 
+from .backends import backend_for
 from .errors import LockValueError
 from .schema import UTCDateTime, lock_table
 from .validation import check_table_name
 
-# Where the DBIx::Locker table waits, on MySQL/MariaDB, while its successor is made: DDL commits
-# there, so the old table is renamed (atomically) rather than dropped before its rows are safe.
+# Where the DBIx::Locker table waits while its successor is made, where DDL commits (MySQL): it
+# is renamed (atomically) rather than dropped before its rows are safe.
 SET_ASIDE_SUFFIX = "_dbix_locker"
-# SQLite without AUTOINCREMENT (DBIx::Locker's DDL) keeps no record of the ids it handed out and
-# reuses the highest deleted one; new ids start this far above the highest row left, past any
-# id a stale Perl holder of a deleted row could still carry.
-SQLITE_ID_GAP = 1_000_000
 _INSERT_BATCH = 500
 _DBIX_COLUMNS = {"id", "lockstring", "created", "expires", "locked_by"}
-_COLLATION = re.compile(r"[A-Za-z0-9_]+")
 
 
 @dataclass
@@ -62,23 +57,17 @@ def set_aside_name(table: str) -> str:
     return check_table_name(table) + SET_ASIDE_SUFFIX
 
 
-def set_table_aside(conn: Connection, table: str) -> None:
-    """MySQL/MariaDB: rename the DBIx::Locker table, atomically, before its rows are read:
-    a Perl process that locks meanwhile finds no table and reports its lock refused."""
-    conn.exec_driver_sql(f"RENAME TABLE {table} TO {set_aside_name(table)}")
-
-
 def plan_adoption(
     conn: Connection, table: str, perl_tz: ZoneInfo, exact_lockstrings: bool, *, set_aside: bool
 ) -> Adoption:
     """The statements that adopt DBIx::Locker table ``table``, with its rows as they are now.
 
-    ``set_aside``: MySQL, the table has been renamed already (:func:`set_table_aside`), so the
-    rows are read from there. Refuses (LockValueError) a table that is not DBIx::Locker's.
+    ``set_aside``: the table has been renamed already (``Backend.prepare_adoption``, where
+    ``Backend.adoption_sets_table_aside``), so the rows are read from there. Refuses
+    (LockValueError) a table that is not DBIx::Locker's.
     """
     check_table_name(table)
     dialect = conn.dialect
-    name = dialect.name
     source = set_aside_name(table) if set_aside else table
     columns = _columns(conn, source)
     if not columns:
@@ -93,30 +82,10 @@ def plan_adoption(
     old = sa.table(source, *(sa.column(name) for name in sorted(_DBIX_COLUMNS)))
     rows = conn.execute(sa.select(old).order_by(old.c.id)).all()
     adoption.rows = len(rows)
-    ids_from = max([int(row.id) for row in rows], default=0) + 1
-    if name == "postgresql":
-        adoption.before_create += [
-            f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE",
-            f"DROP TABLE {table}",
-        ]
-        last = conn.exec_driver_sql(
-            "SELECT pg_catalog.pg_sequence_last_value(pg_catalog.pg_get_serial_sequence("
-            "%(table)s::text, 'id'::text)::regclass)",
-            {"table": table},
-        ).scalar()
-        ids_from = max(ids_from, int(last or 0) + 1)
-    elif name == "mysql":
-        if not set_aside:
-            adoption.before_create.append(f"RENAME TABLE {table} TO {set_aside_name(table)}")
-        next_id = conn.exec_driver_sql(
-            "SELECT auto_increment FROM information_schema.tables "
-            "WHERE table_schema = DATABASE() AND table_name = %(table)s",
-            {"table": source},
-        ).scalar()
-        ids_from = max(ids_from, int(next_id or 0))
-    else:
-        adoption.before_create.append(f"DROP TABLE {table}")
-        ids_from += SQLITE_ID_GAP
+    backend = backend_for(dialect)
+    adoption.before_create += backend.adoption_before_create(table, set_aside)
+    highest_row = max([int(row.id) for row in rows], default=0)
+    ids_from = backend.ids_handed_out_below(conn, source, highest_row)
 
     target = lock_table(table)
     converted = [
@@ -136,11 +105,8 @@ def plan_adoption(
                 [_as_column_values(values, dialect) for values in batch]
             )
         )
-    adoption.after_create += _ids_from(name, table, ids_from)
-    if name == "mysql":
-        if not exact_lockstrings:
-            adoption.after_create += _keep_collation(conn, source, table)
-        adoption.after_create.append(f"DROP TABLE {set_aside_name(table)}")
+    adoption.after_create += backend.next_id_at_least(table, ids_from)
+    adoption.after_create += backend.adoption_after_create(conn, source, table, exact_lockstrings)
     return adoption
 
 
@@ -213,39 +179,3 @@ def _as_column_values(values: dict[str, Any], dialect: sa.engine.Dialect) -> dic
         as_bound = times.process_bind_param(values[key], dialect)
         converted[key] = as_bound if isinstance(as_bound, str) else as_bound.isoformat(sep=" ")
     return converted
-
-
-def _ids_from(name: str, table: str, first: int) -> list[Executable | str]:
-    """Statements that make the table's next id ``first`` or more."""
-    if name == "postgresql":
-        return [
-            sa.text(
-                "SELECT pg_catalog.setval(pg_catalog.pg_get_serial_sequence(:table, 'id'), :last)"
-            ).bindparams(table=table, last=first - 1)
-        ]
-    if name == "mysql":
-        return [f"ALTER TABLE {table} AUTO_INCREMENT = {int(first)}"]
-    return [
-        sa.text("DELETE FROM sqlite_sequence WHERE name = :table").bindparams(table=table),
-        sa.text("INSERT INTO sqlite_sequence (name, seq) VALUES (:table, :last)").bindparams(
-            table=table, last=first - 1
-        ),
-    ]
-
-
-def _keep_collation(conn: Connection, source: str, table: str) -> list[Executable | str]:
-    """MySQL: give the new lockstring column the old one's character set and collation, so that
-    the same lockstrings collide as before (without ``--exact-lockstrings``)."""
-    charset, collation = conn.exec_driver_sql(
-        "SELECT character_set_name, collation_name FROM information_schema.columns "
-        "WHERE table_schema = DATABASE() AND table_name = %(table)s AND column_name = 'lockstring'",
-        {"table": source},
-    ).one()
-    if not (
-        charset and collation and _COLLATION.fullmatch(charset) and _COLLATION.fullmatch(collation)
-    ):
-        return []
-    return [
-        f"ALTER TABLE {table} MODIFY lockstring VARCHAR(128) CHARACTER SET {charset} "
-        f"COLLATE {collation} NOT NULL"
-    ]

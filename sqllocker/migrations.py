@@ -9,8 +9,7 @@ version table, never in the application's ``alembic_version``.
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo
@@ -23,17 +22,14 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.engine import URL, Connection, Engine
 
-from .adoption import plan_adoption, set_aside_name, set_table_aside
+from .adoption import plan_adoption, set_aside_name
+from .backends import backend_class, backend_for
 from .engine import describe_url
 from .errors import ForeignTable, LockError, LockValueError, one_line
 from .schema import DEFAULT_TABLE, FOREIGN_GUID_PREFIX, lock_table
-from .server_settings import foreign_table
 from .validation import check_table_name
 
 VERSION_TABLE = "sqllocker_alembic_version"
-# Serialises concurrent `sqllocker migrate` runs on the servers (an advisory lock, not a row).
-_MIGRATION_LOCK_NAME = "sqllocker_migrate"
-_MIGRATION_LOCK_KEY = 0x5351_4C4C  # "SQLL": the PostgreSQL advisory-lock key for the same purpose
 
 
 def script_location() -> Path:
@@ -80,10 +76,10 @@ def current_revision_on(conn: Connection, table: str = DEFAULT_TABLE) -> str | N
 def upgrade(engine: Engine, table: str = DEFAULT_TABLE, revision: str = "head") -> None:
     """Apply the migrations up to ``revision``, serialised against concurrent upgrades.
 
-    A table sqllocker did not make (``server_settings.foreign_table``) is refused before anything
-    is written: on MySQL, alembic's version table would otherwise stay behind."""
+    A table sqllocker did not make (``Backend.foreign_table``) is refused before anything is
+    written: on MySQL, alembic's version table would otherwise stay behind."""
     with _migration_connection(engine) as conn:
-        reason = foreign_table(conn, table)
+        reason = backend_for(conn.dialect).foreign_table(conn, table)
         if reason is not None:
             raise ForeignTable.naming(table, describe_url(engine.url), reason)
         command.upgrade(alembic_config(table, connection=conn), revision)
@@ -95,13 +91,11 @@ def adopt_dbix_locker(
     """Convert DBIx::Locker table ``table`` into sqllocker's, at the newest revision, keeping
     its rows (see ``sqllocker.adoption``); returns how many rows it kept."""
     with _migration_connection(engine) as conn:
-        set_aside = engine.dialect.name == "mysql"
-        if set_aside:
-            _columns_or_refuse(conn, table)
-            set_table_aside(conn, table)
-        elif engine.dialect.name == "postgresql":
-            _columns_or_refuse(conn, table)
-            conn.exec_driver_sql(f"LOCK TABLE {check_table_name(table)} IN ACCESS EXCLUSIVE MODE")
+        backend = backend_for(conn.dialect)
+        set_aside = backend.adoption_sets_table_aside
+        if not sa.inspect(conn).has_table(check_table_name(table)):
+            raise LockValueError(f"there is no table {table!r} to adopt")
+        backend.prepare_adoption(conn, table)
         try:
             adoption = plan_adoption(conn, table, perl_tz, exact_lockstrings, set_aside=set_aside)
             command.upgrade(alembic_config(table, connection=conn, adoption=adoption), "head")
@@ -126,11 +120,6 @@ def adoption_sql(
     config = alembic_config(table, url=engine.url, output_buffer=buffer, adoption=adoption)
     command.upgrade(config, "head", sql=True)
     return buffer.getvalue()
-
-
-def _columns_or_refuse(conn: Connection, table: str) -> None:
-    if not sa.inspect(conn).has_table(check_table_name(table)):
-        raise LockValueError(f"there is no table {table!r} to adopt")
 
 
 def downgrade(engine: Engine, table: str = DEFAULT_TABLE, revision: str = "base") -> None:
@@ -184,46 +173,18 @@ def _compare_server_default(
 ) -> bool | None:
     """Whether a column's default differs: the guid's random expression is the same whenever the
     database shows its prefix (alembic would evaluate both sides on PostgreSQL, and random
-    values never agree; SQLAlchemy does not reflect MySQL's expression defaults at all); every
+    values never agree; SQLAlchemy reflects no expression default on MySQL); every
     other column, alembic's own comparison."""
     if metadata_column.name != "guid":
         return None
-    if inspected_default is None and context.dialect.name == "mysql":
-        inspected_default = context.connection.exec_driver_sql(
-            "SELECT column_default FROM information_schema.columns WHERE table_schema = "
-            "DATABASE() AND table_name = %(table)s AND column_name = 'guid'",
-            {"table": metadata_column.table.name},
-        ).scalar()
+    if inspected_default is None:
+        backend = backend_for(context.dialect)
+        inspected_default = backend.reflected_default(
+            context.connection, metadata_column.table.name, "guid"
+        )
     return inspected_default is None or FOREIGN_GUID_PREFIX not in inspected_default
 
 
-@contextmanager
-def _migration_connection(engine: Engine) -> Iterator[Connection]:
-    name = engine.dialect.name
-    if name == "sqlite":
-        # BEGIN IMMEDIATE takes SQLite's write lock up front, so processes that all find the
-        # table missing at once create it one after another; alembic joins the open transaction.
-        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
-            try:
-                yield conn
-            except BaseException:
-                conn.exec_driver_sql("ROLLBACK")
-                raise
-            conn.exec_driver_sql("COMMIT")
-        return
-    with engine.connect().execution_options(isolation_level="READ COMMITTED") as conn:
-        if name == "postgresql":
-            with conn.begin():
-                conn.execute(sa.select(sa.func.pg_advisory_xact_lock(_MIGRATION_LOCK_KEY)))
-                yield conn
-            return
-        # MySQL DDL commits implicitly, so the lock is a session lock released explicitly.
-        conn.execute(sa.select(sa.func.get_lock(_MIGRATION_LOCK_NAME, 600)))
-        conn.commit()
-        try:
-            with conn.begin():
-                yield conn
-        finally:
-            conn.execute(sa.select(sa.func.release_lock(_MIGRATION_LOCK_NAME)))
-            conn.commit()
+def _migration_connection(engine: Engine) -> AbstractContextManager[Connection]:
+    """A connection in a transaction, serialised against concurrent migrations."""
+    return backend_class(engine.dialect.name).migration_connection(engine)

@@ -34,7 +34,7 @@ from sqlalchemy.pool import QueuePool
 from sqlalchemy.sql import ClauseElement
 
 from . import clock
-from .backends import Backend, backend_for
+from .backends import Backend, backend_class, backend_for
 from .connections import ConnectionStack
 from .engine import describe_url, prepares_statements
 from .errors import (
@@ -53,7 +53,7 @@ from .errors import (
 from .execution import DriverSession, PreparedCache, kept_cursor
 from .identity import holder_details, public_details
 from .schema import FOREIGN_CLOCK_MARGIN, ID_ORDER_STRIPES, id_order_table, lock_table
-from .server_settings import UnsafeSetting, read_settings
+from .server_settings import UnsafeSetting
 from .statements import Statements
 
 logger = logging.getLogger("sqllocker")
@@ -182,7 +182,9 @@ class LockOperations:
         self.grace = grace
         # By default only for SQLite, whose file sqllocker owns; a server's schema is the
         # operator's (`sqllocker migrate`).
-        self.auto_create = engine.dialect.name == "sqlite" if auto_create is None else auto_create
+        if auto_create is None:
+            auto_create = backend_class(engine.dialect.name).creates_table_on_first_use
+        self.auto_create = auto_create
         self.strict = strict
         self.transaction_pooling = transaction_pooling
         self._sleep = sleep
@@ -839,7 +841,7 @@ class LockOperations:
                 if self._needs_setup:
                     self._check_pooled_connection(conn)
                     backend = backend_for(conn.dialect)
-                    settings = read_settings(conn, self.table_name)
+                    settings = backend.read_settings(conn, self.table_name)
                     if settings.foreign is not None:
                         raise ForeignTable.naming(
                             self.table_name, describe_url(self.url), settings.foreign
@@ -905,8 +907,7 @@ class LockOperations:
         and the queue's functions; other backends back off and retry."""
         dialect = self.engine.dialect
         return (
-            dialect.name == "postgresql"
-            and dialect.driver == "psycopg"
+            backend_class(dialect.name).notifies_releases(dialect)
             and not self.transaction_pooling
             and self.statements.has_functions
         )

@@ -19,16 +19,19 @@ The column types are where the three backends are made to agree:
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import mysql, postgresql
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Dialect
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.types import TypeEngine
 
 from .validation import MAX_LOCKSTRING_LENGTH, check_table_name
+
+if TYPE_CHECKING:
+    from .backends import Backend
 
 DEFAULT_TABLE = "semaphores"
 GUID_LENGTH = 36
@@ -54,25 +57,9 @@ class ForeignGuidDefault(sa.sql.expression.FunctionElement[str]):
     inherit_cache = True
 
 
-@compiles(ForeignGuidDefault, "postgresql")
-def _foreign_guid_postgresql(element: ForeignGuidDefault, compiler: SQLCompiler, **kw: Any) -> str:
-    # Every name qualified: the expression is stored resolved, but written by a migration that
-    # may run with another role's schema ahead on its path.
-    return (
-        f"('{FOREIGN_GUID_PREFIX}'::text OPERATOR(pg_catalog.||) pg_catalog.substr(pg_catalog.md5("
-        "pg_catalog.random()::text OPERATOR(pg_catalog.||) pg_catalog.clock_timestamp()::text), "
-        "1, 31))"
-    )
-
-
-@compiles(ForeignGuidDefault, "mysql")
-def _foreign_guid_mysql(element: ForeignGuidDefault, compiler: SQLCompiler, **kw: Any) -> str:
-    return f"(concat('{FOREIGN_GUID_PREFIX}', substr(md5(concat(rand(), uuid())), 1, 31)))"
-
-
-@compiles(ForeignGuidDefault, "sqlite")
-def _foreign_guid_sqlite(element: ForeignGuidDefault, compiler: SQLCompiler, **kw: Any) -> str:
-    return f"('{FOREIGN_GUID_PREFIX}' || substr(lower(hex(randomblob(16))), 1, 31))"
+@compiles(ForeignGuidDefault)
+def _foreign_guid_default(element: ForeignGuidDefault, compiler: SQLCompiler, **kw: Any) -> str:
+    return _backend(compiler.dialect).foreign_guid_default()
 
 
 class Lockstring(sa.TypeDecorator[str]):
@@ -82,13 +69,7 @@ class Lockstring(sa.TypeDecorator[str]):
     cache_ok = True
 
     def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
-        if dialect.name == "mysql":
-            # MySQL 8 has no utf8mb4_nopad_bin; its utf8mb4_0900_bin is NO PAD binary too.
-            collation = "utf8mb4_nopad_bin" if _is_mariadb(dialect) else "utf8mb4_0900_bin"
-            return dialect.type_descriptor(
-                mysql.VARCHAR(MAX_LOCKSTRING_LENGTH, charset="utf8mb4", collation=collation)
-            )
-        return dialect.type_descriptor(sa.String(MAX_LOCKSTRING_LENGTH))
+        return _backend(dialect).lockstring_type(dialect, MAX_LOCKSTRING_LENGTH)
 
 
 class UTCDateTime(sa.TypeDecorator[datetime]):
@@ -98,42 +79,22 @@ class UTCDateTime(sa.TypeDecorator[datetime]):
     cache_ok = True
 
     def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
-        if dialect.name == "mysql":
-            return dialect.type_descriptor(mysql.DATETIME(fsp=6))
-        if dialect.name == "sqlite":
-            # Plain text in, plain text out: the values are written by strftime() in SQL, and
-            # SQLAlchemy's own SQLite DATETIME parser would insist on its own format.
-            return dialect.type_descriptor(_SQLiteTimestampText())
-        return dialect.type_descriptor(sa.DateTime(timezone=True))
+        return _backend(dialect).timestamp_type(dialect)
 
     def process_bind_param(self, value: datetime | None, dialect: Dialect) -> Any:
         if value is None:
             return None
-        value = value.astimezone(timezone.utc)
-        if dialect.name == "sqlite":
-            return value.strftime("%Y-%m-%d %H:%M:%S.%f")[:23]
-        if dialect.name == "mysql":
-            return value.replace(tzinfo=None)
-        return value
+        return _backend(dialect).timestamp_bind(value.astimezone(timezone.utc))
 
     def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
         return to_utc(value)
 
     def result_processor(self, dialect: Dialect, coltype: object) -> Any:
-        # SQLite's driver returns the text as it is, so to_utc alone reads it: two of these are
-        # read on every acquire, and the decorator's generic chain cost two calls more each.
-        if dialect.name == "sqlite":
+        # A driver that returns the text as it is (SQLite's) needs to_utc alone: two of these
+        # are read on every acquire, and the decorator's generic chain costs two calls more each.
+        if _backend(dialect).reads_timestamps_as_text:
             return to_utc
         return super().result_processor(dialect, coltype)
-
-
-class _SQLiteTimestampText(sa.types.UserDefinedType[str]):
-    """Declared as DATETIME so that the column reads as a timestamp to people and tools."""
-
-    cache_ok = True
-
-    def get_col_spec(self, **kw: Any) -> str:
-        return "DATETIME"
 
 
 def to_utc(value: Any) -> datetime | None:
@@ -187,8 +148,10 @@ def expires_index_name(table: str) -> str:
     return f"ix_{table}_expires"
 
 
-def _is_mariadb(dialect: Dialect) -> bool:
-    return bool(getattr(dialect, "is_mariadb", False))
+def _backend(dialect: Dialect) -> type[Backend]:
+    from .backends import backend_class  # the backends build on this module's types
+
+    return backend_class(dialect.name)
 
 
 # MySQL/MariaDB: the rows an acquire locks, one per stripe of lockstrings, so that acquirers of

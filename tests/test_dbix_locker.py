@@ -22,8 +22,8 @@ import pytest
 import sqlalchemy as sa
 
 from sqllocker import ForeignTable, LockBusy, Locker
-from sqllocker.adoption import SQLITE_ID_GAP
 from sqllocker.asyncio import AsyncLocker
+from sqllocker.backends.sqlite import ADOPTED_ID_GAP
 from sqllocker.engine import resolve_url
 from sqllocker.migrations import (
     current_revision,
@@ -317,7 +317,7 @@ def test_adoption_keeps_rows_converts_times_and_the_rows_still_exclude(
         # an id above any the old table handed out.
         assert live.tell("unlock") == "unlocked"
         lock = locker.lock("nightly report")
-        floor = max(live.lock_id, crashed_id) + (SQLITE_ID_GAP if backend == "sqlite" else 0)
+        floor = max(live.lock_id, crashed_id) + (ADOPTED_ID_GAP if backend == "sqlite" else 0)
         assert lock.lock_id > floor
         # And an unmodified Perl process still locks on the adopted table, excluded by Python.
         later = PerlHolder(url, table_name, "nightly report", 60, "UTC")

@@ -1,0 +1,292 @@
+"""What differs between the databases, each in a module of its own, and nothing else.
+
+:class:`Backend` says what every database must answer: how to read the *server's* clock and
+shift it (client clocks are never consulted: DBIx::Locker's client-side local-time strings let a
+purge in another time zone delete a live lock), which statements differ, how its driver reports
+the few errors sqllocker must tell apart, which connection settings and server settings the
+locks rely on, and how a migration and an adoption run there. ``sqlite``, ``postgresql`` and
+``mysql`` answer for their database. Code outside this package never asks which database it is
+on; adding one means a module here, its branch in the migration, and its test fixture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import sqlalchemy as sa
+from sqlalchemy.engine import URL, Connection, Dialect, Engine
+from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql.expression import Executable
+from sqlalchemy.types import TypeEngine
+
+if TYPE_CHECKING:
+    from sqlalchemy.sql import Delete, Insert
+    from sqlalchemy.sql.dml import ReturningInsert
+    from sqlalchemy.sql.selectable import TextualSelect
+
+    from ..server_settings import ServerSettings
+    from ..statements import Statements
+
+
+class Backend:
+    """One database family: its clock, statements, errors, connections and settings."""
+
+    name: ClassVar[str]
+    # The URL backend names it serves (``postgres`` and ``postgresql``, ...).
+    url_names: ClassVar[frozenset[str]]
+    sync_driver: ClassVar[str]
+    async_driver: ClassVar[str]
+    # PostgreSQL takes over an expired row in one statement (ON CONFLICT DO UPDATE ... WHERE
+    # expired); the others delete the row if still expired and insert again.
+    atomic_takeover: ClassVar[bool] = False
+    # PostgreSQL and MySQL can share-lock one row until the caller's transaction ends (FOR
+    # SHARE); SQLite can only take its database-wide write lock, by writing to the row.
+    share_locks_rows: ClassVar[bool] = True
+    # Whether a Locker creates a missing table on first use (SQLite, the zero-set-up default);
+    # on a server, creating tables is a DBA's decision (`sqllocker migrate`).
+    creates_table_on_first_use: ClassVar[bool] = False
+    # Whether the driver returns timestamps as the text the database holds (``schema.to_utc``
+    # reads them).
+    reads_timestamps_as_text: ClassVar[bool] = False
+    # How a transaction of several lock statements starts.
+    begin: ClassVar[str] = "BEGIN"
+    # Adoption of a DBIx::Locker table: whether it is renamed aside (atomically) before its
+    # rows are read, where DDL cannot be rolled back.
+    adoption_sets_table_aside: ClassVar[bool] = False
+
+    def __init__(self, insert_returning: bool, update_returning: bool) -> None:
+        self.insert_returning = insert_returning
+        self.update_returning = update_returning
+
+    @classmethod
+    def for_dialect(cls, dialect: Dialect) -> Backend:
+        return cls(insert_returning=True, update_returning=True)
+
+    # -- the server's clock ------------------------------------------------------------------
+
+    def now(self) -> ColumnElement[Any]:
+        """The server's current time, re-read per statement (not frozen at transaction start)."""
+        raise NotImplementedError
+
+    def shifted_now(self, param: str) -> ColumnElement[Any]:
+        """The server's time plus the bound parameter ``param`` (see :meth:`seconds_value`)."""
+        raise NotImplementedError
+
+    def shifted(self, moment: ColumnElement[Any], param: str) -> ColumnElement[Any]:
+        """A timestamp column (or expression) plus the bound parameter ``param``."""
+        raise NotImplementedError
+
+    def seconds_value(self, seconds: float) -> Any:
+        """A number of seconds as :meth:`shifted_now` wants its parameter."""
+        return seconds
+
+    # -- expressions ---------------------------------------------------------------------------
+
+    def with_json_key(
+        self, document: ColumnElement[Any], key: str, text: ColumnElement[Any]
+    ) -> ColumnElement[Any]:
+        """JSON ``document`` with ``key`` set to the string ``text`` (an SQL expression)."""
+        return sa.func.json_set(document, sa.literal(f"$.{key}"), sa.cast(text, sa.String))
+
+    def equal(self, left: ColumnElement[Any], right: ColumnElement[Any]) -> ColumnElement[bool]:
+        """``left = right`` for strings."""
+        return self.as_text(left) == self.as_text(right)
+
+    def as_text(self, value: ColumnElement[Any]) -> ColumnElement[Any]:
+        """``value`` as the type whose comparisons are the database's own."""
+        return value
+
+    def quote_identifier(self, name: str) -> str:
+        """``name`` as a quoted SQL identifier (PostgreSQL's rules)."""
+        return '"' + name.replace('"', '""') + '"'
+
+    def matches_glob(self, column: ColumnElement[str]) -> ColumnElement[bool]:
+        """``column`` matches the bound ``pattern`` (see :meth:`glob_value`), case-sensitively."""
+        pattern = sa.bindparam("pattern", type_=sa.String())
+        return self.as_text(column).like(pattern, escape="\\")
+
+    def literal_glob(self, text: str) -> str:
+        """``text`` as the start of a :meth:`matches_glob` pattern that matches only itself:
+        nothing in it is a wildcard, ``*`` and ``?`` included."""
+        return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+
+    def glob_value(self, pattern: str) -> str:
+        """A shell-style pattern (``*`` and ``?`` are the wildcards) as :meth:`matches_glob`
+        wants it; every other character, SQL's own wildcards included, matches only itself."""
+        escaped = pattern.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+        return escaped.replace("*", "%").replace("?", "_")
+
+    def starts_with(self, column: ColumnElement[str], prefix: str) -> ColumnElement[bool]:
+        """``column`` starts with the constant ``prefix`` (which holds no wildcard), exactly."""
+        return column.like(sa.literal(prefix + "%"))
+
+    # -- statements that differ (the others are in ``sqllocker.statements``) -----------------
+
+    def acquire(self, statements: Statements) -> Insert:
+        """Insert our row, or nothing if the lockstring has one (see ``Statements.acquire``)."""
+        raise NotImplementedError
+
+    def acquire_unless_queued(self, statements: Statements) -> ReturningInsert[Any]:
+        """``acquire``, unless waiters are queued in the server (PostgreSQL's waiting room)."""
+        raise NotImplementedError(f"{self.name} queues no waiters in the server")
+
+    def take_over(self, statements: Statements) -> ReturningInsert[Any]:
+        """Replace an expired row with ours in one statement (where ``atomic_takeover``)."""
+        raise NotImplementedError(f"{self.name} takes over by delete and insert")
+
+    def release(self, statements: Statements) -> Delete:
+        """Delete our row, matched by id *and* guid."""
+        return sa.delete(statements.table).where(statements.ours)
+
+    def purge_batch(self, statements: Statements, batch_size: int) -> Delete:
+        """Delete at most ``batch_size`` rows expired beyond grace. The expiry test is repeated
+        on the deleted row itself, so a row taken over (new id, new expiry) between the
+        sub-select and the delete is left alone."""
+        c = statements.table.c
+        expired = statements.expired_beyond_grace
+        expired_ids = sa.select(c.id).where(expired).limit(batch_size)
+        return sa.delete(statements.table).where(c.id.in_(expired_ids), expired)
+
+    def checkpoint(self) -> TextualSelect | None:
+        """What a purge runs after each batch to pay for the log it wrote; None: nothing."""
+        return None
+
+    def id_order_blocker(self, statements: Statements) -> TextualSelect | None:
+        """Who holds the key an acquire waited for in vain (PostgreSQL); None elsewhere."""
+        return None
+
+    # -- schema --------------------------------------------------------------------------------
+
+    @classmethod
+    def lockstring_type(cls, dialect: Dialect, length: int) -> TypeEngine[Any]:
+        """VARCHAR(``length``) that compares exactly (binary, no padding)."""
+        return dialect.type_descriptor(sa.String(length))
+
+    @classmethod
+    def timestamp_type(cls, dialect: Dialect) -> TypeEngine[Any]:
+        """How a UTC instant is stored."""
+        return dialect.type_descriptor(sa.DateTime(timezone=True))
+
+    @classmethod
+    def timestamp_bind(cls, value: Any) -> Any:
+        """An aware UTC datetime as the driver takes it for :meth:`timestamp_type`."""
+        return value
+
+    @classmethod
+    def foreign_guid_default(cls) -> str:
+        """SQL for the guid column's default (``schema.ForeignGuidDefault``)."""
+        raise NotImplementedError
+
+    # -- errors --------------------------------------------------------------------------------
+
+    def is_unique_violation(self, error: sa.exc.DBAPIError) -> bool:
+        raise NotImplementedError
+
+    def is_transient_conflict(self, error: sa.exc.DBAPIError) -> bool:
+        """Contention the database resolved by failing us: try again, it is not a fault."""
+        raise NotImplementedError
+
+    def is_missing_table(self, error: sa.exc.DBAPIError) -> bool:
+        raise NotImplementedError
+
+    # -- connections ---------------------------------------------------------------------------
+
+    @classmethod
+    def connect_args(
+        cls, url: URL, transaction_pooling: bool, default: Callable[[str, object], None]
+    ) -> dict[str, Any]:
+        """The driver arguments of an engine sqllocker makes; ``default(name, value)`` sets
+        one unless the URL gives its own."""
+        return {}
+
+    @classmethod
+    def configure_engine(cls, engine: Engine) -> None:
+        """Anything an engine sqllocker made needs on each new connection."""
+
+    @classmethod
+    def notifies_releases(cls, dialect: Dialect) -> bool:
+        """Whether waiters can be woken by the release (LISTEN/NOTIFY through psycopg 3)."""
+        return False
+
+    # -- settings the guarantees rest on --------------------------------------------------------
+
+    def read_settings(self, conn: Connection, table: str) -> ServerSettings:
+        """The settings of ``conn``'s database that the locks' guarantees rest on (see
+        ``sqllocker.server_settings``)."""
+        raise NotImplementedError
+
+    def foreign_table(self, conn: Connection, table: str) -> str | None:
+        """Why ``table``, if it exists, is not a table sqllocker made, or None."""
+        raise NotImplementedError
+
+    # -- migrations and adoption ---------------------------------------------------------------
+
+    @classmethod
+    def migration_connection(cls, engine: Engine) -> AbstractContextManager[Connection]:
+        """A connection in a transaction for a migration, serialised against concurrent ones."""
+        raise NotImplementedError
+
+    def reflected_default(self, conn: Connection, table: str, column: str) -> str | None:
+        """A column's default as the database shows it, where SQLAlchemy reflects none."""
+        return None
+
+    def prepare_adoption(self, conn: Connection, table: str) -> None:
+        """Before an adoption reads the rows: keep Perl processes from changing them."""
+
+    def adoption_before_create(self, table: str, set_aside: bool) -> list[Executable | str]:
+        """What moves the DBIx::Locker table out of the way of the new one."""
+        raise NotImplementedError
+
+    def ids_handed_out_below(self, conn: Connection, source: str, highest_row: int) -> int:
+        """An id above every id the DBIx::Locker table ``source`` has handed out."""
+        return highest_row + 1
+
+    def next_id_at_least(self, table: str, first: int) -> list[Executable | str]:
+        """Statements that make the new table's next id ``first`` or more."""
+        raise NotImplementedError
+
+    def adoption_after_create(
+        self, conn: Connection, source: str, table: str, exact_lockstrings: bool
+    ) -> list[Executable | str]:
+        """What finishes an adoption once the rows are in."""
+        return []
+
+
+def _registry() -> dict[str, type[Backend]]:
+    from .mysql import MySQLBackend
+    from .postgresql import PostgreSQLBackend
+    from .sqlite import SQLiteBackend
+
+    return {
+        url_name: cls
+        for cls in (SQLiteBackend, PostgreSQLBackend, MySQLBackend)
+        for url_name in cls.url_names
+    }
+
+
+_BACKENDS: dict[str, type[Backend]] = {}
+
+
+def backend_class(name: str) -> type[Backend]:
+    """The Backend for a dialect or URL backend name (``postgres``, ``mariadb``, ...)."""
+    if not _BACKENDS:
+        _BACKENDS.update(_registry())
+    try:
+        return _BACKENDS[name]
+    except KeyError:
+        raise ValueError(
+            f"sqllocker supports SQLite, PostgreSQL and MySQL/MariaDB, not {name!r}"
+        ) from None
+
+
+def backend_for(dialect: Dialect) -> Backend:
+    """The Backend of a connected ``dialect`` (some capabilities are known only then)."""
+    return backend_class(dialect.name).for_dialect(dialect)
+
+
+def url_names() -> Iterator[tuple[str, type[Backend]]]:
+    if not _BACKENDS:
+        _BACKENDS.update(_registry())
+    return iter(_BACKENDS.items())

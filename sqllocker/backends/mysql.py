@@ -1,0 +1,279 @@
+"""MySQL and MariaDB (InnoDB) through PyMySQL, or aiomysql for the async front end."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import mysql
+from sqlalchemy.engine import URL, Connection, Dialect, Engine
+from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql.expression import Executable
+from sqlalchemy.types import TypeEngine
+
+from ..adoption import set_aside_name
+from ..schema import ID_ORDER_STRIPES, UTCDateTime, id_order_table_name
+from ..server_settings import LOSES_ROWS, REORDERS_IDS, ServerSettings, UnsafeSetting
+from ..timeouts import CONNECT_TIMEOUT_SECONDS, ROW_LOCK_TIMEOUT_SECONDS, STATEMENT_TIMEOUT_SECONDS
+from . import Backend
+
+if TYPE_CHECKING:
+    from sqlalchemy.sql import Delete, Insert
+
+    from ..statements import Statements
+
+# Serialises concurrent `sqllocker migrate` runs (a named lock, not a row).
+_MIGRATION_LOCK_NAME = "sqllocker_migrate"
+_NAME = re.compile(r"[A-Za-z0-9_]+")
+
+
+class MySQLBackend(Backend):
+    name = "mysql"
+    url_names = frozenset({"mysql", "mariadb"})
+    sync_driver = "mysql+pymysql"
+    # aiomysql speaks PyMySQL's protocol and raises PyMySQL's errors.
+    async_driver = "mysql+aiomysql"
+    adoption_sets_table_aside = True
+
+    @classmethod
+    def for_dialect(cls, dialect: Dialect) -> Backend:
+        # MariaDB >= 10.5 has INSERT ... RETURNING, MySQL none; neither has UPDATE ... RETURNING.
+        return cls(insert_returning=bool(dialect.insert_returning), update_returning=False)
+
+    def now(self) -> ColumnElement[Any]:
+        return sa.func.utc_timestamp(sa.literal_column("6"), type_=UTCDateTime())
+
+    def shifted_now(self, param: str) -> ColumnElement[Any]:
+        return self.shifted(sa.func.utc_timestamp(sa.literal_column("6")), param)
+
+    def shifted(self, moment: ColumnElement[Any], param: str) -> ColumnElement[Any]:
+        return sa.func.timestampadd(
+            sa.literal_column("MICROSECOND"),
+            sa.bindparam(param, type_=sa.BigInteger()),
+            moment,
+            type_=UTCDateTime(),
+        )
+
+    def seconds_value(self, seconds: float) -> Any:
+        return round(seconds * 1_000_000)
+
+    # -- statements ------------------------------------------------------------------------------
+
+    def acquire(self, statements: Statements) -> Insert:
+        """An INSERT of a SELECT, whose duplicate-key error means held (never ``INSERT
+        IGNORE``: it truncates over-long keys).
+
+        INSERT ... SELECT, for the order of fencing tokens: InnoDB draws the auto-increment
+        value before the unique check, so an acquirer delayed between its draw and its check
+        could insert after a later acquirer had held and released the lock, and hold it with
+        the smaller id (tests/test_fencing.py pauses an acquirer there with gdb). With
+        innodb_autoinc_lock_mode 0 or 1 (MariaDB's default) InnoDB keeps the table's AUTO-INC
+        lock to the end of an INSERT ... SELECT (never of an INSERT ... VALUES), so no one else
+        draws an id meanwhile. With 2 (MySQL 8's default) it takes no such lock, and the SELECT
+        first locks the row of the lockstring's stripe (``id_order``) until the statement
+        commits, so acquirers of one lockstring draw their ids one at a time, in the order they
+        can hold the row. Mode 2 without that table is reported by the settings check.
+        """
+        new_row = sa.select(*statements.new_row.values())
+        if statements.id_order is not None:
+            # CRC32 of the lockstring's UTF-8 bytes, whatever the connection's character set.
+            utf8 = sa.cast(statements.lockstring_param, mysql.CHAR(charset="utf8mb4"))
+            stripe = sa.func.crc32(utf8) % ID_ORDER_STRIPES
+            new_row = new_row.where(statements.id_order.c.stripe == stripe).with_for_update()
+        insert = sa.insert(statements.table).from_select(list(statements.new_row), new_row)
+        return insert.returning(*statements.returned) if self.insert_returning else insert
+
+    def purge_batch(self, statements: Statements, batch_size: int) -> Delete:
+        # MySQL refuses LIMIT in an IN (sub-select) on the same table; DELETE ... LIMIT is fine.
+        return (
+            sa.delete(statements.table)
+            .where(statements.expired_beyond_grace)
+            .with_dialect_options(mysql_limit=batch_size)
+        )
+
+    # -- schema ------------------------------------------------------------------------------------
+
+    @classmethod
+    def lockstring_type(cls, dialect: Dialect, length: int) -> TypeEngine[Any]:
+        # MariaDB's default collations fold case and ignore trailing spaces, and even
+        # utf8mb4_bin pads; MySQL 8 has no utf8mb4_nopad_bin, but its utf8mb4_0900_bin is NO PAD.
+        mariadb = bool(getattr(dialect, "is_mariadb", False))
+        collation = "utf8mb4_nopad_bin" if mariadb else "utf8mb4_0900_bin"
+        return dialect.type_descriptor(
+            mysql.VARCHAR(length, charset="utf8mb4", collation=collation)
+        )
+
+    @classmethod
+    def timestamp_type(cls, dialect: Dialect) -> TypeEngine[Any]:
+        return dialect.type_descriptor(mysql.DATETIME(fsp=6))
+
+    @classmethod
+    def timestamp_bind(cls, value: Any) -> Any:
+        return value.replace(tzinfo=None)
+
+    @classmethod
+    def foreign_guid_default(cls) -> str:
+        from ..schema import FOREIGN_GUID_PREFIX
+
+        return f"(concat('{FOREIGN_GUID_PREFIX}', substr(md5(concat(rand(), uuid())), 1, 31)))"
+
+    # -- errors ------------------------------------------------------------------------------------
+
+    def is_unique_violation(self, error: sa.exc.DBAPIError) -> bool:
+        return _errno(error) == 1062
+
+    def is_transient_conflict(self, error: sa.exc.DBAPIError) -> bool:
+        # lock wait timeout, deadlock, and InnoDB's AUTO-INC lock lost to a deadlock or a
+        # timeout ("Failed to read auto-increment value"), met by transactions of several
+        # INSERT ... SELECTs (lock_all)
+        return _errno(error) in {1205, 1213, 1467}
+
+    def is_missing_table(self, error: sa.exc.DBAPIError) -> bool:
+        return _errno(error) == 1146
+
+    # -- connections -------------------------------------------------------------------------------
+
+    @classmethod
+    def connect_args(
+        cls, url: URL, transaction_pooling: bool, default: Callable[[str, object], None]
+    ) -> dict[str, Any]:
+        # PyMySQL and aiomysql take the same arguments.
+        connect_args: dict[str, Any] = {"connect_timeout": CONNECT_TIMEOUT_SECONDS}
+        if url.get_driver_name() == "pymysql":  # aiomysql has no socket timeouts
+            default("read_timeout", STATEMENT_TIMEOUT_SECONDS)
+            default("write_timeout", STATEMENT_TIMEOUT_SECONDS)
+        if "init_command" not in url.query:
+            connect_args["init_command"] = (
+                f"SET SESSION innodb_lock_wait_timeout = {ROW_LOCK_TIMEOUT_SECONDS}"
+            )
+        return connect_args
+
+    # -- settings ----------------------------------------------------------------------------------
+
+    def read_settings(self, conn: Connection, table: str) -> ServerSettings:
+        """``innodb_autoinc_lock_mode=2`` (MySQL 8's default) draws auto-increment values under
+        no lock that lasts the statement. Then only the stripes table keeps an acquirer delayed
+        between drawing its id and the unique check from holding the lock after a later holder,
+        with a smaller fencing token (see :meth:`acquire`), so a table without it is reported.
+        Mutual exclusion does not depend on it; the order of tokens does."""
+        problems = []
+        lock_stripes = False
+        flush, autoinc = conn.exec_driver_sql(
+            "SELECT @@innodb_flush_log_at_trx_commit, @@innodb_autoinc_lock_mode"
+        ).one()
+        if flush is not None and int(flush) != 1:
+            problems.append(UnsafeSetting(f"innodb_flush_log_at_trx_commit={flush}", LOSES_ROWS))
+        if autoinc is not None and int(autoinc) == 2:
+            lock_stripes = _has_table(conn, id_order_table_name(table))
+            if not lock_stripes:
+                setting = (
+                    f"innodb_autoinc_lock_mode=2 with lock table {table} lacking "
+                    f"{id_order_table_name(table)} (run `sqllocker migrate --table {table}`)"
+                )
+                problems.append(UnsafeSetting(setting, REORDERS_IDS))
+        return ServerSettings(problems, lock_stripes, foreign=self.foreign_table(conn, table))
+
+    def foreign_table(self, conn: Connection, table: str) -> str | None:
+        """A table adopted without ``--exact-lockstrings`` keeps its case-folding collation on
+        purpose, and has a version row to show for it."""
+        columns: dict[str, str] = dict(
+            conn.exec_driver_sql(
+                "SELECT column_name, COALESCE(collation_name, '') FROM "
+                "information_schema.columns WHERE table_schema = DATABASE() "
+                "AND table_name = %(table)s",
+                {"table": table},
+            ).all()
+        )
+        if not columns:
+            return None
+        if "guid" not in columns:
+            return "it has no guid column"
+        collation = columns.get("lockstring", "")
+        if collation and not collation.endswith("_bin"):
+            from ..migrations import current_revision_on
+
+            if current_revision_on(conn, table) is None:
+                return f"its lockstrings compare by collation {collation}, which folds case"
+        return None
+
+    # -- migrations and adoption -------------------------------------------------------------------
+
+    @classmethod
+    @contextmanager
+    def migration_connection(cls, engine: Engine) -> Iterator[Connection]:
+        with engine.connect().execution_options(isolation_level="READ COMMITTED") as conn:
+            # DDL commits implicitly, so the lock is a session lock released explicitly.
+            conn.execute(sa.select(sa.func.get_lock(_MIGRATION_LOCK_NAME, 600)))
+            conn.commit()
+            try:
+                with conn.begin():
+                    yield conn
+            finally:
+                conn.execute(sa.select(sa.func.release_lock(_MIGRATION_LOCK_NAME)))
+                conn.commit()
+
+    def reflected_default(self, conn: Connection, table: str, column: str) -> str | None:
+        # SQLAlchemy does not reflect MySQL's expression defaults at all.
+        default = conn.exec_driver_sql(
+            "SELECT column_default FROM information_schema.columns WHERE table_schema = "
+            "DATABASE() AND table_name = %(table)s AND column_name = %(column)s",
+            {"table": table, "column": column},
+        ).scalar()
+        return None if default is None else str(default)
+
+    def prepare_adoption(self, conn: Connection, table: str) -> None:
+        # A Perl process that locks meanwhile finds no table and reports its lock refused.
+        conn.exec_driver_sql(f"RENAME TABLE {table} TO {set_aside_name(table)}")
+
+    def adoption_before_create(self, table: str, set_aside: bool) -> list[Executable | str]:
+        return [] if set_aside else [f"RENAME TABLE {table} TO {set_aside_name(table)}"]
+
+    def ids_handed_out_below(self, conn: Connection, source: str, highest_row: int) -> int:
+        next_id = conn.exec_driver_sql(
+            "SELECT auto_increment FROM information_schema.tables "
+            "WHERE table_schema = DATABASE() AND table_name = %(table)s",
+            {"table": source},
+        ).scalar()
+        return max(highest_row + 1, int(next_id or 0))
+
+    def next_id_at_least(self, table: str, first: int) -> list[Executable | str]:
+        return [f"ALTER TABLE {table} AUTO_INCREMENT = {int(first)}"]
+
+    def adoption_after_create(
+        self, conn: Connection, source: str, table: str, exact_lockstrings: bool
+    ) -> list[Executable | str]:
+        """Without ``exact_lockstrings``, the new lockstring column gets the old one's character
+        set and collation, so that the same lockstrings collide as before."""
+        statements: list[Executable | str] = []
+        if not exact_lockstrings:
+            charset, collation = conn.exec_driver_sql(
+                "SELECT character_set_name, collation_name FROM information_schema.columns "
+                "WHERE table_schema = DATABASE() AND table_name = %(table)s "
+                "AND column_name = 'lockstring'",
+                {"table": source},
+            ).one()
+            if all(name and _NAME.fullmatch(name) for name in (charset, collation)):
+                statements.append(
+                    f"ALTER TABLE {table} MODIFY lockstring VARCHAR(128) CHARACTER SET "
+                    f"{charset} COLLATE {collation} NOT NULL"
+                )
+        statements.append(f"DROP TABLE {set_aside_name(table)}")
+        return statements
+
+
+def _has_table(conn: Connection, name: str) -> bool:
+    return bool(
+        conn.exec_driver_sql(
+            "SELECT COUNT(*) FROM information_schema.tables "
+            "WHERE table_schema = DATABASE() AND table_name = %(name)s",
+            {"name": name},
+        ).scalar()
+    )
+
+
+def _errno(error: sa.exc.DBAPIError) -> int | None:
+    args = getattr(error.orig, "args", ())
+    return args[0] if args and isinstance(args[0], int) else None

@@ -1,0 +1,362 @@
+"""PostgreSQL through psycopg 3: atomic takeover, waiters queued in the server and handed the
+row by the release (``sqllocker.waiting_room``), and a database shared with other roles.
+
+Every catalog function and operator is named with its schema (``pg_catalog.``) and exact
+types, and strings are compared as ``text`` on both sides, so that nothing another role creates
+in a schema on the caller's path can run in its place (CVE-2018-1058).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.engine import URL, Connection, Dialect, Engine
+from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql.expression import Executable
+
+from ..schema import UTCDateTime
+from ..server_settings import LOSES_ROWS, ServerSettings, UnsafeSetting
+from ..timeouts import (
+    CONNECT_TIMEOUT_SECONDS,
+    DEAD_PEER_SECONDS,
+    ROW_LOCK_TIMEOUT_SECONDS,
+    STATEMENT_TIMEOUT_SECONDS,
+)
+from . import Backend
+
+if TYPE_CHECKING:
+    from sqlalchemy.sql import Delete, Select
+    from sqlalchemy.sql.dml import ReturningInsert
+    from sqlalchemy.sql.selectable import TextualSelect
+
+    from ..statements import Statements
+
+# How long an acquire waits for the lockstring's id-order key, which others hold only for their
+# INSERT: a wait this long means a session outside the protocol holds it.
+ID_ORDER_WAIT_MS = 1000
+# Serialises concurrent `sqllocker migrate` runs ("SQLL").
+_MIGRATION_LOCK_KEY = 0x5351_4C4C
+
+
+class PostgreSQLBackend(Backend):
+    name = "postgresql"
+    url_names = frozenset({"postgresql", "postgres"})
+    sync_driver = "postgresql+psycopg"
+    async_driver = "postgresql+psycopg"
+    atomic_takeover = True
+
+    def now(self) -> ColumnElement[Any]:
+        return sa.func.pg_catalog.clock_timestamp(type_=UTCDateTime())
+
+    def shifted_now(self, param: str) -> ColumnElement[Any]:
+        return self.shifted(self.now(), param)
+
+    def shifted(self, moment: ColumnElement[Any], param: str) -> ColumnElement[Any]:
+        return moment + sa.cast(sa.bindparam(param, type_=sa.Interval()), sa.Interval())
+
+    def seconds_value(self, seconds: float) -> Any:
+        return timedelta(seconds=seconds)
+
+    def with_json_key(
+        self, document: ColumnElement[Any], key: str, text: ColumnElement[Any]
+    ) -> ColumnElement[Any]:
+        path = sa.cast(sa.literal("{" + key + "}"), postgresql.ARRAY(sa.Text))
+        value = sa.func.pg_catalog.to_jsonb(sa.cast(text, sa.Text))
+        return sa.func.pg_catalog.jsonb_set(document, path, value)
+
+    def as_text(self, value: ColumnElement[Any]) -> ColumnElement[Any]:
+        # varchar has no ``=`` of its own, so an exact ``=(varchar, varchar)`` that another role
+        # created in a schema on our path would be chosen over pg_catalog's; with text on both
+        # sides, pg_catalog's is the exact match, and it comes first.
+        return sa.cast(value, sa.Text)
+
+    def starts_with(self, column: ColumnElement[str], prefix: str) -> ColumnElement[bool]:
+        return sa.func.pg_catalog.starts_with(
+            self.as_text(column), sa.cast(sa.literal(prefix), sa.Text), type_=sa.Boolean()
+        )
+
+    # -- statements ------------------------------------------------------------------------------
+
+    def acquire(self, statements: Statements) -> ReturningInsert[Any]:
+        """``ON CONFLICT DO NOTHING`` returns no row when held, with no ERROR in the server log,
+        and without locking the holder's row: an upsert that decides not to update still locks
+        the row it met and must flush its commit to disk, and the holder's release then waits
+        for that refused acquirer."""
+        insert = postgresql.insert(statements.table).from_select(
+            list(statements.new_row), self._new_row_in_id_order(statements)
+        )
+        c = statements.table.c
+        return insert.on_conflict_do_nothing(index_elements=[c.lockstring]).returning(
+            *statements.returned
+        )
+
+    def acquire_unless_queued(self, statements: Statements) -> ReturningInsert[Any]:
+        """``acquire``, unless waiters are queued for the lockstring (see
+        ``sqllocker.waiting_room``): then insert nothing, as if refused.
+
+        A waiting acquirer's first attempt uses this, so that it cannot take the row in the
+        moment between a release and the head of the queue's INSERT. The queue's advisory lock,
+        held by its head and asked for by those behind, is tried in shared mode for this
+        statement's transaction only (``queue_key``): that fails while anyone holds or waits.
+        """
+        nobody_queued = sa.func.pg_catalog.pg_try_advisory_xact_lock_shared(
+            sa.cast(sa.bindparam("queue_key", type_=sa.BigInteger), sa.BigInteger)
+        )
+        insert = postgresql.insert(statements.table).from_select(
+            list(statements.new_row),
+            self._new_row_in_id_order(statements, only_if=nobody_queued),
+        )
+        c = statements.table.c
+        return insert.on_conflict_do_nothing(index_elements=[c.lockstring]).returning(
+            *statements.returned
+        )
+
+    def take_over(self, statements: Statements) -> ReturningInsert[Any]:
+        """Replace an expired holder's row with ours in one atomic statement.
+
+        ``ON CONFLICT DO UPDATE ... WHERE expired`` replaces the row in place, including a fresh
+        id from the sequence (``excluded.id``), so the fencing token still grows; of several
+        acquirers racing for one expired row, the row lock lets exactly one match the WHERE.
+        A row that is not (or no longer) expired makes it return no row.
+        """
+        c = statements.table.c
+        insert = postgresql.insert(statements.table).from_select(
+            list(statements.new_row), self._new_row_in_id_order(statements)
+        )
+        return insert.on_conflict_do_update(
+            index_elements=[c.lockstring],
+            set_={
+                name: insert.excluded[name]
+                for name in ("id", "guid", "created", "expires", "locked_by")
+            },
+            where=statements.expired_beyond_grace,
+        ).returning(*statements.returned)
+
+    def _new_row_in_id_order(
+        self, statements: Statements, only_if: ColumnElement[bool] | None = None
+    ) -> Select[Any]:
+        """Our new row, as a SELECT to insert from, which first waits for any other acquirer
+        of the lockstring to finish its INSERT's transaction; with ``only_if``, no row (and no
+        wait) unless that holds, checked before the wait.
+
+        The sequence gives a row its id when the INSERT forms the row, before the unique index
+        is checked: an acquirer that drew id n and was then delayed could insert after a later
+        acquirer had held and released the lock with id n + 1, and hold it with the smaller
+        fencing token (tests/test_fencing.py makes it happen every time without this). The
+        transaction-scoped advisory lock in FROM runs before the row is formed, so ids are
+        drawn one acquirer at a time per lockstring, in the order the rows can be held. Its
+        two-int4 key is a key space apart from the queue's bigint keys (``waiting_room``).
+        """
+        catalog = sa.func.pg_catalog
+        in_turn = sa.select(
+            catalog.pg_advisory_xact_lock(
+                catalog.hashtext(sa.cast(sa.literal(statements.table_key), sa.Text)),
+                catalog.hashtext(sa.cast(statements.lockstring_param, sa.Text)),
+            ).label("drawn_in_turn")
+        )
+        # A WHERE without a FROM is a one-time filter, evaluated before the target list. It
+        # bounds the wait for the key (a session outside sqllocker's protocol may hold it: see
+        # ``id_order_blocker``), also where no session setting reaches (a transaction pooler);
+        # the limit ends with the statement's transaction. Refused by ``only_if``, the INSERT
+        # neither waits for others' turn nor makes them wait for its.
+        in_turn = in_turn.where(
+            catalog.set_config(
+                sa.cast(sa.literal("lock_timeout"), sa.Text),
+                sa.cast(sa.literal(f"{ID_ORDER_WAIT_MS}"), sa.Text),
+                sa.true(),
+            ).is_not(None)
+        )
+        if only_if is not None:
+            in_turn = in_turn.where(only_if)
+        return sa.select(*statements.new_row.values()).select_from(in_turn.subquery("ids_in_order"))
+
+    def release(self, statements: Statements) -> Delete:
+        """The release's transaction commits without waiting for its WAL to reach disk
+        (``synchronous_commit`` off for that transaction only), so that a hand-off under
+        contention waits for the disk once, at the next holder's acquire, not twice. A release
+        lost in a server crash is safe: the row comes back, and the lock stays held until it
+        expires. It cannot come back after someone else's acquire did, because that acquire's
+        commit waits for the WAL to be flushed up to its own record, which the release's
+        precedes. Acquire, extend, takeover, break and purge still wait: a lost acquire or
+        extend would let a second holder in."""
+        # Evaluated on the matched row, before it is deleted; the setting ends with the
+        # statement's transaction.
+        unflushed = sa.func.pg_catalog.set_config(
+            sa.cast(sa.literal("synchronous_commit"), sa.Text),
+            sa.cast(sa.literal("off"), sa.Text),
+            sa.true(),
+        )
+        return super().release(statements).where(self.equal(unflushed, sa.literal("off")))
+
+    def id_order_blocker(self, statements: Statements) -> TextualSelect | None:
+        """The pid of another session holding the lockstring's id-order key, which an acquirer
+        holds only for its INSERT: an acquire that waited out its bound for that key names it
+        (a session of a role outside sqllocker's protocol, or a stuck one)."""
+        return (
+            sa.text(
+                "SELECT l.pid FROM pg_catalog.pg_locks AS l "
+                "WHERE l.locktype OPERATOR(pg_catalog.=) 'advisory'::text AND l.granted "
+                "AND l.objsubid OPERATOR(pg_catalog.=) 2::smallint "
+                "AND l.database OPERATOR(pg_catalog.=) (SELECT d.oid FROM pg_catalog.pg_database "
+                "AS d WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database()) "
+                "AND l.classid::bigint OPERATOR(pg_catalog.=) (pg_catalog.hashtext("
+                "CAST(:table_key AS text))::bigint OPERATOR(pg_catalog.&) 4294967295::bigint) "
+                "AND l.objid::bigint OPERATOR(pg_catalog.=) (pg_catalog.hashtext("
+                "CAST(:ls AS text))::bigint OPERATOR(pg_catalog.&) 4294967295::bigint) "
+                "AND l.pid OPERATOR(pg_catalog.<>) pg_catalog.pg_backend_pid() LIMIT 1"
+            )
+            .bindparams(sa.bindparam("table_key", statements.table_key, type_=sa.Text))
+            .columns(sa.column("pid", sa.Integer))
+        )
+
+    # -- schema ------------------------------------------------------------------------------------
+
+    @classmethod
+    def foreign_guid_default(cls) -> str:
+        from ..schema import FOREIGN_GUID_PREFIX
+
+        # Every name qualified: the expression is stored resolved, but written by a migration
+        # that may run with another role's schema ahead on its path.
+        return (
+            f"('{FOREIGN_GUID_PREFIX}'::text OPERATOR(pg_catalog.||) pg_catalog.substr("
+            "pg_catalog.md5(pg_catalog.random()::text OPERATOR(pg_catalog.||) "
+            "pg_catalog.clock_timestamp()::text), 1, 31))"
+        )
+
+    # -- errors ------------------------------------------------------------------------------------
+
+    def is_unique_violation(self, error: sa.exc.DBAPIError) -> bool:
+        return _sqlstate(error) == "23505"
+
+    def is_transient_conflict(self, error: sa.exc.DBAPIError) -> bool:
+        # serialization failure, deadlock, lock_timeout
+        return _sqlstate(error) in {"40001", "40P01", "55P03"}
+
+    def is_missing_table(self, error: sa.exc.DBAPIError) -> bool:
+        return _sqlstate(error) == "42P01"
+
+    # -- connections -------------------------------------------------------------------------------
+
+    @classmethod
+    def connect_args(
+        cls, url: URL, transaction_pooling: bool, default: Callable[[str, object], None]
+    ) -> dict[str, Any]:
+        connect_args: dict[str, Any] = {"connect_timeout": CONNECT_TIMEOUT_SECONDS}
+        # libpq's own settings (not the server's), so they pass through a pooler too.
+        default("keepalives", 1)
+        default("keepalives_idle", DEAD_PEER_SECONDS // 3)
+        default("keepalives_interval", DEAD_PEER_SECONDS // 6)
+        default("keepalives_count", 3)
+        default("tcp_user_timeout", DEAD_PEER_SECONDS * 1000)
+        if transaction_pooling:
+            # Each transaction may run on another server session: a statement prepared on one
+            # is missing on the next (PgBouncer before 1.21), and PgBouncer refuses the
+            # ``options`` startup parameter, whose settings would not reach later sessions
+            # anyway. The settings check reads the server's own synchronous_commit instead.
+            connect_args["prepare_threshold"] = None
+        elif "options" not in url.query:
+            # A lock row acknowledged and then lost in a crash would let a second holder in
+            # with the same id; synchronous_commit=off does exactly that. Force it on for our
+            # session.
+            connect_args["options"] = (
+                f"-c synchronous_commit=on -c lock_timeout={ROW_LOCK_TIMEOUT_SECONDS * 1000} "
+                f"-c statement_timeout={STATEMENT_TIMEOUT_SECONDS * 1000}"
+            )
+        if "application_name" not in url.query:
+            connect_args["application_name"] = "sqllocker"
+        return connect_args
+
+    @classmethod
+    def notifies_releases(cls, dialect: Dialect) -> bool:
+        return dialect.driver == "psycopg"
+
+    # -- settings ----------------------------------------------------------------------------------
+
+    def read_settings(self, conn: Connection, table: str) -> ServerSettings:
+        problems = []
+        schema, has_functions = conn.exec_driver_sql(_TABLE_SCHEMA, {"table": table}).one()
+        if conn.exec_driver_sql("SHOW synchronous_commit").scalar() == "off":
+            problems.append(UnsafeSetting("synchronous_commit=off", LOSES_ROWS))
+        if conn.exec_driver_sql("SHOW fsync").scalar() == "off":
+            problems.append(UnsafeSetting("fsync=off", LOSES_ROWS))
+        persistence = conn.exec_driver_sql(
+            "SELECT relpersistence FROM pg_catalog.pg_class "
+            "WHERE oid OPERATOR(pg_catalog.=) pg_catalog.to_regclass(%(table)s::text)",
+            {"table": table},
+        ).scalar()
+        if persistence == "u":
+            problems.append(UnsafeSetting(f"table {table} is UNLOGGED", LOSES_ROWS))
+        return ServerSettings(
+            problems,
+            lock_stripes=False,
+            schema=schema,
+            has_functions=bool(has_functions),
+            foreign=self.foreign_table(conn, table),
+        )
+
+    def foreign_table(self, conn: Connection, table: str) -> str | None:
+        columns: dict[str, str] = dict(conn.exec_driver_sql(_COLUMNS, {"table": table}).all())
+        if not columns:
+            return None
+        if "guid" not in columns:
+            return "it has no guid column"
+        if columns.get("locked_by") not in ("jsonb", "json"):
+            return f"its locked_by column is {columns.get('locked_by')}, not JSON"
+        return None
+
+    # -- migrations and adoption -------------------------------------------------------------------
+
+    @classmethod
+    @contextmanager
+    def migration_connection(cls, engine: Engine) -> Iterator[Connection]:
+        connection = engine.connect().execution_options(isolation_level="READ COMMITTED")
+        with connection as conn, conn.begin():
+            conn.execute(sa.select(sa.func.pg_advisory_xact_lock(_MIGRATION_LOCK_KEY)))
+            yield conn
+
+    def prepare_adoption(self, conn: Connection, table: str) -> None:
+        conn.exec_driver_sql(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
+
+    def adoption_before_create(self, table: str, set_aside: bool) -> list[Executable | str]:
+        return [f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE", f"DROP TABLE {table}"]
+
+    def ids_handed_out_below(self, conn: Connection, source: str, highest_row: int) -> int:
+        last = conn.exec_driver_sql(
+            "SELECT pg_catalog.pg_sequence_last_value(pg_catalog.pg_get_serial_sequence("
+            "%(table)s::text, 'id'::text)::regclass)",
+            {"table": source},
+        ).scalar()
+        return max(highest_row, int(last or 0)) + 1
+
+    def next_id_at_least(self, table: str, first: int) -> list[Executable | str]:
+        return [
+            sa.text(
+                "SELECT pg_catalog.setval(pg_catalog.pg_get_serial_sequence(:table, 'id'), :last)"
+            ).bindparams(table=table, last=first - 1)
+        ]
+
+
+_TABLE_SCHEMA = (
+    "SELECT s.name, pg_catalog.to_regprocedure(pg_catalog.quote_ident(s.name) "
+    "OPERATOR(pg_catalog.||) '.' OPERATOR(pg_catalog.||) %(table)s::text "
+    "OPERATOR(pg_catalog.||) '_queue_leave(bigint,varchar,varchar,boolean)') IS NOT NULL "
+    "FROM (SELECT COALESCE((SELECT n.nspname::text FROM pg_catalog.pg_class AS c "
+    "JOIN pg_catalog.pg_namespace AS n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace "
+    "WHERE c.oid OPERATOR(pg_catalog.=) pg_catalog.to_regclass(%(table)s::text)), "
+    "pg_catalog.current_schema()::text) AS name) AS s"
+)
+_COLUMNS = (
+    "SELECT a.attname::text, pg_catalog.format_type(a.atttypid, a.atttypmod) "
+    "FROM pg_catalog.pg_attribute AS a "
+    "WHERE a.attrelid OPERATOR(pg_catalog.=) pg_catalog.to_regclass(%(table)s::text) "
+    "AND a.attnum OPERATOR(pg_catalog.>) 0::smallint AND NOT a.attisdropped"
+)
+
+
+def _sqlstate(error: sa.exc.DBAPIError) -> str | None:
+    return getattr(error.orig, "sqlstate", None)

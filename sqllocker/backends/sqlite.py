@@ -1,0 +1,247 @@
+"""SQLite: the embedded default. One machine, one file, one writer at a time (WAL)."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import sqlite
+from sqlalchemy.engine import URL, AdaptedConnection, Connection, Dialect, Engine
+from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql.expression import Executable
+from sqlalchemy.types import TypeEngine
+
+from ..schema import UTCDateTime
+from ..server_settings import LOSES_ROWS, ServerSettings, UnsafeSetting
+from ..timeouts import SQLITE_BUSY_TIMEOUT_SECONDS
+from . import Backend
+
+if TYPE_CHECKING:
+    from sqlalchemy.sql import Insert
+    from sqlalchemy.sql.selectable import TextualSelect
+
+    from ..statements import Statements
+
+TIMESTAMP_FORMAT = "%Y-%m-%d %H:%M:%f"
+# SQLite without AUTOINCREMENT (DBIx::Locker's DDL) keeps no record of the ids it handed out and
+# reuses the highest deleted one; an adopted table's new ids start this far above the highest row
+# left, past any id a stale Perl holder of a deleted row could still carry.
+ADOPTED_ID_GAP = 1_000_000
+
+
+class SQLiteBackend(Backend):
+    name = "sqlite"
+    url_names = frozenset({"sqlite"})
+    sync_driver = "sqlite"
+    async_driver = "sqlite+aiosqlite"
+    share_locks_rows = False
+    creates_table_on_first_use = True
+    reads_timestamps_as_text = True
+    # SQLite takes its write lock at once: a deferred transaction that writes after another's
+    # commit fails "database is locked" at once, whatever the busy timeout.
+    begin = "BEGIN IMMEDIATE"
+
+    @classmethod
+    def for_dialect(cls, dialect: Dialect) -> Backend:
+        returning = sqlite3.sqlite_version_info >= (3, 35)
+        return cls(insert_returning=returning, update_returning=returning)
+
+    def now(self) -> ColumnElement[Any]:
+        return sa.func.strftime(TIMESTAMP_FORMAT, "now", type_=UTCDateTime())
+
+    def shifted_now(self, param: str) -> ColumnElement[Any]:
+        return self.shifted(sa.literal("now"), param)
+
+    def shifted(self, moment: ColumnElement[Any], param: str) -> ColumnElement[Any]:
+        return sa.func.strftime(
+            TIMESTAMP_FORMAT,
+            sa.func.julianday(moment) + sa.bindparam(param, type_=sa.Float()) / 86400.0,
+            type_=UTCDateTime(),
+        )
+
+    def matches_glob(self, column: ColumnElement[str]) -> ColumnElement[bool]:
+        # SQLite's LIKE ignores ASCII case; GLOB does not, and is a glob already.
+        return column.op("GLOB", is_comparison=True)(sa.bindparam("pattern", type_=sa.String()))
+
+    def literal_glob(self, text: str) -> str:
+        return "".join(f"[{ch}]" if ch in "[*?" else ch for ch in text)
+
+    def glob_value(self, pattern: str) -> str:
+        return pattern.replace("[", "[[]")
+
+    def starts_with(self, column: ColumnElement[str], prefix: str) -> ColumnElement[bool]:
+        return column.op("GLOB", is_comparison=True)(sa.literal(self.literal_glob(prefix) + "*"))
+
+    def acquire(self, statements: Statements) -> Insert:
+        c = statements.table.c
+        insert = sqlite.insert(statements.table).values(statements.new_row)
+        insert = insert.on_conflict_do_nothing(index_elements=[c.lockstring])
+        return insert.returning(*statements.returned) if self.insert_returning else insert
+
+    def checkpoint(self) -> TextualSelect | None:
+        """Copy what the write-ahead log holds back into the database file, now, without
+        waiting for (or blocking) anyone.
+
+        A purge batch writes thousands of WAL pages. Left alone, they are copied back by SQLite's
+        auto-checkpoint in whichever connection next commits past the log's limit: usually a
+        lock operation, which then takes milliseconds instead of a fraction of one.
+        """
+        return sa.text("PRAGMA wal_checkpoint(PASSIVE)").columns(
+            sa.column("busy", sa.Integer),
+            sa.column("log", sa.Integer),
+            sa.column("checkpointed", sa.Integer),
+        )
+
+    @classmethod
+    def timestamp_type(cls, dialect: Dialect) -> TypeEngine[Any]:
+        # Plain text in, plain text out: the values are written by strftime() in SQL, and
+        # SQLAlchemy's own SQLite DATETIME parser would insist on its own format.
+        return dialect.type_descriptor(_TimestampText())
+
+    @classmethod
+    def timestamp_bind(cls, value: Any) -> Any:
+        return value.strftime("%Y-%m-%d %H:%M:%S.%f")[:23]
+
+    @classmethod
+    def foreign_guid_default(cls) -> str:
+        from ..schema import FOREIGN_GUID_PREFIX
+
+        return f"('{FOREIGN_GUID_PREFIX}' || substr(lower(hex(randomblob(16))), 1, 31))"
+
+    def is_unique_violation(self, error: sa.exc.DBAPIError) -> bool:
+        return isinstance(error.orig, sqlite3.IntegrityError) and "UNIQUE" in str(error.orig)
+
+    def is_transient_conflict(self, error: sa.exc.DBAPIError) -> bool:
+        return isinstance(error.orig, sqlite3.OperationalError) and (
+            "database is locked" in str(error.orig) or "database table is locked" in str(error.orig)
+        )
+
+    def is_missing_table(self, error: sa.exc.DBAPIError) -> bool:
+        return "no such table" in str(error.orig)
+
+    @classmethod
+    def connect_args(
+        cls, url: URL, transaction_pooling: bool, default: Callable[[str, object], None]
+    ) -> dict[str, Any]:
+        return {
+            "timeout": SQLITE_BUSY_TIMEOUT_SECONDS,
+            # Lockers are shared between threads; the pool lends a connection to one at a time.
+            "check_same_thread": False,
+        }
+
+    @classmethod
+    def configure_engine(cls, engine: Engine) -> None:
+        sa.event.listen(engine, "connect", _configure_connection)
+
+    def read_settings(self, conn: Connection, table: str) -> ServerSettings:
+        problems = []
+        if conn.exec_driver_sql("PRAGMA synchronous").scalar() == 0:
+            problems.append(UnsafeSetting("PRAGMA synchronous=OFF", LOSES_ROWS))
+        journal = str(conn.exec_driver_sql("PRAGMA journal_mode").scalar()).lower()
+        if journal in {"off", "memory"}:
+            problems.append(UnsafeSetting(f"PRAGMA journal_mode={journal.upper()}", LOSES_ROWS))
+        return ServerSettings(problems, lock_stripes=False, foreign=self.foreign_table(conn, table))
+
+    def foreign_table(self, conn: Connection, table: str) -> str | None:
+        columns = set(
+            conn.exec_driver_sql("SELECT name FROM pragma_table_info(?)", (table,)).scalars()
+        )
+        if not columns:
+            return None
+        if "guid" not in columns:
+            return "it has no guid column"
+        ddl = conn.exec_driver_sql(
+            "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)
+        ).scalar()
+        if "AUTOINCREMENT" not in str(ddl).upper():
+            return "it is not AUTOINCREMENT, so SQLite reuses the ids of deleted rows"
+        return None
+
+    @classmethod
+    @contextmanager
+    def migration_connection(cls, engine: Engine) -> Iterator[Connection]:
+        # BEGIN IMMEDIATE takes SQLite's write lock up front, so processes that all find the
+        # table missing at once create it one after another; alembic joins the open transaction.
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+            try:
+                yield conn
+            except BaseException:
+                conn.exec_driver_sql("ROLLBACK")
+                raise
+            conn.exec_driver_sql("COMMIT")
+
+    def adoption_before_create(self, table: str, set_aside: bool) -> list[Executable | str]:
+        return [f"DROP TABLE {table}"]
+
+    def ids_handed_out_below(self, conn: Connection, source: str, highest_row: int) -> int:
+        return highest_row + 1 + ADOPTED_ID_GAP
+
+    def next_id_at_least(self, table: str, first: int) -> list[Executable | str]:
+        return [
+            sa.text("DELETE FROM sqlite_sequence WHERE name = :table").bindparams(table=table),
+            sa.text("INSERT INTO sqlite_sequence (name, seq) VALUES (:table, :last)").bindparams(
+                table=table, last=first - 1
+            ),
+        ]
+
+
+class _TimestampText(sa.types.UserDefinedType[str]):
+    """Declared as DATETIME so that the column reads as a timestamp to people and tools."""
+
+    cache_ok = True
+
+    def get_col_spec(self, **kw: Any) -> str:
+        return "DATETIME"
+
+
+def _configure_connection(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    try:
+        # WAL lets readers (sqllocker list, operators) run beside writers. NORMAL synchronous is
+        # durable across application crashes; only an OS crash can lose the last commits, and
+        # SQLite locks are one-machine locks, so every holder dies with the OS too.
+        _use_wal(cursor, _sleep_for(dbapi_connection))
+        cursor.execute("PRAGMA synchronous=NORMAL")
+    finally:
+        cursor.close()
+
+
+def _sleep_for(dbapi_connection: Any) -> Callable[[float], None]:
+    """How to pause on this connection: aiosqlite's (adapted by SQLAlchemy) connects on the
+    application's event loop, where a blocking sleep would stall every other task."""
+    if isinstance(dbapi_connection, AdaptedConnection):
+        return lambda seconds: dbapi_connection.run_async(lambda _: asyncio.sleep(seconds))
+    return time.sleep
+
+
+def _use_wal(cursor: Any, sleep: Callable[[float], None]) -> None:
+    """Put the file in WAL mode (which it keeps) unless it already is.
+
+    Switching needs the file to itself, and SQLite answers "database is locked" at once,
+    without waiting in its busy handler, while another connection writes. A file made by
+    other tools starts in rollback-journal mode, and processes starting together on it failed
+    to connect; so the switch is retried for as long as the busy timeout, and a file already
+    in WAL mode, the usual case, is not asked to switch at all. (An in-memory database answers
+    "memory" to the switch: that is as far as it goes.)
+    """
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_SECONDS
+    delay = 0.001
+    while True:
+        cursor.execute("PRAGMA journal_mode")
+        if str(cursor.fetchone()[0]).lower() == "wal":
+            return
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.fetchall()
+            return
+        except Exception as error:  # sqlite3's or aiosqlite's OperationalError
+            if "database is locked" not in str(error) or time.monotonic() >= deadline:
+                raise
+        sleep(delay)
+        delay = min(delay * 2, 0.05)

@@ -1,0 +1,69 @@
+"""Every database difference has one home: ``sqllocker/backends/``, a module per database."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from sqllocker.backends import Backend, backend_class
+
+PACKAGE = Path(__file__).resolve().parents[1] / "sqllocker"
+# Asking which database this is: a dialect's or backend's name compared, or a database's name
+# written as a string to compare with.
+BRANCH = re.compile(
+    r"(dialect|backend)\.name\s*(==|!=|\bin\b)"
+    r"|get_backend_name\(\)\s*(==|!=|\bin\b)"
+    r"|(==|!=)\s*[\"'](sqlite|postgres|postgresql|mysql|mariadb)[\"']"
+    r"|\bin\s*[\[({][^\]})]*[\"'](sqlite|postgres|postgresql|mysql|mariadb)[\"']"
+)
+
+
+def test_no_code_outside_the_backends_package_branches_on_a_database() -> None:
+    offenders = [
+        f"{path.relative_to(PACKAGE.parent)}:{number}: {line.strip()}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if "backends" not in path.relative_to(PACKAGE).parts
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if BRANCH.search(line)
+    ]
+    assert offenders == []
+
+
+def test_the_check_finds_a_branch() -> None:
+    assert BRANCH.search('if engine.dialect.name == "sqlite":')
+    assert BRANCH.search('elif backend in {"mysql", "mariadb"}:')
+    assert not BRANCH.search("backend_class(engine.dialect.name).begin")
+
+
+@pytest.mark.parametrize("name", ["sqlite", "postgresql", "postgres", "mysql", "mariadb"])
+def test_every_database_answers_everything(name: str) -> None:
+    """A module that left a method to the base class's NotImplementedError would fail only on
+    its database, at run time."""
+    cls = backend_class(name)
+    required = {
+        attribute for attribute, value in vars(Backend).items() if _raises_not_implemented(value)
+    }
+    assert {"now", "acquire", "read_settings", "migration_connection"} <= required
+    optional = {"acquire_unless_queued", "take_over"}  # only where atomic_takeover / a queue
+    missing = {attribute for attribute in required - optional if attribute not in _defined(cls)}
+    assert missing == set()
+    if cls.atomic_takeover:
+        assert {"take_over", "acquire_unless_queued"} <= _defined(cls)
+
+
+def test_an_unknown_database_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="not 'oracle'"):
+        backend_class("oracle")
+    assert backend_class(sa.create_engine("sqlite://").dialect.name).name == "sqlite"
+
+
+def _defined(cls: type) -> set[str]:
+    return {name for klass in cls.__mro__ if klass is not Backend for name in vars(klass)}
+
+
+def _raises_not_implemented(function: object) -> bool:
+    code = getattr(getattr(function, "__func__", function), "__code__", None)
+    return code is not None and "NotImplementedError" in code.co_names
