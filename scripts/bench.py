@@ -19,7 +19,9 @@ many other rows in the table, throughput as processes are added, a worker's p99 
 purge runs, and the connections a process holding many kept-alive locks uses. Around the
 contended rows, what a durable commit costs each server then (``commit_flush``), which those
 rows follow.
-Writes bench-results/bench.json and bench-results/bench.png.
+Writes bench.json, bench.png and performance.md (the documentation's performance page) in
+--out (bench-results/; ``--out docs`` refreshes the documentation); ``--render-only`` rewrites the
+page and chart from the bench.json already there.
 """
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ import argparse
 import asyncio
 import bisect
 import collections
+import contextlib
 import inspect
 import itertools
 import json
 import multiprocessing as mp
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -855,11 +859,195 @@ def report(results: dict[str, Any], out: Path) -> None:
             print(f"{row['backend']:<11} {row['row']:<40} {row['value']:>9.2f}  {row['detail']}")
     out.mkdir(exist_ok=True)
     (out / "bench.json").write_text(json.dumps(results, indent=2))
+    write_page_and_chart(results, out)
+
+
+def write_page_and_chart(results: dict[str, Any], out: Path) -> None:
     try:
         chart(results, out / "bench.png")
     except ImportError:
         print("matplotlib is not installed: no chart (pip install -e '.[bench]')", file=sys.stderr)
-    print(f"\nwrote {out / 'bench.json'} and {out / 'bench.png'}")
+    (out / "performance.md").write_text(performance_page(results))
+    print(f"\nwrote {out / 'bench.json'}, {out / 'bench.png'} and {out / 'performance.md'}")
+
+
+# -- the documentation's performance page -------------------------------------------------------
+
+BACKEND_NAMES = {"sqlite": "SQLite (WAL)", "postgresql": "PostgreSQL", "mysql": "MariaDB"}
+BACKEND_NAMES["redis"] = "Redis"
+SYSTEM_NAMES = {
+    "sqllocker": "**sqllocker**",
+    "sqllocker.asyncio": "**sqllocker.asyncio**",
+    "advisory lock": "blocking `pg_advisory_lock`",
+    "GET_LOCK": "blocking `GET_LOCK`",
+    "redis-py Lock": "redis-py `Lock` (blocking)",
+}
+
+
+def performance_page(results: dict[str, Any]) -> str:
+    """The performance page, every figure from ``results`` (one run of this script): a rerun
+    rewrites it, so nothing on it is older than its run."""
+    lines = [
+        "# Performance",
+        "",
+        "<!-- Written by scripts/bench.py from bench.json; a rerun rewrites it. -->",
+        "",
+        f"Measured by one run of `scripts/bench.py{' --quick' if results.get('quick') else ''}`"
+        f" on {_run_description(results)}:",
+        "",
+        "```sh",
+        ".venv/bin/pip install -e '.[bench]' && .venv/bin/python scripts/bench.py --out docs",
+        "```",
+        "",
+        "Every ratio compares figures of the same run: absolute figures move a lot between runs on",
+        "shared machines, ratios much less. The *raw floor* is the very statements sqllocker sends",
+        "for an uncontended acquire and release, run through the same driver on one held",
+        "autocommit connection with nothing around them, with the values sqllocker sends: what a",
+        "table lock cannot beat. How the figures got where they are, change by change, is in",
+        "[the speed history](speed-history.md).",
+        "",
+        "![uncontended cycles and hand-off latency](bench.png)",
+        "",
+        "## Uncontended",
+        "",
+        "Acquire + release of distinct lockstrings, one process. The async rows are measured",
+        "against the *async* floor: the same statements through the async driver (psycopg's",
+        "async connection, aiosqlite, aiomysql) on one held connection.",
+        "",
+        "| backend | system | cycles/s | p50 ms | p99 ms | x floor |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for row in results["uncontended"]:
+        ratio = f"{row['ratio_to_floor']:.2f}"
+        if row["system"].startswith("sqllocker"):
+            ratio = f"**{ratio}**"
+        lines.append(
+            f"| {BACKEND_NAMES.get(row['backend'], row['backend'])} "
+            f"| {SYSTEM_NAMES.get(row['system'], row['system'])} | {row['cycles_per_s']:,.0f} "
+            f"| {row['p50_ms']:.3f} | {row['p99_ms']:.3f} | {ratio} |"
+        )
+    contended_rows = results.get("contended") or []
+    if contended_rows:
+        processes = contended_rows[0]["processes"]
+        lines += [
+            "",
+            "## Contended",
+            "",
+            f"{processes} processes taking turns on one lockstring, each holding it about 1 ms and",
+            "then stepping back 2 ms. *Hand-off*: from the holder's release returning to the next,",
+            "already waiting, holder's acquire returning. *Passed by*: the most acquisitions by",
+            "others between one acquisition's asking and its getting (with first come, first",
+            f"served, at most {processes - 1}). *Overlaps*: two holders at once, checked by the",
+            "processes themselves.",
+            "",
+            "| backend | system | acquisitions/s | hand-off p50 | hand-off p99 | wait p99 "
+            "| passed by | overlaps |",
+            "|---|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for row in contended_rows:
+            lines.append(
+                f"| {BACKEND_NAMES.get(row['backend'], row['backend'])} "
+                f"| {SYSTEM_NAMES.get(row['system'], row['system'])} "
+                f"| {row['acquisitions_per_s']:,.0f} | {_ms(row['handoff_p50_ms'])} "
+                f"| {_ms(row['handoff_p99_ms'])} | {_ms(row['wait_p99_ms'])} "
+                f"| {row['overtaken_max']} | {row['violations']} |"
+            )
+        lines += [
+            "",
+            "On PostgreSQL waiters queue in the server and the release hands the row to the head",
+            "of the queue in its own transaction; the head reads its row back before it believes",
+            "the notification. On SQLite and MariaDB waiters back off and try again, so a process",
+            "that steps back and asks again can get the lock ahead of one that has waited longer.",
+        ]
+    flushes = results.get("commit_flush") or []
+    if flushes:
+        lines += [
+            "",
+            "A contended turn waits for the disk: the release that hands the row over must be",
+            "durable before the next holder may act on it. What a durable commit (a one-row",
+            "INSERT) took, p50, just before and just after the contended rows:",
+            "",
+            "| backend | before | after | a bare round trip |",
+            "|---|---:|---:|---:|",
+        ]
+        for backend in dict.fromkeys(row["backend"] for row in flushes):
+            rows = {row["when"]: row for row in flushes if row["backend"] == backend}
+            before, after = rows.get("before"), rows.get("after")
+            lines.append(
+                f"| {BACKEND_NAMES.get(backend, backend)} "
+                f"| {_ms(before['commit_p50_ms'] if before else None)} "
+                f"| {_ms(after['commit_p50_ms'] if after else None)} "
+                f"| {_ms((before or after or {}).get('round_trip_p50_ms'))} |"
+            )
+    scale_rows = results.get("scale") or []
+    if scale_rows:
+        lines += [
+            "",
+            "## Scale",
+            "",
+            "A table of many other rows against an empty one (timed in turn, best of three",
+            "rounds), cycles/s as processes are added on distinct lockstrings, a worker's cycle",
+            "p99 during a purge of many expired rows (with `sqllocker purge-expired`'s defaults)",
+            "against just before it, and the connections of a process holding many kept-alive",
+            "locks.",
+            "",
+            "| backend | measure | value | detail |",
+            "|---|---|---:|---|",
+        ]
+        for row in scale_rows:
+            value = row["value"]
+            shown = f"{value:,.0f}" if value >= 100 else f"{value:.2f}"
+            lines.append(
+                f"| {BACKEND_NAMES.get(row['backend'], row['backend'])} | {row['row']} "
+                f"| {shown} | {row['detail']} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} ms"
+
+
+def _run_description(results: dict[str, Any]) -> str:
+    parts = [results["machine"]]
+    if results.get("versions"):
+        parts.append(
+            ", ".join(f"{name} {version}" for name, version in results["versions"].items())
+        )
+    if results.get("measured_at"):
+        parts.append(f"on {results['measured_at']}")
+    if results.get("commit"):
+        parts.append(f"timing the code of commit `{results['commit']}`")
+    return "; ".join(parts)
+
+
+def run_context(backends: list[str]) -> dict[str, Any]:
+    """When, on what code, and against which versions the run measured."""
+    versions: dict[str, str] = {}
+    import sqlite3
+
+    versions["SQLite"] = sqlite3.sqlite_version
+    for backend, query in (("postgresql", "SHOW server_version"), ("mysql", "SELECT VERSION()")):
+        if backend in backends:
+            engine = sa.create_engine(resolve_url(URLS[backend]))
+            with engine.connect() as conn:
+                versions[BACKEND_NAMES[backend]] = str(conn.exec_driver_sql(query).scalar())
+            engine.dispose()
+    for module in ("psycopg", "pymysql", "redis"):
+        with contextlib.suppress(ImportError):
+            versions[module] = __import__(module).__version__
+    try:
+        commit = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).resolve().parent,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = ""
+    measured_at = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    return {"versions": versions, "commit": commit, "measured_at": measured_at}
 
 
 def chart(results: dict[str, Any], path: Path) -> None:
@@ -899,7 +1087,17 @@ def main() -> int:
     parser.add_argument("--backends", default="sqlite,postgresql,mysql")
     parser.add_argument("--skip", default="", help="comma-separated: contended,scale")
     parser.add_argument("--out", default="bench-results")
+    parser.add_argument(
+        "--render-only",
+        action="store_true",
+        help="measure nothing: rewrite the page and chart from OUT/bench.json",
+    )
     args = parser.parse_args()
+    if args.render_only:
+        write_page_and_chart(
+            json.loads((Path(args.out) / "bench.json").read_text()), Path(args.out)
+        )
+        return 0
     backends = [b for b in args.backends.split(",") if b]
     Path(args.out).mkdir(parents=True, exist_ok=True)
     URLS["sqlite"] = f"sqlite:///{Path(args.out) / 'bench.db'}"  # beside the results, wherever
@@ -907,6 +1105,7 @@ def main() -> int:
     profile = QUICK if args.quick else FULL
     machine = f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}, SQLAlchemy {sa.__version__}"
     results: dict[str, Any] = {"machine": machine, "quick": args.quick, "profile": asdict(profile)}
+    results.update(run_context(backends))
     results["uncontended"] = uncontended(backends, profile.cycles)
     if "contended" not in skip:
         targets = [(b, "sqllocker", URLS[b]) for b in backends]

@@ -3,6 +3,8 @@ come from them, so a wrong count there would be a wrong claim there)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import sqlalchemy as sa
 
@@ -80,3 +82,13 @@ def test_commit_flush_times_real_commits_and_leaves_no_table(
 
 
 SETTINGS = ("commit_delay", "commit_siblings", "synchronous_commit")
+
+
+def test_the_performance_page_is_what_the_benchmark_wrote() -> None:
+    """docs/performance.md is written by bench.py from docs/bench.json, never by hand: a page
+    that differs from its rendering was edited, or its run's JSON was not committed with it."""
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    results = json.loads((docs / "bench.json").read_text())
+    assert (docs / "performance.md").read_text() == bench.performance_page(results)
