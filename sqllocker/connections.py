@@ -2,10 +2,9 @@
 
 A lock cycle is two statements, each on a connection checked out for it alone (holding a lock
 holds no connection). SQLAlchemy's pool builds a proxy with a ``weakref.finalize`` for every
-checkout: about 5 us per operation in a tight loop, and on a 2-core VM whatever runs right
-after a round trip runs 2-3x slower than in a tight loop (the CPU idled while the server
-worked: 50 us of a cycle's Python became 138 us with a 0.4 ms idle wait in place of each round
-trip, 76 us with a busy wait; scripts/bench.py has the cycle figures). So the lock operations
+checkout, and on a small VM whatever runs right after a round trip runs several times slower
+than in a tight loop (the CPU idled while the server worked; docs/speed-history.md has the
+figures). So the lock operations
 keep driver connections of their own on a stack instead, each with its one cursor.
 
 They come from the engine's pool (``raw_connection()``, so its connect-time settings apply:

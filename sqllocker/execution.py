@@ -2,8 +2,8 @@
 
 A lock cycle is two short statements, and SQLAlchemy's per-execution machinery (cache lookup,
 parameter construction, result set-up, transaction bookkeeping) cost more than the database
-round trips themselves: on SQLite 3x, on PostgreSQL and MariaDB 30-40% (measured; see
-scripts/bench.py). So each statement built in ``statements.py`` is compiled once per dialect,
+round trips themselves on SQLite, and a good part of them on the servers (docs/speed-history.md).
+So each statement built in ``statements.py`` is compiled once per dialect,
 its literal parameters and SQLAlchemy's own bind and result processors are kept, and it runs
 straight on the pooled DBAPI connection's cursor. The SQL is exactly what SQLAlchemy would send.
 """
@@ -123,9 +123,8 @@ def kept_cursor(pooled: Any) -> Any:
     """The cursor of ``pooled`` (a checked-out ``PoolProxiedConnection``), made on its first use
     and kept for every later operation on that connection.
 
-    A fresh psycopg cursor per operation rebuilt its adapters each time (about 40 us of a
-    ~900 us PostgreSQL cycle, PyMySQL about 35 us: measured with the floor's own statements),
-    and an async driver's cursor is made and closed with an await each. The pool hands a
+    A fresh psycopg or PyMySQL cursor per operation rebuilt its adapters each time, a
+    noticeable share of a cycle, and an async driver's cursor is made and closed with an await each. The pool hands a
     connection to one thread or task at a time, so its cursor is never shared.
     """
     dbapi_connection = pooled.dbapi_connection
@@ -174,10 +173,9 @@ class DriverSession:
 
     def first_row(self, statement: ClauseElement, values: Mapping[str, Any]) -> Any:
         """The first row of ``statement``, or None, read by position: a plain tuple when its
-        columns need no conversion, as an acquire's do (see ``Statements._returned``).
-
-        The acquire's path, where a Result and a named row cost 0.45 us of the 10.5 us of the
-        library's Python in an uncontended cycle (``ab_uncontended.py --stub-driver``)."""
+        columns need no conversion, as an acquire's do (see ``Statements.returned``): the
+        acquire's path, where a Result and a named row were a measurable share of the library's
+        own Python (``ab_uncontended.py --stub-driver``)."""
         prepared = self._prepared[statement]
         rows = self._send(prepared, values)
         if not rows:

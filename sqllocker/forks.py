@@ -4,8 +4,7 @@ Connections, listeners, keep-alive registries and locks belong to the process th
 a forked child must neither use its parent's sockets nor release or renew its parent's locks.
 Each of them remembers the pid it was made in and compares it with ``pid`` here before acting.
 ``os.getpid()`` is a system call, and an uncontended cycle made seven: reading the pid from here
-instead took the library's own Python from 33.58 to 30.97 us a cycle on the test machine
-(``scripts/ab_uncontended.py --stub-driver``, medians of eight interleaved rounds). So the pid
+instead took a measurable share off the library's own Python a cycle. So the pid
 is read once, and again in every child that ``os.fork()`` makes, before the fork returns to the
 child's Python code (``os.register_at_fork``; ``multiprocessing``'s fork and forkserver
 children, ``pty.fork()`` and a ``subprocess`` ``preexec_fn`` all come through it).

@@ -41,10 +41,9 @@ R = TypeVar("R")
 DEFAULT_EXPIRES = 3600.0
 DEFAULT_GRACE = 1.0
 DEFAULT_PURGE_BATCH = 5000
-# A purge rests this many times each batch's duration after it. A worker taking locks meanwhile
-# kept its cycle p99 within 1.3-2.7x of its quiet one in every round measured on each backend
-# but one that other work disturbed (resting 3x left SQLite's at 7-10x; see docs/speed-history.md),
-# and a backlog of 1,000,000 rows still goes in under two minutes.
+# A purge rests this many times each batch's duration after it, so that lock operations beside
+# it keep their usual latency while a large backlog still goes in minutes (the rounds that chose
+# it are in docs/speed-history.md).
 DEFAULT_PURGE_PAUSE_RATIO = 6.0
 
 __all__ = [

@@ -111,8 +111,7 @@ class Acquired:
     ``sent_at``, set by ``try_acquire`` before it hands the Acquired on: the monotonic time the
     successful statement was sent, less ``age``. The lock's validity deadline counts from it
     (see ``lock.py``). Set on the one object rather than copied into a second, immutable one:
-    that copy was 0.26 us of the library's ~9.9 us of Python in an uncontended cycle
-    (``ab_uncontended.py --rounds 8 --stub-driver``).
+    the copy was a measurable share of the library's own Python in an uncontended cycle.
     """
 
     __slots__ = ("age", "created", "expires", "lock_id", "sent_at")
@@ -650,8 +649,8 @@ class LockOperations:
         deleted = conn.affected(self._sql.purge_batch(batch_size), params)
         checkpoint = self._sql.checkpoint
         if deleted and checkpoint is not None:
-            # Beside a worker cycling on SQLite, this took the median rise of its p99 during a
-            # purge of 300,000 rows from 8.6x to 3.0x (21 runs: README.md of commit 8f0457f).
+            # The purge pays for its own WAL pages here, rather than the next lock operation
+            # (the rounds that showed it are in docs/speed-history.md).
             try:
                 conn.execute(checkpoint)
             except sa.exc.DBAPIError as error:  # another checkpoint running: it does the job

@@ -34,8 +34,7 @@ class ServerSettings(NamedTuple):
     unsafe: list[UnsafeSetting]  # what breaks a guarantee of the locks, with what each breaks
     # MySQL with innodb_autoinc_lock_mode=2: acquires lock their stripe of the stripes table
     # (see ``backends.mysql``). With 0 or 1 the AUTO-INC lock that InnoDB keeps to the
-    # end of an INSERT ... SELECT orders the ids already, and the stripe lock would only cost
-    # (fewer cycles/s with four processes: docs/speed-history.md).
+    # end of an INSERT ... SELECT orders the ids already, and the stripe lock would only cost.
     lock_stripes: bool
     # PostgreSQL: the schema the lock table is in (where the search path finds it; where it
     # would be made, if it is not there yet). Its functions are called by their full names,

@@ -117,9 +117,8 @@ class Statements:
     def returned(self) -> tuple[sa.ColumnElement[Any], ...]:
         """What a successful acquire returns: the id, and the times as the driver reads them
         (text on SQLite), unconverted. A Lock converts them when they are first read
-        (``LockHandle.created``), which most callers never do; converting both on every acquire
-        was a tenth of the uncontended cycle's Python on SQLite (measured in scripts/bench.py's
-        cycle, on the 2-CPU test machine)."""
+        (``LockHandle.created``), which most callers never do, and converting both on every
+        acquire was a tenth of the uncontended cycle's Python on SQLite."""
         c = self.table.c
         return (
             c.id,
