@@ -124,8 +124,9 @@ def kept_cursor(pooled: Any) -> Any:
     and kept for every later operation on that connection.
 
     A fresh psycopg or PyMySQL cursor per operation rebuilt its adapters each time, a
-    noticeable share of a cycle, and an async driver's cursor is made and closed with an await each. The pool hands a
-    connection to one thread or task at a time, so its cursor is never shared.
+    noticeable share of a cycle, and an async driver's cursor is made and closed with an await
+    each. The pool hands a connection to one thread or task at a time, so its cursor is never
+    shared.
     """
     dbapi_connection = pooled.dbapi_connection
     kept = pooled.info.get(_CURSOR_KEY)
