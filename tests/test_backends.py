@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
+from sqllocker import LockValueError
 from sqllocker.backends import Backend, backend_class
 
 PACKAGE = Path(__file__).resolve().parents[1] / "sqllocker"
@@ -55,7 +56,7 @@ def test_every_database_answers_everything(name: str) -> None:
 
 
 def test_an_unknown_database_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="not 'oracle'"):
+    with pytest.raises(LockValueError, match="not 'oracle'"):
         backend_class("oracle")
     assert backend_class(sa.create_engine("sqlite://").dialect.name).name == "sqlite"
 

@@ -21,6 +21,8 @@ from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.expression import Executable
 from sqlalchemy.types import TypeEngine
 
+from ..errors import LockValueError
+
 if TYPE_CHECKING:
     from sqlalchemy.sql import Delete, Insert
     from sqlalchemy.sql.dml import ReturningInsert
@@ -276,7 +278,7 @@ def backend_class(name: str) -> type[Backend]:
     try:
         return _BACKENDS[name]
     except KeyError:
-        raise ValueError(
+        raise LockValueError(
             f"sqllocker supports SQLite, PostgreSQL and MySQL/MariaDB, not {name!r}"
         ) from None
 
