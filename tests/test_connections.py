@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import pytest
 import sqlalchemy as sa
 
-from sqllocker import Locker, engine, execution
+from sqllocker import Locker, execution
+from sqllocker.backends import sqlite as sqlite_backend
 from sqllocker.asyncio import AsyncLocker
 from sqllocker.connections import ConnectionStack, StackedConnection
 from sqllocker.engine import create_locker_engine, resolve_url
@@ -283,7 +284,7 @@ async def test_an_async_first_connection_waits_there_without_blocking_the_event_
         raise AssertionError(f"time.sleep({seconds}) on the event loop")
 
     monkeypatch.setattr(
-        engine, "time", SimpleNamespace(monotonic=time.monotonic, sleep=blocking_sleep)
+        sqlite_backend, "time", SimpleNamespace(monotonic=time.monotonic, sleep=blocking_sleep)
     )
     with a_rollback_journal_file_being_written(tmp_path / "locks.db") as path:
         locker = AsyncLocker(f"sqlite+aiosqlite:///{path}", table="semaphores")
