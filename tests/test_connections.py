@@ -16,8 +16,8 @@ import pytest
 import sqlalchemy as sa
 
 from sqllocker import Locker, execution
-from sqllocker.backends import sqlite as sqlite_backend
 from sqllocker.asyncio import AsyncLocker
+from sqllocker.backends import sqlite as sqlite_backend
 from sqllocker.connections import ConnectionStack, StackedConnection
 from sqllocker.engine import create_locker_engine, resolve_url
 from tests.test_fork_and_clocks import run_in_child
