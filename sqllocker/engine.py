@@ -42,6 +42,10 @@ def resolve_url(url: str | URL | None, *, asynchronous: bool = False) -> URL:
     }
     if isinstance(url, str):
         scheme, separator, rest = url.partition("://")
+        backend_name = scheme.partition("+")[0]
+        if separator and backend_name in drivers:
+            url = backend_class(backend_name).url_text(url)
+            scheme, separator, rest = url.partition("://")
         if separator and scheme in drivers:
             url = f"{drivers[scheme]}://{rest}"
         try:

@@ -675,11 +675,28 @@ class LockOperations:
         """
         created_table = False
         retried_connection = False
-        conflicts = 0
+        conflicts = read_only = 0
         while True:
             try:
                 return self._run_once(operation)
             except sa.exc.DBAPIError as error:
+                if self._backend is not None and self._be.is_read_only(error):
+                    # A standby, or a primary demoted by a failover: its connections were
+                    # dropped (see _run_once), and a fresh one reaches the new primary once it
+                    # is there, if the URL names every host.
+                    self._needs_setup = True
+                    if read_only < _CONFLICT_RETRIES:
+                        read_only += 1
+                        logger.warning("%s accepts no writes; reconnecting", describe_url(self.url))
+                        self._sleep(random.uniform(0, _FIRST_CONFLICT_DELAY * 2**read_only))
+                        continue
+                    raise DatabaseError(
+                        f"{describe_url(self.url)} accepts no writes (a standby, or a primary "
+                        "demoted by a failover): name every host of the cluster in the URL "
+                        "(postgresql://user@host1:port1,host2:port2/db), so that sqllocker "
+                        f"reconnects to the primary: {one_line(error.orig)}",
+                        lockstring,
+                    ) from error
                 if error.connection_invalidated:
                     self._needs_setup = True  # the server may have restarted: see ensure_setup
                     if not retried_connection:
@@ -734,10 +751,11 @@ class LockOperations:
                 held.session = DriverSession(held.connection, held.cursor, self._prepared)
             result = operation(held.session)
         except sa.exc.DBAPIError as error:
-            if error.connection_invalidated:
+            if error.connection_invalidated or self._be.is_read_only(error):
                 stack.discard(held)
-                # The server went away: every connection is as dead as this one (the stack
-                # closes its idle ones when the engine is disposed of).
+                # The server went away, or takes no writes: every connection to it is as
+                # useless as this one (the stack closes its idle ones when the engine is
+                # disposed of).
                 self.engine.dispose()
             else:
                 stack.give_back(held)
@@ -772,7 +790,9 @@ class LockOperations:
         try:
             yield DriverSession(fairy.dbapi_connection, kept_cursor(fairy), self._prepared)
         except sa.exc.DBAPIError as error:
-            if error.connection_invalidated:
+            if error.connection_invalidated or (
+                self._backend is not None and self._be.is_read_only(error)
+            ):
                 fairy.invalidate(error.orig)
                 if self.owns_engine:
                     # The server went away: every pooled connection is as dead as this one.

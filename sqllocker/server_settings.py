@@ -19,6 +19,10 @@ LOSES_ROWS = (
     "can lose acknowledged lock rows in a crash, which lets a second holder in and reuses its "
     "lock id"
 )
+LOSES_ROWS_ON_FAILOVER = (
+    "can lose acknowledged lock rows when a replica is promoted, which lets a second holder in "
+    "and reuses its lock id"
+)
 REORDERS_IDS = (
     "can hand out lock ids out of holding order, so a later holder may carry a smaller fencing "
     "token"

@@ -49,6 +49,24 @@ def running_private_server(kind: str, *options: str) -> Iterator[PrivatePostgres
         shutil.rmtree(home, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def running_standby(primary: PrivatePostgres) -> Iterator[PrivatePostgres]:
+    """A streaming standby of ``primary`` (``pg_basebackup -R``: asynchronous unless the primary
+    names it in ``synchronous_standby_names``), started and removed afterwards."""
+    binaries = _postgres_binaries()
+    assert binaries is not None
+    home = Path(tempfile.mkdtemp(prefix="sqllocker-private-standby-"))
+    shutil.chown(home, "postgres")
+    standby = PrivatePostgres(home, binaries, base_backup_of=primary)
+    standby.start()
+    try:
+        yield standby
+    finally:
+        with contextlib.suppress(Exception):
+            standby.stop(crash=True)
+        shutil.rmtree(home, ignore_errors=True)
+
+
 def _postgres_binaries() -> Path | None:
     found = sorted(Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"))
     return found[-1].parent if found else None
@@ -69,19 +87,30 @@ def _run_as(user: str, *command: str) -> None:
 class PrivatePostgres:
     """A PostgreSQL server of this test's own, never the shared one, to stop and crash."""
 
-    def __init__(self, home: Path, binaries: Path) -> None:
+    def __init__(
+        self, home: Path, binaries: Path, base_backup_of: PrivatePostgres | None = None
+    ) -> None:
         self.home, self.data, self.port = home, home / "data", _free_port()
         self.pg_ctl = str(binaries / "pg_ctl")
-        _run_as(
-            "postgres",
-            str(binaries / "initdb"),
-            "-D",
-            str(self.data),
-            "-A",
-            "trust",
-            "-U",
-            "postgres",
-        )
+        self.psql = str(binaries / "psql")
+        if base_backup_of is None:
+            _run_as(
+                "postgres",
+                str(binaries / "initdb"),
+                "-D",
+                str(self.data),
+                "-A",
+                "trust",
+                "-U",
+                "postgres",
+            )
+        else:
+            _run_as(
+                "postgres",
+                str(binaries / "pg_basebackup"),
+                *("-h", "127.0.0.1", "-p", str(base_backup_of.port), "-U", "postgres"),
+                *("-D", str(self.data), "-R", "-X", "stream"),
+            )
         self.url = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
 
     def start(self) -> None:
@@ -98,6 +127,30 @@ class PrivatePostgres:
             "-w",
             "start",
         )
+
+    def sql(self, statement: str) -> str:
+        """Run ``statement`` as the superuser (ALTER SYSTEM runs in no transaction block)."""
+        return subprocess.run(
+            [
+                "runuser",
+                "-u",
+                "postgres",
+                "--",
+                self.psql,
+                "-h",
+                "127.0.0.1",
+                "-p",
+                str(self.port),
+                "-U",
+                "postgres",
+                "-Atc",
+                statement,
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout.strip()
 
     def stop(self, crash: bool) -> None:
         # "immediate" skips the shutdown checkpoint: recovery replays the WAL, as after a crash.

@@ -10,6 +10,7 @@ import sqlalchemy as sa
 
 from sqllocker import LockValueError
 from sqllocker.backends import Backend, backend_class
+from sqllocker.engine import resolve_url
 
 PACKAGE = Path(__file__).resolve().parents[1] / "sqllocker"
 # Asking which database this is: a dialect's or backend's name compared, or a database's name
@@ -68,3 +69,22 @@ def _defined(cls: type) -> set[str]:
 def _raises_not_implemented(function: object) -> bool:
     code = getattr(getattr(function, "__func__", function), "__code__", None)
     return code is not None and "NotImplementedError" in code.co_names
+
+
+@pytest.mark.parametrize(
+    ("written", "hosts", "query"),
+    [
+        ("postgresql://app@h1:5432,h2:5433/locks", ("h1:5432", "h2:5433"), {}),
+        ("postgres://app:pw@h1,h2/locks?sslmode=require", ("h1", "h2"), {"sslmode": "require"}),
+        ("postgresql+psycopg://app@[::1]:5432,h2:5432/locks", ("[::1]:5432", "h2:5432"), {}),
+    ],
+)
+def test_a_url_naming_several_postgresql_hosts_is_understood(
+    written: str, hosts: tuple[str, ...], query: dict[str, str]
+) -> None:
+    """libpq's own form, which SQLAlchemy's URL parser does not take."""
+    url = resolve_url(written)
+    assert url.query["host"] == hosts
+    assert url.database == "locks"
+    assert {key: value for key, value in url.query.items() if key != "host"} == query
+    assert url.username == "app"

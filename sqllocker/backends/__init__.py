@@ -193,7 +193,19 @@ class Backend:
     def is_missing_table(self, error: sa.exc.DBAPIError) -> bool:
         raise NotImplementedError
 
+    def is_read_only(self, error: sa.exc.DBAPIError) -> bool:
+        """The server accepts no writes: a standby, or a primary demoted by a failover. The
+        connection is dropped and the operation tried again on a fresh one, which a URL naming
+        several hosts takes to whichever is the primary now."""
+        raise NotImplementedError
+
     # -- connections ---------------------------------------------------------------------------
+
+    @classmethod
+    def url_text(cls, text: str) -> str:
+        """A URL as its users write it, in the form SQLAlchemy parses (PostgreSQL's several
+        hosts); unchanged elsewhere."""
+        return text
 
     @classmethod
     def connect_args(

@@ -134,6 +134,11 @@ class MySQLBackend(Backend):
     def is_missing_table(self, error: sa.exc.DBAPIError) -> bool:
         return _errno(error) == 1146
 
+    def is_read_only(self, error: sa.exc.DBAPIError) -> bool:
+        # --read-only (a replica, or a Galera node that left the primary component's writes),
+        # and MySQL's own read-only mode.
+        return _errno(error) in {1290, 1836}
+
     # -- connections -------------------------------------------------------------------------------
 
     @classmethod

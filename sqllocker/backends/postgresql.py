@@ -20,7 +20,7 @@ from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.expression import Executable
 
 from ..schema import UTCDateTime
-from ..server_settings import LOSES_ROWS, ServerSettings, UnsafeSetting
+from ..server_settings import LOSES_ROWS, LOSES_ROWS_ON_FAILOVER, ServerSettings, UnsafeSetting
 from ..timeouts import (
     CONNECT_TIMEOUT_SECONDS,
     DEAD_PEER_SECONDS,
@@ -240,7 +240,25 @@ class PostgreSQLBackend(Backend):
     def is_missing_table(self, error: sa.exc.DBAPIError) -> bool:
         return _sqlstate(error) == "42P01"
 
+    def is_read_only(self, error: sa.exc.DBAPIError) -> bool:
+        # read_only_sql_transaction: a standby, or a session opened read-only
+        return _sqlstate(error) == "25006"
+
     # -- connections -------------------------------------------------------------------------------
+
+    @classmethod
+    def url_text(cls, text: str) -> str:
+        """libpq's ``postgresql://user@host1:port1,host2:port2/db``, which SQLAlchemy does not
+        parse, as ``postgresql://user@/db?host=host1:port1&host=host2:port2``, which it does."""
+        scheme, separator, rest = text.partition("://")
+        authority, _, path = rest.partition("/")
+        user, at, hosts = authority.rpartition("@")
+        if not separator or "," not in hosts:
+            return text
+        database, _, query = path.partition("?")
+        extra = "&".join(f"host={host}" for host in hosts.split(","))
+        query = f"{query}&{extra}" if query else extra
+        return f"{scheme}://{user}{at}/{database}?{query}"
 
     @classmethod
     def connect_args(
@@ -269,6 +287,10 @@ class PostgreSQLBackend(Backend):
             )
         if "application_name" not in url.query:
             connect_args["application_name"] = "sqllocker"
+        if isinstance(url.query.get("host"), tuple):
+            # Several hosts (a highly available cluster): connect to the one that takes writes,
+            # as a client that found its primary demoted does when it reconnects.
+            default("target_session_attrs", "read-write")
         return connect_args
 
     @classmethod
@@ -291,6 +313,7 @@ class PostgreSQLBackend(Backend):
         ).scalar()
         if persistence == "u":
             problems.append(UnsafeSetting(f"table {table} is UNLOGGED", LOSES_ROWS))
+        problems += _replication_problems(conn)
         return ServerSettings(
             problems,
             lock_stripes=False,
@@ -341,6 +364,34 @@ class PostgreSQLBackend(Backend):
         ]
 
 
+def _replication_problems(conn: Connection) -> list[UnsafeSetting]:
+    """A primary whose standbys are all asynchronous acknowledges a lock row before any standby
+    has it: promote one (Patroni does, when the primary dies) and the row is gone, its lock free
+    for a second holder, its id drawn again. So is a primary that waits for a synchronous
+    standby but not for this session's commits (``synchronous_commit=local``)."""
+    standbys, synchronous = conn.exec_driver_sql(_STANDBYS).one()
+    if not standbys:
+        return []
+    names = conn.exec_driver_sql("SHOW synchronous_standby_names").scalar()
+    # Without pg_monitor a role sees the standbys but not their sync_state; the setting that
+    # makes one synchronous is visible to everyone.
+    if not synchronous and not names:
+        setting = (
+            f"asynchronous replication ({standbys} standby{'s' if standbys != 1 else ''}, none "
+            "synchronous: set synchronous_standby_names, or Patroni's synchronous_mode)"
+        )
+        return [UnsafeSetting(setting, LOSES_ROWS_ON_FAILOVER)]
+    commit = conn.exec_driver_sql("SHOW synchronous_commit").scalar()
+    if commit == "local":
+        return [UnsafeSetting("synchronous_commit=local", LOSES_ROWS_ON_FAILOVER)]
+    return []
+
+
+_STANDBYS = (
+    "SELECT pg_catalog.count(*), pg_catalog.count(*) FILTER (WHERE r.sync_state::text "
+    "OPERATOR(pg_catalog.=) ANY (ARRAY['sync', 'quorum']::text[])) "
+    "FROM pg_catalog.pg_stat_replication AS r"
+)
 _TABLE_SCHEMA = (
     "SELECT s.name, pg_catalog.to_regprocedure(pg_catalog.quote_ident(s.name) "
     "OPERATOR(pg_catalog.||) '.' OPERATOR(pg_catalog.||) %(table)s::text "

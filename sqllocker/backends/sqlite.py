@@ -124,6 +124,10 @@ class SQLiteBackend(Backend):
     def is_missing_table(self, error: sa.exc.DBAPIError) -> bool:
         return "no such table" in str(error.orig)
 
+    def is_read_only(self, error: sa.exc.DBAPIError) -> bool:
+        # A file the process may not write: no other server to try.
+        return False
+
     @classmethod
     def connect_args(
         cls, url: URL, transaction_pooling: bool, default: Callable[[str, object], None]

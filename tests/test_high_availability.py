@@ -1,0 +1,151 @@
+"""PostgreSQL run highly available, on real servers of the tests' own: a URL naming several
+hosts, a primary that stops taking writes, and replication the locks cannot rely on.
+
+(The Patroni + etcd and Galera clusters of issue 32 are not here yet; these are the parts of it
+that plain servers show.)
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+import warnings
+
+import pytest
+import sqlalchemy as sa
+
+from sqllocker import DatabaseError, Locker, UnsafeDatabase, UnsafeDatabaseWarning
+from sqllocker.engine import resolve_url
+from sqllocker.migrations import upgrade
+from tests.private_servers import PrivatePostgres, running_private_server, running_standby
+
+
+def two_hosts(first: str, second: str) -> str:
+    """libpq's form of a URL naming two servers, as an HA cluster's clients write it."""
+    a, b = sa.engine.make_url(first), sa.engine.make_url(second)
+    return f"postgresql://postgres@{a.host}:{a.port},{b.host}:{b.port}/{a.database}"
+
+
+def closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_a_url_naming_several_hosts_reaches_the_one_that_answers(
+    postgresql_url: str, table_name: str
+) -> None:
+    shared = sa.engine.make_url(postgresql_url)
+    url = f"postgresql://postgres@127.0.0.1:{closed_port()},{shared.host}:{shared.port}/"
+    url += str(shared.database)
+    engine = sa.create_engine(resolve_url(postgresql_url))
+    upgrade(engine, table_name)
+    locker = Locker(url, table=table_name)
+    try:
+        with locker.lock("nightly report") as lock:
+            assert locker.lock_info("nightly report").lock_id == lock.lock_id  # type: ignore[union-attr]
+    finally:
+        locker.close()
+        with engine.begin() as conn:
+            conn.exec_driver_sql(f"DROP TABLE {table_name} CASCADE")
+            conn.exec_driver_sql(f"DROP TABLE {table_name}_requests")
+            conn.exec_driver_sql(f"DROP TABLE sqllocker_alembic_version_{table_name}")
+        engine.dispose()
+
+
+def make_read_only(server: PrivatePostgres) -> None:
+    """What a demoted primary looks like to its clients: every new transaction read-only."""
+    server.sql("ALTER SYSTEM SET default_transaction_read_only = on")
+    server.sql("SELECT pg_catalog.pg_reload_conf()")
+
+
+def test_a_primary_that_stops_taking_writes_is_left_for_one_that_takes_them() -> None:
+    """Its pooled connections are dropped and the operation is tried again, which the URL's
+    second host answers; never a raw database error while a primary is reachable."""
+    with (
+        running_private_server("postgresql") as old,
+        running_private_server("postgresql") as new,
+    ):
+        assert isinstance(old, PrivatePostgres)
+        assert isinstance(new, PrivatePostgres)
+        for server in (old, new):
+            engine = sa.create_engine(resolve_url(server.url))
+            upgrade(engine, "semaphores")
+            engine.dispose()
+        locker = Locker(two_hosts(old.url, new.url))
+        try:
+            first = locker.lock("before", expires=60)
+            make_read_only(old)
+            time.sleep(0.5)  # the reload reaches every session
+            second = locker.lock("after", expires=60)
+            on_new = sa.create_engine(resolve_url(new.url))
+            with on_new.connect() as conn:
+                rows = conn.exec_driver_sql("SELECT lockstring FROM semaphores").scalars().all()
+            on_new.dispose()
+            assert rows == ["after"]
+            second.unlock()
+            del first  # its row is on the old primary, which a real failover would have copied
+        finally:
+            locker.close()
+
+
+def test_a_server_that_takes_no_writes_is_one_clear_error() -> None:
+    with running_private_server("postgresql") as server:
+        assert isinstance(server, PrivatePostgres)
+        engine = sa.create_engine(resolve_url(server.url))
+        upgrade(engine, "semaphores")
+        engine.dispose()
+        make_read_only(server)
+        time.sleep(0.5)
+        locker = Locker(server.url)
+        try:
+            with pytest.raises(DatabaseError) as refused:
+                locker.lock("report")
+            message = str(refused.value)
+            assert "accepts no writes" in message
+            assert "\n" not in message
+        finally:
+            locker.close()
+
+
+def wait_for_standbys(primary: PrivatePostgres, count: int, state: str) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        states = primary.sql("SELECT sync_state FROM pg_stat_replication").split()
+        if len(states) == count and all(found == state for found in states):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"standbys of {primary.url}: {states}, not {count} x {state}")
+
+
+def test_asynchronous_replication_is_reported_and_refused_when_strict() -> None:
+    """A promoted asynchronous standby may lack an acknowledged lock row: a second holder and a
+    reused fencing token. The settings check says so before anyone relies on it."""
+    with running_private_server("postgresql") as primary:
+        assert isinstance(primary, PrivatePostgres)
+        with running_standby(primary):
+            wait_for_standbys(primary, 1, "async")
+            locker = Locker(primary.url, auto_create=False)
+            try:
+                upgrade(locker.engine, "semaphores")
+                with pytest.warns(UnsafeDatabaseWarning, match="asynchronous replication"):
+                    locker.lock("report").unlock()
+            finally:
+                locker.close()
+            strict = Locker(primary.url, strict=True)
+            try:
+                with pytest.raises(UnsafeDatabase, match="when a replica is promoted"):
+                    strict.lock("report")
+            finally:
+                strict.close()
+
+            primary.sql("ALTER SYSTEM SET synchronous_standby_names = '*'")
+            primary.sql("SELECT pg_catalog.pg_reload_conf()")
+            wait_for_standbys(primary, 1, "sync")
+            synchronous = Locker(primary.url, strict=True)
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error", UnsafeDatabaseWarning)
+                    synchronous.lock("report").unlock()
+            finally:
+                synchronous.close()
