@@ -149,3 +149,29 @@ def test_asynchronous_replication_is_reported_and_refused_when_strict() -> None:
                     synchronous.lock("report").unlock()
             finally:
                 synchronous.close()
+
+
+def test_a_mariadb_server_that_takes_no_writes_is_one_clear_error() -> None:
+    """``read_only`` (a replica): connections dropped, tried again, then one line. (A role with
+    READ ONLY ADMIN, such as root, writes anyway, so the locker runs as an ordinary one.)"""
+    with running_private_server("mysql") as server:
+        admin = sa.create_engine(resolve_url(server.url))
+        with admin.begin() as conn:
+            conn.exec_driver_sql("CREATE DATABASE locks")
+            conn.exec_driver_sql("CREATE USER app@'127.0.0.1'")
+            conn.exec_driver_sql("GRANT ALL ON locks.* TO app@'127.0.0.1'")
+        url = f"mysql://app@127.0.0.1:{server.port}/locks"
+        locker = Locker(url, auto_create=False)
+        try:
+            upgrade(locker.engine, "semaphores")
+            locker.lock("before").unlock()
+            with admin.begin() as conn:
+                conn.exec_driver_sql("SET GLOBAL read_only = 1")
+            with pytest.raises(DatabaseError) as refused:
+                locker.lock("after")
+            message = str(refused.value)
+            assert "accepts no writes" in message
+            assert "\n" not in message
+        finally:
+            locker.close()
+            admin.dispose()
