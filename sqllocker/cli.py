@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 from zoneinfo import ZoneInfo
@@ -419,7 +420,7 @@ def migrate(
     if print_sql:
         click.echo(migrations.upgrade_sql(locker.url, locker.table_name), nl=False)
         return
-    try:
+    with _one_line_errors(f"migration of {describe_url(locker.url)}"):
         current = migrations.current_revision(locker.engine, locker.table_name)
         if check:
             head = migrations.head_revision()
@@ -433,33 +434,32 @@ def migrate(
             click.echo(f"{locker.table_name} is up to date (revision {head})")
             return
         migrations.upgrade(locker.engine, locker.table_name)
-    except LockError:
-        raise
-    except Exception as error:  # alembic and the driver: one line, not a traceback
-        raise LockError(
-            f"migration of {describe_url(locker.url)} failed: {one_line(error)}"
-        ) from error
     head = migrations.head_revision()
     if current != head:
         click.echo(f"migrated {locker.table_name} from {current or 'nothing'} to revision {head}")
+
+
+@contextmanager
+def _one_line_errors(what: str) -> Iterator[None]:
+    """alembic's and the driver's errors as one line (a LockError), not a traceback."""
+    try:
+        yield
+    except LockError:
+        raise
+    except Exception as error:
+        raise LockError(f"{what} failed: {one_line(error)}") from error
 
 
 def _adopt(locker: Locker, perl_tz: ZoneInfo, exact_lockstrings: bool, print_sql: bool) -> None:
     from . import migrations
 
     table = locker.table_name
-    try:
+    with _one_line_errors(f"adoption of {table!r} in {describe_url(locker.url)}"):
         if print_sql:
             sql = migrations.adoption_sql(locker.engine, table, perl_tz, exact_lockstrings)
             click.echo(sql, nl=False)
             return
         rows = migrations.adopt_dbix_locker(locker.engine, table, perl_tz, exact_lockstrings)
-    except LockError:
-        raise
-    except Exception as error:  # alembic and the driver: one line, not a traceback
-        raise LockError(
-            f"adoption of {table!r} in {describe_url(locker.url)} failed: {one_line(error)}"
-        ) from error
     click.echo(
         f"adopted {table} with its {rows} row{'s' if rows != 1 else ''} (times read as "
         f"{perl_tz.key}); its rows written by DBIx::Locker are taken over or purged only once "
