@@ -34,19 +34,14 @@ def running_private_server(kind: str, *options: str) -> Iterator[PrivatePostgres
         if IN_CI:
             pytest.fail(message)
         pytest.skip(message)
-    # Not under pytest's temporary directory: only root may enter that.
-    home = Path(tempfile.mkdtemp(prefix="sqllocker-private-db-"))
-    shutil.chown(home, "postgres" if kind == "postgresql" else "mysql")
-    server = (
-        PrivatePostgres(home, binaries) if kind == "postgresql" else PrivateMariaDB(home, *options)
-    )
-    server.start()
-    try:
-        yield server
-    finally:
-        with contextlib.suppress(Exception):
-            server.stop(crash=True)
-        shutil.rmtree(home, ignore_errors=True)
+    with _home_of("postgres" if kind == "postgresql" else "mysql") as home:
+        server = (
+            PrivatePostgres(home, binaries)
+            if kind == "postgresql"
+            else PrivateMariaDB(home, *options)
+        )
+        with _started(server):
+            yield server
 
 
 @contextlib.contextmanager
@@ -55,16 +50,33 @@ def running_standby(primary: PrivatePostgres) -> Iterator[PrivatePostgres]:
     names it in ``synchronous_standby_names``), started and removed afterwards."""
     binaries = _postgres_binaries()
     assert binaries is not None
-    home = Path(tempfile.mkdtemp(prefix="sqllocker-private-standby-"))
-    shutil.chown(home, "postgres")
-    standby = PrivatePostgres(home, binaries, base_backup_of=primary)
-    standby.start()
+    with _home_of("postgres") as home:
+        standby = PrivatePostgres(home, binaries, base_backup_of=primary)
+        with _started(standby):
+            yield standby
+
+
+@contextlib.contextmanager
+def _home_of(owner: str) -> Iterator[Path]:
+    """A directory for one private server, owned by the user it runs as, removed afterwards.
+    Not under pytest's temporary directory: only root may enter that."""
+    home = Path(tempfile.mkdtemp(prefix="sqllocker-private-db-"))
+    shutil.chown(home, owner)
     try:
-        yield standby
+        yield home
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _started(server: PrivatePostgres | PrivateMariaDB) -> Iterator[None]:
+    """``server`` running until the block ends, then stopped as a crash would stop it."""
+    server.start()
+    try:
+        yield
     finally:
         with contextlib.suppress(Exception):
-            standby.stop(crash=True)
-        shutil.rmtree(home, ignore_errors=True)
+            server.stop(crash=True)
 
 
 def _postgres_binaries() -> Path | None:
