@@ -48,8 +48,8 @@ from typing import Any
 import sqlalchemy as sa
 
 from sqllocker import Locker, lock_table
+from sqllocker.defaults import DEFAULT_PURGE_BATCH, DEFAULT_PURGE_PAUSE_RATIO
 from sqllocker.engine import resolve_url
-from sqllocker.locker import DEFAULT_PURGE_BATCH, DEFAULT_PURGE_PAUSE_RATIO
 from sqllocker.migrations import current_revision, downgrade, upgrade, version_table_for
 from sqllocker.operations import LockOperations
 

@@ -19,9 +19,10 @@ import click
 
 from . import __version__
 from .adoption import check_zone
+from .defaults import DEFAULT_GRACE, DEFAULT_PURGE_BATCH, DEFAULT_PURGE_PAUSE_RATIO
 from .engine import URL_ENVIRONMENT_VARIABLE, describe_url
 from .errors import LockError, describe_holder, one_line, printable
-from .locker import DEFAULT_GRACE, DEFAULT_PURGE_BATCH, DEFAULT_PURGE_PAUSE_RATIO, Locker, LockInfo
+from .locker import Locker, LockInfo
 from .runner import DEFAULT_KILL_AFTER, EXIT_LOCK_LOST, ON_LOST_CHOICES, RunOptions, run_locked
 from .schema import DEFAULT_TABLE, FOREIGN_CLOCK_MARGIN
 

@@ -1,59 +1,56 @@
-"""The Locker: the synchronous front end: validates, waits, and hands out Locks.
+# Generated from sqllocker/asyncio/locker.py by tests/unasync.py: edit that file, then
+# run `python -m tests.unasync`.
+"""The locker: validates, waits, and hands out locks.
 
-The statements, retries and error handling live in ``operations.LockOperations``, shared with the
-async front end (``sqllocker.asyncio``); this module adds what is particular to threads: waiting
-by sleeping, keep-alive on a thread, release notifications on a listening thread.
+The statements, retries and error handling live in ``operations.LockOperations``, shared by the
+two front ends, so sync and async processes contend for the same lockstrings under the same
+rules. Written once, for asyncio, in ``sqllocker/asyncio/locker.py``; ``sqllocker/locker.py``
+is generated from it (``tests/unasync.py``), and the two ``concurrency`` modules hold what
+differs between them.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
 from sqlalchemy.engine import URL, Engine
 
-from . import validation
-from .backends import Backend
+from . import concurrency, validation
 from .backoff import Backoff
 from .decorators import LockstringTemplate, check_decoration, when_busy
-from .engine import create_locker_engine, describe_url, resolve_url
+from .defaults import (
+    DEFAULT_EXPIRES,
+    DEFAULT_GRACE,
+    DEFAULT_PURGE_BATCH,
+    DEFAULT_PURGE_PAUSE_RATIO,
+)
+from .engine import describe_url
 from .errors import LockBusy, LockTypeError
-from .group import LockGroup, canonical_order
+from .group import LockGroup
+from .holding import OnLost
 from .identity import holder_details, new_guid
 from .keepalive import DEFAULT_FRACTION, KeepAlive
-from .lock import Lock, LockState, OnLost
-from .notify import ReleaseListener, guid_digest
+from .listener import ReleaseListener
+from .lock import Lock, LockState
+from .notifications import guid_digest
 from .operations import Acquired, LockInfo, LockOperations, Refused
+from .queueing import Request
 from .schema import DEFAULT_TABLE
 from .semaphore import Semaphore
-from .statements import Statements
-from .waiting_room import Request, Turn, WaitingRoom
+from .waiting_room import Turn, WaitingRoom
 
 logger = logging.getLogger("sqllocker")
 
+T = TypeVar("T")
 P = ParamSpec("P")
 R = TypeVar("R")
 
-DEFAULT_EXPIRES = 3600.0
-DEFAULT_GRACE = 1.0
-DEFAULT_PURGE_BATCH = 5000
-# A purge rests this many times each batch's duration after it, so that lock operations beside
-# it keep their usual latency while a large backlog still goes in minutes (the rounds that chose
-# it are in docs/speed-history.md).
-DEFAULT_PURGE_PAUSE_RATIO = 6.0
-
-__all__ = [
-    "DEFAULT_EXPIRES",
-    "DEFAULT_GRACE",
-    "DEFAULT_PURGE_BATCH",
-    "DEFAULT_PURGE_PAUSE_RATIO",
-    "LockInfo",
-    "Locker",
-]
+__all__ = ["LockInfo", "Locker"]
 
 
 class Locker:
@@ -61,7 +58,8 @@ class Locker:
 
     ``url_or_engine``: an SQLAlchemy URL or Engine; ``None`` means ``$SQLLOCKER_URL``, else the
     SQLite file ``sqllocker.db`` in the working directory. ``postgres://`` and ``postgresql://``
-    mean psycopg 3; ``mysql://`` and ``mariadb://`` mean PyMySQL.
+    mean psycopg 3; ``mysql://`` and ``mariadb://`` mean PyMySQL (see ``sqllocker.asyncio``
+    for the async drivers).
 
     ``expires`` is the default lifetime of a lock in seconds; a lock that is not released or
     extended within it may be taken over by the next acquirer once a further ``grace`` seconds
@@ -71,8 +69,8 @@ class Locker:
     file sqllocker owns, and never for a server, whose schema is the operator's (``sqllocker
     migrate``).
 
-    ``on_lost`` is the default callback for kept-alive locks found lost (see ``Lock.keep_alive``);
-    ``keep_alive_fraction`` is how much of its expiry period passes between two renewals.
+    ``on_lost`` is the default callback for kept-alive locks found lost (see ``keep_alive`` of a
+    lock); ``keep_alive_fraction`` is how much of its expiry period passes between two renewals.
 
     On first use the locker checks the database settings its guarantees rest on: with a setting
     that can lose an acknowledged lock row in a crash (and so hand out a second holder and a
@@ -108,39 +106,36 @@ class Locker:
         pooled = validation.check_flag(transaction_pooling, "transaction_pooling")
         self.on_lost = on_lost
         self.strict = strict
-        self._keep_alives = KeepAlive(fraction)
         self.engine: Engine
         if isinstance(url_or_engine, Engine):
             self.engine = url_or_engine.execution_options(isolation_level="AUTOCOMMIT")
             owns_engine = False
         elif url_or_engine is None or isinstance(url_or_engine, str | URL):
-            url = resolve_url(url_or_engine)
-            self.engine = create_locker_engine(url, transaction_pooling=pooled)
+            self.engine = concurrency.create_engine(url_or_engine, transaction_pooling=pooled)
             owns_engine = True
         else:
             kind = type(url_or_engine).__name__
             raise LockTypeError(
                 f"url_or_engine must be a URL string, sqlalchemy URL or Engine, not {kind}"
-                + (
-                    "; for an AsyncEngine use sqllocker.asyncio.AsyncLocker"
-                    if kind == "AsyncEngine"
-                    else ""
-                )
+                + concurrency.wrong_engine_hint(kind)
             )
         self.url = self.engine.url
+        sync_engine = self.engine
         self._operations = LockOperations(
-            self.engine,
+            sync_engine,
             self.table_name,
             owns_engine=owns_engine,
             grace=self.grace,
             auto_create=auto_create,
             strict=strict,
             transaction_pooling=pooled,
-            direct_connections=owns_engine,
+            direct_connections=owns_engine and concurrency.DIRECT_CONNECTIONS,
+            sleep=concurrency.sleep_in_operation,
         )
         self.table = self._operations.table
         self.auto_create = self._operations.auto_create
-        self._setup_lock = threading.Lock()
+        self._keep_alives = KeepAlive(fraction)
+        self._setup_lock = threading.Lock()  # never held across a wait
         self._listener: ReleaseListener | None = None
         self._room: WaitingRoom | None = None
 
@@ -157,40 +152,29 @@ class Locker:
         on_lost: OnLost | None = None,
         hold_at_least: float | None = None,
     ) -> Lock:
-        """Acquire ``lockstring`` or raise LockBusy.
+        """Acquire ``lockstring`` or raise LockBusy. The lock is a context manager that releases
+        it at the end of the block.
 
         ``expires``: seconds until the lock may be taken over (default: the locker's).
         ``wait``: 0 tries once; a number of seconds keeps trying until then, backing off with
         jitter; ``None`` waits forever. On PostgreSQL waiters wake on the release's NOTIFY and
         queue in the server, first come first served, each on a connection of its own while
-        it waits (see ``sqllocker.waiting_room``). ``locked_by``: extra JSON details stored with the
-        holder's host, pid, thread, program and user. ``keep_alive``: renew the lock in the
-        background until it is released (see ``Lock.keep_alive``), calling ``on_lost`` (else the
-        locker's) if it is lost. ``hold_at_least``: a release within that many seconds of the
-        acquire (by the server's clock) keeps the row until then, so that nobody else takes
-        the lock in that window: a job scheduled on several machines runs once per window,
-        however quickly it finishes.
+        it waits (see ``sqllocker.queueing``). ``locked_by``: extra JSON details stored with the
+        holder's host, pid, thread (or task), program and user. ``keep_alive``: renew the lock
+        in the background until it is released (see ``keep_alive`` of a lock), calling
+        ``on_lost`` (else the locker's) if it is lost. ``hold_at_least``: a release within that
+        many seconds of the acquire (by the server's clock) keeps the row until then, so that
+        nobody else takes the lock in that window: a job scheduled on several machines runs
+        once per window, however quickly it finishes.
+
+        Bad arguments raise here, before anything is sent.
         """
         request = validation.check_lock_request(
             lockstring, expires, self.expires, wait, locked_by, on_lost
         )
-        lockstring, ttl, wait, extra = request
-        hold = validation.check_hold_at_least(hold_at_least, lockstring)
-        on_lost = on_lost or self.on_lost
-        # One guid for every attempt of this call: a release may hand the row to it (as our
-        # Request, at the head of the queue), and an attempt that finds the row under it knows
-        # the row is ours.
-        guid = new_guid()
-        details = holder_details(extra)
-        if wait == 0:
-            outcome = self._try_acquire(lockstring, guid, details, ttl, on_lost)
-            if not isinstance(outcome, Lock):
-                raise outcome.busy_after(lockstring, wait)
-            lock = outcome
-        else:
-            lock = self._wait_for(lockstring, guid, details, ttl, wait, on_lost)
-        lock._state.hold_at_least = hold
-        return lock.keep_alive() if keep_alive else lock
+        hold = validation.check_hold_at_least(hold_at_least, request[0])
+        acquire = self._acquire(*request, keep_alive, on_lost or self.on_lost, hold)
+        return acquire
 
     def locked(
         self,
@@ -209,17 +193,12 @@ class Locker:
         ``wait``), ``on_busy="skip"`` returns None without calling the function (logged at
         INFO) and ``"raise"`` raises LockBusy. The lock is kept alive while the function runs
         (``keep_alive``), released when it returns or raises (unless ``hold_at_least`` keeps
-        it), and LockLost is raised at the end if it was lost meanwhile. For coroutine
-        functions, use ``AsyncLocker.locked``.
+        it), and LockLost is raised at the end if it was lost meanwhile.
         """
         behaviour = check_decoration(on_busy, wait, expires, hold_at_least)
 
         def decorate(function: Callable[P, R]) -> Callable[P, R | None]:
-            if inspect.iscoroutinefunction(function):
-                raise LockTypeError(
-                    f"{function.__qualname__} is a coroutine function: decorate it with "
-                    "sqllocker.asyncio.AsyncLocker.locked"
-                )
+            concurrency.check_decorated(function)
             template = LockstringTemplate(lockstring, function)
 
             @functools.wraps(function)
@@ -253,20 +232,20 @@ class Locker:
         keep_alive: bool = False,
         on_lost: OnLost | None = None,
     ) -> LockGroup:
-        """Acquire every one of ``lockstrings`` at once, or none: a LockGroup, or LockBusy
+        """Acquire every one of ``lockstrings`` at once, or none: a lock group, or LockBusy
         naming a member that is held (after ``wait``, as ``lock()`` waits).
 
         Each attempt takes the rows in one transaction, in a canonical order (by code point),
         so that groups that overlap never deadlock; one held member refuses the attempt, which
-        then takes nothing. The members are ordinary Locks, each with its own fencing token.
+        then takes nothing. The members are ordinary locks, each with its own fencing token.
         """
-        names = canonical_order(lockstrings)
+        names = validation.canonical_order(lockstrings)
         request = validation.check_lock_request(
             names[0], expires, self.expires, wait, locked_by, on_lost
         )
         _, ttl, wait, extra = request
         on_lost = on_lost or self.on_lost
-        details = holder_details(extra)
+        details = holder_details(extra, concurrency.task_name())
         members = [(name, new_guid()) for name in names]
         backoff = Backoff.for_wait(wait)
         while True:
@@ -278,13 +257,13 @@ class Locker:
                 ]
                 group = LockGroup(locks)
                 return group.keep_alive() if keep_alive else group
-            backoff.sleep(backoff.after_refusal(outcome, names[0], wait, self.grace))
+            concurrency.sleep(backoff.after_refusal(outcome, names[0], wait, self.grace))
 
     def semaphore(self, name: str, limit: int) -> Semaphore:
         """A counting semaphore: at most ``limit`` holders of ``name`` at once, each holding a
-        permit (a Lock of its own) from ``.acquire(wait=..., expires=..., keep_alive=...)``
-        (see ``sqllocker.semaphore``)."""
-        return Semaphore(self, self._operations, name, limit)
+        permit (a lock of its own) from ``.acquire(wait=..., expires=..., keep_alive=...)``
+        (see ``sqllocker.permits``)."""
+        return Semaphore(self, self._operations, self._call, name, limit)
 
     def try_lock(
         self,
@@ -293,7 +272,7 @@ class Locker:
         expires: float | None = None,
         locked_by: dict[str, Any] | None = None,
     ) -> Lock | None:
-        """Acquire ``lockstring`` if it is free: a Lock, or None if someone holds it."""
+        """Acquire ``lockstring`` if it is free: the lock, or None if someone holds it."""
         try:
             return self.lock(lockstring, expires=expires, wait=0, locked_by=locked_by)
         except LockBusy:
@@ -312,22 +291,31 @@ class Locker:
         flat out). On PostgreSQL it also deletes the hand-off requests of queued waiters
         whose process died, which are not counted. Database errors propagate.
         """
-        return self._operations.purge_expired(
-            validation.check_batch_size(batch_size), validation.check_pause_ratio(pause_ratio)
+        purged: int = self._call(
+            self._operations.purge_expired,
+            validation.check_batch_size(batch_size),
+            validation.check_pause_ratio(pause_ratio),
         )
+        return purged
 
     def locks(self, pattern: str | None = None) -> list[LockInfo]:
         """Every row of the table, live and expired, ordered by lockstring; with ``pattern``, only
         lockstrings matching that shell-style glob (``*`` and ``?``; case-sensitive)."""
-        return self._operations.locks(validation.check_pattern(pattern))
+        infos: list[LockInfo] = self._call(
+            self._operations.locks, validation.check_pattern(pattern)
+        )
+        return infos
 
     def lock_info(self, lockstring: str) -> LockInfo | None:
         """The row of ``lockstring``, live or expired, or None if there is none."""
-        return self._operations.lock_info(validation.check_lockstring(lockstring))
+        checked = validation.check_lockstring(lockstring)
+        info: LockInfo | None = self._call(self._operations.lock_info, checked)
+        return info
 
     def expired_locks(self) -> list[LockInfo]:
         """The rows purge_expired_locks() would delete now (expired for longer than grace)."""
-        return self._operations.expired_locks()
+        infos: list[LockInfo] = self._call(self._operations.expired_locks)
+        return infos
 
     def break_lock(self, lockstring: str, lock_id: int | None = None) -> LockInfo | None:
         """Delete ``lockstring``'s row whoever holds it (an operator's tool for dead holders).
@@ -336,26 +324,64 @@ class Locker:
         or None if there was none (or it had another id). The holder finds out at its next
         extend or unlock, which raise LockLost.
         """
-        return self._operations.break_lock(validation.check_lockstring(lockstring), lock_id)
+        checked = validation.check_lockstring(lockstring)
+        info: LockInfo | None = self._call(self._operations.break_lock, checked, lock_id)
+        return info
 
     def create_table(self) -> None:
         """Create or upgrade the table by applying the shipped migrations; safe to repeat."""
-        self._operations.create_table()
+        concurrency.run(self._operations.create_table)
 
     def close(self) -> None:
-        """Stop keeping locks alive, and close the pooled connections of an engine the locker
-        created (not a caller's)."""
+        """Stop keeping locks alive and listening, and close the pooled connections of an
+        engine the locker created (not a caller's)."""
         self._keep_alives.stop()
         if self._listener is not None:
             self._listener.stop()
         if self._room is not None:
             self._room.close()
-        self._operations.close()
+        concurrency.run(self._operations.close)
+
+    def __enter__(self) -> Locker:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
 
     def __repr__(self) -> str:
         return f"<Locker {describe_url(self.url)} table={self.table_name}>"
 
     # -- internals -------------------------------------------------------------------------------
+
+    def _acquire(
+        self,
+        lockstring: str,
+        ttl: float,
+        wait: float | None,
+        extra: dict[str, Any],
+        keep_alive: bool,
+        on_lost: OnLost | None,
+        hold_at_least: float | None,
+    ) -> Lock:
+        # One guid for every attempt of this call: a release may hand the row to it (as our
+        # Request, at the head of the queue), and an attempt that finds the row under it knows
+        # the row is ours.
+        guid = new_guid()
+        details = holder_details(extra, concurrency.task_name())
+        if wait == 0:
+            outcome = self._try_acquire(lockstring, guid, details, ttl, on_lost)
+            if not isinstance(outcome, Lock):
+                raise outcome.busy_after(lockstring, wait)
+            lock = outcome
+        else:
+            lock = self._wait_for(lockstring, guid, details, ttl, wait, on_lost)
+        lock._state.hold_at_least = hold_at_least
+        return lock.keep_alive() if keep_alive else lock
 
     def _wait_for(
         self,
@@ -367,8 +393,8 @@ class Locker:
         on_lost: OnLost | None,
     ) -> Lock:
         """Attempts until one succeeds, or LockBusy once ``wait`` has passed: on PostgreSQL in
-        the server's queue, woken by releases (see ``sqllocker.waiting_room``); elsewhere
-        backing off between attempts."""
+        the server's queue, woken by releases (see ``sqllocker.queueing``); elsewhere backing
+        off between attempts."""
         backoff = Backoff.for_wait(wait)
         listener = self._release_listener()
         room = self._waiting_room() if listener is not None else None
@@ -381,13 +407,16 @@ class Locker:
                 # Subscribe before the attempt: a release between a refusal and the sleep
                 # still wakes us.
                 heading = digest if turn is not None and turn.request is not None else None
-                waiter = listener.register(lockstring, heading) if listener is not None else None
+                waiter = listener.register(lockstring, heading) if listener else None
                 try:
                     outcome = self._try_acquire(lockstring, guid, details, ttl, on_lost, gate)
                     gated, gate = gate is not None, None
                     if isinstance(outcome, Lock):
                         if turn is not None:
-                            turn.leave(in_background=turn.request is None, give_back=False)
+                            if turn.request is None:
+                                turn.leave_soon()
+                            else:  # withdrawn before the caller has the lock
+                                turn.leave(give_back=False)
                         return outcome
                     if backoff.expired():
                         if gated and outcome.busy is None:
@@ -417,17 +446,18 @@ class Locker:
                         outcome.server_now,
                         self.grace,
                     )
-                    if waiter is not None:
-                        waiter.event.wait(delay)  # a release notification, or the backoff
-                        if waiter.grant is not None and turn is not None:
-                            claimed = self._operations.claim_grant(
-                                lockstring, waiter.grant.lock_id, guid
-                            )
-                            if claimed is not None:
-                                turn.granted()
-                                return self._lock(lockstring, guid, claimed, ttl, details, on_lost)
-                    else:
-                        backoff.sleep(delay)
+                    if waiter is None:
+                        concurrency.sleep(delay)
+                        continue
+                    # A release notification, or the backoff, ends the wait.
+                    concurrency.wait(waiter.event, delay)
+                    if waiter.grant is not None and turn is not None:
+                        claimed: Acquired | None = self._call(
+                            self._operations.claim_grant, lockstring, waiter.grant.lock_id, guid
+                        )
+                        if claimed is not None:
+                            turn.granted()
+                            return self._lock(lockstring, guid, claimed, ttl, details, on_lost)
                 finally:
                     if listener is not None and waiter is not None:
                         listener.unregister(waiter)
@@ -460,6 +490,7 @@ class Locker:
     ) -> Lock:
         state = LockState(
             self._operations,
+            self._call,
             self._keep_alives,
             lockstring,
             acquired.lock_id,
@@ -471,6 +502,11 @@ class Locker:
         return Lock(
             self, state, created=acquired.created, expires=acquired.expires, locked_by=details
         )
+
+    def _call(self, operation: Callable[..., T], *args: Any) -> T:
+        """Run one of the table's operations (in asyncio: in a greenlet, on the running loop's
+        connections)."""
+        return operation(*args)
 
     def _release_listener(self) -> ReleaseListener | None:
         """PostgreSQL (psycopg 3) waiters wake on NOTIFY; other backends back off and retry."""
@@ -487,11 +523,3 @@ class Locker:
             if self._room is None:
                 self._room = WaitingRoom(self.engine, self._operations.statements)
             return self._room
-
-    @property
-    def _be(self) -> Backend:
-        return self._operations.backend
-
-    @property
-    def _sql(self) -> Statements:
-        return self._operations.statements

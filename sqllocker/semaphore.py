@@ -1,91 +1,37 @@
-"""Counting semaphores on the lock table: at most ``limit`` holders of one name at once.
+# Generated from sqllocker/asyncio/semaphore.py by tests/unasync.py: edit that file, then
+# run `python -m tests.unasync`.
+"""Counting semaphores: at most ``limit`` holders of one name at once (see ``permits.py``).
 
-Each permit is an ordinary lock row under the same unique constraint, on the lockstring
-``<name> (permit <slot>)`` for a slot in ``[0, limit)``: the row is the permit, with its own
-fencing token, expiry, keep-alive and takeover, and ``sqllocker list`` and the view show it as
-the name with its slot. No new consistency mechanism: the unique constraint alone keeps two
-holders off one slot.
-
-What the slots alone do not decide is a change of ``limit`` between callers: permits taken with
-``limit=5`` occupy slots 3 and 4, which a caller with ``limit=3`` never tries. So a newcomer,
-once its row is in, counts the live permits of the name (its own included) and keeps its permit
-only if they are no more than its limit; otherwise it gives it back at once and counts as
-refused. The rows go in before the counts are read, so of any two newcomers the later one to
-count sees the other's row: no more than ``limit`` callers ever hold a permit that the smaller
-limit admitted, and a smaller limit admits no newcomer until enough permits are released.
+Written once for asyncio; the sync ``sqllocker/semaphore.py`` is generated from it
+(``tests/unasync.py``).
 """
 
 from __future__ import annotations
 
-import random
 from typing import TYPE_CHECKING, Any
 
+from . import concurrency
 from .backoff import Backoff
-from .errors import LockBusy, LockTypeError, LockValueError
-from .validation import MAX_LOCKSTRING_LENGTH, check_lockstring, check_wait
+from .errors import LockBusy
+from .permits import check_semaphore, permit_lockstring, permit_pattern, refused, slots_to_try
+from .validation import check_wait
 
 if TYPE_CHECKING:
-    from .lock import Lock
+    from .lock import Lock, Run
     from .locker import Locker
     from .operations import LockInfo, LockOperations
 
-MAX_LIMIT = 1000
-_SLOT = " (permit {slot})"
-_LONGEST_SLOT = len(_SLOT.format(slot=MAX_LIMIT - 1))
-
-
-def check_semaphore(name: object, limit: object) -> tuple[str, int]:
-    """A semaphore's name (a lockstring, short enough for its longest slot) and limit."""
-    checked = check_lockstring(name)
-    if len(checked) > MAX_LOCKSTRING_LENGTH - _LONGEST_SLOT:
-        raise LockValueError(
-            f"a semaphore's name is at most {MAX_LOCKSTRING_LENGTH - _LONGEST_SLOT} characters "
-            f"(its permits' lockstrings add the slot): {checked[:40]!r}...",
-            checked,
-        )
-    if isinstance(limit, bool) or not isinstance(limit, int):
-        raise LockTypeError(f"limit must be an int, not {type(limit).__name__}", checked)
-    if not 1 <= limit <= MAX_LIMIT:
-        raise LockValueError(f"limit must be 1 to {MAX_LIMIT}, not {limit}", checked)
-    return checked, limit
-
-
-def permit_lockstring(name: str, slot: int) -> str:
-    return name + _SLOT.format(slot=slot)
-
-
-def permit_pattern(name: str) -> tuple[str, str]:
-    """The glob of every permit of ``name``: the name taken literally, then any slot (as
-    ``(literal prefix, wildcard suffix)``, for ``Backend.permit_glob``)."""
-    return name, _SLOT.format(slot="*")
-
-
-def slots_to_try(limit: int) -> list[int]:
-    """Every slot once, in random order: waiters spread over the free slots instead of all
-    meeting on the first."""
-    slots = list(range(limit))
-    random.shuffle(slots)
-    return slots
-
-
-def refused(name: str, limit: int, wait: float | None) -> LockBusy:
-    busy = LockBusy(name, waited=0.0 if wait is None else wait)
-    busy.message = (
-        f"semaphore {name!r}: all {limit} permits are held"
-        + (f"; gave up after waiting {wait:.3g}s" if wait else "")
-        + f"; `sqllocker list {name!r}*` shows their holders"
-    )
-    busy.args = (busy.message,)  # repr() and pickling say the same as str()
-    return busy
-
 
 class Semaphore:
-    """At most ``limit`` holders of ``name`` at once (see the module's docstring); from
-    ``Locker.semaphore``."""
+    """At most ``limit`` holders of ``name`` at once (see ``sqllocker.permits``); from the
+    locker's ``semaphore()``."""
 
-    def __init__(self, locker: Locker, table: LockOperations, name: str, limit: int) -> None:
+    def __init__(
+        self, locker: Locker, operations: LockOperations, run: Run, name: str, limit: int
+    ) -> None:
         self.locker = locker
-        self._operations = table
+        self._operations = operations
+        self._run = run
         self.name, self.limit = check_semaphore(name, limit)
 
     def acquire(
@@ -96,9 +42,9 @@ class Semaphore:
         keep_alive: bool = False,
         **options: Any,
     ) -> Lock:
-        """A permit: a Lock of its own (``lock_id`` its fencing token), released as any lock
-        is. ``wait``, ``expires``, ``keep_alive`` and the rest are ``Locker.lock``'s; raises
-        LockBusy once ``wait`` has passed with every permit held."""
+        """A permit: a lock of its own (``lock_id`` its fencing token), released as any lock
+        is. ``wait``, ``expires``, ``keep_alive`` and the rest are the locker's ``lock()``'s;
+        raises LockBusy once ``wait`` has passed with every permit held."""
         backoff = Backoff.for_wait(check_wait(wait, self.name))
         while True:
             for slot in slots_to_try(self.limit):
@@ -107,17 +53,19 @@ class Semaphore:
                     permit = self.locker.lock(lockstring, expires=expires, **options)
                 except LockBusy:
                     continue
-                if self._operations.count_live(*permit_pattern(self.name)) <= self.limit:
+                pattern = permit_pattern(self.name)
+                if self._run(self._operations.count_live, *pattern) <= self.limit:
                     return permit.keep_alive() if keep_alive else permit
                 permit.unlock()  # over a smaller limit than others': no newcomer for now
                 break
             if backoff.expired():
                 raise refused(self.name, self.limit, wait)
-            backoff.sleep(backoff.next_delay())
+            concurrency.sleep(backoff.next_delay())
 
     def holders(self) -> list[LockInfo]:
         """The live permits, ordered by lockstring (each ``LockInfo`` names its slot)."""
-        return self._operations.permits(*permit_pattern(self.name))
+        infos: list[LockInfo] = self._run(self._operations.permits, *permit_pattern(self.name))
+        return infos
 
     def __repr__(self) -> str:
         return f"<Semaphore {self.name!r} limit={self.limit}>"

@@ -83,7 +83,7 @@ class Statements:
 
     @cached_property
     def acquire_unless_queued(self) -> ReturningInsert[Any]:
-        """``acquire``, unless waiters are queued in the server (``sqllocker.waiting_room``)."""
+        """``acquire``, unless waiters are queued in the server (``sqllocker.queueing``)."""
         return self.backend.acquire_unless_queued(self)
 
     @cached_property
@@ -172,7 +172,7 @@ class Statements:
     @cached_property
     def count_live(self) -> Select[Any]:
         """How many rows whose lockstring matches the bound ``pattern`` cannot be taken over
-        now (a semaphore's permits: see ``sqllocker.semaphore``)."""
+        now (a semaphore's permits: see ``sqllocker.permits``)."""
         lockstring = self.table.c.lockstring
         return sa.select(sa.func.count().label("live")).where(
             self.backend.matches_glob(lockstring), sa.not_(self.expired_beyond_grace)

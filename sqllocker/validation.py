@@ -11,7 +11,7 @@ import functools
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .errors import LockTypeError, LockValueError
@@ -241,3 +241,22 @@ def _number(value: object, name: str, lockstring: str | None) -> float:
             f"{name} must be a number of seconds, not {type(value).__name__}", lockstring
         )
     return float(value)
+
+
+def canonical_order(lockstrings: object) -> list[str]:
+    """``lockstrings`` checked (a non-empty sequence of distinct valid lockstrings) and in the
+    one order every group takes its rows in, so that two groups that overlap never wait for
+    each other in a circle: by code point, which is also the order of their UTF-8 bytes."""
+    if isinstance(lockstrings, str) or not isinstance(lockstrings, Iterable):
+        raise LockValueError(
+            f"lock_all takes a list of lockstrings, not {type(lockstrings).__name__}"
+        )
+    checked = [check_lockstring(lockstring) for lockstring in lockstrings]
+    if not checked:
+        raise LockValueError("lock_all needs at least one lockstring")
+    duplicates = sorted({name for name in checked if checked.count(name) > 1})
+    if duplicates:
+        raise LockValueError(
+            f"lock_all was given {', '.join(map(repr, duplicates))} more than once", duplicates[0]
+        )
+    return sorted(checked)

@@ -12,7 +12,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from sqllocker import Lock, Locker
-from sqllocker.waiting_room import queue_key
+from sqllocker.queueing import queue_key
 
 
 def count_rows(locker: Locker) -> int:

@@ -18,7 +18,7 @@ import time_machine
 
 from sqllocker import Locker, LockError
 from sqllocker.engine import resolve_url
-from sqllocker.lock import CLOCK_DRIFT, safety_margin
+from sqllocker.holding import CLOCK_DRIFT, safety_margin
 from tests.conftest import IN_CI
 from tests.helpers import abandon
 

@@ -15,12 +15,12 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from sqllocker import Lock, Locker, notify
+from sqllocker import Lock, Locker, notifications
 from sqllocker.asyncio import AsyncLocker
 from sqllocker.backoff import Backoff
 from sqllocker.engine import resolve_url
-from sqllocker.lock import safety_margin
-from sqllocker.waiting_room import queue_key
+from sqllocker.holding import safety_margin
+from sqllocker.queueing import queue_key
 from tests.helpers import (
     abandon,
     head_is_waiting,
@@ -144,13 +144,13 @@ def test_a_hand_off_heard_late_counts_from_the_release_not_from_the_hearing(
 ) -> None:
     """The row's expiry period began inside the release; a head that hears of it later (its
     listener thread starved of CPU, say) must not count its validity from then."""
-    hand_over = notify.WaiterQueues.hand_over
+    hand_over = notifications.WaiterQueues.hand_over
 
-    def late(self: notify.WaiterQueues, grant: notify.Grant) -> bool:
+    def late(self: notifications.WaiterQueues, grant: notifications.Grant) -> bool:
         time.sleep(0.5)
         return hand_over(self, grant)
 
-    monkeypatch.setattr(notify.WaiterQueues, "hand_over", late)
+    monkeypatch.setattr(notifications.WaiterQueues, "hand_over", late)
     holder, waiter = holder_and_waiter
     done = hand_off(holder, waiter, admin, table_name)
     lock, released = done.lock, done.released
@@ -167,7 +167,7 @@ def test_a_lost_hand_off_notification_is_found_by_the_heads_next_attempt(
 ) -> None:
     """Without the grant's NOTIFY (its listener reconnecting, say), the head finds the row under
     its own guid at its next attempt, and counts its validity from the row's creation."""
-    monkeypatch.setattr(notify.WaiterQueues, "hand_over", lambda self, grant: False)
+    monkeypatch.setattr(notifications.WaiterQueues, "hand_over", lambda self, grant: False)
     holder, waiter = holder_and_waiter
     done = hand_off(holder, waiter, admin, table_name)
     lock, released = done.lock, done.released
@@ -280,7 +280,7 @@ def test_a_head_whose_wait_ends_in_an_error_gives_back_a_row_handed_to_it(
     not heard (its NOTIFY lost), and its next attempt fails (the database went away, say).
     Leaving the queue, it gives the row back: nobody is left waiting for a holder that is
     gone."""
-    monkeypatch.setattr(notify.WaiterQueues, "hand_over", lambda self, grant: False)
+    monkeypatch.setattr(notifications.WaiterQueues, "hand_over", lambda self, grant: False)
     # No attempt of its own until woken below: none can be under way when the release lands.
     monkeypatch.setattr(Backoff, "for_wait", classmethod(lambda cls, wait: cls(None, 30.0, 30.0)))
     try_acquire = Locker._try_acquire
@@ -555,7 +555,7 @@ async def test_a_cancelled_async_head_leaves_no_request_and_no_row_behind(
     """Cancelled just as a release handed it the row (the NOTIFY not yet heard), the head
     gives the row back as it leaves the queue: nobody is left waiting for a holder that is
     gone."""
-    monkeypatch.setattr(notify.WaiterQueues, "hand_over", lambda self, grant: False)
+    monkeypatch.setattr(notifications.WaiterQueues, "hand_over", lambda self, grant: False)
     monkeypatch.setattr(Backoff, "for_wait", classmethod(lambda cls, wait: cls(None, 30.0, 30.0)))
     holder = Locker(migrated_postgres, table=table_name)
     waiter = AsyncLocker(async_url(migrated_postgres), table=table_name)

@@ -20,8 +20,8 @@ import sqlalchemy as sa
 from sqllocker import LockBusy, Locker
 from sqllocker.engine import resolve_url
 from sqllocker.migrations import upgrade
-from sqllocker.notify import guid_digest
-from sqllocker.waiting_room import queue_key
+from sqllocker.notifications import guid_digest
+from sqllocker.queueing import queue_key
 from tests.helpers import head_is_waiting, requests, wait_in_thread, wait_until
 
 _numbers = itertools.count(1)

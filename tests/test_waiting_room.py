@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from sqllocker import LockBusy, Locker, waiting_room
+from sqllocker import LockBusy, Locker, queueing, waiting_room
 from sqllocker.asyncio import AsyncLock, AsyncLocker
 from sqllocker.asyncio import waiting_room as async_waiting_room
 from sqllocker.operations import Refused
-from sqllocker.waiting_room import QueueWait, queue_key, timed_out
+from sqllocker.queueing import QueueWait, queue_key, timed_out
 from tests.helpers import (
     head_is_waiting,
     head_the_queue,
@@ -129,7 +129,7 @@ def test_a_head_that_stopped_does_not_keep_the_queue_from_a_free_row(
     """A head whose process stopped (Ctrl-Z, a debugger) keeps its place at the front while its
     connection lives. The waiters behind it give up their place after QUEUE_PATIENCE, find
     the row free and take it, then queue again if it is not."""
-    monkeypatch.setattr(waiting_room, "QUEUE_PATIENCE", 0.3)
+    monkeypatch.setattr(queueing, "QUEUE_PATIENCE", 0.3)
     holder = Locker(migrated_postgres, table=table_name)
     held = holder.lock("report")
     stopped_head = head_the_queue(admin, table_name)  # and never coming back
@@ -167,7 +167,7 @@ def test_a_newcomer_does_not_take_the_row_ahead_of_the_queue(
     wait on. Here the head never acts (a session holding the queue lock), so the row stays
     free: a waiting newcomer queues instead (and, after QUEUE_PATIENCE, takes the row past the
     stopped head); try_lock, which never waits, still takes a free row at once."""
-    monkeypatch.setattr(waiting_room, "QUEUE_PATIENCE", 0.5)
+    monkeypatch.setattr(queueing, "QUEUE_PATIENCE", 0.5)
     head = head_the_queue(admin, table_name)
     newcomer = Locker(migrated_postgres, table=table_name)
     started = time.monotonic()
@@ -192,7 +192,7 @@ def test_a_release_that_woke_a_newcomer_about_to_queue_still_wakes_the_head(
     first. A newcomer registers before its first attempt; if the release lands then, the
     newcomer is the one woken, though it goes on to queue behind the head and acts on nothing
     until its own turn. The head, asleep, must be woken all the same."""
-    monkeypatch.setattr(waiting_room, "QUEUE_PATIENCE", 10.0)
+    monkeypatch.setattr(queueing, "QUEUE_PATIENCE", 10.0)
     holder = Locker(migrated_postgres, table=table_name)
     held = holder.lock("report")
     stand_in = head_the_queue(admin, table_name)  # until the head-to-be should take over
@@ -337,7 +337,7 @@ class QueuedWaits:
 @pytest.fixture
 def queued_waits(monkeypatch: pytest.MonkeyPatch) -> QueuedWaits:
     """Watch every queued wait, in the thread and the asyncio rooms, with a patience of 0.2 s."""
-    monkeypatch.setattr(waiting_room, "QUEUE_PATIENCE", 0.2)
+    monkeypatch.setattr(queueing, "QUEUE_PATIENCE", 0.2)
     seen = QueuedWaits([])
     real_granted = QueueWait.granted
 
@@ -444,7 +444,7 @@ async def test_an_async_release_that_woke_a_newcomer_about_to_queue_still_wakes_
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """test_a_release_that_woke_a_newcomer_about_to_queue_still_wakes_the_head, with tasks."""
-    monkeypatch.setattr(waiting_room, "QUEUE_PATIENCE", 10.0)
+    monkeypatch.setattr(queueing, "QUEUE_PATIENCE", 10.0)
     holder = Locker(migrated_postgres, table=table_name)
     held = holder.lock("report")
     stand_in = head_the_queue(admin, table_name)
@@ -513,7 +513,7 @@ async def test_an_async_waiter_behind_a_stopped_head_takes_a_free_row(
     slow_polling: None,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(waiting_room, "QUEUE_PATIENCE", 0.3)
+    monkeypatch.setattr(queueing, "QUEUE_PATIENCE", 0.3)
     holder = Locker(migrated_postgres, table=table_name)
     held = holder.lock("report")
     stopped_head = head_the_queue(admin, table_name)

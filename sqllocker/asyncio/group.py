@@ -1,4 +1,8 @@
-"""Several async locks taken together: ``sqllocker.group``'s, released with ``await``."""
+"""Several locks taken together: every one of them, or none (``lock_all``).
+
+Written once for asyncio; the sync ``sqllocker/group.py`` is generated from it
+(``tests/unasync.py``).
+"""
 
 from __future__ import annotations
 
@@ -7,19 +11,21 @@ from datetime import datetime
 from types import TracebackType
 
 from ..errors import LockError
-from ..group import GroupBase
+from ..holding import GroupBase
 from .lock import AsyncLock
 
 
 class AsyncLockGroup(GroupBase[AsyncLock]):
-    """Locks taken together by ``AsyncLocker.lock_all``: ``async with`` it, or
-    ``await unlock()``."""
+    """Locks taken together by ``lock_all``: ``async with`` it, or ``await group.unlock()``.
+    ``locks`` are the member locks, in canonical order."""
 
     async def unlock(self) -> None:
-        """Release every member (each is tried); the first error met is raised after."""
+        """Release every member (each is tried); the first LockLost (or other error) met is
+        raised after."""
         await self._each(AsyncLock.unlock)
 
     async def extend(self, seconds: float | None = None) -> list[datetime]:
+        """Extend every member (see ``extend`` of a lock); LockLost if any is no longer ours."""
         return [await lock.extend(seconds) for lock in self.locks]
 
     def keep_alive(self) -> AsyncLockGroup:

@@ -1,15 +1,18 @@
-"""A held lock for asyncio code: the same row, deadline and rules as ``sqllocker.Lock``.
+"""A held lock: the handle a caller keeps while its row exists, and gives back with unlock().
 
-What differs is cancellation. A task can be cancelled at any await, and a lock must survive
-that: a release, once started, runs to its end in a task of its own (a cancelled ``unlock()``
-leaves it running, and a second ``unlock()`` waits for it or, if it failed, tries again), so a
-cancelled release never strands a row that nobody can release any more.
+A lock holds no connection and no transaction, only what identifies its row (``lock_id`` and
+the secret ``guid``), and knows until when it may act as the holder (see ``holding.py``). The
+state behind a handle (``LockState``) is what the keep-alive and the finaliser work on, never
+the handle itself, so neither keeps a dropped lock alive.
+
+Written once for asyncio; the sync ``sqllocker/lock.py`` is generated from it
+(``tests/unasync.py``). An async release, once started, runs to its end in a task of its own: a
+cancelled ``unlock()`` leaves it running, and a second ``unlock()`` waits for it or, if it
+failed, tries again, so a cancelled release never strands a row nobody can release any more.
 """
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import logging
 from collections.abc import Awaitable, Callable
 from datetime import datetime
@@ -20,29 +23,34 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from .. import clock, forks
 from ..errors import LockLost
-from ..lock import Holding, LockHandle, OnLost
+from ..holding import Holding, LockHandle, OnLost
 from ..validation import check_seconds
-from .tasks import spawn
+from . import concurrency
+
+if True:  # ASYNC
+    import asyncio
+    import inspect
+
+    from .tasks import spawn
 
 if TYPE_CHECKING:
     from ..operations import LockOperations
     from .keepalive import AsyncKeepAlive
     from .locker import AsyncLocker
 
-# Runs one LockOperations operation from the event loop: AsyncLocker's, with its set-up and loop
-# binding.
-Run = Callable[..., Awaitable[Any]]
-
 logger = logging.getLogger("sqllocker")
+
+# Runs one LockOperations operation for the locker (in asyncio: in a greenlet, on the running
+# loop's connections).
+Run = Callable[..., Awaitable[Any]]
 
 
 class AsyncLockState(Holding):
-    """An acquisition made on an event loop. The keep-alive task and the finaliser work on this,
-    never on the AsyncLock, so neither keeps a dropped lock alive. It has what its operations
-    need: the table's operations (``operations``), how to run one of them from the event loop
-    (``run``: in a greenlet, on the connections of the running loop) and the keep-alive tasks.
+    """One acquisition, as the keep-alive, the finaliser and the handle act on it, with what
+    its statements need: the table's operations, how to run one (``run``) and the keep-alive.
 
-    ``op_lock`` serialises extend, renewal and release, as in the sync LockState.
+    ``op_lock`` serialises extend, renewal and release: once release() returns, no renewal
+    statement of this lock can still be in flight or start.
     """
 
     def __init__(
@@ -61,9 +69,10 @@ class AsyncLockState(Holding):
         self.operations = operations
         self.run = run
         self.keep_alives = keep_alives
-        self.loop = asyncio.get_running_loop()
-        self.op_lock = asyncio.Lock()
-        self.releasing: asyncio.Task[None] | None = None
+        self.op_lock = concurrency.OpLock()
+        if True:  # ASYNC
+            self.loop = asyncio.get_running_loop()
+            self.releasing: asyncio.Task[None] | None = None
 
     async def extend(self, ttl: float) -> datetime:
         """Push the row's expiry to server now + ``ttl``; LockLost (and lost) if it is not ours."""
@@ -80,26 +89,19 @@ class AsyncLockState(Holding):
             self.renewed(sent_at, ttl)
             return expires
 
-    async def release(self) -> None:
+    async def _delete_row(self) -> None:
         """Delete the row (once); LockLost if it was no longer ours.
 
-        The DELETE runs in a task of its own, shielded from the caller's cancellation.
+        If the DELETE fails otherwise (the database unreachable past the retries), the lock still
+        counts as held, so that unlock() can be tried again, but it is no longer kept alive: a
+        holder that has stopped working must not keep others out beyond the expiry.
         """
-        if self.releasing is None:
+        async with self.op_lock:  # waits for a renewal in flight
             if not self.held:
                 return
-            self.releasing = spawn(self._delete_row(), f"release {self.lockstring!r}")
-        await asyncio.shield(self.releasing)
-
-    async def _delete_row(self) -> None:
-        try:
-            async with self.op_lock:  # waits for a renewal in flight
-                if not self.held:
-                    return
-                # Whatever the DELETE's outcome, renewals stop: a holder that has stopped working
-                # must not keep others out beyond the expiry.
-                self.keep_alives.remove(self)
-                try:
+            self.keep_alives.remove(self)
+            try:
+                if True:  # ASYNC
                     await self.run(
                         self.operations.release,
                         self.lockstring,
@@ -107,67 +109,116 @@ class AsyncLockState(Holding):
                         self.guid,
                         self.hold_at_least,
                     )
-                except LockLost:
-                    self.held = False
-                    raise
+                else:
+                    # Every cycle's release: called straight, not through ``run``.
+                    self.operations.release(
+                        self.lockstring, self.lock_id, self.guid, self.hold_at_least
+                    )
+            except LockLost:
                 self.held = False
-        finally:
-            if self.held:
-                self.releasing = None  # it failed: a later unlock() tries again
+                raise
+            self.held = False
 
-    def _call_on_lost(self, on_lost: OnLost, lost: LockLost) -> None:
-        result = on_lost(lost)
-        if inspect.isawaitable(result):
-            spawn(_await(result), f"on_lost of {self.lockstring!r}")
+    if True:  # ASYNC
+
+        async def release(self) -> None:
+            """``_delete_row`` in a task of its own, shielded from the caller's cancellation."""
+            if self.releasing is None:
+                if not self.held:
+                    return
+                self.releasing = spawn(self._release_in_task(), f"release {self.lockstring!r}")
+            await asyncio.shield(self.releasing)
+
+        async def _release_in_task(self) -> None:
+            try:
+                await self._delete_row()
+            finally:
+                if self.held:
+                    self.releasing = None  # it failed: a later unlock() tries again
+
+        def _call_on_lost(self, on_lost: OnLost, lost: LockLost) -> None:
+            result = on_lost(lost)
+            if inspect.isawaitable(result):
+                spawn(_await(result), f"on_lost of {self.lockstring!r}")
+
+    else:
+        release = _delete_row
 
 
-async def _await(awaitable: Any) -> None:
-    try:
-        await awaitable
-    except Exception:
-        logger.exception("async on_lost callback raised")
+if True:  # ASYNC
 
+    async def _await(awaitable: Any) -> None:
+        try:
+            await awaitable
+        except Exception:
+            logger.exception("async on_lost callback raised")
 
-def _release_abandoned(state: AsyncLockState) -> None:
-    """Runs when a held AsyncLock is garbage-collected; it cannot await, so it hands the release
-    to the lock's event loop if that still runs, and otherwise leaves the row to expire."""
-    if not state.held or state.pid != forks.pid or state.releasing is not None:
-        return
-    loop = state.loop
-    if loop.is_closed():
+    def _release_abandoned(state: AsyncLockState) -> None:
+        """Runs when a held lock is garbage-collected; it cannot await, so it hands the release
+        to the lock's event loop if that still runs, and otherwise leaves the row to expire."""
+        if not state.held or state.pid != forks.pid or state.releasing is not None:
+            return
+        loop = state.loop
+        if loop.is_closed():
+            logger.warning(
+                "lock %r (id %d) was dropped after its event loop closed; it will expire",
+                state.lockstring,
+                state.lock_id,
+            )
+            return
         logger.warning(
-            "lock %r (id %d) was dropped after its event loop closed; it will expire",
+            "lock %r (id %d) was released by garbage collection; unlock() it or use `async with`",
             state.lockstring,
             state.lock_id,
         )
-        return
-    logger.warning(
-        "lock %r (id %d) was released by garbage collection; unlock() it or use `async with`",
-        state.lockstring,
-        state.lock_id,
-    )
-    try:
-        loop.call_soon_threadsafe(_release_in_loop, state)
-    except RuntimeError:  # the loop closed meanwhile
-        logger.warning("could not release abandoned lock %r; it will expire", state.lockstring)
-
-
-def _release_in_loop(state: AsyncLockState) -> None:
-    async def release() -> None:
         try:
-            await state.release()
+            loop.call_soon_threadsafe(_release_in_loop, state)
+        except RuntimeError:  # the loop closed meanwhile
+            logger.warning("could not release abandoned lock %r; it will expire", state.lockstring)
+
+    def _release_in_loop(state: AsyncLockState) -> None:
+        async def release() -> None:
+            try:
+                await state.release()
+            except LockLost:
+                logger.info("abandoned lock %r was already gone", state.lockstring)
+            except Exception as error:
+                logger.warning(
+                    "could not release abandoned lock %r; it will expire: %s",
+                    state.lockstring,
+                    error,
+                )
+
+        spawn(release(), f"release abandoned {state.lockstring!r}")
+
+else:
+
+    def _release_abandoned(state: AsyncLockState) -> None:
+        """Runs when a held lock is garbage-collected or the interpreter exits; never raises."""
+        if not state.held or state.pid != forks.pid:
+            return  # a forked child must not release its parent's lock
+        try:
+            state.release()
+            logger.warning(
+                "lock %r (id %d) was released by garbage collection; unlock() it or use `with`",
+                state.lockstring,
+                state.lock_id,
+            )
         except LockLost:
-            logger.info("abandoned lock %r was already gone", state.lockstring)
+            logger.info(
+                "abandoned lock %r (id %d) was already gone", state.lockstring, state.lock_id
+            )
         except Exception as error:
             logger.warning(
-                "could not release abandoned lock %r; it will expire: %s", state.lockstring, error
+                "could not release abandoned lock %r (id %d); it will expire: %s",
+                state.lockstring,
+                state.lock_id,
+                error,
             )
-
-    spawn(release(), f"release abandoned {state.lockstring!r}")
 
 
 class AsyncLock(LockHandle[AsyncLockState]):
-    """A lock this process holds, for asyncio code: ``async with`` it, or ``await unlock()``."""
+    """A lock this process holds: ``async with`` it, or ``await lock.unlock()``."""
 
     def __init__(
         self,
@@ -181,14 +232,15 @@ class AsyncLock(LockHandle[AsyncLockState]):
         super().__init__(
             state, _release_abandoned, created=created, expires=expires, locked_by=locked_by
         )
-        self.locker = locker  # the AsyncLocker it came from, for the caller
+        self.locker = locker  # the locker it came from, for the caller: it calls nothing on it
 
     async def unlock(self) -> None:
-        """Delete our row. A second call is a no-op (or waits for the first, if it is running).
+        """Delete our row. A second call is a no-op.
 
-        Raises LockLost if the row was no longer ours. Cancelling the caller does not stop the
-        release: it finishes in the background. Any other error leaves the lock held (no longer
-        kept alive): call unlock() again, or let it expire.
+        Raises LockLost if the row was no longer ours (purged, taken over or broken after it
+        expired): whatever the lock protected may have been touched by someone else meanwhile.
+        Any other error leaves the lock held (no longer kept alive): call unlock() again, or let
+        it expire.
         """
         self._refuse_in_forked_child("release")
         if not self._state.held:
@@ -205,7 +257,7 @@ class AsyncLock(LockHandle[AsyncLockState]):
         """Set expiry to the server's now + ``seconds`` (default: the lock's expiry period).
 
         Raises LockLost, and the lock counts as lost, if the row is gone or has already
-        expired: an expired lock is never revived.
+        expired: an expired lock is never revived, because someone may have acted on it.
         """
         ttl = self.ttl if seconds is None else check_seconds(seconds, "expires", self.lockstring)
         self._refuse_in_forked_child("extend")
@@ -213,9 +265,11 @@ class AsyncLock(LockHandle[AsyncLockState]):
         return self.expires
 
     def keep_alive(self, on_lost: OnLost | None = None) -> AsyncLock:
-        """Keep the row's expiry pushed forward by a task of the locker until unlock().
+        """Keep the row's expiry pushed forward in the background until unlock().
 
-        ``on_lost`` (else the locker's), a function or a coroutine function, is called once if
+        Renewal happens every ``keep_alive_fraction`` (a third, by default) of the expiry
+        period, on the locker's keep-alive thread (in asyncio: by a task per lock). ``on_lost``
+        (else the locker's; in asyncio, a function or a coroutine function) is called once if
         the lock is found gone or its deadline passes without a successful renewal, which is
         always before anyone else can take it over.
         """
@@ -225,12 +279,21 @@ class AsyncLock(LockHandle[AsyncLockState]):
         return self
 
     async def guard(self, connection: AsyncConnection) -> None:
-        """Within ``connection``'s open transaction, prove the lock is still ours and keep it
-        from being taken over or purged until that transaction ends (see ``Lock.guard``)."""
+        """Within ``connection``'s open transaction on the lock's own database, prove the lock is
+        still ours and keep it from being taken over or purged until that transaction ends.
+
+        Raises LockLost if the row is gone or expired; the caller should then roll back. If it
+        returns, a commit of the transaction happens while the lock is held: a stale holder's
+        transaction can never commit. PostgreSQL and MySQL take a shared row lock
+        (``FOR SHARE``); SQLite takes the database's write lock with a no-op update.
+        """
         state = self._state
-        proven = await connection.run_sync(
-            state.operations.guard, state.lockstring, state.lock_id, state.guid
-        )
+        if True:  # ASYNC
+            proven = await connection.run_sync(
+                state.operations.guard, state.lockstring, state.lock_id, state.guid
+            )
+        else:
+            proven = state.operations.guard(connection, state.lockstring, state.lock_id, state.guid)
         state.guard_failed(proven)
 
     async def __aenter__(self) -> AsyncLock:
@@ -242,14 +305,16 @@ class AsyncLock(LockHandle[AsyncLockState]):
         exc_value: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        if self._state.pid != forks.pid or self._unlocked_by_caller():
+        if self._state.pid != forks.pid:
+            logger.debug("not releasing %r in forked child %d", self.lockstring, forks.pid)
             return
-        # As in the sync Lock: losing the lock during the body outranks the body's own error
-        # (attached as its cause).
+        if self._unlocked_by_caller():
+            return
         lost = self._lapsed()
         try:
             await self.unlock()
         except Exception as error:
             lost = self._release_failed_at_exit(error, lost, exc_value)
         if lost is not None:
+            # Losing the lock matters more than the body's error, which stays attached as cause.
             raise lost from exc_value

@@ -1,60 +1,57 @@
-"""The AsyncLocker: the asyncio front end, on the same table and statements as ``Locker``.
+"""The locker: validates, waits, and hands out locks.
 
-Every operation is ``operations.LockOperations``'s, run by SQLAlchemy's ``greenlet_spawn`` on the
-AsyncEngine's ``sync_engine``: the driver calls become awaits on the event loop, and the SQL,
-retries and error handling are exactly the sync front end's. So sync and async processes
-contend for the same lockstrings under the same rules. This module adds what is particular to
-asyncio: waiting with ``asyncio.sleep``, keep-alive tasks, an async LISTEN connection, and
-cancellation.
-
-Cancellation: a task cancelled while acquiring returns at once; its attempt finishes in the
-background, and a lock it turns out to have won is released straight away, so no row is left
-behind (unless the event loop itself shuts down mid-statement: then the row expires). A release
-is likewise finished in the background (see ``lock.py``), and a cancelled wait stops at once.
+The statements, retries and error handling live in ``operations.LockOperations``, shared by the
+two front ends, so sync and async processes contend for the same lockstrings under the same
+rules. Written once, for asyncio, in ``sqllocker/asyncio/locker.py``; ``sqllocker/locker.py``
+is generated from it (``tests/unasync.py``), and the two ``concurrency`` modules hold what
+differs between them.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
-import inspect
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Sequence
+import threading
+from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
-from sqlalchemy.util import greenlet_spawn
 
 from .. import validation
 from ..backoff import Backoff
 from ..decorators import LockstringTemplate, check_decoration, when_busy
-from ..engine import create_async_locker_engine, describe_url, resolve_url
-from ..errors import LockBusy, LockError, LockTypeError
-from ..group import canonical_order
-from ..identity import holder_details, new_guid
-from ..keepalive import DEFAULT_FRACTION
-from ..lock import OnLost
-from ..locker import (
+from ..defaults import (
     DEFAULT_EXPIRES,
     DEFAULT_GRACE,
     DEFAULT_PURGE_BATCH,
     DEFAULT_PURGE_PAUSE_RATIO,
 )
-from ..notify import guid_digest
+from ..engine import describe_url
+from ..errors import LockBusy, LockTypeError
+from ..holding import OnLost
+from ..identity import holder_details, new_guid
+from ..keepalive import DEFAULT_FRACTION
+from ..notifications import guid_digest
 from ..operations import Acquired, LockInfo, LockOperations, Refused
+from ..queueing import Request
 from ..schema import DEFAULT_TABLE
-from ..waiting_room import Request
+from . import concurrency
 from .group import AsyncLockGroup
 from .keepalive import AsyncKeepAlive
+from .listener import AsyncReleaseListener
 from .lock import AsyncLock, AsyncLockState
-from .loop_end import at_loop_end
-from .notify import AsyncReleaseListener
 from .semaphore import AsyncSemaphore
-from .tasks import spawn
 from .waiting_room import AsyncTurn, AsyncWaitingRoom
+
+if True:  # ASYNC
+    import asyncio
+
+    from ..errors import LockError
+    from .acquiring import Acquiring
+    from .loop_end import at_loop_end
+    from .tasks import spawn
 
 logger = logging.getLogger("sqllocker")
 
@@ -62,32 +59,40 @@ T = TypeVar("T")
 P = ParamSpec("P")
 R = TypeVar("R")
 
-
-def _sleep_in_greenlet(seconds: float) -> None:
-    """LockOperations's pause between retries after contention, without blocking the event loop."""
-    try:
-        from sqlalchemy.util import await_
-    except ImportError:  # SQLAlchemy 2.0 calls it await_only
-        from sqlalchemy.util import await_only as await_
-    await_(asyncio.sleep(seconds))
+__all__ = ["AsyncLocker", "LockInfo"]
 
 
 class AsyncLocker:
-    """Hands out locks kept as rows of ``table``, for asyncio code.
+    """Hands out locks kept as rows of ``table`` in the database at ``url_or_engine``.
 
-    The arguments are ``Locker``'s. ``url_or_engine`` is a URL or an ``AsyncEngine``; a URL that
-    names no driver gets psycopg 3 (PostgreSQL), aiomysql (MySQL/MariaDB) or aiosqlite (SQLite).
-    ``on_lost`` may be a function or a coroutine function. Close it with ``await aclose()``, or
-    use ``async with AsyncLocker(...) as locker``.
+    ``url_or_engine``: an SQLAlchemy URL or Engine; ``None`` means ``$SQLLOCKER_URL``, else the
+    SQLite file ``sqllocker.db`` in the working directory. ``postgres://`` and ``postgresql://``
+    mean psycopg 3; ``mysql://`` and ``mariadb://`` mean PyMySQL (see ``sqllocker.asyncio``
+    for the async drivers).
 
-    Its connections, listener and keep-alive tasks belong to the event loop that runs them. One
-    AsyncLocker may serve one loop after another (``asyncio.run`` twice, a test framework's loop
-    per test): when a new loop first uses it, what belonged to the previous loop is dropped,
-    and its connections are made afresh. A loop that shuts down its async generators before
-    closing (``asyncio.run`` does) closes the locker's connections as it ends, as ``aclose()``
-    would (see ``loop_end``); with a caller's AsyncEngine, disposing of that engine's pooled
-    connections stays the caller's part. Two loops running at once cannot share one; the
-    second is refused with a LockError.
+    ``expires`` is the default lifetime of a lock in seconds; a lock that is not released or
+    extended within it may be taken over by the next acquirer once a further ``grace`` seconds
+    have passed (the grace lets a holder that just noticed its expiry stop first).
+
+    ``auto_create`` creates the table on first use if it is missing: by default for SQLite, whose
+    file sqllocker owns, and never for a server, whose schema is the operator's (``sqllocker
+    migrate``).
+
+    ``on_lost`` is the default callback for kept-alive locks found lost (see ``keep_alive`` of a
+    lock); ``keep_alive_fraction`` is how much of its expiry period passes between two renewals.
+
+    On first use the locker checks the database settings its guarantees rest on: with a setting
+    that can lose an acknowledged lock row in a crash (and so hand out a second holder and a
+    reused token), or hand out tokens out of holding order (MariaDB/MySQL
+    ``innodb_autoinc_lock_mode=2``), it warns, or with ``strict=True`` refuses with
+    ``UnsafeDatabase``.
+
+    ``transaction_pooling``: PostgreSQL is reached through a pooler that lends a server session
+    per transaction (PgBouncer's ``pool_mode = transaction``), where no session setting, prepared
+    statement, LISTEN or session lock lasts from one statement to the next. The locker then
+    sends no session settings and prepares nothing (a caller's Engine must be made with
+    ``connect_args={"prepare_threshold": None}``), and waiters back off and retry instead of
+    queueing and waking on NOTIFY.
     """
 
     def __init__(
@@ -115,33 +120,40 @@ class AsyncLocker:
             self.engine = url_or_engine.execution_options(isolation_level="AUTOCOMMIT")
             owns_engine = False
         elif url_or_engine is None or isinstance(url_or_engine, str | URL):
-            url = resolve_url(url_or_engine, asynchronous=True)
-            self.engine = create_async_locker_engine(url, transaction_pooling=pooled)
+            self.engine = concurrency.create_engine(url_or_engine, transaction_pooling=pooled)
             owns_engine = True
         else:
+            kind = type(url_or_engine).__name__
             raise LockTypeError(
-                f"url_or_engine must be a URL string, sqlalchemy URL or AsyncEngine, not "
-                f"{type(url_or_engine).__name__}"
+                f"url_or_engine must be a URL string, sqlalchemy URL or AsyncEngine, not {kind}"
+                + concurrency.wrong_engine_hint(kind)
             )
         self.url = self.engine.url
+        if True:  # ASYNC
+            sync_engine = self.engine.sync_engine  # the lock operations run on it in greenlets
+        else:
+            sync_engine = self.engine
         self._operations = LockOperations(
-            self.engine.sync_engine,
+            sync_engine,
             self.table_name,
             owns_engine=owns_engine,
             grace=self.grace,
             auto_create=auto_create,
             strict=strict,
             transaction_pooling=pooled,
-            sleep=_sleep_in_greenlet,
+            direct_connections=owns_engine and concurrency.DIRECT_CONNECTIONS,
+            sleep=concurrency.sleep_in_operation,
         )
         self.table = self._operations.table
         self.auto_create = self._operations.auto_create
         self._keep_alives = AsyncKeepAlive(fraction)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_end: AsyncGenerator[None, None] | None = None
-        self._setup_lock: asyncio.Lock | None = None
+        self._setup_lock = threading.Lock()  # never held across a wait
         self._listener: AsyncReleaseListener | None = None
         self._room: AsyncWaitingRoom | None = None
+        if True:  # ASYNC
+            self._loop: asyncio.AbstractEventLoop | None = None
+            self._loop_end: Any = None
+            self._ready_lock: asyncio.Lock | None = None
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -156,16 +168,32 @@ class AsyncLocker:
         on_lost: OnLost | None = None,
         hold_at_least: float | None = None,
     ) -> Acquiring:
-        """Acquire ``lockstring`` (arguments as ``Locker.lock``): ``await`` it for an AsyncLock,
-        or ``async with`` it to hold the lock for a block. Raises LockBusy if it stays held.
+        """Acquire ``lockstring`` or raise LockBusy. The lock is a context manager that releases
+        it at the end of the block.
 
-        Bad arguments raise here, before anything is awaited or sent.
+        ``expires``: seconds until the lock may be taken over (default: the locker's).
+        ``wait``: 0 tries once; a number of seconds keeps trying until then, backing off with
+        jitter; ``None`` waits forever. On PostgreSQL waiters wake on the release's NOTIFY and
+        queue in the server, first come first served, each on a connection of its own while
+        it waits (see ``sqllocker.queueing``). ``locked_by``: extra JSON details stored with the
+        holder's host, pid, thread (or task), program and user. ``keep_alive``: renew the lock
+        in the background until it is released (see ``keep_alive`` of a lock), calling
+        ``on_lost`` (else the locker's) if it is lost. ``hold_at_least``: a release within that
+        many seconds of the acquire (by the server's clock) keeps the row until then, so that
+        nobody else takes the lock in that window: a job scheduled on several machines runs
+        once per window, however quickly it finishes.
+
+        Bad arguments raise here, before anything is sent.
         """
         request = validation.check_lock_request(
             lockstring, expires, self.expires, wait, locked_by, on_lost
         )
         hold = validation.check_hold_at_least(hold_at_least, request[0])
-        return Acquiring(self._acquire(*request, keep_alive, on_lost or self.on_lost, hold))
+        acquire = self._acquire(*request, keep_alive, on_lost or self.on_lost, hold)
+        if True:  # ASYNC
+            return Acquiring(acquire)
+        else:
+            return acquire
 
     def locked(
         self,
@@ -177,16 +205,19 @@ class AsyncLocker:
         keep_alive: bool = True,
         hold_at_least: float | None = None,
     ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R | None]]]:
-        """``Locker.locked`` for coroutine functions: the lock is taken and released with
-        ``await``, and kept alive by a task while the coroutine runs."""
+        """Decorate a function to run under a lock: ``@locker.locked("report {day}")``.
+
+        ``lockstring`` is a ``str.format`` template over the function's arguments, by name
+        (checked against its signature now). When the lock is held by someone else (after
+        ``wait``), ``on_busy="skip"`` returns None without calling the function (logged at
+        INFO) and ``"raise"`` raises LockBusy. The lock is kept alive while the function runs
+        (``keep_alive``), released when it returns or raises (unless ``hold_at_least`` keeps
+        it), and LockLost is raised at the end if it was lost meanwhile.
+        """
         behaviour = check_decoration(on_busy, wait, expires, hold_at_least)
 
         def decorate(function: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R | None]]:
-            if not inspect.iscoroutinefunction(function):
-                raise LockTypeError(
-                    f"{function.__qualname__} is not a coroutine function: decorate it with "
-                    "sqllocker.Locker.locked"
-                )
+            concurrency.check_decorated(function)
             template = LockstringTemplate(lockstring, function)
 
             @functools.wraps(function)
@@ -220,28 +251,33 @@ class AsyncLocker:
         keep_alive: bool = False,
         on_lost: OnLost | None = None,
     ) -> AsyncLockGroup:
-        """Every one of ``lockstrings`` at once, or none (see ``Locker.lock_all``)."""
-        names = canonical_order(lockstrings)
+        """Acquire every one of ``lockstrings`` at once, or none: a lock group, or LockBusy
+        naming a member that is held (after ``wait``, as ``lock()`` waits).
+
+        Each attempt takes the rows in one transaction, in a canonical order (by code point),
+        so that groups that overlap never deadlock; one held member refuses the attempt, which
+        then takes nothing. The members are ordinary locks, each with its own fencing token.
+        """
+        names = validation.canonical_order(lockstrings)
         request = validation.check_lock_request(
             names[0], expires, self.expires, wait, locked_by, on_lost
         )
         _, ttl, wait, extra = request
         on_lost = on_lost or self.on_lost
-        await self._ready()
-        task = asyncio.current_task()
-        details = holder_details(extra, task.get_name() if task is not None else None)
+        if True:  # ASYNC
+            await self._ready()
+        details = holder_details(extra, concurrency.task_name())
         members = [(name, new_guid()) for name in names]
         backoff = Backoff.for_wait(wait)
         while True:
-            attempt = spawn(
-                self._call(self._operations.try_acquire_all, members, ttl, details),
-                f"acquire {len(names)} locks",
-            )
-            try:
-                outcome = await asyncio.shield(attempt)
-            except asyncio.CancelledError:
-                attempt.add_done_callback(functools.partial(self._undo_group, members))
-                raise
+            if True:  # ASYNC
+                outcome = await concurrency.shielded(
+                    self._call(self._operations.try_acquire_all, members, ttl, details),
+                    f"acquire {len(names)} locks",
+                    functools.partial(self._release_group_won, members),
+                )
+            else:
+                outcome = self._operations.try_acquire_all(members, ttl, details)
             if not isinstance(outcome, Refused):
                 locks = [
                     self._lock(name, guid, acquired, ttl, details, on_lost)
@@ -249,21 +285,13 @@ class AsyncLocker:
                 ]
                 group = AsyncLockGroup(locks)
                 return group.keep_alive() if keep_alive else group
-            await asyncio.sleep(backoff.after_refusal(outcome, names[0], wait, self.grace))
-
-    def _undo_group(self, members: list[tuple[str, str]], attempt: asyncio.Task[Any]) -> None:
-        """The caller of a group's attempt was cancelled: release the rows it took, if any."""
-        if attempt.cancelled() or attempt.exception() is not None:
-            return
-        outcome = attempt.result()
-        if isinstance(outcome, list):
-            for (name, guid), acquired in zip(members, outcome, strict=True):
-                release = self._call(self._operations.release, name, acquired.lock_id, guid)
-                spawn(release, f"release {name!r} after cancellation")
+            await concurrency.sleep(backoff.after_refusal(outcome, names[0], wait, self.grace))
 
     def semaphore(self, name: str, limit: int) -> AsyncSemaphore:
-        """A counting semaphore (see ``Locker.semaphore``): ``await sem.acquire()``."""
-        return AsyncSemaphore(self, self._operations, name, limit)
+        """A counting semaphore: at most ``limit`` holders of ``name`` at once, each holding a
+        permit (a lock of its own) from ``.acquire(wait=..., expires=..., keep_alive=...)``
+        (see ``sqllocker.permits``)."""
+        return AsyncSemaphore(self, self._operations, self._call, name, limit)
 
     async def try_lock(
         self,
@@ -272,7 +300,7 @@ class AsyncLocker:
         expires: float | None = None,
         locked_by: dict[str, Any] | None = None,
     ) -> AsyncLock | None:
-        """Acquire ``lockstring`` if it is free: an AsyncLock, or None if someone holds it."""
+        """Acquire ``lockstring`` if it is free: the lock, or None if someone holds it."""
         try:
             return await self.lock(lockstring, expires=expires, wait=0, locked_by=locked_by)
         except LockBusy:
@@ -283,45 +311,66 @@ class AsyncLocker:
         batch_size: int = DEFAULT_PURGE_BATCH,
         pause_ratio: float = DEFAULT_PURGE_PAUSE_RATIO,
     ) -> int:
-        """Delete rows expired (by the server's clock) for longer than grace, in batches, resting
-        between them as ``Locker.purge_expired_locks`` does (with ``asyncio.sleep``)."""
-        return await self._call(
+        """Delete rows expired (by the server's clock) for longer than grace; returns how many.
+
+        Deletes in batches of ``batch_size``, each its own short transaction, so a large purge
+        never blocks acquirers for long, and after each full batch rests ``pause_ratio`` times
+        as long as the batch took, so that it leaves most of the server to the acquirers (0:
+        flat out). On PostgreSQL it also deletes the hand-off requests of queued waiters
+        whose process died, which are not counted. Database errors propagate.
+        """
+        purged: int = await self._call(
             self._operations.purge_expired,
             validation.check_batch_size(batch_size),
             validation.check_pause_ratio(pause_ratio),
         )
+        return purged
 
     async def locks(self, pattern: str | None = None) -> list[LockInfo]:
-        """Every row of the table (see ``Locker.locks``)."""
-        return await self._call(self._operations.locks, validation.check_pattern(pattern))
+        """Every row of the table, live and expired, ordered by lockstring; with ``pattern``, only
+        lockstrings matching that shell-style glob (``*`` and ``?``; case-sensitive)."""
+        infos: list[LockInfo] = await self._call(
+            self._operations.locks, validation.check_pattern(pattern)
+        )
+        return infos
 
     async def lock_info(self, lockstring: str) -> LockInfo | None:
         """The row of ``lockstring``, live or expired, or None if there is none."""
-        return await self._call(self._operations.lock_info, validation.check_lockstring(lockstring))
+        checked = validation.check_lockstring(lockstring)
+        info: LockInfo | None = await self._call(self._operations.lock_info, checked)
+        return info
 
     async def expired_locks(self) -> list[LockInfo]:
-        """The rows purge_expired_locks() would delete now."""
-        return await self._call(self._operations.expired_locks)
+        """The rows purge_expired_locks() would delete now (expired for longer than grace)."""
+        infos: list[LockInfo] = await self._call(self._operations.expired_locks)
+        return infos
 
     async def break_lock(self, lockstring: str, lock_id: int | None = None) -> LockInfo | None:
-        """Delete ``lockstring``'s row whoever holds it (see ``Locker.break_lock``)."""
+        """Delete ``lockstring``'s row whoever holds it (an operator's tool for dead holders).
+
+        With ``lock_id``, only that exact acquisition is broken. Returns the row that was deleted,
+        or None if there was none (or it had another id). The holder finds out at its next
+        extend or unlock, which raise LockLost.
+        """
         checked = validation.check_lockstring(lockstring)
-        return await self._call(self._operations.break_lock, checked, lock_id)
+        info: LockInfo | None = await self._call(self._operations.break_lock, checked, lock_id)
+        return info
 
     async def create_table(self) -> None:
         """Create or upgrade the table by applying the shipped migrations; safe to repeat."""
-        await greenlet_spawn(self._operations.create_table)
+        await concurrency.run(self._operations.create_table)
 
     async def aclose(self) -> None:
-        """Stop keeping locks alive and listening, and dispose of an engine the locker made."""
-        self._bind_to_running_loop()
+        """Stop keeping locks alive and listening, and close the pooled connections of an
+        engine the locker created (not a caller's)."""
+        if True:  # ASYNC
+            self._bind_to_running_loop()
         await self._keep_alives.stop()
         if self._listener is not None:
             await self._listener.stop()
         if self._room is not None:
             await self._room.close()
-        if self._operations.owns_engine:
-            await self.engine.dispose()
+        await concurrency.run(self._operations.close)
 
     async def __aenter__(self) -> AsyncLocker:
         return self
@@ -347,13 +396,15 @@ class AsyncLocker:
         extra: dict[str, Any],
         keep_alive: bool,
         on_lost: OnLost | None,
-        hold_at_least: float | None = None,
+        hold_at_least: float | None,
     ) -> AsyncLock:
-        await self._ready()
-        # One guid for every attempt, as in Locker.lock: a release may hand the row to it.
+        if True:  # ASYNC
+            await self._ready()
+        # One guid for every attempt of this call: a release may hand the row to it (as our
+        # Request, at the head of the queue), and an attempt that finds the row under it knows
+        # the row is ours.
         guid = new_guid()
-        task = asyncio.current_task()
-        details = holder_details(extra, task.get_name() if task is not None else None)
+        details = holder_details(extra, concurrency.task_name())
         if wait == 0:
             outcome = await self._try_acquire(lockstring, guid, details, ttl, on_lost)
             if not isinstance(outcome, AsyncLock):
@@ -373,10 +424,11 @@ class AsyncLocker:
         wait: float | None,
         on_lost: OnLost | None,
     ) -> AsyncLock:
-        """Attempts until one succeeds, or LockBusy once ``wait`` has passed (as
-        ``Locker._wait_for``)."""
+        """Attempts until one succeeds, or LockBusy once ``wait`` has passed: on PostgreSQL in
+        the server's queue, woken by releases (see ``sqllocker.queueing``); elsewhere backing
+        off between attempts."""
         backoff = Backoff.for_wait(wait)
-        listener = await self._release_listener()
+        listener = self._release_listener()
         room = self._waiting_room() if listener is not None else None
         turn: AsyncTurn | None = None
         # A waiter's first attempt does not take the row ahead of waiters already queued.
@@ -408,7 +460,6 @@ class AsyncLocker:
                         and listener is not None
                         and waiter is not None
                     ):
-                        # Queue behind earlier waiters (see sqllocker.waiting_room).
                         entry = await room.enter(
                             lockstring,
                             backoff.remaining(),
@@ -428,24 +479,23 @@ class AsyncLocker:
                         self.grace,
                     )
                     if waiter is None:
-                        await asyncio.sleep(delay)
-                    else:  # a release notification, or the backoff, ends the wait
-                        with contextlib.suppress(asyncio.TimeoutError):
-                            await asyncio.wait_for(waiter.event.wait(), delay)
-                        if waiter.grant is not None and turn is not None:
-                            claimed = await self._call(
-                                self._operations.claim_grant, lockstring, waiter.grant.lock_id, guid
-                            )
-                            if claimed is not None:
-                                turn.granted()
-                                return self._lock(lockstring, guid, claimed, ttl, details, on_lost)
+                        await concurrency.sleep(delay)
+                        continue
+                    # A release notification, or the backoff, ends the wait.
+                    await concurrency.wait(waiter.event, delay)
+                    if waiter.grant is not None and turn is not None:
+                        claimed: Acquired | None = await self._call(
+                            self._operations.claim_grant, lockstring, waiter.grant.lock_id, guid
+                        )
+                        if claimed is not None:
+                            turn.granted()
+                            return self._lock(lockstring, guid, claimed, ttl, details, on_lost)
                 finally:
                     if listener is not None and waiter is not None:
                         listener.unregister(waiter)
         finally:
             if turn is not None:
-                # Withdrawing our request, and giving back a row handed to it meanwhile.
-                await turn.leave()
+                await turn.leave()  # withdrawing our request, and giving back a row granted to it
 
     async def _try_acquire(
         self,
@@ -456,17 +506,14 @@ class AsyncLocker:
         on_lost: OnLost | None,
         queue_key: int | None = None,
     ) -> AsyncLock | Refused:
-        attempt = spawn(
-            self._call(self._operations.try_acquire, lockstring, guid, ttl, details, queue_key),
-            f"acquire {lockstring!r}",
-        )
-        try:
-            # Shielded: cancelling the caller must not cut the statement off halfway, when
-            # nobody would know whether the row was written.
-            outcome = await asyncio.shield(attempt)
-        except asyncio.CancelledError:
-            attempt.add_done_callback(functools.partial(self._undo_attempt, lockstring, guid))
-            raise
+        if True:  # ASYNC
+            outcome = await concurrency.shielded(
+                self._call(self._operations.try_acquire, lockstring, guid, ttl, details, queue_key),
+                f"acquire {lockstring!r}",
+                functools.partial(self._release_won, lockstring, guid),
+            )
+        else:
+            outcome = self._operations.try_acquire(lockstring, guid, ttl, details, queue_key)
         if not isinstance(outcome, Acquired):
             return outcome
         return self._lock(lockstring, guid, outcome, ttl, details, on_lost)
@@ -495,107 +542,102 @@ class AsyncLocker:
             self, state, created=acquired.created, expires=acquired.expires, locked_by=details
         )
 
-    def _undo_attempt(self, lockstring: str, guid: str, attempt: asyncio.Task[Any]) -> None:
-        """The caller of an attempt was cancelled: release the lock if the attempt won it."""
-        if attempt.cancelled() or attempt.exception() is not None:
-            return
-        outcome = attempt.result()
-        if isinstance(outcome, Acquired):
-            logger.info(
-                "releasing %r (id %d): its acquirer was cancelled", lockstring, outcome.lock_id
-            )
-            release = self._call(self._operations.release, lockstring, outcome.lock_id, guid)
-            spawn(release, f"release {lockstring!r} after cancellation")
-
     async def _call(self, operation: Callable[..., T], *args: Any) -> T:
-        """Run one LockOperations operation in a greenlet, where its driver calls are awaited."""
-        await self._ready()
-        return await greenlet_spawn(operation, *args)
+        """Run one of the table's operations (in asyncio: in a greenlet, on the running loop's
+        connections)."""
+        if True:  # ASYNC
+            await self._ready()
+            return await concurrency.run(operation, *args)
+        else:
+            return operation(*args)
 
-    async def _ready(self) -> None:
-        """Set up on first use, one task at a time: LockOperations's own set-up lock is a thread
-        lock, which one task must never hold while another task on the same thread waits."""
-        self._bind_to_running_loop()
-        if self._operations._backend is not None:
-            return
-        if self._setup_lock is None:
-            self._setup_lock = asyncio.Lock()
-        async with self._setup_lock:
-            await greenlet_spawn(self._operations.ensure_setup)
-
-    def _bind_to_running_loop(self) -> None:
-        """Make the running loop this locker's, dropping what belonged to the previous one.
-
-        A driver connection, an asyncio.Event or a task made on one loop fails on another
-        ("attached to a different loop"); once that loop has ended they are useless anyway.
-        Its pooled connections are forgotten without closing them: closing needs their loop.
-        """
-        loop = asyncio.get_running_loop()
-        previous = self._loop
-        if previous is loop:
-            return
-        if previous is not None and previous.is_running():
-            raise LockError(
-                f"{self!r} is in use on another event loop that is still running (in another "
-                "thread); its connections belong to that loop: make one AsyncLocker per loop"
-            )
-        self._loop = loop
-        self._loop_end = at_loop_end(self._close_at_loop_end)
-        if previous is None:
-            return
-        logger.info("%r moves to a new event loop, dropping the previous loop's connections", self)
-        self._listener = None
-        self._room = None
-        self._setup_lock = None
-        self._keep_alives.forget_tasks()
-        if self._operations.owns_engine:
-            self.engine.sync_engine.dispose(close=False)
-
-    async def _close_at_loop_end(self) -> None:
-        """``aclose()``, as this locker's loop shuts down: its connections can be closed only
-        on it (see ``loop_end``). The locker stays usable, on the next loop."""
-        if self._loop is not asyncio.get_running_loop():
-            return
-        try:
-            await self.aclose()
-        except Exception as error:
-            logger.warning("%r: closing its connections at its loop's end failed: %s", self, error)
-
-    async def _release_listener(self) -> AsyncReleaseListener | None:
-        """PostgreSQL waiters wake on NOTIFY; other backends back off and retry."""
+    def _release_listener(self) -> AsyncReleaseListener | None:
+        """PostgreSQL (psycopg 3) waiters wake on NOTIFY; other backends back off and retry."""
         if not self._operations.notifies_releases:
             return None
-        if self._listener is None:
-            self._listener = AsyncReleaseListener(self.engine, self.table_name)
-        return self._listener
+        with self._setup_lock:
+            if self._listener is None:
+                self._listener = AsyncReleaseListener(self.engine, self.table_name)
+            return self._listener
 
     def _waiting_room(self) -> AsyncWaitingRoom:
-        """Where PostgreSQL waiters queue, sync and async alike, so that one at a time tries."""
-        if self._room is None:
-            self._room = AsyncWaitingRoom(self.engine, self._operations.statements)
-        return self._room
+        """Where PostgreSQL waiters queue, so that one of them at a time tries for the row."""
+        with self._setup_lock:
+            if self._room is None:
+                self._room = AsyncWaitingRoom(self.engine, self._operations.statements)
+            return self._room
 
+    if True:  # ASYNC
 
-class Acquiring:
-    """What ``AsyncLocker.lock()`` returns: await it for the lock, or ``async with`` it to hold
-    the lock for the block (released at its end, as ``async with lock:`` does)."""
+        def _release_won(self, lockstring: str, guid: str, outcome: Acquired | Refused) -> None:
+            """The caller of an attempt was cancelled: release the lock if the attempt won it."""
+            if isinstance(outcome, Acquired):
+                logger.info(
+                    "releasing %r (id %d): its acquirer was cancelled", lockstring, outcome.lock_id
+                )
+                release = self._call(self._operations.release, lockstring, outcome.lock_id, guid)
+                spawn(release, f"release {lockstring!r} after cancellation")
 
-    def __init__(self, acquire: Any) -> None:
-        self._acquire = acquire
-        self._lock: AsyncLock | None = None
+        def _release_group_won(
+            self, members: list[tuple[str, str]], outcome: list[Acquired] | Refused
+        ) -> None:
+            """The caller of a group's attempt was cancelled: release the rows it took, if any."""
+            if isinstance(outcome, list):
+                for (name, guid), acquired in zip(members, outcome, strict=True):
+                    release = self._call(self._operations.release, name, acquired.lock_id, guid)
+                    spawn(release, f"release {name!r} after cancellation")
 
-    def __await__(self) -> Generator[Any, None, AsyncLock]:
-        return self._acquire.__await__()  # type: ignore[no-any-return]
+        async def _ready(self) -> None:
+            """Set up on first use, one task at a time: LockOperations's own set-up lock is a
+            thread lock, which one task must never hold while another task on the same thread
+            waits."""
+            self._bind_to_running_loop()
+            if self._operations._backend is not None:
+                return
+            if self._ready_lock is None:
+                self._ready_lock = asyncio.Lock()
+            async with self._ready_lock:
+                await concurrency.run(self._operations.ensure_setup)
 
-    async def __aenter__(self) -> AsyncLock:
-        self._lock = await self._acquire
-        return self._lock
+        def _bind_to_running_loop(self) -> None:
+            """Make the running loop this locker's, dropping what belonged to the previous one.
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        assert self._lock is not None
-        await self._lock.__aexit__(exc_type, exc_value, traceback)
+            A driver connection, an asyncio.Event or a task made on one loop fails on another
+            ("attached to a different loop"); once that loop has ended they are useless anyway.
+            Its pooled connections are forgotten without closing them: closing needs their loop.
+            """
+            loop = asyncio.get_running_loop()
+            previous = self._loop
+            if previous is loop:
+                return
+            if previous is not None and previous.is_running():
+                raise LockError(
+                    f"{self!r} is in use on another event loop that is still running (in "
+                    "another thread); its connections belong to that loop: make one "
+                    "AsyncLocker per loop"
+                )
+            self._loop = loop
+            self._loop_end = at_loop_end(self._close_at_loop_end)
+            if previous is None:
+                return
+            logger.info(
+                "%r moves to a new event loop, dropping the previous loop's connections", self
+            )
+            self._listener = None
+            self._room = None
+            self._ready_lock = None
+            self._keep_alives.forget_tasks()
+            if self._operations.owns_engine:
+                self.engine.sync_engine.dispose(close=False)
+
+        async def _close_at_loop_end(self) -> None:
+            """``aclose()``, as this locker's loop shuts down: its connections can be closed only
+            on it (see ``loop_end``). The locker stays usable, on the next loop."""
+            if self._loop is not asyncio.get_running_loop():
+                return
+            try:
+                await self.aclose()
+            except Exception as error:
+                logger.warning(
+                    "%r: closing its connections at its loop's end failed: %s", self, error
+                )

@@ -1,40 +1,39 @@
-"""Queueing async PostgreSQL waiters in the server: the asyncio twin of
-``sqllocker/waiting_room.py`` (same advisory lock keys, so sync and async waiters of one
-lockstring share one queue, first come, first served).
+"""PostgreSQL: waiters of one lockstring queue in the server, first come, first served (the
+design is in ``queueing.py``).
 
-A queued waiter awaits ``pg_advisory_lock`` on a psycopg AsyncConnection of its own. If its
-task is cancelled meanwhile, the connection is closed, which ends the session and with it any
-place in the queue: a cancelled waiter never keeps others waiting. The head of a queue leaves a
-Request for a release to grant, and withdraws it as a sync head does (see ``Turn``).
+A queued waiter waits in ``pg_advisory_lock`` on a connection of its own; sync and async
+waiters of one lockstring share one queue. If an async waiter's task is cancelled meanwhile,
+its connection is closed, which ends the session and with it any place in the queue: a
+cancelled waiter never keeps others waiting.
+
+Written once for asyncio; the sync ``sqllocker/waiting_room.py`` is generated from it
+(``tests/unasync.py``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
-from sqlalchemy.util import greenlet_spawn
 
+from ..queueing import DEFAULT_CAPACITY, Entry, QueueWait, Request, Seats, timed_out
 from ..statements import Statements
-from ..waiting_room import (
-    DEFAULT_CAPACITY,
-    Entry,
-    QueueWait,
-    Request,
-    Seats,
-    timed_out,
-)
+from . import concurrency
+
+if True:  # ASYNC
+    import asyncio
 
 logger = logging.getLogger("sqllocker")
 
 
 class AsyncTurn:
-    """The head of one lockstring's queue: ``await leave()`` once the row is ours, or the wait
-    ends. ``request`` as for ``Turn``."""
+    """The head of one lockstring's queue: ``leave()`` once the row is ours, or the wait ends.
+
+    ``request``: the Request it left for a release to grant (None once a release took it).
+    """
 
     def __init__(
         self,
@@ -49,19 +48,24 @@ class AsyncTurn:
         self.request = request
 
     async def leave(self, give_back: bool = True) -> bool:
-        """As ``Turn.leave``, in the foreground."""
+        """Leave the queue; returns whether a row had been granted to our request (given back
+        with ``give_back``; without, it is the caller's)."""
         connection, self._connection = self._connection, None
         if connection is None:
             return False
-        # Shielded: a second cancellation must not leave the queue lock (or a request) held.
-        return await asyncio.shield(
-            self._room.leave(connection, self._key, self.request, give_back)
-        )
+        leaving = self._room.leave(connection, self._key, self.request, give_back)
+        if True:  # ASYNC
+            # A second cancellation must not leave the queue lock (or a request) held.
+            return await asyncio.shield(leaving)
+        else:
+            return leaving
 
     def leave_soon(self) -> None:
-        """Leave in a task of its own, once the row is ours and no request of ours stands:
-        the caller has its lock without waiting for this round trip (the next waiter could
-        not have the row anyway)."""
+        """Leave in the background, once the row is ours and no request of ours stands: the
+        caller has its lock without waiting for this round trip (the next waiter could not
+        have the row anyway). A standing request must be withdrawn before the caller has its
+        lock, or a release of some later holder's row could grant one to a waiter that is gone.
+        """
         assert self.request is None, "a standing request is withdrawn in the foreground"
         connection, self._connection = self._connection, None
         if connection is not None:
@@ -74,7 +78,7 @@ class AsyncTurn:
 
 
 class AsyncWaitingRoom:
-    """One AsyncLocker's queues, and the connections its queued waiters wait on."""
+    """One locker's queues, and the connections its queued waiters wait on."""
 
     def __init__(
         self, engine: AsyncEngine, statements: Statements, capacity: int = DEFAULT_CAPACITY
@@ -82,7 +86,7 @@ class AsyncWaitingRoom:
         self._engine = engine
         self.seats = Seats(capacity)
         self.queue_wait = QueueWait(statements)
-        self._leaving: set[asyncio.Task[bool]] = set()
+        self._leaving = concurrency.Background("sqllocker-queue-leaver")
 
     def key(self, lockstring: str) -> int:
         """The advisory lock key of ``lockstring``'s queue in this room's table."""
@@ -95,15 +99,19 @@ class AsyncWaitingRoom:
         before_blocking: Callable[[], None],
         request: Request,
     ) -> Entry[AsyncTurn]:
-        """As ``WaitingRoom.enter``."""
+        """Become the head of ``lockstring``'s queue, waiting at most ``timeout`` seconds (and
+        at most QUEUE_PATIENCE), and leave ``request`` for a release to grant.
+
+        ``before_blocking`` is called before queueing: a waiter stops listening for the row's
+        releases while it queues (the head of the queue in this process may need them).
+        """
         connection = await self._checkout()
         if connection is None:
             return Entry(None, try_again=False, usable=False)
         key = self.key(lockstring)
         before_blocking()
         try:
-            statement = self.queue_wait.statement(key, timeout, request)
-            cursor = await connection.execute(*statement)
+            cursor = await connection.execute(*self.queue_wait.statement(key, timeout, request))
             if self.queue_wait.granted(await cursor.fetchone()):
                 turn = AsyncTurn(self, connection, key, request)
                 return Entry(turn, try_again=True, usable=True)
@@ -113,54 +121,55 @@ class AsyncWaitingRoom:
             if timed_out(error):
                 await self._checkin(connection)  # the caller's deadline, or our patience
                 return Entry(None, try_again=True, usable=True)
-            await asyncio.shield(self._discard(connection))
+            if True:  # ASYNC
+                await asyncio.shield(self._discard(connection))
+            else:
+                self._discard(connection)
             if not isinstance(error, Exception):
-                raise  # cancelled: closing the connection has left the queue
+                raise  # cancelled or interrupted: closing the connection has left the queue
             logger.warning("could not queue for %r (%s); waiting unqueued", lockstring, error)
             return Entry(None, try_again=True, usable=False)
 
     async def leave(
         self, connection: Any, key: int, request: Request | None = None, give_back: bool = True
     ) -> bool:
-        """As ``WaitingRoom.leave``."""
+        """Leave the queue of ``key`` (see ``Turn.leave``); never raises but to be cancelled
+        or interrupted."""
+        statement = self.queue_wait.leave_statement(key, request, give_back)
         try:
-            cursor = await connection.execute(
-                *self.queue_wait.leave_statement(key, request, give_back)
-            )
+            cursor = await connection.execute(*statement)
             row = await cursor.fetchone()
-        except Exception as error:  # closing the connection ends the queue lock too
-            logger.warning("could not leave a lock queue (%s); closing its connection", error)
+        except BaseException as error:
+            # Closing the connection ends the queue lock too, and a request left standing is
+            # never granted once its session no longer heads the queue.
             await self._discard(connection)
+            if not isinstance(error, Exception):
+                raise
+            logger.warning("could not leave a lock queue (%s); closing its connection", error)
             return False
         await self._checkin(connection)
         return request is not None and bool(row[0])
 
     def leave_soon(self, connection: Any, key: int) -> None:
-        """``leave`` in a task of its own, kept until it is done (``close`` waits for it)."""
-        task = asyncio.get_running_loop().create_task(self.leave(connection, key))
-        self._leaving.add(task)
-        task.add_done_callback(self._leaving.discard)
+        """``leave`` in the background (``close`` waits for it)."""
+        self._leaving.call_soon(self.leave, connection, key)
 
     async def close(self) -> None:
-        if self._leaving:
-            await asyncio.gather(*self._leaving, return_exceptions=True)
+        await self._leaving.close()
         for connection in self.seats.close():
             with contextlib.suppress(Exception):
                 await connection.close()
+
+    # -- connections ----------------------------------------------------------------------------
 
     async def _checkout(self) -> Any | None:
         free, connection = self.seats.take()
         if not free or connection is not None:
             return connection
-        opened: Any = None
         try:
-            fairy = await greenlet_spawn(self._engine.sync_engine.raw_connection)
-            opened = fairy.driver_connection  # psycopg.AsyncConnection
-            fairy.detach()  # ours: it never goes back to the pool
-            await opened.set_autocommit(True)
-            return opened
+            return await concurrency.detached_connection(self._engine)
         except Exception as error:
-            await self._discard(opened)
+            await self._discard(None)
             logger.warning("could not open a connection to queue on (%s)", error)
             return None
 

@@ -1,5 +1,5 @@
 """PostgreSQL through psycopg 3: atomic takeover, waiters queued in the server and handed the
-row by the release (``sqllocker.waiting_room``), and a database shared with other roles.
+row by the release (``sqllocker.queueing``), and a database shared with other roles.
 
 Every catalog function and operator is named with its schema (``pg_catalog.``) and exact
 types, and strings are compared as ``text`` on both sides, so that nothing another role creates
@@ -97,7 +97,7 @@ class PostgreSQLBackend(Backend):
 
     def acquire_unless_queued(self, statements: Statements) -> ReturningInsert[Any]:
         """``acquire``, unless waiters are queued for the lockstring (see
-        ``sqllocker.waiting_room``): then insert nothing, as if refused.
+        ``sqllocker.queueing``): then insert nothing, as if refused.
 
         A waiting acquirer's first attempt uses this, so that it cannot take the row in the
         moment between a release and the head of the queue's INSERT. The queue's advisory lock,

@@ -30,15 +30,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from sqlalchemy.engine import Engine
-
-from . import forks
-
 logger = logging.getLogger("sqllocker")
-
-# How long the listener blocks in one read before checking whether it should stop.
-_READ_SECONDS = 1.0
-
 
 Event = TypeVar("Event", threading.Event, asyncio.Event)
 
@@ -156,87 +148,3 @@ def channel_for(table: str) -> str:
 def grants_channel_for(table: str) -> str:
     """The NOTIFY channel on which the DELETE trigger says it handed a row to a queue's head."""
     return f"sqllocker_{table}_granted"
-
-
-class ReleaseListener:
-    """One LISTEN connection per Locker, and the waiters it wakes."""
-
-    def __init__(self, engine: Engine, table: str) -> None:
-        self._engine = engine
-        self.channel = channel_for(table)
-        self.grants_channel = grants_channel_for(table)
-        self._lock = threading.Lock()
-        self._waiters = WaiterQueues()
-        self._thread: threading.Thread | None = None
-        self._listening = threading.Event()
-        self._stopping = False
-        self._pid = forks.pid
-        self.notifications = 0
-        self.grants = 0
-
-    def register(self, lockstring: str, digest: str | None = None) -> Waiter[threading.Event]:
-        """Subscribe to ``lockstring``'s next release, and, for the head of its queue (the
-        ``digest`` of its guid), to a hand-off of its row; call before the acquire attempt."""
-        self._ensure_listening()
-        return self._waiters.add(Waiter(lockstring, threading.Event(), digest))
-
-    def unregister(self, waiter: Waiter[threading.Event]) -> None:
-        self._waiters.remove(waiter)
-
-    def step_aside(self, waiter: Waiter[threading.Event]) -> None:
-        """``unregister`` for a waiter about to queue: see ``WaiterQueues.step_aside``."""
-        self._waiters.step_aside(waiter)
-
-    def stop(self) -> None:
-        self._stopping = True
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(_READ_SECONDS * 3)
-
-    # -- the listening thread ------------------------------------------------------------------
-
-    def _ensure_listening(self) -> None:
-        if self._pid != forks.pid:  # a forked child listens on a connection of its own
-            self._pid, self._thread, self._stopping = forks.pid, None, False
-            self._listening.clear()
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._listening.clear()
-                self._thread = threading.Thread(
-                    target=self._listen, name=f"sqllocker-listen-{self.channel}", daemon=True
-                )
-                self._thread.start()
-        # Subscribed before the caller's attempt, or not at all (then it polls): never a
-        # registration that silently misses the release.
-        self._listening.wait(5)
-
-    def _listen(self) -> None:
-        while not self._stopping:
-            try:
-                self._listen_once()
-            except Exception as error:  # the connection dropped: reconnect after a pause
-                self._listening.clear()
-                logger.warning("release notifications interrupted (%s); reconnecting", error)
-                self._waiters.wake_everyone()  # they may have missed a release meanwhile
-                if not self._stopping:
-                    threading.Event().wait(1.0)
-
-    def _listen_once(self) -> None:
-        fairy = self._engine.raw_connection()
-        connection: Any = fairy.driver_connection
-        fairy.detach()  # ours for good: it never goes back to the pool
-        try:
-            connection.autocommit = True
-            connection.execute(f'LISTEN "{self.channel}"')
-            connection.execute(f'LISTEN "{self.grants_channel}"')
-            self._listening.set()
-            while not self._stopping:
-                for notice in connection.notifies(timeout=_READ_SECONDS):
-                    self.notifications += 1
-                    if notice.channel == self.channel:
-                        self._waiters.wake_first(notice.payload)
-                    elif (grant := parse_grant(notice.payload)) is not None:
-                        self.grants += self._waiters.hand_over(grant)
-        finally:
-            self._listening.clear()
-            connection.close()

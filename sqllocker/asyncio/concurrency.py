@@ -1,0 +1,137 @@
+"""asyncio: what the async front end awaits where the generated sync one blocks a thread.
+
+The front end (the locker, the lock handle, the group, the semaphore, the waiting room and the
+release listener) is written once, here in ``sqllocker/asyncio/``, and its sync twin in
+``sqllocker/`` is generated from it (``tests/unasync.py``), importing ``sqllocker/concurrency.py``
+where this code imports this module: the same names, for threads.
+
+The lock operations themselves are sync code (``operations.LockOperations``), run by
+SQLAlchemy's ``greenlet_spawn`` on the AsyncEngine's ``sync_engine``: their driver calls become
+awaits on the event loop, and the SQL, retries and error handling are exactly the sync front
+end's.
+
+What only asyncio has is cancellation, at any await. An acquire whose caller is cancelled runs
+to its end in a task of its own (``shielded``), and a lock it turns out to have won is
+released straight away, so no row is left behind; a release, once started, likewise runs to
+its end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.util import greenlet_spawn
+
+from ..engine import create_async_locker_engine, resolve_url
+from ..errors import LockTypeError
+from .tasks import spawn
+
+logger = logging.getLogger("sqllocker")
+
+T = TypeVar("T")
+
+Event = asyncio.Event
+OpLock = asyncio.Lock
+# Greenlets take their connections from the pool: a connection stack is for threads.
+DIRECT_CONNECTIONS = False
+
+
+def create_engine(url: str | URL | None, *, transaction_pooling: bool) -> AsyncEngine:
+    url = resolve_url(url, asynchronous=True)
+    return create_async_locker_engine(url, transaction_pooling=transaction_pooling)
+
+
+def wrong_engine_hint(kind: str) -> str:
+    return "; for an Engine use sqllocker.Locker" if kind == "Engine" else ""
+
+
+def check_decorated(function: Callable[..., Any]) -> None:
+    if not inspect.iscoroutinefunction(function):
+        raise LockTypeError(
+            f"{function.__qualname__} is not a coroutine function: decorate it with "
+            "sqllocker.Locker.locked"
+        )
+
+
+def task_name() -> str | None:
+    task = asyncio.current_task()
+    return task.get_name() if task is not None else None
+
+
+async def run(operation: Callable[..., T], *args: Any) -> T:
+    """Run sync database code in a greenlet, where its driver calls are awaited."""
+    return await greenlet_spawn(operation, *args)
+
+
+def sleep_in_operation(seconds: float) -> None:
+    """LockOperations's pause between retries, without blocking the event loop."""
+    try:
+        from sqlalchemy.util import await_
+    except ImportError:  # SQLAlchemy 2.0 calls it await_only
+        from sqlalchemy.util import await_only as await_
+    await_(asyncio.sleep(seconds))
+
+
+async def sleep(seconds: float) -> None:
+    await asyncio.sleep(seconds)
+
+
+async def wait(event: asyncio.Event, timeout: float | None) -> None:
+    """Until ``event`` is set or ``timeout`` (seconds) has passed."""
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(event.wait(), timeout)
+
+
+async def detached_connection(engine: AsyncEngine) -> Any:
+    """A driver connection of the engine's that never goes back to its pool, in autocommit."""
+    fairy = await greenlet_spawn(engine.sync_engine.raw_connection)
+    connection: Any = fairy.driver_connection
+    fairy.detach()
+    try:
+        await connection.set_autocommit(True)
+    except BaseException:
+        await connection.close()
+        raise
+    return connection
+
+
+async def shielded(work: Coroutine[Any, Any, T], name: str, undo: Callable[[T], None]) -> T:
+    """Await ``work`` in a task of its own: cancelling the caller must not cut a statement off
+    halfway, when nobody would know whether the row was written. If the caller is cancelled,
+    ``undo`` gets what the work returns once it is done (and did not raise)."""
+    task = spawn(work, name)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(lambda done: _undo(done, undo))
+        raise
+
+
+def _undo(task: asyncio.Task[T], undo: Callable[[T], None]) -> None:
+    if not task.cancelled() and task.exception() is None:
+        undo(task.result())
+
+
+class Background:
+    """Coroutines that must not hold up their caller, each in a task of its own, kept until
+    done (``close`` waits for them)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def call_soon(self, function: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> None:
+        task = asyncio.get_running_loop().create_task(function(*args), name=self._name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,120 @@
+"""Threads: what the generated sync front end does where the asyncio one awaits.
+
+The front end (the locker, the lock handle, the group, the semaphore, the waiting room and the
+release listener) is written once, for asyncio, in ``sqllocker/asyncio/``, and its sync twin in
+``sqllocker/`` is generated from it (``tests/unasync.py``). Where the async code imports
+``sqllocker/asyncio/concurrency.py``, the generated code imports this module: the same names,
+for threads.
+"""
+
+from __future__ import annotations
+
+import inspect
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from sqlalchemy.engine import URL, Engine
+
+from . import forks
+from .engine import create_locker_engine, resolve_url
+from .errors import LockTypeError
+
+T = TypeVar("T")
+
+Event = threading.Event
+# Reentrant: an on_lost callback, called while an extend holds the lock, may unlock().
+OpLock = threading.RLock
+# A Locker that made its engine lends its lock operations connections of its own stack, which
+# a thread takes and gives back faster than the pool (see ``connections.py``).
+DIRECT_CONNECTIONS = True
+
+
+def create_engine(url: str | URL | None, *, transaction_pooling: bool) -> Engine:
+    return create_locker_engine(resolve_url(url), transaction_pooling=transaction_pooling)
+
+
+def wrong_engine_hint(kind: str) -> str:
+    return "; for an AsyncEngine use sqllocker.asyncio.AsyncLocker" if kind == "AsyncEngine" else ""
+
+
+def check_decorated(function: Callable[..., Any]) -> None:
+    if inspect.iscoroutinefunction(function):
+        raise LockTypeError(
+            f"{function.__qualname__} is a coroutine function: decorate it with "
+            "sqllocker.asyncio.AsyncLocker.locked"
+        )
+
+
+def task_name() -> str | None:
+    """No task: ``holder_details`` records the thread."""
+    return None
+
+
+def run(operation: Callable[..., T], *args: Any) -> T:
+    return operation(*args)
+
+
+# LockOperations's pause between retries.
+sleep_in_operation = time.sleep
+
+
+def sleep(seconds: float) -> None:
+    if seconds > 0:
+        time.sleep(seconds)
+
+
+def wait(event: threading.Event, timeout: float | None) -> None:
+    """Until ``event`` is set or ``timeout`` (seconds) has passed."""
+    event.wait(timeout)
+
+
+def detached_connection(engine: Engine) -> Any:
+    """A driver connection of the engine's that never goes back to its pool, in autocommit."""
+    fairy = engine.raw_connection()
+    connection: Any = fairy.driver_connection
+    fairy.detach()
+    try:
+        connection.autocommit = True
+    except BaseException:
+        connection.close()
+        raise
+    return connection
+
+
+class Background:
+    """Calls that must not hold up their caller, run one after another on a thread of their
+    own (started on first use, and again in a forked child), never raising."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._calls: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None]
+        self._calls = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._pid = forks.pid
+
+    def call_soon(self, function: Callable[..., Any], *args: Any) -> None:
+        with self._lock:
+            if self._pid != forks.pid:  # the parent's thread does not exist in a child
+                self._pid, self._thread, self._calls = forks.pid, None, queue.SimpleQueue()
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+            self._calls.put((function, args))
+
+    def _run(self) -> None:
+        while (call := self._calls.get()) is not None:
+            function, args = call
+            function(*args)
+
+    def close(self) -> None:
+        """Wait (a while) for the calls already asked for."""
+        with self._lock:
+            thread = self._thread if self._pid == forks.pid else None
+            if thread is not None:
+                self._calls.put(None)
+        if thread is not None:
+            thread.join(10)

@@ -1,0 +1,117 @@
+# Generated from sqllocker/asyncio/listener.py by tests/unasync.py: edit that file, then
+# run `python -m tests.unasync`.
+"""PostgreSQL: one LISTEN connection per locker, waking its waiters on release (the design is
+in ``notifications.py``).
+
+The connection listens on the table's channel (the DELETE trigger sends the lockstring while
+waiters are queued) and on its grants channel (a hand-off to the head of a queue). Waiters
+register before each attempt, and still wake by themselves at their backoff or the holder's
+expiry, so a dropped listening connection costs latency, never correctness.
+
+Written once for asyncio (a task per locker); the sync ``sqllocker/listener.py`` (a thread per
+locker) is generated from it (``tests/unasync.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from sqlalchemy.engine import Engine
+
+from . import concurrency, forks
+from .notifications import Waiter, WaiterQueues, channel_for, grants_channel_for, parse_grant
+
+logger = logging.getLogger("sqllocker")
+
+# How long a waiter waits for the listener to subscribe before it polls instead.
+SUBSCRIBE_SECONDS = 5.0
+RECONNECT_SECONDS = 1.0
+# How long the listening thread blocks in one read before checking whether it should stop.
+READ_SECONDS = 1.0
+
+
+class ReleaseListener:
+    """One LISTEN connection per locker, and the waiters it wakes."""
+
+    def __init__(self, engine: Engine, table: str) -> None:
+        self._engine = engine
+        self.channel = channel_for(table)
+        self.grants_channel = grants_channel_for(table)
+        self._waiters = WaiterQueues()
+        self._listening = concurrency.Event()
+        self.notifications = 0
+        self.grants = 0
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._pid = forks.pid
+
+    def register(self, lockstring: str, digest: str | None = None) -> Waiter[concurrency.Event]:
+        """Subscribe to ``lockstring``'s next release, and, for the head of its queue (the
+        ``digest`` of its guid), to a hand-off of its row; call before the acquire attempt."""
+        self._start_listening()
+        # Subscribed before the caller's attempt, or (after a timeout) not at all, when the
+        # caller's backoff polls: never a registration that silently misses the release.
+        concurrency.wait(self._listening, SUBSCRIBE_SECONDS)
+        return self._waiters.add(Waiter(lockstring, concurrency.Event(), digest))
+
+    def unregister(self, waiter: Waiter[concurrency.Event]) -> None:
+        self._waiters.remove(waiter)
+
+    def step_aside(self, waiter: Waiter[concurrency.Event]) -> None:
+        """``unregister`` for a waiter about to queue: see ``WaiterQueues.step_aside``."""
+        self._waiters.step_aside(waiter)
+
+    def _start_listening(self) -> None:
+        if self._pid != forks.pid:  # a forked child listens on a connection of its own
+            self._pid, self._thread, self._stopping = forks.pid, None, False
+            self._listening.clear()
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._listening.clear()
+                self._thread = threading.Thread(
+                    target=self._listen, name=f"sqllocker-listen-{self.channel}", daemon=True
+                )
+                self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(READ_SECONDS * 3)
+
+    def _listening_on(self) -> bool:
+        return not self._stopping
+
+    def _listen(self) -> None:
+        while self._listening_on():
+            try:
+                self._listen_once()
+            except Exception as error:  # the connection dropped: reconnect after a pause
+                logger.warning("release notifications interrupted (%s); reconnecting", error)
+            self._listening.clear()
+            self._waiters.wake_everyone()  # they may have missed a release meanwhile
+            if self._listening_on():
+                concurrency.sleep(RECONNECT_SECONDS)
+
+    def _listen_once(self) -> None:
+        connection = concurrency.detached_connection(self._engine)
+        try:
+            connection.execute(f'LISTEN "{self.channel}"')
+            connection.execute(f'LISTEN "{self.grants_channel}"')
+            self._listening.set()
+            while not self._stopping:
+                for notice in connection.notifies(timeout=READ_SECONDS):
+                    self._received(notice)
+        finally:
+            self._listening.clear()
+            connection.close()
+
+    def _received(self, notice: Any) -> None:
+        self.notifications += 1
+        if notice.channel == self.channel:
+            self._waiters.wake_first(notice.payload)
+        elif (grant := parse_grant(notice.payload)) is not None:
+            self.grants += self._waiters.hand_over(grant)

@@ -1,0 +1,199 @@
+"""PostgreSQL: waiters of one lockstring queue in the server, first come, first served.
+
+A release's NOTIFY reaches every listening Locker. If every waiter tried for the row on every
+release, all but one would be refused (load for nothing), and which one won would be chance:
+some waiters would wait far longer than others. So a waiter that has been refused queues on a
+session advisory lock keyed by table and lockstring, which the server grants in the order it
+was asked for; only the waiter holding it (the head of the queue) tries for the row on each
+release. Once the head has the row it leaves the queue and the next waiter becomes head; that
+round trip is made by a background thread, so that lock() returns as soon as the row is ours.
+A waiter's first attempt is refused while anyone holds or waits in the queue
+(``Statements.acquire_unless_queued``): a newcomer joins the queue rather than taking the row
+between a release and the head's INSERT. A queued wait lasts at most QUEUE_PATIENCE, so a head
+that stopped (its process suspended, its connection alive) holds the others up only that long,
+and so does a session outside sqllocker that holds a queue's key. The wait runs in the table's
+``_queue_for_hand_off`` function, which ends it without an ERROR in the server's log.
+
+A waiter (sync or async) that becomes the head of the queue leaves a *request* in the same
+statement (``Request``), and a release hands it the row in the release's own transaction (see
+the migration): the head has the lock when the release commits. The release's NOTIFY tells it
+the new row's id, never its guid, and the head reads its row back by id and guid before it
+believes it: anyone who can connect can send a NOTIFY. A head that stops waiting withdraws its
+request, giving back a row granted meanwhile, in the statement that leaves the queue; one that
+got the row by its own INSERT withdraws it before lock() returns, so that no later release can
+hand a row to a request nobody waits on.
+
+The advisory lock decides only who *tries*; who *holds* is decided by the row alone, as
+always. A queue connection that drops, or a hash shared by two lockstrings, costs fairness,
+never safety.
+
+A queued waiter holds a connection of its own while it waits: not one of the pool's, which
+holders need to release their locks. A Locker queues at most ``capacity`` waiters at once;
+further waiters wait unqueued (woken by NOTIFY, backing off), as they would without the room.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from . import forks
+from .statements import Statements
+
+T = TypeVar("T")
+
+DEFAULT_CAPACITY = 8
+# The longest a waiter stays queued before trying the row again. A head whose process stopped
+# (Ctrl-Z, a debugger) keeps its place while its connection lives; those behind it would wait
+# for it however free the row was. After this long they try the row themselves and, if it is
+# still held, queue again (mostly in the same order: they run out of patience in turn).
+QUEUE_PATIENCE = 1.0
+# Connections kept open between waits, so that the next wait does not pay for a new one.
+KEEP_IDLE = 2
+
+# A head that was handed the row leaves by releasing every advisory lock of its session: the
+# queue's and the one its request's liveness is told by. A queue connection serves one waiter at
+# a time and holds no others.
+LEAVE = "SELECT pg_catalog.pg_advisory_unlock_all()"
+
+
+def patience_ms(timeout: float | None) -> int:
+    """How long one queued wait may last, in milliseconds: the caller's remaining ``timeout``
+    (None: none) or QUEUE_PATIENCE, whichever is shorter."""
+    patience = QUEUE_PATIENCE if timeout is None else min(timeout, QUEUE_PATIENCE)
+    return max(1, round(patience * 1000))
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a release needs to hand the row to a waiter at the head of the queue: the row it
+    would insert itself (guid, holder details, expiry period)."""
+
+    lockstring: str
+    guid: str
+    holder: dict[str, Any]
+    ttl: float
+
+
+class QueueWait:
+    """The statements one table's waiters queue and leave by (psycopg parameters, for the
+    thread and the asyncio rooms alike): the table's own functions, called by their full
+    names with their exact argument types."""
+
+    def __init__(self, statements: Statements) -> None:
+        self._table_key = statements.table_key
+        self._wait = (
+            f"SELECT {statements.function('queue_for_hand_off')}(%s::bigint, %s::integer, "
+            "%s::varchar, %s::varchar, %s::jsonb, %s::double precision)"
+        )
+        self._leave = (
+            f"SELECT {statements.function('queue_leave')}"
+            "(%s::bigint, %s::varchar, %s::varchar, %s::boolean)"
+        )
+
+    def key(self, lockstring: str) -> int:
+        """The advisory lock key of ``lockstring``'s queue in this table."""
+        return queue_key(self._table_key, lockstring)
+
+    def statement(
+        self, key: int, timeout: float | None, request: Request
+    ) -> tuple[str, tuple[Any, ...]]:
+        """The statement (and parameters) that waits, at most ``timeout`` seconds, to head the
+        queue of ``key``, and leaves ``request`` once it does; its one value says whether it
+        heads the queue."""
+        holder = json.dumps(request.holder)
+        return self._wait, (
+            key,
+            patience_ms(timeout),
+            request.lockstring,
+            request.guid,
+            holder,
+            request.ttl,
+        )
+
+    def granted(self, row: Any) -> bool:
+        """Whether ``statement``'s row says the queue is ours (else the wait ran out)."""
+        return bool(row[0])
+
+    def leave_statement(
+        self, key: int, request: Request | None, give_back: bool
+    ) -> tuple[str, tuple[Any, ...]]:
+        """The statement that leaves the queue of ``key``: withdrawing ``request`` if it still
+        stands (and with ``give_back``, deleting a row granted to it); its one value says
+        whether a row had been granted."""
+        if request is not None:
+            return self._leave, (key, request.lockstring, request.guid, give_back)
+        return LEAVE, ()
+
+
+@dataclass(frozen=True)
+class Entry(Generic[T]):
+    """What came of trying to queue: the Turn if we head the queue now; whether the caller
+    must try for the row again at once (it stopped listening to queue, so it may have missed
+    a release); and whether the room may be used again (not when full or failing)."""
+
+    turn: T | None
+    try_again: bool
+    usable: bool
+
+
+def timed_out(error: BaseException) -> bool:
+    """Whether ``error`` is the server giving up a lock wait at lock_timeout (the caller's
+    deadline), rather than a failure."""
+    return getattr(error, "sqlstate", None) == "55P03"
+
+
+def queue_key(table: str, lockstring: str) -> int:
+    """The advisory lock key of ``lockstring``'s queue: a 64-bit hash, so it is all but certain
+    not to meet another lockstring's, nor the small integers applications pick for their own
+    advisory locks."""
+    digest = hashlib.blake2b(
+        f"{table}\0{lockstring}".encode(), digest_size=8, person=b"sqllocker"
+    ).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+class Seats:
+    """How many waiters of one room are queued, and the connections kept for the next ones:
+    the bookkeeping shared by the thread and the asyncio rooms (never held across I/O)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self.idle: list[Any] = []
+        self._in_use = 0
+        self._pid = forks.pid
+        self._closed = False
+
+    def take(self) -> tuple[bool, Any | None]:
+        """(whether a seat is free, a kept connection to use or None to open one)."""
+        with self._lock:
+            if self._pid != forks.pid:
+                # A forked child must not touch its parent's sockets, not even to close them.
+                self._pid, self.idle, self._in_use = forks.pid, [], 0
+            if self._closed or self._in_use >= self.capacity:
+                return False, None
+            self._in_use += 1
+            return True, self.idle.pop() if self.idle else None
+
+    def give_back(self, connection: Any | None) -> Any | None:
+        """Free a seat, keeping ``connection`` for the next waiter if there is room; returns
+        it if the caller must close it instead (None for a connection of the parent's)."""
+        with self._lock:
+            if self._pid != forks.pid:
+                return None
+            self._in_use -= 1
+            if connection is not None and not self._closed and len(self.idle) < KEEP_IDLE:
+                self.idle.append(connection)
+                return None
+            return connection
+
+    def close(self) -> list[Any]:
+        """No more seats; returns the kept connections, to be closed."""
+        with self._lock:
+            self._closed = True
+            idle, self.idle = self.idle, []
+            return idle
