@@ -4,9 +4,12 @@ PostgreSQL queue seen from outside, waiting for a condition, and printing a figu
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
@@ -131,3 +134,30 @@ def head_is_waiting(admin: sa.Engine, table: str) -> None:
 async def head_is_waiting_async(admin: sa.Engine, table: str) -> None:
     await wait_until_async(lambda: len(requests(admin, table)) == 1)
     await asyncio.sleep(0.3)
+
+
+def worker_records(state: Path) -> list[dict[str, Any]]:
+    """Every line the workers (tests/workers.py) logged in ``state``."""
+    return [
+        json.loads(line)
+        for path in sorted(state.glob("log-*.jsonl"))
+        for line in path.read_text().splitlines()
+    ]
+
+
+def holding_faults(
+    records: list[dict[str, Any]], lockstrings: list[str], state: Path
+) -> dict[str, int]:
+    """What the workers' acquisitions of ``lockstrings`` show: two holders at once (intervals
+    that overlap), fencing tokens out of holding order, and updates of the counter files lost."""
+    faults = {"double holders": 0, "fencing inversions": 0, "lost updates": 0}
+    for lockstring in lockstrings:
+        mine = sorted(
+            (r for r in records if r.get("ls") == lockstring and "out" in r), key=lambda r: r["in"]
+        )
+        for before, after in itertools.pairwise(mine):
+            faults["double holders"] += after["in"] < before["out"]
+            faults["fencing inversions"] += after["id"] <= before["id"]
+        counter = state / f"{lockstring}.count"
+        faults["lost updates"] += len(mine) - (int(counter.read_text()) if counter.exists() else 0)
+    return faults

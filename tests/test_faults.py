@@ -27,7 +27,7 @@ import sqlalchemy as sa
 
 from sqllocker import Locker, LockError, LockLost, lock_table
 from sqllocker.engine import resolve_url
-from tests.helpers import count_rows, figure
+from tests.helpers import count_rows, figure, head_is_waiting, wait_in_thread
 from tests.private_servers import running_private_server
 from tests.stall_proxy import StallProxy
 
@@ -222,6 +222,51 @@ def test_database_restart_never_gives_two_holders_or_reuses_an_id(
     )
 
 
+def quiet_wal(url: str) -> None:
+    """Leave a commit's WAL unflushed for seconds when it does not wait for the disk itself:
+    nothing else writes, the WAL writer sleeps 10 s between rounds, and the background writer
+    writes no pages (a page written would take the WAL before it to disk)."""
+    engine = sa.create_engine(resolve_url(url))
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        quiet = ("wal_writer_delay = '10s'", "autovacuum = off", "bgwriter_lru_maxpages = 0")
+        for setting in quiet:
+            conn.exec_driver_sql(f"ALTER SYSTEM SET {setting}")
+        conn.exec_driver_sql("SELECT pg_reload_conf()")
+    engine.dispose()
+    time.sleep(0.5)  # the settings reach the server's processes
+
+
+@pytest.mark.parametrize("private_server", ["postgresql"], indirect=True)
+def test_a_row_handed_over_is_durable_before_its_new_holder_has_it(private_server: Any) -> None:
+    """A release hands its row to the head of the queue in its own transaction, which commits
+    without waiting for the disk (Statements.release). The head must not have the lock until
+    that row is durable: a crash that took the hand-off back would bring the old row back, to
+    be taken over at its expiry while the head still acts as its holder."""
+    url = private_server.url
+    holder, waiter = Locker(url, grace=GRACE), Locker(url, grace=GRACE)
+    holder.create_table()
+    quiet_wal(url)
+    held = holder.lock("job", expires=30)
+    thread, result = wait_in_thread(waiter, "job", wait=60, expires=30)
+    admin = sa.create_engine(resolve_url(url))
+    head_is_waiting(admin, "semaphores")
+    held.unlock()
+    thread.join(10)
+    handed = result["lock"]
+    assert waiter._listener is not None
+    assert waiter._listener.grants == 1  # handed over by the release, not taken by the waiter
+    private_server.stop(crash=True)
+    private_server.start()
+
+    row = waiter.lock_info("job")
+    assert row is not None
+    assert row.lock_id == handed.lock_id, "the hand-off was lost in the crash, its head told not"
+    handed.unlock()
+    admin.dispose()
+    holder.close()
+    waiter.close()
+
+
 @pytest.mark.parametrize("private_server", ["postgresql"], indirect=True)
 def test_a_release_lost_in_a_crash_keeps_the_lock_held_until_it_expires(
     private_server: Any,
@@ -232,16 +277,8 @@ def test_a_release_lost_in_a_crash_keeps_the_lock_held_until_it_expires(
     url = private_server.url
     engine = sa.create_engine(resolve_url(url))
     lock_table("semaphores").create(engine)
-    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        # Leave a release's WAL unflushed for seconds: nothing else writes, the WAL writer
-        # sleeps 10 s between rounds, and the background writer writes no pages (a page
-        # written would take the WAL before it to disk).
-        quiet = ("wal_writer_delay = '10s'", "autovacuum = off", "bgwriter_lru_maxpages = 0")
-        for setting in quiet:
-            conn.exec_driver_sql(f"ALTER SYSTEM SET {setting}")
-        conn.exec_driver_sql("SELECT pg_reload_conf()")
     engine.dispose()
-    time.sleep(0.5)  # the settings reach the server's processes
+    quiet_wal(url)
     holder, contender = Locker(url, grace=GRACE), Locker(url, grace=GRACE)
     expires = 3.0
     lock = holder.lock("job", expires=expires)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import fcntl
 import json
 import os
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from sqllocker import Lock, LockBusy, Locker, LockLost
+from sqllocker import Lock, LockBusy, Locker, LockError, LockLost
 from tests.helpers import abandon
 
 
@@ -294,6 +295,93 @@ def semaphore(args: argparse.Namespace) -> int:
     return 0
 
 
+def failover(args: argparse.Namespace) -> int:
+    """Contend until ``<state>/stop`` exists, through a failover: a database error (the primary
+    gone, the new one not yet promoted) is logged and the acquire tried again. Every
+    acquisition is logged as by ``counter``, with the monotonic time its acquire returned; now
+    and then the keeper's lockstrings are tried too, and a success logged (a takeover)."""
+    locker = Locker(args.url, table=args.table, grace=args.grace)
+    work = CriticalSection(Path(args.state))
+    lockstrings = args.lockstrings.split(",")
+    kept = args.kept.split(",") if args.kept else []
+    errors = 0
+    with open(work.state / f"log-{os.getpid()}.jsonl", "w") as log:
+        while not (work.state / "stop").exists():
+            lockstring = random.choice(lockstrings)
+            try:
+                if kept and random.random() < 0.2:
+                    taken = locker.try_lock(random.choice(kept), expires=args.expires)
+                    if taken is not None:
+                        record = {"ls": taken.lockstring, "id": taken.lock_id, "took_kept": True}
+                        log.write(json.dumps({**record, "in": time.monotonic()}) + "\n")
+                        taken.unlock()
+                    continue
+                asked = time.monotonic()
+                lock = locker.lock(lockstring, wait=args.wait, expires=args.expires)
+            except LockError as error:
+                errors += 1
+                log.write(json.dumps({"error": str(error)[:200], "at": time.monotonic()}) + "\n")
+                time.sleep(0.05)
+                continue
+            entered = time.monotonic()
+            value = work.enter(lockstring)
+            time.sleep(args.hold)
+            work.leave(lockstring, value)
+            left = time.monotonic()
+            record = {"ls": lockstring, "id": lock.lock_id, "asked": asked, "in": entered}
+            log.write(json.dumps({**record, "out": left}) + "\n")
+            log.flush()
+            try:
+                lock.unlock()
+            except LockError as error:  # it expires; nobody takes it before then
+                errors += 1
+                log.write(json.dumps({"error": str(error)[:200], "at": time.monotonic()}) + "\n")
+    _say(pid=os.getpid(), overlaps=work.overlaps, errors=errors)
+    return 0
+
+
+def keeper(args: argparse.Namespace) -> int:
+    """Hold ``--lockstrings`` kept alive until ``<state>/stop`` exists; log each one's id, when
+    it was acquired, and when (if ever) its on_lost was called; at the end, whether each is
+    still ours (an extend on the primary of the moment succeeds)."""
+    state = Path(args.state)
+    lost_at: dict[str, float] = {}
+
+    def on_lost(error: LockLost) -> None:
+        lost_at.setdefault(error.lockstring or "", time.monotonic())
+
+    locker = Locker(args.url, table=args.table, grace=args.grace, on_lost=on_lost)
+    locks = []
+    for lockstring in args.lockstrings.split(","):
+        lock = locker.lock(lockstring, expires=args.expires, keep_alive=True)
+        locks.append((lock, time.monotonic()))
+    _say(ready=True)
+    while not (state / "stop").exists():
+        time.sleep(0.1)
+    for lock, acquired in locks:
+        still_ours = False
+        if lock.lockstring not in lost_at:
+            for _ in range(20):  # the cluster may still be settling
+                try:
+                    lock.extend()
+                    still_ours = True
+                    break
+                except LockLost:
+                    break
+                except LockError:
+                    time.sleep(0.5)
+        _say(
+            ls=lock.lockstring,
+            id=lock.lock_id,
+            acquired=acquired,
+            lost_at=lost_at.get(lock.lockstring),
+            still_ours=still_ours,
+        )
+        with contextlib.suppress(LockError):
+            lock.unlock()
+    return 0
+
+
 def _say(**fields: object) -> None:
     print(json.dumps(fields), flush=True)
 
@@ -354,7 +442,28 @@ def main(argv: list[str] | None = None) -> int:
     permits.add_argument("--seconds", type=float, default=10)
     permits.add_argument("--expires", type=float, default=60)
     permits.add_argument("--grace", type=float, default=1.0)
+    contender = commands.add_parser("failover", help="contend through a failover, counted")
+    contender.add_argument("--url", required=True)
+    contender.add_argument("--table", required=True)
+    contender.add_argument("--state", required=True, help="directory shared by the workers")
+    contender.add_argument("--lockstrings", required=True, help="comma-separated")
+    contender.add_argument("--kept", default="", help="the keeper's lockstrings, to try")
+    contender.add_argument("--hold", type=float, default=0.01)
+    contender.add_argument("--wait", type=float, default=2.0)
+    contender.add_argument("--expires", type=float, default=10)
+    contender.add_argument("--grace", type=float, default=1.0)
+    kept = commands.add_parser("keeper", help="hold kept-alive locks through a failover")
+    kept.add_argument("--url", required=True)
+    kept.add_argument("--table", required=True)
+    kept.add_argument("--state", required=True, help="directory shared by the workers")
+    kept.add_argument("--lockstrings", required=True, help="comma-separated")
+    kept.add_argument("--expires", type=float, default=60)
+    kept.add_argument("--grace", type=float, default=1.0)
     args = parser.parse_args(argv)
+    if args.command == "failover":
+        return failover(args)
+    if args.command == "keeper":
+        return keeper(args)
     if args.command == "counter":
         return async_counter(args) if args.asyncio else counter(args)
     if args.command == "semaphore":

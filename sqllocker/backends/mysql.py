@@ -163,7 +163,14 @@ class MySQLBackend(Backend):
         no lock that lasts the statement. Then only the stripes table keeps an acquirer delayed
         between drawing its id and the unique check from holding the lock after a later holder,
         with a smaller fencing token (see :meth:`acquire`), so a table without it is reported.
-        Mutual exclusion does not depend on it; the order of tokens does."""
+        Mutual exclusion does not depend on it; the order of tokens does.
+
+        A Galera cluster of several nodes: each node draws ids from its own interleaved series
+        (``auto_increment_offset``), and a lock taken through one node may carry a smaller id
+        than an earlier holder's taken through another (tests/test_galera.py sees it happen).
+        Certification keeps two holders out, whichever nodes they write to; the order of tokens
+        holds only if every lock write goes to one node, which no client can tell from its
+        session, so the check reports every multi-node cluster."""
         problems = []
         lock_stripes = False
         flush, autoinc = conn.exec_driver_sql(
@@ -179,6 +186,13 @@ class MySQLBackend(Backend):
                     f"{id_order_table_name(table)} (run `sqllocker migrate --table {table}`)"
                 )
                 problems.append(UnsafeSetting(setting, REORDERS_IDS))
+        galera = conn.exec_driver_sql("SHOW GLOBAL STATUS LIKE 'wsrep_cluster_size'").first()
+        if galera is not None and str(galera[1]).isdigit() and int(galera[1]) > 1:
+            setting = (
+                f"a Galera cluster of {galera[1]} nodes (wsrep_cluster_size), unless every lock "
+                "write goes to one node"
+            )
+            problems.append(UnsafeSetting(setting, REORDERS_IDS))
         return ServerSettings(problems, lock_stripes, foreign=self.foreign_table(conn, table))
 
     def foreign_table(self, conn: Connection, table: str) -> str | None:

@@ -1,0 +1,154 @@
+"""Locks on a MariaDB Galera cluster of the tests' own (``tests/galera_cluster.py``): three nodes.
+
+Galera certifies each transaction against those that committed on any node since it began, and
+the first to commit wins: two nodes that insert one lockstring at once cannot both commit, and
+the loser's error (a deadlock, 1213) is retried as contention. So mutual exclusion holds
+whichever nodes the holders write to. Auto-increment values are drawn per node, from
+interleaved series (``auto_increment_offset``): with writers on every node a later holder can
+carry a smaller fencing token, which the settings check reports; through one node, tokens
+increase.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sqllocker import LockBusy, Locker, LockLost, UnsafeDatabase, UnsafeDatabaseWarning
+from tests.galera_cluster import GaleraCluster, running_galera_cluster
+from tests.helpers import holding_faults, worker_records
+
+TABLE = "semaphores"
+LOCKSTRING = "galera"
+WORKERS = 6
+ACQUISITIONS_EACH = 30
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[GaleraCluster]:
+    with running_galera_cluster() as started:
+        with Locker(started.urls()[0], table=TABLE) as locker:
+            locker.create_table()
+        yield started
+
+
+def contend(cluster: GaleraCluster, urls: list[str], state: Path) -> dict[str, int]:
+    """Six workers, through ``urls`` in turn, take ``LOCKSTRING`` and update its counter;
+    returns what their acquisitions show (see ``holding_faults``)."""
+    workers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                *("-m", "tests.workers", "counter", "--url", urls[number % len(urls)]),
+                *("--table", TABLE, "--state", str(state), "--lockstrings", LOCKSTRING),
+                *("--count", str(ACQUISITIONS_EACH), "--grace", "0"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for number in range(WORKERS)
+    ]
+    started = time.monotonic()
+    reports = []
+    for worker in workers:
+        out, err = worker.communicate(timeout=300)
+        assert worker.returncode == 0, f"worker failed:\n{err[-3000:]}"
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    elapsed = time.monotonic() - started
+    records = worker_records(state)
+    assert len(records) == WORKERS * ACQUISITIONS_EACH
+    assert sum(report["overlaps"] for report in reports) == 0
+    faults = holding_faults(records, [LOCKSTRING], state)
+    print(
+        {
+            "writers": WORKERS,
+            "nodes written to": len(urls),
+            "acquisitions": len(records),
+            "per second": round(len(records) / elapsed, 1),
+            **faults,
+        }
+    )
+    return faults
+
+
+def test_writers_on_every_node_never_hold_one_lockstring_at_once(
+    cluster: GaleraCluster, tmp_path: Path
+) -> None:
+    """Certification conflicts (two nodes inserting one lockstring) are retried, not raised;
+    the tokens' order across nodes is not guaranteed, and the settings check says so."""
+    faults = contend(cluster, cluster.urls(), tmp_path)
+    assert faults["double holders"] == 0
+    assert faults["lost updates"] == 0
+    with (
+        Locker(cluster.urls()[1], table=TABLE) as locker,
+        pytest.warns(UnsafeDatabaseWarning, match="Galera cluster of 3 nodes"),
+    ):
+        locker.lock("check")
+    with (
+        Locker(cluster.urls()[1], table=TABLE, strict=True) as strict,
+        pytest.raises(UnsafeDatabase, match="Galera"),
+    ):
+        strict.lock("check")
+
+
+def test_lock_writes_through_one_node_keep_fencing_tokens_in_order(
+    cluster: GaleraCluster, tmp_path: Path
+) -> None:
+    """What the docs prescribe: every lock operation through one node (a proxy or a floating
+    address in front of the cluster), which draws every id from its own increasing series."""
+    faults = contend(cluster, cluster.urls()[:1], tmp_path)
+    assert faults == {"double holders": 0, "fencing inversions": 0, "lost updates": 0}
+
+
+@pytest.mark.filterwarnings("ignore::sqllocker.UnsafeDatabaseWarning")  # reported above
+def test_a_node_killed_mid_hold_lets_nobody_in_before_its_holder_is_told(
+    cluster: GaleraCluster,
+) -> None:
+    """The holder's node dies while it holds a kept-alive lock: the row was on every node
+    before the acquire returned, so the others refuse the lockstring until it expires, and by
+    then the holder, unable to renew, has been told it lost the lock."""
+    victim = cluster.nodes[2]
+    url_of_victim, url_of_survivor = cluster.urls()[2], cluster.urls()[0]
+    lost_at: list[float] = []
+    holder = Locker(url_of_victim, table=TABLE, grace=0.5)
+    contender = Locker(url_of_survivor, table=TABLE, grace=0.5)
+    held = holder.lock(
+        "nightly", expires=4, keep_alive=True, on_lost=lambda _: lost_at.append(time.monotonic())
+    )
+    cluster.kill(victim)
+    killed_at = time.monotonic()
+    cluster.wait_for_size(2, cluster.nodes[:2], seconds=60)
+    refused = 0
+    taken_at = None
+    while taken_at is None and time.monotonic() < killed_at + 60:
+        try:
+            taken = contender.lock("nightly")
+            taken_at = time.monotonic()
+        except LockBusy:
+            refused += 1
+            time.sleep(0.1)
+    assert taken_at is not None, "the dead holder's lock was never taken over"
+    assert lost_at, "the holder was never told"
+    assert lost_at[0] < taken_at, "taken over before its holder knew"
+    assert taken.lock_id > held.lock_id
+    with pytest.raises(LockLost):
+        held.check()
+    print(
+        {
+            "holder told after the kill (s)": round(lost_at[0] - killed_at, 2),
+            "taken over after the kill (s)": round(taken_at - killed_at, 2),
+            "refusals meanwhile": refused,
+        }
+    )
+    taken.unlock()
+    contender.close()
+    holder_close = threading.Thread(target=holder.close, daemon=True)
+    holder_close.start()  # its node is gone: closing may wait on a dead connection
