@@ -389,17 +389,27 @@ def _say(**fields: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.workers")
     commands = parser.add_subparsers(dest="command", required=True)
-    work = commands.add_parser("counter", help="read-sleep-write a shared counter under locks")
+
+    def command(
+        name: str, about: str, expires: float, shared: bool = True
+    ) -> argparse.ArgumentParser:
+        """A worker's command, with the options every worker has: where the table is, the
+        directory the workers share (``shared``), and the locks' expiry and grace."""
+        sub = commands.add_parser(name, help=about)
+        sub.add_argument("--url", required=True)
+        sub.add_argument("--table", required=True)
+        if shared:
+            sub.add_argument("--state", required=True, help="directory shared by the workers")
+        sub.add_argument("--expires", type=float, default=expires)
+        sub.add_argument("--grace", type=float, default=1.0)
+        return sub
+
+    work = command("counter", "read-sleep-write a shared counter under locks", 60)
     work.add_argument("--asyncio", action="store_true", help="through AsyncLocker")
     work.add_argument("--tasks", type=int, default=4, help="concurrent tasks (with --asyncio)")
-    work.add_argument("--url", required=True)
-    work.add_argument("--table", required=True)
-    work.add_argument("--state", required=True, help="directory shared by the workers")
     work.add_argument("--lockstrings", required=True, help="comma-separated")
     work.add_argument("--count", type=int, default=200)
     work.add_argument("--hold", type=float, default=0.001)
-    work.add_argument("--expires", type=float, default=60)
-    work.add_argument("--grace", type=float, default=1.0)
     work.add_argument(
         "--abandon-every", type=int, default=0, help="leave every Nth lock held (sync only)"
     )
@@ -417,48 +427,24 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="through a transaction-pooling PgBouncer (Locker's transaction_pooling)",
     )
-    holder = commands.add_parser("hold", help="hold one lock and obey commands on stdin")
-    holder.add_argument("--url", required=True)
-    holder.add_argument("--table", required=True)
+    holder = command("hold", "hold one lock and obey commands on stdin", 1.0, shared=False)
     holder.add_argument("--lockstring", required=True)
-    holder.add_argument("--expires", type=float, default=1.0)
-    holder.add_argument("--grace", type=float, default=1.0)
     holder.add_argument("--keep-alive", action="store_true")
-    both = commands.add_parser("pairs", help="take random pairs of locks together, counted")
-    both.add_argument("--url", required=True)
-    both.add_argument("--table", required=True)
-    both.add_argument("--state", required=True, help="directory shared by the workers")
+    both = command("pairs", "take random pairs of locks together, counted", 60)
     both.add_argument("--lockstrings", required=True, help="comma-separated")
     both.add_argument("--count", type=int, default=200)
     both.add_argument("--hold", type=float, default=0.001)
-    both.add_argument("--expires", type=float, default=60)
-    both.add_argument("--grace", type=float, default=1.0)
-    permits = commands.add_parser("semaphore", help="take permits of a semaphore, counted")
-    permits.add_argument("--url", required=True)
-    permits.add_argument("--table", required=True)
-    permits.add_argument("--state", required=True, help="directory shared by the workers")
+    permits = command("semaphore", "take permits of a semaphore, counted", 60)
     permits.add_argument("--name", required=True)
     permits.add_argument("--limit", type=int, required=True)
     permits.add_argument("--seconds", type=float, default=10)
-    permits.add_argument("--expires", type=float, default=60)
-    permits.add_argument("--grace", type=float, default=1.0)
-    contender = commands.add_parser("failover", help="contend through a failover, counted")
-    contender.add_argument("--url", required=True)
-    contender.add_argument("--table", required=True)
-    contender.add_argument("--state", required=True, help="directory shared by the workers")
+    contender = command("failover", "contend through a failover, counted", 10)
     contender.add_argument("--lockstrings", required=True, help="comma-separated")
     contender.add_argument("--kept", default="", help="the keeper's lockstrings, to try")
     contender.add_argument("--hold", type=float, default=0.01)
     contender.add_argument("--wait", type=float, default=2.0)
-    contender.add_argument("--expires", type=float, default=10)
-    contender.add_argument("--grace", type=float, default=1.0)
-    kept = commands.add_parser("keeper", help="hold kept-alive locks through a failover")
-    kept.add_argument("--url", required=True)
-    kept.add_argument("--table", required=True)
-    kept.add_argument("--state", required=True, help="directory shared by the workers")
+    kept = command("keeper", "hold kept-alive locks through a failover", 60)
     kept.add_argument("--lockstrings", required=True, help="comma-separated")
-    kept.add_argument("--expires", type=float, default=60)
-    kept.add_argument("--grace", type=float, default=1.0)
     args = parser.parse_args(argv)
     if args.command == "failover":
         return failover(args)
