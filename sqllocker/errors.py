@@ -130,7 +130,15 @@ class UnsafeDatabaseWarning(UserWarning):
 
 
 class DatabaseError(LockError):
-    """The database could not be reached, or failed; the driver's error is the ``__cause__``."""
+    """The database could not be reached, or failed; the driver's error is the ``__cause__``.
+
+    ``outage``: the database was reachable before and is not now, or takes no writes (a
+    failover under way, a restart): a waiting acquire with time left waits through it.
+    """
+
+    def __init__(self, message: str, lockstring: str | None = None, outage: bool = False) -> None:
+        super().__init__(message, lockstring)
+        self.outage = outage
 
 
 def one_line(text: object) -> str:

@@ -30,7 +30,7 @@ from .defaults import (
     DEFAULT_PURGE_PAUSE_RATIO,
 )
 from .engine import describe_url
-from .errors import LockBusy, LockTypeError
+from .errors import DatabaseError, LockBusy, LockTypeError
 from .group import LockGroup
 from .holding import OnLost
 from .identity import holder_details, new_guid
@@ -409,7 +409,16 @@ class Locker:
                 heading = digest if turn is not None and turn.request is not None else None
                 waiter = listener.register(lockstring, heading) if listener else None
                 try:
-                    outcome = self._try_acquire(lockstring, guid, details, ttl, on_lost, gate)
+                    try:
+                        outcome = self._try_acquire(lockstring, guid, details, ttl, on_lost, gate)
+                    except DatabaseError as error:
+                        if not error.outage or backoff.expired():
+                            raise
+                        # A failover or a restart: wait it out, as for a holder. An attempt
+                        # cut off may have taken the row; the next one finds it ours (guid).
+                        logger.warning("waiting for %r through an outage: %s", lockstring, error)
+                        concurrency.sleep(backoff.next_delay())
+                        continue
                     gated, gate = gate is not None, None
                     if isinstance(outcome, Lock):
                         if turn is not None:

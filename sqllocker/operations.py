@@ -696,6 +696,7 @@ class LockOperations:
                         "(postgresql://user@host1:port1,host2:port2/db), so that sqllocker "
                         f"reconnects to the primary: {one_line(error.orig)}",
                         lockstring,
+                        outage=True,
                     ) from error
                 if error.connection_invalidated:
                     self._needs_setup = True  # the server may have restarted: see ensure_setup
@@ -726,6 +727,7 @@ class LockOperations:
                     + (f" for lock {lockstring!r}" if lockstring is not None else "")
                     + f": {one_line(error.orig)}",
                     lockstring,
+                    outage=error.connection_invalidated and self._backend is not None,
                 ) from error
 
     def _run_once(self, operation: Callable[[DriverSession], T]) -> T:
@@ -846,7 +848,9 @@ class LockOperations:
                 "--transaction-pooling)"
             )
         url = describe_url(self.url)
-        return DatabaseError(f"cannot connect to {url}: {one_line(error)}; {advice}")
+        # Reachable before: a restart or a failover, not a wrong URL.
+        outage = self._backend is not None
+        return DatabaseError(f"cannot connect to {url}: {one_line(error)}; {advice}", outage=outage)
 
     def ensure_setup(self) -> None:
         """Learn the backend and check the settings the locks' guarantees rest on: on first use,

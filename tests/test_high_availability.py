@@ -1,8 +1,7 @@
 """PostgreSQL run highly available, on real servers of the tests' own: a URL naming several
-hosts, a primary that stops taking writes, and replication the locks cannot rely on.
-
-(The Patroni + etcd and Galera clusters of issue 32 are not here yet; these are the parts of it
-that plain servers show.)
+hosts, a primary that stops taking writes, a server away for a while, and replication the locks
+cannot rely on. (The Patroni + etcd and Galera clusters are in tests/test_patroni.py and
+tests/test_galera.py.)
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ import sqlalchemy as sa
 from sqllocker import DatabaseError, Locker, UnsafeDatabase, UnsafeDatabaseWarning
 from sqllocker.engine import resolve_url
 from sqllocker.migrations import upgrade
+from tests.helpers import wait_in_thread
 from tests.private_servers import PrivatePostgres, running_private_server, running_standby
 
 
@@ -51,6 +51,30 @@ def test_a_url_naming_several_hosts_reaches_the_one_that_answers(
             conn.exec_driver_sql(f"DROP TABLE {table_name}_requests")
             conn.exec_driver_sql(f"DROP TABLE sqllocker_alembic_version_{table_name}")
         engine.dispose()
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "mysql"])
+def test_a_waiter_waits_through_an_outage_within_its_wait(kind: str) -> None:
+    """A failover leaves no server taking writes for a while (Patroni: its ttl). A waiter with
+    time left keeps waiting through it, and takes the lock once the database is back and the
+    row free; a lock() without wait still fails at once, in one line."""
+    with running_private_server(kind) as server:
+        holder, waiter = Locker(server.url, grace=0.2), Locker(server.url, grace=0.2)
+        holder.create_table()
+        held = holder.lock("nightly", expires=2)
+        thread, result = wait_in_thread(waiter, "nightly", wait=60)
+        time.sleep(0.5)
+        server.stop(crash=True)
+        with pytest.raises(DatabaseError):
+            Locker(server.url).lock("nightly")  # no wait: the outage is the answer
+        time.sleep(5)  # longer than the holder's expiry and a waiter's poll: an attempt fails
+        server.start()
+        thread.join(60)
+        assert "lock" in result, result
+        assert result["lock"].lock_id > held.lock_id
+        result["lock"].unlock()
+        holder.close()
+        waiter.close()
 
 
 def make_read_only(server: PrivatePostgres) -> None:

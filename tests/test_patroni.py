@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -23,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from sqllocker import DatabaseError, Locker, UnsafeDatabase, UnsafeDatabaseWarning
-from tests.helpers import holding_faults, worker_records
+from sqllocker import Locker, UnsafeDatabase, UnsafeDatabaseWarning
+from tests.helpers import holding_faults, wait_in_thread, worker_records
 from tests.patroni_cluster import PatroniCluster, running_patroni_cluster
 
 CONTENDERS = 8
@@ -237,25 +236,14 @@ def test_a_release_lost_in_a_failover_lets_nobody_in_before_it_is_replicated(
     released = holder.lock("payroll", expires=10)
     old.from_peers.stall()  # replication held back: the release reaches only the old primary
     released.unlock()
-    result: dict[str, Any] = {}
-
-    def acquire_through_the_failover() -> None:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:  # while no node takes writes the acquire fails: an application tries again
-                result["lock"] = contender.lock("payroll", wait=30, expires=10)
-                return
-            except DatabaseError:
-                time.sleep(0.5)
-
-    thread = threading.Thread(target=acquire_through_the_failover)
-    thread.start()
+    # It waits through the failover, while no node takes writes.
+    thread, result = wait_in_thread(contender, "payroll", wait=120, expires=10)
     time.sleep(1)
     assert "lock" not in result, "an acquire was acknowledged before the standby had it"
     cluster.kill(old)
     cluster.wait_for(lambda: cluster.leader() is standby, "the promoted standby", 90)
-    thread.join(90)
-    assert "lock" in result, "no acquire succeeded after the failover"
+    thread.join(120)
+    assert "lock" in result, result
     taken = result["lock"]
     row = contender.lock_info("payroll")
     assert row is not None

@@ -29,7 +29,7 @@ from ..defaults import (
     DEFAULT_PURGE_PAUSE_RATIO,
 )
 from ..engine import describe_url
-from ..errors import LockBusy, LockTypeError
+from ..errors import DatabaseError, LockBusy, LockTypeError
 from ..holding import OnLost
 from ..identity import holder_details, new_guid
 from ..keepalive import DEFAULT_FRACTION
@@ -441,7 +441,18 @@ class AsyncLocker:
                 heading = digest if turn is not None and turn.request is not None else None
                 waiter = await listener.register(lockstring, heading) if listener else None
                 try:
-                    outcome = await self._try_acquire(lockstring, guid, details, ttl, on_lost, gate)
+                    try:
+                        outcome = await self._try_acquire(
+                            lockstring, guid, details, ttl, on_lost, gate
+                        )
+                    except DatabaseError as error:
+                        if not error.outage or backoff.expired():
+                            raise
+                        # A failover or a restart: wait it out, as for a holder. An attempt
+                        # cut off may have taken the row; the next one finds it ours (guid).
+                        logger.warning("waiting for %r through an outage: %s", lockstring, error)
+                        await concurrency.sleep(backoff.next_delay())
+                        continue
                     gated, gate = gate is not None, None
                     if isinstance(outcome, AsyncLock):
                         if turn is not None:
