@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import logging
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -32,8 +31,6 @@ from sqlalchemy.util import greenlet_spawn
 from ..engine import create_async_locker_engine, resolve_url
 from ..errors import LockTypeError
 from .tasks import spawn
-
-logger = logging.getLogger("sqllocker")
 
 T = TypeVar("T")
 
