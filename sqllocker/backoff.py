@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING
 
+from .queueing import QUEUE_PATIENCE
+
 if TYPE_CHECKING:
     from .operations import Refused
 
@@ -72,6 +74,19 @@ class Backoff:
             delay = min(delay, max(until_takeover, 0.0) + self.first_delay)
         remaining = self.remaining()
         return delay if remaining is None else min(delay, remaining)
+
+    def turn_patience(self, refused: Refused | None, grace: float) -> float:
+        """How long a waiter queued behind others waits for its turn before trying the row
+        anyway: until the row it was last refused can be taken over (its holder may have
+        stopped with its place in the queue held), else ``QUEUE_PATIENCE``; never past the
+        deadline."""
+        patience = QUEUE_PATIENCE
+        busy, server_now = (refused.busy, refused.server_now) if refused else (None, None)
+        if busy is not None and busy.expires is not None and server_now is not None:
+            until = (busy.expires - server_now).total_seconds() + grace
+            patience = max(until, 0.0) + self.first_delay
+        remaining = self.remaining()
+        return patience if remaining is None else min(patience, remaining)
 
     def after_refusal(
         self, refused: Refused, lockstring: str, wait: float | None, grace: float

@@ -71,6 +71,12 @@ def wait(event: threading.Event, timeout: float | None) -> None:
     event.wait(timeout)
 
 
+def woken_from_thread() -> tuple[threading.Event, Callable[[], None]]:
+    """An event to ``wait`` for, and a function that sets it from any thread."""
+    event = threading.Event()
+    return event, event.set
+
+
 def detached_connection(engine: Engine) -> Any:
     """A driver connection of the engine's that never goes back to its pool, in autocommit."""
     fairy = engine.raw_connection()

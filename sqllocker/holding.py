@@ -18,12 +18,15 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timezone
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from . import clock, forks
 from .errors import LockError, LockLost
 from .finaliser import Finaliser
 from .schema import to_utc
+
+if TYPE_CHECKING:
+    from .file_queue import Place
 
 logger = logging.getLogger("sqllocker")
 
@@ -65,6 +68,15 @@ class Holding:
         self.hold_at_least: float | None = None
         self.valid_until = sent_at + ttl - safety_margin(ttl)
         self._lost_lock = threading.Lock()
+        # Our place in the lockstring's queue in the kernel (SQLite: see file_queue), kept
+        # while the row is ours, so that the next waiter wakes the moment it is not.
+        self.place: Place | None = None
+
+    def leave_place(self) -> None:
+        """Let the next waiter in the kernel's queue try for the row (once it is not ours)."""
+        place, self.place = self.place, None
+        if place is not None:
+            place.leave()
 
     def is_valid(self) -> bool:
         return self.held and self.lost is None and clock.now() < self.valid_until
@@ -130,6 +142,7 @@ class Holding:
             if self.lost is not None:
                 return False
             self.lost = lost
+        self.leave_place()
         logger.warning("%s", lost)
         if self.on_lost is not None and self.pid == forks.pid:
             try:

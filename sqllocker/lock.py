@@ -99,8 +99,10 @@ class LockState(Holding):
                 )
             except LockLost:
                 self.held = False
+                self.leave_place()
                 raise
             self.held = False
+            self.leave_place()
 
     release = _delete_row
 

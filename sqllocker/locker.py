@@ -31,6 +31,7 @@ from .defaults import (
 )
 from .engine import describe_url
 from .errors import DatabaseError, LockBusy, LockTypeError
+from .file_queue import FileQueue, PlaceRequest
 from .group import LockGroup
 from .holding import OnLost
 from .identity import holder_details, new_guid
@@ -138,6 +139,8 @@ class Locker:
         self._setup_lock = threading.Lock()  # never held across a wait
         self._listener: ReleaseListener | None = None
         self._room: WaitingRoom | None = None
+        queue_file = self._operations.queue_file
+        self._file_queue = FileQueue(queue_file) if queue_file is not None else None
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -340,6 +343,8 @@ class Locker:
             self._listener.stop()
         if self._room is not None:
             self._room.close()
+        if self._file_queue is not None:
+            self._file_queue.close()
         concurrency.run(self._operations.close)
 
     def __enter__(self) -> Locker:
@@ -378,6 +383,10 @@ class Locker:
             if not isinstance(outcome, Lock):
                 raise outcome.busy_after(lockstring, wait)
             lock = outcome
+        elif self._file_queue is not None:
+            lock = self._wait_in_line(
+                self._file_queue, lockstring, guid, details, ttl, wait, on_lost
+            )
         else:
             lock = self._wait_for(lockstring, guid, details, ttl, wait, on_lost)
         lock._state.hold_at_least = hold_at_least
@@ -473,6 +482,58 @@ class Locker:
         finally:
             if turn is not None:
                 turn.leave()  # withdrawing our request, and giving back a row granted to it
+
+    def _wait_in_line(
+        self,
+        queue: FileQueue,
+        lockstring: str,
+        guid: str,
+        details: dict[str, Any],
+        ttl: float,
+        wait: float | None,
+        on_lost: OnLost | None,
+    ) -> Lock:
+        """Attempts until one succeeds, or LockBusy once ``wait`` has passed, in the kernel's
+        queue of ``lockstring`` (SQLite: see ``sqllocker.file_queue``): only the waiter holding
+        its place tries the row, and keeps the place while the row is ours."""
+        backoff = Backoff.for_wait(wait)
+        offset = queue.offset(self.table_name, lockstring)
+        place = queue.take(offset)
+        request: PlaceRequest | None = None
+        refused: Refused | None = None
+        in_line = True  # until the kernel's wait fails (then back off, unqueued)
+        try:
+            while True:
+                if place is None and in_line:
+                    request = request or queue.request(offset)
+                    granted, wake = concurrency.woken_from_thread()
+                    request.when_granted(wake)
+                    concurrency.wait(granted, backoff.turn_patience(refused, self.grace))
+                    place = request.take()
+                    if place is not None or request.granted.is_set():
+                        in_line, request = place is not None, None
+                try:
+                    outcome = self._try_acquire(lockstring, guid, details, ttl, on_lost)
+                except DatabaseError as error:
+                    if not error.outage or backoff.expired():
+                        raise
+                    logger.warning("waiting for %r through an outage: %s", lockstring, error)
+                    concurrency.sleep(backoff.next_delay())
+                    continue
+                if isinstance(outcome, Lock):
+                    outcome._state.place, place = place, None
+                    return outcome
+                refused = outcome
+                if place is not None or not in_line or backoff.expired():
+                    # Our turn, but the row is held by someone who did not queue (or whose
+                    # grace is not over): back off until it is free.
+                    delay = backoff.after_refusal(outcome, lockstring, wait, self.grace)
+                    concurrency.sleep(delay)
+        finally:
+            if request is not None:
+                request.withdraw()
+            if place is not None:
+                place.leave()
 
     def _try_acquire(
         self,

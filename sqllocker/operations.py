@@ -936,6 +936,11 @@ class LockOperations:
         )
 
     @property
+    def queue_file(self) -> str | None:
+        """The database file beside which waiters queue in the kernel (SQLite), or None."""
+        return backend_class(self.engine.dialect.name).queue_file(self.url)
+
+    @property
     def backend(self) -> Backend:
         """The backend (set up on first use)."""
         if self._backend is None:

@@ -86,6 +86,19 @@ async def wait(event: asyncio.Event, timeout: float | None) -> None:
         await asyncio.wait_for(event.wait(), timeout)
 
 
+def woken_from_thread() -> tuple[asyncio.Event, Callable[[], None]]:
+    """An event to ``wait`` for, and a function that sets it from any thread (on the running
+    loop, if it still runs)."""
+    event = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def wake() -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(event.set)
+
+    return event, wake
+
+
 async def detached_connection(engine: AsyncEngine) -> Any:
     """A driver connection of the engine's that never goes back to its pool, in autocommit."""
     fairy = await greenlet_spawn(engine.sync_engine.raw_connection)

@@ -116,8 +116,10 @@ class AsyncLockState(Holding):
                     )
             except LockLost:
                 self.held = False
+                self.leave_place()
                 raise
             self.held = False
+            self.leave_place()
 
     if True:  # ASYNC
 

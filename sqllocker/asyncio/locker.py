@@ -30,6 +30,7 @@ from ..defaults import (
 )
 from ..engine import describe_url
 from ..errors import DatabaseError, LockBusy, LockTypeError
+from ..file_queue import FileQueue, PlaceRequest
 from ..holding import OnLost
 from ..identity import holder_details, new_guid
 from ..keepalive import DEFAULT_FRACTION
@@ -150,6 +151,8 @@ class AsyncLocker:
         self._setup_lock = threading.Lock()  # never held across a wait
         self._listener: AsyncReleaseListener | None = None
         self._room: AsyncWaitingRoom | None = None
+        queue_file = self._operations.queue_file
+        self._file_queue = FileQueue(queue_file) if queue_file is not None else None
         if True:  # ASYNC
             self._loop: asyncio.AbstractEventLoop | None = None
             self._loop_end: Any = None
@@ -370,6 +373,8 @@ class AsyncLocker:
             await self._listener.stop()
         if self._room is not None:
             await self._room.close()
+        if self._file_queue is not None:
+            self._file_queue.close()
         await concurrency.run(self._operations.close)
 
     async def __aenter__(self) -> AsyncLocker:
@@ -410,6 +415,10 @@ class AsyncLocker:
             if not isinstance(outcome, AsyncLock):
                 raise outcome.busy_after(lockstring, wait)
             lock = outcome
+        elif self._file_queue is not None:
+            lock = await self._wait_in_line(
+                self._file_queue, lockstring, guid, details, ttl, wait, on_lost
+            )
         else:
             lock = await self._wait_for(lockstring, guid, details, ttl, wait, on_lost)
         lock._state.hold_at_least = hold_at_least
@@ -507,6 +516,58 @@ class AsyncLocker:
         finally:
             if turn is not None:
                 await turn.leave()  # withdrawing our request, and giving back a row granted to it
+
+    async def _wait_in_line(
+        self,
+        queue: FileQueue,
+        lockstring: str,
+        guid: str,
+        details: dict[str, Any],
+        ttl: float,
+        wait: float | None,
+        on_lost: OnLost | None,
+    ) -> AsyncLock:
+        """Attempts until one succeeds, or LockBusy once ``wait`` has passed, in the kernel's
+        queue of ``lockstring`` (SQLite: see ``sqllocker.file_queue``): only the waiter holding
+        its place tries the row, and keeps the place while the row is ours."""
+        backoff = Backoff.for_wait(wait)
+        offset = queue.offset(self.table_name, lockstring)
+        place = queue.take(offset)
+        request: PlaceRequest | None = None
+        refused: Refused | None = None
+        in_line = True  # until the kernel's wait fails (then back off, unqueued)
+        try:
+            while True:
+                if place is None and in_line:
+                    request = request or queue.request(offset)
+                    granted, wake = concurrency.woken_from_thread()
+                    request.when_granted(wake)
+                    await concurrency.wait(granted, backoff.turn_patience(refused, self.grace))
+                    place = request.take()
+                    if place is not None or request.granted.is_set():
+                        in_line, request = place is not None, None
+                try:
+                    outcome = await self._try_acquire(lockstring, guid, details, ttl, on_lost)
+                except DatabaseError as error:
+                    if not error.outage or backoff.expired():
+                        raise
+                    logger.warning("waiting for %r through an outage: %s", lockstring, error)
+                    await concurrency.sleep(backoff.next_delay())
+                    continue
+                if isinstance(outcome, AsyncLock):
+                    outcome._state.place, place = place, None
+                    return outcome
+                refused = outcome
+                if place is not None or not in_line or backoff.expired():
+                    # Our turn, but the row is held by someone who did not queue (or whose
+                    # grace is not over): back off until it is free.
+                    delay = backoff.after_refusal(outcome, lockstring, wait, self.grace)
+                    await concurrency.sleep(delay)
+        finally:
+            if request is not None:
+                request.withdraw()
+            if place is not None:
+                place.leave()
 
     async def _try_acquire(
         self,

@@ -220,6 +220,12 @@ class Backend:
         """Anything an engine sqllocker made needs on each new connection."""
 
     @classmethod
+    def queue_file(cls, url: URL) -> str | None:
+        """The database file whose waiters queue in the kernel (SQLite on Linux: see
+        ``sqllocker.file_queue``), or None."""
+        return None
+
+    @classmethod
     def notifies_releases(cls, dialect: Dialect) -> bool:
         """Whether waiters can be woken by the release (LISTEN/NOTIFY through psycopg 3)."""
         return False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
@@ -16,6 +17,7 @@ from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.expression import Executable
 from sqlalchemy.types import TypeEngine
 
+from .. import file_queue
 from ..schema import UTCDateTime
 from ..server_settings import LOSES_ROWS, ServerSettings, UnsafeSetting
 from ..timeouts import SQLITE_BUSY_TIMEOUT_SECONDS
@@ -127,6 +129,17 @@ class SQLiteBackend(Backend):
     def is_read_only(self, error: sa.exc.DBAPIError) -> bool:
         # A file the process may not write: no other server to try.
         return False
+
+    @classmethod
+    def queue_file(cls, url: URL) -> str | None:
+        database = url.database or ""
+        if url.query.get("uri") in ("true", "1") and database.startswith("file:"):
+            database, _, options = database[len("file:") :].partition("?")
+            if "mode=memory" in options or "mode=memory" in str(url.query.get("mode")):
+                return None
+        if not file_queue.AVAILABLE or database in ("", ":memory:"):
+            return None
+        return os.path.abspath(database)
 
     @classmethod
     def connect_args(

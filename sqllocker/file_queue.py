@@ -1,0 +1,234 @@
+"""SQLite: waiters of one lockstring queue in the kernel, on a byte of a file beside the database.
+
+Every process of an SQLite database runs on one machine, so the kernel can order them. Each
+lockstring has a byte in ``<database>-sqllocker-queue`` (at a 62-bit hash of table and
+lockstring), and whoever holds that byte's lock, its *place*, is the one waiter that tries for
+the row; it keeps the place while it holds the row. A release deletes the row and then gives
+the place up, and the kernel wakes a waiter blocked on it at once: the next holder inserts its
+row without polling. A newcomer that finds the place taken waits for it rather than trying the
+row, so it cannot slip in between a release and the next waiter's INSERT.
+
+The row is still the lock; the place only says who tries. A holder that stopped (Ctrl-Z) keeps
+its place, but not its row past its expiry: a waiter waits for the place at most until the row
+it was refused can be taken over (or ``QUEUE_PATIENCE``), then tries the row anyway, its
+request for the place still queued in the kernel.
+
+Places are open-file-description locks (Linux ``F_OFD_SETLKW``): each belongs to an open file,
+not to a process, so threads and tasks of one process queue against one another too, and the
+kernel gives up a place whose process died. Its wait cannot time out, so a blocked request
+waits in a thread of its own; a waiter that stops waiting leaves its request to the next waiter
+of its process for that lockstring, or has the place given up as soon as it is granted. Where
+there are no such locks (not Linux), or no file (a database in memory), waiters back off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import struct
+import sys
+import threading
+from collections.abc import Callable
+
+from . import forks
+
+if sys.platform == "linux":
+    import fcntl
+
+logger = logging.getLogger("sqllocker")
+
+SUFFIX = "-sqllocker-queue"
+# struct flock on 64-bit Linux: l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks).
+_FLOCK = "@hhqqixxxx"
+AVAILABLE = (
+    sys.platform == "linux" and hasattr(fcntl, "F_OFD_SETLKW") and (struct.calcsize(_FLOCK) == 32)
+)
+# Files kept open for the next place, so that a lock cycle opens none.
+KEEP_SPARE = 4
+
+
+def _byte(kind: int, offset: int) -> bytes:
+    return struct.pack(_FLOCK, kind, os.SEEK_SET, offset, 1, 0)
+
+
+class FileQueue:
+    """The places of one SQLite database's lockstrings (``path``: the database file)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path + SUFFIX
+        self._lock = threading.Lock()
+        self._spare: list[int] = []
+        # Requests whose waiter stopped waiting, by offset: still queued in the kernel, for the
+        # next waiter of this process to take over.
+        self._unwanted: dict[int, list[PlaceRequest]] = {}
+        self._pid = forks.pid
+        self._closed = False
+
+    @staticmethod
+    def offset(table: str, lockstring: str) -> int:
+        """The byte of ``lockstring``'s place: a hash, all but certain to be no one else's."""
+        digest = hashlib.blake2b(
+            f"{table}\0{lockstring}".encode(), digest_size=8, person=b"sqllocker"
+        ).digest()
+        return int.from_bytes(digest, "big") >> 2
+
+    def take(self, offset: int) -> Place | None:
+        """The place at ``offset`` if nobody holds it or waits for it; never blocks."""
+        fd = self._open()
+        try:
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _byte(fcntl.F_WRLCK, offset))
+        except OSError:
+            self._keep(fd)
+            return None
+        return Place(self, fd, offset)
+
+    def request(self, offset: int) -> PlaceRequest:
+        """Ask for the place at ``offset``: a thread waits for it, and the request says when it
+        is granted. A request another waiter of this process gave up is taken over."""
+        with self._lock:
+            unwanted = self._unwanted.get(offset)
+            if unwanted:
+                request = unwanted.pop()
+                request.wanted = True
+                return request
+        request = PlaceRequest(self, self._open(), offset)
+        threading.Thread(target=request.wait, name="sqllocker-place", daemon=True).start()
+        return request
+
+    def close(self) -> None:
+        """Close the spare files; places held and requests queued end with their own."""
+        with self._lock:
+            self._closed = True
+            spare, self._spare = self._spare, []
+        if self._pid == forks.pid:
+            for fd in spare:
+                os.close(fd)
+
+    # -- files ---------------------------------------------------------------------------------
+
+    def _open(self) -> int:
+        with self._lock:
+            self._after_fork()
+            if self._spare:
+                return self._spare.pop()
+        # Readable and writable by whoever may write the database beside it (the umask rules).
+        return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+
+    def _keep(self, fd: int) -> None:
+        """Keep ``fd`` (which holds no place) for the next place, or close it."""
+        with self._lock:
+            if self._pid == forks.pid and not self._closed and len(self._spare) < KEEP_SPARE:
+                self._spare.append(fd)
+                return
+        os.close(fd)
+
+    def _after_fork(self) -> None:
+        if self._pid != forks.pid:
+            # A forked child starts with no files of its own: those it inherited are its
+            # parent's, and its requests' threads were not forked with it.
+            for fd in self._spare:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._pid, self._spare, self._unwanted = forks.pid, [], {}
+
+
+class Place:
+    """A place held: the row is ours to try for, or ours; ``leave()`` once it is deleted."""
+
+    def __init__(self, queue: FileQueue, fd: int, offset: int) -> None:
+        self._queue = queue
+        self._fd: int | None = fd
+        self._offset = offset
+        self._pid = forks.pid
+
+    def leave(self) -> None:
+        """Give the place up (once; a forked child leaves its parent's alone)."""
+        fd, self._fd = self._fd, None
+        if fd is None or self._pid != forks.pid:
+            return
+        try:
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _byte(fcntl.F_UNLCK, self._offset))
+        except OSError as error:  # not expected; closing the file gives the place up too
+            logger.warning("could not leave a lock queue's place (%s); closing its file", error)
+            os.close(fd)
+            return
+        self._queue._keep(fd)
+
+
+class PlaceRequest:
+    """A place asked for, waited for by a thread of its own: ``granted`` is set once the
+    place is ours (``take()`` then hands it over), or the wait failed."""
+
+    def __init__(self, queue: FileQueue, fd: int, offset: int) -> None:
+        self._queue = queue
+        self._fd = fd
+        self._offset = offset
+        self.granted = threading.Event()
+        self.wanted = True
+        self._got = False
+        self._taken = False
+        self._callback: Callable[[], None] | None = None
+
+    def when_granted(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (from the waiting thread; it must not block) once granted, or now
+        if it is already; it replaces any earlier callback."""
+        with self._queue._lock:
+            if not self.granted.is_set():
+                self._callback = callback
+                return
+        callback()
+
+    def take(self) -> Place | None:
+        """The place, if granted (once)."""
+        with self._queue._lock:
+            if not self._got or self._taken:
+                return None
+            self._taken = True
+        return Place(self._queue, self._fd, self._offset)
+
+    def withdraw(self) -> None:
+        """No longer wanted: a granted place not taken is given up at once; a request still
+        queued is left for the next waiter of this process, or given up once granted."""
+        with self._queue._lock:
+            if not self.granted.is_set():
+                self.wanted = False
+                self._callback = None
+                self._queue._unwanted.setdefault(self._offset, []).append(self)
+                return
+            place = (
+                None if self._taken or not self._got else Place(self._queue, self._fd, self._offset)
+            )
+            self._taken = True
+        if place is not None:
+            place.leave()
+
+    def wait(self) -> None:
+        """The thread's work: block until the place is ours."""
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLKW, _byte(fcntl.F_WRLCK, self._offset))
+            got = True
+        except OSError as error:
+            logger.warning("could not queue for a lock (%s); waiting unqueued", error)
+            got = False
+        with self._queue._lock:
+            self._got = got
+            self.granted.set()
+            callback, self._callback = self._callback, None
+            wanted = self.wanted
+            if not wanted:
+                unwanted = self._queue._unwanted.get(self._offset, [])
+                if self in unwanted:
+                    unwanted.remove(self)
+                self._taken = True
+        if not wanted:
+            if got:
+                Place(self._queue, self._fd, self._offset).leave()
+            else:
+                os.close(self._fd)
+            return
+        if not got:
+            os.close(self._fd)
+        if callback is not None:
+            callback()
