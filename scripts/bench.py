@@ -27,6 +27,7 @@ page and chart from the bench.json already there.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import asyncio
 import bisect
 import collections
@@ -479,6 +480,14 @@ def _blocking_lock(
             (lambda lock: lock.unlock()),
             locker.close,
         )
+    if system == "flock":
+        # Beside the database, as sqllocker's own queue file is: one machine's blocking lock.
+        fd = os.open(url.removeprefix("sqlite:///") + "-flock", os.O_RDWR | os.O_CREAT, 0o644)
+        return (
+            (lambda: fcntl.flock(fd, fcntl.LOCK_EX)),
+            (lambda _: fcntl.flock(fd, fcntl.LOCK_UN)),
+            (lambda: os.close(fd)),
+        )
     if system == "advisory lock":
         connection = postgres_connection(url)
 
@@ -879,6 +888,7 @@ SYSTEM_NAMES = {
     "sqllocker": "**sqllocker**",
     "sqllocker.asyncio": "**sqllocker.asyncio**",
     "advisory lock": "blocking `pg_advisory_lock`",
+    "flock": "blocking `flock` (one machine)",
     "GET_LOCK": "blocking `GET_LOCK`",
     "redis-py Lock": "redis-py `Lock` (blocking)",
 }
@@ -956,7 +966,9 @@ def performance_page(results: dict[str, Any]) -> str:
             "",
             "On PostgreSQL waiters queue in the server and the release hands the row to the head",
             "of the queue in its own transaction; the head reads its row back before it believes",
-            "the notification. On SQLite and MariaDB waiters back off and try again, so a process",
+            "the notification. On SQLite they queue in the kernel, on a byte of a file beside the",
+            "database that the holder keeps until its row is deleted, so the order is the",
+            "kernel's, as for `flock`. On MariaDB waiters back off and try again, so a process",
             "that steps back and asks again can get the lock ahead of one that has waited longer.",
         ]
     flushes = results.get("commit_flush") or []
@@ -1109,6 +1121,8 @@ def main() -> int:
     results["uncontended"] = uncontended(backends, profile.cycles)
     if "contended" not in skip:
         targets = [(b, "sqllocker", URLS[b]) for b in backends]
+        if "sqlite" in backends:
+            targets.append(("sqlite", "flock", URLS["sqlite"]))
         if "postgresql" in backends:
             targets.append(("postgresql", "advisory lock", URLS["postgresql"]))
         if "mysql" in backends:

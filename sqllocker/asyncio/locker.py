@@ -410,15 +410,15 @@ class AsyncLocker:
         # the row is ours.
         guid = new_guid()
         details = holder_details(extra, concurrency.task_name())
-        if wait == 0:
+        if self._file_queue is not None:
+            lock = await self._wait_in_line(
+                self._file_queue, lockstring, guid, details, ttl, wait, on_lost
+            )
+        elif wait == 0:
             outcome = await self._try_acquire(lockstring, guid, details, ttl, on_lost)
             if not isinstance(outcome, AsyncLock):
                 raise outcome.busy_after(lockstring, wait)
             lock = outcome
-        elif self._file_queue is not None:
-            lock = await self._wait_in_line(
-                self._file_queue, lockstring, guid, details, ttl, wait, on_lost
-            )
         else:
             lock = await self._wait_for(lockstring, guid, details, ttl, wait, on_lost)
         lock._state.hold_at_least = hold_at_least
@@ -529,7 +529,8 @@ class AsyncLocker:
     ) -> AsyncLock:
         """Attempts until one succeeds, or LockBusy once ``wait`` has passed, in the kernel's
         queue of ``lockstring`` (SQLite: see ``sqllocker.file_queue``): only the waiter holding
-        its place tries the row, and keeps the place while the row is ours."""
+        its place tries the row, and keeps the place while the row is ours. With ``wait=0``,
+        one attempt, taking the place too if it is free."""
         backoff = Backoff.for_wait(wait)
         offset = queue.offset(self.table_name, lockstring)
         place = queue.take(offset)
@@ -538,7 +539,7 @@ class AsyncLocker:
         in_line = True  # until the kernel's wait fails (then back off, unqueued)
         try:
             while True:
-                if place is None and in_line:
+                if place is None and in_line and wait != 0:
                     request = request or queue.request(offset)
                     granted, wake = concurrency.woken_from_thread()
                     request.when_granted(wake)

@@ -1,0 +1,171 @@
+"""SQLite waiters queue in the kernel, on a byte of a file beside the database: the one waiter
+holding a lockstring's place tries the row, keeps the place while it holds the row, and the
+release wakes the next one (``sqllocker/file_queue.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sqllocker import LockBusy, Locker
+from sqllocker.file_queue import AVAILABLE, SUFFIX, FileQueue
+from tests.helpers import wait_in_thread, wait_until
+from tests.test_hand_off import counting_attempts
+
+pytestmark = pytest.mark.skipif(not AVAILABLE, reason="open file description locks are Linux's")
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'locks.db'}"
+
+
+@pytest.fixture
+def lockers(sqlite_url: str) -> Any:
+    made: list[Locker] = []
+
+    def make() -> Locker:
+        locker = Locker(sqlite_url, grace=0)
+        made.append(locker)
+        return locker
+
+    yield make
+    for locker in made:
+        locker.close()
+
+
+def place_threads() -> int:
+    return sum(thread.name == "sqllocker-place" for thread in threading.enumerate())
+
+
+def test_a_waiter_is_woken_by_the_release_not_by_a_poll_timer(
+    lockers: Callable[[], Locker], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Polling from 2 ms up, a waiter made eight or more attempts in 0.6 s; queued for the
+    place, it makes none until the holder gives the place up with its row."""
+    holder, waiter = lockers(), lockers()
+    attempts = counting_attempts(waiter, monkeypatch)
+    held = holder.lock("report", expires=30)
+    thread, result = wait_in_thread(waiter, wait=30, expires=30)
+    wait_until(lambda: place_threads() == 1)
+    time.sleep(0.6)
+    assert attempts == []
+    assert (tmp_path / f"locks.db{SUFFIX}").exists()
+    held.unlock()
+    thread.join(10)
+    lock = result["lock"]
+    assert len(attempts) == 1
+    assert lock.lock_id > held.lock_id
+    lock.unlock()
+
+
+def test_a_newcomer_waits_behind_the_holders_place_even_when_the_row_is_free(
+    lockers: Callable[[], Locker], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The place says who tries: a row deleted behind its holder's back (an operator's
+    break_lock) is not taken by a newcomer while the holder keeps its place, until the
+    newcomer's patience or its deadline runs out."""
+    holder, newcomer = lockers(), lockers()
+    attempts = counting_attempts(newcomer, monkeypatch)
+    held = holder.lock("report", expires=30)
+    holder.break_lock("report")
+    thread, result = wait_in_thread(newcomer, wait=0.4, expires=30)
+    thread.join(10)
+    assert len(attempts) == 1  # at its deadline, the one full attempt
+    lock = result["lock"]
+    lock.unlock()
+    held._state.held = False  # its row is gone; only its place was left
+    held._state.leave_place()
+
+
+def test_waiters_that_give_up_leave_one_request_behind_for_the_next(
+    lockers: Callable[[], Locker],
+) -> None:
+    """The kernel's wait cannot time out, so a waiter that gives up leaves its request queued
+    for the next waiter of its process: twenty timed-out waits cost one blocked thread, not
+    twenty, and it goes once the place is granted."""
+    holder, waiter = lockers(), lockers()
+    held = holder.lock("report", expires=30)
+    for _ in range(20):
+        with pytest.raises(LockBusy):
+            waiter.lock("report", wait=0.01)
+    assert place_threads() == 1
+    held.unlock()
+    wait_until(lambda: place_threads() == 0)
+    with waiter.lock("report", wait=0) as lock:
+        assert lock.is_valid()
+
+
+def test_waiters_of_other_lockstrings_do_not_wait_for_each_other(
+    lockers: Callable[[], Locker],
+) -> None:
+    holder, other = lockers(), lockers()
+    with holder.lock("report", expires=30), other.lock("digest", wait=1) as lock:
+        assert lock.is_valid()
+    assert FileQueue.offset("t", "report") != FileQueue.offset("t", "digest")
+    assert FileQueue.offset("t", "report") != FileQueue.offset("u", "report")
+
+
+def test_a_forked_child_leaves_its_parents_place_alone(lockers: Callable[[], Locker]) -> None:
+    """A child's copy of its parent's file must neither give up the parent's place (nor the
+    row) nor keep it after the parent gave it up."""
+    holder, waiter = lockers(), lockers()
+    held = holder.lock("report", expires=30)
+    pid = os.fork()
+    if pid == 0:  # the child: dropping the lock must leave the parent's place and row alone
+        held._state.leave_place()
+        os._exit(0)
+    os.waitpid(pid, 0)
+    with pytest.raises(LockBusy):
+        waiter.lock("report", wait=0.3)
+    held.unlock()
+    with waiter.lock("report", wait=5) as lock:
+        assert lock.is_valid()
+
+
+def test_a_database_in_memory_waits_unqueued() -> None:
+    locker = Locker("sqlite://")
+    try:
+        assert locker._file_queue is None
+        with locker.lock("report", wait=1) as lock:
+            assert lock.is_valid()
+    finally:
+        locker.close()
+
+
+async def test_an_async_waiter_is_woken_by_the_release_too(sqlite_url: str) -> None:
+    from sqllocker.asyncio import AsyncLocker
+
+    holder = AsyncLocker(sqlite_url.replace("sqlite:", "sqlite+aiosqlite:"), grace=0)
+    waiter = AsyncLocker(sqlite_url.replace("sqlite:", "sqlite+aiosqlite:"), grace=0)
+    try:
+        held = await holder.lock("report", expires=30)
+        attempts: list[float] = []
+        try_acquire = waiter._operations.try_acquire
+
+        def counted(*args: Any) -> Any:
+            attempts.append(time.monotonic())
+            return try_acquire(*args)
+
+        waiter._operations.try_acquire = counted  # type: ignore[method-assign]
+
+        async def wait() -> Any:
+            return await waiter.lock("report", wait=30, expires=30)
+
+        task = asyncio.create_task(wait())
+        await asyncio.sleep(0.6)
+        assert attempts == []
+        await held.unlock()
+        lock = await asyncio.wait_for(task, 10)
+        assert len(attempts) == 1
+        await lock.unlock()
+    finally:
+        await holder.aclose()
+        await waiter.aclose()
