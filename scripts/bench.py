@@ -27,11 +27,11 @@ page and chart from the bench.json already there.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import asyncio
 import bisect
 import collections
 import contextlib
+import fcntl
 import inspect
 import itertools
 import json
