@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from .operations import Refused
 
 FIRST_DELAY = 0.002
+HEAD_FIRST_DELAY = 0.0005
 MAX_DELAY = 0.25
 
 
@@ -50,6 +51,12 @@ class Backoff:
         lock just then, so that the release's trigger leaves the row to that INSERT instead of
         handing it over (most turns under contention, once holds lasted a few ms)."""
         self.awaiting_hand_off = True
+
+    def heading(self) -> None:
+        """From now on this waiter heads the server's queue and polls the row alone (MySQL's
+        ``GET_LOCK`` queue): from a shorter first delay, as the next turn is most likely soon."""
+        self.attempts = 0
+        self.first_delay = HEAD_FIRST_DELAY
 
     def expired(self) -> bool:
         remaining = self.remaining()

@@ -77,11 +77,14 @@ def woken_from_thread() -> tuple[threading.Event, Callable[[], None]]:
     return event, event.set
 
 
-def detached_connection(engine: Engine) -> Any:
-    """A driver connection of the engine's that never goes back to its pool, in autocommit."""
+def detached_connection(engine: Engine, autocommit: bool = True) -> Any:
+    """A driver connection of the engine's that never goes back to its pool, in autocommit
+    (psycopg's: ``autocommit``)."""
     fairy = engine.raw_connection()
     connection: Any = fairy.driver_connection
     fairy.detach()
+    if not autocommit:
+        return connection
     try:
         connection.autocommit = True
     except BaseException:

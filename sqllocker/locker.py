@@ -40,7 +40,7 @@ from .listener import ReleaseListener
 from .lock import Lock, LockState
 from .notifications import guid_digest
 from .operations import Acquired, LockInfo, LockOperations, Refused
-from .queueing import Request
+from .queueing import QueueKey, Request
 from .schema import DEFAULT_TABLE
 from .semaphore import Semaphore
 from .waiting_room import Turn, WaitingRoom
@@ -52,6 +52,13 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 __all__ = ["LockInfo", "Locker"]
+
+
+def _step_aside(listener: ReleaseListener | None, waiter: Any) -> None:
+    """Stop listening for releases while queued (the process's head of the queue may need
+    them); nothing to do without a listener."""
+    if listener is not None and waiter is not None:
+        listener.step_aside(waiter)
 
 
 class Locker:
@@ -401,12 +408,12 @@ class Locker:
         wait: float | None,
         on_lost: OnLost | None,
     ) -> Lock:
-        """Attempts until one succeeds, or LockBusy once ``wait`` has passed: on PostgreSQL in
-        the server's queue, woken by releases (see ``sqllocker.queueing``); elsewhere backing
-        off between attempts."""
+        """Attempts until one succeeds, or LockBusy once ``wait`` has passed, in the server's
+        queue (see ``sqllocker.queueing``): on PostgreSQL woken by releases, on MySQL the head
+        polling the row alone; without a queue, backing off between attempts."""
         backoff = Backoff.for_wait(wait)
         listener = self._release_listener()
-        room = self._waiting_room() if listener is not None else None
+        room = self._waiting_room()
         turn: Turn | None = None
         # A waiter's first attempt does not take the row ahead of waiters already queued.
         gate = room.key(lockstring) if room is not None else None
@@ -440,21 +447,19 @@ class Locker:
                         if gated and outcome.busy is None:
                             continue  # the gate refused us unasked: one full attempt first
                         raise outcome.busy_after(lockstring, wait)
-                    if (
-                        room is not None
-                        and turn is None
-                        and listener is not None
-                        and waiter is not None
-                    ):
+                    if room is not None and turn is None:
                         entry = room.enter(
                             lockstring,
                             backoff.remaining(),
-                            before_blocking=functools.partial(listener.step_aside, waiter),
+                            before_blocking=functools.partial(_step_aside, listener, waiter),
                             request=Request(lockstring, guid, details, ttl),
                         )
                         turn = entry.turn
-                        if turn is not None and turn.request is not None:
-                            backoff.await_hand_off()
+                        if turn is not None:
+                            if turn.request is not None:
+                                backoff.await_hand_off()
+                            else:
+                                backoff.heading()
                         if not entry.usable:
                             room = None  # full, or failing: wait unqueued from now on
                         if entry.try_again:
@@ -543,7 +548,7 @@ class Locker:
         details: dict[str, Any],
         ttl: float,
         on_lost: OnLost | None,
-        queue_key: int | None = None,
+        queue_key: QueueKey | None = None,
     ) -> Lock | Refused:
         outcome = self._operations.try_acquire(lockstring, guid, ttl, details, queue_key)
         if not isinstance(outcome, Acquired):
@@ -588,9 +593,13 @@ class Locker:
                 self._listener = ReleaseListener(self.engine, self.table_name)
             return self._listener
 
-    def _waiting_room(self) -> WaitingRoom:
-        """Where PostgreSQL waiters queue, so that one of them at a time tries for the row."""
+    def _waiting_room(self) -> WaitingRoom | None:
+        """Where waiters queue in the server (PostgreSQL, MySQL), so that one of them at a time
+        tries for the row; None where they cannot."""
         with self._setup_lock:
             if self._room is None:
-                self._room = WaitingRoom(self.engine, self._operations.statements)
+                queue_wait = self._operations.queue_wait
+                if queue_wait is None:
+                    return None
+                self._room = WaitingRoom(self.engine, queue_wait)
             return self._room

@@ -52,6 +52,7 @@ from .errors import (
 )
 from .execution import DriverSession, PreparedCache, kept_cursor
 from .identity import holder_details, public_details
+from .queueing import AnyQueueWait, QueueKey
 from .schema import FOREIGN_CLOCK_MARGIN, ID_ORDER_STRIPES, id_order_table, lock_table
 from .server_settings import UnsafeSetting
 from .statements import Statements
@@ -204,7 +205,7 @@ class LockOperations:
         guid: str,
         ttl: float,
         details: dict[str, Any],
-        queue_key: int | None = None,
+        queue_key: QueueKey | None = None,
     ) -> Acquired | Refused:
         """One attempt at ``lockstring`` (a few statements at most; never waits for a holder).
 
@@ -502,7 +503,7 @@ class LockOperations:
         guid: str,
         ttl: float,
         details: dict[str, Any],
-        queue_key: int | None,
+        queue_key: QueueKey | None,
     ) -> Acquired | Refused:
         be, sql = self._be, self._sql
         params = self._acquire_params(lockstring, guid, ttl, details)
@@ -934,6 +935,19 @@ class LockOperations:
             and not self.transaction_pooling
             and self.statements.has_functions
         )
+
+    @property
+    def queue_wait(self) -> AnyQueueWait | None:
+        """How waiters queue in the server, one at a time trying the row (see
+        ``sqllocker.queueing``): PostgreSQL's advisory queue where releases notify and hand
+        the row over, MySQL's ``GET_LOCK``; None where sessions cannot be relied on (a
+        transaction pooler) and on SQLite."""
+        if self.transaction_pooling:
+            return None
+        queue_wait = self.backend.queue_wait(self.statements)
+        if queue_wait is not None and queue_wait.hands_off and not self.notifies_releases:
+            return None
+        return queue_wait
 
     @property
     def queue_file(self) -> str | None:

@@ -44,6 +44,8 @@ from . import forks
 from .statements import Statements
 
 T = TypeVar("T")
+# A queue's key: PostgreSQL's advisory lock key, or MySQL's GET_LOCK name.
+QueueKey = int | str
 
 DEFAULT_CAPACITY = 8
 # The longest a waiter stays queued before trying the row again. A head whose process stopped
@@ -81,7 +83,14 @@ class Request:
 class QueueWait:
     """The statements one table's waiters queue and leave by (psycopg parameters, for the
     thread and the asyncio rooms alike): the table's own functions, called by their full
-    names with their exact argument types."""
+    names with their exact argument types.
+
+    ``hands_off``: a release hands the row to the head's Request (else the head polls the row).
+    ``through_cursor``: the driver's statements run through a DB-API cursor (not psycopg's
+    ``connection.execute``)."""
+
+    hands_off = True
+    through_cursor = False
 
     def __init__(self, statements: Statements) -> None:
         self._table_key = statements.table_key
@@ -94,16 +103,17 @@ class QueueWait:
             "(%s::bigint, %s::varchar, %s::varchar, %s::boolean)"
         )
 
-    def key(self, lockstring: str) -> int:
+    def key(self, lockstring: str) -> QueueKey:
         """The advisory lock key of ``lockstring``'s queue in this table."""
         return queue_key(self._table_key, lockstring)
 
     def statement(
-        self, key: int, timeout: float | None, request: Request
+        self, key: QueueKey, timeout: float | None, request: Request | None
     ) -> tuple[str, tuple[Any, ...]]:
         """The statement (and parameters) that waits, at most ``timeout`` seconds, to head the
         queue of ``key``, and leaves ``request`` once it does; its one value says whether it
         heads the queue."""
+        assert request is not None, "a PostgreSQL head always leaves a request"
         holder = json.dumps(request.holder)
         return self._wait, (
             key,
@@ -119,7 +129,7 @@ class QueueWait:
         return bool(row[0])
 
     def leave_statement(
-        self, key: int, request: Request | None, give_back: bool
+        self, key: QueueKey, request: Request | None, give_back: bool
     ) -> tuple[str, tuple[Any, ...]]:
         """The statement that leaves the queue of ``key``: withdrawing ``request`` if it still
         stands (and with ``give_back``, deleting a row granted to it); its one value says
@@ -127,6 +137,44 @@ class QueueWait:
         if request is not None:
             return self._leave, (key, request.lockstring, request.guid, give_back)
         return LEAVE, ()
+
+
+class GetLockQueueWait:
+    """MySQL/MariaDB: waiters queue in ``GET_LOCK`` on a name of the table and lockstring,
+    which the server grants in the order it was asked for. Nothing is handed over: the head
+    polls the row, quickly at first (``Backoff.heading``), alone.
+
+    The names are the server's, not the database's: two tables of one name in two databases
+    share their lockstrings' queues, which costs fairness, never safety."""
+
+    hands_off = False
+    through_cursor = True
+
+    def __init__(self, statements: Statements) -> None:
+        self._table_key = statements.table_key
+
+    def key(self, lockstring: str) -> QueueKey:
+        """The ``GET_LOCK`` name of ``lockstring``'s queue (64 characters at most)."""
+        digest = hashlib.blake2b(
+            f"{self._table_key}\0{lockstring}".encode(), digest_size=16, person=b"sqllocker"
+        ).hexdigest()
+        return f"sqllocker:{digest}"
+
+    def statement(
+        self, key: QueueKey, timeout: float | None, request: Request | None
+    ) -> tuple[str, tuple[Any, ...]]:
+        return "SELECT GET_LOCK(%s, %s)", (key, patience_ms(timeout) / 1000)
+
+    def granted(self, row: Any) -> bool:
+        return row is not None and row[0] == 1
+
+    def leave_statement(
+        self, key: QueueKey, request: Request | None, give_back: bool
+    ) -> tuple[str, tuple[Any, ...]]:
+        return "SELECT RELEASE_LOCK(%s)", (key,)
+
+
+AnyQueueWait = QueueWait | GetLockQueueWait
 
 
 @dataclass(frozen=True)

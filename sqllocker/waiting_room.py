@@ -22,8 +22,7 @@ from typing import Any
 from sqlalchemy.engine import Engine
 
 from . import concurrency
-from .queueing import DEFAULT_CAPACITY, Entry, QueueWait, Request, Seats, timed_out
-from .statements import Statements
+from .queueing import DEFAULT_CAPACITY, AnyQueueWait, Entry, QueueKey, Request, Seats, timed_out
 
 logger = logging.getLogger("sqllocker")
 
@@ -38,7 +37,7 @@ class Turn:
         self,
         room: WaitingRoom,
         connection: Any,
-        key: int,
+        key: QueueKey,
         request: Request | None = None,
     ) -> None:
         self._room = room
@@ -76,14 +75,14 @@ class WaitingRoom:
     """One locker's queues, and the connections its queued waiters wait on."""
 
     def __init__(
-        self, engine: Engine, statements: Statements, capacity: int = DEFAULT_CAPACITY
+        self, engine: Engine, queue_wait: AnyQueueWait, capacity: int = DEFAULT_CAPACITY
     ) -> None:
         self._engine = engine
         self.seats = Seats(capacity)
-        self.queue_wait = QueueWait(statements)
+        self.queue_wait = queue_wait
         self._leaving = concurrency.Background("sqllocker-queue-leaver")
 
-    def key(self, lockstring: str) -> int:
+    def key(self, lockstring: str) -> QueueKey:
         """The advisory lock key of ``lockstring``'s queue in this room's table."""
         return self.queue_wait.key(lockstring)
 
@@ -106,9 +105,10 @@ class WaitingRoom:
         key = self.key(lockstring)
         before_blocking()
         try:
-            cursor = connection.execute(*self.queue_wait.statement(key, timeout, request))
-            if self.queue_wait.granted(cursor.fetchone()):
-                turn = Turn(self, connection, key, request)
+            row = self._fetch_one(connection, self.queue_wait.statement(key, timeout, request))
+            if self.queue_wait.granted(row):
+                standing = request if self.queue_wait.hands_off else None
+                turn = Turn(self, connection, key, standing)
                 return Entry(turn, try_again=True, usable=True)
             self._checkin(connection)  # the caller's deadline, or our patience, came first
             return Entry(None, try_again=True, usable=True)
@@ -123,14 +123,17 @@ class WaitingRoom:
             return Entry(None, try_again=True, usable=False)
 
     def leave(
-        self, connection: Any, key: int, request: Request | None = None, give_back: bool = True
+        self,
+        connection: Any,
+        key: QueueKey,
+        request: Request | None = None,
+        give_back: bool = True,
     ) -> bool:
         """Leave the queue of ``key`` (see ``Turn.leave``); never raises but to be cancelled
         or interrupted."""
         statement = self.queue_wait.leave_statement(key, request, give_back)
         try:
-            cursor = connection.execute(*statement)
-            row = cursor.fetchone()
+            row = self._fetch_one(connection, statement)
         except BaseException as error:
             # Closing the connection ends the queue lock too, and a request left standing is
             # never granted once its session no longer heads the queue.
@@ -142,7 +145,7 @@ class WaitingRoom:
         self._checkin(connection)
         return request is not None and bool(row[0])
 
-    def leave_soon(self, connection: Any, key: int) -> None:
+    def leave_soon(self, connection: Any, key: QueueKey) -> None:
         """``leave`` in the background (``close`` waits for it)."""
         self._leaving.call_soon(self.leave, connection, key)
 
@@ -154,12 +157,26 @@ class WaitingRoom:
 
     # -- connections ----------------------------------------------------------------------------
 
+    def _fetch_one(self, connection: Any, statement: tuple[str, tuple[Any, ...]]) -> Any:
+        """Run ``statement`` on the driver's ``connection``; its first row."""
+        if not self.queue_wait.through_cursor:
+            cursor = connection.execute(*statement)
+            return cursor.fetchone()
+        cursor = connection.cursor()
+        try:
+            cursor.execute(*statement)
+            return cursor.fetchone()
+        finally:
+            cursor.close()
+
     def _checkout(self) -> Any | None:
         free, connection = self.seats.take()
         if not free or connection is not None:
             return connection
         try:
-            return concurrency.detached_connection(self._engine)
+            return concurrency.detached_connection(
+                self._engine, autocommit=not self.queue_wait.through_cursor
+            )
         except Exception as error:
             self._discard(None)
             logger.warning("could not open a connection to queue on (%s)", error)

@@ -99,11 +99,14 @@ def woken_from_thread() -> tuple[asyncio.Event, Callable[[], None]]:
     return event, wake
 
 
-async def detached_connection(engine: AsyncEngine) -> Any:
-    """A driver connection of the engine's that never goes back to its pool, in autocommit."""
+async def detached_connection(engine: AsyncEngine, autocommit: bool = True) -> Any:
+    """A driver connection of the engine's that never goes back to its pool, in autocommit
+    (psycopg's: ``autocommit``)."""
     fairy = await greenlet_spawn(engine.sync_engine.raw_connection)
     connection: Any = fairy.driver_connection
     fairy.detach()
+    if not autocommit:
+        return connection
     try:
         await connection.set_autocommit(True)
     except BaseException:

@@ -36,7 +36,7 @@ from ..identity import holder_details, new_guid
 from ..keepalive import DEFAULT_FRACTION
 from ..notifications import guid_digest
 from ..operations import Acquired, LockInfo, LockOperations, Refused
-from ..queueing import Request
+from ..queueing import QueueKey, Request
 from ..schema import DEFAULT_TABLE
 from . import concurrency
 from .group import AsyncLockGroup
@@ -61,6 +61,13 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 __all__ = ["AsyncLocker", "LockInfo"]
+
+
+def _step_aside(listener: AsyncReleaseListener | None, waiter: Any) -> None:
+    """Stop listening for releases while queued (the process's head of the queue may need
+    them); nothing to do without a listener."""
+    if listener is not None and waiter is not None:
+        listener.step_aside(waiter)
 
 
 class AsyncLocker:
@@ -433,12 +440,12 @@ class AsyncLocker:
         wait: float | None,
         on_lost: OnLost | None,
     ) -> AsyncLock:
-        """Attempts until one succeeds, or LockBusy once ``wait`` has passed: on PostgreSQL in
-        the server's queue, woken by releases (see ``sqllocker.queueing``); elsewhere backing
-        off between attempts."""
+        """Attempts until one succeeds, or LockBusy once ``wait`` has passed, in the server's
+        queue (see ``sqllocker.queueing``): on PostgreSQL woken by releases, on MySQL the head
+        polling the row alone; without a queue, backing off between attempts."""
         backoff = Backoff.for_wait(wait)
         listener = self._release_listener()
-        room = self._waiting_room() if listener is not None else None
+        room = self._waiting_room()
         turn: AsyncTurn | None = None
         # A waiter's first attempt does not take the row ahead of waiters already queued.
         gate = room.key(lockstring) if room is not None else None
@@ -474,21 +481,19 @@ class AsyncLocker:
                         if gated and outcome.busy is None:
                             continue  # the gate refused us unasked: one full attempt first
                         raise outcome.busy_after(lockstring, wait)
-                    if (
-                        room is not None
-                        and turn is None
-                        and listener is not None
-                        and waiter is not None
-                    ):
+                    if room is not None and turn is None:
                         entry = await room.enter(
                             lockstring,
                             backoff.remaining(),
-                            before_blocking=functools.partial(listener.step_aside, waiter),
+                            before_blocking=functools.partial(_step_aside, listener, waiter),
                             request=Request(lockstring, guid, details, ttl),
                         )
                         turn = entry.turn
-                        if turn is not None and turn.request is not None:
-                            backoff.await_hand_off()
+                        if turn is not None:
+                            if turn.request is not None:
+                                backoff.await_hand_off()
+                            else:
+                                backoff.heading()
                         if not entry.usable:
                             room = None  # full, or failing: wait unqueued from now on
                         if entry.try_again:
@@ -577,7 +582,7 @@ class AsyncLocker:
         details: dict[str, Any],
         ttl: float,
         on_lost: OnLost | None,
-        queue_key: int | None = None,
+        queue_key: QueueKey | None = None,
     ) -> AsyncLock | Refused:
         if True:  # ASYNC
             outcome = await concurrency.shielded(
@@ -633,11 +638,15 @@ class AsyncLocker:
                 self._listener = AsyncReleaseListener(self.engine, self.table_name)
             return self._listener
 
-    def _waiting_room(self) -> AsyncWaitingRoom:
-        """Where PostgreSQL waiters queue, so that one of them at a time tries for the row."""
+    def _waiting_room(self) -> AsyncWaitingRoom | None:
+        """Where waiters queue in the server (PostgreSQL, MySQL), so that one of them at a time
+        tries for the row; None where they cannot."""
         with self._setup_lock:
             if self._room is None:
-                self._room = AsyncWaitingRoom(self.engine, self._operations.statements)
+                queue_wait = self._operations.queue_wait
+                if queue_wait is None:
+                    return None
+                self._room = AsyncWaitingRoom(self.engine, queue_wait)
             return self._room
 
     if True:  # ASYNC

@@ -19,8 +19,7 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from ..queueing import DEFAULT_CAPACITY, Entry, QueueWait, Request, Seats, timed_out
-from ..statements import Statements
+from ..queueing import DEFAULT_CAPACITY, AnyQueueWait, Entry, QueueKey, Request, Seats, timed_out
 from . import concurrency
 
 if True:  # ASYNC
@@ -39,7 +38,7 @@ class AsyncTurn:
         self,
         room: AsyncWaitingRoom,
         connection: Any,
-        key: int,
+        key: QueueKey,
         request: Request | None = None,
     ) -> None:
         self._room = room
@@ -81,14 +80,14 @@ class AsyncWaitingRoom:
     """One locker's queues, and the connections its queued waiters wait on."""
 
     def __init__(
-        self, engine: AsyncEngine, statements: Statements, capacity: int = DEFAULT_CAPACITY
+        self, engine: AsyncEngine, queue_wait: AnyQueueWait, capacity: int = DEFAULT_CAPACITY
     ) -> None:
         self._engine = engine
         self.seats = Seats(capacity)
-        self.queue_wait = QueueWait(statements)
+        self.queue_wait = queue_wait
         self._leaving = concurrency.Background("sqllocker-queue-leaver")
 
-    def key(self, lockstring: str) -> int:
+    def key(self, lockstring: str) -> QueueKey:
         """The advisory lock key of ``lockstring``'s queue in this room's table."""
         return self.queue_wait.key(lockstring)
 
@@ -111,9 +110,12 @@ class AsyncWaitingRoom:
         key = self.key(lockstring)
         before_blocking()
         try:
-            cursor = await connection.execute(*self.queue_wait.statement(key, timeout, request))
-            if self.queue_wait.granted(await cursor.fetchone()):
-                turn = AsyncTurn(self, connection, key, request)
+            row = await self._fetch_one(
+                connection, self.queue_wait.statement(key, timeout, request)
+            )
+            if self.queue_wait.granted(row):
+                standing = request if self.queue_wait.hands_off else None
+                turn = AsyncTurn(self, connection, key, standing)
                 return Entry(turn, try_again=True, usable=True)
             await self._checkin(connection)  # the caller's deadline, or our patience, came first
             return Entry(None, try_again=True, usable=True)
@@ -131,14 +133,17 @@ class AsyncWaitingRoom:
             return Entry(None, try_again=True, usable=False)
 
     async def leave(
-        self, connection: Any, key: int, request: Request | None = None, give_back: bool = True
+        self,
+        connection: Any,
+        key: QueueKey,
+        request: Request | None = None,
+        give_back: bool = True,
     ) -> bool:
         """Leave the queue of ``key`` (see ``Turn.leave``); never raises but to be cancelled
         or interrupted."""
         statement = self.queue_wait.leave_statement(key, request, give_back)
         try:
-            cursor = await connection.execute(*statement)
-            row = await cursor.fetchone()
+            row = await self._fetch_one(connection, statement)
         except BaseException as error:
             # Closing the connection ends the queue lock too, and a request left standing is
             # never granted once its session no longer heads the queue.
@@ -150,7 +155,7 @@ class AsyncWaitingRoom:
         await self._checkin(connection)
         return request is not None and bool(row[0])
 
-    def leave_soon(self, connection: Any, key: int) -> None:
+    def leave_soon(self, connection: Any, key: QueueKey) -> None:
         """``leave`` in the background (``close`` waits for it)."""
         self._leaving.call_soon(self.leave, connection, key)
 
@@ -162,12 +167,29 @@ class AsyncWaitingRoom:
 
     # -- connections ----------------------------------------------------------------------------
 
+    async def _fetch_one(self, connection: Any, statement: tuple[str, tuple[Any, ...]]) -> Any:
+        """Run ``statement`` on the driver's ``connection``; its first row."""
+        if not self.queue_wait.through_cursor:
+            cursor = await connection.execute(*statement)
+            return await cursor.fetchone()
+        if True:  # ASYNC
+            cursor = await connection.cursor()
+        else:
+            cursor = connection.cursor()
+        try:
+            await cursor.execute(*statement)
+            return await cursor.fetchone()
+        finally:
+            await cursor.close()
+
     async def _checkout(self) -> Any | None:
         free, connection = self.seats.take()
         if not free or connection is not None:
             return connection
         try:
-            return await concurrency.detached_connection(self._engine)
+            return await concurrency.detached_connection(
+                self._engine, autocommit=not self.queue_wait.through_cursor
+            )
         except Exception as error:
             await self._discard(None)
             logger.warning("could not open a connection to queue on (%s)", error)

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from sqlalchemy.sql.dml import ReturningInsert
     from sqlalchemy.sql.selectable import TextualSelect
 
+    from ..queueing import AnyQueueWait
     from ..server_settings import ServerSettings
     from ..statements import Statements
 
@@ -218,6 +219,11 @@ class Backend:
     @classmethod
     def configure_engine(cls, engine: Engine) -> None:
         """Anything an engine sqllocker made needs on each new connection."""
+
+    def queue_wait(self, statements: Statements) -> AnyQueueWait | None:
+        """How waiters of ``statements``' table queue in the server (see
+        ``sqllocker.queueing``), or None."""
+        return None
 
     @classmethod
     def queue_file(cls, url: URL) -> str | None:

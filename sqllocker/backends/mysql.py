@@ -21,8 +21,9 @@ from ..timeouts import CONNECT_TIMEOUT_SECONDS, ROW_LOCK_TIMEOUT_SECONDS, STATEM
 from . import Backend
 
 if TYPE_CHECKING:
-    from sqlalchemy.sql import Delete, Insert
+    from sqlalchemy.sql import Delete, Insert, Select
 
+    from ..queueing import GetLockQueueWait
     from ..statements import Statements
 
 # Serialises concurrent `sqllocker migrate` runs (a named lock, not a row).
@@ -77,14 +78,33 @@ class MySQLBackend(Backend):
         commits, so acquirers of one lockstring draw their ids one at a time, in the order they
         can hold the row. Mode 2 without that table is reported by the settings check.
         """
+        insert = sa.insert(statements.table).from_select(
+            list(statements.new_row), self._new_row(statements)
+        )
+        return insert.returning(*statements.returned) if self.insert_returning else insert
+
+    def queue_wait(self, statements: Statements) -> GetLockQueueWait:
+        from ..queueing import GetLockQueueWait
+
+        return GetLockQueueWait(statements)
+
+    def acquire_unless_queued(self, statements: Statements) -> Any:
+        """``acquire``, unless anyone holds or waits for the lockstring's ``GET_LOCK`` queue
+        (``queue_key``: its name): then insert nothing, as if refused."""
+        nobody_queued = sa.func.is_free_lock(sa.bindparam("queue_key", type_=sa.String())) == 1
+        insert = sa.insert(statements.table).from_select(
+            list(statements.new_row), self._new_row(statements).where(nobody_queued)
+        )
+        return insert.returning(*statements.returned) if self.insert_returning else insert
+
+    def _new_row(self, statements: Statements) -> Select[Any]:
         new_row = sa.select(*statements.new_row.values())
         if statements.id_order is not None:
             # CRC32 of the lockstring's UTF-8 bytes, whatever the connection's character set.
             utf8 = sa.cast(statements.lockstring_param, mysql.CHAR(charset="utf8mb4"))
             stripe = sa.func.crc32(utf8) % ID_ORDER_STRIPES
             new_row = new_row.where(statements.id_order.c.stripe == stripe).with_for_update()
-        insert = sa.insert(statements.table).from_select(list(statements.new_row), new_row)
-        return insert.returning(*statements.returned) if self.insert_returning else insert
+        return new_row
 
     def purge_batch(self, statements: Statements, batch_size: int) -> Delete:
         # MySQL refuses LIMIT in an IN (sub-select) on the same table; DELETE ... LIMIT is fine.

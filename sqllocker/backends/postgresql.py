@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from sqlalchemy.sql.dml import ReturningInsert
     from sqlalchemy.sql.selectable import TextualSelect
 
+    from ..queueing import QueueWait
     from ..statements import Statements
 
 # How long an acquire waits for the lockstring's id-order key, which others hold only for their
@@ -94,6 +95,11 @@ class PostgreSQLBackend(Backend):
         return insert.on_conflict_do_nothing(index_elements=[c.lockstring]).returning(
             *statements.returned
         )
+
+    def queue_wait(self, statements: Statements) -> QueueWait:
+        from ..queueing import QueueWait
+
+        return QueueWait(statements)
 
     def acquire_unless_queued(self, statements: Statements) -> ReturningInsert[Any]:
         """``acquire``, unless waiters are queued for the lockstring (see
