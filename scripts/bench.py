@@ -444,6 +444,7 @@ def uncontended(backends: list[str], count: int) -> list[dict[str, Any]]:
 
 HOLD_SECONDS = 0.001  # each contender holds the lock this long
 STEP_BACK_SECONDS = 0.002  # and then pauses: the waiters, not the releaser, should get it next
+WARM_UP_SECONDS = 0.5  # turns taken before the measured ones
 
 
 def _contender(system: str, url: str, seconds: float, hold: float, ready: Any, queue: Any) -> None:
@@ -453,7 +454,11 @@ def _contender(system: str, url: str, seconds: float, hold: float, ready: Any, q
     acquire, release, close = _blocking_lock(system, url)
     records = []
     ready.wait()
-    deadline = time.monotonic() + seconds
+    # Turns before the clock starts count for nothing: a first use sets up the table's
+    # statements and the connections (a waiter's first wait opens its queue's), and a process
+    # done with that first would take many turns alone.
+    started = time.monotonic()
+    deadline = started + WARM_UP_SECONDS + seconds
     while time.monotonic() < deadline:
         asked = time.monotonic()
         token = acquire()
@@ -462,7 +467,8 @@ def _contender(system: str, url: str, seconds: float, hold: float, ready: Any, q
         left = time.monotonic()
         release(token)
         released = time.monotonic()
-        records.append((asked, got, left, released))
+        if asked >= started + WARM_UP_SECONDS:
+            records.append((asked, got, left, released))
         time.sleep(STEP_BACK_SECONDS)
     close()  # not left to the process's exit, which the server logs as a connection reset
     queue.put(records)

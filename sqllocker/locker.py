@@ -426,7 +426,10 @@ class Locker:
                 waiter = listener.register(lockstring, heading) if listener else None
                 try:
                     try:
-                        outcome = self._try_acquire(lockstring, guid, details, ttl, on_lost, gate)
+                        polling = turn is not None and turn.request is None
+                        outcome = self._try_acquire(
+                            lockstring, guid, details, ttl, on_lost, gate, look_first=polling
+                        )
                     except DatabaseError as error:
                         if not error.outage or backoff.expired():
                             raise
@@ -549,8 +552,10 @@ class Locker:
         ttl: float,
         on_lost: OnLost | None,
         queue_key: QueueKey | None = None,
+        look_first: bool = False,
     ) -> Lock | Refused:
-        outcome = self._operations.try_acquire(lockstring, guid, ttl, details, queue_key)
+        attempt = (lockstring, guid, ttl, details, queue_key, look_first)
+        outcome = self._operations.try_acquire(*attempt)
         if not isinstance(outcome, Acquired):
             return outcome
         return self._lock(lockstring, guid, outcome, ttl, details, on_lost)

@@ -206,19 +206,24 @@ class LockOperations:
         ttl: float,
         details: dict[str, Any],
         queue_key: QueueKey | None = None,
+        look_first: bool = False,
     ) -> Acquired | Refused:
         """One attempt at ``lockstring`` (a few statements at most; never waits for a holder).
 
-        With ``queue_key`` (PostgreSQL), refused also while waiters are queued for it, however
-        free the row: see ``Statements.acquire_unless_queued``.
-        """
+        With ``queue_key``, refused also while waiters are queued for it, however free the
+        row: see ``Statements.acquire_unless_queued``. With ``look_first`` (a head of MySQL's
+        queue, polling), the holder's row is read before any INSERT: a refused INSERT takes a
+        lock on the holder's row, which its release then waits for, and costs a round trip
+        more than the read."""
         for _attempt in range(_ATTEMPTS_PER_TRY):
             # The validity deadline counts from before the statement is sent: the server's
             # expiry cannot start earlier than that.
             sent_at = clock.now()
             outcome = self._run(
                 lockstring,
-                lambda conn: self._acquire_on(conn, lockstring, guid, ttl, details, queue_key),
+                lambda conn: self._acquire_on(
+                    conn, lockstring, guid, ttl, details, queue_key, look_first
+                ),
             )
             if isinstance(outcome, Acquired):
                 logger.debug("acquired %r (id %d)", lockstring, outcome.lock_id)
@@ -504,6 +509,7 @@ class LockOperations:
         ttl: float,
         details: dict[str, Any],
         queue_key: QueueKey | None,
+        look_first: bool = False,
     ) -> Acquired | Refused:
         be, sql = self._be, self._sql
         params = self._acquire_params(lockstring, guid, ttl, details)
@@ -513,8 +519,9 @@ class LockOperations:
                 # the queue, where it learns who holds the row (and takes over an expired
                 # one); asking now too would add a round trip to every hand-off.
                 params["queue_key"] = queue_key
-                return self._insert(conn, sql.acquire_unless_queued, params) or Refused(None, None)
-            return self._insert_or_learn_holder(conn, params)
+                gated = self._insert(conn, sql.acquire_unless_queued, params, queued_ok=True)
+                return gated or Refused(None, None)
+            return self._insert_or_learn_holder(conn, params, look_first)
         except sa.exc.DBAPIError as error:
             if not be.is_transient_conflict(error):
                 raise
@@ -555,7 +562,7 @@ class LockOperations:
         }
 
     def _insert_or_learn_holder(
-        self, conn: DriverSession, params: dict[str, Any]
+        self, conn: DriverSession, params: dict[str, Any], look_first: bool = False
     ) -> Acquired | Refused:
         """Insert our row; if refused, read the holder's row and take it over if it has expired.
 
@@ -565,6 +572,10 @@ class LockOperations:
         it runs, so of several acquirers racing for one expired row one wins and the others'
         INSERTs are refused by the winner's row.
         """
+        if look_first:
+            held = conn.execute(self._sql.holder_for_acquirer, params).first()
+            if held is not None and not (held.ours or held.takeable):
+                return self._refused_by(held, params)
         acquired = self._insert(conn, self._sql.acquire, params)
         if acquired is not None:
             return acquired
@@ -580,6 +591,11 @@ class LockOperations:
         if row.takeable:
             # Expired beyond grace by the server's clock: take it over, or lose the race.
             return self._take_over(conn, params) or Refused(None, None)
+        return self._refused_by(row, params)
+
+    @staticmethod
+    def _refused_by(row: Any, params: dict[str, Any]) -> Refused:
+        """The refusal by the holder's ``row`` (``holder_for_acquirer``)."""
         busy = LockBusy(
             params["ls"],
             holder=public_details(row.locked_by),
@@ -600,8 +616,14 @@ class LockOperations:
         return None
 
     def _insert(
-        self, conn: DriverSession, statement: ClauseElement, params: dict[str, Any]
+        self,
+        conn: DriverSession,
+        statement: ClauseElement,
+        params: dict[str, Any],
+        queued_ok: bool = False,
     ) -> Acquired | None:
+        """Run an acquiring INSERT: its row, or None if refused (``queued_ok``: it inserts
+        nothing while waiters are queued, which is no sign of a missing stripe row)."""
         be = self._be
         try:
             if be.insert_returning:
@@ -613,7 +635,8 @@ class LockOperations:
                 return None
             raise
         if row is None:
-            self._check_silent_refusal(params)
+            if not queued_ok:
+                self._check_silent_refusal(params)
             return None
         lock_id, created, expires = row
         return Acquired(lock_id, created, expires)

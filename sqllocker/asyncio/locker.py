@@ -458,8 +458,9 @@ class AsyncLocker:
                 waiter = await listener.register(lockstring, heading) if listener else None
                 try:
                     try:
+                        polling = turn is not None and turn.request is None
                         outcome = await self._try_acquire(
-                            lockstring, guid, details, ttl, on_lost, gate
+                            lockstring, guid, details, ttl, on_lost, gate, look_first=polling
                         )
                     except DatabaseError as error:
                         if not error.outage or backoff.expired():
@@ -583,15 +584,17 @@ class AsyncLocker:
         ttl: float,
         on_lost: OnLost | None,
         queue_key: QueueKey | None = None,
+        look_first: bool = False,
     ) -> AsyncLock | Refused:
+        attempt = (lockstring, guid, ttl, details, queue_key, look_first)
         if True:  # ASYNC
             outcome = await concurrency.shielded(
-                self._call(self._operations.try_acquire, lockstring, guid, ttl, details, queue_key),
+                self._call(self._operations.try_acquire, *attempt),
                 f"acquire {lockstring!r}",
                 functools.partial(self._release_won, lockstring, guid),
             )
         else:
-            outcome = self._operations.try_acquire(lockstring, guid, ttl, details, queue_key)
+            outcome = self._operations.try_acquire(*attempt)
         if not isinstance(outcome, Acquired):
             return outcome
         return self._lock(lockstring, guid, outcome, ttl, details, on_lost)
