@@ -84,14 +84,15 @@ class Backoff:
 
     def turn_patience(self, refused: Refused | None, grace: float) -> float:
         """How long a waiter queued behind others waits for its turn before trying the row
-        anyway: until the row it was last refused can be taken over (its holder may have
-        stopped with its place in the queue held), else ``QUEUE_PATIENCE``; never past the
-        deadline."""
+        anyway: ``QUEUE_PATIENCE``, or less if the row it was last refused can be taken over
+        sooner; never past the deadline. Whoever holds the place may not hold the row: a
+        holder that stopped, or one that overran its expiry, keeps its place until it
+        learns its lock is lost, while the row passes to waiters that ran out of patience."""
         patience = QUEUE_PATIENCE
         busy, server_now = (refused.busy, refused.server_now) if refused else (None, None)
         if busy is not None and busy.expires is not None and server_now is not None:
             until = (busy.expires - server_now).total_seconds() + grace
-            patience = max(until, 0.0) + self.first_delay
+            patience = min(patience, max(until, 0.0) + self.first_delay)
         remaining = self.remaining()
         return patience if remaining is None else min(patience, remaining)
 

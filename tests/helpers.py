@@ -32,6 +32,7 @@ def abandon(lock: Lock) -> Lock:
     """Make ``lock`` behave like a holder that crashed: its row stays until it expires."""
     lock._finalizer.detach()
     lock._state.held = False
+    lock._state.leave_place()  # as the kernel does for a process that died (SQLite's queue)
     return lock
 
 
