@@ -970,12 +970,14 @@ def performance_page(results: dict[str, Any]) -> str:
             )
         lines += [
             "",
-            "On PostgreSQL waiters queue in the server and the release hands the row to the head",
+            "Waiters queue on every backend. On PostgreSQL the release hands the row to the head",
             "of the queue in its own transaction; the head reads its row back before it believes",
-            "the notification. On SQLite they queue in the kernel, on a byte of a file beside the",
-            "database that the holder keeps until its row is deleted, so the order is the",
-            "kernel's, as for `flock`. On MariaDB waiters back off and try again, so a process",
-            "that steps back and asks again can get the lock ahead of one that has waited longer.",
+            "the notification. On MariaDB they queue in `GET_LOCK` and the head polls the row, so",
+            "a turn pays the poll's lag and two durable commits (see the flushes below), where",
+            "`GET_LOCK` itself pays none. On SQLite they queue in the kernel, on a byte of a file",
+            "beside the database that the holder keeps until its row is deleted, so the order is",
+            "the kernel's, as for `flock`. A first-come-first-served wait is longer than a",
+            "free-for-all's, where a process back from its step often finds the lock free.",
         ]
     flushes = results.get("commit_flush") or []
     if flushes:
