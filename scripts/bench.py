@@ -1079,7 +1079,8 @@ def chart(results: dict[str, Any], path: Path) -> None:
     rows = results["uncontended"]
     contended_rows = results.get("contended") or []
     height = max(5.0, 0.32 * len(rows) + 1.5)  # one readable line per bar
-    figure, axes = plt.subplots(1, 2 if contended_rows else 1, figsize=(14, height), squeeze=False)
+    panels = 3 if contended_rows else 1
+    figure, axes = plt.subplots(1, panels, figsize=(7 * panels, height), squeeze=False)
     labels = [f"{r['backend']}: {r['system']}" for r in rows]
     ours = {"sqllocker": "#d62728", "sqllocker.asyncio": "#ff7f0e"}
     colours = [ours.get(r["system"], "#7f7f7f") for r in rows]
@@ -1096,6 +1097,13 @@ def chart(results: dict[str, Any], path: Path) -> None:
         axes[0][1].set_xlabel("hand-off latency, ms (log; lower is better)")
         axes[0][1].legend()
         axes[0][1].invert_yaxis()
+        labels = [f"{r['backend']}: {r['system']}" for r in contended_rows]
+        waits = [r["wait_p99_ms"] for r in contended_rows]
+        axes[0][2].barh(
+            labels, waits, color=[ours.get(r["system"], "#7f7f7f") for r in contended_rows]
+        )
+        axes[0][2].set_xlabel("contended wait p99, ms (lower is better)")
+        axes[0][2].invert_yaxis()
     figure.suptitle(results["machine"])
     figure.tight_layout()
     figure.savefig(path, dpi=110)
