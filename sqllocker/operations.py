@@ -35,7 +35,6 @@ from sqlalchemy.sql import ClauseElement
 
 from . import clock
 from .backends import Backend, backend_class, backend_for
-from .checkpoints import Checkpointer
 from .connections import ConnectionStack
 from .engine import describe_url, prepares_statements
 from .errors import (
@@ -196,8 +195,6 @@ class LockOperations:
         self._statements: Statements | None = None
         self._prepared: PreparedCache
         self._needs_setup = True  # see ensure_setup
-        database_file = backend_class(engine.dialect.name).database_file(self.url)
-        self._checkpointer = Checkpointer(database_file) if database_file else None
         self._setup_lock = threading.Lock()
 
     # -- the lock operations -----------------------------------------------------------------------
@@ -342,8 +339,6 @@ class LockOperations:
                 lock_id,
             )
         logger.debug("released %r (id %d)", lockstring, lock_id)
-        if self._checkpointer is not None:
-            self._checkpointer.released()
 
     def extend(self, lockstring: str, lock_id: int, guid: str, ttl: float) -> datetime:
         """Push our row's expiry to the server's now + ``ttl``; LockLost if it is gone or has
@@ -493,8 +488,6 @@ class LockOperations:
         self._needs_setup = True
 
     def close(self) -> None:
-        if self._checkpointer is not None:
-            self._checkpointer.close()
         if self.owns_engine:
             self.engine.dispose()
 

@@ -169,23 +169,3 @@ async def test_an_async_waiter_is_woken_by_the_release_too(sqlite_url: str) -> N
     finally:
         await holder.aclose()
         await waiter.aclose()
-
-
-def test_the_write_ahead_log_is_checkpointed_by_a_thread_of_its_own(
-    lockers: Callable[[], Locker], tmp_path: Path
-) -> None:
-    """No lock operation checkpoints (a release that did took milliseconds, and its waiters
-    waited as long), yet the log stays bounded, even under writes without a pause (which a
-    passive checkpoint alone never catches up with: with passive ones only, as without the
-    thread, it grew to 170 MB here)."""
-    from sqllocker.checkpoints import CHECK_EVERY, LOG_LIMIT
-
-    locker = lockers()
-    log = tmp_path / "locks.db-wal"
-    largest = 0
-    for n in range(6000):
-        locker.lock(f"cycle {n}").unlock()
-        largest = max(largest, log.stat().st_size)
-    assert largest < 3 * LOG_LIMIT, (largest, CHECK_EVERY)
-    with locker._operations.engine.connect() as conn:
-        assert conn.exec_driver_sql("PRAGMA wal_autocheckpoint").scalar() == 0

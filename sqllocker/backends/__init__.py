@@ -226,11 +226,6 @@ class Backend:
         return None
 
     @classmethod
-    def database_file(cls, url: URL) -> str | None:
-        """The file the database is (SQLite, unless in memory), or None."""
-        return None
-
-    @classmethod
     def queue_file(cls, url: URL) -> str | None:
         """The database file whose waiters queue in the kernel (SQLite on Linux: see
         ``sqllocker.file_queue``), or None."""

@@ -18,7 +18,6 @@ from sqlalchemy.sql.expression import Executable
 from sqlalchemy.types import TypeEngine
 
 from .. import file_queue
-from ..checkpoints import NO_AUTOMATIC_CHECKPOINT
 from ..schema import UTCDateTime
 from ..server_settings import LOSES_ROWS, ServerSettings, UnsafeSetting
 from ..timeouts import SQLITE_BUSY_TIMEOUT_SECONDS
@@ -132,19 +131,15 @@ class SQLiteBackend(Backend):
         return False
 
     @classmethod
-    def database_file(cls, url: URL) -> str | None:
+    def queue_file(cls, url: URL) -> str | None:
         database = url.database or ""
         if url.query.get("uri") in ("true", "1") and database.startswith("file:"):
             database, _, options = database[len("file:") :].partition("?")
             if "mode=memory" in options or "mode=memory" in str(url.query.get("mode")):
                 return None
-        if database in ("", ":memory:"):
+        if not file_queue.AVAILABLE or database in ("", ":memory:"):
             return None
         return os.path.abspath(database)
-
-    @classmethod
-    def queue_file(cls, url: URL) -> str | None:
-        return cls.database_file(url) if file_queue.AVAILABLE else None
 
     @classmethod
     def connect_args(
@@ -230,7 +225,6 @@ def _configure_connection(dbapi_connection: Any, _record: Any) -> None:
         # SQLite locks are one-machine locks, so every holder dies with the OS too.
         _use_wal(cursor, _sleep_for(dbapi_connection))
         cursor.execute("PRAGMA synchronous=NORMAL")
-        cursor.execute(NO_AUTOMATIC_CHECKPOINT)  # see sqllocker.checkpoints
     finally:
         cursor.close()
 
