@@ -49,8 +49,11 @@ AVAILABLE = (
 KEEP_SPARE = 4
 
 
+_pack = struct.Struct(_FLOCK).pack
+
+
 def _byte(kind: int, offset: int) -> bytes:
-    return struct.pack(_FLOCK, kind, os.SEEK_SET, offset, 1, 0)
+    return _pack(kind, os.SEEK_SET, offset, 1, 0)
 
 
 class FileQueue:
@@ -109,23 +112,28 @@ class FileQueue:
     # -- files ---------------------------------------------------------------------------------
 
     def _open(self) -> int:
-        with self._lock:
-            self._after_fork()
-            if self._spare:
-                return self._spare.pop()
+        if self._pid != forks.pid:
+            with self._lock:
+                self._after_fork()
+        try:
+            return self._spare.pop()  # atomic: no lock taken on every lock cycle
+        except IndexError:
+            pass
         # Readable and writable by whoever may write the database beside it (the umask rules).
         return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
 
     def _keep(self, fd: int) -> None:
         """Keep ``fd`` (which holds no place) for the next place, or close it."""
-        with self._lock:
-            if self._pid == forks.pid and not self._closed and len(self._spare) < KEEP_SPARE:
-                self._spare.append(fd)
+        if self._pid == forks.pid and not self._closed and len(self._spare) < KEEP_SPARE:
+            self._spare.append(fd)  # two threads may both pass the check: one spare more
+            if not self._closed:
                 return
+            with contextlib.suppress(ValueError):  # closed meanwhile: close() missed it
+                self._spare.remove(fd)
         os.close(fd)
 
     def _after_fork(self) -> None:
-        if self._pid != forks.pid:
+        if self._pid != forks.pid:  # checked again under the lock
             # A forked child starts with no files of its own: those it inherited are its
             # parent's, and its requests' threads were not forked with it.
             for fd in self._spare:

@@ -385,15 +385,12 @@ class Locker:
         # the row is ours.
         guid = new_guid()
         details = holder_details(extra, concurrency.task_name())
-        if self._file_queue is not None:
+        if wait == 0:
+            lock = self._try_once(lockstring, guid, details, ttl, on_lost)
+        elif self._file_queue is not None:
             lock = self._wait_in_line(
                 self._file_queue, lockstring, guid, details, ttl, wait, on_lost
             )
-        elif wait == 0:
-            outcome = self._try_acquire(lockstring, guid, details, ttl, on_lost)
-            if not isinstance(outcome, Lock):
-                raise outcome.busy_after(lockstring, wait)
-            lock = outcome
         else:
             lock = self._wait_for(lockstring, guid, details, ttl, wait, on_lost)
         lock._state.hold_at_least = hold_at_least
@@ -491,6 +488,31 @@ class Locker:
             if turn is not None:
                 turn.leave()  # withdrawing our request, and giving back a row granted to it
 
+    def _try_once(
+        self,
+        lockstring: str,
+        guid: str,
+        details: dict[str, Any],
+        ttl: float,
+        on_lost: OnLost | None,
+    ) -> Lock:
+        """One attempt, or LockBusy; on SQLite taking the lockstring's place in the kernel's
+        queue too if it is free, so that waiters wake when this lock is released."""
+        queue = self._file_queue
+        place = queue.take(queue.offset(self.table_name, lockstring)) if queue else None
+        try:
+            outcome = self._try_acquire(lockstring, guid, details, ttl, on_lost)
+        except BaseException:
+            if place is not None:
+                place.leave()
+            raise
+        if not isinstance(outcome, Lock):
+            if place is not None:
+                place.leave()
+            raise outcome.busy_after(lockstring, 0)
+        outcome._state.place = place
+        return outcome
+
     def _wait_in_line(
         self,
         queue: FileQueue,
@@ -503,8 +525,7 @@ class Locker:
     ) -> Lock:
         """Attempts until one succeeds, or LockBusy once ``wait`` has passed, in the kernel's
         queue of ``lockstring`` (SQLite: see ``sqllocker.file_queue``): only the waiter holding
-        its place tries the row, and keeps the place while the row is ours. With ``wait=0``,
-        one attempt, taking the place too if it is free."""
+        its place tries the row, and keeps the place while the row is ours."""
         backoff = Backoff.for_wait(wait)
         offset = queue.offset(self.table_name, lockstring)
         place = queue.take(offset)
@@ -513,7 +534,7 @@ class Locker:
         in_line = True  # until the kernel's wait fails (then back off, unqueued)
         try:
             while True:
-                if place is None and in_line and wait != 0:
+                if place is None and in_line:
                     request = request or queue.request(offset)
                     granted, wake = concurrency.woken_from_thread()
                     request.when_granted(wake)
