@@ -63,6 +63,16 @@ R = TypeVar("R")
 __all__ = ["AsyncLocker", "LockInfo"]
 
 
+async def _wait_out(error: DatabaseError, backoff: Backoff, lockstring: str) -> None:
+    """After a waiting attempt failed with ``error``: if it is an outage (a failover, a restart)
+    and the wait is not over, wait it out, as for a holder; else raise it. An attempt cut off may
+    have taken the row; the next one finds it ours (guid)."""
+    if not error.outage or backoff.expired():
+        raise error
+    logger.warning("waiting for %r through an outage: %s", lockstring, error)
+    await concurrency.sleep(backoff.next_delay())
+
+
 def _step_aside(listener: AsyncReleaseListener | None, waiter: Any) -> None:
     """Stop listening for releases while queued (the process's head of the queue may need
     them); nothing to do without a listener."""
@@ -460,12 +470,7 @@ class AsyncLocker:
                             lockstring, guid, details, ttl, on_lost, gate, look_first=polling
                         )
                     except DatabaseError as error:
-                        if not error.outage or backoff.expired():
-                            raise
-                        # A failover or a restart: wait it out, as for a holder. An attempt
-                        # cut off may have taken the row; the next one finds it ours (guid).
-                        logger.warning("waiting for %r through an outage: %s", lockstring, error)
-                        await concurrency.sleep(backoff.next_delay())
+                        await _wait_out(error, backoff, lockstring)
                         continue
                     gated, gate = gate is not None, None
                     if isinstance(outcome, AsyncLock):
@@ -577,10 +582,7 @@ class AsyncLocker:
                 try:
                     outcome = await self._try_acquire(lockstring, guid, details, ttl, on_lost)
                 except DatabaseError as error:
-                    if not error.outage or backoff.expired():
-                        raise
-                    logger.warning("waiting for %r through an outage: %s", lockstring, error)
-                    await concurrency.sleep(backoff.next_delay())
+                    await _wait_out(error, backoff, lockstring)
                     continue
                 if isinstance(outcome, AsyncLock):
                     outcome._state.place, place = place, None
