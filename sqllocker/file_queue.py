@@ -78,8 +78,11 @@ class FileQueue:
         return int.from_bytes(digest, "big") >> 2
 
     def take(self, offset: int) -> Place | None:
-        """The place at ``offset`` if nobody holds it or waits for it; never blocks."""
+        """The place at ``offset`` if nobody holds it or waits for it (and the queue file can be
+        opened: if not, the database itself will say why); never blocks."""
         fd = self._open()
+        if fd is None:
+            return None
         try:
             fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _byte(fcntl.F_WRLCK, offset))
         except OSError:
@@ -87,16 +90,20 @@ class FileQueue:
             return None
         return Place(self, fd, offset)
 
-    def request(self, offset: int) -> PlaceRequest:
+    def request(self, offset: int) -> PlaceRequest | None:
         """Ask for the place at ``offset``: a thread waits for it, and the request says when it
-        is granted. A request another waiter of this process gave up is taken over."""
+        is granted (None if the queue file cannot be opened). A request another waiter of this
+        process gave up is taken over."""
         with self._lock:
             unwanted = self._unwanted.get(offset)
             if unwanted:
                 request = unwanted.pop()
                 request.wanted = True
                 return request
-        request = PlaceRequest(self, self._open(), offset)
+        fd = self._open()
+        if fd is None:
+            return None
+        request = PlaceRequest(self, fd, offset)
         threading.Thread(target=request.wait, name="sqllocker-place", daemon=True).start()
         return request
 
@@ -111,7 +118,7 @@ class FileQueue:
 
     # -- files ---------------------------------------------------------------------------------
 
-    def _open(self) -> int:
+    def _open(self) -> int | None:
         if self._pid != forks.pid:
             with self._lock:
                 self._after_fork()
@@ -119,8 +126,13 @@ class FileQueue:
             return self._spare.pop()  # atomic: no lock taken on every lock cycle
         except IndexError:
             pass
-        # Readable and writable by whoever may write the database beside it (the umask rules).
-        return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            # Readable and writable by whoever may write the database beside it (the umask's
+            # say), so that every user of the database can queue.
+            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        except OSError as error:
+            logger.debug("cannot open %s (%s); waiting unqueued", self.path, error)
+            return None
 
     def _keep(self, fd: int) -> None:
         """Keep ``fd`` (which holds no place) for the next place, or close it."""

@@ -568,17 +568,21 @@ class AsyncLocker:
         place = queue.take(offset)
         request: PlaceRequest | None = None
         refused: Refused | None = None
-        in_line = True  # until the kernel's wait fails (then back off, unqueued)
+        in_line = True  # until the kernel's queue fails us (then back off, unqueued)
         try:
             while True:
                 if place is None and in_line:
                     request = request or queue.request(offset)
-                    granted, wake = concurrency.woken_from_thread()
-                    request.when_granted(wake)
-                    await concurrency.wait(granted, backoff.turn_patience(refused, self.grace))
-                    place = request.take()
-                    if place is not None or request.granted.is_set():
-                        in_line, request = place is not None, None
+                    if request is None:
+                        in_line = False  # the queue file cannot be opened: back off, unqueued
+                    else:
+                        granted, wake = concurrency.woken_from_thread()
+                        request.when_granted(wake)
+                        patience = backoff.turn_patience(refused, self.grace)
+                        await concurrency.wait(granted, patience)
+                        place = request.take()
+                        if place is not None or request.granted.is_set():
+                            in_line, request = place is not None, None
                 try:
                     outcome = await self._try_acquire(lockstring, guid, details, ttl, on_lost)
                 except DatabaseError as error:
