@@ -285,10 +285,12 @@ def test_a_head_whose_wait_ends_in_an_error_gives_back_a_row_handed_to_it(
     monkeypatch.setattr(Backoff, "for_wait", classmethod(lambda cls, wait: cls(None, 30.0, 30.0)))
     try_acquire = Locker._try_acquire
 
-    def fail_once_handed_the_row(self: Locker, lockstring: str, guid: str, *args: Any) -> Any:
+    def fail_once_handed_the_row(
+        self: Locker, lockstring: str, guid: str, *args: Any, **kwargs: Any
+    ) -> Any:
         if row_guid(admin, table_name, lockstring) == guid:  # this attempt would find it ours
             raise RuntimeError("the database went away")
-        return try_acquire(self, lockstring, guid, *args)
+        return try_acquire(self, lockstring, guid, *args, **kwargs)
 
     holder, waiter = holder_and_waiter
     held = holder.lock("report")

@@ -211,11 +211,11 @@ def test_a_release_that_woke_a_newcomer_about_to_queue_still_wakes_the_head(
     newcomer_registered, newcomer_may_try = threading.Event(), threading.Event()
     try_acquire = waiters._try_acquire
 
-    def held_back(*args: Any) -> Any:
+    def held_back(*args: Any, **kwargs: Any) -> Any:
         if threading.current_thread().name == "newcomer" and not newcomer_may_try.is_set():
             newcomer_registered.set()
             newcomer_may_try.wait(10)
-        return try_acquire(*args)
+        return try_acquire(*args, **kwargs)
 
     monkeypatch.setattr(waiters, "_try_acquire", held_back)
     newcomer = threading.Thread(target=wait, name="newcomer")
@@ -462,12 +462,12 @@ async def test_an_async_release_that_woke_a_newcomer_about_to_queue_still_wakes_
     newcomer_registered, newcomer_may_try = asyncio.Event(), asyncio.Event()
     try_acquire = waiters._try_acquire
 
-    async def held_back(*args: Any) -> Any:
+    async def held_back(*args: Any, **kwargs: Any) -> Any:
         task = asyncio.current_task()
         if task is not None and task.get_name() == "newcomer" and not newcomer_may_try.is_set():
             newcomer_registered.set()
             await newcomer_may_try.wait()
-        return await try_acquire(*args)
+        return await try_acquire(*args, **kwargs)
 
     monkeypatch.setattr(waiters, "_try_acquire", held_back)
     newcomer = asyncio.create_task(wait(), name="newcomer")
