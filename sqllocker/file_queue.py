@@ -8,10 +8,10 @@ the place up, and the kernel wakes a waiter blocked on it at once: the next hold
 row without polling. A newcomer that finds the place taken waits for it rather than trying the
 row, so it cannot slip in between a release and the next waiter's INSERT.
 
-The row is still the lock; the place only says who tries. A holder that stopped (Ctrl-Z) keeps
-its place, but not its row past its expiry: a waiter waits for the place at most until the row
-it was refused can be taken over (or ``QUEUE_PATIENCE``), then tries the row anyway, its
-request for the place still queued in the kernel.
+The row is still the lock; the place only says who tries. A holder that stopped (Ctrl-Z), or
+that overran its expiry unawares, keeps its place but not its row: a waiter waits for the place
+at most ``QUEUE_PATIENCE`` (less if the row it was refused can be taken over sooner), then tries
+the row anyway, its request for the place still queued in the kernel.
 
 Places are open-file-description locks (Linux ``F_OFD_SETLKW``): each belongs to an open file,
 not to a process, so threads and tasks of one process queue against one another too, and the
