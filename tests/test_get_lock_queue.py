@@ -13,7 +13,7 @@ import pymysql
 import pytest
 import sqlalchemy as sa
 
-from sqllocker import Locker, lock_table
+from sqllocker import LockBusy, Locker, lock_table
 from sqllocker.engine import resolve_url
 from tests.helpers import wait_in_thread, wait_until
 from tests.test_hand_off import counting_attempts
@@ -135,7 +135,7 @@ def test_waiters_beyond_the_queue_wait_within_the_deadline_and_leave_nothing_beh
         with holder.lock("report", expires=30):
             thread, result = wait_in_thread(waiter, wait=0.3, expires=30)
             thread.join(10)
-            assert "error" in result and type(result["error"]).__name__ == "LockBusy"
+            assert isinstance(result.get("error"), LockBusy)
         wait_until(lambda: not queued_behind(observer, queue_name(waiter, "report")))
     finally:
         observer.close()
