@@ -1,4 +1,6 @@
-"""PostgreSQL: waiters of one lockstring queue in the server, first come, first served.
+"""Waiters of one lockstring queue in the server, first come, first served: on PostgreSQL as
+below, on MySQL/MariaDB in ``GET_LOCK`` (``GetLockQueueWait``: the same rooms and seats, no
+hand-off, the head polls the row).
 
 A release's NOTIFY reaches every listening Locker. If every waiter tried for the row on every
 release, all but one would be refused (load for nothing), and which one won would be chance:
