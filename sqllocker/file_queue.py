@@ -104,8 +104,13 @@ class FileQueue:
         if fd is None:
             return None
         request = PlaceRequest(self, fd, offset)
-        threading.Thread(target=request.wait, name="sqllocker-place", daemon=True).start()
+        threading.Thread(target=request.wait, name=self.thread_name, daemon=True).start()
         return request
+
+    @property
+    def thread_name(self) -> str:
+        """The name of the threads waiting for this queue's places."""
+        return f"sqllocker-place {self.path}"
 
     def close(self) -> None:
         """Close the spare files; places held and requests queued end with their own."""
@@ -155,7 +160,11 @@ class FileQueue:
 
 
 class Place:
-    """A place held: the row is ours to try for, or ours; ``leave()`` once it is deleted."""
+    """A place held: the row is ours to try for, or ours; ``leave()`` once it is deleted.
+    Dropped unleft (a lock whose release failed, then was forgotten), it closes its file, which
+    gives the place up: the file would otherwise hold it for the life of the process."""
+
+    __slots__ = ("_fd", "_offset", "_pid", "_queue")
 
     def __init__(self, queue: FileQueue, fd: int, offset: int) -> None:
         self._queue = queue
@@ -175,6 +184,13 @@ class Place:
             os.close(fd)
             return
         self._queue._keep(fd)
+
+    def __del__(self, _close: Callable[[int], None] = os.close) -> None:
+        if (
+            self._fd is not None and self._pid == forks.pid
+        ):  # a child's copy is left as leave() leaves it
+            with contextlib.suppress(OSError):
+                _close(self._fd)
 
 
 class PlaceRequest:

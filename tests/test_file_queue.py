@@ -5,6 +5,7 @@ release wakes the next one (``sqllocker/file_queue.py``)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import threading
 import time
@@ -28,7 +29,7 @@ def sqlite_url(tmp_path: Path) -> str:
 
 
 @pytest.fixture
-def lockers(sqlite_url: str) -> Any:
+def lockers(sqlite_url: str, tmp_path: Path) -> Any:
     made: list[Locker] = []
 
     def make() -> Locker:
@@ -39,10 +40,15 @@ def lockers(sqlite_url: str) -> Any:
     yield make
     for locker in made:
         locker.close()
+    # Every request was granted once its holder left: none is left blocked for good.
+    wait_until(lambda: place_threads(tmp_path) == 0)
 
 
-def place_threads() -> int:
-    return sum(thread.name == "sqllocker-place" for thread in threading.enumerate())
+def place_threads(tmp_path: Path) -> int:
+    """Threads waiting for a place in the queue of the test's database (only: a thread of an
+    earlier test may still be on its way out)."""
+    name = FileQueue(str(tmp_path / "locks.db")).thread_name
+    return sum(thread.name == name for thread in threading.enumerate())
 
 
 def test_a_waiter_is_woken_by_the_release_not_by_a_poll_timer(
@@ -54,7 +60,7 @@ def test_a_waiter_is_woken_by_the_release_not_by_a_poll_timer(
     attempts = counting_attempts(waiter, monkeypatch)
     held = holder.lock("report", expires=30)
     thread, result = wait_in_thread(waiter, wait=30, expires=30)
-    wait_until(lambda: place_threads() == 1)
+    wait_until(lambda: place_threads(tmp_path) == 1)
     time.sleep(0.6)
     assert attempts == []
     assert (tmp_path / f"locks.db{SUFFIX}").exists()
@@ -86,7 +92,7 @@ def test_a_newcomer_waits_behind_the_holders_place_even_when_the_row_is_free(
 
 
 def test_waiters_that_give_up_leave_one_request_behind_for_the_next(
-    lockers: Callable[[], Locker],
+    lockers: Callable[[], Locker], tmp_path: Path
 ) -> None:
     """The kernel's wait cannot time out, so a waiter that gives up leaves its request queued
     for the next waiter of its process: twenty timed-out waits cost one blocked thread, not
@@ -96,9 +102,9 @@ def test_waiters_that_give_up_leave_one_request_behind_for_the_next(
     for _ in range(20):
         with pytest.raises(LockBusy):
             waiter.lock("report", wait=0.01)
-    assert place_threads() == 1
+    assert place_threads(tmp_path) == 1
     held.unlock()
-    wait_until(lambda: place_threads() == 0)
+    wait_until(lambda: place_threads(tmp_path) == 0)
     with waiter.lock("report", wait=0) as lock:
         assert lock.is_valid()
 
@@ -128,6 +134,22 @@ def test_a_forked_child_leaves_its_parents_place_alone(lockers: Callable[[], Loc
     held.unlock()
     with waiter.lock("report", wait=5) as lock:
         assert lock.is_valid()
+
+
+def test_a_place_dropped_without_leaving_is_given_up(tmp_path: Path) -> None:
+    """A lock whose release failed and that was then forgotten must not keep its place for the
+    life of the process: every later waiter of its lockstring would wait out its patience."""
+    queue = FileQueue(str(tmp_path / "locks.db"))
+    offset = queue.offset("semaphores", "report")
+    place = queue.take(offset)
+    assert place is not None
+    assert queue.take(offset) is None
+    del place
+    gc.collect()
+    again = queue.take(offset)
+    assert again is not None
+    again.leave()
+    queue.close()
 
 
 def test_a_database_in_memory_waits_unqueued() -> None:
