@@ -24,7 +24,11 @@ if TYPE_CHECKING:
     from .operations import Refused
 
 FIRST_DELAY = 0.002
-HEAD_FIRST_DELAY = 0.0005
+HEAD_FIRST_DELAY = 0.00025
+# A polling head waits at most this share of the time it has headed the queue between polls:
+# doubling its delay instead, it learned of a release up to as late again as the hold it waited
+# through had lasted, and a turn of a short hold cost twice the hold.
+HEAD_POLL_SHARE = 0.25
 MAX_DELAY = 0.25
 
 
@@ -37,6 +41,7 @@ class Backoff:
     max_delay: float = MAX_DELAY
     attempts: int = field(default=0, init=False)
     awaiting_hand_off: bool = field(default=False, init=False)
+    heading_since: float | None = field(default=None, init=False)  # monotonic
 
     @classmethod
     def for_wait(cls, wait: float | None) -> Backoff:
@@ -54,9 +59,12 @@ class Backoff:
 
     def heading(self) -> None:
         """From now on this waiter heads the server's queue and polls the row alone (MySQL's
-        ``GET_LOCK`` queue): from a shorter first delay, as the next turn is most likely soon."""
+        ``GET_LOCK`` queue): from a shorter first delay, as the next turn is most likely soon,
+        and then at intervals that grow with the time it has headed the queue (HEAD_POLL_SHARE
+        of it), more slowly than a newcomer's backoff."""
         self.attempts = 0
         self.first_delay = HEAD_FIRST_DELAY
+        self.heading_since = time.monotonic()
 
     def expired(self) -> bool:
         remaining = self.remaining()
@@ -71,6 +79,9 @@ class Backoff:
         """Seconds to sleep before the next attempt (0 if the deadline has passed)."""
         if self.awaiting_hand_off:
             ceiling = self.max_delay
+        elif self.heading_since is not None:
+            headed = time.monotonic() - self.heading_since
+            ceiling = min(self.max_delay, max(self.first_delay, headed * HEAD_POLL_SHARE))
         else:
             ceiling = min(self.max_delay, self.first_delay * 2**self.attempts)
         self.attempts += 1

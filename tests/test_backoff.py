@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -11,7 +12,8 @@ import pytest
 import sqlalchemy as sa
 
 from sqllocker import Locker
-from sqllocker.backoff import FIRST_DELAY, MAX_DELAY, Backoff
+from sqllocker import backoff as backoff_module
+from sqllocker.backoff import FIRST_DELAY, HEAD_FIRST_DELAY, HEAD_POLL_SHARE, MAX_DELAY, Backoff
 from sqllocker.engine import resolve_url
 
 
@@ -101,3 +103,23 @@ def test_a_waiter_awaiting_a_hand_off_waits_the_longest_delay_but_not_past_a_tak
     now = datetime.now(timezone.utc)
     soon = backoff.next_delay(now + timedelta(seconds=0.01), now, grace=0.0)
     assert soon <= 0.01 + FIRST_DELAY
+
+
+def test_a_polling_head_polls_at_a_share_of_the_time_it_has_headed_the_queue(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Doubling its delay from poll to poll, a head learned of a release up to a whole hold
+    late: at 0.5 ms and a 1 ms hold its fourth poll came 4 ms after it began heading. Its delay
+    follows the time it has headed the queue instead, however many polls it has made."""
+    now = [1000.0]
+    clock = types.SimpleNamespace(monotonic=lambda: now[0], sleep=time.sleep)
+    monkeypatch.setattr(backoff_module, "time", clock)
+    backoff = Backoff.for_wait(None)
+    backoff.heading()
+    early = [backoff.next_delay() for _ in range(20)]
+    assert all(HEAD_FIRST_DELAY / 2 <= delay <= HEAD_FIRST_DELAY for delay in early)
+    now[0] += 0.1
+    later = [backoff.next_delay() for _ in range(20)]
+    assert all(0.1 * HEAD_POLL_SHARE / 2 <= delay <= 0.1 * HEAD_POLL_SHARE for delay in later)
+    now[0] += 60
+    assert all(MAX_DELAY / 2 <= backoff.next_delay() <= MAX_DELAY for _ in range(20))
