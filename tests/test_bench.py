@@ -8,7 +8,7 @@ import json
 import pytest
 import sqlalchemy as sa
 
-from scripts import bench
+from scripts import bench, many_waiters
 from scripts.bench import Turn, turn_figures
 
 HOLD, HANDOFF, STEP_BACK = 1.0, 0.05, 2.0
@@ -92,3 +92,20 @@ def test_the_performance_page_is_what_the_benchmark_wrote() -> None:
     docs = Path(__file__).resolve().parents[1] / "docs"
     results = json.loads((docs / "bench.json").read_text())
     assert (docs / "performance.md").read_text() == bench.performance_page(results)
+
+
+def test_many_waiters_counts_who_was_served_ahead_beyond_their_place_in_line() -> None:
+    """Three waiters ask at 0, 1 and 2 while a holder holds until 3; served in the order they
+    asked, nobody is passed beyond its place. Served C, B, A, the first to ask was passed by two
+    that were behind it."""
+    holder: Turn = (-1.0, -0.5, 3.0, 3.0)
+    in_order = [holder, (0.0, 3.1, 3.2, 3.2), (1.0, 3.3, 3.4, 3.4), (2.0, 3.5, 3.6, 3.6)]
+    fair = many_waiters.figures(in_order)
+    assert fair["overlaps"] == 0
+    assert fair["beyond_place_max"] == 0
+    reversed_order = [holder, (0.0, 3.5, 3.6, 3.6), (1.0, 3.3, 3.4, 3.4), (2.0, 3.1, 3.2, 3.2)]
+    unfair = many_waiters.figures(reversed_order)
+    assert unfair["beyond_place_max"] == 2
+    assert unfair["passed_max"] == 2
+    overlapping = [holder, (0.0, 2.0, 3.2, 3.2)]
+    assert many_waiters.figures(overlapping)["overlaps"] == 1

@@ -1,0 +1,259 @@
+"""Many waiters on one lockstring: every waiter served, in what order, on how many connections.
+
+    .venv/bin/python scripts/many_waiters.py --backend postgresql
+    .venv/bin/python scripts/many_waiters.py --backend mysql --asyncio
+
+``--processes`` processes (10) each run ``--waiters`` threads, or asyncio tasks (50), that take
+one lockstring ``--turns`` times (5), holding it ``--hold`` seconds (1 ms) each time. Prints,
+per run: whether every waiter was served and no two held at once; the connections each process
+had open at most, to the database's server (or, for SQLite, to its file), beside what its pool
+allows; how many others were served between a waiter's asking and its getting, against its place
+in line when it asked (how many had asked before it and were still waiting); and the wait's
+distribution. Uses the bench's URLs and table (``scripts/bench.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import collections
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import itertools
+
+from scripts.bench import TABLE, URLS, fresh_table, percentile, processes_context
+from sqllocker import Locker
+from sqllocker.asyncio import AsyncLocker
+
+Turn = tuple[float, float, float, float]  # monotonic: asked, got, began releasing, released
+LOCKSTRING = "many waiters"
+SAMPLE_SECONDS = 0.02
+
+
+def _socket_inodes() -> set[str]:
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    return inodes
+
+
+def open_connections(url: str) -> int:
+    """This process's connections to ``url``'s server now (TCP sockets to its port), or for an
+    SQLite database, its open descriptors of the database file."""
+    if url.startswith("sqlite"):
+        database = url.removeprefix("sqlite:///")
+        count = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            count += target.endswith(os.path.basename(database))
+        return count
+    port = 5432 if url.startswith("postgresql") else 3306
+    mine = _socket_inodes()
+    count = 0
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with open(table) as lines:
+            next(lines)
+            for line in lines:
+                fields = line.split()
+                remote_port = int(fields[2].rsplit(":", 1)[1], 16)
+                established = fields[3] == "01"
+                count += established and remote_port == port and fields[9] in mine
+    return count
+
+
+class Sampler:
+    """The most connections this process had open, sampled every SAMPLE_SECONDS."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.most = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(SAMPLE_SECONDS):
+            self.most = max(self.most, open_connections(self.url))
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.most
+
+
+def _pool_allows(locker: Locker | AsyncLocker) -> int:
+    pool: Any = locker._operations.engine.pool
+    return int(pool.size() + pool._max_overflow) if hasattr(pool, "_max_overflow") else -1
+
+
+def _threads_process(url: str, waiters: int, turns: int, hold: float, ready: Any) -> Any:
+    locker = Locker(url, table=TABLE, grace=1)
+    records: list[Turn] = []
+    errors: list[str] = []
+
+    def waiter() -> None:
+        for _ in range(turns):
+            asked = time.monotonic()
+            try:
+                lock = locker.lock(LOCKSTRING, wait=None, expires=60)
+            except Exception as error:
+                errors.append(f"{type(error).__name__}: {error}")
+                continue
+            got = time.monotonic()
+            time.sleep(hold)
+            left = time.monotonic()
+            lock.unlock()
+            records.append((asked, got, left, time.monotonic()))
+
+    ready.wait()
+    sampler = Sampler(url)
+    threads = [threading.Thread(target=waiter) for _ in range(waiters)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    most = sampler.stop()
+    allows = _pool_allows(locker)
+    locker.close()
+    return records, errors, most, allows
+
+
+def _tasks_process(url: str, waiters: int, turns: int, hold: float, ready: Any) -> Any:
+    ready.wait()
+    sampler = Sampler(url)
+
+    async def run() -> Any:
+        locker = AsyncLocker(url, table=TABLE, grace=1)
+        records: list[Turn] = []
+        errors: list[str] = []
+
+        async def waiter() -> None:
+            for _ in range(turns):
+                asked = time.monotonic()
+                try:
+                    lock = await locker.lock(LOCKSTRING, wait=None, expires=60)
+                except Exception as error:
+                    errors.append(f"{type(error).__name__}: {error}")
+                    continue
+                got = time.monotonic()
+                await asyncio.sleep(hold)
+                left = time.monotonic()
+                await lock.unlock()
+                records.append((asked, got, left, time.monotonic()))
+
+        await asyncio.gather(*(waiter() for _ in range(waiters)))
+        allows = _pool_allows(locker)
+        await locker.aclose()
+        return records, errors, allows
+
+    records, errors, allows = asyncio.run(run())
+    return records, errors, sampler.stop(), allows
+
+
+def _process(
+    mode: str, url: str, waiters: int, turns: int, hold: float, ready: Any, results: Any
+) -> None:
+    run = _tasks_process if mode == "asyncio" else _threads_process
+    results.put(run(url, waiters, turns, hold, ready))
+
+
+def figures(turns: list[Turn]) -> dict[str, Any]:
+    """Overlaps (must be 0); for each acquisition, the others served between its asking and its
+    getting, against its place in line when it asked; the wait's distribution."""
+    turns = sorted(turns, key=lambda turn: turn[1])
+    overlaps = sum(after[1] < before[2] for before, after in itertools.pairwise(turns))
+    gots = [turn[1] for turn in turns]
+    askeds = sorted(turn[0] for turn in turns)
+    passed, beyond = [], []
+    for asked, got, _, _ in turns:
+        served_between = bisect.bisect_left(gots, got) - bisect.bisect_right(gots, asked)
+        # In line ahead of it: asked before it, and not yet served when it asked.
+        in_line = bisect.bisect_left(askeds, asked) - bisect.bisect_right(gots, asked)
+        passed.append(served_between)
+        beyond.append(served_between - in_line)
+    waits = sorted(got - asked for asked, got, _, _ in turns)
+    return {
+        "overlaps": overlaps,
+        "passed_max": max(passed),
+        "beyond_place_p999": percentile([float(b) for b in beyond], 0.999),
+        "beyond_place_max": max(beyond),
+        "beyond_place_over_3": sum(b > 3 for b in beyond),
+        "wait_ms": {f"p{int(q * 100)}": percentile(waits, q) * 1000 for q in (0.5, 0.9, 0.99, 1.0)},
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", choices=sorted(URLS), default="sqlite")
+    parser.add_argument("--asyncio", action="store_true", help="tasks rather than threads")
+    parser.add_argument("--processes", type=int, default=10)
+    parser.add_argument("--waiters", type=int, default=50)
+    parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--hold", type=float, default=0.001)
+    args = parser.parse_args()
+    url = URLS[args.backend]
+    if url.startswith("sqlite"):
+        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    fresh_table(url)
+    mode = "asyncio" if args.asyncio else "threads"
+    context = processes_context()
+    ready, results = context.Barrier(args.processes + 1), context.Queue()
+    workers = [
+        context.Process(
+            target=_process,
+            args=(mode, url, args.waiters, args.turns, args.hold, ready, results),
+        )
+        for _ in range(args.processes)
+    ]
+    for worker in workers:
+        worker.start()
+    ready.wait(timeout=120)
+    started = time.monotonic()
+    outcomes = [results.get(timeout=1800) for _ in workers]
+    elapsed = time.monotonic() - started
+    for worker in workers:
+        worker.join()
+    turns = [turn for records, _, _, _ in outcomes for turn in records]
+    errors = collections.Counter(error for _, errs, _, _ in outcomes for error in errs)
+    expected = args.processes * args.waiters * args.turns
+    print(
+        f"{args.backend}, {args.processes} processes x {args.waiters} {mode}, "
+        f"{args.turns} turns each, {args.hold * 1000:g} ms holds: {elapsed:.1f} s"
+    )
+    print(f"served {len(turns)} of {expected}; errors: {dict(errors) or 'none'}")
+    print(
+        "connections per process, most open at once: "
+        + ", ".join(str(most) for _, _, most, _ in outcomes)
+        + f" (its pool allows {outcomes[0][3]})"
+    )
+    if turns:
+        result = figures(turns)
+        waits = ", ".join(f"{name} {ms:.1f}" for name, ms in result["wait_ms"].items())
+        print(f"overlaps (two holders at once): {result['overlaps']}")
+        print(
+            f"served ahead of a waiter beyond its place in line: p99.9 "
+            f"{result['beyond_place_p999']:.0f}, max {result['beyond_place_max']}, "
+            f"more than 3 in {result['beyond_place_over_3']} of {len(turns)} acquisitions"
+        )
+        print(f"wait (ms): {waits}")
+    return 0 if len(turns) == expected and not errors else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
