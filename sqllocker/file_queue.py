@@ -186,9 +186,8 @@ class Place:
         self._queue._keep(fd)
 
     def __del__(self, _close: Callable[[int], None] = os.close) -> None:
-        if (
-            self._fd is not None and self._pid == forks.pid
-        ):  # a child's copy is left as leave() leaves it
+        # A forked child's copy is left open, as leave() leaves the place to the parent.
+        if self._fd is not None and self._pid == forks.pid:
             with contextlib.suppress(OSError):
                 _close(self._fd)
 

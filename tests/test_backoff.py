@@ -108,9 +108,9 @@ def test_a_waiter_awaiting_a_hand_off_waits_the_longest_delay_but_not_past_a_tak
 def test_a_polling_head_polls_at_a_share_of_the_time_it_has_headed_the_queue(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Doubling its delay from poll to poll, a head learned of a release up to a whole hold
-    late: at 0.5 ms and a 1 ms hold its fourth poll came 4 ms after it began heading. Its delay
-    follows the time it has headed the queue instead, however many polls it has made."""
+    """Doubling its delay from 0.5 ms, a head could learn of a release 1 ms after it began
+    heading up to 2.5 ms late (its second poll as early as 0.75 ms, its third as late as 3.5).
+    Its delay follows the time it has headed the queue instead, however many polls it made."""
     now = [1000.0]
     clock = types.SimpleNamespace(monotonic=lambda: now[0], sleep=time.sleep)
     monkeypatch.setattr(backoff_module, "time", clock)
