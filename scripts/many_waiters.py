@@ -27,13 +27,22 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import itertools
 
-from scripts.bench import TABLE, URLS, fresh_table, percentile, processes_context
+from sqlalchemy.pool import QueuePool
+
+from scripts.bench import (
+    TABLE,
+    URLS,
+    Turn,
+    fresh_table,
+    percentile,
+    processes_context,
+    turn_figures,
+)
 from sqllocker import Locker
 from sqllocker.asyncio import AsyncLocker
+from sqllocker.sqlalchemy_internals import most_connections
 
-Turn = tuple[float, float, float, float]  # monotonic: asked, got, began releasing, released
 LOCKSTRING = "many waiters"
 SAMPLE_SECONDS = 0.02
 
@@ -97,9 +106,9 @@ class Sampler:
         return self.most
 
 
-def _pool_allows(locker: Locker | AsyncLocker) -> int:
-    pool: Any = locker._operations.engine.pool
-    return int(pool.size() + pool._max_overflow) if hasattr(pool, "_max_overflow") else -1
+def _pool_allows(locker: Locker | AsyncLocker) -> int | None:
+    pool = locker._operations.engine.pool
+    return most_connections(pool) if isinstance(pool, QueuePool) else None
 
 
 def _threads_process(url: str, waiters: int, turns: int, hold: float, ready: Any) -> Any:
@@ -174,23 +183,22 @@ def _process(
 
 
 def figures(turns: list[Turn]) -> dict[str, Any]:
-    """Overlaps (must be 0); for each acquisition, the others served between its asking and its
-    getting, against its place in line when it asked; the wait's distribution."""
-    turns = sorted(turns, key=lambda turn: turn[1])
-    overlaps = sum(after[1] < before[2] for before, after in itertools.pairwise(turns))
-    gots = [turn[1] for turn in turns]
+    """The bench's overlaps (must be 0) and most passes; for each acquisition, the others served
+    between its asking and its getting beyond its place in line when it asked; the wait's
+    distribution."""
+    bench_figures = turn_figures(turns)
+    gots = sorted(turn[1] for turn in turns)
     askeds = sorted(turn[0] for turn in turns)
-    passed, beyond = [], []
+    beyond = []
     for asked, got, _, _ in turns:
         served_between = bisect.bisect_left(gots, got) - bisect.bisect_right(gots, asked)
         # In line ahead of it: asked before it, and not yet served when it asked.
         in_line = bisect.bisect_left(askeds, asked) - bisect.bisect_right(gots, asked)
-        passed.append(served_between)
         beyond.append(served_between - in_line)
     waits = sorted(got - asked for asked, got, _, _ in turns)
     return {
-        "overlaps": overlaps,
-        "passed_max": max(passed),
+        "overlaps": bench_figures["violations"],
+        "passed_max": bench_figures["overtaken_max"],
         "beyond_place_p999": percentile([float(b) for b in beyond], 0.999),
         "beyond_place_max": max(beyond),
         "beyond_place_over_3": sum(b > 3 for b in beyond),
