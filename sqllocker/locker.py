@@ -633,5 +633,10 @@ class Locker:
                 queue_wait = self._operations.queue_wait
                 if queue_wait is None:
                     return None
-                self._room = WaitingRoom(self.engine, queue_wait)
+                self._room = WaitingRoom(
+                    self.engine,
+                    queue_wait,
+                    functools.partial(self._call, self._operations.look_at_queue),
+                    functools.partial(self._call, self._operations.end_queued_waits),
+                )
             return self._room

@@ -434,6 +434,35 @@ class LockOperations:
 
         return self._run(lockstring, read)
 
+    def look_at_queue(self, lockstring: str, queue_key: QueueKey) -> tuple[bool, Any]:
+        """Whether ``lockstring``'s row is takeable now (absent, or expired beyond grace), and
+        the session heading its queue in the server (``queueing.Watch``)."""
+        statement = self._sql.queue_head
+        assert statement is not None, "only a backend with a server-side queue is watched"
+
+        def look(conn: DriverSession) -> tuple[bool, Any]:
+            params = {"ls": lockstring, "lock_guid": "", **self._expiry_params()}
+            row = conn.execute(self._sql.holder_for_acquirer, params).first()
+            heading = conn.execute(statement, {"queue_key": queue_key}).first()
+            return row is None or bool(row.takeable), heading[0] if heading else None
+
+        return self._run(lockstring, look)
+
+    def end_queued_waits(self, sessions: list[Any]) -> None:
+        """End the queued waits of the server ``sessions`` (``queueing.Watch``). A session whose
+        wait ended meanwhile, or that is gone, is no error."""
+        statement = self._sql.end_queued_wait
+        assert statement is not None, "only a backend with a server-side queue is watched"
+
+        def end(conn: DriverSession) -> None:
+            for session in sessions:
+                try:
+                    conn.execute(statement, {"session": session})
+                except sa.exc.DBAPIError as error:
+                    logger.debug("could not end the queued wait of %s (%s)", session, error.orig)
+
+        self._run(None, end)
+
     def expired_locks(self) -> list[LockInfo]:
         def read(conn: DriverSession) -> list[LockInfo]:
             params = self._expiry_params()

@@ -11,10 +11,15 @@ release. Once the head has the row it leaves the queue and the next waiter becom
 round trip is made by a background thread, so that lock() returns as soon as the row is ours.
 A waiter's first attempt is refused while anyone holds or waits in the queue
 (``Statements.acquire_unless_queued``): a newcomer joins the queue rather than taking the row
-between a release and the head's INSERT. A queued wait lasts at most QUEUE_PATIENCE, so a head
-that stopped (its process suspended, its connection alive) holds the others up only that long,
-and so does a session outside sqllocker that holds a queue's key. The wait runs in the table's
-``_queue_for_hand_off`` function, which ends it without an ERROR in the server's log.
+between a release and the head's INSERT. The wait runs in the table's ``_queue_for_hand_off``
+function, which ends it at the caller's deadline without an ERROR in the server's log.
+
+A waiter keeps its place however long the row is held: giving it up to look at the row would
+put it behind everyone who came after it. Instead the room's watch (``Watch``) looks at the
+rows of the lockstrings its waiters queue for; a queue that stands still on a free or takeover-
+able row under one head for QUEUE_PATIENCE (a head whose process stopped while its connection
+lives, or a session outside sqllocker holding the queue's key) has its waits ended by the
+server (``pg_cancel_backend``, ``KILL QUERY``), and those waiters try the row themselves.
 
 A waiter (sync or async) that becomes the head of the queue leaves a *request* in the same
 statement (``Request``), and a release hands it the row in the release's own transaction (see
@@ -39,22 +44,27 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from . import forks
 from .statements import Statements
+from .timeouts import STATEMENT_TIMEOUT_SECONDS
 
 T = TypeVar("T")
 # A queue's key: PostgreSQL's advisory lock key, or MySQL's GET_LOCK name.
 QueueKey = int | str
 
 DEFAULT_CAPACITY = 8
-# The longest a waiter stays queued before trying the row again. A head whose process stopped
-# (Ctrl-Z, a debugger) keeps its place while its connection lives; those behind it would wait
-# for it however free the row was. After this long they try the row themselves and, if it is
-# still held, queue again (mostly in the same order: they run out of patience in turn).
+# How long a queue may stand still on a free (or takeoverable) row under one head before the
+# waiters behind that head try the row themselves. A head whose process stopped (Ctrl-Z, a
+# debugger) keeps its place while its connection lives; those behind it would wait for it
+# however free the row was.
 QUEUE_PATIENCE = 1.0
+# MySQL/MariaDB: the longest one GET_LOCK wait lasts, within the driver's read timeout (PyMySQL
+# gives up on an answer that long in coming); a waiter whose wait runs out queues again, behind
+# those who came after it.
+GET_LOCK_SLICE = STATEMENT_TIMEOUT_SECONDS * 0.75
 # Connections kept open between waits, so that the next wait does not pay for a new one.
 KEEP_IDLE = 2
 
@@ -64,11 +74,21 @@ KEEP_IDLE = 2
 LEAVE = "SELECT pg_catalog.pg_advisory_unlock_all()"
 
 
-def patience_ms(timeout: float | None) -> int:
-    """How long one queued wait may last, in milliseconds: the caller's remaining ``timeout``
-    (None: none) or QUEUE_PATIENCE, whichever is shorter."""
-    patience = QUEUE_PATIENCE if timeout is None else min(timeout, QUEUE_PATIENCE)
-    return max(1, round(patience * 1000))
+# A queue is stuck when this many looks in a row, QUEUE_PATIENCE from first to last, find its
+# row takeable under one head (see Watch).
+STUCK_LOOKS = 5
+
+
+def look_interval() -> float:
+    """How often the watch looks at a queue (QUEUE_PATIENCE read when called, so that tests can
+    shorten it)."""
+    return QUEUE_PATIENCE / (STUCK_LOOKS - 1)
+
+
+def wait_ms(timeout: float | None) -> int:
+    """The caller's remaining ``timeout`` as PostgreSQL's ``lock_timeout``: milliseconds, at
+    least 1; 0 (no limit) for None."""
+    return 0 if timeout is None else max(1, round(timeout * 1000))
 
 
 @dataclass(frozen=True)
@@ -119,7 +139,7 @@ class QueueWait:
         holder = json.dumps(request.holder)
         return self._wait, (
             key,
-            patience_ms(timeout),
+            wait_ms(timeout),
             request.lockstring,
             request.guid,
             holder,
@@ -129,6 +149,18 @@ class QueueWait:
     def granted(self, row: Any) -> bool:
         """Whether ``statement``'s row says the queue is ours (else the wait ran out)."""
         return bool(row[0])
+
+    # A queued wait lasts until the caller's deadline, or until the watch ends it, not for the
+    # engine's statement_timeout: a connection that only ever queues runs without one (its
+    # peer's death is still noticed, by the keepalives the engine sets).
+    session_setup: str | None = (
+        "SELECT pg_catalog.set_config('statement_timeout'::text, '0'::text, false)"
+    )
+
+    @staticmethod
+    def session_id(connection: Any) -> Any:
+        """The server's id of a queue connection's session, which the watch ends a wait by."""
+        return connection.info.backend_pid
 
     def leave_statement(
         self, key: QueueKey, request: Request | None, give_back: bool
@@ -165,10 +197,17 @@ class GetLockQueueWait:
     def statement(
         self, key: QueueKey, timeout: float | None, request: Request | None
     ) -> tuple[str, tuple[Any, ...]]:
-        return "SELECT GET_LOCK(%s, %s)", (key, patience_ms(timeout) / 1000)
+        seconds = GET_LOCK_SLICE if timeout is None else min(timeout, GET_LOCK_SLICE)
+        return "SELECT GET_LOCK(%s, %s)", (key, max(seconds, 0.001))
 
     def granted(self, row: Any) -> bool:
         return row is not None and row[0] == 1
+
+    session_setup: str | None = None
+
+    @staticmethod
+    def session_id(connection: Any) -> Any:
+        return connection.thread_id()
 
     def leave_statement(
         self, key: QueueKey, request: Request | None, give_back: bool
@@ -247,3 +286,85 @@ class Seats:
             self._closed = True
             idle, self.idle = self.idle, []
             return idle
+
+
+@dataclass(eq=False)
+class Blocked:
+    """A waiter of a room queued behind the head of ``lockstring``'s queue, in the server session
+    ``session``; ``ended`` once the watch has ended its wait."""
+
+    lockstring: str
+    key: QueueKey
+    session: Any
+    ended: bool = field(default=False, init=False)
+
+
+class Watch:
+    """The waits of one room queued behind a head, and what the last look at each of their
+    lockstrings found (whether the row was takeable, and the session heading the queue): the
+    bookkeeping shared by the thread and the asyncio rooms (never held across I/O).
+
+    A queue is stuck when STUCK_LOOKS looks in a row, ``look_interval()`` apart, find its row
+    free (or takeoverable) under the same head: a live head takes a free row within one poll.
+    A queue that moves changes heads (sessions are reused, so it may come back to one) and has
+    a held row at most looks, so it is all but never mistaken for a stuck one; if it were, its
+    waiters would only lose their places."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._blocked: dict[str, list[Blocked]] = {}
+        self._seen: dict[str, tuple[Any, int]] = {}  # head, takeable looks in a row
+        self._running = False
+        self._closed = False
+        self._pid = forks.pid
+        self.ended = 0  # waits ended, in all
+
+    def add(self, blocked: Blocked) -> bool:
+        """Watch ``blocked``; returns whether the caller must start the watching loop."""
+        with self._lock:
+            if self._pid != forks.pid:  # the parent's loop does not run in a child
+                self._pid, self._blocked, self._seen, self._running = forks.pid, {}, {}, False
+            self._blocked.setdefault(blocked.lockstring, []).append(blocked)
+            start = not self._running and not self._closed
+            self._running = self._running or start
+            return start
+
+    def remove(self, blocked: Blocked) -> bool:
+        """Stop watching ``blocked``; returns whether the watch ended its wait meanwhile."""
+        with self._lock:
+            waits = self._blocked.get(blocked.lockstring, [])
+            if blocked in waits:
+                waits.remove(blocked)
+                if not waits:
+                    del self._blocked[blocked.lockstring]
+                    self._seen.pop(blocked.lockstring, None)
+            return blocked.ended
+
+    def watched(self) -> list[tuple[str, QueueKey]] | None:
+        """The lockstrings to look at now, with their queues' keys; None: the loop stops (no
+        wait left to watch, or the room closed)."""
+        with self._lock:
+            if not self._blocked or self._closed:
+                self._running = False
+                return None
+            return [(lockstring, waits[0].key) for lockstring, waits in self._blocked.items()]
+
+    def saw(self, lockstring: str, takeable: bool, head: Any) -> list[Any]:
+        """Record a look at ``lockstring``'s queue; returns the sessions whose waits to end
+        (marked ended), if the queue is stuck."""
+        with self._lock:
+            previous_head, looks = self._seen.get(lockstring, (None, 0))
+            looks = 0 if not takeable else looks + 1 if looks and previous_head == head else 1
+            self._seen[lockstring] = (head, looks)
+            if looks < STUCK_LOOKS:
+                return []
+            del self._seen[lockstring]
+            ending = [b for b in self._blocked.get(lockstring, []) if not b.ended]
+            for blocked in ending:
+                blocked.ended = True
+            self.ended += len(ending)
+            return [blocked.session for blocked in ending]
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True

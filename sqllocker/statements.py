@@ -113,6 +113,16 @@ class Statements:
         backend has such a key (PostgreSQL); None elsewhere."""
         return self.backend.id_order_blocker(self)
 
+    @cached_property
+    def queue_head(self) -> TextualSelect | None:
+        """The session heading the server's queue ``:queue_key``; None where there is none."""
+        return self.backend.queue_head()
+
+    @cached_property
+    def end_queued_wait(self) -> TextualSelect | None:
+        """Ends the queued wait of the server session ``:session``."""
+        return self.backend.end_queued_wait()
+
     @property
     def returned(self) -> tuple[sa.ColumnElement[Any], ...]:
         """What a successful acquire returns: the id, and the times as the driver reads them

@@ -336,7 +336,8 @@ class QueuedWaits:
 
 @pytest.fixture
 def queued_waits(monkeypatch: pytest.MonkeyPatch) -> QueuedWaits:
-    """Watch every queued wait, in the thread and the asyncio rooms, with a patience of 0.2 s."""
+    """Watch every queued wait, in the thread and the asyncio rooms, with a patience of 0.2 s
+    (the room's watch looks at the queue often)."""
     monkeypatch.setattr(queueing, "QUEUE_PATIENCE", 0.2)
     seen = QueuedWaits([])
     real_granted = QueueWait.granted
@@ -356,12 +357,13 @@ def queued_waits(monkeypatch: pytest.MonkeyPatch) -> QueuedWaits:
     return seen
 
 
-def test_a_queued_wait_that_runs_out_of_patience_logs_no_error_on_the_server(
+def test_a_queued_wait_that_reaches_its_deadline_logs_no_error_on_the_server(
     migrated_postgres: str, table_name: str, admin: sa.Engine, queued_waits: QueuedWaits
 ) -> None:
-    """A lock_timeout that fires is an ERROR, and the server logs each one: a waiter behind a
-    job holding its lock for ten minutes logged one every QUEUE_PATIENCE. The queue's
-    function catches it on the server, so none reaches the client (nor the log)."""
+    """A lock_timeout that fires is an ERROR, and the server logs each one (a waiter that gave
+    up its place every QUEUE_PATIENCE logged one each time). The queue's function catches it
+    on the server, so none reaches the client (nor the log). The waiter queued once: it keeps
+    its place however long the row is held, and however many times the watch looks."""
     holder = Locker(migrated_postgres, table=table_name)
     held = holder.lock("report")
     stopped_head = head_the_queue(admin, table_name)
@@ -369,7 +371,7 @@ def test_a_queued_wait_that_runs_out_of_patience_logs_no_error_on_the_server(
     with pytest.raises(LockBusy):
         waiter.lock("report", wait=1.0)
     assert queued_waits.errors == []
-    assert queued_waits.quiet_timeouts >= 3  # it did queue, and ran out of patience each time
+    assert queued_waits.quiet_timeouts == 1  # it did queue, once, until its deadline
     stopped_head.close()
     held.unlock()
     got = waiter.lock("report", wait=10)  # through the queue, now free
@@ -379,7 +381,7 @@ def test_a_queued_wait_that_runs_out_of_patience_logs_no_error_on_the_server(
     holder.close()
 
 
-async def test_an_async_queued_wait_that_runs_out_of_patience_logs_no_error_on_the_server(
+async def test_an_async_queued_wait_that_reaches_its_deadline_logs_no_error_on_the_server(
     migrated_postgres: str, table_name: str, admin: sa.Engine, queued_waits: QueuedWaits
 ) -> None:
     holder = Locker(migrated_postgres, table=table_name)
@@ -389,7 +391,7 @@ async def test_an_async_queued_wait_that_runs_out_of_patience_logs_no_error_on_t
     with pytest.raises(LockBusy):
         await waiter.lock("report", wait=1.0)
     assert queued_waits.errors == []
-    assert queued_waits.quiet_timeouts >= 3
+    assert queued_waits.quiet_timeouts == 1
     stopped_head.close()
     held.unlock()
     got = await waiter.lock("report", wait=10)

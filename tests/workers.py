@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from sqllocker import Lock, LockBusy, Locker, LockError, LockLost
+from sqllocker import Lock, LockBusy, Locker, LockError, LockLost, queueing
 from tests.helpers import abandon
 
 
@@ -123,6 +123,7 @@ def counter(args: argparse.Namespace) -> int:
         "abandoned": abandoned,
         "handed_over": handed_over,
         "renewed": renewed,
+        "ended_waits": locker._room._watch.ended if locker._room is not None else 0,
     }
     print(json.dumps(report))
     return 0
@@ -170,8 +171,10 @@ async def _async_counter(args: argparse.Namespace) -> int:
             args.count // args.tasks + (n < args.count % args.tasks) for n in range(args.tasks)
         ]
         await asyncio.gather(*(task(log, share) for share in shares))
+    ended_waits = locker._room._watch.ended if locker._room is not None else 0
     await locker.aclose()
-    print(json.dumps({"pid": os.getpid(), "overlaps": work.overlaps, "lost": lost}))
+    report = {"pid": os.getpid(), "overlaps": work.overlaps, "lost": lost}
+    print(json.dumps({**report, "ended_waits": ended_waits}))
     return 0
 
 
@@ -423,6 +426,11 @@ def main(argv: list[str] | None = None) -> int:
         help="keep every Nth lock alive and hold it for three expiry periods (sync only)",
     )
     work.add_argument(
+        "--queue-patience",
+        type=float,
+        help="seconds a queue may stand still on a free row (queueing.QUEUE_PATIENCE)",
+    )
+    work.add_argument(
         "--transaction-pooling",
         action="store_true",
         help="through a transaction-pooling PgBouncer (Locker's transaction_pooling)",
@@ -451,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "keeper":
         return keeper(args)
     if args.command == "counter":
+        if args.queue_patience is not None:
+            queueing.QUEUE_PATIENCE = args.queue_patience
         return async_counter(args) if args.asyncio else counter(args)
     if args.command == "semaphore":
         return semaphore(args)

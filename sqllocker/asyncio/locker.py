@@ -676,7 +676,12 @@ class AsyncLocker:
                 queue_wait = self._operations.queue_wait
                 if queue_wait is None:
                     return None
-                self._room = AsyncWaitingRoom(self.engine, queue_wait)
+                self._room = AsyncWaitingRoom(
+                    self.engine,
+                    queue_wait,
+                    functools.partial(self._call, self._operations.look_at_queue),
+                    functools.partial(self._call, self._operations.end_queued_waits),
+                )
             return self._room
 
     if True:  # ASYNC

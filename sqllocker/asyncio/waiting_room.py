@@ -1,10 +1,11 @@
 """PostgreSQL: waiters of one lockstring queue in the server, first come, first served (the
 design is in ``queueing.py``).
 
-A queued waiter waits in ``pg_advisory_lock`` on a connection of its own; sync and async
-waiters of one lockstring share one queue. If an async waiter's task is cancelled meanwhile,
-its connection is closed, which ends the session and with it any place in the queue: a
-cancelled waiter never keeps others waiting.
+A queued waiter waits in ``pg_advisory_lock`` (MySQL: ``GET_LOCK``) on a connection of its own;
+sync and async waiters of one lockstring share one queue. If an async waiter's task is
+cancelled meanwhile, its connection is closed, which ends the session and with it any place in
+the queue: a cancelled waiter never keeps others waiting. The room's watch ends the waits of a
+queue that stands still on a free row (see ``queueing.Watch``).
 
 Written once for asyncio; the sync ``sqllocker/waiting_room.py`` is generated from it
 (``tests/unasync.py``).
@@ -14,12 +15,23 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from ..queueing import DEFAULT_CAPACITY, AnyQueueWait, Entry, QueueKey, Request, Seats, timed_out
+from ..queueing import (
+    DEFAULT_CAPACITY,
+    AnyQueueWait,
+    Blocked,
+    Entry,
+    QueueKey,
+    Request,
+    Seats,
+    Watch,
+    look_interval,
+    timed_out,
+)
 from . import concurrency
 
 if True:  # ASYNC
@@ -80,11 +92,22 @@ class AsyncWaitingRoom:
     """One locker's queues, and the connections its queued waiters wait on."""
 
     def __init__(
-        self, engine: AsyncEngine, queue_wait: AnyQueueWait, capacity: int = DEFAULT_CAPACITY
+        self,
+        engine: AsyncEngine,
+        queue_wait: AnyQueueWait,
+        look: Callable[[str, QueueKey], Awaitable[tuple[bool, Any]]],
+        end_waits: Callable[[list[Any]], Awaitable[None]],
+        capacity: int = DEFAULT_CAPACITY,
     ) -> None:
+        """``look`` and ``end_waits`` are the Locker's ``look_at_queue`` and
+        ``end_queued_waits`` operations, which the watch runs on the Locker's pool."""
         self._engine = engine
         self.seats = Seats(capacity)
         self.queue_wait = queue_wait
+        self._look = look
+        self._end_waits = end_waits
+        self._watch = Watch()
+        self._watching = concurrency.Background("sqllocker-queue-watch")
         self._leaving = concurrency.Background("sqllocker-queue-leaver")
 
     def key(self, lockstring: str) -> QueueKey:
@@ -98,8 +121,8 @@ class AsyncWaitingRoom:
         before_blocking: Callable[[], None],
         request: Request,
     ) -> Entry[AsyncTurn]:
-        """Become the head of ``lockstring``'s queue, waiting at most ``timeout`` seconds (and
-        at most QUEUE_PATIENCE), and leave ``request`` for a release to grant.
+        """Become the head of ``lockstring``'s queue, waiting at most ``timeout`` seconds (or
+        until the watch finds the queue stuck), and leave ``request`` for a release to grant.
 
         ``before_blocking`` is called before queueing: a waiter stops listening for the row's
         releases while it queues (the head of the queue in this process may need them).
@@ -109,19 +132,27 @@ class AsyncWaitingRoom:
             return Entry(None, try_again=False, usable=False)
         key = self.key(lockstring)
         before_blocking()
+        blocked = Blocked(lockstring, key, self.queue_wait.session_id(connection))
+        if self._watch.add(blocked):
+            self._watching.call_soon(self._watch_queues)
+        ended = False
         try:
-            row = await self._fetch_one(
-                connection, self.queue_wait.statement(key, timeout, request)
-            )
-            if self.queue_wait.granted(row):
-                standing = request if self.queue_wait.hands_off else None
-                turn = AsyncTurn(self, connection, key, standing)
-                return Entry(turn, try_again=True, usable=True)
-            await self._checkin(connection)  # the caller's deadline, or our patience, came first
-            return Entry(None, try_again=True, usable=True)
+            try:
+                row = await self._fetch_one(
+                    connection, self.queue_wait.statement(key, timeout, request)
+                )
+            finally:
+                ended = self._watch.remove(blocked)
+            if not ended:
+                if self.queue_wait.granted(row):
+                    standing = request if self.queue_wait.hands_off else None
+                    turn = AsyncTurn(self, connection, key, standing)
+                    return Entry(turn, try_again=True, usable=True)
+                await self._checkin(connection)  # the caller's deadline came first
+                return Entry(None, try_again=True, usable=True)
         except BaseException as error:
-            if timed_out(error):
-                await self._checkin(connection)  # the caller's deadline, or our patience
+            if timed_out(error) and not ended:
+                await self._checkin(connection)  # the caller's deadline
                 return Entry(None, try_again=True, usable=True)
             if True:  # ASYNC
                 await asyncio.shield(self._discard(connection))
@@ -129,8 +160,38 @@ class AsyncWaitingRoom:
                 self._discard(connection)
             if not isinstance(error, Exception):
                 raise  # cancelled or interrupted: closing the connection has left the queue
-            logger.warning("could not queue for %r (%s); waiting unqueued", lockstring, error)
-            return Entry(None, try_again=True, usable=False)
+            if not ended:
+                logger.warning("could not queue for %r (%s); waiting unqueued", lockstring, error)
+                return Entry(None, try_again=True, usable=False)
+            return Entry(None, try_again=True, usable=True)
+        # Ended by the watch: whatever the wait returned, its connection goes (a cancel still
+        # on its way must not reach a later statement), and with it any place or request.
+        if True:  # ASYNC
+            await asyncio.shield(self._discard(connection))
+        else:
+            self._discard(connection)
+        return Entry(None, try_again=True, usable=True)
+
+    async def _watch_queues(self) -> None:
+        """Look at the queues of the waits queued behind a head, every ``look_interval()``
+        while there are any, and end the waits of those that are stuck (``queueing.Watch``)."""
+        while True:
+            await concurrency.sleep(look_interval())
+            watched = self._watch.watched()
+            if watched is None:
+                return
+            for lockstring, key in watched:
+                try:
+                    takeable, head = await self._look(lockstring, key)
+                    sessions = self._watch.saw(lockstring, takeable, head)
+                    if sessions:
+                        logger.info(
+                            "the queue for %r stood still on a free row; its waiters try it",
+                            lockstring,
+                        )
+                        await self._end_waits(sessions)
+                except Exception as error:
+                    logger.warning("could not look at the queue for %r (%s)", lockstring, error)
 
     async def leave(
         self,
@@ -160,6 +221,8 @@ class AsyncWaitingRoom:
         self._leaving.call_soon(self.leave, connection, key)
 
     async def close(self) -> None:
+        self._watch.close()
+        await self._watching.close()
         await self._leaving.close()
         for connection in self.seats.close():
             with contextlib.suppress(Exception):
@@ -187,13 +250,23 @@ class AsyncWaitingRoom:
         if not free or connection is not None:
             return connection
         try:
-            return await concurrency.detached_connection(
+            connection = await concurrency.detached_connection(
                 self._engine, autocommit=not self.queue_wait.through_cursor
             )
         except Exception as error:
             await self._discard(None)
             logger.warning("could not open a connection to queue on (%s)", error)
             return None
+        try:
+            if self.queue_wait.session_setup is not None:
+                await self._fetch_one(connection, (self.queue_wait.session_setup, ()))
+        except BaseException as error:
+            await self._discard(connection)
+            if not isinstance(error, Exception):
+                raise
+            logger.warning("could not set up a connection to queue on (%s)", error)
+            return None
+        return connection
 
     async def _checkin(self, connection: Any) -> None:
         extra = self.seats.give_back(connection)

@@ -160,6 +160,15 @@ class Backend:
         """Who holds the key an acquire waited for in vain (PostgreSQL); None elsewhere."""
         return None
 
+    def queue_head(self) -> TextualSelect | None:
+        """The session heading the server's queue ``:queue_key`` (see ``queueing.Watch``), or
+        None where waiters do not queue in the server."""
+        return None
+
+    def end_queued_wait(self) -> TextualSelect | None:
+        """The statement that ends the queued wait of the session ``:session``."""
+        return None
+
     # -- schema --------------------------------------------------------------------------------
 
     @classmethod

@@ -22,6 +22,7 @@ from . import Backend
 
 if TYPE_CHECKING:
     from sqlalchemy.sql import Delete, Insert, Select
+    from sqlalchemy.sql.selectable import TextualSelect
 
     from ..queueing import GetLockQueueWait
     from ..statements import Statements
@@ -87,6 +88,16 @@ class MySQLBackend(Backend):
         from ..queueing import GetLockQueueWait
 
         return GetLockQueueWait(statements)
+
+    def queue_head(self) -> TextualSelect:
+        return sa.text("SELECT IS_USED_LOCK(:queue_key) AS head").columns(
+            sa.column("head", sa.BigInteger)
+        )
+
+    def end_queued_wait(self) -> TextualSelect:
+        # KILL QUERY takes no placeholder in a prepared statement, but the driver binds client
+        # side, and the value is an integer the driver escapes as one.
+        return sa.text("KILL QUERY :session").columns()
 
     def acquire_unless_queued(self, statements: Statements) -> Any:
         """``acquire``, unless anyone holds or waits for the lockstring's ``GET_LOCK`` queue

@@ -220,6 +220,28 @@ class PostgreSQLBackend(Backend):
             .columns(sa.column("pid", sa.Integer))
         )
 
+    def queue_head(self) -> TextualSelect:
+        """The pid holding the queue's advisory lock: a bigint key, split into its two halves
+        and marked objsubid 1 in pg_locks."""
+        return sa.text(
+            "SELECT l.pid FROM pg_catalog.pg_locks AS l "
+            "WHERE l.locktype OPERATOR(pg_catalog.=) 'advisory'::text AND l.granted "
+            "AND l.objsubid OPERATOR(pg_catalog.=) 1::smallint "
+            "AND l.database OPERATOR(pg_catalog.=) (SELECT d.oid FROM pg_catalog.pg_database "
+            "AS d WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database()) "
+            "AND l.classid::bigint OPERATOR(pg_catalog.=) ((CAST(:queue_key AS bigint) "
+            "OPERATOR(pg_catalog.>>) 32) OPERATOR(pg_catalog.&) 4294967295::bigint) "
+            "AND l.objid::bigint OPERATOR(pg_catalog.=) (CAST(:queue_key AS bigint) "
+            "OPERATOR(pg_catalog.&) 4294967295::bigint) "
+            "AND l.mode OPERATOR(pg_catalog.=) 'ExclusiveLock'::text LIMIT 1"
+        ).columns(sa.column("pid", sa.Integer))
+
+    def end_queued_wait(self) -> TextualSelect:
+        # A cancel, not a terminate: the waiter closes its connection itself.
+        return sa.text(
+            "SELECT pg_catalog.pg_cancel_backend(CAST(:session AS integer)) AS ended"
+        ).columns(sa.column("ended", sa.Boolean))
+
     # -- schema ------------------------------------------------------------------------------------
 
     @classmethod

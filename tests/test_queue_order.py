@@ -1,0 +1,192 @@
+"""Waiters are served in the order they asked, however long the row is held: a queued waiter
+keeps its place, and only a queue that stands still on a free row (its head stopped, or a
+session outside sqllocker holds its key) has its waits ended (``sqllocker.queueing.Watch``)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import sqlalchemy as sa
+
+from sqllocker import Locker, queueing
+from sqllocker.asyncio import AsyncLocker
+from sqllocker.engine import resolve_url
+from sqllocker.migrations import upgrade
+from sqllocker.queueing import STUCK_LOOKS, Blocked, Watch
+from tests.test_get_lock_queue import queue_name, session
+from tests.workers import async_url
+
+WAITERS = "ABCD"
+
+
+@pytest.fixture
+def migrated(url: str, table_name: str) -> Iterator[str]:
+    """``url`` with this test's table made by the migrations (PostgreSQL's queue functions)."""
+    engine = sa.create_engine(resolve_url(url))
+    upgrade(engine, table_name)
+    engine.dispose()
+    return url
+
+
+@pytest.fixture
+def short_patience(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Queues judged stuck after 0.3 s: a waiter that gave up its place at each patience, as
+    waiters did, would be behind later ones many times over in a hold of 1.2 s."""
+    monkeypatch.setattr(queueing, "QUEUE_PATIENCE", 0.3)
+
+
+@pytest.mark.parametrize("run", range(2))
+def test_waiters_are_served_in_the_order_they_came_however_long_the_hold(
+    migrated: str, table_name: str, short_patience: None, run: int
+) -> None:
+    """Each waiter has a Locker of its own, as a process would; they ask 0.2 s apart, behind a
+    lock held 1.2 s: four times the patience. (Before the watch, three waiters asking 0.3 s
+    apart behind a 1.5 s hold were served A, C, B on PostgreSQL and MariaDB.)"""
+    holder = Locker(migrated, table=table_name)
+    held = holder.lock("report")
+    started = time.monotonic()
+    lockers = [Locker(migrated, table=table_name) for _ in WAITERS]
+    order: list[str] = []
+
+    def wait(number: int) -> None:
+        with lockers[number].lock("report", wait=30):
+            order.append(WAITERS[number])
+            time.sleep(0.02)
+
+    threads = [threading.Thread(target=wait, args=(number,)) for number in range(len(WAITERS))]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.2)
+    time.sleep(max(0.0, 1.2 - (time.monotonic() - started)))
+    held.unlock()
+    for thread in threads:
+        thread.join(30)
+    assert "".join(order) == WAITERS
+    for locker in [holder, *lockers]:
+        locker.close()
+
+
+async def test_async_waiters_are_served_in_the_order_they_came_however_long_the_hold(
+    migrated: str, table_name: str, short_patience: None
+) -> None:
+    holder = Locker(migrated, table=table_name)
+    held = holder.lock("report")
+    started = time.monotonic()
+    lockers = [AsyncLocker(async_url(migrated), table=table_name) for _ in WAITERS]
+    order: list[str] = []
+
+    async def wait(number: int) -> None:
+        async with lockers[number].lock("report", wait=30):
+            order.append(WAITERS[number])
+            await asyncio.sleep(0.02)
+
+    tasks = []
+    for number in range(len(WAITERS)):
+        tasks.append(asyncio.create_task(wait(number)))
+        await asyncio.sleep(0.2)
+    await asyncio.sleep(max(0.0, 1.2 - (time.monotonic() - started)))
+    await asyncio.to_thread(held.unlock)
+    await asyncio.wait_for(asyncio.gather(*tasks), 30)
+    assert "".join(order) == WAITERS
+    for locker in lockers:
+        await locker.aclose()
+    holder.close()
+
+
+def test_a_mariadb_queue_whose_name_a_stranger_holds_does_not_keep_waiters_from_a_free_row(
+    mysql_url: str, table_name: str, short_patience: None
+) -> None:
+    """A session outside sqllocker holds the lockstring's GET_LOCK name, as a head whose process
+    stopped would: the waiter behind it keeps its place while the row is held, and takes the
+    row once the queue has stood still on it free, long before its deadline."""
+    engine = sa.create_engine(resolve_url(mysql_url))
+    upgrade(engine, table_name)
+    engine.dispose()
+    holder = Locker(mysql_url, table=table_name)
+    waiter = Locker(mysql_url, table=table_name)
+    held = holder.lock("report")
+    stranger = session(mysql_url)
+    with stranger.cursor() as cursor:
+        cursor.execute("SELECT GET_LOCK(%s, 0)", (queue_name(waiter, "report"),))
+        assert cursor.fetchone()[0] == 1
+    got: list[float] = []
+    thread = threading.Thread(target=lambda: got.append(bool(waiter.lock("report", wait=20))))
+    thread.start()
+    time.sleep(1.0)  # many looks at a held row: nothing ended
+    assert got == []
+    room = waiter._waiting_room()
+    assert room is not None
+    assert room._watch.ended == 0
+    released = time.monotonic()
+    held.unlock()
+    thread.join(10)
+    assert got == [True]
+    assert time.monotonic() - released < 5  # not the 20 s of its deadline
+    assert room._watch.ended == 1
+    stranger.close()
+    waiter.close()
+    holder.close()
+
+
+# -- the watch's bookkeeping ---------------------------------------------------------------------
+
+
+def test_a_queue_is_stuck_after_its_row_was_takeable_under_one_head_at_every_look() -> None:
+    watch = Watch()
+    first, second = Blocked("report", 1, "session 1"), Blocked("report", 1, "session 2")
+    assert watch.add(first)  # the first wait starts the watching loop
+    assert not watch.add(second)
+    assert watch.watched() == [("report", 1)]
+    for _ in range(STUCK_LOOKS - 1):
+        assert watch.saw("report", True, "head") == []
+    assert watch.saw("report", True, "head") == ["session 1", "session 2"]
+    assert watch.ended == 2
+    assert watch.remove(first)
+    assert watch.remove(second)
+    assert watch.watched() is None  # nothing left: the loop stops
+    assert watch.add(Blocked("report", 1, "session 3"))  # and starts again
+
+
+@pytest.mark.parametrize(
+    "between",
+    [(False, "head"), (True, "another head"), (True, None)],
+    ids=["a held row", "another head", "no head"],
+)
+def test_a_look_at_a_held_row_or_another_head_starts_the_count_again(
+    between: tuple[bool, str | None],
+) -> None:
+    watch = Watch()
+    blocked = Blocked("report", 1, "session")
+    watch.add(blocked)
+    for _ in range(STUCK_LOOKS - 1):
+        assert watch.saw("report", True, "head") == []
+    assert watch.saw("report", *between) == []
+    for _ in range(STUCK_LOOKS - 2):
+        assert watch.saw("report", True, "head") == []
+    assert not watch.remove(blocked)  # never ended
+    assert watch.ended == 0
+
+
+def test_only_the_waits_of_the_stuck_lockstring_are_ended() -> None:
+    watch = Watch()
+    stuck, moving = Blocked("stuck", 1, "session 1"), Blocked("moving", 2, "session 2")
+    watch.add(stuck)
+    watch.add(moving)
+    for look in range(STUCK_LOOKS):
+        ended = watch.saw("stuck", True, "head")
+        assert watch.saw("moving", look % 2 == 0, "head") == []
+    assert ended == ["session 1"]
+    assert watch.remove(stuck)
+    assert not watch.remove(moving)
+
+
+def test_a_closed_watch_stops_its_loop() -> None:
+    watch = Watch()
+    watch.add(Blocked("report", 1, "session"))
+    watch.close()
+    assert watch.watched() is None
+    assert not watch.add(Blocked("report", 1, "session 2"))
