@@ -36,14 +36,17 @@ never safety.
 
 A queued waiter holds a connection of its own while it waits: not one of the pool's, which
 holders need to release their locks. A Locker queues at most ``capacity`` waiters at once;
-further waiters wait unqueued (woken by NOTIFY, backing off), as they would without the room.
+further waiters wait in line for a seat, in the order they came (``Seats``).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import hashlib
 import json
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -245,34 +248,74 @@ def queue_key(table: str, lockstring: str) -> int:
     return int.from_bytes(digest, "big", signed=True)
 
 
+@dataclass(eq=False)
+class InLine:
+    """A waiter in a room's line for a seat: ``wake`` is called once it is ``seated``, with
+    the ``connection`` its seat comes with (None: open one)."""
+
+    wake: Callable[[], None]
+    seated: bool = field(default=False, init=False)
+    connection: Any | None = field(default=None, init=False)
+
+
 class Seats:
-    """How many waiters of one room are queued, and the connections kept for the next ones:
-    the bookkeeping shared by the thread and the asyncio rooms (never held across I/O)."""
+    """How many waiters of one room are queued, the waiters in line for a seat when all are
+    taken, and the connections kept for the next ones: the bookkeeping shared by the thread
+    and the asyncio rooms (never held across I/O).
+
+    A waiter that finds every seat taken waits in line, and a seat given back goes to the
+    first in line with its connection: the waiters of one Locker reach the server's queue in
+    the order they asked, rather than whichever backed off least."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._lock = threading.Lock()
         self.idle: list[Any] = []
+        self._line: collections.deque[InLine] = collections.deque()
         self._in_use = 0
         self._pid = forks.pid
         self._closed = False
 
-    def take(self) -> tuple[bool, Any | None]:
-        """(whether a seat is free, a kept connection to use or None to open one)."""
+    def take(self, wake: Callable[[], None]) -> tuple[bool, Any | None, InLine | None]:
+        """(whether a seat is ours now, a kept connection to use or None to open one, our
+        place in line while every seat is taken); nothing at all once closed."""
         with self._lock:
             if self._pid != forks.pid:
                 # A forked child must not touch its parent's sockets, not even to close them.
                 self._pid, self.idle, self._in_use = forks.pid, [], 0
-            if self._closed or self._in_use >= self.capacity:
-                return False, None
+                self._line = collections.deque()
+            if self._closed:
+                return False, None, None
+            if self._in_use >= self.capacity or self._line:
+                in_line = InLine(wake)
+                self._line.append(in_line)
+                return False, None, in_line
             self._in_use += 1
-            return True, self.idle.pop() if self.idle else None
+            return True, self.idle.pop() if self.idle else None, None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def leave_line(self, in_line: InLine) -> tuple[bool, Any | None]:
+        """Stop waiting in line: (whether a seat became ours meanwhile, its connection)."""
+        with self._lock:
+            if not in_line.seated:
+                with contextlib.suppress(ValueError):
+                    self._line.remove(in_line)
+            return in_line.seated, in_line.connection
 
     def give_back(self, connection: Any | None) -> Any | None:
-        """Free a seat, keeping ``connection`` for the next waiter if there is room; returns
-        it if the caller must close it instead (None for a connection of the parent's)."""
+        """Free a seat: to the first waiter in line, with ``connection``; else keeping
+        ``connection`` for the next waiter if there is room. Returns it if the caller must
+        close it instead (None for a connection of the parent's)."""
         with self._lock:
             if self._pid != forks.pid:
+                return None
+            if self._line and not self._closed:
+                in_line = self._line.popleft()
+                in_line.seated, in_line.connection = True, connection
+                in_line.wake()
                 return None
             self._in_use -= 1
             if connection is not None and not self._closed and len(self.idle) < KEEP_IDLE:
@@ -281,11 +324,15 @@ class Seats:
             return connection
 
     def close(self) -> list[Any]:
-        """No more seats; returns the kept connections, to be closed."""
+        """No more seats (those in line are woken, unseated); returns the kept connections, to
+        be closed."""
         with self._lock:
             self._closed = True
             idle, self.idle = self.idle, []
-            return idle
+            line, self._line = self._line, collections.deque()
+        for in_line in line:
+            in_line.wake()
+        return idle
 
 
 @dataclass(eq=False)

@@ -122,11 +122,15 @@ class WaitingRoom:
         ``before_blocking`` is called before queueing: a waiter stops listening for the row's
         releases while it queues (the head of the queue in this process may need them).
         """
-        connection = self._checkout()
-        if connection is None:
-            return Entry(None, try_again=False, usable=False)
-        key = self.key(lockstring)
         before_blocking()
+        seated, connection = self._checkout(timeout)
+        if not seated:
+            # Closed, or the caller's deadline came while it waited in line for a seat.
+            return Entry(None, try_again=True, usable=not self.seats.closed)
+        connection = connection or self._connect()
+        if connection is None:
+            return Entry(None, try_again=True, usable=False)
+        key = self.key(lockstring)
         blocked = Blocked(lockstring, key, self.queue_wait.session_id(connection))
         if self._watch.add(blocked):
             self._watching.call_soon(self._watch_queues)
@@ -229,16 +233,32 @@ class WaitingRoom:
         finally:
             cursor.close()
 
-    def _checkout(self) -> Any | None:
-        free, connection = self.seats.take()
-        if not free or connection is not None:
-            return connection
+    def _checkout(self, timeout: float | None) -> tuple[bool, Any | None]:
+        """A seat, waiting in line for one at most ``timeout`` seconds: (whether we have one,
+        a kept connection that comes with it or None)."""
+        woken, wake = concurrency.woken_from_thread()
+        seated, connection, in_line = self.seats.take(wake)
+        if in_line is None:
+            return seated, connection
+        try:
+            concurrency.wait(woken, timeout)
+        except BaseException:
+            seated, connection = self.seats.leave_line(in_line)
+            if seated:  # given to us as we were cancelled or interrupted: pass it on
+                self._checkin(connection)
+            raise
+        return self.seats.leave_line(in_line)
+
+    def _connect(self) -> Any | None:
+        """A new connection for a seat we have, or None (the seat given back)."""
         try:
             connection = concurrency.detached_connection(
                 self._engine, autocommit=not self.queue_wait.through_cursor
             )
-        except Exception as error:
+        except BaseException as error:
             self._discard(None)
+            if not isinstance(error, Exception):
+                raise
             logger.warning("could not open a connection to queue on (%s)", error)
             return None
         try:

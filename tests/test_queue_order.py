@@ -16,7 +16,7 @@ from sqllocker import Locker, queueing
 from sqllocker.asyncio import AsyncLocker
 from sqllocker.engine import resolve_url
 from sqllocker.migrations import upgrade
-from sqllocker.queueing import STUCK_LOOKS, Blocked, Watch
+from sqllocker.queueing import STUCK_LOOKS, Blocked, Seats, Watch
 from tests.test_get_lock_queue import queue_name, session
 from tests.workers import async_url
 
@@ -190,3 +190,81 @@ def test_a_closed_watch_stops_its_loop() -> None:
     watch.close()
     assert watch.watched() is None
     assert not watch.add(Blocked("report", 1, "session 2"))
+
+
+# -- the line for a room's seats -----------------------------------------------------------------
+
+
+def test_a_seat_given_back_goes_to_the_first_in_line_with_its_connection() -> None:
+    seats = Seats(capacity=1)
+    woken: list[str] = []
+    assert seats.take(lambda: woken.append("first")) == (True, None, None)
+    _, _, second = seats.take(lambda: woken.append("second"))
+    _, _, third = seats.take(lambda: woken.append("third"))
+    assert second is not None
+    assert third is not None
+    assert seats.give_back("connection") is None  # handed on, not kept nor closed
+    assert woken == ["second"]
+    assert seats.leave_line(second) == (True, "connection")
+    assert seats.leave_line(third) == (False, None)  # gave up: out of the line
+    assert seats.give_back(None) is None
+    assert woken == ["second"]  # nobody left in line to wake
+    assert seats.take(lambda: None)[0]  # the seat is free again
+
+
+def test_a_newcomer_does_not_take_a_seat_ahead_of_the_line() -> None:
+    seats = Seats(capacity=2)
+    seats.take(lambda: None)
+    seats.take(lambda: None)
+    _, _, in_line = seats.take(lambda: None)
+    assert in_line is not None
+    seats.give_back(None)  # to the one in line
+    seated, _, newcomer = seats.take(lambda: None)
+    assert not seated
+    assert newcomer is not None  # behind, though a seat came free a moment ago
+
+
+def test_closing_the_seats_wakes_the_line_unseated() -> None:
+    seats = Seats(capacity=1)
+    seats.take(lambda: None)
+    woken: list[bool] = []
+    _, _, in_line = seats.take(lambda: woken.append(True))
+    assert in_line is not None
+    assert seats.close() == []
+    assert woken == [True]
+    assert seats.leave_line(in_line) == (False, None)
+    assert seats.take(lambda: None) == (False, None, None)
+
+
+@pytest.mark.parametrize("run", range(2))
+def test_mariadb_waiters_beyond_the_rooms_capacity_wait_in_line_in_the_order_they_came(
+    mysql_url: str, table_name: str, run: int
+) -> None:
+    """Waiters beyond the room's seats backed off unordered, and on MariaDB nothing else orders
+    them (PostgreSQL's release notifications wake one waiter per process, in turn)."""
+    engine = sa.create_engine(resolve_url(mysql_url))
+    upgrade(engine, table_name)
+    engine.dispose()
+    holder = Locker(mysql_url, table=table_name)
+    waiters = Locker(mysql_url, table=table_name)
+    room = waiters._waiting_room()
+    assert room is not None
+    room.seats.capacity = 1
+    held = holder.lock("report")
+    acquired: list[int] = []
+
+    def wait(number: int) -> None:
+        with waiters.lock("report", wait=30):
+            acquired.append(number)
+            time.sleep(0.02)
+
+    threads = [threading.Thread(target=wait, args=(n,)) for n in range(5)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.1)
+    held.unlock()
+    for thread in threads:
+        thread.join(20)
+    assert acquired == [0, 1, 2, 3, 4]
+    waiters.close()
+    holder.close()

@@ -23,6 +23,7 @@ from tests.helpers import (
     head_the_queue,
     leave_the_queue,
     queued,
+    wait_in_thread,
     wait_until,
     wait_until_async,
 )
@@ -238,35 +239,62 @@ def test_a_release_that_woke_a_newcomer_about_to_queue_still_wakes_the_head(
     holder.close()
 
 
-def test_waiters_beyond_the_rooms_capacity_wait_unqueued(
+def test_waiters_beyond_the_rooms_capacity_wait_in_line_in_the_order_they_came(
+    migrated_postgres: str, table_name: str, admin: sa.Engine
+) -> None:
+    """Before the line, waiters beyond the room's seats backed off unordered: one of them could
+    be passed by hundreds (scripts/many_waiters.py)."""
+    holder = Locker(migrated_postgres, table=table_name)
+    waiters = Locker(migrated_postgres, table=table_name)
+    room = waiters._waiting_room()
+    assert room is not None
+    room.seats.capacity = 1
+    held = holder.lock("report")
+    acquired: list[int] = []
+
+    def wait(number: int) -> None:
+        with waiters.lock("report", wait=30):
+            acquired.append(number)
+            time.sleep(0.02)
+
+    threads = [threading.Thread(target=wait, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.1)
+    assert queued(admin, table_name, "report") == (1, 0)  # one queued, three in line
+    held.unlock()
+    for thread in threads:
+        thread.join(20)
+    assert acquired == [0, 1, 2, 3]
+    waiters.close()
+    assert room.seats.idle == []  # close() closed the connections kept for the next wait
+    holder.close()
+
+
+def test_a_waiter_in_line_for_a_seat_gives_up_at_its_deadline_and_leaves_the_line(
     migrated_postgres: str, table_name: str, admin: sa.Engine
 ) -> None:
     holder = Locker(migrated_postgres, table=table_name)
     waiters = Locker(migrated_postgres, table=table_name)
     room = waiters._waiting_room()
+    assert room is not None
     room.seats.capacity = 1
     held = holder.lock("report")
-    acquired: list[int] = []
-    release = threading.Event()
-
-    def wait(number: int) -> None:
-        with waiters.lock("report", wait=30):
-            acquired.append(number)
-            release.wait(10)
-
-    threads = [threading.Thread(target=wait, args=(n,)) for n in range(3)]
-    for thread in threads:
-        thread.start()
-    time.sleep(0.5)
-    assert queued(admin, table_name, "report") == (1, 0)  # one queued, two waiting without
+    first, first_got = wait_in_thread(waiters, wait=30)
+    wait_until(lambda: queued(admin, table_name, "report") == (1, 0))
+    started = time.monotonic()
+    with pytest.raises(LockBusy):
+        waiters.lock("report", wait=0.3)
+    assert 0.25 < time.monotonic() - started < 5
+    last, last_got = wait_in_thread(waiters, wait=30)  # in line behind nobody now
+    time.sleep(0.2)
     held.unlock()
-    wait_until(lambda: len(acquired) == 1)
-    release.set()
-    for thread in threads:
-        thread.join(20)
-    assert sorted(acquired) == [0, 1, 2]
+    first.join(10)
+    first_got["lock"].unlock()
+    last.join(10)
+    assert "lock" in last_got  # the seat passed on, past the one that gave up
+    last_got["lock"].unlock()
     waiters.close()
-    assert room.seats.idle == []  # close() closed the connections kept for the next wait
     holder.close()
 
 
@@ -563,3 +591,35 @@ async def test_a_cancelled_async_waiter_leaves_the_queue(
     holder.close()
     await head.aclose()
     await behind.aclose()
+
+
+async def test_an_async_waiter_cancelled_in_line_for_a_seat_leaves_the_line(
+    migrated_postgres: str, table_name: str, admin: sa.Engine
+) -> None:
+    holder = Locker(migrated_postgres, table=table_name)
+    held = holder.lock("report")
+    waiters = AsyncLocker(async_url(migrated_postgres), table=table_name)
+
+    async def take() -> AsyncLock:
+        return await waiters.lock("report", wait=60)
+
+    first = asyncio.create_task(take())
+    await wait_until_async(lambda: queued(admin, table_name, "report") == (1, 0))
+    room = waiters._room
+    assert room is not None
+    room.seats.capacity = 1
+    cancelled = asyncio.create_task(take())
+    await asyncio.sleep(0.2)  # in line
+    last = asyncio.create_task(take())
+    await asyncio.sleep(0.2)
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    held.unlock()
+    lock = await asyncio.wait_for(first, 20)
+    await lock.unlock()
+    lock = await asyncio.wait_for(last, 20)  # the seat passed on, past the cancelled one
+    await lock.unlock()
+    await wait_until_async(lambda: queued(admin, table_name, "report") == (0, 0))
+    await waiters.aclose()
+    holder.close()

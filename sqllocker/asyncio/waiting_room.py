@@ -127,11 +127,15 @@ class AsyncWaitingRoom:
         ``before_blocking`` is called before queueing: a waiter stops listening for the row's
         releases while it queues (the head of the queue in this process may need them).
         """
-        connection = await self._checkout()
-        if connection is None:
-            return Entry(None, try_again=False, usable=False)
-        key = self.key(lockstring)
         before_blocking()
+        seated, connection = await self._checkout(timeout)
+        if not seated:
+            # Closed, or the caller's deadline came while it waited in line for a seat.
+            return Entry(None, try_again=True, usable=not self.seats.closed)
+        connection = connection or await self._connect()
+        if connection is None:
+            return Entry(None, try_again=True, usable=False)
+        key = self.key(lockstring)
         blocked = Blocked(lockstring, key, self.queue_wait.session_id(connection))
         if self._watch.add(blocked):
             self._watching.call_soon(self._watch_queues)
@@ -245,16 +249,35 @@ class AsyncWaitingRoom:
         finally:
             await cursor.close()
 
-    async def _checkout(self) -> Any | None:
-        free, connection = self.seats.take()
-        if not free or connection is not None:
-            return connection
+    async def _checkout(self, timeout: float | None) -> tuple[bool, Any | None]:
+        """A seat, waiting in line for one at most ``timeout`` seconds: (whether we have one,
+        a kept connection that comes with it or None)."""
+        woken, wake = concurrency.woken_from_thread()
+        seated, connection, in_line = self.seats.take(wake)
+        if in_line is None:
+            return seated, connection
+        try:
+            await concurrency.wait(woken, timeout)
+        except BaseException:
+            seated, connection = self.seats.leave_line(in_line)
+            if seated:  # given to us as we were cancelled or interrupted: pass it on
+                if True:  # ASYNC
+                    await asyncio.shield(self._checkin(connection))
+                else:
+                    self._checkin(connection)
+            raise
+        return self.seats.leave_line(in_line)
+
+    async def _connect(self) -> Any | None:
+        """A new connection for a seat we have, or None (the seat given back)."""
         try:
             connection = await concurrency.detached_connection(
                 self._engine, autocommit=not self.queue_wait.through_cursor
             )
-        except Exception as error:
+        except BaseException as error:
             await self._discard(None)
+            if not isinstance(error, Exception):
+                raise
             logger.warning("could not open a connection to queue on (%s)", error)
             return None
         try:
