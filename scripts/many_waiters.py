@@ -111,8 +111,10 @@ def _pool_allows(locker: Locker | AsyncLocker) -> int | None:
     return most_connections(pool) if isinstance(pool, QueuePool) else None
 
 
-def _threads_process(url: str, waiters: int, turns: int, hold: float, ready: Any) -> Any:
-    locker = Locker(url, table=TABLE, grace=1)
+def _threads_process(
+    url: str, waiters: int, turns: int, hold: float, most: int | None, ready: Any
+) -> Any:
+    locker = Locker(url, table=TABLE, grace=1, max_connections=most)
     records: list[Turn] = []
     errors: list[str] = []
 
@@ -143,12 +145,14 @@ def _threads_process(url: str, waiters: int, turns: int, hold: float, ready: Any
     return records, errors, most, allows
 
 
-def _tasks_process(url: str, waiters: int, turns: int, hold: float, ready: Any) -> Any:
+def _tasks_process(
+    url: str, waiters: int, turns: int, hold: float, most: int | None, ready: Any
+) -> Any:
     ready.wait()
     sampler = Sampler(url)
 
     async def run() -> Any:
-        locker = AsyncLocker(url, table=TABLE, grace=1)
+        locker = AsyncLocker(url, table=TABLE, grace=1, max_connections=most)
         records: list[Turn] = []
         errors: list[str] = []
 
@@ -176,10 +180,17 @@ def _tasks_process(url: str, waiters: int, turns: int, hold: float, ready: Any) 
 
 
 def _process(
-    mode: str, url: str, waiters: int, turns: int, hold: float, ready: Any, results: Any
+    mode: str,
+    url: str,
+    waiters: int,
+    turns: int,
+    hold: float,
+    most: int | None,
+    ready: Any,
+    results: Any,
 ) -> None:
     run = _tasks_process if mode == "asyncio" else _threads_process
-    results.put(run(url, waiters, turns, hold, ready))
+    results.put(run(url, waiters, turns, hold, most, ready))
 
 
 def figures(turns: list[Turn]) -> dict[str, Any]:
@@ -214,6 +225,9 @@ def main() -> int:
     parser.add_argument("--waiters", type=int, default=50)
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--hold", type=float, default=0.001)
+    parser.add_argument(
+        "--max-connections", type=int, help="each Locker's max_connections (default: 15)"
+    )
     args = parser.parse_args()
     url = URLS[args.backend]
     if url.startswith("sqlite"):
@@ -225,7 +239,16 @@ def main() -> int:
     workers = [
         context.Process(
             target=_process,
-            args=(mode, url, args.waiters, args.turns, args.hold, ready, results),
+            args=(
+                mode,
+                url,
+                args.waiters,
+                args.turns,
+                args.hold,
+                args.max_connections,
+                ready,
+                results,
+            ),
         )
         for _ in range(args.processes)
     ]

@@ -32,8 +32,12 @@ OpLock = threading.RLock
 DIRECT_CONNECTIONS = True
 
 
-def create_engine(url: str | URL | None, *, transaction_pooling: bool) -> Engine:
-    return create_locker_engine(resolve_url(url), transaction_pooling=transaction_pooling)
+def create_engine(
+    url: str | URL | None, *, transaction_pooling: bool, max_connections: int | None
+) -> Engine:
+    return create_locker_engine(
+        resolve_url(url), transaction_pooling=transaction_pooling, max_connections=max_connections
+    )
 
 
 def wrong_engine_hint(kind: str) -> str:
@@ -77,16 +81,27 @@ def woken_from_thread() -> tuple[threading.Event, Callable[[], None]]:
     return event, event.set
 
 
-def detached_connection(engine: Engine, autocommit: bool = True) -> Any:
-    """A driver connection of the engine's that never goes back to its pool, in autocommit
-    (psycopg's: ``autocommit``)."""
-    fairy = engine.raw_connection()
-    connection: Any = fairy.driver_connection
-    fairy.detach()
+class PooledConnection:
+    """A driver connection (``driver``) checked out of the engine's pool for as long as it is
+    needed (queued waits, the release listener), so that it counts toward the pool's limit;
+    ``close`` closes it rather than giving it back, as its session's settings are not the
+    pool's."""
+
+    def __init__(self, fairy: Any) -> None:
+        self._fairy = fairy
+        self.driver: Any = fairy.driver_connection
+
+    def close(self) -> None:
+        self._fairy.invalidate()
+
+
+def pooled_connection(engine: Engine, autocommit: bool = True) -> PooledConnection:
+    """A PooledConnection of ``engine``'s, in autocommit (psycopg's: ``autocommit``)."""
+    connection = PooledConnection(engine.raw_connection())
     if not autocommit:
         return connection
     try:
-        connection.autocommit = True
+        connection.driver.autocommit = True
     except BaseException:
         connection.close()
         raise

@@ -11,7 +11,8 @@ They come from the engine's pool (``raw_connection()``, so its connect-time sett
 AUTOCOMMIT, SQLite's WAL, PostgreSQL's synchronous_commit) and are detached from it for good:
 the pool's idle set-up connection becomes the stack's first. The pool's limits still hold: at
 most ``pool_size`` connections are kept idle, at most ``pool_size + max_overflow`` are open at
-once, and a caller beyond that waits up to the pool's timeout, as the pool would make it.
+once (less those the Locker reserves for its queued waiters and listener), and a caller beyond
+that waits up to the pool's timeout, as the pool would make it.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class ConnectionStack:
             raise TypeError(f"ConnectionStack needs a QueuePool, not {type(pool).__name__}")
         self._engine = engine
         self._keep = pool.size()
-        self._limit = most_connections(pool)
+        self._limit = most_connections(pool)  # less those reserved for others (``reserve``)
         self._timeout = pool.timeout()
         self._parents: list[StackedConnection] = []
         self._idle: list[StackedConnection] = []
@@ -127,11 +128,20 @@ class ConnectionStack:
             raise
         return held
 
+    def reserve(self, count: int) -> None:
+        """Leave ``count`` more of the pool's connections to others (the Locker's queued
+        waiters and release listener, checked out of the pool itself): the stack opens that
+        many fewer, so that together they stay within the pool's limit."""
+        with self._changes:
+            if self._limit is not None:
+                self._limit -= count
+
     def give_back(self, held: StackedConnection) -> None:
         """An operation ended with the connection in a known, reusable state."""
         if self._pid != forks.pid:
             return  # taken before a fork: the parent's
-        if self._waiting or len(self._idle) < self._keep:
+        over = self._limit is not None and self._open > self._limit
+        if not over and (self._waiting or len(self._idle) < self._keep):
             self._idle.append(held)
             if self._waiting:
                 with self._changes:

@@ -62,11 +62,15 @@ def resolve_url(url: str | URL | None, *, asynchronous: bool = False) -> URL:
     return url
 
 
-def create_locker_engine(url: URL, *, transaction_pooling: bool = False) -> Engine:
+def create_locker_engine(
+    url: URL, *, transaction_pooling: bool = False, max_connections: int | None = None
+) -> Engine:
     """An engine configured for short autocommit lock statements on ``url``'s backend (reached
-    through a transaction-pooling PgBouncer if ``transaction_pooling``)."""
+    through a transaction-pooling PgBouncer if ``transaction_pooling``), whose pool opens at
+    most ``max_connections`` to a server (None: SQLAlchemy's 5 + 10)."""
+    options = _engine_options(url, transaction_pooling, max_connections)
     try:
-        engine = sa.create_engine(url, **_engine_options(url, transaction_pooling))
+        engine = sa.create_engine(url, **options)
     except (sa.exc.NoSuchModuleError, ImportError) as error:
         raise LockValueError(
             f"{describe_url(url)}: sqllocker cannot reach this database: {error} (supported: "
@@ -76,12 +80,15 @@ def create_locker_engine(url: URL, *, transaction_pooling: bool = False) -> Engi
     return engine
 
 
-def create_async_locker_engine(url: URL, *, transaction_pooling: bool = False) -> AsyncEngine:
+def create_async_locker_engine(
+    url: URL, *, transaction_pooling: bool = False, max_connections: int | None = None
+) -> AsyncEngine:
     """The same, for the async front end (``url`` must name an async driver)."""
     from sqlalchemy.ext.asyncio import create_async_engine
 
+    options = _engine_options(url, transaction_pooling, max_connections)
     try:
-        engine = create_async_engine(url, **_engine_options(url, transaction_pooling))
+        engine = create_async_engine(url, **options)
     except sa.exc.InvalidRequestError as error:  # a sync driver
         raise LockValueError(
             f"{describe_url(url)} names a driver without asyncio support; use "
@@ -92,7 +99,9 @@ def create_async_locker_engine(url: URL, *, transaction_pooling: bool = False) -
     return engine
 
 
-def _engine_options(url: URL, transaction_pooling: bool) -> dict[str, Any]:
+def _engine_options(
+    url: URL, transaction_pooling: bool, max_connections: int | None
+) -> dict[str, Any]:
     def default(name: str, value: object) -> None:
         """A driver argument, unless the URL gives its own (the URL's wins)."""
         if name not in url.query:
@@ -102,13 +111,18 @@ def _engine_options(url: URL, transaction_pooling: bool) -> dict[str, Any]:
     connect_args.update(
         backend_class(url.get_backend_name()).connect_args(url, transaction_pooling, default)
     )
-    return {
+    options: dict[str, Any] = {
         "isolation_level": "AUTOCOMMIT",
         "connect_args": connect_args,
         # Every lock statement commits by itself, so the pool's rollback-on-return would be a
         # wasted round trip per operation (PyMySQL sends it over the network).
         "pool_reset_on_return": None,
     }
+    if max_connections is not None and backend_class(url.get_backend_name()).queues_in_server:
+        # SQLAlchemy's default split: 5 kept open, the rest opened as needed.
+        pool_size = min(5, max_connections)
+        options.update(pool_size=pool_size, max_overflow=max_connections - pool_size)
+    return options
 
 
 def _configure(engine: Engine) -> None:

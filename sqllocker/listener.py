@@ -97,7 +97,8 @@ class ReleaseListener:
                 concurrency.sleep(RECONNECT_SECONDS)
 
     def _listen_once(self) -> None:
-        connection = concurrency.detached_connection(self._engine)
+        pooled = concurrency.pooled_connection(self._engine)
+        connection = pooled.driver
         try:
             connection.execute(f'LISTEN "{self.channel}"')
             connection.execute(f'LISTEN "{self.grants_channel}"')
@@ -107,7 +108,7 @@ class ReleaseListener:
                     self._received(notice)
         finally:
             self._listening.clear()
-            connection.close()
+            pooled.close()
 
     def _received(self, notice: Any) -> None:
         self.notifications += 1

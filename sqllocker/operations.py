@@ -52,9 +52,10 @@ from .errors import (
 )
 from .execution import DriverSession, PreparedCache, kept_cursor
 from .identity import holder_details, public_details
-from .queueing import AnyQueueWait, QueueKey
+from .queueing import AnyQueueWait, QueueKey, seats_within
 from .schema import FOREIGN_CLOCK_MARGIN, ID_ORDER_STRIPES, id_order_table, lock_table
 from .server_settings import UnsafeSetting
+from .sqlalchemy_internals import most_connections
 from .statements import Statements
 
 logger = logging.getLogger("sqllocker")
@@ -67,6 +68,9 @@ _ATTEMPTS_PER_TRY = 3
 # Retries of an operation that the database failed because of contention (deadlock victim,
 # lock-wait timeout, SQLite busy). Each attempt may itself wait up to the backend's lock timeout.
 _CONFLICT_RETRIES = 8
+# The fewest connections a pool must allow for a Locker to keep one listening for releases:
+# the lock operations must always have at least two of the rest.
+LISTENING_BUDGET = 3
 _FIRST_CONFLICT_DELAY = 0.005
 
 
@@ -520,6 +524,32 @@ class LockOperations:
         if self.owns_engine:
             self.engine.dispose()
 
+    @property
+    def connection_budget(self) -> int | None:
+        """How many connections the engine's pool lets be open at once (None: no limit), which
+        the lock operations share with the Locker's queued waiters and release listener."""
+        pool = self.engine.pool
+        return most_connections(pool) if isinstance(pool, QueuePool) else None
+
+    def reserve_for_waiting(self) -> int:
+        """Set aside the pool's connections for the Locker's queued waiters and its release
+        listener, which are checked out of the pool for as long as they wait or listen; returns
+        how many waiters may queue at once (0: none queue). Asked before any connection is
+        made (whether the table has the listener's trigger is not known yet): a ConnectionStack,
+        which the pool does not see, opens that many fewer from the start."""
+        dialect = self.engine.dialect
+        backend = backend_class(dialect.name)
+        if self.transaction_pooling or not backend.queues_in_server:
+            return 0
+        budget = self.connection_budget
+        listening = backend.notifies_releases(dialect) and (
+            budget is None or budget >= LISTENING_BUDGET
+        )
+        capacity = seats_within(budget, listening)
+        if self._stack is not None:
+            self._stack.reserve(capacity + listening)
+        return capacity
+
     def connections(self) -> tuple[int, int]:
         """(open, in use): the connections the lock operations have now, for the benchmark and
         the soak test (the engine's pool also counts those it lends to other statements)."""
@@ -913,8 +943,12 @@ class LockOperations:
         ``innodb_autoinc_lock_mode=2`` needs the stripe lock from the next acquire on, not from
         the application's next restart."""
         if self._needs_setup:
-            with self.connection() as conn, self._setup_lock:
-                if self._needs_setup:
+            # The lock first: threads that all start at once must not each open a connection,
+            # which the pool would then keep beside those of the lock operations.
+            with self._setup_lock:
+                if not self._needs_setup:
+                    return
+                with self.connection() as conn:
                     self._check_pooled_connection(conn)
                     backend = backend_for(conn.dialect)
                     settings = backend.read_settings(conn, self.table_name)
@@ -979,12 +1013,15 @@ class LockOperations:
         """Whether waiters can wake on the DELETE trigger's NOTIFY and queue on a session
         advisory lock: PostgreSQL through psycopg 3 (sync or async), unless a transaction
         pooler is between (LISTEN and the queue's lock would stay behind on whichever server
-        session ran them), and only on a table made by its migration, which adds the trigger
-        and the queue's functions; other backends back off and retry."""
+        session ran them), nor with a pool too small to spare the listener's connection, and
+        only on a table made by its migration, which adds the trigger and the queue's
+        functions; other backends back off and retry."""
         dialect = self.engine.dialect
+        budget = self.connection_budget
         return (
             backend_class(dialect.name).notifies_releases(dialect)
             and not self.transaction_pooling
+            and (budget is None or budget >= LISTENING_BUDGET)
             and self.statements.has_functions
         )
 

@@ -82,6 +82,16 @@ LEAVE = "SELECT pg_catalog.pg_advisory_unlock_all()"
 STUCK_LOOKS = 5
 
 
+def seats_within(budget: int | None, listening: bool) -> int:
+    """How many waiters a Locker queues at once when its pool allows ``budget`` connections in
+    all (None: no limit) and, with ``listening``, one goes to the release listener: at most
+    DEFAULT_CAPACITY, and at most half of what is left, so that the lock operations (releases
+    among them) always have the other half. 0: waiters do not queue."""
+    if budget is None:
+        return DEFAULT_CAPACITY
+    return max(0, min(DEFAULT_CAPACITY, (budget - listening) // 2))
+
+
 def look_interval() -> float:
     """How often the watch looks at a queue (QUEUE_PATIENCE read when called, so that tests can
     shorten it)."""

@@ -168,6 +168,23 @@ def check_flag(value: object, name: str) -> bool:
     return value
 
 
+def check_max_connections(value: object, owns_engine: bool) -> int | None:
+    """A Locker's ``max_connections``: None, or a whole number of at least 1, and only for an
+    engine the Locker makes (an engine of one's own brings its pool's limits)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise LockTypeError(f"max_connections must be an int, not {type(value).__name__}")
+    if value < 1:
+        raise LockValueError(f"max_connections must be at least 1, not {value}")
+    if not owns_engine:
+        raise LockValueError(
+            "max_connections is for a Locker that makes its engine; size the pool of your "
+            "engine instead (pool_size + max_overflow)"
+        )
+    return value
+
+
 def check_keep_alive_fraction(value: object) -> float:
     if isinstance(value, bool) or not (
         isinstance(value, int | float) and 0 < value < MAX_KEEP_ALIVE_FRACTION

@@ -3,7 +3,8 @@
 """PostgreSQL: waiters of one lockstring queue in the server, first come, first served (the
 design is in ``queueing.py``).
 
-A queued waiter waits in ``pg_advisory_lock`` (MySQL: ``GET_LOCK``) on a connection of its own;
+A queued waiter waits in ``pg_advisory_lock`` (MySQL: ``GET_LOCK``) on a connection of its own
+(checked out of the Locker's pool, whose limit it counts toward);
 sync and async waiters of one lockstring share one queue. If an async waiter's task is
 cancelled meanwhile, its connection is closed, which ends the session and with it any place in
 the queue: a cancelled waiter never keeps others waiting. The room's watch ends the waits of a
@@ -131,7 +132,7 @@ class WaitingRoom:
         if connection is None:
             return Entry(None, try_again=True, usable=False)
         key = self.key(lockstring)
-        blocked = Blocked(lockstring, key, self.queue_wait.session_id(connection))
+        blocked = Blocked(lockstring, key, self.queue_wait.session_id(connection.driver))
         if self._watch.add(blocked):
             self._watching.call_soon(self._watch_queues)
         ended = False
@@ -221,8 +222,11 @@ class WaitingRoom:
 
     # -- connections ----------------------------------------------------------------------------
 
-    def _fetch_one(self, connection: Any, statement: tuple[str, tuple[Any, ...]]) -> Any:
-        """Run ``statement`` on the driver's ``connection``; its first row."""
+    def _fetch_one(
+        self, pooled: concurrency.PooledConnection, statement: tuple[str, tuple[Any, ...]]
+    ) -> Any:
+        """Run ``statement`` on the driver connection of ``pooled``; its first row."""
+        connection = pooled.driver
         if not self.queue_wait.through_cursor:
             cursor = connection.execute(*statement)
             return cursor.fetchone()
@@ -252,7 +256,7 @@ class WaitingRoom:
     def _connect(self) -> Any | None:
         """A new connection for a seat we have, or None (the seat given back)."""
         try:
-            connection = concurrency.detached_connection(
+            connection = concurrency.pooled_connection(
                 self._engine, autocommit=not self.queue_wait.through_cursor
             )
         except BaseException as error:
@@ -279,7 +283,10 @@ class WaitingRoom:
                 extra.close()
 
     def _discard(self, connection: Any | None) -> None:
-        self.seats.give_back(None)
-        if connection is not None:
-            with contextlib.suppress(Exception):
-                connection.close()
+        # Closed before its seat is free: the next waiter's new connection is not one more.
+        try:
+            if connection is not None:
+                with contextlib.suppress(Exception):
+                    connection.close()
+        finally:
+            self.seats.give_back(None)

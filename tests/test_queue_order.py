@@ -8,11 +8,13 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 
-from sqllocker import Locker, queueing
+from scripts.many_waiters import Sampler, open_connections
+from sqllocker import Locker, LockTypeError, LockValueError, queueing
 from sqllocker.asyncio import AsyncLocker
 from sqllocker.engine import resolve_url
 from sqllocker.migrations import upgrade
@@ -268,3 +270,58 @@ def test_mariadb_waiters_beyond_the_rooms_capacity_wait_in_line_in_the_order_the
     assert acquired == [0, 1, 2, 3, 4]
     waiters.close()
     holder.close()
+
+
+# -- a Locker's connections: within max_connections ----------------------------------------------
+
+
+@pytest.mark.parametrize("server", ["postgresql", "mysql"])
+def test_a_locker_with_many_waiters_opens_no_more_connections_than_max_connections(
+    server: str, table_name: str, request: pytest.FixtureRequest
+) -> None:
+    """Its lock operations, its queued waiters (at most half of what the listener leaves)
+    and its release listener share the budget. Before, queued waiters and the listener had
+    connections of their own beyond the pool's: 8 + 1 more than it allowed."""
+    url = str(request.getfixturevalue(f"{server}_url"))
+    engine = sa.create_engine(resolve_url(url))
+    upgrade(engine, table_name)
+    engine.dispose()
+    baseline = open_connections(url)
+    locker = Locker(url, table=table_name, max_connections=6)
+    sampler = Sampler(url)
+    served: list[int] = []
+
+    def waiter() -> None:
+        for _ in range(3):
+            with locker.lock("report", wait=60):
+                served.append(1)
+                time.sleep(0.002)
+
+    threads = [threading.Thread(target=waiter) for _ in range(30)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    most = sampler.stop() - baseline
+    room = locker._waiting_room()
+    assert room is not None
+    assert room.seats.capacity == (2 if server == "postgresql" else 3)
+    locker.close()
+    assert len(served) == 90
+    assert 3 <= most <= 6  # it did queue waiters, and stayed within its budget
+
+
+def test_max_connections_is_a_whole_number_for_a_locker_that_makes_its_engine(
+    tmp_path: Path,
+) -> None:
+    sqlite_url = f"sqlite:///{tmp_path / 'locks.db'}"
+    with pytest.raises(LockTypeError):
+        Locker(sqlite_url, max_connections=2.5)  # type: ignore[arg-type]
+    with pytest.raises(LockTypeError):
+        Locker(sqlite_url, max_connections=True)
+    with pytest.raises(LockValueError):
+        Locker(sqlite_url, max_connections=0)
+    engine = sa.create_engine(resolve_url(sqlite_url))
+    with pytest.raises(LockValueError, match="size the pool of your engine"):
+        Locker(engine, max_connections=4)
+    engine.dispose()

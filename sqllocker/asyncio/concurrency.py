@@ -40,9 +40,13 @@ OpLock = asyncio.Lock
 DIRECT_CONNECTIONS = False
 
 
-def create_engine(url: str | URL | None, *, transaction_pooling: bool) -> AsyncEngine:
+def create_engine(
+    url: str | URL | None, *, transaction_pooling: bool, max_connections: int | None
+) -> AsyncEngine:
     url = resolve_url(url, asynchronous=True)
-    return create_async_locker_engine(url, transaction_pooling=transaction_pooling)
+    return create_async_locker_engine(
+        url, transaction_pooling=transaction_pooling, max_connections=max_connections
+    )
 
 
 def wrong_engine_hint(kind: str) -> str:
@@ -99,16 +103,27 @@ def woken_from_thread() -> tuple[asyncio.Event, Callable[[], None]]:
     return event, wake
 
 
-async def detached_connection(engine: AsyncEngine, autocommit: bool = True) -> Any:
-    """A driver connection of the engine's that never goes back to its pool, in autocommit
-    (psycopg's: ``autocommit``)."""
-    fairy = await greenlet_spawn(engine.sync_engine.raw_connection)
-    connection: Any = fairy.driver_connection
-    fairy.detach()
+class PooledConnection:
+    """A driver connection (``driver``) checked out of the engine's pool for as long as it is
+    needed (queued waits, the release listener), so that it counts toward the pool's limit;
+    ``close`` closes it rather than giving it back, as its session's settings are not the
+    pool's."""
+
+    def __init__(self, fairy: Any) -> None:
+        self._fairy = fairy
+        self.driver: Any = fairy.driver_connection
+
+    async def close(self) -> None:
+        await greenlet_spawn(self._fairy.invalidate)
+
+
+async def pooled_connection(engine: AsyncEngine, autocommit: bool = True) -> PooledConnection:
+    """A PooledConnection of ``engine``'s, in autocommit (psycopg's: ``autocommit``)."""
+    connection = PooledConnection(await greenlet_spawn(engine.sync_engine.raw_connection))
     if not autocommit:
         return connection
     try:
-        await connection.set_autocommit(True)
+        await connection.driver.set_autocommit(True)
     except BaseException:
         await connection.close()
         raise

@@ -128,7 +128,8 @@ class AsyncReleaseListener:
                 await concurrency.sleep(RECONNECT_SECONDS)
 
     async def _listen_once(self) -> None:
-        connection = await concurrency.detached_connection(self._engine)
+        pooled = await concurrency.pooled_connection(self._engine)
+        connection = pooled.driver
         try:
             await connection.execute(f'LISTEN "{self.channel}"')
             await connection.execute(f'LISTEN "{self.grants_channel}"')
@@ -142,7 +143,7 @@ class AsyncReleaseListener:
                         self._received(notice)
         finally:
             self._listening.clear()
-            await connection.close()
+            await pooled.close()
 
     def _received(self, notice: Any) -> None:
         self.notifications += 1

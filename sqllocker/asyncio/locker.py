@@ -105,6 +105,11 @@ class AsyncLocker:
     ``innodb_autoinc_lock_mode=2``), it warns, or with ``strict=True`` refuses with
     ``UnsafeDatabase``.
 
+    ``max_connections``: the most connections the locker opens to a PostgreSQL or MySQL/MariaDB
+    server at once (default: SQLAlchemy's 5 + 10), shared by its lock operations, its queued
+    waiters (at most half of them) and its release listener; for an engine of your own, its
+    pool's ``pool_size + max_overflow`` is that limit.
+
     ``transaction_pooling``: PostgreSQL is reached through a pooler that lends a server session
     per transaction (PgBouncer's ``pool_mode = transaction``), where no session setting, prepared
     statement, LISTEN or session lock lasts from one statement to the next. The locker then
@@ -125,9 +130,13 @@ class AsyncLocker:
         keep_alive_fraction: float = DEFAULT_FRACTION,
         strict: bool = False,
         transaction_pooling: bool = False,
+        max_connections: int | None = None,
     ) -> None:
         options = validation.check_locker_options(
             table, expires, grace, keep_alive_fraction, on_lost
+        )
+        most = validation.check_max_connections(
+            max_connections, not isinstance(url_or_engine, AsyncEngine)
         )
         self.table_name, self.expires, self.grace, fraction = options
         pooled = validation.check_flag(transaction_pooling, "transaction_pooling")
@@ -138,7 +147,9 @@ class AsyncLocker:
             self.engine = url_or_engine.execution_options(isolation_level="AUTOCOMMIT")
             owns_engine = False
         elif url_or_engine is None or isinstance(url_or_engine, str | URL):
-            self.engine = concurrency.create_engine(url_or_engine, transaction_pooling=pooled)
+            self.engine = concurrency.create_engine(
+                url_or_engine, transaction_pooling=pooled, max_connections=most
+            )
             owns_engine = True
         else:
             kind = type(url_or_engine).__name__
@@ -168,6 +179,8 @@ class AsyncLocker:
         self._setup_lock = threading.Lock()  # never held across a wait
         self._listener: AsyncReleaseListener | None = None
         self._room: AsyncWaitingRoom | None = None
+        # Queued waiters and the listener hold connections of the pool's; ops get the rest.
+        self._seats = self._operations.reserve_for_waiting()
         queue_file = self._operations.queue_file
         self._file_queue = FileQueue(queue_file) if queue_file is not None else None
         if True:  # ASYNC
@@ -676,11 +689,14 @@ class AsyncLocker:
                 queue_wait = self._operations.queue_wait
                 if queue_wait is None:
                     return None
+                if self._seats == 0:
+                    return None
                 self._room = AsyncWaitingRoom(
                     self.engine,
                     queue_wait,
                     functools.partial(self._call, self._operations.look_at_queue),
                     functools.partial(self._call, self._operations.end_queued_waits),
+                    self._seats,
                 )
             return self._room
 

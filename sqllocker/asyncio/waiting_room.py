@@ -1,7 +1,8 @@
 """PostgreSQL: waiters of one lockstring queue in the server, first come, first served (the
 design is in ``queueing.py``).
 
-A queued waiter waits in ``pg_advisory_lock`` (MySQL: ``GET_LOCK``) on a connection of its own;
+A queued waiter waits in ``pg_advisory_lock`` (MySQL: ``GET_LOCK``) on a connection of its own
+(checked out of the Locker's pool, whose limit it counts toward);
 sync and async waiters of one lockstring share one queue. If an async waiter's task is
 cancelled meanwhile, its connection is closed, which ends the session and with it any place in
 the queue: a cancelled waiter never keeps others waiting. The room's watch ends the waits of a
@@ -136,7 +137,7 @@ class AsyncWaitingRoom:
         if connection is None:
             return Entry(None, try_again=True, usable=False)
         key = self.key(lockstring)
-        blocked = Blocked(lockstring, key, self.queue_wait.session_id(connection))
+        blocked = Blocked(lockstring, key, self.queue_wait.session_id(connection.driver))
         if self._watch.add(blocked):
             self._watching.call_soon(self._watch_queues)
         ended = False
@@ -234,8 +235,11 @@ class AsyncWaitingRoom:
 
     # -- connections ----------------------------------------------------------------------------
 
-    async def _fetch_one(self, connection: Any, statement: tuple[str, tuple[Any, ...]]) -> Any:
-        """Run ``statement`` on the driver's ``connection``; its first row."""
+    async def _fetch_one(
+        self, pooled: concurrency.PooledConnection, statement: tuple[str, tuple[Any, ...]]
+    ) -> Any:
+        """Run ``statement`` on the driver connection of ``pooled``; its first row."""
+        connection = pooled.driver
         if not self.queue_wait.through_cursor:
             cursor = await connection.execute(*statement)
             return await cursor.fetchone()
@@ -271,7 +275,7 @@ class AsyncWaitingRoom:
     async def _connect(self) -> Any | None:
         """A new connection for a seat we have, or None (the seat given back)."""
         try:
-            connection = await concurrency.detached_connection(
+            connection = await concurrency.pooled_connection(
                 self._engine, autocommit=not self.queue_wait.through_cursor
             )
         except BaseException as error:
@@ -298,7 +302,10 @@ class AsyncWaitingRoom:
                 await extra.close()
 
     async def _discard(self, connection: Any | None) -> None:
-        self.seats.give_back(None)
-        if connection is not None:
-            with contextlib.suppress(Exception):
-                await connection.close()
+        # Closed before its seat is free: the next waiter's new connection is not one more.
+        try:
+            if connection is not None:
+                with contextlib.suppress(Exception):
+                    await connection.close()
+        finally:
+            self.seats.give_back(None)

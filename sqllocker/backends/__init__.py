@@ -44,6 +44,8 @@ class Backend:
     # PostgreSQL takes over an expired row in one statement (ON CONFLICT DO UPDATE ... WHERE
     # expired); the others delete the row if still expired and insert again.
     atomic_takeover: ClassVar[bool] = False
+    # Waiters queue in the server (``queue_wait``), each on a connection of its own.
+    queues_in_server: ClassVar[bool] = False
     # PostgreSQL and MySQL can share-lock one row until the caller's transaction ends (FOR
     # SHARE); SQLite can only take its database-wide write lock, by writing to the row.
     share_locks_rows: ClassVar[bool] = True

@@ -39,6 +39,7 @@ class MySQLBackend(Backend):
     # aiomysql speaks PyMySQL's protocol and raises PyMySQL's errors.
     async_driver = "mysql+aiomysql"
     adoption_sets_table_aside = True
+    queues_in_server = True
 
     @classmethod
     def for_dialect(cls, dialect: Dialect) -> Backend:

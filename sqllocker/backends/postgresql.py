@@ -50,6 +50,7 @@ class PostgreSQLBackend(Backend):
     sync_driver = "postgresql+psycopg"
     async_driver = "postgresql+psycopg"
     atomic_takeover = True
+    queues_in_server = True
 
     def now(self) -> ColumnElement[Any]:
         return sa.func.pg_catalog.clock_timestamp(type_=UTCDateTime())
