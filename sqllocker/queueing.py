@@ -52,7 +52,6 @@ from typing import Any, Generic, TypeVar
 
 from . import forks
 from .statements import Statements
-from .timeouts import STATEMENT_TIMEOUT_SECONDS
 
 T = TypeVar("T")
 # A queue's key: PostgreSQL's advisory lock key, or MySQL's GET_LOCK name.
@@ -64,10 +63,8 @@ DEFAULT_CAPACITY = 8
 # debugger) keeps its place while its connection lives; those behind it would wait for it
 # however free the row was.
 QUEUE_PATIENCE = 1.0
-# MySQL/MariaDB: the longest one GET_LOCK wait lasts, within the driver's read timeout (PyMySQL
-# gives up on an answer that long in coming); a waiter whose wait runs out queues again, behind
-# those who came after it.
-GET_LOCK_SLICE = STATEMENT_TIMEOUT_SECONDS * 0.75
+# MySQL/MariaDB: a GET_LOCK wait without a deadline (a year: the server takes no "for ever").
+GET_LOCK_FOREVER = 365 * 24 * 3600.0
 # Connections kept open between waits, so that the next wait does not pay for a new one.
 KEEP_IDLE = 2
 
@@ -175,6 +172,10 @@ class QueueWait:
         """The server's id of a queue connection's session, which the watch ends a wait by."""
         return connection.info.backend_pid
 
+    @staticmethod
+    def prepare(connection: Any) -> None:
+        """Make a new queue connection (the driver's) wait as long as its callers do."""
+
     def leave_statement(
         self, key: QueueKey, request: Request | None, give_back: bool
     ) -> tuple[str, tuple[Any, ...]]:
@@ -210,8 +211,8 @@ class GetLockQueueWait:
     def statement(
         self, key: QueueKey, timeout: float | None, request: Request | None
     ) -> tuple[str, tuple[Any, ...]]:
-        seconds = GET_LOCK_SLICE if timeout is None else min(timeout, GET_LOCK_SLICE)
-        return "SELECT GET_LOCK(%s, %s)", (key, max(seconds, 0.001))
+        seconds = GET_LOCK_FOREVER if timeout is None else max(timeout, 0.001)
+        return "SELECT GET_LOCK(%s, %s)", (key, seconds)
 
     def granted(self, row: Any) -> bool:
         return row is not None and row[0] == 1
@@ -221,6 +222,12 @@ class GetLockQueueWait:
     @staticmethod
     def session_id(connection: Any) -> Any:
         return connection.thread_id()
+
+    @staticmethod
+    def prepare(connection: Any) -> None:
+        from .backends.mysql import wait_patiently
+
+        wait_patiently(connection)
 
     def leave_statement(
         self, key: QueueKey, request: Request | None, give_back: bool

@@ -325,3 +325,35 @@ def test_max_connections_is_a_whole_number_for_a_locker_that_makes_its_engine(
     with pytest.raises(LockValueError, match="size the pool of your engine"):
         Locker(engine, max_connections=4)
     engine.dispose()
+
+
+def test_a_mariadb_waiter_keeps_its_place_past_the_drivers_read_timeout(
+    mysql_url: str, table_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """PyMySQL gives up on an answer after its read timeout (60 s by default, 1 s here): a
+    queued GET_LOCK wait used to end there, and the waiter waited unqueued from then on."""
+    engine = sa.create_engine(resolve_url(mysql_url))
+    upgrade(engine, table_name)
+    engine.dispose()
+    impatient = f"{mysql_url}?read_timeout=1"
+    holder = Locker(mysql_url, table=table_name)
+    held = holder.lock("report")
+    lockers = [Locker(impatient, table=table_name) for _ in range(2)]
+    order: list[int] = []
+
+    def wait(number: int) -> None:
+        with lockers[number].lock("report", wait=30):
+            order.append(number)
+
+    threads = [threading.Thread(target=wait, args=(number,)) for number in range(2)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.5)
+    time.sleep(2.5)  # both queued for longer than the read timeout
+    held.unlock()
+    for thread in threads:
+        thread.join(20)
+    assert order == [0, 1]
+    assert "could not queue" not in caplog.text
+    for locker in [holder, *lockers]:
+        locker.close()

@@ -285,6 +285,7 @@ class AsyncWaitingRoom:
             logger.warning("could not open a connection to queue on (%s)", error)
             return None
         try:
+            self.queue_wait.prepare(connection.driver)
             if self.queue_wait.session_setup is not None:
                 await self._fetch_one(connection, (self.queue_wait.session_setup, ()))
         except BaseException as error:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -17,7 +18,12 @@ from sqlalchemy.types import TypeEngine
 from ..adoption import set_aside_name
 from ..schema import ID_ORDER_STRIPES, UTCDateTime, id_order_table_name
 from ..server_settings import LOSES_ROWS, REORDERS_IDS, ServerSettings, UnsafeSetting
-from ..timeouts import CONNECT_TIMEOUT_SECONDS, ROW_LOCK_TIMEOUT_SECONDS, STATEMENT_TIMEOUT_SECONDS
+from ..timeouts import (
+    CONNECT_TIMEOUT_SECONDS,
+    DEAD_PEER_SECONDS,
+    ROW_LOCK_TIMEOUT_SECONDS,
+    STATEMENT_TIMEOUT_SECONDS,
+)
 from . import Backend
 
 if TYPE_CHECKING:
@@ -30,6 +36,31 @@ if TYPE_CHECKING:
 # Serialises concurrent `sqllocker migrate` runs (a named lock, not a row).
 _MIGRATION_LOCK_NAME = "sqllocker_migrate"
 _NAME = re.compile(r"[A-Za-z0-9_]+")
+
+
+def wait_patiently(connection: Any) -> None:
+    """Let ``connection`` (PyMySQL's or aiomysql's) wait in ``GET_LOCK`` for as long as its
+    caller waits: PyMySQL's read timeout (the engine's default, or the URL's) would end the
+    wait, and with it the waiter's place. TCP keepalives take its place, so that a dead server
+    is still noticed (as PostgreSQL's connections have, through libpq). The drivers' own
+    attributes: neither has a setting for one connection."""
+    sock = getattr(connection, "_sock", None)
+    if sock is not None:
+        connection._read_timeout = None  # read again before every read
+    else:
+        writer = getattr(connection, "_writer", None)
+        sock = writer.get_extra_info("socket") if writer is not None else None
+    if sock is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (
+        ("TCP_KEEPIDLE", DEAD_PEER_SECONDS // 3),
+        ("TCP_KEEPINTVL", DEAD_PEER_SECONDS // 6),
+        ("TCP_KEEPCNT", 3),
+        ("TCP_USER_TIMEOUT", DEAD_PEER_SECONDS * 1000),
+    ):
+        if hasattr(socket, option):  # Linux; elsewhere the system's keepalive defaults
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
 class MySQLBackend(Backend):
