@@ -160,17 +160,15 @@ class QueueWait:
         """Whether ``statement``'s row says the queue is ours (else the wait ran out)."""
         return bool(row[0])
 
-    # A queued wait lasts until the caller's deadline, or until the watch ends it, not for the
-    # engine's statement_timeout: a connection that only ever queues runs without one (its
-    # peer's death is still noticed, by the keepalives the engine sets).
-    session_setup: str | None = (
-        "SELECT pg_catalog.set_config('statement_timeout'::text, '0'::text, false)"
+    # Run once on each new queue connection: the server's id of its session, which the watch
+    # ends a wait by (asked of the server: through PgBouncer, libpq's backend pid is the
+    # pooler's own); and no statement_timeout, as a queued wait lasts until the caller's
+    # deadline or until the watch ends it (a dead peer is still noticed, by the keepalives the
+    # engine sets).
+    session_statement = (
+        "SELECT pg_catalog.pg_backend_pid(), "
+        "pg_catalog.set_config('statement_timeout'::text, '0'::text, false)"
     )
-
-    @staticmethod
-    def session_id(connection: Any) -> Any:
-        """The server's id of a queue connection's session, which the watch ends a wait by."""
-        return connection.info.backend_pid
 
     @staticmethod
     def prepare(connection: Any) -> None:
@@ -217,11 +215,7 @@ class GetLockQueueWait:
     def granted(self, row: Any) -> bool:
         return row is not None and row[0] == 1
 
-    session_setup: str | None = None
-
-    @staticmethod
-    def session_id(connection: Any) -> Any:
-        return connection.thread_id()
+    session_statement = "SELECT CONNECTION_ID()"
 
     @staticmethod
     def prepare(connection: Any) -> None:

@@ -132,7 +132,7 @@ class WaitingRoom:
         if connection is None:
             return Entry(None, try_again=True, usable=False)
         key = self.key(lockstring)
-        blocked = Blocked(lockstring, key, self.queue_wait.session_id(connection.driver))
+        blocked = Blocked(lockstring, key, connection.session)
         if self._watch.add(blocked):
             self._watching.call_soon(self._watch_queues)
         ended = False
@@ -267,8 +267,8 @@ class WaitingRoom:
             return None
         try:
             self.queue_wait.prepare(connection.driver)
-            if self.queue_wait.session_setup is not None:
-                self._fetch_one(connection, (self.queue_wait.session_setup, ()))
+            row = self._fetch_one(connection, (self.queue_wait.session_statement, ()))
+            connection.session = row[0]
         except BaseException as error:
             self._discard(connection)
             if not isinstance(error, Exception):

@@ -13,6 +13,7 @@ import asyncio
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,10 +29,11 @@ from sqllocker import (
     LockTypeError,
     LockValueError,
     UnsafeDatabase,
+    queueing,
 )
 from sqllocker.asyncio import AsyncLocker
 from sqllocker.engine import resolve_url
-from tests.helpers import queued, wait_until
+from tests.helpers import head_the_queue, queued, wait_until
 from tests.private_servers import running_pgbouncer
 from tests.test_mutual_exclusion import ABANDONING, OUTLIVING, TRYING, contend
 
@@ -278,6 +280,34 @@ def test_in_session_pooling_mode_waiters_still_wake_on_the_release(
             assert got[0].lock_id > held.lock_id
             got[0].unlock()
         finally:
+            locker.close()
+    assert direct.locks() == []
+
+
+def test_in_session_pooling_mode_the_watch_ends_a_wait_stuck_behind_a_stranger(
+    postgresql_url: str, direct: Locker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through PgBouncer, libpq's backend pid is the pooler's own: the Locker asks the server for
+    the pid of each queue session, or its watch could not end their waits (and might cancel
+    some other session's statement instead)."""
+    monkeypatch.setattr(queueing, "QUEUE_PATIENCE", 0.3)
+    with running_pgbouncer(postgresql_url, "session", ignore_options=True) as url:
+        locker = Locker(url, table=direct.table_name)
+        stranger = head_the_queue(direct.engine, direct.table_name)
+        try:
+            held = locker.lock("report")
+            got: list[Lock] = []
+            waiter = threading.Thread(target=lambda: got.append(locker.lock("report", wait=30)))
+            waiter.start()
+            wait_until(lambda: queued_waiters(direct, "report") == 2)  # the stranger, and it
+            held.unlock()
+            released = time.monotonic()
+            waiter.join(20)
+            assert got
+            assert time.monotonic() - released < 5  # not the 30 s of its deadline
+            got[0].unlock()
+        finally:
+            stranger.close()
             locker.close()
     assert direct.locks() == []
 

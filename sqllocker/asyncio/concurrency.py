@@ -112,6 +112,7 @@ class PooledConnection:
     def __init__(self, fairy: Any) -> None:
         self._fairy = fairy
         self.driver: Any = fairy.driver_connection
+        self.session: Any = None  # the server's id of its session, once asked
 
     async def close(self) -> None:
         await greenlet_spawn(self._fairy.invalidate)
