@@ -103,6 +103,8 @@ class LockState(Holding):
                 raise
             self.held = False
             self.leave_place()
+            if self.operations.checkpoint_due():
+                self.run(self.operations.checkpoint)
 
     release = _delete_row
 

@@ -68,6 +68,9 @@ _ATTEMPTS_PER_TRY = 3
 # Retries of an operation that the database failed because of contention (deadlock victim,
 # lock-wait timeout, SQLite busy). Each attempt may itself wait up to the backend's lock timeout.
 _CONFLICT_RETRIES = 8
+# SQLite: a Locker's releases checkpoint the write-ahead log every this many. A lock cycle
+# writes about 7 pages to the log, so this is about SQLite's own limit of 1000 pages.
+CHECKPOINT_EVERY = 128
 # The fewest connections a pool must allow for a Locker to keep one listening for releases:
 # the lock operations must always have at least two of the rest.
 LISTENING_BUDGET = 3
@@ -195,6 +198,10 @@ class LockOperations:
         # An in-memory SQLite database lives in one connection (SingletonThreadPool): no stack.
         direct = direct_connections and owns_engine and isinstance(engine.pool, QueuePool)
         self._stack = ConnectionStack(engine) if direct else None
+        # Only an engine sqllocker made has SQLite's own checkpoints turned off.
+        backend = backend_class(engine.dialect.name)
+        self._checkpoints_after_releases = owns_engine and backend.checkpoints_after_releases
+        self._releases = 0
         self._backend: Backend | None = None
         self._statements: Statements | None = None
         self._prepared: PreparedCache
@@ -343,6 +350,33 @@ class LockOperations:
                 lock_id,
             )
         logger.debug("released %r (id %d)", lockstring, lock_id)
+
+    def checkpoint_due(self) -> bool:
+        """Counts a release; whether the log is due a checkpoint (``checkpoint``) now. Counted
+        without a lock: a count lost between threads only moves a checkpoint by a release."""
+        if not self._checkpoints_after_releases:
+            return False
+        self._releases += 1
+        return self._releases % CHECKPOINT_EVERY == 0
+
+    def checkpoint(self) -> None:
+        """Copy the write-ahead log back into the database file, without waiting for (or
+        blocking) anyone: after a release has left its place, so that no waiter waits for it.
+        A failure is logged, not raised: the release it follows has succeeded."""
+        try:
+            self._run(None, self._checkpoint_on)
+        except LockError as error:
+            logger.warning("could not checkpoint the database's log (%s)", error)
+
+    def _checkpoint_on(self, conn: DriverSession) -> None:
+        checkpoint = self._sql.checkpoint
+        if checkpoint is None:
+            return
+        try:
+            conn.execute(checkpoint)
+        except sa.exc.DBAPIError as error:  # another checkpoint running: it does the job
+            if not self._be.is_transient_conflict(error):
+                raise
 
     def extend(self, lockstring: str, lock_id: int, guid: str, ttl: float) -> datetime:
         """Push our row's expiry to the server's now + ``ttl``; LockLost if it is gone or has
@@ -730,15 +764,10 @@ class LockOperations:
     def _purge_batch(self, conn: DriverSession, batch_size: int) -> int:
         params = self._expiry_params()
         deleted = conn.affected(self._sql.purge_batch(batch_size), params)
-        checkpoint = self._sql.checkpoint
-        if deleted and checkpoint is not None:
+        if deleted:
             # The purge pays for its own WAL pages here, rather than the next lock operation
             # (the rounds that showed it are in docs/speed-history.md).
-            try:
-                conn.execute(checkpoint)
-            except sa.exc.DBAPIError as error:  # another checkpoint running: it does the job
-                if not self._be.is_transient_conflict(error):
-                    raise
+            self._checkpoint_on(conn)
         return deleted
 
     def _sweep_stale_requests(self, conn: DriverSession) -> int:

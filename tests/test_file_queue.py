@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -15,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from sqllocker import LockBusy, Locker
+from sqllocker import LockBusy, Locker, operations
 from sqllocker.file_queue import AVAILABLE, SUFFIX, FileQueue
 from tests.helpers import wait_in_thread, wait_until
 from tests.test_hand_off import counting_attempts
@@ -191,3 +192,69 @@ async def test_an_async_waiter_is_woken_by_the_release_too(sqlite_url: str) -> N
     finally:
         await holder.aclose()
         await waiter.aclose()
+
+
+def test_releases_checkpoint_the_log_once_they_have_left_their_place(
+    lockers: Callable[[], Locker], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite's own checkpoint ran inside whichever commit took the log past its limit, now and
+    then a release still holding its place: its waiters waited it out (the wait p99 of the
+    bench's contended row was 2.5 times that of a blocking flock, 7.6 ms against 3.1). The
+    engine's connections no longer checkpoint as they commit; a release does, every
+    CHECKPOINT_EVERY, once its place is free."""
+    monkeypatch.setattr(operations, "CHECKPOINT_EVERY", 4)
+    locker = lockers()
+    probe = FileQueue(str(tmp_path / "locks.db"))
+    places_free: list[bool] = []
+    checkpoint = locker._operations.checkpoint
+
+    def looking_first() -> None:
+        place = probe.take(probe.offset(locker.table_name, "report"))
+        places_free.append(place is not None)
+        if place is not None:
+            place.leave()
+        checkpoint()
+
+    locker._operations.checkpoint = looking_first  # type: ignore[method-assign]
+    for _ in range(12):
+        with locker.lock("report"):
+            pass
+    assert places_free == [True, True, True]
+    database = sqlite3.connect(tmp_path / "locks.db")
+    try:
+        with locker.engine.connect() as connection:
+            assert connection.exec_driver_sql("PRAGMA wal_autocheckpoint").scalar() == 0
+        _, log, copied = database.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        assert log == copied  # every page in the log is in the database file already
+    finally:
+        database.close()
+    probe.close()
+
+
+def test_without_the_releases_checkpoints_the_log_grows_past_sqlites_limit(
+    lockers: Callable[[], Locker], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the releases' checkpoints are for: with none, nothing copies the log back (the
+    engine's connections no longer do it as they commit) and it grows with every lock; with
+    them, it starts again as it did with SQLite's own."""
+    monkeypatch.setattr(operations, "CHECKPOINT_EVERY", 10**9)
+    locker = lockers()
+    for _ in range(200):
+        with locker.lock("report"):
+            pass
+    database = sqlite3.connect(tmp_path / "locks.db")
+    try:
+        _, log, _ = database.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+    finally:
+        database.close()
+    assert log > 1000  # SQLite's own limit, in pages
+    monkeypatch.setattr(operations, "CHECKPOINT_EVERY", 128)
+    for _ in range(300):
+        with locker.lock("report"):
+            pass
+    database = sqlite3.connect(tmp_path / "locks.db")
+    try:
+        _, log, _ = database.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+    finally:
+        database.close()
+    assert log <= 128 * 8  # started again after a checkpoint, as with SQLite's own

@@ -120,6 +120,8 @@ class AsyncLockState(Holding):
                 raise
             self.held = False
             self.leave_place()
+            if self.operations.checkpoint_due():
+                await self.run(self.operations.checkpoint)
 
     if True:  # ASYNC
 

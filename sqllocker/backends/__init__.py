@@ -46,6 +46,9 @@ class Backend:
     atomic_takeover: ClassVar[bool] = False
     # Waiters queue in the server (``queue_wait``), each on a connection of its own.
     queues_in_server: ClassVar[bool] = False
+    # SQLite: the connections of an engine sqllocker makes do not checkpoint the write-ahead
+    # log as they commit; releases do, every CHECKPOINT_EVERY of them (``checkpoint``).
+    checkpoints_after_releases: ClassVar[bool] = False
     # PostgreSQL and MySQL can share-lock one row until the caller's transaction ends (FOR
     # SHARE); SQLite can only take its database-wide write lock, by writing to the row.
     share_locks_rows: ClassVar[bool] = True

@@ -43,6 +43,7 @@ class SQLiteBackend(Backend):
     async_driver = "sqlite+aiosqlite"
     share_locks_rows = False
     creates_table_on_first_use = True
+    checkpoints_after_releases = True
     reads_timestamps_as_text = True
     # SQLite takes its write lock at once: a deferred transaction that writes after another's
     # commit fails "database is locked" at once, whatever the busy timeout.
@@ -225,6 +226,11 @@ def _configure_connection(dbapi_connection: Any, _record: Any) -> None:
         # SQLite locks are one-machine locks, so every holder dies with the OS too.
         _use_wal(cursor, _sleep_for(dbapi_connection))
         cursor.execute("PRAGMA synchronous=NORMAL")
+        # SQLite's own checkpoint runs inside whichever commit takes the log past its limit:
+        # every so often a release, which still holds the lockstring's place in the queue file
+        # (its waiters wait the checkpoint out too). The releases checkpoint instead, once
+        # they have left their places (LockOperations.checkpoint_due).
+        cursor.execute("PRAGMA wal_autocheckpoint=0")
     finally:
         cursor.close()
 
