@@ -5,6 +5,7 @@ session outside sqllocker holds its key) has its waits ended (``sqllocker.queuei
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -14,8 +15,10 @@ import pytest
 import sqlalchemy as sa
 
 from scripts.many_waiters import Sampler, open_connections
-from sqllocker import Locker, LockTypeError, LockValueError, queueing
-from sqllocker.asyncio import AsyncLocker
+from sqllocker import Locker, LockTypeError, LockValueError, concurrency, queueing
+from sqllocker.asyncio import AsyncLock, AsyncLocker
+from sqllocker.asyncio import concurrency as async_concurrency
+from sqllocker.backends.mysql import wait_patiently
 from sqllocker.engine import resolve_url
 from sqllocker.migrations import upgrade
 from sqllocker.queueing import STUCK_LOOKS, Blocked, Seats, Watch
@@ -357,3 +360,65 @@ def test_a_mariadb_waiter_keeps_its_place_past_the_drivers_read_timeout(
     assert "could not queue" not in caplog.text
     for locker in [holder, *lockers]:
         locker.close()
+
+
+async def test_an_async_mariadb_queue_whose_name_a_stranger_holds_does_not_keep_its_waiter(
+    mysql_url: str, table_name: str, short_patience: None
+) -> None:
+    """The same through aiomysql: the watch's KILL QUERY ends a GET_LOCK wait of its driver's."""
+    engine = sa.create_engine(resolve_url(mysql_url))
+    upgrade(engine, table_name)
+    engine.dispose()
+    holder = Locker(mysql_url, table=table_name)
+    waiter = AsyncLocker(async_url(mysql_url), table=table_name)
+    held = holder.lock("report")
+    stranger = session(mysql_url)
+    with stranger.cursor() as cursor:
+        cursor.execute("SELECT GET_LOCK(%s, 0)", (queue_name(holder, "report"),))
+
+    async def take() -> AsyncLock:
+        return await waiter.lock("report", wait=20)
+
+    waiting = asyncio.create_task(take())
+    await asyncio.sleep(1.0)  # many looks at a held row: nothing ended
+    assert not waiting.done()
+    await asyncio.to_thread(held.unlock)
+    released = time.monotonic()
+    lock = await asyncio.wait_for(waiting, 10)
+    assert time.monotonic() - released < 5  # not the 20 s of its deadline
+    room = waiter._room
+    assert room is not None
+    assert room._watch.ended == 1
+    await lock.unlock()
+    stranger.close()
+    await waiter.aclose()
+    holder.close()
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["PyMySQL", "aiomysql"])
+async def test_a_mariadb_queue_connection_has_no_read_timeout_and_keeps_alive(
+    mysql_url: str, table_name: str, asynchronous: bool
+) -> None:
+    """What lets a GET_LOCK wait last until its caller's deadline while a dead server is still
+    noticed (``backends.mysql.wait_patiently``)."""
+    if asynchronous:
+        locker: Locker | AsyncLocker = AsyncLocker(async_url(mysql_url), table=table_name)
+        pooled = await async_concurrency.pooled_connection(locker.engine, autocommit=False)  # type: ignore[arg-type]
+        sock = pooled.driver._writer.get_extra_info("socket")
+    else:
+        locker = Locker(mysql_url, table=table_name)
+        pooled = concurrency.pooled_connection(locker.engine, autocommit=False)  # type: ignore[arg-type,assignment]
+        sock = pooled.driver._sock
+        assert pooled.driver._read_timeout == 60  # the engine's, before
+    wait_patiently(pooled.driver)
+    assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 5  # not the system's 2 h
+    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 15000
+    if not asynchronous:
+        assert pooled.driver._read_timeout is None
+    if asynchronous:
+        await pooled.close()  # type: ignore[misc]
+        await locker.aclose()  # type: ignore[union-attr]
+    else:
+        pooled.close()
+        locker.close()  # type: ignore[union-attr]
