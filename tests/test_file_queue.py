@@ -220,15 +220,22 @@ def test_releases_checkpoint_the_log_once_they_have_left_their_place(
         with locker.lock("report"):
             pass
     assert places_free == [True, True, True]
-    database = sqlite3.connect(tmp_path / "locks.db")
-    try:
-        with locker.engine.connect() as connection:
-            assert connection.exec_driver_sql("PRAGMA wal_autocheckpoint").scalar() == 0
-        _, log, copied = database.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
-        assert log == copied  # every page in the log is in the database file already
-    finally:
-        database.close()
+    with locker.engine.connect() as connection:
+        assert connection.exec_driver_sql("PRAGMA wal_autocheckpoint").scalar() == 0
+    log, copied = log_pages(tmp_path / "locks.db")
+    assert log == copied  # every page in the log is in the database file already
     probe.close()
+
+
+def log_pages(database: Path) -> tuple[int, int]:
+    """(pages in the write-ahead log, pages of it already copied back): a passive checkpoint's
+    count, on a connection of its own that writes nothing."""
+    connection = sqlite3.connect(database)
+    try:
+        _, log, copied = connection.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        return int(log), int(copied)
+    finally:
+        connection.close()
 
 
 def test_without_the_releases_checkpoints_the_log_grows_past_sqlites_limit(
@@ -242,19 +249,11 @@ def test_without_the_releases_checkpoints_the_log_grows_past_sqlites_limit(
     for _ in range(200):
         with locker.lock("report"):
             pass
-    database = sqlite3.connect(tmp_path / "locks.db")
-    try:
-        _, log, _ = database.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
-    finally:
-        database.close()
+    log, _ = log_pages(tmp_path / "locks.db")
     assert log > 1000  # SQLite's own limit, in pages
     monkeypatch.setattr(operations, "CHECKPOINT_EVERY", 128)
     for _ in range(300):
         with locker.lock("report"):
             pass
-    database = sqlite3.connect(tmp_path / "locks.db")
-    try:
-        _, log, _ = database.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
-    finally:
-        database.close()
+    log, _ = log_pages(tmp_path / "locks.db")
     assert log <= 128 * 8  # started again after a checkpoint, as with SQLite's own

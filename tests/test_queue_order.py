@@ -242,16 +242,19 @@ def test_closing_the_seats_wakes_the_line_unseated() -> None:
 
 
 @pytest.mark.parametrize("run", range(2))
-def test_mariadb_waiters_beyond_the_rooms_capacity_wait_in_line_in_the_order_they_came(
-    mysql_url: str, table_name: str, run: int
+@pytest.mark.parametrize("server", ["postgresql", "mysql"])
+def test_waiters_beyond_the_rooms_capacity_wait_in_line_in_the_order_they_came(
+    server: str, table_name: str, run: int, request: pytest.FixtureRequest
 ) -> None:
-    """Waiters beyond the room's seats backed off unordered, and on MariaDB nothing else orders
-    them (PostgreSQL's release notifications wake one waiter per process, in turn)."""
-    engine = sa.create_engine(resolve_url(mysql_url))
+    """Waiters beyond the room's seats backed off unordered: on MariaDB nothing else ordered
+    them (on PostgreSQL release notifications wake one waiter per process, in turn), and one of
+    them could be passed by hundreds (scripts/many_waiters.py)."""
+    url = str(request.getfixturevalue(f"{server}_url"))
+    engine = sa.create_engine(resolve_url(url))
     upgrade(engine, table_name)
     engine.dispose()
-    holder = Locker(mysql_url, table=table_name)
-    waiters = Locker(mysql_url, table=table_name)
+    holder = Locker(url, table=table_name)
+    waiters = Locker(url, table=table_name)
     room = waiters._waiting_room()
     assert room is not None
     room.seats.capacity = 1

@@ -239,38 +239,6 @@ def test_a_release_that_woke_a_newcomer_about_to_queue_still_wakes_the_head(
     holder.close()
 
 
-def test_waiters_beyond_the_rooms_capacity_wait_in_line_in_the_order_they_came(
-    migrated_postgres: str, table_name: str, admin: sa.Engine
-) -> None:
-    """Before the line, waiters beyond the room's seats backed off unordered: one of them could
-    be passed by hundreds (scripts/many_waiters.py)."""
-    holder = Locker(migrated_postgres, table=table_name)
-    waiters = Locker(migrated_postgres, table=table_name)
-    room = waiters._waiting_room()
-    assert room is not None
-    room.seats.capacity = 1
-    held = holder.lock("report")
-    acquired: list[int] = []
-
-    def wait(number: int) -> None:
-        with waiters.lock("report", wait=30):
-            acquired.append(number)
-            time.sleep(0.02)
-
-    threads = [threading.Thread(target=wait, args=(n,)) for n in range(4)]
-    for thread in threads:
-        thread.start()
-        time.sleep(0.1)
-    assert queued(admin, table_name, "report") == (1, 0)  # one queued, three in line
-    held.unlock()
-    for thread in threads:
-        thread.join(20)
-    assert acquired == [0, 1, 2, 3]
-    waiters.close()
-    assert room.seats.idle == []  # close() closed the connections kept for the next wait
-    holder.close()
-
-
 def test_a_waiter_in_line_for_a_seat_gives_up_at_its_deadline_and_leaves_the_line(
     migrated_postgres: str, table_name: str, admin: sa.Engine
 ) -> None:
