@@ -68,6 +68,9 @@ _ATTEMPTS_PER_TRY = 3
 # Retries of an operation that the database failed because of contention (deadlock victim,
 # lock-wait timeout, SQLite busy). Each attempt may itself wait up to the backend's lock timeout.
 _CONFLICT_RETRIES = 8
+# How often a caller looks whether another has finished setting up (rare: first use, and after
+# a lost connection).
+_SETUP_TURN_SECONDS = 0.001
 # SQLite: a Locker's releases checkpoint the write-ahead log every this many. A lock cycle
 # writes about 7 pages to the log, so this is about SQLite's own limit of 1000 pages.
 CHECKPOINT_EVERY = 128
@@ -974,7 +977,7 @@ class LockOperations:
         if self._needs_setup:
             # The lock first: threads that all start at once must not each open a connection,
             # which the pool would then keep beside those of the lock operations.
-            with self._setup_lock:
+            with self._setup_turn():
                 if not self._needs_setup:
                     return
                 with self.connection() as conn:
@@ -998,6 +1001,19 @@ class LockOperations:
                     )
                     self._backend = backend
                     self._needs_setup = False
+
+    @contextmanager
+    def _setup_turn(self) -> Iterator[None]:
+        """The setup lock, waited for by ``sleep``: an AsyncLocker's tasks run this code in
+        greenlets on one thread, and a task blocked on the lock would stop the event loop, and
+        with it the task holding the lock across an await (setup again after a lost connection,
+        when several tasks find it needed at once)."""
+        while not self._setup_lock.acquire(blocking=False):
+            self._sleep(_SETUP_TURN_SECONDS)
+        try:
+            yield
+        finally:
+            self._setup_lock.release()
 
     def _check_pooled_connection(self, conn: Connection) -> None:
         """Through a transaction pooler, refuse a caller's Engine whose connections prepare

@@ -687,3 +687,50 @@ def test_loop_after_loop_leaves_no_connection_behind(url: str, table_name: str) 
     assert finished.stdout.split() == ["[1,", "2,", "3]"]
     for sign in ("ResourceWarning", "Event loop is closed", "Exception ignored", "Traceback"):
         assert sign not in finished.stderr, finished.stderr
+
+
+# Run in a process of its own: a task blocked on a thread lock stops the event loop, and then no
+# timeout of the loop's can end the test.
+SETUP_AGAIN_IN_SEVERAL_TASKS = """
+import asyncio, sys
+from sqllocker.asyncio import AsyncLocker, concurrency
+
+async def main(url):
+    locker = AsyncLocker(url)
+    await (await locker.lock("warm")).unlock()
+    operations = locker._operations
+    backend = type(operations._be)
+    read_settings = backend.read_settings
+
+    def slow_read_settings(self, conn, table):  # an await inside the setup
+        concurrency.sleep_in_operation(0.2)
+        return read_settings(self, conn, table)
+
+    backend.read_settings = slow_read_settings
+    operations._needs_setup = True  # as after a lost connection
+    locks = await asyncio.gather(*(locker.lock(f"lock {n}") for n in range(3)))
+    for lock in locks:
+        await lock.unlock()
+    await locker.aclose()
+    print("served", len(locks))
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+def test_tasks_that_find_the_setup_needed_again_at_once_do_not_stop_the_event_loop(
+    tmp_path: Path,
+) -> None:
+    """After a lost connection every task's next operation sets up again, one at a time under
+    a thread lock; the first holds it across an await of its setup. The others used to block on
+    the lock, which stopped the event loop, and the first never finished."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'locks.db'}"
+    done = subprocess.run(
+        [sys.executable, "-c", SETUP_AGAIN_IN_SEVERAL_TASKS, url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "served 3"
