@@ -16,8 +16,8 @@ function, which ends it at the caller's deadline without an ERROR in the server'
 
 A waiter keeps its place however long the row is held: giving it up to look at the row would
 put it behind everyone who came after it. Instead the room's watch (``Watch``) looks at the
-rows of the lockstrings its waiters queue for; a queue that stands still on a free or takeover-
-able row under one head for QUEUE_PATIENCE (a head whose process stopped while its connection
+rows of the lockstrings its waiters queue for; a queue that stands still on a free (or
+takeable) row under one head for QUEUE_PATIENCE (a head whose process stopped while its connection
 lives, or a session outside sqllocker holding the queue's key) has its waits ended by the
 server (``pg_cancel_backend``, ``KILL QUERY``), and those waiters try the row themselves.
 
@@ -34,9 +34,10 @@ The advisory lock decides only who *tries*; who *holds* is decided by the row al
 always. A queue connection that drops, or a hash shared by two lockstrings, costs fairness,
 never safety.
 
-A queued waiter holds a connection of its own while it waits: not one of the pool's, which
-holders need to release their locks. A Locker queues at most ``capacity`` waiters at once;
-further waiters wait in line for a seat, in the order they came (``Seats``).
+A queued waiter holds a connection of its own while it waits, checked out of the Locker's pool
+for that long. A Locker queues at most ``capacity`` waiters at once (``seats_within``: at most
+half its connections, so that holders can always release their locks); further waiters wait in
+line for a seat, in the order they came (``Seats``).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 # Generated from sqllocker/asyncio/waiting_room.py by tests/unasync.py: edit that file, then
 # run `python -m tests.unasync`.
-"""PostgreSQL: waiters of one lockstring queue in the server, first come, first served (the
-design is in ``queueing.py``).
+"""PostgreSQL and MySQL/MariaDB: waiters of one lockstring queue in the server, first come,
+first served (the design is in ``queueing.py``).
 
-A queued waiter waits in ``pg_advisory_lock`` (MySQL: ``GET_LOCK``) on a connection of its own
-(checked out of the Locker's pool, whose limit it counts toward);
-sync and async waiters of one lockstring share one queue. If an async waiter's task is
+A queued waiter waits in ``pg_advisory_lock`` (MySQL: ``GET_LOCK``) on a connection of its own,
+checked out of the Locker's pool, whose limit it counts toward; sync and async waiters of one
+lockstring share one queue. If an async waiter's task is
 cancelled meanwhile, its connection is closed, which ends the session and with it any place in
 the queue: a cancelled waiter never keeps others waiting. The room's watch ends the waits of a
 queue that stands still on a free row (see ``queueing.Watch``).
