@@ -144,12 +144,25 @@ class PatroniCluster:
 
     # -- running -----------------------------------------------------------------------------
 
+    def _etcd_decided(self) -> bool:
+        try:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{self.etcd_port}/version", timeout=2
+            ) as answer:
+                version = json.loads(answer.read())
+        except (OSError, ValueError):
+            return False
+        return str(version.get("etcdcluster", "not_decided")) != "not_decided"
+
     def start(self) -> None:
         self.etcd = subprocess.Popen(
             ["runuser", "-u", "postgres", "--", *self._etcd_command],
             stdout=(self.home / "etcd.log").open("wb"),
             stderr=subprocess.STDOUT,
         )
+        # Patroni reads etcd's cluster version once, at start, and exits on "not_decided",
+        # which a member just started reports for a moment (a CI run met it).
+        self.wait_for(self._etcd_decided, "etcd's cluster version decided", 60)
         for node in self.nodes:
             self.start_node(node)
             if node is self.nodes[0]:
