@@ -62,7 +62,6 @@ class ConnectionStack:
         self._engine = engine
         self._keep = pool.size()
         self._limit = most_connections(pool)  # less those reserved for others (``reserve``)
-        self._reserved = 0
         self._timeout = pool.timeout()
         self._parents: list[StackedConnection] = []
         self._idle: list[StackedConnection] = []
@@ -132,9 +131,9 @@ class ConnectionStack:
     def reserve(self, count: int) -> None:
         """Leave ``count`` more of the pool's connections to others (the Locker's queued
         waiters and release listener, checked out of the pool itself): the stack opens that
-        many fewer, so that together they stay within the pool's limit."""
+        many fewer, so that together they stay within the pool's limit. Called before the
+        stack has opened any."""
         with self._changes:
-            self._reserved += count
             if self._limit is not None:
                 self._limit -= count
 
@@ -142,9 +141,7 @@ class ConnectionStack:
         """An operation ended with the connection in a known, reusable state."""
         if self._pid != forks.pid:
             return  # taken before a fork: the parent's
-        # Over the limit only after ``reserve`` lowered it: then close, rather than keep, one.
-        over = self._reserved and self._limit is not None and self._open > self._limit
-        if not over and (self._waiting or len(self._idle) < self._keep):
+        if self._waiting or len(self._idle) < self._keep:
             self._idle.append(held)
             if self._waiting:
                 with self._changes:

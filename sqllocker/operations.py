@@ -205,6 +205,10 @@ class LockOperations:
         backend = backend_class(engine.dialect.name)
         self._checkpoints_after_releases = owns_engine and backend.checkpoints_after_releases
         self._releases = 0
+        # Whether the pool can spare a connection for the release listener (see
+        # notifies_releases); the pool's limits never change.
+        budget = self.connection_budget
+        self._pool_spares_listener = budget is None or budget >= LISTENING_BUDGET
         self._backend: Backend | None = None
         self._statements: Statements | None = None
         self._prepared: PreparedCache
@@ -578,11 +582,8 @@ class LockOperations:
         backend = backend_class(dialect.name)
         if self.transaction_pooling or not backend.queues_in_server:
             return 0
-        budget = self.connection_budget
-        listening = backend.notifies_releases(dialect) and (
-            budget is None or budget >= LISTENING_BUDGET
-        )
-        capacity = seats_within(budget, listening)
+        listening = backend.notifies_releases(dialect) and self._pool_spares_listener
+        capacity = seats_within(self.connection_budget, listening)
         if self._stack is not None:
             self._stack.reserve(capacity + listening)
         return capacity
@@ -1062,11 +1063,10 @@ class LockOperations:
         only on a table made by its migration, which adds the trigger and the queue's
         functions; other backends back off and retry."""
         dialect = self.engine.dialect
-        budget = self.connection_budget
         return (
             backend_class(dialect.name).notifies_releases(dialect)
             and not self.transaction_pooling
-            and (budget is None or budget >= LISTENING_BUDGET)
+            and self._pool_spares_listener
             and self.statements.has_functions
         )
 

@@ -5,10 +5,10 @@ first served (the design is in ``queueing.py``).
 
 A queued waiter waits in ``pg_advisory_lock`` (MySQL: ``GET_LOCK``) on a connection of its own,
 checked out of the Locker's pool, whose limit it counts toward; sync and async waiters of one
-lockstring share one queue. If an async waiter's task is
-cancelled meanwhile, its connection is closed, which ends the session and with it any place in
-the queue: a cancelled waiter never keeps others waiting. The room's watch ends the waits of a
-queue that stands still on a free row (see ``queueing.Watch``).
+lockstring share one queue. If an async waiter's task is cancelled meanwhile, its connection
+is closed, which ends the session and with it any place in the queue: a cancelled waiter never
+keeps others waiting. The room's watch ends the waits of a queue that stands still on a free
+row (see ``queueing.Watch``).
 
 Written once for asyncio; the sync ``sqllocker/waiting_room.py`` is generated from it
 (``tests/unasync.py``).
