@@ -9,7 +9,8 @@ sides. The *raw floor* of a backend is the very statements sqllocker sends for a
 acquire and release (compiled from sqllocker.statements), run through the same driver on one
 held autocommit connection with no library around them, with the values sqllocker sends: a
 guid of 16 random bytes in hex and a ``locked_by`` JSON of the same keys (host, pid, thread,
-program, user, guid), made once, so that both write the same rows.
+program, user, guid), made once, so that both write the same rows. On SQLite the floor's
+connection copies its write-ahead log back as SQLite does by default (``FLOOR_SETTINGS``).
 
 Rows: uncontended cycles (acquire + release of distinct names, one process) with p50/p99
 latency; contended hand-off (processes taking turns on one name, each holding it ~1 ms and then
@@ -32,6 +33,7 @@ import bisect
 import collections
 import contextlib
 import fcntl
+import functools
 import inspect
 import itertools
 import json
@@ -223,6 +225,19 @@ class FloorStatements:
         return self.release.parameters({"lock_id": lock_id, "lock_guid": guid})
 
 
+# SQLite's own default: a commit that takes the write-ahead log past 1000 pages copies it back
+# into the database file. A Locker's connections leave that to its releases (see
+# ``sqllocker.backends.sqlite``), and a floor on one of them with nothing in its place never
+# checkpointed: its log grew by megabytes a second, and the Locker timed after it paid for
+# copying all of it back. A plain application pays for its own log, so the floor does.
+FLOOR_SETTINGS = {"sqlite": ["PRAGMA wal_autocheckpoint=1000"]}
+
+
+def floor_settings(table: LockOperations) -> list[str]:
+    """What the floor's connection runs first, to be set up as a plain application's."""
+    return FLOOR_SETTINGS.get(table.backend.name, [])
+
+
 def raw_floor_cycle(
     url: str, transaction_pooling: bool = False
 ) -> tuple[Callable[[int], None], Callable[[], None]]:
@@ -234,6 +249,8 @@ def raw_floor_cycle(
     raw = locker.engine.raw_connection()
     connection: Any = raw.driver_connection
     cursor = connection.cursor()
+    for setting in floor_settings(locker._operations):
+        cursor.execute(setting)
 
     def cycle(n: int) -> None:
         guid = os.urandom(16).hex()  # as sqllocker.identity.new_guid
@@ -264,12 +281,19 @@ def sqllocker_cycle(
 AsyncCycle = tuple[Callable[[int], Awaitable[None]], Callable[[], Awaitable[None]]]
 
 
-async def async_raw_floor_cycle(url: str) -> AsyncCycle:
+async def async_raw_floor_cycle(url: str, layer: str = "driver") -> AsyncCycle:
     """The same statements through the async driver (psycopg async, aiosqlite, aiomysql) on one
-    held connection of the AsyncLocker's own engine, with no library around them."""
+    held connection of the AsyncLocker's own engine, with no library around them.
+
+    ``layer`` wraps them in what ``sqllocker.asyncio`` runs its statements in, one layer at a
+    time (``ASYNC_LAYERS``): ``"greenlet"``, each operation in SQLAlchemy's ``greenlet_spawn``
+    through its adapted cursor, as the lock operations (sync code, written once) run;
+    ``"shielded"``, that in a task of its own behind a shield, as an operation is kept from
+    being cut off halfway by its caller's cancellation."""
     from sqlalchemy.util import greenlet_spawn
 
     from sqllocker.asyncio import AsyncLocker
+    from sqllocker.asyncio.concurrency import shielded
 
     locker = AsyncLocker(url, table=TABLE)
     await (await locker.lock("compile")).unlock()
@@ -279,6 +303,9 @@ async def async_raw_floor_cycle(url: str) -> AsyncCycle:
     cursor = connection.cursor()
     if inspect.isawaitable(cursor):  # aiosqlite and aiomysql; psycopg's is plain
         cursor = await cursor
+    for setting in floor_settings(locker._operations):
+        await cursor.execute(setting)
+    adapted = await greenlet_spawn(raw.cursor)
 
     async def cycle(n: int) -> None:
         guid = os.urandom(16).hex()  # as sqllocker.identity.new_guid
@@ -286,12 +313,35 @@ async def async_raw_floor_cycle(url: str) -> AsyncCycle:
         lock_id = (await cursor.fetchall())[0][0]
         await cursor.execute(floor.release.sql, floor.release_parameters(lock_id, guid))
 
+    def acquire(n: int, guid: str) -> int:
+        adapted.execute(floor.acquire.sql, floor.acquire_parameters(n, guid))
+        return int(adapted.fetchall()[0][0])
+
+    def release(lock_id: int, guid: str) -> None:
+        adapted.execute(floor.release.sql, floor.release_parameters(lock_id, guid))
+
+    async def in_greenlets(n: int) -> None:
+        guid = os.urandom(16).hex()
+        lock_id = await greenlet_spawn(acquire, n, guid)
+        await greenlet_spawn(release, lock_id, guid)
+
+    async def in_shielded_tasks(n: int) -> None:
+        guid = os.urandom(16).hex()
+        lock_id = await shielded(greenlet_spawn(acquire, n, guid), "bench acquire", _kept)
+        await shielded(greenlet_spawn(release, lock_id, guid), "bench release", _kept)
+
     async def close() -> None:
+        await greenlet_spawn(adapted.close)
         await cursor.close()
         await greenlet_spawn(raw.close)
         await locker.aclose()
 
-    return cycle, close
+    cycles = {"driver": cycle, "greenlet": in_greenlets, "shielded": in_shielded_tasks}
+    return cycles[layer], close
+
+
+def _kept(_outcome: object) -> None:
+    """A cancelled bench cycle leaves its row: the table is dropped after the run."""
 
 
 async def async_sqllocker_cycle(url: str) -> AsyncCycle:
@@ -306,15 +356,27 @@ async def async_sqllocker_cycle(url: str) -> AsyncCycle:
     return cycle, locker.aclose
 
 
+# The async floor, then the layers sqllocker.asyncio runs the same statements in, one at a
+# time, then the library: what each layer costs is its figure against the one before.
+ASYNC_LAYERS = {
+    "async raw floor": "driver",
+    "async floor in greenlets": "greenlet",
+    "async floor in shielded tasks": "shielded",
+}
+
+
 async def async_figures(url: str, count: int) -> dict[str, dict[str, float]]:
-    """Async floor and AsyncLocker, interleaved twice (best of each), in one event loop."""
+    """The async floor, its layers and AsyncLocker, interleaved twice (best of each), in one
+    event loop."""
     results: dict[str, dict[str, float]] = {}
+    systems: list[tuple[str, Callable[[], Awaitable[AsyncCycle]]]] = [
+        (name, functools.partial(async_raw_floor_cycle, url, layer))
+        for name, layer in ASYNC_LAYERS.items()
+    ]
+    systems.append(("sqllocker.asyncio", functools.partial(async_sqllocker_cycle, url)))
     for _round in range(2):
-        for name, make in (
-            ("async raw floor", async_raw_floor_cycle),
-            ("sqllocker.asyncio", async_sqllocker_cycle),
-        ):
-            cycle, close = await make(url)
+        for name, make in systems:
+            cycle, close = await make()
             figures = await timed_async_cycles(cycle, count)
             await close()
             if name not in results or figures["cycles_per_s"] > results[name]["cycles_per_s"]:
@@ -373,8 +435,12 @@ def redis_floor_cycle() -> tuple[Callable[[int], None], Callable[[], None]]:
     return cycle, client.close
 
 
-def uncontended(backends: list[str], count: int) -> list[dict[str, Any]]:
+def uncontended(
+    backends: list[str], count: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The uncontended rows, and the async layers' (``ASYNC_LAYERS``)."""
     rows: list[dict[str, Any]] = []
+    layers: list[dict[str, Any]] = []
     for backend in backends:
         url = URLS[backend]
         fresh_table(url)
@@ -408,14 +474,16 @@ def uncontended(backends: list[str], count: int) -> list[dict[str, Any]]:
         results = asyncio.run(async_figures(url, count))
         floor = results["async raw floor"]["cycles_per_s"]
         for name, figures in results.items():
-            rows.append(
-                {
-                    "backend": backend,
-                    "system": name,
-                    **figures,
-                    "ratio_to_floor": figures["cycles_per_s"] / floor,
-                }
-            )
+            row = {
+                "backend": backend,
+                "system": name,
+                **figures,
+                "ratio_to_floor": figures["cycles_per_s"] / floor,
+            }
+            if name in ASYNC_LAYERS or name == "sqllocker.asyncio":
+                layers.append(row)
+            if name not in ASYNC_LAYERS or name == "async raw floor":
+                rows.append(row)
     try:
         results = {}
         for name, make_redis in (
@@ -437,7 +505,7 @@ def uncontended(backends: list[str], count: int) -> list[dict[str, Any]]:
             )
     except Exception as error:  # Redis is optional: say so and go on
         print(f"redis skipped: {error}", file=sys.stderr)
-    return rows
+    return rows, layers
 
 
 # -- contended hand-off ---------------------------------------------------------------------------
@@ -847,6 +915,10 @@ def report(results: dict[str, Any], out: Path) -> None:
             f"{row['backend']:<11} {row['system']:<19} {row['cycles_per_s']:>9.0f} "
             f"{row['p50_ms']:>7.3f} {row['p99_ms']:>7.3f} {row['ratio_to_floor']:>8.2f}"
         )
+    if results.get("async_layers"):
+        print("\nThe async floor's statements in the layers sqllocker.asyncio adds, us a cycle")
+        for row in results["async_layers"]:
+            print(f"{row['backend']:<11} {row['system']:<30} {1e6 / row['cycles_per_s']:>8.0f}")
     if results.get("contended"):
         print(f"\nContended hand-off ({results['contended'][0]['processes']} processes, one name)")
         print(
@@ -900,6 +972,43 @@ SYSTEM_NAMES = {
 }
 
 
+def _async_layers_section(rows: list[dict[str, Any]]) -> list[str]:
+    """Where an async cycle's time goes beyond its floor, layer by layer (``ASYNC_LAYERS``)."""
+    if not rows:
+        return []
+    lines = [
+        "",
+        "### Where the async cycle's time goes",
+        "",
+        "Each column runs the async floor's statements in one more of the layers",
+        "`sqllocker.asyncio` runs them in, so each step is what that layer costs (microseconds a",
+        "cycle, best of two runs):",
+        "",
+        "- *in greenlets*: each operation in SQLAlchemy's `greenlet_spawn`, through its adapted",
+        "  cursor, as the lock operations run: they are sync code, written once for both front",
+        "  ends;",
+        "- *in shielded tasks*: that, in a task of its own behind `asyncio.shield`, so that a",
+        "  caller's cancellation cannot cut a statement off halfway and leave a row nobody",
+        "  knows of;",
+        "- *sqllocker.asyncio*: the library's own work around them: checking the arguments, a",
+        "  connection of the pool for each operation, the lock objects and, on SQLite, the",
+        "  place in the queue file.",
+        "",
+        "| backend | async floor | in greenlets | in shielded tasks | sqllocker.asyncio |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    order = [*ASYNC_LAYERS, "sqllocker.asyncio"]
+    for backend in dict.fromkeys(row["backend"] for row in rows):
+        by_system = {row["system"]: row for row in rows if row["backend"] == backend}
+        cells, previous = [], None
+        for system in order:
+            us = 1e6 / by_system[system]["cycles_per_s"]
+            cells.append(f"{us:,.0f}" if previous is None else f"{us:,.0f} ({us - previous:+,.0f})")
+            previous = us
+        lines.append(f"| {BACKEND_NAMES.get(backend, backend)} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def performance_page(results: dict[str, Any]) -> str:
     """The performance page, every figure from ``results`` (one run of this script): a rerun
     rewrites it, so nothing on it is older than its run."""
@@ -919,7 +1028,9 @@ def performance_page(results: dict[str, Any]) -> str:
         "shared machines, ratios much less. The *raw floor* is the very statements sqllocker sends",
         "for an uncontended acquire and release, run through the same driver on one held",
         "autocommit connection with nothing around them, with the values sqllocker sends: what a",
-        "table lock cannot beat. How the figures got where they are, change by change, is in",
+        "table lock cannot beat. On SQLite it copies its write-ahead log back into the database",
+        "file as SQLite does by default, as any application must. How the figures got where",
+        "they are, change by change, is in",
         "[the speed history](speed-history.md).",
         "",
         "![uncontended cycles and hand-off latency](bench.png)",
@@ -942,6 +1053,7 @@ def performance_page(results: dict[str, Any]) -> str:
             f"| {SYSTEM_NAMES.get(row['system'], row['system'])} | {row['cycles_per_s']:,.0f} "
             f"| {row['p50_ms']:.3f} | {row['p99_ms']:.3f} | {ratio} |"
         )
+    lines += _async_layers_section(results.get("async_layers") or [])
     contended_rows = results.get("contended") or []
     if contended_rows:
         processes = contended_rows[0]["processes"]
@@ -1134,7 +1246,7 @@ def main() -> int:
     machine = f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}, SQLAlchemy {sa.__version__}"
     results: dict[str, Any] = {"machine": machine, "quick": args.quick, "profile": asdict(profile)}
     results.update(run_context(backends))
-    results["uncontended"] = uncontended(backends, profile.cycles)
+    results["uncontended"], results["async_layers"] = uncontended(backends, profile.cycles)
     if "contended" not in skip:
         targets = [(b, "sqllocker", URLS[b]) for b in backends]
         if "sqlite" in backends:
