@@ -27,9 +27,9 @@ T = TypeVar("T")
 Event = threading.Event
 # Reentrant: an on_lost callback, called while an extend holds the lock, may unlock().
 OpLock = threading.RLock
-# A Locker that made its engine lends its lock operations connections of its own stack, which
-# a thread takes and gives back faster than the pool (see ``connections.py``).
-DIRECT_CONNECTIONS = True
+# What the threads of a Locker's lock operations wait on for a connection of its stack to come
+# free (see ``connections.py``).
+ConnectionChanges = threading.Condition
 
 
 def create_engine(

@@ -1,11 +1,14 @@
-"""The connections a sync Locker's lock operations run on, for an engine sqllocker made.
+"""The connections a Locker's lock operations run on, for an engine sqllocker made.
 
 A lock cycle is two statements, each on a connection checked out for it alone (holding a lock
 holds no connection). SQLAlchemy's pool builds a proxy with a ``weakref.finalize`` for every
 checkout, and on a small VM whatever runs right after a round trip runs several times slower
 than in a tight loop (the CPU idled while the server worked; docs/speed-history.md has the
 figures). So the lock operations
-keep driver connections of their own on a stack instead, each with its one cursor.
+keep driver connections of their own on a stack instead, each with its one cursor. An
+AsyncLocker's stack holds its engine's adapted connections, taken and given back in the greenlets
+its lock operations run in; its callers wait for one at the limit as tasks do
+(``sqllocker.asyncio.concurrency.ConnectionChanges``), not as threads do.
 
 They come from the engine's pool (``raw_connection()``, so its connect-time settings apply:
 AUTOCOMMIT, SQLite's WAL, PostgreSQL's synchronous_commit) and are detached from it for good:
@@ -21,6 +24,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import sqlalchemy as sa
@@ -55,7 +59,7 @@ class ConnectionStack:
     Python, cost more than the pop and append on every operation).
     """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, changes: Callable[[], Any] = threading.Condition) -> None:
         pool = engine.pool
         if not isinstance(pool, QueuePool):
             raise TypeError(f"ConnectionStack needs a QueuePool, not {type(pool).__name__}")
@@ -65,6 +69,7 @@ class ConnectionStack:
         self._timeout = pool.timeout()
         self._parents: list[StackedConnection] = []
         self._idle: list[StackedConnection] = []
+        self._new_changes = changes
         self._reset()
         sa.event.listen(engine, "engine_disposed", self._engine_disposed)
 
@@ -77,7 +82,7 @@ class ConnectionStack:
         self._idle = []
         self._open = 0  # idle and in use; changed only under _changes
         self._waiting = 0  # callers in _open_or_wait; changed only under _changes
-        self._changes = threading.Condition()
+        self._changes = self._new_changes()
 
     def take(self) -> StackedConnection:
         """A connection for one operation; give it back, or discard it, when done.
@@ -113,8 +118,7 @@ class ConnectionStack:
                     if now >= deadline:
                         raise sa.exc.TimeoutError(
                             f"all {self._limit} lock connections were in use for "
-                            f"{self._timeout:g} s (pool_size + max_overflow): more threads are "
-                            "running lock operations at once than the engine allows"
+                            f"{self._timeout:g} s"
                         )
                     self._changes.wait(deadline - now)
             finally:
@@ -154,6 +158,13 @@ class ConnectionStack:
         if self._pid != forks.pid:
             return
         self._close(held)
+
+    def forget(self) -> None:
+        """Drop every connection without closing it: an AsyncLocker's, made on an event loop
+        that has ended, which alone could close them."""
+        self._idle = []
+        self._open = 0
+        self._changes = self._new_changes()
 
     def _engine_disposed(self, _engine: Engine) -> None:
         """The engine was disposed of, to drop every connection (by sqllocker after a lost one

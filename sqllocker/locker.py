@@ -158,7 +158,8 @@ class Locker:
             auto_create=auto_create,
             strict=strict,
             transaction_pooling=pooled,
-            direct_connections=owns_engine and concurrency.DIRECT_CONNECTIONS,
+            direct_connections=owns_engine,
+            connection_changes=concurrency.ConnectionChanges,
             sleep=concurrency.sleep_in_operation,
         )
         self.table = self._operations.table

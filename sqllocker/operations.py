@@ -166,9 +166,10 @@ class LockOperations:
     connections reach PostgreSQL through a pooler that lends a server session per transaction,
     so nothing may rest on a session's state (see ``notifies_releases``).
     ``direct_connections``: run the lock operations on a ConnectionStack of the engine's
-    connections rather than through its pool (sync, and an engine sqllocker made: see
-    ``connections.py``). ``sleep`` is how a retry after contention waits: ``time.sleep``, or an
-    await of ``asyncio.sleep`` for the async front end.
+    connections rather than through its pool (an engine sqllocker made: see
+    ``connections.py``), whose callers wait for a free one on ``connection_changes`` (a
+    ``threading.Condition``, or its twin for tasks). ``sleep`` is how a retry after contention
+    waits: ``time.sleep``, or an await of ``asyncio.sleep`` for the async front end.
     """
 
     def __init__(
@@ -182,6 +183,7 @@ class LockOperations:
         strict: bool,
         transaction_pooling: bool = False,
         direct_connections: bool = False,
+        connection_changes: Callable[[], Any] = threading.Condition,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.engine = engine
@@ -200,7 +202,7 @@ class LockOperations:
         self._sleep = sleep
         # An in-memory SQLite database lives in one connection (SingletonThreadPool): no stack.
         direct = direct_connections and owns_engine and isinstance(engine.pool, QueuePool)
-        self._stack = ConnectionStack(engine) if direct else None
+        self._stack = ConnectionStack(engine, connection_changes) if direct else None
         # Only an engine sqllocker made has SQLite's own checkpoints turned off.
         backend = backend_class(engine.dialect.name)
         self._checkpoints_after_releases = owns_engine and backend.checkpoints_after_releases
@@ -565,6 +567,14 @@ class LockOperations:
         if self.owns_engine:
             self.engine.dispose()
 
+    def forget_connections(self) -> None:
+        """Drop the engine's connections without closing them (an AsyncLocker's, when the event
+        loop they were made on has ended, which alone could close them)."""
+        if self._stack is not None:
+            self._stack.forget()
+        if self.owns_engine:
+            self.engine.dispose(close=False)
+
     @property
     def connection_budget(self) -> int | None:
         """How many connections the engine's pool lets be open at once (None: no limit), which
@@ -849,8 +859,8 @@ class LockOperations:
     def _run_once(self, operation: Callable[[DriverSession], T]) -> T:
         """``operation`` on a connection of its own, in autocommit mode, given back after.
 
-        A sync Locker on an engine sqllocker made runs it on its ConnectionStack; an AsyncLocker,
-        or a caller's Engine, on a connection of the engine's pool (see :meth:`_pooled`).
+        A Locker on an engine sqllocker made runs it on its ConnectionStack; on a caller's
+        Engine, on a connection of the engine's pool (see :meth:`_pooled`).
         """
         if self._needs_setup:
             self.ensure_setup()
@@ -947,8 +957,9 @@ class LockOperations:
         """The error for a pool that lent no connection within its timeout."""
         return DatabaseError(
             f"no connection to {describe_url(self.url)} came free in time: {one_line(error)}; "
-            "more threads run lock operations at once than the pool allows (pool_size + "
-            "max_overflow), or connections are held elsewhere"
+            "more threads or tasks run lock operations at once than the pool allows "
+            "(pool_size + max_overflow, or the Locker's max_connections), or connections are "
+            "held elsewhere"
         )
 
     def unreachable(self, error: BaseException | None) -> DatabaseError:

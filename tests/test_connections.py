@@ -1,10 +1,12 @@
-"""The connections lock operations run on: the sync Locker's ConnectionStack on an engine it
-made, and a caller's Engine's pool. What is checked: one connection and one cursor serve one
-operation after another; a dead or interrupted connection is never reused; the pool's limits
-hold; a forked child never touches its parent's connections."""
+"""The connections lock operations run on: a Locker's ConnectionStack on an engine it made
+(an AsyncLocker's tasks wait for one as tasks do), and a caller's Engine's pool. What is
+checked: one connection and one cursor serve one operation after another; a dead or
+interrupted connection is never reused; the pool's limits hold; a forked child never touches
+its parent's connections."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
@@ -14,9 +16,12 @@ from types import SimpleNamespace
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.util import greenlet_spawn
 
 from sqllocker import Locker, execution
 from sqllocker.asyncio import AsyncLocker
+from sqllocker.asyncio import concurrency as async_concurrency
 from sqllocker.backends import sqlite as sqlite_backend
 from sqllocker.connections import ConnectionStack, StackedConnection
 from sqllocker.engine import create_locker_engine, resolve_url
@@ -136,6 +141,35 @@ def test_a_caller_at_the_limit_gets_the_next_connection_given_back(tmp_path: Pat
     stack.give_back(first)
     stack.give_back(second)
     engine.dispose()
+
+
+async def test_a_task_at_the_limit_waits_as_a_task_for_the_next_connection_given_back(
+    tmp_path: Path,
+) -> None:
+    """An AsyncLocker's stack: a task that finds every connection in use waits without stopping
+    the event loop (the other tasks go on, and one of them gives a connection back), and gets
+    the connection given back; past the pool's timeout it is told so, the loop still running."""
+    engine = create_async_engine(
+        f"sqlite+aiosqlite:///{tmp_path / 'small.db'}", pool_size=1, max_overflow=1, pool_timeout=30
+    )
+    stack = ConnectionStack(engine.sync_engine, async_concurrency.ConnectionChanges)
+    first, second = await greenlet_spawn(stack.take), await greenlet_spawn(stack.take)
+    waiter = asyncio.create_task(greenlet_spawn(stack.take))
+    await asyncio.sleep(0.3)  # returns only if the loop runs while the waiter waits
+    assert not waiter.done(), "it should be waiting: both connections are in use"
+    stack.give_back(second)
+    assert await asyncio.wait_for(waiter, 10) is second  # far less than the pool's 30 s
+    stack._timeout = 0.2
+    started = time.monotonic()
+    late = asyncio.create_task(greenlet_spawn(stack.take))
+    await asyncio.sleep(0.05)
+    assert not late.done()
+    with pytest.raises(sa.exc.TimeoutError, match=r"in use for 0\.2 s"):
+        await late
+    assert 0.2 <= time.monotonic() - started < 5
+    stack.give_back(first)
+    stack.give_back(second)
+    await engine.dispose()
 
 
 def test_a_failed_connect_frees_its_place(tmp_path: Path) -> None:

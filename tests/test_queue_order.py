@@ -317,6 +317,52 @@ def test_a_locker_with_many_waiters_opens_no_more_connections_than_max_connectio
     assert 3 <= most <= 6  # it did queue waiters, and stayed within its budget
 
 
+@pytest.mark.parametrize("server", ["postgresql", "mysql"])
+async def test_an_async_locker_with_many_waiting_tasks_stays_within_max_connections(
+    server: str, table_name: str, request: pytest.FixtureRequest
+) -> None:
+    """The same budget for 30 tasks of an AsyncLocker, whose lock operations take their
+    connections from a stack too: a task that finds them all in use waits for one as a task,
+    and the event loop goes on (a heartbeat task keeps beating). Waiting as a thread would,
+    it stopped the loop, and nobody could give a connection back."""
+    url = str(request.getfixturevalue(f"{server}_url"))
+    engine = sa.create_engine(resolve_url(url))
+    upgrade(engine, table_name)
+    engine.dispose()
+    baseline = open_connections(url)
+    locker = AsyncLocker(async_url(url), table=table_name, max_connections=6)
+    sampler = Sampler(url)
+    served: list[int] = []
+    longest_beat = 0.0
+
+    async def waiter() -> None:
+        for _ in range(3):
+            async with locker.lock("report", wait=60):
+                served.append(1)
+                await asyncio.sleep(0.002)
+
+    async def heartbeat() -> None:
+        nonlocal longest_beat
+        while True:
+            started = time.monotonic()
+            await asyncio.sleep(0.01)
+            longest_beat = max(longest_beat, time.monotonic() - started)
+
+    beating = asyncio.create_task(heartbeat())
+    try:
+        await asyncio.wait_for(asyncio.gather(*(waiter() for _ in range(30))), 60)
+    finally:
+        beating.cancel()
+        most = sampler.stop() - baseline
+        await locker.aclose()
+    assert len(served) == 90
+    assert 3 <= most <= 6
+    stack = locker._operations._stack
+    assert stack is not None
+    assert stack._limit == 3  # PostgreSQL: 2 seats and the listener; MariaDB: 3 seats
+    assert longest_beat < 5  # the loop never stopped for a connection
+
+
 def test_max_connections_is_a_whole_number_for_a_locker_that_makes_its_engine(
     tmp_path: Path,
 ) -> None:

@@ -19,6 +19,7 @@ its end.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import inspect
 from collections.abc import Callable, Coroutine
@@ -28,6 +29,11 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.util import greenlet_spawn
 
+try:
+    from sqlalchemy.util import await_ as _await
+except ImportError:  # SQLAlchemy 2.0 calls it await_only
+    from sqlalchemy.util import await_only as _await
+
 from ..engine import create_async_locker_engine, resolve_url
 from ..errors import LockTypeError
 from .tasks import spawn
@@ -36,8 +42,6 @@ T = TypeVar("T")
 
 Event = asyncio.Event
 OpLock = asyncio.Lock
-# Greenlets take their connections from the pool: a connection stack is for threads.
-DIRECT_CONNECTIONS = False
 
 
 def create_engine(
@@ -71,13 +75,50 @@ async def run(operation: Callable[..., T], *args: Any) -> T:
     return await greenlet_spawn(operation, *args)
 
 
+class ConnectionChanges:
+    """What a ConnectionStack's callers wait on for a connection to come free, for tasks: the
+    ``threading.Condition`` it is for threads, waited on in the greenlet of a lock operation.
+
+    Its ``with`` guards nothing: tasks share one thread and run uninterrupted between awaits,
+    and the stack awaits nothing while it counts. Woken first come, first served.
+    """
+
+    def __init__(self) -> None:
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *_: object) -> None:
+        return None
+
+    def wait(self, timeout: float) -> None:
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            _await(asyncio.wait_for(waiter, timeout))
+        except asyncio.TimeoutError:
+            pass  # the caller looks at the time
+        except BaseException:
+            # Cancelled as it was woken: the next waiter gets the connection given back.
+            if waiter.done() and not waiter.cancelled():
+                self.notify()
+            raise
+        finally:
+            with contextlib.suppress(ValueError):
+                self._waiters.remove(waiter)
+
+    def notify(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+
 def sleep_in_operation(seconds: float) -> None:
     """LockOperations's pause between retries, without blocking the event loop."""
-    try:
-        from sqlalchemy.util import await_
-    except ImportError:  # SQLAlchemy 2.0 calls it await_only
-        from sqlalchemy.util import await_only as await_
-    await_(asyncio.sleep(seconds))
+    _await(asyncio.sleep(seconds))
 
 
 async def sleep(seconds: float) -> None:

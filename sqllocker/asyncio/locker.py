@@ -170,7 +170,8 @@ class AsyncLocker:
             auto_create=auto_create,
             strict=strict,
             transaction_pooling=pooled,
-            direct_connections=owns_engine and concurrency.DIRECT_CONNECTIONS,
+            direct_connections=owns_engine,
+            connection_changes=concurrency.ConnectionChanges,
             sleep=concurrency.sleep_in_operation,
         )
         self.table = self._operations.table
@@ -760,8 +761,7 @@ class AsyncLocker:
             self._room = None
             self._ready_lock = None
             self._keep_alives.forget_tasks()
-            if self._operations.owns_engine:
-                self.engine.sync_engine.dispose(close=False)
+            self._operations.forget_connections()
 
         async def _close_at_loop_end(self) -> None:
             """``aclose()``, as this locker's loop shuts down: its connections can be closed only
