@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.pool import AsyncAdaptedQueuePool
 from sqlalchemy.util import greenlet_spawn
 
 from sqllocker import Locker, execution
@@ -150,7 +151,11 @@ async def test_a_task_at_the_limit_waits_as_a_task_for_the_next_connection_given
     the event loop (the other tasks go on, and one of them gives a connection back), and gets
     the connection given back; past the pool's timeout it is told so, the loop still running."""
     engine = create_async_engine(
-        f"sqlite+aiosqlite:///{tmp_path / 'small.db'}", pool_size=1, max_overflow=1, pool_timeout=30
+        f"sqlite+aiosqlite:///{tmp_path / 'small.db'}",
+        poolclass=AsyncAdaptedQueuePool,  # older SQLAlchemy gives aiosqlite files a NullPool
+        pool_size=1,
+        max_overflow=1,
+        pool_timeout=30,
     )
     stack = ConnectionStack(engine.sync_engine, async_concurrency.ConnectionChanges)
     first, second = await greenlet_spawn(stack.take), await greenlet_spawn(stack.take)
