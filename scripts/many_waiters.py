@@ -34,6 +34,7 @@ from scripts.bench import (
     TABLE,
     URLS,
     Turn,
+    drop_table,
     fresh_table,
     percentile,
     processes_context,
@@ -233,57 +234,60 @@ def main() -> int:
     if url.startswith("sqlite"):
         Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     fresh_table(url)
-    mode = "asyncio" if args.asyncio else "threads"
-    context = processes_context()
-    ready, results = context.Barrier(args.processes + 1), context.Queue()
-    workers = [
-        context.Process(
-            target=_process,
-            args=(
-                mode,
-                url,
-                args.waiters,
-                args.turns,
-                args.hold,
-                args.max_connections,
-                ready,
-                results,
-            ),
-        )
-        for _ in range(args.processes)
-    ]
-    for worker in workers:
-        worker.start()
-    ready.wait(timeout=120)
-    started = time.monotonic()
-    outcomes = [results.get(timeout=1800) for _ in workers]
-    elapsed = time.monotonic() - started
-    for worker in workers:
-        worker.join()
-    turns = [turn for records, _, _, _ in outcomes for turn in records]
-    errors = collections.Counter(error for _, errs, _, _ in outcomes for error in errs)
-    expected = args.processes * args.waiters * args.turns
-    print(
-        f"{args.backend}, {args.processes} processes x {args.waiters} {mode}, "
-        f"{args.turns} turns each, {args.hold * 1000:g} ms holds: {elapsed:.1f} s"
-    )
-    print(f"served {len(turns)} of {expected}; errors: {dict(errors) or 'none'}")
-    print(
-        "connections per process, most open at once: "
-        + ", ".join(str(most) for _, _, most, _ in outcomes)
-        + f" (its pool allows {outcomes[0][3]})"
-    )
-    if turns:
-        result = figures(turns)
-        waits = ", ".join(f"{name} {ms:.1f}" for name, ms in result["wait_ms"].items())
-        print(f"overlaps (two holders at once): {result['overlaps']}")
+    try:
+        mode = "asyncio" if args.asyncio else "threads"
+        context = processes_context()
+        ready, results = context.Barrier(args.processes + 1), context.Queue()
+        workers = [
+            context.Process(
+                target=_process,
+                args=(
+                    mode,
+                    url,
+                    args.waiters,
+                    args.turns,
+                    args.hold,
+                    args.max_connections,
+                    ready,
+                    results,
+                ),
+            )
+            for _ in range(args.processes)
+        ]
+        for worker in workers:
+            worker.start()
+        ready.wait(timeout=120)
+        started = time.monotonic()
+        outcomes = [results.get(timeout=1800) for _ in workers]
+        elapsed = time.monotonic() - started
+        for worker in workers:
+            worker.join()
+        turns = [turn for records, _, _, _ in outcomes for turn in records]
+        errors = collections.Counter(error for _, errs, _, _ in outcomes for error in errs)
+        expected = args.processes * args.waiters * args.turns
         print(
-            f"served ahead of a waiter beyond its place in line: p99.9 "
-            f"{result['beyond_place_p999']:.0f}, max {result['beyond_place_max']}, "
-            f"more than 3 in {result['beyond_place_over_3']} of {len(turns)} acquisitions"
+            f"{args.backend}, {args.processes} processes x {args.waiters} {mode}, "
+            f"{args.turns} turns each, {args.hold * 1000:g} ms holds: {elapsed:.1f} s"
         )
-        print(f"wait (ms): {waits}")
-    return 0 if len(turns) == expected and not errors else 1
+        print(f"served {len(turns)} of {expected}; errors: {dict(errors) or 'none'}")
+        print(
+            "connections per process, most open at once: "
+            + ", ".join(str(most) for _, _, most, _ in outcomes)
+            + f" (its pool allows {outcomes[0][3]})"
+        )
+        if turns:
+            result = figures(turns)
+            waits = ", ".join(f"{name} {ms:.1f}" for name, ms in result["wait_ms"].items())
+            print(f"overlaps (two holders at once): {result['overlaps']}")
+            print(
+                f"served ahead of a waiter beyond its place in line: p99.9 "
+                f"{result['beyond_place_p999']:.0f}, max {result['beyond_place_max']}, "
+                f"more than 3 in {result['beyond_place_over_3']} of {len(turns)} acquisitions"
+            )
+            print(f"wait (ms): {waits}")
+        return 0 if len(turns) == expected and not errors else 1
+    finally:
+        drop_table(url, TABLE)  # nothing left on a shared server
 
 
 if __name__ == "__main__":
