@@ -79,6 +79,9 @@ class ConnectionStack:
         can close (or, worse, log off) a connection the parent is still using."""
         self._pid = forks.pid
         self._parents += self._idle
+        self._start_empty()
+
+    def _start_empty(self) -> None:
         self._idle = []
         self._open = 0  # idle and in use; changed only under _changes
         self._waiting = 0  # callers in _open_or_wait; changed only under _changes
@@ -161,10 +164,9 @@ class ConnectionStack:
 
     def forget(self) -> None:
         """Drop every connection without closing it: an AsyncLocker's, made on an event loop
-        that has ended, which alone could close them."""
-        self._idle = []
-        self._open = 0
-        self._changes = self._new_changes()
+        that has ended, which alone could close them. Unlike a forked child's, they are not
+        kept: nobody else uses them, and the garbage collector may end them."""
+        self._start_empty()
 
     def _engine_disposed(self, _engine: Engine) -> None:
         """The engine was disposed of, to drop every connection (by sqllocker after a lost one
