@@ -20,6 +20,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import SQLCompiler
 
+from .identity import HolderDetails
 from .sqlalchemy_internals import bind_order, literal_binds
 
 # Every statement sqllocker sends, at DEBUG (like SQLAlchemy's echo); the values are in the
@@ -40,7 +41,10 @@ class Prepared:
         every = literal_binds(compiled)
         processors: dict[str, Callable[[Any], Any]] = {}
         for bind in compiled.binds.values():
+            processor: Callable[[Any], Any] | None
             processor = bind.type.dialect_impl(dialect).bind_processor(dialect)
+            if processor is not None and isinstance(bind.type, sa.JSON):
+                processor = _sending_holder_json(processor)
             if processor is not None:
                 processors[compiled.bind_names[bind]] = processor
         # One step per parameter, in the order the driver takes them: its name, its processor,
@@ -92,6 +96,18 @@ class Prepared:
                 for process, value in zip(self._result_processors, values, strict=True)
             ]
         )
+
+
+def _sending_holder_json(process: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """A JSON parameter's processor that sends a HolderDetails' own JSON text as it is (every
+    backend's statement reads the parameter as JSON text: PostgreSQL's casts it to JSONB)."""
+
+    def send(value: Any) -> Any:
+        if type(value) is HolderDetails and value.json is not None:
+            return value.json
+        return process(value)
+
+    return send
 
 
 class Result:

@@ -212,6 +212,9 @@ class LockOperations:
         budget = self.connection_budget
         self._pool_spares_listener = budget is None or budget >= LISTENING_BUDGET
         self._backend: Backend | None = None
+        # The parameters of the test whether a row may be taken over or purged now (set up
+        # with the backend, which writes them; never changed by their users).
+        self._expiry: dict[str, Any] = {}
         self._statements: Statements | None = None
         self._prepared: PreparedCache
         self._needs_setup = True  # see ensure_setup
@@ -662,11 +665,7 @@ class LockOperations:
 
     def _expiry_params(self) -> dict[str, Any]:
         """The parameters of the test whether a row may be taken over or purged now."""
-        be = self._be
-        return {
-            "minus_grace": be.seconds_value(-self.grace),
-            "minus_foreign_grace": be.seconds_value(-self.grace - FOREIGN_CLOCK_MARGIN),
-        }
+        return self._expiry
 
     def _insert_or_learn_holder(
         self, conn: DriverSession, params: dict[str, Any], look_first: bool = False
@@ -1012,6 +1011,12 @@ class LockOperations:
                         has_functions=settings.has_functions,
                     )
                     self._backend = backend
+                    self._expiry = {
+                        "minus_grace": backend.seconds_value(-self.grace),
+                        "minus_foreign_grace": backend.seconds_value(
+                            -self.grace - FOREIGN_CLOCK_MARGIN
+                        ),
+                    }
                     self._needs_setup = False
 
     @contextmanager

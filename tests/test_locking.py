@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import sqlalchemy as sa
 
 from sqllocker import Lock, LockBusy, Locker, LockLost, lock_table
 from sqllocker.engine import resolve_url
+from sqllocker.identity import HolderDetails, holder_details
 from tests.helpers import abandon, count_rows
 
 # -- DBIx::Locker t/basic.t ---------------------------------------------------------------------
@@ -197,6 +199,47 @@ def test_locked_by_has_the_standard_keys_and_the_callers(locker: Locker) -> None
     assert row.locked_by["job"] == "report"
     assert row.locked_by["n"] == [1, 2]
     assert row.locked_by == lock.locked_by
+
+
+# Thread and task names that JSON must escape: quotes, backslashes, control and non-ASCII.
+AWKWARD_NAMES = ["plain", 'a "quoted" \\ name', "tab\there\x01", "naïve ☃ 𝄞"]
+
+
+@pytest.mark.parametrize("task", [None, 'task "7" ☃'])
+def test_a_holders_json_text_is_what_json_dumps_writes(task: str | None) -> None:
+    """Without keys of the caller's own, locked_by's JSON text is written without json.dumps
+    (see identity.HolderDetails): it must be the very text json.dumps writes."""
+    for name in AWKWARD_NAMES:
+        details: dict[str, object] = {}
+        thread = threading.Thread(
+            target=lambda: details.update(holder=holder_details({}, task)), name=name
+        )
+        thread.start()
+        thread.join()
+        holder = details["holder"]
+        assert isinstance(holder, HolderDetails)
+        assert holder.json == json.dumps(dict(holder))
+        assert holder["thread"] == name
+    assert holder_details({"job": "report"}, task).json is None  # the engine's serialiser
+
+
+def test_locked_by_reads_back_as_the_handle_has_it_whatever_the_threads_name(
+    locker: Locker,
+) -> None:
+    for name in AWKWARD_NAMES:
+        seen: dict[str, object] = {}
+
+        def take() -> None:
+            with locker.lock("job") as lock:
+                (row,) = locker.locks()
+                seen.update(row=row.locked_by, handle=lock.locked_by)
+
+        thread = threading.Thread(target=take, name=name)
+        thread.start()
+        thread.join()
+        assert seen["row"] == seen["handle"]
+        assert isinstance(seen["row"], dict)
+        assert seen["row"]["thread"] == name
 
 
 def test_timestamps_are_aware_utc(locker: Locker) -> None:
