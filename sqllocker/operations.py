@@ -52,7 +52,7 @@ from .errors import (
 )
 from .execution import DriverSession, PreparedCache, kept_cursor
 from .identity import holder_details, public_details
-from .queueing import AnyQueueWait, QueueKey, seats_within
+from .queueing import AnyQueueWait, QueueKey, Request, seats_within
 from .schema import FOREIGN_CLOCK_MARGIN, ID_ORDER_STRIPES, id_order_table, lock_table
 from .server_settings import UnsafeSetting
 from .sqlalchemy_internals import most_connections
@@ -512,6 +512,32 @@ class LockOperations:
                     logger.debug("could not end the queued wait of %s (%s)", session, error.orig)
 
         self._run(None, end)
+
+    def withdraw_abandoned_request(
+        self, session: Any, queue_key: QueueKey, request: Request
+    ) -> None:
+        """A queue connection of the server ``session`` was given up while its wait may still
+        have been running there, or after it left ``request``: end the session, so that no
+        release grants that request from now on, then withdraw it, giving back a row already
+        granted to it. (Only PostgreSQL's releases grant requests.)"""
+        end, withdraw = self._sql.end_queue_session, self._sql.withdraw_request
+        if end is None or withdraw is None:
+            return
+        params = {
+            "session": session,
+            "queue_key": queue_key,
+            "ls": request.lockstring,
+            "lock_guid": request.guid,
+        }
+
+        def run(conn: DriverSession) -> None:
+            try:
+                conn.execute(end, params)
+            except sa.exc.DBAPIError as error:  # not ours to end: withdrawing still helps
+                logger.warning("could not end a queue connection's session (%s)", error.orig)
+            conn.execute(withdraw, params)
+
+        self._run(request.lockstring, run)
 
     def expired_locks(self) -> list[LockInfo]:
         def read(conn: DriverSession) -> list[LockInfo]:

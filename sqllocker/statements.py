@@ -123,6 +123,22 @@ class Statements:
         """Ends the queued wait of the server session ``:session``."""
         return self.backend.end_queued_wait()
 
+    @cached_property
+    def end_queue_session(self) -> TextualSelect | None:
+        """Ends the server session ``:session`` of a queue connection given up (PostgreSQL)."""
+        return self.backend.end_queue_session()
+
+    @cached_property
+    def withdraw_request(self) -> TextualSelect | None:
+        """PostgreSQL: withdraws the request of ``:ls`` by ``:lock_guid``, giving back a row
+        granted to it, from any session (the table's ``queue_leave``); None elsewhere."""
+        if self.backend.end_queue_session() is None:
+            return None
+        return sa.text(
+            f"SELECT {self.function('queue_leave')}(CAST(:queue_key AS bigint), "
+            "CAST(:ls AS varchar), CAST(:lock_guid AS varchar), true) AS granted"
+        ).columns(sa.column("granted", sa.Boolean))
+
     @property
     def returned(self) -> tuple[sa.ColumnElement[Any], ...]:
         """What a successful acquire returns: the id, and the times as the driver reads them

@@ -93,15 +93,18 @@ class WaitingRoom:
         queue_wait: AnyQueueWait,
         look: Callable[[str, QueueKey], tuple[bool, Any]],
         end_waits: Callable[[list[Any]], None],
+        withdraw: Callable[[Any, QueueKey, Request], None],
         capacity: int = DEFAULT_CAPACITY,
     ) -> None:
-        """``look`` and ``end_waits`` are the Locker's ``look_at_queue`` and
-        ``end_queued_waits`` operations, which the watch runs on the Locker's pool."""
+        """``look``, ``end_waits`` and ``withdraw`` are the Locker's ``look_at_queue``,
+        ``end_queued_waits`` and ``withdraw_abandoned_request`` operations, which run on the
+        Locker's pool."""
         self._engine = engine
         self.seats = Seats(capacity)
         self.queue_wait = queue_wait
         self._look = look
         self._end_waits = end_waits
+        self._withdraw = withdraw
         self._watch = Watch()
         self._watching = concurrency.Background("sqllocker-queue-watch")
         self._leaving = concurrency.Background("sqllocker-queue-leaver")
@@ -152,16 +155,16 @@ class WaitingRoom:
             if timed_out(error) and not ended:
                 self._checkin(connection)  # the caller's deadline
                 return Entry(None, try_again=True, usable=True)
-            self._discard(connection)
+            self._abandon(connection, key, request)
             if not isinstance(error, Exception):
-                raise  # cancelled or interrupted: closing the connection has left the queue
+                raise  # cancelled or interrupted: we have left the queue
             if not ended:
                 logger.warning("could not queue for %r (%s); waiting unqueued", lockstring, error)
                 return Entry(None, try_again=True, usable=False)
             return Entry(None, try_again=True, usable=True)
         # Ended by the watch: whatever the wait returned, its connection goes (a cancel still
         # on its way must not reach a later statement), and with it any place or request.
-        self._discard(connection)
+        self._abandon(connection, key, request)
         return Entry(None, try_again=True, usable=True)
 
     def _watch_queues(self) -> None:
@@ -198,9 +201,7 @@ class WaitingRoom:
         try:
             row = self._fetch_one(connection, statement)
         except BaseException as error:
-            # Closing the connection ends the queue lock too, and a request left standing is
-            # never granted once its session no longer heads the queue.
-            self._discard(connection)
+            self._abandon(connection, key, request)
             if not isinstance(error, Exception):
                 raise
             logger.warning("could not leave a lock queue (%s); closing its connection", error)
@@ -276,6 +277,26 @@ class WaitingRoom:
             logger.warning("could not set up a connection to queue on (%s)", error)
             return None
         return connection
+
+    def _abandon(self, connection: Any, key: QueueKey, request: Request | None) -> None:
+        """Give up a queue connection whose wait may still run in the server, or that may
+        have left ``request``: closing it ends its session only when the server notices, and
+        until then a release could grant that request a row nobody would take. The session is
+        ended from the Locker's pool, and the request withdrawn, a row granted given back
+        (``LockOperations.withdraw_abandoned_request``)."""
+        session = connection.session
+        self._discard(connection)
+        if request is None or not self.queue_wait.hands_off:
+            return
+        try:
+            self._withdraw(session, key, request)
+        except Exception as error:
+            logger.warning(
+                "could not withdraw a queued request for %r (%s); a row handed to it stays "
+                "until it expires",
+                request.lockstring,
+                error,
+            )
 
     def _checkin(self, connection: Any) -> None:
         extra = self.seats.give_back(connection)

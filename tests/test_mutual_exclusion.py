@@ -24,6 +24,9 @@ REPO = Path(__file__).resolve().parent.parent
 PROCESSES = 8
 ACQUISITIONS_EACH = 200
 LOCKSTRINGS = ["alpha", "beta", "gamma"]
+# Far beyond a healthy run (seconds): workers that stop making progress fail the test instead
+# of holding the run up.
+WORKER_SECONDS = 240
 
 
 @pytest.fixture
@@ -80,9 +83,7 @@ def run_workers(
     reports = []
     try:
         for worker in workers:
-            # Far beyond a healthy run (seconds): workers that stop making progress fail the
-            # test instead of holding the run up.
-            out, err = worker.communicate(timeout=240)
+            out, err = worker.communicate(timeout=WORKER_SECONDS)
             assert worker.returncode == 0, f"worker failed:\n{err}"
             # SQLite's "database is locked" must never reach a user: no worker may log an error.
             assert "database is locked" not in err
@@ -126,6 +127,11 @@ OUTLIVING = ("--outlive-every", "100", "--expires", "1.0", "--grace", "0")
 # all the time, by cancels that race the waits' own ends, and the waiters it ends take the row
 # out of their turn.
 IMPATIENT = ("--queue-patience", "0.004", *ABANDONING)
+# Async workers that cancel a share of their acquires and releases at a random moment, as
+# asyncio.wait_for does at its timeout: an acquire cut off after it won its row (or after a
+# release handed it one) must give it back, and one whose caller got the lock must not. A row
+# left behind would hold its lockstring for an expiry longer than the workers are given.
+CANCELLING = ("--cancel-some", "--expires", str(WORKER_SECONDS + 60))
 
 
 @pytest.mark.parametrize(
@@ -138,6 +144,7 @@ IMPATIENT = ("--queue-patience", "0.004", *ABANDONING)
         (0, False, TRYING),
         (0, False, OUTLIVING),
         (PROCESSES // 2, False, IMPATIENT),
+        (PROCESSES // 2, False, CANCELLING),
     ],
     ids=[
         "sync processes",
@@ -147,6 +154,7 @@ IMPATIENT = ("--queue-patience", "0.004", *ABANDONING)
         "sync processes trying without waiting",
         "sync processes outliving expiry by keep-alive",
         "sync and async processes whose queued waits are ended often",
+        "sync and async processes cancelling acquires and releases",
     ],
 )
 def test_many_processes_never_hold_one_lock_at_once(
@@ -249,6 +257,8 @@ def contend(
     scenario = (
         "contention, sync and async, waits ended by the watch"
         if IMPATIENT[0] in options
+        else "contention, sync and async, cancelling acquires and releases"
+        if CANCELLING[0] in options
         else "contention, sync and async"
         if asyncio_processes
         else "contention beside a purge"

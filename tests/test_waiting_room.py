@@ -23,6 +23,7 @@ from tests.helpers import (
     head_the_queue,
     leave_the_queue,
     queued,
+    requests,
     wait_in_thread,
     wait_until,
     wait_until_async,
@@ -559,6 +560,50 @@ async def test_a_cancelled_async_waiter_leaves_the_queue(
     holder.close()
     await head.aclose()
     await behind.aclose()
+
+
+async def test_a_waiter_cancelled_as_it_comes_to_head_the_queue_leaves_no_request_behind(
+    migrated_postgres: str,
+    table_name: str,
+    admin: sa.Engine,
+    slow_polling: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The cancellation lands as the wait's statement returns: the server has left the
+    waiter's request, and its session holds the request's key. Closing the connection ends
+    that session only once the server notices, and a release meanwhile granted the request a
+    row nobody took (rows held for their whole expiry, under a stress of cancelled waits). The
+    session must be over, and the request gone, before the cancelled caller goes on."""
+    holder = Locker(migrated_postgres, table=table_name)
+    held = holder.lock("report")
+    waiter = AsyncLocker(async_url(migrated_postgres), table=table_name)
+    await (await waiter.lock("warm up")).unlock()
+    room = waiter._waiting_room()
+    assert room is not None
+    real_fetch_one = room._fetch_one
+    sessions: list[int] = []
+
+    async def cancelled_as_it_returns(pooled: Any, statement: tuple[str, Any]) -> Any:
+        row = await real_fetch_one(pooled, statement)
+        if "queue_for_hand_off" in statement[0]:
+            sessions.append(pooled.session)
+            raise asyncio.CancelledError
+        return row
+
+    monkeypatch.setattr(room, "_fetch_one", cancelled_as_it_returns)
+    with pytest.raises(asyncio.CancelledError):
+        await waiter.lock("report", wait=60)
+    (session,) = sessions
+    assert requests(admin, table_name) == []
+    with admin.connect() as conn:
+        alive = conn.execute(
+            sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = :pid"), {"pid": session}
+        ).scalar()
+    assert alive == 0
+    held.unlock()
+    assert holder.locks() == []  # nothing was handed to the waiter that had gone
+    await waiter.aclose()
+    holder.close()
 
 
 async def test_an_async_waiter_cancelled_in_line_for_a_seat_leaves_the_line(

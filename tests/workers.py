@@ -22,7 +22,11 @@ from pathlib import Path
 from typing import TextIO
 
 from sqllocker import Lock, LockBusy, Locker, LockError, LockLost, queueing
+from sqllocker.asyncio import AsyncLock
 from tests.helpers import abandon
+
+# With --cancel-some: the share of acquire attempts, and of releases, cancelled mid-way.
+CANCELLED_SHARE = 0.3
 
 
 def async_url(url: str) -> str:
@@ -147,11 +151,24 @@ async def _async_counter(args: argparse.Namespace) -> int:
     lockstrings = args.lockstrings.split(",")
     lost = 0
 
+    async def acquire_cancelling_some(lockstring: str) -> AsyncLock | None:
+        """Acquires cut off after a moment, any of them mid-statement (and the lock they won
+        released by the library), until one is not: then that lock, or None to wait."""
+        while random.random() < CANCELLED_SHARE:
+            with contextlib.suppress(asyncio.TimeoutError):
+                return await asyncio.wait_for(
+                    locker.lock(lockstring, wait=None, expires=args.expires),
+                    random.uniform(0, 0.003),
+                )
+        return None
+
     async def task(log: TextIO, count: int) -> None:
         nonlocal lost
         for _ in range(count):
             lockstring = random.choice(lockstrings)
-            lock = await locker.lock(lockstring, wait=None, expires=args.expires)
+            lock = await acquire_cancelling_some(lockstring) if args.cancel_some else None
+            if lock is None:
+                lock = await locker.lock(lockstring, wait=None, expires=args.expires)
             try:
                 entered = time.monotonic()
                 value = work.enter(lockstring)
@@ -160,7 +177,10 @@ async def _async_counter(args: argparse.Namespace) -> int:
                 left = time.monotonic()
             finally:
                 try:
-                    await lock.unlock()
+                    if args.cancel_some and random.random() < CANCELLED_SHARE:
+                        with contextlib.suppress(asyncio.TimeoutError):
+                            await asyncio.wait_for(lock.unlock(), random.uniform(0, 0.002))
+                    await lock.unlock()  # waits for a release in flight, or releases
                 except LockLost:
                     lost += 1
             record = {"ls": lockstring, "id": lock.lock_id, "in": entered, "out": left}
@@ -429,6 +449,11 @@ def main(argv: list[str] | None = None) -> int:
         "--queue-patience",
         type=float,
         help="seconds a queue may stand still on a free row (queueing.QUEUE_PATIENCE)",
+    )
+    work.add_argument(
+        "--cancel-some",
+        action="store_true",
+        help="cancel a share of the acquires and releases at a random moment (asyncio only)",
     )
     work.add_argument(
         "--transaction-pooling",

@@ -697,6 +697,7 @@ class AsyncLocker:
                     queue_wait,
                     functools.partial(self._call, self._operations.look_at_queue),
                     functools.partial(self._call, self._operations.end_queued_waits),
+                    functools.partial(self._call, self._operations.withdraw_abandoned_request),
                     self._seats,
                 )
             return self._room

@@ -174,6 +174,12 @@ class Backend:
         """The statement that ends the queued wait of the session ``:session``."""
         return None
 
+    def end_queue_session(self) -> TextualSelect | None:
+        """Where a release hands rows to the head's request (PostgreSQL): the statement that
+        ends the server session ``:session`` of a queue connection given up, and returns once
+        it has ended; None elsewhere."""
+        return None
+
     # -- schema --------------------------------------------------------------------------------
 
     @classmethod

@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 # How long an acquire waits for the lockstring's id-order key, which others hold only for their
 # INSERT: a wait this long means a session outside the protocol holds it.
 ID_ORDER_WAIT_MS = 1000
+# How long the end of a queue connection's session given up is waited for (end_queue_session).
+QUEUE_SESSION_END_MS = 5000
 # Serialises concurrent `sqllocker migrate` runs ("SQLL").
 _MIGRATION_LOCK_KEY = 0x5351_4C4C
 
@@ -241,6 +243,16 @@ class PostgreSQLBackend(Backend):
         # A cancel, not a terminate: the waiter closes its connection itself.
         return sa.text(
             "SELECT pg_catalog.pg_cancel_backend(CAST(:session AS integer)) AS ended"
+        ).columns(sa.column("ended", sa.Boolean))
+
+    def end_queue_session(self) -> TextualSelect:
+        # Closing a connection does not end its session at once: a backend blocked in the queue
+        # notices only when it gets the queue's lock, and it still holds its request's key (so
+        # releases still grant it) until it exits. pg_terminate_backend with a timeout
+        # (PostgreSQL 14 on) returns once the backend has exited.
+        return sa.text(
+            "SELECT pg_catalog.pg_terminate_backend(CAST(:session AS integer), "
+            f"{QUEUE_SESSION_END_MS}) AS ended"
         ).columns(sa.column("ended", sa.Boolean))
 
     # -- schema ------------------------------------------------------------------------------------
