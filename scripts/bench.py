@@ -288,8 +288,8 @@ async def async_raw_floor_cycle(url: str, layer: str = "driver") -> AsyncCycle:
     ``layer`` wraps them in what ``sqllocker.asyncio`` runs its statements in, one layer at a
     time (``ASYNC_LAYERS``): ``"greenlet"``, each operation in SQLAlchemy's ``greenlet_spawn``
     through its adapted cursor, as the lock operations (sync code, written once) run;
-    ``"shielded"``, that in a task of its own behind a shield, as an operation is kept from
-    being cut off halfway by its caller's cancellation."""
+    ``"shielded"``, that run to its end whoever stops waiting for it (``InFlight``), as an
+    operation is kept from being cut off halfway by its caller's cancellation."""
     from sqlalchemy.util import greenlet_spawn
 
     from sqllocker.asyncio import AsyncLocker
@@ -987,9 +987,9 @@ def _async_layers_section(rows: list[dict[str, Any]]) -> list[str]:
         "- *in greenlets*: each operation in SQLAlchemy's `greenlet_spawn`, through its adapted",
         "  cursor, as the lock operations run: they are sync code, written once for both front",
         "  ends;",
-        "- *in shielded tasks*: that, in a task of its own behind `asyncio.shield`, so that a",
-        "  caller's cancellation cannot cut a statement off halfway and leave a row nobody",
-        "  knows of;",
+        "- *in shielded tasks*: that, run to its end whoever stops waiting for it (started in",
+        "  the caller's step, finished in a task of its own), so that a caller's cancellation",
+        "  cannot cut a statement off halfway and leave a row nobody knows of;",
         "- *sqllocker.asyncio*: the library's own work around them: checking the arguments, a",
         "  connection of its stack for each operation, the lock objects and, on SQLite, the",
         "  place in the queue file.",

@@ -11,9 +11,8 @@ awaits on the event loop, and the SQL, retries and error handling are exactly th
 end's.
 
 What only asyncio has is cancellation, at any await. An acquire whose caller is cancelled runs
-to its end in a task of its own (``shielded``), and a lock it turns out to have won is
-released straight away, so no row is left behind; a release, once started, likewise runs to
-its end.
+to its end regardless (``InFlight``), and a lock it turns out to have won is released straight
+away, so no row is left behind; a release, once started, likewise runs to its end.
 """
 
 from __future__ import annotations
@@ -22,8 +21,9 @@ import asyncio
 import collections
 import contextlib
 import inspect
-from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+import sys
+from collections.abc import Callable, Coroutine, Generator
+from typing import Any, Generic, TypeVar
 
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -173,20 +173,119 @@ async def pooled_connection(engine: AsyncEngine, autocommit: bool = True) -> Poo
 
 
 async def shielded(work: Coroutine[Any, Any, T], name: str, undo: Callable[[T], None]) -> T:
-    """Await ``work`` in a task of its own: cancelling the caller must not cut a statement off
-    halfway, when nobody would know whether the row was written. If the caller is cancelled,
-    ``undo`` gets what the work returns once it is done (and did not raise)."""
-    task = spawn(work, name)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        task.add_done_callback(lambda done: _undo(done, undo))
-        raise
+    """Await ``work``, which runs to its end whoever stops waiting for it (``InFlight``): if the
+    caller is cancelled, ``undo`` gets what the work returns once it is done (and did not
+    raise)."""
+    flight: InFlight[T] = InFlight(name, undo)
+    flight.start(work)
+    return await flight.wait()
 
 
-def _undo(task: asyncio.Task[T], undo: Callable[[T], None]) -> None:
-    if not task.cancelled() and task.exception() is None:
-        undo(task.result())
+class InFlight(Generic[T]):
+    r"""Work that runs to its end whoever stops waiting for it: cancelling a caller must not cut
+    a statement off halfway, when nobody would know whether the row was written.
+
+    ``start`` runs the work at once, in the caller's own step, up to its first wait, and the
+    rest in a task of its own (Python 3.12's eager tasks; by hand before); each caller
+    ``wait``\s on a future of its own, which the work sets as it ends. So a caller waits one
+    turn of the event loop beyond the work's own, where a task awaited through
+    ``asyncio.shield`` took three (the task's start, its end and the shield's). ``undo`` gets
+    what the work returns if its callers were all cancelled before it ended.
+    """
+
+    def __init__(self, name: str, undo: Callable[[T], None] | None = None) -> None:
+        self._name = name
+        self._undo = undo
+        self._waiters: list[asyncio.Future[T]] = []  # cancelled: their callers stopped waiting
+        self.done = False
+        self._result: T | None = None
+        self._error: BaseException | None = None
+
+    def start(self, work: Coroutine[Any, Any, T]) -> None:
+        run = self._run(work)
+        if sys.version_info >= (3, 12):
+            spawn(run, self._name, eager=True)
+            return
+        # By hand before Python 3.12: the first step runs as the caller's task's, which nothing
+        # in it asks for (3.12's asyncio.wait_for would, and it has eager tasks).
+        try:
+            yielded = run.send(None)
+        except BaseException:  # StopIteration too: _run ended the work, and told its waiters
+            return
+        spawn(_resumed(run, yielded), self._name)
+
+    async def wait(self) -> T:
+        """What the work returned (or raise what it raised)."""
+        if not self.done:
+            waiter: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                return await waiter
+            except asyncio.CancelledError:
+                # Cancelled as the work's result reached us: nobody else will have it. (Cancelled
+                # before, the work's end undoes it.)
+                if not waiter.cancelled() and waiter.exception() is None and self._undo:
+                    self._undo(waiter.result())
+                raise
+        if self._error is not None:
+            raise self._error
+        return self._result  # type: ignore[return-value]
+
+    async def _run(self, work: Coroutine[Any, Any, T]) -> None:
+        try:
+            result = await work
+        except BaseException as error:
+            self._finish(None, error)
+            raise
+        self._finish(result, None)
+
+    def _finish(self, result: T | None, error: BaseException | None) -> None:
+        self.done, self._result, self._error = True, result, error
+        waiters, self._waiters = self._waiters, []
+        told = stopped = False
+        for waiter in waiters:
+            if waiter.done():  # cancelled: its caller stopped waiting
+                stopped = True
+                continue
+            told = True
+            if error is None:
+                waiter.set_result(result)  # type: ignore[arg-type]
+            elif isinstance(error, asyncio.CancelledError):
+                waiter.cancel()
+            else:
+                waiter.set_exception(error)
+        if error is None and stopped and not told and self._undo is not None:
+            self._undo(result)  # type: ignore[arg-type]
+
+
+async def _resumed(work: Coroutine[Any, Any, None], yielded: Any) -> None:
+    await _Resumed(work, yielded)
+
+
+class _Resumed:
+    """A coroutine already run up to its first wait (what it yielded then), awaited from
+    there: the task awaiting this waits on what it yielded, as the coroutine's own would
+    have, and anything thrown into the task (its cancellation) is thrown into the coroutine."""
+
+    def __init__(self, work: Coroutine[Any, Any, Any], yielded: Any) -> None:
+        self._work = work
+        self._yielded = yielded
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        work, yielded = self._work, self._yielded
+        while True:
+            try:
+                sent = yield yielded
+            except BaseException as error:
+                try:
+                    yielded = work.throw(error)
+                except StopIteration as finished:
+                    return finished.value
+            else:
+                try:
+                    yielded = work.send(sent)
+                except StopIteration as finished:
+                    return finished.value
 
 
 class Background:

@@ -72,7 +72,7 @@ class AsyncLockState(Holding):
         self.op_lock = concurrency.OpLock()
         if True:  # ASYNC
             self.loop = asyncio.get_running_loop()
-            self.releasing: asyncio.Task[None] | None = None
+            self.releasing: concurrency.InFlight[None] | None = None
 
     async def extend(self, ttl: float) -> datetime:
         """Push the row's expiry to server now + ``ttl``; LockLost (and lost) if it is not ours."""
@@ -126,12 +126,16 @@ class AsyncLockState(Holding):
     if True:  # ASYNC
 
         async def release(self) -> None:
-            """``_delete_row`` in a task of its own, shielded from the caller's cancellation."""
-            if self.releasing is None:
+            """``_delete_row``, run to its end whoever stops waiting for it; a call while it runs
+            waits for it."""
+            flight = self.releasing
+            if flight is None:
                 if not self.held:
                     return
-                self.releasing = spawn(self._release_in_task(), f"release {self.lockstring!r}")
-            await asyncio.shield(self.releasing)
+                # Set before it starts: a release that fails at once clears it again.
+                flight = self.releasing = concurrency.InFlight(f"release {self.lockstring!r}")
+                flight.start(self._release_in_task())
+            await flight.wait()
 
         async def _release_in_task(self) -> None:
             try:
