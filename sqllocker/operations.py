@@ -514,12 +514,13 @@ class LockOperations:
         self._run(None, end)
 
     def withdraw_abandoned_request(
-        self, session: Any, queue_key: QueueKey, request: Request
+        self, session: Any, queue_key: QueueKey, request: Request, give_back: bool
     ) -> None:
         """A queue connection of the server ``session`` was given up while its wait may still
         have been running there, or after it left ``request``: end the session, so that no
-        release grants that request from now on, then withdraw it, giving back a row already
-        granted to it. (Only PostgreSQL's releases grant requests.)"""
+        release grants that request from now on, then withdraw it, with ``give_back`` giving
+        back a row already granted to it (without, the caller holds that row: it got it by
+        its own INSERT). Only PostgreSQL's releases grant requests."""
         end, withdraw = self._sql.end_queue_session, self._sql.withdraw_request
         if end is None or withdraw is None:
             return
@@ -528,6 +529,7 @@ class LockOperations:
             "queue_key": queue_key,
             "ls": request.lockstring,
             "lock_guid": request.guid,
+            "give_back": give_back,
         }
 
         def run(conn: DriverSession) -> None:

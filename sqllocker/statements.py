@@ -130,13 +130,15 @@ class Statements:
 
     @cached_property
     def withdraw_request(self) -> TextualSelect | None:
-        """PostgreSQL: withdraws the request of ``:ls`` by ``:lock_guid``, giving back a row
-        granted to it, from any session (the table's ``queue_leave``); None elsewhere."""
+        """PostgreSQL: withdraws the request of ``:ls`` by ``:lock_guid``, from any session
+        (the table's ``queue_leave``), with ``:give_back`` giving back a row granted to it;
+        None elsewhere."""
         if self.backend.end_queue_session() is None:
             return None
         return sa.text(
             f"SELECT {self.function('queue_leave')}(CAST(:queue_key AS bigint), "
-            "CAST(:ls AS varchar), CAST(:lock_guid AS varchar), true) AS granted"
+            "CAST(:ls AS varchar), CAST(:lock_guid AS varchar), CAST(:give_back AS boolean)) "
+            "AS granted"
         ).columns(sa.column("granted", sa.Boolean))
 
     @property

@@ -93,7 +93,7 @@ class WaitingRoom:
         queue_wait: AnyQueueWait,
         look: Callable[[str, QueueKey], tuple[bool, Any]],
         end_waits: Callable[[list[Any]], None],
-        withdraw: Callable[[Any, QueueKey, Request], None],
+        withdraw: Callable[[Any, QueueKey, Request, bool], None],
         capacity: int = DEFAULT_CAPACITY,
     ) -> None:
         """``look``, ``end_waits`` and ``withdraw`` are the Locker's ``look_at_queue``,
@@ -201,7 +201,7 @@ class WaitingRoom:
         try:
             row = self._fetch_one(connection, statement)
         except BaseException as error:
-            self._abandon(connection, key, request)
+            self._abandon(connection, key, request, give_back)
             if not isinstance(error, Exception):
                 raise
             logger.warning("could not leave a lock queue (%s); closing its connection", error)
@@ -278,18 +278,21 @@ class WaitingRoom:
             return None
         return connection
 
-    def _abandon(self, connection: Any, key: QueueKey, request: Request | None) -> None:
+    def _abandon(
+        self, connection: Any, key: QueueKey, request: Request | None, give_back: bool = True
+    ) -> None:
         """Give up a queue connection whose wait may still run in the server, or that may
         have left ``request``: closing it ends its session only when the server notices, and
         until then a release could grant that request a row nobody would take. The session is
-        ended from the Locker's pool, and the request withdrawn, a row granted given back
-        (``LockOperations.withdraw_abandoned_request``)."""
+        ended from the Locker's pool, and the request withdrawn, with ``give_back`` a row
+        granted to it given back (``LockOperations.withdraw_abandoned_request``): not when the
+        waiter leaves with the row its own INSERT took."""
         session = connection.session
         self._discard(connection)
         if request is None or not self.queue_wait.hands_off:
             return
         try:
-            self._withdraw(session, key, request)
+            self._withdraw(session, key, request, give_back)
         except Exception as error:
             logger.warning(
                 "could not withdraw a queued request for %r (%s); a row handed to it stays "

@@ -19,6 +19,7 @@ from sqllocker.asyncio import waiting_room as async_waiting_room
 from sqllocker.operations import Refused
 from sqllocker.queueing import QueueWait, queue_key, timed_out
 from tests.helpers import (
+    abandon,
     head_is_waiting,
     head_the_queue,
     leave_the_queue,
@@ -602,6 +603,39 @@ async def test_a_waiter_cancelled_as_it_comes_to_head_the_queue_leaves_no_reques
     assert alive == 0
     held.unlock()
     assert holder.locks() == []  # nothing was handed to the waiter that had gone
+    await waiter.aclose()
+    holder.close()
+
+
+async def test_a_head_whose_leaving_fails_keeps_the_row_its_own_insert_took(
+    migrated_postgres: str, table_name: str, admin: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The head takes over an expired row by its own INSERT, and its queue connection fails
+    as it leaves, its request gone (a crash empties the unlogged requests table). The request
+    is withdrawn from another connection, and the row, which the caller now holds, is not given
+    back with it: in CI, after an outage, the lock a waiter got was found gone at its release."""
+    holder = Locker(migrated_postgres, table=table_name, grace=0)
+    abandon(holder.lock("report", expires=1))  # a holder that crashed: taken over after 1 s
+    waiter = AsyncLocker(async_url(migrated_postgres), table=table_name, grace=0)
+    await (await waiter.lock("warm up")).unlock()
+    room = waiter._waiting_room()
+    assert room is not None
+    real_fetch_one = room._fetch_one
+
+    async def failing_to_leave(pooled: Any, statement: tuple[str, Any]) -> Any:
+        if "queue_leave" in statement[0]:
+            with admin.begin() as conn:
+                conn.exec_driver_sql(f"DELETE FROM {table_name}_requests")
+            raise OSError("the server went away")
+        return await real_fetch_one(pooled, statement)
+
+    monkeypatch.setattr(room, "_fetch_one", failing_to_leave)
+    lock = await waiter.lock("report", wait=30)
+    info = await waiter.lock_info("report")
+    assert info is not None
+    assert info.lock_id == lock.lock_id
+    assert requests(admin, table_name) == []
+    await lock.unlock()  # no LockLost: the row was still ours
     await waiter.aclose()
     holder.close()
 
