@@ -133,7 +133,7 @@ class Statements:
         """PostgreSQL: withdraws the request of ``:ls`` by ``:lock_guid``, from any session
         (the table's ``queue_leave``), with ``:give_back`` giving back a row granted to it;
         None elsewhere."""
-        if self.backend.end_queue_session() is None:
+        if self.end_queue_session is None:  # no releases that grant requests
             return None
         return sa.text(
             f"SELECT {self.function('queue_leave')}(CAST(:queue_key AS bigint), "
