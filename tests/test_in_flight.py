@@ -25,16 +25,33 @@ def _work(gate: asyncio.Future[None], steps: list[str]) -> Any:
     return work()
 
 
-async def test_the_work_starts_in_the_callers_step_and_its_result_is_returned() -> None:
+def _tasks_named(name: str) -> list[asyncio.Task[Any]]:
+    return [task for task in asyncio.all_tasks() if task.get_name() == f"sqllocker: {name}"]
+
+
+async def test_the_work_runs_in_the_callers_task_and_its_result_is_returned() -> None:
     gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     steps: list[str] = []
     undone: list[str] = []
     caller = asyncio.ensure_future(shielded(_work(gate, steps), "test", undone.append))
     await asyncio.sleep(0)  # the caller's first step
     assert steps == ["started"]
+    assert _tasks_named("test") == []
     gate.set_result(None)
     assert await caller == "won"
     assert undone == []
+
+
+async def test_the_caller_has_the_result_in_the_turn_the_works_wait_ends() -> None:
+    """A task of the work's own would hand its result over one turn of the event loop later
+    (and, unless eager, start one turn late): two turns an operation, in every lock cycle."""
+    gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    caller = asyncio.ensure_future(shielded(_work(gate, []), "test", lambda _: None))
+    await asyncio.sleep(0)
+    gate.set_result(None)  # wakes the caller in the next turn...
+    await asyncio.sleep(0)  # ...which runs before this one
+    assert caller.done()
+    assert caller.result() == "won"
 
 
 async def test_work_that_never_waits_needs_no_task() -> None:
@@ -43,7 +60,7 @@ async def test_work_that_never_waits_needs_no_task() -> None:
 
     tasks_before = len(asyncio.all_tasks())
     flight: InFlight[str] = InFlight("test")
-    flight.start(work())
+    assert await flight.run(work()) == "at once"
     assert flight.done
     assert len(asyncio.all_tasks()) == tasks_before
     assert await flight.wait() == "at once"
@@ -57,8 +74,10 @@ async def test_a_caller_cancelled_while_the_work_runs_has_it_undone_when_it_ends
     await asyncio.sleep(0)
     caller.cancel()
     with pytest.raises(asyncio.CancelledError):
-        await caller
-    assert undone == []  # not yet: the work goes on
+        await caller  # at once: the work's wait has not ended
+    assert not gate.cancelled()
+    assert undone == []  # not yet: the work goes on, in a task of its own
+    assert len(_tasks_named("test")) == 1
     gate.set_result(None)
     for _ in range(5):
         await asyncio.sleep(0)
@@ -66,22 +85,43 @@ async def test_a_caller_cancelled_while_the_work_runs_has_it_undone_when_it_ends
     assert undone == ["won"]
 
 
-async def test_a_caller_cancelled_as_the_result_reaches_it_has_it_undone() -> None:
-    """The work ends and sets the caller's future; the caller is cancelled in the same turn,
-    before it runs: asyncio then throws CancelledError into it, and the result it was sent
-    would be lost with a row nobody holds."""
-    loop = asyncio.get_running_loop()
-    gate: asyncio.Future[None] = loop.create_future()
+async def test_a_caller_cancelled_after_the_works_wait_ended_has_it_undone() -> None:
+    """The work's future is done and the caller is to go on with it in the next turn, but is
+    cancelled first: asyncio then throws CancelledError into the caller instead, and what the
+    work would have gone on to win would be a row nobody holds."""
+    gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     steps: list[str] = []
     undone: list[str] = []
     caller = asyncio.ensure_future(shielded(_work(gate, steps), "test", undone.append))
     await asyncio.sleep(0)
-    gate.set_result(None)  # the work's task runs next turn, and sets the caller's future...
-    loop.call_soon(caller.cancel)  # ...and this runs right after it, in the same turn
+    gate.set_result(None)
+    caller.cancel()  # the same step: before the caller runs again
     with pytest.raises(asyncio.CancelledError):
         await caller
+    for _ in range(5):
+        await asyncio.sleep(0)
     assert steps == ["started", "finished"]
     assert undone == ["won"]
+
+
+async def test_the_works_own_future_cancelled_is_the_works_to_handle() -> None:
+    """Not the caller's cancellation: the work is told, as it would be in a task of its own,
+    and the caller gets what the work makes of it."""
+    gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    undone: list[str] = []
+
+    async def work() -> str:
+        try:
+            await gate
+        except asyncio.CancelledError:
+            return "told"
+        return "not told"
+
+    caller = asyncio.ensure_future(shielded(work(), "test", undone.append))
+    await asyncio.sleep(0)
+    gate.cancel()
+    assert await caller == "told"
+    assert undone == []
 
 
 async def test_the_works_error_reaches_its_caller_and_nothing_is_undone() -> None:
@@ -100,14 +140,12 @@ async def test_the_works_error_reaches_its_caller_and_nothing_is_undone() -> Non
     assert undone == []
 
 
-async def test_every_caller_waiting_gets_the_end_of_one_run_and_a_cancelled_one_stops_alone() -> (
-    None
-):
+async def test_every_caller_gets_the_end_of_one_run_and_a_cancelled_one_stops_alone() -> None:
     gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     steps: list[str] = []
-    flight: InFlight[str] = InFlight("test")
-    flight.start(_work(gate, steps))
-    first = asyncio.ensure_future(flight.wait())
+    undone: list[str] = []
+    flight: InFlight[str] = InFlight("test", undone.append)
+    first = asyncio.ensure_future(flight.run(_work(gate, steps)))
     second = asyncio.ensure_future(flight.wait())
     await asyncio.sleep(0)
     first.cancel()
@@ -117,16 +155,21 @@ async def test_every_caller_waiting_gets_the_end_of_one_run_and_a_cancelled_one_
     assert await second == "won"
     assert await flight.wait() == "won"  # a caller after the end gets it at once
     assert steps == ["started", "finished"]  # one run for all of them
+    assert undone == []  # a caller got it
 
 
 async def test_cancelling_the_works_task_cancels_its_waiters() -> None:
-    """At the loop's end asyncio cancels every task left, the work's among them."""
+    """At the loop's end asyncio cancels every task left, the work's among them (once its first
+    caller was cancelled, it runs in a task of its own)."""
     gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     flight: InFlight[str] = InFlight("test")
-    flight.start(_work(gate, []))
+    first = asyncio.ensure_future(flight.run(_work(gate, [])))
     waiting = asyncio.ensure_future(flight.wait())
     await asyncio.sleep(0)
-    (task,) = [t for t in asyncio.all_tasks() if t.get_name() == "sqllocker: test"]
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    (task,) = _tasks_named("test")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting

@@ -21,7 +21,6 @@ import asyncio
 import collections
 import contextlib
 import inspect
-import sys
 from collections.abc import Callable, Coroutine, Generator
 from typing import Any, Generic, TypeVar
 
@@ -177,45 +176,38 @@ async def shielded(work: Coroutine[Any, Any, T], name: str, undo: Callable[[T], 
     caller is cancelled, ``undo`` gets what the work returns once it is done (and did not
     raise)."""
     flight: InFlight[T] = InFlight(name, undo)
-    flight.start(work)
-    return await flight.wait()
+    return await flight.run(work)
 
 
 class InFlight(Generic[T]):
     r"""Work that runs to its end whoever stops waiting for it: cancelling a caller must not cut
     a statement off halfway, when nobody would know whether the row was written.
 
-    ``start`` runs the work at once, in the caller's own step, up to its first wait, and the
-    rest in a task of its own (Python 3.12's eager tasks; by hand before); each caller
-    ``wait``\s on a future of its own, which the work sets as it ends. So a caller waits one
-    turn of the event loop beyond the work's own, where a task awaited through
-    ``asyncio.shield`` took three (the task's start, its end and the shield's). ``undo`` gets
-    what the work returns if its callers were all cancelled before it ended.
+    The caller of ``run`` drives the work in its own task, waiting on what the work waits on
+    through ``_Uncancellable``: so it waits no turn of the event loop beyond the work's own
+    (a task of the work's own costs one to start and one to hand its result back). If the
+    caller is cancelled, it stops waiting at once and the work goes on in a task of its own;
+    other callers ``wait`` on a future each, set as the work ends. ``undo`` gets what the work
+    returns if its callers were all cancelled before it ended.
     """
 
     def __init__(self, name: str, undo: Callable[[T], None] | None = None) -> None:
         self._name = name
         self._undo = undo
         self._waiters: list[asyncio.Future[T]] = []  # cancelled: their callers stopped waiting
+        self._driver_left = False  # run's caller was cancelled before the work ended
         self.done = False
         self._result: T | None = None
         self._error: BaseException | None = None
 
-    def start(self, work: Coroutine[Any, Any, T]) -> None:
-        run = self._run(work)
-        if sys.version_info >= (3, 12):
-            spawn(run, self._name, eager=True)
-            return
-        # By hand before Python 3.12: the first step runs as the caller's task's, which nothing
-        # in it asks for (3.12's asyncio.wait_for would, and it has eager tasks).
-        try:
-            yielded = run.send(None)
-        except BaseException:  # StopIteration too: _run ended the work, and told its waiters
-            return
-        spawn(_resumed(run, yielded), self._name)
+    async def run(self, work: Coroutine[Any, Any, T]) -> T:
+        """Run ``work`` (once per InFlight), driven by the caller's own task, and return what
+        it returns, or raise what it raised."""
+        await _Driven(self._run(work), self._name, self._left)
+        return self._outcome()
 
     async def wait(self) -> T:
-        """What the work returned (or raise what it raised)."""
+        """What the work that ``run`` runs returned (or raise what it raised)."""
         if not self.done:
             waiter: asyncio.Future[T] = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
@@ -227,9 +219,15 @@ class InFlight(Generic[T]):
                 if not waiter.cancelled() and waiter.exception() is None and self._undo:
                     self._undo(waiter.result())
                 raise
+        return self._outcome()
+
+    def _outcome(self) -> T:
         if self._error is not None:
             raise self._error
         return self._result  # type: ignore[return-value]
+
+    def _left(self) -> None:
+        self._driver_left = True
 
     async def _run(self, work: Coroutine[Any, Any, T]) -> None:
         try:
@@ -242,7 +240,8 @@ class InFlight(Generic[T]):
     def _finish(self, result: T | None, error: BaseException | None) -> None:
         self.done, self._result, self._error = True, result, error
         waiters, self._waiters = self._waiters, []
-        told = stopped = False
+        # run's caller still driving the work has its outcome as soon as this returns.
+        told, stopped = not self._driver_left, self._driver_left
         for waiter in waiters:
             if waiter.done():  # cancelled: its caller stopped waiting
                 stopped = True
@@ -258,14 +257,110 @@ class InFlight(Generic[T]):
             self._undo(result)  # type: ignore[arg-type]
 
 
+class _Uncancellable:
+    """A future that the work waits on, as its driving caller's task sees it: that task's
+    ``cancel()`` wakes the task at once with CancelledError, without cancelling the work's own
+    future. Otherwise the task waits on the work's future itself, with no turn of the event
+    loop between (its callbacks are the work's future's).
+
+    Only what ``asyncio.Task`` asks of a future it waits on (it accepts any object with
+    ``_asyncio_future_blocking``)."""
+
+    _asyncio_future_blocking = False
+
+    def __init__(self, future: Any) -> None:
+        self.future = future
+        self._asyncio_future_blocking = True  # as a future's own __await__ sets it
+        self.cancelled_by_caller = False
+        self._callbacks: list[tuple[Callable[[Any], None], Callable[[Any], None], Any]] = []
+
+    def get_loop(self) -> asyncio.AbstractEventLoop:
+        loop: asyncio.AbstractEventLoop = self.future.get_loop()
+        return loop
+
+    def add_done_callback(self, callback: Callable[[Any], None], *, context: Any = None) -> None:
+        def forward(_future: Any) -> None:
+            callback(self)
+
+        self._callbacks.append((callback, forward, context))
+        self.future.add_done_callback(forward, context=context)
+
+    def done(self) -> bool:
+        return self.cancelled_by_caller or bool(self.future.done())
+
+    def cancel(self, msg: Any = None) -> bool:
+        if self.done():
+            return False
+        self.cancelled_by_caller = True
+        loop = self.get_loop()
+        callbacks, self._callbacks = self._callbacks, []
+        for callback, forward, context in callbacks:
+            self.future.remove_done_callback(forward)
+            loop.call_soon(callback, self, context=context)
+        return True
+
+    def result(self) -> Any:
+        if self.cancelled_by_caller:
+            raise asyncio.CancelledError()
+        return self.future.result()
+
+
+class _Driven:
+    """A coroutine driven by the awaiting task, every future it yields seen through
+    ``_Uncancellable``; if the task is cancelled, the coroutine goes on from there in a task of
+    its own (``left`` is called), and the task gets its CancelledError at once."""
+
+    def __init__(
+        self, work: Coroutine[Any, Any, None], name: str, left: Callable[[], None]
+    ) -> None:
+        self._work = work
+        self._name = name
+        self._left = left
+
+    def __await__(self) -> Generator[Any, None, None]:
+        # The work is InFlight._run, which records its own end (a StopIteration or an error
+        # out of send or throw here): the caller reads it from the InFlight.
+        work = self._work
+        try:
+            yielded = work.send(None)
+        except BaseException:
+            return
+        while True:
+            waited = (
+                _Uncancellable(yielded)
+                if getattr(yielded, "_asyncio_future_blocking", None) is not None
+                else yielded
+            )
+            thrown: BaseException | None = None
+            try:
+                yield waited
+            except asyncio.CancelledError:
+                if not (
+                    isinstance(waited, _Uncancellable)
+                    and not waited.cancelled_by_caller
+                    and waited.future.cancelled()
+                ):
+                    # The caller's cancellation: the work goes on without it.
+                    self._left()
+                    spawn(_resumed(work, yielded), self._name)
+                    raise
+                # Else the work's own future was cancelled: resumed, the work is told so.
+            except BaseException as error:
+                thrown = error
+            try:
+                yielded = work.send(None) if thrown is None else work.throw(thrown)
+            except BaseException:
+                return
+
+
 async def _resumed(work: Coroutine[Any, Any, None], yielded: Any) -> None:
     await _Resumed(work, yielded)
 
 
 class _Resumed:
-    """A coroutine already run up to its first wait (what it yielded then), awaited from
-    there: the task awaiting this waits on what it yielded, as the coroutine's own would
-    have, and anything thrown into the task (its cancellation) is thrown into the coroutine."""
+    """A coroutine already run up to a wait (what it yielded then), awaited from there: the
+    task awaiting this waits on what it yielded, as the coroutine's own would have, and
+    anything thrown into the task (its cancellation) is thrown into the coroutine."""
 
     def __init__(self, work: Coroutine[Any, Any, Any], yielded: Any) -> None:
         self._work = work

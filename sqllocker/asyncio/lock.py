@@ -129,15 +129,16 @@ class AsyncLockState(Holding):
             """``_delete_row``, run to its end whoever stops waiting for it; a call while it runs
             waits for it."""
             flight = self.releasing
-            if flight is None:
-                if not self.held:
-                    return
-                # Set before it starts: a release that fails at once clears it again.
-                flight = self.releasing = concurrency.InFlight(f"release {self.lockstring!r}")
-                flight.start(self._release_in_task())
-            await flight.wait()
+            if flight is not None:
+                await flight.wait()
+                return
+            if not self.held:
+                return
+            # Set before it starts: a release that fails at once clears it again.
+            flight = self.releasing = concurrency.InFlight(f"release {self.lockstring!r}")
+            await flight.run(self._release_in_flight())
 
-        async def _release_in_task(self) -> None:
+        async def _release_in_flight(self) -> None:
             try:
                 await self._delete_row()
             finally:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -17,14 +16,9 @@ T = TypeVar("T")
 _running: set[asyncio.Task[Any]] = set()
 
 
-def spawn(coroutine: Coroutine[Any, Any, T], name: str, eager: bool = False) -> asyncio.Task[T]:
-    """A task of ``coroutine``'s, kept until done; ``eager`` (Python 3.12 on) runs its first
-    step now, in the caller's, up to its first wait."""
-    loop, name = asyncio.get_running_loop(), f"sqllocker: {name}"
-    if sys.version_info >= (3, 12) and eager:
-        task = asyncio.Task(coroutine, loop=loop, name=name, eager_start=True)
-    else:
-        task = loop.create_task(coroutine, name=name)
+def spawn(coroutine: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
+    """A task of ``coroutine``'s, kept until done."""
+    task = asyncio.get_running_loop().create_task(coroutine, name=f"sqllocker: {name}")
     _running.add(task)
     task.add_done_callback(_finished)
     return task
