@@ -325,7 +325,7 @@ async def async_raw_floor_cycle(url: str, layer: str = "driver") -> AsyncCycle:
         lock_id = await greenlet_spawn(acquire, n, guid)
         await greenlet_spawn(release, lock_id, guid)
 
-    async def in_shielded_tasks(n: int) -> None:
+    async def run_to_its_end(n: int) -> None:
         guid = os.urandom(16).hex()
         lock_id = await shielded(greenlet_spawn(acquire, n, guid), "bench acquire", _kept)
         await shielded(greenlet_spawn(release, lock_id, guid), "bench release", _kept)
@@ -336,7 +336,7 @@ async def async_raw_floor_cycle(url: str, layer: str = "driver") -> AsyncCycle:
         await greenlet_spawn(raw.close)
         await locker.aclose()
 
-    cycles = {"driver": cycle, "greenlet": in_greenlets, "shielded": in_shielded_tasks}
+    cycles = {"driver": cycle, "greenlet": in_greenlets, "shielded": run_to_its_end}
     return cycles[layer], close
 
 
@@ -987,16 +987,16 @@ def _async_layers_section(rows: list[dict[str, Any]]) -> list[str]:
         "- *in greenlets*: each operation in SQLAlchemy's `greenlet_spawn`, through its adapted",
         "  cursor, as the lock operations run: they are sync code, written once for both front",
         "  ends;",
-        "- *in shielded tasks*: that, run to its end whoever stops waiting for it (started in",
-        "  the caller's step, finished in a task of its own), so that a caller's cancellation",
-        "  cannot cut a statement off halfway and leave a row nobody knows of;",
+        "- *run to its end*: that, run to its end whoever stops waiting for it (`InFlight`), so",
+        "  that a caller's cancellation cannot cut a statement off halfway and leave a row nobody",
+        "  knows of;",
         "- *sqllocker.asyncio*: the library's own work around them: checking the arguments, a",
         "  connection of its stack for each operation, the lock objects and, on SQLite, the",
         "  place in the queue file.",
         "",
         "A step of a few microseconds either way is within the run's noise.",
         "",
-        "| backend | async floor | in greenlets | in shielded tasks | sqllocker.asyncio |",
+        "| backend | async floor | in greenlets | run to its end | sqllocker.asyncio |",
         "|---|---:|---:|---:|---:|",
     ]
     order = [*ASYNC_LAYERS, "sqllocker.asyncio"]
