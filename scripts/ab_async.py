@@ -3,7 +3,9 @@
 Each round, every tree (in a fresh interpreter, from that tree) measures the async floor
 (``scripts.bench.async_raw_floor_cycle``: sqllocker's statements through the async driver on one
 held connection) and its own ``AsyncLocker``, back to back in one event loop, best of three runs
-each, and counts the turns of the event loop a cycle takes. Make the other tree with
+each, and counts the turns of the event loop a cycle takes. ``--busy N`` runs N other tasks
+beside, each doing 20 us of work a turn, as an application's would: a turn then costs what
+they do. Make the other tree with
 ``git worktree add /tmp/base HEAD``, then:
 
     .venv/bin/python scripts/ab_async.py --rounds 6 --backend postgresql new=. base=/tmp/base
@@ -24,7 +26,15 @@ _ONE_ROUND = """
 import asyncio, json, sys, time
 from scripts import bench
 
-url, count = sys.argv[1], int(sys.argv[2])
+url, count, busy = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+
+
+async def busy_task(stop):
+    while not stop:
+        started = time.perf_counter()
+        while time.perf_counter() - started < 20e-6:
+            pass
+        await asyncio.sleep(0)
 
 
 async def main():
@@ -37,6 +47,8 @@ async def main():
         run_once()
 
     loop._run_once = counted
+    stop = []
+    others = [asyncio.ensure_future(busy_task(stop)) for _ in range(busy)]
     best, turns_per_cycle = {}, {}
     for repeat in range(3):
         for name, make in (
@@ -53,6 +65,8 @@ async def main():
             turns_per_cycle[name] = (turns[0] - before) / count
             await close()
             best[name] = min(best.get(name, us), us)
+    stop.append(True)
+    await asyncio.gather(*others)
     print(json.dumps({
         "floor_us": round(best["floor"], 1), "sqllocker_us": round(best["sqllocker"], 1),
         "x_floor": round(best["floor"] / best["sqllocker"], 3),
@@ -70,6 +84,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--cycles", type=int, default=1000)
     parser.add_argument("--backend", choices=["sqlite", "postgresql", "mysql"], default="sqlite")
+    parser.add_argument("--busy", type=int, default=0, help="other tasks on the event loop")
     parser.add_argument("trees", nargs="+", help="name=path of a checkout, two or more")
     args = parser.parse_args()
     trees = trees_of(parser, args.trees)
@@ -79,7 +94,8 @@ def main() -> int:
         Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     bench.fresh_table(url)
     try:
-        print_medians(run_rounds(trees, args.rounds, _ONE_ROUND, url, str(args.cycles)))
+        arguments = (url, str(args.cycles), str(args.busy))
+        print_medians(run_rounds(trees, args.rounds, _ONE_ROUND, *arguments))
     finally:
         bench.drop_table(url, bench.TABLE)
     return 0
