@@ -8,9 +8,10 @@ state behind a handle (``LockState``) is what the keep-alive and the finaliser w
 the handle itself, so neither keeps a dropped lock alive.
 
 Written once for asyncio; the sync ``sqllocker/lock.py`` is generated from it
-(``tests/unasync.py``). An async release, once started, runs to its end in a task of its own: a
-cancelled ``unlock()`` leaves it running, and a second ``unlock()`` waits for it or, if it
-failed, tries again, so a cancelled release never strands a row nobody can release any more.
+(``tests/unasync.py``). An async release, once started, runs to its end (``InFlight``): a
+cancelled ``unlock()`` leaves it running in a task of its own, and a second ``unlock()`` waits
+for it or, if it failed, tries again, so a cancelled release never strands a row nobody can
+release any more.
 """
 
 from __future__ import annotations
