@@ -682,8 +682,8 @@ def commit_flush(backend: str, url: str, count: int = FLUSH_COMMITS) -> dict[str
     (``SELECT 1``) on the same connection.
 
     A table lock waits for one such flush on every acquisition, and on PostgreSQL every hand-off
-    under contention (the release grants the row to the head of the queue in its own
-    transaction, which must be on disk before the head may act on it). Advisory locks,
+    under contention (the release grants the row to the first waiter's ticket in its own
+    transaction, which must be on disk before that waiter may act on it). Advisory locks,
     ``GET_LOCK`` and Redis wait for none. This machine's disk answers a flush in ~0.2 ms most
     of the time, and took 3-4 ms for some minutes of 2026-11-25 (cause unknown); a flush that
     slow moves the contended rows far more than any change to the library did
@@ -1084,9 +1084,10 @@ def performance_page(results: dict[str, Any]) -> str:
             )
         lines += [
             "",
-            "Waiters queue on every backend. On PostgreSQL the release hands the row to the head",
-            "of the queue in its own transaction; the head reads its row back before it believes",
-            "the notification. On MariaDB they queue in `GET_LOCK` and the head polls the row, so",
+            "Waiters queue on every backend. On PostgreSQL each takes a ticket, and the release",
+            "hands the row to the first in its own transaction; that waiter reads its row back",
+            "before it believes the notification. On MariaDB they queue in `GET_LOCK` and the",
+            "head polls the row, so",
             "a turn pays the poll's lag and two durable commits (see the flushes below), where",
             "`GET_LOCK` itself pays none. On SQLite they queue in the kernel, on a byte of a file",
             "beside the database that the holder keeps until its row is deleted, so the order is",

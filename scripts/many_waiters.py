@@ -120,7 +120,7 @@ def _threads_process(
     errors: list[str] = []
 
     def waiter() -> None:
-        for _ in range(turns):
+        for turn in range(turns):
             asked = time.monotonic()
             try:
                 lock = locker.lock(LOCKSTRING, wait=None, expires=60)
@@ -132,7 +132,10 @@ def _threads_process(
             left = time.monotonic()
             lock.unlock()
             records.append((asked, got, left, time.monotonic()))
+            if turn == 0:
+                firsts.append(asked)
 
+    firsts: list[float] = []
     ready.wait()
     sampler = Sampler(url)
     threads = [threading.Thread(target=waiter) for _ in range(waiters)]
@@ -143,7 +146,7 @@ def _threads_process(
     most = sampler.stop()
     allows = _pool_allows(locker)
     locker.close()
-    return records, errors, most, allows
+    return records, errors, most, allows, firsts
 
 
 def _tasks_process(
@@ -156,9 +159,10 @@ def _tasks_process(
         locker = AsyncLocker(url, table=TABLE, grace=1, max_connections=most)
         records: list[Turn] = []
         errors: list[str] = []
+        firsts: list[float] = []
 
         async def waiter() -> None:
-            for _ in range(turns):
+            for turn in range(turns):
                 asked = time.monotonic()
                 try:
                     lock = await locker.lock(LOCKSTRING, wait=None, expires=60)
@@ -170,14 +174,16 @@ def _tasks_process(
                 left = time.monotonic()
                 await lock.unlock()
                 records.append((asked, got, left, time.monotonic()))
+                if turn == 0:
+                    firsts.append(asked)
 
         await asyncio.gather(*(waiter() for _ in range(waiters)))
         allows = _pool_allows(locker)
         await locker.aclose()
-        return records, errors, allows
+        return records, errors, allows, firsts
 
-    records, errors, allows = asyncio.run(run())
-    return records, errors, sampler.stop(), allows
+    records, errors, allows, firsts = asyncio.run(run())
+    return records, errors, sampler.stop(), allows, firsts
 
 
 def _process(
@@ -194,19 +200,23 @@ def _process(
     results.put(run(url, waiters, turns, hold, most, ready))
 
 
-def figures(turns: list[Turn]) -> dict[str, Any]:
+def figures(turns: list[Turn], firsts: set[float]) -> dict[str, Any]:
     """The bench's overlaps (must be 0) and most passes; for each acquisition, the others served
-    between its asking and its getting beyond its place in line when it asked; the wait's
-    distribution."""
+    between its asking and its getting beyond its place in line when it asked, of all of them
+    and of those after each waiter's first (``firsts``: when those were asked: every waiter
+    asks at once as the run starts, and who reaches the server first among them is the
+    processes' own scheduling); the wait's distribution."""
     bench_figures = turn_figures(turns)
     gots = sorted(turn[1] for turn in turns)
     askeds = sorted(turn[0] for turn in turns)
-    beyond = []
+    beyond, later = [], []
     for asked, got, _, _ in turns:
         served_between = bisect.bisect_left(gots, got) - bisect.bisect_right(gots, asked)
         # In line ahead of it: asked before it, and not yet served when it asked.
         in_line = bisect.bisect_left(askeds, asked) - bisect.bisect_right(gots, asked)
         beyond.append(served_between - in_line)
+        if asked not in firsts:
+            later.append(served_between - in_line)
     waits = sorted(got - asked for asked, got, _, _ in turns)
     return {
         "overlaps": bench_figures["violations"],
@@ -214,6 +224,10 @@ def figures(turns: list[Turn]) -> dict[str, Any]:
         "beyond_place_p999": percentile([float(b) for b in beyond], 0.999),
         "beyond_place_max": max(beyond),
         "beyond_place_over_3": sum(b > 3 for b in beyond),
+        "later_count": len(later),
+        "later_p999": percentile([float(b) for b in later], 0.999) if later else None,
+        "later_max": max(later) if later else None,
+        "later_over_3": sum(b > 3 for b in later),
         "wait_ms": {f"p{int(q * 100)}": percentile(waits, q) * 1000 for q in (0.5, 0.9, 0.99, 1.0)},
     }
 
@@ -262,8 +276,9 @@ def main() -> int:
         elapsed = time.monotonic() - started
         for worker in workers:
             worker.join()
-        turns = [turn for records, _, _, _ in outcomes for turn in records]
-        errors = collections.Counter(error for _, errs, _, _ in outcomes for error in errs)
+        turns = [turn for records, _, _, _, _ in outcomes for turn in records]
+        firsts = {asked for _, _, _, _, process_firsts in outcomes for asked in process_firsts}
+        errors = collections.Counter(error for _, errs, _, _, _ in outcomes for error in errs)
         expected = args.processes * args.waiters * args.turns
         print(
             f"{args.backend}, {args.processes} processes x {args.waiters} {mode}, "
@@ -272,11 +287,11 @@ def main() -> int:
         print(f"served {len(turns)} of {expected}; errors: {dict(errors) or 'none'}")
         print(
             "connections per process, most open at once: "
-            + ", ".join(str(most) for _, _, most, _ in outcomes)
+            + ", ".join(str(most) for _, _, most, _, _ in outcomes)
             + f" (its pool allows {outcomes[0][3]})"
         )
         if turns:
-            result = figures(turns)
+            result = figures(turns, firsts)
             waits = ", ".join(f"{name} {ms:.1f}" for name, ms in result["wait_ms"].items())
             print(f"overlaps (two holders at once): {result['overlaps']}")
             print(
@@ -284,6 +299,12 @@ def main() -> int:
                 f"{result['beyond_place_p999']:.0f}, max {result['beyond_place_max']}, "
                 f"more than 3 in {result['beyond_place_over_3']} of {len(turns)} acquisitions"
             )
+            if result["later_count"]:
+                print(
+                    f"  after each waiter's first turn: p99.9 {result['later_p999']:.0f}, max "
+                    f"{result['later_max']}, more than 3 in {result['later_over_3']} of "
+                    f"{result['later_count']}"
+                )
             print(f"wait (ms): {waits}")
         return 0 if len(turns) == expected and not errors else 1
     finally:

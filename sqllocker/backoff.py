@@ -5,9 +5,9 @@ the row together after each release, and a wake-up at the moment the holder's ro
 over (its ``expires`` plus grace, by the server's clock as of the refusal), so a crashed holder
 is replaced on time without polling fast for the whole wait.
 
-A waiter whose request heads the queue on PostgreSQL (see ``sqllocker.queueing``) is handed
-the row by the release, and told so by its NOTIFY: its timer then guards only against a lost
-notification, and waits the longest delay.
+A waiter with a ticket on PostgreSQL (see ``sqllocker.tickets``) is handed the row by the
+release, and told so by its NOTIFY: its timer then guards only against a lost notification,
+and waits the longest delay.
 """
 
 from __future__ import annotations

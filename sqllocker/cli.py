@@ -121,8 +121,8 @@ def purge_expired(
     """Delete expired locks, in batches: the job to run from cron.
 
     Only rows expired by the database server's clock are deleted; a live lock is never touched,
-    whatever this machine's clock or time zone says. On PostgreSQL it also deletes the hand-off
-    requests left by waiters whose process died. Prints nothing on success unless asked.
+    whatever this machine's clock or time zone says. On PostgreSQL it also deletes the tickets
+    left by waiters whose process died. Prints nothing on success unless asked.
     """
     locker = settings.locker(grace=grace)
     if dry_run:

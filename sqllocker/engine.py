@@ -118,7 +118,7 @@ def _engine_options(
         # wasted round trip per operation (PyMySQL sends it over the network).
         "pool_reset_on_return": None,
     }
-    if max_connections is not None and backend_class(url.get_backend_name()).queues_in_server:
+    if max_connections is not None and backend_class(url.get_backend_name()).limits_connections:
         # SQLAlchemy's default split: 5 kept open, the rest opened as needed.
         pool_size = min(5, max_connections)
         options.update(pool_size=pool_size, max_overflow=max_connections - pool_size)

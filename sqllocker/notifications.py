@@ -1,22 +1,19 @@
 """Waking PostgreSQL waiters the moment a lock is released, instead of when a poll timer fires.
 
-The table's DELETE trigger sends ``NOTIFY sqllocker_<table>, lockstring`` when a row is deleted
-(release, purge, an operator's DELETE) while waiters are queued for its lockstring. Each Locker
-keeps one listening connection, on one thread, shared by all its waiters. A waiter registers
-*before* each attempt, so a release that happens between its refused attempt and its sleep
-still wakes it.
+Each Locker keeps one listening connection, on one thread (or task), shared by all its waiters.
+A release of a lockstring for which waiters hold tickets (``sqllocker.tickets``) hands the row
+to the first live ticket, and says so on ``sqllocker_<table>_granted`` with the new row's id:
+its waiter is found by the SHA-256 of its guid, given the Grant and woken, and believes it only
+once it has read the row back under its own guid (``LockOperations.claim_grant``). A
+notification proves nothing: any role that can connect can send one.
 
-Each notification wakes the longest-waiting waiter of that lockstring in this process, not all
-of them: the others would only stampede the row and be refused again. Waiters still wake by
-themselves when the holder's row is due to expire, and at a slow fallback poll, so a lost
-notification (the listening connection dropped, or the server's notification queue filling
-up) costs latency, never correctness.
-
-The trigger may instead hand the row to the head of the lockstring's queue, and say so on a
-second channel, ``sqllocker_<table>_granted``, with the new row's id: the head of
-that lockstring's queue is found by the SHA-256 of its guid, given the Grant and woken, and
-believes it only once it has read the row back under its own guid (``LockOperations.claim_grant``).
-A notification proves nothing: any role that can connect can send one.
+When the release cannot hand the row over, its trigger sends ``NOTIFY sqllocker_<table>,
+lockstring`` instead, which wakes the waiters that try the row: in each Locker the first of its
+waiters for that lockstring, and newcomers not yet in line. A waiter registers *before* each
+attempt, so a release that happens between its refused attempt and its sleep still wakes it.
+Waiters still wake by themselves when the holder's row is due to expire, and at a slow fallback
+poll, so a lost notification (the listening connection dropped, or the server's notification
+queue filling up) costs latency, never correctness.
 """
 
 from __future__ import annotations
@@ -63,22 +60,26 @@ def parse_grant(payload: str) -> Grant | None:
 
 
 class Waiter(Generic[Event]):
-    """One registration: set when a release of its lockstring may have made it free, or, for
-    the head of the lockstring's queue (``digest``: of its guid), when a release says it
-    handed it the row (then ``grant`` says which row)."""
+    """One registration: set when a release of its lockstring may have made it free (with
+    ``releases``), or, for a waiter with a ticket (``digest``: of its guid), when a release says
+    it handed it the row (then ``grant`` says which row)."""
 
-    __slots__ = ("digest", "event", "grant", "lockstring")
+    __slots__ = ("digest", "event", "grant", "lockstring", "releases")
 
-    def __init__(self, lockstring: str, event: Event, digest: str | None = None) -> None:
+    def __init__(
+        self, lockstring: str, event: Event, digest: str | None = None, releases: bool = True
+    ) -> None:
         self.lockstring = lockstring
         self.event: Event = event
         self.digest = digest
+        self.releases = releases
         self.grant: Grant | None = None
 
 
 class WaiterQueues:
-    """The registered waiters of one listener, per lockstring, oldest first (shared by the
-    thread and the asyncio listeners; the lock is never held across a wait)."""
+    """The registered waiters of one listener: per lockstring those that follow its releases,
+    and by digest those a grant may name (shared by the thread and the asyncio listeners; the
+    lock is never held across a wait)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -87,7 +88,8 @@ class WaiterQueues:
 
     def add(self, waiter: Waiter[Event]) -> Waiter[Event]:
         with self._lock:
-            self._waiters[waiter.lockstring].append(waiter)
+            if waiter.releases:
+                self._waiters[waiter.lockstring].append(waiter)
             if waiter.digest is not None:
                 self._heads[waiter.digest] = waiter
         return waiter
@@ -103,22 +105,20 @@ class WaiterQueues:
                 if not queue:
                     del self._waiters[waiter.lockstring]
 
-    def step_aside(self, waiter: Waiter[Any]) -> None:
-        """Remove ``waiter``, which stops listening in order to queue for its lockstring, and
-        hand a release that already woke it on to the next waiter. It acts on nothing until
-        it heads the queue itself; the waiter that does head it (registered after this one,
-        when its turn came) would otherwise sleep through the release."""
-        self.remove(waiter)
-        if waiter.event.is_set():
-            self.wake_first(waiter.lockstring)
-
-    def wake_first(self, lockstring: str) -> None:
+    def follow_releases(self, waiter: Waiter[Any]) -> None:
+        """Wake ``waiter``, registered without ``releases``, on its lockstring's releases too."""
         with self._lock:
-            queue = self._waiters.get(lockstring)
-            if queue:
-                queue.popleft().event.set()
-                if not queue:
-                    del self._waiters[lockstring]
+            if not waiter.releases:
+                waiter.releases = True
+                self._waiters[waiter.lockstring].append(waiter)
+
+    def wake_all(self, lockstring: str) -> None:
+        """Wake the waiters following ``lockstring``'s releases: in a Locker, the first of its
+        waiters with a ticket, and newcomers between their first attempt and their ticket."""
+        with self._lock:
+            queue = self._waiters.pop(lockstring, None)
+            for waiter in queue or ():
+                waiter.event.set()
 
     def hand_over(self, grant: Grant) -> bool:
         """Give ``grant`` to the head it names, if it is registered here, and wake it; False if
@@ -136,6 +136,8 @@ class WaiterQueues:
             for queue in self._waiters.values():
                 for waiter in queue:
                     waiter.event.set()
+            for waiter in self._heads.values():
+                waiter.event.set()
             self._waiters.clear()
             self._heads.clear()
 

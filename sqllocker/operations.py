@@ -52,7 +52,7 @@ from .errors import (
 )
 from .execution import DriverSession, PreparedCache, kept_cursor
 from .identity import holder_details, public_details
-from .queueing import AnyQueueWait, QueueKey, Request, seats_within
+from .queueing import AnyQueueWait, QueueKey, seats_within
 from .schema import FOREIGN_CLOCK_MARGIN, ID_ORDER_STRIPES, id_order_table, lock_table
 from .server_settings import UnsafeSetting
 from .sqlalchemy_internals import most_connections
@@ -230,14 +230,17 @@ class LockOperations:
         details: dict[str, Any],
         queue_key: QueueKey | None = None,
         look_first: bool = False,
+        in_line: bool = False,
     ) -> Acquired | Refused:
         """One attempt at ``lockstring`` (a few statements at most; never waits for a holder).
 
-        With ``queue_key``, refused also while waiters are queued for it, however free the
-        row: see ``Statements.acquire_unless_queued``. With ``look_first`` (a head of MySQL's
-        queue, polling), the holder's row is read before any INSERT: a refused INSERT takes a
-        lock on the holder's row, which its release then waits for, and costs a round trip
-        more than the read."""
+        With ``queue_key``, refused also while waiters are queued for it (on PostgreSQL: hold
+        live tickets lower than it), however free the row: see
+        ``Statements.acquire_unless_queued``; ``in_line`` (a waiter with a ticket), a refusal
+        then reads who holds the row, and takes over an expired one. With ``look_first`` (a
+        head of MySQL's queue, polling), the holder's row is read before any INSERT: a refused
+        INSERT takes a lock on the holder's row, which its release then waits for, and costs a
+        round trip more than the read."""
         for _attempt in range(_ATTEMPTS_PER_TRY):
             # The validity deadline counts from before the statement is sent: the server's
             # expiry cannot start earlier than that.
@@ -245,7 +248,7 @@ class LockOperations:
             outcome = self._run(
                 lockstring,
                 lambda conn: self._acquire_on(
-                    conn, lockstring, guid, ttl, details, queue_key, look_first
+                    conn, lockstring, guid, ttl, details, queue_key, look_first, in_line
                 ),
             )
             if isinstance(outcome, Acquired):
@@ -440,9 +443,7 @@ class LockOperations:
         if self._sql.sweep_stale_requests is not None:
             swept = self._run(None, self._sweep_stale_requests)
             if swept:
-                logger.info(
-                    "swept %d hand-off request(s) of waiters gone from %s", swept, self.table_name
-                )
+                logger.info("swept %d ticket(s) of Lockers gone from %s", swept, self.table_name)
         return total
 
     def locks(self, pattern: str | None) -> list[LockInfo]:
@@ -513,33 +514,31 @@ class LockOperations:
 
         self._run(None, end)
 
-    def withdraw_abandoned_request(
-        self, session: Any, queue_key: QueueKey, request: Request, give_back: bool
-    ) -> None:
-        """A queue connection of the server ``session`` was given up while its wait may still
-        have been running there, or after it left ``request``: end the session, so that no
-        release grants that request from now on, then withdraw it, with ``give_back`` giving
-        back a row already granted to it (without, the caller holds that row: it got it by
-        its own INSERT). Only PostgreSQL's releases grant requests."""
-        end, withdraw = self._sql.end_queue_session, self._sql.withdraw_request
-        if end is None or withdraw is None:
-            return
+    def join_line(
+        self, lockstring: str, guid: str, ttl: float, details: dict[str, Any], liveness_key: int
+    ) -> tuple[int, bool]:
+        """PostgreSQL: take a ticket for ``lockstring`` (``sqllocker.tickets``), alive while
+        ``liveness_key`` is held: its number, and whether the row is held."""
         params = {
-            "session": session,
-            "queue_key": queue_key,
-            "ls": request.lockstring,
-            "lock_guid": request.guid,
-            "give_back": give_back,
+            "ls": lockstring,
+            "lock_guid": guid,
+            "holder": details,
+            "ttl": ttl,
+            "liveness_key": liveness_key,
         }
+        row = self._run(lockstring, lambda conn: conn.execute(self._sql.join_line, params).one())
+        return int(row.ticket), bool(row.held)
 
-        def run(conn: DriverSession) -> None:
-            try:
-                conn.execute(end, params)
-            except sa.exc.DBAPIError as error:  # not ours to end: withdrawing still helps
-                logger.warning("could not end a queue connection's session (%s)", error.orig)
-            conn.execute(withdraw, params)
-
-        self._run(request.lockstring, run)
+    def leave_line(self, lockstring: str, ticket: int, guid: str, give_back: bool) -> bool:
+        """PostgreSQL: give up ``ticket``; with ``give_back``, a row already granted to it is
+        deleted again (its waiter stopped waiting). Says whether one was."""
+        params = {"ticket": ticket, "ls": lockstring, "lock_guid": guid, "give_back": give_back}
+        given_back = self._run(
+            lockstring, lambda conn: conn.execute(self._sql.leave_line, params).one().given_back
+        )
+        if given_back:
+            logger.debug("gave back %r, handed over to a waiter that stopped waiting", lockstring)
+        return bool(given_back)
 
     def expired_locks(self) -> list[LockInfo]:
         def read(conn: DriverSession) -> list[LockInfo]:
@@ -621,10 +620,11 @@ class LockOperations:
         which the pool does not see, opens that many fewer from the start."""
         dialect = self.engine.dialect
         backend = backend_class(dialect.name)
-        if self.transaction_pooling or not backend.queues_in_server:
+        if self.transaction_pooling:
             return 0
         listening = backend.notifies_releases(dialect) and self._pool_spares_listener
-        capacity = seats_within(self.connection_budget, listening)
+        queueing = backend.queues_in_server
+        capacity = seats_within(self.connection_budget, listening) if queueing else 0
         if self._stack is not None:
             self._stack.reserve(capacity + listening)
         return capacity
@@ -648,17 +648,20 @@ class LockOperations:
         details: dict[str, Any],
         queue_key: QueueKey | None,
         look_first: bool = False,
+        in_line: bool = False,
     ) -> Acquired | Refused:
         be, sql = self._be, self._sql
         params = self._acquire_params(lockstring, guid, ttl, details)
         try:
             if queue_key is not None:
-                # A waiter's first attempt. Refused, it queues and tries again at the head of
-                # the queue, where it learns who holds the row (and takes over an expired
-                # one); asking now too would add a round trip to every hand-off.
+                # A newcomer's first attempt. Refused, it queues (or takes a ticket), and
+                # learns who holds the row when it next tries; asking now too would add a
+                # round trip to every hand-off.
                 params["queue_key"] = queue_key
                 gated = self._insert(conn, sql.acquire_unless_queued, params, queued_ok=True)
-                return gated or Refused(None, None)
+                if gated is not None or not in_line:
+                    return gated or Refused(None, None)
+                return self._learn_holder(conn, params)
             return self._insert_or_learn_holder(conn, params, look_first)
         except sa.exc.DBAPIError as error:
             if not be.is_transient_conflict(error):
@@ -713,12 +716,18 @@ class LockOperations:
         acquired = self._insert(conn, self._sql.acquire, params)
         if acquired is not None:
             return acquired
+        return self._learn_holder(conn, params)
+
+    def _learn_holder(self, conn: DriverSession, params: dict[str, Any]) -> Acquired | Refused:
+        """After our INSERT was refused: the row that refused it, ours after all, or taken
+        over if it has expired."""
         row = conn.execute(self._sql.holder_for_acquirer, params).first()
         if row is None:
-            return Refused(None, None)  # released in between: try again
+            # Released in between (or, in line by ticket, a live ticket ahead refused us).
+            return Refused(None, None)
         if row.ours:
             # Ours: an INSERT of ours committed but its answer was lost with the connection
-            # (_run retried), or a release handed the row to our request. Its expiry period
+            # (_run retried), or a release handed the row to our ticket. Its expiry period
             # began when it was inserted, not now.
             age = max(0.0, (row.server_now - row.created).total_seconds())
             return Acquired(row.id, row.created, row.expires, age=age)
@@ -1100,12 +1109,12 @@ class LockOperations:
 
     @property
     def notifies_releases(self) -> bool:
-        """Whether waiters can wake on the DELETE trigger's NOTIFY and queue on a session
-        advisory lock: PostgreSQL through psycopg 3 (sync or async), unless a transaction
-        pooler is between (LISTEN and the queue's lock would stay behind on whichever server
-        session ran them), nor with a pool too small to spare the listener's connection, and
-        only on a table made by its migration, which adds the trigger and the queue's
-        functions; other backends back off and retry."""
+        """Whether waiters can wake on the DELETE trigger's NOTIFY and wait by ticket (see
+        ``sqllocker.tickets``): PostgreSQL through psycopg 3 (sync or async), unless a
+        transaction pooler is between (LISTEN and the tickets' liveness lock would stay behind
+        on whichever server session ran them), nor with a pool too small to spare the
+        listener's connection, and only on a table made by its migration, which adds the
+        trigger and the tickets' functions; other backends queue or back off and retry."""
         dialect = self.engine.dialect
         return (
             backend_class(dialect.name).notifies_releases(dialect)
@@ -1117,15 +1126,11 @@ class LockOperations:
     @property
     def queue_wait(self) -> AnyQueueWait | None:
         """How waiters queue in the server, one at a time trying the row (see
-        ``sqllocker.queueing``): PostgreSQL's advisory queue where releases notify and hand
-        the row over, MySQL's ``GET_LOCK``; None where sessions cannot be relied on (a
-        transaction pooler) and on SQLite."""
+        ``sqllocker.queueing``): MySQL's ``GET_LOCK``; None where sessions cannot be relied on
+        (a transaction pooler), on PostgreSQL (tickets instead) and on SQLite."""
         if self.transaction_pooling:
             return None
-        queue_wait = self.backend.queue_wait(self.statements)
-        if queue_wait is not None and queue_wait.hands_off and not self.notifies_releases:
-            return None
-        return queue_wait
+        return self.backend.queue_wait(self.statements)
 
     @property
     def queue_file(self) -> str | None:

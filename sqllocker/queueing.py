@@ -1,38 +1,22 @@
-"""Waiters of one lockstring queue in the server, first come, first served: on PostgreSQL as
-below, on MySQL/MariaDB in ``GET_LOCK`` (``GetLockQueueWait``: the same rooms and seats, no
-hand-off, the head polls the row).
-
-A release's NOTIFY reaches every listening Locker. If every waiter tried for the row on every
-release, all but one would be refused (load for nothing), and which one won would be chance:
-some waiters would wait far longer than others. So a waiter that has been refused queues on a
-session advisory lock keyed by table and lockstring, which the server grants in the order it
-was asked for; only the waiter holding it (the head of the queue) tries for the row on each
-release. Once the head has the row it leaves the queue and the next waiter becomes head; that
-round trip is made by a background thread, so that lock() returns as soon as the row is ours.
-A waiter's first attempt is refused while anyone holds or waits in the queue
+"""MySQL/MariaDB: waiters of one lockstring queue in the server, first come, first served, in
+``GET_LOCK`` on a name of the table and lockstring, which the server grants in the order it was
+asked for. Only the waiter holding it (the head of the queue) polls the row, quickly at first
+(``Backoff.heading``), alone; once it has the row it leaves the queue and the next waiter
+becomes head, a round trip made in the background, so that lock() returns as soon as the row is
+ours. A waiter's first attempt is refused while anyone holds or waits in the queue
 (``Statements.acquire_unless_queued``): a newcomer joins the queue rather than taking the row
-between a release and the head's INSERT. The wait runs in the table's ``_queue_for_hand_off``
-function, which ends it at the caller's deadline without an ERROR in the server's log.
+between a release and the head's INSERT. (PostgreSQL waiters take tickets instead:
+``sqllocker.tickets``.)
 
 A waiter keeps its place however long the row is held: giving it up to look at the row would
 put it behind everyone who came after it. Instead the room's watch (``Watch``) looks at the
 rows of the lockstrings its waiters queue for; a queue that stands still on a free (or
-takeable) row under one head for QUEUE_PATIENCE (a head whose process stopped while its connection
-lives, or a session outside sqllocker holding the queue's key) has its waits ended by the
-server (``pg_cancel_backend``, ``KILL QUERY``), and those waiters try the row themselves.
+takeable) row under one head for QUEUE_PATIENCE (a head whose process stopped while its
+connection lives, or a session outside sqllocker holding the queue's name) has its waits ended
+by the server (``KILL QUERY``), and those waiters try the row themselves.
 
-A waiter (sync or async) that becomes the head of the queue leaves a *request* in the same
-statement (``Request``), and a release hands it the row in the release's own transaction (see
-the migration): the head has the lock when the release commits. The release's NOTIFY tells it
-the new row's id, never its guid, and the head reads its row back by id and guid before it
-believes it: anyone who can connect can send a NOTIFY. A head that stops waiting withdraws its
-request, giving back a row granted meanwhile, in the statement that leaves the queue; one that
-got the row by its own INSERT withdraws it before lock() returns, so that no later release can
-hand a row to a request nobody waits on.
-
-The advisory lock decides only who *tries*; who *holds* is decided by the row alone, as
-always. A queue connection that drops, or a hash shared by two lockstrings, costs fairness,
-never safety.
+The queue decides only who *tries*; who *holds* is decided by the row alone, as always. A queue
+connection that drops, or a name shared by two lockstrings, costs fairness, never safety.
 
 A queued waiter holds a connection of its own while it waits, checked out of the Locker's pool
 for that long. A Locker queues at most ``capacity`` waiters at once (``seats_within``: at most
@@ -45,7 +29,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
-import json
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,7 +38,8 @@ from . import forks
 from .statements import Statements
 
 T = TypeVar("T")
-# A queue's key: PostgreSQL's advisory lock key, or MySQL's GET_LOCK name.
+# A queue's key: MySQL's GET_LOCK name, or (PostgreSQL) the ticket ahead of which nobody may
+# wait (``sqllocker.tickets``).
 QueueKey = int | str
 
 DEFAULT_CAPACITY = 8
@@ -68,12 +52,6 @@ QUEUE_PATIENCE = 1.0
 GET_LOCK_FOREVER = 365 * 24 * 3600.0
 # Connections kept open between waits, so that the next wait does not pay for a new one.
 KEEP_IDLE = 2
-
-# A head that was handed the row leaves by releasing every advisory lock of its session: the
-# queue's and the one its request's liveness is told by. A queue connection serves one waiter at
-# a time and holds no others.
-LEAVE = "SELECT pg_catalog.pg_advisory_unlock_all()"
-
 
 # A queue is stuck when this many looks in a row, QUEUE_PATIENCE from first to last, find its
 # row takeable under one head (see Watch).
@@ -96,96 +74,6 @@ def look_interval() -> float:
     return QUEUE_PATIENCE / (STUCK_LOOKS - 1)
 
 
-def wait_ms(timeout: float | None) -> int:
-    """The caller's remaining ``timeout`` as PostgreSQL's ``lock_timeout``: milliseconds, at
-    least 1; 0 (no limit) for None."""
-    return 0 if timeout is None else max(1, round(timeout * 1000))
-
-
-@dataclass(frozen=True)
-class Request:
-    """What a release needs to hand the row to a waiter at the head of the queue: the row it
-    would insert itself (guid, holder details, expiry period)."""
-
-    lockstring: str
-    guid: str
-    holder: dict[str, Any]
-    ttl: float
-
-
-class QueueWait:
-    """The statements one table's waiters queue and leave by (psycopg parameters, for the
-    thread and the asyncio rooms alike): the table's own functions, called by their full
-    names with their exact argument types.
-
-    ``hands_off``: a release hands the row to the head's Request (else the head polls the row).
-    ``through_cursor``: the driver's statements run through a DB-API cursor (not psycopg's
-    ``connection.execute``)."""
-
-    hands_off = True
-    through_cursor = False
-
-    def __init__(self, statements: Statements) -> None:
-        self._table_key = statements.table_key
-        self._wait = (
-            f"SELECT {statements.function('queue_for_hand_off')}(%s::bigint, %s::integer, "
-            "%s::varchar, %s::varchar, %s::jsonb, %s::double precision)"
-        )
-        self._leave = (
-            f"SELECT {statements.function('queue_leave')}"
-            "(%s::bigint, %s::varchar, %s::varchar, %s::boolean)"
-        )
-
-    def key(self, lockstring: str) -> QueueKey:
-        """The advisory lock key of ``lockstring``'s queue in this table."""
-        return queue_key(self._table_key, lockstring)
-
-    def statement(
-        self, key: QueueKey, timeout: float | None, request: Request | None
-    ) -> tuple[str, tuple[Any, ...]]:
-        """The statement (and parameters) that waits, at most ``timeout`` seconds, to head the
-        queue of ``key``, and leaves ``request`` once it does; its one value says whether it
-        heads the queue."""
-        assert request is not None, "a PostgreSQL head always leaves a request"
-        holder = json.dumps(request.holder)
-        return self._wait, (
-            key,
-            wait_ms(timeout),
-            request.lockstring,
-            request.guid,
-            holder,
-            request.ttl,
-        )
-
-    def granted(self, row: Any) -> bool:
-        """Whether ``statement``'s row says the queue is ours (else the wait ran out)."""
-        return bool(row[0])
-
-    # Run once on each new queue connection: the server's id of its session, which the watch
-    # ends a wait by (asked of the server: through PgBouncer, libpq's backend pid is the
-    # pooler's own); and no statement_timeout, as a queued wait lasts until the caller's
-    # deadline or until the watch ends it (a dead peer is still noticed, by the keepalives the
-    # engine sets).
-    session_statement = (
-        "SELECT pg_catalog.pg_backend_pid(), "
-        "pg_catalog.set_config('statement_timeout'::text, '0'::text, false)"
-    )
-
-    @staticmethod
-    def prepare(connection: Any) -> None:
-        """Make a new queue connection (the driver's) wait as long as its callers do."""
-
-    def leave_statement(
-        self, key: QueueKey, request: Request | None, give_back: bool
-    ) -> tuple[str, tuple[Any, ...]]:
-        """The statement that leaves the queue of ``key``: withdrawing ``request`` if it still
-        stands (and with ``give_back``, deleting a row granted to it); its one value says
-        whether a row had been granted."""
-        if request is not None:
-            return self._leave, (key, request.lockstring, request.guid, give_back)
-        return LEAVE, ()
-
-
 class GetLockQueueWait:
     """MySQL/MariaDB: waiters queue in ``GET_LOCK`` on a name of the table and lockstring,
     which the server grants in the order it was asked for. Nothing is handed over: the head
@@ -193,9 +81,6 @@ class GetLockQueueWait:
 
     The names are the server's, not the database's: two tables of one name in two databases
     share their lockstrings' queues, which costs fairness, never safety."""
-
-    hands_off = False
-    through_cursor = True
 
     def __init__(self, statements: Statements) -> None:
         self._table_key = statements.table_key
@@ -207,30 +92,33 @@ class GetLockQueueWait:
         ).hexdigest()
         return f"sqllocker:{digest}"
 
-    def statement(
-        self, key: QueueKey, timeout: float | None, request: Request | None
-    ) -> tuple[str, tuple[Any, ...]]:
+    def statement(self, key: QueueKey, timeout: float | None) -> tuple[str, tuple[Any, ...]]:
+        """The statement (and parameters) that waits, at most ``timeout`` seconds, to head the
+        queue of ``key``."""
         seconds = GET_LOCK_FOREVER if timeout is None else max(timeout, 0.001)
         return "SELECT GET_LOCK(%s, %s)", (key, seconds)
 
     def granted(self, row: Any) -> bool:
+        """Whether ``statement``'s row says the queue is ours (else the wait ran out)."""
         return row is not None and row[0] == 1
 
+    # Run once on each new queue connection: the server's id of its session, which the watch
+    # ends a wait by.
     session_statement = "SELECT CONNECTION_ID()"
 
     @staticmethod
     def prepare(connection: Any) -> None:
+        """Make a new queue connection (the driver's) wait as long as its callers do."""
         from .backends.mysql import wait_patiently
 
         wait_patiently(connection)
 
-    def leave_statement(
-        self, key: QueueKey, request: Request | None, give_back: bool
-    ) -> tuple[str, tuple[Any, ...]]:
+    def leave_statement(self, key: QueueKey) -> tuple[str, tuple[Any, ...]]:
+        """The statement that leaves the queue of ``key``."""
         return "SELECT RELEASE_LOCK(%s)", (key,)
 
 
-AnyQueueWait = QueueWait | GetLockQueueWait
+AnyQueueWait = GetLockQueueWait
 
 
 @dataclass(frozen=True)
@@ -242,22 +130,6 @@ class Entry(Generic[T]):
     turn: T | None
     try_again: bool
     usable: bool
-
-
-def timed_out(error: BaseException) -> bool:
-    """Whether ``error`` is the server giving up a lock wait at lock_timeout (the caller's
-    deadline), rather than a failure."""
-    return getattr(error, "sqlstate", None) == "55P03"
-
-
-def queue_key(table: str, lockstring: str) -> int:
-    """The advisory lock key of ``lockstring``'s queue: a 64-bit hash, so it is all but certain
-    not to meet another lockstring's, nor the small integers applications pick for their own
-    advisory locks."""
-    digest = hashlib.blake2b(
-        f"{table}\0{lockstring}".encode(), digest_size=8, person=b"sqllocker"
-    ).digest()
-    return int.from_bytes(digest, "big", signed=True)
 
 
 @dataclass(eq=False)

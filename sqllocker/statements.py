@@ -83,7 +83,8 @@ class Statements:
 
     @cached_property
     def acquire_unless_queued(self) -> ReturningInsert[Any]:
-        """``acquire``, unless waiters are queued in the server (``sqllocker.queueing``)."""
+        """``acquire``, unless waiters are queued in the server (``sqllocker.queueing``), or,
+        on PostgreSQL, a live ticket lower than ``:queue_key`` stands (``sqllocker.tickets``)."""
         return self.backend.acquire_unless_queued(self)
 
     @cached_property
@@ -124,22 +125,30 @@ class Statements:
         return self.backend.end_queued_wait()
 
     @cached_property
-    def end_queue_session(self) -> TextualSelect | None:
-        """Ends the server session ``:session`` of a queue connection given up (PostgreSQL)."""
-        return self.backend.end_queue_session()
+    def join_line(self) -> TextualSelect:
+        """PostgreSQL: takes a ticket for ``:ls`` (the table's ``queue_join``): the ticket, and
+        whether the row is held (see ``sqllocker.tickets``)."""
+        # The function's name is the validated table's, in its quoted schema.
+        return (
+            sa.text(
+                f"SELECT j.ticket, j.held FROM {self.function('queue_join')}("  # noqa: S608
+                "CAST(:ls AS varchar), CAST(:lock_guid AS varchar), CAST(:holder AS jsonb), "
+                "CAST(:ttl AS double precision), CAST(:liveness_key AS bigint)) AS j"
+            )
+            .bindparams(sa.bindparam("holder", type_=self.table.c.locked_by.type))
+            .columns(sa.column("ticket", sa.BigInteger), sa.column("held", sa.Boolean))
+        )
 
     @cached_property
-    def withdraw_request(self) -> TextualSelect | None:
-        """PostgreSQL: withdraws the request of ``:ls`` by ``:lock_guid``, from any session
-        (the table's ``queue_leave``), with ``:give_back`` giving back a row granted to it;
-        None elsewhere."""
-        if self.end_queue_session is None:  # no releases that grant requests
-            return None
+    def leave_line(self) -> TextualSelect:
+        """PostgreSQL: gives up the ticket ``:ticket`` of ``:lock_guid`` (the table's
+        ``queue_leave``), with ``:give_back`` giving back a row granted to it; says whether
+        it did."""
         return sa.text(
-            f"SELECT {self.function('queue_leave')}(CAST(:queue_key AS bigint), "
+            f"SELECT {self.function('queue_leave')}(CAST(:ticket AS bigint), "
             "CAST(:ls AS varchar), CAST(:lock_guid AS varchar), CAST(:give_back AS boolean)) "
-            "AS granted"
-        ).columns(sa.column("granted", sa.Boolean))
+            "AS given_back"
+        ).columns(sa.column("given_back", sa.Boolean))
 
     @property
     def returned(self) -> tuple[sa.ColumnElement[Any], ...]:
@@ -285,14 +294,13 @@ class Statements:
 
     @cached_property
     def sweep_stale_requests(self) -> TextualSelect | None:
-        """PostgreSQL: delete the hand-off requests whose session no longer heads its
-        lockstring's queue (the table's ``_sweep_requests`` function); None elsewhere.
+        """PostgreSQL: delete the tickets whose Locker is gone (nobody holds their liveness
+        key: the table's ``_sweep_requests`` function); None elsewhere.
 
-        A head whose process died leaves its request standing until the next head of that
-        lockstring replaces it, which for a lockstring never contended again is never. Such a
-        request is never granted (a release grants only to a session that holds its request's
-        own key), so deleting it changes no outcome; it only spares every later release of that
-        lockstring the look-up.
+        A Locker whose process died leaves its tickets standing until a release of their
+        lockstring passes over them, which for a lockstring never contended again is never.
+        Such a ticket is never granted, so deleting it changes no outcome; it only spares every
+        later release of that lockstring the look-up.
         """
         if not self.has_functions:
             return None

@@ -1,14 +1,14 @@
 # Generated from sqllocker/asyncio/waiting_room.py by tests/unasync.py: edit that file, then
 # run `python -m tests.unasync`.
-"""PostgreSQL and MySQL/MariaDB: waiters of one lockstring queue in the server, first come,
-first served (the design is in ``queueing.py``).
+"""MySQL/MariaDB: waiters of one lockstring queue in the server, first come, first served (the
+design is in ``queueing.py``).
 
-A queued waiter waits in ``pg_advisory_lock`` (MySQL: ``GET_LOCK``) on a connection of its own,
-checked out of the Locker's pool, whose limit it counts toward; sync and async waiters of one
-lockstring share one queue. If an async waiter's task is cancelled meanwhile, its connection
-is closed, which ends the session and with it any place in the queue: a cancelled waiter never
-keeps others waiting. The room's watch ends the waits of a queue that stands still on a free
-row (see ``queueing.Watch``).
+A queued waiter waits in ``GET_LOCK`` on a connection of its own, checked out of the Locker's
+pool, whose limit it counts toward; sync and async waiters of one lockstring share one queue.
+If an async waiter's task is cancelled meanwhile, its connection is closed, which ends the
+session and with it any place in the queue: a cancelled waiter never keeps others waiting. The
+room's watch ends the waits of a queue that stands still on a free row (see
+``queueing.Watch``).
 
 Written once for asyncio; the sync ``sqllocker/waiting_room.py`` is generated from it
 (``tests/unasync.py``).
@@ -30,58 +30,35 @@ from .queueing import (
     Blocked,
     Entry,
     QueueKey,
-    Request,
     Seats,
     Watch,
     look_interval,
-    timed_out,
 )
 
 logger = logging.getLogger("sqllocker")
 
 
 class Turn:
-    """The head of one lockstring's queue: ``leave()`` once the row is ours, or the wait ends.
+    """The head of one lockstring's queue: ``leave()`` once the row is ours, or the wait ends."""
 
-    ``request``: the Request it left for a release to grant (None once a release took it).
-    """
-
-    def __init__(
-        self,
-        room: WaitingRoom,
-        connection: Any,
-        key: QueueKey,
-        request: Request | None = None,
-    ) -> None:
+    def __init__(self, room: WaitingRoom, connection: Any, key: QueueKey) -> None:
         self._room = room
         self._connection: Any = connection
         self._key = key
-        self.request = request
 
-    def leave(self, give_back: bool = True) -> bool:
-        """Leave the queue; returns whether a row had been granted to our request (given back
-        with ``give_back``; without, it is the caller's)."""
+    def leave(self) -> None:
+        """Leave the queue."""
         connection, self._connection = self._connection, None
         if connection is None:
-            return False
-        leaving = self._room.leave(connection, self._key, self.request, give_back)
-        return leaving
+            return
+        self._room.leave(connection, self._key)
 
     def leave_soon(self) -> None:
-        """Leave in the background, once the row is ours and no request of ours stands: the
-        caller has its lock without waiting for this round trip (the next waiter could not
-        have the row anyway). A standing request must be withdrawn before the caller has its
-        lock, or a release of some later holder's row could grant one to a waiter that is gone.
-        """
-        assert self.request is None, "a standing request is withdrawn in the foreground"
+        """Leave in the background, once the row is ours: the caller has its lock without
+        waiting for this round trip (the next waiter could not have the row anyway)."""
         connection, self._connection = self._connection, None
         if connection is not None:
             self._room.leave_soon(connection, self._key)
-
-    def granted(self) -> None:
-        """``leave_soon`` after a release handed us the row (which took our request with it)."""
-        self.request = None
-        self.leave_soon()
 
 
 class WaitingRoom:
@@ -93,18 +70,15 @@ class WaitingRoom:
         queue_wait: AnyQueueWait,
         look: Callable[[str, QueueKey], tuple[bool, Any]],
         end_waits: Callable[[list[Any]], None],
-        withdraw: Callable[[Any, QueueKey, Request, bool], None],
         capacity: int = DEFAULT_CAPACITY,
     ) -> None:
-        """``look``, ``end_waits`` and ``withdraw`` are the Locker's ``look_at_queue``,
-        ``end_queued_waits`` and ``withdraw_abandoned_request`` operations, which run on the
-        Locker's pool."""
+        """``look`` and ``end_waits`` are the Locker's ``look_at_queue`` and
+        ``end_queued_waits`` operations, which run on the Locker's pool."""
         self._engine = engine
         self.seats = Seats(capacity)
         self.queue_wait = queue_wait
         self._look = look
         self._end_waits = end_waits
-        self._withdraw = withdraw
         self._watch = Watch()
         self._watching = concurrency.Background("sqllocker-queue-watch")
         self._leaving = concurrency.Background("sqllocker-queue-leaver")
@@ -113,20 +87,9 @@ class WaitingRoom:
         """The advisory lock key of ``lockstring``'s queue in this room's table."""
         return self.queue_wait.key(lockstring)
 
-    def enter(
-        self,
-        lockstring: str,
-        timeout: float | None,
-        before_blocking: Callable[[], None],
-        request: Request,
-    ) -> Entry[Turn]:
+    def enter(self, lockstring: str, timeout: float | None) -> Entry[Turn]:
         """Become the head of ``lockstring``'s queue, waiting at most ``timeout`` seconds (or
-        until the watch finds the queue stuck), and leave ``request`` for a release to grant.
-
-        ``before_blocking`` is called before queueing: a waiter stops listening for the row's
-        releases while it queues (the head of the queue in this process may need them).
-        """
-        before_blocking()
+        until the watch finds the queue stuck)."""
         seated, connection = self._checkout(timeout)
         if not seated:
             # Closed, or the caller's deadline came while it waited in line for a seat.
@@ -141,21 +104,16 @@ class WaitingRoom:
         ended = False
         try:
             try:
-                row = self._fetch_one(connection, self.queue_wait.statement(key, timeout, request))
+                row = self._fetch_one(connection, self.queue_wait.statement(key, timeout))
             finally:
                 ended = self._watch.remove(blocked)
             if not ended:
                 if self.queue_wait.granted(row):
-                    standing = request if self.queue_wait.hands_off else None
-                    turn = Turn(self, connection, key, standing)
-                    return Entry(turn, try_again=True, usable=True)
+                    return Entry(Turn(self, connection, key), try_again=True, usable=True)
                 self._checkin(connection)  # the caller's deadline came first
                 return Entry(None, try_again=True, usable=True)
         except BaseException as error:
-            if timed_out(error) and not ended:
-                self._checkin(connection)  # the caller's deadline
-                return Entry(None, try_again=True, usable=True)
-            self._abandon(connection, key, request)
+            self._discard(connection)
             if not isinstance(error, Exception):
                 raise  # cancelled or interrupted: we have left the queue
             if not ended:
@@ -163,8 +121,8 @@ class WaitingRoom:
                 return Entry(None, try_again=True, usable=False)
             return Entry(None, try_again=True, usable=True)
         # Ended by the watch: whatever the wait returned, its connection goes (a cancel still
-        # on its way must not reach a later statement), and with it any place or request.
-        self._abandon(connection, key, request)
+        # on its way must not reach a later statement), and with it any place.
+        self._discard(connection)
         return Entry(None, try_again=True, usable=True)
 
     def _watch_queues(self) -> None:
@@ -188,26 +146,18 @@ class WaitingRoom:
                 except Exception as error:
                     logger.warning("could not look at the queue for %r (%s)", lockstring, error)
 
-    def leave(
-        self,
-        connection: Any,
-        key: QueueKey,
-        request: Request | None = None,
-        give_back: bool = True,
-    ) -> bool:
+    def leave(self, connection: Any, key: QueueKey) -> None:
         """Leave the queue of ``key`` (see ``Turn.leave``); never raises but to be cancelled
         or interrupted."""
-        statement = self.queue_wait.leave_statement(key, request, give_back)
         try:
-            row = self._fetch_one(connection, statement)
+            self._fetch_one(connection, self.queue_wait.leave_statement(key))
         except BaseException as error:
-            self._abandon(connection, key, request, give_back)
+            self._discard(connection)
             if not isinstance(error, Exception):
                 raise
             logger.warning("could not leave a lock queue (%s); closing its connection", error)
-            return False
+            return
         self._checkin(connection)
-        return request is not None and bool(row[0])
 
     def leave_soon(self, connection: Any, key: QueueKey) -> None:
         """``leave`` in the background (``close`` waits for it)."""
@@ -228,9 +178,6 @@ class WaitingRoom:
     ) -> Any:
         """Run ``statement`` on the driver connection of ``pooled``; its first row."""
         connection = pooled.driver
-        if not self.queue_wait.through_cursor:
-            cursor = connection.execute(*statement)
-            return cursor.fetchone()
         cursor = connection.cursor()
         try:
             cursor.execute(*statement)
@@ -257,9 +204,7 @@ class WaitingRoom:
     def _connect(self) -> Any | None:
         """A new connection for a seat we have, or None (the seat given back)."""
         try:
-            connection = concurrency.pooled_connection(
-                self._engine, autocommit=not self.queue_wait.through_cursor
-            )
+            connection = concurrency.pooled_connection(self._engine, autocommit=False)
         except BaseException as error:
             self._discard(None)
             if not isinstance(error, Exception):
@@ -277,29 +222,6 @@ class WaitingRoom:
             logger.warning("could not set up a connection to queue on (%s)", error)
             return None
         return connection
-
-    def _abandon(
-        self, connection: Any, key: QueueKey, request: Request | None, give_back: bool = True
-    ) -> None:
-        """Give up a queue connection whose wait may still run in the server, or that may
-        have left ``request``: closing it ends its session only when the server notices, and
-        until then a release could grant that request a row nobody would take. The session is
-        ended from the Locker's pool, and the request withdrawn, with ``give_back`` a row
-        granted to it given back (``LockOperations.withdraw_abandoned_request``): not when the
-        waiter leaves with the row its own INSERT took."""
-        session = connection.session
-        self._discard(connection)
-        if request is None or not self.queue_wait.hands_off:
-            return
-        try:
-            self._withdraw(session, key, request, give_back)
-        except Exception as error:
-            logger.warning(
-                "could not withdraw a queued request for %r (%s); a row handed to it stays "
-                "until it expires",
-                request.lockstring,
-                error,
-            )
 
     def _checkin(self, connection: Any) -> None:
         extra = self.seats.give_back(connection)

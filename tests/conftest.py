@@ -127,7 +127,7 @@ def slow_polling(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Backoff, "for_wait", classmethod(lambda cls, wait: cls(None, 30.0, 30.0)))
 
 
-# -- PostgreSQL lock queues (tests/test_waiting_room.py, tests/test_hand_off.py) -------------
+# -- PostgreSQL tickets (tests/test_tickets.py, tests/test_hand_off.py) ----------------------
 
 
 @pytest.fixture

@@ -1,21 +1,24 @@
-"""What the tests share besides fixtures: reading the table, crashing a holder, the
-PostgreSQL queue seen from outside, waiting for a condition, and printing a figure."""
+"""What the tests share besides fixtures: reading the table, crashing a holder, PostgreSQL's
+tickets seen from outside, waiting for a condition, and printing a figure."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import json
+import secrets
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import sqlalchemy as sa
 
 from sqllocker import Lock, Locker
-from sqllocker.queueing import queue_key
+from sqllocker.engine import resolve_url
 
 
 def count_rows(locker: Locker) -> int:
@@ -36,39 +39,57 @@ def abandon(lock: Lock) -> Lock:
     return lock
 
 
-# -- PostgreSQL lock queues (tests/test_waiting_room.py, tests/test_hand_off.py) -------------
+# -- PostgreSQL tickets (tests/test_tickets.py, tests/test_hand_off.py) ----------------------
 
 
-def queued(admin: sa.Engine, table: str, lockstring: str) -> tuple[int, int]:
-    """(granted, waiting) sessions on ``lockstring``'s queue, as pg_locks shows them."""
-    key = queue_key(f"public.{table}", lockstring) & 0xFFFFFFFFFFFFFFFF
-    with admin.connect() as conn:
-        rows = conn.execute(
-            sa.text(
-                "SELECT granted, count(*) FROM pg_locks WHERE locktype = 'advisory' "
-                "AND classid = :high AND objid = :low AND objsubid = 1 GROUP BY granted"
-            ),
-            {"high": key >> 32, "low": key & 0xFFFFFFFF},
-        ).all()
-    counts: dict[bool, int] = {granted: count for granted, count in rows}
-    return counts.get(True, 0), counts.get(False, 0)
+class RawTicket:
+    """A ticket taken through the table's functions by a session of its own, which holds the
+    ticket's liveness key as a Locker's listener does (unless ``live`` is False: a Locker that
+    is gone), but that acts only when told: a waiter's moves, one at a time."""
+
+    def __init__(
+        self,
+        url: str,
+        table: str,
+        lockstring: str = "report",
+        ttl: float = 30.0,
+        live: bool = True,
+    ) -> None:
+        self.url, self.table, self.lockstring = url, table, lockstring
+        self.guid = str(uuid.uuid4())
+        self.connection = connect(url)
+        self.key = secrets.randbits(62)
+        if live:
+            self.connection.execute("SELECT pg_advisory_lock(%s)", (self.key,))
+        row = self.connection.execute(
+            f"SELECT ticket, held FROM {table}_queue_join(%s, %s, %s, %s, %s)",
+            (lockstring, self.guid, json.dumps({"job": "raw ticket"}), ttl, self.key),
+        ).fetchone()
+        assert row is not None
+        self.number = int(row[0])
+
+    def die(self) -> None:
+        """Its Locker's process died: the session that held the liveness key ends."""
+        self.connection.close()
+
+    def leave(self, give_back: bool) -> bool:
+        with connect(self.url) as connection:
+            row = connection.execute(
+                f"SELECT {self.table}_queue_leave(%s, %s, %s, %s)",
+                (self.number, self.lockstring, self.guid, give_back),
+            ).fetchone()
+        assert row is not None
+        return bool(row[0])
 
 
-def head_the_queue(admin: sa.Engine, table: str, lockstring: str = "report") -> sa.Connection:
-    """A session that heads ``lockstring``'s queue (holds its advisory lock) and never tries
-    for the row, as a waiter whose process was stopped would; ``leave_the_queue`` or closing
-    it ends that."""
-    connection = admin.connect()
-    connection.execute(
-        sa.text("SELECT pg_advisory_lock(:key)"), {"key": queue_key(f"public.{table}", lockstring)}
-    )
-    return connection
-
-
-def leave_the_queue(connection: sa.Connection, table: str, lockstring: str = "report") -> None:
-    connection.execute(
-        sa.text("SELECT pg_advisory_unlock(:key)"),
-        {"key": queue_key(f"public.{table}", lockstring)},
+def connect(url: str) -> psycopg.Connection[Any]:
+    target = sa.make_url(resolve_url(url))
+    return psycopg.connect(
+        host=target.host,
+        port=target.port,
+        user=target.username,
+        dbname=target.database,
+        autocommit=True,
     )
 
 
@@ -114,26 +135,28 @@ def row_guid(admin: sa.Engine, table: str, lockstring: str) -> str | None:
         ).scalar()
 
 
-def requests(admin: sa.Engine, table: str) -> list[tuple[str, str]]:
-    """The standing requests: (lockstring, guid)."""
+def tickets(admin: sa.Engine, table: str) -> list[tuple[str, str]]:
+    """The standing tickets, lowest first: (lockstring, guid)."""
     with admin.connect() as conn:
         return [
             tuple(row)
-            for row in conn.exec_driver_sql(f"SELECT lockstring, guid FROM {table}_requests")
+            for row in conn.exec_driver_sql(
+                f"SELECT lockstring, guid FROM {table}_requests ORDER BY ticket"
+            )
         ]  # type: ignore[misc]
 
 
-def head_is_waiting(admin: sa.Engine, table: str) -> None:
-    """Until a waiter heads the queue with its request, and a moment more: its first attempt at
-    the head (an INSERT, refused) must be over before the release, or that INSERT holds the
+def in_line(admin: sa.Engine, table: str, waiters: int = 1) -> None:
+    """Until ``waiters`` hold tickets, and a moment more: the first one's attempt after taking
+    its ticket (if the row looked free) must be over before a release, or that INSERT holds the
     lockstring's id-order lock just then and the trigger, rather than wait for it, leaves the
     row to that INSERT (which takes it, by the waiter's own hand)."""
-    wait_until(lambda: len(requests(admin, table)) == 1)
+    wait_until(lambda: len(tickets(admin, table)) == waiters)
     time.sleep(0.3)
 
 
-async def head_is_waiting_async(admin: sa.Engine, table: str) -> None:
-    await wait_until_async(lambda: len(requests(admin, table)) == 1)
+async def in_line_async(admin: sa.Engine, table: str, waiters: int = 1) -> None:
+    await wait_until_async(lambda: len(tickets(admin, table)) == waiters)
     await asyncio.sleep(0.3)
 
 

@@ -168,7 +168,13 @@ def db(url: str, table_name: str) -> Iterator[sa.Engine]:
         if engine.dialect.name == "postgresql":
             conn.exec_driver_sql(f"DROP TABLE IF EXISTS {table_name} CASCADE")
             conn.exec_driver_sql(f"DROP TABLE IF EXISTS {table_name}_requests")
-            for name in ("notify_release", "queue_for_hand_off", "queue_leave", "sweep_requests"):
+            for name in (
+                "notify_release",
+                "queue_join",
+                "anyone_ahead",
+                "queue_leave",
+                "sweep_requests",
+            ):
                 conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {table_name}_{name} CASCADE")
         else:
             conn.exec_driver_sql(f"DROP VIEW IF EXISTS {table_name}_held")

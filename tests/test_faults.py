@@ -27,7 +27,7 @@ import sqlalchemy as sa
 
 from sqllocker import Locker, LockError, LockLost, lock_table
 from sqllocker.engine import resolve_url
-from tests.helpers import count_rows, figure, head_is_waiting, wait_in_thread
+from tests.helpers import count_rows, figure, in_line, wait_in_thread
 from tests.private_servers import running_private_server
 from tests.stall_proxy import StallProxy
 
@@ -249,7 +249,7 @@ def test_a_row_handed_over_is_durable_before_its_new_holder_has_it(private_serve
     held = holder.lock("job", expires=30)
     thread, result = wait_in_thread(waiter, "job", wait=60, expires=30)
     admin = sa.create_engine(resolve_url(url))
-    head_is_waiting(admin, "semaphores")
+    in_line(admin, "semaphores")
     held.unlock()
     thread.join(10)
     handed = result["lock"]

@@ -18,11 +18,11 @@ import pytest
 import sqlalchemy as sa
 
 from sqllocker import LockBusy, Locker
+from sqllocker import tickets as ticketing
 from sqllocker.engine import resolve_url
 from sqllocker.migrations import upgrade
 from sqllocker.notifications import guid_digest
-from sqllocker.queueing import queue_key
-from tests.helpers import head_is_waiting, requests, wait_in_thread, wait_until
+from tests.helpers import RawTicket, in_line, tickets, wait_in_thread, wait_until
 
 _numbers = itertools.count(1)
 
@@ -66,23 +66,23 @@ def test_a_forged_grant_notification_is_not_taken_for_a_lock(
     admin: sa.Engine,
     intruder: psycopg.Connection[tuple[object, ...]],
 ) -> None:
-    """Anyone who can connect can NOTIFY on the grants channel, naming any id. The head of the
-    queue must read its row back (id and its own guid) before it believes a grant."""
+    """Anyone who can connect can NOTIFY on the grants channel, naming any id. A waiter with a
+    ticket must read its row back (id and its own guid) before it believes a grant."""
     holder = Locker(migrated_postgres, table=table_name)
     waiter = Locker(migrated_postgres, table=table_name)
     held = holder.lock("report")
     thread, result = wait_in_thread(waiter, wait=30)
-    head_is_waiting(admin, table_name)
-    (standing,) = requests(admin, table_name)  # as a role allowed to read requests would
+    in_line(admin, table_name)
+    (standing,) = tickets(admin, table_name)  # as a role allowed to read tickets would
     now = time.time()
     old_format = f"{standing[1]} {held.lock_id + 1} {now} {now + 30}"  # guid, id, times
-    # Even one that names the head rightly (a digest is no secret to whoever saw the
+    # Even one that names the waiter rightly (a digest is no secret to whoever saw the
     # notification of an earlier grant, or derived it from a guid it read somewhere).
     named = f"{held.lock_id + 1} {guid_digest(standing[1])}"
     for forged in (f"{held.lock_id} report", named, old_format):
         intruder.execute("SELECT pg_notify(%s, %s)", (f"sqllocker_{table_name}_granted", forged))
     time.sleep(1.0)
-    assert "lock" not in result, "the head took a forged notification for its lock"
+    assert "lock" not in result, "the waiter took a forged notification for its lock"
     assert thread.is_alive()
     held.unlock()  # now a true hand-off
     thread.join(10)
@@ -102,20 +102,26 @@ def test_a_role_that_can_only_connect_learns_no_guid(
     admin: sa.Engine,
     intruder: psycopg.Connection[tuple[object, ...]],
 ) -> None:
-    """Requests hold their waiter's guid: only the table's owner can read them (the queue's
-    functions reach them for the roles that take locks). Notifications carry no guid."""
+    """Tickets hold their waiter's guid: only the table's owner can read them (the tickets'
+    functions reach them for the roles that take locks, which PUBLIC may not call).
+    Notifications carry no guid."""
     holder = Locker(migrated_postgres, table=table_name)
     waiter = Locker(migrated_postgres, table=table_name)
     held = holder.lock("report")
     intruder.execute(f'LISTEN "sqllocker_{table_name}_granted"')
     thread, result = wait_in_thread(waiter, wait=30)
-    head_is_waiting(admin, table_name)
-    (standing,) = requests(admin, table_name)
+    in_line(admin, table_name)
+    (standing,) = tickets(admin, table_name)
     for table in (f"{table_name}_requests", table_name, f"{table_name}_held"):
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
             intruder.execute(f"SELECT * FROM {table}")
-    with pytest.raises(psycopg.errors.InsufficientPrivilege):
-        intruder.execute(f"SELECT {table_name}_queue_leave(1, 'report', %s, true)", (standing[1],))
+    for call in (
+        f"{table_name}_queue_leave(1, 'report', %s, true)",
+        f"{table_name}_queue_join('report', %s, '{{}}', 30, 1)",
+        f"{table_name}_anyone_ahead('report', 1)",
+    ):
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            intruder.execute(f"SELECT {call}", (standing[1],) if "%s" in call else ())
     held.unlock()
     thread.join(10)
     lock = result["lock"]
@@ -163,14 +169,14 @@ def test_functions_planted_on_the_callers_path_never_run(
     """CVE-2018-1058: a function in a schema ahead on the caller's path, with argument types
     that match better than pg_catalog's, runs in place of the catalog's, as the caller. Here
     the releasing (and acquiring) role's path puts the planted schema before pg_catalog; the
-    trigger and the queue's functions pin their own path, and every statement names
+    trigger and the tickets' functions pin their own path, and every statement names
     pg_catalog's functions with their exact types."""
     path_first = with_options(migrated_postgres, f"-c search_path={planted},pg_catalog,public")
     holder = Locker(path_first, table=table_name)
     waiter = Locker(path_first, table=table_name)
     held = holder.lock("report", expires=60)
     thread, result = wait_in_thread(waiter, wait=30, expires=60)
-    head_is_waiting(admin, table_name)
+    in_line(admin, table_name)
     held.unlock()  # the trigger hands the row over and notifies
     thread.join(10)
     lock = result["lock"]
@@ -220,19 +226,24 @@ def test_an_advisory_key_held_outside_the_protocol_bounds_the_wait_and_names_its
     locker.close()
 
 
-def test_a_queue_key_held_outside_the_protocol_delays_a_waiter_by_one_patience_at_most(
+def test_a_dead_lockers_liveness_key_held_outside_the_protocol_delays_a_waiter_by_one_patience(
     migrated_postgres: str,
     table_name: str,
     intruder: psycopg.Connection[tuple[object, ...]],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The queue's key is known to anyone who knows the table and the lockstring. Holding it
-    refuses a waiter's first attempt and heads the queue for ever; the waiter gives up queueing
-    after its patience and takes the free row."""
-    intruder.execute("SELECT pg_advisory_lock(%s)", (queue_key(f"public.{table_name}", "job"),))
+    """A liveness key is in pg_locks for anyone to see. A role that can only connect can take
+    the key of a Locker that died, so that its tickets look live: a waiter behind one, finding
+    the row free, takes it after PATIENCE all the same (and a release that hands the row to
+    such a ticket costs one expiry period: see tests/test_tickets.py)."""
+    monkeypatch.setattr(ticketing, "PATIENCE", 0.5)
+    dead = RawTicket(migrated_postgres, table_name, lockstring="job")
+    dead.die()
+    intruder.execute("SELECT pg_advisory_lock(%s)", (dead.key,))
     locker = Locker(migrated_postgres, table=table_name)
     started = time.monotonic()
     lock = locker.lock("job", wait=10)
-    assert time.monotonic() - started < 3
+    assert 0.5 <= time.monotonic() - started < 3
     lock.unlock()
     locker.close()
 
@@ -250,9 +261,6 @@ def test_same_named_tables_in_two_schemas_have_keys_of_their_own(
         upgrade(engine, "semaphores")
         engine.dispose()
         lockers.append(Locker(url))
-    assert queue_key(f"{schemas[0]}.semaphores", "job") != queue_key(
-        f"{schemas[1]}.semaphores", "job"
-    )
     intruder.execute(
         "SELECT pg_advisory_lock(hashtext(%s), hashtext(%s))", (f"{schemas[0]}.semaphores", "job")
     )
@@ -296,7 +304,7 @@ def test_a_release_succeeds_and_skips_its_notification_when_the_queue_is_filling
     queue back; once it is full, every NOTIFY fails at commit, and a release that notified
     would fail with it. The trigger skips its notification past a threshold of the queue's
     use (``sqllocker.notify_queue_limit``, set very low here, as the real queue is 8 GB): the
-    release deletes its row, the head still gets the row (it finds it at its next attempt)."""
+    release deletes its row, the waiter still gets the row (it finds it at its next attempt)."""
     stalled = connect(migrated_postgres)
     stalled.execute('LISTEN "filler"')
     # A backend takes notifications off the queue when its session is idle, whether its client
@@ -316,7 +324,7 @@ def test_a_release_succeeds_and_skips_its_notification_when_the_queue_is_filling
     waiter = Locker(migrated_postgres, table=table_name)
     held = holder.lock("report")
     thread, result = wait_in_thread(waiter, wait=30)
-    head_is_waiting(admin, table_name)
+    in_line(admin, table_name)
     held.unlock()  # no error, and the row is gone (handed over)
     thread.join(10)
     lock = result["lock"]

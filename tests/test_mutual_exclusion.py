@@ -32,8 +32,8 @@ WORKER_SECONDS = 240
 @pytest.fixture
 def locker(url: str, table_name: str) -> Iterator[Locker]:
     """A table made by the migrations, as users make theirs: on PostgreSQL that brings the
-    trigger whose NOTIFY wakes waiters and hands the row to the head of the queue, and the
-    queue's functions, all of which these tests must run through."""
+    trigger whose NOTIFY wakes waiters and hands the row to the first ticket, and the tickets'
+    functions, all of which these tests must run through."""
     engine = sa.create_engine(resolve_url(url))
     upgrade(engine, table_name)
     engine.dispose()
@@ -122,10 +122,11 @@ TRYING = ("--try-only",)
 # on this 2-core VM now and then lost a lock or three to a renewal that came too late, which
 # the library declared lost (LockLost) while the worker, heeding nothing, held on.
 OUTLIVING = ("--outlive-every", "100", "--expires", "1.0", "--grace", "0")
-# Workers whose queues' watch finds a queue stuck after 4 ms on a takeable row (1 ms looks),
-# beside abandoned rows that are takeable until a waiter takes them over: it ends queued waits
-# all the time, by cancels that race the waits' own ends, and the waiters it ends take the row
-# out of their turn.
+# Workers that give up on a line standing still on a free row after 4 ms, beside abandoned rows
+# that are takeable until a waiter takes them over: on MariaDB the queues' watch (1 ms looks)
+# ends queued waits all the time, by cancels that race the waits' own ends; on PostgreSQL the
+# first waiter of a Locker takes a free row past the live tickets ahead of its own. Either way
+# waiters take the row out of their turn.
 IMPATIENT = ("--queue-patience", "0.004", *ABANDONING)
 # Async workers that cancel a share of their acquires and releases at a random moment, as
 # asyncio.wait_for does at its timeout: an acquire cut off after it won its row (or after a
@@ -255,7 +256,7 @@ def contend(
         lost_updates += len(mine) - counted
 
     scenario = (
-        "contention, sync and async, waits ended by the watch"
+        "contention, sync and async, waits cut short on a free row"
         if IMPATIENT[0] in options
         else "contention, sync and async, cancelling acquires and releases"
         if CANCELLING[0] in options
@@ -281,7 +282,7 @@ def contend(
         + (f", {abandoned} abandoned rows" if abandoned else "")
         + (f", {handed_over} handed over by their release" if handed_over else "")
         + (f", {renewed} held past expiry by keep-alive" if renewed else "")
-        + (f", {ended_waits} queued waits ended by the watch" if ended_waits else ""),
+        + (f", {ended_waits} waits cut short on a free row" if ended_waits else ""),
     )
     assert overlaps_seen_by_markers == 0
     assert interval_overlaps == 0
@@ -289,9 +290,9 @@ def contend(
     assert token_inversions == 0
     assert locks_lost == 0
     if locker._operations.notifies_releases and not trying:
-        # The queue's head is handed the row by the release (migration 0005): this test must
+        # Waiters are handed the row by the release (``sqllocker.tickets``): this test must
         # exercise that path, not only the waiters' own INSERTs. (Through a transaction
-        # pooler waiters back off instead: nobody queues.)
+        # pooler waiters back off instead: nobody takes a ticket.)
         assert handed_over > 0
     if outliving:  # every outliving hold was renewed, and still ours at its end
         assert renewed == PROCESSES * ACQUISITIONS_EACH // 100

@@ -13,7 +13,6 @@ import asyncio
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,11 +28,10 @@ from sqllocker import (
     LockTypeError,
     LockValueError,
     UnsafeDatabase,
-    queueing,
 )
 from sqllocker.asyncio import AsyncLocker
 from sqllocker.engine import resolve_url
-from tests.helpers import head_the_queue, queued, wait_until
+from tests.helpers import tickets, wait_until
 from tests.private_servers import running_pgbouncer
 from tests.test_mutual_exclusion import ABANDONING, OUTLIVING, TRYING, contend
 
@@ -64,8 +62,8 @@ def pooled(pooler_url: str, direct: Locker) -> Iterator[Locker]:
 
 def session_state(direct: Locker, lockstring: str) -> tuple[int, int]:
     """What waiting on ``lockstring`` through a transaction pooler must not leave on whatever
-    server session ran it: sessions in its queue (holding or asking for the queue's advisory
-    lock), and sessions listening for the table's releases. Only this test's table counts: a
+    server session ran it: tickets (whose liveness key a listener's session holds), and
+    sessions listening for the table's releases. Only this test's table counts: a
     Locker of another test may still be listening on its own."""
     with direct.engine.connect() as conn:
         listening = conn.execute(
@@ -79,8 +77,8 @@ def session_state(direct: Locker, lockstring: str) -> tuple[int, int]:
 
 
 def queued_waiters(direct: Locker, lockstring: str) -> int:
-    """Sessions in ``lockstring``'s queue, at its head or behind it."""
-    return sum(queued(direct.engine, direct.table_name, lockstring))
+    """Tickets standing for ``lockstring``."""
+    return sum(ls == lockstring for ls, _ in tickets(direct.engine, direct.table_name))
 
 
 def test_a_locker_not_told_of_the_pooler_is_refused_with_what_to_pass(
@@ -264,7 +262,7 @@ def test_in_session_pooling_mode_waiters_still_wake_on_the_release(
     postgresql_url: str, direct: Locker
 ) -> None:
     """A session-pooling PgBouncer told to drop the ``options`` startup parameter: a client
-    keeps its server session, so waiters LISTEN and queue as directly. They poll only every
+    keeps its server session, so waiters LISTEN and take tickets as directly. They poll only every
     30 s here: a waiter served within the test's time was woken by the release."""
     with running_pgbouncer(postgresql_url, "session", ignore_options=True) as url:
         locker = Locker(url, table=direct.table_name)
@@ -280,34 +278,6 @@ def test_in_session_pooling_mode_waiters_still_wake_on_the_release(
             assert got[0].lock_id > held.lock_id
             got[0].unlock()
         finally:
-            locker.close()
-    assert direct.locks() == []
-
-
-def test_in_session_pooling_mode_the_watch_ends_a_wait_stuck_behind_a_stranger(
-    postgresql_url: str, direct: Locker, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Through PgBouncer, libpq's backend pid is the pooler's own: the Locker asks the server for
-    the pid of each queue session, or its watch could not end their waits (and might cancel
-    some other session's statement instead)."""
-    monkeypatch.setattr(queueing, "QUEUE_PATIENCE", 0.3)
-    with running_pgbouncer(postgresql_url, "session", ignore_options=True) as url:
-        locker = Locker(url, table=direct.table_name)
-        stranger = head_the_queue(direct.engine, direct.table_name)
-        try:
-            held = locker.lock("report")
-            got: list[Lock] = []
-            waiter = threading.Thread(target=lambda: got.append(locker.lock("report", wait=30)))
-            waiter.start()
-            wait_until(lambda: queued_waiters(direct, "report") == 2)  # the stranger, and it
-            held.unlock()
-            released = time.monotonic()
-            waiter.join(20)
-            assert got
-            assert time.monotonic() - released < 5  # not the 30 s of its deadline
-            got[0].unlock()
-        finally:
-            stranger.close()
             locker.close()
     assert direct.locks() == []
 

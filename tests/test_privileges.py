@@ -111,8 +111,9 @@ def postgresql_roles(postgresql_url: str) -> Iterator[Roles]:
 POSTGRESQL_GRANTS = [
     "GRANT SELECT, INSERT, UPDATE, DELETE ON semaphores TO {app}",
     "GRANT USAGE ON SEQUENCE semaphores_id_seq TO {app}",
-    "GRANT EXECUTE ON FUNCTION semaphores_queue_for_hand_off(bigint, integer, varchar, varchar, "
-    "jsonb, double precision), semaphores_queue_leave(bigint, varchar, varchar, boolean), "
+    "GRANT EXECUTE ON FUNCTION semaphores_queue_join(varchar, varchar, jsonb, double precision, "
+    "bigint), semaphores_anyone_ahead(varchar, bigint), "
+    "semaphores_queue_leave(bigint, varchar, varchar, boolean), "
     "semaphores_sweep_requests() TO {app}",
     "GRANT SELECT ON semaphores_held TO {reader}",
 ]

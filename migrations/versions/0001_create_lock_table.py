@@ -3,11 +3,11 @@
 - ``<table>``: one row per held lock (``sqllocker.schema.lock_table`` is the same definition).
 - ``<table>_held``: the unexpired rows, with the holder's host, pid and program as columns, and
   without any secret: what read-only roles should be granted.
-- PostgreSQL: ``<table>_requests`` (the hand-off requests of the waiters heading each
-  lockstring's queue, readable only by the owner: a request holds its waiter's secret guid), the
-  functions waiters queue and leave through, the purge's sweep of requests whose waiter is gone,
-  and the DELETE trigger that hands a released row to the head of its queue, or tells waiters
-  it is free (see ``sqllocker/waiting_room.py``).
+- PostgreSQL: ``<table>_requests`` (one ticket per waiter, in the order they came, readable
+  only by the owner: a ticket holds its waiter's secret guid), the functions waiters take,
+  check and give up tickets through, the purge's sweep of tickets whose Locker is gone, and the
+  DELETE trigger that hands a released row to the first live ticket, or tells waiters it is
+  free (see ``sqllocker/tickets.py``).
 - MySQL/MariaDB: ``<table>_id_order``, one row per stripe of lockstrings, which an acquire locks
   where ``innodb_autoinc_lock_mode=2`` would otherwise let ids come out of holding order (see
   ``Statements.acquire``).
@@ -98,19 +98,21 @@ def _postgresql_functions(table: str) -> list[str]:
         "pg_catalog.encode(pg_catalog.sha256(pg_catalog.convert_to(request.guid::text, "
         "'UTF8'::name)), 'hex'::text)",
     )
-    # The release trigger. Nobody queued for the lockstring: nothing to do (no notification; a
-    # waiter that is not queued yet tries again before it blocks). A head of the queue still
-    # there (it holds its request's own key, so this release cannot take that key): the row is
-    # inserted for it, in this transaction, and it is told the new row's id and the SHA-256 of
-    # its guid (which finds it among the waiters of every process listening, and gives the
-    # guid away to nobody); it reads its row back from the table before it believes it. The
-    # grant takes the lockstring's id-order lock (see Statements._new_row_in_id_order) only if
-    # it is free: an acquirer holding it is waiting for this very DELETE to commit, and waiting
-    # for it in turn would be a deadlock; such a release only notifies, and the head tries for
-    # the row itself.
+    # The release trigger. Nobody waiting for the lockstring: nothing to do (no notification; a
+    # waiter that has not taken its ticket yet tries the row once more after taking it). Else
+    # the row is inserted, in this transaction, for the waiter with the lowest ticket whose
+    # Locker is still there (its listener holds the ticket's liveness key, so this release
+    # cannot take that key), and it is told the new row's id and the SHA-256 of its guid (which
+    # finds it among the waiters of every process listening, and gives the guid away to
+    # nobody); it reads its row back from the table before it believes it. Tickets of Lockers
+    # that are gone are deleted on the way. The grant takes the lockstring's id-order lock (see
+    # Statements._new_row_in_id_order) only if it is free: an acquirer holding it is waiting for
+    # this very DELETE to commit, and waiting for it in turn would be a deadlock; such a release
+    # only notifies, and the waiters first in line in each process try for the row themselves.
     release = f"""
         CREATE FUNCTION {table}_notify_release() RETURNS trigger {_FUNCTION} AS $$
         DECLARE
+            waiting record;
             request record;
             granted record;
             now_ timestamptz;
@@ -127,12 +129,20 @@ def _postgresql_functions(table: str) -> list[str]:
                        OPERATOR(pg_catalog.||) TG_TABLE_NAME::text),
                    pg_catalog.hashtext(OLD.lockstring::text))
             THEN
-                DELETE FROM {table}_requests AS q
-                 WHERE q.lockstring::text OPERATOR(pg_catalog.=) OLD.lockstring::text
-                   AND q.guid::text OPERATOR(pg_catalog.<>) OLD.guid::text
-                   AND NOT pg_catalog.pg_try_advisory_xact_lock(q.request_key)
-                RETURNING q.guid, q.locked_by, q.ttl INTO request;
-                IF FOUND THEN
+                FOR waiting IN
+                    SELECT q.ticket FROM {table}_requests AS q
+                     WHERE q.lockstring::text OPERATOR(pg_catalog.=) OLD.lockstring::text
+                     ORDER BY q.ticket
+                LOOP
+                    -- Not found: withdrawn meanwhile, or the releasing holder's own.
+                    DELETE FROM {table}_requests AS q
+                     WHERE q.ticket OPERATOR(pg_catalog.=) waiting.ticket
+                       AND q.guid::text OPERATOR(pg_catalog.<>) OLD.guid::text
+                    RETURNING q.guid, q.locked_by, q.ttl, q.liveness_key INTO request;
+                    CONTINUE WHEN NOT FOUND;
+                    -- Its Locker is gone (nobody holds the key): deleted, and passed over.
+                    CONTINUE WHEN
+                        pg_catalog.pg_try_advisory_xact_lock_shared(request.liveness_key);
                     -- A release commits without waiting for the disk; a grant must not.
                     PERFORM pg_catalog.set_config('synchronous_commit'::text, 'on'::text, true);
                     now_ := pg_catalog.clock_timestamp();
@@ -144,94 +154,87 @@ def _postgresql_functions(table: str) -> list[str]:
                     RETURNING id INTO granted;
                     {notify_grant}
                     RETURN NULL;
-                END IF;
+                END LOOP;
             END IF;
             {notify_release}
             RETURN NULL;
         END
         $$"""
-    # Wait (at most patience_ms, without an ERROR in the server's log when it runs out) to head
-    # the lockstring's queue; then draw a key of one's own, hold it, and leave the request a
-    # release grants while that key is held. Any advisory lock left from before is given up
-    # first: a queue connection serves one waiter at a time.
-    queue_for_hand_off = f"""
-        CREATE FUNCTION {table}_queue_for_hand_off(
-            queue_key bigint, patience_ms integer, ls varchar, request_guid varchar,
-            holder jsonb, ttl double precision)
-        RETURNS boolean {_FUNCTION} AS $$
+    # Take a ticket for ls: the next in line, alive while liveness_key is held (by the Locker's
+    # listening session), granted the row by a release while it stands. Also says whether the
+    # row is held, as it stands once a release of it under way has committed (FOR KEY SHARE waits
+    # for its DELETE; a DELETE that comes after waits for this ticket, and its trigger sees it):
+    # a release this ticket came too late for has left the row free, and the waiter tries it.
+    queue_join = f"""
+        CREATE FUNCTION {table}_queue_join(
+            ls varchar, request_guid varchar, holder jsonb, ttl double precision,
+            liveness_key bigint)
+        RETURNS TABLE (ticket bigint, held boolean) {_FUNCTION} AS $$
         DECLARE
-            key bigint;
+            drawn bigint;
         BEGIN
-            PERFORM pg_catalog.pg_advisory_unlock_all();
-            PERFORM pg_catalog.set_config('lock_timeout'::text, patience_ms::text, true);
-            PERFORM pg_catalog.pg_advisory_lock(queue_key);
-            LOOP
-                key := (pg_catalog.random() OPERATOR(pg_catalog.*) 4e18::double precision)::bigint;
-                EXIT WHEN pg_catalog.pg_try_advisory_lock(key);
-            END LOOP;
-            INSERT INTO {table}_requests
-                (lockstring, guid, locked_by, ttl, queue_key, pid, request_key)
-            VALUES (ls, request_guid, holder, ttl, queue_key, pg_catalog.pg_backend_pid(), key)
-            ON CONFLICT (lockstring) DO UPDATE
-               SET guid = excluded.guid, locked_by = excluded.locked_by, ttl = excluded.ttl,
-                   queue_key = excluded.queue_key, pid = excluded.pid,
-                   request_key = excluded.request_key;
-            RETURN true;
-        EXCEPTION WHEN lock_not_available THEN
-            RETURN false;
+            INSERT INTO {table}_requests AS q (lockstring, guid, locked_by, ttl, liveness_key)
+            VALUES (ls, request_guid, holder, ttl, liveness_key)
+            RETURNING q.ticket INTO drawn;
+            PERFORM FROM {table} AS l
+             WHERE l.lockstring::text OPERATOR(pg_catalog.=) ls::text
+               AND l.expires OPERATOR(pg_catalog.>) pg_catalog.clock_timestamp()
+               FOR KEY SHARE;
+            RETURN QUERY SELECT drawn, FOUND;
         END
         $$"""
-    # Leave the queue, withdrawing the request; returns whether it had been granted already.
-    # With give_back, a granted row is deleted again (its requester stopped waiting).
+    # Whether a live ticket lower than before_ticket waits for ls: the gate of an acquire that
+    # must not take the row ahead of them. A ticket is dead once nobody holds its liveness key.
+    anyone_ahead = f"""
+        CREATE FUNCTION {table}_anyone_ahead(ls varchar, before_ticket bigint)
+        RETURNS boolean {_FUNCTION} AS $$
+        BEGIN
+            RETURN EXISTS (
+                SELECT FROM {table}_requests AS q
+                 WHERE q.lockstring::text OPERATOR(pg_catalog.=) ls::text
+                   AND q.ticket OPERATOR(pg_catalog.<) before_ticket
+                   AND NOT pg_catalog.pg_try_advisory_xact_lock_shared(q.liveness_key));
+        END
+        $$"""
+    # Give up a ticket; with give_back, a row already granted to it is deleted again (its waiter
+    # stopped waiting). Returns whether such a row was given back.
     queue_leave = f"""
         CREATE FUNCTION {table}_queue_leave(
-            queue_key bigint, ls varchar, request_guid varchar, give_back boolean)
+            request_ticket bigint, ls varchar, request_guid varchar, give_back boolean)
         RETURNS boolean {_FUNCTION} AS $$
-        DECLARE
-            withdrawn boolean;
         BEGIN
             DELETE FROM {table}_requests
+             WHERE ticket OPERATOR(pg_catalog.=) request_ticket
+               AND guid::text OPERATOR(pg_catalog.=) request_guid::text;
+            IF FOUND OR NOT give_back THEN
+                RETURN false;
+            END IF;
+            DELETE FROM {table}
              WHERE lockstring::text OPERATOR(pg_catalog.=) ls::text
                AND guid::text OPERATOR(pg_catalog.=) request_guid::text;
-            withdrawn := FOUND;
-            IF NOT withdrawn AND give_back THEN
-                DELETE FROM {table}
-                 WHERE lockstring::text OPERATOR(pg_catalog.=) ls::text
-                   AND guid::text OPERATOR(pg_catalog.=) request_guid::text;
-            END IF;
-            PERFORM pg_catalog.pg_advisory_unlock_all();
-            RETURN NOT withdrawn;
+            RETURN FOUND;
         END
         $$"""
-    # The purge's sweep: requests whose session no longer heads their queue are never granted,
-    # and a lockstring never contended again would keep its dead head's request for ever.
+    # The purge's sweep: the tickets of Lockers that are gone are never granted, and a
+    # lockstring never released again would keep them for ever.
     sweep = f"""
         CREATE FUNCTION {table}_sweep_requests() RETURNS bigint {_FUNCTION} AS $$
         DECLARE
             swept bigint;
         BEGIN
             DELETE FROM {table}_requests AS q
-             WHERE NOT EXISTS (
-                SELECT FROM pg_catalog.pg_locks AS l
-                 WHERE l.locktype OPERATOR(pg_catalog.=) 'advisory'::text
-                   AND l.granted
-                   AND l.pid OPERATOR(pg_catalog.=) q.pid
-                   AND l.classid::bigint OPERATOR(pg_catalog.=)
-                       ((q.queue_key OPERATOR(pg_catalog.>>) 32)
-                        OPERATOR(pg_catalog.&) 4294967295::bigint)
-                   AND l.objid::bigint OPERATOR(pg_catalog.=)
-                       (q.queue_key OPERATOR(pg_catalog.&) 4294967295::bigint)
-                   AND l.objsubid OPERATOR(pg_catalog.=) 1::smallint);
+             WHERE pg_catalog.pg_try_advisory_xact_lock_shared(q.liveness_key);
             GET DIAGNOSTICS swept = ROW_COUNT;
             RETURN swept;
         END
         $$"""
-    return [release, queue_for_hand_off, queue_leave, sweep]
+    return [release, queue_join, anyone_ahead, queue_leave, sweep]
 
 
 _FUNCTION_SIGNATURES = (
     "{table}_notify_release()",
-    "{table}_queue_for_hand_off(bigint, integer, varchar, varchar, jsonb, double precision)",
+    "{table}_queue_join(varchar, varchar, jsonb, double precision, bigint)",
+    "{table}_anyone_ahead(varchar, bigint)",
     "{table}_queue_leave(bigint, varchar, varchar, boolean)",
     "{table}_sweep_requests()",
 )
@@ -285,20 +288,20 @@ def upgrade() -> None:
 
 
 def _upgrade_postgresql(table: str) -> None:
-    # Requests live in an UNLOGGED table: writing one needs no flush to disk, and a crash that
-    # empties it also ended every session that could have been waiting on one.
+    # Tickets live in an UNLOGGED table: taking one needs no flush to disk, and a crash that
+    # empties it also ended every listening session that kept one alive.
     op.execute(
         f"""
         CREATE UNLOGGED TABLE {table}_requests (
-            lockstring varchar(128) PRIMARY KEY,
+            ticket bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+            lockstring varchar(128) NOT NULL,
             guid varchar(36) NOT NULL,
             locked_by jsonb NOT NULL,
             ttl double precision NOT NULL,
-            queue_key bigint NOT NULL,
-            pid integer NOT NULL,
-            request_key bigint NOT NULL
+            liveness_key bigint NOT NULL
         )"""
     )
+    op.execute(f"CREATE INDEX ix_{table}_requests_line ON {table}_requests (lockstring, ticket)")
     op.execute(f"REVOKE ALL ON {table}_requests FROM PUBLIC")
     with _pinned_path(table):
         for function in _postgresql_functions(table):

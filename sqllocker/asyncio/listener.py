@@ -2,9 +2,10 @@
 in ``notifications.py``).
 
 The connection listens on the table's channel (the DELETE trigger sends the lockstring while
-waiters are queued) and on its grants channel (a hand-off to the head of a queue). Waiters
-register before each attempt, and still wake by themselves at their backoff or the holder's
-expiry, so a dropped listening connection costs latency, never correctness.
+waiters hold tickets) and on its grants channel (a hand-off to a ticket), and holds the liveness
+key that keeps its Locker's tickets live (``sqllocker.tickets``). Waiters register before each
+attempt, and still wake by themselves at their backoff or the holder's expiry, so a dropped
+listening connection costs latency, never correctness.
 
 Written once for asyncio (a task per locker); the sync ``sqllocker/listener.py`` (a thread per
 locker) is generated from it (``tests/unasync.py``).
@@ -13,6 +14,7 @@ locker) is generated from it (``tests/unasync.py``).
 from __future__ import annotations
 
 import logging
+import secrets
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -46,6 +48,9 @@ class AsyncReleaseListener:
         self.grants_channel = grants_channel_for(table)
         self._waiters = WaiterQueues()
         self._listening = concurrency.Event()
+        # The session advisory lock the listening connection holds: the liveness key of this
+        # Locker's tickets (None while not listening).
+        self.liveness_key: int | None = None
         self.notifications = 0
         self.grants = 0
         if True:  # ASYNC
@@ -57,22 +62,23 @@ class AsyncReleaseListener:
             self._pid = forks.pid
 
     async def register(
-        self, lockstring: str, digest: str | None = None
+        self, lockstring: str, digest: str | None = None, releases: bool = True
     ) -> Waiter[concurrency.Event]:
-        """Subscribe to ``lockstring``'s next release, and, for the head of its queue (the
-        ``digest`` of its guid), to a hand-off of its row; call before the acquire attempt."""
+        """Subscribe to ``lockstring``'s next release (with ``releases``), and, for a waiter
+        with a ticket (the ``digest`` of its guid), to a hand-off of its row; call before the
+        acquire attempt."""
         self._start_listening()
         # Subscribed before the caller's attempt, or (after a timeout) not at all, when the
         # caller's backoff polls: never a registration that silently misses the release.
         await concurrency.wait(self._listening, SUBSCRIBE_SECONDS)
-        return self._waiters.add(Waiter(lockstring, concurrency.Event(), digest))
+        return self._waiters.add(Waiter(lockstring, concurrency.Event(), digest, releases))
 
     def unregister(self, waiter: Waiter[concurrency.Event]) -> None:
         self._waiters.remove(waiter)
 
-    def step_aside(self, waiter: Waiter[concurrency.Event]) -> None:
-        """``unregister`` for a waiter about to queue: see ``WaiterQueues.step_aside``."""
-        self._waiters.step_aside(waiter)
+    def follow_releases(self, waiter: Waiter[concurrency.Event]) -> None:
+        """Wake ``waiter`` on its lockstring's releases too (see ``WaiterQueues``)."""
+        self._waiters.follow_releases(waiter)
 
     if True:  # ASYNC
 
@@ -133,6 +139,7 @@ class AsyncReleaseListener:
         try:
             await connection.execute(f'LISTEN "{self.channel}"')
             await connection.execute(f'LISTEN "{self.grants_channel}"')
+            self.liveness_key = await _hold_a_key(connection)
             self._listening.set()
             if True:  # ASYNC
                 async for notice in connection.notifies():
@@ -143,11 +150,25 @@ class AsyncReleaseListener:
                         self._received(notice)
         finally:
             self._listening.clear()
+            self.liveness_key = None
             await pooled.close()
 
     def _received(self, notice: Any) -> None:
         self.notifications += 1
         if notice.channel == self.channel:
-            self._waiters.wake_first(notice.payload)
+            self._waiters.wake_all(notice.payload)
         elif (grant := parse_grant(notice.payload)) is not None:
             self.grants += self._waiters.hand_over(grant)
+
+
+async def _hold_a_key(connection: Any) -> int:
+    """Take a session advisory lock on a random key nobody holds, on ``connection``: the
+    liveness key of a listener's tickets."""
+    while True:
+        key = secrets.randbits(64) - 2**63
+        cursor = await connection.execute(
+            "SELECT pg_catalog.pg_try_advisory_lock(%s::bigint)", (key,)
+        )
+        row = await cursor.fetchone()
+        if row is not None and row[0]:
+            return key

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
@@ -19,7 +20,7 @@ from typing import Any, ParamSpec, TypeVar
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from .. import validation
+from .. import tickets, validation
 from ..backoff import Backoff
 from ..decorators import LockstringTemplate, check_decoration, when_busy
 from ..defaults import (
@@ -36,8 +37,9 @@ from ..identity import holder_details, new_guid
 from ..keepalive import DEFAULT_FRACTION
 from ..notifications import guid_digest
 from ..operations import Acquired, LockInfo, LockOperations, Refused
-from ..queueing import QueueKey, Request
+from ..queueing import QueueKey
 from ..schema import DEFAULT_TABLE
+from ..tickets import LOOK_AGAIN, NEWCOMER, LocalLine, Ticket
 from . import concurrency
 from .group import AsyncLockGroup
 from .keepalive import AsyncKeepAlive
@@ -73,13 +75,6 @@ async def _wait_out(error: DatabaseError, backoff: Backoff, lockstring: str) -> 
     await concurrency.sleep(backoff.next_delay())
 
 
-def _step_aside(listener: AsyncReleaseListener | None, waiter: Any) -> None:
-    """Stop listening for releases while queued (the process's head of the queue may need
-    them); nothing to do without a listener."""
-    if listener is not None and waiter is not None:
-        listener.step_aside(waiter)
-
-
 class AsyncLocker:
     """Hands out locks kept as rows of ``table`` in the database at ``url_or_engine``.
 
@@ -107,15 +102,15 @@ class AsyncLocker:
 
     ``max_connections``: the most connections the locker opens to a PostgreSQL or MySQL/MariaDB
     server at once (default: SQLAlchemy's 5 + 10), shared by its lock operations, its queued
-    waiters (at most half of them) and its release listener; for an engine of your own, its
-    pool's ``pool_size + max_overflow`` is that limit.
+    waiters on MySQL/MariaDB (at most half of them) and its release listener on PostgreSQL;
+    for an engine of your own, its pool's ``pool_size + max_overflow`` is that limit.
 
     ``transaction_pooling``: PostgreSQL is reached through a pooler that lends a server session
     per transaction (PgBouncer's ``pool_mode = transaction``), where no session setting, prepared
     statement, LISTEN or session lock lasts from one statement to the next. The locker then
     sends no session settings and prepares nothing (a caller's Engine must be made with
     ``connect_args={"prepare_threshold": None}``), and waiters back off and retry instead of
-    queueing and waking on NOTIFY.
+    taking tickets and waking on NOTIFY.
     """
 
     def __init__(
@@ -180,6 +175,7 @@ class AsyncLocker:
         self._setup_lock = threading.Lock()  # never held across a wait
         self._listener: AsyncReleaseListener | None = None
         self._room: AsyncWaitingRoom | None = None
+        self._line = LocalLine()  # the tickets of this Locker's waiters (PostgreSQL)
         # Queued waiters and the listener hold connections of the pool's; ops get the rest.
         self._seats = self._operations.reserve_for_waiting()
         queue_file = self._operations.queue_file
@@ -207,13 +203,15 @@ class AsyncLocker:
 
         ``expires``: seconds until the lock may be taken over (default: the locker's).
         ``wait``: 0 tries once; a number of seconds keeps trying until then, backing off with
-        jitter; ``None`` waits forever. On PostgreSQL waiters wake on the release's NOTIFY and
-        queue in the server, first come first served, each on a connection of its own while
-        it waits (see ``sqllocker.queueing``). ``locked_by``: extra JSON details stored with the
-        holder's host, pid, thread (or task), program and user. ``keep_alive``: renew the lock
-        in the background until it is released (see ``keep_alive`` of a lock), calling
-        ``on_lost`` (else the locker's) if it is lost. ``hold_at_least``: a release within that
-        many seconds of the acquire (by the server's clock) keeps the row until then, so that
+        jitter; ``None`` waits forever. Waiters are served first come, first served: on
+        PostgreSQL each takes a ticket and is handed the row by a release (see
+        ``sqllocker.tickets``); on MySQL/MariaDB they queue in the server, each on a connection
+        of its own while it waits (see ``sqllocker.queueing``). ``locked_by``: extra JSON
+        details stored with the holder's host, pid, thread (or task), program and user.
+        ``keep_alive``: renew the lock in the background until it is released (see
+        ``keep_alive`` of a lock), calling ``on_lost`` (else the locker's) if it is lost.
+        ``hold_at_least``: a release within that many seconds of the acquire (by the server's
+        clock) keeps the row until then, so that
         nobody else takes the lock in that window: a job scheduled on several machines runs
         once per window, however quickly it finishes.
 
@@ -350,8 +348,8 @@ class AsyncLocker:
         Deletes in batches of ``batch_size``, each its own short transaction, so a large purge
         never blocks acquirers for long, and after each full batch rests ``pause_ratio`` times
         as long as the batch took, so that it leaves most of the server to the acquirers (0:
-        flat out). On PostgreSQL it also deletes the hand-off requests of queued waiters
-        whose process died, which are not counted. Database errors propagate.
+        flat out). On PostgreSQL it also deletes the tickets of waiters whose Locker is gone,
+        which are not counted. Database errors propagate.
         """
         purged: int = await self._call(
             self._operations.purge_expired,
@@ -437,7 +435,7 @@ class AsyncLocker:
         if True:  # ASYNC
             await self._ready()
         # One guid for every attempt of this call: a release may hand the row to it (as our
-        # Request, at the head of the queue), and an attempt that finds the row under it knows
+        # ticket), and an attempt that finds the row under it knows
         # the row is ours.
         guid = new_guid()
         details = holder_details(extra, concurrency.task_name())
@@ -461,83 +459,212 @@ class AsyncLocker:
         wait: float | None,
         on_lost: OnLost | None,
     ) -> AsyncLock:
-        """Attempts until one succeeds, or LockBusy once ``wait`` has passed, in the server's
-        queue (see ``sqllocker.queueing``): on PostgreSQL woken by releases, on MySQL the head
-        polling the row alone; without a queue, backing off between attempts."""
-        backoff = Backoff.for_wait(wait)
+        """Attempts until one succeeds, or LockBusy once ``wait`` has passed: on PostgreSQL in
+        line by ticket (``_wait_with_ticket``); on MySQL in the server's queue, its head
+        polling the row alone (``sqllocker.queueing``); without either, backing off between
+        attempts."""
         listener = self._release_listener()
+        if listener is not None:
+            return await self._wait_with_ticket(
+                listener, lockstring, guid, details, ttl, wait, on_lost
+            )
+        backoff = Backoff.for_wait(wait)
         room = self._waiting_room()
         turn: AsyncTurn | None = None
         # A waiter's first attempt does not take the row ahead of waiters already queued.
         gate = room.key(lockstring) if room is not None else None
-        digest = guid_digest(guid)  # what a release's grant names this waiter by
         try:
             while True:
-                # Subscribe before the attempt: a release between a refusal and the sleep
-                # still wakes us.
-                heading = digest if turn is not None and turn.request is not None else None
-                waiter = await listener.register(lockstring, heading) if listener else None
                 try:
-                    try:
-                        polling = turn is not None and turn.request is None
-                        outcome = await self._try_acquire(
-                            lockstring, guid, details, ttl, on_lost, gate, look_first=polling
-                        )
-                    except DatabaseError as error:
-                        await _wait_out(error, backoff, lockstring)
-                        continue
-                    gated, gate = gate is not None, None
-                    if isinstance(outcome, AsyncLock):
-                        if turn is not None:
-                            if turn.request is None:
-                                turn.leave_soon()
-                            else:  # withdrawn before the caller has the lock
-                                await turn.leave(give_back=False)
-                        return outcome
-                    if backoff.expired():
-                        if gated and outcome.busy is None:
-                            continue  # the gate refused us unasked: one full attempt first
-                        raise outcome.busy_after(lockstring, wait)
-                    if room is not None and turn is None:
-                        entry = await room.enter(
-                            lockstring,
-                            backoff.remaining(),
-                            before_blocking=functools.partial(_step_aside, listener, waiter),
-                            request=Request(lockstring, guid, details, ttl),
-                        )
-                        turn = entry.turn
-                        if turn is not None:
-                            if turn.request is not None:
-                                backoff.await_hand_off()
-                            else:
-                                backoff.heading()
-                        if not entry.usable:
-                            room = None  # full, or failing: wait unqueued from now on
-                        if entry.try_again:
-                            continue  # we were not listening while queued: try again at once
-                    delay = backoff.next_delay(
-                        outcome.busy.expires if outcome.busy else None,
-                        outcome.server_now,
-                        self.grace,
+                    outcome = await self._try_acquire(
+                        lockstring, guid, details, ttl, on_lost, gate, look_first=turn is not None
                     )
-                    if waiter is None:
-                        await concurrency.sleep(delay)
-                        continue
-                    # A release notification, or the backoff, ends the wait.
+                except DatabaseError as error:
+                    await _wait_out(error, backoff, lockstring)
+                    continue
+                gated, gate = gate is not None, None
+                if isinstance(outcome, AsyncLock):
+                    if turn is not None:
+                        turn.leave_soon()
+                    return outcome
+                if backoff.expired():
+                    if gated and outcome.busy is None:
+                        continue  # the gate refused us unasked: one full attempt first
+                    raise outcome.busy_after(lockstring, wait)
+                if room is not None and turn is None:
+                    entry = await room.enter(lockstring, backoff.remaining())
+                    turn = entry.turn
+                    if turn is not None:
+                        backoff.heading()
+                    if not entry.usable:
+                        room = None  # full, or failing: wait unqueued from now on
+                    if entry.try_again:
+                        continue  # a release may have come while we queued: try again at once
+                busy = outcome.busy
+                delay = backoff.next_delay(
+                    busy.expires if busy else None, outcome.server_now, self.grace
+                )
+                await concurrency.sleep(delay)
+        finally:
+            if turn is not None:
+                await turn.leave()
+
+    async def _wait_with_ticket(
+        self,
+        listener: AsyncReleaseListener,
+        lockstring: str,
+        guid: str,
+        details: dict[str, Any],
+        ttl: float,
+        wait: float | None,
+        on_lost: OnLost | None,
+    ) -> AsyncLock:
+        """``_wait_for`` on PostgreSQL: refused, a waiter takes a ticket and is handed the row
+        by a release when its turn comes; the first of this Locker's waiters for the row also
+        tries it now and then (see ``sqllocker.tickets``). Without a listener that holds a
+        liveness key (it is reconnecting), it backs off and tries, as if alone."""
+        backoff = Backoff.for_wait(wait)
+        digest = guid_digest(guid)  # what a release's grant names this waiter by
+        line = self._line
+        ticket: Ticket | None = None
+        refused = Refused(None, None)  # the last refusal, which LockBusy names
+        # The first attempt: not ahead of anyone waiting. Where a waiter of this Locker holds a
+        # ticket already, it would be refused: take a ticket at once.
+        gate: int | None = None if line.waiting(lockstring) else NEWCOMER
+        try_now = True
+        free_since: float | None = None  # in line, refused a free row by a ticket ahead
+        outcome: AsyncLock | None = None  # ours, once won by an attempt or handed over
+        try:
+            while True:
+                if ticket is not None and ticket.liveness_key != listener.liveness_key:
+                    # The listener's session ended, and the ticket's life with it: give it up
+                    # (with a row handed to it that we never heard of), and take a new one.
+                    dead, ticket = ticket, None
+                    try:
+                        await self._leave_line(dead, guid, give_back=True)
+                    finally:
+                        line.leave(dead)
+                    try_now = True
+                waiter = await listener.register(lockstring, digest, releases=False)
+                try:
+                    key = listener.liveness_key
+                    if ticket is None and gate is None and key is not None:
+                        try:
+                            ticket, held = await self._join_line(
+                                lockstring, guid, ttl, details, key
+                            )
+                        except DatabaseError as error:
+                            await _wait_out(error, backoff, lockstring)
+                            continue
+                        line.join(ticket)
+                        backoff.await_hand_off()
+                        try_now = not held  # a release may have come before our ticket
+                    first = ticket is None or line.watch(ticket, waiter.event.set)
+                    if first:
+                        listener.follow_releases(waiter)
+                    if first and try_now:
+                        waited = 0.0 if free_since is None else time.monotonic() - free_since
+                        in_line = ticket is not None and waited < tickets.PATIENCE
+                        try:
+                            attempt = await self._try_acquire(
+                                lockstring,
+                                guid,
+                                details,
+                                ttl,
+                                on_lost,
+                                ticket.number if in_line and ticket is not None else gate,
+                                in_line=in_line,
+                            )
+                        except DatabaseError as error:
+                            await _wait_out(error, backoff, lockstring)
+                            continue
+                        if isinstance(attempt, AsyncLock):
+                            line.passed += ticket is not None and not in_line
+                            outcome = attempt
+                            return attempt
+                        gated_unasked = gate is not None and attempt.busy is None
+                        gate = None
+                        if ticket is None or attempt.busy is not None:
+                            free_since = None
+                        elif free_since is None:
+                            free_since = time.monotonic()
+                        if attempt.busy is not None or refused.busy is None:
+                            refused = attempt
+                        if backoff.expired() and gated_unasked:
+                            continue  # the gate refused us unasked: one full attempt first
+                    try_now = True
+                    if backoff.expired():
+                        raise refused.busy_after(lockstring, wait)
+                    if ticket is None and key is not None:
+                        continue  # refused: take a ticket
+                    if first:
+                        busy = refused.busy
+                        delay = backoff.next_delay(
+                            busy.expires if busy else None, refused.server_now, self.grace
+                        )
+                    else:  # wakes when it is first, or is handed the row
+                        remaining = backoff.remaining()
+                        delay = LOOK_AGAIN if remaining is None else min(LOOK_AGAIN, remaining)
                     await concurrency.wait(waiter.event, delay)
-                    if waiter.grant is not None and turn is not None:
+                    if waiter.grant is not None and ticket is not None:
                         claimed: Acquired | None = await self._call(
                             self._operations.claim_grant, lockstring, waiter.grant.lock_id, guid
                         )
                         if claimed is not None:
-                            turn.granted()
-                            return self._lock(lockstring, guid, claimed, ttl, details, on_lost)
+                            line.leave(ticket)
+                            ticket = None  # the release that granted it took it
+                            outcome = self._lock(lockstring, guid, claimed, ttl, details, on_lost)
+                            return outcome
                 finally:
-                    if listener is not None and waiter is not None:
-                        listener.unregister(waiter)
+                    listener.unregister(waiter)
         finally:
-            if turn is not None:
-                await turn.leave()  # withdrawing our request, and giving back a row granted to it
+            if ticket is not None:
+                # Given up before the caller has its lock: a later release must not hand a
+                # row to a ticket nobody waits on. Without the lock, a row handed to it goes
+                # back. The next waiter of this Locker is told only then, or it would find our
+                # ticket still ahead of its own.
+                try:
+                    await self._leave_line(ticket, guid, give_back=outcome is None)
+                finally:
+                    line.leave(ticket)
+
+    async def _join_line(
+        self, lockstring: str, guid: str, ttl: float, details: dict[str, Any], key: int
+    ) -> tuple[Ticket, bool]:
+        """A ticket for ``lockstring``, alive while ``key`` is held, and whether the row is
+        held (``LockOperations.join_line``)."""
+        if True:  # ASYNC
+            number, held = await concurrency.shielded(
+                self._call(self._operations.join_line, lockstring, guid, ttl, details, key),
+                f"take a ticket for {lockstring!r}",
+                functools.partial(self._leave_joined, lockstring, guid),
+            )
+        else:
+            number, held = self._operations.join_line(lockstring, guid, ttl, details, key)
+        return Ticket(lockstring, number, key), held
+
+    async def _leave_line(self, ticket: Ticket, guid: str, give_back: bool) -> None:
+        """Give up ``ticket`` (``LockOperations.leave_line``), whoever stops waiting for it; a
+        failure is logged: a row handed to it meanwhile stays until it expires."""
+        try:
+            if True:  # ASYNC
+                await asyncio.shield(
+                    self._call(
+                        self._operations.leave_line,
+                        ticket.lockstring,
+                        ticket.number,
+                        guid,
+                        give_back,
+                    )
+                )
+            else:
+                self._operations.leave_line(ticket.lockstring, ticket.number, guid, give_back)
+        except DatabaseError as error:
+            logger.warning(
+                "could not give up a ticket for %r (%s); a row handed to it stays until it expires",
+                ticket.lockstring,
+                error,
+            )
 
     async def _try_once(
         self,
@@ -626,8 +753,9 @@ class AsyncLocker:
         on_lost: OnLost | None,
         queue_key: QueueKey | None = None,
         look_first: bool = False,
+        in_line: bool = False,
     ) -> AsyncLock | Refused:
-        attempt = (lockstring, guid, ttl, details, queue_key, look_first)
+        attempt = (lockstring, guid, ttl, details, queue_key, look_first, in_line)
         if True:  # ASYNC
             outcome = await concurrency.shielded(
                 self._call(self._operations.try_acquire, *attempt),
@@ -697,7 +825,6 @@ class AsyncLocker:
                     queue_wait,
                     functools.partial(self._call, self._operations.look_at_queue),
                     functools.partial(self._call, self._operations.end_queued_waits),
-                    functools.partial(self._call, self._operations.withdraw_abandoned_request),
                     self._seats,
                 )
             return self._room
@@ -712,6 +839,11 @@ class AsyncLocker:
                 )
                 release = self._call(self._operations.release, lockstring, outcome.lock_id, guid)
                 spawn(release, f"release {lockstring!r} after cancellation")
+
+        def _leave_joined(self, lockstring: str, guid: str, joined: tuple[int, bool]) -> None:
+            """The caller of a join was cancelled: give up the ticket it took."""
+            leave = self._call(self._operations.leave_line, lockstring, joined[0], guid, True)
+            spawn(leave, f"give up a ticket for {lockstring!r} after cancellation")
 
         def _release_group_won(
             self, members: list[tuple[str, str]], outcome: list[Acquired] | Refused
@@ -760,6 +892,7 @@ class AsyncLocker:
             )
             self._listener = None
             self._room = None
+            self._line = LocalLine()
             self._ready_lock = None
             self._keep_alives.forget_tasks()
             self._operations.forget_connections()

@@ -44,8 +44,11 @@ class Backend:
     # PostgreSQL takes over an expired row in one statement (ON CONFLICT DO UPDATE ... WHERE
     # expired); the others delete the row if still expired and insert again.
     atomic_takeover: ClassVar[bool] = False
-    # Waiters queue in the server (``queue_wait``), each on a connection of its own.
+    # Waiters queue in the server (``queue_wait``), each on a connection of its own (MySQL).
     queues_in_server: ClassVar[bool] = False
+    # A Locker's ``max_connections`` sizes its engine's pool: connections to a server (not
+    # SQLite's, which are to a file of the Locker's own machine).
+    limits_connections: ClassVar[bool] = True
     # SQLite: the connections of an engine sqllocker makes do not checkpoint the write-ahead
     # log as they commit; releases do, every CHECKPOINT_EVERY of them (``checkpoint``).
     checkpoints_after_releases: ClassVar[bool] = False
@@ -137,7 +140,7 @@ class Backend:
         raise NotImplementedError
 
     def acquire_unless_queued(self, statements: Statements) -> ReturningInsert[Any]:
-        """``acquire``, unless waiters are queued in the server (PostgreSQL's waiting room)."""
+        """``acquire``, unless waiters are queued in the server, or (PostgreSQL) hold tickets."""
         raise NotImplementedError(f"{self.name} queues no waiters in the server")
 
     def take_over(self, statements: Statements) -> ReturningInsert[Any]:
@@ -172,12 +175,6 @@ class Backend:
 
     def end_queued_wait(self) -> TextualSelect | None:
         """The statement that ends the queued wait of the session ``:session``."""
-        return None
-
-    def end_queue_session(self) -> TextualSelect | None:
-        """Where a release hands rows to the head's request (PostgreSQL): the statement that
-        ends the server session ``:session`` of a queue connection given up, and returns once
-        it has ended; None elsewhere."""
         return None
 
     # -- schema --------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""PostgreSQL through psycopg 3: atomic takeover, waiters queued in the server and handed the
-row by the release (``sqllocker.queueing``), and a database shared with other roles.
+"""PostgreSQL through psycopg 3: atomic takeover, waiters in line by ticket and handed the row
+by the release (``sqllocker.tickets``), and a database shared with other roles.
 
 Every catalog function and operator is named with its schema (``pg_catalog.``) and exact
 types, and strings are compared as ``text`` on both sides, so that nothing another role creates
@@ -34,14 +34,11 @@ if TYPE_CHECKING:
     from sqlalchemy.sql.dml import ReturningInsert
     from sqlalchemy.sql.selectable import TextualSelect
 
-    from ..queueing import QueueWait
     from ..statements import Statements
 
 # How long an acquire waits for the lockstring's id-order key, which others hold only for their
 # INSERT: a wait this long means a session outside the protocol holds it.
 ID_ORDER_WAIT_MS = 1000
-# How long the end of a queue connection's session given up is waited for (end_queue_session).
-QUEUE_SESSION_END_MS = 5000
 # Serialises concurrent `sqllocker migrate` runs ("SQLL").
 _MIGRATION_LOCK_KEY = 0x5351_4C4C
 
@@ -52,7 +49,6 @@ class PostgreSQLBackend(Backend):
     sync_driver = "postgresql+psycopg"
     async_driver = "postgresql+psycopg"
     atomic_takeover = True
-    queues_in_server = True
 
     def now(self) -> ColumnElement[Any]:
         return sa.func.pg_catalog.clock_timestamp(type_=UTCDateTime())
@@ -99,26 +95,18 @@ class PostgreSQLBackend(Backend):
             *statements.returned
         )
 
-    def queue_wait(self, statements: Statements) -> QueueWait:
-        from ..queueing import QueueWait
-
-        return QueueWait(statements)
-
     def acquire_unless_queued(self, statements: Statements) -> ReturningInsert[Any]:
-        """``acquire``, unless waiters are queued for the lockstring (see
-        ``sqllocker.queueing``): then insert nothing, as if refused.
-
-        A waiting acquirer's first attempt uses this, so that it cannot take the row in the
-        moment between a release and the head of the queue's INSERT. The queue's advisory lock,
-        held by its head and asked for by those behind, is tried in shared mode for this
-        statement's transaction only (``queue_key``): that fails while anyone holds or waits.
-        """
-        nobody_queued = sa.func.pg_catalog.pg_try_advisory_xact_lock_shared(
-            sa.cast(sa.bindparam("queue_key", type_=sa.BigInteger), sa.BigInteger)
-        )
+        """``acquire``, unless a live ticket lower than ``queue_key`` waits for the lockstring
+        (see ``sqllocker.tickets``; ``tickets.NEWCOMER``: any live ticket at all): then insert
+        nothing, as if refused. So a newcomer cannot take the row ahead of those already
+        waiting, nor a waiter ahead of those before it."""
+        anyone_ahead = sa.text(
+            f"NOT {statements.function('anyone_ahead')}(CAST(:ls AS varchar), "
+            "CAST(:queue_key AS bigint))"
+        ).bindparams(statements.lockstring_param, sa.bindparam("queue_key", type_=sa.BigInteger))
         insert = postgresql.insert(statements.table).from_select(
             list(statements.new_row),
-            self._new_row_in_id_order(statements, only_if=nobody_queued),
+            self._new_row_in_id_order(statements, only_if=sa.type_coerce(anyone_ahead, sa.Boolean)),
         )
         c = statements.table.c
         return insert.on_conflict_do_nothing(index_elements=[c.lockstring]).returning(
@@ -159,7 +147,7 @@ class PostgreSQLBackend(Backend):
         fencing token (tests/test_fencing.py makes it happen every time without this). The
         transaction-scoped advisory lock in FROM runs before the row is formed, so ids are
         drawn one acquirer at a time per lockstring, in the order the rows can be held. Its
-        two-int4 key is a key space apart from the queue's bigint keys (``waiting_room``).
+        two-int4 key is a key space apart from the tickets' bigint liveness keys.
         """
         catalog = sa.func.pg_catalog
         in_turn = sa.select(
@@ -222,38 +210,6 @@ class PostgreSQLBackend(Backend):
             .bindparams(sa.bindparam("table_key", statements.table_key, type_=sa.Text))
             .columns(sa.column("pid", sa.Integer))
         )
-
-    def queue_head(self) -> TextualSelect:
-        """The pid holding the queue's advisory lock: a bigint key, split into its two halves
-        and marked objsubid 1 in pg_locks."""
-        return sa.text(
-            "SELECT l.pid FROM pg_catalog.pg_locks AS l "
-            "WHERE l.locktype OPERATOR(pg_catalog.=) 'advisory'::text AND l.granted "
-            "AND l.objsubid OPERATOR(pg_catalog.=) 1::smallint "
-            "AND l.database OPERATOR(pg_catalog.=) (SELECT d.oid FROM pg_catalog.pg_database "
-            "AS d WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database()) "
-            "AND l.classid::bigint OPERATOR(pg_catalog.=) ((CAST(:queue_key AS bigint) "
-            "OPERATOR(pg_catalog.>>) 32) OPERATOR(pg_catalog.&) 4294967295::bigint) "
-            "AND l.objid::bigint OPERATOR(pg_catalog.=) (CAST(:queue_key AS bigint) "
-            "OPERATOR(pg_catalog.&) 4294967295::bigint) "
-            "AND l.mode OPERATOR(pg_catalog.=) 'ExclusiveLock'::text LIMIT 1"
-        ).columns(sa.column("pid", sa.Integer))
-
-    def end_queued_wait(self) -> TextualSelect:
-        # A cancel, not a terminate: the waiter closes its connection itself.
-        return sa.text(
-            "SELECT pg_catalog.pg_cancel_backend(CAST(:session AS integer)) AS ended"
-        ).columns(sa.column("ended", sa.Boolean))
-
-    def end_queue_session(self) -> TextualSelect:
-        # Closing a connection does not end its session at once: a backend blocked in the queue
-        # notices only when it gets the queue's lock, and it still holds its request's key (so
-        # releases still grant it) until it exits. pg_terminate_backend with a timeout
-        # (PostgreSQL 14 on) returns once the backend has exited.
-        return sa.text(
-            "SELECT pg_catalog.pg_terminate_backend(CAST(:session AS integer), "
-            f"{QUEUE_SESSION_END_MS}) AS ended"
-        ).columns(sa.column("ended", sa.Boolean))
 
     # -- schema ------------------------------------------------------------------------------------
 
@@ -436,7 +392,7 @@ _STANDBYS = (
 _TABLE_SCHEMA = (
     "SELECT s.name, pg_catalog.to_regprocedure(pg_catalog.quote_ident(s.name) "
     "OPERATOR(pg_catalog.||) '.' OPERATOR(pg_catalog.||) %(table)s::text "
-    "OPERATOR(pg_catalog.||) '_queue_leave(bigint,varchar,varchar,boolean)') IS NOT NULL "
+    "OPERATOR(pg_catalog.||) '_anyone_ahead(varchar,bigint)') IS NOT NULL "
     "FROM (SELECT COALESCE((SELECT n.nspname::text FROM pg_catalog.pg_class AS c "
     "JOIN pg_catalog.pg_namespace AS n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace "
     "WHERE c.oid OPERATOR(pg_catalog.=) pg_catalog.to_regclass(%(table)s::text)), "

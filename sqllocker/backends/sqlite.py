@@ -42,6 +42,7 @@ class SQLiteBackend(Backend):
     sync_driver = "sqlite"
     async_driver = "sqlite+aiosqlite"
     share_locks_rows = False
+    limits_connections = False
     creates_table_on_first_use = True
     checkpoints_after_releases = True
     reads_timestamps_as_text = True

@@ -1,0 +1,118 @@
+"""PostgreSQL: every waiter takes a ticket, and a release hands the row to the first live one.
+
+A waiter refused the row takes a ticket for its lockstring: a row of ``<table>_requests`` (one
+statement, the table's ``queue_join``) numbered in the order waiters came, holding what a
+release needs to insert the waiter's row for it (guid, holder details, expiry period). It holds
+no connection while it waits. The release's trigger inserts the row for the lowest live ticket
+in the release's own transaction, deletes that ticket, and says so by NOTIFY with the new row's
+id and the SHA-256 of the waiter's guid; the waiter reads its row back by id and guid before it
+believes it (anyone who can connect can send a NOTIFY). So waiters are served in the order they
+came, however many there are and however long each holds the row.
+
+A ticket is live while its Locker's listening connection holds the ticket's *liveness key*, a
+session advisory lock it takes once per session (``AsyncReleaseListener``): a Locker whose
+process died, or whose connection dropped, leaves only dead tickets, which releases pass over
+(and delete) and the purge sweeps. When the listener reconnects it holds a new key, and every
+waiter of that Locker takes a new ticket.
+
+A release cannot always grant: the id-order key it needs may be held by an acquirer's INSERT, or
+the holder's row may expire instead of being released. So in each Locker the waiter with the
+lowest ticket for a lockstring (``LocalLine.first``) keeps trying the row at a slow backoff, and
+at the moment the holder's row can be taken over: an INSERT refused while any live ticket lower
+than its own stands (``anyone_ahead``). A newcomer's first attempt is refused while any live
+ticket stands at all, so that it cannot take the row ahead of those already waiting. The others
+of its Locker wait without a statement until they are first, or are handed the row.
+
+A live ticket whose waiter has stopped (its process stopped while its listener's connection
+lives) is handed the row by the next release, which then stays held until it expires; and while
+the row is free and nobody releases it, the first waiter behind such a ticket takes the row
+anyway once it has found it so for ``PATIENCE``.
+
+The ticket decides only who is *handed* the row and who may *try* for it; who holds it is
+decided by the row alone, as always. A lost notification or a dropped listener costs latency,
+never safety.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+# The gate of a newcomer's first attempt: no live ticket may stand at all (PostgreSQL's bigint).
+NEWCOMER = 2**63 - 1
+# How long the first of a Locker's waiters finds the row free yet is refused by a live ticket
+# ahead before it takes the row anyway: that ticket's waiter is not trying (its process was
+# stopped, by Ctrl-Z or a debugger, while its Locker's listener lives on), and would keep
+# everyone behind it from a free row for as long as it stays stopped.
+PATIENCE = 1.0
+# How often a waiter that is not first in its Locker's line looks whether it has become first,
+# or its listener has reconnected, should a wake-up have been missed: no statement is sent.
+LOOK_AGAIN = 1.0
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """A waiter's place: ``number`` in ``lockstring``'s line, alive while ``liveness_key`` is
+    held by its Locker's listener."""
+
+    lockstring: str
+    number: int
+    liveness_key: int
+
+
+@dataclass(eq=False)
+class _Place:
+    number: int
+    wake: Callable[[], None] | None = field(default=None)
+
+
+class LocalLine:
+    """The tickets of one Locker's waiters, per lockstring, lowest first: only the first of
+    each line tries the row, and it wakes the next as it leaves (shared by the thread and the
+    asyncio Lockers; the lock is never held across a wait)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lines: dict[str, list[_Place]] = {}
+        self.passed = 0  # waiters that took a free row past a live ticket ahead (PATIENCE)
+
+    def join(self, ticket: Ticket) -> None:
+        with self._lock:
+            line = self._lines.setdefault(ticket.lockstring, [])
+            bisect.insort(line, _Place(ticket.number), key=lambda place: place.number)
+
+    def waiting(self, lockstring: str) -> bool:
+        """Whether any waiter of this Locker holds a ticket for ``lockstring``."""
+        with self._lock:
+            return lockstring in self._lines
+
+    def watch(self, ticket: Ticket, wake: Callable[[], None]) -> bool:
+        """Whether ``ticket`` is first in its line now; if not, ``wake`` is called once it is."""
+        with self._lock:
+            line = self._lines.get(ticket.lockstring, [])
+            for index, place in enumerate(line):
+                if place.number == ticket.number:
+                    place.wake = wake
+                    return index == 0
+            return True  # not in line (never happens): behave as the first, which tries
+
+    def leave(self, ticket: Ticket) -> None:
+        """Take ``ticket`` out of its line; wake the next if it was first."""
+        with self._lock:
+            line = self._lines.get(ticket.lockstring)
+            if not line:
+                return
+            first = line[0].number == ticket.number
+            line[:] = [place for place in line if place.number != ticket.number]
+            if not line:
+                del self._lines[ticket.lockstring]
+                return
+            wake = line[0].wake if first else None
+        if wake is not None:
+            wake()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(len(line) for line in self._lines.values())

@@ -1,0 +1,409 @@
+"""PostgreSQL waiters take tickets (``sqllocker.tickets``): served in the order they came, each
+Locker's first waiter alone trying the row, and a refusal costs the holder nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from sqllocker import LockBusy, Locker
+from sqllocker import tickets as ticketing
+from sqllocker.asyncio import AsyncLock, AsyncLocker
+from sqllocker.errors import DatabaseError
+from sqllocker.operations import LockOperations, Refused
+from tests.helpers import (
+    RawTicket,
+    abandon,
+    in_line,
+    in_line_async,
+    tickets,
+    wait_in_thread,
+    wait_until,
+    wait_until_async,
+)
+from tests.workers import async_url
+
+
+def test_waiters_of_different_lockers_get_the_lock_in_the_order_they_came(
+    migrated_postgres: str, table_name: str, admin: sa.Engine, slow_polling: None
+) -> None:
+    """Each waiter has a Locker (and a listener) of its own, as separate processes would: every
+    release notifies all of them, and without tickets whichever reacted first would win."""
+    holder = Locker(migrated_postgres, table=table_name)
+    held = holder.lock("report")
+    order: list[int] = []
+    lockers = [Locker(migrated_postgres, table=table_name) for _ in range(5)]
+
+    def wait(number: int) -> None:
+        with lockers[number].lock("report", wait=60):
+            order.append(number)
+            time.sleep(0.05)
+
+    threads = []
+    for number in range(5):
+        threads.append(threading.Thread(target=wait, args=(number,)))
+        threads[-1].start()
+        wait_until(lambda: len(tickets(admin, table_name)) == number + 1)
+    held.unlock()
+    for thread in threads:
+        thread.join(30)
+    assert order == [0, 1, 2, 3, 4]
+    assert tickets(admin, table_name) == []
+    for locker in [holder, *lockers]:
+        locker.close()
+
+
+def test_waiters_of_one_locker_get_the_lock_in_the_order_they_came(
+    migrated_postgres: str, table_name: str, admin: sa.Engine, slow_polling: None
+) -> None:
+    holder, waiters = (Locker(migrated_postgres, table=table_name) for _ in range(2))
+    held = holder.lock("report")
+    order: list[int] = []
+
+    def wait(number: int) -> None:
+        with waiters.lock("report", wait=60):
+            order.append(number)
+
+    threads = []
+    for number in range(5):
+        threads.append(threading.Thread(target=wait, args=(number,)))
+        threads[-1].start()
+        wait_until(lambda: len(tickets(admin, table_name)) == number + 1)
+    held.unlock()
+    for thread in threads:
+        thread.join(30)
+    assert order == [0, 1, 2, 3, 4]
+    holder.close()
+    waiters.close()
+
+
+def test_a_waiter_gives_up_at_its_deadline_and_its_ticket_with_it(
+    migrated_postgres: str, table_name: str, admin: sa.Engine
+) -> None:
+    holder = Locker(migrated_postgres, table=table_name)
+    first, behind = (Locker(migrated_postgres, table=table_name) for _ in range(2))
+    held = holder.lock("report")
+    thread, result = wait_in_thread(first, wait=30)
+    wait_until(lambda: len(tickets(admin, table_name)) == 1)
+
+    started = time.monotonic()
+    with pytest.raises(LockBusy) as busy:
+        behind.lock("report", wait=0.5)
+    assert 0.4 < time.monotonic() - started < 5
+    assert busy.value.lock_id == held.lock_id  # it still names the holder
+    assert len(tickets(admin, table_name)) == 1  # only the first waiter's is left
+    held.unlock()
+    thread.join(10)
+    assert "lock" in result
+    result["lock"].unlock()
+    for locker in (holder, first, behind):
+        locker.close()
+
+
+def counting_attempts(
+    locker: Locker | AsyncLocker, monkeypatch: pytest.MonkeyPatch
+) -> list[tuple[str, float]]:
+    """The thread names and monotonic times of ``locker``'s attempts at a row from now on."""
+    attempts: list[tuple[str, float]] = []
+    try_acquire = locker._operations.try_acquire
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        attempts.append((threading.current_thread().name, time.monotonic()))
+        return try_acquire(*args, **kwargs)
+
+    monkeypatch.setattr(locker._operations, "try_acquire", counted)
+    return attempts
+
+
+def test_only_the_first_waiter_of_a_locker_tries_the_row_and_the_next_once_it_is_first(
+    migrated_postgres: str, table_name: str, admin: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hundreds of waiters in a process would each poll the row; the ones behind the first
+    of their Locker send nothing at all while they wait."""
+    holder, waiters = (Locker(migrated_postgres, table=table_name) for _ in range(2))
+    held = holder.lock("report")
+    attempts = counting_attempts(waiters, monkeypatch)
+    first = threading.Thread(target=lambda: waiters.lock("report", wait=60).unlock(), name="1st")
+    first.start()
+    wait_until(lambda: len(tickets(admin, table_name)) == 1)
+    later = [
+        threading.Thread(target=lambda: waiters.lock("report", wait=60).unlock(), name=name)
+        for name in ("2nd", "3rd")
+    ]
+    for thread in later:
+        thread.start()
+    in_line(admin, table_name, waiters=3)
+    since = time.monotonic()
+    time.sleep(1.0)
+    tried = {name for name, moment in attempts if moment >= since}
+    assert tried <= {"1st"}, tried
+    held.unlock()
+    for thread in [first, *later]:
+        thread.join(20)
+    assert tickets(admin, table_name) == []
+    holder.close()
+    waiters.close()
+
+
+def test_a_newcomer_does_not_take_a_free_row_ahead_of_a_live_ticket(
+    migrated_postgres: str, table_name: str, admin: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A live ticket stands while the row is free (its waiter about to be handed it, or, as
+    here, stopped): a waiting newcomer takes a ticket behind it rather than the row, and takes
+    the row past it only after PATIENCE; try_lock, which never waits, still takes a free row
+    at once."""
+    monkeypatch.setattr(ticketing, "PATIENCE", 0.5)
+    stopped = RawTicket(migrated_postgres, table_name)
+    newcomer = Locker(migrated_postgres, table=table_name)
+    started = time.monotonic()
+    lock = newcomer.lock("report", wait=10)
+    assert time.monotonic() - started >= 0.45  # it waited its turn, as long as its patience
+    lock.unlock()  # handed to the stopped ticket, which is still live
+    assert stopped.leave(give_back=True) is True
+    taken = newcomer.try_lock("report")
+    assert taken is not None
+    taken.unlock()
+    stopped.die()
+    newcomer.close()
+
+
+def test_a_stopped_waiter_handed_the_row_keeps_those_behind_it_one_expiry_at_most(
+    migrated_postgres: str, table_name: str, admin: sa.Engine
+) -> None:
+    """A waiter whose process stopped while its Locker's listener lives is handed the row like
+    any other; the waiter behind it takes the row over once it expires (1 s, and 1 s grace)."""
+    holder = Locker(migrated_postgres, table=table_name)
+    held = holder.lock("report")
+    stopped = RawTicket(migrated_postgres, table_name, ttl=1.0)
+    waiter = Locker(migrated_postgres, table=table_name, grace=1)
+    thread, result = wait_in_thread(waiter, wait=30)
+    in_line(admin, table_name, waiters=2)
+    released = time.monotonic()
+    held.unlock()
+    thread.join(10)
+    assert "lock" in result, result
+    assert 1.5 < result["returned"] - released < 5  # its expiry and grace, not the 30 s
+    result["lock"].unlock()
+    stopped.die()
+    waiter.close()
+    holder.close()
+
+
+def test_a_first_attempt_refused_at_the_gate_does_not_wait_for_anothers_insert(
+    migrated_postgres: str, table_name: str, admin: sa.Engine
+) -> None:
+    """An INSERT waits for the lockstring's other INSERTs to finish (its turn to draw an id,
+    ``Statements._new_row_in_id_order``), which lasts until their commits reach the disk. A
+    waiter's first attempt that a live ticket refuses inserts nothing, so it must not wait for
+    that turn either: while it waited, the INSERT of the waiter next in line would wait behind
+    it. (PostgreSQL 15's planner checks the gate first even when it is written outside the
+    subquery that waits; the statement now says so itself.)"""
+    locker = Locker(migrated_postgres, table=table_name)
+    locker.lock("warm-up").unlock()
+    inserting = admin.connect()  # another acquirer, in the middle of its INSERT
+    inserting.execute(
+        sa.text("SELECT pg_advisory_xact_lock(hashtext(:table), hashtext('report'))"),
+        {"table": f"public.{table_name}"},
+    )
+    waiting = RawTicket(migrated_postgres, table_name)
+    outcomes: list[object] = []
+    attempt = threading.Thread(
+        target=lambda: outcomes.append(
+            locker._operations.try_acquire(
+                "report", str(uuid.uuid4()), 60.0, {}, queue_key=ticketing.NEWCOMER
+            )
+        )
+    )
+    attempt.start()
+    attempt.join(3)
+    finished = not attempt.is_alive()
+    inserting.rollback()  # lets it finish either way
+    attempt.join(10)
+    assert finished, "the refused attempt waited for the other INSERT's turn"
+    assert isinstance(outcomes[0], Refused)
+    assert locker.lock_info("report") is None
+    inserting.close()
+    waiting.die()
+    locker.close()
+
+
+def test_a_refused_attempt_leaves_the_holders_row_untouched(
+    migrated_postgres: str, table_name: str, admin: sa.Engine
+) -> None:
+    """An upsert that decides not to update still locks the row it met, so the holder's release
+    would wait for the refused acquirer's commit: the row's xmax would name the refuser."""
+    locker = Locker(migrated_postgres, table=table_name)
+    held = locker.lock("report")
+    for _ in range(3):
+        assert locker.try_lock("report") is None
+    with admin.connect() as conn:
+        xmax = conn.execute(
+            sa.text(f"SELECT xmax::text FROM {table_name} WHERE lockstring = 'report'")
+        ).scalar_one()
+    assert xmax == "0"
+    held.unlock()
+    locker.close()
+
+
+def test_a_waiter_whose_giving_up_fails_keeps_the_row_its_own_insert_took(
+    migrated_postgres: str,
+    table_name: str,
+    admin: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A waiter that took the row by its own INSERT (the holder crashed; its row expired) gives
+    up its ticket before lock() returns. If that fails, it still has the lock: the row is
+    its own, and only its ticket is left (a later release may hand it a row, which expires)."""
+    holder, waiter = (Locker(migrated_postgres, table=table_name, grace=0) for _ in range(2))
+    dead = abandon(holder.lock("report", expires=0.5))
+
+    def fail(*args: Any) -> bool:
+        raise DatabaseError("the database went away")
+
+    monkeypatch.setattr(waiter._operations, "leave_line", fail)
+    lock = waiter.lock("report", wait=10)
+    assert lock.lock_id > dead.lock_id
+    info = waiter.lock_info("report")
+    assert info is not None
+    assert info.lock_id == lock.lock_id
+    assert len(tickets(admin, table_name)) == 1  # left behind, as the warning says
+    lock.unlock()
+    holder.close()
+    waiter.close()
+
+
+def test_lock_operations_join_and_leave_a_line(
+    migrated_postgres: str, table_name: str, admin: sa.Engine
+) -> None:
+    """The statements under a ticket: taking one says whether the row is held, and tickets
+    come in the order they were taken."""
+    locker = Locker(migrated_postgres, table=table_name)
+    operations: LockOperations = locker._operations
+    locker.lock("warm-up").unlock()
+    held = locker.lock("report")
+    first = operations.join_line("report", "a" * 36, 30.0, {}, 1)
+    second = operations.join_line("other", "b" * 36, 30.0, {}, 1)
+    assert first[1] is True  # "report" is held
+    assert second[1] is False  # "other" is free
+    assert second[0] > first[0]
+    assert operations.leave_line("report", first[0], "a" * 36, give_back=True) is False
+    assert operations.leave_line("other", second[0], "b" * 36, give_back=True) is False
+    assert tickets(admin, table_name) == []
+    held.unlock()
+    locker.close()
+
+
+async def test_sync_and_async_waiters_share_one_line(
+    migrated_postgres: str, table_name: str, admin: sa.Engine, slow_polling: None
+) -> None:
+    holder = Locker(migrated_postgres, table=table_name)
+    held = holder.lock("report")
+    first, third = (AsyncLocker(async_url(migrated_postgres), table=table_name) for _ in range(2))
+    second = Locker(migrated_postgres, table=table_name)
+    order: list[str] = []
+
+    async def wait_async(name: str, locker: AsyncLocker) -> None:
+        async with locker.lock("report", wait=60):
+            order.append(name)
+            await asyncio.sleep(0.05)
+
+    def wait_sync() -> None:
+        with second.lock("report", wait=60):
+            order.append("second")
+            time.sleep(0.05)
+
+    tasks = [asyncio.create_task(wait_async("first", first))]
+    await wait_until_async(lambda: len(tickets(admin, table_name)) == 1)
+    thread = threading.Thread(target=wait_sync)
+    thread.start()
+    await wait_until_async(lambda: len(tickets(admin, table_name)) == 2)
+    tasks.append(asyncio.create_task(wait_async("third", third)))
+    await wait_until_async(lambda: len(tickets(admin, table_name)) == 3)
+    held.unlock()
+    await asyncio.gather(*tasks)
+    await asyncio.to_thread(thread.join, 20)
+    assert order == ["first", "second", "third"]
+    assert tickets(admin, table_name) == []
+    holder.close()
+    second.close()
+    await first.aclose()
+    await third.aclose()
+
+
+async def test_an_async_waiter_behind_a_stopped_ticket_takes_a_free_row(
+    migrated_postgres: str, table_name: str, admin: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ticketing, "PATIENCE", 0.3)
+    stopped = RawTicket(migrated_postgres, table_name)
+    waiter = AsyncLocker(async_url(migrated_postgres), table=table_name)
+    started = time.monotonic()
+    lock = await waiter.lock("report", wait=20)
+    assert 0.3 <= time.monotonic() - started < 5  # its patience, not the 20 s
+    assert tickets(admin, table_name) == [("report", stopped.guid)]
+    await lock.unlock()
+    stopped.die()
+    await waiter.aclose()
+
+
+async def test_a_cancelled_async_waiter_gives_up_its_ticket(
+    migrated_postgres: str, table_name: str, admin: sa.Engine, slow_polling: None
+) -> None:
+    holder = Locker(migrated_postgres, table=table_name)
+    waiter = AsyncLocker(async_url(migrated_postgres), table=table_name)
+    held = holder.lock("report")
+
+    async def take() -> AsyncLock:
+        return await waiter.lock("report", wait=30)
+
+    waiting = [asyncio.create_task(take()) for _ in range(2)]
+    await in_line_async(admin, table_name, waiters=2)
+    for task in waiting:
+        task.cancel()
+    for task in waiting:
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert tickets(admin, table_name) == []
+    assert len(waiter._line) == 0
+    held.unlock()
+    assert holder.lock_info("report") is None  # handed to nobody
+    await waiter.aclose()
+    holder.close()
+
+
+async def test_an_async_waiter_cancelled_as_it_takes_its_ticket_leaves_none_behind(
+    migrated_postgres: str, table_name: str, admin: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelled while the statement that takes its ticket runs: the statement runs to its
+    end, and the ticket it took is given up, or a release would hand the row to nobody."""
+    holder = Locker(migrated_postgres, table=table_name)
+    waiter = AsyncLocker(async_url(migrated_postgres), table=table_name)
+    held = holder.lock("report")
+    joining = threading.Event()
+    join_line = waiter._operations.join_line
+
+    def slow_join(*args: Any) -> tuple[int, bool]:
+        joining.set()
+        time.sleep(0.3)
+        return join_line(*args)
+
+    monkeypatch.setattr(waiter._operations, "join_line", slow_join)
+
+    async def take() -> AsyncLock:
+        return await waiter.lock("report", wait=30)
+
+    task = asyncio.create_task(take())
+    await asyncio.to_thread(joining.wait, 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_until_async(lambda: tickets(admin, table_name) == [])
+    held.unlock()
+    assert holder.lock_info("report") is None
+    await waiter.aclose()
+    holder.close()
