@@ -30,18 +30,20 @@ from tests.helpers import (
 from tests.workers import async_url
 
 
-def test_waiters_of_different_lockers_get_the_lock_in_the_order_they_came(
-    migrated_postgres: str, table_name: str, admin: sa.Engine, slow_polling: None
+@pytest.mark.parametrize("lockers", [5, 1], ids=["a Locker each", "one Locker"])
+def test_waiters_get_the_lock_in_the_order_they_came(
+    migrated_postgres: str, table_name: str, admin: sa.Engine, slow_polling: None, lockers: int
 ) -> None:
-    """Each waiter has a Locker (and a listener) of its own, as separate processes would: every
-    release notifies all of them, and without tickets whichever reacted first would win."""
+    """With a Locker (and a listener) each, as separate processes would have, every release
+    notifies all of them, and without tickets whichever reacted first would win; with one
+    Locker, its waiters are in one line of its own as well."""
     holder = Locker(migrated_postgres, table=table_name)
     held = holder.lock("report")
     order: list[int] = []
-    lockers = [Locker(migrated_postgres, table=table_name) for _ in range(5)]
+    waiting = [Locker(migrated_postgres, table=table_name) for _ in range(lockers)]
 
     def wait(number: int) -> None:
-        with lockers[number].lock("report", wait=60):
+        with waiting[number % lockers].lock("report", wait=60):
             order.append(number)
             time.sleep(0.05)
 
@@ -55,32 +57,8 @@ def test_waiters_of_different_lockers_get_the_lock_in_the_order_they_came(
         thread.join(30)
     assert order == [0, 1, 2, 3, 4]
     assert tickets(admin, table_name) == []
-    for locker in [holder, *lockers]:
+    for locker in [holder, *waiting]:
         locker.close()
-
-
-def test_waiters_of_one_locker_get_the_lock_in_the_order_they_came(
-    migrated_postgres: str, table_name: str, admin: sa.Engine, slow_polling: None
-) -> None:
-    holder, waiters = (Locker(migrated_postgres, table=table_name) for _ in range(2))
-    held = holder.lock("report")
-    order: list[int] = []
-
-    def wait(number: int) -> None:
-        with waiters.lock("report", wait=60):
-            order.append(number)
-
-    threads = []
-    for number in range(5):
-        threads.append(threading.Thread(target=wait, args=(number,)))
-        threads[-1].start()
-        wait_until(lambda: len(tickets(admin, table_name)) == number + 1)
-    held.unlock()
-    for thread in threads:
-        thread.join(30)
-    assert order == [0, 1, 2, 3, 4]
-    holder.close()
-    waiters.close()
 
 
 def test_a_waiter_gives_up_at_its_deadline_and_its_ticket_with_it(
