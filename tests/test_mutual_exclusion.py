@@ -233,8 +233,12 @@ def contend(
     abandoned = sum(report.get("abandoned", 0) for report in reports)
     handed_over = sum(report.get("handed_over", 0) for report in reports)
     ended_waits = sum(report.get("ended_waits", 0) for report in reports)
-    if IMPATIENT[0] in options and locker.engine.dialect.name != "sqlite":
-        assert ended_waits > 0  # the scenario did what it is for (SQLite queues elsewhere)
+    if IMPATIENT[0] in options and locker.engine.dialect.name == "mysql":
+        # The scenario did what it is for. On PostgreSQL waiters take abandoned rows over out of
+        # their turn anyway (a takeover is not gated by tickets), and a take past a ticket on a
+        # free row comes only now and then (tests/test_tickets.py makes one every time); SQLite
+        # queues elsewhere.
+        assert ended_waits > 0
     renewed = sum(report.get("renewed", 0) for report in reports)
     records = [
         json.loads(line)

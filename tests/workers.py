@@ -32,6 +32,7 @@ def ended_waits(locker: Locker | AsyncLocker) -> int:
     watched = locker._room._watch.ended if locker._room is not None else 0
     return watched + locker._line.passed
 
+
 # With --cancel-some: the share of acquire attempts, and of releases, cancelled mid-way.
 CANCELLED_SHARE = 0.3
 
