@@ -403,8 +403,7 @@ class Locker:
         hold_at_least: float | None,
     ) -> Lock:
         # One guid for every attempt of this call: a release may hand the row to it (as our
-        # ticket), and an attempt that finds the row under it knows
-        # the row is ours.
+        # ticket), and an attempt that finds the row under it knows the row is ours.
         guid = new_guid()
         details = holder_details(extra, concurrency.task_name())
         if wait == 0:
@@ -464,8 +463,7 @@ class Locker:
                         backoff.heading()
                     if not entry.usable:
                         room = None  # full, or failing: wait unqueued from now on
-                    if entry.try_again:
-                        continue  # a release may have come while we queued: try again at once
+                    continue  # a release may have come while we queued: try again at once
                 busy = outcome.busy
                 delay = backoff.next_delay(
                     busy.expires if busy else None, outcome.server_now, self.grace

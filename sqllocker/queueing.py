@@ -123,12 +123,11 @@ AnyQueueWait = GetLockQueueWait
 
 @dataclass(frozen=True)
 class Entry(Generic[T]):
-    """What came of trying to queue: the Turn if we head the queue now; whether the caller
-    must try for the row again at once (it stopped listening to queue, so it may have missed
-    a release); and whether the room may be used again (not when full or failing)."""
+    """What came of trying to queue: the Turn if we head the queue now, and whether the room
+    may be used again (not when full or failing). Either way the caller tries the row again at
+    once: the row may have been released while it queued."""
 
     turn: T | None
-    try_again: bool
     usable: bool
 
 

@@ -93,10 +93,10 @@ class WaitingRoom:
         seated, connection = self._checkout(timeout)
         if not seated:
             # Closed, or the caller's deadline came while it waited in line for a seat.
-            return Entry(None, try_again=True, usable=not self.seats.closed)
+            return Entry(None, usable=not self.seats.closed)
         connection = connection or self._connect()
         if connection is None:
-            return Entry(None, try_again=True, usable=False)
+            return Entry(None, usable=False)
         key = self.key(lockstring)
         blocked = Blocked(lockstring, key, connection.session)
         if self._watch.add(blocked):
@@ -109,21 +109,21 @@ class WaitingRoom:
                 ended = self._watch.remove(blocked)
             if not ended:
                 if self.queue_wait.granted(row):
-                    return Entry(Turn(self, connection, key), try_again=True, usable=True)
+                    return Entry(Turn(self, connection, key), usable=True)
                 self._checkin(connection)  # the caller's deadline came first
-                return Entry(None, try_again=True, usable=True)
+                return Entry(None, usable=True)
         except BaseException as error:
             self._discard(connection)
             if not isinstance(error, Exception):
                 raise  # cancelled or interrupted: we have left the queue
             if not ended:
                 logger.warning("could not queue for %r (%s); waiting unqueued", lockstring, error)
-                return Entry(None, try_again=True, usable=False)
-            return Entry(None, try_again=True, usable=True)
+                return Entry(None, usable=False)
+            return Entry(None, usable=True)
         # Ended by the watch: whatever the wait returned, its connection goes (a cancel still
         # on its way must not reach a later statement), and with it any place.
         self._discard(connection)
-        return Entry(None, try_again=True, usable=True)
+        return Entry(None, usable=True)
 
     def _watch_queues(self) -> None:
         """Look at the queues of the waits queued behind a head, every ``look_interval()``

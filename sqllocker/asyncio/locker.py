@@ -435,8 +435,7 @@ class AsyncLocker:
         if True:  # ASYNC
             await self._ready()
         # One guid for every attempt of this call: a release may hand the row to it (as our
-        # ticket), and an attempt that finds the row under it knows
-        # the row is ours.
+        # ticket), and an attempt that finds the row under it knows the row is ours.
         guid = new_guid()
         details = holder_details(extra, concurrency.task_name())
         if wait == 0:
@@ -498,8 +497,7 @@ class AsyncLocker:
                         backoff.heading()
                     if not entry.usable:
                         room = None  # full, or failing: wait unqueued from now on
-                    if entry.try_again:
-                        continue  # a release may have come while we queued: try again at once
+                    continue  # a release may have come while we queued: try again at once
                 busy = outcome.busy
                 delay = backoff.next_delay(
                     busy.expires if busy else None, outcome.server_now, self.grace
