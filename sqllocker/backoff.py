@@ -7,7 +7,8 @@ is replaced on time without polling fast for the whole wait.
 
 A waiter with a ticket on PostgreSQL (see ``sqllocker.tickets``) is handed the row by the
 release, and told so by its NOTIFY: its timer then guards only against a lost notification,
-and waits the longest delay.
+and waits the longest delay. On MySQL the first waiter of each Locker polls the row, paced by
+the age of the hold it waits out.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from .queueing import QUEUE_PATIENCE
-
 if TYPE_CHECKING:
     from .operations import Refused
 
+# How long a waiter in the kernel's queue (SQLite: ``sqllocker.file_queue``) waits for its turn
+# before trying the row anyway: whoever holds the place ahead may have stopped.
+QUEUE_PATIENCE = 1.0
 FIRST_DELAY = 0.002
 HEAD_FIRST_DELAY = 0.00025
 # A polling head waits at most this share of the time it has headed the queue between polls:
@@ -58,10 +60,10 @@ class Backoff:
         self.awaiting_hand_off = True
 
     def heading(self) -> None:
-        """From now on this waiter heads the server's queue and polls the row alone (MySQL's
-        ``GET_LOCK`` queue): from a shorter first delay, as the next turn is most likely soon,
-        and then at intervals that grow with the time it has headed the queue (HEAD_POLL_SHARE
-        of it), more slowly than a newcomer's backoff."""
+        """From now on this waiter polls the row as the first of its Locker's line (MySQL's
+        tickets), through a hold that began about now: from a shorter first delay, as the next
+        turn is most likely soon, and then at intervals that grow with the age of the hold
+        (HEAD_POLL_SHARE of it), more slowly than a newcomer's backoff."""
         self.attempts = 0
         self.first_delay = HEAD_FIRST_DELAY
         self.heading_since = time.monotonic()

@@ -1,7 +1,7 @@
 """Threads: what the generated sync front end does where the asyncio one awaits.
 
-The front end (the locker, the lock handle, the group, the semaphore, the waiting room and the
-release listener) is written once, for asyncio, in ``sqllocker/asyncio/``, and its sync twin in
+The front end (the locker, the lock handle, the group, the semaphore and the release
+listener) is written once, for asyncio, in ``sqllocker/asyncio/``, and its sync twin in
 ``sqllocker/`` is generated from it (``tests/unasync.py``). Where the async code imports
 ``sqllocker/asyncio/concurrency.py``, the generated code imports this module: the same names,
 for threads.

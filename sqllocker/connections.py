@@ -14,7 +14,7 @@ They come from the engine's pool (``raw_connection()``, so its connect-time sett
 AUTOCOMMIT, SQLite's WAL, PostgreSQL's synchronous_commit) and are detached from it for good:
 the pool's idle set-up connection becomes the stack's first. The pool's limits still hold: at
 most ``pool_size`` connections are kept idle, at most ``pool_size + max_overflow`` are open at
-once (less those the Locker reserves for its queued waiters and listener), and a caller beyond
+once (less the one the Locker reserves for its listener), and a caller beyond
 that waits up to the pool's timeout, as the pool would make it.
 """
 

@@ -41,11 +41,9 @@ from .listener import ReleaseListener
 from .lock import Lock, LockState
 from .notifications import guid_digest
 from .operations import Acquired, LockInfo, LockOperations, Refused
-from .queueing import QueueKey
 from .schema import DEFAULT_TABLE
 from .semaphore import Semaphore
 from .tickets import LOOK_AGAIN, NEWCOMER, LocalLine, Ticket
-from .waiting_room import Turn, WaitingRoom
 
 logger = logging.getLogger("sqllocker")
 
@@ -92,9 +90,9 @@ class Locker:
     ``UnsafeDatabase``.
 
     ``max_connections``: the most connections the locker opens to a PostgreSQL or MySQL/MariaDB
-    server at once (default: SQLAlchemy's 5 + 10), shared by its lock operations, its queued
-    waiters on MySQL/MariaDB (at most half of them) and its release listener on PostgreSQL;
-    for an engine of your own, its pool's ``pool_size + max_overflow`` is that limit.
+    server at once (default: SQLAlchemy's 5 + 10), shared by its lock operations and its
+    listener, which keeps its waiters' tickets alive; for an engine of your own, its pool's
+    ``pool_size + max_overflow`` is that limit.
 
     ``transaction_pooling``: PostgreSQL is reached through a pooler that lends a server session
     per transaction (PgBouncer's ``pool_mode = transaction``), where no session setting, prepared
@@ -162,10 +160,10 @@ class Locker:
         self._keep_alives = KeepAlive(fraction)
         self._setup_lock = threading.Lock()  # never held across a wait
         self._listener: ReleaseListener | None = None
-        self._room: WaitingRoom | None = None
-        self._line = LocalLine()  # the tickets of this Locker's waiters (PostgreSQL)
-        # Queued waiters and the listener hold connections of the pool's; ops get the rest.
-        self._seats = self._operations.reserve_for_waiting()
+        self._line = LocalLine()  # the tickets of this Locker's waiters
+        self._leaving = concurrency.Background("sqllocker-ticket-leaver")
+        # The listener holds a connection of the pool's; the lock operations get the rest.
+        self._operations.reserve_for_waiting()
         queue_file = self._operations.queue_file
         self._file_queue = FileQueue(queue_file) if queue_file is not None else None
 
@@ -188,9 +186,9 @@ class Locker:
         ``expires``: seconds until the lock may be taken over (default: the locker's).
         ``wait``: 0 tries once; a number of seconds keeps trying until then, backing off with
         jitter; ``None`` waits forever. Waiters are served first come, first served: on
-        PostgreSQL each takes a ticket and is handed the row by a release (see
-        ``sqllocker.tickets``); on MySQL/MariaDB they queue in the server, each on a connection
-        of its own while it waits (see ``sqllocker.queueing``). ``locked_by``: extra JSON
+        PostgreSQL and MySQL/MariaDB each takes a ticket, holding no connection, and is handed
+        the row by a release (PostgreSQL) or polls it when its turn comes (see
+        ``sqllocker.tickets``); on SQLite they queue in the kernel. ``locked_by``: extra JSON
         details stored with the holder's host, pid, thread (or task), program and user.
         ``keep_alive``: renew the lock in the background until it is released (see
         ``keep_alive`` of a lock), calling ``on_lost`` (else the locker's) if it is lost.
@@ -368,10 +366,9 @@ class Locker:
         """Stop keeping locks alive and listening, and close the pooled connections of an
         engine the locker created (not a caller's)."""
         self._keep_alives.stop()
+        self._leaving.close()
         if self._listener is not None:
             self._listener.stop()
-        if self._room is not None:
-            self._room.close()
         if self._file_queue is not None:
             self._file_queue.close()
         concurrency.run(self._operations.close)
@@ -408,10 +405,6 @@ class Locker:
         details = holder_details(extra, concurrency.task_name())
         if wait == 0:
             lock = self._try_once(lockstring, guid, details, ttl, on_lost)
-        elif self._file_queue is not None:
-            lock = self._wait_in_line(
-                self._file_queue, lockstring, guid, details, ttl, wait, on_lost
-            )
         else:
             lock = self._wait_for(lockstring, guid, details, ttl, wait, on_lost)
         lock._state.hold_at_least = hold_at_least
@@ -426,52 +419,13 @@ class Locker:
         wait: float | None,
         on_lost: OnLost | None,
     ) -> Lock:
-        """Attempts until one succeeds, or LockBusy once ``wait`` has passed: on PostgreSQL in
-        line by ticket (``_wait_with_ticket``); on MySQL in the server's queue, its head
-        polling the row alone (``sqllocker.queueing``); without either, backing off between
-        attempts."""
+        """Attempts until one succeeds, or LockBusy once ``wait`` has passed: in line by
+        ticket where waiters take tickets (``_wait_with_ticket``), in the kernel's queue on
+        SQLite, and elsewhere backing off between attempts (``_wait_in_line``)."""
         listener = self._release_listener()
         if listener is not None:
             return self._wait_with_ticket(listener, lockstring, guid, details, ttl, wait, on_lost)
-        backoff = Backoff.for_wait(wait)
-        room = self._waiting_room()
-        turn: Turn | None = None
-        # A waiter's first attempt does not take the row ahead of waiters already queued.
-        gate = room.key(lockstring) if room is not None else None
-        try:
-            while True:
-                try:
-                    outcome = self._try_acquire(
-                        lockstring, guid, details, ttl, on_lost, gate, look_first=turn is not None
-                    )
-                except DatabaseError as error:
-                    _wait_out(error, backoff, lockstring)
-                    continue
-                gated, gate = gate is not None, None
-                if isinstance(outcome, Lock):
-                    if turn is not None:
-                        turn.leave_soon()
-                    return outcome
-                if backoff.expired():
-                    if gated and outcome.busy is None:
-                        continue  # the gate refused us unasked: one full attempt first
-                    raise outcome.busy_after(lockstring, wait)
-                if room is not None and turn is None:
-                    entry = room.enter(lockstring, backoff.remaining())
-                    turn = entry.turn
-                    if turn is not None:
-                        backoff.heading()
-                    if not entry.usable:
-                        room = None  # full, or failing: wait unqueued from now on
-                    continue  # a release may have come while we queued: try again at once
-                busy = outcome.busy
-                delay = backoff.next_delay(
-                    busy.expires if busy else None, outcome.server_now, self.grace
-                )
-                concurrency.sleep(delay)
-        finally:
-            if turn is not None:
-                turn.leave()
+        return self._wait_in_line(self._file_queue, lockstring, guid, details, ttl, wait, on_lost)
 
     def _wait_with_ticket(
         self,
@@ -483,11 +437,14 @@ class Locker:
         wait: float | None,
         on_lost: OnLost | None,
     ) -> Lock:
-        """``_wait_for`` on PostgreSQL: refused, a waiter takes a ticket and is handed the row
-        by a release when its turn comes; the first of this Locker's waiters for the row also
-        tries it now and then (see ``sqllocker.tickets``). Without a listener that holds a
-        liveness key (it is reconnecting), it backs off and tries, as if alone."""
+        """``_wait_for`` where waiters take tickets: refused, a waiter takes a ticket; on
+        PostgreSQL a release hands it the row when its turn comes, and the first of this
+        Locker's waiters for the row also tries it now and then; on MySQL that first waiter
+        polls the row, at a quarter of the age of the hold it waits out (see
+        ``sqllocker.tickets``). Without a listener that holds a liveness key (it is
+        reconnecting), it backs off and tries, as if alone."""
         backoff = Backoff.for_wait(wait)
+        polls = not listener.hands_over  # the first waiter polls the row (MySQL)
         digest = guid_digest(guid)  # what a release's grant names this waiter by
         line = self._line
         ticket: Ticket | None = None
@@ -504,10 +461,7 @@ class Locker:
                     # The listener's session ended, and the ticket's life with it: give it up
                     # (with a row handed to it that we never heard of), and take a new one.
                     dead, ticket = ticket, None
-                    try:
-                        self._leave_line(dead, guid, give_back=True)
-                    finally:
-                        line.leave(dead)
+                    self._give_up(dead, guid, give_back=True)
                     try_now = True
                 waiter = listener.register(lockstring, digest, releases=False)
                 try:
@@ -519,8 +473,13 @@ class Locker:
                             _wait_out(error, backoff, lockstring)
                             continue
                         line.join(ticket)
-                        backoff.await_hand_off()
-                        try_now = not held  # a release may have come before our ticket
+                        if polls:
+                            backoff.heading()
+                        else:
+                            backoff.await_hand_off()
+                        # A release may have come before our ticket: try at once, unless the
+                        # row is polled anyway, as soon (Backoff.heading).
+                        try_now = not held and not polls
                     first = ticket is None or line.watch(ticket, waiter.event.set)
                     if first:
                         listener.follow_releases(waiter)
@@ -535,6 +494,7 @@ class Locker:
                                 ttl,
                                 on_lost,
                                 ticket.number if in_line and ticket is not None else gate,
+                                look_first=in_line and polls,
                                 in_line=in_line,
                             )
                         except DatabaseError as error:
@@ -551,6 +511,8 @@ class Locker:
                         elif free_since is None:
                             free_since = time.monotonic()
                         if attempt.busy is not None or refused.busy is None:
+                            if tickets.new_hold(attempt.busy, refused.busy) and polls:
+                                backoff.heading()  # polls paced by the age of this hold
                             refused = attempt
                         if backoff.expired() and gated_unasked:
                             continue  # the gate refused us unasked: one full attempt first
@@ -580,15 +542,24 @@ class Locker:
                 finally:
                     listener.unregister(waiter)
         finally:
-            if ticket is not None:
+            if ticket is not None and outcome is not None and polls:
+                # Won by our own INSERT where no release hands rows over: there is nothing to
+                # give back, and the caller need not wait for the round trip (the ticket keeps
+                # nobody from a row that is ours).
+                self._leaving.call_soon(self._give_up, ticket, guid, False)
+            elif ticket is not None:
                 # Given up before the caller has its lock: a later release must not hand a
                 # row to a ticket nobody waits on. Without the lock, a row handed to it goes
-                # back. The next waiter of this Locker is told only then, or it would find our
-                # ticket still ahead of its own.
-                try:
-                    self._leave_line(ticket, guid, give_back=outcome is None)
-                finally:
-                    line.leave(ticket)
+                # back.
+                self._give_up(ticket, guid, outcome is None)
+
+    def _give_up(self, ticket: Ticket, guid: str, give_back: bool) -> None:
+        """Give up ``ticket`` (``_leave_line``), then wake the next waiter of this Locker: told
+        sooner, it would find our ticket still ahead of its own."""
+        try:
+            self._leave_line(ticket, guid, give_back)
+        finally:
+            self._line.leave(ticket)
 
     def _join_line(
         self, lockstring: str, guid: str, ttl: float, details: dict[str, Any], key: int
@@ -637,7 +608,7 @@ class Locker:
 
     def _wait_in_line(
         self,
-        queue: FileQueue,
+        queue: FileQueue | None,
         lockstring: str,
         guid: str,
         details: dict[str, Any],
@@ -647,16 +618,18 @@ class Locker:
     ) -> Lock:
         """Attempts until one succeeds, or LockBusy once ``wait`` has passed, in the kernel's
         queue of ``lockstring`` (SQLite: see ``sqllocker.file_queue``): only the waiter holding
-        its place tries the row, and keeps the place while the row is ours."""
+        its place tries the row, and keeps the place while the row is ours. Without a
+        ``queue``, backing off between attempts."""
         backoff = Backoff.for_wait(wait)
-        offset = queue.offset(self.table_name, lockstring)
-        place = queue.take(offset)
+        offset = queue.offset(self.table_name, lockstring) if queue is not None else 0
+        place = queue.take(offset) if queue is not None else None
         request: PlaceRequest | None = None
         refused: Refused | None = None
-        in_line = True  # until the kernel's queue fails us (then back off, unqueued)
+        # Until the kernel's queue fails us (then back off, unqueued).
+        in_line = queue is not None
         try:
             while True:
-                if place is None and in_line:
+                if place is None and in_line and queue is not None:
                     request = request or queue.request(offset)
                     if request is None:
                         in_line = False  # the queue file cannot be opened: back off, unqueued
@@ -695,7 +668,7 @@ class Locker:
         details: dict[str, Any],
         ttl: float,
         on_lost: OnLost | None,
-        queue_key: QueueKey | None = None,
+        queue_key: int | None = None,
         look_first: bool = False,
         in_line: bool = False,
     ) -> Lock | Refused:
@@ -735,29 +708,13 @@ class Locker:
         return operation(*args)
 
     def _release_listener(self) -> ReleaseListener | None:
-        """PostgreSQL (psycopg 3) waiters wake on NOTIFY; other backends back off and retry."""
-        if not self._operations.notifies_releases:
+        """The connection that keeps this Locker's tickets alive (and, on PostgreSQL, wakes
+        its waiters on NOTIFY), where waiters take tickets; None where they back off."""
+        if not self._operations.waits_by_ticket:
             return None
         with self._setup_lock:
             if self._listener is None:
-                self._listener = ReleaseListener(self.engine, self.table_name)
-            return self._listener
-
-    def _waiting_room(self) -> WaitingRoom | None:
-        """Where waiters queue in the server (PostgreSQL, MySQL), so that one of them at a time
-        tries for the row; None where they cannot."""
-        with self._setup_lock:
-            if self._room is None:
-                queue_wait = self._operations.queue_wait
-                if queue_wait is None:
-                    return None
-                if self._seats == 0:
-                    return None
-                self._room = WaitingRoom(
-                    self.engine,
-                    queue_wait,
-                    functools.partial(self._call, self._operations.look_at_queue),
-                    functools.partial(self._call, self._operations.end_queued_waits),
-                    self._seats,
+                self._listener = ReleaseListener(
+                    self.engine, self.table_name, self._operations.hands_over
                 )
-            return self._room
+            return self._listener

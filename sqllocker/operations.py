@@ -52,7 +52,6 @@ from .errors import (
 )
 from .execution import DriverSession, PreparedCache, kept_cursor
 from .identity import holder_details, public_details
-from .queueing import AnyQueueWait, QueueKey, seats_within
 from .schema import FOREIGN_CLOCK_MARGIN, ID_ORDER_STRIPES, id_order_table, lock_table
 from .server_settings import UnsafeSetting
 from .sqlalchemy_internals import most_connections
@@ -164,7 +163,7 @@ class LockOperations:
     ``owns_engine``: the engine was made by sqllocker (AUTOCOMMIT on every connection, so raw
     pooled connections serve directly; disposed by :meth:`close`). ``transaction_pooling``: the
     connections reach PostgreSQL through a pooler that lends a server session per transaction,
-    so nothing may rest on a session's state (see ``notifies_releases``).
+    so nothing may rest on a session's state (see ``waits_by_ticket``).
     ``direct_connections``: run the lock operations on a ConnectionStack of the engine's
     connections rather than through its pool (an engine sqllocker made: see
     ``connections.py``), whose callers wait for a free one on ``connection_changes`` (a
@@ -208,7 +207,7 @@ class LockOperations:
         self._checkpoints_after_releases = owns_engine and backend.checkpoints_after_releases
         self._releases = 0
         # Whether the pool can spare a connection for the release listener (see
-        # notifies_releases); the pool's limits never change.
+        # waits_by_ticket); the pool's limits never change.
         budget = self.connection_budget
         self._pool_spares_listener = budget is None or budget >= LISTENING_BUDGET
         self._backend: Backend | None = None
@@ -228,19 +227,17 @@ class LockOperations:
         guid: str,
         ttl: float,
         details: dict[str, Any],
-        queue_key: QueueKey | None = None,
+        queue_key: int | None = None,
         look_first: bool = False,
         in_line: bool = False,
     ) -> Acquired | Refused:
         """One attempt at ``lockstring`` (a few statements at most; never waits for a holder).
 
-        With ``queue_key``, refused also while waiters are queued for it (on PostgreSQL: hold
-        live tickets lower than it), however free the row: see
-        ``Statements.acquire_unless_queued``; ``in_line`` (a waiter with a ticket), a refusal
-        then reads who holds the row, and takes over an expired one. With ``look_first`` (a
-        head of MySQL's queue, polling), the holder's row is read before any INSERT: a refused
-        INSERT takes a lock on the holder's row, which its release then waits for, and costs a
-        round trip more than the read."""
+        With ``queue_key``, refused also while live tickets lower than it wait for the
+        lockstring, however free the row: see ``Statements.acquire_unless_queued``; ``in_line``
+        (a waiter with a ticket), a refusal then reads who holds the row, and takes over an
+        expired one. With ``look_first`` (a waiter polling, where releases do not hand the row
+        over), the holder's row is read before any INSERT (``_refused_by_holder``)."""
         for _attempt in range(_ATTEMPTS_PER_TRY):
             # The validity deadline counts from before the statement is sent: the server's
             # expiry cannot start earlier than that.
@@ -426,8 +423,8 @@ class LockOperations:
         After each full batch it rests ``pause_ratio`` times as long as the batch took: a purge
         flat out keeps a server core busy (and its commits share the log flush with the
         acquirers'), which on a small machine multiplied a concurrent worker's p99 by 4-7.
-        On PostgreSQL it then sweeps the hand-off requests of waiters gone since
-        (``Statements.sweep_stale_requests``), which nothing else would ever delete.
+        It then sweeps the tickets of waiters gone since (``Statements.sweep_stale_requests``),
+        which nothing else might ever delete.
         """
         total = 0
         while True:
@@ -485,40 +482,13 @@ class LockOperations:
 
         return self._run(lockstring, read)
 
-    def look_at_queue(self, lockstring: str, queue_key: QueueKey) -> tuple[bool, Any]:
-        """Whether ``lockstring``'s row is takeable now (absent, or expired beyond grace), and
-        the session heading its queue in the server (``queueing.Watch``)."""
-        statement = self._sql.queue_head
-        assert statement is not None, "only a backend with a server-side queue is watched"
-
-        def look(conn: DriverSession) -> tuple[bool, Any]:
-            params = {"ls": lockstring, "lock_guid": "", **self._expiry_params()}
-            row = conn.execute(self._sql.holder_for_acquirer, params).first()
-            heading = conn.execute(statement, {"queue_key": queue_key}).first()
-            return row is None or bool(row.takeable), heading[0] if heading else None
-
-        return self._run(lockstring, look)
-
-    def end_queued_waits(self, sessions: list[Any]) -> None:
-        """End the queued waits of the server ``sessions`` (``queueing.Watch``). A session whose
-        wait ended meanwhile, or that is gone, is no error."""
-        statement = self._sql.end_queued_wait
-        assert statement is not None, "only a backend with a server-side queue is watched"
-
-        def end(conn: DriverSession) -> None:
-            for session in sessions:
-                try:
-                    conn.execute(statement, {"session": session})
-                except sa.exc.DBAPIError as error:
-                    logger.debug("could not end the queued wait of %s (%s)", session, error.orig)
-
-        self._run(None, end)
-
     def join_line(
         self, lockstring: str, guid: str, ttl: float, details: dict[str, Any], liveness_key: int
     ) -> tuple[int, bool]:
-        """PostgreSQL: take a ticket for ``lockstring`` (``sqllocker.tickets``), alive while
-        ``liveness_key`` is held: its number, and whether the row is held."""
+        """Take a ticket for ``lockstring`` (``sqllocker.tickets``), alive while
+        ``liveness_key`` is held: its number, and whether the row is held (where the backend
+        hands the row over, which reads it in the same statement; elsewhere False, and the
+        caller tries the row at once)."""
         params = {
             "ls": lockstring,
             "lock_guid": guid,
@@ -526,19 +496,30 @@ class LockOperations:
             "ttl": ttl,
             "liveness_key": liveness_key,
         }
-        row = self._run(lockstring, lambda conn: conn.execute(self._sql.join_line, params).one())
-        return int(row.ticket), bool(row.held)
+
+        def join(conn: DriverSession) -> tuple[int, bool]:
+            result = conn.execute(self._sql.join_line, params)
+            if not self._be.hands_over:
+                assert result.lastrowid is not None, "a ticket's INSERT reports its id"
+                return int(result.lastrowid), False
+            row = result.one()
+            return int(row.ticket), bool(row.held)
+
+        return self._run(lockstring, join)
 
     def leave_line(self, lockstring: str, ticket: int, guid: str, give_back: bool) -> bool:
-        """PostgreSQL: give up ``ticket``; with ``give_back``, a row already granted to it is
-        deleted again (its waiter stopped waiting). Says whether one was."""
+        """Give up ``ticket``; with ``give_back``, a row already handed to it is deleted again
+        (its waiter stopped waiting), where releases hand rows over. Says whether one was."""
         params = {"ticket": ticket, "ls": lockstring, "lock_guid": guid, "give_back": give_back}
-        given_back = self._run(
-            lockstring, lambda conn: conn.execute(self._sql.leave_line, params).one().given_back
-        )
+
+        def leave(conn: DriverSession) -> bool:
+            result = conn.execute(self._sql.leave_line, params)
+            return self._be.hands_over and bool(result.one().given_back)
+
+        given_back = self._run(lockstring, leave)
         if given_back:
             logger.debug("gave back %r, handed over to a waiter that stopped waiting", lockstring)
-        return bool(given_back)
+        return given_back
 
     def expired_locks(self) -> list[LockInfo]:
         def read(conn: DriverSession) -> list[LockInfo]:
@@ -608,26 +589,20 @@ class LockOperations:
     @property
     def connection_budget(self) -> int | None:
         """How many connections the engine's pool lets be open at once (None: no limit), which
-        the lock operations share with the Locker's queued waiters and release listener."""
+        the lock operations share with the Locker's listener."""
         pool = self.engine.pool
         return most_connections(pool) if isinstance(pool, QueuePool) else None
 
-    def reserve_for_waiting(self) -> int:
-        """Set aside the pool's connections for the Locker's queued waiters and its release
-        listener, which are checked out of the pool for as long as they wait or listen; returns
-        how many waiters may queue at once (0: none queue). Asked before any connection is
-        made (whether the table has the listener's trigger is not known yet): a ConnectionStack,
-        which the pool does not see, opens that many fewer from the start."""
+    def reserve_for_waiting(self) -> None:
+        """Set aside one of the pool's connections for the Locker's listener (which keeps its
+        waiters' tickets alive), checked out of the pool for as long as it listens. Asked
+        before any connection is made (whether the table has its line of tickets is not known
+        yet): a ConnectionStack, which the pool does not see, opens one fewer from the start."""
         dialect = self.engine.dialect
-        backend = backend_class(dialect.name)
-        if self.transaction_pooling:
-            return 0
-        listening = backend.notifies_releases(dialect) and self._pool_spares_listener
-        queueing = backend.queues_in_server
-        capacity = seats_within(self.connection_budget, listening) if queueing else 0
-        if self._stack is not None:
-            self._stack.reserve(capacity + listening)
-        return capacity
+        if self.transaction_pooling or not backend_class(dialect.name).takes_tickets(dialect):
+            return
+        if self._pool_spares_listener and self._stack is not None:
+            self._stack.reserve(1)
 
     def connections(self) -> tuple[int, int]:
         """(open, in use): the connections the lock operations have now, for the benchmark and
@@ -646,7 +621,7 @@ class LockOperations:
         guid: str,
         ttl: float,
         details: dict[str, Any],
-        queue_key: QueueKey | None,
+        queue_key: int | None,
         look_first: bool = False,
         in_line: bool = False,
     ) -> Acquired | Refused:
@@ -654,15 +629,17 @@ class LockOperations:
         params = self._acquire_params(lockstring, guid, ttl, details)
         try:
             if queue_key is not None:
-                # A newcomer's first attempt. Refused, it queues (or takes a ticket), and
-                # learns who holds the row when it next tries; asking now too would add a
-                # round trip to every hand-off.
+                # A newcomer's first attempt, or a waiter's by ticket. Refused, a newcomer takes
+                # a ticket, and learns who holds the row when it next tries; asking now too
+                # would add a round trip to every hand-off.
                 params["queue_key"] = queue_key
+                if look_first and (refused := self._refused_by_holder(conn, params)):
+                    return refused
                 gated = self._insert(conn, sql.acquire_unless_queued, params, queued_ok=True)
                 if gated is not None or not in_line:
                     return gated or Refused(None, None)
                 return self._learn_holder(conn, params)
-            return self._insert_or_learn_holder(conn, params, look_first)
+            return self._insert_or_learn_holder(conn, params)
         except sa.exc.DBAPIError as error:
             if not be.is_transient_conflict(error):
                 raise
@@ -699,7 +676,7 @@ class LockOperations:
         return self._expiry
 
     def _insert_or_learn_holder(
-        self, conn: DriverSession, params: dict[str, Any], look_first: bool = False
+        self, conn: DriverSession, params: dict[str, Any]
     ) -> Acquired | Refused:
         """Insert our row; if refused, read the holder's row and take it over if it has expired.
 
@@ -709,14 +686,21 @@ class LockOperations:
         it runs, so of several acquirers racing for one expired row one wins and the others'
         INSERTs are refused by the winner's row.
         """
-        if look_first:
-            held = conn.execute(self._sql.holder_for_acquirer, params).first()
-            if held is not None and not (held.ours or held.takeable):
-                return self._refused_by(held, params)
         acquired = self._insert(conn, self._sql.acquire, params)
         if acquired is not None:
             return acquired
         return self._learn_holder(conn, params)
+
+    def _refused_by_holder(self, conn: DriverSession, params: dict[str, Any]) -> Refused | None:
+        """A waiter polling the row by ticket reads it before any INSERT: the refusal by a
+        live holder's row, or None (free, ours, or takeable: the INSERT follows). A refused
+        INSERT takes a lock on the holder's row, which its release then waits for, and costs
+        a round trip more than the read. (Reading whether a live ticket stands ahead as well
+        cost more than the INSERTs it spared: docs/speed-history.md.)"""
+        held = conn.execute(self._sql.holder_for_acquirer, params).first()
+        if held is None or held.ours or held.takeable:
+            return None
+        return self._refused_by(held, params)
 
     def _learn_holder(self, conn: DriverSession, params: dict[str, Any]) -> Acquired | Refused:
         """After our INSERT was refused: the row that refused it, ours after all, or taken
@@ -822,7 +806,10 @@ class LockOperations:
 
     def _sweep_stale_requests(self, conn: DriverSession) -> int:
         sweep = self._sql.sweep_stale_requests
-        return 0 if sweep is None else int(conn.execute(sweep).one().swept)
+        if sweep is None:
+            return 0
+        result = conn.execute(sweep)
+        return int(result.one().swept) if self._be.hands_over else result.rowcount
 
     # -- connections, retries and errors -----------------------------------------------------------
 
@@ -1045,7 +1032,7 @@ class LockOperations:
                         backend,
                         id_order,
                         settings.schema,
-                        has_functions=settings.has_functions,
+                        has_line=settings.has_line,
                     )
                     self._backend = backend
                     self._expiry = {
@@ -1108,29 +1095,25 @@ class LockOperations:
         )
 
     @property
-    def notifies_releases(self) -> bool:
-        """Whether waiters can wake on the DELETE trigger's NOTIFY and wait by ticket (see
-        ``sqllocker.tickets``): PostgreSQL through psycopg 3 (sync or async), unless a
-        transaction pooler is between (LISTEN and the tickets' liveness lock would stay behind
-        on whichever server session ran them), nor with a pool too small to spare the
-        listener's connection, and only on a table made by its migration, which adds the
-        trigger and the tickets' functions; other backends queue or back off and retry."""
+    def waits_by_ticket(self) -> bool:
+        """Whether waiters take tickets (see ``sqllocker.tickets``): on PostgreSQL through
+        psycopg 3 and on MySQL/MariaDB, sync or async, unless a transaction pooler is between
+        (LISTEN and the tickets' liveness lock would stay behind on whichever server session
+        ran them), nor with a pool too small to spare the listener's connection, and only on a
+        table made by its migration, which adds the line; elsewhere they back off and retry
+        (SQLite: in the kernel's queue)."""
         dialect = self.engine.dialect
         return (
-            backend_class(dialect.name).notifies_releases(dialect)
+            backend_class(dialect.name).takes_tickets(dialect)
             and not self.transaction_pooling
             and self._pool_spares_listener
-            and self.statements.has_functions
+            and self.statements.has_line
         )
 
     @property
-    def queue_wait(self) -> AnyQueueWait | None:
-        """How waiters queue in the server, one at a time trying the row (see
-        ``sqllocker.queueing``): MySQL's ``GET_LOCK``; None where sessions cannot be relied on
-        (a transaction pooler), on PostgreSQL (tickets instead) and on SQLite."""
-        if self.transaction_pooling:
-            return None
-        return self.backend.queue_wait(self.statements)
+    def hands_over(self) -> bool:
+        """Whether a release hands the row to the first live ticket (``Backend.hands_over``)."""
+        return self.backend.hands_over
 
     @property
     def queue_file(self) -> str | None:

@@ -173,3 +173,22 @@ def id_order_table(table: str) -> sa.Table:
         sa.Column("stripe", sa.SmallInteger(), primary_key=True, autoincrement=False),
         mysql_engine="InnoDB",
     )
+
+
+def requests_table_name(table: str) -> str:
+    return f"{check_table_name(table)}_requests"
+
+
+def requests_table(table: str) -> sa.Table:
+    """MySQL/MariaDB: the tickets of lock table ``table``'s waiters, one row each, numbered in
+    the order they came (``sqllocker.tickets``); alive while the GET_LOCK name of their
+    ``liveness_key`` is held (``backends.mysql.liveness_name``). PostgreSQL's is reached only
+    through the table's functions."""
+    return sa.Table(
+        requests_table_name(table),
+        sa.MetaData(),
+        sa.Column("ticket", sa.BigInteger(), primary_key=True, autoincrement=True),
+        sa.Column("lockstring", Lockstring(), nullable=False),
+        sa.Column("liveness_key", sa.BigInteger(), nullable=False),
+        mysql_engine="MEMORY",
+    )

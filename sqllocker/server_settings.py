@@ -44,9 +44,10 @@ class ServerSettings(NamedTuple):
     # would be made, if it is not there yet). Its functions are called by their full names,
     # and its advisory keys include it.
     schema: str | None = None
-    # PostgreSQL: whether the table has the functions its migration makes (a table made by
-    # ``lock_table().create()`` has none): without them waiters back off, as elsewhere.
-    has_functions: bool = False
+    # Whether the table has the line of tickets its migration makes (PostgreSQL: the requests
+    # table and its functions; MySQL: the requests table). A table made by
+    # ``lock_table().create()`` has none: without it waiters back off, as on SQLite.
+    has_line: bool = False
     # Why the table, if it exists, is not sqllocker's (a DBIx::Locker table): no operation may
     # run on it (see each backend's ``foreign_table``).
     foreign: str | None = None

@@ -16,10 +16,11 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.sql import Delete, Select, Update
 from sqlalchemy.sql.dml import ReturningInsert
+from sqlalchemy.sql.elements import ClauseElement
 from sqlalchemy.sql.selectable import TextualSelect
 
 from .backends import Backend
-from .schema import FOREIGN_GUID_PREFIX
+from .schema import FOREIGN_GUID_PREFIX, requests_table
 
 
 class Statements:
@@ -32,18 +33,19 @@ class Statements:
         id_order: sa.Table | None = None,
         schema: str | None = None,
         *,
-        has_functions: bool = False,
+        has_line: bool = False,
     ) -> None:
         """``id_order``: MySQL/MariaDB, the stripes table that acquires lock, where the server
         needs it (``server_settings.ServerSettings.lock_stripes``); see :attr:`acquire`.
         ``schema``: PostgreSQL, the schema the table was found in, which the advisory keys and
         the queue's function names include (same-named tables in two schemas stay apart);
-        ``has_functions``, whether the table has the functions its migration makes there."""
+        ``has_line``, whether the table has the line of tickets its migration makes beside it
+        (``sqllocker.tickets``)."""
         self.table = table
         self.backend = backend
         self.id_order = id_order
         self.schema = schema
-        self.has_functions = has_functions
+        self.has_line = has_line
         self.table_key = table.name if schema is None else f"{schema}.{table.name}"
         c = table.c
         self._now = backend.now()
@@ -83,8 +85,8 @@ class Statements:
 
     @cached_property
     def acquire_unless_queued(self) -> ReturningInsert[Any]:
-        """``acquire``, unless waiters are queued in the server (``sqllocker.queueing``), or,
-        on PostgreSQL, a live ticket lower than ``:queue_key`` stands (``sqllocker.tickets``)."""
+        """``acquire``, unless a live ticket lower than ``:queue_key`` stands
+        (``sqllocker.tickets``)."""
         return self.backend.acquire_unless_queued(self)
 
     @cached_property
@@ -115,40 +117,17 @@ class Statements:
         return self.backend.id_order_blocker(self)
 
     @cached_property
-    def queue_head(self) -> TextualSelect | None:
-        """The session heading the server's queue ``:queue_key``; None where there is none."""
-        return self.backend.queue_head()
+    def join_line(self) -> ClauseElement:
+        """Takes a ticket for ``:ls`` alive while ``:liveness_key`` is held (see
+        ``sqllocker.tickets``). PostgreSQL's returns the ticket and whether the row is held;
+        MySQL's inserts a row, whose id is the ticket."""
+        return self.backend.join_line(self)
 
     @cached_property
-    def end_queued_wait(self) -> TextualSelect | None:
-        """Ends the queued wait of the server session ``:session``."""
-        return self.backend.end_queued_wait()
-
-    @cached_property
-    def join_line(self) -> TextualSelect:
-        """PostgreSQL: takes a ticket for ``:ls`` (the table's ``queue_join``): the ticket, and
-        whether the row is held (see ``sqllocker.tickets``)."""
-        # The function's name is the validated table's, in its quoted schema.
-        return (
-            sa.text(
-                f"SELECT j.ticket, j.held FROM {self.function('queue_join')}("  # noqa: S608
-                "CAST(:ls AS varchar), CAST(:lock_guid AS varchar), CAST(:holder AS jsonb), "
-                "CAST(:ttl AS double precision), CAST(:liveness_key AS bigint)) AS j"
-            )
-            .bindparams(sa.bindparam("holder", type_=self.table.c.locked_by.type))
-            .columns(sa.column("ticket", sa.BigInteger), sa.column("held", sa.Boolean))
-        )
-
-    @cached_property
-    def leave_line(self) -> TextualSelect:
-        """PostgreSQL: gives up the ticket ``:ticket`` of ``:lock_guid`` (the table's
-        ``queue_leave``), with ``:give_back`` giving back a row granted to it; says whether
-        it did."""
-        return sa.text(
-            f"SELECT {self.function('queue_leave')}(CAST(:ticket AS bigint), "
-            "CAST(:ls AS varchar), CAST(:lock_guid AS varchar), CAST(:give_back AS boolean)) "
-            "AS given_back"
-        ).columns(sa.column("given_back", sa.Boolean))
+    def leave_line(self) -> ClauseElement:
+        """Gives up the ticket ``:ticket`` of ``:ls``; PostgreSQL's, with ``:give_back``, also
+        gives back a row granted to it (of ``:lock_guid``), and says whether it did."""
+        return self.backend.leave_line(self)
 
     @property
     def returned(self) -> tuple[sa.ColumnElement[Any], ...]:
@@ -293,20 +272,25 @@ class Statements:
         return self.backend.checkpoint()
 
     @cached_property
-    def sweep_stale_requests(self) -> TextualSelect | None:
-        """PostgreSQL: delete the tickets whose Locker is gone (nobody holds their liveness
-        key: the table's ``_sweep_requests`` function); None elsewhere.
+    def sweep_stale_requests(self) -> ClauseElement | None:
+        """Delete the tickets whose Locker is gone (nobody holds their liveness key); None
+        where the table has no line.
 
         A Locker whose process died leaves its tickets standing until a release of their
-        lockstring passes over them, which for a lockstring never contended again is never.
-        Such a ticket is never granted, so deleting it changes no outcome; it only spares every
-        later release of that lockstring the look-up.
+        lockstring passes over them (PostgreSQL) or a purge sweeps them, which for a
+        lockstring never contended again is never. Such a ticket is never served, so deleting
+        it changes no outcome; it only spares every later waiter of that lockstring the
+        look-up.
         """
-        if not self.has_functions:
+        if not self.has_line:
             return None
-        return sa.text(f"SELECT {self.function('sweep_requests')}()").columns(
-            sa.column("swept", sa.BigInteger)
-        )
+        return self.backend.sweep_requests(self)
+
+    @cached_property
+    def requests(self) -> sa.Table:
+        """MySQL/MariaDB: the table's tickets (``schema.requests_table``); PostgreSQL's are
+        reached only through its functions."""
+        return requests_table(self.table.name)
 
     def function(self, name: str) -> str:
         """PostgreSQL: the schema-qualified name of the table's function ``<table>_<name>``,

@@ -1,36 +1,45 @@
-"""PostgreSQL: every waiter takes a ticket, and a release hands the row to the first live one.
+"""Every waiter takes a ticket, and waiters are served in the order of their tickets.
 
-A waiter refused the row takes a ticket for its lockstring: a row of ``<table>_requests`` (one
-statement, the table's ``queue_join``) numbered in the order waiters came, holding what a
-release needs to insert the waiter's row for it (guid, holder details, expiry period). It holds
-no connection while it waits. The release's trigger inserts the row for the lowest live ticket
-in the release's own transaction, deletes that ticket, and says so by NOTIFY with the new row's
-id and the SHA-256 of the waiter's guid; the waiter reads its row back by id and guid before it
-believes it (anyone who can connect can send a NOTIFY). So waiters are served in the order they
-came, however many there are and however long each holds the row.
+A waiter refused the row takes a ticket for its lockstring: a row of ``<table>_requests``
+numbered in the order waiters came. It holds no connection while it waits.
 
-A ticket is live while its Locker's listening connection holds the ticket's *liveness key*, a
-session advisory lock it takes once per session (``AsyncReleaseListener``): a Locker whose
-process died, or whose connection dropped, leaves only dead tickets, which releases pass over
-(and delete) and the purge sweeps. When the listener reconnects it holds a new key, and every
-waiter of that Locker takes a new ticket.
+A ticket is live while its Locker's listening connection holds the ticket's *liveness key*
+(``AsyncReleaseListener``): on PostgreSQL a session advisory lock, on MySQL/MariaDB a
+``GET_LOCK`` name (``backends.mysql.liveness_name``), taken once per session. A Locker whose
+process died, or whose connection dropped, leaves only dead tickets, which nobody waits behind
+and the purge sweeps. When the listener reconnects it holds a new key, and every waiter of that
+Locker takes a new ticket.
 
-A release cannot always grant: the id-order key it needs may be held by an acquirer's INSERT, or
-the holder's row may expire instead of being released. So in each Locker the waiter with the
-lowest ticket for a lockstring (``LocalLine.first``) keeps trying the row at a slow backoff, and
-at the moment the holder's row can be taken over: an INSERT refused while any live ticket lower
-than its own stands (``anyone_ahead``). A newcomer's first attempt is refused while any live
-ticket stands at all, so that it cannot take the row ahead of those already waiting. The others
-of its Locker wait without a statement until they are first, or are handed the row.
+**PostgreSQL hands the row over.** A ticket there also holds what a release needs to insert
+the waiter's row for it (guid, holder details, expiry period; the table's ``queue_join``). The
+release's trigger inserts the row for the lowest live ticket in the release's own transaction,
+deletes that ticket, and says so by NOTIFY with the new row's id and the SHA-256 of the
+waiter's guid; the waiter reads its row back by id and guid before it believes it (anyone who
+can connect can send a NOTIFY). A release cannot always grant: the id-order key it needs may be
+held by an acquirer's INSERT, or the holder's row may expire instead of being released. So the
+first waiter of each Locker (below) also tries the row at a slow backoff, and at the moment the
+holder's row can be taken over.
+
+**MySQL/MariaDB polls.** There is no trigger that can insert into its own table, and no NOTIFY:
+the first waiter of each Locker polls the row, reading it before any INSERT, at a quarter of
+the age of the hold it waits out (``Backoff.heading``). It gives its ticket up once the row is
+its own, in the background.
+
+Either way only the waiter with the lowest ticket of its Locker for a lockstring
+(``LocalLine.first``) sends anything; the others wait without a statement until they are first,
+or are handed the row. Its INSERT is refused while any live ticket lower than its own stands
+(``anyone_ahead``), and a newcomer's first attempt while any live ticket stands at all
+(``NEWCOMER``), so that nobody takes the row ahead of those already waiting, however many
+there are and however long each holds the row.
 
 A live ticket whose waiter has stopped (its process stopped while its listener's connection
-lives) is handed the row by the next release, which then stays held until it expires; and while
-the row is free and nobody releases it, the first waiter behind such a ticket takes the row
-anyway once it has found it so for ``PATIENCE``.
+lives) is handed the row by the next release on PostgreSQL, which then stays held until it
+expires; and while the row is free, the first waiter behind such a ticket takes the row anyway
+once it has found it so for ``PATIENCE``.
 
 The ticket decides only who is *handed* the row and who may *try* for it; who holds it is
-decided by the row alone, as always. A lost notification or a dropped listener costs latency,
-never safety.
+decided by the row alone, as always. A lost notification, a dropped listener or a ticket
+inserted by someone else costs latency, never safety.
 """
 
 from __future__ import annotations
@@ -40,7 +49,9 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-# The gate of a newcomer's first attempt: no live ticket may stand at all (PostgreSQL's bigint).
+from .errors import LockBusy
+
+# The gate of a newcomer's first attempt: no live ticket may stand at all (the largest bigint).
 NEWCOMER = 2**63 - 1
 # How long the first of a Locker's waiters finds the row free yet is refused by a live ticket
 # ahead before it takes the row anyway: that ticket's waiter is not trying (its process was
@@ -50,6 +61,15 @@ PATIENCE = 1.0
 # How often a waiter that is not first in its Locker's line looks whether it has become first,
 # or its listener has reconnected, should a wake-up have been missed: no statement is sent.
 LOOK_AGAIN = 1.0
+
+
+def new_hold(busy: LockBusy | None, previous: LockBusy | None) -> bool:
+    """Whether a refusal by ``busy`` met a hold the waiter's previous refusal (``previous``)
+    had not: where the first waiter polls (MySQL), its polls are paced by the age of the hold
+    it waits out (``Backoff.heading``)."""
+    if busy is None:
+        return False
+    return previous is None or busy.lock_id != previous.lock_id
 
 
 @dataclass(frozen=True)

@@ -49,11 +49,14 @@ def test_every_database_answers_everything(name: str) -> None:
         attribute for attribute, value in vars(Backend).items() if _raises_not_implemented(value)
     }
     assert {"now", "acquire", "read_settings", "migration_connection"} <= required
-    optional = {"acquire_unless_queued", "take_over"}  # only where atomic_takeover / a queue
+    tickets = {"acquire_unless_queued", "join_line", "leave_line", "sweep_requests"}
+    optional = {"take_over", *tickets}  # only where atomic_takeover / tickets
     missing = {attribute for attribute in required - optional if attribute not in _defined(cls)}
     assert missing == set()
     if cls.atomic_takeover:
-        assert {"take_over", "acquire_unless_queued"} <= _defined(cls)
+        assert "take_over" in _defined(cls)
+    if "takes_tickets" in _defined(cls):
+        assert tickets <= _defined(cls)
 
 
 def test_an_unknown_database_is_refused_by_name() -> None:

@@ -123,10 +123,9 @@ TRYING = ("--try-only",)
 # the library declared lost (LockLost) while the worker, heeding nothing, held on.
 OUTLIVING = ("--outlive-every", "100", "--expires", "1.0", "--grace", "0")
 # Workers that give up on a line standing still on a free row after 4 ms, beside abandoned rows
-# that are takeable until a waiter takes them over: on MariaDB the queues' watch (1 ms looks)
-# ends queued waits all the time, by cancels that race the waits' own ends; on PostgreSQL the
-# first waiter of a Locker takes a free row past the live tickets ahead of its own. Either way
-# waiters take the row out of their turn.
+# that are takeable until a waiter takes them over: the first waiter of a Locker takes a free
+# row past the live tickets ahead of its own, out of its turn (on MariaDB, where the first
+# waiters poll, all the time).
 IMPATIENT = ("--queue-patience", "0.004", *ABANDONING)
 # Async workers that cancel a share of their acquires and releases at a random moment, as
 # asyncio.wait_for does at its timeout: an acquire cut off after it won its row (or after a
@@ -234,10 +233,9 @@ def contend(
     handed_over = sum(report.get("handed_over", 0) for report in reports)
     ended_waits = sum(report.get("ended_waits", 0) for report in reports)
     if IMPATIENT[0] in options and locker.engine.dialect.name == "mysql":
-        # The scenario did what it is for. On PostgreSQL waiters take abandoned rows over out of
-        # their turn anyway (a takeover is not gated by tickets), and a take past a ticket on a
-        # free row comes only now and then (tests/test_tickets.py makes one every time); SQLite
-        # queues elsewhere.
+        # The scenario did what it is for. On PostgreSQL, where releases hand the row over, a
+        # take past a ticket on a free row comes only now and then (tests/test_tickets.py
+        # makes one every time); SQLite queues elsewhere.
         assert ended_waits > 0
     renewed = sum(report.get("renewed", 0) for report in reports)
     records = [
@@ -293,7 +291,8 @@ def contend(
     assert lost_updates == 0
     assert token_inversions == 0
     assert locks_lost == 0
-    if locker._operations.notifies_releases and not trying:
+    ops = locker._operations
+    if ops.waits_by_ticket and ops.hands_over and not trying:
         # Waiters are handed the row by the release (``sqllocker.tickets``): this test must
         # exercise that path, not only the waiters' own INSERTs. (Through a transaction
         # pooler waiters back off instead: nobody takes a ticket.)

@@ -176,6 +176,7 @@ def test_mysql_users_need_only_the_documented_grants(
         for grant in (
             f"GRANT SELECT, INSERT, UPDATE, DELETE ON {database}.{table_name} TO '{app}'@'%%'",
             f"GRANT SELECT, UPDATE ON {database}.{table_name}_id_order TO '{app}'@'%%'",
+            f"GRANT SELECT, INSERT, DELETE ON {database}.{table_name}_requests TO '{app}'@'%%'",
             f"GRANT SELECT ON {database}.{table_name}_held TO '{reader}'@'%%'",
         ):
             conn.exec_driver_sql(grant)
@@ -183,6 +184,7 @@ def test_mysql_users_need_only_the_documented_grants(
     viewer = sa.create_engine(resolve_url(mysql_roles.reader))
     keeper = Locker(mysql_roles.app, table=table_name)
     with keeper.lock("job"), viewer.connect() as conn:
+        assert keeper._operations.waits_by_ticket  # it sees its line of tickets
         rows = conn.exec_driver_sql(f"SELECT lockstring FROM {table_name}_held").all()
         assert [row.lockstring for row in rows] == ["job"]
         with pytest.raises(sa.exc.OperationalError, match="denied"):

@@ -1,7 +1,7 @@
 """Write the sync front end from the async one: ``python -m tests.unasync`` (``--check`` in CI).
 
-The wait loop, the lock handle, the group, the semaphore, the waiting room and the release
-listener are written once, for asyncio, in ``sqllocker/asyncio/``; their sync twins in
+The wait loop, the lock handle, the group, the semaphore and the release listener are written
+once, for asyncio, in ``sqllocker/asyncio/``; their sync twins in
 ``sqllocker/`` are generated from them, as httpcore generates its sync code. A line-based
 rewrite, as psycopg's ``async_to_sync`` does it:
 
@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 ASYNC_DIR = ROOT / "sqllocker" / "asyncio"
 SYNC_DIR = ROOT / "sqllocker"
-MODULES = ["group.py", "listener.py", "lock.py", "locker.py", "semaphore.py", "waiting_room.py"]
+MODULES = ["group.py", "listener.py", "lock.py", "locker.py", "semaphore.py"]
 
 ASYNC_BLOCK = re.compile(r"^(?P<indent> *)if True:  # ASYNC$")
 SUBSTITUTIONS = [

@@ -10,7 +10,8 @@
   free (see ``sqllocker/tickets.py``).
 - MySQL/MariaDB: ``<table>_id_order``, one row per stripe of lockstrings, which an acquire locks
   where ``innodb_autoinc_lock_mode=2`` would otherwise let ids come out of holding order (see
-  ``Statements.acquire``).
+  ``Statements.acquire``); ``<table>_requests``, one ticket per waiter, in the order they came
+  (no secret in it: there the first waiter of each Locker takes the row itself).
 
 Every PostgreSQL function runs with its ``search_path`` pinned to ``pg_catalog``, the table's
 own schema and ``pg_temp`` (last), and calls catalog functions and operators with their exact
@@ -283,6 +284,25 @@ def upgrade() -> None:
         # One statement, also in the SQL that `sqllocker migrate --sql` prints for a DBA.
         stripes = ", ".join(f"({stripe})" for stripe in range(STRIPES))
         op.execute(f"INSERT INTO {table}_id_order (stripe) VALUES {stripes}")
+        # One ticket per waiter; a ticket is alive while the GET_LOCK name of its liveness key
+        # is held (sqllocker.backends.mysql.liveness_name). In memory, as PostgreSQL's is
+        # unlogged: taking and giving up a ticket need no flush to disk, and a restart that
+        # empties the table also ended every session that kept a ticket alive. Not replicated
+        # by Galera either, as GET_LOCK names are not: each node keeps its own line.
+        op.create_table(
+            f"{table}_requests",
+            sa.Column("ticket", sa.BigInteger(), primary_key=True, autoincrement=True),
+            sa.Column("lockstring", Lockstring(), nullable=False),
+            sa.Column("liveness_key", sa.BigInteger(), nullable=False),
+            mysql_engine="MEMORY",
+            mysql_charset="utf8mb4",
+        )
+        op.create_index(
+            f"ix_{table}_requests_line",
+            f"{table}_requests",
+            ["lockstring", "ticket"],
+            mysql_using="btree",
+        )
     for statement in adoption.after_create if adoption else ():
         op.execute(statement)
 
@@ -359,6 +379,7 @@ def downgrade() -> None:
             op.execute(f"DROP FUNCTION {signature.format(table=table)}")
         op.execute(f"DROP TABLE {table}_requests")
     elif dialect == "mysql":
+        op.drop_table(f"{table}_requests")
         op.drop_table(f"{table}_id_order")
     op.execute(f"DROP VIEW {table}_held")
     op.drop_index(f"ix_{table}_expires", table_name=table)

@@ -1,7 +1,7 @@
 """asyncio: what the async front end awaits where the generated sync one blocks a thread.
 
-The front end (the locker, the lock handle, the group, the semaphore, the waiting room and the
-release listener) is written once, here in ``sqllocker/asyncio/``, and its sync twin in
+The front end (the locker, the lock handle, the group, the semaphore and the release
+listener) is written once, here in ``sqllocker/asyncio/``, and its sync twin in
 ``sqllocker/`` is generated from it (``tests/unasync.py``), importing ``sqllocker/concurrency.py``
 where this code imports this module: the same names, for threads.
 

@@ -1,11 +1,12 @@
-"""PostgreSQL: one LISTEN connection per locker, waking its waiters on release (the design is
-in ``notifications.py``).
+"""One connection per locker that keeps its waiters' tickets alive (``sqllocker.tickets``), and,
+on PostgreSQL, wakes them on release (the design is in ``notifications.py``).
 
-The connection listens on the table's channel (the DELETE trigger sends the lockstring while
-waiters hold tickets) and on its grants channel (a hand-off to a ticket), and holds the liveness
-key that keeps its Locker's tickets live (``sqllocker.tickets``). Waiters register before each
-attempt, and still wake by themselves at their backoff or the holder's expiry, so a dropped
-listening connection costs latency, never correctness.
+On PostgreSQL the connection listens on the table's channel (the DELETE trigger sends the
+lockstring while waiters hold tickets) and on its grants channel (a hand-off to a ticket), and
+holds the liveness key, a session advisory lock. On MySQL/MariaDB, which has no NOTIFY, it
+holds the liveness key's ``GET_LOCK`` name, and looks every second that it still does. Waiters
+register before each attempt, and still wake by themselves at their backoff or the holder's
+expiry, so a dropped listening connection costs latency, never correctness.
 
 Written once for asyncio (a task per locker); the sync ``sqllocker/listener.py`` (a thread per
 locker) is generated from it (``tests/unasync.py``).
@@ -19,6 +20,8 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from ..backends.mysql import liveness_name
+from ..errors import LockError
 from ..notifications import Waiter, WaiterQueues, channel_for, grants_channel_for, parse_grant
 from . import concurrency
 
@@ -35,19 +38,26 @@ logger = logging.getLogger("sqllocker")
 # How long a waiter waits for the listener to subscribe before it polls instead.
 SUBSCRIBE_SECONDS = 5.0
 RECONNECT_SECONDS = 1.0
-# How long the listening thread blocks in one read before checking whether it should stop.
+# How long the listening thread blocks in one read before checking whether it should stop; on
+# MySQL, how often it looks that it still holds its liveness key.
 READ_SECONDS = 1.0
+# MySQL: how long that look may take before the connection is taken for lost (aiomysql has no
+# read timeout of its own).
+LOOK_SECONDS = 10.0
 
 
 class AsyncReleaseListener:
-    """One LISTEN connection per locker, and the waiters it wakes."""
+    """One connection per locker that holds its tickets' liveness key, LISTENs where releases
+    hand over (``hands_over``), and the waiters it wakes."""
 
-    def __init__(self, engine: AsyncEngine, table: str) -> None:
+    def __init__(self, engine: AsyncEngine, table: str, hands_over: bool = True) -> None:
         self._engine = engine
+        self.hands_over = hands_over
         self.channel = channel_for(table)
         self.grants_channel = grants_channel_for(table)
         self._waiters = WaiterQueues()
         self._listening = concurrency.Event()
+        self._failing = False  # its last session ended in an error, and no new one has begun
         # The session advisory lock the listening connection holds: the liveness key of this
         # Locker's tickets (None while not listening).
         self.liveness_key: int | None = None
@@ -69,8 +79,11 @@ class AsyncReleaseListener:
         acquire attempt."""
         self._start_listening()
         # Subscribed before the caller's attempt, or (after a timeout) not at all, when the
-        # caller's backoff polls: never a registration that silently misses the release.
-        await concurrency.wait(self._listening, SUBSCRIBE_SECONDS)
+        # caller's backoff polls: never a registration that silently misses the release. Not
+        # waited for while the listener's last session failed (a server that refuses it would
+        # make every attempt wait that long): the caller backs off, as if alone.
+        if not self._failing:
+            await concurrency.wait(self._listening, SUBSCRIBE_SECONDS)
         return self._waiters.add(Waiter(lockstring, concurrency.Event(), digest, releases))
 
     def unregister(self, waiter: Waiter[concurrency.Event]) -> None:
@@ -127,19 +140,24 @@ class AsyncReleaseListener:
             try:
                 await self._listen_once()
             except Exception as error:  # the connection dropped: reconnect after a pause
-                logger.warning("release notifications interrupted (%s); reconnecting", error)
+                self._failing = True
+                logger.warning("the listening connection failed (%s); reconnecting", error)
             self._listening.clear()
             self._waiters.wake_everyone()  # they may have missed a release meanwhile
             if self._listening_on():
                 await concurrency.sleep(RECONNECT_SECONDS)
 
     async def _listen_once(self) -> None:
+        if not self.hands_over:
+            await self._hold_liveness_only()
+            return
         pooled = await concurrency.pooled_connection(self._engine)
         connection = pooled.driver
         try:
             await connection.execute(f'LISTEN "{self.channel}"')
             await connection.execute(f'LISTEN "{self.grants_channel}"')
             self.liveness_key = await _hold_a_key(connection)
+            self._failing = False
             self._listening.set()
             if True:  # ASYNC
                 async for notice in connection.notifies():
@@ -148,6 +166,30 @@ class AsyncReleaseListener:
                 while not self._stopping:
                     for notice in connection.notifies(timeout=READ_SECONDS):
                         self._received(notice)
+        finally:
+            self._listening.clear()
+            self.liveness_key = None
+            await pooled.close()
+
+    async def _hold_liveness_only(self) -> None:
+        """MySQL: hold a liveness key's ``GET_LOCK`` name, looking every READ_SECONDS that the
+        session still does; a look that fails ends the session (the caller reconnects)."""
+        pooled = await concurrency.pooled_connection(self._engine, autocommit=False)
+        connection = pooled.driver
+        try:
+            key = await _hold_a_name(connection)
+            self.liveness_key = key
+            self._failing = False
+            self._listening.set()
+            while self._listening_on():
+                await concurrency.sleep(READ_SECONDS)
+                look = ("SELECT IS_USED_LOCK(%s) = CONNECTION_ID()", (liveness_name(key),))
+                if True:  # ASYNC
+                    row = await asyncio.wait_for(_fetch_one(connection, *look), LOOK_SECONDS)
+                else:
+                    row = _fetch_one(connection, *look)
+                if row is None or row[0] != 1:
+                    raise LockError("the liveness key's GET_LOCK name is no longer held")
         finally:
             self._listening.clear()
             self.liveness_key = None
@@ -172,3 +214,26 @@ async def _hold_a_key(connection: Any) -> int:
         row = await cursor.fetchone()
         if row is not None and row[0]:
             return key
+
+
+async def _hold_a_name(connection: Any) -> int:
+    """MySQL: take the ``GET_LOCK`` name of a random liveness key nobody holds, on
+    ``connection`` (PyMySQL's or aiomysql's)."""
+    while True:
+        key = secrets.randbits(64) - 2**63
+        row = await _fetch_one(connection, "SELECT GET_LOCK(%s, 0)", (liveness_name(key),))
+        if row is not None and row[0] == 1:
+            return key
+
+
+async def _fetch_one(connection: Any, sql: str, params: tuple[Any, ...]) -> Any:
+    """MySQL: the first row of ``sql`` on the driver's ``connection``."""
+    if True:  # ASYNC
+        cursor = await connection.cursor()
+    else:
+        cursor = connection.cursor()
+    try:
+        await cursor.execute(sql, params)
+        return await cursor.fetchone()
+    finally:
+        await cursor.close()

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Connection, Dialect, Engine
-from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql.elements import ClauseElement, ColumnElement
 from sqlalchemy.sql.expression import Executable
 from sqlalchemy.types import TypeEngine
 
@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from sqlalchemy.sql.dml import ReturningInsert
     from sqlalchemy.sql.selectable import TextualSelect
 
-    from ..queueing import AnyQueueWait
     from ..server_settings import ServerSettings
     from ..statements import Statements
 
@@ -44,8 +43,9 @@ class Backend:
     # PostgreSQL takes over an expired row in one statement (ON CONFLICT DO UPDATE ... WHERE
     # expired); the others delete the row if still expired and insert again.
     atomic_takeover: ClassVar[bool] = False
-    # Waiters queue in the server (``queue_wait``), each on a connection of its own (MySQL).
-    queues_in_server: ClassVar[bool] = False
+    # A release hands the row to the first live ticket and says so by NOTIFY (PostgreSQL);
+    # elsewhere the first waiter of each Locker polls the row (``sqllocker.tickets``).
+    hands_over: ClassVar[bool] = False
     # A Locker's ``max_connections`` sizes its engine's pool: connections to a server (not
     # SQLite's, which are to a file of the Locker's own machine).
     limits_connections: ClassVar[bool] = True
@@ -140,8 +140,20 @@ class Backend:
         raise NotImplementedError
 
     def acquire_unless_queued(self, statements: Statements) -> ReturningInsert[Any]:
-        """``acquire``, unless waiters are queued in the server, or (PostgreSQL) hold tickets."""
-        raise NotImplementedError(f"{self.name} queues no waiters in the server")
+        """``acquire``, unless a live ticket lower than ``:queue_key`` stands."""
+        raise NotImplementedError(f"{self.name} has no tickets")
+
+    def join_line(self, statements: Statements) -> ClauseElement:
+        """Take a ticket (see ``Statements.join_line``)."""
+        raise NotImplementedError(f"{self.name} has no tickets")
+
+    def leave_line(self, statements: Statements) -> ClauseElement:
+        """Give up a ticket (see ``Statements.leave_line``)."""
+        raise NotImplementedError(f"{self.name} has no tickets")
+
+    def sweep_requests(self, statements: Statements) -> ClauseElement:
+        """Delete the tickets nobody keeps alive (see ``Statements.sweep_stale_requests``)."""
+        raise NotImplementedError(f"{self.name} has no tickets")
 
     def take_over(self, statements: Statements) -> ReturningInsert[Any]:
         """Replace an expired row with ours in one statement (where ``atomic_takeover``)."""
@@ -166,15 +178,6 @@ class Backend:
 
     def id_order_blocker(self, statements: Statements) -> TextualSelect | None:
         """Who holds the key an acquire waited for in vain (PostgreSQL); None elsewhere."""
-        return None
-
-    def queue_head(self) -> TextualSelect | None:
-        """The session heading the server's queue ``:queue_key`` (see ``queueing.Watch``), or
-        None where waiters do not queue in the server."""
-        return None
-
-    def end_queued_wait(self) -> TextualSelect | None:
-        """The statement that ends the queued wait of the session ``:session``."""
         return None
 
     # -- schema --------------------------------------------------------------------------------
@@ -237,11 +240,6 @@ class Backend:
     def configure_engine(cls, engine: Engine) -> None:
         """Anything an engine sqllocker made needs on each new connection."""
 
-    def queue_wait(self, statements: Statements) -> AnyQueueWait | None:
-        """How waiters of ``statements``' table queue in the server (see
-        ``sqllocker.queueing``), or None."""
-        return None
-
     @classmethod
     def queue_file(cls, url: URL) -> str | None:
         """The database file whose waiters queue in the kernel (SQLite on Linux: see
@@ -249,8 +247,9 @@ class Backend:
         return None
 
     @classmethod
-    def notifies_releases(cls, dialect: Dialect) -> bool:
-        """Whether waiters can be woken by the release (LISTEN/NOTIFY through psycopg 3)."""
+    def takes_tickets(cls, dialect: Dialect) -> bool:
+        """Whether waiters can take tickets (``sqllocker.tickets``) through ``dialect``'s
+        driver: a session lock to keep them alive, and (where ``hands_over``) LISTEN."""
         return False
 
     # -- settings the guarantees rest on --------------------------------------------------------

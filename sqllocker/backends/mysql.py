@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -16,11 +15,10 @@ from sqlalchemy.sql.expression import Executable
 from sqlalchemy.types import TypeEngine
 
 from ..adoption import set_aside_name
-from ..schema import ID_ORDER_STRIPES, UTCDateTime, id_order_table_name
+from ..schema import ID_ORDER_STRIPES, UTCDateTime, id_order_table_name, requests_table_name
 from ..server_settings import LOSES_ROWS, REORDERS_IDS, ServerSettings, UnsafeSetting
 from ..timeouts import (
     CONNECT_TIMEOUT_SECONDS,
-    DEAD_PEER_SECONDS,
     ROW_LOCK_TIMEOUT_SECONDS,
     STATEMENT_TIMEOUT_SECONDS,
 )
@@ -28,9 +26,7 @@ from . import Backend
 
 if TYPE_CHECKING:
     from sqlalchemy.sql import Delete, Insert, Select
-    from sqlalchemy.sql.selectable import TextualSelect
 
-    from ..queueing import GetLockQueueWait
     from ..statements import Statements
 
 # Serialises concurrent `sqllocker migrate` runs (a named lock, not a row).
@@ -38,29 +34,20 @@ _MIGRATION_LOCK_NAME = "sqllocker_migrate"
 _NAME = re.compile(r"[A-Za-z0-9_]+")
 
 
-def wait_patiently(connection: Any) -> None:
-    """Let ``connection`` (PyMySQL's or aiomysql's) wait in ``GET_LOCK`` for as long as its
-    caller waits: PyMySQL's read timeout (the engine's default, or the URL's) would end the
-    wait, and with it the waiter's place. TCP keepalives take its place, so that a dead server
-    is still noticed (as PostgreSQL's connections have, through libpq). The drivers' own
-    attributes: neither has a setting for one connection."""
-    sock = getattr(connection, "_sock", None)
-    if sock is not None:
-        connection._read_timeout = None  # read again before every read
-    else:
-        writer = getattr(connection, "_writer", None)
-        sock = writer.get_extra_info("socket") if writer is not None else None
-    if sock is None:
-        return
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for option, value in (
-        ("TCP_KEEPIDLE", DEAD_PEER_SECONDS // 3),
-        ("TCP_KEEPINTVL", DEAD_PEER_SECONDS // 6),
-        ("TCP_KEEPCNT", 3),
-        ("TCP_USER_TIMEOUT", DEAD_PEER_SECONDS * 1000),
-    ):
-        if hasattr(socket, option):  # Linux; elsewhere the system's keepalive defaults
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+# A ticket's liveness key, as the GET_LOCK name its Locker's listening connection holds
+# (``sqllocker.tickets``): GET_LOCK names are the server's, so the key is random and 64 bits.
+LIVENESS_PREFIX = "sqllocker-live:"
+
+
+def liveness_name(key: int) -> str:
+    """The GET_LOCK name that keeps the tickets of liveness key ``key`` alive."""
+    return f"{LIVENESS_PREFIX}{key}"
+
+
+def _is_live(liveness_key: ColumnElement[Any]) -> ColumnElement[bool]:
+    """Whether a ticket's liveness key is held (its Locker's listener is connected)."""
+    name = sa.func.concat(sa.literal(LIVENESS_PREFIX), liveness_key)
+    return sa.func.is_used_lock(name).is_not(None)
 
 
 class MySQLBackend(Backend):
@@ -70,7 +57,10 @@ class MySQLBackend(Backend):
     # aiomysql speaks PyMySQL's protocol and raises PyMySQL's errors.
     async_driver = "mysql+aiomysql"
     adoption_sets_table_aside = True
-    queues_in_server = True
+
+    @classmethod
+    def takes_tickets(cls, dialect: Dialect) -> bool:
+        return True
 
     @classmethod
     def for_dialect(cls, dialect: Dialect) -> Backend:
@@ -116,29 +106,47 @@ class MySQLBackend(Backend):
         )
         return insert.returning(*statements.returned) if self.insert_returning else insert
 
-    def queue_wait(self, statements: Statements) -> GetLockQueueWait:
-        from ..queueing import GetLockQueueWait
-
-        return GetLockQueueWait(statements)
-
-    def queue_head(self) -> TextualSelect:
-        return sa.text("SELECT IS_USED_LOCK(:queue_key) AS head").columns(
-            sa.column("head", sa.BigInteger)
-        )
-
-    def end_queued_wait(self) -> TextualSelect:
-        # KILL QUERY takes no placeholder in a prepared statement, but the driver binds client
-        # side, and the value is an integer the driver escapes as one.
-        return sa.text("KILL QUERY :session").columns()
-
     def acquire_unless_queued(self, statements: Statements) -> Any:
-        """``acquire``, unless anyone holds or waits for the lockstring's ``GET_LOCK`` queue
-        (``queue_key``: its name): then insert nothing, as if refused."""
-        nobody_queued = sa.func.is_free_lock(sa.bindparam("queue_key", type_=sa.String())) == 1
+        """``acquire``, unless a live ticket lower than ``queue_key`` waits for the lockstring
+        (``tickets.NEWCOMER``: any live ticket at all): then insert nothing and raise nothing,
+        which tells this refusal from the held row's duplicate key."""
         insert = sa.insert(statements.table).from_select(
-            list(statements.new_row), self._new_row(statements).where(nobody_queued)
+            list(statements.new_row),
+            self._new_row(statements).where(sa.not_(self._anyone_ahead(statements))),
         )
         return insert.returning(*statements.returned) if self.insert_returning else insert
+
+    def _anyone_ahead(self, statements: Statements) -> ColumnElement[bool]:
+        """Whether a live ticket lower than ``:queue_key`` waits for the lockstring."""
+        requests = statements.requests
+        ahead = (
+            sa.select(sa.literal(1))
+            .select_from(requests)
+            .where(
+                self.equal(requests.c.lockstring, statements.lockstring_param),
+                requests.c.ticket < sa.bindparam("queue_key", type_=sa.BigInteger()),
+                _is_live(requests.c.liveness_key),
+            )
+        )
+        return sa.exists(ahead)
+
+    def join_line(self, statements: Statements) -> Insert:
+        """A ticket: a row of the requests table, whose id is its number."""
+        return sa.insert(statements.requests).values(
+            lockstring=statements.lockstring_param,
+            liveness_key=sa.bindparam("liveness_key", type_=sa.BigInteger()),
+        )
+
+    def leave_line(self, statements: Statements) -> Delete:
+        requests = statements.requests
+        return sa.delete(requests).where(
+            requests.c.ticket == sa.bindparam("ticket", type_=sa.BigInteger()),
+            statements.backend.equal(requests.c.lockstring, statements.lockstring_param),
+        )
+
+    def sweep_requests(self, statements: Statements) -> Delete:
+        requests = statements.requests
+        return sa.delete(requests).where(sa.not_(_is_live(requests.c.liveness_key)))
 
     def _new_row(self, statements: Statements) -> Select[Any]:
         new_row = sa.select(*statements.new_row.values())
@@ -256,7 +264,12 @@ class MySQLBackend(Backend):
                 "write goes to one node"
             )
             problems.append(UnsafeSetting(setting, REORDERS_IDS))
-        return ServerSettings(problems, lock_stripes, foreign=self.foreign_table(conn, table))
+        return ServerSettings(
+            problems,
+            lock_stripes,
+            has_line=_has_table(conn, requests_table_name(table)),
+            foreign=self.foreign_table(conn, table),
+        )
 
     def foreign_table(self, conn: Connection, table: str) -> str | None:
         """A table adopted without ``--exact-lockstrings`` keeps its case-folding collation on

@@ -49,6 +49,7 @@ class PostgreSQLBackend(Backend):
     sync_driver = "postgresql+psycopg"
     async_driver = "postgresql+psycopg"
     atomic_takeover = True
+    hands_over = True
 
     def now(self) -> ColumnElement[Any]:
         return sa.func.pg_catalog.clock_timestamp(type_=UTCDateTime())
@@ -111,6 +112,33 @@ class PostgreSQLBackend(Backend):
         c = statements.table.c
         return insert.on_conflict_do_nothing(index_elements=[c.lockstring]).returning(
             *statements.returned
+        )
+
+    def join_line(self, statements: Statements) -> TextualSelect:
+        """The table's ``queue_join``: the ticket, and whether the row is held."""
+        # The function's name is the validated table's, in its quoted schema.
+        return (
+            sa.text(
+                f"SELECT j.ticket, j.held FROM {statements.function('queue_join')}("  # noqa: S608
+                "CAST(:ls AS varchar), CAST(:lock_guid AS varchar), CAST(:holder AS jsonb), "
+                "CAST(:ttl AS double precision), CAST(:liveness_key AS bigint)) AS j"
+            )
+            .bindparams(sa.bindparam("holder", type_=statements.table.c.locked_by.type))
+            .columns(sa.column("ticket", sa.BigInteger), sa.column("held", sa.Boolean))
+        )
+
+    def leave_line(self, statements: Statements) -> TextualSelect:
+        """The table's ``queue_leave``: says whether it gave back a row granted to the ticket."""
+        return sa.text(
+            f"SELECT {statements.function('queue_leave')}(CAST(:ticket AS bigint), "
+            "CAST(:ls AS varchar), CAST(:lock_guid AS varchar), CAST(:give_back AS boolean)) "
+            "AS given_back"
+        ).columns(sa.column("given_back", sa.Boolean))
+
+    def sweep_requests(self, statements: Statements) -> TextualSelect:
+        """The table's ``sweep_requests``: how many tickets it deleted."""
+        return sa.text(f"SELECT {statements.function('sweep_requests')}()").columns(
+            sa.column("swept", sa.BigInteger)
         )
 
     def take_over(self, statements: Statements) -> ReturningInsert[Any]:
@@ -291,7 +319,7 @@ class PostgreSQLBackend(Backend):
         return connect_args
 
     @classmethod
-    def notifies_releases(cls, dialect: Dialect) -> bool:
+    def takes_tickets(cls, dialect: Dialect) -> bool:
         return dialect.driver == "psycopg"
 
     # -- settings ----------------------------------------------------------------------------------
@@ -315,7 +343,7 @@ class PostgreSQLBackend(Backend):
             problems,
             lock_stripes=False,
             schema=schema,
-            has_functions=bool(has_functions),
+            has_line=bool(has_functions),
             foreign=self.foreign_table(conn, table),
         )
 

@@ -1,0 +1,271 @@
+"""MariaDB/MySQL waiters take tickets (``sqllocker.tickets``): served in the order they came,
+each Locker's first waiter alone polling the row, a ticket alive only while its Locker's
+listener holds the ``GET_LOCK`` name of its liveness key."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pymysql
+import pytest
+import sqlalchemy as sa
+
+from sqllocker import LockBusy, Locker
+from sqllocker import tickets as ticketing
+from sqllocker.asyncio import AsyncLocker
+from sqllocker.backends.mysql import liveness_name
+from sqllocker.engine import resolve_url
+from sqllocker.migrations import upgrade
+from tests.helpers import wait_in_thread, wait_until
+from tests.test_tickets import counting_attempts
+from tests.workers import async_url
+
+
+@pytest.fixture
+def migrated_mysql(mysql_url: str, table_name: str) -> str:
+    """A table made by the migrations, so it has its requests table."""
+    engine = sa.create_engine(resolve_url(mysql_url))
+    upgrade(engine, table_name)
+    engine.dispose()
+    return mysql_url
+
+
+@pytest.fixture
+def admin(migrated_mysql: str) -> Iterator[sa.Engine]:
+    engine = sa.create_engine(resolve_url(migrated_mysql), isolation_level="AUTOCOMMIT")
+    yield engine
+    engine.dispose()
+
+
+def standing(admin: sa.Engine, table: str) -> list[tuple[str, int]]:
+    """The standing tickets, lowest first: (lockstring, liveness key)."""
+    with admin.connect() as conn:
+        rows = conn.exec_driver_sql(
+            f"SELECT lockstring, liveness_key FROM {table}_requests ORDER BY ticket"
+        )
+        return [(str(row[0]), int(row[1])) for row in rows]
+
+
+def session(url: str) -> pymysql.connections.Connection[Any]:
+    target = sa.make_url(resolve_url(url))
+    return pymysql.connect(
+        host=target.host or "127.0.0.1",
+        port=target.port or 3306,
+        user=target.username or "root",
+        database=target.database,
+        autocommit=True,
+    )
+
+
+class StrangerTicket:
+    """A ticket inserted by a session of its own that holds its liveness key's name (unless
+    ``live`` is False: a Locker that is gone), and then does nothing: a waiter whose process
+    stopped while its Locker's listener lives on."""
+
+    def __init__(self, url: str, table: str, live: bool = True) -> None:
+        self.connection = session(url)
+        self.key = secrets.randbits(62)
+        with self.connection.cursor() as cursor:
+            if live:
+                cursor.execute("SELECT GET_LOCK(%s, 0)", (liveness_name(self.key),))
+            cursor.execute(
+                f"INSERT INTO {table}_requests (lockstring, liveness_key) VALUES (%s, %s)",
+                ("report", self.key),
+            )
+
+    def die(self) -> None:
+        self.connection.close()
+
+
+@pytest.mark.parametrize("lockers", [5, 1], ids=["a Locker each", "one Locker"])
+def test_waiters_get_the_lock_in_the_order_they_came(
+    migrated_mysql: str, table_name: str, admin: sa.Engine, lockers: int
+) -> None:
+    """With a Locker each, as separate processes would have, each Locker's first waiter polls
+    the row, and without tickets whichever polled first after a release would win."""
+    holder = Locker(migrated_mysql, table=table_name)
+    held = holder.lock("report")
+    order: list[int] = []
+    waiting = [Locker(migrated_mysql, table=table_name) for _ in range(lockers)]
+
+    def wait(number: int) -> None:
+        with waiting[number % lockers].lock("report", wait=60):
+            order.append(number)
+            time.sleep(0.05)
+
+    threads = []
+    for number in range(5):
+        threads.append(threading.Thread(target=wait, args=(number,)))
+        threads[-1].start()
+        wait_until(lambda: len(standing(admin, table_name)) == number + 1)
+    held.unlock()
+    for thread in threads:
+        thread.join(30)
+    assert order == [0, 1, 2, 3, 4]
+    wait_until(lambda: standing(admin, table_name) == [])  # given up in the background
+    for locker in [holder, *waiting]:
+        locker.close()
+
+
+async def test_async_waiters_get_the_lock_in_the_order_they_came(
+    migrated_mysql: str, table_name: str, admin: sa.Engine
+) -> None:
+    holder = Locker(migrated_mysql, table=table_name)
+    held = holder.lock("report")
+    waiting = [AsyncLocker(async_url(migrated_mysql), table=table_name) for _ in range(3)]
+    order: list[int] = []
+
+    async def wait(number: int) -> None:
+        async with waiting[number % len(waiting)].lock("report", wait=60):
+            order.append(number)
+            await asyncio.sleep(0.05)
+
+    tasks = []
+    for number in range(6):
+        tasks.append(asyncio.create_task(wait(number)))
+        deadline = time.monotonic() + 10
+        while len(await asyncio.to_thread(standing, admin, table_name)) < number + 1:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+    await asyncio.to_thread(held.unlock)
+    await asyncio.wait_for(asyncio.gather(*tasks), 30)
+    assert order == list(range(6))
+    wait_until(lambda: standing(admin, table_name) == [])  # given up in the background
+    for locker in waiting:
+        await locker.aclose()
+    holder.close()
+
+
+def test_a_waiter_gives_up_at_its_deadline_and_its_ticket_with_it(
+    migrated_mysql: str, table_name: str, admin: sa.Engine
+) -> None:
+    holder, first, behind = (Locker(migrated_mysql, table=table_name) for _ in range(3))
+    held = holder.lock("report")
+    thread, result = wait_in_thread(first, wait=30)
+    wait_until(lambda: len(standing(admin, table_name)) == 1)
+    started = time.monotonic()
+    with pytest.raises(LockBusy) as busy:
+        behind.lock("report", wait=0.5)
+    assert 0.4 < time.monotonic() - started < 5
+    assert busy.value.lock_id == held.lock_id  # it names the holder
+    assert len(standing(admin, table_name)) == 1  # only the first waiter's is left
+    held.unlock()
+    thread.join(10)
+    result["lock"].unlock()
+    wait_until(lambda: standing(admin, table_name) == [])  # given up in the background
+    for locker in (holder, first, behind):
+        locker.close()
+
+
+def test_only_the_first_waiter_of_a_locker_polls_the_row(
+    migrated_mysql: str, table_name: str, admin: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hundreds of waiters in a process would each poll the row; the ones behind the first
+    of their Locker send nothing at all while they wait."""
+    holder, waiters = (Locker(migrated_mysql, table=table_name) for _ in range(2))
+    held = holder.lock("report")
+    attempts = counting_attempts(waiters, monkeypatch)
+    first = threading.Thread(target=lambda: waiters.lock("report", wait=60).unlock(), name="1st")
+    first.start()
+    wait_until(lambda: len(standing(admin, table_name)) == 1)
+    later = [
+        threading.Thread(target=lambda: waiters.lock("report", wait=60).unlock(), name=name)
+        for name in ("2nd", "3rd")
+    ]
+    for thread in later:
+        thread.start()
+    wait_until(lambda: len(standing(admin, table_name)) == 3)
+    since = time.monotonic()
+    time.sleep(1.0)
+    tried = [name for name, moment in attempts if moment >= since]
+    assert set(tried) == {"1st"}, tried  # and it does poll: nothing hands the row over
+    held.unlock()
+    for thread in [first, *later]:
+        thread.join(20)
+    wait_until(lambda: standing(admin, table_name) == [])  # given up in the background
+    holder.close()
+    waiters.close()
+
+
+def test_a_newcomer_does_not_take_a_free_row_ahead_of_a_live_ticket(
+    migrated_mysql: str, table_name: str, admin: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A live ticket stands while the row is free (its waiter stopped): a waiting newcomer
+    takes a ticket behind it rather than the row, and takes the row past it only after
+    PATIENCE; try_lock, which never waits, takes a free row at once."""
+    monkeypatch.setattr(ticketing, "PATIENCE", 0.5)
+    stopped = StrangerTicket(migrated_mysql, table_name)
+    newcomer = Locker(migrated_mysql, table=table_name)
+    started = time.monotonic()
+    lock = newcomer.lock("report", wait=10)
+    assert time.monotonic() - started >= 0.45  # it waited its turn, as long as its patience
+    assert newcomer._line.passed == 1
+    lock.unlock()
+    taken = newcomer.try_lock("report")
+    assert taken is not None
+    taken.unlock()
+    stopped.die()
+    newcomer.close()
+
+
+def test_a_dead_ticket_keeps_nobody_waiting_and_the_purge_sweeps_it(
+    migrated_mysql: str, table_name: str, admin: sa.Engine
+) -> None:
+    """A ticket whose liveness name nobody holds (its Locker's process died) is passed over at
+    once, and the purge deletes it; a live one it leaves."""
+    dead = StrangerTicket(migrated_mysql, table_name, live=False)
+    locker = Locker(migrated_mysql, table=table_name)
+    started = time.monotonic()
+    locker.lock("report", wait=10).unlock()
+    assert time.monotonic() - started < 0.4  # not PATIENCE: the dead ticket did not count
+    assert locker._line.passed == 0
+    live = StrangerTicket(migrated_mysql, table_name)
+    assert len(standing(admin, table_name)) == 2
+    locker.purge_expired_locks()
+    assert standing(admin, table_name) == [("report", live.key)]
+    for stranger in (dead, live):
+        stranger.die()
+    locker.close()
+
+
+def test_waiters_whose_listener_lost_its_session_take_new_tickets_and_are_served(
+    migrated_mysql: str, table_name: str, admin: sa.Engine
+) -> None:
+    """The listener's session ends (a server restart, a KILL): its tickets die with its
+    liveness name, and its waiters take new ones once it has reconnected, with a new key."""
+    holder, waiters = (Locker(migrated_mysql, table=table_name) for _ in range(2))
+    held = holder.lock("report")
+    results = [wait_in_thread(waiters, wait=30) for _ in range(2)]
+    wait_until(lambda: len(standing(admin, table_name)) == 2)
+    listener = waiters._listener
+    assert listener is not None
+    assert listener.liveness_key is not None
+    old_key = listener.liveness_key
+    with admin.connect() as conn:
+        session_id = conn.exec_driver_sql(
+            "SELECT IS_USED_LOCK(%(name)s)", {"name": liveness_name(old_key)}
+        ).scalar()
+        assert session_id is not None
+        conn.exec_driver_sql(f"KILL {int(session_id)}")
+    wait_until(  # each waiter, with the new key
+        lambda: (
+            len(rows := standing(admin, table_name)) == 2 and all(key != old_key for _, key in rows)
+        ),
+        timeout=20,
+    )
+    held.unlock()
+    for _ in results:  # in either order: they took their new tickets as they woke
+        wait_until(lambda: any("lock" in result for _, result in results), timeout=20)
+        (result,) = [result for _, result in results if "lock" in result]
+        result.pop("lock").unlock()
+    for thread, result in results:
+        thread.join(20)
+        assert "error" not in result
+    wait_until(lambda: standing(admin, table_name) == [])  # given up in the background
+    holder.close()
+    waiters.close()
