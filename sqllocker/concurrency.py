@@ -112,7 +112,7 @@ def pooled_connection(engine: Engine, autocommit: bool = True) -> PooledConnecti
 class Background:
     """Calls that must not hold up their caller, run one after another on a thread of their
     own (started on first use, and again in a forked child). The calls must not raise: the
-    room's ``leave`` closes its connection on a failure instead."""
+    tickets' give-up (``_leave_line``) logs a failure instead."""
 
     def __init__(self, name: str) -> None:
         self._name = name

@@ -238,10 +238,10 @@ def quiet_wal(url: str) -> None:
 
 @pytest.mark.parametrize("private_server", ["postgresql"], indirect=True)
 def test_a_row_handed_over_is_durable_before_its_new_holder_has_it(private_server: Any) -> None:
-    """A release hands its row to the head of the queue in its own transaction, which commits
-    without waiting for the disk (Statements.release). The head must not have the lock until
+    """A release hands its row to the first live ticket in its own transaction, which commits
+    without waiting for the disk (Statements.release). Its waiter must not have the lock until
     that row is durable: a crash that took the hand-off back would bring the old row back, to
-    be taken over at its expiry while the head still acts as its holder."""
+    be taken over at its expiry while the waiter still acts as its holder."""
     url = private_server.url
     holder, waiter = Locker(url, grace=GRACE), Locker(url, grace=GRACE)
     holder.create_table()

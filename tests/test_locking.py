@@ -306,8 +306,9 @@ def test_wait_gives_up_after_the_given_time(locker: Locker) -> None:
 
 
 def test_a_wait_that_runs_out_at_once_still_names_the_holder(locker: Locker) -> None:
-    # On PostgreSQL a waiter's first attempt does not ask who holds the row (it queues, and asks
-    # at the head of the queue); if its time is up by then, the error must still say.
+    # Where waiters take tickets, a waiter's first attempt does not ask who holds the row (it
+    # takes a ticket, and asks when it next tries); if its time is up by then, the error must
+    # still say.
     with locker.lock("job") as held, pytest.raises(LockBusy) as caught:
         locker.lock("job", wait=1e-9)
     assert caught.value.lock_id == held.lock_id
