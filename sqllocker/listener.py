@@ -119,45 +119,42 @@ class ReleaseListener:
                 concurrency.sleep(RECONNECT_SECONDS)
 
     def _listen_once(self) -> None:
-        if not self.hands_over:
-            self._hold_liveness_only()
-            return
-        pooled = concurrency.pooled_connection(self._engine)
-        connection = pooled.driver
+        # MySQL's GET_LOCK is not transactional: its connection needs no autocommit.
+        pooled = concurrency.pooled_connection(self._engine, autocommit=self.hands_over)
         try:
-            connection.execute(f'LISTEN "{self.channel}"')
-            connection.execute(f'LISTEN "{self.grants_channel}"')
-            self.liveness_key = _hold_a_key(connection)
-            self._failing = False
-            self._listening.set()
-            while not self._stopping:
-                for notice in connection.notifies(timeout=READ_SECONDS):
-                    self._received(notice)
+            if self.hands_over:
+                self._listen_on(pooled.driver)
+            else:
+                self._hold_liveness_on(pooled.driver)
         finally:
             self._listening.clear()
             self.liveness_key = None
             pooled.close()
 
-    def _hold_liveness_only(self) -> None:
+    def _listen_on(self, connection: Any) -> None:
+        """PostgreSQL: LISTEN, hold a liveness key, and hand each notification on."""
+        connection.execute(f'LISTEN "{self.channel}"')
+        connection.execute(f'LISTEN "{self.grants_channel}"')
+        self.liveness_key = _hold_a_key(connection)
+        self._failing = False
+        self._listening.set()
+        while not self._stopping:
+            for notice in connection.notifies(timeout=READ_SECONDS):
+                self._received(notice)
+
+    def _hold_liveness_on(self, connection: Any) -> None:
         """MySQL: hold a liveness key's ``GET_LOCK`` name, looking every READ_SECONDS that the
         session still does; a look that fails ends the session (the caller reconnects)."""
-        pooled = concurrency.pooled_connection(self._engine, autocommit=False)
-        connection = pooled.driver
-        try:
-            key = _hold_a_name(connection)
-            self.liveness_key = key
-            self._failing = False
-            self._listening.set()
-            while self._listening_on():
-                concurrency.sleep(READ_SECONDS)
-                look = ("SELECT IS_USED_LOCK(%s) = CONNECTION_ID()", (liveness_name(key),))
-                row = _fetch_one(connection, *look)
-                if row is None or row[0] != 1:
-                    raise LockError("the liveness key's GET_LOCK name is no longer held")
-        finally:
-            self._listening.clear()
-            self.liveness_key = None
-            pooled.close()
+        key = _hold_a_name(connection)
+        self.liveness_key = key
+        self._failing = False
+        self._listening.set()
+        while self._listening_on():
+            concurrency.sleep(READ_SECONDS)
+            look = ("SELECT IS_USED_LOCK(%s) = CONNECTION_ID()", (liveness_name(key),))
+            row = _fetch_one(connection, *look)
+            if row is None or row[0] != 1:
+                raise LockError("the liveness key's GET_LOCK name is no longer held")
 
     def _received(self, notice: Any) -> None:
         self.notifications += 1

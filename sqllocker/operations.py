@@ -487,8 +487,8 @@ class LockOperations:
     ) -> tuple[int, bool]:
         """Take a ticket for ``lockstring`` (``sqllocker.tickets``), alive while
         ``liveness_key`` is held: its number, and whether the row is held (where the backend
-        hands the row over, which reads it in the same statement; elsewhere False, and the
-        caller tries the row at once)."""
+        hands the row over, which reads it in the same statement; elsewhere False: the
+        caller's polls find out)."""
         params = {
             "ls": lockstring,
             "lock_guid": guid,

@@ -148,52 +148,49 @@ class AsyncReleaseListener:
                 await concurrency.sleep(RECONNECT_SECONDS)
 
     async def _listen_once(self) -> None:
-        if not self.hands_over:
-            await self._hold_liveness_only()
-            return
-        pooled = await concurrency.pooled_connection(self._engine)
-        connection = pooled.driver
+        # MySQL's GET_LOCK is not transactional: its connection needs no autocommit.
+        pooled = await concurrency.pooled_connection(self._engine, autocommit=self.hands_over)
         try:
-            await connection.execute(f'LISTEN "{self.channel}"')
-            await connection.execute(f'LISTEN "{self.grants_channel}"')
-            self.liveness_key = await _hold_a_key(connection)
-            self._failing = False
-            self._listening.set()
-            if True:  # ASYNC
-                async for notice in connection.notifies():
-                    self._received(notice)
+            if self.hands_over:
+                await self._listen_on(pooled.driver)
             else:
-                while not self._stopping:
-                    for notice in connection.notifies(timeout=READ_SECONDS):
-                        self._received(notice)
+                await self._hold_liveness_on(pooled.driver)
         finally:
             self._listening.clear()
             self.liveness_key = None
             await pooled.close()
 
-    async def _hold_liveness_only(self) -> None:
+    async def _listen_on(self, connection: Any) -> None:
+        """PostgreSQL: LISTEN, hold a liveness key, and hand each notification on."""
+        await connection.execute(f'LISTEN "{self.channel}"')
+        await connection.execute(f'LISTEN "{self.grants_channel}"')
+        self.liveness_key = await _hold_a_key(connection)
+        self._failing = False
+        self._listening.set()
+        if True:  # ASYNC
+            async for notice in connection.notifies():
+                self._received(notice)
+        else:
+            while not self._stopping:
+                for notice in connection.notifies(timeout=READ_SECONDS):
+                    self._received(notice)
+
+    async def _hold_liveness_on(self, connection: Any) -> None:
         """MySQL: hold a liveness key's ``GET_LOCK`` name, looking every READ_SECONDS that the
         session still does; a look that fails ends the session (the caller reconnects)."""
-        pooled = await concurrency.pooled_connection(self._engine, autocommit=False)
-        connection = pooled.driver
-        try:
-            key = await _hold_a_name(connection)
-            self.liveness_key = key
-            self._failing = False
-            self._listening.set()
-            while self._listening_on():
-                await concurrency.sleep(READ_SECONDS)
-                look = ("SELECT IS_USED_LOCK(%s) = CONNECTION_ID()", (liveness_name(key),))
-                if True:  # ASYNC
-                    row = await asyncio.wait_for(_fetch_one(connection, *look), LOOK_SECONDS)
-                else:
-                    row = _fetch_one(connection, *look)
-                if row is None or row[0] != 1:
-                    raise LockError("the liveness key's GET_LOCK name is no longer held")
-        finally:
-            self._listening.clear()
-            self.liveness_key = None
-            await pooled.close()
+        key = await _hold_a_name(connection)
+        self.liveness_key = key
+        self._failing = False
+        self._listening.set()
+        while self._listening_on():
+            await concurrency.sleep(READ_SECONDS)
+            look = ("SELECT IS_USED_LOCK(%s) = CONNECTION_ID()", (liveness_name(key),))
+            if True:  # ASYNC
+                row = await asyncio.wait_for(_fetch_one(connection, *look), LOOK_SECONDS)
+            else:
+                row = _fetch_one(connection, *look)
+            if row is None or row[0] != 1:
+                raise LockError("the liveness key's GET_LOCK name is no longer held")
 
     def _received(self, notice: Any) -> None:
         self.notifications += 1
