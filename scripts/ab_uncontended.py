@@ -41,6 +41,8 @@ from sqllocker.execution import Prepared
 from sqllocker.identity import holder_details
 
 url, table, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+if url.endswith("/"):  # SQLite: a new file each run, made as the tree makes it
+    url += f"{os.getpid()}.db"
 locker = Locker(url, table=table, auto_create=True)
 locker.lock("compile").unlock()
 lock_table = locker._operations
@@ -142,7 +144,7 @@ def main() -> int:
     cycles = str(args.cycles * 5 if args.stub_driver else args.cycles)
     table = "ab_uncontended"
     with tempfile.TemporaryDirectory() as scratch:
-        sqlite_url = f"sqlite:///{scratch}/ab.db"
+        sqlite_url = f"sqlite:///{scratch}/"
         url = sqlite_url if args.backend == "sqlite" else bench.URLS[args.backend]
         try:
             results = run_rounds(trees, args.rounds, program, url, table, cycles)

@@ -52,7 +52,7 @@ import sqlalchemy as sa
 
 from sqllocker import Locker, lock_table
 from sqllocker.defaults import DEFAULT_PURGE_BATCH, DEFAULT_PURGE_PAUSE_RATIO
-from sqllocker.engine import resolve_url
+from sqllocker.engine import create_locker_engine, resolve_url
 from sqllocker.migrations import current_revision, downgrade, upgrade, version_table_for
 from sqllocker.operations import LockOperations
 
@@ -171,9 +171,10 @@ def mysql_connection(url: str) -> Any:
 
 def fresh_table(url: str, table: str = TABLE) -> None:
     """An empty lock table made as users make it, by the migrations (on PostgreSQL they add the
-    trigger whose NOTIFY wakes waiters)."""
+    trigger whose NOTIFY wakes waiters), on an engine of sqllocker's: a new SQLite file gets
+    the page size a Locker gives it."""
     drop_table(url, table)
-    engine = sa.create_engine(resolve_url(url))
+    engine = create_locker_engine(resolve_url(url))
     upgrade(engine, table)
     engine.dispose()
 
@@ -1244,6 +1245,8 @@ def main() -> int:
     backends = [b for b in args.backends.split(",") if b]
     Path(args.out).mkdir(parents=True, exist_ok=True)
     URLS["sqlite"] = f"sqlite:///{Path(args.out) / 'bench.db'}"  # beside the results, wherever
+    for leftover in Path(args.out).glob("bench.db*"):
+        leftover.unlink()  # a file of an earlier run keeps the page size it was made with
     skip = set(args.skip.split(","))
     profile = QUICK if args.quick else FULL
     machine = f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}, SQLAlchemy {sa.__version__}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sqlite3
 import threading
 import time
 from collections.abc import Iterator
@@ -334,3 +335,39 @@ async def test_an_async_first_connection_waits_there_without_blocking_the_event_
             assert time.monotonic() - started >= 0.25  # it did wait for the writer
         finally:
             await locker.aclose()
+
+
+def _page_size(path: Path) -> int:
+    with sqlite3.connect(path) as plain:
+        return int(plain.execute("PRAGMA page_size").fetchone()[0])
+
+
+@pytest.mark.parametrize("front_end", ["sync", "asyncio"])
+def test_a_new_sqlite_file_gets_small_pages_and_an_existing_one_keeps_its_own(
+    tmp_path: Path, front_end: str
+) -> None:
+    """Every commit writes whole pages to the log, and a cycle dirties seven (the row, two
+    indexes, the id sequence): a file sqllocker makes has pages of NEW_FILE_PAGE_SIZE bytes.
+    A file that already holds something keeps the page size it was made with, as SQLite only
+    changes it by rewriting the whole file."""
+    new, existing = tmp_path / "new.db", tmp_path / "existing.db"
+    with sqlite3.connect(existing) as plain:
+        plain.execute("CREATE TABLE other (x)")  # made by another tool, with SQLite's default
+    default = _page_size(existing)
+    assert default != sqlite_backend.NEW_FILE_PAGE_SIZE
+    for path in (new, existing):
+        if front_end == "sync":
+            locker = Locker(f"sqlite:///{path}", table="semaphores")
+            with locker.lock("job"):
+                pass
+            locker.close()
+        else:
+
+            async def cycle(path: Path = path) -> None:
+                locker = AsyncLocker(f"sqlite+aiosqlite:///{path}", table="semaphores")
+                async with locker, locker.lock("job"):
+                    pass
+
+            asyncio.run(cycle())
+    assert _page_size(new) == sqlite_backend.NEW_FILE_PAGE_SIZE
+    assert _page_size(existing) == default
