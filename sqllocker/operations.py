@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
@@ -132,6 +132,17 @@ class Acquired:
         self.expires = expires
         self.age = age
         self.sent_at = 0.0
+
+
+class Joined(NamedTuple):
+    """A ticket taken (``LockOperations.join_line``): its number; whether the row is held;
+    whether an earlier ticket of the same waiter may have been taken too, whose answer was
+    lost. Given up before this one was taken, that one may have been handed the row first
+    (PostgreSQL): a waiter that claims a row cannot then tell which of its tickets it was."""
+
+    ticket: int
+    held: bool
+    replaced: bool
 
 
 @dataclass(frozen=True)
@@ -483,12 +494,23 @@ class LockOperations:
         return self._run(lockstring, read)
 
     def join_line(
-        self, lockstring: str, guid: str, ttl: float, details: dict[str, Any], liveness_key: int
-    ) -> tuple[int, bool]:
+        self,
+        lockstring: str,
+        guid: str,
+        ttl: float,
+        details: dict[str, Any],
+        liveness_key: int,
+        replacing: bool = False,
+    ) -> Joined:
         """Take a ticket for ``lockstring`` (``sqllocker.tickets``), alive while
         ``liveness_key`` is held: its number, and whether the row is held (where the backend
         hands the row over, which reads it in the same statement; elsewhere False: the
-        caller's polls find out)."""
+        caller's polls find out).
+
+        ``replacing``: an earlier attempt of this waiter's (``guid``) failed, and may have
+        taken a ticket all the same, its answer lost with its connection; so may an attempt
+        retried here. Such a ticket stays live, and would keep everyone behind it waiting (or,
+        where releases hand rows over, be handed one nobody claims): it is given up first."""
         params = {
             "ls": lockstring,
             "lock_guid": guid,
@@ -496,18 +518,25 @@ class LockOperations:
             "ttl": ttl,
             "liveness_key": liveness_key,
         }
+        earlier = {"ticket": None, "ls": lockstring, "lock_guid": guid, "give_back": False}
+        attempted = replacing
 
-        def join(conn: DriverSession) -> tuple[int, bool]:
+        def join(conn: DriverSession) -> Joined:
+            nonlocal attempted
+            replaced = attempted
+            if replaced:
+                conn.execute(self._sql.leave_line, earlier)
+            attempted = True
             result = conn.execute(self._sql.join_line, params)
             if not self._be.hands_over:
                 assert result.lastrowid is not None, "a ticket's INSERT reports its id"
-                return int(result.lastrowid), False
+                return Joined(int(result.lastrowid), False, replaced)
             row = result.one()
-            return int(row.ticket), bool(row.held)
+            return Joined(int(row.ticket), bool(row.held), replaced)
 
         return self._run(lockstring, join)
 
-    def leave_line(self, lockstring: str, ticket: int, guid: str, give_back: bool) -> bool:
+    def leave_line(self, lockstring: str, ticket: int | None, guid: str, give_back: bool) -> bool:
         """Give up ``ticket``; with ``give_back``, a row already handed to it is deleted again
         (its waiter stopped waiting), where releases hand rows over. Says whether one was."""
         params = {"ticket": ticket, "ls": lockstring, "lock_guid": guid, "give_back": give_back}

@@ -181,14 +181,16 @@ def requests_table_name(table: str) -> str:
 
 def requests_table(table: str) -> sa.Table:
     """MySQL/MariaDB: the tickets of lock table ``table``'s waiters, one row each, numbered in
-    the order they came (``sqllocker.tickets``); alive while the GET_LOCK name of their
-    ``liveness_key`` is held (``backends.mysql.liveness_name``). PostgreSQL's is reached only
-    through the table's functions."""
+    the order they came (``sqllocker.tickets``), each with the SHA-256 of its waiter's guid (the
+    guid is the holder's secret); alive while the GET_LOCK name of their ``liveness_key`` is
+    held (``backends.mysql.liveness_name``). PostgreSQL's is reached only through the table's
+    functions."""
     return sa.Table(
         requests_table_name(table),
         sa.MetaData(),
         sa.Column("ticket", sa.BigInteger(), primary_key=True, autoincrement=True),
         sa.Column("lockstring", Lockstring(), nullable=False),
+        sa.Column("guid_sha256", sa.String(64), nullable=False),
         sa.Column("liveness_key", sa.BigInteger(), nullable=False),
         mysql_engine="MEMORY",
     )

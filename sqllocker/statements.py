@@ -125,8 +125,9 @@ class Statements:
 
     @cached_property
     def leave_line(self) -> ClauseElement:
-        """Gives up the ticket ``:ticket`` of ``:ls``; PostgreSQL's, with ``:give_back``, also
-        gives back a row granted to it (of ``:lock_guid``), and says whether it did."""
+        """Gives up the ticket ``:ticket`` of ``:ls`` and ``:lock_guid`` (a NULL ticket: every
+        one of theirs); PostgreSQL's, with ``:give_back``, also gives back a row granted to it,
+        and says whether it did."""
         return self.backend.leave_line(self)
 
     @property

@@ -37,6 +37,12 @@ lives) is handed the row by the next release on PostgreSQL, which then stays hel
 expires; and while the row is free, the first waiter behind such a ticket takes the row anyway
 once it has found it so for ``PATIENCE``.
 
+A ticket taken on a connection that dropped before its answer came back may stand all the same,
+live, ahead of everyone. A waiter that takes a ticket again (``LockOperations.join_line``
+retrying, or its next attempt after a failed one) first gives up every ticket of its guid; and
+one that claims a row after that gives up the ticket it holds, as a release may have handed the
+row to the earlier one.
+
 The ticket decides only who is *handed* the row and who may *try* for it; who holds it is
 decided by the row alone, as always. A lost notification, a dropped listener or a ticket
 inserted by someone else costs latency, never safety.

@@ -3,6 +3,8 @@ database, for the fault-injection tests (and by hand: ``python scripts/stall_pro
 
 While stalled, bytes already sent are held and new connections are accepted but not forwarded,
 so clients see a silent network rather than an error. close() ends every connection.
+lose_answer_to() cuts one connection the moment the server has answered a chosen statement:
+the statement took effect, and its client cannot know (and, if asked, stalls from then on).
 """
 
 from __future__ import annotations
@@ -24,10 +26,27 @@ class StallProxy:
         self._closed = threading.Event()
         self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
+        self._losing: bytes | None = None  # see lose_answer_to
+        self._stall_after_losing = False
+        self.answers_lost = 0
         threading.Thread(target=self._accept, name="stall-proxy", daemon=True).start()
 
     def stall(self) -> None:
         self._flowing.clear()
+
+    def lose_answer_to(self, marker: bytes, then_stall: bool = False) -> None:
+        """The next statement a client sends that contains ``marker`` reaches the server, and
+        its connection is closed as the answer comes back, which the client never gets; with
+        ``then_stall``, the proxy stalls at that moment (until ``resume``)."""
+        with self._lock:
+            self._losing, self._stall_after_losing = marker, then_stall
+
+    def _loses_answer_to(self, data: bytes) -> bool:
+        with self._lock:
+            if self._losing is None or self._losing not in data:
+                return False
+            self._losing = None
+            return True
 
     def resume(self) -> None:
         self._flowing.set()
@@ -61,6 +80,7 @@ class StallProxy:
 
     def _pump(self, client: socket.socket, server: socket.socket) -> None:
         peers = {client: server, server: client}
+        losing = False
         try:
             while not self._closed.is_set():
                 readable, _, _ = select.select(list(peers), [], [], 0.1)
@@ -71,6 +91,12 @@ class StallProxy:
                     data = sock.recv(65536)
                     if not data:
                         return
+                    if sock is server and losing:
+                        if self._stall_after_losing:
+                            self.stall()
+                        self.answers_lost += 1
+                        return  # the answer goes nowhere, and both ends are closed
+                    losing = losing or (sock is client and self._loses_answer_to(data))
                     peers[sock].sendall(data)
         except OSError:
             return

@@ -27,7 +27,8 @@ import sqlalchemy as sa
 
 from sqllocker import Locker, LockError, LockLost, lock_table
 from sqllocker.engine import resolve_url
-from tests.helpers import count_rows, figure, in_line, wait_in_thread
+from sqllocker.migrations import upgrade
+from tests.helpers import count_rows, figure, in_line, wait_in_thread, wait_until
 from tests.private_servers import running_private_server
 from tests.stall_proxy import StallProxy
 
@@ -345,6 +346,61 @@ def test_network_stall_tells_the_holder_before_anyone_can_take_over(
         f"holder told {told[0] - stalled_at:.2f}s into the stall, takeover possible at "
         f"{taken_at - stalled_at:.2f}s (told {taken_at - told[0]:.2f}s before)",
     )
+
+
+@pytest.mark.parametrize("released", ["before", "after"])
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_a_ticket_whose_answer_was_lost_leaves_none_behind(
+    url: str, table_name: str, backend: str, released: str
+) -> None:
+    """A waiter's ticket committed, and the connection dropped before its answer came back:
+    taken again on a new connection, the ticket must replace the first, not stand beside it.
+    Left standing and live (its Locker's listener holds its key), the first one is handed the
+    next row nobody claims on PostgreSQL, which stays held until it expires; on MariaDB every
+    waiter behind it finds the row free and refused for PATIENCE at each turn. The holder
+    releases before the waiter takes its ticket again (on PostgreSQL the first ticket is then
+    handed the row, and the waiter claims it holding the second) or after."""
+    target = resolve_url(url)
+    migrating = sa.create_engine(target)
+    upgrade(migrating, table_name)
+    migrating.dispose()
+    admin = sa.create_engine(target, isolation_level="AUTOCOMMIT")
+    proxy = StallProxy(target.port or (5432 if backend == "postgresql" else 3306))
+    holder = Locker(url, table=table_name)
+    waiter = Locker(target.set(host="127.0.0.1", port=proxy.port), table=table_name)
+
+    def standing() -> list[int]:
+        with admin.connect() as conn:
+            query = f"SELECT ticket FROM {table_name}_requests ORDER BY ticket"
+            return [int(ticket) for ticket in conn.exec_driver_sql(query).scalars()]
+
+    try:
+        held = holder.lock("job")
+        joining = (
+            b"_queue_join("
+            if backend == "postgresql"
+            else b"INTO %s_requests" % (table_name.encode())
+        )
+        proxy.lose_answer_to(joining, then_stall=released == "before")
+        thread, result = wait_in_thread(waiter, "job", wait=30)
+        wait_until(lambda: proxy.answers_lost == 1)
+        # The tickets of a new table are numbered from 1: the lost one's, then its successor.
+        if released == "before":
+            wait_until(lambda: standing() == [1])  # it commits as its answer is on the way
+            held.unlock()
+            proxy.resume()
+        else:
+            wait_until(lambda: 2 in standing())
+            held.unlock()
+        thread.join(30)
+        assert "lock" in result, result.get("error")
+        result["lock"].unlock()
+        wait_until(lambda: standing() == [])  # the winner gives its ticket up in the background
+    finally:
+        proxy.close()
+        waiter.close()
+        holder.close()
+        admin.dispose()
 
 
 def test_unlock_is_not_held_up_for_ever_by_a_renewal_stuck_on_a_stalled_connection(

@@ -74,8 +74,9 @@ class StrangerTicket:
             if live:
                 cursor.execute("SELECT GET_LOCK(%s, 0)", (liveness_name(self.key),))
             cursor.execute(
-                f"INSERT INTO {table}_requests (lockstring, liveness_key) VALUES (%s, %s)",
-                ("report", self.key),
+                f"INSERT INTO {table}_requests (lockstring, guid_sha256, liveness_key) "
+                "VALUES (%s, %s, %s)",
+                ("report", secrets.token_hex(32), self.key),
             )
 
     def die(self) -> None:

@@ -273,6 +273,14 @@ def test_lock_operations_join_and_leave_a_line(
     assert operations.leave_line("report", first[0], "a" * 36, give_back=True) is False
     assert operations.leave_line("other", second[0], "b" * 36, give_back=True) is False
     assert tickets(admin, table_name) == []
+    # Without a number: every ticket of that guid for that lockstring, and no one else's.
+    for guid in ("a" * 36, "a" * 36, "b" * 36):
+        operations.join_line("report", guid, 30.0, {}, 1)
+    operations.join_line("other", "a" * 36, 30.0, {}, 1)
+    assert operations.leave_line("report", None, "a" * 36, give_back=False) is False
+    assert tickets(admin, table_name) == [("report", "b" * 36), ("other", "a" * 36)]
+    operations.join_line("report", "b" * 36, 30.0, {}, 1, replacing=True)
+    assert tickets(admin, table_name) == [("other", "a" * 36), ("report", "b" * 36)]
     held.unlock()
     locker.close()
 

@@ -198,12 +198,19 @@ def _postgresql_functions(table: str) -> list[str]:
         END
         $$"""
     # Give up a ticket; with give_back, a row already granted to it is deleted again (its waiter
-    # stopped waiting). Returns whether such a row was given back.
+    # stopped waiting). Returns whether such a row was given back. Without a ticket, every
+    # ticket of request_guid for ls: one whose answer was lost with its connection may stand.
     queue_leave = f"""
         CREATE FUNCTION {table}_queue_leave(
             request_ticket bigint, ls varchar, request_guid varchar, give_back boolean)
         RETURNS boolean {_FUNCTION} AS $$
         BEGIN
+            IF request_ticket IS NULL THEN
+                DELETE FROM {table}_requests
+                 WHERE lockstring::text OPERATOR(pg_catalog.=) ls::text
+                   AND guid::text OPERATOR(pg_catalog.=) request_guid::text;
+                RETURN false;
+            END IF;
             DELETE FROM {table}_requests
              WHERE ticket OPERATOR(pg_catalog.=) request_ticket
                AND guid::text OPERATOR(pg_catalog.=) request_guid::text;
@@ -293,6 +300,7 @@ def upgrade() -> None:
             f"{table}_requests",
             sa.Column("ticket", sa.BigInteger(), primary_key=True, autoincrement=True),
             sa.Column("lockstring", Lockstring(), nullable=False),
+            sa.Column("guid_sha256", sa.String(64), nullable=False),
             sa.Column("liveness_key", sa.BigInteger(), nullable=False),
             mysql_engine="MEMORY",
             mysql_charset="utf8mb4",

@@ -50,6 +50,7 @@ if True:  # ASYNC
     import asyncio
 
     from ..errors import LockError
+    from ..operations import Joined
     from .acquiring import Acquiring
     from .loop_end import at_loop_end
     from .tasks import spawn
@@ -490,6 +491,8 @@ class AsyncLocker:
         gate: int | None = None if line.waiting(lockstring) else NEWCOMER
         try_now = True
         free_since: float | None = None  # in line, refused a free row by a ticket ahead
+        unsure = False  # a join failed, and may have taken a ticket all the same
+        doubled = False  # a ticket of ours may have been handed a row ahead of ``ticket``
         outcome: AsyncLock | None = None  # ours, once won by an attempt or handed over
         try:
             while True:
@@ -504,12 +507,15 @@ class AsyncLocker:
                     key = listener.liveness_key
                     if ticket is None and gate is None and key is not None:
                         try:
-                            ticket, held = await self._join_line(
-                                lockstring, guid, ttl, details, key
+                            ticket, held, replaced = await self._join_line(
+                                lockstring, guid, ttl, details, key, unsure
                             )
                         except DatabaseError as error:
+                            unsure = True
                             await _wait_out(error, backoff, lockstring)
                             continue
+                        unsure = False  # the join gave up whatever an earlier one took
+                        doubled = doubled or replaced
                         line.join(ticket)
                         if polls:
                             backoff.heading()
@@ -573,8 +579,9 @@ class AsyncLocker:
                             self._operations.claim_grant, lockstring, waiter.grant.lock_id, guid
                         )
                         if claimed is not None:
-                            line.leave(ticket)
-                            ticket = None  # the release that granted it took it
+                            if not doubled:  # else given up below: it may be the one left
+                                line.leave(ticket)
+                                ticket = None  # the release that granted it took it
                             outcome = self._lock(lockstring, guid, claimed, ttl, details, on_lost)
                             return outcome
                 finally:
@@ -590,50 +597,56 @@ class AsyncLocker:
                 # row to a ticket nobody waits on. Without the lock, a row handed to it goes
                 # back.
                 await self._give_up(ticket, guid, outcome is None)
+            elif unsure:
+                await self._leave_line(lockstring, None, guid, give_back=False)
 
     async def _give_up(self, ticket: Ticket, guid: str, give_back: bool) -> None:
         """Give up ``ticket`` (``_leave_line``), then wake the next waiter of this Locker: told
         sooner, it would find our ticket still ahead of its own."""
         try:
-            await self._leave_line(ticket, guid, give_back)
+            await self._leave_line(ticket.lockstring, ticket.number, guid, give_back)
         finally:
             self._line.leave(ticket)
 
     async def _join_line(
-        self, lockstring: str, guid: str, ttl: float, details: dict[str, Any], key: int
-    ) -> tuple[Ticket, bool]:
-        """A ticket for ``lockstring``, alive while ``key`` is held, and whether the row is
-        held (``LockOperations.join_line``)."""
+        self,
+        lockstring: str,
+        guid: str,
+        ttl: float,
+        details: dict[str, Any],
+        key: int,
+        replacing: bool,
+    ) -> tuple[Ticket, bool, bool]:
+        """A ticket for ``lockstring``, alive while ``key`` is held, whether the row is held,
+        and whether an earlier one may have been handed it (``LockOperations.join_line``;
+        ``replacing`` an earlier one that may stand)."""
+        join = (lockstring, guid, ttl, details, key, replacing)
         if True:  # ASYNC
-            number, held = await concurrency.shielded(
-                self._call(self._operations.join_line, lockstring, guid, ttl, details, key),
+            number, held, replaced = await concurrency.shielded(
+                self._call(self._operations.join_line, *join),
                 f"take a ticket for {lockstring!r}",
                 functools.partial(self._leave_joined, lockstring, guid),
             )
         else:
-            number, held = self._operations.join_line(lockstring, guid, ttl, details, key)
-        return Ticket(lockstring, number, key), held
+            number, held, replaced = self._operations.join_line(*join)
+        return Ticket(lockstring, number, key), held, replaced
 
-    async def _leave_line(self, ticket: Ticket, guid: str, give_back: bool) -> None:
-        """Give up ``ticket`` (``LockOperations.leave_line``), whoever stops waiting for it; a
-        failure is logged: a row handed to it meanwhile stays until it expires."""
+    async def _leave_line(
+        self, lockstring: str, number: int | None, guid: str, give_back: bool
+    ) -> None:
+        """Give up ticket ``number`` (None: every ticket of ``guid``; see
+        ``LockOperations.leave_line``), whoever stops waiting for it; a failure is logged: a
+        row handed to it meanwhile stays until it expires."""
+        leave = (lockstring, number, guid, give_back)
         try:
             if True:  # ASYNC
-                await asyncio.shield(
-                    self._call(
-                        self._operations.leave_line,
-                        ticket.lockstring,
-                        ticket.number,
-                        guid,
-                        give_back,
-                    )
-                )
+                await asyncio.shield(self._call(self._operations.leave_line, *leave))
             else:
-                self._operations.leave_line(ticket.lockstring, ticket.number, guid, give_back)
+                self._operations.leave_line(*leave)
         except DatabaseError as error:
             logger.warning(
                 "could not give up a ticket for %r (%s); a row handed to it stays until it expires",
-                ticket.lockstring,
+                lockstring,
                 error,
             )
 
@@ -797,9 +810,9 @@ class AsyncLocker:
                 release = self._call(self._operations.release, lockstring, outcome.lock_id, guid)
                 spawn(release, f"release {lockstring!r} after cancellation")
 
-        def _leave_joined(self, lockstring: str, guid: str, joined: tuple[int, bool]) -> None:
+        def _leave_joined(self, lockstring: str, guid: str, joined: Joined) -> None:
             """The caller of a join was cancelled: give up the ticket it took."""
-            leave = self._call(self._operations.leave_line, lockstring, joined[0], guid, True)
+            leave = self._call(self._operations.leave_line, lockstring, joined.ticket, guid, True)
             spawn(leave, f"give up a ticket for {lockstring!r} after cancellation")
 
         def _release_group_won(

@@ -50,6 +50,12 @@ def _is_live(liveness_key: ColumnElement[Any]) -> ColumnElement[bool]:
     return sa.func.is_used_lock(name).is_not(None)
 
 
+def _sha256(guid: ColumnElement[Any]) -> ColumnElement[str]:
+    """A waiter's guid as its ticket names it: the guid is the holder's secret, and a role that
+    only reads tickets must not learn it."""
+    return sa.func.sha2(guid, 256, type_=sa.String())
+
+
 class MySQLBackend(Backend):
     name = "mysql"
     url_names = frozenset({"mysql", "mariadb"})
@@ -134,14 +140,18 @@ class MySQLBackend(Backend):
         """A ticket: a row of the requests table, whose id is its number."""
         return sa.insert(statements.requests).values(
             lockstring=statements.lockstring_param,
+            guid_sha256=_sha256(sa.bindparam("lock_guid", type_=sa.String())),
             liveness_key=sa.bindparam("liveness_key", type_=sa.BigInteger()),
         )
 
     def leave_line(self, statements: Statements) -> Delete:
         requests = statements.requests
+        ticket = sa.bindparam("ticket", type_=sa.BigInteger())
         return sa.delete(requests).where(
-            requests.c.ticket == sa.bindparam("ticket", type_=sa.BigInteger()),
+            # PyMySQL sends the ticket as a literal, and the server folds the NULL test away.
+            sa.or_(requests.c.ticket == ticket, ticket.is_(None)),
             statements.backend.equal(requests.c.lockstring, statements.lockstring_param),
+            requests.c.guid_sha256 == _sha256(sa.bindparam("lock_guid", type_=sa.String())),
         )
 
     def sweep_requests(self, statements: Statements) -> Delete:
