@@ -560,8 +560,8 @@ class Locker:
                 # row to a ticket nobody waits on. Without the lock, a row handed to it goes
                 # back.
                 self._give_up(ticket, guid, outcome is None)
-            elif unsure:
-                self._leave_line(lockstring, None, guid, give_back=False)
+            elif unsure:  # and, without the lock, a row handed to a ticket of ours goes back
+                self._leave_line(lockstring, None, guid, outcome is None)
 
     def _give_up(self, ticket: Ticket, guid: str, give_back: bool) -> None:
         """Give up ``ticket`` (``_leave_line``), then wake the next waiter of this Locker: told

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from sqllocker import LockBusy, Locker
+from sqllocker import LockBusy, Locker, LockLost
 from sqllocker import tickets as ticketing
 from sqllocker.asyncio import AsyncLock, AsyncLocker
 from sqllocker.errors import DatabaseError
@@ -281,7 +281,14 @@ def test_lock_operations_join_and_leave_a_line(
     assert tickets(admin, table_name) == [("report", "b" * 36), ("other", "a" * 36)]
     operations.join_line("report", "b" * 36, 30.0, {}, 1, replacing=True)
     assert tickets(admin, table_name) == [("other", "a" * 36), ("report", "b" * 36)]
-    held.unlock()
+    # ... and with give_back, a row of that guid (handed to one of them) goes back too.
+    guid = held._state.guid
+    assert operations.leave_line("report", None, guid, give_back=True) is True
+    assert locker.lock_info("report") is None
+    assert operations.leave_line("other", None, "a" * 36, give_back=True) is False
+    assert tickets(admin, table_name) == []  # the give-back's release passed dead key 1 over
+    with pytest.raises(LockLost):
+        held.unlock()  # its row went back
     locker.close()
 
 

@@ -199,7 +199,8 @@ def _postgresql_functions(table: str) -> list[str]:
         $$"""
     # Give up a ticket; with give_back, a row already granted to it is deleted again (its waiter
     # stopped waiting). Returns whether such a row was given back. Without a ticket, every
-    # ticket of request_guid for ls: one whose answer was lost with its connection may stand.
+    # ticket of request_guid for ls: one whose answer was lost with its connection may stand,
+    # or may have been granted the row already.
     queue_leave = f"""
         CREATE FUNCTION {table}_queue_leave(
             request_ticket bigint, ls varchar, request_guid varchar, give_back boolean)
@@ -209,13 +210,16 @@ def _postgresql_functions(table: str) -> list[str]:
                 DELETE FROM {table}_requests
                  WHERE lockstring::text OPERATOR(pg_catalog.=) ls::text
                    AND guid::text OPERATOR(pg_catalog.=) request_guid::text;
-                RETURN false;
-            END IF;
-            DELETE FROM {table}_requests
-             WHERE ticket OPERATOR(pg_catalog.=) request_ticket
-               AND guid::text OPERATOR(pg_catalog.=) request_guid::text;
-            IF FOUND OR NOT give_back THEN
-                RETURN false;
+                IF NOT give_back THEN
+                    RETURN false;
+                END IF;
+            ELSE
+                DELETE FROM {table}_requests
+                 WHERE ticket OPERATOR(pg_catalog.=) request_ticket
+                   AND guid::text OPERATOR(pg_catalog.=) request_guid::text;
+                IF FOUND OR NOT give_back THEN
+                    RETURN false;
+                END IF;
             END IF;
             DELETE FROM {table}
              WHERE lockstring::text OPERATOR(pg_catalog.=) ls::text
