@@ -454,9 +454,8 @@ class Locker:
         gate: int | None = None if line.waiting(lockstring) else NEWCOMER
         try_now = True
         free_since: float | None = None  # in line, refused a free row by a ticket ahead
-        # A join's answer was lost (it failed, or ``join_line`` retried it): a ticket of ours
-        # may stand beside ``ticket``, or have been handed the row already.
-        stray = False
+        unsure = False  # a join failed, and may have taken a ticket all the same
+        doubled = False  # a ticket of ours may have been handed a row ahead of ``ticket``
         outcome: Lock | None = None  # ours, once won by an attempt or handed over
         try:
             while True:
@@ -472,13 +471,14 @@ class Locker:
                     if ticket is None and gate is None and key is not None:
                         try:
                             ticket, held, replaced = self._join_line(
-                                lockstring, guid, ttl, details, key, stray
+                                lockstring, guid, ttl, details, key, unsure
                             )
                         except DatabaseError as error:
-                            stray = True
+                            unsure = True
                             _wait_out(error, backoff, lockstring)
                             continue
-                        stray = stray or replaced
+                        unsure = False  # the join gave up whatever an earlier one took
+                        doubled = doubled or replaced
                         line.join(ticket)
                         if polls:
                             backoff.heading()
@@ -542,7 +542,7 @@ class Locker:
                             self._operations.claim_grant, lockstring, waiter.grant.lock_id, guid
                         )
                         if claimed is not None:
-                            if not stray:  # else given up below: it may be the one left
+                            if not doubled:  # else given up below: it may be the one left
                                 line.leave(ticket)
                                 ticket = None  # the release that granted it took it
                             outcome = self._lock(lockstring, guid, claimed, ttl, details, on_lost)
@@ -560,7 +560,7 @@ class Locker:
                 # row to a ticket nobody waits on. Without the lock, a row handed to it goes
                 # back.
                 self._give_up(ticket, guid, outcome is None)
-            elif stray:  # and, without the lock, a row handed to a ticket of ours goes back
+            elif unsure:  # and, without the lock, a row handed to a ticket of ours goes back
                 self._leave_line(lockstring, None, guid, outcome is None)
 
     def _give_up(self, ticket: Ticket, guid: str, give_back: bool) -> None:
