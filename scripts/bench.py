@@ -287,26 +287,25 @@ async def async_raw_floor_cycle(url: str, layer: str = "driver") -> AsyncCycle:
     held connection of the AsyncLocker's own engine, with no library around them.
 
     ``layer`` wraps them in what ``sqllocker.asyncio`` runs its statements in, one layer at a
-    time (``ASYNC_LAYERS``): ``"greenlet"``, each operation in SQLAlchemy's ``greenlet_spawn``
-    through its adapted cursor, as the lock operations (sync code, written once) run;
+    time (``ASYNC_LAYERS``): ``"greenlet"``, each operation in a greenlet (``greenlets.run``)
+    through SQLAlchemy's adapted cursor, as the lock operations (sync code, written once) run;
     ``"shielded"``, that run to its end whoever stops waiting for it (``InFlight``), as an
     operation is kept from being cut off halfway by its caller's cancellation."""
-    from sqlalchemy.util import greenlet_spawn
-
     from sqllocker.asyncio import AsyncLocker
     from sqllocker.asyncio.concurrency import shielded
+    from sqllocker.asyncio.greenlets import run as in_greenlet
 
     locker = AsyncLocker(url, table=TABLE)
     await (await locker.lock("compile")).unlock()
     floor = FloorStatements(locker._operations)
-    raw = await greenlet_spawn(locker.engine.sync_engine.raw_connection)
+    raw = await in_greenlet(locker.engine.sync_engine.raw_connection)
     connection: Any = raw.driver_connection
     cursor = connection.cursor()
     if inspect.isawaitable(cursor):  # aiosqlite and aiomysql; psycopg's is plain
         cursor = await cursor
     for setting in floor_settings(locker._operations):
         await cursor.execute(setting)
-    adapted = await greenlet_spawn(raw.cursor)
+    adapted = await in_greenlet(raw.cursor)
 
     async def cycle(n: int) -> None:
         guid = os.urandom(16).hex()  # as sqllocker.identity.new_guid
@@ -323,18 +322,18 @@ async def async_raw_floor_cycle(url: str, layer: str = "driver") -> AsyncCycle:
 
     async def in_greenlets(n: int) -> None:
         guid = os.urandom(16).hex()
-        lock_id = await greenlet_spawn(acquire, n, guid)
-        await greenlet_spawn(release, lock_id, guid)
+        lock_id = await in_greenlet(acquire, n, guid)
+        await in_greenlet(release, lock_id, guid)
 
     async def run_to_its_end(n: int) -> None:
         guid = os.urandom(16).hex()
-        lock_id = await shielded(greenlet_spawn(acquire, n, guid), "bench acquire", _kept)
-        await shielded(greenlet_spawn(release, lock_id, guid), "bench release", _kept)
+        lock_id = await shielded(in_greenlet(acquire, n, guid), "bench acquire", _kept)
+        await shielded(in_greenlet(release, lock_id, guid), "bench release", _kept)
 
     async def close() -> None:
-        await greenlet_spawn(adapted.close)
+        await in_greenlet(adapted.close)
         await cursor.close()
-        await greenlet_spawn(raw.close)
+        await in_greenlet(raw.close)
         await locker.aclose()
 
     cycles = {"driver": cycle, "greenlet": in_greenlets, "shielded": run_to_its_end}
@@ -985,9 +984,8 @@ def _async_layers_section(rows: list[dict[str, Any]]) -> list[str]:
         "`sqllocker.asyncio` runs them in, so each step is what that layer costs (microseconds a",
         "cycle, best of two runs):",
         "",
-        "- *in greenlets*: each operation in SQLAlchemy's `greenlet_spawn`, through its adapted",
-        "  cursor, as the lock operations run: they are sync code, written once for both front",
-        "  ends;",
+        "- *in greenlets*: each operation in a greenlet, through SQLAlchemy's adapted cursor, as",
+        "  the lock operations run: they are sync code, written once for both front ends;",
         "- *run to its end*: that, run to its end whoever stops waiting for it (`InFlight`), so",
         "  that a caller's cancellation cannot cut a statement off halfway and leave a row nobody",
         "  knows of;",

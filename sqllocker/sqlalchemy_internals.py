@@ -9,10 +9,12 @@ declares as well as the newest, so that a release that changes one fails here, n
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy.pool import QueuePool
 from sqlalchemy.sql.compiler import SQLCompiler
+
+T = TypeVar("T")
 
 
 def most_connections(pool: QueuePool) -> int | None:
@@ -33,3 +35,11 @@ def literal_binds(compiled: SQLCompiler) -> dict[str, Any]:
     'now' or a format string; None where the caller must supply one), without SQLAlchemy's
     check that the caller has supplied them: they are supplied on each execution instead."""
     return dict(compiled.construct_params(_check=False) or {})
+
+
+def lets_await(greenlet_class: type[T]) -> type[T]:
+    """Mark ``greenlet_class`` (a greenlet's subclass) as one SQLAlchemy's ``await_`` may be
+    called in: it then hands its awaitable to the running greenlet's parent to await and
+    switch back with the outcome, as in the greenlets ``greenlet_spawn`` makes."""
+    setattr(greenlet_class, "__sqlalchemy_greenlet_provider__", True)  # noqa: B010
+    return greenlet_class

@@ -5,8 +5,8 @@ listener) is written once, here in ``sqllocker/asyncio/``, and its sync twin in
 ``sqllocker/`` is generated from it (``tests/unasync.py``), importing ``sqllocker/concurrency.py``
 where this code imports this module: the same names, for threads.
 
-The lock operations themselves are sync code (``operations.LockOperations``), run by
-SQLAlchemy's ``greenlet_spawn`` on the AsyncEngine's ``sync_engine``: their driver calls become
+The lock operations themselves are sync code (``operations.LockOperations``), run in greenlets
+(``run``, from ``greenlets.py``) on the AsyncEngine's ``sync_engine``: their driver calls become
 awaits on the event loop, and the SQL, retries and error handling are exactly the sync front
 end's.
 
@@ -26,7 +26,6 @@ from typing import Any, Generic, TypeVar
 
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
-from sqlalchemy.util import greenlet_spawn
 
 try:
     from sqlalchemy.util import await_ as _await
@@ -35,6 +34,7 @@ except ImportError:  # SQLAlchemy 2.0 calls it await_only
 
 from ..engine import create_async_locker_engine, resolve_url
 from ..errors import LockTypeError
+from .greenlets import run as run  # sync database code, its driver calls awaited
 from .tasks import spawn
 
 T = TypeVar("T")
@@ -67,11 +67,6 @@ def check_decorated(function: Callable[..., Any]) -> None:
 def task_name() -> str | None:
     task = asyncio.current_task()
     return task.get_name() if task is not None else None
-
-
-async def run(operation: Callable[..., T], *args: Any) -> T:
-    """Run sync database code in a greenlet, where its driver calls are awaited."""
-    return await greenlet_spawn(operation, *args)
 
 
 class ConnectionChanges:
@@ -155,12 +150,12 @@ class PooledConnection:
         self.session: Any = None  # the server's id of its session, once asked
 
     async def close(self) -> None:
-        await greenlet_spawn(self._fairy.invalidate)
+        await run(self._fairy.invalidate)
 
 
 async def pooled_connection(engine: AsyncEngine, autocommit: bool = True) -> PooledConnection:
     """A PooledConnection of ``engine``'s, in autocommit (psycopg's: ``autocommit``)."""
-    connection = PooledConnection(await greenlet_spawn(engine.sync_engine.raw_connection))
+    connection = PooledConnection(await run(engine.sync_engine.raw_connection))
     if not autocommit:
         return connection
     try:
