@@ -162,6 +162,7 @@ class Locker:
         self._listener: ReleaseListener | None = None
         self._line = LocalLine()  # the tickets of this Locker's waiters
         self._leaving = concurrency.Background("sqllocker-ticket-leaver")
+        self._closing = concurrency.Event()  # set by close: ends the give-ups tried again
         # The listener holds a connection of the pool's; the lock operations get the rest.
         self._operations.reserve_for_waiting()
         queue_file = self._operations.queue_file
@@ -366,6 +367,7 @@ class Locker:
         """Stop keeping locks alive and listening, and close the pooled connections of an
         engine the locker created (not a caller's)."""
         self._keep_alives.stop()
+        self._closing.set()
         self._leaving.close()
         if self._listener is not None:
             self._listener.stop()
@@ -565,11 +567,38 @@ class Locker:
 
     def _give_up(self, ticket: Ticket, guid: str, give_back: bool) -> None:
         """Give up ``ticket`` (``_leave_line``), then wake the next waiter of this Locker: told
-        sooner, it would find our ticket still ahead of its own."""
+        sooner, it would find our ticket still ahead of its own. A give-up that failed is tried
+        again in the background (``_give_up_again``)."""
+        given_up = False
         try:
-            self._leave_line(ticket.lockstring, ticket.number, guid, give_back)
+            given_up = self._leave_line(ticket.lockstring, ticket.number, guid, give_back)
         finally:
             self._line.leave(ticket)
+            if not given_up:
+                self._leaving.call_soon(self._give_up_again, ticket, guid, give_back)
+
+    def _give_up_again(self, ticket: Ticket, guid: str, give_back: bool) -> None:
+        """Try to give up ``ticket`` again every ``tickets.GIVE_UP_AGAIN`` seconds while it may
+        live: left live with nobody waiting on it, it would be handed the next row, to stand
+        held by nobody until it expires (PostgreSQL), or hold every waiter behind it back from
+        a free row for PATIENCE at each turn (MariaDB)."""
+        for _attempt in range(tickets.GIVE_UP_ATTEMPTS):
+            concurrency.wait(self._closing, tickets.GIVE_UP_AGAIN)
+            listener = self._listener
+            if (
+                self._closing.is_set()
+                or listener is None
+                or listener.liveness_key != ticket.liveness_key
+            ):
+                return  # the ticket has died with the listener's session, or will with it
+            leave = (ticket.lockstring, ticket.number, guid, give_back)
+            if self._leave_line(*leave, quiet=True):
+                logger.info("gave up a ticket for %r after all", ticket.lockstring)
+                return
+        logger.warning(
+            "could not give up a ticket for %r; it stands until this Locker is closed",
+            ticket.lockstring,
+        )
 
     def _join_line(
         self,
@@ -587,19 +616,20 @@ class Locker:
         number, held, replaced = self._operations.join_line(*join)
         return Ticket(lockstring, number, key), held, replaced
 
-    def _leave_line(self, lockstring: str, number: int | None, guid: str, give_back: bool) -> None:
+    def _leave_line(
+        self, lockstring: str, number: int | None, guid: str, give_back: bool, quiet: bool = False
+    ) -> bool:
         """Give up ticket ``number`` (None: every ticket of ``guid``; see
-        ``LockOperations.leave_line``), whoever stops waiting for it; a failure is logged: a
-        row handed to it meanwhile stays until it expires."""
+        ``LockOperations.leave_line``), whoever stops waiting for it. Whether it was: a failure
+        is logged (at DEBUG if ``quiet``), not raised."""
         leave = (lockstring, number, guid, give_back)
         try:
             self._operations.leave_line(*leave)
         except DatabaseError as error:
-            logger.warning(
-                "could not give up a ticket for %r (%s); a row handed to it stays until it expires",
-                lockstring,
-                error,
-            )
+            log = logger.debug if quiet else logger.warning
+            log("could not give up a ticket for %r (%s)", lockstring, error)
+            return False
+        return True
 
     def _try_once(
         self,

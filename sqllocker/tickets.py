@@ -41,7 +41,9 @@ A ticket taken on a connection that dropped before its answer came back may stan
 live, ahead of everyone. A waiter that takes a ticket again (``LockOperations.join_line``
 retrying, or its next attempt after a failed one) first gives up every ticket of its guid; and
 one that claims a row after that gives up the ticket it holds, as a release may have handed the
-row to the earlier one.
+row to the earlier one. A give-up that fails (the connection lost as it was sent) is tried again
+every ``GIVE_UP_AGAIN`` seconds, for as long as the ticket may live: while the listener's session
+that keeps it alive lasts and its Locker is open.
 
 The ticket decides only who is *handed* the row and who may *try* for it; who holds it is
 decided by the row alone, as always. A lost notification, a dropped listener or a ticket
@@ -67,6 +69,10 @@ PATIENCE = 1.0
 # How often a waiter that is not first in its Locker's line looks whether it has become first,
 # or its listener has reconnected, should a wake-up have been missed: no statement is sent.
 LOOK_AGAIN = 1.0
+# Seconds between the attempts to give up a ticket whose give-up failed, and how many are made:
+# a database that is away longer has, as a rule, ended the listener's session too.
+GIVE_UP_AGAIN = 1.0
+GIVE_UP_ATTEMPTS = 60
 
 
 def new_hold(busy: LockBusy | None, previous: LockBusy | None) -> bool:

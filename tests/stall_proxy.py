@@ -5,6 +5,7 @@ While stalled, bytes already sent are held and new connections are accepted but 
 so clients see a silent network rather than an error. close() ends every connection.
 lose_answer_to() cuts one connection the moment the server has answered a chosen statement:
 the statement took effect, and its client cannot know (and, if asked, stalls from then on).
+cut_before() cuts connections as they send a chosen statement, which never reaches the server.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ class StallProxy:
         self._losing: bytes | None = None  # see lose_answer_to
         self._stall_after_losing = False
         self.answers_lost = 0
+        self._cutting: bytes | None = None  # see cut_before
+        self._cuts_left = 0
+        self.statements_cut = 0
         threading.Thread(target=self._accept, name="stall-proxy", daemon=True).start()
 
     def stall(self) -> None:
@@ -40,6 +44,20 @@ class StallProxy:
         ``then_stall``, the proxy stalls at that moment (until ``resume``)."""
         with self._lock:
             self._losing, self._stall_after_losing = marker, then_stall
+
+    def cut_before(self, marker: bytes, times: int) -> None:
+        """The next ``times`` statements a client sends that contain ``marker`` never reach
+        the server: each one's connection is closed instead."""
+        with self._lock:
+            self._cutting, self._cuts_left = marker, times
+
+    def _cuts(self, data: bytes) -> bool:
+        with self._lock:
+            if self._cuts_left == 0 or self._cutting is None or self._cutting not in data:
+                return False
+            self._cuts_left -= 1
+            self.statements_cut += 1
+            return True
 
     def _loses_answer_to(self, data: bytes) -> bool:
         with self._lock:
@@ -96,6 +114,8 @@ class StallProxy:
                             self.stall()
                         self.answers_lost += 1
                         return  # the answer goes nowhere, and both ends are closed
+                    if sock is client and self._cuts(data):
+                        return  # the statement goes nowhere, and both ends are closed
                     losing = losing or (sock is client and self._loses_answer_to(data))
                     peers[sock].sendall(data)
         except OSError:

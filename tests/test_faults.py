@@ -9,6 +9,7 @@ README.md's Reliability section quotes them from a run of::
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import os
@@ -25,12 +26,21 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from sqllocker import Locker, LockError, LockLost, lock_table
+from sqllocker import LockBusy, Locker, LockError, LockLost, lock_table
+from sqllocker.asyncio import AsyncLocker
 from sqllocker.engine import resolve_url
 from sqllocker.migrations import upgrade
-from tests.helpers import count_rows, figure, in_line, wait_in_thread, wait_until
+from tests.helpers import (
+    count_rows,
+    figure,
+    in_line,
+    wait_in_thread,
+    wait_until,
+    wait_until_async,
+)
 from tests.private_servers import running_private_server
 from tests.stall_proxy import StallProxy
+from tests.workers import async_url
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -396,6 +406,67 @@ def test_a_ticket_whose_answer_was_lost_leaves_none_behind(
         assert "lock" in result, result.get("error")
         result["lock"].unlock()
         wait_until(lambda: standing() == [])  # the winner gives its ticket up in the background
+    finally:
+        proxy.close()
+        waiter.close()
+        holder.close()
+        admin.dispose()
+
+
+@pytest.mark.parametrize("front", ["sync", "asyncio"])
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_a_ticket_whose_give_up_failed_is_given_up_again(
+    url: str, table_name: str, backend: str, front: str
+) -> None:
+    """A waiter that stops waiting gives its ticket up; if that fails (its connection cut as it
+    sends the statement, and again on the new one), the ticket stays, kept live by its
+    Locker's listener. Left so, on PostgreSQL the next release hands the row to it, to stand
+    held by nobody until it expires; on MariaDB every newcomer finds the free row refused for
+    PATIENCE. So the Locker tries again in the background while the ticket lives: the ticket
+    goes, and a newcomer takes the released row at once."""
+    target = resolve_url(url)
+    migrating = sa.create_engine(target)
+    upgrade(migrating, table_name)
+    migrating.dispose()
+    admin = sa.create_engine(target, isolation_level="AUTOCOMMIT")
+    proxy = StallProxy(target.port or (5432 if backend == "postgresql" else 3306))
+    holder = Locker(url, table=table_name)
+    through_proxy = target.set(host="127.0.0.1", port=proxy.port)
+    waiter = Locker(through_proxy, table=table_name)
+
+    def standing() -> list[int]:
+        with admin.connect() as conn:
+            query = f"SELECT ticket FROM {table_name}_requests ORDER BY ticket"
+            return [int(ticket) for ticket in conn.exec_driver_sql(query).scalars()]
+
+    async def wait_in_asyncio() -> None:
+        url = async_url(through_proxy.render_as_string(hide_password=False))
+        locker = AsyncLocker(url, table=table_name)
+        try:
+            with pytest.raises(LockBusy):
+                await locker.lock("job", wait=0.5)
+            assert proxy.statements_cut == 2
+            await wait_until_async(lambda: standing() == [])
+        finally:
+            await locker.aclose()
+
+    leaving = (
+        b"_queue_leave("
+        if backend == "postgresql"
+        else b"DELETE FROM %s_requests" % (table_name.encode())
+    )
+    try:
+        held = holder.lock("job")
+        proxy.cut_before(leaving, times=2)  # the give-up, and its retry on a new connection
+        if front == "asyncio":
+            asyncio.run(wait_in_asyncio())
+        else:
+            with pytest.raises(LockBusy):
+                waiter.lock("job", wait=0.5)
+            assert proxy.statements_cut == 2
+            wait_until(lambda: standing() == [])
+        held.unlock()
+        holder.lock("job", wait=0).unlock()
     finally:
         proxy.close()
         waiter.close()

@@ -19,6 +19,7 @@ from sqllocker.engine import resolve_url
 from sqllocker.migrations import upgrade
 from tests.helpers import abandon, figure
 from tests.private_servers import running_private_server
+from tests.workers import DUMP_SIGNAL
 
 REPO = Path(__file__).resolve().parent.parent
 PROCESSES = 8
@@ -83,7 +84,10 @@ def run_workers(
     reports = []
     try:
         for worker in workers:
-            out, err = worker.communicate(timeout=WORKER_SECONDS)
+            try:
+                out, err = worker.communicate(timeout=WORKER_SECONDS)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"a worker stood still:\n{stacks_of(worker)}") from None
             assert worker.returncode == 0, f"worker failed:\n{err}"
             # SQLite's "database is locked" must never reach a user: no worker may log an error.
             assert "database is locked" not in err
@@ -94,6 +98,18 @@ def run_workers(
                 worker.kill()
                 worker.wait()
     return reports
+
+
+def stacks_of(worker: subprocess.Popen[str]) -> str:
+    """Where a worker that ran out of time stands (its threads, and its tasks if async), and
+    what it wrote to stderr: it is killed after."""
+    worker.send_signal(DUMP_SIGNAL)
+    try:
+        _, err = worker.communicate(timeout=5)
+    except subprocess.TimeoutExpired:
+        worker.kill()
+        _, err = worker.communicate()
+    return f"(exit status {worker.returncode})\n{str(err)[-20000:]}"
 
 
 def purge_meanwhile(locker: Locker, done: threading.Event) -> list[int]:

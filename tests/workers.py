@@ -12,10 +12,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import faulthandler
 import fcntl
 import json
 import os
 import random
+import signal
 import sys
 import time
 from pathlib import Path
@@ -148,6 +150,7 @@ def async_counter(args: argparse.Namespace) -> int:
 async def _async_counter(args: argparse.Namespace) -> int:
     from sqllocker.asyncio import AsyncLocker
 
+    asyncio.get_running_loop().add_signal_handler(DUMP_SIGNAL, _print_tasks)
     locker = AsyncLocker(
         async_url(args.url),
         table=args.table,
@@ -412,6 +415,19 @@ def keeper(args: argparse.Namespace) -> int:
     return 0
 
 
+# Asks a worker for where each of its threads (and, async, each of its tasks) stands: a test
+# sends it to a worker that ran out of time, before killing it. A sync worker ends with it.
+DUMP_SIGNAL = signal.SIGUSR1
+
+
+def _print_tasks() -> None:
+    faulthandler.dump_traceback(all_threads=True)
+    for task in asyncio.all_tasks():
+        print(f"--- {task.get_name()}", file=sys.stderr)
+        task.print_stack(file=sys.stderr)
+    sys.stderr.flush()
+
+
 def _say(**fields: object) -> None:
     print(json.dumps(fields), flush=True)
 
@@ -486,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     kept = command("keeper", "hold kept-alive locks through a failover", 60)
     kept.add_argument("--lockstrings", required=True, help="comma-separated")
     args = parser.parse_args(argv)
+    faulthandler.register(DUMP_SIGNAL, all_threads=True, chain=True)
     if args.command == "failover":
         return failover(args)
     if args.command == "keeper":

@@ -175,6 +175,7 @@ class AsyncLocker:
         self._listener: AsyncReleaseListener | None = None
         self._line = LocalLine()  # the tickets of this Locker's waiters
         self._leaving = concurrency.Background("sqllocker-ticket-leaver")
+        self._closing = concurrency.Event()  # set by close: ends the give-ups tried again
         # The listener holds a connection of the pool's; the lock operations get the rest.
         self._operations.reserve_for_waiting()
         queue_file = self._operations.queue_file
@@ -397,6 +398,7 @@ class AsyncLocker:
         if True:  # ASYNC
             self._bind_to_running_loop()
         await self._keep_alives.stop()
+        self._closing.set()
         await self._leaving.close()
         if self._listener is not None:
             await self._listener.stop()
@@ -602,11 +604,38 @@ class AsyncLocker:
 
     async def _give_up(self, ticket: Ticket, guid: str, give_back: bool) -> None:
         """Give up ``ticket`` (``_leave_line``), then wake the next waiter of this Locker: told
-        sooner, it would find our ticket still ahead of its own."""
+        sooner, it would find our ticket still ahead of its own. A give-up that failed is tried
+        again in the background (``_give_up_again``)."""
+        given_up = False
         try:
-            await self._leave_line(ticket.lockstring, ticket.number, guid, give_back)
+            given_up = await self._leave_line(ticket.lockstring, ticket.number, guid, give_back)
         finally:
             self._line.leave(ticket)
+            if not given_up:
+                self._leaving.call_soon(self._give_up_again, ticket, guid, give_back)
+
+    async def _give_up_again(self, ticket: Ticket, guid: str, give_back: bool) -> None:
+        """Try to give up ``ticket`` again every ``tickets.GIVE_UP_AGAIN`` seconds while it may
+        live: left live with nobody waiting on it, it would be handed the next row, to stand
+        held by nobody until it expires (PostgreSQL), or hold every waiter behind it back from
+        a free row for PATIENCE at each turn (MariaDB)."""
+        for _attempt in range(tickets.GIVE_UP_ATTEMPTS):
+            await concurrency.wait(self._closing, tickets.GIVE_UP_AGAIN)
+            listener = self._listener
+            if (
+                self._closing.is_set()
+                or listener is None
+                or listener.liveness_key != ticket.liveness_key
+            ):
+                return  # the ticket has died with the listener's session, or will with it
+            leave = (ticket.lockstring, ticket.number, guid, give_back)
+            if await self._leave_line(*leave, quiet=True):
+                logger.info("gave up a ticket for %r after all", ticket.lockstring)
+                return
+        logger.warning(
+            "could not give up a ticket for %r; it stands until this Locker is closed",
+            ticket.lockstring,
+        )
 
     async def _join_line(
         self,
@@ -632,11 +661,11 @@ class AsyncLocker:
         return Ticket(lockstring, number, key), held, replaced
 
     async def _leave_line(
-        self, lockstring: str, number: int | None, guid: str, give_back: bool
-    ) -> None:
+        self, lockstring: str, number: int | None, guid: str, give_back: bool, quiet: bool = False
+    ) -> bool:
         """Give up ticket ``number`` (None: every ticket of ``guid``; see
-        ``LockOperations.leave_line``), whoever stops waiting for it; a failure is logged: a
-        row handed to it meanwhile stays until it expires."""
+        ``LockOperations.leave_line``), whoever stops waiting for it. Whether it was: a failure
+        is logged (at DEBUG if ``quiet``), not raised."""
         leave = (lockstring, number, guid, give_back)
         try:
             if True:  # ASYNC
@@ -644,11 +673,10 @@ class AsyncLocker:
             else:
                 self._operations.leave_line(*leave)
         except DatabaseError as error:
-            logger.warning(
-                "could not give up a ticket for %r (%s); a row handed to it stays until it expires",
-                lockstring,
-                error,
-            )
+            log = logger.debug if quiet else logger.warning
+            log("could not give up a ticket for %r (%s)", lockstring, error)
+            return False
+        return True
 
     async def _try_once(
         self,
@@ -863,6 +891,7 @@ class AsyncLocker:
             self._listener = None
             self._line = LocalLine()
             self._leaving = concurrency.Background("sqllocker-ticket-leaver")
+            self._closing = concurrency.Event()
             self._ready_lock = None
             self._keep_alives.forget_tasks()
             self._operations.forget_connections()
