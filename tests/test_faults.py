@@ -358,10 +358,42 @@ def test_network_stall_tells_the_holder_before_anyone_can_take_over(
     )
 
 
+class TicketsThroughProxy:
+    """A table made by the migrations (its tickets' table too), a StallProxy in front of its
+    server (``through_proxy``: the URL through it), and the tickets standing, read directly."""
+
+    def __init__(self, url: str, table_name: str) -> None:
+        target = resolve_url(url)
+        migrating = sa.create_engine(target)
+        upgrade(migrating, table_name)
+        migrating.dispose()
+        self._admin = sa.create_engine(target, isolation_level="AUTOCOMMIT")
+        default_port = 5432 if target.get_backend_name() == "postgresql" else 3306
+        self.proxy = StallProxy(target.port or default_port)
+        self.through_proxy = target.set(host="127.0.0.1", port=self.proxy.port)
+        self._table_name = table_name
+
+    def standing(self) -> list[int]:
+        with self._admin.connect() as conn:
+            query = f"SELECT ticket FROM {self._table_name}_requests ORDER BY ticket"
+            return [int(ticket) for ticket in conn.exec_driver_sql(query).scalars()]
+
+    def close(self) -> None:
+        self.proxy.close()
+        self._admin.dispose()
+
+
+@pytest.fixture
+def tickets(url: str, table_name: str) -> Iterator[TicketsThroughProxy]:
+    through = TicketsThroughProxy(url, table_name)
+    yield through
+    through.close()
+
+
 @pytest.mark.parametrize("released", ["before", "after"])
 @pytest.mark.parametrize("backend", ["postgresql", "mysql"])
 def test_a_ticket_whose_answer_was_lost_leaves_none_behind(
-    url: str, table_name: str, backend: str, released: str
+    url: str, table_name: str, backend: str, released: str, tickets: TicketsThroughProxy
 ) -> None:
     """A waiter's ticket committed, and the connection dropped before its answer came back:
     taken again on a new connection, the ticket must replace the first, not stand beside it.
@@ -370,20 +402,9 @@ def test_a_ticket_whose_answer_was_lost_leaves_none_behind(
     waiter behind it finds the row free and refused for PATIENCE at each turn. The holder
     releases before the waiter takes its ticket again (on PostgreSQL the first ticket is then
     handed the row, and the waiter claims it holding the second) or after."""
-    target = resolve_url(url)
-    migrating = sa.create_engine(target)
-    upgrade(migrating, table_name)
-    migrating.dispose()
-    admin = sa.create_engine(target, isolation_level="AUTOCOMMIT")
-    proxy = StallProxy(target.port or (5432 if backend == "postgresql" else 3306))
+    proxy, standing = tickets.proxy, tickets.standing
     holder = Locker(url, table=table_name)
-    waiter = Locker(target.set(host="127.0.0.1", port=proxy.port), table=table_name)
-
-    def standing() -> list[int]:
-        with admin.connect() as conn:
-            query = f"SELECT ticket FROM {table_name}_requests ORDER BY ticket"
-            return [int(ticket) for ticket in conn.exec_driver_sql(query).scalars()]
-
+    waiter = Locker(tickets.through_proxy, table=table_name)
     try:
         held = holder.lock("job")
         joining = (
@@ -407,16 +428,14 @@ def test_a_ticket_whose_answer_was_lost_leaves_none_behind(
         result["lock"].unlock()
         wait_until(lambda: standing() == [])  # the winner gives its ticket up in the background
     finally:
-        proxy.close()
         waiter.close()
         holder.close()
-        admin.dispose()
 
 
 @pytest.mark.parametrize("front", ["sync", "asyncio"])
 @pytest.mark.parametrize("backend", ["postgresql", "mysql"])
 def test_a_ticket_whose_give_up_failed_is_given_up_again(
-    url: str, table_name: str, backend: str, front: str
+    url: str, table_name: str, backend: str, front: str, tickets: TicketsThroughProxy
 ) -> None:
     """A waiter that stops waiting gives its ticket up; if that fails (its connection cut as it
     sends the statement, and again on the new one), the ticket stays, kept live by its
@@ -424,23 +443,12 @@ def test_a_ticket_whose_give_up_failed_is_given_up_again(
     held by nobody until it expires; on MariaDB every newcomer finds the free row refused for
     PATIENCE. So the Locker tries again in the background while the ticket lives: the ticket
     goes, and a newcomer takes the released row at once."""
-    target = resolve_url(url)
-    migrating = sa.create_engine(target)
-    upgrade(migrating, table_name)
-    migrating.dispose()
-    admin = sa.create_engine(target, isolation_level="AUTOCOMMIT")
-    proxy = StallProxy(target.port or (5432 if backend == "postgresql" else 3306))
+    proxy, standing = tickets.proxy, tickets.standing
     holder = Locker(url, table=table_name)
-    through_proxy = target.set(host="127.0.0.1", port=proxy.port)
-    waiter = Locker(through_proxy, table=table_name)
-
-    def standing() -> list[int]:
-        with admin.connect() as conn:
-            query = f"SELECT ticket FROM {table_name}_requests ORDER BY ticket"
-            return [int(ticket) for ticket in conn.exec_driver_sql(query).scalars()]
+    waiter = Locker(tickets.through_proxy, table=table_name)
 
     async def wait_in_asyncio() -> None:
-        url = async_url(through_proxy.render_as_string(hide_password=False))
+        url = async_url(tickets.through_proxy.render_as_string(hide_password=False))
         locker = AsyncLocker(url, table=table_name)
         try:
             with pytest.raises(LockBusy):
@@ -468,10 +476,8 @@ def test_a_ticket_whose_give_up_failed_is_given_up_again(
         held.unlock()
         holder.lock("job", wait=0).unlock()
     finally:
-        proxy.close()
         waiter.close()
         holder.close()
-        admin.dispose()
 
 
 def test_unlock_is_not_held_up_for_ever_by_a_renewal_stuck_on_a_stalled_connection(
