@@ -121,10 +121,12 @@ def counter(args: argparse.Namespace) -> int:
                     abandon(lock)  # the row stays until the others take it over
                     abandoned += 1
                 else:
+                    unlocking = time.monotonic()
                     try:
                         lock.unlock()
-                    except LockLost:
+                    except LockLost as error:
                         lost += 1
+                        _tell_lost(lock, entered, unlocking, error)
             record = {"ls": lockstring, "id": lock.lock_id, "in": entered, "out": left}
             log.write(json.dumps(record) + "\n")
     # PostgreSQL: how many of its locks a release handed over (migration 0005).
@@ -190,9 +192,11 @@ async def _async_counter(args: argparse.Namespace) -> int:
                     if args.cancel_some and random.random() < CANCELLED_SHARE:
                         with contextlib.suppress(asyncio.TimeoutError):
                             await asyncio.wait_for(lock.unlock(), random.uniform(0, 0.002))
+                    unlocking = time.monotonic()
                     await lock.unlock()  # waits for a release in flight, or releases
-                except LockLost:
+                except LockLost as error:
                     lost += 1
+                    _tell_lost(lock, entered, unlocking, error)
             record = {"ls": lockstring, "id": lock.lock_id, "in": entered, "out": left}
             log.write(json.dumps(record) + "\n")
 
@@ -426,6 +430,22 @@ def _print_tasks() -> None:
         print(f"--- {task.get_name()}", file=sys.stderr)
         task.print_stack(file=sys.stderr)
     sys.stderr.flush()
+
+
+def _tell_lost(lock: Lock | AsyncLock, entered: float, unlocking: float, error: LockLost) -> None:
+    """A lock lost at its release, on stderr (``LOST``), for the test to show: how long after
+    the work under it began its release began, and how long the release took."""
+    ended = time.monotonic()
+    print(
+        f"{LOST} {lock.lockstring!r} id {lock.lock_id} in process {os.getpid()} "
+        f"({'async' if isinstance(lock, AsyncLock) else 'sync'}): release began "
+        f"{unlocking - entered:.3f}s after the work, and took {ended - unlocking:.3f}s: {error}",
+        file=sys.stderr,
+    )
+
+
+# What starts a line on stderr that tells of a lock lost at its release.
+LOST = "lost:"
 
 
 def _say(**fields: object) -> None:
