@@ -3,11 +3,20 @@ SQLAlchemy (CI runs this with the oldest version the project declares, and the n
 
 from __future__ import annotations
 
+import asyncio
+
 import sqlalchemy as sa
+from greenlet import getcurrent, greenlet
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.pool import QueuePool
+from sqlalchemy.util.concurrency import in_greenlet
 
-from sqllocker.sqlalchemy_internals import bind_order, literal_binds, most_connections
+from sqllocker.sqlalchemy_internals import bind_order, lets_await, literal_binds, most_connections
+
+try:
+    from sqlalchemy.util import await_
+except ImportError:  # SQLAlchemy 2.0 calls it await_only
+    from sqlalchemy.util import await_only as await_
 
 
 def test_most_connections_is_the_pools_size_plus_its_overflow(tmp_path: object) -> None:
@@ -40,3 +49,18 @@ def test_bind_order_and_literal_binds_of_a_compiled_statement() -> None:
             assert list(order)[-2:] == ["given", "other"]
         else:
             assert not order
+
+
+async def test_a_greenlet_marked_by_lets_await_may_await_through_its_parent() -> None:
+    @lets_await
+    class Marked(greenlet):  # type: ignore[misc]
+        pass
+
+    def awaits() -> tuple[bool, str]:
+        return in_greenlet(), await_(asyncio.sleep(0, result="awaited"))
+
+    marked = Marked(awaits, getcurrent())
+    outcome = marked.switch()  # the coroutine await_ handed to its parent, this greenlet
+    while not marked.dead:
+        outcome = marked.switch(await outcome)
+    assert outcome == (True, "awaited")
