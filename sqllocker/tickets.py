@@ -42,8 +42,9 @@ live, ahead of everyone. A waiter that takes a ticket again (``LockOperations.jo
 retrying, or its next attempt after a failed one) first gives up every ticket of its guid; and
 one that claims a row after that gives up the ticket it holds, as a release may have handed the
 row to the earlier one. A give-up that fails (the connection lost as it was sent) is tried again
-every ``GIVE_UP_AGAIN`` seconds, for as long as the ticket may live: while the listener's session
-that keeps it alive lasts and its Locker is open.
+every ``GIVE_UP_AGAIN`` seconds (by guid, where the waiter never learnt its ticket's number),
+for as long as the ticket may live: while the listener's session that keeps it alive lasts and
+its Locker is open.
 
 The ticket decides only who is *handed* the row and who may *try* for it; who holds it is
 decided by the row alone, as always. A lost notification, a dropped listener or a ticket

@@ -480,6 +480,58 @@ def test_a_ticket_whose_give_up_failed_is_given_up_again(
         holder.close()
 
 
+@pytest.mark.parametrize("front", ["sync", "asyncio"])
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_a_ticket_taken_by_a_failed_join_is_given_up_again(
+    url: str, table_name: str, backend: str, front: str, tickets: TicketsThroughProxy
+) -> None:
+    """A waiter's ticket committed as its connection dropped, and every give-up after it was
+    cut off (the join's own retry gives up first, and so does the waiter as it stops): the
+    waiter knows of no ticket, yet one of its stands, live. It is given up in the background,
+    by guid, as a known ticket is, and a newcomer takes the released row at once."""
+    proxy, standing = tickets.proxy, tickets.standing
+    holder = Locker(url, table=table_name)
+    waiter = Locker(tickets.through_proxy, table=table_name)
+    joining, leaving = (
+        (b"_queue_join(", b"_queue_leave(")
+        if backend == "postgresql"
+        else (
+            b"INTO %s_requests" % table_name.encode(),
+            b"DELETE FROM %s_requests" % table_name.encode(),
+        )
+    )
+
+    async def wait_in_asyncio() -> None:
+        url = async_url(tickets.through_proxy.render_as_string(hide_password=False))
+        locker = AsyncLocker(url, table=table_name)
+        try:
+            with pytest.raises(LockError):
+                await locker.lock("job", wait=0.5)
+            proxy.cut_before(leaving, times=0)
+            await wait_until_async(lambda: standing() == [])
+        finally:
+            await locker.aclose()
+
+    try:
+        held = holder.lock("job")
+        proxy.lose_answer_to(joining)
+        proxy.cut_before(leaving, times=1000)
+        if front == "asyncio":
+            asyncio.run(wait_in_asyncio())
+        else:
+            with pytest.raises(LockError):
+                waiter.lock("job", wait=0.5)
+            proxy.cut_before(leaving, times=0)
+            wait_until(lambda: standing() == [])
+        assert proxy.answers_lost == 1
+        assert proxy.statements_cut >= 2
+        held.unlock()
+        holder.lock("job", wait=0).unlock()
+    finally:
+        waiter.close()
+        holder.close()
+
+
 def test_unlock_is_not_held_up_for_ever_by_a_renewal_stuck_on_a_stalled_connection(
     mysql_url: str, table_name: str
 ) -> None:

@@ -493,7 +493,8 @@ class AsyncLocker:
         gate: int | None = None if line.waiting(lockstring) else NEWCOMER
         try_now = True
         free_since: float | None = None  # in line, refused a free row by a ticket ahead
-        unsure = False  # a join failed, and may have taken a ticket all the same
+        # A join failed, and may have taken a ticket all the same, kept alive by this key.
+        unsure: int | None = None
         doubled = False  # a ticket of ours may have been handed a row ahead of ``ticket``
         outcome: AsyncLock | None = None  # ours, once won by an attempt or handed over
         try:
@@ -510,13 +511,13 @@ class AsyncLocker:
                     if ticket is None and gate is None and key is not None:
                         try:
                             ticket, held, replaced = await self._join_line(
-                                lockstring, guid, ttl, details, key, unsure
+                                lockstring, guid, ttl, details, key, unsure is not None
                             )
                         except DatabaseError as error:
-                            unsure = True
+                            unsure = key
                             await _wait_out(error, backoff, lockstring)
                             continue
-                        unsure = False  # the join gave up whatever an earlier one took
+                        unsure = None  # the join gave up whatever an earlier one took
                         doubled = doubled or replaced
                         line.join(ticket)
                         if polls:
@@ -599,8 +600,8 @@ class AsyncLocker:
                 # row to a ticket nobody waits on. Without the lock, a row handed to it goes
                 # back.
                 await self._give_up(ticket, guid, outcome is None)
-            elif unsure:  # and, without the lock, a row handed to a ticket of ours goes back
-                await self._leave_line(lockstring, None, guid, outcome is None)
+            elif unsure is not None:  # and, without the lock, a row handed to it goes back
+                await self._give_up_every(lockstring, unsure, guid, outcome is None)
 
     async def _give_up(self, ticket: Ticket, guid: str, give_back: bool) -> None:
         """Give up ``ticket`` (``_leave_line``), then wake the next waiter of this Locker: told
@@ -612,29 +613,42 @@ class AsyncLocker:
         finally:
             self._line.leave(ticket)
             if not given_up:
-                self._leaving.call_soon(self._give_up_again, ticket, guid, give_back)
+                ticket_of = (ticket.lockstring, ticket.number, ticket.liveness_key)
+                self._leaving.call_soon(self._give_up_again, *ticket_of, guid, give_back)
 
-    async def _give_up_again(self, ticket: Ticket, guid: str, give_back: bool) -> None:
-        """Try to give up ``ticket`` again every ``tickets.GIVE_UP_AGAIN`` seconds while it may
+    async def _give_up_every(
+        self, lockstring: str, liveness_key: int, guid: str, give_back: bool
+    ) -> None:
+        """Give up every ticket of ``guid`` for ``lockstring``: a join that failed may have
+        taken one, alive while ``liveness_key`` is held. A give-up that failed is tried again
+        in the background, as for a known ticket."""
+        if not await self._leave_line(lockstring, None, guid, give_back):
+            ticket_of = (lockstring, None, liveness_key)
+            self._leaving.call_soon(self._give_up_again, *ticket_of, guid, give_back)
+
+    async def _give_up_again(
+        self,
+        lockstring: str,
+        number: int | None,
+        liveness_key: int,
+        guid: str,
+        give_back: bool,
+    ) -> None:
+        """Try to give up ticket ``number`` (None: every ticket of ``guid``), alive while
+        ``liveness_key`` is held, again every ``tickets.GIVE_UP_AGAIN`` seconds while it may
         live: left live with nobody waiting on it, it would be handed the next row, to stand
         held by nobody until it expires (PostgreSQL), or hold every waiter behind it back from
         a free row for PATIENCE at each turn (MariaDB)."""
         for _attempt in range(tickets.GIVE_UP_ATTEMPTS):
             await concurrency.wait(self._closing, tickets.GIVE_UP_AGAIN)
             listener = self._listener
-            if (
-                self._closing.is_set()
-                or listener is None
-                or listener.liveness_key != ticket.liveness_key
-            ):
+            if self._closing.is_set() or listener is None or listener.liveness_key != liveness_key:
                 return  # the ticket has died with the listener's session, or will with it
-            leave = (ticket.lockstring, ticket.number, guid, give_back)
-            if await self._leave_line(*leave, quiet=True):
-                logger.info("gave up a ticket for %r after all", ticket.lockstring)
+            if await self._leave_line(lockstring, number, guid, give_back, quiet=True):
+                logger.info("gave up a ticket for %r after all", lockstring)
                 return
         logger.warning(
-            "could not give up a ticket for %r; it stands until this Locker is closed",
-            ticket.lockstring,
+            "could not give up a ticket for %r; it stands until this Locker is closed", lockstring
         )
 
     async def _join_line(
