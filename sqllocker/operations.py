@@ -226,6 +226,7 @@ class LockOperations:
         # with the backend, which writes them; never changed by their users).
         self._expiry: dict[str, Any] = {}
         self._statements: Statements | None = None
+        self._inserts_replayed = False  # see ServerSettings.replays_inserts
         self._prepared: PreparedCache
         self._needs_setup = True  # see ensure_setup
         self._setup_lock = threading.Lock()
@@ -308,6 +309,11 @@ class LockOperations:
                     return outcome
                 taken.append(outcome)
             conn.transaction_control("COMMIT")
+            if self._inserts_replayed:
+                return [
+                    self._as_stored(conn, lockstring, guid, acquired)
+                    for (lockstring, guid), acquired in zip(members, taken, strict=True)
+                ]
             return taken
         except sa.exc.DBAPIError as error:
             self._roll_back_quietly(conn)
@@ -653,6 +659,39 @@ class LockOperations:
         queue_key: int | None,
         look_first: bool = False,
         in_line: bool = False,
+    ) -> Acquired | Refused:
+        outcome = self._attempt_on(
+            conn, lockstring, guid, ttl, details, queue_key, look_first, in_line
+        )
+        if self._inserts_replayed and isinstance(outcome, Acquired):
+            return self._as_stored(conn, lockstring, guid, outcome)
+        return outcome
+
+    def _as_stored(
+        self, conn: DriverSession, lockstring: str, guid: str, acquired: Acquired
+    ) -> Acquired:
+        """``acquired`` as its row stands once committed, read back by guid: where the server
+        may have replayed the INSERT under another id (``ServerSettings.replays_inserts``)."""
+        params = {"ls": lockstring, "lock_guid": guid, **self._expiry_params()}
+        row = conn.execute(self._sql.holder_for_acquirer, params).first()
+        if row is None or not row.ours:
+            return acquired  # broken or purged since: its release will say it was lost
+        if row.id != acquired.lock_id:
+            logger.info(
+                "%r was inserted again as id %d, not %d", lockstring, row.id, acquired.lock_id
+            )
+        return Acquired(row.id, row.created, row.expires, age=acquired.age)
+
+    def _attempt_on(
+        self,
+        conn: DriverSession,
+        lockstring: str,
+        guid: str,
+        ttl: float,
+        details: dict[str, Any],
+        queue_key: int | None,
+        look_first: bool,
+        in_line: bool,
     ) -> Acquired | Refused:
         be, sql = self._be, self._sql
         params = self._acquire_params(lockstring, guid, ttl, details)
@@ -1064,6 +1103,7 @@ class LockOperations:
                         has_line=settings.has_line,
                     )
                     self._backend = backend
+                    self._inserts_replayed = settings.replays_inserts
                     self._expiry = {
                         "minus_grace": backend.seconds_value(-self.grace),
                         "minus_foreign_grace": backend.seconds_value(

@@ -51,3 +51,7 @@ class ServerSettings(NamedTuple):
     # Why the table, if it exists, is not sqllocker's (a DBIx::Locker table): no operation may
     # run on it (see each backend's ``foreign_table``).
     foreign: str | None = None
+    # A Galera node: a local transaction that a replicated one aborts as it commits is replayed,
+    # and the replay draws its auto-increment id again, so the id the INSERT reported may not be
+    # its row's (tests/test_galera.py saw it). The acquired row is read back by guid after commit.
+    replays_inserts: bool = False

@@ -20,8 +20,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 
 from sqllocker import LockBusy, Locker, LockLost, UnsafeDatabase, UnsafeDatabaseWarning
+from sqllocker.backends.mysql import MySQLBackend
+from sqllocker.engine import resolve_url
 from tests.galera_cluster import GaleraCluster, running_galera_cluster
 from tests.helpers import holding_faults, worker_records
 
@@ -66,6 +69,9 @@ def contend(cluster: GaleraCluster, urls: list[str], state: Path) -> dict[str, i
     records = worker_records(state)
     assert len(records) == WORKERS * ACQUISITIONS_EACH
     assert sum(report["overlaps"] for report in reports) == 0
+    # A lock told lost at its release, with nobody else in: the id its acquire reported was not
+    # its row's (Galera replayed the INSERT under another id), and the row stood until it expired.
+    assert sum(report["lost"] for report in reports) == 0, [report["lost"] for report in reports]
     faults = holding_faults(records, [LOCKSTRING], state)
     print(
         {
@@ -97,6 +103,21 @@ def test_writers_on_every_node_never_hold_one_lockstring_at_once(
         pytest.raises(UnsafeDatabase, match="Galera"),
     ):
         strict.lock("check")
+
+
+def test_a_galera_node_has_acquired_rows_read_back_and_a_plain_server_not(
+    cluster: GaleraCluster, mysql_url: str
+) -> None:
+    """Galera may replay an INSERT under another id (see the test above): its nodes' settings
+    say so, and the acquire reads its row back; a server without Galera costs no read."""
+    for url, replays in ((cluster.urls()[0], True), (mysql_url, False)):
+        engine = sa.create_engine(resolve_url(url))
+        try:
+            with engine.connect() as conn:
+                settings = MySQLBackend.for_dialect(conn.dialect).read_settings(conn, TABLE)
+        finally:
+            engine.dispose()
+        assert settings.replays_inserts is replays, url
 
 
 def test_lock_writes_through_one_node_keep_fencing_tokens_in_order(

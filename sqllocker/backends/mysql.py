@@ -267,6 +267,7 @@ class MySQLBackend(Backend):
                     f"{id_order_table_name(table)} (run `sqllocker migrate --table {table}`)"
                 )
                 problems.append(UnsafeSetting(setting, REORDERS_IDS))
+        wsrep = conn.exec_driver_sql("SHOW VARIABLES LIKE 'wsrep_on'").first()
         galera = conn.exec_driver_sql("SHOW GLOBAL STATUS LIKE 'wsrep_cluster_size'").first()
         if galera is not None and str(galera[1]).isdigit() and int(galera[1]) > 1:
             setting = (
@@ -279,6 +280,7 @@ class MySQLBackend(Backend):
             lock_stripes,
             has_line=_has_table(conn, requests_table_name(table)),
             foreign=self.foreign_table(conn, table),
+            replays_inserts=wsrep is not None and str(wsrep[1]).upper() == "ON",
         )
 
     def foreign_table(self, conn: Connection, table: str) -> str | None:
