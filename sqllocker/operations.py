@@ -250,16 +250,20 @@ class LockOperations:
         (a waiter with a ticket), a refusal then reads who holds the row, and takes over an
         expired one. With ``look_first`` (a waiter polling, where releases do not hand the row
         over), the holder's row is read before any INSERT (``_refused_by_holder``)."""
+
+        def attempt(conn: DriverSession) -> Acquired | Refused:
+            outcome = self._acquire_on(
+                conn, lockstring, guid, ttl, details, queue_key, look_first, in_line
+            )
+            if self._inserts_replayed and isinstance(outcome, Acquired):
+                return self._as_stored(conn, lockstring, guid, outcome)
+            return outcome
+
         for _attempt in range(_ATTEMPTS_PER_TRY):
             # The validity deadline counts from before the statement is sent: the server's
             # expiry cannot start earlier than that.
             sent_at = clock.now()
-            outcome = self._run(
-                lockstring,
-                lambda conn: self._acquire_on(
-                    conn, lockstring, guid, ttl, details, queue_key, look_first, in_line
-                ),
-            )
+            outcome = self._run(lockstring, attempt)
             if isinstance(outcome, Acquired):
                 logger.debug("acquired %r (id %d)", lockstring, outcome.lock_id)
                 outcome.sent_at = sent_at - outcome.age
@@ -649,24 +653,6 @@ class LockOperations:
 
     # -- the statements of each operation ----------------------------------------------------------
 
-    def _acquire_on(
-        self,
-        conn: DriverSession,
-        lockstring: str,
-        guid: str,
-        ttl: float,
-        details: dict[str, Any],
-        queue_key: int | None,
-        look_first: bool = False,
-        in_line: bool = False,
-    ) -> Acquired | Refused:
-        outcome = self._attempt_on(
-            conn, lockstring, guid, ttl, details, queue_key, look_first, in_line
-        )
-        if self._inserts_replayed and isinstance(outcome, Acquired):
-            return self._as_stored(conn, lockstring, guid, outcome)
-        return outcome
-
     def _as_stored(
         self, conn: DriverSession, lockstring: str, guid: str, acquired: Acquired
     ) -> Acquired:
@@ -682,7 +668,7 @@ class LockOperations:
             )
         return Acquired(row.id, row.created, row.expires, age=acquired.age)
 
-    def _attempt_on(
+    def _acquire_on(
         self,
         conn: DriverSession,
         lockstring: str,
