@@ -1,0 +1,136 @@
+"""Could MariaDB's waiters be woken by a ``GET_LOCK`` name instead of polling? (#34's goal 1)
+
+Raw statements through PyMySQL, no library: 4 processes take turns on one row, each holding it
+1 ms and stepping back 2 ms, as the bench's contended rows do, in one of three ways:
+
+- ``get_lock``: blocking ``GET_LOCK`` itself (the bench's baseline);
+- ``poll``: INSERT, and after a duplicate key sleep a quarter of the wait so far (as a polling
+  first waiter does; no tickets, so no order);
+- ``wake``: INSERT; the holder's second session holds a name while it holds the row and lets
+  it go after its DELETE; a refused waiter blocks on that name
+  (``IF(GET_LOCK(name, 0.25) = 1, RELEASE_LOCK(name), 0)``) before its next INSERT.
+
+    .venv/bin/python scripts/wake_by_get_lock.py get_lock poll wake
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+import random
+import statistics
+import sys
+import time
+from typing import Any
+
+import pymysql
+
+HOLD, STEP, SECONDS, PROCESSES = 0.001, 0.002, 6.0, 4
+NAME = "wake-prototype"
+Turn = tuple[float, float, float, float]  # asked, got, began releasing, released
+
+
+def _connect() -> Any:
+    return pymysql.connect(host="127.0.0.1", user="root", database="test", autocommit=True)
+
+
+def _take(mode: str, cursor: Any, waker: Any) -> int:
+    """Take the row (or the named lock); how many refusals it met."""
+    if mode == "get_lock":
+        cursor.execute("SELECT GET_LOCK('wake-prototype-baseline', 60)")
+        cursor.fetchall()
+        return 0
+    refusals, began = 0, time.monotonic()
+    while True:
+        try:
+            cursor.execute("INSERT INTO wake_prototype (ls, pid) SELECT 'x', %s", (os.getpid(),))
+            break
+        except pymysql.err.IntegrityError:
+            refusals += 1
+        if mode == "poll":
+            ceiling = max(0.00025, min(0.25, (time.monotonic() - began) / 4))
+            time.sleep(random.uniform(ceiling / 2, ceiling))
+            continue
+        cursor.execute(
+            "SELECT IS_USED_LOCK(%s) IS NOT NULL, IF(GET_LOCK(%s, 0.25) = 1, RELEASE_LOCK(%s), 0)",
+            (NAME, NAME, NAME),
+        )
+        if not cursor.fetchone()[0]:
+            time.sleep(0.00025)  # nobody holds the name: the holder has not taken it yet
+    if mode == "wake":
+        waker.execute("SELECT GET_LOCK(%s, 1)", (NAME,))
+        waker.fetchall()
+    return refusals
+
+
+def _give(mode: str, cursor: Any, waker: Any) -> None:
+    if mode == "get_lock":
+        cursor.execute("SELECT RELEASE_LOCK('wake-prototype-baseline')")
+        cursor.fetchall()
+        return
+    cursor.execute("DELETE FROM wake_prototype WHERE ls = 'x' AND pid = %s", (os.getpid(),))
+    if mode == "wake":
+        waker.execute("SELECT RELEASE_LOCK(%s)", (NAME,))
+        waker.fetchall()
+
+
+def _contender(mode: str, ready: Any, results: Any) -> None:
+    cursor, waker = _connect().cursor(), _connect().cursor()
+    turns: list[Turn] = []
+    refusals = 0
+    ready.wait()
+    started = time.monotonic()
+    while time.monotonic() < started + 1 + SECONDS:  # the first second warms up
+        asked = time.monotonic()
+        refused = _take(mode, cursor, waker)
+        got = time.monotonic()
+        time.sleep(HOLD)
+        left = time.monotonic()
+        _give(mode, cursor, waker)
+        if asked > started + 1:
+            turns.append((asked, got, left, time.monotonic()))
+            refusals += refused
+        time.sleep(STEP)
+    results.put((turns, refusals))
+
+
+def measure(mode: str) -> str:
+    cursor = _connect().cursor()
+    cursor.execute("DROP TABLE IF EXISTS wake_prototype")
+    cursor.execute(
+        "CREATE TABLE wake_prototype (id bigint AUTO_INCREMENT PRIMARY KEY, "
+        "ls varchar(100) NOT NULL UNIQUE, pid int)"
+    )
+    context = multiprocessing.get_context("fork")
+    results, ready = context.Queue(), context.Barrier(PROCESSES + 1)
+    workers = [
+        context.Process(target=_contender, args=(mode, ready, results)) for _ in range(PROCESSES)
+    ]
+    for worker in workers:
+        worker.start()
+    ready.wait()
+    reports = [results.get() for _ in workers]
+    for worker in workers:
+        worker.join()
+    turns = sorted((turn for report in reports for turn in report[0]), key=lambda turn: turn[1])
+    releases = [(turn[3] - turn[2]) * 1000 for turn in turns]
+    hand_offs = [
+        (after[1] - before[3]) * 1000
+        for before, after in itertools.pairwise(turns)
+        if after[0] < before[3]
+    ]
+    waits = sorted((turn[1] - turn[0]) * 1000 for turn in turns)
+    refusals = sum(report[1] for report in reports)
+    return (
+        f"{mode:9s} acquisitions/s {len(turns) / SECONDS:5.0f}  "
+        f"release p50 {statistics.median(releases):.3f} ms  "
+        f"hand-off p50 {statistics.median(hand_offs):.3f} ms  "
+        f"wait p99 {waits[int(len(waits) * 0.99)]:.2f} ms  "
+        f"refusals a turn {refusals / len(turns):.1f}"
+    )
+
+
+if __name__ == "__main__":
+    for mode in sys.argv[1:] or ["get_lock", "poll", "wake"]:
+        print(measure(mode), flush=True)
