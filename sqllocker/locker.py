@@ -576,8 +576,10 @@ class Locker:
         finally:
             self._line.leave(ticket)
             if not given_up:
-                ticket_of = (ticket.lockstring, ticket.number, ticket.liveness_key)
-                self._leaving.call_soon(self._give_up_again, *ticket_of, guid, give_back)
+                number, key = ticket.number, ticket.liveness_key
+                self._leaving.call_soon(
+                    self._give_up_again, ticket.lockstring, number, key, guid, give_back
+                )
 
     def _give_up_every(
         self, lockstring: str, liveness_key: int, guid: str, give_back: bool
@@ -586,8 +588,9 @@ class Locker:
         taken one, alive while ``liveness_key`` is held. A give-up that failed is tried again
         in the background, as for a known ticket."""
         if not self._leave_line(lockstring, None, guid, give_back):
-            ticket_of = (lockstring, None, liveness_key)
-            self._leaving.call_soon(self._give_up_again, *ticket_of, guid, give_back)
+            self._leaving.call_soon(
+                self._give_up_again, lockstring, None, liveness_key, guid, give_back
+            )
 
     def _give_up_again(
         self,

@@ -613,8 +613,10 @@ class AsyncLocker:
         finally:
             self._line.leave(ticket)
             if not given_up:
-                ticket_of = (ticket.lockstring, ticket.number, ticket.liveness_key)
-                self._leaving.call_soon(self._give_up_again, *ticket_of, guid, give_back)
+                number, key = ticket.number, ticket.liveness_key
+                self._leaving.call_soon(
+                    self._give_up_again, ticket.lockstring, number, key, guid, give_back
+                )
 
     async def _give_up_every(
         self, lockstring: str, liveness_key: int, guid: str, give_back: bool
@@ -623,8 +625,9 @@ class AsyncLocker:
         taken one, alive while ``liveness_key`` is held. A give-up that failed is tried again
         in the background, as for a known ticket."""
         if not await self._leave_line(lockstring, None, guid, give_back):
-            ticket_of = (lockstring, None, liveness_key)
-            self._leaving.call_soon(self._give_up_again, *ticket_of, guid, give_back)
+            self._leaving.call_soon(
+                self._give_up_again, lockstring, None, liveness_key, guid, give_back
+            )
 
     async def _give_up_again(
         self,
