@@ -138,11 +138,11 @@ ABANDON_EVERY = 100
 ABANDONING = ("--abandon-every", str(ABANDON_EVERY), "--expires", "1.0", "--grace", "0")
 # Workers that never wait: each acquisition tries again and again (the one-attempt path).
 TRYING = ("--try-only",)
-# Workers that hold every 100th lock for three expiry periods, kept alive, with no grace: a
-# renewal that failed to happen would let a waiter take the row over mid-hold. The expiry gives
-# each renewal two thirds of a second to complete: with 0.4 s (under 0.27 s each), MariaDB runs
-# on this 2-core VM now and then lost a lock or three to a renewal that came too late, which
-# the library declared lost (LockLost) while the worker, heeding nothing, held on.
+# Workers that hold every 100th lock for two expiry periods (several renewals each), kept alive,
+# with no grace: a renewal that failed to happen would let a waiter take the row over mid-hold.
+# The expiry gives each renewal two thirds of a second to complete: with 0.4 s (under 0.27 s
+# each), MariaDB runs on this 2-core VM now and then lost a lock or three to a renewal that came
+# too late, which the library declared lost (LockLost) while the worker, heeding nothing, held on.
 OUTLIVING = ("--outlive-every", "100", "--expires", "1.0", "--grace", "0")
 # Workers that give up on a line standing still on a free row after 4 ms, beside abandoned rows
 # that are takeable until a waiter takes them over: the first waiter of a Locker takes a free
