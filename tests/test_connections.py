@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import sqlite3
+import ssl
+import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -27,6 +32,7 @@ from sqllocker.asyncio import concurrency as async_concurrency
 from sqllocker.backends import sqlite as sqlite_backend
 from sqllocker.connections import ConnectionStack, StackedConnection
 from sqllocker.engine import create_locker_engine, resolve_url
+from tests.private_servers import running_private_server
 from tests.test_fork_and_clocks import run_in_child
 
 
@@ -371,3 +377,65 @@ def test_a_new_sqlite_file_gets_small_pages_and_an_existing_one_keeps_its_own(
             asyncio.run(cycle())
     assert _page_size(new) == sqlite_backend.NEW_FILE_PAGE_SIZE
     assert _page_size(existing) == default
+
+
+def _session_cipher(pooled: Any) -> str:
+    """The TLS cipher of a pooled MariaDB connection's session ('' without TLS)."""
+    cursor = pooled.driver_connection.cursor()
+    cursor.execute("SHOW SESSION STATUS LIKE 'Ssl_cipher'")
+    return str(cursor.fetchone()[1])
+
+
+def test_pymysql_connections_share_one_tls_context_and_still_speak_tls() -> None:
+    """PyMySQL builds a TLS context for every connection, given no TLS options (tens of ms of
+    CPU each: ``backends/pymysql_tls.py``): a Locker's connections share one, built as PyMySQL
+    builds it, and still speak TLS to a server that offers it; a URL's own TLS options, and
+    PyMySQL's connections made outside sqllocker, keep a context of their own."""
+    import pymysql
+
+    certificates = Path(tempfile.mkdtemp(prefix="sqllocker-tls-"))
+    try:
+        certificates.chmod(0o755)  # the server runs as mysql
+        cert, key = certificates / "cert.pem", certificates / "key.pem"
+        subprocess.run(
+            [
+                *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"),
+                *("-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"),
+                *("-keyout", str(key), "-out", str(cert)),
+            ],
+            check=True,
+            capture_output=True,
+        )
+        key.chmod(0o644)
+        tls = (f"--ssl-cert={cert}", f"--ssl-key={key}")
+        with running_private_server("mysql", *tls) as server:
+            locker = Locker(server.url, table="semaphores", auto_create=True)
+            with locker.lock("over tls"):
+                pass
+            first, second = locker.engine.raw_connection(), locker.engine.raw_connection()
+            shared = first.driver_connection.ctx
+            assert second.driver_connection.ctx is shared
+            assert _session_cipher(first)
+            assert _session_cipher(second)
+            # What PyMySQL's preferred mode builds: TLS if offered, nothing verified.
+            assert shared.verify_mode == ssl.CERT_NONE
+            assert not shared.check_hostname
+            first.close()
+            second.close()
+            locker.close()
+
+            own = Locker(f"{server.url}?ssl_ca={cert}", table="semaphores")
+            with own.lock("over tls, verified"):
+                pass
+            verified = own.engine.raw_connection()
+            assert verified.driver_connection.ctx is not shared
+            assert verified.driver_connection.ctx.verify_mode == ssl.CERT_REQUIRED
+            assert _session_cipher(verified)
+            verified.close()
+            own.close()
+
+            plain = pymysql.connect(host="127.0.0.1", port=server.port, user="root")
+            assert plain.ctx is not shared
+            plain.close()
+    finally:
+        shutil.rmtree(certificates, ignore_errors=True)

@@ -22,7 +22,7 @@ from ..timeouts import (
     ROW_LOCK_TIMEOUT_SECONDS,
     STATEMENT_TIMEOUT_SECONDS,
 )
-from . import Backend
+from . import Backend, pymysql_tls
 
 if TYPE_CHECKING:
     from sqlalchemy.sql import Delete, Insert, Select
@@ -236,6 +236,11 @@ class MySQLBackend(Backend):
                 f"SET SESSION innodb_lock_wait_timeout = {ROW_LOCK_TIMEOUT_SECONDS}"
             )
         return connect_args
+
+    @classmethod
+    def configure_engine(cls, engine: Engine) -> None:
+        if engine.dialect.driver == "pymysql":
+            sa.event.listen(engine, "do_connect", pymysql_tls.connect)
 
     # -- settings ----------------------------------------------------------------------------------
 

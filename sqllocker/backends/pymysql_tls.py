@@ -1,0 +1,47 @@
+"""PyMySQL connections that share one TLS context for PyMySQL's preferred mode.
+
+Given no TLS options, PyMySQL (from 1.1.2) tries TLS if the server offers it, verifying
+nothing, and builds that context anew for every connection, loading the system's CA paths for
+a context that uses none of them: tens of milliseconds of the connecting thread's CPU, which a
+lock operation that has to open a connection waits for (docs/speed-history.md). Engines
+sqllocker makes connect through ``connect``, whose connections share one such context, built by
+PyMySQL itself on first use. Connections given TLS options of their own build theirs as PyMySQL
+does.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+_lock = threading.Lock()
+_preferred_context: Any = None  # the ssl.SSLContext of PyMySQL's preferred mode, once built
+_connection_class: Any = None
+
+
+def connect(_dialect: Any, _record: Any, cargs: Any, cparams: Any) -> Any:
+    """SQLAlchemy's ``do_connect`` event: a PyMySQL connection made with the engine's
+    arguments, sharing the process's preferred-mode TLS context."""
+    return _shared_context_connection()(*cargs, **cparams)
+
+
+def _shared_context_connection() -> Any:
+    """PyMySQL's Connection class, with its preferred-mode context made once per process
+    (PyMySQL is imported only by engines that use it)."""
+    global _connection_class
+    if _connection_class is None:
+        import pymysql.connections
+
+        class SharedContextConnection(pymysql.connections.Connection):  # type: ignore[misc]
+            def _create_ssl_ctx(self, sslp: Any) -> Any:
+                if sslp:  # TLS options of the caller's own: as PyMySQL builds them
+                    return super()._create_ssl_ctx(sslp)
+                global _preferred_context
+                if _preferred_context is None:
+                    with _lock:
+                        if _preferred_context is None:
+                            _preferred_context = super()._create_ssl_ctx(sslp)
+                return _preferred_context
+
+        _connection_class = SharedContextConnection
+    return _connection_class
