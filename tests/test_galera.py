@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -43,16 +44,18 @@ def cluster() -> Iterator[GaleraCluster]:
         yield started
 
 
-def contend(cluster: GaleraCluster, urls: list[str], state: Path) -> dict[str, int]:
-    """Six workers, through ``urls`` in turn, take ``LOCKSTRING`` and update its counter;
-    returns what their acquisitions show (see ``holding_faults``)."""
+def run_workers(
+    command: str, urls: list[str], state: Path, lockstrings: list[str], *options: str
+) -> list[dict[str, Any]]:
+    """``WORKERS`` workers of ``tests.workers``' ``command`` on ``lockstrings``, through ``urls``
+    in turn; their reports, once every one has ended well."""
     workers = [
         subprocess.Popen(
             [
                 sys.executable,
-                *("-m", "tests.workers", "counter", "--url", urls[number % len(urls)]),
-                *("--table", TABLE, "--state", str(state), "--lockstrings", LOCKSTRING),
-                *("--count", str(ACQUISITIONS_EACH), "--grace", "0"),
+                *("-m", "tests.workers", command, "--url", urls[number % len(urls)]),
+                *("--table", TABLE, "--state", str(state), "--lockstrings", ",".join(lockstrings)),
+                *("--grace", "0", *options),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -60,12 +63,19 @@ def contend(cluster: GaleraCluster, urls: list[str], state: Path) -> dict[str, i
         )
         for number in range(WORKERS)
     ]
-    started = time.monotonic()
     reports = []
     for worker in workers:
         out, err = worker.communicate(timeout=300)
         assert worker.returncode == 0, f"worker failed:\n{err[-3000:]}"
         reports.append(json.loads(out.strip().splitlines()[-1]))
+    return reports
+
+
+def contend(cluster: GaleraCluster, urls: list[str], state: Path) -> dict[str, int]:
+    """Six workers, through ``urls`` in turn, take ``LOCKSTRING`` and update its counter;
+    returns what their acquisitions show (see ``holding_faults``)."""
+    started = time.monotonic()
+    reports = run_workers("counter", urls, state, [LOCKSTRING], "--count", str(ACQUISITIONS_EACH))
     elapsed = time.monotonic() - started
     records = worker_records(state)
     assert len(records) == WORKERS * ACQUISITIONS_EACH
@@ -106,44 +116,6 @@ def test_writers_on_every_node_never_hold_one_lockstring_at_once(
         strict.lock("check")
 
 
-@pytest.mark.filterwarnings("ignore::sqllocker.UnsafeDatabaseWarning")  # reported above
-def test_groups_taken_on_every_node_never_overlap_and_are_released_as_stored(
-    cluster: GaleraCluster, tmp_path: Path
-) -> None:
-    """Groups of two taken by writers on every node: their transactions' certification
-    conflicts are retried like a single row's, no two holders overlap, and every member is
-    released as it was stored (a worker's ``unlock`` raises LockLost otherwise). A group is
-    read back after its commit as a single row is (see above), though no run here has yet
-    caught Galera replaying a group's transaction: its replay window is the COMMIT alone."""
-    lockstrings = ["galera a", "galera b", "galera c"]
-    named = ",".join(lockstrings)
-    workers = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                *("-m", "tests.workers", "pairs", "--url", cluster.urls()[number % 3]),
-                *("--table", TABLE, "--state", str(tmp_path), "--lockstrings", named),
-                *("--count", str(GROUPS_EACH), "--grace", "0", "--expires", "30"),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for number in range(WORKERS)
-    ]
-    started = time.monotonic()
-    for worker in workers:
-        out, err = worker.communicate(timeout=240)
-        assert worker.returncode == 0, f"worker failed:\n{err[-3000:]}"
-        assert json.loads(out.strip().splitlines()[-1])["overlaps"] == 0
-    records = worker_records(tmp_path)
-    assert len(records) == WORKERS * GROUPS_EACH * 2
-    faults = holding_faults(records, lockstrings, tmp_path)
-    assert faults["double holders"] == 0
-    assert faults["lost updates"] == 0
-    print({"groups": WORKERS * GROUPS_EACH, "seconds": round(time.monotonic() - started, 1)})
-
-
 def test_a_galera_node_has_acquired_rows_read_back_and_a_plain_server_not(
     cluster: GaleraCluster, mysql_url: str
 ) -> None:
@@ -157,6 +129,28 @@ def test_a_galera_node_has_acquired_rows_read_back_and_a_plain_server_not(
         finally:
             engine.dispose()
         assert settings.replays_inserts is replays, url
+
+
+@pytest.mark.filterwarnings("ignore::sqllocker.UnsafeDatabaseWarning")  # reported above
+def test_groups_taken_on_every_node_never_overlap_and_are_released_as_stored(
+    cluster: GaleraCluster, tmp_path: Path
+) -> None:
+    """Groups of two taken by writers on every node: their transactions' certification
+    conflicts are retried like a single row's, no two holders overlap, and every member is
+    released as it was stored (a worker's ``unlock`` raises LockLost otherwise). A group is
+    read back after its commit as a single row is, though no run here has yet caught Galera
+    replaying a group's transaction: its replay window is the COMMIT alone."""
+    lockstrings = ["galera a", "galera b", "galera c"]
+    started = time.monotonic()
+    options = ("--count", str(GROUPS_EACH), "--expires", "30")
+    reports = run_workers("pairs", cluster.urls(), tmp_path, lockstrings, *options)
+    assert sum(report["overlaps"] for report in reports) == 0
+    records = worker_records(tmp_path)
+    assert len(records) == WORKERS * GROUPS_EACH * 2
+    faults = holding_faults(records, lockstrings, tmp_path)
+    assert faults["double holders"] == 0
+    assert faults["lost updates"] == 0
+    print({"groups": WORKERS * GROUPS_EACH, "seconds": round(time.monotonic() - started, 1)})
 
 
 def test_lock_writes_through_one_node_keep_fencing_tokens_in_order(
