@@ -34,6 +34,7 @@ import collections
 import contextlib
 import fcntl
 import functools
+import importlib.metadata
 import inspect
 import itertools
 import json
@@ -1167,9 +1168,10 @@ def run_context(backends: list[str]) -> dict[str, Any]:
             with engine.connect() as conn:
                 versions[BACKEND_NAMES[backend]] = str(conn.exec_driver_sql(query).scalar())
             engine.dispose()
-    for module in ("psycopg", "pymysql", "redis"):
-        with contextlib.suppress(ImportError):
-            versions[module] = __import__(module).__version__
+    # The distributions' versions: PyMySQL's __version__ is the mysqlclient one it poses as.
+    for distribution in ("psycopg", "PyMySQL", "redis"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions[distribution] = importlib.metadata.version(distribution)
     try:
         commit = subprocess.run(
             ["git", "describe", "--always", "--dirty"],
