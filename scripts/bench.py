@@ -307,15 +307,25 @@ async def async_raw_floor_cycle(url: str, layer: str = "driver") -> AsyncCycle:
     for setting in floor_settings(locker._operations):
         await cursor.execute(setting)
     adapted = await in_greenlet(raw.cursor)
+    # aiosqlite: the acquire's row in one hop to its thread, as the library takes it.
+    one_call = locker._operations.backend.rows_in_one_call(raw.dbapi_connection)
 
     async def cycle(n: int) -> None:
         guid = os.urandom(16).hex()  # as sqllocker.identity.new_guid
-        await cursor.execute(floor.acquire.sql, floor.acquire_parameters(n, guid))
-        lock_id = (await cursor.fetchall())[0][0]
+        parameters = floor.acquire_parameters(n, guid)
+        if one_call is not None:
+            rows = await connection.execute_fetchall(floor.acquire.sql, parameters)
+            lock_id = next(iter(rows))[0]
+        else:
+            await cursor.execute(floor.acquire.sql, parameters)
+            lock_id = (await cursor.fetchall())[0][0]
         await cursor.execute(floor.release.sql, floor.release_parameters(lock_id, guid))
 
     def acquire(n: int, guid: str) -> int:
-        adapted.execute(floor.acquire.sql, floor.acquire_parameters(n, guid))
+        parameters = floor.acquire_parameters(n, guid)
+        if one_call is not None:
+            return int(one_call(floor.acquire.sql, parameters)[0][0])
+        adapted.execute(floor.acquire.sql, parameters)
         return int(adapted.fetchall()[0][0])
 
     def release(lock_id: int, guid: str) -> None:

@@ -5,7 +5,9 @@ parameter construction, result set-up, transaction bookkeeping) cost more than t
 round trips themselves on SQLite, and a good part of them on the servers (docs/speed-history.md).
 So each statement built in ``statements.py`` is compiled once per dialect,
 its literal parameters and SQLAlchemy's own bind and result processors are kept, and it runs
-straight on the pooled DBAPI connection's cursor. The SQL is exactly what SQLAlchemy would send.
+straight on the pooled DBAPI connection's cursor (or, for a statement that returns rows on a
+driver that answers it and its rows in one call, through that: ``Backend.rows_in_one_call``).
+The SQL is exactly what SQLAlchemy would send.
 """
 
 from __future__ import annotations
@@ -157,13 +159,21 @@ def kept_cursor(pooled: Any) -> Any:
 class DriverSession:
     """A DBAPI connection and its cursor, for the length of one operation."""
 
-    __slots__ = ("_prepared", "cursor", "dbapi_connection", "dialect")
+    __slots__ = ("_prepared", "_rows_in_one_call", "cursor", "dbapi_connection", "dialect")
 
-    def __init__(self, dbapi_connection: Any, cursor: Any, prepared: PreparedCache) -> None:
+    def __init__(
+        self,
+        dbapi_connection: Any,
+        cursor: Any,
+        prepared: PreparedCache,
+        rows_in_one_call: Callable[[str, Any], list[Any]] | None = None,
+    ) -> None:
         self.dbapi_connection = dbapi_connection
         self.cursor = cursor
         self.dialect = prepared.dialect
         self._prepared = prepared
+        # Backend.rows_in_one_call: for first_row, whose callers read nothing but its rows.
+        self._rows_in_one_call = rows_in_one_call
 
     def execute(self, statement: ClauseElement, values: Mapping[str, Any] | None = None) -> Result:
         prepared = self._prepared[statement]
@@ -194,17 +204,25 @@ class DriverSession:
         acquire's path, where a Result and a named row were a measurable share of the library's
         own Python (``ab_uncontended.py --stub-driver``)."""
         prepared = self._prepared[statement]
-        rows = self._send(prepared, values)
+        rows = self._send(prepared, values, self._rows_in_one_call)
         if not rows:
             return None
         return rows[0] if prepared.unprocessed else prepared.row(rows[0])
 
-    def _send(self, prepared: Prepared, values: Mapping[str, Any]) -> list[Any]:
-        """Run ``prepared`` on the cursor: its rows as the driver returned them, if any."""
+    def _send(
+        self,
+        prepared: Prepared,
+        values: Mapping[str, Any],
+        rows_in_one_call: Callable[[str, Any], list[Any]] | None = None,
+    ) -> list[Any]:
+        """Run ``prepared`` on the cursor (or by ``rows_in_one_call``, if it returns rows): its
+        rows as the driver returned them, if any."""
         cursor = self.cursor
         if sql_logger.isEnabledFor(logging.DEBUG):
             sql_logger.debug("%s %r", prepared.sql, values, extra={"sqllocker_values": values})
         try:
+            if rows_in_one_call is not None and prepared.returns_rows:
+                return rows_in_one_call(prepared.sql, prepared.parameters(values))
             cursor.execute(prepared.sql, prepared.parameters(values))
             if prepared.returns_rows or cursor.description:
                 return cursor.fetchall()  # type: ignore[no-any-return]

@@ -953,7 +953,8 @@ class LockOperations:
             raise self.unreachable(error) from error
         try:
             if held.session is None:
-                held.session = DriverSession(held.connection, held.cursor, self._prepared)
+                one_call = self._be.rows_in_one_call(held.connection)
+                held.session = DriverSession(held.connection, held.cursor, self._prepared, one_call)
             result = operation(held.session)
         except sa.exc.DBAPIError as error:
             if error.connection_invalidated or self._be.is_read_only(error):
@@ -993,7 +994,9 @@ class LockOperations:
             raise self.unreachable(error) from error
         fairy = checkout if connection is None else connection.connection
         try:
-            yield DriverSession(fairy.dbapi_connection, kept_cursor(fairy), self._prepared)
+            dbapi_connection = fairy.dbapi_connection
+            one_call = self._be.rows_in_one_call(dbapi_connection)
+            yield DriverSession(dbapi_connection, kept_cursor(fairy), self._prepared, one_call)
         except sa.exc.DBAPIError as error:
             if error.connection_invalidated or (
                 self._backend is not None and self._be.is_read_only(error)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -357,6 +358,62 @@ async def test_sqlite_creates_its_table_on_first_use(tmp_path: Any) -> None:
         locker.lock("job") as lock,
     ):
         assert lock.lock_id == 1
+
+
+async def test_an_sqlite_acquire_takes_its_row_in_one_call_of_aiosqlites_thread(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each call of an aiosqlite connection is a hop to its thread and back: the acquire's
+    INSERT and its row come in one (``execute_fetchall``, where SQLAlchemy's cursor executes,
+    then fetches), and on connections kept from one operation to the next (SQLAlchemy 2.0.38
+    and later pool them) a whole cycle is two calls."""
+    import aiosqlite.core
+
+    calls: list[tuple[str, str | None]] = []
+    original = aiosqlite.core.Connection._execute
+
+    async def counted(self: Any, function: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append((function.__name__, args[0] if args and isinstance(args[0], str) else None))
+        return await original(self, function, *args, **kwargs)
+
+    async with AsyncLocker(f"sqlite:///{tmp_path / 'hops.db'}") as locker:
+        await (await locker.lock("first")).unlock()  # the table, the connection, its settings
+        monkeypatch.setattr(aiosqlite.core.Connection, "_execute", counted)
+        lock = await locker.lock("job")
+        assert lock.lock_id == 2
+        await lock.unlock()
+        inserts = [name for name, sql in calls if sql is not None and "INSERT" in sql.upper()]
+        assert inserts == ["_execute_fetchall"]
+        if locker._operations._stack is not None:
+            assert [name for name, _ in calls] == ["_execute_fetchall", "execute"]
+
+
+async def test_a_closed_aiosqlite_connection_fails_the_one_call_as_a_dbapi_error(
+    tmp_path: Any,
+) -> None:
+    """aiosqlite's own error for a closed connection is a ValueError, no DBAPI error: the one
+    call raises it as SQLAlchemy's cursor does (OperationalError), which the lock operations
+    take for a lost connection (and replace it) where a ValueError would escape as no
+    LockError."""
+    from sqllocker.asyncio.greenlets import run as in_greenlet
+    from sqllocker.backends.sqlite import SQLiteBackend
+
+    async with AsyncLocker(f"sqlite:///{tmp_path / 'closed.db'}") as locker:
+        await (await locker.lock("first")).unlock()
+        pooled = await in_greenlet(locker.engine.sync_engine.raw_connection)
+        rows = SQLiteBackend.rows_in_one_call(pooled.dbapi_connection)
+        assert rows is not None
+        assert await in_greenlet(rows, "SELECT 1", ()) == [(1,)]
+        await pooled.driver_connection.close()  # behind the pool's back
+        with pytest.raises(sqlite3.OperationalError):
+            await in_greenlet(rows, "SELECT 1", ())
+        await in_greenlet(pooled.invalidate)
+        if locker._operations._stack is not None:  # a kept connection closed, then replaced
+            for held in locker._operations._stack._idle:
+                await held.connection.driver_connection.close()
+        lock = await locker.lock("job")
+        await lock.unlock()
+        assert lock.lock_id == 2
 
 
 @pytest.mark.parametrize(

@@ -237,6 +237,13 @@ class Backend:
         return {}
 
     @classmethod
+    def rows_in_one_call(cls, dbapi_connection: Any) -> Callable[[str, Any], list[Any]] | None:
+        """For a statement known to return rows on ``dbapi_connection``: a function that runs
+        it and returns its rows in one call of the driver, where the cursor's execute and fetch
+        cost more; None where they do not."""
+        return None
+
+    @classmethod
     def configure_engine(cls, engine: Engine) -> None:
         """Anything an engine sqllocker made needs on each new connection."""
 

@@ -161,6 +161,14 @@ class SQLiteBackend(Backend):
     def configure_engine(cls, engine: Engine) -> None:
         sa.event.listen(engine, "connect", _configure_connection)
 
+    @classmethod
+    def rows_in_one_call(cls, dbapi_connection: Any) -> Callable[[str, Any], list[Any]] | None:
+        # aiosqlite runs each call of a connection in its thread: a call is a thread's wake-up
+        # and the event loop's, a good part of an async cycle (docs/speed-history.md).
+        if isinstance(dbapi_connection, AdaptedConnection):
+            return _rows_from_aiosqlite(dbapi_connection)
+        return None
+
     def read_settings(self, conn: Connection, table: str) -> ServerSettings:
         problems = []
         if conn.exec_driver_sql("PRAGMA synchronous").scalar() == 0:
@@ -238,6 +246,20 @@ def _configure_connection(dbapi_connection: Any, _record: Any) -> None:
         cursor.execute("PRAGMA wal_autocheckpoint=0")
     finally:
         cursor.close()
+
+
+def _rows_from_aiosqlite(connection: AdaptedConnection) -> Callable[[str, Any], list[Any]]:
+    """A statement's rows in one hop to aiosqlite's thread (``execute_fetchall``), where
+    SQLAlchemy's cursor takes two, one to execute and one to fetch."""
+
+    def rows(sql: str, parameters: Any) -> list[Any]:
+        try:
+            fetched = connection.run_async(lambda driver: driver.execute_fetchall(sql, parameters))
+        except ValueError as error:  # a closed connection, as SQLAlchemy's cursor reports it
+            raise sqlite3.OperationalError(str(error)) from error
+        return list(fetched)
+
+    return rows
 
 
 def _sleep_for(dbapi_connection: Any) -> Callable[[float], None]:
