@@ -365,8 +365,8 @@ async def test_an_sqlite_acquire_takes_its_row_in_one_call_of_aiosqlites_thread(
 ) -> None:
     """Each call of an aiosqlite connection is a hop to its thread and back: the acquire's
     INSERT and its row come in one (``execute_fetchall``, where SQLAlchemy's cursor executes,
-    then fetches), and on connections kept from one operation to the next (SQLAlchemy 2.0.38
-    and later pool them) a whole cycle is two calls."""
+    then fetches), and on connections kept from one operation to the next (SQLAlchemy 2.0.37
+    opens one per operation, later releases pool them) a whole cycle is two calls."""
     import aiosqlite.core
 
     calls: list[tuple[str, str | None]] = []
