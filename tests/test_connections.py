@@ -387,10 +387,11 @@ def _session_cipher(pooled: Any) -> str:
 
 
 def test_pymysql_connections_share_one_tls_context_and_still_speak_tls() -> None:
-    """PyMySQL builds a TLS context for every connection, given no TLS options (tens of ms of
-    CPU each: ``backends/pymysql_tls.py``): a Locker's connections share one, built as PyMySQL
-    builds it, and still speak TLS to a server that offers it; a URL's own TLS options, and
-    PyMySQL's connections made outside sqllocker, keep a context of their own."""
+    """PyMySQL builds a TLS context for every connection, given no TLS options, at a cost far
+    above the connection's own (``backends/pymysql_tls.py``): a Locker's connections share
+    one, built as PyMySQL builds it, and still speak TLS to a server that offers it; a URL's
+    own TLS options, and PyMySQL's connections made outside sqllocker, keep a context of their
+    own."""
     import pymysql
 
     certificates = Path(tempfile.mkdtemp(prefix="sqllocker-tls-"))
