@@ -1,6 +1,6 @@
 """PyMySQL connections that share one TLS context for PyMySQL's preferred mode.
 
-Given no TLS options, PyMySQL (from 1.1.2) tries TLS if the server offers it, verifying
+Given no TLS options, PyMySQL (from 1.2) tries TLS if the server offers it, verifying
 nothing, and builds that context anew for every connection, loading the system's CA paths for
 a context that uses none of them: far more of the connecting thread's CPU than the connection
 itself, which a lock operation that has to open a connection waits for (docs/speed-history.md).
