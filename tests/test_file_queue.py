@@ -153,14 +153,21 @@ def test_a_place_dropped_without_leaving_is_given_up(tmp_path: Path) -> None:
     queue.close()
 
 
-def test_a_database_in_memory_waits_unqueued() -> None:
-    locker = Locker("sqlite://")
+@pytest.mark.parametrize(
+    "url", ["sqlite://", "sqlite:///file:shared-memory?mode=memory&cache=shared&uri=true"]
+)
+def test_a_database_in_memory_waits_unqueued(
+    url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    locker = Locker(url)
     try:
         assert locker._file_queue is None
         with locker.lock("report", wait=1) as lock:
             assert lock.is_valid()
     finally:
         locker.close()
+    assert list(tmp_path.iterdir()) == []
 
 
 async def test_an_async_waiter_is_woken_by_the_release_too(sqlite_url: str) -> None:

@@ -138,14 +138,8 @@ class SQLiteBackend(Backend):
 
     @classmethod
     def queue_file(cls, url: URL) -> str | None:
-        database = url.database or ""
-        if url.query.get("uri") in ("true", "1") and database.startswith("file:"):
-            database, _, options = database[len("file:") :].partition("?")
-            if "mode=memory" in options or "mode=memory" in str(url.query.get("mode")):
-                return None
-        if not file_queue.AVAILABLE or database in ("", ":memory:"):
-            return None
-        return os.path.abspath(database)
+        database = _database_file(url)
+        return os.path.abspath(database) if database and file_queue.AVAILABLE else None
 
     @classmethod
     def connect_args(
@@ -246,6 +240,17 @@ def _configure_connection(dbapi_connection: Any, _record: Any) -> None:
         cursor.execute("PRAGMA wal_autocheckpoint=0")
     finally:
         cursor.close()
+
+
+def _database_file(url: URL) -> str | None:
+    """The file of ``url``'s database as given (a URI's path without its options), or None for
+    an in-memory one."""
+    database = url.database or ""
+    if url.query.get("uri") in ("true", "1") and database.startswith("file:"):
+        database, _, options = database[len("file:") :].partition("?")
+        if "mode=memory" in options or url.query.get("mode") == "memory":
+            return None
+    return None if database in ("", ":memory:") else database
 
 
 def _rows_from_aiosqlite(connection: AdaptedConnection) -> Callable[[str, Any], list[Any]]:
