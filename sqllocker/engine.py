@@ -107,10 +107,9 @@ def _engine_options(
         if name not in url.query:
             connect_args[name] = value
 
+    backend = backend_class(url.get_backend_name())
     connect_args: dict[str, Any] = {}
-    connect_args.update(
-        backend_class(url.get_backend_name()).connect_args(url, transaction_pooling, default)
-    )
+    connect_args.update(backend.connect_args(url, transaction_pooling, default))
     options: dict[str, Any] = {
         "isolation_level": "AUTOCOMMIT",
         "connect_args": connect_args,
@@ -118,7 +117,10 @@ def _engine_options(
         # wasted round trip per operation (PyMySQL sends it over the network).
         "pool_reset_on_return": None,
     }
-    if max_connections is not None and backend_class(url.get_backend_name()).limits_connections:
+    pool_class = backend.pool_class(url)
+    if pool_class is not None:
+        options["poolclass"] = pool_class
+    if max_connections is not None and backend.limits_connections:
         # SQLAlchemy's default split: 5 kept open, the rest opened as needed.
         pool_size = min(5, max_connections)
         options.update(pool_size=pool_size, max_overflow=max_connections - pool_size)

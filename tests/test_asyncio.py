@@ -360,13 +360,29 @@ async def test_sqlite_creates_its_table_on_first_use(tmp_path: Any) -> None:
         assert lock.lock_id == 1
 
 
+async def test_async_sqlite_keeps_its_connections_from_one_operation_to_the_next(
+    tmp_path: Any,
+) -> None:
+    """A file database's connections are pooled on every SQLAlchemy release: one that opened
+    a connection (and applied its settings) per operation would make every lock a connect."""
+    connects: list[object] = []
+    async with AsyncLocker(f"sqlite:///{tmp_path / 'kept.db'}") as locker:
+        await (await locker.lock("first")).unlock()  # the table, the connection, its settings
+        sa.event.listen(locker.engine.sync_engine, "connect", lambda *_: connects.append(_))
+        for number in range(5):
+            async with locker.lock(f"job {number}"), locker.lock(f"other {number}"):
+                pass
+        assert connects == []
+
+
 async def test_an_sqlite_acquire_takes_its_row_in_one_call_of_aiosqlites_thread(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each call of an aiosqlite connection is a hop to its thread and back: the acquire's
     INSERT and its row come in one (``execute_fetchall``, where SQLAlchemy's cursor executes,
-    then fetches), and on connections kept from one operation to the next (SQLAlchemy 2.0.37
-    opens one per operation, later releases pool them) a whole cycle is two calls."""
+    then fetches), and on the connection kept from the last operation a whole cycle is two
+    calls (SQLAlchemy 2.0's cursor opens and closes an aiosqlite cursor around the release's
+    one, 2.1's keeps it)."""
     import aiosqlite.core
 
     calls: list[tuple[str, str | None]] = []
@@ -384,8 +400,11 @@ async def test_an_sqlite_acquire_takes_its_row_in_one_call_of_aiosqlites_thread(
         await lock.unlock()
         inserts = [name for name, sql in calls if sql is not None and "INSERT" in sql.upper()]
         assert inserts == ["_execute_fetchall"]
-        if locker._operations._stack is not None:
-            assert [name for name, _ in calls] == ["_execute_fetchall", "execute"]
+        names = [name for name, _ in calls]
+        assert names in (
+            ["_execute_fetchall", "execute"],
+            ["_execute_fetchall", "cursor", "execute", "close"],
+        )
 
 
 async def test_a_closed_aiosqlite_connection_fails_the_one_call_as_a_dbapi_error(
@@ -408,9 +427,9 @@ async def test_a_closed_aiosqlite_connection_fails_the_one_call_as_a_dbapi_error
         with pytest.raises(sqlite3.OperationalError):
             await in_greenlet(rows, "SELECT 1", ())
         await in_greenlet(pooled.invalidate)
-        if locker._operations._stack is not None:  # a kept connection closed, then replaced
-            for held in locker._operations._stack._idle:
-                await held.connection.driver_connection.close()
+        assert locker._operations._stack is not None
+        for held in locker._operations._stack._idle:  # a kept connection closed, then replaced
+            await held.connection.driver_connection.close()
         lock = await locker.lock("job")
         await lock.unlock()
         assert lock.lock_id == 2

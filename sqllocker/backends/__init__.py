@@ -24,6 +24,7 @@ from sqlalchemy.types import TypeEngine
 from ..errors import LockValueError
 
 if TYPE_CHECKING:
+    from sqlalchemy.pool import Pool
     from sqlalchemy.sql import Delete, Insert
     from sqlalchemy.sql.dml import ReturningInsert
     from sqlalchemy.sql.selectable import TextualSelect
@@ -235,6 +236,12 @@ class Backend:
         """The driver arguments of an engine sqllocker makes; ``default(name, value)`` sets
         one unless the URL gives its own."""
         return {}
+
+    @classmethod
+    def pool_class(cls, url: URL) -> type[Pool] | None:
+        """The pool of an engine sqllocker makes for ``url``, where SQLAlchemy's choice does not
+        serve lock operations on every release sqllocker supports; None: SQLAlchemy's."""
+        return None
 
     @classmethod
     def rows_in_one_call(cls, dbapi_connection: Any) -> Callable[[str, Any], list[Any]] | None:

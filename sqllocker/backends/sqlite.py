@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.engine import URL, AdaptedConnection, Connection, Dialect, Engine
+from sqlalchemy.pool import AsyncAdaptedQueuePool, Pool
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.expression import Executable
 from sqlalchemy.types import TypeEngine
@@ -142,6 +143,14 @@ class SQLiteBackend(Backend):
         return os.path.abspath(database) if database and file_queue.AVAILABLE else None
 
     @classmethod
+    def pool_class(cls, url: URL) -> type[Pool] | None:
+        # SQLAlchemy before 2.0.38 gives aiosqlite's file databases a
+        # NullPool: every lock operation would open a connection and apply its settings.
+        if url.get_driver_name() == "aiosqlite" and _database_file(url):
+            return AsyncAdaptedQueuePool
+        return None
+
+    @classmethod
     def connect_args(
         cls, url: URL, transaction_pooling: bool, default: Callable[[str, object], None]
     ) -> dict[str, Any]:
@@ -260,8 +269,10 @@ def _rows_from_aiosqlite(connection: AdaptedConnection) -> Callable[[str, Any], 
     def rows(sql: str, parameters: Any) -> list[Any]:
         try:
             fetched = connection.run_async(lambda driver: driver.execute_fetchall(sql, parameters))
-        except ValueError as error:  # a closed connection, as SQLAlchemy's cursor reports it
-            raise sqlite3.OperationalError(str(error)) from error
+        except ValueError as error:
+            # A closed connection. aiosqlite's words for it changed, and SQLAlchemy 2.0 takes
+            # only the older ones for a lost connection, 2.1 either: this says both.
+            raise sqlite3.OperationalError(f"no active connection ({error})") from error
         return list(fetched)
 
     return rows
