@@ -144,8 +144,8 @@ class SQLiteBackend(Backend):
 
     @classmethod
     def pool_class(cls, url: URL) -> type[Pool] | None:
-        # SQLAlchemy before 2.0.38 gives aiosqlite's file databases a
-        # NullPool: every lock operation would open a connection and apply its settings.
+        # SQLAlchemy before 2.0.38 gives aiosqlite's file databases a NullPool: every lock
+        # operation would open a connection and apply its settings.
         if url.get_driver_name() == "aiosqlite" and _database_file(url):
             return AsyncAdaptedQueuePool
         return None
