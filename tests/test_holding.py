@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import threading
@@ -12,6 +13,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.engine import make_url
 
 from sqllocker import (
     DatabaseError,
@@ -260,33 +262,39 @@ def test_guard_needs_a_transaction(locker: Locker, app_engine: sa.Engine) -> Non
 # -- server settings ------------------------------------------------------------------------------
 
 
-def unsafe_engine(url: str, table: str) -> tuple[sa.Engine, Any]:
-    """An engine whose sessions (or table) can lose acknowledged rows; and how to undo it."""
-    engine = sa.create_engine(resolve_url(url))
-    backend = engine.dialect.name
-    if backend == "postgresql":
-        with engine.begin() as conn:
-            conn.exec_driver_sql(f"ALTER TABLE {table} SET UNLOGGED")
-        return engine, lambda: None
+@contextlib.contextmanager
+def unsafe_database(url: str, table: str) -> Iterator[tuple[sa.Engine, str]]:
+    """An engine whose sessions (or table ``table``, made here) can lose acknowledged rows,
+    and the URL of its database."""
+    backend = make_url(url).get_backend_name()
     if backend == "mysql":
-        with engine.begin() as conn:
-            conn.exec_driver_sql("SET GLOBAL innodb_flush_log_at_trx_commit = 2")
-
-        def restore() -> None:
+        # A server-wide setting: a private server started with it, never the shared server.
+        with running_private_server("mysql", "--innodb-flush-log-at-trx-commit=2") as server:
+            engine = sa.create_engine(resolve_url(server.url))
+            try:
+                lock_table(table).create(engine)
+                yield engine, server.url
+            finally:
+                engine.dispose()
+        return
+    engine = sa.create_engine(resolve_url(url))
+    try:
+        lock_table(table).create(engine)
+        if backend == "postgresql":
             with engine.begin() as conn:
-                conn.exec_driver_sql("SET GLOBAL innodb_flush_log_at_trx_commit = 1")
-
-        return engine, restore
-    sa.event.listen(engine, "connect", lambda dbapi, _: dbapi.execute("PRAGMA synchronous=OFF"))
-    return engine, lambda: None
+                conn.exec_driver_sql(f"ALTER TABLE {table} SET UNLOGGED")
+        else:
+            engine.dispose()  # its connections from now on lose rows
+            sa.event.listen(
+                engine, "connect", lambda dbapi, _: dbapi.execute("PRAGMA synchronous=OFF")
+            )
+        yield engine, url
+    finally:
+        engine.dispose()
 
 
 def test_settings_that_lose_rows_warn_or_refuse(url: str, table_name: str) -> None:
-    plain = sa.create_engine(resolve_url(url))
-    lock_table(table_name).create(plain)
-    plain.dispose()
-    engine, restore = unsafe_engine(url, table_name)
-    try:
+    with unsafe_database(url, table_name) as (engine, database_url):
         with pytest.warns(UnsafeDatabaseWarning) as caught:
             Locker(engine, table=table_name).lock("job").unlock()
         messages = [str(w.message) for w in caught if w.category is UnsafeDatabaseWarning]
@@ -297,10 +305,7 @@ def test_settings_that_lose_rows_warn_or_refuse(url: str, table_name: str) -> No
         ), messages
         with pytest.raises(UnsafeDatabase):
             Locker(engine, table=table_name, strict=True).lock("job")
-        assert count_rows(Locker(url, table=table_name)) == 0  # strict wrote nothing
-    finally:
-        restore()
-        engine.dispose()
+        assert count_rows(Locker(database_url, table=table_name)) == 0  # strict wrote nothing
 
 
 def test_mariadb_autoinc_lock_mode_2_is_safe_only_with_the_id_order_table(
