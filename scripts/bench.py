@@ -307,8 +307,8 @@ async def async_raw_floor_cycle(url: str, layer: str = "driver") -> AsyncCycle:
     for setting in floor_settings(locker._operations):
         await cursor.execute(setting)
     adapted = await in_greenlet(raw.cursor)
-    # aiosqlite: the acquire's row in one hop to its thread, as the library takes it.
-    one_call = locker._operations.backend.rows_in_one_call(raw.dbapi_connection)
+    # aiosqlite: each statement in one hop to its thread, as the library sends it.
+    one_call = locker._operations.backend.in_one_call(raw.dbapi_connection)
 
     async def cycle(n: int) -> None:
         guid = os.urandom(16).hex()  # as sqllocker.identity.new_guid
@@ -324,12 +324,16 @@ async def async_raw_floor_cycle(url: str, layer: str = "driver") -> AsyncCycle:
     def acquire(n: int, guid: str) -> int:
         parameters = floor.acquire_parameters(n, guid)
         if one_call is not None:
-            return int(one_call(floor.acquire.sql, parameters)[0][0])
+            return int(one_call(floor.acquire.sql, parameters, True)[0][0][0])
         adapted.execute(floor.acquire.sql, parameters)
         return int(adapted.fetchall()[0][0])
 
     def release(lock_id: int, guid: str) -> None:
-        adapted.execute(floor.release.sql, floor.release_parameters(lock_id, guid))
+        parameters = floor.release_parameters(lock_id, guid)
+        if one_call is not None:
+            one_call(floor.release.sql, parameters, False)
+        else:
+            adapted.execute(floor.release.sql, parameters)
 
     async def in_greenlets(n: int) -> None:
         guid = os.urandom(16).hex()

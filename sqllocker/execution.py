@@ -5,8 +5,8 @@ parameter construction, result set-up, transaction bookkeeping) cost more than t
 round trips themselves on SQLite, and a good part of them on the servers (docs/speed-history.md).
 So each statement built in ``statements.py`` is compiled once per dialect,
 its literal parameters and SQLAlchemy's own bind and result processors are kept, and it runs
-straight on the pooled DBAPI connection's cursor (or, for a statement that returns rows on a
-driver that answers it and its rows in one call, through that: ``Backend.rows_in_one_call``).
+straight on the pooled DBAPI connection's cursor (or, on a driver whose cursor takes several
+calls where one would do, in that one: ``Backend.in_one_call``).
 The SQL is exactly what SQLAlchemy would send.
 """
 
@@ -24,6 +24,10 @@ from sqlalchemy.sql.compiler import SQLCompiler
 
 from .identity import HolderDetails
 from .sqlalchemy_internals import bind_order, literal_binds
+
+# A statement run in one call of the driver (``Backend.in_one_call``): given its SQL, its
+# parameters and whether it returns rows, its rows, or how many rows it changed.
+OneCall = Callable[[str, Any, bool], "tuple[list[Any], int]"]
 
 # Every statement sqllocker sends, at DEBUG (like SQLAlchemy's echo); the values are in the
 # record's ``sqllocker_values``.
@@ -159,21 +163,22 @@ def kept_cursor(pooled: Any) -> Any:
 class DriverSession:
     """A DBAPI connection and its cursor, for the length of one operation."""
 
-    __slots__ = ("_prepared", "_rows_in_one_call", "cursor", "dbapi_connection", "dialect")
+    __slots__ = ("_one_call", "_prepared", "cursor", "dbapi_connection", "dialect")
 
     def __init__(
         self,
         dbapi_connection: Any,
         cursor: Any,
         prepared: PreparedCache,
-        rows_in_one_call: Callable[[str, Any], list[Any]] | None = None,
+        one_call: OneCall | None = None,
     ) -> None:
         self.dbapi_connection = dbapi_connection
         self.cursor = cursor
         self.dialect = prepared.dialect
         self._prepared = prepared
-        # Backend.rows_in_one_call: for first_row, whose callers read nothing but its rows.
-        self._rows_in_one_call = rows_in_one_call
+        # Backend.in_one_call: for first_row and affected, whose callers read nothing but the
+        # rows, or the count of rows changed.
+        self._one_call = one_call
 
     def execute(self, statement: ClauseElement, values: Mapping[str, Any] | None = None) -> Result:
         prepared = self._prepared[statement]
@@ -195,7 +200,10 @@ class DriverSession:
 
     def affected(self, statement: ClauseElement, values: Mapping[str, Any]) -> int:
         """How many rows ``statement`` (a DELETE or UPDATE without RETURNING) changed."""
-        self._send(self._prepared[statement], values)
+        prepared = self._prepared[statement]
+        if self._one_call is not None:
+            return self._in_one_call(prepared, values)[1]
+        self._send(prepared, values)
         return self.cursor.rowcount  # type: ignore[no-any-return]
 
     def first_row(self, statement: ClauseElement, values: Mapping[str, Any]) -> Any:
@@ -204,25 +212,31 @@ class DriverSession:
         acquire's path, where a Result and a named row were a measurable share of the library's
         own Python (``ab_uncontended.py --stub-driver``)."""
         prepared = self._prepared[statement]
-        rows = self._send(prepared, values, self._rows_in_one_call)
+        if self._one_call is not None and prepared.returns_rows:
+            rows = self._in_one_call(prepared, values)[0]
+        else:
+            rows = self._send(prepared, values)
         if not rows:
             return None
         return rows[0] if prepared.unprocessed else prepared.row(rows[0])
 
-    def _send(
-        self,
-        prepared: Prepared,
-        values: Mapping[str, Any],
-        rows_in_one_call: Callable[[str, Any], list[Any]] | None = None,
-    ) -> list[Any]:
-        """Run ``prepared`` on the cursor (or by ``rows_in_one_call``, if it returns rows): its
-        rows as the driver returned them, if any."""
+    def _in_one_call(self, prepared: Prepared, values: Mapping[str, Any]) -> tuple[list[Any], int]:
+        """Run ``prepared`` by the driver's one call: its rows as the driver returned them, or
+        how many rows it changed."""
+        assert self._one_call is not None
+        if sql_logger.isEnabledFor(logging.DEBUG):
+            sql_logger.debug("%s %r", prepared.sql, values, extra={"sqllocker_values": values})
+        try:
+            return self._one_call(prepared.sql, prepared.parameters(values), prepared.returns_rows)
+        except self.dialect.loaded_dbapi.Error as error:
+            raise self._wrap(error, prepared.sql) from error
+
+    def _send(self, prepared: Prepared, values: Mapping[str, Any]) -> list[Any]:
+        """Run ``prepared`` on the cursor: its rows as the driver returned them, if any."""
         cursor = self.cursor
         if sql_logger.isEnabledFor(logging.DEBUG):
             sql_logger.debug("%s %r", prepared.sql, values, extra={"sqllocker_values": values})
         try:
-            if rows_in_one_call is not None and prepared.returns_rows:
-                return rows_in_one_call(prepared.sql, prepared.parameters(values))
             cursor.execute(prepared.sql, prepared.parameters(values))
             if prepared.returns_rows or cursor.description:
                 return cursor.fetchall()  # type: ignore[no-any-return]

@@ -953,7 +953,7 @@ class LockOperations:
             raise self.unreachable(error) from error
         try:
             if held.session is None:
-                one_call = self._be.rows_in_one_call(held.connection)
+                one_call = self._be.in_one_call(held.connection)
                 held.session = DriverSession(held.connection, held.cursor, self._prepared, one_call)
             result = operation(held.session)
         except sa.exc.DBAPIError as error:
@@ -995,7 +995,7 @@ class LockOperations:
         fairy = checkout if connection is None else connection.connection
         try:
             dbapi_connection = fairy.dbapi_connection
-            one_call = self._be.rows_in_one_call(dbapi_connection)
+            one_call = self._be.in_one_call(dbapi_connection)
             yield DriverSession(dbapi_connection, kept_cursor(fairy), self._prepared, one_call)
         except sa.exc.DBAPIError as error:
             if error.connection_invalidated or (

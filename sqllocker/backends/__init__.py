@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from sqlalchemy.sql.dml import ReturningInsert
     from sqlalchemy.sql.selectable import TextualSelect
 
+    from ..execution import OneCall
     from ..server_settings import ServerSettings
     from ..statements import Statements
 
@@ -244,10 +245,10 @@ class Backend:
         return None
 
     @classmethod
-    def rows_in_one_call(cls, dbapi_connection: Any) -> Callable[[str, Any], list[Any]] | None:
-        """For a statement known to return rows on ``dbapi_connection``: a function that runs
-        it and returns its rows in one call of the driver, where the cursor's execute and fetch
-        cost more; None where they do not."""
+    def in_one_call(cls, dbapi_connection: Any) -> OneCall | None:
+        """A function that runs a statement on ``dbapi_connection`` in one call of the driver,
+        where the cursor takes several (an execute and a fetch, a cursor opened and closed)
+        that cost more; None where it takes one."""
         return None
 
     @classmethod

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from sqlalchemy.sql import Insert
     from sqlalchemy.sql.selectable import TextualSelect
 
+    from ..execution import OneCall
     from ..statements import Statements
 
 TIMESTAMP_FORMAT = "%Y-%m-%d %H:%M:%f"
@@ -165,11 +166,11 @@ class SQLiteBackend(Backend):
         sa.event.listen(engine, "connect", _configure_connection)
 
     @classmethod
-    def rows_in_one_call(cls, dbapi_connection: Any) -> Callable[[str, Any], list[Any]] | None:
+    def in_one_call(cls, dbapi_connection: Any) -> OneCall | None:
         # aiosqlite runs each call of a connection in its thread: a call is a thread's wake-up
         # and the event loop's, a good part of an async cycle (docs/speed-history.md).
         if isinstance(dbapi_connection, AdaptedConnection):
-            return _rows_from_aiosqlite(dbapi_connection)
+            return _in_one_call_of_aiosqlite(dbapi_connection)
         return None
 
     def read_settings(self, conn: Connection, table: str) -> ServerSettings:
@@ -262,20 +263,27 @@ def _database_file(url: URL) -> str | None:
     return None if database in ("", ":memory:") else database
 
 
-def _rows_from_aiosqlite(connection: AdaptedConnection) -> Callable[[str, Any], list[Any]]:
-    """A statement's rows in one hop to aiosqlite's thread (``execute_fetchall``), where
-    SQLAlchemy's cursor takes two, one to execute and one to fetch."""
+def _in_one_call_of_aiosqlite(connection: AdaptedConnection) -> OneCall:
+    """A statement in one hop to aiosqlite's thread: its rows by ``execute_fetchall``, where
+    SQLAlchemy's cursor executes and fetches in two, or its count of rows changed by the
+    connection's ``execute``, where SQLAlchemy 2.0's cursor also opens and closes a cursor of
+    aiosqlite's around it."""
 
-    def rows(sql: str, parameters: Any) -> list[Any]:
+    def call(sql: str, parameters: Any, returns_rows: bool) -> tuple[list[Any], int]:
         try:
-            fetched = connection.run_async(lambda driver: driver.execute_fetchall(sql, parameters))
+            if returns_rows:
+                fetched = connection.run_async(
+                    lambda driver: driver.execute_fetchall(sql, parameters)
+                )
+                return list(fetched), -1
+            cursor = connection.run_async(lambda driver: driver.execute(sql, parameters))
+            return [], cursor.rowcount
         except ValueError as error:
             # A closed connection. aiosqlite's words for it changed, and SQLAlchemy 2.0 takes
             # only the older ones for a lost connection, 2.1 either: this says both.
             raise sqlite3.OperationalError(f"no active connection ({error})") from error
-        return list(fetched)
 
-    return rows
+    return call
 
 
 def _sleep_for(dbapi_connection: Any) -> Callable[[float], None]:
