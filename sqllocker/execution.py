@@ -201,7 +201,7 @@ class DriverSession:
     def affected(self, statement: ClauseElement, values: Mapping[str, Any]) -> int:
         """How many rows ``statement`` (a DELETE or UPDATE without RETURNING) changed."""
         prepared = self._prepared[statement]
-        if self._one_call is not None:
+        if self._one_call is not None and not prepared.returns_rows:
             return self._in_one_call(prepared, values)[1]
         self._send(prepared, values)
         return self.cursor.rowcount  # type: ignore[no-any-return]
