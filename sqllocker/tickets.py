@@ -8,7 +8,8 @@ A ticket is live while its Locker's listening connection holds the ticket's *liv
 ``GET_LOCK`` name (``backends.mysql.liveness_name``), taken once per session. A Locker whose
 process died, or whose connection dropped, leaves only dead tickets, which nobody waits behind
 and the purge sweeps. When the listener reconnects it holds a new key, and every waiter of that
-Locker takes a new ticket.
+Locker takes a new ticket, one after another in the order of their old ones: each waits until
+the waiter ahead of it in its Locker's line has its new ticket.
 
 **PostgreSQL hands the row over.** A ticket there also holds what a release needs to insert
 the waiter's row for it (guid, holder details, expiry period; the table's ``queue_join``). The
@@ -121,6 +122,20 @@ class LocalLine:
         with self._lock:
             return lockstring in self._lines
 
+    def first(self, ticket: Ticket) -> bool:
+        """Whether ``ticket`` is first in its line (or not in it)."""
+        with self._lock:
+            line = self._lines.get(ticket.lockstring)
+            return not line or line[0].number == ticket.number
+
+    def wake_first(self, lockstring: str) -> None:
+        """Wake the first waiter in ``lockstring``'s line, if it watches."""
+        with self._lock:
+            line = self._lines.get(lockstring)
+            wake = line[0].wake if line else None
+        if wake is not None:
+            wake()
+
     def watch(self, ticket: Ticket, wake: Callable[[], None]) -> bool:
         """Whether ``ticket`` is first in its line now; if not, ``wake`` is called once it is."""
         with self._lock:
@@ -131,8 +146,8 @@ class LocalLine:
                     return index == 0
             return True  # not in line (never happens): behave as the first, which tries
 
-    def leave(self, ticket: Ticket) -> None:
-        """Take ``ticket`` out of its line; wake the next if it was first."""
+    def leave(self, ticket: Ticket, wake_next: bool = True) -> None:
+        """Take ``ticket`` out of its line; wake the next if it was first (and ``wake_next``)."""
         with self._lock:
             line = self._lines.get(ticket.lockstring)
             if not line:
@@ -142,7 +157,7 @@ class LocalLine:
             if not line:
                 del self._lines[ticket.lockstring]
                 return
-            wake = line[0].wake if first else None
+            wake = line[0].wake if first and wake_next else None
         if wake is not None:
             wake()
 

@@ -185,3 +185,28 @@ def holding_faults(
         counter = state / f"{lockstring}.count"
         faults["lost updates"] += len(mine) - (int(counter.read_text()) if counter.exists() else 0)
     return faults
+
+
+def unlock_in_turn(waiting: list[tuple[threading.Thread, dict[str, Any]]]) -> None:
+    """Unlock each waiter's lock as it gets it (``wait_in_thread``), whatever their order."""
+    served_in_turn(waiting)
+
+
+def served_in_turn(waiting: list[tuple[threading.Thread, dict[str, Any]]]) -> list[int]:
+    """Unlock each waiter's lock as it gets it (``wait_in_thread``): their positions in
+    ``waiting``, in the order they were served."""
+    left = list(enumerate(waiting))
+    order = []
+    deadline = time.monotonic() + 20
+    while left:
+        assert time.monotonic() < deadline, "a waiter was not served"
+        for position, (thread, result) in list(left):
+            if "error" in result:
+                raise result["error"]
+            if "lock" in result:
+                order.append(position)
+                result["lock"].unlock()
+                thread.join(10)
+                left.remove((position, (thread, result)))
+        time.sleep(0.01)
+    return order

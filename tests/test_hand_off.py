@@ -4,7 +4,6 @@ never to a waiter that is no longer there."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,7 +23,9 @@ from tests.helpers import (
     in_line,
     in_line_async,
     row_guid,
+    served_in_turn,
     tickets,
+    unlock_in_turn,
     wait_in_thread,
     wait_until,
     wait_until_async,
@@ -319,22 +320,6 @@ def listener_pid(admin: sa.Engine, locker: Locker | AsyncLocker) -> int:
         )
 
 
-def unlock_in_turn(waiting: list[tuple[threading.Thread, dict[str, Any]]]) -> None:
-    """Unlock each waiter's lock as it gets it (``wait_in_thread``), whatever their order."""
-    left = list(waiting)
-    deadline = time.monotonic() + 20
-    while left:
-        assert time.monotonic() < deadline, "a waiter was not served"
-        for thread, result in list(left):
-            if "error" in result:
-                raise result["error"]
-            if "lock" in result:
-                result["lock"].unlock()
-                thread.join(10)
-                left.remove((thread, result))
-        time.sleep(0.01)
-
-
 def test_a_lockers_tickets_live_by_its_listeners_one_key_given_up_with_its_session(
     holder_and_waiter: tuple[Locker, Locker], table_name: str, admin: sa.Engine
 ) -> None:
@@ -362,11 +347,13 @@ def test_a_listener_that_reconnects_has_its_waiters_take_new_tickets_and_be_serv
 ) -> None:
     """The listener's session ends (a failover, a DBA's pg_terminate_backend): its key goes
     with it, so its tickets are dead. Its waiters take new tickets under the new key once it
-    reconnects, and are served in turn."""
+    reconnects, in the order of their old ones, and are served in that order."""
     holder, waiter = holder_and_waiter
     held = holder.lock("report")
-    threads = [wait_in_thread(waiter, wait=60) for _ in range(3)]
-    in_line(admin, table_name, waiters=3)
+    threads = []
+    for number in range(4):
+        threads.append(wait_in_thread(waiter, wait=60))
+        in_line(admin, table_name, waiters=number + 1)
     assert waiter._listener is not None
     old_key = waiter._listener.liveness_key
     with admin.connect() as conn:
@@ -386,11 +373,11 @@ def test_a_listener_that_reconnects_has_its_waiters_take_new_tickets_and_be_serv
                     f"SELECT count(*) FILTER (WHERE liveness_key = {new_key}), count(*) "
                     f"FROM {table_name}_requests"
                 ).one()
-                == (3, 3)
+                == (4, 4)
             )
         )
     held.unlock()
-    unlock_in_turn(threads)
+    assert served_in_turn(threads) == [0, 1, 2, 3]
     assert tickets(admin, table_name) == []
 
 

@@ -21,7 +21,7 @@ from sqllocker.asyncio import AsyncLocker
 from sqllocker.backends.mysql import liveness_name
 from sqllocker.engine import resolve_url
 from sqllocker.migrations import upgrade
-from tests.helpers import wait_in_thread, wait_until
+from tests.helpers import served_in_turn, wait_in_thread, wait_until
 from tests.test_tickets import counting_attempts
 from tests.workers import async_url
 
@@ -239,11 +239,14 @@ def test_waiters_whose_listener_lost_its_session_take_new_tickets_and_are_served
     migrated_mysql: str, table_name: str, admin: sa.Engine
 ) -> None:
     """The listener's session ends (a server restart, a KILL): its tickets die with its
-    liveness name, and its waiters take new ones once it has reconnected, with a new key."""
+    liveness name, and its waiters take new ones once it has reconnected, with a new key, in
+    the order of their old ones, and are served in that order."""
     holder, waiters = (Locker(migrated_mysql, table=table_name) for _ in range(2))
     held = holder.lock("report")
-    results = [wait_in_thread(waiters, wait=30) for _ in range(2)]
-    wait_until(lambda: len(standing(admin, table_name)) == 2)
+    results = []
+    for number in range(4):
+        results.append(wait_in_thread(waiters, wait=30))
+        wait_until(lambda: len(standing(admin, table_name)) == number + 1)
     listener = waiters._listener
     assert listener is not None
     assert listener.liveness_key is not None
@@ -256,18 +259,12 @@ def test_waiters_whose_listener_lost_its_session_take_new_tickets_and_are_served
         conn.exec_driver_sql(f"KILL {int(session_id)}")
     wait_until(  # each waiter, with the new key
         lambda: (
-            len(rows := standing(admin, table_name)) == 2 and all(key != old_key for _, key in rows)
+            len(rows := standing(admin, table_name)) == 4 and all(key != old_key for _, key in rows)
         ),
         timeout=20,
     )
     held.unlock()
-    for _ in results:  # in either order: they took their new tickets as they woke
-        wait_until(lambda: any("lock" in result for _, result in results), timeout=20)
-        (result,) = [result for _, result in results if "lock" in result]
-        result.pop("lock").unlock()
-    for thread, result in results:
-        thread.join(20)
-        assert "error" not in result
+    assert served_in_turn(results) == [0, 1, 2, 3]
     wait_until(lambda: standing(admin, table_name) == [])  # given up in the background
     holder.close()
     waiters.close()

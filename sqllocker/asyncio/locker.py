@@ -480,8 +480,8 @@ class AsyncLocker:
         PostgreSQL a release hands it the row when its turn comes, and the first of this
         Locker's waiters for the row also tries it now and then; on MySQL that first waiter
         polls the row, at a quarter of the age of the hold it waits out (see
-        ``sqllocker.tickets``). Without a listener that holds a liveness key (it is
-        reconnecting), it backs off and tries, as if alone."""
+        ``sqllocker.tickets``). While the listener reconnects, a waiter keeps its ticket,
+        dead now, and tries by it; one without a ticket backs off and tries, as if alone."""
         backoff = Backoff.for_wait(wait)
         polls = not listener.hands_over  # the first waiter polls the row (MySQL)
         digest = guid_digest(guid)  # what a release's grant names this waiter by
@@ -496,18 +496,29 @@ class AsyncLocker:
         # A join failed, and may have taken a ticket all the same, kept alive by this key.
         unsure: int | None = None
         doubled = False  # a ticket of ours may have been handed a row ahead of ``ticket``
+        rejoining = False  # our dead ticket given up, the next of our line not yet woken
         outcome: AsyncLock | None = None  # ours, once won by an attempt or handed over
         try:
             while True:
-                if ticket is not None and ticket.liveness_key != listener.liveness_key:
-                    # The listener's session ended, and the ticket's life with it: give it up
-                    # (with a row handed to it that we never heard of), and take a new one.
+                if (
+                    ticket is not None
+                    and listener.liveness_key not in (None, ticket.liveness_key)
+                    and line.first(ticket)
+                ):
+                    # The listener's session ended, and the ticket's life with it: once it has
+                    # a new one, give the ticket up (with a row handed to it that we never
+                    # heard of), and take a new one. The waiters of our line behind us take
+                    # theirs after us, in order.
                     dead, ticket = ticket, None
-                    await self._give_up(dead, guid, give_back=True)
+                    await self._give_up(dead, guid, give_back=True, wake_next=False)
+                    rejoining = True
                     try_now = True
                 waiter = await listener.register(lockstring, digest, releases=False)
                 try:
                     key = listener.liveness_key
+                    if rejoining and key is None:
+                        rejoining = False  # nothing to take a ticket with: the next tries too
+                        line.wake_first(lockstring)
                     if ticket is None and gate is None and key is not None:
                         try:
                             ticket, held, replaced = await self._join_line(
@@ -520,6 +531,9 @@ class AsyncLocker:
                         unsure = None  # the join gave up whatever an earlier one took
                         doubled = doubled or replaced
                         line.join(ticket)
+                        if rejoining:
+                            rejoining = False
+                            line.wake_first(lockstring)  # the next of our dead tickets
                         if polls:
                             backoff.heading()
                         else:
@@ -590,6 +604,8 @@ class AsyncLocker:
                 finally:
                     listener.unregister(waiter)
         finally:
+            if rejoining:
+                line.wake_first(lockstring)
             if ticket is not None and outcome is not None and polls:
                 # Won by our own INSERT where no release hands rows over: there is nothing to
                 # give back, and the caller need not wait for the round trip (the ticket keeps
@@ -603,15 +619,17 @@ class AsyncLocker:
             elif unsure is not None:  # and, without the lock, a row handed to it goes back
                 await self._give_up_every(lockstring, unsure, guid, outcome is None)
 
-    async def _give_up(self, ticket: Ticket, guid: str, give_back: bool) -> None:
-        """Give up ``ticket`` (``_leave_line``), then wake the next waiter of this Locker: told
-        sooner, it would find our ticket still ahead of its own. A give-up that failed is tried
-        again in the background (``_give_up_again``)."""
+    async def _give_up(
+        self, ticket: Ticket, guid: str, give_back: bool, wake_next: bool = True
+    ) -> None:
+        """Give up ``ticket`` (``_leave_line``), then wake the next waiter of this Locker (if
+        ``wake_next``): told sooner, it would find our ticket still ahead of its own. A give-up
+        that failed is tried again in the background (``_give_up_again``)."""
         given_up = False
         try:
             given_up = await self._leave_line(ticket.lockstring, ticket.number, guid, give_back)
         finally:
-            self._line.leave(ticket)
+            self._line.leave(ticket, wake_next)
             if not given_up:
                 number, key = ticket.number, ticket.liveness_key
                 self._leaving.call_soon(
