@@ -89,6 +89,7 @@ class Profile:
     """How much one run measures: the README's figures, or a smoke run's (``--quick``)."""
 
     cycles: int  # uncontended cycles per system and round, and the scale row's
+    uncontended_rounds: int  # rounds of each uncontended system, interleaved, best of
     contended_seconds: float  # each contended row
     other_rows: int  # rows beside the scale row's cycles, and the purge's backlog
     scale_seconds: float  # each processes row, and the purge row's quiet stretch
@@ -98,8 +99,8 @@ class Profile:
     sampled_seconds: float  # how long the connections row samples, every 0.1 s
 
 
-FULL = Profile(5000, 8.0, 1_000_000, 5.0, 3, 1000, 30.0, 15.0)
-QUICK = Profile(500, 1.0, 20_000, 0.5, 1, 100, 3.0, 3.0)
+FULL = Profile(5000, 4, 8.0, 1_000_000, 5.0, 3, 1000, 30.0, 15.0)
+QUICK = Profile(500, 1, 1.0, 20_000, 0.5, 1, 100, 3.0, 3.0)
 
 
 def percentile(values: list[float], fraction: float) -> float:
@@ -380,16 +381,16 @@ ASYNC_LAYERS = {
 }
 
 
-async def async_figures(url: str, count: int) -> dict[str, dict[str, float]]:
-    """The async floor, its layers and AsyncLocker, interleaved twice (best of each), in one
-    event loop."""
+async def async_figures(url: str, count: int, rounds: int) -> dict[str, dict[str, float]]:
+    """The async floor, its layers and AsyncLocker, interleaved ``rounds`` times (best of
+    each), in one event loop."""
     results: dict[str, dict[str, float]] = {}
     systems: list[tuple[str, Callable[[], Awaitable[AsyncCycle]]]] = [
         (name, functools.partial(async_raw_floor_cycle, url, layer))
         for name, layer in ASYNC_LAYERS.items()
     ]
     systems.append(("sqllocker.asyncio", functools.partial(async_sqllocker_cycle, url)))
-    for _round in range(2):
+    for _round in range(rounds):
         for name, make in systems:
             cycle, close = await make()
             figures = await timed_async_cycles(cycle, count)
@@ -451,7 +452,7 @@ def redis_floor_cycle() -> tuple[Callable[[int], None], Callable[[], None]]:
 
 
 def uncontended(
-    backends: list[str], count: int
+    backends: list[str], count: int, rounds: int
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The uncontended rows, and the async layers' (``ASYNC_LAYERS``)."""
     rows: list[dict[str, Any]] = []
@@ -466,9 +467,9 @@ def uncontended(
         if backend == "mysql":
             systems.append(("GET_LOCK", get_lock_cycle))
         results: dict[str, dict[str, float]] = {}
-        # Interleave floor and sqllocker twice and keep each one's better run: drift in the
-        # machine's load then hits both sides alike.
-        for _round in range(2):
+        # Interleave floor and sqllocker and keep each one's best run: drift in the machine's
+        # load then hits both sides alike, and one burst of it decides no ratio.
+        for _round in range(rounds):
             for name, make in systems:
                 cycle, close = make(url)
                 figures = timed_cycles(cycle, count)
@@ -486,7 +487,7 @@ def uncontended(
                 }
             )
         # The async rows' ratios are to the async floor: the same statements, the async driver.
-        results = asyncio.run(async_figures(url, count))
+        results = asyncio.run(async_figures(url, count, rounds))
         floor = results["async raw floor"]["cycles_per_s"]
         for name, figures in results.items():
             row = {
@@ -987,7 +988,7 @@ SYSTEM_NAMES = {
 }
 
 
-def _async_layers_section(rows: list[dict[str, Any]]) -> list[str]:
+def _async_layers_section(rows: list[dict[str, Any]], rounds: int) -> list[str]:
     """Where an async cycle's time goes beyond its floor, layer by layer (``ASYNC_LAYERS``)."""
     if not rows:
         return []
@@ -997,7 +998,7 @@ def _async_layers_section(rows: list[dict[str, Any]]) -> list[str]:
         "",
         "Each column runs the async floor's statements in one more of the layers",
         "`sqllocker.asyncio` runs them in, so each step is what that layer costs (microseconds a",
-        "cycle, best of two runs):",
+        f"cycle, best of {rounds} interleaved runs):",
         "",
         "- *in greenlets*: each operation in a greenlet, through SQLAlchemy's adapted cursor, as",
         "  the lock operations run: they are sync code, written once for both front ends;",
@@ -1028,6 +1029,7 @@ def _async_layers_section(rows: list[dict[str, Any]]) -> list[str]:
 def performance_page(results: dict[str, Any]) -> str:
     """The performance page, every figure from ``results`` (one run of this script): a rerun
     rewrites it, so nothing on it is older than its run."""
+    rounds = results.get("profile", {}).get("uncontended_rounds", 2)  # runs before it: two
     lines = [
         "# Performance",
         "",
@@ -1053,7 +1055,8 @@ def performance_page(results: dict[str, Any]) -> str:
         "",
         "## Uncontended",
         "",
-        "Acquire + release of distinct lockstrings, one process. The async rows are measured",
+        "Acquire + release of distinct lockstrings, one process, each system's best of "
+        f"{rounds} runs taken in turn with the others'. The async rows are measured",
         "against the *async* floor: the same statements through the async driver (psycopg's",
         "async connection, aiosqlite, aiomysql) on one held connection.",
         "",
@@ -1069,7 +1072,7 @@ def performance_page(results: dict[str, Any]) -> str:
             f"| {SYSTEM_NAMES.get(row['system'], row['system'])} | {row['cycles_per_s']:,.0f} "
             f"| {row['p50_ms']:.3f} | {row['p99_ms']:.3f} | {ratio} |"
         )
-    lines += _async_layers_section(results.get("async_layers") or [])
+    lines += _async_layers_section(results.get("async_layers") or [], rounds)
     contended_rows = results.get("contended") or []
     if contended_rows:
         processes = contended_rows[0]["processes"]
@@ -1266,7 +1269,9 @@ def main() -> int:
     machine = f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}, SQLAlchemy {sa.__version__}"
     results: dict[str, Any] = {"machine": machine, "quick": args.quick, "profile": asdict(profile)}
     results.update(run_context(backends))
-    results["uncontended"], results["async_layers"] = uncontended(backends, profile.cycles)
+    results["uncontended"], results["async_layers"] = uncontended(
+        backends, profile.cycles, profile.uncontended_rounds
+    )
     if "contended" not in skip:
         targets = [(b, "sqllocker", URLS[b]) for b in backends]
         if "sqlite" in backends:
