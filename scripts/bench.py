@@ -89,7 +89,7 @@ class Profile:
     """How much one run measures: the README's figures, or a smoke run's (``--quick``)."""
 
     cycles: int  # uncontended cycles per system and round, and the scale row's
-    uncontended_rounds: int  # rounds of each uncontended system, interleaved, best of
+    uncontended_rounds: int  # rounds in which each uncontended system runs in turn
     contended_seconds: float  # each contended row
     other_rows: int  # rows beside the scale row's cycles, and the purge's backlog
     scale_seconds: float  # each processes row, and the purge row's quiet stretch
@@ -99,7 +99,7 @@ class Profile:
     sampled_seconds: float  # how long the connections row samples, every 0.1 s
 
 
-FULL = Profile(5000, 4, 8.0, 1_000_000, 5.0, 3, 1000, 30.0, 15.0)
+FULL = Profile(5000, 5, 8.0, 1_000_000, 5.0, 3, 1000, 30.0, 15.0)
 QUICK = Profile(500, 1, 1.0, 20_000, 0.5, 1, 100, 3.0, 3.0)
 
 
@@ -381,23 +381,48 @@ ASYNC_LAYERS = {
 }
 
 
-async def async_figures(url: str, count: int, rounds: int) -> dict[str, dict[str, float]]:
-    """The async floor, its layers and AsyncLocker, interleaved ``rounds`` times (best of
-    each), in one event loop."""
-    results: dict[str, dict[str, float]] = {}
+async def async_figures(url: str, count: int, rounds: int) -> list[dict[str, dict[str, float]]]:
+    """The async floor, its layers and AsyncLocker, taken in turn ``rounds`` times in one event
+    loop: each round's figures."""
+    per_round: list[dict[str, dict[str, float]]] = []
     systems: list[tuple[str, Callable[[], Awaitable[AsyncCycle]]]] = [
         (name, functools.partial(async_raw_floor_cycle, url, layer))
         for name, layer in ASYNC_LAYERS.items()
     ]
     systems.append(("sqllocker.asyncio", functools.partial(async_sqllocker_cycle, url)))
     for _round in range(rounds):
+        figures: dict[str, dict[str, float]] = {}
         for name, make in systems:
             cycle, close = await make()
-            figures = await timed_async_cycles(cycle, count)
+            figures[name] = await timed_async_cycles(cycle, count)
             await close()
-            if name not in results or figures["cycles_per_s"] > results[name]["cycles_per_s"]:
-                results[name] = figures
-    return results
+        per_round.append(figures)
+    return per_round
+
+
+def paired_rows(
+    backend: str, per_round: list[dict[str, dict[str, float]]], floor: str
+) -> list[dict[str, Any]]:
+    """Each system's row from rounds in which every system ran in turn: its median round's
+    figures, and as its ratio the median over the rounds of its cycles/s over the floor's of
+    the same round. A burst of load then weighs on both sides of a ratio, and no one round's
+    luck (a best run) decides it: a cycle's disk flushes alone vary by more than the library's
+    share of it from one run to the next."""
+    rows = []
+    for name in per_round[0]:
+        ordered = sorted((figures[name] for figures in per_round), key=lambda f: f["cycles_per_s"])
+        ratios = [
+            figures[name]["cycles_per_s"] / figures[floor]["cycles_per_s"] for figures in per_round
+        ]
+        rows.append(
+            {
+                "backend": backend,
+                "system": name,
+                **ordered[(len(ordered) - 1) // 2],
+                "ratio_to_floor": statistics.median(ratios),
+            }
+        )
+    return rows
 
 
 def advisory_cycle(url: str) -> tuple[Callable[[int], None], Callable[[], None]]:
@@ -466,59 +491,36 @@ def uncontended(
             systems.append(("advisory try-lock", advisory_cycle))
         if backend == "mysql":
             systems.append(("GET_LOCK", get_lock_cycle))
-        results: dict[str, dict[str, float]] = {}
-        # Interleave floor and sqllocker and keep each one's best run: drift in the machine's
-        # load then hits both sides alike, and one burst of it decides no ratio.
+        per_round: list[dict[str, dict[str, float]]] = []
         for _round in range(rounds):
+            figures: dict[str, dict[str, float]] = {}
             for name, make in systems:
                 cycle, close = make(url)
-                figures = timed_cycles(cycle, count)
+                figures[name] = timed_cycles(cycle, count)
                 close()
-                if name not in results or figures["cycles_per_s"] > results[name]["cycles_per_s"]:
-                    results[name] = figures
-        floor = results["raw floor"]["cycles_per_s"]
-        for name, figures in results.items():
-            rows.append(
-                {
-                    "backend": backend,
-                    "system": name,
-                    **figures,
-                    "ratio_to_floor": figures["cycles_per_s"] / floor,
-                }
-            )
+            per_round.append(figures)
+        rows += paired_rows(backend, per_round, "raw floor")
         # The async rows' ratios are to the async floor: the same statements, the async driver.
-        results = asyncio.run(async_figures(url, count, rounds))
-        floor = results["async raw floor"]["cycles_per_s"]
-        for name, figures in results.items():
-            row = {
-                "backend": backend,
-                "system": name,
-                **figures,
-                "ratio_to_floor": figures["cycles_per_s"] / floor,
-            }
+        async_rounds = asyncio.run(async_figures(url, count, rounds))
+        for row in paired_rows(backend, async_rounds, "async raw floor"):
+            name = row["system"]
             if name in ASYNC_LAYERS or name == "sqllocker.asyncio":
                 layers.append(row)
             if name not in ASYNC_LAYERS or name == "async raw floor":
                 rows.append(row)
     try:
-        results = {}
-        for name, make_redis in (
-            ("raw SET NX + DEL", redis_floor_cycle),
-            ("redis-py Lock", redis_cycle),
-        ):
-            cycle, close = make_redis()
-            results[name] = timed_cycles(cycle, count)
-            close()
-        floor = results["raw SET NX + DEL"]["cycles_per_s"]
-        for name, figures in results.items():
-            rows.append(
-                {
-                    "backend": "redis",
-                    "system": name,
-                    **figures,
-                    "ratio_to_floor": figures["cycles_per_s"] / floor,
-                }
-            )
+        redis_rounds = []
+        for _round in range(rounds):
+            figures = {}
+            for name, make_redis in (
+                ("raw SET NX + DEL", redis_floor_cycle),
+                ("redis-py Lock", redis_cycle),
+            ):
+                cycle, close = make_redis()
+                figures[name] = timed_cycles(cycle, count)
+                close()
+            redis_rounds.append(figures)
+        rows += paired_rows("redis", redis_rounds, "raw SET NX + DEL")
     except Exception as error:  # Redis is optional: say so and go on
         print(f"redis skipped: {error}", file=sys.stderr)
     return rows, layers
@@ -998,7 +1000,7 @@ def _async_layers_section(rows: list[dict[str, Any]], rounds: int) -> list[str]:
         "",
         "Each column runs the async floor's statements in one more of the layers",
         "`sqllocker.asyncio` runs them in, so each step is what that layer costs (microseconds a",
-        f"cycle, best of {rounds} interleaved runs):",
+        f"cycle, the median of {rounds} rounds):",
         "",
         "- *in greenlets*: each operation in a greenlet, through SQLAlchemy's adapted cursor, as",
         "  the lock operations run: they are sync code, written once for both front ends;",
@@ -1029,7 +1031,7 @@ def _async_layers_section(rows: list[dict[str, Any]], rounds: int) -> list[str]:
 def performance_page(results: dict[str, Any]) -> str:
     """The performance page, every figure from ``results`` (one run of this script): a rerun
     rewrites it, so nothing on it is older than its run."""
-    rounds = results.get("profile", {}).get("uncontended_rounds", 2)  # runs before it: two
+    rounds = results["profile"]["uncontended_rounds"]
     lines = [
         "# Performance",
         "",
@@ -1055,10 +1057,11 @@ def performance_page(results: dict[str, Any]) -> str:
         "",
         "## Uncontended",
         "",
-        "Acquire + release of distinct lockstrings, one process, each system's best of "
-        f"{rounds} runs taken in turn with the others'. The async rows are measured",
-        "against the *async* floor: the same statements through the async driver (psycopg's",
-        "async connection, aiosqlite, aiomysql) on one held connection.",
+        f"Acquire + release of distinct lockstrings, one process, in {rounds} rounds in which",
+        "each system runs in turn: a row's figures are its median round's, and its ratio the",
+        "median over the rounds of its cycles/s over the floor's in the same round. The async",
+        "rows are measured against the *async* floor: the same statements through the async",
+        "driver (psycopg's async connection, aiosqlite, aiomysql) on one held connection.",
         "",
         "| backend | system | cycles/s | p50 ms | p99 ms | x floor |",
         "|---|---|---:|---:|---:|---:|",
