@@ -420,6 +420,7 @@ def paired_rows(
                 "system": name,
                 **ordered[(len(ordered) - 1) // 2],
                 "ratio_to_floor": statistics.median(ratios),
+                "ratio_range": [min(ratios), max(ratios)],
             }
         )
     return rows
@@ -927,11 +928,13 @@ def report(results: dict[str, Any], out: Path) -> None:
     print("\nUncontended cycles (acquire + release, one process)")
     print(
         f"{'backend':<11} {'system':<19} {'cycles/s':>9} {'p50 ms':>7} {'p99 ms':>7} {'x floor':>8}"
+        f"  {'rounds':>9}"
     )
     for row in results["uncontended"]:
         print(
             f"{row['backend']:<11} {row['system']:<19} {row['cycles_per_s']:>9.0f} "
             f"{row['p50_ms']:>7.3f} {row['p99_ms']:>7.3f} {row['ratio_to_floor']:>8.2f}"
+            f"  {_ratio_range(row):>9}"
         )
     if results.get("async_layers"):
         print("\nThe async floor's statements in the layers sqllocker.asyncio adds, us a cycle")
@@ -1059,12 +1062,13 @@ def performance_page(results: dict[str, Any]) -> str:
         "",
         f"Acquire + release of distinct lockstrings, one process, in {rounds} rounds in which",
         "each system runs in turn: a row's figures are its median round's, and its ratio the",
-        "median over the rounds of its cycles/s over the floor's in the same round. The async",
-        "rows are measured against the *async* floor: the same statements through the async",
-        "driver (psycopg's async connection, aiosqlite, aiomysql) on one held connection.",
+        "median over the rounds of its cycles/s over the floor's in the same round (the lowest",
+        "and highest of those beside it: how far one round's ratio can stray). The async rows",
+        "are measured against the *async* floor: the same statements through the async driver",
+        "(psycopg's async connection, aiosqlite, aiomysql) on one held connection.",
         "",
-        "| backend | system | cycles/s | p50 ms | p99 ms | x floor |",
-        "|---|---|---:|---:|---:|---:|",
+        "| backend | system | cycles/s | p50 ms | p99 ms | x floor | rounds |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for row in results["uncontended"]:
         ratio = f"{row['ratio_to_floor']:.2f}"
@@ -1073,7 +1077,7 @@ def performance_page(results: dict[str, Any]) -> str:
         lines.append(
             f"| {BACKEND_NAMES.get(row['backend'], row['backend'])} "
             f"| {SYSTEM_NAMES.get(row['system'], row['system'])} | {row['cycles_per_s']:,.0f} "
-            f"| {row['p50_ms']:.3f} | {row['p99_ms']:.3f} | {ratio} |"
+            f"| {row['p50_ms']:.3f} | {row['p99_ms']:.3f} | {ratio} | {_ratio_range(row)} |"
         )
     lines += _async_layers_section(results.get("async_layers") or [], rounds)
     contended_rows = results.get("contended") or []
@@ -1157,6 +1161,12 @@ def performance_page(results: dict[str, Any]) -> str:
                 f"| {shown} | {row['detail']} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _ratio_range(row: dict[str, Any]) -> str:
+    """The lowest and highest of a row's same-round ratios, where its run kept them."""
+    low, high = row.get("ratio_range") or (None, None)
+    return "" if low is None or low == high else f"{low:.2f}-{high:.2f}"
 
 
 def _ms(value: float | None) -> str:
