@@ -1,16 +1,22 @@
-"""Could MariaDB's waiters be woken by a ``GET_LOCK`` name instead of polling? (#34's goal 1)
+"""Could MariaDB's waiters be woken by a ``GET_LOCK`` name instead of polling, or be handed the
+row by the release? (#34's goal 1)
 
 Raw statements through PyMySQL, no library: 4 processes take turns on one row, each holding it
-1 ms and stepping back 2 ms, as the bench's contended rows do, in one of three ways:
+1 ms and stepping back 2 ms, as the bench's contended rows do, in one of four ways:
 
 - ``get_lock``: blocking ``GET_LOCK`` itself (the bench's baseline);
 - ``poll``: INSERT, and after a duplicate key sleep a quarter of the wait so far (as a polling
   first waiter does; no tickets, so no order);
 - ``wake``: INSERT; the holder's second session holds a name while it holds the row and lets
   it go after its DELETE; a refused waiter blocks on that name
-  (``IF(GET_LOCK(name, 0.25) = 1, RELEASE_LOCK(name), 0)``) before its next INSERT.
+  (``IF(GET_LOCK(name, 0.25) = 1, RELEASE_LOCK(name), 0)``) before its next INSERT;
+- ``hand_over``: as PostgreSQL's release trigger does, the release hands the row to the lowest
+  ticket in its own transaction (a stored procedure: MariaDB's triggers cannot insert into
+  their own table), one durable commit a turn instead of two; a refused waiter takes a ticket
+  (an ``ENGINE=MEMORY`` table, as the library's) and polls, at a quarter of its wait so far,
+  until the row is its own, or free with no ticket ahead of its own.
 
-    .venv/bin/python scripts/wake_by_get_lock.py get_lock poll wake
+    .venv/bin/python scripts/wake_by_get_lock.py get_lock poll wake hand_over
 """
 
 from __future__ import annotations
@@ -35,12 +41,57 @@ def _connect() -> Any:
     return pymysql.connect(host="127.0.0.1", user="root", database="test", autocommit=True)
 
 
+def _pause(began: float) -> None:
+    """A quarter of the wait so far, jittered, as a polling waiter sleeps."""
+    ceiling = max(0.00025, min(0.25, (time.monotonic() - began) / 4))
+    time.sleep(random.uniform(ceiling / 2, ceiling))
+
+
+def _handed_over(cursor: Any) -> int:
+    """Take the row, or a ticket and then the row when the release hands it over (or leaves it
+    free with no ticket ahead); how many polls it took."""
+    pid = os.getpid()
+    try:
+        cursor.execute(
+            "INSERT INTO wake_prototype (ls, pid) SELECT 'x', %s FROM DUAL "
+            "WHERE NOT EXISTS (SELECT 1 FROM wake_tickets WHERE ls = 'x')",
+            (pid,),
+        )
+        if cursor.rowcount == 1:
+            return 0
+    except pymysql.err.IntegrityError:
+        pass
+    cursor.execute("INSERT INTO wake_tickets (ls, pid) VALUES ('x', %s)", (pid,))
+    ticket, polls, began = cursor.lastrowid, 0, time.monotonic()
+    while True:
+        _pause(began)
+        polls += 1
+        cursor.execute("SELECT pid FROM wake_prototype WHERE ls = 'x'")
+        row = cursor.fetchone()
+        if row is not None and row[0] == pid:
+            return polls  # handed over: the release gave our ticket up
+        if row is None:
+            try:
+                cursor.execute(
+                    "INSERT INTO wake_prototype (ls, pid) SELECT 'x', %s FROM DUAL WHERE NOT "
+                    "EXISTS (SELECT 1 FROM wake_tickets WHERE ls = 'x' AND id < %s)",
+                    (pid, ticket),
+                )
+                if cursor.rowcount == 1:
+                    cursor.execute("DELETE FROM wake_tickets WHERE id = %s", (ticket,))
+                    return polls
+            except pymysql.err.IntegrityError:
+                pass
+
+
 def _take(mode: str, cursor: Any, waker: Any) -> int:
-    """Take the row (or the named lock); how many refusals it met."""
+    """Take the row (or the named lock); how many refusals (or polls) it met."""
     if mode == "get_lock":
         cursor.execute("SELECT GET_LOCK('wake-prototype-baseline', 60)")
         cursor.fetchall()
         return 0
+    if mode == "hand_over":
+        return _handed_over(cursor)
     refusals, began = 0, time.monotonic()
     while True:
         try:
@@ -49,8 +100,7 @@ def _take(mode: str, cursor: Any, waker: Any) -> int:
         except pymysql.err.IntegrityError:
             refusals += 1
         if mode == "poll":
-            ceiling = max(0.00025, min(0.25, (time.monotonic() - began) / 4))
-            time.sleep(random.uniform(ceiling / 2, ceiling))
+            _pause(began)
             continue
         cursor.execute(
             "SELECT IS_USED_LOCK(%s) IS NOT NULL, IF(GET_LOCK(%s, 0.25) = 1, RELEASE_LOCK(%s), 0)",
@@ -68,6 +118,9 @@ def _give(mode: str, cursor: Any, waker: Any) -> None:
     if mode == "get_lock":
         cursor.execute("SELECT RELEASE_LOCK('wake-prototype-baseline')")
         cursor.fetchall()
+        return
+    if mode == "hand_over":
+        cursor.execute("CALL wake_hand_over(%s)", (os.getpid(),))
         return
     cursor.execute("DELETE FROM wake_prototype WHERE ls = 'x' AND pid = %s", (os.getpid(),))
     if mode == "wake":
@@ -102,6 +155,27 @@ def measure(mode: str) -> str:
         "CREATE TABLE wake_prototype (id bigint AUTO_INCREMENT PRIMARY KEY, "
         "ls varchar(100) NOT NULL UNIQUE, pid int)"
     )
+    cursor.execute("DROP TABLE IF EXISTS wake_tickets")
+    cursor.execute(
+        "CREATE TABLE wake_tickets (id bigint AUTO_INCREMENT PRIMARY KEY, "
+        "ls varchar(100) NOT NULL, pid int, KEY (ls, id)) ENGINE=MEMORY"
+    )
+    cursor.execute("DROP PROCEDURE IF EXISTS wake_hand_over")
+    cursor.execute(
+        """CREATE PROCEDURE wake_hand_over(holder int) BEGIN
+          DECLARE next_ticket bigint DEFAULT NULL;
+          DECLARE next_pid int DEFAULT NULL;
+          START TRANSACTION;
+          DELETE FROM wake_prototype WHERE ls = 'x' AND pid = holder;
+          SELECT id, pid INTO next_ticket, next_pid FROM wake_tickets
+            WHERE ls = 'x' ORDER BY id LIMIT 1;
+          IF next_ticket IS NOT NULL THEN
+            INSERT INTO wake_prototype (ls, pid) VALUES ('x', next_pid);
+            DELETE FROM wake_tickets WHERE id = next_ticket;
+          END IF;
+          COMMIT;
+        END"""
+    )
     context = multiprocessing.get_context("fork")
     results, ready = context.Queue(), context.Barrier(PROCESSES + 1)
     workers = [
@@ -127,10 +201,10 @@ def measure(mode: str) -> str:
         f"release p50 {statistics.median(releases):.3f} ms  "
         f"hand-off p50 {statistics.median(hand_offs):.3f} ms  "
         f"wait p99 {waits[int(len(waits) * 0.99)]:.2f} ms  "
-        f"refusals a turn {refusals / len(turns):.1f}"
+        f"refusals (hand_over: polls) a turn {refusals / len(turns):.1f}"
     )
 
 
 if __name__ == "__main__":
-    for mode in sys.argv[1:] or ["get_lock", "poll", "wake"]:
+    for mode in sys.argv[1:] or ["get_lock", "poll", "wake", "hand_over"]:
         print(measure(mode), flush=True)
