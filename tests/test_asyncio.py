@@ -432,6 +432,31 @@ async def test_a_closed_aiosqlite_connection_fails_the_one_call_as_a_dbapi_error
         assert lock.lock_id == 2
 
 
+async def test_every_statement_on_a_closed_aiosqlite_connection_replaces_it(
+    tmp_path: Any,
+) -> None:
+    """Not only the acquire and the release: an extend, a listing and a purge on a kept
+    connection closed behind the pool's back replace it as a lost connection, on SQLAlchemy
+    2.0 (whose aiosqlite dialect knows only aiosqlite's older words for it) as on 2.1."""
+    async with AsyncLocker(f"sqlite:///{tmp_path / 'closed.db'}") as locker:
+        lock = await locker.lock("held")
+
+        async def close_the_kept_connections() -> None:
+            assert locker._operations._stack is not None
+            for held in locker._operations._stack._idle:
+                await held.connection.driver_connection.close()
+
+        await close_the_kept_connections()
+        await lock.extend(60)
+        await close_the_kept_connections()
+        assert [info.lockstring for info in await locker.locks()] == ["held"]
+        await close_the_kept_connections()
+        assert await locker.purge_expired_locks() == 0
+        await close_the_kept_connections()
+        await lock.unlock()
+        assert await locker.locks() == []
+
+
 @pytest.mark.parametrize(
     "bad_url",
     [
