@@ -1094,7 +1094,7 @@ def performance_page(results: dict[str, Any]) -> str:
     contended_rows = results.get("contended") or []
     if contended_rows:
         processes = contended_rows[0]["processes"]
-        contended_rounds = results["profile"].get("contended_rounds", 1)  # one before it
+        contended_rounds = results["profile"]["contended_rounds"]
         contended_seconds = results["profile"]["contended_seconds"]
         lines += [
             "",
