@@ -44,7 +44,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -401,6 +401,23 @@ async def async_figures(url: str, count: int, rounds: int) -> list[dict[str, dic
     return per_round
 
 
+def rounds_in_turn(
+    systems: Sequence[tuple[str, Callable[[], tuple[Callable[[int], None], Callable[[], None]]]]],
+    count: int,
+    rounds: int,
+) -> list[dict[str, dict[str, float]]]:
+    """Each round's figures of ``systems`` (name, maker of its cycle), each run in turn."""
+    per_round = []
+    for _round in range(rounds):
+        figures = {}
+        for name, make in systems:
+            cycle, close = make()
+            figures[name] = timed_cycles(cycle, count)
+            close()
+        per_round.append(figures)
+    return per_round
+
+
 def paired_rows(
     backend: str, per_round: list[dict[str, dict[str, float]]], floor: str
 ) -> list[dict[str, Any]]:
@@ -493,15 +510,8 @@ def uncontended(
             systems.append(("advisory try-lock", advisory_cycle))
         if backend == "mysql":
             systems.append(("GET_LOCK", get_lock_cycle))
-        per_round: list[dict[str, dict[str, float]]] = []
-        for _round in range(rounds):
-            figures: dict[str, dict[str, float]] = {}
-            for name, make in systems:
-                cycle, close = make(url)
-                figures[name] = timed_cycles(cycle, count)
-                close()
-            per_round.append(figures)
-        rows += paired_rows(backend, per_round, "raw floor")
+        makers = [(name, functools.partial(make, url)) for name, make in systems]
+        rows += paired_rows(backend, rounds_in_turn(makers, count, rounds), "raw floor")
         # The async rows' ratios are to the async floor: the same statements, the async driver.
         async_rounds = asyncio.run(async_figures(url, count, rounds))
         for row in paired_rows(backend, async_rounds, "async raw floor"):
@@ -511,17 +521,8 @@ def uncontended(
             if name not in ASYNC_LAYERS or name == "async raw floor":
                 rows.append(row)
     try:
-        redis_rounds = []
-        for _round in range(rounds):
-            figures = {}
-            for name, make_redis in (
-                ("raw SET NX + DEL", redis_floor_cycle),
-                ("redis-py Lock", redis_cycle),
-            ):
-                cycle, close = make_redis()
-                figures[name] = timed_cycles(cycle, count)
-                close()
-            redis_rounds.append(figures)
+        redis_systems = [("raw SET NX + DEL", redis_floor_cycle), ("redis-py Lock", redis_cycle)]
+        redis_rounds = rounds_in_turn(redis_systems, count, rounds)
         rows += paired_rows("redis", redis_rounds, "raw SET NX + DEL")
     except Exception as error:  # Redis is optional: say so and go on
         print(f"redis skipped: {error}", file=sys.stderr)
@@ -945,7 +946,7 @@ def report(results: dict[str, Any], out: Path) -> None:
         print(
             f"{row['backend']:<11} {row['system']:<19} {row['cycles_per_s']:>9.0f} "
             f"{row['p50_ms']:>7.3f} {row['p99_ms']:>7.3f} {row['ratio_to_floor']:>8.2f}"
-            f"  {_ratio_range(row):>9}"
+            f"  {_spread(row.get('ratio_range'), '.2f'):>9}"
         )
     if results.get("async_layers"):
         print("\nThe async floor's statements in the layers sqllocker.asyncio adds, us a cycle")
@@ -1088,7 +1089,8 @@ def performance_page(results: dict[str, Any]) -> str:
         lines.append(
             f"| {BACKEND_NAMES.get(row['backend'], row['backend'])} "
             f"| {SYSTEM_NAMES.get(row['system'], row['system'])} | {row['cycles_per_s']:,.0f} "
-            f"| {row['p50_ms']:.3f} | {row['p99_ms']:.3f} | {ratio} | {_ratio_range(row)} |"
+            f"| {row['p50_ms']:.3f} | {row['p99_ms']:.3f} | {ratio} "
+            f"| {_spread(row.get('ratio_range'), '.2f')} |"
         )
     lines += _async_layers_section(results.get("async_layers") or [], rounds)
     contended_rows = results.get("contended") or []
@@ -1115,8 +1117,7 @@ def performance_page(results: dict[str, Any]) -> str:
             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for row in contended_rows:
-            low, high = row.get("acquisitions_range") or (None, None)
-            spread = "" if low is None or low == high else f"{low:,.0f}-{high:,.0f}"
+            spread = _spread(row.get("acquisitions_range"), ",.0f")
             lines.append(
                 f"| {BACKEND_NAMES.get(row['backend'], row['backend'])} "
                 f"| {SYSTEM_NAMES.get(row['system'], row['system'])} "
@@ -1181,21 +1182,19 @@ def performance_page(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _passed_by_at(row: dict[str, Any], fraction: float) -> str:
+def _passed_by_at(row: dict[str, Any], fraction: float) -> int:
     """How many others passed a waiter, at ``fraction`` of a contended row's acquisitions."""
-    counts = sorted((int(passed), count) for passed, count in row["overtaken_counts"].items())
-    wanted, seen = fraction * sum(count for _, count in counts), 0
-    for passed, count in counts:
-        seen += count
-        if seen >= wanted:
-            return str(passed)
-    return str(counts[-1][0])
+    counts = row["overtaken_counts"].items()
+    return int(
+        percentile([int(passed) for passed, count in counts for _ in range(count)], fraction)
+    )
 
 
-def _ratio_range(row: dict[str, Any]) -> str:
-    """The lowest and highest of a row's same-round ratios, where its run kept them."""
-    low, high = row.get("ratio_range") or (None, None)
-    return "" if low is None or low == high else f"{low:.2f}-{high:.2f}"
+def _spread(pair: list[float] | None, form: str) -> str:
+    """A row's lowest and highest over its rounds, where its run kept them and they differ."""
+    if not pair or pair[0] == pair[1]:
+        return ""
+    return f"{pair[0]:{form}}-{pair[1]:{form}}"
 
 
 def _ms(value: float | None) -> str:
