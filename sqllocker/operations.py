@@ -167,6 +167,10 @@ class Refused:
         )
 
 
+def _nothing_more(session: DriverSession) -> None:
+    """An operation that is only its set-up (``LockOperations.ensure_setup``)."""
+
+
 class LockOperations:
     """The lock operations on ``table_name`` through ``engine`` (a sync Engine, or an AsyncEngine's
     ``sync_engine`` when called from a greenlet).
@@ -940,7 +944,7 @@ class LockOperations:
         Engine, on a connection of the engine's pool (see :meth:`_pooled`).
         """
         if self._needs_setup:
-            self.ensure_setup()
+            self._set_up()
         stack = self._stack
         if stack is None:
             with self._pooled() as session:
@@ -1060,6 +1064,12 @@ class LockOperations:
         return DatabaseError(f"cannot connect to {url}: {one_line(error)}; {advice}", outage=outage)
 
     def ensure_setup(self) -> None:
+        """Set up (``_set_up``) if it is due, outside any lock operation: as one, so that a
+        connection lost meanwhile is retried and any failure is a LockError."""
+        if self._needs_setup:
+            self._run(None, _nothing_more)
+
+    def _set_up(self) -> None:
         """Learn the backend and check the settings the locks' guarantees rest on: on first use,
         as the backend's capabilities (MariaDB's RETURNING) are known only once connected, and
         again after a connection was found lost. A server restarted since may run with other

@@ -532,6 +532,47 @@ def test_a_ticket_taken_by_a_failed_join_is_given_up_again(
         holder.close()
 
 
+@pytest.mark.parametrize("front", ["sync", "asyncio"])
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_a_connection_lost_while_the_settings_are_read_is_retried_then_a_lock_error(
+    table_name: str, backend: str, front: str, tickets: TicketsThroughProxy
+) -> None:
+    """A Locker's first lock operation reads the server's settings; an application that starts
+    during a failover can lose that connection. Cut once, it is retried on a new connection, as
+    any lost connection is; cut every time, the caller gets a LockError, never the driver's own
+    error, which escapes a worker that handles LockError (a Patroni test's contender died so).
+    Both by a waiter, which reads the settings before it takes a ticket, and by a try."""
+    proxy = tickets.proxy
+    reading = b"_anyone_ahead(" if backend == "postgresql" else b"@@innodb_flush_log_at_trx_commit"
+    url = tickets.through_proxy.render_as_string(hide_password=False)
+
+    async def in_asyncio(wait: float | None) -> None:
+        locker = AsyncLocker(async_url(url), table=table_name)
+        try:
+            await (await locker.lock("job", wait=wait)).unlock()
+        finally:
+            await locker.aclose()
+
+    def first_lock(wait: float | None) -> None:
+        if front == "asyncio":
+            asyncio.run(in_asyncio(wait))
+            return
+        with Locker(url, table=table_name) as locker:
+            locker.lock("job", wait=wait).unlock()
+
+    for wait in (5.0, 0):
+        proxy.cut_before(reading, times=1)
+        first_lock(wait)
+        assert proxy.statements_cut == 1
+        proxy.statements_cut = 0
+        proxy.cut_before(reading, times=1000)
+        with pytest.raises(LockError, match="database error"):
+            first_lock(wait)
+        assert proxy.statements_cut >= 2
+        proxy.cut_before(reading, times=0)
+        proxy.statements_cut = 0
+
+
 def test_unlock_is_not_held_up_for_ever_by_a_renewal_stuck_on_a_stalled_connection(
     mysql_url: str, table_name: str
 ) -> None:
