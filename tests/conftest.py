@@ -12,6 +12,7 @@ import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -135,6 +136,41 @@ def admin(migrated_postgres: str) -> Iterator[sa.Engine]:
     engine = sa.create_engine(resolve_url(migrated_postgres))
     yield engine
     engine.dispose()
+
+
+# README's test command runs the suite on two pytest-xdist workers (``-n 2``). The tests of these
+# modules load the whole machine (many processes, private servers, clusters) or time what they
+# check against expiries and turns: they run one after another on one worker, as they would
+# alone, since beside each other each would find the machine twice as slow as its timings allow
+# for. The other modules, a thread or two at a time, run on the other worker meanwhile.
+_ONE_AT_A_TIME = {
+    "test_dbix_locker",
+    "test_faults",
+    "test_fencing",
+    "test_galera",
+    "test_groups",
+    "test_hand_off",
+    "test_high_availability",
+    "test_holding",
+    "test_mutual_exclusion",
+    "test_patroni",
+    "test_poolers",
+    "test_queue_order",
+    "test_semaphores",
+}
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Whole modules to each worker, and all of ``_ONE_AT_A_TIME`` to one (pytest-xdist's
+    ``xdist_group`` marks, which would say the same, are lost on pytest 9's node ids)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneAtATimeBesideTheRest(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.partition("::")[0]
+            return "one at a time" if Path(module).stem in _ONE_AT_A_TIME else module
+
+    return OneAtATimeBesideTheRest(config, log)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
