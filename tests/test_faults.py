@@ -19,15 +19,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
-from sqllocker import Lock, LockBusy, Locker, LockError, LockLost, lock_table
-from sqllocker.asyncio import AsyncLock, AsyncLocker
+from sqllocker import LockBusy, Locker, LockError, LockLost, lock_table
+from sqllocker.asyncio import AsyncLocker
 from sqllocker.engine import resolve_url
 from sqllocker.migrations import upgrade
 from tests.helpers import (
@@ -573,8 +573,9 @@ def test_a_connection_lost_while_the_settings_are_read_is_retried_then_a_lock_er
         proxy.statements_cut = 0
 
 
-# Every public operation, each given the lock it acts on where it needs one.
-SYNC_OPERATIONS: dict[str, Callable[[Locker, Lock], object]] = {
+# Every public operation, each given the lock it acts on where it needs one; on an AsyncLocker
+# each returns what is to be awaited.
+OPERATIONS: dict[str, Callable[[Any, Any], Any]] = {
     "lock": lambda locker, held: locker.lock("other"),
     "lock, waiting": lambda locker, held: locker.lock("other", wait=0.5),
     "try_lock": lambda locker, held: locker.try_lock("other"),
@@ -591,62 +592,40 @@ SYNC_OPERATIONS: dict[str, Callable[[Locker, Lock], object]] = {
 }
 
 
-@pytest.mark.parametrize("operation", list(SYNC_OPERATIONS))
+@pytest.mark.parametrize("operation", list(OPERATIONS))
+@pytest.mark.parametrize("front", ["sync", "asyncio"])
 @pytest.mark.parametrize("backend", ["postgresql", "mysql"])
 def test_every_operation_whose_statement_is_cut_off_is_a_lock_error(
-    table_name: str, backend: str, operation: str, tickets: TicketsThroughProxy
+    table_name: str, backend: str, front: str, operation: str, tickets: TicketsThroughProxy
 ) -> None:
     """Set up and holding a lock, a Locker whose every statement on its table is cut off (the
     connection closed as it is sent, on each new connection too) fails each operation with a
-    LockError, never the driver's or SQLAlchemy's own error."""
+    LockError, never the driver's or SQLAlchemy's own error; an AsyncLocker too, whose
+    operations run in greenlets on the async drivers."""
     proxy = tickets.proxy
-    locker = Locker(tickets.through_proxy, table=table_name)
-    try:
-        held = locker.lock("held")
-        proxy.cut_before(table_name.encode(), times=10**6)
-        with pytest.raises(LockError):
-            SYNC_OPERATIONS[operation](locker, held)
-        assert proxy.statements_cut >= 1
-    finally:
-        proxy.cut_before(b"", times=0)
-        locker.close()
+    url = tickets.through_proxy.render_as_string(hide_password=False)
 
-
-ASYNC_OPERATIONS: dict[str, Callable[[AsyncLocker, AsyncLock], Awaitable[object]]] = {
-    "lock": lambda locker, held: locker.lock("other"),
-    "lock, waiting": lambda locker, held: locker.lock("other", wait=0.5),
-    "lock_all": lambda locker, held: locker.lock_all(["a", "b"], wait=0.5),
-    "purge_expired_locks": lambda locker, held: locker.purge_expired_locks(),
-    "locks": lambda locker, held: locker.locks(),
-    "break_lock": lambda locker, held: locker.break_lock("held"),
-    "extend": lambda locker, held: held.extend(60),
-    "unlock": lambda locker, held: held.unlock(),
-}
-
-
-@pytest.mark.parametrize("operation", list(ASYNC_OPERATIONS))
-@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
-def test_every_async_operation_whose_statement_is_cut_off_is_a_lock_error(
-    table_name: str, backend: str, operation: str, tickets: TicketsThroughProxy
-) -> None:
-    """``test_every_operation_whose_statement_is_cut_off_is_a_lock_error`` for AsyncLocker,
-    whose operations run in greenlets on the async drivers."""
-    proxy = tickets.proxy
-
-    async def cut_off() -> None:
-        url = async_url(tickets.through_proxy.render_as_string(hide_password=False))
-        locker = AsyncLocker(url, table=table_name)
+    async def in_asyncio() -> None:
+        locker = AsyncLocker(async_url(url), table=table_name)
         try:
             held = await locker.lock("held")
             proxy.cut_before(table_name.encode(), times=10**6)
             with pytest.raises(LockError):
-                await ASYNC_OPERATIONS[operation](locker, held)
-            assert proxy.statements_cut >= 1
+                await OPERATIONS[operation](locker, held)
         finally:
             proxy.cut_before(b"", times=0)
             await locker.aclose()
 
-    asyncio.run(cut_off())
+    if front == "asyncio":
+        asyncio.run(in_asyncio())
+    else:
+        with Locker(url, table=table_name) as locker:
+            held = locker.lock("held")
+            proxy.cut_before(table_name.encode(), times=10**6)
+            with pytest.raises(LockError):
+                OPERATIONS[operation](locker, held)
+            proxy.cut_before(b"", times=0)
+    assert proxy.statements_cut >= 1
 
 
 def test_unlock_is_not_held_up_for_ever_by_a_renewal_stuck_on_a_stalled_connection(
