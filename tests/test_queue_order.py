@@ -22,6 +22,21 @@ from tests.workers import async_url
 WAITERS = "ABCD"
 
 
+def assert_served_in_order(order: list[str], url: str) -> None:
+    """``order`` is WAITERS, each waiter served in its turn. On SQLite, where the kernel orders
+    the waiters, a waiter may be passed by one that came after it: CI, beside the other test
+    worker, once saw B, A, C, D (2026-11-28); #34's bound is 3. The servers' tickets keep the
+    order exactly."""
+    assert sorted(order) == sorted(WAITERS), order
+    allowed = 1 if url.startswith("sqlite") else 0
+    served = {waiter: order.index(waiter) for waiter in WAITERS}
+    passed_by = {
+        waiter: sum(served[later] < served[waiter] for later in WAITERS[number + 1 :])
+        for number, waiter in enumerate(WAITERS)
+    }
+    assert max(passed_by.values()) <= allowed, (order, passed_by)
+
+
 @pytest.fixture
 def migrated(url: str, table_name: str) -> Iterator[str]:
     """``url`` with this test's table made by the migrations (PostgreSQL's queue functions)."""
@@ -41,8 +56,10 @@ def test_waiters_are_served_in_the_order_they_came_however_long_the_hold(
     MariaDB.)"""
     holder = Locker(migrated, table=table_name)
     held = holder.lock("report")
-    started = time.monotonic()
     lockers = [Locker(migrated, table=table_name) for _ in WAITERS]
+    for locker in lockers:
+        locker.locks()  # set up: what is timed is the waits, not a first use
+    started = time.monotonic()
     order: list[str] = []
 
     def wait(number: int) -> None:
@@ -58,7 +75,7 @@ def test_waiters_are_served_in_the_order_they_came_however_long_the_hold(
     held.unlock()
     for thread in threads:
         thread.join(30)
-    assert "".join(order) == WAITERS
+    assert_served_in_order(order, migrated)
     for locker in [holder, *lockers]:
         locker.close()
 
@@ -68,8 +85,10 @@ async def test_async_waiters_are_served_in_the_order_they_came_however_long_the_
 ) -> None:
     holder = Locker(migrated, table=table_name)
     held = holder.lock("report")
-    started = time.monotonic()
     lockers = [AsyncLocker(async_url(migrated), table=table_name) for _ in WAITERS]
+    for locker in lockers:
+        await locker.locks()  # set up: what is timed is the waits, not a first use
+    started = time.monotonic()
     order: list[str] = []
 
     async def wait(number: int) -> None:
@@ -84,7 +103,7 @@ async def test_async_waiters_are_served_in_the_order_they_came_however_long_the_
     await asyncio.sleep(max(0.0, 1.2 - (time.monotonic() - started)))
     await asyncio.to_thread(held.unlock)
     await asyncio.wait_for(asyncio.gather(*tasks), 30)
-    assert "".join(order) == WAITERS
+    assert_served_in_order(order, migrated)
     for locker in lockers:
         await locker.aclose()
     holder.close()
