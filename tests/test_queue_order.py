@@ -24,9 +24,9 @@ WAITERS = "ABCD"
 
 def assert_served_in_order(order: list[str], url: str) -> None:
     """``order`` is WAITERS, each waiter served in its turn. On SQLite, where the kernel orders
-    the waiters, a waiter may be passed by one that came after it: CI, beside the other test
-    worker, once saw B, A, C, D (2026-11-28); #34's bound is 3. The servers' tickets keep the
-    order exactly."""
+    the waiters, a waiter may be passed by one that came after it (CI, beside the other test
+    worker, has seen B, A, C, D); #34's bound is 3. The servers' tickets keep the order
+    exactly."""
     assert sorted(order) == sorted(WAITERS), order
     allowed = 1 if url.startswith("sqlite") else 0
     served = {waiter: order.index(waiter) for waiter in WAITERS}
