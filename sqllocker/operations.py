@@ -318,10 +318,7 @@ class LockOperations:
                 taken.append(outcome)
             conn.transaction_control("COMMIT")
             if self._inserts_replayed:
-                return [
-                    self._as_stored(conn, lockstring, guid, acquired)
-                    for (lockstring, guid), acquired in zip(members, taken, strict=True)
-                ]
+                return self._all_as_stored(conn, members, taken)
             return taken
         except sa.exc.DBAPIError as error:
             self._roll_back_quietly(conn)
@@ -659,18 +656,43 @@ class LockOperations:
 
     def _as_stored(
         self, conn: DriverSession, lockstring: str, guid: str, acquired: Acquired
-    ) -> Acquired:
-        """``acquired`` as its row stands once committed, read back by guid: where the server
-        may have replayed the INSERT under another id (``ServerSettings.replays_inserts``)."""
+    ) -> Acquired | Refused:
+        """``acquired`` as its row stands once committed, read back by guid, where the server's
+        answer to the INSERT is not the last word (``ServerSettings.replays_inserts``): a row
+        inserted again carries its new id, and a lockstring whose row is not ours is refused,
+        whatever the INSERT answered."""
         params = {"ls": lockstring, "lock_guid": guid, **self._expiry_params()}
         row = conn.execute(self._sql.holder_for_acquirer, params).first()
         if row is None or not row.ours:
-            return acquired  # broken or purged since: its release will say it was lost
+            logger.info(
+                "%r was reported inserted (id %d), but the table holds %s: refused",
+                lockstring,
+                acquired.lock_id,
+                "no row" if row is None else f"another's row (id {row.id})",
+            )
+            return Refused(None, None) if row is None else self._refused_by(row, params)
         if row.id != acquired.lock_id:
             logger.info(
                 "%r was inserted again as id %d, not %d", lockstring, row.id, acquired.lock_id
             )
         return Acquired(row.id, row.created, row.expires, age=acquired.age)
+
+    def _all_as_stored(
+        self, conn: DriverSession, members: list[tuple[str, str]], taken: list[Acquired]
+    ) -> list[Acquired] | Refused:
+        """A group's rows read back as ``_as_stored`` reads one: a member whose row is not ours
+        refuses the group, which gives back the members it did take."""
+        stored = [
+            self._as_stored(conn, lockstring, guid, acquired)
+            for (lockstring, guid), acquired in zip(members, taken, strict=True)
+        ]
+        acquired = [outcome for outcome in stored if isinstance(outcome, Acquired)]
+        if len(acquired) == len(stored):
+            return acquired
+        for (_lockstring, guid), outcome in zip(members, stored, strict=True):
+            if isinstance(outcome, Acquired):
+                conn.affected(self._sql.release, {"lock_id": outcome.lock_id, "lock_guid": guid})
+        return next(outcome for outcome in stored if isinstance(outcome, Refused))
 
     def _acquire_on(
         self,

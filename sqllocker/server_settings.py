@@ -51,7 +51,7 @@ class ServerSettings(NamedTuple):
     # Why the table, if it exists, is not sqllocker's (a DBIx::Locker table): no operation may
     # run on it (see each backend's ``foreign_table``).
     foreign: str | None = None
-    # A Galera node: a local transaction that a replicated one aborts as it commits is replayed,
-    # and the replay draws its auto-increment id again, so the id the INSERT reported may not be
-    # its row's (tests/test_galera.py saw it). The acquired row is read back by guid after commit.
+    # A Galera node: an INSERT that a replicated write aborts is run again by the node after its
+    # client was told of the first attempt's row, which may then carry another id or not exist
+    # (tests/test_galera.py saw both). Every acquired row is read back by guid after commit.
     replays_inserts: bool = False

@@ -6,6 +6,7 @@ so clients see a silent network rather than an error. close() ends every connect
 lose_answer_to() cuts one connection the moment the server has answered a chosen statement:
 the statement took effect, and its client cannot know (and, if asked, stalls from then on).
 cut_before() cuts connections as they send a chosen statement, which never reaches the server.
+stall_before() stalls as a client sends a chosen statement, before it reaches the server.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class StallProxy:
         self._cutting: bytes | None = None  # see cut_before
         self._cuts_left = 0
         self.statements_cut = 0
+        self._stalling: bytes | None = None  # see stall_before
+        self.stalled_before = threading.Event()
         threading.Thread(target=self._accept, name="stall-proxy", daemon=True).start()
 
     def stall(self) -> None:
@@ -50,6 +53,22 @@ class StallProxy:
         the server: each one's connection is closed instead."""
         with self._lock:
             self._cutting, self._cuts_left = marker, times
+
+    def stall_before(self, marker: bytes) -> None:
+        """The next statement a client sends that contains ``marker`` stalls the proxy before
+        it reaches the server (``stalled_before`` is set then), until ``resume``."""
+        with self._lock:
+            self._stalling = marker
+            self.stalled_before.clear()
+
+    def _stalls_before(self, data: bytes) -> bool:
+        with self._lock:
+            if self._stalling is None or self._stalling not in data:
+                return False
+            self._stalling = None
+            self.stall()
+            self.stalled_before.set()
+            return True
 
     def _cuts(self, data: bytes) -> bool:
         with self._lock:
@@ -117,6 +136,10 @@ class StallProxy:
                     if sock is client and self._cuts(data):
                         return  # the statement goes nowhere, and both ends are closed
                     losing = losing or (sock is client and self._loses_answer_to(data))
+                    if sock is client and self._stalls_before(data):
+                        self._flowing.wait()
+                        if self._closed.is_set():
+                            return
                     peers[sock].sendall(data)
         except OSError:
             return
