@@ -835,31 +835,37 @@ class LockOperations:
         try:
             if be.insert_returning:
                 row = conn.first_row(statement, params)
+                inserted = row is not None
             else:
-                row = self._insert_then_read(conn, statement, params)
+                inserted, row = self._insert_then_read(conn, statement, params)
         except sa.exc.IntegrityError as error:
             if be.is_unique_violation(error):
                 return None
             raise
+        if not inserted and not queued_ok:
+            self._check_silent_refusal(params)
         if row is None:
-            if not queued_ok:
-                self._check_silent_refusal(params)
             return None
         lock_id, created, expires = row
         return Acquired(lock_id, created, expires)
 
     def _insert_then_read(
         self, conn: DriverSession, statement: ClauseElement, params: dict[str, Any]
-    ) -> tuple[int, object, object] | None:
-        """Without RETURNING (MySQL 8): the INSERT, then its row's id and times, read by the
-        id the driver reports and our guid; None if it inserted nothing."""
+    ) -> tuple[bool, tuple[int, object, object] | None]:
+        """Without RETURNING (MySQL 8): the INSERT, then whether it inserted a row, and that
+        row's id and times, read by the id the driver reports and our guid. No row if it
+        inserted none, or if its row was gone by the read (broken meanwhile): the table says
+        who holds the lockstring then, not the INSERT."""
         result = conn.execute(statement, params)
         if result.rowcount != 1 or result.lastrowid is None:
-            return None
+            return False, None
         lock_id = result.lastrowid
         mine = {"lock_id": lock_id, "lock_guid": params["lock_guid"]}
-        times = conn.execute(self._sql.times_of, mine).one()
-        return lock_id, times.created, times.expires
+        times = conn.execute(self._sql.times_of, mine).first()
+        if times is None:
+            logger.info("%r was inserted (id %d), and gone when read back", params["ls"], lock_id)
+            return True, None
+        return True, (lock_id, times.created, times.expires)
 
     def _check_silent_refusal(self, params: dict[str, Any]) -> None:
         """An INSERT that inserted nothing without an error: held, under ON CONFLICT DO NOTHING.

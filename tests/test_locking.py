@@ -19,6 +19,7 @@ from sqllocker import Lock, LockBusy, Locker, LockLost, lock_table
 from sqllocker.engine import resolve_url
 from sqllocker.identity import HolderDetails, holder_details
 from tests.helpers import abandon, count_rows
+from tests.stall_proxy import StallProxy
 
 # -- DBIx::Locker t/basic.t ---------------------------------------------------------------------
 
@@ -498,6 +499,49 @@ def test_without_returning_the_acquire_reads_its_row_back(mysql_url: str, table_
         assert count_rows(locker) == 0
     finally:
         locker.close()
+        engine.dispose()
+
+
+def test_without_returning_an_acquire_whose_row_is_gone_when_read_back_is_refused(
+    mysql_url: str, table_name: str
+) -> None:
+    """Without RETURNING the acquire reads its row's times back after the INSERT, in a statement
+    of its own: the row may have been broken, and the lockstring taken by another, in between.
+    The table says who holds it then: the acquire is refused (a LockBusy naming the other), not
+    an error of its own, nor a lock nobody holds. A proxy holds the read back meanwhile."""
+    url = sa.make_url(resolve_url(mysql_url))
+    proxy = StallProxy(url.port or 3306)
+    engine = sa.create_engine(url.set(port=proxy.port))
+    with engine.connect():
+        pass
+    engine.dialect.insert_returning = False
+    lock_table(table_name).create(engine)
+    locker = Locker(engine, table=table_name)
+    other = Locker(mysql_url, table=table_name)
+    taken: list[Lock] = []
+
+    def break_and_take() -> None:
+        try:
+            if proxy.stalled_before.wait(30) and other.break_lock("gone") is not None:
+                taken.append(other.lock("gone"))
+        finally:
+            proxy.resume()
+
+    try:
+        locker.lock_info("gone")  # set up before the proxy waits for the read-back
+        proxy.stall_before(f"SELECT {table_name}.created, {table_name}.expires".encode())
+        thief = threading.Thread(target=break_and_take)
+        thief.start()
+        with pytest.raises(LockBusy) as refused:
+            locker.lock("gone")
+        thief.join(30)
+        assert len(taken) == 1, "the new row was not there to break while its read-back waited"
+        assert refused.value.lock_id == taken[0].lock_id
+        taken[0].unlock()
+    finally:
+        proxy.close()
+        locker.close()
+        other.close()
         engine.dispose()
 
 
