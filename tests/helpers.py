@@ -12,13 +12,16 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 import sqlalchemy as sa
 
 from sqllocker import Lock, Locker
 from sqllocker.engine import resolve_url
+
+if TYPE_CHECKING:
+    from tests.stall_proxy import StallProxy
 
 
 def count_rows(locker: Locker) -> int:
@@ -210,3 +213,22 @@ def served_in_turn(waiting: list[tuple[threading.Thread, dict[str, Any]]]) -> li
                 left.remove((position, (thread, result)))
         time.sleep(0.01)
     return order
+
+
+def break_and_take_when_stalled(
+    proxy: StallProxy, locker: Locker, lockstring: str
+) -> tuple[threading.Thread, list[Lock]]:
+    """A thread (not started) that, once ``proxy`` has stalled before a statement
+    (``StallProxy.stall_before``), breaks ``lockstring``'s row through ``locker``, which does
+    not go through the proxy, and takes the lockstring; then it resumes the proxy, whatever
+    happened. The lock it took, if it took one, is in the list."""
+    taken: list[Lock] = []
+
+    def break_and_take() -> None:
+        try:
+            if proxy.stalled_before.wait(30) and locker.break_lock(lockstring) is not None:
+                taken.append(locker.lock(lockstring))
+        finally:
+            proxy.resume()
+
+    return threading.Thread(target=break_and_take), taken

@@ -24,12 +24,12 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from sqllocker import Lock, LockBusy, Locker, LockLost, UnsafeDatabase, UnsafeDatabaseWarning
+from sqllocker import LockBusy, Locker, LockLost, UnsafeDatabase, UnsafeDatabaseWarning
 from sqllocker.asyncio import AsyncLocker
 from sqllocker.backends.mysql import MySQLBackend
 from sqllocker.engine import resolve_url
 from tests.galera_cluster import GaleraCluster, running_galera_cluster
-from tests.helpers import holding_faults, worker_records
+from tests.helpers import break_and_take_when_stalled, holding_faults, worker_records
 from tests.stall_proxy import StallProxy
 from tests.workers import LOST
 
@@ -238,14 +238,7 @@ def test_an_acquire_whose_row_is_not_its_own_when_read_back_is_refused(
     kind = "group" if group else "one"
     names = [f"read back {front} {kind} {member}" for member in ("a", "b")[: 2 if group else 1]]
     breaker = Locker(cluster.urls()[0], table=TABLE)  # the same node, not through the proxy
-    taken: list[Lock] = []
-
-    def break_and_take() -> None:
-        try:
-            if proxy.stalled_before.wait(30) and breaker.break_lock(names[0]) is not None:
-                taken.append(breaker.lock(names[0]))
-        finally:
-            proxy.resume()
+    thief, taken = break_and_take_when_stalled(proxy, breaker, names[0])
 
     async def acquire_in_asyncio() -> None:
         async with AsyncLocker(url, table=TABLE) as locker:
@@ -255,7 +248,6 @@ def test_an_acquire_whose_row_is_not_its_own_when_read_back_is_refused(
             with pytest.raises(LockBusy):
                 await (locker.lock_all(names) if group else locker.lock(names[0]))
 
-    thief = threading.Thread(target=break_and_take)
     try:
         if front == "asyncio":
             asyncio.run(acquire_in_asyncio())

@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from sqllocker import Lock, LockBusy, Locker, LockLost, lock_table
 from sqllocker.engine import resolve_url
 from sqllocker.identity import HolderDetails, holder_details
-from tests.helpers import abandon, count_rows
+from tests.helpers import abandon, break_and_take_when_stalled, count_rows
 from tests.stall_proxy import StallProxy
 
 # -- DBIx::Locker t/basic.t ---------------------------------------------------------------------
@@ -518,19 +518,10 @@ def test_without_returning_an_acquire_whose_row_is_gone_when_read_back_is_refuse
     lock_table(table_name).create(engine)
     locker = Locker(engine, table=table_name)
     other = Locker(mysql_url, table=table_name)
-    taken: list[Lock] = []
-
-    def break_and_take() -> None:
-        try:
-            if proxy.stalled_before.wait(30) and other.break_lock("gone") is not None:
-                taken.append(other.lock("gone"))
-        finally:
-            proxy.resume()
-
+    thief, taken = break_and_take_when_stalled(proxy, other, "gone")
     try:
         locker.lock_info("gone")  # set up before the proxy waits for the read-back
         proxy.stall_before(f"SELECT {table_name}.created, {table_name}.expires".encode())
-        thief = threading.Thread(target=break_and_take)
         thief.start()
         with pytest.raises(LockBusy) as refused:
             locker.lock("gone")
