@@ -317,9 +317,6 @@ class LockOperations:
                     return outcome
                 taken.append(outcome)
             conn.transaction_control("COMMIT")
-            if self._inserts_replayed:
-                return self._all_as_stored(conn, members, taken)
-            return taken
         except sa.exc.DBAPIError as error:
             self._roll_back_quietly(conn)
             if be.is_transient_conflict(error):
@@ -329,6 +326,10 @@ class LockOperations:
         except BaseException:
             self._roll_back_quietly(conn)
             raise
+        # Committed: a failure from here on is tried again (_run), and the rows found ours.
+        if self._inserts_replayed:
+            return self._all_as_stored(conn, members, taken)
+        return taken
 
     @staticmethod
     def _roll_back_quietly(conn: DriverSession) -> None:

@@ -7,6 +7,7 @@ lose_answer_to() cuts one connection the moment the server has answered a chosen
 the statement took effect, and its client cannot know (and, if asked, stalls from then on).
 cut_before() cuts connections as they send a chosen statement, which never reaches the server.
 stall_before() stalls as a client sends a chosen statement, before it reaches the server.
+answer_with_mysql_error() answers a chosen statement with a MySQL error in the server's stead.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import select
 import socket
+import struct
 import sys
 import threading
 
@@ -35,6 +37,8 @@ class StallProxy:
         self._cuts_left = 0
         self.statements_cut = 0
         self._stalling: bytes | None = None  # see stall_before
+        self._erring: tuple[bytes, int] | None = None  # see answer_with_mysql_error
+        self.errors_answered = 0
         self.stalled_before = threading.Event()
         threading.Thread(target=self._accept, name="stall-proxy", daemon=True).start()
 
@@ -60,6 +64,25 @@ class StallProxy:
         with self._lock:
             self._stalling = marker
             self.stalled_before.clear()
+
+    def answer_with_mysql_error(self, marker: bytes, errno: int) -> None:
+        """The next statement a client sends that contains ``marker`` never reaches the server:
+        the proxy answers it with MySQL error ``errno``, as the server would have (a deadlock,
+        a lock wait timeout), and the connection goes on."""
+        with self._lock:
+            self._erring = (marker, errno)
+
+    def _error_answer(self, data: bytes) -> bytes | None:
+        """The error packet that answers ``data`` (a whole command packet), if it is the one."""
+        with self._lock:
+            if self._erring is None or self._erring[0] not in data:
+                return None
+            errno, self._erring = self._erring[1], None
+            self.errors_answered += 1
+        # ERR_Packet: 0xff, the error code, '#' and an SQLSTATE, the message; numbered one
+        # past the command's own sequence number.
+        payload = b"\xff" + struct.pack("<H", errno) + b"#40001injected by the test's proxy"
+        return struct.pack("<I", len(payload))[:3] + bytes([(data[3] + 1) % 256]) + payload
 
     def _stalls_before(self, data: bytes) -> bool:
         with self._lock:
@@ -135,6 +158,10 @@ class StallProxy:
                         return  # the answer goes nowhere, and both ends are closed
                     if sock is client and self._cuts(data):
                         return  # the statement goes nowhere, and both ends are closed
+                    error = self._error_answer(data) if sock is client else None
+                    if error is not None:
+                        client.sendall(error)
+                        continue
                     losing = losing or (sock is client and self._loses_answer_to(data))
                     if sock is client and self._stalls_before(data):
                         self._flowing.wait()

@@ -536,6 +536,36 @@ def test_without_returning_an_acquire_whose_row_is_gone_when_read_back_is_refuse
         engine.dispose()
 
 
+@pytest.mark.parametrize("group", [False, True], ids=["one lock", "lock_all"])
+def test_contention_met_by_a_read_back_is_tried_again_not_a_refusal(
+    mysql_url: str, table_name: str, group: bool
+) -> None:
+    """Where the table has the last word on an acquire (a Galera node), the rows are read back
+    after their commit. Contention the server reports on that read (a deadlock, here answered
+    by a proxy in the server's stead) is tried again, as on any statement: the rows are ours,
+    and the acquire finds them so. Taken for a refusal, a group would leave its committed rows
+    held, by nobody, until they expired."""
+    url = sa.make_url(resolve_url(mysql_url))
+    proxy = StallProxy(url.port or 3306)
+    locker = Locker(url.set(port=proxy.port), table=table_name, auto_create=True)
+    names = ["read back a", "read back b"][: 2 if group else 1]
+    try:
+        locker.lock_info(names[0])  # set up, then read back as on a Galera node
+        locker._operations._inserts_replayed = True
+        proxy.answer_with_mysql_error(b"AS ours", 1213)
+        held = locker.lock_all(names) if group else [locker.lock(names[0])]
+        assert proxy.errors_answered == 1
+        assert [locker.lock_info(name).lock_id for name in names] == [  # type: ignore[union-attr]
+            lock.lock_id for lock in held
+        ]
+        for lock in held:
+            lock.unlock()
+        assert count_rows(locker) == 0
+    finally:
+        proxy.close()
+        locker.close()
+
+
 def test_leaving_a_with_block_after_an_explicit_unlock_is_quiet(locker: Locker) -> None:
     with locker.lock("job") as lock:
         lock.unlock()
