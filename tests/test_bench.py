@@ -4,11 +4,12 @@ come from them, so a wrong count there would be a wrong claim there)."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
-from scripts import bench, many_waiters
+from scripts import async_segments, bench, many_waiters
 from scripts.bench import Turn, turn_figures
 
 HOLD, HANDOFF, STEP_BACK = 1.0, 0.05, 2.0
@@ -113,3 +114,15 @@ def test_many_waiters_counts_who_was_served_ahead_beyond_their_place_in_line() -
     assert unfair["later_max"] == 0  # passed by one, with one still ahead of it
     overlapping = [holder, (0.0, 2.0, 3.2, 3.2)]
     assert many_waiters.figures(overlapping, set())["overlaps"] == 1
+
+
+async def test_an_async_sqlite_cycle_is_two_trips_to_aiosqlites_thread(tmp_path: Any) -> None:
+    """scripts/async_segments.py splits a cycle at its calls to aiosqlite's thread: the floor's
+    and the library's cycles each make two (an acquire, a release), or the split, and the
+    performance history's figures from it, would not hold."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'segments.db'}"
+    [systems] = await async_segments.measure(url, rounds=1, cycles=200)
+    assert set(systems) == {"async floor", "sqllocker.asyncio"}
+    for figures in systems.values():
+        assert figures["cycles split"] >= 180  # a checkpoint's cycle makes a third call
+        assert 0 < figures["trip 1"] < figures["cycle"]
