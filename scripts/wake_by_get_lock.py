@@ -1,8 +1,8 @@
-"""Could MariaDB's waiters be woken by a ``GET_LOCK`` name instead of polling, or be handed the
-row by the release? (#34's goal 1)
+"""Could MariaDB's waiters be woken by a ``GET_LOCK`` name (or a ``KILL QUERY``) instead of
+polling, or be handed the row by the release? (#34's goal 1)
 
 Raw statements through PyMySQL, no library: 4 processes take turns on one row, each holding it
-1 ms and stepping back 2 ms, as the bench's contended rows do, in one of four ways:
+1 ms and stepping back 2 ms, as the bench's contended rows do, in one of five ways:
 
 - ``get_lock``: blocking ``GET_LOCK`` itself (the bench's baseline);
 - ``poll``: INSERT, and after a duplicate key sleep a quarter of the wait so far (as a polling
@@ -14,9 +14,13 @@ Raw statements through PyMySQL, no library: 4 processes take turns on one row, e
   ticket in its own transaction (a stored procedure: MariaDB's triggers cannot insert into
   their own table), one durable commit a turn instead of two; a refused waiter takes a ticket
   (an ``ENGINE=MEMORY`` table, as the library's) and polls, at a quarter of its wait so far,
-  until the row is its own, or free with no ticket ahead of its own.
+  until the row is its own, or free with no ticket ahead of its own;
+- ``kill``: first come, first served by tickets, each naming a second session of its waiter
+  that sleeps (``SELECT SLEEP``, a quarter of the wait so far) between the waiter's attempts;
+  the release, after its DELETE, cuts the lowest ticket's sleep short with ``KILL QUERY``
+  (which a user may send to its own sessions), so that the head tries at once.
 
-    .venv/bin/python scripts/wake_by_get_lock.py get_lock poll wake hand_over
+    .venv/bin/python scripts/wake_by_get_lock.py get_lock poll wake hand_over kill
 """
 
 from __future__ import annotations
@@ -84,8 +88,48 @@ def _handed_over(cursor: Any) -> int:
                 pass
 
 
+def _woken_by_kill(cursor: Any, sleeper: Any) -> int:
+    """Take the row, or a ticket naming the session that sleeps for it, and then the row once
+    the release's ``KILL QUERY`` cuts that sleep short (or it runs out) and no ticket is ahead
+    of ours; how many sleeps it took."""
+    pid = os.getpid()
+    gated = (
+        "INSERT INTO wake_prototype (ls, pid) SELECT 'x', %s FROM DUAL WHERE NOT "
+        "EXISTS (SELECT 1 FROM wake_tickets WHERE ls = 'x' AND id < %s)"
+    )
+    try:
+        cursor.execute(gated, (pid, 2**62))
+        if cursor.rowcount == 1:
+            return 0
+    except pymysql.err.IntegrityError:
+        pass
+    sleeper.execute("SELECT CONNECTION_ID()")
+    session = sleeper.fetchone()[0]
+    # The ticket names the sleeping session, for the release to KILL QUERY.
+    cursor.execute("INSERT INTO wake_tickets (ls, pid) VALUES ('x', %s)", (session,))
+    ticket, sleeps, began = cursor.lastrowid, 0, time.monotonic()
+    while True:
+        try:
+            cursor.execute(gated, (pid, ticket))
+            if cursor.rowcount == 1:
+                cursor.execute("DELETE FROM wake_tickets WHERE id = %s", (ticket,))
+                return sleeps
+        except pymysql.err.IntegrityError:
+            pass
+        sleeps += 1
+        ceiling = max(0.00025, min(0.25, (time.monotonic() - began) / 4))
+        try:
+            sleeper.execute("SELECT SLEEP(%s)", (ceiling,))
+            sleeper.fetchall()
+        except pymysql.err.OperationalError as error:
+            if error.args[0] != 1317:  # interrupted: the wake-up
+                raise
+
+
 def _take(mode: str, cursor: Any, waker: Any) -> int:
     """Take the row (or the named lock); how many refusals (or polls) it met."""
+    if mode == "kill":
+        return _woken_by_kill(cursor, waker)
     if mode == "get_lock":
         cursor.execute("SELECT GET_LOCK('wake-prototype-baseline', 60)")
         cursor.fetchall()
@@ -123,6 +167,11 @@ def _give(mode: str, cursor: Any, waker: Any) -> None:
         cursor.execute("CALL wake_hand_over(%s)", (os.getpid(),))
         return
     cursor.execute("DELETE FROM wake_prototype WHERE ls = 'x' AND pid = %s", (os.getpid(),))
+    if mode == "kill":
+        cursor.execute("SELECT pid FROM wake_tickets WHERE ls = 'x' ORDER BY id LIMIT 1")
+        head = cursor.fetchone()
+        if head is not None:
+            cursor.execute("KILL QUERY %s", (head[0],))
     if mode == "wake":
         waker.execute("SELECT RELEASE_LOCK(%s)", (NAME,))
         waker.fetchall()
@@ -206,5 +255,5 @@ def measure(mode: str) -> str:
 
 
 if __name__ == "__main__":
-    for mode in sys.argv[1:] or ["get_lock", "poll", "wake", "hand_over"]:
+    for mode in sys.argv[1:] or ["get_lock", "poll", "wake", "hand_over", "kill"]:
         print(measure(mode), flush=True)
