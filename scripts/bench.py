@@ -1040,6 +1040,15 @@ def _async_layers_section(rows: list[dict[str, Any]], rounds: int) -> list[str]:
             cells.append(f"{us:,.0f}" if previous is None else f"{us:,.0f} ({us - previous:+,.0f})")
             previous = us
         lines.append(f"| {BACKEND_NAMES.get(backend, backend)} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "On SQLite each call to aiosqlite is a trip to its thread and back, and an acquire and a",
+        "release are one call each, as the floor's two statements are. Split at those trips",
+        "(`scripts/async_segments.py`), a cycle's trips cost the library what they cost the",
+        "floor: what it adds is Python on the event loop's thread, before, between and after",
+        "them. The [speed history](speed-history.md) gives that split's figures and the designs",
+        "measured against it (the operations run whole in threads among them).",
+    ]
     return lines
 
 
