@@ -215,6 +215,11 @@ def served_in_turn(waiting: list[tuple[threading.Thread, dict[str, Any]]]) -> li
     return order
 
 
+# What an acquire's read-back of its row (Statements.holder_for_acquirer), and only it, sends:
+# the marker a proxy waits for.
+READ_BACK = b"AS ours"
+
+
 def break_and_take_when_stalled(
     proxy: StallProxy, locker: Locker, lockstring: str
 ) -> tuple[threading.Thread, list[Lock]]:

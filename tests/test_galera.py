@@ -29,7 +29,7 @@ from sqllocker.asyncio import AsyncLocker
 from sqllocker.backends.mysql import MySQLBackend
 from sqllocker.engine import resolve_url
 from tests.galera_cluster import GaleraCluster, running_galera_cluster
-from tests.helpers import break_and_take_when_stalled, holding_faults, worker_records
+from tests.helpers import READ_BACK, break_and_take_when_stalled, holding_faults, worker_records
 from tests.stall_proxy import StallProxy
 from tests.workers import LOST
 
@@ -214,10 +214,6 @@ def test_a_node_killed_mid_hold_lets_nobody_in_before_its_holder_is_told(
     contender.close()
     holder_close = threading.Thread(target=holder.close, daemon=True)
     holder_close.start()  # its node is gone: closing may wait on a dead connection
-
-
-# The acquire's read-back of its row (Statements.holder_for_acquirer), and only it, says this.
-READ_BACK = b"AS ours"
 
 
 @pytest.mark.parametrize("front", ["sync", "asyncio"])

@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from sqllocker import Lock, LockBusy, Locker, LockLost, lock_table
 from sqllocker.engine import resolve_url
 from sqllocker.identity import HolderDetails, holder_details
-from tests.helpers import abandon, break_and_take_when_stalled, count_rows
+from tests.helpers import READ_BACK, abandon, break_and_take_when_stalled, count_rows
 from tests.stall_proxy import StallProxy
 
 # -- DBIx::Locker t/basic.t ---------------------------------------------------------------------
@@ -552,7 +552,7 @@ def test_contention_met_by_a_read_back_is_tried_again_not_a_refusal(
     try:
         locker.lock_info(names[0])  # set up, then read back as on a Galera node
         locker._operations._inserts_replayed = True
-        proxy.answer_with_mysql_error(b"AS ours", 1213)
+        proxy.answer_with_mysql_error(READ_BACK, 1213)
         held = locker.lock_all(names) if group else [locker.lock(names[0])]
         assert proxy.errors_answered == 1
         assert [locker.lock_info(name).lock_id for name in names] == [  # type: ignore[union-attr]
