@@ -230,7 +230,10 @@ class LockOperations:
         # with the backend, which writes them; never changed by their users).
         self._expiry: dict[str, Any] = {}
         self._statements: Statements | None = None
-        self._inserts_replayed = False  # see ServerSettings.replays_inserts
+        # See ServerSettings.replays_inserts and retries_autocommit: where a group's rows, and
+        # where a lone acquire's row, are read back after their commit.
+        self._inserts_replayed = False
+        self._lone_inserts_retried = False
         self._prepared: PreparedCache
         self._needs_setup = True  # see ensure_setup
         self._setup_lock = threading.Lock()
@@ -259,7 +262,7 @@ class LockOperations:
             outcome = self._acquire_on(
                 conn, lockstring, guid, ttl, details, queue_key, look_first, in_line
             )
-            if self._inserts_replayed and isinstance(outcome, Acquired):
+            if self._lone_inserts_retried and isinstance(outcome, Acquired):
                 return self._as_stored(conn, lockstring, guid, outcome)
             return outcome
 
@@ -659,7 +662,8 @@ class LockOperations:
         self, conn: DriverSession, lockstring: str, guid: str, acquired: Acquired
     ) -> Acquired | Refused:
         """``acquired`` as its row stands once committed, read back by guid, where the server's
-        answer to the INSERT is not the last word (``ServerSettings.replays_inserts``): a row
+        answer to the INSERT is not the last word (``ServerSettings.retries_autocommit``; for a
+        group's rows, ``replays_inserts``): a row
         inserted again carries its new id, and a lockstring whose row is not ours is refused,
         whatever the INSERT answered."""
         params = {"ls": lockstring, "lock_guid": guid, **self._expiry_params()}
@@ -1132,6 +1136,13 @@ class LockOperations:
                     )
                     self._backend = backend
                     self._inserts_replayed = settings.replays_inserts
+                    # Read off one connection: only sqllocker's own connections, each straight
+                    # to the server, are all set alike.
+                    self._lone_inserts_retried = settings.replays_inserts and (
+                        settings.retries_autocommit
+                        or not self.owns_engine
+                        or self.transaction_pooling
+                    )
                     self._expiry = {
                         "minus_grace": backend.seconds_value(-self.grace),
                         "minus_foreign_grace": backend.seconds_value(

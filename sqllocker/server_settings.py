@@ -51,7 +51,13 @@ class ServerSettings(NamedTuple):
     # Why the table, if it exists, is not sqllocker's (a DBIx::Locker table): no operation may
     # run on it (see each backend's ``foreign_table``).
     foreign: str | None = None
-    # A Galera node: an INSERT that a replicated write aborts is run again by the node after its
-    # client was told of the first attempt's row, which may then carry another id or not exist
-    # (tests/test_galera.py saw both). Every acquired row is read back by guid after commit.
+    # A Galera node (``wsrep_on``). A group's rows are read back by guid after its commit, in
+    # case the node replayed the transaction (no run of tests/test_galera.py has seen a group's
+    # rows differ from what its INSERTs answered).
     replays_inserts: bool = False
+    # A Galera node whose session runs an autocommit statement that a replicated write aborted
+    # again by itself (``wsrep_retry_autocommit`` > 0), after its client was told of the first
+    # attempt's row, which may then carry another id or not exist (tests/test_galera.py saw
+    # both). A lone acquire's row is then read back by guid after commit too. sqllocker's own
+    # connections turn the retries off (``backends.mysql``).
+    retries_autocommit: bool = False

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from sqllocker import LockBusy, Locker, LockLost, UnsafeDatabase, UnsafeDatabaseWarning
 from sqllocker.asyncio import AsyncLocker
@@ -77,17 +78,19 @@ def run_workers(
     return reports
 
 
-def contend(cluster: GaleraCluster, urls: list[str], state: Path) -> dict[str, int]:
+def contend(cluster: GaleraCluster, urls: list[str], state: Path, *options: str) -> dict[str, int]:
     """Six workers, through ``urls`` in turn, take ``LOCKSTRING`` and update its counter;
     returns what their acquisitions show (see ``holding_faults``)."""
     started = time.monotonic()
-    reports = run_workers("counter", urls, state, [LOCKSTRING], "--count", str(ACQUISITIONS_EACH))
+    count = ("--count", str(ACQUISITIONS_EACH))
+    reports = run_workers("counter", urls, state, [LOCKSTRING], *count, *options)
     elapsed = time.monotonic() - started
     records = worker_records(state)
     assert len(records) == WORKERS * ACQUISITIONS_EACH
     assert sum(report["overlaps"] for report in reports) == 0
     # A lock told lost at its release, with nobody else in: the id its acquire reported was not
-    # its row's (Galera replayed the INSERT under another id), and the row stood until it expired.
+    # its row's (the node ran the INSERT again under another id, and nothing read the row back),
+    # and the row stood until it expired.
     assert sum(report["lost"] for report in reports) == 0, [
         line for report in reports for line in report["lost_told"]
     ]
@@ -104,12 +107,17 @@ def contend(cluster: GaleraCluster, urls: list[str], state: Path) -> dict[str, i
     return faults
 
 
+@pytest.mark.parametrize("engine", ["sqllocker's", "caller's"])
 def test_writers_on_every_node_never_hold_one_lockstring_at_once(
-    cluster: GaleraCluster, tmp_path: Path
+    cluster: GaleraCluster, tmp_path: Path, engine: str
 ) -> None:
     """Certification conflicts (two nodes inserting one lockstring) are retried, not raised;
-    the tokens' order across nodes is not guaranteed, and the settings check says so."""
-    faults = contend(cluster, cluster.urls(), tmp_path)
+    the tokens' order across nodes is not guaranteed, and the settings check says so.
+    Through sqllocker's own connections a node never runs an aborted INSERT again by itself
+    (its error is retried instead); through a caller's Engine it does, and each acquire reads
+    its row back: either way every lock holds its row's id (see the next test)."""
+    options = ("--callers-engine",) if engine == "caller's" else ()
+    faults = contend(cluster, cluster.urls(), tmp_path, *options)
     assert faults["double holders"] == 0
     assert faults["lost updates"] == 0
     with (
@@ -124,19 +132,44 @@ def test_writers_on_every_node_never_hold_one_lockstring_at_once(
         strict.lock("check")
 
 
-def test_a_galera_node_has_acquired_rows_read_back_and_a_plain_server_not(
+@pytest.mark.filterwarnings("ignore::sqllocker.UnsafeDatabaseWarning")  # reported above
+def test_a_lone_acquire_reads_its_row_back_only_where_the_node_may_run_its_insert_again(
     cluster: GaleraCluster, mysql_url: str
 ) -> None:
-    """Galera may replay an INSERT under another id (see the test above): its nodes' settings
-    say so, and the acquire reads its row back; a server without Galera costs no read."""
-    for url, replays in ((cluster.urls()[0], True), (mysql_url, False)):
-        engine = sa.create_engine(resolve_url(url))
-        try:
-            with engine.connect() as conn:
-                settings = MySQLBackend.for_dialect(conn.dialect).read_settings(conn, TABLE)
-        finally:
-            engine.dispose()
-        assert settings.replays_inserts is replays, url
+    """A Galera node runs an autocommit INSERT that a replicated write aborted again by itself
+    (``wsrep_retry_autocommit``), and its row may then stand under another id or not at all
+    (with neither the setting nor the read-back, the test above failed 2 runs in 2).
+    sqllocker's own connections turn that off, so a lone acquire through them sends its INSERT
+    and nothing more; through a caller's Engine, used as it is, it reads its row back. A group
+    reads its rows back on a Galera node either way; a server without Galera reads nothing."""
+    node = cluster.urls()[0]
+    counting = sa.create_engine(resolve_url(node))
+    with counting.connect() as status:
+
+        def selects() -> int:
+            return int(status.exec_driver_sql("SHOW GLOBAL STATUS LIKE 'Com_select'").one()[1])
+
+        for engine, read_backs in (("sqllocker's", 0), ("caller's", 10)):
+            target = node if engine == "sqllocker's" else sa.create_engine(resolve_url(node))
+            with Locker(target, table=TABLE) as locker:
+                locker.lock_info("read back count")  # set up first
+                before = selects()
+                for _ in range(10):
+                    locker.lock("read back count").unlock()
+                assert selects() - before == read_backs, engine
+                if engine == "sqllocker's":
+                    with locker.engine.connect() as conn:
+                        retries = "SELECT @@session.wsrep_retry_autocommit"
+                        assert conn.exec_driver_sql(retries).scalar() == 0
+    counting.dispose()
+    engine = sa.create_engine(resolve_url(mysql_url))
+    try:
+        with engine.connect() as conn:
+            settings = MySQLBackend.for_dialect(conn.dialect).read_settings(conn, TABLE)
+    finally:
+        engine.dispose()
+    assert not settings.replays_inserts
+    assert not settings.retries_autocommit
 
 
 @pytest.mark.filterwarnings("ignore::sqllocker.UnsafeDatabaseWarning")  # reported above
@@ -146,7 +179,7 @@ def test_groups_taken_on_every_node_never_overlap_and_are_released_as_stored(
     """Groups of two taken by writers on every node: their transactions' certification
     conflicts are retried like a single row's, no two holders overlap, and every member is
     released as it was stored (a worker's ``unlock`` raises LockLost otherwise). A group is
-    read back after its commit as a single row is, though no run here has yet caught Galera
+    read back after its commit through any engine, though no run here has yet caught Galera
     replaying a group's transaction: its replay window is the COMMIT alone."""
     lockstrings = ["galera a", "galera b", "galera c"]
     started = time.monotonic()
@@ -227,17 +260,20 @@ def test_an_acquire_whose_row_is_not_its_own_when_read_back_is_refused(
     the table then did not hold (the every-node test above caught it, rarely, on a loaded
     machine). Here another client breaks the new row and takes the lockstring between the
     INSERT and its read-back, which a proxy holds back: the acquire is refused, and a group
-    gives back the members it did take."""
+    gives back the members it did take. A lone acquire reads its row back through a caller's
+    Engine (sqllocker's own connections turn the node's retries off: see above)."""
     node = cluster.nodes[0]
     proxy = StallProxy(node.port)
     url = cluster.urls()[0].replace(f":{node.port}/", f":{proxy.port}/")
+    own = group  # else a caller's Engine
     kind = "group" if group else "one"
     names = [f"read back {front} {kind} {member}" for member in ("a", "b")[: 2 if group else 1]]
     breaker = Locker(cluster.urls()[0], table=TABLE)  # the same node, not through the proxy
     thief, taken = break_and_take_when_stalled(proxy, breaker, names[0])
 
     async def acquire_in_asyncio() -> None:
-        async with AsyncLocker(url, table=TABLE) as locker:
+        target = url if own else create_async_engine(resolve_url(url, asynchronous=True))
+        async with AsyncLocker(target, table=TABLE) as locker:
             await locker.lock_info(names[0])  # set up before the proxy waits for the read-back
             proxy.stall_before(READ_BACK)
             thief.start()
@@ -248,7 +284,7 @@ def test_an_acquire_whose_row_is_not_its_own_when_read_back_is_refused(
         if front == "asyncio":
             asyncio.run(acquire_in_asyncio())
         else:
-            with Locker(url, table=TABLE) as locker:
+            with Locker(url if own else sa.create_engine(resolve_url(url)), table=TABLE) as locker:
                 locker.lock_info(names[0])
                 proxy.stall_before(READ_BACK)
                 thief.start()

@@ -550,8 +550,9 @@ def test_contention_met_by_a_read_back_is_tried_again_not_a_refusal(
     locker = Locker(url.set(port=proxy.port), table=table_name, auto_create=True)
     names = ["read back a", "read back b"][: 2 if group else 1]
     try:
-        locker.lock_info(names[0])  # set up, then read back as on a Galera node
+        locker.lock_info(names[0])  # set up, then read back as on a Galera node that retries
         locker._operations._inserts_replayed = True
+        locker._operations._lone_inserts_retried = True
         proxy.answer_with_mysql_error(READ_BACK, 1213)
         held = locker.lock_all(names) if group else [locker.lock(names[0])]
         assert proxy.errors_answered == 1
@@ -560,6 +561,24 @@ def test_contention_met_by_a_read_back_is_tried_again_not_a_refusal(
         ]
         for lock in held:
             lock.unlock()
+        assert count_rows(locker) == 0
+    finally:
+        proxy.close()
+        locker.close()
+
+
+def test_a_server_without_galera_variables_still_connects(mysql_url: str, table_name: str) -> None:
+    """sqllocker's connections turn a Galera node's own retries of aborted statements off
+    (``wsrep_retry_autocommit``); a server that does not know the variable (MySQL, a MariaDB
+    built without Galera) answers that it does not, here in a proxy's voice, and the
+    connection is used as it is."""
+    url = sa.make_url(resolve_url(mysql_url))
+    proxy = StallProxy(url.port or 3306)
+    proxy.answer_with_mysql_error(b"SET SESSION wsrep_retry_autocommit", 1193)
+    locker = Locker(url.set(port=proxy.port), table=table_name, auto_create=True)
+    try:
+        locker.lock("job").unlock()
+        assert proxy.errors_answered == 1
         assert count_rows(locker) == 0
     finally:
         proxy.close()

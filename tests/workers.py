@@ -23,8 +23,11 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+import sqlalchemy as sa
+
 from sqllocker import Lock, LockBusy, Locker, LockError, LockLost, tickets
 from sqllocker.asyncio import AsyncLock, AsyncLocker
+from sqllocker.engine import resolve_url
 from tests.helpers import abandon
 
 
@@ -91,7 +94,7 @@ def acquire(locker: Locker, lockstring: str, args: argparse.Namespace, keep_aliv
 
 def counter(args: argparse.Namespace) -> int:
     locker = Locker(
-        args.url,
+        sa.create_engine(resolve_url(args.url)) if args.callers_engine else args.url,
         table=args.table,
         grace=args.grace,
         transaction_pooling=args.transaction_pooling,
@@ -497,6 +500,11 @@ def main(argv: list[str] | None = None) -> int:
         "--cancel-some",
         action="store_true",
         help="cancel a share of the acquires and releases at a random moment (asyncio only)",
+    )
+    work.add_argument(
+        "--callers-engine",
+        action="store_true",
+        help="through an Engine of the caller's, which sqllocker uses as it is (sync only)",
     )
     work.add_argument(
         "--transaction-pooling",

@@ -241,6 +241,7 @@ class MySQLBackend(Backend):
     def configure_engine(cls, engine: Engine) -> None:
         if engine.dialect.driver == "pymysql":
             sa.event.listen(engine, "do_connect", pymysql_tls.connect)
+        sa.event.listen(engine, "connect", _no_autocommit_retries)
 
     # -- settings ----------------------------------------------------------------------------------
 
@@ -272,7 +273,13 @@ class MySQLBackend(Backend):
                     f"{id_order_table_name(table)} (run `sqllocker migrate --table {table}`)"
                 )
                 problems.append(UnsafeSetting(setting, REORDERS_IDS))
-        wsrep = conn.exec_driver_sql("SHOW VARIABLES LIKE 'wsrep_on'").first()
+        # This session's values (sqllocker's own connections turn the retries off).
+        wsrep: dict[str, object] = dict(
+            conn.exec_driver_sql(
+                "SHOW VARIABLES WHERE variable_name IN ('wsrep_on', 'wsrep_retry_autocommit')"
+            ).all()
+        )
+        galera_node = str(wsrep.get("wsrep_on", "")).upper() == "ON"
         galera = conn.exec_driver_sql("SHOW GLOBAL STATUS LIKE 'wsrep_cluster_size'").first()
         if galera is not None and str(galera[1]).isdigit() and int(galera[1]) > 1:
             setting = (
@@ -285,7 +292,8 @@ class MySQLBackend(Backend):
             lock_stripes,
             has_line=_has_table(conn, requests_table_name(table)),
             foreign=self.foreign_table(conn, table),
-            replays_inserts=wsrep is not None and str(wsrep[1]).upper() == "ON",
+            replays_inserts=galera_node,
+            retries_autocommit=galera_node and str(wsrep.get("wsrep_retry_autocommit")) != "0",
         )
 
     def foreign_table(self, conn: Connection, table: str) -> str | None:
@@ -374,6 +382,27 @@ class MySQLBackend(Backend):
                 )
         statements.append(f"DROP TABLE {set_aside_name(table)}")
         return statements
+
+
+# A server without Galera does not know its variables.
+_UNKNOWN_SYSTEM_VARIABLE = 1193
+
+
+def _no_autocommit_retries(dbapi_connection: Any, _record: Any) -> None:
+    """On a Galera node, an autocommit statement that a replicated write aborted is run again
+    by the node itself (``wsrep_retry_autocommit``, 1 by default), after its client may have
+    been told of the first attempt's row: an acquire's INSERT could then stand under another
+    id, or not at all. Turned off, the node answers with a deadlock error instead, which the
+    lock operations try again as any contention, and an acquire need not read its row back
+    (``ServerSettings.retries_autocommit``)."""
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("SET SESSION wsrep_retry_autocommit = 0")
+    except Exception as error:
+        if getattr(error, "args", ())[:1] != (_UNKNOWN_SYSTEM_VARIABLE,):
+            raise
+    finally:
+        cursor.close()
 
 
 def _has_table(conn: Connection, name: str) -> bool:
