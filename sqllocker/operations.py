@@ -663,9 +663,8 @@ class LockOperations:
     ) -> Acquired | Refused:
         """``acquired`` as its row stands once committed, read back by guid, where the server's
         answer to the INSERT is not the last word (``ServerSettings.retries_autocommit``; for a
-        group's rows, ``replays_inserts``): a row
-        inserted again carries its new id, and a lockstring whose row is not ours is refused,
-        whatever the INSERT answered."""
+        group's rows, ``replays_inserts``): a row inserted again carries its new id, and a
+        lockstring whose row is not ours is refused, whatever the INSERT answered."""
         params = {"ls": lockstring, "lock_guid": guid, **self._expiry_params()}
         row = conn.execute(self._sql.holder_for_acquirer, params).first()
         if row is None or not row.ours:
