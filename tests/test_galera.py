@@ -151,7 +151,8 @@ def test_a_lone_acquire_reads_its_row_back_only_where_the_node_may_run_its_inser
             return int(status.exec_driver_sql("SHOW GLOBAL STATUS LIKE 'Com_select'").one()[1])
 
         for kind, read_backs in (("sqllocker's", 0), ("caller's", 10)):
-            target = node if kind == "sqllocker's" else sa.create_engine(resolve_url(node))
+            callers = sa.create_engine(resolve_url(node))  # used for the caller's kind only
+            target = node if kind == "sqllocker's" else callers
             with Locker(target, table=TABLE) as locker:
                 locker.lock_info("read back count")  # set up first
                 before = selects()
@@ -166,6 +167,7 @@ def test_a_lone_acquire_reads_its_row_back_only_where_the_node_may_run_its_inser
                     for lock in locker.lock_all(["read back a", "read back b"]):
                         lock.unlock()
                     assert selects() - before == 2, "a group's members are read back"
+            callers.dispose()
     counting.dispose()
     engine = sa.create_engine(resolve_url(mysql_url))
     try:
@@ -277,24 +279,27 @@ def test_an_acquire_whose_row_is_not_its_own_when_read_back_is_refused(
     thief, taken = break_and_take_when_stalled(proxy, breaker, names[0])
 
     async def acquire_in_asyncio() -> None:
-        target = url if own else create_async_engine(resolve_url(url, asynchronous=True))
-        async with AsyncLocker(target, table=TABLE) as locker:
+        callers = create_async_engine(resolve_url(url, asynchronous=True))
+        async with AsyncLocker(url if own else callers, table=TABLE) as locker:
             await locker.lock_info(names[0])  # set up before the proxy waits for the read-back
             proxy.stall_before(READ_BACK)
             thief.start()
             with pytest.raises(LockBusy):
                 await (locker.lock_all(names) if group else locker.lock(names[0]))
+        await callers.dispose()
 
     try:
         if front == "asyncio":
             asyncio.run(acquire_in_asyncio())
         else:
-            with Locker(url if own else sa.create_engine(resolve_url(url)), table=TABLE) as locker:
+            callers = sa.create_engine(resolve_url(url))
+            with Locker(url if own else callers, table=TABLE) as locker:
                 locker.lock_info(names[0])
                 proxy.stall_before(READ_BACK)
                 thief.start()
                 with pytest.raises(LockBusy):
                     locker.lock_all(names) if group else locker.lock(names[0])
+            callers.dispose()
         thief.join(30)
         assert len(taken) == 1, "the new row was not there to break while its read-back waited"
         held = breaker.lock_info(names[0])
