@@ -430,10 +430,14 @@ def test_release_and_extend_outlast_a_lock_wait_timeout(
                     .where(locker.table.c.id == lock.lock_id)
                     .with_for_update()
                 )
-            threading.Timer(2.5, blocker.rollback).start()
+            letting_go = threading.Timer(2.5, blocker.rollback)
+            letting_go.start()
             started = time.monotonic()
             operation()  # times out waiting twice, then succeeds once the blocker lets go
             assert time.monotonic() - started >= 2
+            # The timer's thread may still be reading the ROLLBACK's answer: leaving the block
+            # meanwhile would send another on the same connection.
+            letting_go.join()
     assert count_rows(locker) == 0
     engine.dispose()
 
