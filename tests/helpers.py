@@ -150,17 +150,37 @@ def tickets(admin: sa.Engine, table: str) -> list[tuple[str, str]]:
 
 
 def in_line(admin: sa.Engine, table: str, waiters: int = 1) -> None:
-    """Until ``waiters`` hold tickets, and a moment more: the first one's attempt after taking
-    its ticket (if the row looked free) must be over before a release, or that INSERT holds the
-    lockstring's id-order lock just then and the trigger, rather than wait for it, leaves the
-    row to that INSERT (which takes it, by the waiter's own hand)."""
+    """Until ``waiters`` hold tickets and no statement on ``table`` runs: the first one's
+    attempt after taking its ticket (if the row looked free) must be over before a release, or
+    that INSERT holds the lockstring's id-order lock just then and the trigger, rather than wait
+    for it, leaves the row to that INSERT (which takes it, by the waiter's own hand). A loaded
+    machine can take longer than the moment given for the attempt to start."""
     wait_until(lambda: len(tickets(admin, table)) == waiters)
     time.sleep(0.3)
+    wait_until(lambda: statements_running_on(admin, table) == 0)
 
 
 async def in_line_async(admin: sa.Engine, table: str, waiters: int = 1) -> None:
     await wait_until_async(lambda: len(tickets(admin, table)) == waiters)
     await asyncio.sleep(0.3)
+    await wait_until_async(lambda: statements_running_on(admin, table) == 0)
+
+
+def statements_running_on(admin: sa.Engine, table: str) -> int:
+    """How many other sessions run a statement naming ``table`` (or one of its functions), or
+    sit in a transaction after one, as the server's own list of sessions shows them."""
+    if admin.dialect.name == "postgresql":
+        sql = (
+            "SELECT count(*) FROM pg_catalog.pg_stat_activity WHERE pid <> pg_backend_pid() "
+            "AND state <> 'idle' AND strpos(query, %(table)s) > 0"
+        )
+    else:
+        sql = (
+            "SELECT count(*) FROM information_schema.processlist WHERE id <> CONNECTION_ID() "
+            "AND command <> 'Sleep' AND LOCATE(%(table)s, info) > 0"
+        )
+    with admin.connect() as conn:
+        return int(conn.exec_driver_sql(sql, {"table": table}).scalar_one())
 
 
 def worker_records(state: Path) -> list[dict[str, Any]]:
