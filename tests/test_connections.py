@@ -297,8 +297,12 @@ def a_rollback_journal_file_being_written(path: Path) -> Iterator[str]:
         conn.exec_driver_sql("PRAGMA journal_mode=DELETE")
         conn.exec_driver_sql("BEGIN IMMEDIATE")  # another process, mid-write
         conn.exec_driver_sql("CREATE TABLE other (x)")
-        threading.Timer(0.3, lambda: conn.exec_driver_sql("COMMIT")).start()
-        yield str(path)
+        committer = threading.Timer(0.3, lambda: conn.exec_driver_sql("COMMIT"))
+        committer.start()
+        try:
+            yield str(path)
+        finally:
+            committer.join()  # before the block closes the connection it commits on
     writer.dispose()
 
 
