@@ -68,9 +68,10 @@ def wait_until(condition: Callable[[], bool], timeout: float = 20) -> None:
         time.sleep(0.05)
 
 
-# The lock a test breaks with ``release --force``: renewed every second, so that a runner slowed
-# by a loaded machine still holds it when the break comes, rather than give it up at its deadline.
-LOST_EXPIRES = "3"
+# The expiry of a runner's lock that a test keeps alive, or breaks with ``release --force``:
+# renewed every second, so that a runner slowed by a loaded machine still holds it (and still
+# holds it when the break comes) rather than give it up at its deadline, as it would with 1 s.
+RUNNER_EXPIRES = "3"
 
 
 def first_line_of(stream: IO[str] | None, timeout: float = 20) -> str:
@@ -495,7 +496,16 @@ def test_run_keeps_the_lock_for_several_expiry_periods(
 ) -> None:
     done = tmp_path / "command-finished"
     runner = popen(
-        url, table_name, "run", "--expires", "1", "job", "--", "sh", "-c", f"sleep 4; touch {done}"
+        url,
+        table_name,
+        "run",
+        "--expires",
+        RUNNER_EXPIRES,
+        "job",
+        "--",
+        "sh",
+        "-c",
+        f"sleep 9; touch {done}",  # three expiry periods
     )
     wait_until(lambda: migrated.lock_info("job") is not None)
     first_id = migrated.lock_info("job").lock_id  # type: ignore[union-attr]
@@ -607,7 +617,7 @@ def test_ctrl_c_at_a_terminal_reaches_the_command_once(tmp_path: Path) -> None:
 def test_run_reports_a_lost_lock(
     migrated: Locker, url: str, table_name: str, sqllocker: Run
 ) -> None:
-    runner = popen(url, table_name, "run", "--expires", LOST_EXPIRES, "job", "--", "sleep", "60")
+    runner = popen(url, table_name, "run", "--expires", RUNNER_EXPIRES, "job", "--", "sleep", "60")
     wait_until(lambda: migrated.lock_info("job") is not None)
     assert sqllocker("release", "job", "--force").returncode == 0
     _, err = runner.communicate(timeout=30)
@@ -692,7 +702,7 @@ def test_run_stops_the_commands_whole_group_when_the_lock_is_lost(
     pids = tmp_path / "pids"
     script = WITH_GRANDCHILD.format(pids=pids)
     runner = popen(
-        url, table_name, "run", "--expires", LOST_EXPIRES, "job", "--", "sh", "-c", script
+        url, table_name, "run", "--expires", RUNNER_EXPIRES, "job", "--", "sh", "-c", script
     )
     grandchild, child = started_pids(pids)
     started = time.monotonic()
@@ -714,7 +724,7 @@ def test_run_kills_a_command_that_ignores_sigterm_after_kill_after(
         table_name,
         "run",
         "--expires",
-        LOST_EXPIRES,
+        RUNNER_EXPIRES,
         "--kill-after",
         "1",
         "job",
@@ -741,7 +751,7 @@ def test_run_with_on_lost_warn_lets_the_command_finish(
         table_name,
         "run",
         "--expires",
-        LOST_EXPIRES,
+        RUNNER_EXPIRES,
         "--on-lost",
         "warn",
         "job",
