@@ -15,6 +15,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,7 +24,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import create_async_engine
-from sqlalchemy.pool import AsyncAdaptedQueuePool
+from sqlalchemy.pool import AsyncAdaptedQueuePool, SingletonThreadPool, StaticPool
 from sqlalchemy.util import greenlet_spawn
 
 from sqllocker import Locker, execution
@@ -31,7 +32,7 @@ from sqllocker.asyncio import AsyncLocker
 from sqllocker.asyncio import concurrency as async_concurrency
 from sqllocker.backends import sqlite as sqlite_backend
 from sqllocker.connections import ConnectionStack, StackedConnection
-from sqllocker.engine import create_locker_engine, resolve_url
+from sqllocker.engine import create_async_locker_engine, create_locker_engine, resolve_url
 from tests.private_servers import running_private_server
 from tests.test_fork_and_clocks import run_in_child
 
@@ -193,6 +194,24 @@ def test_a_failed_connect_frees_its_place(tmp_path: Path) -> None:
         with pytest.raises(Exception, match="unable to open database file"):
             stack.take()
     assert stack.open == 0
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "asyncio"])
+@pytest.mark.parametrize(
+    "url", ["sqlite://", "sqlite:///file:shared-memory?mode=memory&cache=shared&uri=true"]
+)
+def test_a_database_in_memory_keeps_the_pool_it_lives_in(url: str, asynchronous: bool) -> None:
+    """SQLAlchemy 2.1 warns that a later release will give a ``mode=memory`` URL a QueuePool,
+    whose connections come and go: sqllocker names the pool that its locks (the database
+    itself, if unshared) live in, so no such change reaches them, nor the warning its users."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sa.exc.SADeprecationWarning)
+        if asynchronous:
+            engine = create_async_locker_engine(resolve_url(url, asynchronous=True)).sync_engine
+        else:
+            engine = create_locker_engine(resolve_url(url))
+    assert type(engine.pool) is (StaticPool if asynchronous else SingletonThreadPool)
+    engine.dispose()
 
 
 def test_threads_share_the_stack_without_sharing_a_connection(locker: Locker) -> None:

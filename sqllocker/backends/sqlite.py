@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.engine import URL, AdaptedConnection, Connection, Dialect, Engine
-from sqlalchemy.pool import AsyncAdaptedQueuePool, Pool
+from sqlalchemy.pool import AsyncAdaptedQueuePool, Pool, SingletonThreadPool, StaticPool
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.expression import Executable
 from sqlalchemy.types import TypeEngine
@@ -145,11 +145,14 @@ class SQLiteBackend(Backend):
 
     @classmethod
     def pool_class(cls, url: URL) -> type[Pool] | None:
+        asynchronous = url.get_driver_name() == "aiosqlite"
+        if _database_file(url) is None:
+            # The pool a database in memory lives in, named: SQLAlchemy 2.1 warns that a later
+            # release will give a mode=memory URL a pool whose connections come and go.
+            return StaticPool if asynchronous else SingletonThreadPool
         # SQLAlchemy before 2.0.38 gives aiosqlite's file databases a NullPool: every lock
         # operation would open a connection and apply its settings.
-        if url.get_driver_name() == "aiosqlite" and _database_file(url):
-            return AsyncAdaptedQueuePool
-        return None
+        return AsyncAdaptedQueuePool if asynchronous else None
 
     @classmethod
     def connect_args(
