@@ -637,8 +637,8 @@ async def test_cancelled_wait_stops_at_once(make_async_locker: MakeAsync) -> Non
     cancelled_at = time.monotonic()
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
-        await asyncio.wait_for(waiting, 2)
-    assert time.monotonic() - cancelled_at < 1.0
+        await asyncio.wait_for(waiting, 10)
+    assert time.monotonic() - cancelled_at < 5  # not at the holder's release: it never comes
     info = await holder.lock_info("job")
     assert info is not None
     assert info.lock_id == held.lock_id

@@ -215,10 +215,12 @@ def test_a_newcomer_does_not_take_a_free_row_ahead_of_a_live_ticket(
 
 
 def test_a_dead_ticket_keeps_nobody_waiting_and_the_purge_sweeps_it(
-    migrated_mysql: str, table_name: str, admin: sa.Engine
+    migrated_mysql: str, table_name: str, admin: sa.Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A ticket whose liveness name nobody holds (its Locker's process died) is passed over at
     once, and the purge deletes it; a live one it leaves."""
+    # Long, so that a first connection slowed by a loaded machine is not taken for it.
+    monkeypatch.setattr(ticketing, "PATIENCE", 5.0)
     dead = StrangerTicket(migrated_mysql, table_name, live=False)
     locker = Locker(migrated_mysql, table=table_name)
     started = time.monotonic()
