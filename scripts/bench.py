@@ -2,27 +2,14 @@
 
     .venv/bin/pip install -e '.[bench]'
     .venv/bin/python scripts/bench.py --quick      # under a minute
-    .venv/bin/python scripts/bench.py              # the README's figures
+    .venv/bin/python scripts/bench.py --out docs   # the performance page's figures
 
 Every ratio compares figures measured in the same run, so a busy or slow machine moves both
 sides. The *raw floor* of a backend is the very statements sqllocker sends for an uncontended
-acquire and release (compiled from sqllocker.statements), run through the same driver on one
-held autocommit connection with no library around them, with the values sqllocker sends: a
-guid of 16 random bytes in hex and a ``locked_by`` JSON of the same keys (host, pid, thread,
-program, user, guid), made once, so that both write the same rows. On SQLite the floor's
-connection copies its write-ahead log back as SQLite does by default (``FLOOR_SETTINGS``).
-
-Rows: uncontended cycles (acquire + release of distinct names, one process) with p50/p99
-latency; contended hand-off (processes taking turns on one name, each holding it ~1 ms and then
-stepping back so that waiters really wait) with a mutual-exclusion check and a fairness one (the
-most acquisitions by others between one's asking and its getting); and scale: cycle cost with
-many other rows in the table, throughput as processes are added, a worker's p99 while a large
-purge runs, and the connections a process holding many kept-alive locks uses. Around the
-contended rows, what a durable commit costs each server then (``commit_flush``), which those
-rows follow.
-Writes bench.json, bench.png and performance.md (the documentation's performance page) in
---out (bench-results/; ``--out docs`` refreshes the documentation); ``--render-only`` rewrites the
-page and chart from the bench.json already there.
+acquire and release, run through the same driver on one held autocommit connection with no
+library around them, with the values sqllocker sends (``FloorStatements``). The rows, and what
+each means, are on the page this writes: bench.json, bench.png and performance.md in --out
+(bench-results/); ``--render-only`` rewrites the page and chart from the bench.json there.
 """
 
 from __future__ import annotations
@@ -46,13 +33,13 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
 
 from sqllocker import Locker, lock_table
-from sqllocker.defaults import DEFAULT_PURGE_BATCH, DEFAULT_PURGE_PAUSE_RATIO
 from sqllocker.engine import create_locker_engine, resolve_url
 from sqllocker.migrations import current_revision, downgrade, upgrade, version_table_for
 from sqllocker.operations import LockOperations
@@ -66,8 +53,6 @@ URLS = {
 }
 REDIS_URL = os.environ.get("SQLLOCKER_BENCH_REDIS_URL", "redis://127.0.0.1:6379/15")
 TABLE = "sqllocker_bench"
-# A contender through a transaction pooler (scripts/pooler_rounds.py): its waiters back off.
-POOLED_SQLLOCKER = "sqllocker, transaction pooling"
 FULL_TABLE = "sqllocker_bench_full"  # the scale row's table with a million other rows
 
 
@@ -144,32 +129,22 @@ def cycle_figures(latencies: list[float], elapsed: float) -> dict[str, float]:
     }
 
 
-def postgres_connection(url: str) -> Any:
-    """A plain psycopg connection in autocommit mode: the alternatives' baseline, no library."""
-    import psycopg
-
+def plain_connection(url: str) -> Any:
+    """A plain psycopg or PyMySQL connection in autocommit mode: the alternatives' baseline."""
     target = resolve_url(url)
-    return psycopg.connect(
-        host=target.host,
-        port=target.port or 5432,
-        user=target.username,
-        dbname=target.database,
-        autocommit=True,
-    )
+    if target.get_backend_name() == "postgresql":
+        import psycopg
 
-
-def mysql_connection(url: str) -> Any:
-    """A plain PyMySQL connection in autocommit mode."""
+        return psycopg.connect(
+            host=target.host, port=target.port or 5432, user=target.username,
+            dbname=target.database, autocommit=True,
+        )  # fmt: skip
     import pymysql
 
-    target = resolve_url(url)
     return pymysql.connect(
-        host=target.host,
-        port=target.port or 3306,
-        user=target.username,
-        database=target.database,
-        autocommit=True,
-    )
+        host=target.host, port=target.port or 3306, user=target.username,
+        database=target.database, autocommit=True,
+    )  # fmt: skip
 
 
 def fresh_table(url: str, table: str = TABLE) -> None:
@@ -197,12 +172,12 @@ def drop_table(url: str, table: str) -> None:
 
 # -- uncontended ----------------------------------------------------------------------------------
 
+Cycle = tuple[Callable[[int], None], Callable[[], None]]  # (a cycle of lockstring n, close)
+
 
 class FloorStatements:
     """sqllocker's acquire and release statements, compiled for one dialect, as SQL text and
-    driver parameters: what the raw floors send, with values of the same size as sqllocker's
-    (until 2026-11-24 the floor's ``locked_by`` was only the guid: a smaller row to write, and
-    on MariaDB less for PyMySQL to escape)."""
+    driver parameters: what the raw floors send, with values of the same size as sqllocker's."""
 
     def __init__(self, table: LockOperations) -> None:
         from sqllocker.execution import Prepared
@@ -214,6 +189,7 @@ class FloorStatements:
         self._ttl, self._minus_grace = backend.seconds_value(3600), backend.seconds_value(-1)
         self._run = os.getpid()
         self._holder = holder_details({})  # made once: the floor's rows, not its work
+        self.settings = FLOOR_SETTINGS.get(backend.name, [])
 
     def acquire_parameters(self, n: int, guid: str) -> Any:
         values = {
@@ -229,31 +205,22 @@ class FloorStatements:
         return self.release.parameters({"lock_id": lock_id, "lock_guid": guid})
 
 
-# SQLite's own default: a commit that takes the write-ahead log past 1000 pages copies it back
-# into the database file. A Locker's connections leave that to its releases (see
-# ``sqllocker.backends.sqlite``), and a floor on one of them with nothing in its place never
-# checkpointed: its log grew by megabytes a second, and the Locker timed after it paid for
-# copying all of it back. A plain application pays for its own log, so the floor does.
+# What the floor's connection runs first, to be set up as a plain application's. SQLite: its
+# default checkpoint, which a Locker's connections leave to its releases; a floor without one
+# never copied its write-ahead log back, and the Locker timed after it paid for all of it.
 FLOOR_SETTINGS = {"sqlite": ["PRAGMA wal_autocheckpoint=1000"]}
 
 
-def floor_settings(table: LockOperations) -> list[str]:
-    """What the floor's connection runs first, to be set up as a plain application's."""
-    return FLOOR_SETTINGS.get(table.backend.name, [])
-
-
-def raw_floor_cycle(
-    url: str, transaction_pooling: bool = False
-) -> tuple[Callable[[int], None], Callable[[], None]]:
+def raw_floor_cycle(url: str) -> Cycle:
     """sqllocker's own acquire and release statements, straight through the driver (on a
-    connection made as sqllocker makes its own, with ``transaction_pooling`` as given)."""
-    locker = Locker(url, table=TABLE, transaction_pooling=transaction_pooling)
+    connection made as sqllocker makes its own)."""
+    locker = Locker(url, table=TABLE)
     locker.lock("compile").unlock()  # connect, learn the backend
     floor = FloorStatements(locker._operations)
     raw = locker.engine.raw_connection()
     connection: Any = raw.driver_connection
     cursor = connection.cursor()
-    for setting in floor_settings(locker._operations):
+    for setting in floor.settings:
         cursor.execute(setting)
 
     def cycle(n: int) -> None:
@@ -270,10 +237,8 @@ def raw_floor_cycle(
     return cycle, close
 
 
-def sqllocker_cycle(
-    url: str, table: str = TABLE, transaction_pooling: bool = False
-) -> tuple[Callable[[int], None], Callable[[], None]]:
-    locker = Locker(url, table=table, transaction_pooling=transaction_pooling)
+def sqllocker_cycle(url: str, table: str = TABLE) -> Cycle:
+    locker = Locker(url, table=table)
     run = os.getpid()
 
     def cycle(n: int) -> None:
@@ -306,7 +271,7 @@ async def async_raw_floor_cycle(url: str, layer: str = "driver") -> AsyncCycle:
     cursor = connection.cursor()
     if inspect.isawaitable(cursor):  # aiosqlite and aiomysql; psycopg's is plain
         cursor = await cursor
-    for setting in floor_settings(locker._operations):
+    for setting in floor.settings:
         await cursor.execute(setting)
     adapted = await in_greenlet(raw.cursor)
     # aiosqlite: each statement in one hop to its thread, as the library sends it.
@@ -402,7 +367,7 @@ async def async_figures(url: str, count: int, rounds: int) -> list[dict[str, dic
 
 
 def rounds_in_turn(
-    systems: Sequence[tuple[str, Callable[[], tuple[Callable[[int], None], Callable[[], None]]]]],
+    systems: Sequence[tuple[str, Callable[[], Cycle]]],
     count: int,
     rounds: int,
 ) -> list[dict[str, dict[str, float]]]:
@@ -444,33 +409,29 @@ def paired_rows(
     return rows
 
 
-def advisory_cycle(url: str) -> tuple[Callable[[int], None], Callable[[], None]]:
-    connection = postgres_connection(url)
+def statements_cycle(url: str, take: str, give: str, key: Callable[[int], object]) -> Cycle:
+    """A server's own lock of ``key(n)`` taken and given back by two statements (``take`` and
+    ``give``, each with the key as its parameter), on a plain connection."""
+    connection = plain_connection(url)
     cursor = connection.cursor()
 
     def cycle(n: int) -> None:
-        cursor.execute("SELECT pg_try_advisory_lock(%s)", (n,))
-        cursor.fetchone()
-        cursor.execute("SELECT pg_advisory_unlock(%s)", (n,))
-        cursor.fetchone()
+        for statement in (take, give):
+            cursor.execute(statement, (key(n),))
+            cursor.fetchone()
 
     return cycle, connection.close
 
 
-def get_lock_cycle(url: str) -> tuple[Callable[[int], None], Callable[[], None]]:
-    connection = mysql_connection(url)
-    cursor = connection.cursor()
-
-    def cycle(n: int) -> None:
-        cursor.execute("SELECT GET_LOCK(%s, 0)", (f"bench {n}",))
-        cursor.fetchone()
-        cursor.execute("SELECT RELEASE_LOCK(%s)", (f"bench {n}",))
-        cursor.fetchone()
-
-    return cycle, connection.close
+# The servers' own locks, beside sqllocker in the uncontended rows: (row, take, give, key).
+SERVER_LOCKS: dict[str, tuple[str, str, str, Callable[[int], object]]] = {
+    "postgresql": ("advisory try-lock", "SELECT pg_try_advisory_lock(%s)",
+                   "SELECT pg_advisory_unlock(%s)", int),
+    "mysql": ("GET_LOCK", "SELECT GET_LOCK(%s, 0)", "SELECT RELEASE_LOCK(%s)", "bench {}".format),
+}  # fmt: skip
 
 
-def redis_cycle() -> tuple[Callable[[int], None], Callable[[], None]]:
+def redis_cycle() -> Cycle:
     import redis
 
     client = redis.Redis.from_url(REDIS_URL)
@@ -483,7 +444,7 @@ def redis_cycle() -> tuple[Callable[[int], None], Callable[[], None]]:
     return cycle, client.close
 
 
-def redis_floor_cycle() -> tuple[Callable[[int], None], Callable[[], None]]:
+def redis_floor_cycle() -> Cycle:
     import redis
 
     client = redis.Redis.from_url(REDIS_URL)
@@ -504,13 +465,13 @@ def uncontended(
     for backend in backends:
         url = URLS[backend]
         fresh_table(url)
-        systems: list[tuple[str, Callable[[str], tuple[Callable[[int], None], Callable[[], None]]]]]
-        systems = [("raw floor", raw_floor_cycle), ("sqllocker", sqllocker_cycle)]
-        if backend == "postgresql":
-            systems.append(("advisory try-lock", advisory_cycle))
-        if backend == "mysql":
-            systems.append(("GET_LOCK", get_lock_cycle))
-        makers = [(name, functools.partial(make, url)) for name, make in systems]
+        makers = [
+            ("raw floor", functools.partial(raw_floor_cycle, url)),
+            ("sqllocker", functools.partial(sqllocker_cycle, url)),
+        ]
+        if backend in SERVER_LOCKS:
+            name, take, give, key = SERVER_LOCKS[backend]
+            makers.append((name, functools.partial(statements_cycle, url, take, give, key)))
         rows += paired_rows(backend, rounds_in_turn(makers, count, rounds), "raw floor")
         # The async rows' ratios are to the async floor: the same statements, the async driver.
         async_rounds = asyncio.run(async_figures(url, count, rounds))
@@ -536,9 +497,9 @@ STEP_BACK_SECONDS = 0.002  # and then pauses: the waiters, not the releaser, sho
 WARM_UP_SECONDS = 0.5  # turns taken before the measured ones
 
 
-def _contender(system: str, url: str, seconds: float, hold: float, ready: Any, queue: Any) -> None:
+def _contender(system: str, url: str, seconds: float, ready: Any, queue: Any) -> None:
     """One of the processes taking turns: it sets up its lock, waits at ``ready`` (a Barrier)
-    until every other process and the parent have too, then asks, holds for ``hold`` seconds,
+    until every other process and the parent have too, then asks, holds for HOLD_SECONDS,
     releases and steps back, for ``seconds``."""
     acquire, release, close = _blocking_lock(system, url)
     records = []
@@ -552,7 +513,7 @@ def _contender(system: str, url: str, seconds: float, hold: float, ready: Any, q
         asked = time.monotonic()
         token = acquire()
         got = time.monotonic()
-        time.sleep(hold)
+        time.sleep(HOLD_SECONDS)
         left = time.monotonic()
         release(token)
         released = time.monotonic()
@@ -567,9 +528,8 @@ def _blocking_lock(
     system: str, url: str
 ) -> tuple[Callable[[], Any], Callable[[Any], None], Callable[[], None]]:
     """(acquire, release, close) of one contender's blocking lock."""
-    if system in {"sqllocker", POOLED_SQLLOCKER}:
-        pooled = system == POOLED_SQLLOCKER
-        locker = Locker(url, table=TABLE, grace=1, transaction_pooling=pooled)
+    if system == "sqllocker":
+        locker = Locker(url, table=TABLE, grace=1)
         return (
             (lambda: locker.lock("contended", wait=None, expires=60)),
             (lambda lock: lock.unlock()),
@@ -583,29 +543,16 @@ def _blocking_lock(
             (lambda _: fcntl.flock(fd, fcntl.LOCK_UN)),
             (lambda: os.close(fd)),
         )
-    if system == "advisory lock":
-        connection = postgres_connection(url)
-
-        def acquire() -> None:
-            connection.execute("SELECT pg_advisory_lock(42)").fetchone()
-
-        def release(_: Any) -> None:
-            connection.execute("SELECT pg_advisory_unlock(42)").fetchone()
-
-        return acquire, release, connection.close
-    if system == "GET_LOCK":
-        connection = mysql_connection(url)
+    if system in BLOCKING_SERVER_LOCKS:
+        connection = plain_connection(url)
         cursor = connection.cursor()
+        take, give = BLOCKING_SERVER_LOCKS[system]
 
-        def take() -> None:
-            cursor.execute("SELECT GET_LOCK('contended', 60)")
+        def run(statement: str) -> None:
+            cursor.execute(statement)
             cursor.fetchone()
 
-        def give(_: Any) -> None:
-            cursor.execute("SELECT RELEASE_LOCK('contended')")
-            cursor.fetchone()
-
-        return take, give, connection.close
+        return (lambda: run(take)), (lambda _: run(give)), connection.close
     import redis
 
     client = redis.Redis.from_url(REDIS_URL)
@@ -616,6 +563,13 @@ def _blocking_lock(
         return lock
 
     return take_redis, lambda lock: lock.release(), client.close
+
+
+# The servers' own blocking locks, the contended rows' baselines: (take, give) of one key.
+BLOCKING_SERVER_LOCKS = {
+    "advisory lock": ("SELECT pg_advisory_lock(42)", "SELECT pg_advisory_unlock(42)"),
+    "GET_LOCK": ("SELECT GET_LOCK('contended', 60)", "SELECT RELEASE_LOCK('contended')"),
+}
 
 
 Turn = tuple[float, float, float, float]  # monotonic: asked, got, began releasing, released
@@ -649,14 +603,12 @@ def turn_figures(turns: list[Turn]) -> dict[str, Any]:
     }
 
 
-def contend(
-    system: str, url: str, processes: int, seconds: float, hold: float = HOLD_SECONDS
-) -> list[Turn]:
+def contend(system: str, url: str, processes: int, seconds: float) -> list[Turn]:
     """Every turn of ``processes`` contenders for ``seconds``, once all of them are ready."""
     context = processes_context()
     queue, ready = context.Queue(), context.Barrier(processes + 1)
     workers = [
-        context.Process(target=_contender, args=(system, url, seconds, hold, ready, queue))
+        context.Process(target=_contender, args=(system, url, seconds, ready, queue))
         for _ in range(processes)
     ]
     for worker in workers:
@@ -673,7 +625,6 @@ def contended(
     processes: int,
     seconds: float,
     rounds: int = 1,
-    hold: float = HOLD_SECONDS,
 ) -> list[dict[str, Any]]:
     """Each target's row from ``rounds`` rounds of ``seconds`` in which every target runs in
     turn: its acquisitions/s the median round's (the lowest and highest beside it), the rest
@@ -685,7 +636,7 @@ def contended(
         for backend, system, url in targets:
             if system == "sqllocker":
                 fresh_table(url)
-            records = contend(system, url, processes, seconds, hold)
+            records = contend(system, url, processes, seconds)
             turns.setdefault((backend, system), []).extend(records)
             rates.setdefault((backend, system), []).append(len(records) / seconds)
     return [
@@ -715,17 +666,11 @@ def commit_flush(backend: str, url: str, count: int = FLUSH_COMMITS) -> dict[str
     A table lock waits for one such flush on every acquisition, and on PostgreSQL every hand-off
     under contention (the release grants the row to the first waiter's ticket in its own
     transaction, which must be on disk before that waiter may act on it). Advisory locks,
-    ``GET_LOCK`` and Redis wait for none. This machine's disk answers a flush in ~0.2 ms most
-    of the time, and took 3-4 ms for some minutes of 2026-11-25 (cause unknown); a flush that
-    slow moves the contended rows far more than any change to the library did
-    (``contended_turns.py --flush-delay-ms``). Measured beside them, it says what they ran on.
-    """
-    if backend == "postgresql":
-        connection: Any = postgres_connection(url)
-        create = f"CREATE TABLE {FLUSH_TABLE} (id bigserial PRIMARY KEY, v integer)"
-    else:
-        connection = mysql_connection(url)
-        create = f"CREATE TABLE {FLUSH_TABLE} (id bigint AUTO_INCREMENT PRIMARY KEY, v integer)"
+    ``GET_LOCK`` and Redis wait for none. A slow flush moves the contended rows far more than
+    any change to the library did: measured beside them, it says what they ran on."""
+    key = "bigserial" if backend == "postgresql" else "bigint AUTO_INCREMENT"
+    create = f"CREATE TABLE {FLUSH_TABLE} (id {key} PRIMARY KEY, v integer)"
+    connection = plain_connection(url)
     cursor = connection.cursor()
     try:
         cursor.execute(f"DROP TABLE IF EXISTS {FLUSH_TABLE}")
@@ -753,32 +698,22 @@ def commit_flush(backend: str, url: str, count: int = FLUSH_COMMITS) -> dict[str
 
 
 def fill(url: str, count: int, expired: bool, table_name: str = TABLE) -> None:
+    """``count`` rows of other lockstrings, long expired or expiring far in the future."""
+    moment = datetime(2000 if expired else 2999, 1, 1, tzinfo=timezone.utc)
+    row = {"guid": "g", "created": moment, "expires": moment, "locked_by": {}}
     engine = sa.create_engine(resolve_url(url))
-    table = lock_table(table_name)
-    when = "2000-01-01" if expired else "2999-01-01"
-    from datetime import datetime, timezone
-
-    moment = datetime.fromisoformat(when).replace(tzinfo=timezone.utc)
-    batch = 20_000
     with engine.begin() as conn:
-        for start in range(0, count, batch):
+        for start in range(0, count, 20_000):
+            batch = range(start, min(count, start + 20_000))
             conn.execute(
-                sa.insert(table),
-                [
-                    {
-                        "lockstring": f"filler {start + n}",
-                        "guid": "g",
-                        "created": moment,
-                        "expires": moment,
-                        "locked_by": {},
-                    }
-                    for n in range(min(batch, count - start))
-                ],
+                lock_table(table_name).insert(),
+                [{**row, "lockstring": f"filler {n}"} for n in batch],
             )
     engine.dispose()
 
 
 def _cycler(url: str, seconds: float, queue: Any) -> None:
+    """Cycles on distinct lockstrings for ``seconds``: the latency of each."""
     cycle, close = sqllocker_cycle(url)
     latencies = []
     deadline = time.monotonic() + seconds
@@ -822,15 +757,9 @@ def cycles_per_s_of(url: str, processes: int, seconds: float) -> float:
     return total / seconds
 
 
-def purge_beside_a_worker(
-    url: str,
-    seconds: float,
-    batch_size: int = DEFAULT_PURGE_BATCH,
-    pause_ratio: float = DEFAULT_PURGE_PAUSE_RATIO,
-) -> tuple[list[float], list[float], int, float]:
+def purge_beside_a_worker(url: str, seconds: float) -> tuple[list[float], list[float], int, float]:
     """A worker cycling for ``seconds`` (quiet), then while the table's expired rows are purged
-    with the defaults, as `sqllocker purge-expired` does (or in batches of ``batch_size``,
-    resting ``pause_ratio`` times each batch's duration): its latencies before and during the
+    with the defaults, as `sqllocker purge-expired` does: its latencies before and during the
     purge (one worker process, so both sides share its connection, cache and luck), the rows
     purged and how long the purge took."""
     context = processes_context()
@@ -840,7 +769,7 @@ def purge_beside_a_worker(
     time.sleep(seconds + 1.0)  # its first second (connecting, warming up) is left out below
     purger = Locker(url, table=TABLE)
     t0 = time.monotonic()
-    purged = purger.purge_expired_locks(batch_size=batch_size, pause_ratio=pause_ratio)
+    purged = purger.purge_expired_locks()
     t1 = time.monotonic()
     purger.close()
     stop.set()
@@ -870,38 +799,30 @@ def scale(backends: list[str], profile: Profile) -> list[dict[str, Any]]:
                 if name not in best or figures["cycles_per_s"] > best[name]["cycles_per_s"]:
                     best[name] = figures
         drop_table(url, FULL_TABLE)
-        empty, full = best["empty"], best["full"]
+        empty, full = best["empty"]["cycles_per_s"], best["full"]["cycles_per_s"]
+        row = functools.partial(scale_row, backend)
         rows.append(
-            {
-                "backend": backend,
-                "row": f"cycle with {rows_in_table:,} other rows",
-                "value": full["cycles_per_s"] / empty["cycles_per_s"],
-                "detail": f"{empty['cycles_per_s']:.0f}/s empty, {full['cycles_per_s']:.0f}/s full",
-            }
-        )
+            row(f"cycle with {rows_in_table:,} other rows", full / empty,
+                f"{empty:.0f}/s empty, {full:.0f}/s full")
+        )  # fmt: skip
         fresh_table(url)
         for processes in (1, 2, 4):
-            rows.append(
-                {
-                    "backend": backend,
-                    "row": f"{processes} process(es), distinct names",
-                    "value": cycles_per_s_of(url, processes, seconds),
-                    "detail": "cycles/s in total",
-                }
-            )
+            per_s = cycles_per_s_of(url, processes, seconds)
+            rows.append(row(f"{processes} process(es), distinct names", per_s, "cycles/s in total"))
         # A worker's p99 quiet, and while a large purge runs beside it.
         fill(url, rows_in_table, expired=True)
-        quiet, busy, purged, purge_seconds = purge_beside_a_worker(url, seconds)
+        quiet, busy, purged, took = purge_beside_a_worker(url, seconds)
+        before, during = percentile(quiet, 0.99), percentile(busy, 0.99)
         rows.append(
-            {
-                "backend": backend,
-                "row": f"p99 during purge of {purged:,} rows",
-                "value": percentile(busy, 0.99) / percentile(quiet, 0.99),
-                "detail": f"quiet p99 {percentile(quiet, 0.99) * 1000:.2f} ms, during purge "
-                f"{percentile(busy, 0.99) * 1000:.2f} ms; purge took {purge_seconds:.1f}s",
-            }
-        )
+            row(f"p99 during purge of {purged:,} rows", during / before,
+                f"quiet p99 {before * 1000:.2f} ms, during purge {during * 1000:.2f} ms; "
+                f"purge took {took:.1f}s")
+        )  # fmt: skip
     return rows
+
+
+def scale_row(backend: str, row: str, value: float, detail: str) -> dict[str, Any]:
+    return {"backend": backend, "row": row, "value": value, "detail": detail}
 
 
 def connections_used(backend: str, profile: Profile) -> dict[str, Any]:
@@ -909,9 +830,8 @@ def connections_used(backend: str, profile: Profile) -> dict[str, Any]:
     held = profile.kept_alive
     fresh_table(url)
     locker = Locker(url, table=TABLE)
-    # Full run: renewed every 10 s; 1,000 renewals take a second or two of each period on a
-    # slow machine, and 15 s of samples show whether a connection stays checked out between
-    # them.
+    # Renewed at a third of their expiry; the samples span renewals, to show whether a
+    # connection stays checked out between them.
     expires = profile.kept_alive_expires
     locks = [locker.lock(f"kept {n}", expires=expires, keep_alive=True) for n in range(held)]
     samples = []
@@ -924,62 +844,23 @@ def connections_used(backend: str, profile: Profile) -> dict[str, Any]:
         lock.unlock()
     locker.close()
     drop_table(url, TABLE)  # the last step of a run: nothing is left on the servers
-    return {
-        "backend": backend,
-        "row": f"{held} kept-alive locks",
-        "value": opened,
-        "detail": f"connections open {opened} (pool size {pool_size}); "
+    return scale_row(
+        backend, f"{held} kept-alive locks", opened,
+        f"connections open {opened} (pool size {pool_size}); "
         f"checked out: median {statistics.median(samples)}, most {max(samples)}",
-    }
+    )  # fmt: skip
 
 
 # -- report ---------------------------------------------------------------------------------------
 
 
 def report(results: dict[str, Any], out: Path) -> None:
-    print("\nUncontended cycles (acquire + release, one process)")
-    print(
-        f"{'backend':<11} {'system':<19} {'cycles/s':>9} {'p50 ms':>7} {'p99 ms':>7} {'x floor':>8}"
-        f"  {'rounds':>9}"
-    )
-    for row in results["uncontended"]:
-        print(
-            f"{row['backend']:<11} {row['system']:<19} {row['cycles_per_s']:>9.0f} "
-            f"{row['p50_ms']:>7.3f} {row['p99_ms']:>7.3f} {row['ratio_to_floor']:>8.2f}"
-            f"  {_spread(row.get('ratio_range'), '.2f'):>9}"
-        )
-    if results.get("async_layers"):
-        print("\nThe async floor's statements in the layers sqllocker.asyncio adds, us a cycle")
-        for row in results["async_layers"]:
-            print(f"{row['backend']:<11} {row['system']:<30} {1e6 / row['cycles_per_s']:>8.0f}")
-    if results.get("contended"):
-        print(f"\nContended hand-off ({results['contended'][0]['processes']} processes, one name)")
-        print(
-            f"{'backend':<11} {'system':<15} {'acq/s':>7} {'hand-off p50':>13} {'p99':>8} "
-            f"{'wait p99':>9} {'passed by':>9} {'violations':>10}"
-        )
-        for row in results["contended"]:
-            p50 = "-" if row["handoff_p50_ms"] is None else f"{row['handoff_p50_ms']:.2f} ms"
-            p99 = "-" if row["handoff_p99_ms"] is None else f"{row['handoff_p99_ms']:.2f} ms"
-            print(
-                f"{row['backend']:<11} {row['system']:<15} {row['acquisitions_per_s']:>7.0f} "
-                f"{p50:>13} {p99:>8} {row['wait_p99_ms']:>7.1f}ms {row['overtaken_max']:>9} "
-                f"{row['violations']:>10}"
-            )
-    if results.get("commit_flush"):
-        print("\nA durable commit (a one-row INSERT) p50 / a bare round trip p50, around them")
-        for row in results["commit_flush"]:
-            print(
-                f"{row['backend']:<11} {row['when']:<7} {row['commit_p50_ms']:>7.3f} ms / "
-                f"{row['round_trip_p50_ms']:.3f} ms"
-            )
-    if results.get("scale"):
-        print("\nScale")
-        for row in results["scale"]:
-            print(f"{row['backend']:<11} {row['row']:<40} {row['value']:>9.2f}  {row['detail']}")
+    """The run's JSON, page and chart in ``out``, and the page's tables on the terminal."""
     out.mkdir(exist_ok=True)
     (out / "bench.json").write_text(json.dumps(results, indent=2))
     write_page_and_chart(results, out)
+    page = performance_page(results).splitlines()
+    print("\n".join(line for line in page if line.startswith(("#", "|"))))
 
 
 def write_page_and_chart(results: dict[str, Any], out: Path) -> None:
@@ -1027,29 +908,26 @@ def _async_layers_section(rows: list[dict[str, Any]], rounds: int) -> list[str]:
         "  place in the queue file.",
         "",
         "A step of a few microseconds either way is within the run's noise.",
-        "",
-        "| backend | async floor | in greenlets | run to its end | sqllocker.asyncio |",
-        "|---|---:|---:|---:|---:|",
     ]
-    order = [*ASYNC_LAYERS, "sqllocker.asyncio"]
+    cells = []
     for backend in dict.fromkeys(row["backend"] for row in rows):
         by_system = {row["system"]: row for row in rows if row["backend"] == backend}
-        cells, previous = [], None
-        for system in order:
-            us = 1e6 / by_system[system]["cycles_per_s"]
-            cells.append(f"{us:,.0f}" if previous is None else f"{us:,.0f} ({us - previous:+,.0f})")
-            previous = us
-        lines.append(f"| {BACKEND_NAMES.get(backend, backend)} | " + " | ".join(cells) + " |")
-    lines += [
+        us = [
+            1e6 / by_system[system]["cycles_per_s"]
+            for system in [*ASYNC_LAYERS, "sqllocker.asyncio"]
+        ]
+        steps = [f"{now:,.0f} ({now - before:+,.0f})" for before, now in itertools.pairwise(us)]
+        cells.append([_backend(backend), f"{us[0]:,.0f}", *steps])
+    header = "backend | async floor | in greenlets | run to its end | sqllocker.asyncio"
+    return [
+        *lines,
+        *_table(header, "-::::", cells),
         "",
         "On SQLite each call to aiosqlite is a trip to its thread and back, and an acquire and a",
-        "release are one call each, as the floor's two statements are. Split at those trips",
-        "(`scripts/async_segments.py`), a cycle's trips cost the library what they cost the",
-        "floor: what it adds is Python on the event loop's thread, before, between and after",
-        "them. The [speed history](speed-history.md) gives that split's figures and the designs",
-        "measured against it (the operations run whole in threads among them).",
+        "release are one call each, as the floor's two statements are: a cycle's trips cost the",
+        "library what they cost the floor, and what it adds is Python on the event loop's",
+        "thread, before, between and after them.",
     ]
-    return lines
 
 
 def performance_page(results: dict[str, Any]) -> str:
@@ -1073,9 +951,8 @@ def performance_page(results: dict[str, Any]) -> str:
         "for an uncontended acquire and release, run through the same driver on one held",
         "autocommit connection with nothing around them, with the values sqllocker sends: what a",
         "table lock cannot beat. On SQLite it copies its write-ahead log back into the database",
-        "file as SQLite does by default, as any application must. How the figures got where",
-        "they are, change by change, is in",
-        "[the speed history](speed-history.md).",
+        "file as SQLite does by default, as any application must. What changed the figures is",
+        "summarised in the project's `CHANGELOG.md` (*Performance changes*).",
         "",
         "![uncontended cycles and hand-off latency](bench.png)",
         "",
@@ -1087,20 +964,19 @@ def performance_page(results: dict[str, Any]) -> str:
         "and highest of those beside it: how far one round's ratio can stray). The async rows",
         "are measured against the *async* floor: the same statements through the async driver",
         "(psycopg's async connection, aiosqlite, aiomysql) on one held connection.",
-        "",
-        "| backend | system | cycles/s | p50 ms | p99 ms | x floor | rounds |",
-        "|---|---|---:|---:|---:|---:|---:|",
     ]
+    cells = []
     for row in results["uncontended"]:
         ratio = f"{row['ratio_to_floor']:.2f}"
-        if row["system"].startswith("sqllocker"):
-            ratio = f"**{ratio}**"
-        lines.append(
-            f"| {BACKEND_NAMES.get(row['backend'], row['backend'])} "
-            f"| {SYSTEM_NAMES.get(row['system'], row['system'])} | {row['cycles_per_s']:,.0f} "
-            f"| {row['p50_ms']:.3f} | {row['p99_ms']:.3f} | {ratio} "
-            f"| {_spread(row.get('ratio_range'), '.2f')} |"
-        )
+        cells.append(
+            [_backend(row["backend"]), SYSTEM_NAMES.get(row["system"], row["system"]),
+             f"{row['cycles_per_s']:,.0f}", f"{row['p50_ms']:.3f}", f"{row['p99_ms']:.3f}",
+             f"**{ratio}**" if row["system"].startswith("sqllocker") else ratio,
+             _spread(row.get("ratio_range"), ".2f")]
+        )  # fmt: skip
+    lines += _table(
+        "backend | system | cycles/s | p50 ms | p99 ms | x floor | rounds", "--:::::", cells
+    )
     lines += _async_layers_section(results.get("async_layers") or [], rounds)
     contended_rows = results.get("contended") or []
     if contended_rows:
@@ -1120,21 +996,18 @@ def performance_page(results: dict[str, Any]) -> str:
             "others fell between one acquisition's asking and its getting (first come, first",
             f"served: at most {processes - 1}), at the 99.9th percentile of the acquisitions and",
             "at most. *Overlaps*: two holders at once, checked by the processes themselves.",
-            "",
-            "| backend | system | acquisitions/s | rounds | hand-off p50 | hand-off p99 "
-            "| wait p99 | passed by (99.9%) | passed by (most) | overlaps |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
-        for row in contended_rows:
-            spread = _spread(row.get("acquisitions_range"), ",.0f")
-            lines.append(
-                f"| {BACKEND_NAMES.get(row['backend'], row['backend'])} "
-                f"| {SYSTEM_NAMES.get(row['system'], row['system'])} "
-                f"| {row['acquisitions_per_s']:,.0f} | {spread} | {_ms(row['handoff_p50_ms'])} "
-                f"| {_ms(row['handoff_p99_ms'])} | {_ms(row['wait_p99_ms'])} "
-                f"| {_passed_by_at(row, 0.999)} | {row['overtaken_max']} | {row['violations']} |"
-            )
+        cells = [
+            [_backend(row["backend"]), SYSTEM_NAMES.get(row["system"], row["system"]),
+             f"{row['acquisitions_per_s']:,.0f}", _spread(row.get("acquisitions_range"), ",.0f"),
+             _ms(row["handoff_p50_ms"]), _ms(row["handoff_p99_ms"]), _ms(row["wait_p99_ms"]),
+             str(_passed_by_at(row, 0.999)), str(row["overtaken_max"]), str(row["violations"])]
+            for row in contended_rows
+        ]  # fmt: skip
+        header = "backend | system | acquisitions/s | rounds | hand-off p50 | hand-off p99 "
+        header += "| wait p99 | passed by (99.9%) | passed by (most) | overlaps"
         lines += [
+            *_table(header, "--::::::::", cells),
             "",
             "Waiters queue on every backend. On PostgreSQL each takes a ticket, and the release",
             "hands the row to the first in its own transaction; that waiter reads its row back",
@@ -1153,19 +1026,17 @@ def performance_page(results: dict[str, Any]) -> str:
             "A contended turn waits for the disk: the release that hands the row over must be",
             "durable before the next holder may act on it. What a durable commit (a one-row",
             "INSERT) took, p50, just before and just after the contended rows:",
-            "",
-            "| backend | before | after | a bare round trip |",
-            "|---|---:|---:|---:|",
         ]
+        cells = []
         for backend in dict.fromkeys(row["backend"] for row in flushes):
             rows = {row["when"]: row for row in flushes if row["backend"] == backend}
             before, after = rows.get("before"), rows.get("after")
-            lines.append(
-                f"| {BACKEND_NAMES.get(backend, backend)} "
-                f"| {_ms(before['commit_p50_ms'] if before else None)} "
-                f"| {_ms(after['commit_p50_ms'] if after else None)} "
-                f"| {_ms((before or after or {}).get('round_trip_p50_ms'))} |"
-            )
+            cells.append(
+                [_backend(backend), _ms(before["commit_p50_ms"] if before else None),
+                 _ms(after["commit_p50_ms"] if after else None),
+                 _ms((before or after or {}).get("round_trip_p50_ms"))]
+            )  # fmt: skip
+        lines += _table("backend | before | after | a bare round trip", "-:::", cells)
     scale_rows = results.get("scale") or []
     if scale_rows:
         lines += [
@@ -1177,18 +1048,26 @@ def performance_page(results: dict[str, Any]) -> str:
             "p99 during a purge of many expired rows (with `sqllocker purge-expired`'s defaults)",
             "against just before it, and the connections of a process holding many kept-alive",
             "locks.",
-            "",
-            "| backend | measure | value | detail |",
-            "|---|---|---:|---|",
         ]
-        for row in scale_rows:
-            value = row["value"]
-            shown = f"{value:,.0f}" if value >= 100 else f"{value:.2f}"
-            lines.append(
-                f"| {BACKEND_NAMES.get(row['backend'], row['backend'])} | {row['row']} "
-                f"| {shown} | {row['detail']} |"
-            )
+        cells = [
+            [_backend(row["backend"]), row["row"],
+             f"{row['value']:,.0f}" if row["value"] >= 100 else f"{row['value']:.2f}",
+             row["detail"]]
+            for row in scale_rows
+        ]  # fmt: skip
+        lines += _table("backend | measure | value | detail", "--:-", cells)
     return "\n".join(lines) + "\n"
+
+
+def _table(header: str, alignment: str, cells: list[list[str]]) -> list[str]:
+    """A Markdown table after a blank line: ``alignment`` has a ``-`` (left) or ``:`` (right)
+    for each column of ``header``."""
+    rule = "|".join("---" if side == "-" else "---:" for side in alignment)
+    return ["", f"| {header} |", f"|{rule}|", *(f"| {' | '.join(row)} |" for row in cells)]
+
+
+def _backend(backend: str) -> str:
+    return BACKEND_NAMES.get(backend, backend)
 
 
 def _passed_by_at(row: dict[str, Any], fraction: float) -> int:
@@ -1298,13 +1177,9 @@ def main() -> int:
     parser.add_argument("--backends", default="sqlite,postgresql,mysql")
     parser.add_argument("--skip", default="", help="comma-separated: contended,scale")
     parser.add_argument("--out", default="bench-results")
-    parser.add_argument(
-        "--render-only",
-        action="store_true",
-        help="measure nothing: rewrite the page and chart from OUT/bench.json",
-    )
+    parser.add_argument("--render-only", action="store_true", help="from OUT/bench.json")
     args = parser.parse_args()
-    if args.render_only:
+    if args.render_only:  # measure nothing: the page and chart again
         write_page_and_chart(
             json.loads((Path(args.out) / "bench.json").read_text()), Path(args.out)
         )
@@ -1324,12 +1199,8 @@ def main() -> int:
     )
     if "contended" not in skip:
         targets = [(b, "sqllocker", URLS[b]) for b in backends]
-        if "sqlite" in backends:
-            targets.append(("sqlite", "flock", URLS["sqlite"]))
-        if "postgresql" in backends:
-            targets.append(("postgresql", "advisory lock", URLS["postgresql"]))
-        if "mysql" in backends:
-            targets.append(("mysql", "GET_LOCK", URLS["mysql"]))
+        baselines = {"sqlite": "flock", "postgresql": "advisory lock", "mysql": "GET_LOCK"}
+        targets += [(b, baselines[b], URLS[b]) for b in backends]
         targets.append(("redis", "redis-py Lock", REDIS_URL))
         servers = [b for b in backends if b in {"postgresql", "mysql"}]
         flushes = [{"when": "before", **commit_flush(b, URLS[b])} for b in servers]

@@ -4,12 +4,11 @@ come from them, so a wrong count there would be a wrong claim there)."""
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
-from scripts import async_segments, bench, many_waiters
+from scripts import bench
 from scripts.bench import Turn, turn_figures
 
 HOLD, HANDOFF, STEP_BACK = 1.0, 0.05, 2.0
@@ -93,36 +92,3 @@ def test_the_performance_page_is_what_the_benchmark_wrote() -> None:
     docs = Path(__file__).resolve().parents[1] / "docs"
     results = json.loads((docs / "bench.json").read_text())
     assert (docs / "performance.md").read_text() == bench.performance_page(results)
-
-
-def test_many_waiters_counts_who_was_served_ahead_beyond_their_place_in_line() -> None:
-    """Three waiters ask at 0, 1 and 2 while a holder holds until 3; served in the order they
-    asked, nobody is passed beyond its place. Served C, B, A, the first to ask was passed by two
-    that were behind it: a waiter's first ask (the one at 0, here) is left out of the figures
-    after the first turns."""
-    holder: Turn = (-1.0, -0.5, 3.0, 3.0)
-    in_order = [holder, (0.0, 3.1, 3.2, 3.2), (1.0, 3.3, 3.4, 3.4), (2.0, 3.5, 3.6, 3.6)]
-    fair = many_waiters.figures(in_order, set())
-    assert fair["overlaps"] == 0
-    assert fair["beyond_place_max"] == 0
-    assert fair["later_max"] == 0
-    reversed_order = [holder, (0.0, 3.5, 3.6, 3.6), (1.0, 3.3, 3.4, 3.4), (2.0, 3.1, 3.2, 3.2)]
-    unfair = many_waiters.figures(reversed_order, {0.0})
-    assert unfair["beyond_place_max"] == 2
-    assert unfair["passed_max"] == 2
-    assert unfair["later_count"] == 3  # the holder and the two that asked at 1 and 2
-    assert unfair["later_max"] == 0  # passed by one, with one still ahead of it
-    overlapping = [holder, (0.0, 2.0, 3.2, 3.2)]
-    assert many_waiters.figures(overlapping, set())["overlaps"] == 1
-
-
-async def test_an_async_sqlite_cycle_is_two_trips_to_aiosqlites_thread(tmp_path: Any) -> None:
-    """scripts/async_segments.py splits a cycle at its calls to aiosqlite's thread: the floor's
-    and the library's cycles each make two (an acquire, a release), or the split, and the
-    performance history's figures from it, would not hold."""
-    url = f"sqlite+aiosqlite:///{tmp_path / 'segments.db'}"
-    [systems] = await async_segments.measure(url, rounds=1, cycles=200)
-    assert set(systems) == {"async floor", "sqllocker.asyncio"}
-    for figures in systems.values():
-        assert figures["cycles split"] >= 180  # a checkpoint's cycle makes a third call
-        assert 0 < figures["trip 1"] < figures["cycle"]

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from scripts.many_waiters import Sampler, open_connections
 from sqllocker import Locker, LockTypeError, LockValueError
 from sqllocker.asyncio import AsyncLocker
 from sqllocker.engine import resolve_url
 from sqllocker.migrations import upgrade
+from tests.connection_count import Sampler, open_connections
 from tests.workers import async_url
 
 WAITERS = "ABCD"
