@@ -3,8 +3,7 @@
 A lock cycle is two statements, each on a connection checked out for it alone (holding a lock
 holds no connection). SQLAlchemy's pool builds a proxy with a ``weakref.finalize`` for every
 checkout, and on a small VM whatever runs right after a round trip runs several times slower
-than in a tight loop (the CPU idled while the server worked; docs/speed-history.md has the
-figures). So the lock operations
+than in a tight loop (the CPU idled while the server worked). So the lock operations
 keep driver connections of their own on a stack instead, each with its one cursor. An
 AsyncLocker's stack holds its engine's adapted connections, taken and given back in the greenlets
 its lock operations run in; its callers wait for one at the limit as tasks do

@@ -4,6 +4,6 @@ DEFAULT_EXPIRES = 3600.0
 DEFAULT_GRACE = 1.0
 DEFAULT_PURGE_BATCH = 5000
 # A purge rests this many times each batch's duration after it, so that lock operations beside
-# it keep their usual latency while a large backlog still goes in minutes (the rounds that chose
-# it are in docs/speed-history.md).
+# it keep their usual latency while a large backlog still goes in minutes (CHANGELOG.md,
+# Performance changes).
 DEFAULT_PURGE_PAUSE_RATIO = 6.0

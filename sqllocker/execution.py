@@ -2,7 +2,7 @@
 
 A lock cycle is two short statements, and SQLAlchemy's per-execution machinery (cache lookup,
 parameter construction, result set-up, transaction bookkeeping) cost more than the database
-round trips themselves on SQLite, and a good part of them on the servers (docs/speed-history.md).
+round trips themselves on SQLite, and a good part of them on the servers (CHANGELOG.md).
 So each statement built in ``statements.py`` is compiled once per dialect,
 its literal parameters and SQLAlchemy's own bind and result processors are kept, and it runs
 straight on the pooled DBAPI connection's cursor (or, on a driver whose cursor takes several

@@ -205,9 +205,9 @@ def test_releases_checkpoint_the_log_once_they_have_left_their_place(
     lockers: Callable[[], Locker], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SQLite's own checkpoint ran inside whichever commit took the log past its limit, now and
-    then a release still holding its place: its waiters waited it out (docs/speed-history.md
-    has the bench's figures). The engine's connections no longer checkpoint as they commit; a
-    release does, every CHECKPOINT_EVERY, once its place is free."""
+    then a release still holding its place: its waiters waited it out. The engine's connections
+    no longer checkpoint as they commit; a release does, every CHECKPOINT_EVERY, once its place
+    is free."""
     monkeypatch.setattr(operations, "CHECKPOINT_EVERY", 4)
     locker = lockers()
     probe = FileQueue(str(tmp_path / "locks.db"))

@@ -133,7 +133,7 @@ def purge_meanwhile(locker: Locker, done: threading.Event) -> list[int]:
 # the waiters race to take each abandoned row over as soon as it expires. Short, but not too
 # short for the live holders: with a quarter of a second, a sync MariaDB worker on this 2-core
 # VM now and then lost a lock to a release that had to open a connection first (PyMySQL built
-# a TLS context for each then, since shared: docs/speed-history.md), and was taken over meanwhile.
+# a TLS context for each then, since shared: CHANGELOG.md), and was taken over meanwhile.
 ABANDON_EVERY = 100
 ABANDONING = ("--abandon-every", str(ABANDON_EVERY), "--expires", "1.0", "--grace", "0")
 # Workers that never wait: each acquisition tries again and again (the one-attempt path).

@@ -4,8 +4,8 @@ The lock operations are sync code (``operations.py``), written once for both fro
 asyncio each runs in a greenlet, where SQLAlchemy's ``await_`` hands every driver call to the
 event loop. SQLAlchemy's ``greenlet_spawn`` makes a new greenlet for every call, and a new
 greenlet's first run allocates a frame stack of its own: a measurable share of an async lock
-cycle (docs/speed-history.md). So each thread keeps the greenlets whose call has ended, and
-runs the next call in one of them.
+cycle (CHANGELOG.md). So each thread keeps the greenlets whose call has ended, and runs the
+next call in one of them.
 """
 
 from __future__ import annotations

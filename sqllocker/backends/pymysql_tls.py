@@ -3,7 +3,7 @@
 Given no TLS options, PyMySQL (from 1.2) tries TLS if the server offers it, verifying
 nothing, and builds that context anew for every connection, loading the system's CA paths for
 a context that uses none of them: far more of the connecting thread's CPU than the connection
-itself, which a lock operation that has to open a connection waits for (docs/speed-history.md).
+itself, which a lock operation that has to open a connection waits for (CHANGELOG.md).
 Engines sqllocker makes connect through ``connect``, whose connections share one such context,
 built by PyMySQL itself on first use. Connections given TLS options of their own build theirs
 as PyMySQL does.

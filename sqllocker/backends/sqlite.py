@@ -171,7 +171,7 @@ class SQLiteBackend(Backend):
     @classmethod
     def in_one_call(cls, dbapi_connection: Any) -> OneCall | None:
         # aiosqlite runs each call of a connection in its thread: a call is a thread's wake-up
-        # and the event loop's, a good part of an async cycle (docs/speed-history.md).
+        # and the event loop's, a good part of an async cycle (CHANGELOG.md).
         if isinstance(dbapi_connection, AdaptedConnection):
             return _in_one_call_of_aiosqlite(dbapi_connection)
         return None
