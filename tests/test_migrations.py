@@ -1,11 +1,10 @@
-"""The shipped migrations build exactly sqllocker.schema.lock_table(), and ship in the wheel."""
+"""The shipped migrations build exactly sqllocker.schema.lock_table() (that they ship in the
+wheel: tests/test_release.py)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import venv
 from pathlib import Path
 
 import pytest
@@ -132,49 +131,3 @@ def test_sqlite_processes_creating_the_table_at_once_do_not_collide(tmp_path: Pa
     for worker in workers:
         _, err = worker.communicate(timeout=120)
         assert worker.returncode == 0, err
-
-
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX venv layout")
-def test_built_wheel_installs_in_a_fresh_venv_and_migrates(tmp_path: Path) -> None:
-    dist = tmp_path / "dist"
-    subprocess.run(
-        [sys.executable, "-m", "build", "--wheel", "--outdir", str(dist), str(REPO)],
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
-    (wheel,) = dist.glob("sqllocker-*.whl")
-    env_dir = tmp_path / "venv"
-    venv.create(env_dir, with_pip=True)
-    python = env_dir / "bin" / "python"
-    subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", str(wheel)],
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
-    database = tmp_path / "wheel.db"
-    elsewhere = tmp_path / "elsewhere"  # not the checkout: the scripts must come from the wheel
-    elsewhere.mkdir()
-    sqllocker = env_dir / "bin" / "sqllocker"
-    migrate = subprocess.run(
-        [str(sqllocker), "--url", f"sqlite:///{database}", "migrate"],
-        cwd=elsewhere,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert migrate.returncode == 0, migrate.stderr
-    engine = sa.create_engine(f"sqlite:///{database}")
-    assert current_revision(engine) == head_revision()
-    assert schema_differences(engine) == []
-    engine.dispose()
-    where = subprocess.run(
-        [str(python), "-c", "import sqllocker.migrations as m; print(m.script_location())"],
-        cwd=elsewhere,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert "site-packages" in where.stdout
-    assert (Path(where.stdout.strip()) / "versions").is_dir()
