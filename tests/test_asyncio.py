@@ -478,6 +478,7 @@ async def test_unreachable_database_is_a_database_error(bad_url: str) -> None:
 # -- keep-alive and on_lost -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_keep_alive_task_holds_a_short_lock(make_async_locker: MakeAsync) -> None:
     locker, other = make_async_locker(), make_async_locker()
     lock = await locker.lock("job", expires=1, keep_alive=True)
@@ -687,6 +688,7 @@ async def test_a_callers_async_engine_is_used_as_it_is(
         await engine.dispose()
 
 
+@pytest.mark.slow
 def test_one_locker_serves_one_event_loop_after_another(
     make_locker: Callable[..., Locker], url: str, table_name: str
 ) -> None:
@@ -767,6 +769,7 @@ holder.close()
 """
 
 
+@pytest.mark.slow
 def test_loop_after_loop_leaves_no_connection_behind(url: str, table_name: str) -> None:
     """An AsyncLocker used by ``asyncio.run`` after ``asyncio.run``, never closed: each loop's
     connections are closed as that loop shuts down, while it still can. Forgotten instead,
@@ -816,6 +819,7 @@ asyncio.run(main(sys.argv[1]))
 """
 
 
+@pytest.mark.slow
 def test_tasks_that_find_the_setup_needed_again_at_once_do_not_stop_the_event_loop(
     tmp_path: Path,
 ) -> None:

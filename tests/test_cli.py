@@ -123,6 +123,7 @@ def test_usage_errors_exit_2(sqllocker: Run) -> None:
 # -- migrate --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_migrate_check_apply_and_sql(sqllocker: Run, url: str, table_name: str) -> None:
     behind = sqllocker("migrate", "--check")
     assert behind.returncode == 1
@@ -206,6 +207,7 @@ def test_sqlite_default_needs_no_set_up(tmp_path: Path) -> None:
 # -- list / show ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_list_and_show_in_text_and_json(sqllocker: Run, migrated: Locker) -> None:
     live = migrated.lock("report 1", expires=600, locked_by={"job": "report"})
     other = migrated.lock("digest", expires=600)
@@ -272,6 +274,7 @@ def test_list_and_show_in_text_and_json(sqllocker: Run, migrated: Locker) -> Non
 # -- release --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_control_characters_in_a_row_never_reach_the_terminal(
     sqllocker: Run, migrated: Locker
 ) -> None:
@@ -313,6 +316,7 @@ def test_release_needs_force_and_can_name_the_acquisition(sqllocker: Run, migrat
 # -- purge-expired --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_purge_expired_output_modes(sqllocker: Run, migrated: Locker) -> None:
     live = migrated.lock("live", expires=600)
     for n in range(3):
@@ -336,6 +340,7 @@ def test_purge_expired_output_modes(sqllocker: Run, migrated: Locker) -> None:
     live.unlock()
 
 
+@pytest.mark.slow
 def test_purge_of_100000_expired_rows_interleaved_with_live_ones(
     sqllocker: Run, migrated: Locker
 ) -> None:
@@ -441,6 +446,7 @@ def test_purge_options_reach_the_library(tmp_path: Path, monkeypatch: pytest.Mon
 # -- run ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_run_returns_the_commands_exit_status(sqllocker: Run, migrated: Locker) -> None:
     assert sqllocker("run", "job", "--", "true").returncode == 0
     assert sqllocker("run", "job", "--", "sh", "-c", "exit 3").returncode == 3
@@ -459,6 +465,7 @@ def test_run_gives_the_command_its_fencing_token(sqllocker: Run, migrated: Locke
     assert lockstring.strip() == "job"
 
 
+@pytest.mark.slow
 def test_run_conflict_exit_code_and_message(
     sqllocker: Run, migrated: Locker, url: str, table_name: str
 ) -> None:
@@ -480,6 +487,7 @@ def test_run_conflict_exit_code_and_message(
         holder.communicate(timeout=30)
 
 
+@pytest.mark.slow
 def test_run_with_wait_runs_once_the_holder_is_done(
     sqllocker: Run, migrated: Locker, url: str, table_name: str
 ) -> None:
@@ -491,6 +499,7 @@ def test_run_with_wait_runs_once_the_holder_is_done(
     assert holder.wait(timeout=30) == 0
 
 
+@pytest.mark.slow
 def test_run_keeps_the_lock_for_several_expiry_periods(
     migrated: Locker, url: str, table_name: str, tmp_path: Path
 ) -> None:
@@ -522,6 +531,7 @@ def test_run_keeps_the_lock_for_several_expiry_periods(
     assert migrated.locks() == []
 
 
+@pytest.mark.slow
 def test_run_forwards_sigterm_and_releases(
     migrated: Locker, url: str, table_name: str, tmp_path: Path
 ) -> None:
@@ -625,6 +635,7 @@ def test_run_reports_a_lost_lock(
     assert "no longer ours" in err or "could not be extended" in err
 
 
+@pytest.mark.slow
 def test_a_job_cron_starts_on_two_machines_runs_once_per_window(
     migrated: Locker, url: str, table_name: str, tmp_path: Path
 ) -> None:
@@ -652,6 +663,7 @@ def test_a_job_cron_starts_on_two_machines_runs_once_per_window(
     assert ids[1] > ids[0]
 
 
+@pytest.mark.slow
 def test_of_eight_machines_starting_a_held_job_at_once_one_runs(
     migrated: Locker, url: str, table_name: str, tmp_path: Path
 ) -> None:
@@ -696,6 +708,7 @@ def started_pids(path: Path) -> list[int]:
     return [int(pid) for pid in path.read_text().split()]
 
 
+@pytest.mark.slow
 def test_run_stops_the_commands_whole_group_when_the_lock_is_lost(
     migrated: Locker, url: str, table_name: str, sqllocker: Run, tmp_path: Path
 ) -> None:
@@ -714,6 +727,7 @@ def test_run_stops_the_commands_whole_group_when_the_lock_is_lost(
     wait_until(lambda: not alive(grandchild) and not alive(child), timeout=5)
 
 
+@pytest.mark.slow
 def test_run_kills_a_command_that_ignores_sigterm_after_kill_after(
     migrated: Locker, url: str, table_name: str, sqllocker: Run, tmp_path: Path
 ) -> None:
@@ -742,6 +756,7 @@ def test_run_kills_a_command_that_ignores_sigterm_after_kill_after(
     wait_until(lambda: not alive(grandchild) and not alive(child), timeout=5)
 
 
+@pytest.mark.slow
 def test_run_with_on_lost_warn_lets_the_command_finish(
     migrated: Locker, url: str, table_name: str, sqllocker: Run, tmp_path: Path
 ) -> None:
@@ -793,6 +808,7 @@ def test_a_killed_sqllocker_takes_its_commands_group_with_it(
     wait_until(lambda: not alive(grandchild) and not alive(child), timeout=5)
 
 
+@pytest.mark.slow
 def test_run_keeps_the_url_and_the_arguments_to_itself_unless_asked(
     migrated: Locker, url: str, table_name: str, tmp_path: Path
 ) -> None:

@@ -409,6 +409,7 @@ def _session_cipher(pooled: Any) -> str:
     return str(cursor.fetchone()[1])
 
 
+@pytest.mark.slow
 def test_pymysql_connections_share_one_tls_context_and_still_speak_tls() -> None:
     """PyMySQL builds a TLS context for every connection, given no TLS options, at a cost far
     above the connection's own (``backends/pymysql_tls.py``): a Locker's connections share

@@ -62,7 +62,10 @@ def _perl_missing() -> str | None:
 _MISSING = _perl_missing()
 if _MISSING is not None and IN_CI:
     raise RuntimeError(f"under CI the DBIx::Locker tests must run: {_MISSING}")
-pytestmark = pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")
+pytestmark = [
+    pytest.mark.slow,  # Perl processes beside Python ones: not in the quick subset
+    pytest.mark.skipif(_MISSING is not None, reason=_MISSING or ""),
+]
 
 
 # -- DBIx::Locker's side ------------------------------------------------------------------------

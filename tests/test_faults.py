@@ -42,6 +42,8 @@ from tests.private_servers import running_private_server
 from tests.stall_proxy import StallProxy
 from tests.workers import async_url
 
+pytestmark = pytest.mark.slow  # private servers, stalls and frozen holders: not the quick subset
+
 REPO = Path(__file__).resolve().parent.parent
 
 GRACE = 1.0

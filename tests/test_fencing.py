@@ -27,6 +27,8 @@ from tests.conftest import IN_CI
 from tests.helpers import figure
 from tests.private_servers import running_private_server
 
+pytestmark = pytest.mark.slow  # a private MariaDB paused under gdb: not in the quick subset
+
 SLOW_SECONDS = 1.0
 GDB_SCRIPT = Path(__file__).with_name("gdb_pause_after_draw.py")
 

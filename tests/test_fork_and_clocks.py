@@ -148,6 +148,7 @@ def test_other_time_zone_neither_takes_over_nor_purges_a_live_lock(
     assert timedelta(seconds=50) < remaining < timedelta(seconds=61)
 
 
+@pytest.mark.slow
 def test_other_time_zone_takes_over_an_expired_lock_on_time(
     url: str, table_name: str, far_east_locker: Locker
 ) -> None:

@@ -34,6 +34,8 @@ from tests.helpers import READ_BACK, break_and_take_when_stalled, holding_faults
 from tests.stall_proxy import StallProxy
 from tests.workers import LOST
 
+pytestmark = pytest.mark.slow  # a three-node Galera cluster: not in the quick subset
+
 TABLE = "semaphores"
 LOCKSTRING = "galera"
 WORKERS = 6

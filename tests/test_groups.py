@@ -94,6 +94,7 @@ async def test_an_async_group(
     await alocker.aclose()
 
 
+@pytest.mark.slow
 def test_eight_processes_taking_overlapping_pairs_never_overlap_nor_deadlock(
     url: str, make_locker: Callable[..., Locker], table_name: str, backend: str, tmp_path: Path
 ) -> None:

@@ -342,6 +342,7 @@ def test_a_lockers_tickets_live_by_its_listeners_one_key_given_up_with_its_sessi
     wait_until(lambda: advisory_locks_of(admin, pid) == 0)
 
 
+@pytest.mark.slow
 def test_a_listener_that_reconnects_has_its_waiters_take_new_tickets_and_be_served(
     holder_and_waiter: tuple[Locker, Locker], table_name: str, admin: sa.Engine
 ) -> None:

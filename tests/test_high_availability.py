@@ -19,6 +19,8 @@ from sqllocker.migrations import upgrade
 from tests.helpers import wait_in_thread
 from tests.private_servers import PrivatePostgres, running_private_server, running_standby
 
+pytestmark = pytest.mark.slow  # private primaries and standbys: not in the quick subset
+
 
 def two_hosts(first: str, second: str) -> str:
     """libpq's form of a URL naming two servers, as an HA cluster's clients write it."""

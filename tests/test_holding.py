@@ -48,6 +48,7 @@ class LostCalls:
         self.event.set()
 
 
+@pytest.mark.slow
 def test_keep_alive_holds_a_short_lock_for_many_expiry_periods(make_locker: Any) -> None:
     holder, contender = make_locker(), make_locker()
     lost = LostCalls()
@@ -112,6 +113,7 @@ def test_on_lost_fires_at_the_deadline_when_renewals_keep_failing(
     assert not lock.is_valid()
 
 
+@pytest.mark.slow
 def test_transient_renewal_errors_are_retried(
     locker: Locker, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -161,6 +163,7 @@ def test_leaving_a_with_block_whose_lock_lapsed_raises_lock_lost(locker: Locker)
     assert isinstance(caught.value.__cause__, ValueError)
 
 
+@pytest.mark.slow
 def test_release_racing_renewal_leaves_no_row_and_no_late_write(
     make_locker: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -412,6 +415,7 @@ def impatient_engine(url: str) -> sa.Engine:
     return sa.create_engine(target, connect_args={"timeout": 1})
 
 
+@pytest.mark.slow
 def test_release_and_extend_outlast_a_lock_wait_timeout(
     url: str, table_name: str, make_locker: Any, app_engine: sa.Engine
 ) -> None:

@@ -192,6 +192,7 @@ def test_functions_planted_on_the_callers_path_never_run(
     waiter.close()
 
 
+@pytest.mark.slow
 def test_an_advisory_key_held_outside_the_protocol_bounds_the_wait_and_names_its_holder(
     migrated_postgres: str,
     table_name: str,

@@ -113,6 +113,7 @@ def test_waiters_get_the_lock_in_the_order_they_came(
         locker.close()
 
 
+@pytest.mark.slow
 async def test_async_waiters_get_the_lock_in_the_order_they_came(
     migrated_mysql: str, table_name: str, admin: sa.Engine
 ) -> None:
@@ -142,6 +143,7 @@ async def test_async_waiters_get_the_lock_in_the_order_they_came(
     holder.close()
 
 
+@pytest.mark.slow
 def test_a_waiter_gives_up_at_its_deadline_and_its_ticket_with_it(
     migrated_mysql: str, table_name: str, admin: sa.Engine
 ) -> None:
@@ -237,6 +239,7 @@ def test_a_dead_ticket_keeps_nobody_waiting_and_the_purge_sweeps_it(
     locker.close()
 
 
+@pytest.mark.slow
 def test_waiters_whose_listener_lost_its_session_take_new_tickets_and_are_served(
     migrated_mysql: str, table_name: str, admin: sa.Engine
 ) -> None:

@@ -121,6 +121,7 @@ def test_the_migration_keeps_its_own_snapshot_of_the_stripe_count() -> None:
     assert f"STRIPES = {ID_ORDER_STRIPES}\n" in source
 
 
+@pytest.mark.slow
 def test_sqlite_processes_creating_the_table_at_once_do_not_collide(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'race.db'}"
     code = f"from sqllocker import Locker\nwith Locker({url!r}).lock('first use', wait=30): pass\n"

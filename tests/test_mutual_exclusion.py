@@ -21,6 +21,8 @@ from tests.helpers import abandon, figure
 from tests.private_servers import running_private_server
 from tests.workers import DUMP_SIGNAL, LOST
 
+pytestmark = pytest.mark.slow  # many processes on one lock: not in the quick subset
+
 REPO = Path(__file__).resolve().parent.parent
 PROCESSES = 8
 ACQUISITIONS_EACH = 200

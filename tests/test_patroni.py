@@ -26,6 +26,8 @@ from sqllocker import Locker, UnsafeDatabase, UnsafeDatabaseWarning
 from tests.helpers import holding_faults, wait_in_thread, worker_records
 from tests.patroni_cluster import PatroniCluster, running_patroni_cluster
 
+pytestmark = pytest.mark.slow  # Patroni + etcd clusters: not in the quick subset
+
 CONTENDERS = 8
 LOCKSTRINGS = ["ha 1", "ha 2", "ha 3"]
 KEPT = ["kept 1", "kept 2", "kept 3"]

@@ -35,6 +35,8 @@ from tests.helpers import tickets, wait_until
 from tests.private_servers import running_pgbouncer
 from tests.test_mutual_exclusion import ABANDONING, OUTLIVING, TRYING, contend
 
+pytestmark = pytest.mark.slow  # a private PgBouncer: not in the quick subset
+
 REPO = Path(__file__).resolve().parent.parent
 POOLED = ("--transaction-pooling",)
 

@@ -119,6 +119,7 @@ POSTGRESQL_GRANTS = [
 ]
 
 
+@pytest.mark.slow
 def test_postgresql_roles_need_only_the_documented_grants(postgresql_roles: Roles) -> None:
     migrated = sqllocker(postgresql_roles.migrator, "migrate")  # CREATE on the schema only
     assert migrated.returncode == 0, migrated.stderr
@@ -163,6 +164,7 @@ def mysql_roles(mysql_url: str) -> Iterator[Roles]:
     admin.dispose()
 
 
+@pytest.mark.slow
 def test_mysql_users_need_only_the_documented_grants(
     mysql_roles: Roles, mysql_url: str, table_name: str
 ) -> None:

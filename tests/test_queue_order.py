@@ -47,6 +47,7 @@ def migrated(url: str, table_name: str) -> Iterator[str]:
 
 
 @pytest.mark.parametrize("run", range(2))
+@pytest.mark.slow
 def test_waiters_are_served_in_the_order_they_came_however_long_the_hold(
     migrated: str, table_name: str, run: int
 ) -> None:

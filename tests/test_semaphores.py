@@ -149,6 +149,7 @@ async def test_async_permits(url: str, make_locker: Callable[..., Locker], table
     await alocker.aclose()
 
 
+@pytest.mark.slow
 def test_sixteen_processes_never_hold_more_permits_than_the_limit(
     url: str, make_locker: Callable[..., Locker], table_name: str, backend: str, tmp_path: Path
 ) -> None:

@@ -31,6 +31,7 @@ from tests.workers import async_url
 
 
 @pytest.mark.parametrize("lockers", [5, 1], ids=["a Locker each", "one Locker"])
+@pytest.mark.slow
 def test_waiters_get_the_lock_in_the_order_they_came(
     migrated_postgres: str, table_name: str, admin: sa.Engine, slow_polling: None, lockers: int
 ) -> None:
@@ -151,6 +152,7 @@ def test_a_newcomer_does_not_take_a_free_row_ahead_of_a_live_ticket(
     newcomer.close()
 
 
+@pytest.mark.slow
 def test_a_stopped_waiter_handed_the_row_keeps_those_behind_it_one_expiry_at_most(
     migrated_postgres: str, table_name: str, admin: sa.Engine
 ) -> None:
