@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from .. import tickets, validation
 from ..backoff import Backoff
-from ..decorators import LockstringTemplate, check_decoration, when_busy
+from ..decorators import check_decoration, lock_namer, when_busy
 from ..defaults import (
     DEFAULT_EXPIRES,
     DEFAULT_GRACE,
@@ -229,8 +229,9 @@ class AsyncLocker:
 
     def locked(
         self,
-        lockstring: str,
+        lockstring: str | None = None,
         *,
+        key: Callable[..., str] | None = None,
         wait: float | None = 0,
         on_busy: str = "skip",
         expires: float | None = None,
@@ -240,7 +241,12 @@ class AsyncLocker:
         """Decorate a function to run under a lock: ``@locker.locked("report {day}")``.
 
         ``lockstring`` is a ``str.format`` template over the function's arguments, by name
-        (checked against its signature now). When the lock is held by someone else (after
+        (checked against its signature now). Each field takes a str, int, bool, Decimal,
+        date, datetime, time, UUID or Enum of those, and raises LockTypeError at the call for
+        any other type, before any SQL; with two fields or more, ``%`` and the first character
+        of the text between fields are percent-encoded in each field's text, so that distinct
+        arguments give distinct names. ``key=`` instead: a callable given the call's arguments
+        that returns the lockstring. When the lock is held by someone else (after
         ``wait``), ``on_busy="skip"`` returns None without calling the function (logged at
         INFO) and ``"raise"`` raises LockBusy. The lock is kept alive while the function runs
         (``keep_alive``), released when it returns or raises (unless ``hold_at_least`` keeps
@@ -250,11 +256,11 @@ class AsyncLocker:
 
         def decorate(function: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R | None]]:
             concurrency.check_decorated(function)
-            template = LockstringTemplate(lockstring, function)
+            name_lock = lock_namer(lockstring, key, function)
 
             @functools.wraps(function)
             async def under_lock(*args: P.args, **kwargs: P.kwargs) -> R | None:
-                name = template.render(args, kwargs)
+                name = name_lock(args, kwargs)
                 try:
                     lock = await self.lock(
                         name,
