@@ -31,7 +31,7 @@ logger = logging.getLogger("sqllocker")
 
 ON_BUSY = ("skip", "raise")
 
-ACCEPTED = "str, int, bool, Decimal, date, datetime, time, UUID or an Enum of one of those"
+ACCEPTED = "str, int, bool, None, Decimal, date, datetime, time, UUID or an Enum of one of those"
 
 
 def check_decoration(on_busy: object, wait: object, expires: object, hold_at_least: object) -> str:
@@ -151,7 +151,13 @@ class LockstringTemplate:
             parts.append(literal)
             if field is None:
                 continue
-            value, _ = formatter.get_field(field, (), bound.arguments)
+            try:
+                value, _ = formatter.get_field(field, (), bound.arguments)
+            except (AttributeError, LookupError, TypeError) as error:
+                raise LockTypeError(
+                    f"{self.function.__qualname__}: the field {{{field}}} of lockstring "
+                    f"template {self.template!r} cannot be read ({type(error).__name__}: {error})"
+                ) from error
             parts.append(self._encode(self._text(field, value)))
         return "".join(parts)
 
@@ -187,6 +193,8 @@ def field_text(value: object) -> str:
     Decimal without trailing zeros and exponent (``1.50`` and ``1.5`` are one value)."""
     if isinstance(value, Enum):
         return field_text(value.value)
+    if value is None:
+        return "None"  # an optional argument left out
     if isinstance(value, bool):
         return "True" if value else "False"
     if isinstance(value, int):
