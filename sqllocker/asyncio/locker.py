@@ -241,16 +241,16 @@ class AsyncLocker:
         """Decorate a function to run under a lock: ``@locker.locked("report {day}")``.
 
         ``lockstring`` is a ``str.format`` template over the function's arguments, by name
-        (checked against its signature now). Each field takes a str, int, bool, Decimal,
-        date, datetime, time, UUID or Enum of those, and raises LockTypeError at the call for
-        any other type, before any SQL; with two fields or more, ``%`` and the first character
-        of the text between fields are percent-encoded in each field's text, so that distinct
-        arguments give distinct names. ``key=`` instead: a callable given the call's arguments
-        that returns the lockstring. When the lock is held by someone else (after
-        ``wait``), ``on_busy="skip"`` returns None without calling the function (logged at
-        INFO) and ``"raise"`` raises LockBusy. The lock is kept alive while the function runs
-        (``keep_alive``), released when it returns or raises (unless ``hold_at_least`` keeps
-        it), and LockLost is raised at the end if it was lost meanwhile.
+        (checked against its signature now). Each field takes a str, int, bool, None,
+        Decimal, date, datetime, time, UUID or Enum of those, and raises LockTypeError at the
+        call for any other type, before any SQL; with two fields or more, ``%`` and the first
+        character of the text between fields are percent-encoded in each field's text, so
+        that distinct arguments give distinct names. ``key=`` instead: a callable given the
+        call's arguments that returns the lockstring. When the lock is held by someone else
+        (after ``wait``), ``on_busy="skip"`` returns None without calling the function (logged
+        at INFO) and ``"raise"`` raises LockBusy. The lock is kept alive while the function
+        runs (``keep_alive``), released when it returns or raises (unless ``hold_at_least``
+        keeps it), and LockLost is raised at the end if it was lost meanwhile.
         """
         behaviour = check_decoration(on_busy, wait, expires, hold_at_least)
 
