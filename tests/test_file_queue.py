@@ -386,3 +386,33 @@ def test_a_queued_waiter_hears_release_force_from_another_process(
     result["lock"].unlock()
     with pytest.raises(LockLost):
         held.unlock()
+
+
+def test_the_bell_wakes_every_listener_of_every_queue_and_its_reader_ends_with_them(
+    tmp_path: Path,
+) -> None:
+    """One queue rings (a breaker's Locker); two other queues of the same database (two
+    waiters' Lockers, as two processes would have) hear it, each of their listeners, also
+    one that was not waiting just then; a ring before a listener listened is not heard by it."""
+    path = str(tmp_path / "locks.db")
+    breaker, first, second = FileQueue(path), FileQueue(path), FileQueue(path)
+    breaker.ring()  # before anyone listens
+    listeners = [first.listen(), first.listen(), second.listen()]
+    woken = [threading.Event() for _ in listeners]
+    for listener, event in zip(listeners[:2], woken[:2], strict=True):
+        listener.when_rung(event.set)
+    time.sleep(0.2)
+    assert not any(event.is_set() for event in woken)
+    assert not any(listener.heard() for listener in listeners)
+    breaker.ring()
+    for event in woken[:2]:
+        assert event.wait(5)
+    wait_until(lambda: listeners[2].heard())  # heard without waiting: for its next wait
+    listeners[2].when_rung(woken[2].set)
+    assert not woken[2].is_set()  # heard() forgot it
+    for listener in listeners:
+        listener.close()
+    bells = f"{first.thread_name} bell"
+    wait_until(lambda: not any(thread.name == bells for thread in threading.enumerate()))
+    for queue in (breaker, first, second):
+        queue.close()
