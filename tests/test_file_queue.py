@@ -371,8 +371,8 @@ def test_a_queued_waiter_hears_release_force_from_another_process(
     machine: the bound is set against a patience of a minute.)"""
     monkeypatch.setattr(backoff, "QUEUE_PATIENCE", 60.0)
     holder, waiter = lockers(), lockers()
-    held = holder.lock("report", expires=60, keep_alive=False)
-    thread, result = wait_in_thread(waiter, wait=30, expires=30)
+    held = holder.lock("report", expires=120, keep_alive=False)
+    thread, result = wait_in_thread(waiter, wait=120, expires=30)
     time.sleep(0.5)
     released = subprocess.run(
         [SQLLOCKER, "--url", sqlite_url, "release", "report", "--force"],
