@@ -192,7 +192,14 @@ def field_text(value: object) -> str:
     plain value's; an aware datetime is written in UTC, so that equal instants share a name; a
     Decimal without trailing zeros and exponent (``1.50`` and ``1.5`` are one value)."""
     if isinstance(value, Enum):
-        return field_text(value.value)
+        try:
+            return field_text(value.value)
+        except LockTypeError:
+            member = f"{type(value).__module__}.{type(value).__qualname__}.{value.name}"
+            raise LockTypeError(
+                f"{member}, an Enum member whose value is a {type(value.value).__name__}, "
+                "whose text may not identify it"
+            ) from None
     if value is None:
         return "None"  # an optional argument left out
     if isinstance(value, bool):

@@ -277,6 +277,15 @@ def test_equal_values_written_differently_take_one_lock(locker: Locker) -> None:
         assert len(set(names(locker, "job {a}", [(first,), (second,)]))) == 1
 
 
+def test_an_enum_member_whose_value_has_no_identifying_text_is_refused(locker: Locker) -> None:
+    class Ratio(enum.Enum):
+        HALF = 0.5
+
+    with pytest.raises(LockTypeError, match=r"Ratio\.HALF, an Enum member whose value is a float"):
+        names(locker, "job {a}", [(Ratio.HALF,)])
+    assert count_rows(locker) == 0
+
+
 def test_a_decimal_nan_is_refused(locker: Locker) -> None:
     with pytest.raises(LockValueError, match="NaN"):
         names(locker, "job {a}", [(dec.Decimal("NaN"),)])
