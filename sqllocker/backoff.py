@@ -23,8 +23,12 @@ if TYPE_CHECKING:
     from .operations import Refused
 
 # How long a waiter in the kernel's queue (SQLite: ``sqllocker.file_queue``) waits for its turn
-# before trying the row anyway: whoever holds the place ahead may have stopped.
-QUEUE_PATIENCE = 1.0
+# before it looks at the row (a read): whoever holds the place ahead may have stopped, or had
+# its row broken by an operator's SQL.
+QUEUE_PATIENCE = 0.5
+# A queued waiter that finds the row free while the place ahead is held waits this long for
+# its turn before it looks again: the place is most likely the next waiter's, about to insert.
+FREE_ROW_PATIENCE = 0.1
 FIRST_DELAY = 0.002
 HEAD_FIRST_DELAY = 0.00025
 # A polling head waits at most this share of the time it has headed the queue between polls:
@@ -95,19 +99,30 @@ class Backoff:
         remaining = self.remaining()
         return delay if remaining is None else min(delay, remaining)
 
-    def turn_patience(self, refused: Refused | None, grace: float) -> float:
-        """How long a waiter queued behind others waits for its turn before trying the row
-        anyway: ``QUEUE_PATIENCE``, or less if the row it was last refused can be taken over
-        sooner; never past the deadline. Whoever holds the place may not hold the row: a
-        holder that stopped, or one that overran its expiry, keeps its place until it
-        learns its lock is lost, while the row passes to waiters that ran out of patience."""
+    def turn_patience(self, until_free: float | None) -> float:
+        """How long a waiter queued behind others waits for its turn before it looks at the
+        row: ``QUEUE_PATIENCE``, or less if the row as last read (``until_free``: seconds until
+        it can be taken over, 0 if free; None if unknown) can be taken sooner, but at least
+        ``FREE_ROW_PATIENCE``; never past the deadline. Whoever holds the place may not hold
+        the row: a holder that stopped, that overran its expiry, or whose row was broken,
+        keeps its place until it learns its lock is lost, while the row passes to waiters
+        that find it free or takeable."""
         patience = QUEUE_PATIENCE
-        busy, server_now = (refused.busy, refused.server_now) if refused else (None, None)
-        if busy is not None and busy.expires is not None and server_now is not None:
-            until = (busy.expires - server_now).total_seconds() + grace
-            patience = min(patience, max(until, 0.0) + self.first_delay)
+        if until_free is not None:
+            patience = min(patience, max(until_free + self.first_delay, FREE_ROW_PATIENCE))
         remaining = self.remaining()
         return patience if remaining is None else min(patience, remaining)
+
+    @staticmethod
+    def until_takeable(refused: Refused, grace: float) -> float | None:
+        """Seconds until the row that refused us can be taken over; None if unknown, or if it
+        refused us past that time (a DBIx::Locker row, taken over only once expired in every
+        time zone)."""
+        busy, server_now = refused.busy, refused.server_now
+        if busy is None or busy.expires is None or server_now is None:
+            return None
+        until = (busy.expires - server_now).total_seconds() + grace
+        return until if until > 0 else None
 
     def after_refusal(
         self, refused: Refused, lockstring: str, wait: float | None, grace: float

@@ -1,10 +1,15 @@
-"""What ``Locker.locked`` and ``AsyncLocker.locked`` share: the lockstring template, checked
+"""What ``Locker.locked`` and ``AsyncLocker.locked`` share: how a call's lock is named, checked
 against the decorated function's signature when it is decorated, and what to do when the lock
 is busy.
 
-``@locker.locked("report {day}")`` names its lock by formatting the template with the
-function's arguments, bound by name (defaults included), so ``report(day="2026-11-25")`` and
-``report("2026-11-25")`` take the same lock.
+``@locker.locked("report {day}")`` names its lock by putting the function's arguments, bound
+by name (defaults included), into the template's fields, so ``report(day="2026-11-25")`` and
+``report("2026-11-25")`` take the same lock. A name must identify its call: two calls that may
+not run together must get one name, and two that may must not (one of them would be skipped).
+So a field takes only a value whose text is an identity (``field_text``), and is refused at
+call time otherwise; with two fields or more, the characters that could make one field's text
+pass for the text between fields are percent-encoded in every field (``LockstringTemplate``).
+``key=`` names the lock by a function of the caller's instead.
 """
 
 from __future__ import annotations
@@ -13,7 +18,11 @@ import inspect
 import logging
 import string
 from collections.abc import Callable, Mapping, Sequence
+from datetime import date, datetime, time, timezone
+from decimal import Decimal
+from enum import Enum
 from typing import Any
+from uuid import UUID
 
 from .errors import LockBusy, LockTypeError, LockValueError
 from .validation import check_hold_at_least, check_seconds, check_wait
@@ -21,6 +30,8 @@ from .validation import check_hold_at_least, check_seconds, check_wait
 logger = logging.getLogger("sqllocker")
 
 ON_BUSY = ("skip", "raise")
+
+ACCEPTED = "str, int, bool, None, Decimal, date, datetime, time, UUID or an Enum of one of those"
 
 
 def check_decoration(on_busy: object, wait: object, expires: object, hold_at_least: object) -> str:
@@ -35,8 +46,54 @@ def check_decoration(on_busy: object, wait: object, expires: object, hold_at_lea
     return str(on_busy)
 
 
+def lock_namer(
+    lockstring: object, key: object, function: Callable[..., Any]
+) -> Callable[[Sequence[Any], Mapping[str, Any]], str]:
+    """How each call of ``function`` names its lock: by the ``lockstring`` template, or by
+    ``key``, a callable given the call's own arguments that returns the lockstring."""
+    if key is None:
+        if lockstring is None:
+            raise LockValueError(
+                f"locked() on {function.__qualname__} needs a lockstring template or key="
+            )
+        return LockstringTemplate(lockstring, function).render
+    if lockstring is not None:
+        raise LockValueError(
+            f"locked() on {function.__qualname__} takes a lockstring template or key=, not both"
+        )
+    if not callable(key):
+        raise LockTypeError(f"key= must be a callable, not {type(key).__name__}")
+    return KeyFunction(key, function).render
+
+
+class KeyFunction:
+    """``key=``: the caller's own function of the call's arguments, which returns the lockstring."""
+
+    def __init__(self, key: Callable[..., Any], function: Callable[..., Any]) -> None:
+        self.key = key
+        self.function = function
+
+    def render(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+        name = self.key(*args, **kwargs)
+        if not isinstance(name, str):
+            raise LockTypeError(
+                f"the key= of {self.function.__qualname__} returned {type(name).__name__}, "
+                "not the lockstring (a str)"
+            )
+        return name
+
+
 class LockstringTemplate:
-    """A ``str.format`` template over a function's parameters, by name."""
+    """A ``str.format`` template over a function's parameters, by name, whose fields are
+    rendered so that distinct arguments give distinct lockstrings.
+
+    Each field's text is ``field_text`` of its value. With two fields or more, ``%`` and the
+    first character of the text between two fields are percent-encoded (as UTF-8 bytes, ``%``
+    and two upper-case hex digits) in every field's text, and two fields must have text
+    between them that does not begin with ``%``. Read from the left, each field then ends at
+    the first of those characters not part of a ``%XX``, so a lockstring has one reading only.
+    Nothing is encoded in a template of one field, whose text is the name's only variable part.
+    """
 
     def __init__(self, template: object, function: Callable[..., Any]) -> None:
         if not isinstance(template, str):
@@ -44,25 +101,154 @@ class LockstringTemplate:
                 f"a lockstring template must be a str, not {type(template).__name__}"
             )
         self.template = template
+        self.function = function
         self.signature = inspect.signature(function)
         try:
-            parsed = string.Formatter().parse(template)
-            named = {_root(field) for _, field, _, _ in parsed if field is not None}
+            self.pieces = [
+                (literal, field)
+                for literal, field, spec, conversion in string.Formatter().parse(template)
+                if _plain(template, field, spec, conversion)
+            ]
         except ValueError as error:
             raise LockValueError(f"lockstring template {template!r}: {error}") from error
-        missing = sorted(named - set(self.signature.parameters))
+        fields = [field for _, field in self.pieces if field is not None]
+        missing = sorted({_root(field) for field in fields} - set(self.signature.parameters))
         if missing:
             what = ", ".join(missing) if all(missing) else "a field by position ('{}')"
             raise LockValueError(
                 f"lockstring template {template!r} names {what}, which "
                 f"{function.__qualname__}{self.signature} does not take by name"
             )
+        self.encoded = self._encoded_characters(len(fields))
+
+    def _encoded_characters(self, field_count: int) -> frozenset[str]:
+        """What is percent-encoded in each field's text (see the class)."""
+        if field_count < 2:
+            return frozenset()
+        encoded = {"%"}
+        # The literal before each field but the first separates it from the one before.
+        separators = [literal for literal, field in self.pieces if field is not None][1:]
+        for separator in separators:
+            if not separator or separator.startswith("%"):
+                between = "nothing" if not separator else "'%'"
+                raise LockValueError(
+                    f"lockstring template {self.template!r}: two fields with {between} "
+                    "between them would give different calls one lock; put text between "
+                    "them that does not begin with '%', such as '{a}-{b}', or name the lock "
+                    "with key="
+                )
+            encoded.add(separator[0])
+        return frozenset(encoded)
 
     def render(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
-        """The lockstring for one call's arguments."""
+        """The lockstring for one call's arguments; LockTypeError (nothing sent) if a field's
+        value has no text that identifies it."""
         bound = self.signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        return self.template.format(**bound.arguments)
+        formatter = string.Formatter()
+        parts: list[str] = []
+        for literal, field in self.pieces:
+            parts.append(literal)
+            if field is None:
+                continue
+            try:
+                value, _ = formatter.get_field(field, (), bound.arguments)
+            except (AttributeError, LookupError, TypeError) as error:
+                raise LockTypeError(
+                    f"{self.function.__qualname__}: the field {{{field}}} of lockstring "
+                    f"template {self.template!r} cannot be read ({type(error).__name__}: {error})"
+                ) from error
+            parts.append(self._encode(self._text(field, value)))
+        return "".join(parts)
+
+    def _text(self, field: str, value: object) -> str:
+        try:
+            return field_text(value)
+        except LockTypeError as error:
+            raise LockTypeError(
+                f"{self.function.__qualname__}: the field {{{field}}} of lockstring template "
+                f"{self.template!r} is {error}; pass {ACCEPTED}, name a field of it that is "
+                "(such as {" + field + ".id}), or name the lock with key="
+            ) from None
+        except LockValueError as error:
+            raise LockValueError(
+                f"{self.function.__qualname__}: the field {{{field}}} of lockstring template "
+                f"{self.template!r} is {error}"
+            ) from None
+
+    def _encode(self, text: str) -> str:
+        if not self.encoded:
+            return text
+        return "".join(_percent(c) if c in self.encoded else c for c in text)
+
+
+def field_text(value: object) -> str:
+    """The text of a lockstring field's value, one that identifies it: LockTypeError for a
+    type whose text may not (an object's default ``str`` is its memory address, a float's
+    ``-0.0`` and ``0.0`` are equal, two equal dicts can print differently), LockValueError for
+    a Decimal NaN or infinity.
+
+    An Enum member is its value's text; a ``str`` or ``int`` subclass (other than an Enum) its
+    plain value's; an aware datetime is written in UTC, so that equal instants share a name; a
+    Decimal without trailing zeros and exponent (``1.50`` and ``1.5`` are one value)."""
+    if isinstance(value, Enum):
+        try:
+            return field_text(value.value)
+        except LockTypeError:
+            member = f"{type(value).__module__}.{type(value).__qualname__}.{value.name}"
+            raise LockTypeError(
+                f"{member}, an Enum member whose value is a {type(value.value).__name__}, "
+                "whose text may not identify it"
+            ) from None
+    if value is None:
+        return "None"  # an optional argument left out
+    if isinstance(value, bool):
+        return "True" if value else "False"
+    if isinstance(value, int):
+        return int.__repr__(value)
+    if isinstance(value, str):
+        return str.__str__(value)
+    kind = type(value)
+    if kind is Decimal:
+        return _decimal_text(value)  # type: ignore[arg-type]
+    if kind is datetime:
+        moment: datetime = value  # type: ignore[assignment]
+        if moment.utcoffset() is not None:
+            moment = moment.astimezone(timezone.utc)
+        return moment.isoformat(sep=" ")
+    if kind is date or kind is time or kind is UUID:
+        return str(value)
+    raise LockTypeError(f"a {kind.__module__}.{kind.__qualname__}, whose text may not identify it")
+
+
+def _decimal_text(value: Decimal) -> str:
+    if not value.is_finite():
+        raise LockValueError(f"Decimal {value}, which names no lock")
+    if not value:
+        return "0"  # Decimal('-0.00') == 0
+    sign, digits, exponent = value.as_tuple()
+    assert isinstance(exponent, int)  # finite
+    kept = len(digits)
+    while digits[kept - 1] == 0:  # not all zero: the value is not 0
+        kept -= 1
+    exponent += len(digits) - kept
+    return format(Decimal((sign, digits[:kept], exponent)), "f")
+
+
+def _percent(character: str) -> str:
+    return "".join(f"%{byte:02X}" for byte in character.encode("utf-8", "surrogatepass"))
+
+
+def _plain(template: str, field: str | None, spec: str | None, conversion: str | None) -> bool:
+    """Whether a parsed piece has no format spec or conversion, which could drop what tells two
+    values apart (``{name:.3}``, ``{when:%Y}``); else LockValueError. Always True."""
+    if field is not None and (spec or conversion):
+        raise LockValueError(
+            f"lockstring template {template!r}: a field takes no format spec or conversion "
+            f"('{{{field}{'!' + conversion if conversion else ''}{':' + spec if spec else ''}}}'), "
+            "which could give different calls one lock; name the lock with key= instead"
+        )
+    return True
 
 
 def _root(field: str) -> str:

@@ -8,10 +8,15 @@ the place up, and the kernel wakes a waiter blocked on it at once: the next hold
 row without polling. A newcomer that finds the place taken waits for it rather than trying the
 row, so it cannot slip in between a release and the next waiter's INSERT.
 
-The row is still the lock; the place only says who tries. A holder that stopped (Ctrl-Z), or
-that overran its expiry unawares, keeps its place but not its row: a waiter waits for the place
-at most ``QUEUE_PATIENCE`` (less if the row it was refused can be taken over sooner), then tries
-the row anyway, its request for the place still queued in the kernel.
+The row is still the lock; the place only says who tries. A holder that stopped (Ctrl-Z), that
+overran its expiry unawares, or whose row was broken, keeps its place but not its row. So a
+waiter reads the row when it queues and waits for the place until the row's own expiry (plus
+grace) at most; meanwhile it looks at the row (a read) every ``QUEUE_PATIENCE``, and tries it
+once a look finds it free or takeable, its request for the place still queued in the kernel.
+And whoever breaks or purges a lock through sqllocker rings the queue's *bell*: it writes
+random bytes at the start of the queue file, which one thread of each process with waiters
+reads every ``BELL_INTERVAL``; a change wakes every waiter of that process to try its row
+(a read first). A bell rung for another lockstring costs those waiters a read each.
 
 Places are open-file-description locks (Linux ``F_OFD_SETLKW``): each belongs to an open file,
 not to a process, so threads and tasks of one process queue against one another too, and the
@@ -30,6 +35,7 @@ import os
 import struct
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 from . import forks
@@ -47,6 +53,11 @@ AVAILABLE = (
 )
 # Files kept open for the next place, so that a lock cycle opens none.
 KEEP_SPARE = 4
+# The bell: bytes the breakers of locks rewrite at the start of the queue file, and how often a
+# process whose waiters listen reads them. The bytes may share a place's offset: a place is a
+# lock on a byte, which its content does not touch.
+BELL_SIZE = 8
+BELL_INTERVAL = 0.05
 
 
 _pack = struct.Struct(_FLOCK).pack
@@ -70,6 +81,8 @@ class FileQueue:
         self._unwanted: dict[int, list[PlaceRequest]] = {}
         self._pid = forks.pid
         self._closed = False
+        self._listeners: set[BellListener] = set()
+        self._bell_watched = False  # a thread reads the bell for this process's listeners
 
     @staticmethod
     def offset(table: str, lockstring: str) -> int:
@@ -107,6 +120,62 @@ class FileQueue:
         request = PlaceRequest(self, fd, offset)
         threading.Thread(target=request.wait, name=self.thread_name, daemon=True).start()
         return request
+
+    def ring(self) -> None:
+        """Wake every waiter of this database to try its row: after a break or a purge, whose
+        holders may still hold their places (best effort: a waiter that does not hear it finds
+        out at its next look)."""
+        fd = self._open()
+        if fd is None:
+            return
+        try:
+            os.pwrite(fd, os.urandom(BELL_SIZE), 0)
+        except OSError as error:
+            logger.debug("cannot ring the bell of %s (%s)", self.path, error)
+        self._keep(fd)
+
+    def listen(self) -> BellListener:
+        """A listener to the bell for one waiter; ``close()`` it when the wait ends. It hears
+        every ring that follows this call."""
+        listener = BellListener(self)
+        with self._lock:
+            if self._pid != forks.pid:
+                self._after_fork()
+            self._listeners.add(listener)
+            if self._bell_watched:
+                return listener
+            self._bell_watched = True
+        # The bell as it is now, read before this call returns: a ring after it is heard.
+        fd = self._open()
+        if fd is None:
+            return listener  # nothing to read: the waiters' looks find out
+        heard = _read_bell(fd)
+        threading.Thread(
+            target=self._watch_bell, args=(fd, heard), name=f"{self.thread_name} bell", daemon=True
+        ).start()
+        return listener
+
+    def _watch_bell(self, fd: int, heard: bytes | None) -> None:
+        """The bell's reader: wakes this process's listeners whenever the bell changes; ends
+        when none is left."""
+        try:
+            while True:
+                time.sleep(BELL_INTERVAL)
+                # Read before the listeners are counted: one that came after the read also
+                # comes after any ring it missed, which its own first look sees.
+                now = _read_bell(fd)
+                with self._lock:
+                    if not self._listeners:
+                        self._bell_watched = False
+                        return
+                    listeners = list(self._listeners)
+                if now == heard:
+                    continue
+                heard = now
+                for listener in listeners:
+                    listener.ring()
+        finally:
+            self._keep(fd)
 
     @property
     def thread_name(self) -> str:
@@ -158,6 +227,52 @@ class FileQueue:
                 with contextlib.suppress(OSError):
                     os.close(fd)
             self._pid, self._spare, self._unwanted = forks.pid, [], {}
+            # Nor was the bell's reader: the child's first listener starts its own.
+            self._listeners, self._bell_watched = set(), False
+
+
+def _read_bell(fd: int) -> bytes | None:
+    try:
+        return os.pread(fd, BELL_SIZE, 0)
+    except OSError:
+        return None
+
+
+class BellListener:
+    """One waiter's ear for the bell: ``when_rung(wake)`` calls ``wake`` at the next ring (at
+    once if one came since the last ``heard()``), ``heard()`` says whether one came."""
+
+    def __init__(self, queue: FileQueue) -> None:
+        self._queue = queue
+        self._lock = threading.Lock()
+        self._rung = False
+        self._wake: Callable[[], None] | None = None
+
+    def when_rung(self, wake: Callable[[], None]) -> None:
+        with self._lock:
+            if not self._rung:
+                self._wake = wake
+                return
+        wake()
+
+    def heard(self) -> bool:
+        """Whether the bell rang since this was last asked (and forget it)."""
+        with self._lock:
+            rung, self._rung = self._rung, False
+            return rung
+
+    def ring(self) -> None:
+        """From the bell's reader: must not block."""
+        with self._lock:
+            self._rung = True
+            wake, self._wake = self._wake, None
+        if wake is not None:
+            wake()
+
+    def close(self) -> None:
+        with self._queue._lock:
+            self._queue._listeners.discard(self)
+        self._wake = None
 
 
 class Place:

@@ -256,7 +256,8 @@ class LockOperations:
         lockstring, however free the row: see ``Statements.acquire_unless_queued``; ``in_line``
         (a waiter with a ticket), a refusal then reads who holds the row, and takes over an
         expired one. With ``look_first`` (a waiter polling, where releases do not hand the row
-        over), the holder's row is read before any INSERT (``_refused_by_holder``)."""
+        over, or one queued on SQLite whose turn it is not), the holder's row is read before
+        any INSERT (``_refused_by_holder``)."""
 
         def attempt(conn: DriverSession) -> Acquired | Refused:
             outcome = self._acquire_on(
@@ -723,6 +724,8 @@ class LockOperations:
                 if gated is not None or not in_line:
                     return gated or Refused(None, None)
                 return self._learn_holder(conn, params)
+            if look_first and (refused := self._refused_by_holder(conn, params)):
+                return refused
             return self._insert_or_learn_holder(conn, params)
         except sa.exc.DBAPIError as error:
             if not be.is_transient_conflict(error):

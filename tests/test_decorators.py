@@ -3,13 +3,23 @@ its arguments."""
 
 from __future__ import annotations
 
+import datetime as dt
+import decimal as dec
+import enum
+import itertools
+import json
 import logging
+import subprocess
+import sys
+import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from sqllocker import LockBusy, Locker, LockLost, LockTypeError, LockValueError
 from sqllocker.asyncio import AsyncLocker
+from sqllocker.decorators import LockstringTemplate
 from tests.helpers import count_rows
 from tests.workers import async_url
 
@@ -145,3 +155,277 @@ async def test_a_coroutine_function_runs_under_an_async_lock(
 
     assert await alocker.locks() == []
     await alocker.aclose()
+
+
+# -- names that identify their call -----------------------------------------------------------
+
+
+class Account:
+    """An object with no text of its own: its default str() is its memory address."""
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+
+
+class Colour(enum.Enum):
+    RED = "red"
+    BLUE = "blue"
+
+
+class Level(enum.IntEnum):
+    LOW = 1
+
+
+def names(locker: Locker, template: str, calls: list[tuple[object, ...]]) -> list[str]:
+    """The lockstring each call of a two-argument function decorated with ``template`` takes."""
+    taken: list[str] = []
+
+    @locker.locked(template)
+    def job(a: object, b: object = None) -> None:
+        taken.extend(info.lockstring for info in locker.locks())
+
+    for call in calls:
+        job(*call)
+    return taken
+
+
+@pytest.mark.parametrize(
+    "value",
+    [Account(1), {"a": 1}, [1, 2], (1, 2), {1, 2}, 1.5, b"bytes", object()],
+    ids=lambda value: type(value).__name__,
+)
+def test_a_field_whose_text_may_not_identify_its_value_is_refused_at_the_call(
+    locker: Locker, value: object
+) -> None:
+    calls: list[object] = []
+
+    @locker.locked("sync {account}")
+    def sync(account: object) -> None:
+        calls.append(account)
+
+    with pytest.raises(LockTypeError, match=r"sync.*\{account\}.*key=") as refused:
+        sync(value)
+    assert "\n" not in str(refused.value)
+    assert type(value).__name__ in str(refused.value)
+    assert calls == []
+    assert count_rows(locker) == 0
+
+
+def test_a_field_of_an_object_names_its_identifying_attribute(locker: Locker) -> None:
+    @locker.locked("sync {account.number}", on_busy="raise")
+    def sync(account: object) -> str | None:
+        return locker.locks()[0].lockstring
+
+    assert sync(Account(7)) == "sync 7"
+    with pytest.raises(LockTypeError, match=r"\{account\.number\}.*cannot be read"):
+        sync("no number")
+    assert count_rows(locker) == 0
+
+
+def test_values_whose_text_is_their_identity_are_accepted_and_plain_names_unchanged(
+    locker: Locker,
+) -> None:
+    ident = uuid.UUID("12345678-1234-5678-1234-567812345678")
+    utc = dt.datetime(2026, 11, 25, 9, 30, tzinfo=dt.timezone.utc)
+    paris = utc.astimezone(dt.timezone(dt.timedelta(hours=1)))
+    assert names(
+        locker,
+        "digest {a}",
+        [
+            (42,),
+            ("a b-c%",),  # one field: nothing is encoded
+            (True,),
+            (dec.Decimal("1.50"),),
+            (dec.Decimal("-0.00"),),
+            (dt.date(2026, 11, 25),),
+            (dt.datetime(2026, 11, 25, 9, 30),),
+            (paris,),
+            (dt.time(9, 30),),
+            (ident,),
+            (Colour.RED,),
+            (Level.LOW,),
+            (None,),
+        ],
+    ) == [
+        "digest 42",
+        "digest a b-c%",
+        "digest True",
+        "digest 1.5",
+        "digest 0",
+        "digest 2026-11-25",
+        "digest 2026-11-25 09:30:00",
+        "digest 2026-11-25 09:30:00+00:00",
+        "digest 09:30:00",
+        f"digest {ident}",
+        "digest red",
+        "digest 1",
+        "digest None",
+    ]
+    assert names(locker, "report {a} {b}", [("2026-11-25", "full")]) == ["report 2026-11-25 full"]
+
+
+def test_equal_values_written_differently_take_one_lock(locker: Locker) -> None:
+    utc = dt.datetime(2026, 11, 25, 9, 30, tzinfo=dt.timezone.utc)
+    tokyo = utc.astimezone(dt.timezone(dt.timedelta(hours=9)))
+    for first, second in [
+        (dec.Decimal("1.5"), dec.Decimal("1.500")),
+        (dec.Decimal("100"), dec.Decimal("1E+2")),
+        (utc, tokyo),
+        (1, Level.LOW),
+    ]:
+        assert first == second
+        assert len(set(names(locker, "job {a}", [(first,), (second,)]))) == 1
+
+
+def test_an_enum_member_whose_value_has_no_identifying_text_is_refused(locker: Locker) -> None:
+    class Ratio(enum.Enum):
+        HALF = 0.5
+
+    with pytest.raises(LockTypeError, match=r"Ratio\.HALF, an Enum member whose value is a float"):
+        names(locker, "job {a}", [(Ratio.HALF,)])
+    assert count_rows(locker) == 0
+
+
+def test_a_decimal_nan_is_refused(locker: Locker) -> None:
+    with pytest.raises(LockValueError, match="NaN"):
+        names(locker, "job {a}", [(dec.Decimal("NaN"),)])
+    assert count_rows(locker) == 0
+
+
+def test_arguments_split_differently_between_fields_take_different_locks(locker: Locker) -> None:
+    seen: list[str] = []
+
+    @locker.locked("job {a}-{b}", on_busy="raise")
+    def job(a: str, b: str, inner: tuple[str, str] | None = None) -> None:
+        seen.extend(info.lockstring for info in locker.locks())
+        if inner is not None:
+            job(*inner)  # another lock: runs, not skipped nor refused
+
+    job("a-b", "c", inner=("a", "b-c"))
+    assert seen == ["job a%2Db-c", "job a%2Db-c", "job a-b%2Dc"]
+    assert count_rows(locker) == 0
+
+
+def test_distinct_arguments_always_give_distinct_names(locker: Locker) -> None:
+    """Every pair of short strings over the characters that could confuse a reader (the
+    separators' characters, '%', hex digits), for templates with two and three fields."""
+    alphabet = ["a", "-", "%", "2", "5", "D", " ", "x"]
+    texts = [""] + alphabet + ["".join(pair) for pair in itertools.product(alphabet, repeat=2)]
+    for template in ["{a}-{b}", "x{a}2{b}x", "{a} - {b}", "{a}5{b}", "{a}D-{b}"]:
+        rendered: dict[str, tuple[str, str]] = {}
+        lockstrings = LockstringTemplate(template, lambda a, b: None)
+        for a, b in itertools.product(texts, repeat=2):
+            name = lockstrings.render((a, b), {})
+            assert rendered.setdefault(name, (a, b)) == (a, b), (template, name)
+    three = LockstringTemplate("{a}-{b}-{c}", lambda a, b, c: None)
+    seen: dict[str, tuple[str, ...]] = {}
+    for call in itertools.product(["", "-", "%", "a-", "-%2D", "%2D"], repeat=3):
+        name = three.render(call, {})
+        assert seen.setdefault(name, call) == call
+
+
+def test_dicts_are_refused_rather_than_named_by_their_key_order(locker: Locker) -> None:
+    @locker.locked("sync {options}")
+    def sync(options: dict[str, int]) -> None:
+        pass
+
+    with pytest.raises(LockTypeError, match="dict"):
+        sync({"a": 1, "b": 2})
+
+
+@pytest.mark.parametrize(
+    "template",
+    ["job {a}{b}", "job {a}%{b}", "job {a:.3}", "job {a!r}", "job {a:%Y}"],
+)
+def test_templates_that_could_give_two_calls_one_name_are_refused_when_decorated(
+    locker: Locker, template: str
+) -> None:
+    with pytest.raises(LockValueError, match="key="):
+
+        @locker.locked(template)
+        def job(a: str, b: str = "") -> None:
+            pass
+
+
+def test_key_names_the_lock_from_the_calls_arguments(locker: Locker) -> None:
+    @locker.locked(key=lambda account, **_: f"sync {account.number}", on_busy="raise")
+    def sync(account: Account, full: bool = False) -> str:
+        return locker.locks()[0].lockstring
+
+    assert sync(Account(3), full=True) == "sync 3"
+
+    @locker.locked(key=lambda account: account)
+    def bad(account: object) -> None:
+        pass
+
+    with pytest.raises(LockTypeError, match="returned Account"):
+        bad(Account(1))
+    with pytest.raises(LockValueError, match="not both"):
+
+        @locker.locked("sync {account}", key=lambda account: "x")
+        def both(account: object) -> None:
+            pass
+
+    with pytest.raises(LockValueError, match="needs a lockstring"):
+
+        @locker.locked()
+        def nothing() -> None:
+            pass
+
+    assert count_rows(locker) == 0
+
+
+async def test_the_async_decorator_refuses_and_separates_the_same_way(
+    url: str, make_locker: Callable[..., Locker], table_name: str
+) -> None:
+    make_locker()
+    alocker = AsyncLocker(async_url(url), table=table_name, grace=0)
+    seen: list[str] = []
+
+    @alocker.locked("job {a}-{b}", on_busy="raise")
+    async def job(a: object, b: object, inner: tuple[str, str] | None = None) -> None:
+        seen.extend(info.lockstring for info in await alocker.locks())
+        if inner is not None:
+            await job(*inner)
+
+    with pytest.raises(LockTypeError, match="Account"):
+        await job(Account(1), "c")
+    assert await alocker.locks() == []
+    await job("a-b", "c", inner=("a", "b-c"))
+    assert seen == ["job a%2Db-c", "job a%2Db-c", "job a-b%2Dc"]
+    await alocker.aclose()
+
+
+def _run_workers(
+    url: str, table: str, state: Path, calls: list[list[str]], asyncio: bool = False
+) -> list[dict[str, object]]:
+    """One ``tests.decorated_worker`` process per entry of ``calls`` (its extra arguments), all
+    at once: their reports."""
+    base = [sys.executable, "-m", "tests.decorated_worker", "--url", url, "--table", table]
+    base += ["--state", str(state)] + (["--asyncio"] if asyncio else [])
+    processes = [
+        subprocess.Popen(base + extra, stdout=subprocess.PIPE, text=True) for extra in calls
+    ]
+    reports = []
+    for process in processes:
+        out, _ = process.communicate(timeout=120)
+        assert process.returncode == 0
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    return reports
+
+
+@pytest.mark.parametrize("asyncio", [False, True], ids=["sync", "asyncio"])
+def test_processes_calling_with_one_name_exclude_each_other_and_with_two_run_together(
+    url: str, make_locker: Callable[..., Locker], table_name: str, tmp_path: Path, asyncio: bool
+) -> None:
+    make_locker()
+    # The same arguments: one lock, one holder at a time, every call run (wait=None).
+    same = ["--a", "a-b", "--b", "c", "--marker", "same", "--count", "30"]
+    reports = _run_workers(url, table_name, tmp_path, [same, same, same], asyncio)
+    assert [report["overlaps"] for report in reports] == [0, 0, 0]
+    assert [report["ran"] for report in reports] == [30, 30, 30]
+    # Arguments split differently: two locks, so both calls are inside at once.
+    first = ["--a", "a-b", "--b", "c", "--marker", "first", "--meet", "a,b-c"]
+    second = ["--a", "a", "--b", "b-c", "--marker", "second", "--meet", "a-b,c"]
+    reports = _run_workers(url, table_name, tmp_path, [first, second], asyncio)
+    assert [report["met"] for report in reports] == [True, True]

@@ -8,6 +8,7 @@ import asyncio
 import gc
 import os
 import sqlite3
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -16,9 +17,10 @@ from typing import Any
 
 import pytest
 
-from sqllocker import LockBusy, Locker, operations
+from sqllocker import LockBusy, Locker, LockLost, backoff, operations
 from sqllocker.file_queue import AVAILABLE, SUFFIX, FileQueue
 from tests.helpers import wait_in_thread, wait_until
+from tests.test_cli import SQLLOCKER
 from tests.test_hand_off import counting_attempts
 
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason="open file description locks are Linux's")
@@ -76,9 +78,10 @@ def test_a_waiter_is_woken_by_the_release_not_by_a_poll_timer(
 def test_a_newcomer_waits_behind_the_holders_place_even_when_the_row_is_free(
     lockers: Callable[[], Locker], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The place says who tries: a row deleted behind its holder's back (an operator's
-    break_lock) is not taken by a newcomer while the holder keeps its place, until the
-    newcomer's patience or its deadline runs out."""
+    """The place says who tries: a newcomer that finds the row free while the place is held
+    (most likely by the next waiter, about to insert) waits a moment for its turn, reads the
+    row again, and only then makes its one attempt: here at a row deleted behind its
+    holder's back, which keeps its place."""
     holder, newcomer = lockers(), lockers()
     attempts = counting_attempts(newcomer, monkeypatch)
     held = holder.lock("report", expires=30)
@@ -263,3 +266,153 @@ def test_without_the_releases_checkpoints_the_log_grows_past_sqlites_limit(
             pass
     log, _ = log_pages(tmp_path / "locks.db")
     assert log <= 128 * 8  # started again after a checkpoint, as with SQLite's own
+
+
+# A waiter's patience for its turn, made long: what serves it sooner than this is not a poll.
+LONG_PATIENCE = 10.0
+
+
+def test_a_queued_waiter_hears_a_break_at_once_not_at_its_next_look(
+    lockers: Callable[[], Locker], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The holder lives and keeps its place; its row is broken by sqllocker (``break_lock``,
+    ``release --force``). The waiter was served only at its next try, up to a second later;
+    the breaker now rings the queue's bell, and every waiter of the database tries the row."""
+    monkeypatch.setattr(backoff, "QUEUE_PATIENCE", LONG_PATIENCE)
+    holder, waiter, breaker = lockers(), lockers(), lockers()
+    held = holder.lock("report", expires=60, keep_alive=False)
+    thread, result = wait_in_thread(waiter, wait=30, expires=30)
+    wait_until(lambda: place_threads(tmp_path) == 1)
+    time.sleep(0.5)  # the waiter is waiting for its turn by now
+    assert "lock" not in result
+    broken = time.monotonic()
+    assert breaker.break_lock("report") is not None
+    thread.join(LONG_PATIENCE + 5)
+    lock = result["lock"]
+    assert result["returned"] - broken < 2.0  # not LONG_PATIENCE
+    assert lock.lock_id > held.lock_id
+    lock.unlock()
+    with pytest.raises(LockLost):
+        held.unlock()
+
+
+def test_a_queued_waiter_is_served_when_the_row_expires_not_at_its_next_look(
+    lockers: Callable[[], Locker], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The holder lives, keeps its place, and lets its row expire: the waiter reads the row's
+    own expiry when it queues, and tries it then, not at its next look."""
+    monkeypatch.setattr(backoff, "QUEUE_PATIENCE", LONG_PATIENCE)
+    holder, waiter = lockers(), lockers()
+    held = holder.lock("report", expires=1, keep_alive=False)
+    thread, result = wait_in_thread(waiter, wait=30, expires=30)
+    thread.join(LONG_PATIENCE + 5)
+    lock = result["lock"]
+    assert lock.created >= held.expires  # not before the row expired, by the database's clock
+    assert (lock.created - held.expires).total_seconds() < 2.0  # not LONG_PATIENCE after
+    lock.unlock()
+
+
+def test_a_queued_waiter_tries_a_row_only_once_a_look_finds_it_free(
+    lockers: Callable[[], Locker], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """An operator's SQL deletes the row: no bell rings, and the waiter finds out at its next
+    look at the row (a read), which comes well before the row's expiry. Looks that find the row
+    held make no attempt at it."""
+    monkeypatch.setattr(backoff, "QUEUE_PATIENCE", 0.2)
+    holder, waiter = lockers(), lockers()
+    attempts = counting_attempts(waiter, monkeypatch)
+    held = holder.lock("report", expires=60, keep_alive=False)
+    thread, result = wait_in_thread(waiter, wait=30, expires=30)
+    time.sleep(1.0)  # five looks or so
+    assert attempts == []
+    with sqlite3.connect(tmp_path / "locks.db") as operator:
+        operator.execute("DELETE FROM semaphores WHERE lockstring = 'report'")
+    thread.join(20)
+    assert len(attempts) == 1
+    result["lock"].unlock()
+    with pytest.raises(LockLost):
+        held.unlock()
+
+
+async def test_an_async_queued_waiter_hears_a_break_too(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sqllocker.asyncio import AsyncLock, AsyncLocker
+
+    monkeypatch.setattr(backoff, "QUEUE_PATIENCE", LONG_PATIENCE)
+    async_url = sqlite_url.replace("sqlite:", "sqlite+aiosqlite:")
+    holder, waiter, breaker = (AsyncLocker(async_url, grace=0) for _ in range(3))
+    try:
+        held = await holder.lock("report", expires=60, keep_alive=False)
+
+        async def wait() -> AsyncLock:
+            return await waiter.lock("report", wait=30, expires=30)
+
+        task = asyncio.create_task(wait())
+        await asyncio.sleep(0.5)
+        assert not task.done()
+        broken = time.monotonic()
+        assert await breaker.break_lock("report") is not None
+        lock = await asyncio.wait_for(task, LONG_PATIENCE + 5)
+        assert time.monotonic() - broken < 2.0
+        await lock.unlock()
+        with pytest.raises(LockLost):
+            await held.unlock()
+    finally:
+        for locker in (holder, waiter, breaker):
+            await locker.aclose()
+
+
+def test_a_queued_waiter_hears_release_force_from_another_process(
+    lockers: Callable[[], Locker], monkeypatch: pytest.MonkeyPatch, sqlite_url: str
+) -> None:
+    """The operator's ``sqllocker release --force``, run beside a live holder: the bell rings
+    across processes, through the queue file. (The console script's start is slow on a loaded
+    machine: the bound is set against a patience of a minute.)"""
+    monkeypatch.setattr(backoff, "QUEUE_PATIENCE", 60.0)
+    holder, waiter = lockers(), lockers()
+    held = holder.lock("report", expires=120, keep_alive=False)
+    thread, result = wait_in_thread(waiter, wait=120, expires=30)
+    time.sleep(0.5)
+    released = subprocess.run(
+        [SQLLOCKER, "--url", sqlite_url, "release", "report", "--force"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert released.returncode == 0, released.stderr
+    thread.join(30)
+    assert result["lock"].lock_id > held.lock_id  # served, not waiting out its patience
+    result["lock"].unlock()
+    with pytest.raises(LockLost):
+        held.unlock()
+
+
+def test_the_bell_wakes_every_listener_of_every_queue_and_its_reader_ends_with_them(
+    tmp_path: Path,
+) -> None:
+    """One queue rings (a breaker's Locker); two other queues of the same database (two
+    waiters' Lockers, as two processes would have) hear it, each of their listeners, also
+    one that was not waiting just then; a ring before a listener listened is not heard by it."""
+    path = str(tmp_path / "locks.db")
+    breaker, first, second = FileQueue(path), FileQueue(path), FileQueue(path)
+    breaker.ring()  # before anyone listens
+    listeners = [first.listen(), first.listen(), second.listen()]
+    woken = [threading.Event() for _ in listeners]
+    for listener, event in zip(listeners[:2], woken[:2], strict=True):
+        listener.when_rung(event.set)
+    time.sleep(0.2)
+    assert not any(event.is_set() for event in woken)
+    assert not any(listener.heard() for listener in listeners)
+    breaker.ring()
+    for event in woken[:2]:
+        assert event.wait(5)
+    wait_until(lambda: listeners[2].heard())  # heard without waiting: for its next wait
+    listeners[2].when_rung(woken[2].set)
+    assert not woken[2].is_set()  # heard() forgot it
+    for listener in listeners:
+        listener.close()
+    bells = f"{first.thread_name} bell"
+    wait_until(lambda: not any(thread.name == bells for thread in threading.enumerate()))
+    for queue in (breaker, first, second):
+        queue.close()

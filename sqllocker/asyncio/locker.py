@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from .. import tickets, validation
 from ..backoff import Backoff
-from ..decorators import LockstringTemplate, check_decoration, when_busy
+from ..decorators import check_decoration, lock_namer, when_busy
 from ..defaults import (
     DEFAULT_EXPIRES,
     DEFAULT_GRACE,
@@ -31,7 +31,7 @@ from ..defaults import (
 )
 from ..engine import describe_url
 from ..errors import DatabaseError, LockBusy, LockTypeError
-from ..file_queue import FileQueue, PlaceRequest
+from ..file_queue import BellListener, FileQueue, PlaceRequest
 from ..holding import OnLost
 from ..identity import holder_details, new_guid
 from ..keepalive import DEFAULT_FRACTION
@@ -229,8 +229,9 @@ class AsyncLocker:
 
     def locked(
         self,
-        lockstring: str,
+        lockstring: str | None = None,
         *,
+        key: Callable[..., str] | None = None,
         wait: float | None = 0,
         on_busy: str = "skip",
         expires: float | None = None,
@@ -240,21 +241,26 @@ class AsyncLocker:
         """Decorate a function to run under a lock: ``@locker.locked("report {day}")``.
 
         ``lockstring`` is a ``str.format`` template over the function's arguments, by name
-        (checked against its signature now). When the lock is held by someone else (after
-        ``wait``), ``on_busy="skip"`` returns None without calling the function (logged at
-        INFO) and ``"raise"`` raises LockBusy. The lock is kept alive while the function runs
-        (``keep_alive``), released when it returns or raises (unless ``hold_at_least`` keeps
-        it), and LockLost is raised at the end if it was lost meanwhile.
+        (checked against its signature now). Each field takes a str, int, bool, None,
+        Decimal, date, datetime, time, UUID or Enum of those, and raises LockTypeError at the
+        call for any other type, before any SQL; with two fields or more, ``%`` and the first
+        character of the text between fields are percent-encoded in each field's text, so
+        that distinct arguments give distinct names. ``key=`` instead: a callable given the
+        call's arguments that returns the lockstring. When the lock is held by someone else
+        (after ``wait``), ``on_busy="skip"`` returns None without calling the function (logged
+        at INFO) and ``"raise"`` raises LockBusy. The lock is kept alive while the function
+        runs (``keep_alive``), released when it returns or raises (unless ``hold_at_least``
+        keeps it), and LockLost is raised at the end if it was lost meanwhile.
         """
         behaviour = check_decoration(on_busy, wait, expires, hold_at_least)
 
         def decorate(function: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R | None]]:
             concurrency.check_decorated(function)
-            template = LockstringTemplate(lockstring, function)
+            name_lock = lock_namer(lockstring, key, function)
 
             @functools.wraps(function)
             async def under_lock(*args: P.args, **kwargs: P.kwargs) -> R | None:
-                name = template.render(args, kwargs)
+                name = name_lock(args, kwargs)
                 try:
                     lock = await self.lock(
                         name,
@@ -356,6 +362,8 @@ class AsyncLocker:
             validation.check_batch_size(batch_size),
             validation.check_pause_ratio(pause_ratio),
         )
+        if purged and self._file_queue is not None:
+            self._file_queue.ring()  # holders of purged rows may still hold their places
         return purged
 
     async def locks(self, pattern: str | None = None) -> list[LockInfo]:
@@ -386,6 +394,9 @@ class AsyncLocker:
         """
         checked = validation.check_lockstring(lockstring)
         info: LockInfo | None = await self._call(self._operations.break_lock, checked, lock_id)
+        if info is not None and self._file_queue is not None:
+            # Its holder keeps its place in the queue until it learns: wake the waiters.
+            self._file_queue.ring()
         return info
 
     async def create_table(self) -> None:
@@ -756,7 +767,9 @@ class AsyncLocker:
         offset = queue.offset(self.table_name, lockstring) if queue is not None else 0
         place = queue.take(offset) if queue is not None else None
         request: PlaceRequest | None = None
-        refused: Refused | None = None
+        bell: BellListener | None = None
+        # Seconds until the row as last read can be taken over (0: free; None: unknown).
+        until_free: float | None = None
         # Until the kernel's queue fails us (then back off, unqueued).
         in_line = queue is not None
         try:
@@ -766,32 +779,59 @@ class AsyncLocker:
                     if request is None:
                         in_line = False  # the queue file cannot be opened: back off, unqueued
                     else:
+                        if bell is None:
+                            # Listening before the row is first read: a break after it is heard.
+                            bell = queue.listen()
+                            until_free = await self._until_free(lockstring)
                         granted, wake = concurrency.woken_from_thread()
                         request.when_granted(wake)
-                        patience = backoff.turn_patience(refused, self.grace)
-                        await concurrency.wait(granted, patience)
+                        bell.when_rung(wake)
+                        await concurrency.wait(granted, backoff.turn_patience(until_free))
                         place = request.take()
                         if place is not None or request.granted.is_set():
                             in_line, request = place is not None, None
+                        elif not bell.heard() and not backoff.expired():
+                            # Not our turn yet, and no break heard of: a look at the row, and
+                            # an attempt only if it is free or takeable.
+                            until_free = await self._until_free(lockstring)
+                            if until_free is not None and until_free > 0:
+                                continue
                 try:
-                    outcome = await self._try_acquire(lockstring, guid, details, ttl, on_lost)
+                    # Not our turn: the row is read before any INSERT.
+                    outcome = await self._try_acquire(
+                        lockstring, guid, details, ttl, on_lost, look_first=place is None
+                    )
                 except DatabaseError as error:
                     await _wait_out(error, backoff, lockstring)
                     continue
                 if isinstance(outcome, AsyncLock):
                     outcome._state.place, place = place, None
                     return outcome
-                refused = outcome
+                until_free = backoff.until_takeable(outcome, self.grace)
                 if place is not None or not in_line or backoff.expired():
                     # Our turn, but the row is held by someone who did not queue (or whose
                     # grace is not over): back off until it is free.
                     delay = backoff.after_refusal(outcome, lockstring, wait, self.grace)
                     await concurrency.sleep(delay)
         finally:
+            if bell is not None:
+                bell.close()
             if request is not None:
                 request.withdraw()
             if place is not None:
                 place.leave()
+
+    async def _until_free(self, lockstring: str) -> float | None:
+        """A queued waiter's look at the row (a read): seconds until it can be taken over, 0
+        if it is free or can be now; None if unknown (the read failed, or a DBIx::Locker row,
+        taken over only once expired in every time zone)."""
+        try:
+            info: LockInfo | None = await self._call(self._operations.lock_info, lockstring)
+        except DatabaseError:
+            return None
+        if info is None:
+            return 0.0
+        return None if info.dbix_locker else max(0.0, info.seconds_left + self.grace)
 
     async def _try_acquire(
         self,
