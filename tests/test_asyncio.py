@@ -36,6 +36,7 @@ from sqllocker import (
 )
 from sqllocker.asyncio import AsyncLock, AsyncLocker
 from sqllocker.engine import resolve_url
+from sqllocker.operations import Acquired
 from tests.helpers import abandon
 from tests.workers import async_url
 
@@ -644,6 +645,101 @@ async def test_cancelled_wait_stops_at_once(make_async_locker: MakeAsync) -> Non
     assert info.lock_id == held.lock_id
     await held.unlock()
     assert await holder.lock_info("job") is None
+
+
+def cancel_once_won(locker: AsyncLocker, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The first of ``locker``'s attempts that wins its row cancels its caller's task as it
+    ends: the acquire is cancelled at its next await, with the row in. The ids won."""
+    real = locker._operations.try_acquire
+    won: list[int] = []
+
+    def try_acquire(*args: Any) -> Any:  # runs in the caller's task, in the operation's greenlet
+        outcome = real(*args)
+        if isinstance(outcome, Acquired) and not won:
+            won.append(outcome.lock_id)
+            task = asyncio.current_task()
+            assert task is not None
+            task.cancel()
+        return outcome
+
+    monkeypatch.setattr(locker._operations, "try_acquire", try_acquire)
+    return won
+
+
+async def cancelled(acquire: Any) -> BaseException:
+    """Run ``acquire`` in a task of its own, which must end cancelled; its CancelledError, kept
+    (with it the frames it passed through, and whatever they held)."""
+    task = asyncio.ensure_future(acquire)
+    try:
+        await asyncio.wait_for(asyncio.shield(task), 30)
+    except asyncio.CancelledError as error:
+        assert task.cancelled()
+        return error
+    raise AssertionError(f"not cancelled: {task!r}")
+
+
+async def test_a_semaphore_acquire_cancelled_with_its_permit_in_gives_it_back(
+    alocker: AsyncLocker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    permits = alocker.semaphore("api quota", limit=3)
+    won = cancel_once_won(alocker, monkeypatch)
+    kept = await cancelled(permits.acquire(expires=120))  # cancelled as it counts the permits
+    assert won
+    # Given back before the cancellation went on, although the caller keeps its error (and so
+    # the frame that held the permit, which garbage collection would otherwise release).
+    assert await permits.holders() == []
+    held = [await permits.acquire() for _ in range(3)]
+    for permit in held:
+        await permit.unlock()
+    del kept
+
+
+async def test_postgres_wait_cancelled_as_it_gives_up_its_ticket_releases_what_it_won(
+    migrated_postgres: str, table_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with (
+        AsyncLocker(migrated_postgres, table=table_name, grace=0) as holder,
+        AsyncLocker(migrated_postgres, table=table_name, grace=0) as waiter,
+    ):
+        crashed = abandon(await holder.lock("job", expires=1))
+        won = cancel_once_won(waiter, monkeypatch)
+        # Refused, it takes a ticket; once the crashed holder's row expires, its own attempt
+        # takes it over, and it is cancelled as it then gives up its ticket.
+        kept = await cancelled(waiter.lock("job", wait=30, expires=120))
+        assert won
+        assert await holder.lock_info("job") is None
+        async with holder.lock("job") as lock:
+            assert lock.lock_id > crashed.lock_id
+        del kept
+
+
+def test_a_semaphore_acquire_whose_count_fails_gives_its_permit_back(
+    make_locker: Callable[..., Locker], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sync twin of a cancellation: any error between the permit's row and its caller."""
+    locker = make_locker()
+    permits = locker.semaphore("api quota", limit=2)
+    real = locker._operations.try_acquire
+
+    def then_fail(*args: Any) -> Any:
+        outcome = real(*args)
+        if isinstance(outcome, Acquired):
+            monkeypatch.setattr(locker._operations, "count_live", failing)
+            monkeypatch.setattr(locker._operations, "count_permits", failing, raising=False)
+        return outcome
+
+    def failing(*_: Any) -> Any:
+        raise DatabaseError("simulated outage", "api quota")
+
+    monkeypatch.setattr(locker._operations, "try_acquire", then_fail)
+    with pytest.raises(DatabaseError) as kept:
+        permits.acquire(expires=120)
+    monkeypatch.undo()
+    assert permits.holders() == []  # although the error, kept, holds the frame that had it
+    held = [permits.acquire() for _ in range(2)]
+    for permit in held:
+        permit.unlock()
+    del kept
 
 
 # -- waking on NOTIFY (PostgreSQL) --------------------------------------------------------------

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from sqllocker import LockBusy, Locker, LockTypeError, LockValueError
+from sqllocker import Lock, LockBusy, Locker, LockTypeError, LockValueError
 from sqllocker.asyncio import AsyncLocker
 from tests.helpers import abandon, count_rows, figure
 from tests.workers import async_url
@@ -212,3 +212,46 @@ def test_sixteen_processes_never_hold_more_permits_than_the_limit(
     with engine.connect() as conn:
         assert conn.execute(sa.text(f"SELECT COUNT(*) FROM {table_name}")).scalar() == 0
     engine.dispose()
+
+
+def _two_held_in_the_upper_slots(locker: Locker) -> list[Lock]:
+    """Four permits of limit 4 taken, those in slots 0 and 1 given back: two held, in slots 2
+    and 3, which a limit-2 caller never tries."""
+    wide = locker.semaphore("pool", limit=4)
+    held = [wide.acquire() for _ in range(4)]
+    for permit in held:
+        if permit.lockstring.endswith(("(permit 0)", "(permit 1)")):
+            permit.unlock()
+    return [permit for permit in held if permit.is_locked]
+
+
+def test_a_refused_newcomer_with_hold_at_least_leaves_no_phantom_permit(locker: Locker) -> None:
+    upper = _two_held_in_the_upper_slots(locker)
+    narrow = locker.semaphore("pool", limit=2)
+    with pytest.raises(LockBusy):
+        narrow.acquire(hold_at_least=60)  # its row goes in, then 3 > 2: refused
+    # Never granted, so given back at once, not kept for the window held by nobody.
+    assert sorted(info.lockstring for info in narrow.holders()) == sorted(
+        permit.lockstring for permit in upper
+    )
+    granted = locker.semaphore("pool", limit=3).acquire(hold_at_least=60)  # 3 <= 3: it fits
+    granted.unlock()  # granted, so kept for its window
+    assert len(narrow.holders()) == 3
+    for permit in upper:
+        permit.unlock()
+
+
+async def test_an_async_refused_newcomer_with_hold_at_least_leaves_no_phantom_permit(
+    url: str, make_locker: Callable[..., Locker], table_name: str
+) -> None:
+    upper = _two_held_in_the_upper_slots(make_locker())
+    async with AsyncLocker(async_url(url), table=table_name, grace=0) as alocker:
+        narrow = alocker.semaphore("pool", limit=2)
+        with pytest.raises(LockBusy):
+            await narrow.acquire(hold_at_least=60)
+        assert len(await narrow.holders()) == 2
+        granted = await alocker.semaphore("pool", limit=3).acquire(hold_at_least=60)
+        await granted.unlock()
+        assert len(await narrow.holders()) == 3
+    for permit in upper:
+        permit.unlock()

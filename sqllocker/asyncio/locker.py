@@ -40,6 +40,7 @@ from ..operations import Acquired, LockInfo, LockOperations, Refused
 from ..schema import DEFAULT_TABLE
 from ..tickets import LOOK_AGAIN, NEWCOMER, LocalLine, Ticket
 from . import concurrency
+from .acquiring import Winnings, acquisition
 from .group import AsyncLockGroup
 from .keepalive import AsyncKeepAlive
 from .listener import AsyncReleaseListener
@@ -217,15 +218,31 @@ class AsyncLocker:
 
         Bad arguments raise here, before anything is sent.
         """
+        acquire = self._acquire_request(
+            lockstring, expires, wait, locked_by, keep_alive, on_lost, hold_at_least
+        )
+        if True:  # ASYNC
+            return Acquiring(acquisition(acquire))
+        else:
+            return acquisition(acquire)
+
+    def _acquire_request(
+        self,
+        lockstring: str,
+        expires: float | None = None,
+        wait: float | None = 0,
+        locked_by: dict[str, Any] | None = None,
+        keep_alive: bool = False,
+        on_lost: OnLost | None = None,
+        hold_at_least: float | None = None,
+    ) -> Callable[[Winnings], Awaitable[AsyncLock]]:
+        """``lock()``'s acquire, its arguments checked, to run in an ``acquisition`` (the
+        caller's own, or one of a semaphore's that takes more than this lock)."""
         request = validation.check_lock_request(
             lockstring, expires, self.expires, wait, locked_by, on_lost
         )
         hold = validation.check_hold_at_least(hold_at_least, request[0])
-        acquire = self._acquire(*request, keep_alive, on_lost or self.on_lost, hold)
-        if True:  # ASYNC
-            return Acquiring(acquire)
-        else:
-            return acquire
+        return functools.partial(self._acquire, *request, keep_alive, on_lost or self.on_lost, hold)
 
     def locked(
         self,
@@ -295,7 +312,21 @@ class AsyncLocker:
             names[0], expires, self.expires, wait, locked_by, on_lost
         )
         _, ttl, wait, extra = request
-        on_lost = on_lost or self.on_lost
+        acquire = functools.partial(
+            self._acquire_all, names, ttl, wait, extra, keep_alive, on_lost or self.on_lost
+        )
+        return await acquisition(acquire)
+
+    async def _acquire_all(
+        self,
+        names: list[str],
+        ttl: float,
+        wait: float | None,
+        extra: dict[str, Any],
+        keep_alive: bool,
+        on_lost: OnLost | None,
+        winnings: Winnings,
+    ) -> AsyncLockGroup:
         if True:  # ASYNC
             await self._ready()
         details = holder_details(extra, concurrency.task_name())
@@ -312,7 +343,7 @@ class AsyncLocker:
                 outcome = self._operations.try_acquire_all(members, ttl, details)
             if not isinstance(outcome, Refused):
                 locks = [
-                    self._lock(name, guid, acquired, ttl, details, on_lost)
+                    self._lock(winnings, name, guid, acquired, ttl, details, on_lost)
                     for (name, guid), acquired in zip(members, outcome, strict=True)
                 ]
                 group = AsyncLockGroup(locks)
@@ -431,6 +462,7 @@ class AsyncLocker:
         keep_alive: bool,
         on_lost: OnLost | None,
         hold_at_least: float | None,
+        winnings: Winnings,
     ) -> AsyncLock:
         if True:  # ASYNC
             await self._ready()
@@ -439,14 +471,15 @@ class AsyncLocker:
         guid = new_guid()
         details = holder_details(extra, concurrency.task_name())
         if wait == 0:
-            lock = await self._try_once(lockstring, guid, details, ttl, on_lost)
+            lock = await self._try_once(winnings, lockstring, guid, details, ttl, on_lost)
         else:
-            lock = await self._wait_for(lockstring, guid, details, ttl, wait, on_lost)
+            lock = await self._wait_for(winnings, lockstring, guid, details, ttl, wait, on_lost)
         lock._state.hold_at_least = hold_at_least
         return lock.keep_alive() if keep_alive else lock
 
     async def _wait_for(
         self,
+        winnings: Winnings,
         lockstring: str,
         guid: str,
         details: dict[str, Any],
@@ -460,14 +493,15 @@ class AsyncLocker:
         listener = self._release_listener()
         if listener is not None:
             return await self._wait_with_ticket(
-                listener, lockstring, guid, details, ttl, wait, on_lost
+                winnings, listener, lockstring, guid, details, ttl, wait, on_lost
             )
         return await self._wait_in_line(
-            self._file_queue, lockstring, guid, details, ttl, wait, on_lost
+            winnings, self._file_queue, lockstring, guid, details, ttl, wait, on_lost
         )
 
     async def _wait_with_ticket(
         self,
+        winnings: Winnings,
         listener: AsyncReleaseListener,
         lockstring: str,
         guid: str,
@@ -549,6 +583,7 @@ class AsyncLocker:
                         in_line = ticket is not None and waited < tickets.PATIENCE
                         try:
                             attempt = await self._try_acquire(
+                                winnings,
                                 lockstring,
                                 guid,
                                 details,
@@ -599,7 +634,9 @@ class AsyncLocker:
                             if not doubled:  # else given up below: it may be the one left
                                 line.leave(ticket)
                                 ticket = None  # the release that granted it took it
-                            outcome = self._lock(lockstring, guid, claimed, ttl, details, on_lost)
+                            outcome = self._lock(
+                                winnings, lockstring, guid, claimed, ttl, details, on_lost
+                            )
                             return outcome
                 finally:
                     listener.unregister(waiter)
@@ -715,6 +752,7 @@ class AsyncLocker:
 
     async def _try_once(
         self,
+        winnings: Winnings,
         lockstring: str,
         guid: str,
         details: dict[str, Any],
@@ -726,7 +764,7 @@ class AsyncLocker:
         queue = self._file_queue
         place = queue.take(queue.offset(self.table_name, lockstring)) if queue else None
         try:
-            outcome = await self._try_acquire(lockstring, guid, details, ttl, on_lost)
+            outcome = await self._try_acquire(winnings, lockstring, guid, details, ttl, on_lost)
         except BaseException:
             if place is not None:
                 place.leave()
@@ -740,6 +778,7 @@ class AsyncLocker:
 
     async def _wait_in_line(
         self,
+        winnings: Winnings,
         queue: FileQueue | None,
         lockstring: str,
         guid: str,
@@ -774,7 +813,9 @@ class AsyncLocker:
                         if place is not None or request.granted.is_set():
                             in_line, request = place is not None, None
                 try:
-                    outcome = await self._try_acquire(lockstring, guid, details, ttl, on_lost)
+                    outcome = await self._try_acquire(
+                        winnings, lockstring, guid, details, ttl, on_lost
+                    )
                 except DatabaseError as error:
                     await _wait_out(error, backoff, lockstring)
                     continue
@@ -795,6 +836,7 @@ class AsyncLocker:
 
     async def _try_acquire(
         self,
+        winnings: Winnings,
         lockstring: str,
         guid: str,
         details: dict[str, Any],
@@ -815,10 +857,11 @@ class AsyncLocker:
             outcome = self._operations.try_acquire(*attempt)
         if not isinstance(outcome, Acquired):
             return outcome
-        return self._lock(lockstring, guid, outcome, ttl, details, on_lost)
+        return self._lock(winnings, lockstring, guid, outcome, ttl, details, on_lost)
 
     def _lock(
         self,
+        winnings: Winnings,
         lockstring: str,
         guid: str,
         acquired: Acquired,
@@ -837,9 +880,10 @@ class AsyncLocker:
             acquired.sent_at,
             on_lost,
         )
-        return AsyncLock(
+        lock = AsyncLock(
             self, state, created=acquired.created, expires=acquired.expires, locked_by=details
         )
+        return winnings.won(lock)
 
     async def _call(self, operation: Callable[..., T], *args: Any) -> T:
         """Run one of the table's operations (in asyncio: in a greenlet, on the running loop's
