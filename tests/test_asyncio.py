@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import random
 import sqlite3
 import subprocess
 import sys
@@ -740,6 +741,72 @@ def test_a_semaphore_acquire_whose_count_fails_gives_its_permit_back(
     for permit in held:
         permit.unlock()
     del kept
+
+
+async def _settled(lockers: list[AsyncLocker]) -> None:
+    """Until nothing a cancelled caller left running runs any more: attempts and releases in
+    flight, and the ticket give-ups done in the background."""
+    from sqllocker.asyncio import tasks
+
+    deadline = time.monotonic() + 60
+    while tasks._running or any(locker._leaving._tasks for locker in lockers):
+        assert time.monotonic() < deadline, "background work still running"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("seed", [56, 9])
+async def test_acquires_cut_short_at_random_strand_nothing(
+    make_async_locker: MakeAsync, seed: int
+) -> None:
+    """Every kind of acquire under asyncio.wait_for with a random small timeout, the callers
+    keeping their TimeoutErrors: afterwards no row is held by nobody, and a full set of permits
+    and every lock can be taken at once."""
+    rng = random.Random(seed)
+    lockers = [make_async_locker(), make_async_locker()]
+    kinds: list[Callable[[AsyncLocker], Any]] = [
+        lambda locker: locker.lock("job", expires=120),
+        lambda locker: locker.lock("job", wait=1, expires=120),
+        lambda locker: locker.try_lock("job", expires=120),
+        lambda locker: locker.lock_all(["job", "other"], wait=1, expires=120),
+        lambda locker: locker.semaphore("quota", 3).acquire(expires=120),
+        lambda locker: locker.semaphore("quota", 3).acquire(wait=1, expires=120),
+        lambda locker: locker.semaphore("quota", 2).acquire(wait=1, expires=120),
+    ]
+    kept: list[BaseException] = []
+    counts = {"held": 0, "cut short": 0, "busy": 0}
+
+    async def caller(locker: AsyncLocker, rounds: int) -> None:
+        for _ in range(rounds):
+            acquire = rng.choice(kinds)(locker)
+            try:
+                held = await asyncio.wait_for(acquire, rng.uniform(0.0, 0.12))
+            except asyncio.TimeoutError as error:
+                kept.append(error)  # and with it the frames it passed through
+                counts["cut short"] += 1
+                continue
+            except LockBusy:
+                counts["busy"] += 1
+                continue
+            if held is None:  # try_lock, refused
+                counts["busy"] += 1
+                continue
+            counts["held"] += 1
+            await asyncio.sleep(rng.uniform(0.0, 0.01))
+            await held.unlock()
+
+    await asyncio.gather(*(caller(lockers[n % 2], 20) for n in range(8)))
+    await _settled(lockers)
+    stranded = [info for info in await lockers[0].locks() if not info.expired]
+    print(f"\n[stress] seed {seed}: {counts}")
+    assert counts["cut short"] > 0  # both happened
+    assert counts["held"] > 0
+    assert stranded == []
+    permits = [await lockers[0].semaphore("quota", 3).acquire() for _ in range(3)]
+    group = await lockers[1].lock_all(["job", "other"])
+    for permit in permits:
+        await permit.unlock()
+    await group.unlock()
+    assert kept  # kept to the end
 
 
 # -- waking on NOTIFY (PostgreSQL) --------------------------------------------------------------

@@ -11,9 +11,9 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
-import sqlalchemy as sa
 
 from sqllocker import Lock, LockBusy, Locker, LockTypeError, LockValueError
 from sqllocker.asyncio import AsyncLocker
@@ -149,11 +149,22 @@ async def test_async_permits(url: str, make_locker: Callable[..., Locker], table
     await alocker.aclose()
 
 
-def test_sixteen_processes_never_hold_more_permits_than_the_limit(
-    url: str, make_locker: Callable[..., Locker], table_name: str, backend: str, tmp_path: Path
-) -> None:
-    make_locker()  # the table
-    started = time.monotonic()
+class Run(NamedTuple):
+    """What semaphore workers (``tests.workers semaphore``) did: permits taken by each, with
+    its limit; the most holders at once; overlaps on a slot and token inversions; breaches of
+    a worker's own limit."""
+
+    taken: list[tuple[int, int]]
+    most: int
+    slot_overlaps: int
+    token_inversions: int
+    violations: list[str]
+
+
+def run_semaphore_workers(
+    url: str, table_name: str, tmp_path: Path, limits: list[int], seconds: float
+) -> Run:
+    """One worker process per limit in ``limits``, on one semaphore, for ``seconds``."""
     workers = [
         subprocess.Popen(
             [
@@ -170,22 +181,21 @@ def test_sixteen_processes_never_hold_more_permits_than_the_limit(
                 "--name",
                 "api quota",
                 "--limit",
-                "3",
+                str(limit),
                 "--seconds",
-                "10",
+                str(seconds),
             ],
             stdout=subprocess.PIPE,
             text=True,
             cwd=Path(__file__).resolve().parents[1],
         )
-        for _ in range(16)
+        for limit in limits
     ]
     taken = []
-    for worker in workers:
-        out, _ = worker.communicate(timeout=120)
+    for worker, limit in zip(workers, limits, strict=True):
+        out, _ = worker.communicate(timeout=seconds + 120)
         assert worker.returncode == 0
-        taken.append(json.loads(out.splitlines()[-1])["taken"])
-    most = int((tmp_path / "most").read_text())
+        taken.append((limit, json.loads(out.splitlines()[-1])["taken"]))
     records = [
         json.loads(line)
         for log in tmp_path.glob("log-*.jsonl")
@@ -197,21 +207,61 @@ def test_sixteen_processes_never_hold_more_permits_than_the_limit(
         for before, after in itertools.pairwise(mine):
             slot_overlaps += after["in"] < before["out"]
             token_inversions += after["id"] <= before["id"]
+    violations = tmp_path / "violations"
+    return Run(
+        taken,
+        int((tmp_path / "most").read_text()),
+        slot_overlaps,
+        token_inversions,
+        violations.read_text().splitlines() if violations.exists() else [],
+    )
+
+
+def test_sixteen_processes_never_hold_more_permits_than_the_limit(
+    url: str, make_locker: Callable[..., Locker], table_name: str, backend: str, tmp_path: Path
+) -> None:
+    make_locker()  # the table
+    started = time.monotonic()
+    run = run_semaphore_workers(url, table_name, tmp_path, [3] * 16, 10)
+    taken = [count for _, count in run.taken]
     figure(
         "semaphore, 16 processes, limit 3, 10 s",
         backend,
-        f"most holders at once {most}; permits taken {sum(taken)} "
-        f"(overlaps on a slot {slot_overlaps}, token inversions {token_inversions}) "
+        f"most holders at once {run.most}; permits taken {sum(taken)} "
+        f"(overlaps on a slot {run.slot_overlaps}, token inversions {run.token_inversions}) "
         f"({min(taken)}-{max(taken)} a process); {time.monotonic() - started:.1f} s",
     )
-    assert most == 3
-    assert slot_overlaps == 0
-    assert token_inversions == 0
+    assert run.most == 3
+    assert run.slot_overlaps == 0
+    assert run.token_inversions == 0
+    assert run.violations == []
     assert all(count > 0 for count in taken)  # every waiter was served
-    engine = sa.create_engine(url)
-    with engine.connect() as conn:
-        assert conn.execute(sa.text(f"SELECT COUNT(*) FROM {table_name}")).scalar() == 0
-    engine.dispose()
+    assert count_rows(make_locker()) == 0
+
+
+def test_mixed_limits_serve_the_smaller_in_turn_and_admit_no_more_than_it_allows(
+    url: str, make_locker: Callable[..., Locker], table_name: str, backend: str, tmp_path: Path
+) -> None:
+    """Four processes with limit 4 beside two with limit 2: the smaller limit is served in
+    turn, and never admits a newcomer beyond it (each worker checks its own)."""
+    make_locker()  # the table
+    run = run_semaphore_workers(url, table_name, tmp_path, [4, 4, 4, 4, 2, 2], 15)
+    small = [count for limit, count in run.taken if limit == 2]
+    large = [count for limit, count in run.taken if limit == 4]
+    figure(
+        "semaphore, 4 processes with limit 4 beside 2 with limit 2, 15 s",
+        backend,
+        f"permits taken {large} (limit 4), {small} (limit 2); most holders at once {run.most}; "
+        f"breaches {len(run.violations)}",
+    )
+    assert run.violations == []
+    assert run.most <= 4
+    assert run.slot_overlaps == 0
+    assert run.token_inversions == 0
+    # Served in turn: each limit-2 process takes permits at no less than a fifth of the rate
+    # of a limit-4 one (without turns, about a hundredth).
+    assert min(small) * 5 >= sum(large) / len(large)
+    assert count_rows(make_locker()) == 0
 
 
 def _two_held_in_the_upper_slots(locker: Locker) -> list[Lock]:
