@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -305,3 +307,65 @@ async def test_an_async_refused_newcomer_with_hold_at_least_leaves_no_phantom_pe
         assert len(await narrow.holders()) == 3
     for permit in upper:
         permit.unlock()
+
+
+def test_a_waiter_refused_for_its_smaller_limit_takes_the_turn_and_is_served_next(
+    make_locker: Callable[..., Locker],
+) -> None:
+    locker = make_locker()
+    upper = _two_held_in_the_upper_slots(locker)
+    wide = locker.semaphore("pool", limit=4)
+    third = wide.acquire()  # in slot 0 or 1
+    served: list[Lock] = []
+    waiter = threading.Thread(
+        target=lambda: served.append(make_locker().semaphore("pool", limit=2).acquire(wait=60))
+    )
+    waiter.start()  # refused for its limit (3 held, its own makes 4): it takes the turn
+    deadline = time.monotonic() + 30
+    while locker.lock_info("pool (turn)") is None:
+        assert time.monotonic() < deadline, "the waiter took no turn"
+        time.sleep(0.05)
+    with pytest.raises(LockBusy):
+        wide.acquire()  # 4 would fit its own limit, but leave no room for the waiter's
+    third.unlock()
+    upper[0].unlock()  # one held: the waiter's permit fits
+    waiter.join(60)
+    assert len(served) == 1
+    assert locker.lock_info("pool (turn)") is None  # given up once served
+    newcomer = wide.acquire()  # no turn any more: 3 held, within 4
+    for permit in (newcomer, served[0], upper[1]):
+        permit.unlock()
+
+
+async def test_an_async_waiter_takes_the_turn_and_gives_it_up_when_cancelled(
+    url: str, make_locker: Callable[..., Locker], table_name: str
+) -> None:
+    locker = make_locker()
+    upper = _two_held_in_the_upper_slots(locker)
+    third = locker.semaphore("pool", limit=4).acquire()
+    async with AsyncLocker(async_url(url), table=table_name, grace=0) as alocker:
+        waiting = asyncio.ensure_future(alocker.semaphore("pool", limit=2).acquire(wait=60))
+        deadline = time.monotonic() + 30
+        while await alocker.lock_info("pool (turn)") is None:
+            assert time.monotonic() < deadline, "the waiter took no turn"
+            await asyncio.sleep(0.05)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert await alocker.lock_info("pool (turn)") is None  # given up as it was cancelled
+        assert len(await alocker.semaphore("pool", limit=2).holders()) == 3  # and no permit
+    for permit in (third, *upper):
+        permit.unlock()
+
+
+def test_a_turn_row_that_says_no_limit_or_has_expired_holds_nobody_back(locker: Locker) -> None:
+    wide = locker.semaphore("pool", limit=4)
+    odd = locker.lock("pool (turn)", locked_by={"semaphore_limit": "two"})  # an operator's
+    wide.acquire().unlock()  # not a turn: nothing to make room for
+    odd.unlock()
+    dead = abandon(locker.lock("pool (turn)", expires=1, locked_by={"semaphore_limit": 1}))
+    with pytest.raises(LockBusy):
+        wide.acquire()  # a live turn for a limit of 1: nobody else until it is served
+    permit = wide.acquire(wait=30)  # its waiter died: the turn expires, and holds nobody back
+    assert permit.lock_id > dead.lock_id
+    permit.unlock()
