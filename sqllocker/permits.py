@@ -18,18 +18,19 @@ limit admitted, and a smaller limit admits no newcomer until enough permits are 
 A permit given back because its count was too high was never granted: its row is deleted at
 once, whatever ``hold_at_least`` the caller asked for (which applies to granted permits only).
 
-**Turns.** Beside callers with a larger limit, which keep the count up to theirs, a caller with a
-smaller limit would find the count too high nearly every time and starve. So a waiter refused for
-its smaller limit takes the semaphore's *turn*: one more lock row, on ``<name> (turn)``, that
-says its limit (``locked_by.semaphore_limit``) and is kept alive while it waits. While a live
-turn is someone else's, a newcomer keeps its permit only if the count, its own included, leaves
-room for the waiter whose turn it is (at most that waiter's limit less one): the holders drain
-down to the smaller limit as they release, and that waiter gets in. It gives the turn up once it
-has its permit, stops waiting, or is cancelled; a turn whose waiter died expires within
-``TURN_EXPIRES`` seconds (plus the locker's grace). One waiter has the turn at a time: others
-refused for a smaller limit take it after, one by one. Turns only ever refuse a permit, never
-grant one, so they cannot let more holders in than the counts above allow; a turn row written by
-anyone else (an operator) can only hold newcomers back, until it expires.
+**Turns.** Beside callers with a larger limit, which keep the count up to theirs, a caller
+with a smaller limit would find the count too high nearly every time and starve. So a waiter
+refused for its smaller limit (its row counted past it, or every one of its slots held while
+more permits than its limit are live) takes the semaphore's *turn*: one more lock row, on
+``<name> (turn)``, that says its limit (``locked_by.semaphore_limit``) and is kept alive while
+it waits. While a live turn is someone else's, a newcomer keeps its permit only if the count,
+its own included, leaves room for the waiter whose turn it is (at most that waiter's limit less
+one): the holders drain down to the smaller limit as they release, and that waiter gets in. It
+gives the turn up once it has its permit, stops waiting, or is cancelled; a turn whose waiter
+died expires within ``TURN_EXPIRES`` seconds (plus the locker's grace). One waiter has the turn
+at a time: others refused for a smaller limit take it after, one by one. Turns only ever refuse
+a permit, never grant one, so they cannot let more holders in than the counts above allow; a
+turn row written by anyone else (an operator) can only hold newcomers back, until it expires.
 """
 
 from __future__ import annotations

@@ -337,6 +337,33 @@ def test_a_waiter_refused_for_its_smaller_limit_takes_the_turn_and_is_served_nex
         permit.unlock()
 
 
+def test_a_waiter_whose_every_slot_a_larger_limit_holds_takes_the_turn_too(
+    make_locker: Callable[..., Locker],
+) -> None:
+    locker = make_locker()
+    wide = locker.semaphore("pool", limit=4)
+    held = {permit.lockstring[-2]: permit for permit in (wide.acquire() for _ in range(4))}
+    held.pop("3").unlock()  # slots 0, 1 and 2 held: none free for a limit of 2
+    served: list[Lock] = []
+    waiter = threading.Thread(
+        target=lambda: served.append(make_locker().semaphore("pool", limit=2).acquire(wait=60))
+    )
+    waiter.start()
+    deadline = time.monotonic() + 30
+    while locker.lock_info("pool (turn)") is None:
+        assert time.monotonic() < deadline, "the waiter took no turn"
+        time.sleep(0.05)
+    with pytest.raises(LockBusy):
+        wide.acquire()  # slot 3 is free, and 4 fits its own limit, but not the waiter's
+    held.pop("0").unlock()
+    held.pop("2").unlock()
+    waiter.join(60)
+    assert len(served) == 1
+    assert locker.lock_info("pool (turn)") is None
+    for permit in (served[0], *held.values()):
+        permit.unlock()
+
+
 async def test_an_async_waiter_takes_the_turn_and_gives_it_up_when_cancelled(
     url: str, make_locker: Callable[..., Locker], table_name: str
 ) -> None:

@@ -93,11 +93,7 @@ class AsyncSemaphore:
                         permit = await request(permit_lockstring(self.name, slot))(winnings)
                     except LockBusy:
                         continue
-                    live, reserved = await self._run(
-                        self._operations.count_permits,
-                        *permit_pattern(self.name),
-                        turn_lockstring(self.name),
-                    )
+                    live, reserved = await self._count()
                     if admits(self.limit, live, reserved, turn.lock_id if turn else None):
                         permit._state.hold_at_least = hold_at_least
                         return permit.keep_alive() if keep_alive else permit
@@ -105,6 +101,9 @@ class AsyncSemaphore:
                     await permit.unlock()
                     outnumbered = live > self.limit
                     break
+                else:  # every slot of ours is held: are there more holders than our limit?
+                    outnumbered = turn is None and not backoff.expired()
+                    outnumbered = outnumbered and (await self._count())[0] > self.limit
                 if backoff.expired():
                     raise refused(self.name, self.limit, wait)
                 if outnumbered and turn is None:
@@ -113,6 +112,13 @@ class AsyncSemaphore:
         finally:
             if turn is not None:
                 await self._end_turn(turn)
+
+    async def _count(self) -> tuple[int, LockInfo | None]:
+        """The live permits, and the row of the semaphore's turn (see ``sqllocker.permits``)."""
+        counted: tuple[int, LockInfo | None] = await self._run(
+            self._operations.count_permits, *permit_pattern(self.name), turn_lockstring(self.name)
+        )
+        return counted
 
     async def _take_turn(self, winnings: Winnings, expires: float | None) -> AsyncLock | None:
         """The semaphore's turn for this waiter, refused for its smaller limit, if nobody else
