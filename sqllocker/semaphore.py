@@ -73,14 +73,13 @@ class Semaphore:
         # Granted only once counted: until then a permit is held for no window and not kept
         # alive, so that one refused goes back at once (``permit.unlock()``).
         request = functools.partial(self.locker._acquire_request, expires=expires, **options)
-        acquire = functools.partial(self._acquire, request, checked_wait, expires, keep_alive, hold)
+        acquire = functools.partial(self._acquire, request, checked_wait, keep_alive, hold)
         return acquisition(acquire)
 
     def _acquire(
         self,
         request: Callable[[str], Callable[[Winnings], Lock]],
         wait: float | None,
-        expires: float | None,
         keep_alive: bool,
         hold_at_least: float | None,
         winnings: Winnings,
@@ -104,12 +103,14 @@ class Semaphore:
                     outnumbered = live > self.limit
                     break
                 else:  # every slot of ours is held: are there more holders than our limit?
-                    outnumbered = turn is None and not backoff.expired()
+                    outnumbered = (turn is None or not turn.is_locked) and not backoff.expired()
                     outnumbered = outnumbered and (self._count())[0] > self.limit
                 if backoff.expired():
                     raise refused(self.name, self.limit, wait)
-                if outnumbered and turn is None:
-                    turn = self._take_turn(winnings, expires)
+                if outnumbered and (turn is None or not turn.is_locked):
+                    if turn is not None:  # lost (broken by an operator, or not renewed)
+                        self._end_turn(turn)
+                    turn = self._take_turn(winnings)
                 concurrency.sleep(backoff.next_delay())
         finally:
             if turn is not None:
@@ -122,7 +123,7 @@ class Semaphore:
         )
         return counted
 
-    def _take_turn(self, winnings: Winnings, expires: float | None) -> Lock | None:
+    def _take_turn(self, winnings: Winnings) -> Lock | None:
         """The semaphore's turn for this waiter, refused for its smaller limit, if nobody else
         has it: kept alive while it waits, it holds newcomers off the permits it needs."""
         request = self.locker._acquire_request(

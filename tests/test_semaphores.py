@@ -364,6 +364,37 @@ def test_a_waiter_whose_every_slot_a_larger_limit_holds_takes_the_turn_too(
         permit.unlock()
 
 
+def test_a_waiter_whose_turn_was_broken_takes_it_again(
+    make_locker: Callable[..., Locker],
+) -> None:
+    locker = make_locker()
+    upper = _two_held_in_the_upper_slots(locker)
+    third = locker.semaphore("pool", limit=4).acquire()
+    served: list[Lock] = []
+    waiter = threading.Thread(
+        target=lambda: served.append(make_locker().semaphore("pool", limit=2).acquire(wait=60))
+    )
+    waiter.start()
+
+    def turn() -> int:
+        deadline = time.monotonic() + 30
+        while (info := locker.lock_info("pool (turn)")) is None:
+            assert time.monotonic() < deadline, "the waiter took no turn"
+            time.sleep(0.05)
+        return info.lock_id
+
+    broken = locker.break_lock("pool (turn)", turn())  # an operator's `release --force`
+    assert broken is not None
+    assert turn() > broken.lock_id  # its renewal found it lost, and it took the turn again
+    third.unlock()
+    upper[0].unlock()
+    waiter.join(60)
+    assert len(served) == 1
+    assert locker.lock_info("pool (turn)") is None
+    for permit in (served[0], upper[1]):
+        permit.unlock()
+
+
 async def test_an_async_waiter_takes_the_turn_and_gives_it_up_when_cancelled(
     url: str, make_locker: Callable[..., Locker], table_name: str
 ) -> None:

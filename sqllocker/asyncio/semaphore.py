@@ -71,14 +71,13 @@ class AsyncSemaphore:
         # Granted only once counted: until then a permit is held for no window and not kept
         # alive, so that one refused goes back at once (``permit.unlock()``).
         request = functools.partial(self.locker._acquire_request, expires=expires, **options)
-        acquire = functools.partial(self._acquire, request, checked_wait, expires, keep_alive, hold)
+        acquire = functools.partial(self._acquire, request, checked_wait, keep_alive, hold)
         return await acquisition(acquire)
 
     async def _acquire(
         self,
         request: Callable[[str], Callable[[Winnings], Awaitable[AsyncLock]]],
         wait: float | None,
-        expires: float | None,
         keep_alive: bool,
         hold_at_least: float | None,
         winnings: Winnings,
@@ -102,12 +101,14 @@ class AsyncSemaphore:
                     outnumbered = live > self.limit
                     break
                 else:  # every slot of ours is held: are there more holders than our limit?
-                    outnumbered = turn is None and not backoff.expired()
+                    outnumbered = (turn is None or not turn.is_locked) and not backoff.expired()
                     outnumbered = outnumbered and (await self._count())[0] > self.limit
                 if backoff.expired():
                     raise refused(self.name, self.limit, wait)
-                if outnumbered and turn is None:
-                    turn = await self._take_turn(winnings, expires)
+                if outnumbered and (turn is None or not turn.is_locked):
+                    if turn is not None:  # lost (broken by an operator, or not renewed)
+                        await self._end_turn(turn)
+                    turn = await self._take_turn(winnings)
                 await concurrency.sleep(backoff.next_delay())
         finally:
             if turn is not None:
@@ -120,7 +121,7 @@ class AsyncSemaphore:
         )
         return counted
 
-    async def _take_turn(self, winnings: Winnings, expires: float | None) -> AsyncLock | None:
+    async def _take_turn(self, winnings: Winnings) -> AsyncLock | None:
         """The semaphore's turn for this waiter, refused for its smaller limit, if nobody else
         has it: kept alive while it waits, it holds newcomers off the permits it needs."""
         request = self.locker._acquire_request(
