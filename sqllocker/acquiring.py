@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from .lock import Lock
@@ -38,6 +38,8 @@ T = TypeVar("T")
 class Winnings:
     """The locks one acquire has won: its caller's if the acquire returns, released if it
     raises (``acquisition``)."""
+
+    __slots__ = ("_locks",)
 
     def __init__(self) -> None:
         self._locks: list[Lock] = []
@@ -56,12 +58,12 @@ class Winnings:
             _give_back(lock)
 
 
-def acquisition(acquire: Callable[[Winnings], T]) -> T:
-    """What ``acquire`` returns, given Winnings of its own; if it raises (or, in asyncio, is
-    cancelled), what it won is released before the exception goes on."""
+def acquisition(acquire: Callable[..., T], *args: Any) -> T:
+    """What ``acquire(*args, winnings)`` returns, given Winnings of its own; if it raises (or,
+    in asyncio, is cancelled), what it won is released before the exception goes on."""
     winnings = Winnings()
     try:
-        return acquire(winnings)
+        return acquire(*args, winnings)
     except BaseException:
         winnings.give_back()
         raise

@@ -201,10 +201,12 @@ class Locker:
 
         Bad arguments raise here, before anything is sent.
         """
-        acquire = self._acquire_request(
-            lockstring, expires, wait, locked_by, keep_alive, on_lost, hold_at_least
+        request = validation.check_lock_request(
+            lockstring, expires, self.expires, wait, locked_by, on_lost
         )
-        return acquisition(acquire)
+        hold = validation.check_hold_at_least(hold_at_least, request[0])
+        on_lost = on_lost or self.on_lost
+        return acquisition(self._acquire, *request, keep_alive, on_lost, hold)
 
     def _acquire_request(
         self,
@@ -216,8 +218,8 @@ class Locker:
         on_lost: OnLost | None = None,
         hold_at_least: float | None = None,
     ) -> Callable[[Winnings], Lock]:
-        """``lock()``'s acquire, its arguments checked, to run in an ``acquisition`` (the
-        caller's own, or one of a semaphore's that takes more than this lock)."""
+        """``lock()``'s acquire, its arguments checked, to run in an acquisition that takes
+        more than this lock (a semaphore's)."""
         request = validation.check_lock_request(
             lockstring, expires, self.expires, wait, locked_by, on_lost
         )
@@ -292,10 +294,8 @@ class Locker:
             names[0], expires, self.expires, wait, locked_by, on_lost
         )
         _, ttl, wait, extra = request
-        acquire = functools.partial(
-            self._acquire_all, names, ttl, wait, extra, keep_alive, on_lost or self.on_lost
-        )
-        return acquisition(acquire)
+        on_lost = on_lost or self.on_lost
+        return acquisition(self._acquire_all, names, ttl, wait, extra, keep_alive, on_lost)
 
     def _acquire_all(
         self,

@@ -73,8 +73,7 @@ class Semaphore:
         # Granted only once counted: until then a permit is held for no window and not kept
         # alive, so that one refused goes back at once (``permit.unlock()``).
         request = functools.partial(self.locker._acquire_request, expires=expires, **options)
-        acquire = functools.partial(self._acquire, request, checked_wait, keep_alive, hold)
-        return acquisition(acquire)
+        return acquisition(self._acquire, request, checked_wait, keep_alive, hold)
 
     def _acquire(
         self,

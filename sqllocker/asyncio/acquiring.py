@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if True:  # ASYNC
     import asyncio
     from collections.abc import Coroutine, Generator
     from types import TracebackType
-    from typing import Any
 
     from .tasks import spawn
 
@@ -44,6 +43,8 @@ T = TypeVar("T")
 class Winnings:
     """The locks one acquire has won: its caller's if the acquire returns, released if it
     raises (``acquisition``)."""
+
+    __slots__ = ("_locks",)
 
     def __init__(self) -> None:
         self._locks: list[AsyncLock] = []
@@ -67,12 +68,12 @@ class Winnings:
                 _give_back(lock)
 
 
-async def acquisition(acquire: Callable[[Winnings], Awaitable[T]]) -> T:
-    """What ``acquire`` returns, given Winnings of its own; if it raises (or, in asyncio, is
-    cancelled), what it won is released before the exception goes on."""
+async def acquisition(acquire: Callable[..., Awaitable[T]], *args: Any) -> T:
+    """What ``acquire(*args, winnings)`` returns, given Winnings of its own; if it raises (or,
+    in asyncio, is cancelled), what it won is released before the exception goes on."""
     winnings = Winnings()
     try:
-        return await acquire(winnings)
+        return await acquire(*args, winnings)
     except BaseException:
         await winnings.give_back()
         raise

@@ -71,8 +71,7 @@ class AsyncSemaphore:
         # Granted only once counted: until then a permit is held for no window and not kept
         # alive, so that one refused goes back at once (``permit.unlock()``).
         request = functools.partial(self.locker._acquire_request, expires=expires, **options)
-        acquire = functools.partial(self._acquire, request, checked_wait, keep_alive, hold)
-        return await acquisition(acquire)
+        return await acquisition(self._acquire, request, checked_wait, keep_alive, hold)
 
     async def _acquire(
         self,
