@@ -75,6 +75,8 @@ def _give_back(lock: Lock) -> None:
         lock.lockstring,
         lock.lock_id,
     )
+    # Never handed over, so never held for a window: the row goes at once.
+    lock._state.hold_at_least = None
     try:
         lock.unlock()
     except Exception as error:

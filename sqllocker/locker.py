@@ -815,6 +815,8 @@ class Locker:
         details: dict[str, Any],
         on_lost: OnLost | None,
     ) -> Lock:
+        """The handle of a row just won, recorded in the acquire's ``winnings``: if the acquire
+        ends in an exception before it hands the lock over, it is released (``acquisition``)."""
         state = LockState(
             self._operations,
             self._call,

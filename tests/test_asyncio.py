@@ -36,6 +36,7 @@ from sqllocker import (
     TableMissing,
 )
 from sqllocker.asyncio import AsyncLock, AsyncLocker
+from sqllocker.asyncio.acquiring import Winnings, acquisition
 from sqllocker.engine import resolve_url
 from sqllocker.operations import Acquired
 from tests.helpers import abandon
@@ -712,6 +713,24 @@ async def test_postgres_wait_cancelled_as_it_gives_up_its_ticket_releases_what_i
         async with holder.lock("job") as lock:
             assert lock.lock_id > crashed.lock_id
         del kept
+
+
+async def test_a_lock_an_acquire_won_but_never_handed_over_is_deleted_whatever_its_window(
+    alocker: AsyncLocker,
+) -> None:
+    """hold_at_least keeps a row its holder finished with; a lock nobody was handed never had
+    a holder, so it goes at once (a permit granted, then cancelled as its waiter gives up its
+    semaphore's turn)."""
+
+    async def acquire_then_fail(winnings: Winnings) -> AsyncLock:
+        await alocker._acquire_request("job", hold_at_least=60)(winnings)
+        raise RuntimeError("cut short after the win")
+
+    with pytest.raises(RuntimeError):
+        await acquisition(acquire_then_fail)
+    assert await alocker.lock_info("job") is None
+    async with alocker.lock("job"):
+        pass
 
 
 def test_a_semaphore_acquire_whose_count_fails_gives_its_permit_back(

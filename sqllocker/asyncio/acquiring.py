@@ -85,6 +85,8 @@ async def _give_back(lock: AsyncLock) -> None:
         lock.lockstring,
         lock.lock_id,
     )
+    # Never handed over, so never held for a window: the row goes at once.
+    lock._state.hold_at_least = None
     try:
         await lock.unlock()
     except Exception as error:

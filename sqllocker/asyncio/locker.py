@@ -869,6 +869,8 @@ class AsyncLocker:
         details: dict[str, Any],
         on_lost: OnLost | None,
     ) -> AsyncLock:
+        """The handle of a row just won, recorded in the acquire's ``winnings``: if the acquire
+        ends in an exception before it hands the lock over, it is released (``acquisition``)."""
         state = AsyncLockState(
             self._operations,
             self._call,
