@@ -22,6 +22,7 @@ from typing import Any, ParamSpec, TypeVar
 from sqlalchemy.engine import URL, Engine
 
 from . import concurrency, tickets, validation
+from .acquiring import Winnings, acquisition
 from .backoff import Backoff
 from .decorators import check_decoration, lock_namer, when_busy
 from .defaults import (
@@ -204,8 +205,26 @@ class Locker:
             lockstring, expires, self.expires, wait, locked_by, on_lost
         )
         hold = validation.check_hold_at_least(hold_at_least, request[0])
-        acquire = self._acquire(*request, keep_alive, on_lost or self.on_lost, hold)
-        return acquire
+        on_lost = on_lost or self.on_lost
+        return acquisition(self._acquire, *request, keep_alive, on_lost, hold)
+
+    def _acquire_request(
+        self,
+        lockstring: str,
+        expires: float | None = None,
+        wait: float | None = 0,
+        locked_by: dict[str, Any] | None = None,
+        keep_alive: bool = False,
+        on_lost: OnLost | None = None,
+        hold_at_least: float | None = None,
+    ) -> Callable[[Winnings], Lock]:
+        """``lock()``'s acquire, its arguments checked, to run in an acquisition that takes
+        more than this lock (a semaphore's)."""
+        request = validation.check_lock_request(
+            lockstring, expires, self.expires, wait, locked_by, on_lost
+        )
+        hold = validation.check_hold_at_least(hold_at_least, request[0])
+        return functools.partial(self._acquire, *request, keep_alive, on_lost or self.on_lost, hold)
 
     def locked(
         self,
@@ -282,6 +301,18 @@ class Locker:
         )
         _, ttl, wait, extra = request
         on_lost = on_lost or self.on_lost
+        return acquisition(self._acquire_all, names, ttl, wait, extra, keep_alive, on_lost)
+
+    def _acquire_all(
+        self,
+        names: list[str],
+        ttl: float,
+        wait: float | None,
+        extra: dict[str, Any],
+        keep_alive: bool,
+        on_lost: OnLost | None,
+        winnings: Winnings,
+    ) -> LockGroup:
         details = holder_details(extra, concurrency.task_name())
         members = [(name, new_guid()) for name in names]
         backoff = Backoff.for_wait(wait)
@@ -289,7 +320,7 @@ class Locker:
             outcome = self._operations.try_acquire_all(members, ttl, details)
             if not isinstance(outcome, Refused):
                 locks = [
-                    self._lock(name, guid, acquired, ttl, details, on_lost)
+                    self._lock(winnings, name, guid, acquired, ttl, details, on_lost)
                     for (name, guid), acquired in zip(members, outcome, strict=True)
                 ]
                 group = LockGroup(locks)
@@ -411,20 +442,22 @@ class Locker:
         keep_alive: bool,
         on_lost: OnLost | None,
         hold_at_least: float | None,
+        winnings: Winnings,
     ) -> Lock:
         # One guid for every attempt of this call: a release may hand the row to it (as our
         # ticket), and an attempt that finds the row under it knows the row is ours.
         guid = new_guid()
         details = holder_details(extra, concurrency.task_name())
         if wait == 0:
-            lock = self._try_once(lockstring, guid, details, ttl, on_lost)
+            lock = self._try_once(winnings, lockstring, guid, details, ttl, on_lost)
         else:
-            lock = self._wait_for(lockstring, guid, details, ttl, wait, on_lost)
+            lock = self._wait_for(winnings, lockstring, guid, details, ttl, wait, on_lost)
         lock._state.hold_at_least = hold_at_least
         return lock.keep_alive() if keep_alive else lock
 
     def _wait_for(
         self,
+        winnings: Winnings,
         lockstring: str,
         guid: str,
         details: dict[str, Any],
@@ -437,11 +470,16 @@ class Locker:
         SQLite, and elsewhere backing off between attempts (``_wait_in_line``)."""
         listener = self._release_listener()
         if listener is not None:
-            return self._wait_with_ticket(listener, lockstring, guid, details, ttl, wait, on_lost)
-        return self._wait_in_line(self._file_queue, lockstring, guid, details, ttl, wait, on_lost)
+            return self._wait_with_ticket(
+                winnings, listener, lockstring, guid, details, ttl, wait, on_lost
+            )
+        return self._wait_in_line(
+            winnings, self._file_queue, lockstring, guid, details, ttl, wait, on_lost
+        )
 
     def _wait_with_ticket(
         self,
+        winnings: Winnings,
         listener: ReleaseListener,
         lockstring: str,
         guid: str,
@@ -523,6 +561,7 @@ class Locker:
                         in_line = ticket is not None and waited < tickets.PATIENCE
                         try:
                             attempt = self._try_acquire(
+                                winnings,
                                 lockstring,
                                 guid,
                                 details,
@@ -573,7 +612,9 @@ class Locker:
                             if not doubled:  # else given up below: it may be the one left
                                 line.leave(ticket)
                                 ticket = None  # the release that granted it took it
-                            outcome = self._lock(lockstring, guid, claimed, ttl, details, on_lost)
+                            outcome = self._lock(
+                                winnings, lockstring, guid, claimed, ttl, details, on_lost
+                            )
                             return outcome
                 finally:
                     listener.unregister(waiter)
@@ -677,6 +718,7 @@ class Locker:
 
     def _try_once(
         self,
+        winnings: Winnings,
         lockstring: str,
         guid: str,
         details: dict[str, Any],
@@ -688,7 +730,7 @@ class Locker:
         queue = self._file_queue
         place = queue.take(queue.offset(self.table_name, lockstring)) if queue else None
         try:
-            outcome = self._try_acquire(lockstring, guid, details, ttl, on_lost)
+            outcome = self._try_acquire(winnings, lockstring, guid, details, ttl, on_lost)
         except BaseException:
             if place is not None:
                 place.leave()
@@ -702,6 +744,7 @@ class Locker:
 
     def _wait_in_line(
         self,
+        winnings: Winnings,
         queue: FileQueue | None,
         lockstring: str,
         guid: str,
@@ -750,7 +793,7 @@ class Locker:
                 try:
                     # Not our turn: the row is read before any INSERT.
                     outcome = self._try_acquire(
-                        lockstring, guid, details, ttl, on_lost, look_first=place is None
+                        winnings, lockstring, guid, details, ttl, on_lost, look_first=place is None
                     )
                 except DatabaseError as error:
                     _wait_out(error, backoff, lockstring)
@@ -786,6 +829,7 @@ class Locker:
 
     def _try_acquire(
         self,
+        winnings: Winnings,
         lockstring: str,
         guid: str,
         details: dict[str, Any],
@@ -799,10 +843,11 @@ class Locker:
         outcome = self._operations.try_acquire(*attempt)
         if not isinstance(outcome, Acquired):
             return outcome
-        return self._lock(lockstring, guid, outcome, ttl, details, on_lost)
+        return self._lock(winnings, lockstring, guid, outcome, ttl, details, on_lost)
 
     def _lock(
         self,
+        winnings: Winnings,
         lockstring: str,
         guid: str,
         acquired: Acquired,
@@ -810,6 +855,8 @@ class Locker:
         details: dict[str, Any],
         on_lost: OnLost | None,
     ) -> Lock:
+        """The handle of a row just won, recorded in the acquire's ``winnings``: if the acquire
+        ends in an exception before it hands the lock over, it is released (``acquisition``)."""
         state = LockState(
             self._operations,
             self._call,
@@ -821,9 +868,10 @@ class Locker:
             acquired.sent_at,
             on_lost,
         )
-        return Lock(
+        lock = Lock(
             self, state, created=acquired.created, expires=acquired.expires, locked_by=details
         )
+        return winnings.won(lock)
 
     def _call(self, operation: Callable[..., T], *args: Any) -> T:
         """Run one of the table's operations (in asyncio: in a greenlet, on the running loop's

@@ -492,6 +492,21 @@ class LockOperations:
             self._run(literal, lambda conn: conn.execute(self._sql.count_live, params).one().live)
         )
 
+    def count_permits(self, literal: str, wildcard: str, turn: str) -> tuple[int, LockInfo | None]:
+        """``count_live``, and the row of the lockstring ``turn`` (a semaphore's turn: see
+        ``sqllocker.permits``), live or expired, or None, read on one connection."""
+        params = {
+            "pattern": self._be.literal_glob(literal) + self._be.glob_value(wildcard),
+            **self._expiry_params(),
+        }
+
+        def read(conn: DriverSession) -> tuple[int, LockInfo | None]:
+            live = int(conn.execute(self._sql.count_live, params).one().live)
+            row = conn.execute(self._sql.holder, {"ls": turn}).first()
+            return live, None if row is None else _lock_info(row)
+
+        return self._run(literal, read)
+
     def permits(self, literal: str, wildcard: str) -> list[LockInfo]:
         """The unexpired rows whose lockstring is ``literal`` then what ``wildcard`` matches."""
 

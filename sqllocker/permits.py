@@ -14,17 +14,43 @@ only if they are no more than its limit; otherwise it gives it back at once and 
 refused. The rows go in before the counts are read, so of any two newcomers the later one to
 count sees the other's row: no more than ``limit`` callers ever hold a permit that the smaller
 limit admitted, and a smaller limit admits no newcomer until enough permits are released.
+
+A permit given back because its count was too high was never granted: its row is deleted at
+once, whatever ``hold_at_least`` the caller asked for (which applies to granted permits only).
+
+**Turns.** Beside callers with a larger limit, which keep the count up to theirs, a caller
+with a smaller limit would find the count too high nearly every time and starve. So a waiter
+refused for its smaller limit (its row counted past it, or every one of its slots held while
+more permits than its limit are live) takes the semaphore's *turn*: one more lock row, on
+``<name> (turn)``, that says its limit (``locked_by.semaphore_limit``) and is kept alive while
+it waits. While a live turn is someone else's, a newcomer keeps its permit only if the count,
+its own included, leaves room for the waiter whose turn it is (at most that waiter's limit less
+one): the holders drain down to the smaller limit as they release, and that waiter gets in. It
+gives the turn up once it has its permit, stops waiting, or is cancelled; a turn whose waiter
+died expires within ``TURN_EXPIRES`` seconds (plus the locker's grace). One waiter has the turn
+at a time: others refused for a smaller limit take it after, one by one. Turns only ever refuse
+a permit, never grant one, so they cannot let more holders in than the counts above allow; a
+turn row written by anyone else (an operator) can only hold newcomers back, until it expires.
 """
 
 from __future__ import annotations
 
 import random
+from typing import TYPE_CHECKING, Any
 
 from .errors import LockBusy, LockTypeError, LockValueError
 from .validation import MAX_LOCKSTRING_LENGTH, check_lockstring
 
+if TYPE_CHECKING:
+    from .operations import LockInfo
+
 MAX_LIMIT = 1000
 _SLOT = " (permit {slot})"
+_TURN = " (turn)"
+# Seconds a waiter's turn lasts unrenewed: it is kept alive while the waiter waits, so this is how
+# long a turn whose waiter died holds newcomers back.
+TURN_EXPIRES = 10.0
+_TURN_LIMIT = "semaphore_limit"
 _LONGEST_SLOT = len(_SLOT.format(slot=MAX_LIMIT - 1))
 
 
@@ -71,3 +97,28 @@ def refused(name: str, limit: int, wait: float | None) -> LockBusy:
     )
     busy.args = (busy.message,)  # repr() and pickling say the same as str()
     return busy
+
+
+def turn_lockstring(name: str) -> str:
+    """The lockstring of ``name``'s turn (which its permits' glob does not match)."""
+    return name + _TURN
+
+
+def turn_details(limit: int) -> dict[str, Any]:
+    """What a turn's row says beside its holder: the limit of the waiter whose turn it is."""
+    return {_TURN_LIMIT: limit}
+
+
+def admits(limit: int, live: int, turn: LockInfo | None, own_turn: int | None) -> bool:
+    """Whether a newcomer with ``limit`` keeps its permit, with ``live`` permits counted (its own
+    among them) and the semaphore's ``turn`` row as read with them (``own_turn``: the id of the
+    turn the newcomer holds, if any): at most its limit, and while someone else's turn is live,
+    room left for that waiter."""
+    if live > limit:
+        return False
+    if turn is None or turn.expired or turn.lock_id == own_turn:
+        return True
+    waiting = turn.locked_by.get(_TURN_LIMIT)
+    if isinstance(waiting, bool) or not isinstance(waiting, int) or not 1 <= waiting <= MAX_LIMIT:
+        return True  # not a turn's row: nothing to make room for
+    return live < waiting

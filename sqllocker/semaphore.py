@@ -8,18 +8,38 @@ Written once for asyncio; the sync ``sqllocker/semaphore.py`` is generated from 
 
 from __future__ import annotations
 
+import functools
+import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import concurrency
+from .acquiring import Winnings, acquisition
 from .backoff import Backoff
-from .errors import LockBusy
-from .permits import check_semaphore, permit_lockstring, permit_pattern, refused, slots_to_try
-from .validation import check_wait
+from .errors import LockBusy, LockError
+from .permits import (
+    TURN_EXPIRES,
+    admits,
+    check_semaphore,
+    permit_lockstring,
+    permit_pattern,
+    refused,
+    slots_to_try,
+    turn_details,
+    turn_lockstring,
+)
+from .validation import check_hold_at_least, check_wait
 
 if TYPE_CHECKING:
     from .lock import Lock, Run
     from .locker import Locker
     from .operations import LockInfo, LockOperations
+
+logger = logging.getLogger("sqllocker")
+
+
+def _turn_lost(_: object) -> None:
+    """A turn that could not be renewed lapses: the waiter simply has none any more."""
 
 
 class Semaphore:
@@ -40,27 +60,89 @@ class Semaphore:
         wait: float | None = 0,
         expires: float | None = None,
         keep_alive: bool = False,
+        hold_at_least: float | None = None,
         **options: Any,
     ) -> Lock:
         """A permit: a lock of its own (``lock_id`` its fencing token), released as any lock
-        is. ``wait``, ``expires``, ``keep_alive`` and the rest are the locker's ``lock()``'s;
-        raises LockBusy once ``wait`` has passed with every permit held."""
-        backoff = Backoff.for_wait(check_wait(wait, self.name))
-        while True:
-            for slot in slots_to_try(self.limit):
-                lockstring = permit_lockstring(self.name, slot)
-                try:
-                    permit = self.locker.lock(lockstring, expires=expires, **options)
-                except LockBusy:
-                    continue
-                pattern = permit_pattern(self.name)
-                if self._run(self._operations.count_live, *pattern) <= self.limit:
-                    return permit.keep_alive() if keep_alive else permit
-                permit.unlock()  # over a smaller limit than others': no newcomer for now
-                break
-            if backoff.expired():
-                raise refused(self.name, self.limit, wait)
-            concurrency.sleep(backoff.next_delay())
+        is. ``wait``, ``expires``, ``keep_alive``, ``hold_at_least`` and the rest are the
+        locker's ``lock()``'s; raises LockBusy once ``wait`` has passed with every permit
+        held. A waiter refused for its smaller limit takes the semaphore's turn (see
+        ``sqllocker.permits``)."""
+        checked_wait = check_wait(wait, self.name)
+        hold = check_hold_at_least(hold_at_least, self.name)
+        # Granted only once counted: until then a permit is held for no window and not kept
+        # alive, so that one refused goes back at once (``permit.unlock()``).
+        request = functools.partial(self.locker._acquire_request, expires=expires, **options)
+        return acquisition(self._acquire, request, checked_wait, keep_alive, hold)
+
+    def _acquire(
+        self,
+        request: Callable[[str], Callable[[Winnings], Lock]],
+        wait: float | None,
+        keep_alive: bool,
+        hold_at_least: float | None,
+        winnings: Winnings,
+    ) -> Lock:
+        backoff = Backoff.for_wait(wait)
+        turn: Lock | None = None
+        try:
+            while True:
+                outnumbered = False
+                for slot in slots_to_try(self.limit):
+                    try:
+                        permit = request(permit_lockstring(self.name, slot))(winnings)
+                    except LockBusy:
+                        continue
+                    live, reserved = self._count()
+                    if admits(self.limit, live, reserved, turn.lock_id if turn else None):
+                        permit._state.hold_at_least = hold_at_least
+                        return permit.keep_alive() if keep_alive else permit
+                    # Never granted: deleted at once (no window, whatever hold_at_least says).
+                    permit.unlock()
+                    outnumbered = live > self.limit
+                    break
+                else:  # every slot of ours is held: are there more holders than our limit?
+                    outnumbered = (turn is None or not turn.is_locked) and not backoff.expired()
+                    outnumbered = outnumbered and (self._count())[0] > self.limit
+                if backoff.expired():
+                    raise refused(self.name, self.limit, wait)
+                if outnumbered and (turn is None or not turn.is_locked):
+                    if turn is not None:  # lost (broken by an operator, or not renewed)
+                        self._end_turn(turn)
+                    turn = self._take_turn(winnings)
+                concurrency.sleep(backoff.next_delay())
+        finally:
+            if turn is not None:
+                self._end_turn(turn)
+
+    def _count(self) -> tuple[int, LockInfo | None]:
+        """The live permits, and the row of the semaphore's turn (see ``sqllocker.permits``)."""
+        counted: tuple[int, LockInfo | None] = self._run(
+            self._operations.count_permits, *permit_pattern(self.name), turn_lockstring(self.name)
+        )
+        return counted
+
+    def _take_turn(self, winnings: Winnings) -> Lock | None:
+        """The semaphore's turn for this waiter, refused for its smaller limit, if nobody else
+        has it: kept alive while it waits, it holds newcomers off the permits it needs."""
+        request = self.locker._acquire_request(
+            turn_lockstring(self.name),
+            expires=TURN_EXPIRES,
+            locked_by=turn_details(self.limit),
+            keep_alive=True,
+            on_lost=_turn_lost,
+        )
+        try:
+            turn: Lock = request(winnings)
+        except LockBusy:
+            return None
+        return turn
+
+    def _end_turn(self, turn: Lock) -> None:
+        try:
+            turn.unlock()
+        except LockError as error:  # lapsed, or the database away: it expires
+            logger.info("semaphore %r: could not give its turn up (%s)", self.name, error)
 
     def holders(self) -> list[LockInfo]:
         """The live permits, ordered by lockstring (each ``LockInfo`` names its slot)."""

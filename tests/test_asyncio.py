@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import random
 import sqlite3
 import subprocess
 import sys
@@ -35,7 +36,9 @@ from sqllocker import (
     TableMissing,
 )
 from sqllocker.asyncio import AsyncLock, AsyncLocker
+from sqllocker.asyncio.acquiring import Winnings, acquisition
 from sqllocker.engine import resolve_url
+from sqllocker.operations import Acquired
 from tests.helpers import abandon
 from tests.workers import async_url
 
@@ -645,6 +648,185 @@ async def test_cancelled_wait_stops_at_once(make_async_locker: MakeAsync) -> Non
     assert info.lock_id == held.lock_id
     await held.unlock()
     assert await holder.lock_info("job") is None
+
+
+def cancel_once_won(locker: AsyncLocker, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The first of ``locker``'s attempts that wins its row cancels its caller's task as it
+    ends: the acquire is cancelled at its next await, with the row in. The ids won."""
+    real = locker._operations.try_acquire
+    won: list[int] = []
+
+    def try_acquire(*args: Any) -> Any:  # runs in the caller's task, in the operation's greenlet
+        outcome = real(*args)
+        if isinstance(outcome, Acquired) and not won:
+            won.append(outcome.lock_id)
+            task = asyncio.current_task()
+            assert task is not None
+            task.cancel()
+        return outcome
+
+    monkeypatch.setattr(locker._operations, "try_acquire", try_acquire)
+    return won
+
+
+async def cancelled(acquire: Any) -> BaseException:
+    """Run ``acquire`` in a task of its own, which must end cancelled; its CancelledError, kept
+    (with it the frames it passed through, and whatever they held)."""
+    task = asyncio.ensure_future(acquire)
+    try:
+        await asyncio.wait_for(asyncio.shield(task), 30)
+    except asyncio.CancelledError as error:
+        assert task.cancelled()
+        return error
+    raise AssertionError(f"not cancelled: {task!r}")
+
+
+async def test_a_semaphore_acquire_cancelled_with_its_permit_in_gives_it_back(
+    alocker: AsyncLocker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    permits = alocker.semaphore("api quota", limit=3)
+    won = cancel_once_won(alocker, monkeypatch)
+    kept = await cancelled(permits.acquire(expires=120))  # cancelled as it counts the permits
+    assert won
+    # Given back before the cancellation went on, although the caller keeps its error (and so
+    # the frame that held the permit, which garbage collection would otherwise release).
+    assert await permits.holders() == []
+    held = [await permits.acquire() for _ in range(3)]
+    for permit in held:
+        await permit.unlock()
+    del kept
+
+
+async def test_postgres_wait_cancelled_as_it_gives_up_its_ticket_releases_what_it_won(
+    migrated_postgres: str, table_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with (
+        AsyncLocker(migrated_postgres, table=table_name, grace=0) as holder,
+        AsyncLocker(migrated_postgres, table=table_name, grace=0) as waiter,
+    ):
+        crashed = abandon(await holder.lock("job", expires=1))
+        won = cancel_once_won(waiter, monkeypatch)
+        # Refused, it takes a ticket; once the crashed holder's row expires, its own attempt
+        # takes it over, and it is cancelled as it then gives up its ticket.
+        kept = await cancelled(waiter.lock("job", wait=30, expires=120))
+        assert won
+        assert await holder.lock_info("job") is None
+        async with holder.lock("job") as lock:
+            assert lock.lock_id > crashed.lock_id
+        del kept
+
+
+async def test_a_lock_an_acquire_won_but_never_handed_over_is_deleted_whatever_its_window(
+    alocker: AsyncLocker,
+) -> None:
+    """hold_at_least keeps a row its holder finished with; a lock nobody was handed never had
+    a holder, so it goes at once (a permit granted, then cancelled as its waiter gives up its
+    semaphore's turn)."""
+
+    async def acquire_then_fail(winnings: Winnings) -> AsyncLock:
+        await alocker._acquire_request("job", hold_at_least=60)(winnings)
+        raise RuntimeError("cut short after the win")
+
+    with pytest.raises(RuntimeError):
+        await acquisition(acquire_then_fail)
+    assert await alocker.lock_info("job") is None
+    async with alocker.lock("job"):
+        pass
+
+
+def test_a_semaphore_acquire_whose_count_fails_gives_its_permit_back(
+    make_locker: Callable[..., Locker], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sync twin of a cancellation: any error between the permit's row and its caller."""
+    locker = make_locker()
+    permits = locker.semaphore("api quota", limit=2)
+    real = locker._operations.try_acquire
+
+    def then_fail(*args: Any) -> Any:
+        outcome = real(*args)
+        if isinstance(outcome, Acquired):
+            monkeypatch.setattr(locker._operations, "count_live", failing)
+            monkeypatch.setattr(locker._operations, "count_permits", failing, raising=False)
+        return outcome
+
+    def failing(*_: Any) -> Any:
+        raise DatabaseError("simulated outage", "api quota")
+
+    monkeypatch.setattr(locker._operations, "try_acquire", then_fail)
+    with pytest.raises(DatabaseError) as kept:
+        permits.acquire(expires=120)
+    monkeypatch.undo()
+    assert permits.holders() == []  # although the error, kept, holds the frame that had it
+    held = [permits.acquire() for _ in range(2)]
+    for permit in held:
+        permit.unlock()
+    del kept
+
+
+async def _settled(lockers: list[AsyncLocker]) -> None:
+    """Until nothing a cancelled caller left running runs any more: attempts and releases in
+    flight, and the ticket give-ups done in the background."""
+    from sqllocker.asyncio import tasks
+
+    deadline = time.monotonic() + 60
+    while tasks._running or any(locker._leaving._tasks for locker in lockers):
+        assert time.monotonic() < deadline, "background work still running"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("seed", [56, 9])
+async def test_acquires_cut_short_at_random_strand_nothing(
+    make_async_locker: MakeAsync, seed: int
+) -> None:
+    """Every kind of acquire under asyncio.wait_for with a random small timeout, the callers
+    keeping their TimeoutErrors: afterwards no row is held by nobody, and a full set of permits
+    and every lock can be taken at once."""
+    rng = random.Random(seed)
+    lockers = [make_async_locker(), make_async_locker()]
+    kinds: list[Callable[[AsyncLocker], Any]] = [
+        lambda locker: locker.lock("job", expires=120),
+        lambda locker: locker.lock("job", wait=1, expires=120),
+        lambda locker: locker.try_lock("job", expires=120),
+        lambda locker: locker.lock_all(["job", "other"], wait=1, expires=120),
+        lambda locker: locker.semaphore("quota", 3).acquire(expires=120),
+        lambda locker: locker.semaphore("quota", 3).acquire(wait=1, expires=120),
+        lambda locker: locker.semaphore("quota", 2).acquire(wait=1, expires=120),
+    ]
+    kept: list[BaseException] = []
+    counts = {"held": 0, "cut short": 0, "busy": 0}
+
+    async def caller(locker: AsyncLocker, rounds: int) -> None:
+        for _ in range(rounds):
+            acquire = rng.choice(kinds)(locker)
+            try:
+                held = await asyncio.wait_for(acquire, rng.uniform(0.0, 0.12))
+            except asyncio.TimeoutError as error:
+                kept.append(error)  # and with it the frames it passed through
+                counts["cut short"] += 1
+                continue
+            except LockBusy:
+                counts["busy"] += 1
+                continue
+            if held is None:  # try_lock, refused
+                counts["busy"] += 1
+                continue
+            counts["held"] += 1
+            await asyncio.sleep(rng.uniform(0.0, 0.01))
+            await held.unlock()
+
+    await asyncio.gather(*(caller(lockers[n % 2], 20) for n in range(8)))
+    await _settled(lockers)
+    stranded = [info for info in await lockers[0].locks() if not info.expired]
+    print(f"\n[stress] seed {seed}: {counts}")
+    assert counts["cut short"] > 0  # both happened
+    assert counts["held"] > 0
+    assert stranded == []
+    permits = [await lockers[0].semaphore("quota", 3).acquire() for _ in range(3)]
+    group = await lockers[1].lock_all(["job", "other"])
+    for permit in permits:
+        await permit.unlock()
+    await group.unlock()
+    assert kept  # kept to the end
 
 
 # -- waking on NOTIFY (PostgreSQL) --------------------------------------------------------------

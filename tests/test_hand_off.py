@@ -244,11 +244,11 @@ def test_a_waiter_whose_wait_ends_in_an_error_gives_back_a_row_handed_to_it(
     try_acquire = Locker._try_acquire
 
     def fail_once_handed_the_row(
-        self: Locker, lockstring: str, guid: str, *args: Any, **kwargs: Any
+        self: Locker, winnings: Any, lockstring: str, guid: str, *args: Any, **kwargs: Any
     ) -> Any:
         if row_guid(admin, table_name, lockstring) == guid:  # this attempt would find it ours
             raise RuntimeError("the database went away")
-        return try_acquire(self, lockstring, guid, *args, **kwargs)
+        return try_acquire(self, winnings, lockstring, guid, *args, **kwargs)
 
     holder, waiter = holder_and_waiter
     held = holder.lock("report")

@@ -16,6 +16,7 @@ import pytest
 import sqlalchemy as sa
 
 from sqllocker import Lock, LockBusy, Locker, LockLost, lock_table
+from sqllocker.acquiring import Winnings
 from sqllocker.engine import resolve_url
 from sqllocker.identity import HolderDetails, holder_details
 from tests.helpers import READ_BACK, abandon, break_and_take_when_stalled, count_rows
@@ -55,7 +56,9 @@ def test_a_row_found_under_our_own_guid_keeps_the_deadline_of_its_insert(locker:
     # was inserted, not from now: the row expires by then, and someone may take it over.
     first = locker.lock("Zombie Soup", expires=30)
     time.sleep(1.5)
-    again = locker._try_acquire(first.lockstring, first.guid, first.locked_by, 30.0, None)
+    again = locker._try_acquire(
+        Winnings(), first.lockstring, first.guid, first.locked_by, 30.0, None
+    )
     assert isinstance(again, Lock)
     assert again.lock_id == first.lock_id
     # Both deadlines count from the one INSERT: the second is not 1.5 s later.

@@ -301,36 +301,56 @@ def pairs(args: argparse.Namespace) -> int:
 def semaphore(args: argparse.Namespace) -> int:
     """Take permits of one semaphore again and again until ``--seconds`` have passed; while
     holding one, count this process among the holders in a file shared by the workers (under
-    an flock of its own, so the count is exact), and record the most holders ever seen."""
+    an flock of its own, so the count is exact), and record the most holders ever seen.
+
+    Workers may give different ``--limit``s. Each also checks what its own limit promises: the
+    holders present both before its acquire began and once it holds its permit held theirs
+    throughout its count, so with it they are at most its limit (a breach is written to
+    ``violations``)."""
     locker = Locker(args.url, table=args.table, grace=args.grace)
     permits = locker.semaphore(args.name, args.limit)
-    holders = Path(args.state) / "holders"
+    state = Path(args.state)
+    holders = state / "holders"
+    present_file = state / "present"  # one line per holder present: "<pid>-<n>"
     deadline = time.monotonic() + args.seconds
     taken = 0
 
-    def count(change: int) -> None:
-        with open(Path(args.state) / "count.lock", "a") as guard:
+    def shared(change: int, token: str) -> set[str]:
+        """Under the flock: the holders present (before ``change``), then count ``token`` in
+        (+1) or out (-1); ``change`` 0 only reads."""
+        with open(state / "count.lock", "a") as guard:
             fcntl.flock(guard, fcntl.LOCK_EX)
+            present = set(present_file.read_text().split()) if present_file.exists() else set()
+            if change == 0:
+                return present
             now = int(holders.read_text()) if holders.exists() else 0
             now += change
             holders.write_text(str(now))
-            most = Path(args.state) / "most"
+            most = state / "most"
             if now > (int(most.read_text()) if most.exists() else 0):
                 most.write_text(str(now))
+            changed = present | {token} if change > 0 else present - {token}
+            present_file.write_text("\n".join(sorted(changed)))
+            return present
 
-    with open(Path(args.state) / f"log-{os.getpid()}.jsonl", "w") as log:
+    with open(state / f"log-{os.getpid()}.jsonl", "w") as log:
         while time.monotonic() < deadline:
+            token = f"{os.getpid()}-{taken}"
+            before = shared(0, token)
             permit = permits.acquire(wait=None, expires=args.expires)
             entered = time.monotonic()
-            count(+1)
+            throughout = before & shared(+1, token)
+            if len(throughout) + 1 > args.limit:
+                with open(state / "violations", "a") as violations:
+                    violations.write(f"limit {args.limit}: {sorted(throughout)} + {token}\n")
             time.sleep(random.uniform(0.005, 0.03))
-            count(-1)
+            shared(-1, token)
             left = time.monotonic()
             permit.unlock()
             taken += 1
             record = {"ls": permit.lockstring, "id": permit.lock_id, "in": entered, "out": left}
             log.write(json.dumps(record) + "\n")
-    _say(taken=taken)
+    _say(taken=taken, limit=args.limit)
     locker.close()
     return 0
 

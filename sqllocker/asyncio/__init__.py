@@ -18,9 +18,11 @@ What differs from the sync front end:
 - Kept-alive locks are renewed by a task per lock, on the locker's event loop.
 - Cancellation: a task cancelled while acquiring returns at once; its attempt finishes in the
   background, and a lock it turns out to have won is released straight away, so no row is
-  left behind (unless the event loop itself shuts down mid-statement: then the row expires). A
-  cancelled ``unlock()`` finishes its release in the background, and a cancelled wait stops at
-  once.
+  left behind (unless the event loop itself shuts down mid-statement: then the row expires).
+  What an acquire of any kind has already won when it is cancelled (a semaphore's permit as
+  it is counted, a waiter's row as it gives up its ticket, a group's rows) is released before
+  the cancellation goes on (``acquiring.acquisition``). A cancelled ``unlock()`` finishes its
+  release in the background, and a cancelled wait stops at once.
 - An AsyncLocker's connections, listener and keep-alive tasks belong to the event loop that
   runs them. It may serve one loop after another (``asyncio.run`` twice, a test framework's
   loop per test): when a new loop first uses it, what belonged to the previous loop is

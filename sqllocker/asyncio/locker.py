@@ -40,6 +40,7 @@ from ..operations import Acquired, LockInfo, LockOperations, Refused
 from ..schema import DEFAULT_TABLE
 from ..tickets import LOOK_AGAIN, NEWCOMER, LocalLine, Ticket
 from . import concurrency
+from .acquiring import Winnings, acquisition
 from .group import AsyncLockGroup
 from .keepalive import AsyncKeepAlive
 from .listener import AsyncReleaseListener
@@ -221,11 +222,29 @@ class AsyncLocker:
             lockstring, expires, self.expires, wait, locked_by, on_lost
         )
         hold = validation.check_hold_at_least(hold_at_least, request[0])
-        acquire = self._acquire(*request, keep_alive, on_lost or self.on_lost, hold)
+        on_lost = on_lost or self.on_lost
         if True:  # ASYNC
-            return Acquiring(acquire)
+            return Acquiring(acquisition(self._acquire, *request, keep_alive, on_lost, hold))
         else:
-            return acquire
+            return acquisition(self._acquire, *request, keep_alive, on_lost, hold)
+
+    def _acquire_request(
+        self,
+        lockstring: str,
+        expires: float | None = None,
+        wait: float | None = 0,
+        locked_by: dict[str, Any] | None = None,
+        keep_alive: bool = False,
+        on_lost: OnLost | None = None,
+        hold_at_least: float | None = None,
+    ) -> Callable[[Winnings], Awaitable[AsyncLock]]:
+        """``lock()``'s acquire, its arguments checked, to run in an acquisition that takes
+        more than this lock (a semaphore's)."""
+        request = validation.check_lock_request(
+            lockstring, expires, self.expires, wait, locked_by, on_lost
+        )
+        hold = validation.check_hold_at_least(hold_at_least, request[0])
+        return functools.partial(self._acquire, *request, keep_alive, on_lost or self.on_lost, hold)
 
     def locked(
         self,
@@ -302,6 +321,18 @@ class AsyncLocker:
         )
         _, ttl, wait, extra = request
         on_lost = on_lost or self.on_lost
+        return await acquisition(self._acquire_all, names, ttl, wait, extra, keep_alive, on_lost)
+
+    async def _acquire_all(
+        self,
+        names: list[str],
+        ttl: float,
+        wait: float | None,
+        extra: dict[str, Any],
+        keep_alive: bool,
+        on_lost: OnLost | None,
+        winnings: Winnings,
+    ) -> AsyncLockGroup:
         if True:  # ASYNC
             await self._ready()
         details = holder_details(extra, concurrency.task_name())
@@ -318,7 +349,7 @@ class AsyncLocker:
                 outcome = self._operations.try_acquire_all(members, ttl, details)
             if not isinstance(outcome, Refused):
                 locks = [
-                    self._lock(name, guid, acquired, ttl, details, on_lost)
+                    self._lock(winnings, name, guid, acquired, ttl, details, on_lost)
                     for (name, guid), acquired in zip(members, outcome, strict=True)
                 ]
                 group = AsyncLockGroup(locks)
@@ -442,6 +473,7 @@ class AsyncLocker:
         keep_alive: bool,
         on_lost: OnLost | None,
         hold_at_least: float | None,
+        winnings: Winnings,
     ) -> AsyncLock:
         if True:  # ASYNC
             await self._ready()
@@ -450,14 +482,15 @@ class AsyncLocker:
         guid = new_guid()
         details = holder_details(extra, concurrency.task_name())
         if wait == 0:
-            lock = await self._try_once(lockstring, guid, details, ttl, on_lost)
+            lock = await self._try_once(winnings, lockstring, guid, details, ttl, on_lost)
         else:
-            lock = await self._wait_for(lockstring, guid, details, ttl, wait, on_lost)
+            lock = await self._wait_for(winnings, lockstring, guid, details, ttl, wait, on_lost)
         lock._state.hold_at_least = hold_at_least
         return lock.keep_alive() if keep_alive else lock
 
     async def _wait_for(
         self,
+        winnings: Winnings,
         lockstring: str,
         guid: str,
         details: dict[str, Any],
@@ -471,14 +504,15 @@ class AsyncLocker:
         listener = self._release_listener()
         if listener is not None:
             return await self._wait_with_ticket(
-                listener, lockstring, guid, details, ttl, wait, on_lost
+                winnings, listener, lockstring, guid, details, ttl, wait, on_lost
             )
         return await self._wait_in_line(
-            self._file_queue, lockstring, guid, details, ttl, wait, on_lost
+            winnings, self._file_queue, lockstring, guid, details, ttl, wait, on_lost
         )
 
     async def _wait_with_ticket(
         self,
+        winnings: Winnings,
         listener: AsyncReleaseListener,
         lockstring: str,
         guid: str,
@@ -560,6 +594,7 @@ class AsyncLocker:
                         in_line = ticket is not None and waited < tickets.PATIENCE
                         try:
                             attempt = await self._try_acquire(
+                                winnings,
                                 lockstring,
                                 guid,
                                 details,
@@ -610,7 +645,9 @@ class AsyncLocker:
                             if not doubled:  # else given up below: it may be the one left
                                 line.leave(ticket)
                                 ticket = None  # the release that granted it took it
-                            outcome = self._lock(lockstring, guid, claimed, ttl, details, on_lost)
+                            outcome = self._lock(
+                                winnings, lockstring, guid, claimed, ttl, details, on_lost
+                            )
                             return outcome
                 finally:
                     listener.unregister(waiter)
@@ -726,6 +763,7 @@ class AsyncLocker:
 
     async def _try_once(
         self,
+        winnings: Winnings,
         lockstring: str,
         guid: str,
         details: dict[str, Any],
@@ -737,7 +775,7 @@ class AsyncLocker:
         queue = self._file_queue
         place = queue.take(queue.offset(self.table_name, lockstring)) if queue else None
         try:
-            outcome = await self._try_acquire(lockstring, guid, details, ttl, on_lost)
+            outcome = await self._try_acquire(winnings, lockstring, guid, details, ttl, on_lost)
         except BaseException:
             if place is not None:
                 place.leave()
@@ -751,6 +789,7 @@ class AsyncLocker:
 
     async def _wait_in_line(
         self,
+        winnings: Winnings,
         queue: FileQueue | None,
         lockstring: str,
         guid: str,
@@ -799,7 +838,7 @@ class AsyncLocker:
                 try:
                     # Not our turn: the row is read before any INSERT.
                     outcome = await self._try_acquire(
-                        lockstring, guid, details, ttl, on_lost, look_first=place is None
+                        winnings, lockstring, guid, details, ttl, on_lost, look_first=place is None
                     )
                 except DatabaseError as error:
                     await _wait_out(error, backoff, lockstring)
@@ -835,6 +874,7 @@ class AsyncLocker:
 
     async def _try_acquire(
         self,
+        winnings: Winnings,
         lockstring: str,
         guid: str,
         details: dict[str, Any],
@@ -855,10 +895,11 @@ class AsyncLocker:
             outcome = self._operations.try_acquire(*attempt)
         if not isinstance(outcome, Acquired):
             return outcome
-        return self._lock(lockstring, guid, outcome, ttl, details, on_lost)
+        return self._lock(winnings, lockstring, guid, outcome, ttl, details, on_lost)
 
     def _lock(
         self,
+        winnings: Winnings,
         lockstring: str,
         guid: str,
         acquired: Acquired,
@@ -866,6 +907,8 @@ class AsyncLocker:
         details: dict[str, Any],
         on_lost: OnLost | None,
     ) -> AsyncLock:
+        """The handle of a row just won, recorded in the acquire's ``winnings``: if the acquire
+        ends in an exception before it hands the lock over, it is released (``acquisition``)."""
         state = AsyncLockState(
             self._operations,
             self._call,
@@ -877,9 +920,10 @@ class AsyncLocker:
             acquired.sent_at,
             on_lost,
         )
-        return AsyncLock(
+        lock = AsyncLock(
             self, state, created=acquired.created, expires=acquired.expires, locked_by=details
         )
+        return winnings.won(lock)
 
     async def _call(self, operation: Callable[..., T], *args: Any) -> T:
         """Run one of the table's operations (in asyncio: in a greenlet, on the running loop's

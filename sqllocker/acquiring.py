@@ -1,0 +1,89 @@
+# Generated from sqllocker/asyncio/acquiring.py by tests/unasync.py: edit that file, then
+# run `python -m tests.unasync`.
+"""Every acquire hands its caller what it won, or gives it back: ``acquisition``.
+
+An acquire may win rows before it is done with its caller: a semaphore's permit is in before
+it is counted, a waiter wins the row before it gives up its ticket, a group takes several. If
+the acquire ends with an exception instead (in asyncio, above all its cancellation at any
+await: ``asyncio.wait_for`` and ``asyncio.timeout`` cancel it), nobody holds a handle to what
+it won, and garbage collection would release it only once the handle goes, which a kept
+exception (its frames hold the handle) can put off until the row expires.
+
+So every acquire runs in an ``acquisition``, and every lock an acquire wins is made into a
+handle only by way of its ``Winnings`` (the locker's ``_lock`` asks for them): what an acquire
+that ends in an exception has won and still holds is released before the exception goes on.
+A statement still running when its caller is cancelled is a step below this: it runs to its
+end (``concurrency.InFlight``), and a row it then turns out to have won is released by the
+attempt's own undo, since there is never a handle to hand over.
+
+Written once for asyncio; the sync ``sqllocker/acquiring.py`` is generated from it
+(``tests/unasync.py``): there an exception (a KeyboardInterrupt, a database error while a
+semaphore counts) is what cuts an acquire short.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from .lock import Lock
+
+logger = logging.getLogger("sqllocker")
+
+T = TypeVar("T")
+
+
+class Winnings:
+    """The locks one acquire has won: its caller's if the acquire returns, released if it
+    raises (``acquisition``)."""
+
+    __slots__ = ("_locks",)
+
+    def __init__(self) -> None:
+        self._locks: list[Lock] = []
+
+    def won(self, lock: Lock) -> Lock:
+        """Record ``lock``, just won; returns it."""
+        self._locks.append(lock)
+        return lock
+
+    def give_back(self) -> None:
+        """Release every lock won that is still held (in asyncio: each release runs to its
+        end, whoever stops waiting for it); a failure is logged, not raised."""
+        held = [lock for lock in self._locks if lock.is_locked]
+        self._locks = []
+        for lock in held:
+            _give_back(lock)
+
+
+def acquisition(acquire: Callable[..., T], *args: Any) -> T:
+    """What ``acquire(*args, winnings)`` returns, given Winnings of its own; if it raises (or,
+    in asyncio, is cancelled), what it won is released before the exception goes on."""
+    winnings = Winnings()
+    try:
+        return acquire(*args, winnings)
+    except BaseException:
+        winnings.give_back()
+        raise
+
+
+def _give_back(lock: Lock) -> None:
+    logger.info(
+        "releasing %r (id %d): its acquire ended before handing it over",
+        lock.lockstring,
+        lock.lock_id,
+    )
+    # Never handed over, so never held for a window: the row goes at once.
+    lock._state.hold_at_least = None
+    try:
+        lock.unlock()
+    except Exception as error:
+        logger.warning(
+            "could not release %r (id %d), won by an acquire that ended before handing it "
+            "over; it will expire: %s",
+            lock.lockstring,
+            lock.lock_id,
+            error,
+        )
