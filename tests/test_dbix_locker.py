@@ -9,14 +9,18 @@ under CI they must run (.ci/run installs the packages).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Any
+from zoneinfo import ZoneInfo
 
 import pytest
 import sqlalchemy as sa
@@ -174,6 +178,7 @@ def db(url: str, table_name: str) -> Iterator[sa.Engine]:
                 "anyone_ahead",
                 "queue_leave",
                 "sweep_requests",
+                "foreign_times",
             ):
                 conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {table_name}_{name} CASCADE")
         else:
@@ -181,7 +186,9 @@ def db(url: str, table_name: str) -> Iterator[sa.Engine]:
         for name in (
             table_name,
             f"{table_name}_dbix_locker",
+            f"{table_name}_sqllocker_new",
             f"{table_name}_id_order",
+            f"{table_name}_requests",
             version_table_for(table_name),
         ):
             conn.exec_driver_sql(f"DROP TABLE IF EXISTS {name}")
@@ -511,3 +518,265 @@ def test_perl_and_python_processes_exclude_each_other(
     ]
     # Every acquisition, Perl's and Python's, had an id of its own.
     assert len(set(perl_ids) | set(python_ids)) == 4 * turns
+
+
+# -- adoption while Perl keeps locking ------------------------------------------------------------
+
+CHURN_LOCKSTRINGS = ("alpha", "beta", "gamma")
+# Perl's words for a table that is not there, on each backend's driver.
+MISSING_TABLE = ("doesn't exist", "does not exist", "no such table")
+
+
+def start_churn(
+    url: str, table: str, state: Path, seconds: float, zone: str = "UTC"
+) -> list[subprocess.Popen[str]]:
+    """Three Perl processes locking and unlocking CHURN_LOCKSTRINGS for ``seconds`` at most,
+    until :func:`check_churn` stops them."""
+    for name in CHURN_LOCKSTRINGS:
+        (state / f"{name}.count").write_text("0")
+    processes = [
+        subprocess.Popen(
+            perl_command(
+                url,
+                table,
+                "churn",
+                ",".join(CHURN_LOCKSTRINGS),
+                str(seconds),
+                str(state / "log"),
+                str(state),
+            ),
+            env=perl_environment(zone),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    _HOLDERS.extend(processes)
+    return processes
+
+
+def check_churn(processes: list[subprocess.Popen[str]], state: Path) -> dict[str, int]:
+    """Every Perl process ended well, no lockstring ever had two holders (its logged holds
+    never overlap, its counter lost no update), and Perl never met a missing table. Returns
+    how many times each lockstring was held."""
+    (state / "stop").touch()
+    for process in processes:
+        out, err = process.communicate(timeout=120)
+        assert process.returncode == 0, err
+        assert out.startswith("acquired "), out
+    lines = (state / "log").read_text().splitlines()
+    errors = [line for line in lines if line.startswith("error ")]
+    assert not [e for e in errors if any(m in e for m in MISSING_TABLE)], errors
+    assert errors == []
+    holds: dict[str, list[tuple[float, float, int]]] = {name: [] for name in CHURN_LOCKSTRINGS}
+    open_holds: dict[tuple[str, str], float] = {}
+    for line in lines:
+        kind, name, lock_id, moment, _pid = line.split()
+        if kind == "acquire":
+            open_holds[(name, lock_id)] = float(moment)
+        else:
+            holds[name].append((open_holds.pop((name, lock_id)), float(moment), int(lock_id)))
+    assert open_holds == {}
+    for name, intervals in holds.items():
+        intervals.sort()
+        for (_, end, lock_id), (next_start, _, next_id) in itertools.pairwise(intervals):
+            assert end < next_start, f"{name}: ids {lock_id} and {next_id} held at once"
+        assert int((state / f"{name}.count").read_text()) == len(intervals)
+    return {name: len(intervals) for name, intervals in holds.items()}
+
+
+def test_adoption_while_perl_locks_and_unlocks_never_hands_a_lock_twice(
+    url: str, table_name: str, db: sa.Engine, tmp_path: Path
+) -> None:
+    """Three Perl processes keep taking and releasing three lockstrings while the table is
+    adopted: each lock has one holder at a time, before, during and after, and no Perl process
+    ever finds the table missing (MySQL renamed it aside and made an empty one live)."""
+    create_dbix_table(url, table_name)
+    # Rows the adoption must carry over: one held by a Perl process throughout.
+    held = PerlHolder(url, table_name, "held throughout", 3600, "UTC")
+    assert held.lock_id is not None, held.answer
+    state = tmp_path / "state"
+    state.mkdir()
+    churn = start_churn(url, table_name, state, seconds=120)
+    time.sleep(2)
+    began = time.monotonic()  # CLOCK_MONOTONIC, as Perl's log
+    code, output = sqllocker_cli(
+        url, table_name, "migrate", "--adopt-dbix-locker", "--perl-tz", "UTC"
+    )
+    ended = time.monotonic()
+    assert code == 0, output
+    time.sleep(1)
+    counts = check_churn(churn, state)
+    assert all(count > 0 for count in counts.values()), counts
+    moments = [float(line.split()[3]) for line in (state / "log").read_text().splitlines()]
+    # Perl kept locking on both sides of the adoption.
+    assert min(moments) < began
+    assert max(moments) > ended
+    locker = Locker(url, table=table_name)
+    try:
+        with pytest.raises(LockBusy):
+            locker.lock("held throughout")
+        assert held.tell("unlock") == "unlocked"
+        locker.lock("held throughout").unlock()
+        for name in CHURN_LOCKSTRINGS:
+            locker.lock(name).unlock()
+    finally:
+        locker.close()
+    assert not sa.inspect(db).has_table(f"{table_name}_dbix_locker")
+
+
+def test_adopting_an_adopted_table_refuses_and_changes_nothing(
+    url: str, table_name: str, db: sa.Engine
+) -> None:
+    """The refusal comes before anything is renamed or written: the table stays live, its
+    lock held, every lock operation works (MySQL renamed it aside first, and every lock
+    operation then failed "table does not exist")."""
+    upgrade(db, table_name)
+    locker = Locker(url, table=table_name)
+    try:
+        held = locker.lock("held", expires=600)
+        code, output = sqllocker_cli(
+            url, table_name, "migrate", "--adopt-dbix-locker", "--perl-tz", "UTC"
+        )
+        assert code == 1, output
+        assert "sqllocker's already" in output
+        assert len(output.strip().splitlines()) == 1
+        assert not sa.inspect(db).has_table(f"{table_name}_dbix_locker")
+        with pytest.raises(LockBusy):
+            locker.lock("held")
+        locker.lock("another").unlock()
+        held.unlock()
+    finally:
+        locker.close()
+    code, output = sqllocker_cli(url, table_name, "migrate", "--check")
+    assert code == 0, output
+
+
+def test_adopting_an_empty_never_used_table(
+    url: str, backend: str, table_name: str, db: sa.Engine
+) -> None:
+    """A DBIx::Locker table that never held a row adopts like any other (PostgreSQL refused:
+    setval of 0 on its never-used sequence)."""
+    create_dbix_table(url, table_name)
+    code, output = sqllocker_cli(
+        url, table_name, "migrate", "--adopt-dbix-locker", "--perl-tz", "UTC"
+    )
+    assert code == 0, output
+    assert f"adopted {table_name} with its 0 rows" in output
+    locker = Locker(url, table=table_name)
+    try:
+        lock = locker.lock("first")
+        assert lock.lock_id >= (ADOPTED_ID_GAP if backend == "sqlite" else 1)
+        lock.unlock()
+    finally:
+        locker.close()
+    fresh = PerlHolder(url, table_name, "perl", 60, "UTC")
+    assert fresh.lock_id is not None, fresh.answer
+    assert fresh.tell("unlock") == "unlocked"
+
+
+# -- time zones: Perl's zone against the database session's ---------------------------------------
+
+# (Perl's TZ, the database session's zone): the worst pairs there are, both ways, and the one an
+# operator met (a server in Tokyo, Perl in Los Angeles).
+ZONE_PAIRS = [
+    ("America/Los_Angeles", "Asia/Tokyo"),
+    ("Etc/GMT+12", "Etc/GMT-14"),
+    ("Etc/GMT-14", "Etc/GMT+12"),
+    ("UTC", "Etc/GMT-14"),
+    ("Etc/GMT+12", "UTC"),
+]
+
+
+@pytest.fixture
+def session_zone_for_perl(url: str, backend: str) -> Iterator[object]:
+    """Sets the zone the Perl processes' database sessions read times in: PostgreSQL, the test
+    database's own TimeZone (ALTER DATABASE, this run's database only, undone afterwards);
+    MySQL, the session's time_zone by the DSN's init command (which leaves DATETIME alone);
+    SQLite has no such thing."""
+    applied: list[str] = []
+
+    def apply(zone: str) -> str:
+        if backend == "postgresql":
+            engine = sa.create_engine(resolve_url(url), isolation_level="AUTOCOMMIT")
+            with engine.connect() as conn:
+                name = conn.exec_driver_sql("SELECT current_database()").scalar()
+                conn.exec_driver_sql(f"ALTER DATABASE {name} SET timezone = '{zone}'")
+            engine.dispose()
+            applied.append(str(name))
+            return ""
+        if backend == "mysql":
+            offset = datetime.now(ZoneInfo(zone)).utcoffset() or timedelta()
+            # MariaDB takes offsets from -12:59 to +13:00 only.
+            minutes = min(int(offset.total_seconds()) // 60, 13 * 60)
+            sign = "-" if minutes < 0 else "+"
+            # A DSN cannot hold a colon: CHAR(58) is one.
+            hours, rest = f"{sign}{abs(minutes) // 60:02d}", f"{abs(minutes) % 60:02d}"
+            return f";mysql_init_command=SET time_zone=CONCAT('{hours}',CHAR(58),'{rest}')"
+        return ""
+
+    yield apply
+    for name in applied:
+        engine = sa.create_engine(resolve_url(url), isolation_level="AUTOCOMMIT")
+        with engine.connect() as conn:
+            conn.exec_driver_sql(f"ALTER DATABASE {name} RESET timezone")
+        engine.dispose()
+
+
+@pytest.mark.parametrize(("perl_zone", "session_zone"), ZONE_PAIRS)
+@pytest.mark.parametrize("made_by", ["adoption", "migration"])
+def test_a_perl_lock_is_never_taken_over_early_whatever_the_zones(
+    url: str,
+    table_name: str,
+    db: sa.Engine,
+    session_zone_for_perl: Any,
+    perl_zone: str,
+    session_zone: str,
+    made_by: str,
+) -> None:
+    """A Perl process in ``perl_zone`` locks for an hour through a session whose zone is
+    ``session_zone``: sqllocker neither takes the lock over nor purges it. On PostgreSQL the
+    session read Perl's offset-less local time in its own zone, up to 26 hours early, past the
+    14-hour margin (Tokyo's session and Los Angeles' Perl: taken over with an hour left)."""
+    if made_by == "adoption":
+        create_dbix_table(url, table_name)
+        code, output = sqllocker_cli(
+            url, table_name, "migrate", "--adopt-dbix-locker", "--perl-tz", perl_zone
+        )
+        assert code == 0, output
+    else:
+        upgrade(db, table_name)
+    dsn_suffix = session_zone_for_perl(session_zone)
+    source, user = dbi_source(url)
+    command = ["perl", str(HERE / "dbix_locker.pl"), source + dsn_suffix, user, table_name]
+    perl = subprocess.Popen(
+        [*command, "hold", "nightly report", "3600"],
+        env=perl_environment(perl_zone),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    _HOLDERS.append(perl)
+    assert perl.stdout is not None
+    assert perl.stdin is not None
+    answer = perl.stdout.readline().strip()
+    assert answer.startswith("locked "), answer
+    locker = Locker(url, table=table_name, grace=0)
+    try:
+        with pytest.raises(LockBusy):
+            locker.lock("nightly report")
+        assert locker.purge_expired_locks() == 0
+        info = locker.lock_info("nightly report")
+        assert info is not None
+        assert info.dbix_locker
+        # As the table reads it, within Perl's own offset of the truth (never more than the
+        # margin early).
+        margin = timedelta(seconds=FOREIGN_CLOCK_MARGIN)
+        assert info.expires > server_now(db) + timedelta(hours=1) - margin
+    finally:
+        locker.close()
+    perl.stdin.write("unlock\n")
+    perl.stdin.flush()
+    assert perl.stdout.readline().strip() == "unlocked"
+    perl.wait(timeout=30)
