@@ -85,6 +85,12 @@ def upgrade(engine: Engine, table: str = DEFAULT_TABLE, revision: str = "head") 
         command.upgrade(alembic_config(table, connection=conn), revision)
 
 
+def foreign_reason(engine: Engine, table: str = DEFAULT_TABLE) -> str | None:
+    """Why ``table`` is not a table sqllocker made (``Backend.foreign_table``), or None."""
+    with engine.connect() as conn:
+        return backend_for(conn.dialect).foreign_table(conn, table)
+
+
 def adopt_dbix_locker(
     engine: Engine, table: str, perl_tz: ZoneInfo, exact_lockstrings: bool = False
 ) -> int:

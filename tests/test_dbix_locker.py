@@ -12,6 +12,8 @@ import asyncio
 import itertools
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -25,7 +27,7 @@ from zoneinfo import ZoneInfo
 import pytest
 import sqlalchemy as sa
 
-from sqllocker import ForeignTable, LockBusy, Locker
+from sqllocker import ForeignTable, LockBusy, Locker, TableMissing
 from sqllocker.asyncio import AsyncLocker
 from sqllocker.backends.sqlite import ADOPTED_ID_GAP
 from sqllocker.engine import resolve_url
@@ -780,3 +782,117 @@ def test_a_perl_lock_is_never_taken_over_early_whatever_the_zones(
     perl.stdin.flush()
     assert perl.stdout.readline().strip() == "unlocked"
     perl.wait(timeout=30)
+
+
+# -- advice that works: every command the errors and the migration page suggest is run ----------
+
+MIGRATING_PAGE = HERE.parent / "docs" / "migrating-from-dbix-locker.md"
+
+
+def page_commands(page: str) -> list[str]:
+    """The sqllocker commands in the page's ```sh blocks, in order, continuation lines joined."""
+    commands = []
+    for block in re.findall(r"```sh\n(.*?)```", page, re.DOTALL):
+        joined = re.sub(r"\\\n\s*", " ", block)
+        commands += [line.strip() for line in joined.splitlines() if line.strip()]
+    assert all(command.startswith("sqllocker ") for command in commands), commands
+    return commands
+
+
+def message_commands(message: str) -> list[str]:
+    """The sqllocker commands an error message gives in backticks, each on one line."""
+    return [" ".join(found.split()) for found in re.findall(r"`(sqllocker [^`]+)`", message)]
+
+
+def run_suggested(
+    command: str, url: str, table: str, tmp_path: Path, lockstring: str = "crashed job"
+) -> subprocess.CompletedProcess[str]:
+    """``command`` as a user would type it, its placeholders filled in: URL, ZONE, LOCKSTRING,
+    and the page's table name."""
+    values = {
+        "URL": url,
+        "ZONE": "America/New_York",
+        "LOCKSTRING": lockstring,
+        "semaphores": table,
+    }
+    program, *words = shlex.split(command)
+    assert program == "sqllocker"
+    return subprocess.run(
+        [SQLLOCKER, *(values.get(word, word) for word in words)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={key: value for key, value in os.environ.items() if not key.startswith("SQLLOCKER")},
+    )
+
+
+def test_every_command_of_the_migration_page_runs(
+    url: str, table_name: str, db: sa.Engine, tmp_path: Path
+) -> None:
+    """In the page's order, on a DBIx::Locker table holding a crashed Perl job's lock: each
+    exits 0 (they put the group's options after `migrate`: a usage error)."""
+    create_dbix_table(url, table_name)
+    perl_leaves_lock(url, table_name, "crashed job", 3600, "America/New_York")
+    commands = page_commands(MIGRATING_PAGE.read_text())
+    assert any("--adopt-dbix-locker" in command for command in commands)
+    for command in commands:
+        result = run_suggested(command, url, table_name, tmp_path)
+        assert result.returncode == 0, (command, result.stdout + result.stderr)
+    assert current_revision(db, table_name) == head_revision()
+    assert row_count(db, table_name) == 0  # the crashed job's lock broken by the last one
+
+
+def test_the_commands_that_refusals_give_run(
+    url: str, table_name: str, db: sa.Engine, tmp_path: Path
+) -> None:
+    """A DBIx::Locker table's refusals, by a Locker, by `migrate` and by `migrate --check`
+    (which said "run `sqllocker migrate`", which refuses it), all give the adopt command,
+    which runs; a missing table's gives the command that creates it, which runs."""
+    create_dbix_table(url, table_name)
+    perl_leaves_lock(url, table_name, "crashed job", 3600, "UTC")
+    locker = Locker(url, table=table_name)
+    try:
+        with pytest.raises(ForeignTable) as refused:
+            locker.lock("job")
+    finally:
+        locker.close()
+    messages = [str(refused.value)]
+    for args in (["migrate"], ["migrate", "--check"]):
+        code, output = sqllocker_cli(url, table_name, *args)
+        assert code == 1, output
+        messages.append(output)
+    suggested = [message_commands(message) for message in messages]
+    assert all(len(commands) == 1 for commands in suggested), messages
+    assert len({commands[0] for commands in suggested}) == 1, suggested
+    command = suggested[0][0]
+    assert "--adopt-dbix-locker" in command
+    result = run_suggested(command, url, table_name, tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    code, output = sqllocker_cli(url, table_name, "migrate", "--check")
+    assert code == 0, output
+
+    missing = f"{table_name}_m"
+    locker = Locker(url, table=missing, auto_create=False)
+    try:
+        with pytest.raises(TableMissing) as caught:
+            locker.lock("job")
+        (command,) = message_commands(str(caught.value))
+        result = run_suggested(command, url, table_name, tmp_path)
+        assert result.returncode == 0, result.stdout + result.stderr
+        locker.lock("job").unlock()
+    finally:
+        locker.close()
+        with db.begin() as conn:
+            if db.dialect.name == "postgresql":
+                conn.exec_driver_sql(f"DROP TABLE IF EXISTS {missing} CASCADE")
+                conn.exec_driver_sql(f"DROP TABLE IF EXISTS {missing}_requests")
+                for name in ("notify_release", "queue_join", "anyone_ahead", "queue_leave"):
+                    conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {missing}_{name} CASCADE")
+                for name in ("sweep_requests", "foreign_times"):
+                    conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {missing}_{name} CASCADE")
+            else:
+                conn.exec_driver_sql(f"DROP VIEW IF EXISTS {missing}_held")
+            for name in (missing, f"{missing}_id_order", f"{missing}_requests"):
+                conn.exec_driver_sql(f"DROP TABLE IF EXISTS {name}")
+            conn.exec_driver_sql(f"DROP TABLE IF EXISTS {version_table_for(missing)}")

@@ -273,7 +273,8 @@ class MySQLBackend(Backend):
             if not lock_stripes:
                 setting = (
                     f"innodb_autoinc_lock_mode=2 with lock table {table} lacking "
-                    f"{id_order_table_name(table)} (run `sqllocker migrate --table {table}`)"
+                    f"{id_order_table_name(table)} "
+                    f"(run `sqllocker --url URL --table {table} migrate`)"
                 )
                 problems.append(UnsafeSetting(setting, REORDERS_IDS))
         # This session's values (sqllocker's own connections turn the retries off).
