@@ -107,6 +107,21 @@ def check_adoptable(conn: Connection, table: str, version_table: str) -> None:
             )
 
 
+def interrupted_after_swap(conn: Connection, table: str, version_table: str) -> bool:
+    """Whether an adoption of ``table`` swapped its new table in and was stopped before it
+    recorded its revision (MySQL: a crash, a kill): the table is sqllocker's, complete, the
+    old one still aside. Adopting it again finishes the adoption."""
+    if not backend_for(conn.dialect).adoption_swaps:
+        return False
+    inspector = sa.inspect(conn)
+    if "guid" not in _columns(conn, table) or not inspector.has_table(set_aside_name(table)):
+        return False
+    if not inspector.has_table(version_table):
+        return True
+    rows = conn.execute(sa.select(sa.func.count()).select_from(sa.table(version_table)))
+    return not rows.scalar()
+
+
 def plan_adoption(
     conn: Connection, table: str, perl_tz: ZoneInfo, exact_lockstrings: bool, *, online: bool
 ) -> Adoption:

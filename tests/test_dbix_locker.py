@@ -896,3 +896,201 @@ def test_the_commands_that_refusals_give_run(
             for name in (missing, f"{missing}_id_order", f"{missing}_requests"):
                 conn.exec_driver_sql(f"DROP TABLE IF EXISTS {name}")
             conn.exec_driver_sql(f"DROP TABLE IF EXISTS {version_table_for(missing)}")
+
+
+# -- adoptions that stop half-way --------------------------------------------------------------
+
+
+def dbix_rows(db: sa.Engine, table: str) -> list[tuple[object, ...]]:
+    with db.connect() as conn:
+        return [
+            tuple(row)
+            for row in conn.exec_driver_sql(
+                f"SELECT id, lockstring, expires FROM {table} ORDER BY id"
+            )
+        ]
+
+
+def test_a_failed_adoption_leaves_the_table_untouched_and_nothing_beside_it(
+    url: str, table_name: str, db: sa.Engine
+) -> None:
+    """A row the new table cannot take (DBIx::Locker's lockstring column allows NULL, the new
+    one does not) fails the adoption; on MySQL, where it fails while copying under the table
+    locks, the old table is as it was, and what the adoption made beside it is gone again."""
+    create_dbix_table(url, table_name)
+    perl_leaves_lock(url, table_name, "crashed job", 3600, "UTC")
+    with db.begin() as conn:
+        conn.exec_driver_sql(
+            f"INSERT INTO {table_name} (lockstring, created, expires, locked_by) "
+            "VALUES (NULL, '2030-01-01 00:00:00', '2030-01-01 01:00:00', '{}')"
+        )
+    before = dbix_rows(db, table_name)
+    tables_before = set(sa.inspect(db).get_table_names()) | set(sa.inspect(db).get_view_names())
+    code, output = sqllocker_cli(
+        url, table_name, "migrate", "--adopt-dbix-locker", "--perl-tz", "UTC"
+    )
+    assert code == 1, output
+    assert len(output.strip().splitlines()) == 1, output
+    assert dbix_rows(db, table_name) == before
+    inspector = sa.inspect(db)
+    assert set(inspector.get_table_names()) | set(inspector.get_view_names()) == tables_before
+    assert "guid" not in {column["name"] for column in inspector.get_columns(table_name)}
+    # Perl still locks through it.
+    perl = PerlHolder(url, table_name, "another job", 60, "UTC")
+    assert perl.lock_id is not None, perl.answer
+    assert perl.tell("unlock") == "unlocked"
+    # Once the row is fixed, the adoption runs.
+    with db.begin() as conn:
+        conn.exec_driver_sql(f"DELETE FROM {table_name} WHERE lockstring IS NULL")
+    code, output = sqllocker_cli(
+        url, table_name, "migrate", "--adopt-dbix-locker", "--perl-tz", "UTC"
+    )
+    assert code == 0, output
+
+
+def test_a_name_the_adoption_needs_in_use_is_refused_before_anything_is_written(
+    url: str, backend: str, table_name: str, db: sa.Engine, tmp_path: Path
+) -> None:
+    """A table left where the adoption builds its own (an adoption that was killed) is named,
+    nothing is written, and the advice (drop it and adopt again) works."""
+    create_dbix_table(url, table_name)
+    perl_leaves_lock(url, table_name, "crashed job", 3600, "UTC")
+    in_the_way = f"{table_name}_sqllocker_new" if backend == "mysql" else f"{table_name}_held"
+    with db.begin() as conn:
+        conn.exec_driver_sql(f"CREATE TABLE {in_the_way} (x integer)")
+    before = dbix_rows(db, table_name)
+    code, output = sqllocker_cli(
+        url, table_name, "migrate", "--adopt-dbix-locker", "--perl-tz", "UTC"
+    )
+    assert code == 1, output
+    assert f"{in_the_way!r} exists already" in output
+    assert "drop it and adopt again" in output
+    assert dbix_rows(db, table_name) == before
+    assert not sa.inspect(db).has_table(version_table_for(table_name))
+    with db.begin() as conn:
+        conn.exec_driver_sql(f"DROP TABLE {in_the_way}")
+    code, output = sqllocker_cli(
+        url, table_name, "migrate", "--adopt-dbix-locker", "--perl-tz", "UTC"
+    )
+    assert code == 0, output
+
+
+@pytest.mark.parametrize("backend", ["mysql"])
+@pytest.mark.parametrize("exact", [False, True], ids=["folding", "exact"])
+def test_an_adoption_stopped_after_its_swap_is_finished_by_the_adopt_command(
+    url: str, table_name: str, db: sa.Engine, tmp_path: Path, exact: bool
+) -> None:
+    """Killed between the swap and the record of its revision, a MySQL adoption leaves the new
+    table complete, unrecorded, and the old one aside. Every refusal then names the adopt
+    command (not `migrate`, whose CREATE TABLE would fail), which finishes it."""
+    create_dbix_table(url, table_name)
+    perl = PerlHolder(url, table_name, "nightly report", 3600, "UTC")
+    assert perl.lock_id is not None, perl.answer
+    options = ["--exact-lockstrings"] if exact else []
+    code, output = sqllocker_cli(
+        url, table_name, "migrate", "--adopt-dbix-locker", "--perl-tz", "UTC", *options
+    )
+    assert code == 0, output
+    # As the kill leaves it: no revision recorded, the old table still aside.
+    with db.begin() as conn:
+        conn.exec_driver_sql(f"DELETE FROM {version_table_for(table_name)}")
+        conn.exec_driver_sql(f"CREATE TABLE {table_name}_dbix_locker (id bigint)")
+    for args in (["migrate"], ["migrate", "--check"]):
+        code, output = sqllocker_cli(url, table_name, *args)
+        assert code == 1, output
+        (command,) = message_commands(output)
+        assert "--adopt-dbix-locker" in command
+    result = run_suggested(command, url, table_name, tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert current_revision(db, table_name) == head_revision()
+    assert not sa.inspect(db).has_table(f"{table_name}_dbix_locker")
+    locker = Locker(url, table=table_name)
+    try:
+        with pytest.raises(LockBusy):
+            locker.lock("nightly report")
+    finally:
+        locker.close()
+    assert perl.tell("unlock") == "unlocked"
+
+
+# When the adoption is killed: once a name it makes appears (MySQL: the table it builds, then
+# the old one set aside by the swap), or once a statement of it runs (the RENAME that waits for
+# the table locks); elsewhere once its transaction has the old table locked.
+KILL_MOMENTS = {
+    "mysql": {
+        "building": "SELECT 1 FROM information_schema.tables WHERE table_schema = DATABASE() "
+        "AND table_name = '{table}_sqllocker_new'",
+        "renaming": "SELECT 1 FROM information_schema.processlist WHERE info LIKE "
+        "'RENAME TABLE {table} %%'",
+        "swapped": "SELECT 1 FROM information_schema.tables WHERE table_schema = DATABASE() "
+        "AND table_name = '{table}_dbix_locker'",
+    },
+    "postgresql": {
+        "locked": "SELECT 1 FROM pg_locks WHERE relation = to_regclass('{table}') "
+        "AND mode = 'AccessExclusiveLock' AND granted",
+    },
+}
+
+
+def kill_moments() -> list[tuple[str, str]]:
+    moments = [(backend, moment) for backend, named in KILL_MOMENTS.items() for moment in named]
+    return [*moments, ("sqlite", "started")]
+
+
+@pytest.mark.parametrize(("backend", "moment"), kill_moments())
+def test_an_adoption_killed_at_any_moment_hands_no_lock_twice_and_can_be_finished(
+    url: str, backend: str, table_name: str, db: sa.Engine, tmp_path: Path, moment: str
+) -> None:
+    """The adoption is SIGKILLed at ``moment`` while Perl keeps locking: no lockstring ever has
+    two holders, Perl never finds the table missing, and following the refusals' advice (drop
+    what is named, adopt again) ends in an adopted table holding the Perl lock held
+    throughout."""
+    create_dbix_table(url, table_name)
+    held = PerlHolder(url, table_name, "held throughout", 3600, "UTC")
+    assert held.lock_id is not None, held.answer
+    state = tmp_path / "state"
+    state.mkdir()
+    churn = start_churn(url, table_name, state, seconds=120)
+    time.sleep(1)
+    adopt = ["migrate", "--adopt-dbix-locker", "--perl-tz", "UTC"]
+    adoption = subprocess.Popen(
+        [SQLLOCKER, "--url", url, "--table", table_name, *adopt],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    probe = KILL_MOMENTS.get(backend, {}).get(moment)
+    if probe is None:
+        time.sleep(0.5)
+    else:
+        watcher = sa.create_engine(resolve_url(url), isolation_level="AUTOCOMMIT")
+        with watcher.connect() as conn:
+            query = probe.format(table=table_name)
+            while adoption.poll() is None and conn.exec_driver_sql(query).first() is None:
+                pass
+        watcher.dispose()
+    adoption.kill()
+    adoption.communicate(timeout=60)
+    print(f"killed at {moment}:", adoption.returncode, sorted(sa.inspect(db).get_table_names()))
+    for _ in range(10):
+        code, output = sqllocker_cli(url, table_name, *adopt)
+        if code == 0 or "sqllocker's already" in output:
+            break
+        in_the_way = re.search(r"'(\w+)' exists already", output)
+        assert in_the_way is not None, output
+        name = in_the_way.group(1)
+        kind = "VIEW" if name in sa.inspect(db).get_view_names() else "TABLE"
+        with db.begin() as conn:
+            conn.exec_driver_sql(f"DROP {kind} {name}")
+    else:
+        pytest.fail(f"never adopted: {output}")
+    time.sleep(1)
+    check_churn(churn, state)
+    assert current_revision(db, table_name) == head_revision()
+    locker = Locker(url, table=table_name)
+    try:
+        with pytest.raises(LockBusy):
+            locker.lock("held throughout")
+    finally:
+        locker.close()
+    assert held.tell("unlock") == "unlocked"
