@@ -5,7 +5,8 @@
 #   dbix_locker.pl DSN USER TABLE hold LOCKSTRING SECONDS
 #       lock; print "locked <id>" (or "refused <error>"); then, for each line on stdin:
 #       "unlock" -> print "unlocked" or "unlock failed <error>"; "leave" -> exit with the row
-#       left behind, as a crashed process leaves it.
+#       left behind, as a crashed process leaves it; "extend SECONDS" -> move the expiry to
+#       SECONDS from now (the Lock's expires setter), print "extended".
 #   dbix_locker.pl DSN USER TABLE count LOCKSTRING TIMES COUNTER MARKER
 #       TIMES turns of: take the lock (trying again until it is free), create MARKER (which must
 #       not exist: someone else inside means two holders), read COUNTER, pause, write it plus
@@ -47,6 +48,11 @@ if ($command eq 'hold') {
             }
             $lock->is_locked(0);
             exit 0;
+        }
+        if ($line =~ /\Aextend (\d+)\z/) {
+            $lock->expires(time + $1);
+            print "extended\n";
+            next;
         }
         if ($line eq 'leave') {
             $lock->is_locked(0);    # no unlock on the way out: the row stays, as after a crash
