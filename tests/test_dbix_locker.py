@@ -325,6 +325,14 @@ def test_adoption_keeps_rows_converts_times_and_the_rows_still_exclude(
         )
         assert abs(rows["crashed job"].expires - (now + timedelta(hours=2))) < timedelta(minutes=2)
         assert all(info.dbix_locker and not info.created_in_future for info in rows.values())
+        # The view made beside it reads the adopted table (on MySQL it was made before the
+        # swap, by the name the new table then took).
+        with db.connect() as conn:
+            held = conn.exec_driver_sql(
+                f"SELECT lockstring, host FROM {table_name}_held ORDER BY lock_id"
+            ).all()
+        assert [row[0] for row in held] == ["nightly report", "crashed job"]
+        assert all(row[1] for row in held)
 
         with pytest.raises(LockBusy):
             locker.lock("nightly report")
