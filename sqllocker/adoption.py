@@ -111,10 +111,13 @@ def interrupted_after_swap(conn: Connection, table: str, version_table: str) -> 
     """Whether an adoption of ``table`` swapped its new table in and was stopped before it
     recorded its revision (MySQL: a crash, a kill): the table is sqllocker's, complete, the
     old one still aside. Adopting it again finishes the adoption."""
-    if not backend_for(conn.dialect).adoption_swaps:
+    backend = backend_for(conn.dialect)
+    if not backend.adoption_swaps or "guid" not in _columns(conn, table):
         return False
+    # What the adoption makes before its swap is all there, and the old table aside.
     inspector = sa.inspect(conn)
-    if "guid" not in _columns(conn, table) or not inspector.has_table(set_aside_name(table)):
+    existing = set(inspector.get_table_names()) | set(inspector.get_view_names())
+    if not set(backend.adoption_names(table)) - {swap_name(table)} <= existing:
         return False
     if not inspector.has_table(version_table):
         return True
