@@ -1,18 +1,27 @@
 """Adopting a DBIx::Locker table: converting it into sqllocker's table, keeping its rows.
 
-The conversion rides on the first migration (``migrations/versions/0001``): statements that
-move the old table out of the way run before it creates the table, statements that bring the
-rows back run after, all in its transaction where the database has transactional DDL
-(PostgreSQL, SQLite). Each row keeps its id, since DBIx::Locker releases by id alone; its
-``created``/``expires``, local times of the Perl processes' zone, become UTC; ``locked_by``
-becomes JSON; its guid is the column's default (``schema.FOREIGN_GUID_PREFIX``), which marks
-it as DBIx::Locker's. New ids start above every id the old table handed out, so that a Perl
-process still holding a stale id can never release a lock taken after the adoption.
+The conversion rides on the first migration (``migrations/versions/0001``). Every check (is
+there such a table, is it DBIx::Locker's and not sqllocker's already, are the names the
+adoption needs free) comes first, before anything is written (:func:`check_adoptable`).
+
+Where DDL is transactional (PostgreSQL, SQLite) the old table is locked, its rows read, and it
+is dropped and replaced in the migration's one transaction: Perl processes that lock meanwhile
+wait, and then write to the new table. MySQL/MariaDB commits each DDL statement, so the new
+table is built complete under a name of its own (:func:`swap_name`), and the backend swaps it
+in with the rows of the old one copied at the last moment, while the old one is locked (see
+``Backend.swap_in``): the name never stands for an empty table, nor for none.
+
+Each row keeps its id, since DBIx::Locker releases by id alone; its ``created``/``expires``,
+local times of the Perl processes' zone, become UTC; ``locked_by`` becomes JSON; its guid is
+the column's default (``schema.FOREIGN_GUID_PREFIX``), which marks it as DBIx::Locker's. New
+ids start above every id the old table handed out, so that a Perl process still holding a
+stale id can never release a lock taken after the adoption.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -27,20 +36,27 @@ from .errors import LockValueError
 from .schema import UTCDateTime, lock_table
 from .validation import check_table_name
 
-# Where the DBIx::Locker table waits while its successor is made, where DDL commits (MySQL): it
-# is renamed (atomically) rather than dropped before its rows are safe.
+# Where MySQL's old table goes when the new one is swapped in (dropped once the adoption is
+# done), and the name the new one is built under until then.
 SET_ASIDE_SUFFIX = "_dbix_locker"
+SWAP_SUFFIX = "_sqllocker_new"
 _INSERT_BATCH = 500
 _DBIX_COLUMNS = {"id", "lockstring", "created", "expires", "locked_by"}
+
+# A step of the migration: a statement, or (applied on a live connection, not printed by
+# ``--sql``) a function of the connection.
+Step = Executable | str | Callable[[Connection], None]
 
 
 @dataclass
 class Adoption:
-    """What the first migration runs around its creation of the table (see module doc)."""
+    """What the first migration runs around its creation of the table (see module doc):
+    ``create_as``, the name it creates the table under (None: the table's own)."""
 
-    before_create: list[Executable | str] = field(default_factory=list)
-    after_create: list[Executable | str] = field(default_factory=list)
+    before_create: list[Step] = field(default_factory=list)
+    after_create: list[Step] = field(default_factory=list)
     rows: int = 0
+    create_as: str | None = None
 
 
 def check_zone(name: str) -> ZoneInfo:
@@ -57,19 +73,16 @@ def set_aside_name(table: str) -> str:
     return check_table_name(table) + SET_ASIDE_SUFFIX
 
 
-def plan_adoption(
-    conn: Connection, table: str, perl_tz: ZoneInfo, exact_lockstrings: bool, *, set_aside: bool
-) -> Adoption:
-    """The statements that adopt DBIx::Locker table ``table``, with its rows as they are now.
+def swap_name(table: str) -> str:
+    return check_table_name(table) + SWAP_SUFFIX
 
-    ``set_aside``: the table has been renamed already (``Backend.prepare_adoption``, where
-    ``Backend.adoption_sets_table_aside``), so the rows are read from there. Refuses
-    (LockValueError) a table that is not DBIx::Locker's.
-    """
+
+def check_adoptable(conn: Connection, table: str, version_table: str) -> None:
+    """Refuse (LockValueError, nothing written) unless ``table`` is a DBIx::Locker table that
+    can be adopted here now: not sqllocker's already, no version row, and every name the
+    adoption makes beside it free."""
     check_table_name(table)
-    dialect = conn.dialect
-    source = set_aside_name(table) if set_aside else table
-    columns = _columns(conn, source)
+    columns = _columns(conn, table)
     if not columns:
         raise LockValueError(f"there is no table {table!r} to adopt")
     if "guid" in columns:
@@ -77,17 +90,102 @@ def plan_adoption(
     if not set(columns) >= _DBIX_COLUMNS:
         missing = ", ".join(sorted(_DBIX_COLUMNS - set(columns)))
         raise LockValueError(f"table {table!r} is not a DBIx::Locker table (it lacks {missing})")
+    inspector = sa.inspect(conn)
+    if inspector.has_table(version_table):
+        rows = conn.execute(sa.select(sa.func.count()).select_from(sa.table(version_table)))
+        if rows.scalar():
+            raise LockValueError(
+                f"table {table!r} has a migration recorded in {version_table!r}, yet no guid "
+                "column: it is neither DBIx::Locker's as made nor sqllocker's"
+            )
+    existing = set(inspector.get_table_names()) | set(inspector.get_view_names())
+    for name in backend_for(conn.dialect).adoption_names(table):
+        if name in existing:
+            raise LockValueError(
+                f"{name!r} exists already, and the adoption of {table!r} makes it (left by an "
+                f"interrupted adoption? {table!r} itself is untouched): drop it and adopt again"
+            )
 
+
+def interrupted_after_swap(conn: Connection, table: str, version_table: str) -> bool:
+    """Whether an adoption of ``table`` swapped its new table in and was stopped before it
+    recorded its revision (MySQL: a crash, a kill): the table is sqllocker's, complete, the
+    old one still aside. Adopting it again finishes the adoption."""
+    backend = backend_for(conn.dialect)
+    if not backend.adoption_swaps or "guid" not in _columns(conn, table):
+        return False
+    # What the adoption makes before its swap is all there, and the old table aside.
+    inspector = sa.inspect(conn)
+    existing = set(inspector.get_table_names()) | set(inspector.get_view_names())
+    if not set(backend.adoption_names(table)) - {swap_name(table)} <= existing:
+        return False
+    if not inspector.has_table(version_table):
+        return True
+    rows = conn.execute(sa.select(sa.func.count()).select_from(sa.table(version_table)))
+    return not rows.scalar()
+
+
+def plan_adoption(
+    conn: Connection, table: str, perl_tz: ZoneInfo, exact_lockstrings: bool, *, online: bool
+) -> Adoption:
+    """The steps that adopt DBIx::Locker table ``table`` (checked by :func:`check_adoptable`).
+
+    ``online``: run on this connection now, where the backend locks the old table first
+    (``Backend.prepare_adoption``); else printed (``--sql``), with the rows as they are now.
+    """
+    backend = backend_for(conn.dialect)
     adoption = Adoption()
+    if backend.adoption_swaps:
+        new = swap_name(table)
+        adoption.create_as = new
+        adoption.after_create += backend.lockstring_like(conn, table, new, exact_lockstrings)
+        if online:
+
+            def swap(connection: Connection) -> None:
+                adoption.rows = backend.swap_in(
+                    connection,
+                    table,
+                    new,
+                    set_aside_name(table),
+                    lambda c: copy_rows(c, table, new, perl_tz),
+                )
+
+            adoption.after_create.append(swap)
+            return adoption
+        inserts, ids = _converted_inserts(conn, table, new, perl_tz)
+        adoption.rows = len(ids)
+        adoption.after_create += inserts
+        next_id = backend.ids_handed_out_below(conn, table, max(ids, default=0))
+        adoption.after_create += backend.next_id_at_least(new, next_id)
+        adoption.after_create.append(
+            f"RENAME TABLE {table} TO {set_aside_name(table)}, {new} TO {table}"
+        )
+        adoption.after_create.append(f"DROP TABLE {set_aside_name(table)}")
+        return adoption
+    adoption.before_create += backend.adoption_before_create(table)
+    inserts, ids = _converted_inserts(conn, table, table, perl_tz)
+    adoption.rows = len(ids)
+    next_id = backend.ids_handed_out_below(conn, table, max(ids, default=0))
+    adoption.after_create += inserts
+    adoption.after_create += backend.next_id_at_least(table, next_id)
+    return adoption
+
+
+def copy_rows(conn: Connection, source: str, target: str, perl_tz: ZoneInfo) -> list[int]:
+    """Copy DBIx::Locker table ``source``'s rows, converted, into lock table ``target``;
+    returns their ids."""
+    inserts, ids = _converted_inserts(conn, source, target, perl_tz)
+    for insert in inserts:
+        conn.execute(insert)
+    return ids
+
+
+def _converted_inserts(
+    conn: Connection, source: str, target: str, perl_tz: ZoneInfo
+) -> tuple[list[Executable], list[int]]:
+    """The inserts of ``source``'s rows as they are now into ``target``, and their ids."""
     old = sa.table(source, *(sa.column(name) for name in sorted(_DBIX_COLUMNS)))
     rows = conn.execute(sa.select(old).order_by(old.c.id)).all()
-    adoption.rows = len(rows)
-    backend = backend_for(dialect)
-    adoption.before_create += backend.adoption_before_create(table, set_aside)
-    highest_row = max([int(row.id) for row in rows], default=0)
-    ids_from = backend.ids_handed_out_below(conn, source, highest_row)
-
-    target = lock_table(table)
     converted = [
         {
             "id": int(row.id),
@@ -98,16 +196,14 @@ def plan_adoption(
         }
         for row in rows
     ]
+    plain = _plain(lock_table(target))
+    inserts: list[Executable] = []
     for start in range(0, len(converted), _INSERT_BATCH):
         batch = converted[start : start + _INSERT_BATCH]
-        adoption.after_create.append(
-            sa.insert(_plain(target)).values(
-                [_as_column_values(values, dialect) for values in batch]
-            )
+        inserts.append(
+            sa.insert(plain).values([_as_column_values(values, conn.dialect) for values in batch])
         )
-    adoption.after_create += backend.next_id_at_least(table, ids_from)
-    adoption.after_create += backend.adoption_after_create(conn, source, table, exact_lockstrings)
-    return adoption
+    return inserts, [int(values["id"]) for values in converted]
 
 
 def _columns(conn: Connection, table: str) -> dict[str, Any]:

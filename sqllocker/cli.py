@@ -21,7 +21,7 @@ from . import __version__
 from .adoption import check_zone
 from .defaults import DEFAULT_GRACE, DEFAULT_PURGE_BATCH, DEFAULT_PURGE_PAUSE_RATIO
 from .engine import URL_ENVIRONMENT_VARIABLE, describe_url
-from .errors import LockError, describe_holder, one_line, printable
+from .errors import ForeignTable, LockError, describe_holder, one_line, printable
 from .locker import Locker, LockInfo
 from .runner import DEFAULT_KILL_AFTER, EXIT_LOCK_LOST, ON_LOST_CHOICES, RunOptions, run_locked
 from .schema import DEFAULT_TABLE, FOREIGN_CLOCK_MARGIN
@@ -424,11 +424,16 @@ def migrate(
     with _one_line_errors(f"migration of {describe_url(locker.url)}"):
         current = migrations.current_revision(locker.engine, locker.table_name)
         if check:
+            # `sqllocker migrate` would refuse such a table: the adoption is what it needs.
+            reason = migrations.foreign_reason(locker.engine, locker.table_name)
+            if reason is not None:
+                raise ForeignTable.naming(locker.table_name, describe_url(locker.url), reason)
             head = migrations.head_revision()
             if current != head:
                 click.echo(
                     f"sqllocker: {locker.table_name!r} in {describe_url(locker.url)} is at "
-                    f"revision {current or 'none'}, behind {head}; run `sqllocker migrate`",
+                    f"revision {current or 'none'}, behind {head}; run `sqllocker --url URL "
+                    f"--table {locker.table_name} migrate`",
                     err=True,
                 )
                 sys.exit(1)

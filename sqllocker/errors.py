@@ -114,8 +114,8 @@ class ForeignTable(LockError):
     def naming(cls, table: str, where: str, reason: str) -> ForeignTable:
         return cls(
             f"lock table {table!r} in {where} was not made by sqllocker ({reason}: a "
-            f"DBIx::Locker table?); convert it, keeping its rows, with `sqllocker migrate "
-            f"--url URL --table {table} --adopt-dbix-locker --perl-tz ZONE`"
+            f"DBIx::Locker table?); convert it, keeping its rows, with `sqllocker --url URL "
+            f"--table {table} migrate --adopt-dbix-locker --perl-tz ZONE`"
         )
 
 

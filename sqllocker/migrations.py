@@ -22,10 +22,10 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.engine import URL, Connection, Engine
 
-from .adoption import plan_adoption, set_aside_name
+from .adoption import check_adoptable, interrupted_after_swap, plan_adoption, set_aside_name
 from .backends import backend_class, backend_for
 from .engine import describe_url
-from .errors import ForeignTable, LockError, LockValueError, one_line
+from .errors import ForeignTable, LockError, one_line
 from .schema import DEFAULT_TABLE, FOREIGN_GUID_PREFIX, lock_table
 from .validation import check_table_name
 
@@ -79,43 +79,108 @@ def upgrade(engine: Engine, table: str = DEFAULT_TABLE, revision: str = "head") 
     A table sqllocker did not make (``Backend.foreign_table``) is refused before anything is
     written: on MySQL, alembic's version table would otherwise stay behind."""
     with _migration_connection(engine) as conn:
-        reason = backend_for(conn.dialect).foreign_table(conn, table)
+        reason = _foreign_reason(conn, table)
         if reason is not None:
             raise ForeignTable.naming(table, describe_url(engine.url), reason)
         command.upgrade(alembic_config(table, connection=conn), revision)
+
+
+def foreign_reason(engine: Engine, table: str = DEFAULT_TABLE) -> str | None:
+    """Why ``table`` is not a table sqllocker made (``Backend.foreign_table``), or is one whose
+    adoption was stopped half-way (which the adopt command finishes); or None."""
+    with engine.connect() as conn:
+        return _foreign_reason(conn, table)
+
+
+def _foreign_reason(conn: Connection, table: str) -> str | None:
+    if interrupted_after_swap(conn, table, version_table_for(table)):
+        return f"its adoption was stopped before it was recorded; {set_aside_name(table)} is left"
+    return backend_for(conn.dialect).foreign_table(conn, table)
 
 
 def adopt_dbix_locker(
     engine: Engine, table: str, perl_tz: ZoneInfo, exact_lockstrings: bool = False
 ) -> int:
     """Convert DBIx::Locker table ``table`` into sqllocker's, at the newest revision, keeping
-    its rows (see ``sqllocker.adoption``); returns how many rows it kept."""
+    its rows (see ``sqllocker.adoption``); returns how many rows it kept. Refuses before
+    anything is written unless the table can be adopted (``check_adoptable``); finishes an
+    adoption that was stopped after its swap (``interrupted_after_swap``)."""
+    version_table = version_table_for(table)
+    backend = backend_for(engine.dialect)
+    failure: Exception | None = None
     with _migration_connection(engine) as conn:
-        backend = backend_for(conn.dialect)
-        set_aside = backend.adoption_sets_table_aside
-        if not sa.inspect(conn).has_table(check_table_name(table)):
-            raise LockValueError(f"there is no table {table!r} to adopt")
-        backend.prepare_adoption(conn, table)
+        if interrupted_after_swap(conn, table, version_table):
+            # All but the record was made before the swap: record it; the old table goes below.
+            command.stamp(alembic_config(table, connection=conn), "head")
+            count = sa.select(sa.func.count()).select_from(sa.table(table))
+            rows = int(conn.execute(count).scalar() or 0)
+        else:
+            check_adoptable(conn, table, version_table)
+            had_version_table = sa.inspect(conn).has_table(version_table)
+            backend.prepare_adoption(conn, table)
+            adoption = plan_adoption(conn, table, perl_tz, exact_lockstrings, online=True)
+            try:
+                config = alembic_config(table, connection=conn, adoption=adoption)
+                command.upgrade(config, "head")
+            except Exception as error:
+                if not backend.adoption_swaps:
+                    raise  # rolled back whole
+                failure = error
+            rows = adoption.rows
+    if failure is not None:
+        # Outside the migration's connection, whose transaction holds the version table.
+        raise _after_failed_swap(
+            engine, table, version_table, had_version_table, failure
+        ) from failure
+    if backend.adoption_swaps:
         try:
-            adoption = plan_adoption(conn, table, perl_tz, exact_lockstrings, set_aside=set_aside)
-            command.upgrade(alembic_config(table, connection=conn, adoption=adoption), "head")
+            with engine.begin() as conn:
+                conn.exec_driver_sql(f"DROP TABLE {set_aside_name(table)}")
         except Exception as error:
-            if set_aside:
-                raise LockError(
-                    f"adoption of {table!r} failed: {one_line(error)}; its rows are in table "
-                    f"{set_aside_name(table)!r} (rename it back to retry)"
-                ) from error
-            raise
-        return adoption.rows
+            raise LockError(
+                f"adopted {table!r} with its {rows} rows, but its old table "
+                f"{set_aside_name(table)!r} could not be dropped ({one_line(error)}): drop it"
+            ) from error
+    return rows
+
+
+def _after_failed_swap(
+    engine: Engine, table: str, version_table: str, had_version_table: bool, error: Exception
+) -> LockError:
+    """An adoption that failed where DDL commits (MySQL): if the new table was not swapped in,
+    the old one is untouched and what was made beside it is dropped again; if it was, it
+    holds every row, and the error says what is left."""
+    with engine.connect() as conn:
+        inspector = sa.inspect(conn)
+        columns = {column["name"] for column in inspector.get_columns(table)}
+    if "guid" in columns:
+        return LockError(
+            f"adoption of {table!r} failed after the new table took its place, with every row: "
+            f"{one_line(error)}; the old table is kept as {set_aside_name(table)!r} until the "
+            f"adoption is finished by `sqllocker --url URL --table {table} migrate "
+            "--adopt-dbix-locker --perl-tz ZONE`"
+        )
+    backend = backend_for(engine.dialect)
+    made = [name for name in backend.adoption_names(table) if name != set_aside_name(table)]
+    if not had_version_table:
+        made.append(version_table)
+    with engine.begin() as conn:
+        views = set(sa.inspect(conn).get_view_names())
+        for name in made:
+            kind = "VIEW" if name in views else "TABLE"
+            conn.exec_driver_sql(f"DROP {kind} IF EXISTS {name}")
+    return LockError(f"adoption of {table!r} failed, and {table!r} is untouched: {one_line(error)}")
 
 
 def adoption_sql(
     engine: Engine, table: str, perl_tz: ZoneInfo, exact_lockstrings: bool = False
 ) -> str:
     """The SQL :func:`adopt_dbix_locker` would run now, for a DBA to read or apply: it holds
-    the table's rows as they are when it is made."""
+    the table's rows as they are when it is made (Perl processes that lock after that would
+    lose their rows: stop them while it is applied)."""
     with engine.connect() as conn:
-        adoption = plan_adoption(conn, table, perl_tz, exact_lockstrings, set_aside=False)
+        check_adoptable(conn, table, version_table_for(table))
+        adoption = plan_adoption(conn, table, perl_tz, exact_lockstrings, online=False)
     buffer = io.StringIO()
     config = alembic_config(table, url=engine.url, output_buffer=buffer, adoption=adoption)
     command.upgrade(config, "head", sql=True)

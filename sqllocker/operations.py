@@ -1214,7 +1214,7 @@ class LockOperations:
     def _table_missing(self, lockstring: str | None) -> TableMissing:
         return TableMissing(
             f"lock table {self.table_name!r} does not exist in {describe_url(self.url)}; "
-            f"create it with `sqllocker migrate --url URL --table {self.table_name}` "
+            f"create it with `sqllocker --url URL --table {self.table_name} migrate` "
             "(or Locker.create_table())",
             lockstring,
         )

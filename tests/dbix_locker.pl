@@ -5,17 +5,24 @@
 #   dbix_locker.pl DSN USER TABLE hold LOCKSTRING SECONDS
 #       lock; print "locked <id>" (or "refused <error>"); then, for each line on stdin:
 #       "unlock" -> print "unlocked" or "unlock failed <error>"; "leave" -> exit with the row
-#       left behind, as a crashed process leaves it.
+#       left behind, as a crashed process leaves it; "extend SECONDS" -> move the expiry to
+#       SECONDS from now (the Lock's expires setter), print "extended".
 #   dbix_locker.pl DSN USER TABLE count LOCKSTRING TIMES COUNTER MARKER
 #       TIMES turns of: take the lock (trying again until it is free), create MARKER (which must
 #       not exist: someone else inside means two holders), read COUNTER, pause, write it plus
 #       one, remove MARKER, release. Prints "ids <id> <id> ...".
+#   dbix_locker.pl DSN USER TABLE churn LOCKSTRINGS SECONDS LOG STATE
+#       for SECONDS, or until STATE/stop exists: try one of the comma-separated LOCKSTRINGS at random, once; holding it,
+#       create STATE/<n>.holder (which must not exist), add one to STATE/<n>.count, pause a few
+#       ms, remove the marker, release. Appends "acquire|release <n> <id> <monotonic> <pid>" to
+#       LOG (O_APPEND, one write per line), and "error <message>" for any failure but the
+#       lockstring being held (a duplicate key, or MariaDB's deadlock between two inserts of it). Prints "acquired <count>".
 #   dbix_locker.pl DSN USER TABLE purge
 use strict;
 use warnings;
 use DBIx::Locker;
-use Fcntl qw(O_CREAT O_EXCL O_WRONLY);
-use Time::HiRes qw(sleep);
+use Fcntl qw(O_CREAT O_EXCL O_WRONLY O_APPEND);
+use Time::HiRes qw(sleep clock_gettime CLOCK_MONOTONIC);
 
 $| = 1;
 my ($dsn, $user, $table, $command, @args) = @ARGV;
@@ -41,6 +48,11 @@ if ($command eq 'hold') {
             }
             $lock->is_locked(0);
             exit 0;
+        }
+        if ($line =~ /\Aextend (\d+)\z/) {
+            $lock->expires(time + $1);
+            print "extended\n";
+            next;
         }
         if ($line eq 'leave') {
             $lock->is_locked(0);    # no unlock on the way out: the row stays, as after a crash
@@ -73,6 +85,48 @@ if ($command eq 'count') {
         $lock->unlock;
     }
     print "ids @ids\n";
+    exit 0;
+}
+
+if ($command eq 'churn') {
+    my ($lockstrings, $seconds, $log, $state) = @args;
+    my @names = split /,/, $lockstrings;
+    sysopen(my $out, $log, O_CREAT | O_WRONLY | O_APPEND) or die "open $log: $!\n";
+    my $say = sub { my $line = join(' ', @_) . "\n"; syswrite($out, $line) == length($line) or die "write $log: $!\n" };
+    my $deadline = clock_gettime(CLOCK_MONOTONIC) + $seconds;
+    my $acquired = 0;
+    while (clock_gettime(CLOCK_MONOTONIC) < $deadline && !-e "$state/stop") {
+        my $n = $names[int(rand(@names))];
+        my $lock = eval { $locker->lock($n, { expires => 600 }) };
+        if (!$lock) {
+            (my $error = $@) =~ s/\s+/ /g;
+            # Held, or InnoDB's answer to two inserts of one key at once: refused, not a fault.
+            $say->('error', $error) unless $error =~ /duplicate|unique|deadlock found/i;
+            sleep(0.002 + rand(0.01));
+            next;
+        }
+        $say->('acquire', $n, $lock->lock_id, clock_gettime(CLOCK_MONOTONIC), $$);
+        sysopen(my $inside, "$state/$n.holder", O_CREAT | O_EXCL | O_WRONLY)
+          or $say->('error', "two holders of $n: marker exists ($!)");
+        open(my $in, '<', "$state/$n.count") or die "read $state/$n.count: $!\n";
+        my $value = <$in> // 0;
+        close $in;
+        sleep(0.005 + rand(0.02));
+        open(my $write, '>', "$state/$n.count") or die "write $state/$n.count: $!\n";
+        print $write $value + 1;
+        close $write;
+        close $inside if $inside;
+        unlink "$state/$n.holder";
+        $acquired++;
+        $say->('release', $n, $lock->lock_id, clock_gettime(CLOCK_MONOTONIC), $$);
+        if (!eval { $lock->unlock; 1 }) {
+            (my $error = $@) =~ s/\s+/ /g;
+            $say->('error', "unlock of $n: $error");
+            $lock->is_locked(0);
+        }
+        sleep(rand(0.005));
+    }
+    print "acquired $acquired\n";
     exit 0;
 }
 

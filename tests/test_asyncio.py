@@ -351,7 +351,7 @@ async def test_missing_table_names_the_command_that_creates_it(url: str) -> None
     async with AsyncLocker(async_url(url), table="no_such_table", auto_create=False) as locker:
         with pytest.raises(TableMissing) as caught:
             await locker.lock("job")
-        assert "sqllocker migrate" in str(caught.value)
+        assert "`sqllocker --url URL --table no_such_table migrate`" in str(caught.value)
         assert caught.value.lockstring == "job"
 
 

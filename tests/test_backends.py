@@ -50,9 +50,14 @@ def test_every_database_answers_everything(name: str) -> None:
     }
     assert {"now", "acquire", "read_settings", "migration_connection"} <= required
     tickets = {"acquire_unless_queued", "join_line", "leave_line", "sweep_requests"}
-    optional = {"take_over", *tickets}  # only where atomic_takeover / tickets
+    # only where atomic_takeover / tickets / adoption_swaps (or not)
+    adoption = {"swap_in", "adoption_before_create"}
+    optional = {"take_over", *tickets, *adoption}
     missing = {attribute for attribute in required - optional if attribute not in _defined(cls)}
     assert missing == set()
+    assert adoption <= required
+    adopts_by = "swap_in" if cls.adoption_swaps else "adoption_before_create"
+    assert adopts_by in _defined(cls)
     if cls.atomic_takeover:
         assert "take_over" in _defined(cls)
     if "takes_tickets" in _defined(cls):

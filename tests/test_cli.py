@@ -127,7 +127,7 @@ def test_usage_errors_exit_2(sqllocker: Run) -> None:
 def test_migrate_check_apply_and_sql(sqllocker: Run, url: str, table_name: str) -> None:
     behind = sqllocker("migrate", "--check")
     assert behind.returncode == 1
-    assert "sqllocker migrate" in behind.stderr
+    assert f"`sqllocker --url URL --table {table_name} migrate`" in behind.stderr
     applied = sqllocker("migrate")
     assert applied.returncode == 0, applied.stderr
     assert "migrated" in applied.stdout
@@ -146,7 +146,8 @@ def test_missing_table_is_a_one_line_error_naming_migrate(sqllocker: Run, backen
             assert result.returncode == 0, result.stderr
             continue
         assert result.returncode == 1, args
-        assert "sqllocker migrate" in result.stderr
+        assert "migrate`" in result.stderr
+        assert "`sqllocker --url URL --table " in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1
         assert "Traceback" not in result.stderr
 

@@ -9,19 +9,25 @@ under CI they must run (.ci/run installs the packages).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Any
+from zoneinfo import ZoneInfo
 
 import pytest
 import sqlalchemy as sa
 
-from sqllocker import ForeignTable, LockBusy, Locker
+from sqllocker import ForeignTable, LockBusy, Locker, TableMissing
 from sqllocker.asyncio import AsyncLocker
 from sqllocker.backends.sqlite import ADOPTED_ID_GAP
 from sqllocker.engine import resolve_url
@@ -177,6 +183,7 @@ def db(url: str, table_name: str) -> Iterator[sa.Engine]:
                 "anyone_ahead",
                 "queue_leave",
                 "sweep_requests",
+                "foreign_times",
             ):
                 conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {table_name}_{name} CASCADE")
         else:
@@ -184,7 +191,9 @@ def db(url: str, table_name: str) -> Iterator[sa.Engine]:
         for name in (
             table_name,
             f"{table_name}_dbix_locker",
+            f"{table_name}_sqllocker_new",
             f"{table_name}_id_order",
+            f"{table_name}_requests",
             version_table_for(table_name),
         ):
             conn.exec_driver_sql(f"DROP TABLE IF EXISTS {name}")
@@ -319,6 +328,14 @@ def test_adoption_keeps_rows_converts_times_and_the_rows_still_exclude(
         )
         assert abs(rows["crashed job"].expires - (now + timedelta(hours=2))) < timedelta(minutes=2)
         assert all(info.dbix_locker and not info.created_in_future for info in rows.values())
+        # The view made beside it reads the adopted table (on MySQL it was made before the
+        # swap, by the name the new table then took).
+        with db.connect() as conn:
+            held = conn.exec_driver_sql(
+                f"SELECT lockstring, host FROM {table_name}_held ORDER BY lock_id"
+            ).all()
+        assert [row[0] for row in held] == ["nightly report", "crashed job"]
+        assert all(row[1] for row in held)
 
         with pytest.raises(LockBusy):
             locker.lock("nightly report")
@@ -514,3 +531,584 @@ def test_perl_and_python_processes_exclude_each_other(
     ]
     # Every acquisition, Perl's and Python's, had an id of its own.
     assert len(set(perl_ids) | set(python_ids)) == 4 * turns
+
+
+# -- adoption while Perl keeps locking ------------------------------------------------------------
+
+CHURN_LOCKSTRINGS = ("alpha", "beta", "gamma")
+# Perl's words for a table that is not there, on each backend's driver.
+MISSING_TABLE = ("doesn't exist", "does not exist", "no such table")
+
+
+def start_churn(
+    url: str, table: str, state: Path, seconds: float, zone: str = "UTC"
+) -> list[subprocess.Popen[str]]:
+    """Three Perl processes locking and unlocking CHURN_LOCKSTRINGS for ``seconds`` at most,
+    until :func:`check_churn` stops them."""
+    for name in CHURN_LOCKSTRINGS:
+        (state / f"{name}.count").write_text("0")
+    processes = [
+        subprocess.Popen(
+            perl_command(
+                url,
+                table,
+                "churn",
+                ",".join(CHURN_LOCKSTRINGS),
+                str(seconds),
+                str(state / "log"),
+                str(state),
+            ),
+            env=perl_environment(zone),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    _HOLDERS.extend(processes)
+    return processes
+
+
+def check_churn(processes: list[subprocess.Popen[str]], state: Path) -> dict[str, int]:
+    """Every Perl process ended well, no lockstring ever had two holders (its logged holds
+    never overlap, its counter lost no update), and Perl never met a missing table. Returns
+    how many times each lockstring was held."""
+    (state / "stop").touch()
+    for process in processes:
+        out, err = process.communicate(timeout=120)
+        assert process.returncode == 0, err
+        assert out.startswith("acquired "), out
+    lines = (state / "log").read_text().splitlines()
+    errors = [line for line in lines if line.startswith("error ")]
+    assert not [e for e in errors if any(m in e for m in MISSING_TABLE)], errors
+    assert errors == []
+    holds: dict[str, list[tuple[float, float, int]]] = {name: [] for name in CHURN_LOCKSTRINGS}
+    open_holds: dict[tuple[str, str], float] = {}
+    for line in lines:
+        kind, name, lock_id, moment, _pid = line.split()
+        if kind == "acquire":
+            open_holds[(name, lock_id)] = float(moment)
+        else:
+            holds[name].append((open_holds.pop((name, lock_id)), float(moment), int(lock_id)))
+    assert open_holds == {}
+    for name, intervals in holds.items():
+        intervals.sort()
+        for (_, end, lock_id), (next_start, _, next_id) in itertools.pairwise(intervals):
+            assert end < next_start, f"{name}: ids {lock_id} and {next_id} held at once"
+        assert int((state / f"{name}.count").read_text()) == len(intervals)
+    return {name: len(intervals) for name, intervals in holds.items()}
+
+
+def test_adoption_while_perl_locks_and_unlocks_never_hands_a_lock_twice(
+    url: str, table_name: str, db: sa.Engine, tmp_path: Path
+) -> None:
+    """Three Perl processes keep taking and releasing three lockstrings while the table is
+    adopted: each lock has one holder at a time, before, during and after, and no Perl process
+    ever finds the table missing (MySQL renamed it aside and made an empty one live)."""
+    create_dbix_table(url, table_name)
+    # Rows the adoption must carry over: one held by a Perl process throughout.
+    held = PerlHolder(url, table_name, "held throughout", 3600, "UTC")
+    assert held.lock_id is not None, held.answer
+    state = tmp_path / "state"
+    state.mkdir()
+    churn = start_churn(url, table_name, state, seconds=120)
+    time.sleep(2)
+    began = time.monotonic()  # CLOCK_MONOTONIC, as Perl's log
+    code, output = sqllocker_cli(
+        url, table_name, "migrate", "--adopt-dbix-locker", "--perl-tz", "UTC"
+    )
+    ended = time.monotonic()
+    assert code == 0, output
+    time.sleep(1)
+    counts = check_churn(churn, state)
+    assert all(count > 0 for count in counts.values()), counts
+    moments = [float(line.split()[3]) for line in (state / "log").read_text().splitlines()]
+    # Perl kept locking on both sides of the adoption.
+    assert min(moments) < began
+    assert max(moments) > ended
+    locker = Locker(url, table=table_name)
+    try:
+        with pytest.raises(LockBusy):
+            locker.lock("held throughout")
+        assert held.tell("unlock") == "unlocked"
+        locker.lock("held throughout").unlock()
+        for name in CHURN_LOCKSTRINGS:
+            locker.lock(name).unlock()
+    finally:
+        locker.close()
+    assert not sa.inspect(db).has_table(f"{table_name}_dbix_locker")
+
+
+def test_adopting_an_adopted_table_refuses_and_changes_nothing(
+    url: str, table_name: str, db: sa.Engine
+) -> None:
+    """The refusal comes before anything is renamed or written: the table stays live, its
+    lock held, every lock operation works (MySQL renamed it aside first, and every lock
+    operation then failed "table does not exist")."""
+    upgrade(db, table_name)
+    locker = Locker(url, table=table_name)
+    try:
+        held = locker.lock("held", expires=600)
+        code, output = sqllocker_cli(
+            url, table_name, "migrate", "--adopt-dbix-locker", "--perl-tz", "UTC"
+        )
+        assert code == 1, output
+        assert "sqllocker's already" in output
+        assert len(output.strip().splitlines()) == 1
+        assert not sa.inspect(db).has_table(f"{table_name}_dbix_locker")
+        with pytest.raises(LockBusy):
+            locker.lock("held")
+        locker.lock("another").unlock()
+        held.unlock()
+    finally:
+        locker.close()
+    code, output = sqllocker_cli(url, table_name, "migrate", "--check")
+    assert code == 0, output
+
+
+def test_adopting_an_empty_never_used_table(
+    url: str, backend: str, table_name: str, db: sa.Engine
+) -> None:
+    """A DBIx::Locker table that never held a row adopts like any other (PostgreSQL refused:
+    setval of 0 on its never-used sequence)."""
+    create_dbix_table(url, table_name)
+    code, output = sqllocker_cli(
+        url, table_name, "migrate", "--adopt-dbix-locker", "--perl-tz", "UTC"
+    )
+    assert code == 0, output
+    assert f"adopted {table_name} with its 0 rows" in output
+    locker = Locker(url, table=table_name)
+    try:
+        lock = locker.lock("first")
+        assert lock.lock_id >= (ADOPTED_ID_GAP if backend == "sqlite" else 1)
+        lock.unlock()
+    finally:
+        locker.close()
+    fresh = PerlHolder(url, table_name, "perl", 60, "UTC")
+    assert fresh.lock_id is not None, fresh.answer
+    assert fresh.tell("unlock") == "unlocked"
+
+
+# -- time zones: Perl's zone against the database session's ---------------------------------------
+
+# (Perl's TZ, the database session's zone): the worst pairs there are, both ways, and the one an
+# operator met (a server in Tokyo, Perl in Los Angeles).
+ZONE_PAIRS = [
+    ("America/Los_Angeles", "Asia/Tokyo"),
+    ("Etc/GMT+12", "Etc/GMT-14"),
+    ("Etc/GMT-14", "Etc/GMT+12"),
+    ("UTC", "Etc/GMT-14"),
+    ("Etc/GMT+12", "UTC"),
+]
+
+
+@pytest.fixture
+def session_zone_for_perl(url: str, backend: str) -> Iterator[object]:
+    """Sets the zone the Perl processes' database sessions read times in: PostgreSQL, the test
+    database's own TimeZone (ALTER DATABASE, this run's database only, undone afterwards);
+    MySQL, the session's time_zone by the DSN's init command (which leaves DATETIME alone);
+    SQLite has no such thing."""
+    applied: list[str] = []
+
+    def apply(zone: str) -> str:
+        if backend == "postgresql":
+            engine = sa.create_engine(resolve_url(url), isolation_level="AUTOCOMMIT")
+            with engine.connect() as conn:
+                name = conn.exec_driver_sql("SELECT current_database()").scalar()
+                conn.exec_driver_sql(f"ALTER DATABASE {name} SET timezone = '{zone}'")
+            engine.dispose()
+            applied.append(str(name))
+            return ""
+        if backend == "mysql":
+            offset = datetime.now(ZoneInfo(zone)).utcoffset() or timedelta()
+            # MariaDB takes offsets from -12:59 to +13:00 only.
+            minutes = min(int(offset.total_seconds()) // 60, 13 * 60)
+            sign = "-" if minutes < 0 else "+"
+            # A DSN cannot hold a colon: CHAR(58) is one.
+            hours, rest = f"{sign}{abs(minutes) // 60:02d}", f"{abs(minutes) % 60:02d}"
+            return f";mysql_init_command=SET time_zone=CONCAT('{hours}',CHAR(58),'{rest}')"
+        return ""
+
+    yield apply
+    for name in applied:
+        engine = sa.create_engine(resolve_url(url), isolation_level="AUTOCOMMIT")
+        with engine.connect() as conn:
+            conn.exec_driver_sql(f"ALTER DATABASE {name} RESET timezone")
+        engine.dispose()
+
+
+@pytest.mark.parametrize(("perl_zone", "session_zone"), ZONE_PAIRS)
+@pytest.mark.parametrize("made_by", ["adoption", "migration"])
+def test_a_perl_lock_is_never_taken_over_early_whatever_the_zones(
+    url: str,
+    table_name: str,
+    db: sa.Engine,
+    session_zone_for_perl: Any,
+    perl_zone: str,
+    session_zone: str,
+    made_by: str,
+) -> None:
+    """A Perl process in ``perl_zone`` locks for an hour through a session whose zone is
+    ``session_zone``: sqllocker neither takes the lock over nor purges it. On PostgreSQL the
+    session read Perl's offset-less local time in its own zone, up to 26 hours early, past the
+    14-hour margin (Tokyo's session and Los Angeles' Perl: taken over with an hour left)."""
+    if made_by == "adoption":
+        create_dbix_table(url, table_name)
+        code, output = sqllocker_cli(
+            url, table_name, "migrate", "--adopt-dbix-locker", "--perl-tz", perl_zone
+        )
+        assert code == 0, output
+    else:
+        upgrade(db, table_name)
+    dsn_suffix = session_zone_for_perl(session_zone)
+    source, user = dbi_source(url)
+    command = ["perl", str(HERE / "dbix_locker.pl"), source + dsn_suffix, user, table_name]
+    perl = subprocess.Popen(
+        [*command, "hold", "nightly report", "3600"],
+        env=perl_environment(perl_zone),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    _HOLDERS.append(perl)
+    assert perl.stdout is not None
+    assert perl.stdin is not None
+    answer = perl.stdout.readline().strip()
+    assert answer.startswith("locked "), answer
+    locker = Locker(url, table=table_name, grace=0)
+    margin = timedelta(seconds=FOREIGN_CLOCK_MARGIN)
+    try:
+        for extended in (False, True):
+            if extended:
+                # DBIx::Locker's expires setter writes the same local text by an UPDATE.
+                perl.stdin.write("extend 7200\n")
+                perl.stdin.flush()
+                assert perl.stdout.readline().strip() == "extended"
+            with pytest.raises(LockBusy):
+                locker.lock("nightly report")
+            assert locker.purge_expired_locks() == 0
+            info = locker.lock_info("nightly report")
+            assert info is not None
+            assert info.dbix_locker
+            # As the table reads it, within Perl's own offset of the truth (never more than
+            # the margin early).
+            left = timedelta(hours=2 if extended else 1)
+            assert info.expires > server_now(db) + left - margin
+    finally:
+        locker.close()
+    perl.stdin.write("unlock\n")
+    perl.stdin.flush()
+    assert perl.stdout.readline().strip() == "unlocked"
+    perl.wait(timeout=30)
+
+
+# -- advice that works: every command the errors and the migration page suggest is run ----------
+
+MIGRATING_PAGE = HERE.parent / "docs" / "migrating-from-dbix-locker.md"
+
+
+def page_commands(page: str) -> list[str]:
+    """The sqllocker commands in the page's ```sh blocks, in order, continuation lines joined."""
+    commands = []
+    for block in re.findall(r"```sh\n(.*?)```", page, re.DOTALL):
+        joined = re.sub(r"\\\n\s*", " ", block)
+        commands += [line.strip() for line in joined.splitlines() if line.strip()]
+    assert all(command.startswith("sqllocker ") for command in commands), commands
+    return commands
+
+
+def message_commands(message: str) -> list[str]:
+    """The sqllocker commands an error message gives in backticks, each on one line."""
+    return [" ".join(found.split()) for found in re.findall(r"`(sqllocker [^`]+)`", message)]
+
+
+def run_suggested(
+    command: str, url: str, table: str, tmp_path: Path, lockstring: str = "crashed job"
+) -> subprocess.CompletedProcess[str]:
+    """``command`` as a user would type it, its placeholders filled in: URL, ZONE, LOCKSTRING,
+    and the page's table name."""
+    values = {
+        "URL": url,
+        "ZONE": "America/New_York",
+        "LOCKSTRING": lockstring,
+        "semaphores": table,
+    }
+    program, *words = shlex.split(command)
+    assert program == "sqllocker"
+    return subprocess.run(
+        [SQLLOCKER, *(values.get(word, word) for word in words)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={key: value for key, value in os.environ.items() if not key.startswith("SQLLOCKER")},
+    )
+
+
+def test_every_command_of_the_migration_page_runs(
+    url: str, table_name: str, db: sa.Engine, tmp_path: Path
+) -> None:
+    """In the page's order, on a DBIx::Locker table holding a crashed Perl job's lock: each
+    exits 0 (they put the group's options after `migrate`: a usage error)."""
+    create_dbix_table(url, table_name)
+    perl_leaves_lock(url, table_name, "crashed job", 3600, "America/New_York")
+    commands = page_commands(MIGRATING_PAGE.read_text())
+    assert any("--adopt-dbix-locker" in command for command in commands)
+    for command in commands:
+        result = run_suggested(command, url, table_name, tmp_path)
+        assert result.returncode == 0, (command, result.stdout + result.stderr)
+    assert current_revision(db, table_name) == head_revision()
+    assert row_count(db, table_name) == 0  # the crashed job's lock broken by the last one
+
+
+def test_the_commands_that_refusals_give_run(
+    url: str, table_name: str, db: sa.Engine, tmp_path: Path
+) -> None:
+    """A DBIx::Locker table's refusals, by a Locker, by `migrate` and by `migrate --check`
+    (which said "run `sqllocker migrate`", which refuses it), all give the adopt command,
+    which runs; a missing table's gives the command that creates it, which runs."""
+    create_dbix_table(url, table_name)
+    perl_leaves_lock(url, table_name, "crashed job", 3600, "UTC")
+    locker = Locker(url, table=table_name)
+    try:
+        with pytest.raises(ForeignTable) as refused:
+            locker.lock("job")
+    finally:
+        locker.close()
+    messages = [str(refused.value)]
+    for args in (["migrate"], ["migrate", "--check"]):
+        code, output = sqllocker_cli(url, table_name, *args)
+        assert code == 1, output
+        messages.append(output)
+    suggested = [message_commands(message) for message in messages]
+    assert all(len(commands) == 1 for commands in suggested), messages
+    assert len({commands[0] for commands in suggested}) == 1, suggested
+    command = suggested[0][0]
+    assert "--adopt-dbix-locker" in command
+    result = run_suggested(command, url, table_name, tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    code, output = sqllocker_cli(url, table_name, "migrate", "--check")
+    assert code == 0, output
+
+    missing = f"{table_name}_m"
+    locker = Locker(url, table=missing, auto_create=False)
+    try:
+        with pytest.raises(TableMissing) as caught:
+            locker.lock("job")
+        (command,) = message_commands(str(caught.value))
+        result = run_suggested(command, url, table_name, tmp_path)
+        assert result.returncode == 0, result.stdout + result.stderr
+        locker.lock("job").unlock()
+    finally:
+        locker.close()
+        with db.begin() as conn:
+            if db.dialect.name == "postgresql":
+                conn.exec_driver_sql(f"DROP TABLE IF EXISTS {missing} CASCADE")
+                conn.exec_driver_sql(f"DROP TABLE IF EXISTS {missing}_requests")
+                for name in ("notify_release", "queue_join", "anyone_ahead", "queue_leave"):
+                    conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {missing}_{name} CASCADE")
+                for name in ("sweep_requests", "foreign_times"):
+                    conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {missing}_{name} CASCADE")
+            else:
+                conn.exec_driver_sql(f"DROP VIEW IF EXISTS {missing}_held")
+            for name in (missing, f"{missing}_id_order", f"{missing}_requests"):
+                conn.exec_driver_sql(f"DROP TABLE IF EXISTS {name}")
+            conn.exec_driver_sql(f"DROP TABLE IF EXISTS {version_table_for(missing)}")
+
+
+# -- adoptions that stop half-way --------------------------------------------------------------
+
+
+def dbix_rows(db: sa.Engine, table: str) -> list[tuple[object, ...]]:
+    with db.connect() as conn:
+        return [
+            tuple(row)
+            for row in conn.exec_driver_sql(
+                f"SELECT id, lockstring, expires FROM {table} ORDER BY id"
+            )
+        ]
+
+
+def test_a_failed_adoption_leaves_the_table_untouched_and_nothing_beside_it(
+    url: str, table_name: str, db: sa.Engine
+) -> None:
+    """A row the new table cannot take (DBIx::Locker's lockstring column allows NULL, the new
+    one does not) fails the adoption; on MySQL, where it fails while copying under the table
+    locks, the old table is as it was, and what the adoption made beside it is gone again."""
+    create_dbix_table(url, table_name)
+    perl_leaves_lock(url, table_name, "crashed job", 3600, "UTC")
+    with db.begin() as conn:
+        conn.exec_driver_sql(
+            f"INSERT INTO {table_name} (lockstring, created, expires, locked_by) "
+            "VALUES (NULL, '2030-01-01 00:00:00', '2030-01-01 01:00:00', '{}')"
+        )
+    before = dbix_rows(db, table_name)
+    tables_before = set(sa.inspect(db).get_table_names()) | set(sa.inspect(db).get_view_names())
+    code, output = sqllocker_cli(
+        url, table_name, "migrate", "--adopt-dbix-locker", "--perl-tz", "UTC"
+    )
+    assert code == 1, output
+    assert len(output.strip().splitlines()) == 1, output
+    assert dbix_rows(db, table_name) == before
+    inspector = sa.inspect(db)
+    assert set(inspector.get_table_names()) | set(inspector.get_view_names()) == tables_before
+    assert "guid" not in {column["name"] for column in inspector.get_columns(table_name)}
+    # Perl still locks through it.
+    perl = PerlHolder(url, table_name, "another job", 60, "UTC")
+    assert perl.lock_id is not None, perl.answer
+    assert perl.tell("unlock") == "unlocked"
+    # Once the row is fixed, the adoption runs.
+    with db.begin() as conn:
+        conn.exec_driver_sql(f"DELETE FROM {table_name} WHERE lockstring IS NULL")
+    code, output = sqllocker_cli(
+        url, table_name, "migrate", "--adopt-dbix-locker", "--perl-tz", "UTC"
+    )
+    assert code == 0, output
+
+
+def test_a_name_the_adoption_needs_in_use_is_refused_before_anything_is_written(
+    url: str, backend: str, table_name: str, db: sa.Engine, tmp_path: Path
+) -> None:
+    """A table left where the adoption builds its own (an adoption that was killed) is named,
+    nothing is written, and the advice (drop it and adopt again) works."""
+    create_dbix_table(url, table_name)
+    perl_leaves_lock(url, table_name, "crashed job", 3600, "UTC")
+    in_the_way = f"{table_name}_sqllocker_new" if backend == "mysql" else f"{table_name}_held"
+    with db.begin() as conn:
+        conn.exec_driver_sql(f"CREATE TABLE {in_the_way} (x integer)")
+    before = dbix_rows(db, table_name)
+    code, output = sqllocker_cli(
+        url, table_name, "migrate", "--adopt-dbix-locker", "--perl-tz", "UTC"
+    )
+    assert code == 1, output
+    assert f"{in_the_way!r} exists already" in output
+    assert "drop it and adopt again" in output
+    assert dbix_rows(db, table_name) == before
+    assert not sa.inspect(db).has_table(version_table_for(table_name))
+    with db.begin() as conn:
+        conn.exec_driver_sql(f"DROP TABLE {in_the_way}")
+    code, output = sqllocker_cli(
+        url, table_name, "migrate", "--adopt-dbix-locker", "--perl-tz", "UTC"
+    )
+    assert code == 0, output
+
+
+@pytest.mark.parametrize("backend", ["mysql"])
+@pytest.mark.parametrize("exact", [False, True], ids=["folding", "exact"])
+def test_an_adoption_stopped_after_its_swap_is_finished_by_the_adopt_command(
+    url: str, table_name: str, db: sa.Engine, tmp_path: Path, exact: bool
+) -> None:
+    """Killed between the swap and the record of its revision, a MySQL adoption leaves the new
+    table complete, unrecorded, and the old one aside. Every refusal then names the adopt
+    command (not `migrate`, whose CREATE TABLE would fail), which finishes it."""
+    create_dbix_table(url, table_name)
+    perl = PerlHolder(url, table_name, "nightly report", 3600, "UTC")
+    assert perl.lock_id is not None, perl.answer
+    options = ["--exact-lockstrings"] if exact else []
+    code, output = sqllocker_cli(
+        url, table_name, "migrate", "--adopt-dbix-locker", "--perl-tz", "UTC", *options
+    )
+    assert code == 0, output
+    # As the kill leaves it: no revision recorded, the old table still aside.
+    with db.begin() as conn:
+        conn.exec_driver_sql(f"DELETE FROM {version_table_for(table_name)}")
+        conn.exec_driver_sql(f"CREATE TABLE {table_name}_dbix_locker (id bigint)")
+    for args in (["migrate"], ["migrate", "--check"]):
+        code, output = sqllocker_cli(url, table_name, *args)
+        assert code == 1, output
+        (command,) = message_commands(output)
+        assert "--adopt-dbix-locker" in command
+    result = run_suggested(command, url, table_name, tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert current_revision(db, table_name) == head_revision()
+    assert not sa.inspect(db).has_table(f"{table_name}_dbix_locker")
+    locker = Locker(url, table=table_name)
+    try:
+        with pytest.raises(LockBusy):
+            locker.lock("nightly report")
+    finally:
+        locker.close()
+    assert perl.tell("unlock") == "unlocked"
+
+
+# When the adoption is killed: once a name it makes appears (MySQL: the table it builds, then
+# the old one set aside by the swap), or once a statement of it runs (the RENAME that waits for
+# the table locks); elsewhere once its transaction has the old table locked.
+KILL_MOMENTS = {
+    "mysql": {
+        "building": "SELECT 1 FROM information_schema.tables WHERE table_schema = DATABASE() "
+        "AND table_name = '{table}_sqllocker_new'",
+        "renaming": "SELECT 1 FROM information_schema.processlist WHERE info LIKE "
+        "'RENAME TABLE {table} %%'",
+        "swapped": "SELECT 1 FROM information_schema.tables WHERE table_schema = DATABASE() "
+        "AND table_name = '{table}_dbix_locker'",
+    },
+    "postgresql": {
+        "locked": "SELECT 1 FROM pg_locks WHERE relation = to_regclass('{table}') "
+        "AND mode = 'AccessExclusiveLock' AND granted",
+    },
+}
+
+
+def kill_moments() -> list[tuple[str, str]]:
+    moments = [(backend, moment) for backend, named in KILL_MOMENTS.items() for moment in named]
+    return [*moments, ("sqlite", "started")]
+
+
+@pytest.mark.parametrize(("backend", "moment"), kill_moments())
+def test_an_adoption_killed_at_any_moment_hands_no_lock_twice_and_can_be_finished(
+    url: str, backend: str, table_name: str, db: sa.Engine, tmp_path: Path, moment: str
+) -> None:
+    """The adoption is SIGKILLed at ``moment`` while Perl keeps locking: no lockstring ever has
+    two holders, Perl never finds the table missing, and following the refusals' advice (drop
+    what is named, adopt again) ends in an adopted table holding the Perl lock held
+    throughout."""
+    create_dbix_table(url, table_name)
+    held = PerlHolder(url, table_name, "held throughout", 3600, "UTC")
+    assert held.lock_id is not None, held.answer
+    state = tmp_path / "state"
+    state.mkdir()
+    churn = start_churn(url, table_name, state, seconds=120)
+    time.sleep(1)
+    adopt = ["migrate", "--adopt-dbix-locker", "--perl-tz", "UTC"]
+    adoption = subprocess.Popen(
+        [SQLLOCKER, "--url", url, "--table", table_name, *adopt],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    probe = KILL_MOMENTS.get(backend, {}).get(moment)
+    if probe is None:
+        time.sleep(0.5)
+    else:
+        watcher = sa.create_engine(resolve_url(url), isolation_level="AUTOCOMMIT")
+        with watcher.connect() as conn:
+            query = probe.format(table=table_name)
+            while adoption.poll() is None and conn.exec_driver_sql(query).first() is None:
+                pass
+        watcher.dispose()
+    adoption.kill()
+    adoption.communicate(timeout=60)
+    print(f"killed at {moment}:", adoption.returncode, sorted(sa.inspect(db).get_table_names()))
+    for _ in range(10):
+        code, output = sqllocker_cli(url, table_name, *adopt)
+        if code == 0 or "sqllocker's already" in output:
+            break
+        in_the_way = re.search(r"'(\w+)' exists already", output)
+        assert in_the_way is not None, output
+        name = in_the_way.group(1)
+        kind = "VIEW" if name in sa.inspect(db).get_view_names() else "TABLE"
+        with db.begin() as conn:
+            conn.exec_driver_sql(f"DROP {kind} {name}")
+    else:
+        pytest.fail(f"never adopted: {output}")
+    time.sleep(1)
+    check_churn(churn, state)
+    assert current_revision(db, table_name) == head_revision()
+    locker = Locker(url, table=table_name)
+    try:
+        with pytest.raises(LockBusy):
+            locker.lock("held throughout")
+    finally:
+        locker.close()
+    assert held.tell("unlock") == "unlocked"

@@ -325,8 +325,8 @@ def test_mariadb_autoinc_lock_mode_2_is_safe_only_with_the_id_order_table(
             conn.exec_driver_sql(f"DROP TABLE {table_name}_id_order")
         reorders = (
             f"innodb_autoinc_lock_mode=2 with lock table {table_name} lacking "
-            f"{table_name}_id_order \\(run `sqllocker migrate --table "
-            f"{table_name}`\\) can hand out lock ids out of holding order"
+            f"{table_name}_id_order \\(run `sqllocker --url URL --table "
+            f"{table_name} migrate`\\) can hand out lock ids out of holding order"
         )
         warned = Locker(server.url, table=table_name)
         with pytest.warns(UnsafeDatabaseWarning, match=reorders):

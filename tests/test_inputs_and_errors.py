@@ -262,7 +262,7 @@ def test_missing_table_names_the_command_that_creates_it(url: str) -> None:
         locker.lock("job")
     message = str(caught.value)
     assert "no_such_table" in message
-    assert "sqllocker migrate" in message
+    assert "`sqllocker --url URL --table no_such_table migrate`" in message
     assert caught.value.lockstring == "job"
     with pytest.raises(TableMissing):
         locker.purge_expired_locks()

@@ -31,7 +31,7 @@ import sqlalchemy as sa
 from alembic import context, op
 from sqlalchemy.dialects import postgresql
 
-from sqllocker.schema import ForeignGuidDefault, Lockstring, UTCDateTime
+from sqllocker.schema import FOREIGN_GUID_PREFIX, ForeignGuidDefault, Lockstring, UTCDateTime
 from sqllocker.validation import check_table_name
 
 revision: str = "0001"
@@ -240,7 +240,31 @@ def _postgresql_functions(table: str) -> list[str]:
             RETURN swept;
         END
         $$"""
-    return [release, queue_join, anyone_ahead, queue_leave, sweep]
+    # A row DBIx::Locker writes (the guid is the column's default) carries its times as local
+    # text without an offset, which the inserting session read in its own TimeZone: up to 26
+    # hours off the truth (Perl at UTC-12, the session at UTC+14), past the 14 hours the
+    # foreign rows are given (schema.FOREIGN_CLOCK_MARGIN). Read again as UTC, as MySQL and
+    # SQLite store that text, they are off by Perl's own offset only, which the margin covers.
+    # The cast to timestamp gives back the text as the session read it. SECURITY INVOKER: it
+    # only rewrites the row it is given.
+    foreign_times = f"""
+        CREATE FUNCTION {table}_foreign_times() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF TG_OP OPERATOR(pg_catalog.=) 'INSERT'::text THEN
+                NEW.created := pg_catalog.timezone('UTC'::text, NEW.created::timestamp);
+                NEW.expires := pg_catalog.timezone('UTC'::text, NEW.expires::timestamp);
+                RETURN NEW;
+            END IF;
+            IF NEW.created IS DISTINCT FROM OLD.created THEN
+                NEW.created := pg_catalog.timezone('UTC'::text, NEW.created::timestamp);
+            END IF;
+            IF NEW.expires IS DISTINCT FROM OLD.expires THEN
+                NEW.expires := pg_catalog.timezone('UTC'::text, NEW.expires::timestamp);
+            END IF;
+            RETURN NEW;
+        END
+        $$"""
+    return [release, queue_join, anyone_ahead, queue_leave, sweep, foreign_times]
 
 
 _FUNCTION_SIGNATURES = (
@@ -249,6 +273,7 @@ _FUNCTION_SIGNATURES = (
     "{table}_anyone_ahead(varchar, bigint)",
     "{table}_queue_leave(bigint, varchar, varchar, boolean)",
     "{table}_sweep_requests()",
+    "{table}_foreign_times()",
 )
 
 
@@ -258,10 +283,12 @@ def upgrade() -> None:
     # Adopting a DBIx::Locker table (sqllocker/adoption.py): its statements that move the old
     # table out of the way, and those that bring its rows in once everything here exists.
     adoption = context.config.attributes.get("adoption")
-    for statement in adoption.before_create if adoption else ():
-        op.execute(statement)
+    for step in adoption.before_create if adoption else ():
+        _run(step)
+    # MySQL adopts by building the table under a name of its own and swapping it in.
+    created_as = adoption.create_as if adoption and adoption.create_as else table
     op.create_table(
-        table,
+        created_as,
         sa.Column(
             "id",
             sa.BigInteger().with_variant(sa.Integer(), "sqlite"),
@@ -282,7 +309,7 @@ def upgrade() -> None:
         mysql_engine="InnoDB",
         mysql_charset="utf8mb4",
     )
-    op.create_index(f"ix_{table}_expires", table, ["expires"])
+    op.create_index(f"ix_{table}_expires", created_as, ["expires"])
     op.execute(f"CREATE VIEW {table}_held AS {_HELD_VIEWS[dialect].format(table=table)}")
     if dialect == "postgresql":
         _upgrade_postgresql(table)
@@ -315,8 +342,23 @@ def upgrade() -> None:
             ["lockstring", "ticket"],
             mysql_using="btree",
         )
-    for statement in adoption.after_create if adoption else ():
-        op.execute(statement)
+    for step in adoption.after_create if adoption else ():
+        _run(step)
+    if dialect == "postgresql":
+        # After the adopted rows, whose times are UTC already.
+        op.execute(
+            f"CREATE TRIGGER {table}_foreign_times BEFORE INSERT OR UPDATE OF created, expires "
+            f"ON {table} FOR EACH ROW WHEN (pg_catalog.starts_with(NEW.guid::text, "
+            f"'{FOREIGN_GUID_PREFIX}'::text)) EXECUTE FUNCTION {table}_foreign_times()"
+        )
+
+
+def _run(step: object) -> None:
+    """An adoption's step: SQL, or (on a live connection only) a function of the connection."""
+    if callable(step):
+        step(op.get_bind())
+    else:
+        op.execute(step)
 
 
 def _upgrade_postgresql(table: str) -> None:
@@ -387,8 +429,10 @@ def downgrade() -> None:
     dialect = op.get_context().dialect.name
     if dialect == "postgresql":
         op.execute(f"DROP TRIGGER {table}_released ON {table}")
+        # IF EXISTS: tables made before the foreign-times trigger came have neither.
+        op.execute(f"DROP TRIGGER IF EXISTS {table}_foreign_times ON {table}")
         for signature in _FUNCTION_SIGNATURES:
-            op.execute(f"DROP FUNCTION {signature.format(table=table)}")
+            op.execute(f"DROP FUNCTION IF EXISTS {signature.format(table=table)}")
         op.execute(f"DROP TABLE {table}_requests")
     elif dialect == "mysql":
         op.drop_table(f"{table}_requests")

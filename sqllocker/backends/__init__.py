@@ -65,9 +65,9 @@ class Backend:
     reads_timestamps_as_text: ClassVar[bool] = False
     # How a transaction of several lock statements starts.
     begin: ClassVar[str] = "BEGIN"
-    # Adoption of a DBIx::Locker table: whether it is renamed aside (atomically) before its
-    # rows are read, where DDL cannot be rolled back.
-    adoption_sets_table_aside: ClassVar[bool] = False
+    # Adoption of a DBIx::Locker table, where DDL cannot be rolled back: the new table is built
+    # under a name of its own and swapped in (``swap_in``), not made in place in a transaction.
+    adoption_swaps: ClassVar[bool] = False
 
     def __init__(self, insert_returning: bool, update_returning: bool) -> None:
         self.insert_returning = insert_returning
@@ -289,11 +289,18 @@ class Backend:
         """A column's default as the database shows it, where SQLAlchemy reflects none."""
         return None
 
-    def prepare_adoption(self, conn: Connection, table: str) -> None:
-        """Before an adoption reads the rows: keep Perl processes from changing them."""
+    def adoption_names(self, table: str) -> list[str]:
+        """The tables and views an adoption of ``table`` makes beside it, which must not exist
+        before it starts."""
+        return [f"{table}_held"]
 
-    def adoption_before_create(self, table: str, set_aside: bool) -> list[Executable | str]:
-        """What moves the DBIx::Locker table out of the way of the new one."""
+    def prepare_adoption(self, conn: Connection, table: str) -> None:
+        """Before an adoption reads the rows: keep Perl processes from changing them until the
+        migration's transaction ends (where ``adoption_swaps`` is false)."""
+
+    def adoption_before_create(self, table: str) -> list[Executable | str]:
+        """What moves the DBIx::Locker table out of the way of the new one (in the migration's
+        transaction, where ``adoption_swaps`` is false)."""
         raise NotImplementedError
 
     def ids_handed_out_below(self, conn: Connection, source: str, highest_row: int) -> int:
@@ -304,11 +311,25 @@ class Backend:
         """Statements that make the new table's next id ``first`` or more."""
         raise NotImplementedError
 
-    def adoption_after_create(
+    def lockstring_like(
         self, conn: Connection, source: str, table: str, exact_lockstrings: bool
     ) -> list[Executable | str]:
-        """What finishes an adoption once the rows are in."""
+        """What makes the new table's lockstrings compare as the old table's did, unless
+        ``exact_lockstrings`` (where they did not compare exactly)."""
         return []
+
+    def swap_in(
+        self,
+        conn: Connection,
+        table: str,
+        new: str,
+        aside: str,
+        copy_rows: Callable[[Connection], list[int]],
+    ) -> int:
+        """Where ``adoption_swaps``: fill ``new`` with ``copy_rows`` (the ids it copied) while
+        nobody can write to ``table``, and swap the two names in one step, ``table`` going to
+        ``aside``; returns how many rows it copied."""
+        raise NotImplementedError
 
 
 def _registry() -> dict[str, type[Backend]]:

@@ -370,7 +370,11 @@ class PostgreSQLBackend(Backend):
     def prepare_adoption(self, conn: Connection, table: str) -> None:
         conn.exec_driver_sql(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
 
-    def adoption_before_create(self, table: str, set_aside: bool) -> list[Executable | str]:
+    def adoption_names(self, table: str) -> list[str]:
+        return [f"{table}_held", f"{table}_requests"]
+
+    def adoption_before_create(self, table: str) -> list[Executable | str]:
+        # Perl processes that lock meanwhile wait for the lock, then find the new table by name.
         return [f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE", f"DROP TABLE {table}"]
 
     def ids_handed_out_below(self, conn: Connection, source: str, highest_row: int) -> int:
@@ -382,10 +386,13 @@ class PostgreSQLBackend(Backend):
         return max(highest_row, int(last or 0)) + 1
 
     def next_id_at_least(self, table: str, first: int) -> list[Executable | str]:
+        # is_called false: the next id is ``first`` itself, which may be 1 (a table that never
+        # held a row), below which setval of a called sequence cannot go.
         return [
             sa.text(
-                "SELECT pg_catalog.setval(pg_catalog.pg_get_serial_sequence(:table, 'id'), :last)"
-            ).bindparams(table=table, last=first - 1)
+                "SELECT pg_catalog.setval(pg_catalog.pg_get_serial_sequence("
+                "CAST(:table AS text), 'id'::text)::regclass, CAST(:first AS bigint), false)"
+            ).bindparams(table=table, first=first)
         ]
 
 

@@ -214,7 +214,9 @@ class SQLiteBackend(Backend):
                 raise
             conn.exec_driver_sql("COMMIT")
 
-    def adoption_before_create(self, table: str, set_aside: bool) -> list[Executable | str]:
+    def adoption_before_create(self, table: str) -> list[Executable | str]:
+        # The migration's BEGIN IMMEDIATE has kept every other writer out since the rows were
+        # read; they wait (their busy timeout), then write to the new table.
         return [f"DROP TABLE {table}"]
 
     def ids_handed_out_below(self, conn: Connection, source: str, highest_row: int) -> int:
