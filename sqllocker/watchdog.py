@@ -270,13 +270,11 @@ class Watchdog:
         kill_at = self.kill_at
         if self.must_end_by_kill_by(moment):
             kill_at = min(kill_at, self.kill_by)
+        living = self.living()
+        if not living:  # and so none can start another: the family is gone, or nearly
+            return None if self.status is not None else KILL_POLL  # COMMAND's status to come
         if moment < kill_at:
             return min(LONGEST_NAP, kill_at - moment)
-        living = self.living()
-        if not living:
-            if self.status is not None:
-                return None
-            return KILL_POLL  # COMMAND is dying: wait for its status
         self.family.signal(signal.SIGKILL, living)
         return KILL_POLL
 

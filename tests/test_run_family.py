@@ -221,10 +221,9 @@ def test_a_stopped_or_killed_sqllocker_has_its_family_gone_before_anyone_else_ho
         second.unlock()
     finally:
         os.kill(runner.pid, signal.SIGCONT)
-    runner.wait(timeout=30)
     assert still_running == []
     assert float(beats.read_text().split()[-1]) < took_over
-    assert runner.returncode == (75 if how == "stopped" else -signal.SIGKILL)
+    assert runner.wait(timeout=30) == (75 if how == "stopped" else -signal.SIGKILL)
 
 
 def test_on_lost_warn_lets_a_stopped_sqllockers_command_run_on(
@@ -339,11 +338,13 @@ def test_the_watchdog_is_a_subreaper_and_reaps(
     assert runner.wait(30) == 0
 
 
-def children_of(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        found += [int(child) for child in (task / "children").read_text().split()]
-    return found
+def watchdog_of(runner: int) -> int:
+    """The pid of the watchdog that sqllocker ``runner`` started."""
+    for task in Path(f"/proc/{runner}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            if b"watchdog.py" in Path(f"/proc/{child}/cmdline").read_bytes():
+                return int(child)
+    raise AssertionError("no watchdog")
 
 
 def test_a_killed_watchdog_takes_the_family_with_it(
@@ -370,7 +371,7 @@ def test_a_killed_watchdog_takes_the_family_with_it(
     )
     family = pids_in(pids, 2)
     reap_leftovers.extend(family)
-    (watchdog,) = children_of(runner.pid)
+    watchdog = watchdog_of(runner.pid)
     os.kill(watchdog, signal.SIGKILL)
     _, err = runner.communicate(timeout=30)
     assert runner.returncode == 75, err
@@ -396,3 +397,30 @@ def test_a_pid_used_again_is_not_signalled() -> None:
     finally:
         bystander.kill()
         bystander.wait()
+
+
+def test_a_family_that_ends_at_the_sigterm_is_not_kept_waiting_for_the_sigkill(
+    migrated: Locker, url: str, table_name: str, sqllocker: Run, tmp_path: Path
+) -> None:
+    """The watchdog watches the family while --kill-after runs: once all of it has ended on
+    the SIGTERM, sqllocker exits, without waiting out the 60 s."""
+    pids = tmp_path / "pids"
+    runner = popen(
+        url,
+        table_name,
+        "run",
+        "--expires",
+        "3",
+        "--kill-after",
+        "60",
+        "job",
+        "--",
+        "sh",
+        "-c",
+        f"sleep 60 & echo $! >> {pids}; wait",
+    )
+    pids_in(pids, 1)
+    started = time.monotonic()
+    assert sqllocker("release", "job", "--force").returncode == 0
+    assert runner.wait(timeout=60) == 75
+    assert time.monotonic() - started < 30
