@@ -203,7 +203,9 @@ class _Family:
 
     def stop(self) -> None:
         """The lock is lost: the watchdog sends SIGTERM to the whole family now, and SIGKILL
-        ``kill_after`` seconds later (at once if 0)."""
+        ``kill_after`` seconds later (at once if 0); woken first, if the group was stopped."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.id, signal.SIGCONT)  # our child, not yet reaped: its pid is its own
         self.tell("stop")
 
     def close(self) -> None:

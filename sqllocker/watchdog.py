@@ -16,8 +16,8 @@ of the lock and ``stop`` when the lock is lost; both times are on the clock the 
 is kept on (``CLOCK_BOOTTIME``, which counts suspend; this is sqllocker's child, so it reads the
 same clock in the same time namespace).
 
-It stops the family (SIGTERM to every descendant, SIGKILL to every descendant ``kill_after``
-seconds later, whether or not COMMAND still lives) when:
+It stops the family (SIGTERM and SIGCONT to every descendant, SIGKILL to every descendant
+``kill_after`` seconds later, whether or not COMMAND still lives) when:
 
 - sqllocker says ``stop`` (the lock is lost);
 - the lock's validity deadline passes with no newer one (sqllocker stopped, frozen or too slow
@@ -267,6 +267,7 @@ class Watchdog:
             self.kill_at = moment + self.kill_after
             if self.kill_after > 0:
                 self.family.signal(signal.SIGTERM, living)
+                self.family.signal(signal.SIGCONT, living)  # a stopped process acts on it then
         kill_at = self.kill_at
         if self.must_end_by_kill_by(moment):
             kill_at = min(kill_at, self.kill_by)

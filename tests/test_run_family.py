@@ -424,3 +424,48 @@ def test_a_family_that_ends_at_the_sigterm_is_not_kept_waiting_for_the_sigkill(
     assert sqllocker("release", "job", "--force").returncode == 0
     assert runner.wait(timeout=60) == 75
     assert time.monotonic() - started < 30
+
+
+# Says it got SIGTERM (in argv[1]) and exits; while stopped (SIGSTOP) it can say nothing.
+SAYS_TERM = """
+import signal, sys, time
+def said(signum, frame):
+    open(sys.argv[1], "w").close()
+    sys.exit(0)
+signal.signal(signal.SIGTERM, said)
+time.sleep(60)
+"""
+
+
+def test_a_stopped_process_of_the_family_is_woken_to_act_on_the_sigterm(
+    migrated: Locker,
+    url: str,
+    table_name: str,
+    sqllocker: Run,
+    tmp_path: Path,
+    reap_leftovers: list[int],
+) -> None:
+    """A process of the family that is stopped (SIGSTOP, Ctrl-Z) would hold the SIGTERM
+    pending until the SIGKILL: it is sent SIGCONT with it, and ends on its own terms."""
+    pids, said = tmp_path / "pids", tmp_path / "got-term"
+    runner = popen(
+        url,
+        table_name,
+        "run",
+        "--expires",
+        "3",
+        "--kill-after",
+        "60",
+        "job",
+        "--",
+        "sh",
+        "-c",
+        f"{sys.executable} -c '{SAYS_TERM}' {said} & echo $! >> {pids}; wait",
+    )
+    (stopped,) = pids_in(pids, 1)
+    reap_leftovers.append(stopped)
+    time.sleep(0.5)  # its handler is in place
+    os.kill(stopped, signal.SIGSTOP)
+    assert sqllocker("release", "job", "--force").returncode == 0
+    assert runner.wait(timeout=60) == 75
+    assert said.exists()
