@@ -10,11 +10,12 @@ orphans handed to it.
 
 Two pipes join it to sqllocker. On the status pipe it says ``started PID`` (or ``missing`` /
 ``refused MESSAGE`` if COMMAND cannot be run), ``exit STATUS`` when COMMAND ends (a negative
-status: the signal that ended it), and ``stopping REASON`` when it stops the family on its own
-account. On the control pipe sqllocker sends ``deadline VALID_UNTIL KILL_BY`` after each renewal
-of the lock and ``stop`` when the lock is lost; both times are on the clock the lock's deadline
-is kept on (``CLOCK_BOOTTIME``, which counts suspend; this is sqllocker's child, so it reads the
-same clock in the same time namespace).
+status: the signal that ended it), and ``stopping REASON COUNT`` when it stops the family (of
+COUNT processes) on its own account. On the control pipe sqllocker sends
+``deadline VALID_UNTIL KILL_BY`` after each renewal of the lock and ``stop`` when the lock is
+lost; both times are on the clock the lock's deadline is kept on (``CLOCK_BOOTTIME``, which
+counts suspend; this is sqllocker's child, so it reads the same clock in the same time
+namespace: absolute times, not the time left, lose nothing to the pipe's delay).
 
 It stops the family (SIGTERM and SIGCONT to every descendant, SIGKILL to every descendant
 ``kill_after`` seconds later, whether or not COMMAND still lives) when:
@@ -25,14 +26,16 @@ It stops the family (SIGTERM and SIGCONT to every descendant, SIGKILL to every d
 - the control pipe ends: sqllocker is gone (SIGKILL, the OOM killer);
 - COMMAND has ended, and something it started still runs: that must not outlive the lock.
 
-In the second and third cases the SIGKILL comes no later than KILL_BY, which sqllocker sets
-before the lock's row can expire: the family is gone before anyone else can take the lock over.
+Once the deadline has passed (unless told to only warn) or sqllocker is gone, the SIGKILL
+comes no later than KILL_BY, which sqllocker sets before the lock's row can expire: the family
+is gone before anyone else can take the lock over.
 The watchdog exits once COMMAND has ended and no descendant is left; sqllocker releases the
 lock only then. Without ``/proc`` or the subreaper (not Linux), the family is the process group,
 signalled as a whole, and what leaves the group is out of reach.
 
-It is run as a script (``python -I -S watchdog.py``), not imported: it must start in
-milliseconds, and needs nothing of sqllocker's. It ignores the signals sqllocker passes on to
+It is run as a script (``python -I -S watchdog.py``): it must start in milliseconds, and
+needs nothing of sqllocker's (which imports it for ``become_subreaper`` and ``Family``, to
+kill what a killed watchdog leaves). It ignores the signals sqllocker passes on to
 the group, which are meant for the command.
 """
 
