@@ -41,7 +41,7 @@ while True:
 
 
 def daemon(pids: Path, beats: Path) -> str:
-    """A shell word list that starts STUBBORN_DAEMON in the background."""
+    """The shell words that run STUBBORN_DAEMON (a script puts them in the background)."""
     return f"{sys.executable} -c '{STUBBORN_DAEMON}' {pids} {beats}"
 
 
