@@ -290,7 +290,7 @@ def release(settings: _Settings, lockstring: str, force: bool, lock_id: int | No
     default="stop",
     envvar="SQLLOCKER_ON_LOST",
     show_envvar=True,
-    help="If the lock is lost while COMMAND runs: stop its process group (SIGTERM, then "
+    help="If the lock is lost while COMMAND runs: stop everything it started (SIGTERM, then "
     "SIGKILL after --kill-after), or only warn.",
 )
 @click.option(
@@ -298,7 +298,8 @@ def release(settings: _Settings, lockstring: str, force: bool, lock_id: int | No
     type=click.FloatRange(min=0),
     default=DEFAULT_KILL_AFTER,
     metavar="SECONDS",
-    help="How long COMMAND has to end after SIGTERM before SIGKILL (0: SIGKILL at once).",
+    help="How long COMMAND has to end after SIGTERM before SIGKILL (0: SIGKILL at once); less "
+    "if the lock runs out sooner.",
 )
 @click.option(
     "--pass-url",
@@ -340,11 +341,13 @@ def run(
     process group (a Ctrl-C typed at the terminal reaches it directly, once); the lock is
     released when it ends.
 
-    It fails closed: COMMAND runs in a process group of its own, and if the lock is lost while
-    it runs (broken, or not renewable before its deadline, which comes before anyone else can
-    take it), the whole group is stopped (see --on-lost) and the exit status is 75; if
-    sqllocker itself is killed, the group is stopped the same way. COMMAND sees the lock's
-    fencing token in $SQLLOCKER_LOCK_ID, and not the database URL (see --pass-url).
+    It fails closed: a watchdog starts COMMAND and keeps all it starts in its family (on Linux,
+    daemons that leave the process group too). If the lock is lost while it runs (broken, or
+    not renewable before its deadline, which comes before anyone else can take it), the whole
+    family is stopped (see --on-lost) and the exit status is 75; if sqllocker itself is killed,
+    or stopped past the lock's deadline, the watchdog stops the family itself. What COMMAND
+    leaves running when it ends is stopped before the lock is released. COMMAND sees the
+    lock's fencing token in $SQLLOCKER_LOCK_ID, and not the database URL (see --pass-url).
     """
     if nonblock and wait is not None:
         raise click.UsageError("--nonblock and --wait contradict each other")

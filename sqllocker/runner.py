@@ -6,13 +6,17 @@ blocks others for at most one period.
 
 It fails closed, as a leader that loses its lease steps down:
 
-- the command runs in a process group of its own, led by a watchdog (``watchdog.py``), so that
-  everything it starts can be stopped together;
+- a watchdog (``watchdog.py``) starts the command, leads its process group and, on Linux, is a
+  child subreaper: everything the command starts stays its descendant, daemons that leave the
+  group included, and it can stop them all (the *family*);
 - if the lock is lost while it runs (broken by an operator, or not renewable before its
-  deadline, which comes before anyone else can take it over), the group gets SIGTERM at once,
-  and SIGKILL ``kill_after`` seconds later (``on_lost="warn"`` only says so instead), and the
-  exit status is 75;
-- if sqllocker itself dies, the watchdog stops the group the same way;
+  deadline, which comes before anyone else can take it over), the family gets SIGTERM at once,
+  and SIGKILL ``kill_after`` seconds later, or sooner: never after the lock's stop-by moment,
+  before its row can expire (``on_lost="warn"`` only says so instead); the exit status is 75;
+- after each renewal the watchdog is told the new deadline, and stops the family itself if
+  that passes with no newer one (sqllocker stopped, frozen, or too slow); if sqllocker dies,
+  it stops the family the same way; if the watchdog dies, sqllocker kills the family;
+- what the command leaves running when it ends is stopped before the lock is released;
 - signals that would end sqllocker (INT, TERM, HUP, QUIT) are passed on to the group, handlers
   installed before the command starts. At a terminal, the group is made the foreground, so a
   Ctrl-C there reaches the command directly, once;
@@ -29,6 +33,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,8 +41,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from . import watchdog as watchdog_script
 from .engine import URL_ENVIRONMENT_VARIABLE
 from .errors import LockBusy, LockLost
+from .holding import CLOCK_DRIFT, safety_margin
 from .lock import Lock
 from .locker import Locker
 
@@ -91,46 +98,179 @@ def run_locked(locker: Locker, lockstring: str, command: Sequence[str], options:
     return _supervise(lock, command, options)
 
 
-class _Group:
-    """The command's process group: its watchdog (the leader) and the command."""
+class _Family:
+    """COMMAND and everything it starts, under its watchdog (``watchdog.py``): the watchdog
+    leads the process group, starts COMMAND in it, and stops the family when it must. Two pipes
+    join it to sqllocker (see there): sqllocker sends it the lock's deadlines and ``stop``, and
+    reads back COMMAND's pid and exit status."""
 
-    def __init__(self, kill_after: float) -> None:
-        self.kill_after = kill_after
-        self.watchdog = _spawn_in_group(
-            [sys.executable, "-I", "-S", str(WATCHDOG), str(kill_after)], 0, stdin=subprocess.PIPE
-        )
+    def __init__(
+        self, command: Sequence[str], environment: dict[str, str], lock: Lock, options: RunOptions
+    ) -> None:
+        # Should the watchdog itself die, what it leaves comes to us, not to init (Linux).
+        self._subreaper = watchdog_script.become_subreaper()
+        control_read, self._control = os.pipe()
+        status_read, status_write = os.pipe()
+        valid_until, kill_by = _deadlines(lock)
+        try:
+            self.watchdog = _spawn_in_group(
+                [
+                    sys.executable,
+                    "-I",
+                    "-S",
+                    str(WATCHDOG),
+                    str(control_read),
+                    str(status_write),
+                    repr(options.kill_after),
+                    options.on_lost,
+                    repr(valid_until),
+                    repr(kill_by),
+                    "--",
+                    *command,
+                ],
+                0,
+                env=environment,
+                pass_fds=(control_read, status_write),
+            )
+        except BaseException:
+            os.close(self._control)
+            os.close(status_read)
+            raise
+        finally:
+            os.close(control_read)
+            os.close(status_write)
         self.id = self.watchdog.pid
-        self.command: subprocess.Popen[bytes] | None = None
+        self._status = os.fdopen(status_read, "rb")
         self._terminal = _ForegroundTerminal(self.id)
-        self._kill_timer: threading.Timer | None = None
+        self._writing = threading.Lock()
+        self.started = False
+        self.stopped_by_watchdog: list[str] = []
 
-    def start(self, command: Sequence[str], environment: dict[str, str]) -> None:
-        self.command = _spawn_in_group(list(command), self.id, env=environment)
+    def wait_started(self, program: str) -> None:
+        """Until the watchdog has started COMMAND; FileNotFoundError or PermissionError if it
+        could not."""
+        line = self._status.readline().decode(errors="replace").split(maxsplit=1)
+        if line[:1] == ["started"]:
+            self.started = True
+        elif line[:1] == ["missing"]:
+            raise FileNotFoundError(program)
+        else:
+            raise PermissionError(line[1].strip() if len(line) > 1 else "the watchdog failed")
+
+    def wait(self) -> int:
+        """COMMAND's exit status (negative: the signal that ended it), once the watchdog has
+        ended: COMMAND has ended, and nothing it started still runs."""
+        status: int | None = None
+        for raw in self._status:
+            words = raw.decode(errors="replace").split()
+            if words[:1] == ["exit"] and len(words) == 2:
+                status = int(words[1])
+            elif words[:1] == ["stopping"] and len(words) == 3:
+                self.stopped_by_watchdog.append(words[1])
+                _say_why_stopping(words[1], int(words[2]))
+        self.watchdog.wait()
+        if status is None:
+            print(
+                "sqllocker: the watchdog ended before the command (it was killed): killing "
+                "the command and all it started",
+                file=sys.stderr,
+            )
+            self._kill_orphans()
+            self.stopped_by_watchdog.append("orphaned")
+            return self.watchdog.returncode
+        return status
+
+    def _kill_orphans(self) -> None:
+        """SIGKILL what the watchdog left: the group, and every descendant of ours (ours as a
+        subreaper), until none is left."""
+        self.signal(signal.SIGKILL)
+        family = watchdog_script.Family(self._subreaper)
+        while living := family.living():
+            family.signal(signal.SIGKILL, living)
+            time.sleep(watchdog_script.KILL_POLL)
+            with contextlib.suppress(ChildProcessError):
+                while os.waitpid(-1, os.WNOHANG)[0]:
+                    pass
+
+    def tell(self, message: str) -> None:
+        with self._writing, contextlib.suppress(OSError):  # OSError: the watchdog has ended
+            if self._control >= 0:  # not closed (its number may be another file's by now)
+                os.write(self._control, message.encode() + b"\n")
 
     def signal(self, signum: int) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.id, signum)
 
     def stop(self) -> None:
-        """SIGTERM now, SIGKILL ``kill_after`` seconds later (at once if 0)."""
-        if self.kill_after == 0:
-            self.signal(signal.SIGKILL)
-            return
-        self.signal(signal.SIGTERM)
-        self._kill_timer = threading.Timer(self.kill_after, self.signal, (signal.SIGKILL,))
-        self._kill_timer.daemon = True
-        self._kill_timer.start()
+        """The lock is lost: the watchdog sends SIGTERM to the whole family now, and SIGKILL
+        ``kill_after`` seconds later (at once if 0); woken first, if the group was stopped."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.id, signal.SIGCONT)  # our child, not yet reaped: its pid is its own
+        self.tell("stop")
 
     def close(self) -> None:
-        """The command has ended (or never started): the watchdog stands down."""
-        if self._kill_timer is not None:
-            self._kill_timer.cancel()
+        """COMMAND has ended (or never started); so has the watchdog, or it stops the family."""
         self._terminal.restore()
-        assert self.watchdog.stdin is not None
-        with contextlib.suppress(BrokenPipeError):
-            self.watchdog.stdin.write(b"done")
-            self.watchdog.stdin.close()
+        with self._writing:
+            os.close(self._control)
+            self._control = -1
+        self._status.close()
         self.watchdog.wait()
+
+
+def _say_why_stopping(reason: str, count: int) -> None:
+    if reason == "deadline":
+        print(
+            "sqllocker: stopping the command: its lock's deadline passed without renewal",
+            file=sys.stderr,
+        )
+    elif reason == "leftovers" and count:
+        print(
+            f"sqllocker: stopping what the command left running ({count} processes) before "
+            "releasing the lock",
+            file=sys.stderr,
+        )
+
+
+def _deadlines(lock: Lock) -> tuple[float, float]:
+    """The lock's validity deadline, and the moment by which its command's family must be
+    gone if that passes without renewal (both on ``clock.now()``): halfway between the
+    deadline and the earliest moment the row can expire by the server's clock (the expiry
+    period after the renewal was sent, less the clock drift the safety margin allows for).
+    Nobody, whatever their grace, can take the lock over before that."""
+    state = lock._state
+    valid_until = state.valid_until
+    earliest_expiry = valid_until + safety_margin(state.ttl) - state.ttl * CLOCK_DRIFT
+    return valid_until, valid_until + (earliest_expiry - valid_until) / 2
+
+
+class _DeadlineCourier:
+    """Sends the watchdog each new deadline of the lock as renewals move it on, looking a
+    thirtieth of the expiry period apart (at most a second): a renewal comes two thirds of the
+    period before the deadline it moves on."""
+
+    def __init__(self, lock: Lock, family: _Family) -> None:
+        self._lock = lock
+        self._family = family
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sqllocker-deadlines", daemon=True)
+
+    def __enter__(self) -> _DeadlineCourier:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        period = min(1.0, max(0.02, self._lock.ttl / 30))
+        sent = self._lock._state.valid_until
+        while not self._done.wait(period):
+            valid_until, kill_by = _deadlines(self._lock)
+            if valid_until != sent:
+                self._family.tell(f"deadline {valid_until!r} {kill_by!r}")
+                sent = valid_until
+
+    def __exit__(self, *_: object) -> None:
+        self._done.set()
+        self._thread.join()
 
 
 def _spawn_in_group(args: list[str], group: int, **options: Any) -> subprocess.Popen[bytes]:
@@ -194,9 +334,9 @@ def _supervise(lock: Lock, command: Sequence[str], options: RunOptions) -> int:
 
     try:
         with forwarder:
-            group = _Group(options.kill_after)
+            family = _Family(command, environment, lock, options)
             try:
-                group.start(command, environment)
+                family.wait_started(command[0])
             except FileNotFoundError:
                 print(f"sqllocker: {command[0]}: command not found", file=sys.stderr)
                 return EXIT_NOT_FOUND
@@ -204,10 +344,12 @@ def _supervise(lock: Lock, command: Sequence[str], options: RunOptions) -> int:
                 print(f"sqllocker: {command[0]}: cannot execute: {error}", file=sys.stderr)
                 return EXIT_CANNOT_EXECUTE
             finally:
-                forwarder.attach(group)
+                forwarder.attach(family)
             lock.keep_alive(on_lost=on_lost)
-            assert group.command is not None
-            returncode = group.command.wait()
+            with _DeadlineCourier(lock, family):
+                returncode = family.wait()
+            if {"deadline", "orphaned"} & set(family.stopped_by_watchdog):
+                lost.set()
     finally:
         if forwarder.group is not None:
             forwarder.group.close()
@@ -231,7 +373,7 @@ class _Forwarder:
     started is passed on as soon as it has."""
 
     def __init__(self) -> None:
-        self.group: _Group | None = None
+        self.group: _Family | None = None
         self._pending: list[int] = []
         self._previous: dict[int, object] = {}
 
@@ -239,15 +381,15 @@ class _Forwarder:
         self._previous = {sig: signal.signal(sig, self._forward) for sig in FORWARDED_SIGNALS}
         return self
 
-    def attach(self, group: _Group) -> None:
+    def attach(self, group: _Family) -> None:
         self.group = group
-        if group.command is not None:
+        if group.started:
             for signum in self._pending:
                 group.signal(signum)
         self._pending.clear()
 
     def _forward(self, signum: int, _frame: FrameType | None) -> None:
-        if self.group is None or self.group.command is None:
+        if self.group is None or not self.group.started:
             self._pending.append(signum)
         else:
             self.group.signal(signum)

@@ -1,0 +1,471 @@
+"""``sqllocker run`` stops everything its command started, however it started it, on every
+backend: grandchildren that outlive the command, daemons that left the process group
+(``setsid``), and a family whose sqllocker was stopped (SIGSTOP) past its lock's deadline, before
+anyone else can hold the lock. Real processes throughout; Linux (``/proc``, a child subreaper)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sqllocker import Lock, Locker
+from tests.test_cli import Run, alive, migrated, popen, sqllocker, wait_until
+
+__all__ = ["migrated", "sqllocker"]  # fixtures, used by name
+
+pytestmark = pytest.mark.skipif(
+    not Path("/proc/self/stat").exists(), reason="the family is found through /proc (Linux)"
+)
+
+# A process that ignores SIGTERM, leaves the process group and the session (``os.setsid``),
+# writes its pid to argv[1], and then, while it lives, the time (CLOCK_MONOTONIC, one clock for
+# every process of the machine) to argv[2] every 20 ms: a daemon that a stop must still reach.
+STUBBORN_DAEMON = """
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+os.setsid()
+with open(sys.argv[1], "a") as out:
+    out.write(f"{os.getpid()}\\n")
+while True:
+    with open(sys.argv[2], "a") as out:
+        out.write(f"{time.monotonic()}\\n")
+    time.sleep(0.02)
+"""
+
+
+def daemon(pids: Path, beats: Path) -> str:
+    """The shell words that run STUBBORN_DAEMON (a script puts them in the background)."""
+    return f"{sys.executable} -c '{STUBBORN_DAEMON}' {pids} {beats}"
+
+
+def pids_in(path: Path, count: int) -> list[int]:
+    wait_until(lambda: path.exists() and len(path.read_text().split()) >= count)
+    return [int(pid) for pid in path.read_text().split()]
+
+
+@pytest.fixture
+def reap_leftovers(tmp_path: Path) -> Iterator[list[int]]:
+    """Pids a test started; whatever of them still runs at the end is killed (a failed test
+    must not leave a stubborn daemon behind)."""
+    started: list[int] = []
+    yield started
+    for pid in started:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_kill_after_reaches_a_grandchild_when_the_command_dies_of_sigterm(
+    migrated: Locker,
+    url: str,
+    table_name: str,
+    sqllocker: Run,
+    tmp_path: Path,
+    reap_leftovers: list[int],
+) -> None:
+    """The command dies of the SIGTERM at once; its grandchild ignores it, and must still get
+    the SIGKILL ``--kill-after`` seconds later."""
+    pids = tmp_path / "pids"
+    script = f"sh -c \"trap '' TERM; echo \\$\\$ >> {pids}; exec sleep 60\" & wait"
+    runner = popen(
+        url,
+        table_name,
+        "run",
+        "--expires",
+        "3",
+        "--kill-after",
+        "1",
+        "job",
+        "--",
+        "sh",
+        "-c",
+        script,
+    )
+    (grandchild,) = pids_in(pids, 1)
+    reap_leftovers.append(grandchild)
+    assert sqllocker("release", "job", "--force").returncode == 0
+    runner.wait(timeout=30)
+    assert runner.returncode == 75
+    wait_until(lambda: not alive(grandchild), timeout=10)
+
+
+@pytest.mark.parametrize("how", ["lock broken", "sqllocker killed"])
+def test_a_daemon_that_left_the_group_is_stopped_with_the_family(
+    migrated: Locker,
+    url: str,
+    table_name: str,
+    sqllocker: Run,
+    tmp_path: Path,
+    reap_leftovers: list[int],
+    how: str,
+) -> None:
+    pids, beats = tmp_path / "pids", tmp_path / "beats"
+    # The daemon is started by a subshell that exits at once: a double fork, so that it is
+    # nobody's child but the subreaper's, in a session of its own.
+    script = f"( {daemon(pids, beats)} & ); echo $$ >> {pids}; sleep 60"
+    runner = popen(
+        url,
+        table_name,
+        "run",
+        "--expires",
+        "3",
+        "--kill-after",
+        "1",
+        "job",
+        "--",
+        "sh",
+        "-c",
+        script,
+    )
+    family = pids_in(pids, 2)
+    reap_leftovers.extend(family)
+    if how == "lock broken":
+        assert sqllocker("release", "job", "--force").returncode == 0
+        runner.wait(timeout=30)
+        assert runner.returncode == 75
+    else:
+        runner.kill()
+        runner.wait(timeout=30)
+    wait_until(lambda: not any(alive(pid) for pid in family), timeout=15)
+
+
+def test_what_the_command_leaves_running_is_stopped_before_the_lock_is_released(
+    migrated: Locker,
+    url: str,
+    table_name: str,
+    tmp_path: Path,
+    reap_leftovers: list[int],
+) -> None:
+    """A daemonising command returns at once; its daemon must not run on without the lock."""
+    pids, beats = tmp_path / "pids", tmp_path / "beats"
+    runner = popen(
+        url,
+        table_name,
+        "run",
+        "--kill-after",
+        "1",
+        "job",
+        "--",
+        "sh",
+        "-c",
+        f"( {daemon(pids, beats)} & ); sleep 0.5",
+    )
+    (stubborn,) = pids_in(pids, 1)
+    reap_leftovers.append(stubborn)
+    _, err = runner.communicate(timeout=30)
+    assert runner.returncode == 0, err
+    released = time.monotonic()
+    assert migrated.lock_info("job") is None
+    assert not alive(stubborn)
+    assert float(beats.read_text().split()[-1]) < released
+
+
+def take_over_at_expiry(locker: Locker, lockstring: str) -> Lock:
+    """The lock, taken the moment its row expires (``locker`` has no grace): tried every 10 ms,
+    since a waiter's own polling may notice later than that."""
+    deadline = time.monotonic() + 30
+    while (lock := locker.try_lock(lockstring)) is None:
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+    return lock
+
+
+@pytest.mark.parametrize("attempt", range(2))
+@pytest.mark.parametrize("how", ["stopped", "killed"])
+def test_a_stopped_or_killed_sqllocker_has_its_family_gone_before_anyone_else_holds_the_lock(
+    migrated: Locker,
+    url: str,
+    table_name: str,
+    tmp_path: Path,
+    reap_leftovers: list[int],
+    how: str,
+    attempt: int,
+) -> None:
+    """sqllocker is frozen (SIGSTOP) or killed while its command runs: nothing renews the lock,
+    and the watchdog must stop the whole family, a daemon that ignores SIGTERM included and
+    whatever --kill-after says, before the lock can be taken over (here by a Locker with no
+    grace, the moment the row expires)."""
+    pids, beats = tmp_path / "pids", tmp_path / "beats"
+    script = (
+        f"trap '' TERM; echo $$ >> {pids}; {daemon(pids, beats)} & sleep 60 & "
+        f"echo $! >> {pids}; wait"
+    )
+    runner = popen(
+        url,
+        table_name,
+        "run",
+        "--expires",
+        "3",
+        "--kill-after",
+        "30",
+        "job",
+        "--",
+        "sh",
+        "-c",
+        script,
+    )
+    family = pids_in(pids, 3)
+    reap_leftovers.extend(family)
+    wait_until(lambda: beats.exists())
+    os.kill(runner.pid, signal.SIGSTOP if how == "stopped" else signal.SIGKILL)
+    try:
+        second = take_over_at_expiry(migrated, "job")
+        took_over = time.monotonic()
+        still_running = [pid for pid in family if alive(pid)]
+        second.unlock()
+    finally:
+        os.kill(runner.pid, signal.SIGCONT)
+    assert still_running == []
+    assert float(beats.read_text().split()[-1]) < took_over
+    assert runner.wait(timeout=30) == (75 if how == "stopped" else -signal.SIGKILL)
+
+
+def test_on_lost_warn_lets_a_stopped_sqllockers_command_run_on(
+    migrated: Locker,
+    url: str,
+    table_name: str,
+    tmp_path: Path,
+    reap_leftovers: list[int],
+) -> None:
+    """With --on-lost=warn the watchdog does not act on the deadline either (documented: the
+    command may then run beside the next holder)."""
+    pids = tmp_path / "pids"
+    runner = popen(
+        url,
+        table_name,
+        "run",
+        "--expires",
+        "3",
+        "--on-lost",
+        "warn",
+        "job",
+        "--",
+        "sh",
+        "-c",
+        f"echo $$ >> {pids}; sleep 60",
+    )
+    (command,) = pids_in(pids, 1)
+    reap_leftovers.append(command)
+    os.kill(runner.pid, signal.SIGSTOP)
+    try:
+        second = migrated.lock("job", wait=30)
+        assert alive(command)
+        second.unlock()
+    finally:
+        os.kill(runner.pid, signal.SIGCONT)
+        os.kill(command, signal.SIGTERM)
+    runner.wait(timeout=30)
+    assert runner.returncode == 75
+
+
+def test_a_command_that_forks_many_times_is_stopped_whole(
+    migrated: Locker,
+    url: str,
+    table_name: str,
+    sqllocker: Run,
+    tmp_path: Path,
+    reap_leftovers: list[int],
+) -> None:
+    """A command that keeps forking children that ignore SIGTERM, half of them leaving the
+    session, and never waits for them (zombies): stopped all the same, nothing of it left."""
+    pids = tmp_path / "pids"
+    forker = (
+        "import os, signal, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "while True:\n"
+        "    child = os.fork()\n"
+        "    if child == 0:\n"
+        "        if os.getpid() % 2:\n"
+        "            os.setsid()\n"
+        "        time.sleep(0.05 if os.getpid() % 3 else 60)\n"
+        "        os._exit(0)\n"
+        f"    with open({str(pids)!r}, 'a') as out:\n"
+        "        out.write(f'{child}\\n')\n"
+        "    time.sleep(0.01)\n"
+    )
+    runner = popen(
+        url,
+        table_name,
+        "run",
+        "--expires",
+        "3",
+        "--kill-after",
+        "1",
+        "job",
+        "--",
+        sys.executable,
+        "-c",
+        forker,
+    )
+    pids_in(pids, 30)
+    assert sqllocker("release", "job", "--force").returncode == 0
+    runner.wait(timeout=30)
+    assert runner.returncode == 75
+    forked = [int(pid) for pid in pids.read_text().split()]
+    reap_leftovers.extend(forked)
+    wait_until(lambda: not any(alive(pid) for pid in forked), timeout=5)
+
+
+def test_the_watchdog_is_a_subreaper_and_reaps(
+    migrated: Locker,
+    url: str,
+    table_name: str,
+    tmp_path: Path,
+) -> None:
+    """An orphan of the command is the watchdog's child (not init's), and reaped by it."""
+    pids = tmp_path / "pids"
+    runner = popen(
+        url,
+        table_name,
+        "run",
+        "job",
+        "--",
+        "sh",
+        "-c",
+        f"( sleep 1 & echo $! >> {pids} ); sleep 3",
+    )
+    (orphan,) = pids_in(pids, 1)
+    stat = Path(f"/proc/{orphan}/stat").read_text().rsplit(")", 1)[1].split()
+    parent = int(stat[1])
+    assert Path(f"/proc/{parent}/cmdline").read_bytes().find(b"watchdog.py") > 0
+    wait_until(lambda: not Path(f"/proc/{orphan}").exists(), timeout=10)  # reaped, no zombie
+    assert runner.wait(30) == 0
+
+
+def watchdog_of(runner: int) -> int:
+    """The pid of the watchdog that sqllocker ``runner`` started."""
+    for task in Path(f"/proc/{runner}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            if b"watchdog.py" in Path(f"/proc/{child}/cmdline").read_bytes():
+                return int(child)
+    raise AssertionError("no watchdog")
+
+
+def test_a_killed_watchdog_takes_the_family_with_it(
+    migrated: Locker,
+    url: str,
+    table_name: str,
+    tmp_path: Path,
+    reap_leftovers: list[int],
+) -> None:
+    """The OOM killer picks the watchdog: sqllocker must not take the command for ended and
+    release the lock while it runs; it kills the family (its orphans come to sqllocker)."""
+    pids, beats = tmp_path / "pids", tmp_path / "beats"
+    runner = popen(
+        url,
+        table_name,
+        "run",
+        "--expires",
+        "3",
+        "job",
+        "--",
+        "sh",
+        "-c",
+        f"( {daemon(pids, beats)} & ); echo $$ >> {pids}; sleep 60",
+    )
+    family = pids_in(pids, 2)
+    reap_leftovers.extend(family)
+    watchdog = watchdog_of(runner.pid)
+    os.kill(watchdog, signal.SIGKILL)
+    _, err = runner.communicate(timeout=30)
+    assert runner.returncode == 75, err
+    assert "watchdog ended" in err
+    assert [pid for pid in family if alive(pid)] == []
+    assert migrated.lock_info("job") is None
+
+
+def test_a_pid_used_again_is_not_signalled() -> None:
+    """The watchdog signals a process only if it is still the one it found (same start time):
+    a pid that has passed to another process meanwhile is left alone."""
+    from sqllocker.watchdog import Family, _stat
+
+    bystander = subprocess.Popen(["sleep", "30"])
+    try:
+        info = _stat(bystander.pid)
+        assert info is not None
+        Family(subreaper=True).signal(signal.SIGKILL, {(bystander.pid, info[1] - 1)})
+        time.sleep(0.2)
+        assert bystander.poll() is None
+        Family(subreaper=True).signal(signal.SIGKILL, {(bystander.pid, info[1])})
+        assert bystander.wait(10) == -signal.SIGKILL
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+def test_a_family_that_ends_at_the_sigterm_is_not_kept_waiting_for_the_sigkill(
+    migrated: Locker, url: str, table_name: str, sqllocker: Run, tmp_path: Path
+) -> None:
+    """The watchdog watches the family while --kill-after runs: once all of it has ended on
+    the SIGTERM, sqllocker exits, without waiting out the 60 s."""
+    pids = tmp_path / "pids"
+    runner = popen(
+        url,
+        table_name,
+        "run",
+        "--expires",
+        "3",
+        "--kill-after",
+        "60",
+        "job",
+        "--",
+        "sh",
+        "-c",
+        f"sleep 60 & echo $! >> {pids}; wait",
+    )
+    pids_in(pids, 1)
+    started = time.monotonic()
+    assert sqllocker("release", "job", "--force").returncode == 0
+    assert runner.wait(timeout=60) == 75
+    assert time.monotonic() - started < 30
+
+
+# Says it got SIGTERM (in argv[1]) and exits; while stopped (SIGSTOP) it can say nothing.
+SAYS_TERM = """
+import signal, sys, time
+def said(signum, frame):
+    open(sys.argv[1], "w").close()
+    sys.exit(0)
+signal.signal(signal.SIGTERM, said)
+time.sleep(60)
+"""
+
+
+def test_a_stopped_process_of_the_family_is_woken_to_act_on_the_sigterm(
+    migrated: Locker,
+    url: str,
+    table_name: str,
+    sqllocker: Run,
+    tmp_path: Path,
+    reap_leftovers: list[int],
+) -> None:
+    """A process of the family that is stopped (SIGSTOP, Ctrl-Z) would hold the SIGTERM
+    pending until the SIGKILL: it is sent SIGCONT with it, and ends on its own terms."""
+    pids, said = tmp_path / "pids", tmp_path / "got-term"
+    runner = popen(
+        url,
+        table_name,
+        "run",
+        "--expires",
+        "3",
+        "--kill-after",
+        "60",
+        "job",
+        "--",
+        "sh",
+        "-c",
+        f"{sys.executable} -c '{SAYS_TERM}' {said} & echo $! >> {pids}; wait",
+    )
+    (stopped,) = pids_in(pids, 1)
+    reap_leftovers.append(stopped)
+    time.sleep(0.5)  # its handler is in place
+    os.kill(stopped, signal.SIGSTOP)
+    assert sqllocker("release", "job", "--force").returncode == 0
+    assert runner.wait(timeout=60) == 75
+    assert said.exists()
