@@ -1,0 +1,253 @@
+"""The nemesis: faults at moments and of kinds drawn from the campaign's seed, each recorded in
+the history (``fault``, and ``fault_end`` when it is undone), until the faults stop.
+
+Kinds: ``kill`` (SIGKILL a worker; the campaign starts it again), ``pause`` (SIGSTOP a worker,
+SIGCONT later, at times past its locks' expiry), ``pause_runner`` (the same to the sqllocker of
+a ``run`` in progress), ``break`` (``Locker.break_lock`` of a held lock), ``release_force``
+(``sqllocker release --force --id``), ``purge`` (``sqllocker purge-expired`` running beside),
+and through the stall proxy on the servers: ``stall`` (a silent network for a while) and
+``cut`` (every connection reset).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from sqllocker import Locker, LockError
+from sqllocker.permits import permit_lockstring
+from tests.campaign import plan
+from tests.campaign.database import LOCK_TABLE
+from tests.campaign.history import History, now
+from tests.stall_proxy import StallProxy
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Fault:
+    offset: float  # seconds after the campaign began
+    kind: str
+    pick: float  # which target, as a fraction of those there are then
+    fraction: float  # how long, as a fraction of the kind's range
+
+
+def schedule(settings: plan.Settings) -> list[Fault]:
+    """The faults of the whole campaign, from the seed alone: the same list on every run."""
+    rng = plan.nemesis_rng(settings.seed)
+    kinds = settings.fault_kinds()
+    faults, offset = [], 0.0
+    while kinds:
+        offset += rng.uniform(*settings.fault_gap)
+        if offset >= settings.seconds:
+            break
+        faults.append(Fault(offset, rng.choice(kinds), rng.random(), rng.random()))
+    return faults
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux ``/proc``)."""
+    found: list[int] = []
+    pending = [pid]
+    while pending:
+        parent = pending.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            with suppress(OSError):
+                children = [int(child) for child in (task / "children").read_text().split()]
+                found += children
+                pending += children
+    return found
+
+
+def command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+class Nemesis:
+    def __init__(
+        self,
+        settings: plan.Settings,
+        history_path: Path,
+        url: str,
+        workers: Callable[[], dict[int, int]],
+        proxy: StallProxy | None,
+    ) -> None:
+        self.settings = settings
+        self.history = History(history_path, "nemesis")
+        self.url = url
+        self.workers = workers  # worker number -> pid of the live ones
+        self.proxy = proxy
+        self.locker = Locker(url, table=LOCK_TABLE, expires=settings.expires, grace=settings.grace)
+        self.schedule = schedule(settings)
+        self._pick = 0.0  # this fault's draws: which target, and how long (as fractions)
+        self._fraction = 0.0
+        self.counts: Counter[str] = Counter()
+        self.undo: list[tuple[float, str, Callable[[], None]]] = []
+        self.purges: list[subprocess.Popen[bytes]] = []
+
+    def run(self, began: float, until: float) -> None:
+        """Inject the scheduled faults (offsets from ``began``) until ``until`` (monotonic),
+        then undo every one still in force."""
+        pending = list(self.schedule)
+        while now() < until:
+            self._undo_due(now())
+            if pending and now() >= began + pending[0].offset:
+                fault = pending.pop(0)
+                self._pick, self._fraction = fault.pick, fault.fraction
+                getattr(self, fault.kind.replace("break", "break_"))()
+            time.sleep(0.02)
+        self.stop()
+
+    def _choose(self, items: list[T]) -> T:
+        return items[min(int(self._pick * len(items)), len(items) - 1)]
+
+    def _seconds(self, shortest: float, longest: float) -> float:
+        return shortest + self._fraction * (longest - shortest)
+
+    def stop(self) -> None:
+        self._undo_due(float("inf"))
+        for purge in self.purges:
+            with suppress(subprocess.TimeoutExpired):
+                purge.wait(30)
+        self.history.record("faults_stop", counts=dict(self.counts))
+        self.locker.close()
+
+    def _undo_due(self, moment: float) -> None:
+        due = [entry for entry in self.undo if entry[0] <= moment]
+        self.undo = [entry for entry in self.undo if entry[0] > moment]
+        for _, kind, action in sorted(due, key=lambda entry: entry[0]):
+            action()
+            self.history.record("fault_end", kind=kind)
+
+    def _count(self, kind: str, **fields: object) -> float:
+        self.counts[kind] += 1
+        return self.history.record("fault", kind=kind, **fields)
+
+    # -- the faults ---------------------------------------------------------------------------
+
+    def _pick_worker(self) -> tuple[int, int] | None:
+        live = sorted(self.workers().items())
+        return self._choose(live) if live else None
+
+    def kill(self) -> None:
+        picked = self._pick_worker()
+        if picked is None:
+            return
+        number, pid = picked
+        self._count("kill", worker=number, target=pid)
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+    def pause(self) -> None:
+        picked = self._pick_worker()
+        if picked is None:
+            return
+        number, pid = picked
+        self._stop_for(pid, "pause", worker=number)
+
+    def pause_runner(self) -> None:
+        runners = [
+            pid
+            for worker in self.workers().values()
+            for pid in descendants(worker)
+            if "tests.campaign.sqllocker_cli" in command_line(pid)
+        ]
+        if not runners:
+            return
+        self._stop_for(self._choose(sorted(runners)), "pause_runner")
+
+    def _stop_for(self, pid: int, kind: str, **fields: object) -> None:
+        longest = 2 * (self.settings.expires + self.settings.grace)
+        seconds = self._seconds(0.1, longest)
+        self._count(kind, target=pid, seconds=seconds, **fields)
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
+
+        def resume() -> None:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+        self.undo.append((now() + seconds, kind, resume))
+
+    def _held(self) -> tuple[str, int] | None:
+        lockstrings = [
+            *plan.LOCKS,
+            *plan.RUN_LOCKS,
+            *(permit_lockstring(plan.SEMAPHORE, slot) for slot in range(plan.SEMAPHORE_LIMIT)),
+        ]
+        lockstring = self._choose(lockstrings)
+        try:
+            info = self.locker.lock_info(lockstring)
+        except LockError:
+            return None
+        return None if info is None else (lockstring, info.lock_id)
+
+    def break_(self) -> None:
+        held = self._held()
+        if held is None:
+            return
+        lockstring, lock_id = held
+        self._count("break", ls=lockstring, id=lock_id)
+        try:
+            broken = self.locker.break_lock(lockstring, lock_id)
+        except LockError as error:
+            self.history.record("fault_end", kind="break", error=str(error)[:200])
+            return
+        self.history.record(
+            "fault_end", kind="break", ls=lockstring, id=lock_id, broken=broken is not None
+        )
+
+    def release_force(self) -> None:
+        held = self._held()
+        if held is None:
+            return
+        lockstring, lock_id = held
+        self._count("release_force", ls=lockstring, id=lock_id)
+        status = subprocess.run(
+            [*self._cli(), "release", "--force", "--id", str(lock_id), lockstring],
+            capture_output=True,
+            timeout=60,
+            check=False,
+        ).returncode
+        self.history.record(
+            "fault_end", kind="release_force", ls=lockstring, id=lock_id, status=status
+        )
+
+    def purge(self) -> None:
+        self._count("purge")
+        self.purges = [purge for purge in self.purges if purge.poll() is None]
+        grace = str(self.settings.grace)
+        self.purges.append(
+            subprocess.Popen(
+                [*self._cli(), "purge-expired", "--grace", grace, "--pause-ratio", "0"],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+
+    def stall(self) -> None:
+        assert self.proxy is not None
+        seconds = self._seconds(0.1, 2 * (self.settings.expires + self.settings.grace))
+        self._count("stall", seconds=seconds)
+        self.proxy.stall()
+        self.undo.append((now() + seconds, "stall", self.proxy.resume))
+
+    def cut(self) -> None:
+        assert self.proxy is not None
+        self._count("cut", connections=self.proxy.cut_all())
+
+    def _cli(self) -> list[str]:
+        cli = "from sqllocker.cli import main; main()"
+        return [sys.executable, "-c", cli, "--url", self.url, "--table", LOCK_TABLE]
