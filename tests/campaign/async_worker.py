@@ -50,6 +50,9 @@ class AsyncWorker:
             self.rng = plan.operation_rng(
                 self.config.seed, self.config.number, self.config.incarnation, step
             )
+            if not self.config.operations:  # none of those asked for is of this kind
+                await asyncio.sleep(0.1)
+                continue
             op = next_operation(self.rng, self.config.operations)
             await getattr(self, op)(op)
             await asyncio.sleep(self.rng.uniform(0, 0.05))

@@ -172,7 +172,7 @@ def run(settings: plan.Settings, keep: Path | None = None) -> int:
         _end_descendants()
         events = history.read(history_path)
         rows, counters = _rows(db)
-        verdict = checker.check(events, rows, counters, workers.exits, settings)
+        verdict = checker.check(events, rows, counters, workers.exits, settings, began)
         violations = len(verdict.violations)
         print(report.render(settings, events, verdict, began))
         if violations or keep is not None:
@@ -217,6 +217,11 @@ def _end_descendants() -> None:
             break
 
 
+def _gap(text: str) -> tuple[float, float]:
+    low, high = (float(part) for part in text.split(","))
+    return low, high
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.campaign", description=__doc__)
     parser.add_argument("--backend", choices=["sqlite", "postgresql", "mysql"], required=True)
@@ -226,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--expires", type=float, default=2.0)
     parser.add_argument("--faults", help="comma-separated fault kinds (default: all)")
     parser.add_argument("--operations", help="comma-separated operations (default: all)")
+    parser.add_argument(
+        "--fault-gap",
+        default="0.2,1.2",
+        help="the nemesis waits between LOW and HIGH seconds between faults (LOW,HIGH)",
+    )
     parser.add_argument("--mutant", choices=mutants.MUTANTS, help="break the library on purpose")
     parser.add_argument("--keep", type=Path, help="copy the history and logs here")
     args = parser.parse_args(argv)
@@ -239,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         faults=tuple(args.faults.split(",")) if args.faults else (),
         operations=tuple(args.operations.split(",")) if args.operations else (),
         mutant=args.mutant,
+        fault_gap=_gap(args.fault_gap),
     )
     print(f"campaign: {settings.backend} seed {seed}, {settings.seconds:g}s", flush=True)
     return 1 if run(settings, args.keep) else 0

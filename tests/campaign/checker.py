@@ -3,6 +3,9 @@
 - ``guarded-writes``: for each lockstring the counter equals the number of committed guarded
   writes, each wrote a distinct value (no lost update), the fencing tokens never go back in
   commit order, and every write acknowledged to its worker is in the table;
+- ``stale-holder``: no release, extend or guarded write of a lock succeeds once another holder
+  of its lockstring had been handed it before that operation began (the row is no longer ours:
+  each must fail with LockLost);
 - ``exclusion``: no two holders' valid intervals overlap, an interval running from the moment
   the acquire returned to the last moment ``is_valid()`` was seen True (cut at the moment an
   operator started breaking that lock: a broken holder is not told until it next extends or
@@ -83,14 +86,17 @@ def check(
     counters: dict[str, int],
     exits: dict[str, int | None],
     settings: plan.Settings,
+    origin: float = 0.0,
 ) -> Verdict:
+    """``origin``: the moment the campaign began, which the messages' times count from."""
     checks: Counter[str] = Counter()
     violations: list[Violation] = []
     holdings = _holdings(events)
     violations += _guarded_writes(events, rows, counters, holdings, checks)
-    violations += _exclusion(holdings, checks)
+    violations += _stale_holders(events, holdings, checks)
+    violations += _exclusion(holdings, checks, origin)
     violations += _semaphore(holdings, checks)
-    violations += _run_families(events, settings, checks)
+    violations += _run_families(events, settings, checks, origin)
     violations += _decorated(events, checks)
     violations += _groups(events, checks)
     violations += _liveness(events, exits, checks)
@@ -213,6 +219,54 @@ def _guarded_writes(
     return found
 
 
+def _stale_holders(
+    events: list[Event], holdings: dict[tuple[str, int], Holding], checks: Counter[str]
+) -> list[Violation]:
+    """Operations on a lock that succeeded although another holder had been handed it before
+    they began."""
+    by_id = {holding.lock_id: holding for holding in holdings.values()}
+    successors: dict[str, list[Holding]] = defaultdict(list)
+    for holding in holdings.values():
+        successors[holding.lockstring].append(holding)
+    invoked: dict[tuple[int, str], float] = {}
+    found = []
+    for event in events:
+        if event.get("op") not in {"release", "extend", "write"} or "ids" not in event:
+            continue
+        key = (event["pid"], event["op"])
+        if event["type"] == "invoke":
+            invoked[key] = event["t"]
+            continue
+        began = invoked.pop(key, None)
+        if event["type"] != "ok" or began is None:
+            continue
+        for lock_id in event["ids"]:
+            mine = by_id.get(lock_id)
+            if mine is None:
+                continue
+            checks[f"stale-holder: {event['op']}s"] += 1
+            later = [
+                other
+                for other in successors[mine.lockstring]
+                if other.lock_id > lock_id and other.start < began
+            ]
+            if later:
+                other = min(later, key=lambda holding: holding.start)
+                found.append(
+                    Violation(
+                        "stale-holder",
+                        f"{mine.lockstring!r}: {event['op']} of lock id {lock_id} ({mine.worker}) "
+                        f"succeeded, but lock id {other.lock_id} ({other.worker}) had been handed "
+                        f"the lockstring {began - other.start:.3f}s before it began",
+                        mine.start,
+                        event["t"],
+                        {mine.lockstring},
+                        {lock_id, other.lock_id},
+                    )
+                )
+    return found
+
+
 def _overlaps(intervals: list[tuple[float, float, Any]]) -> list[tuple[Any, Any, float, float]]:
     """Pairs of intervals (start, end, tag) that overlap, with the overlap."""
     pairs = []
@@ -225,7 +279,9 @@ def _overlaps(intervals: list[tuple[float, float, Any]]) -> list[tuple[Any, Any,
     return pairs
 
 
-def _exclusion(holdings: dict[tuple[str, int], Holding], checks: Counter[str]) -> list[Violation]:
+def _exclusion(
+    holdings: dict[tuple[str, int], Holding], checks: Counter[str], origin: float
+) -> list[Violation]:
     found = []
     by_lockstring: dict[str, list[tuple[float, float, Holding]]] = defaultdict(list)
     for holding in _valid(holdings):
@@ -239,8 +295,8 @@ def _exclusion(holdings: dict[tuple[str, int], Holding], checks: Counter[str]) -
                     "exclusion",
                     f"{lockstring!r}: two valid holders at once for {end - start:.3f}s: lock id "
                     f"{first.lock_id} ({first.worker}, valid until it was seen valid at "
-                    f"{first.last_valid:.3f}) and lock id {second.lock_id} ({second.worker}, "
-                    f"acquired at {second.start:.3f})",
+                    f"{first.last_valid - origin:.3f}) and lock id {second.lock_id} "
+                    f"({second.worker}, acquired at {second.start - origin:.3f})",
                     first.start,
                     max(first.last_valid, second.last_valid),
                     {lockstring},
@@ -281,7 +337,7 @@ def _semaphore(holdings: dict[tuple[str, int], Holding], checks: Counter[str]) -
 
 
 def _run_families(
-    events: list[Event], settings: plan.Settings, checks: Counter[str]
+    events: list[Event], settings: plan.Settings, checks: Counter[str], origin: float
 ) -> list[Violation]:
     families: dict[int, list[Event]] = defaultdict(list)
     for event in events:
@@ -307,8 +363,8 @@ def _run_families(
                 checks["run-exclusion: overlaps after a break, within the allowance"] += 1
                 continue
             why = (
-                f"; its lock was broken at {cut:.3f} and it ran on for "
-                f"{ends[first] - cut:.3f}s (allowed {allowance:.3f}s)"
+                f"; lock id {first} was broken at {cut - origin:.3f} and its family ran on for "
+                f"{ends[first] - cut:.3f}s after (allowed: {allowance:.3f}s)"
                 if cut is not None
                 else ""
             )
@@ -318,7 +374,7 @@ def _run_families(
                     f"{lockstring!r}: the COMMAND families of lock ids {first} and {second} ran "
                     f"at once for {end - start:.3f}s{why}",
                     min(start, cut or start) - settings.expires,
-                    end,
+                    max(ends[first], ends[second]),
                     {lockstring},
                     {first, second},
                 )

@@ -58,7 +58,8 @@ def _extend_reviving(self: Any, lockstring: str, lock_id: int, guid: str, ttl: f
     def extend(conn: Any) -> Any:
         params = {"ls": lockstring, "ttl": self._be.seconds_value(ttl)}
         conn.affected(statements["extend"], params)
-        return conn.execute(statements["expires"], {"ls": lockstring}).scalar()
+        row = conn.execute(statements["expires"], {"ls": lockstring}).first()
+        return None if row is None else row[0]
 
     expires: Any = self._run(lockstring, extend)
     if expires is None:  # no row at all: nothing to revive

@@ -13,8 +13,10 @@ from tests.campaign import plan
 from tests.campaign.checker import Verdict, Violation
 from tests.campaign.history import Event
 from tests.campaign.nemesis import schedule
+from tests.campaign.sections import next_operation
 
 WINDOW_LINES = 60
+SHOWN_PER_CHECK = 3  # violations shown with their window, per check; the rest are counted
 
 
 def plan_fingerprint(settings: plan.Settings) -> str:
@@ -23,17 +25,10 @@ def plan_fingerprint(settings: plan.Settings) -> str:
     digest = hashlib.sha256(json.dumps([f.__dict__ for f in schedule(settings)]).encode())
     for number in range(settings.workers):
         operations = list(settings.operations_for(settings.worker_is_async(number)))
-        for step in range(1, 51):
+        for step in range(1, 51) if operations else ():
             rng = plan.operation_rng(settings.seed, number, 0, step)
-            weights = [plan_weight(op) for op in operations]
-            digest.update(rng.choices(operations, weights)[0].encode())
+            digest.update(next_operation(rng, operations).encode())
     return digest.hexdigest()[:12]
-
-
-def plan_weight(op: str) -> float:
-    from tests.campaign.sections import WEIGHTS
-
-    return WEIGHTS.get(op, 1.0)
 
 
 def operations(events: list[Event]) -> int:
@@ -65,9 +60,22 @@ def render(settings: plan.Settings, events: list[Event], verdict: Verdict, began
         "faults: " + (", ".join(f"{k} {n}" for k, n in sorted(faults(events).items())) or "none"),
         "checks: " + ", ".join(f"{k} {n}" for k, n in sorted(verdict.checks.items())),
     ]
+    shown: Counter[str] = Counter()
     for number, violation in enumerate(verdict.violations, 1):
+        shown[violation.check] += 1
+        if shown[violation.check] > SHOWN_PER_CHECK:
+            continue
         lines.append(f"VIOLATION {number} [{violation.check}]: {violation.message}")
         lines += ["  " + line for line in window(events, violation, began)]
+    hidden = {check: n - SHOWN_PER_CHECK for check, n in shown.items() if n > SHOWN_PER_CHECK}
+    if hidden:
+        lines.append(
+            "not shown: " + ", ".join(f"{n} more [{check}]" for check, n in sorted(hidden.items()))
+        )
+    lines.append(
+        "violations: "
+        + (", ".join(f"[{check}] {n}" for check, n in sorted(shown.items())) or "none")
+    )
     return "\n".join(lines)
 
 

@@ -52,6 +52,9 @@ class SyncWorker:
             self.rng = plan.operation_rng(
                 self.config.seed, self.config.number, self.config.incarnation, step
             )
+            if not self.config.operations:  # none of those asked for is of this kind
+                time.sleep(0.1)
+                continue
             op = next_operation(self.rng, self.config.operations)
             getattr(self, op)(op)
             time.sleep(self.rng.uniform(0, 0.05))
@@ -164,11 +167,11 @@ class SyncWorker:
 
     def run_command(self, op: str) -> None:
         lockstring = self.rng.choice(plan.RUN_LOCKS)
-        seconds = self.rng.uniform(0.2, 2.5)
+        seconds = self.rng.uniform(0.2, 5.0)
         command = [
             *[sys.executable, "-m", "tests.campaign.sqllocker_cli"],
             *["--url", self.config.url, "--table", self.config.table, "run", "-q"],
-            *["--expires", str(self.config.expires), "--wait", str(self.rng.uniform(0, 2))],
+            *["--expires", str(self.config.expires), "--wait", str(self.rng.uniform(0, 4))],
             *["--kill-after", str(self.config.kill_after), lockstring, "--"],
             *[sys.executable, "-m", "tests.campaign.command", self.config.history, str(seconds)],
         ]
