@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -34,6 +35,7 @@ from tests.stall_proxy import StallProxy
 
 ROOT = Path(__file__).resolve().parents[2]
 PR_SET_CHILD_SUBREAPER = 36
+CLONE_NEWTIME = 0x80
 
 
 class Workers:
@@ -50,6 +52,7 @@ class Workers:
         self.processes: dict[int, tuple[str, subprocess.Popen[bytes]]] = {}
         self.exits: dict[str, int | None] = {}
         self.incarnations: dict[int, int] = {}
+        self.clock_steps: dict[int, int] = {}  # worker -> its next start's boot-time offset
         self._lock = threading.Lock()
 
     def start(self, number: int) -> None:
@@ -70,6 +73,7 @@ class Workers:
             operations=list(self.settings.operations_for(self.settings.worker_is_async(number))),
         )
         module = "async_worker" if self.settings.worker_is_async(number) else "worker"
+        step = self.clock_steps.pop(number, None)
         environment = dict(os.environ, PYTHONPATH=str(ROOT))
         environment.pop(mutants.ENVIRONMENT_VARIABLE, None)
         if self.settings.mutant:
@@ -81,6 +85,7 @@ class Workers:
             env=environment,
             stdout=log,
             stderr=subprocess.STDOUT,
+            preexec_fn=None if step is None else boot_clock_ahead(step),
         )
         log.close()
         with self._lock:
@@ -105,6 +110,9 @@ class Workers:
         staging.write_text(f"{self.chaos_end!r}\n")
         staging.rename(self.chaos_end_file)
         return began
+
+    def step_clock_of(self, number: int, seconds: int) -> None:
+        self.clock_steps[number] = seconds
 
     def live(self) -> dict[int, int]:
         with self._lock:
@@ -148,8 +156,6 @@ def run(settings: plan.Settings, keep: Path | None = None) -> int:
     proxy = None
     violations = -1
     try:
-        permits = [permit_lockstring(plan.SEMAPHORE, slot) for slot in range(plan.SEMAPHORE_LIMIT)]
-        db.prepare([*plan.LOCKS, *permits])
         worker_url = db.url
         if settings.backend != "sqlite":
             proxy = StallProxy(database.server_port(db.url))
@@ -157,14 +163,17 @@ def run(settings: plan.Settings, keep: Path | None = None) -> int:
         workers = Workers(settings, worker_url, directory)
         history_path = workers.history_path
         for number in range(settings.workers):
-            workers.start(number)
+            workers.start(number)  # they touch nothing before the campaign's clock starts
+        permits = [permit_lockstring(plan.SEMAPHORE, slot) for slot in range(plan.SEMAPHORE_LIMIT)]
+        db.prepare([*plan.LOCKS, *permits])
         workers.wait_until_ready()
         began = workers.begin(settings.seconds)
         chaos_end = workers.chaos_end
         stop = threading.Event()
         supervisor = threading.Thread(target=workers.supervise, args=(stop,), daemon=True)
         supervisor.start()
-        nemesis = Nemesis(settings, history_path, db.url, workers.live, proxy)
+        steps = workers.step_clock_of if time_namespaces() else None
+        nemesis = Nemesis(settings, history_path, db.url, workers.live, proxy, steps)
         nemesis.run(began, chaos_end)
         stop.set()
         supervisor.join()
@@ -181,11 +190,36 @@ def run(settings: plan.Settings, keep: Path | None = None) -> int:
             print(f"history and worker logs kept in {kept}")
         print(report.summary(settings, events, violations))
     finally:
+        _end_descendants()  # after a failure part-way, workers may still wait for the clock
         if proxy is not None:
             proxy.close()
         db.drop()
         shutil.rmtree(directory, ignore_errors=True)
     return violations
+
+
+def boot_clock_ahead(seconds: int) -> Callable[[], None]:
+    """For ``Popen(preexec_fn=...)``: the child runs in a new time namespace (as ``unshare
+    --time``, keeping its pid) whose CLOCK_BOOTTIME is ``seconds`` ahead of the host's, and
+    whose CLOCK_MONOTONIC, which the history is stamped with, is the host's."""
+
+    def enter() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.unshare(CLONE_NEWTIME) != 0:
+            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWTIME)")
+        with open("/proc/self/timens_offsets", "w") as offsets:
+            offsets.write(f"boottime {seconds} 0\n")
+
+    return enter
+
+
+def time_namespaces() -> bool:
+    """Whether time namespaces can be made here (Linux 5.6, and root)."""
+    try:
+        subprocess.run(["true"], check=True, preexec_fn=boot_clock_ahead(1))
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return True
 
 
 def _rows(db: database.CampaignDatabase) -> tuple[list[dict[str, object]], dict[str, int]]:
@@ -205,10 +239,12 @@ def _end_descendants() -> None:
     """What is left of the runs' processes (a killed worker's ``sqllocker run`` goes on): SIGTERM,
     a moment, then SIGKILL."""
     for signum in (signal.SIGTERM, signal.SIGKILL):
-        for pid in descendants(os.getpid()):
+        left = descendants(os.getpid())
+        for pid in left:
             with contextlib.suppress(OSError):
                 os.kill(pid, signum)
-        time.sleep(0.5)
+        if left:
+            time.sleep(0.5)
     while True:
         try:
             if os.waitpid(-1, os.WNOHANG) == (0, 0):

@@ -385,7 +385,7 @@ def _run_families(
 def _decorated(events: list[Event], checks: Counter[str]) -> list[Violation]:
     stopped: dict[int, list[tuple[float, float]]] = defaultdict(list)
     for event in events:
-        if event["type"] == "fault" and event.get("kind") in {"pause", "kill"}:
+        if event["type"] == "fault" and event.get("kind") in {"pause", "kill", "clock"}:
             stopped[event["target"]].append(
                 (event["t"], event["t"] + event.get("seconds", 0) + 0.5)
             )
@@ -449,7 +449,7 @@ def _liveness(
     killed = {
         event["target"]
         for event in events
-        if event["type"] == "fault" and event.get("kind") == "kill"
+        if event["type"] == "fault" and event.get("kind") in {"kill", "clock"}
     }
     stop = next((event["t"] for event in events if event["type"] == "faults_stop"), None)
     found = []

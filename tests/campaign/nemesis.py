@@ -1,12 +1,14 @@
 """The nemesis: faults at moments and of kinds drawn from the campaign's seed, each recorded in
 the history (``fault``, and ``fault_end`` when it is undone), until the faults stop.
 
-Kinds: ``kill`` (SIGKILL a worker; the campaign starts it again), ``pause`` (SIGSTOP a worker,
-SIGCONT later, at times past its locks' expiry), ``pause_runner`` (the same to the sqllocker of
-a ``run`` in progress), ``break`` (``Locker.break_lock`` of a held lock), ``release_force``
-(``sqllocker release --force --id``), ``purge`` (``sqllocker purge-expired`` running beside),
-and through the stall proxy on the servers: ``stall`` (a silent network for a while) and
-``cut`` (every connection reset).
+Kinds: ``kill`` (SIGKILL a worker; the campaign starts it again), ``clock`` (the same, and it
+comes back in a time namespace whose boot-time clock, which sqllocker keeps validity on, is
+up to a day ahead of the host's; where time namespaces can be made), ``pause`` (SIGSTOP a
+worker, SIGCONT later, at times past its locks' expiry), ``pause_runner`` (the same to the
+sqllocker of a ``run`` in progress), ``break`` (``Locker.break_lock`` of a held lock),
+``release_force`` (``sqllocker release --force --id``), ``purge`` (``sqllocker purge-expired``
+running beside), and through the stall proxy on the servers: ``stall`` (a silent network for
+a while) and ``cut`` (every connection reset).
 """
 
 from __future__ import annotations
@@ -83,12 +85,14 @@ class Nemesis:
         url: str,
         workers: Callable[[], dict[int, int]],
         proxy: StallProxy | None,
+        step_clock_of: Callable[[int, int], None] | None = None,
     ) -> None:
         self.settings = settings
         self.history = History(history_path, "nemesis")
         self.url = url
         self.workers = workers  # worker number -> pid of the live ones
         self.proxy = proxy
+        self.step_clock_of = step_clock_of  # (worker, seconds): its next boot clock that far ahead
         self.locker = Locker(url, table=LOCK_TABLE, expires=settings.expires, grace=settings.grace)
         self.schedule = schedule(settings)
         self._pick = 0.0  # this fault's draws: which target, and how long (as fractions)
@@ -147,6 +151,17 @@ class Nemesis:
             return
         number, pid = picked
         self._count("kill", worker=number, target=pid)
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+    def clock(self) -> None:
+        picked = self._pick_worker()
+        if picked is None or self.step_clock_of is None:
+            return
+        number, pid = picked
+        seconds = int(self._seconds(1, 86400))
+        self._count("clock", worker=number, target=pid, boottime_ahead=seconds)
+        self.step_clock_of(number, seconds)
         with suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 

@@ -38,7 +38,7 @@ SYNC_OPERATIONS = (
 # asyncio workers also abandon acquires part-way (asyncio.wait_for around them).
 ASYNC_OPERATIONS = (*SYNC_OPERATIONS[:-2], "cancelled", "dawdle")
 
-FAULTS_EVERYWHERE = ("kill", "pause", "pause_runner", "break", "release_force", "purge")
+FAULTS_EVERYWHERE = ("kill", "clock", "pause", "pause_runner", "break", "release_force", "purge")
 FAULTS_ON_SERVERS = ("stall", "cut")
 
 
