@@ -53,6 +53,11 @@ class StallProxy:
         with self._lock:
             self._losing, self._stall_after_losing = marker, then_stall
 
+    def stop_losing(self) -> None:
+        """Cancel a lose_answer_to() whose statement has not come."""
+        with self._lock:
+            self._losing = None
+
     def cut_before(self, marker: bytes, times: int) -> None:
         """The next ``times`` statements a client sends that contain ``marker`` never reach
         the server: each one's connection is closed instead."""

@@ -66,7 +66,9 @@ class AsyncWorker:
     # -- operations ---------------------------------------------------------------------------
 
     async def lock_wait(self, op: str) -> None:
-        await self.acquire_and_hold(op, self.rng.choice(plan.LOCKS), wait=self.rng.uniform(0, 2))
+        # Some wait long enough to ride out an outage longer than the expiry.
+        wait = self.rng.uniform(0, 2) if self.rng.random() < 0.7 else self.rng.uniform(2, 10)
+        await self.acquire_and_hold(op, self.rng.choice(plan.LOCKS), wait=wait)
 
     async def lock_nowait(self, op: str) -> None:
         await self.acquire_and_hold(op, self.rng.choice(plan.LOCKS), wait=0)

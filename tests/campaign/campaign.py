@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--operations", help="comma-separated operations (default: all)")
     parser.add_argument(
         "--fault-gap",
-        default="0.2,1.2",
+        default="0.5,2.5",
         help="the nemesis waits between LOW and HIGH seconds between faults (LOW,HIGH)",
     )
     parser.add_argument("--mutant", choices=mutants.MUTANTS, help="break the library on purpose")

@@ -8,7 +8,9 @@ worker, SIGCONT later, at times past its locks' expiry), ``pause_runner`` (the s
 sqllocker of a ``run`` in progress), ``break`` (``Locker.break_lock`` of a held lock),
 ``release_force`` (``sqllocker release --force --id``), ``purge`` (``sqllocker purge-expired``
 running beside), and through the stall proxy on the servers: ``stall`` (a silent network for
-a while) and ``cut`` (every connection reset).
+a while), ``cut`` (every connection reset) and ``lose_answer`` (the next statement on the lock table
+reaches the server, its answer is lost, and the network stays silent for a while: an acquire
+whose row is in, or a release or renewal done, and a client that cannot know it).
 """
 
 from __future__ import annotations
@@ -263,6 +265,18 @@ class Nemesis:
         self._count("stall", seconds=seconds)
         self.proxy.stall()
         self.undo.append((now() + seconds, "stall", self.proxy.resume, {}))
+
+    def lose_answer(self) -> None:
+        assert self.proxy is not None
+        seconds = self._seconds(0.1, 2 * (self.settings.expires + self.settings.grace))
+        self._count("lose_answer", seconds=seconds)
+        self.proxy.lose_answer_to(LOCK_TABLE.encode(), then_stall=True)
+        self.undo.append((now() + seconds, "lose_answer", self._stop_losing, {}))
+
+    def _stop_losing(self) -> None:
+        assert self.proxy is not None
+        self.proxy.stop_losing()
+        self.proxy.resume()
 
     def cut(self) -> None:
         assert self.proxy is not None

@@ -39,7 +39,7 @@ SYNC_OPERATIONS = (
 ASYNC_OPERATIONS = (*SYNC_OPERATIONS[:-2], "cancelled", "dawdle")
 
 FAULTS_EVERYWHERE = ("kill", "clock", "pause", "pause_runner", "break", "release_force", "purge")
-FAULTS_ON_SERVERS = ("stall", "cut")
+FAULTS_ON_SERVERS = ("stall", "cut", "lose_answer")
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class Settings:
     faults: tuple[str, ...] = ()  # empty: every kind the backend allows
     operations: tuple[str, ...] = ()  # empty: every kind
     mutant: str | None = None
-    fault_gap: tuple[float, float] = (0.2, 1.2)
+    fault_gap: tuple[float, float] = (0.5, 2.5)
     extra: dict[str, str] = field(default_factory=dict)
 
     @property

@@ -68,7 +68,9 @@ class SyncWorker:
     # -- operations ---------------------------------------------------------------------------
 
     def lock_wait(self, op: str) -> None:
-        self.acquire_and_hold(op, self.rng.choice(plan.LOCKS), wait=self.rng.uniform(0, 2))
+        # Some wait long enough to ride out an outage longer than the expiry.
+        wait = self.rng.uniform(0, 2) if self.rng.random() < 0.7 else self.rng.uniform(2, 10)
+        self.acquire_and_hold(op, self.rng.choice(plan.LOCKS), wait=wait)
 
     def lock_nowait(self, op: str) -> None:
         self.acquire_and_hold(op, self.rng.choice(plan.LOCKS), wait=0)
