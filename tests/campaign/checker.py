@@ -349,6 +349,11 @@ def _run_families(
         if event["type"] == "fault" and event.get("kind") in BREAKS
     }
     allowance = settings.expires / 3 + settings.kill_after + RUN_STOP_MARGIN
+    stopped_runners = {
+        event["id"]: (event["t"], event["seconds"])
+        for event in events
+        if event["type"] == "fault" and event.get("kind") == "pause_runner" and event.get("id")
+    }
     by_lockstring: dict[str, list[tuple[float, float, int]]] = defaultdict(list)
     for lock_id, family in families.items():
         times = [event["t"] for event in family]
@@ -368,6 +373,15 @@ def _run_families(
                 if cut is not None
                 else ""
             )
+            if first in stopped_runners:
+                stopped_at, seconds = stopped_runners[first]
+                why += (
+                    f"; the sqllocker of lock id {first} was stopped (SIGSTOP) at "
+                    f"{stopped_at - origin:.3f} for {seconds:.3f}s, longer than its expiry "
+                    f"({settings.expires:g}s)"
+                    if seconds > settings.expires
+                    else f"; the sqllocker of lock id {first} was stopped for {seconds:.3f}s"
+                )
             found.append(
                 Violation(
                     "run-exclusion",

@@ -79,6 +79,19 @@ def command_line(pid: int) -> str:
         return ""
 
 
+def run_lock_id(runner: int) -> int | None:
+    """The fencing token of the lock a ``sqllocker run`` holds, as its command was given it."""
+    for pid in descendants(runner):
+        try:
+            environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for entry in environment:
+            if entry.startswith(b"SQLLOCKER_LOCK_ID="):
+                return int(entry.partition(b"=")[2])
+    return None
+
+
 class Nemesis:
     def __init__(
         self,
@@ -183,7 +196,8 @@ class Nemesis:
         ]
         if not runners:
             return
-        self._stop_for(self._choose(sorted(runners)), "pause_runner")
+        runner = self._choose(sorted(runners))
+        self._stop_for(runner, "pause_runner", id=run_lock_id(runner))
 
     def _stop_for(self, pid: int, kind: str, **fields: object) -> None:
         longest = 2 * (self.settings.expires + self.settings.grace)
