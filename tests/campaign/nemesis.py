@@ -125,7 +125,10 @@ class Nemesis:
             if pending and now() >= began + pending[0].offset:
                 fault = pending.pop(0)
                 self._pick, self._fraction = fault.pick, fault.fraction
+                injected = sum(self.counts.values())
                 getattr(self, fault.kind.replace("break", "break_"))()
+                if sum(self.counts.values()) == injected:
+                    self.pause()  # nothing for that kind to act on now (no lock held, say)
             time.sleep(0.02)
         self.stop()
 
