@@ -189,6 +189,11 @@ def run(settings: plan.Settings, keep: Path | None = None) -> int:
             shutil.copytree(directory, kept, dirs_exist_ok=True)
             print(f"history and worker logs kept in {kept}")
         print(report.summary(settings, events, violations))
+    except BaseException:
+        kept = keep or Path(tempfile.mkdtemp(prefix="sqllocker-campaign-kept-"))
+        shutil.copytree(directory, kept, dirs_exist_ok=True)
+        print(f"the campaign failed; its history and worker logs are kept in {kept}")
+        raise
     finally:
         _end_descendants()  # after a failure part-way, workers may still wait for the clock
         if proxy is not None:

@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from tests.campaign.history import History, now
 from tests.stall_proxy import StallProxy
 
 T = TypeVar("T")
+OPERATOR_TIMEOUT = 300.0
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,7 @@ class Nemesis:
         self.counts: Counter[str] = Counter()
         self.undo: list[tuple[float, str, Callable[[], None], dict[str, object]]] = []
         self.purges: list[subprocess.Popen[bytes]] = []
+        self.operators: list[threading.Thread] = []
 
     def run(self, began: float, until: float) -> None:
         """Inject the scheduled faults (offsets from ``began``) until ``until`` (monotonic),
@@ -140,9 +143,15 @@ class Nemesis:
 
     def stop(self) -> None:
         self._undo_due(float("inf"))
+        if self.proxy is not None:
+            # A lost answer armed just before its undo can stall the proxy after it: undone here.
+            self.proxy.stop_losing()
+            self.proxy.resume()
         for purge in self.purges:
             with suppress(subprocess.TimeoutExpired):
                 purge.wait(30)
+        for operator in self.operators:
+            operator.join(OPERATOR_TIMEOUT)
         self.history.record("faults_stop", counts=dict(self.counts))
         self.locker.close()
 
@@ -254,14 +263,27 @@ class Nemesis:
             return
         lockstring, lock_id = held
         self._count("release_force", ls=lockstring, id=lock_id)
-        status = subprocess.run(
-            [*self._cli(), "release", "--force", "--id", str(lock_id), lockstring],
-            capture_output=True,
-            timeout=60,
-            check=False,
-        ).returncode
+        command = [*self._cli(), "release", "--force", "--id", str(lock_id), lockstring]
+        thread = threading.Thread(
+            target=self._operator, args=(command, lockstring, lock_id, now()), daemon=True
+        )
+        thread.start()
+        self.operators.append(thread)
+
+    def _operator(self, command: list[str], lockstring: str, lock_id: int, began: float) -> None:
+        """Runs an operator's ``release --force`` beside the rest (it may wait on the database
+        as long as it must), and records when and how it ended."""
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=OPERATOR_TIMEOUT, check=False
+        )
         self.history.record(
-            "fault_end", kind="release_force", ls=lockstring, id=lock_id, status=status
+            "fault_end",
+            kind="release_force",
+            ls=lockstring,
+            id=lock_id,
+            status=done.returncode,
+            seconds=now() - began,
+            said=done.stderr.strip()[-300:],
         )
 
     def purge(self) -> None:

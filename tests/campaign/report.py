@@ -16,6 +16,7 @@ from tests.campaign.nemesis import schedule
 from tests.campaign.sections import next_operation
 
 WINDOW_LINES = 60
+SLOW_OPERATOR = 10.0  # seconds: an operator's command that took longer is noted
 SHOWN_PER_CHECK = 3  # violations shown with their window, per check; the rest are counted
 
 
@@ -60,6 +61,18 @@ def render(settings: plan.Settings, events: list[Event], verdict: Verdict, began
         "faults: " + (", ".join(f"{k} {n}" for k, n in sorted(faults(events).items())) or "none"),
         "checks: " + ", ".join(f"{k} {n}" for k, n in sorted(verdict.checks.items())),
     ]
+    slow = [
+        event
+        for event in events
+        if event["type"] == "fault_end"
+        and event.get("seconds", 0) > SLOW_OPERATOR
+        and event.get("kind") == "release_force"
+    ]
+    for event in slow:
+        lines.append(
+            f"note: `sqllocker release --force --id {event['id']}` took {event['seconds']:.1f}s "
+            f"(status {event['status']}): {event.get('said', '')}"
+        )
     shown: Counter[str] = Counter()
     for number, violation in enumerate(verdict.violations, 1):
         shown[violation.check] += 1
