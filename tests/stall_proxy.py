@@ -54,9 +54,10 @@ class StallProxy:
             self._losing, self._stall_after_losing = marker, then_stall
 
     def stop_losing(self) -> None:
-        """Cancel a lose_answer_to() whose statement has not come."""
+        """Cancel a lose_answer_to(): if its statement has not come, no answer is lost; if it
+        has and its answer is still to come, that answer is lost without stalling."""
         with self._lock:
-            self._losing = None
+            self._losing, self._stall_after_losing = None, False
 
     def cut_before(self, marker: bytes, times: int) -> None:
         """The next ``times`` statements a client sends that contain ``marker`` never reach
