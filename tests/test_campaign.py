@@ -67,7 +67,9 @@ def test_a_short_campaign_finds_no_violation(
 
 
 # Holders that dawdle past their expiry, or are stopped past it, and others taking over.
-STALE_HOLDERS = "--operations=dawdle,lock_wait,lock_nowait --faults=pause --fault-gap=0.3,1"
+STALE_HOLDERS = (
+    "--operations=dawdle,lock_wait,lock_nowait --faults=pause --fault-gap=0.3,1 --workers=6"
+)
 # Each mutant with the operations and faults that give it its chance, and what must catch it.
 MUTANTS = {
     "release-skips-guid": (STALE_HOLDERS, {"stale-holder", "exclusion"}),

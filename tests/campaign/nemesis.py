@@ -248,14 +248,14 @@ class Nemesis:
             return
         lockstring, lock_id = held
         self._count("break", ls=lockstring, id=lock_id)
+        self._beside("break", lockstring, lock_id, lambda: self._break(lockstring, lock_id))
+
+    def _break(self, lockstring: str, lock_id: int) -> dict[str, object]:
         try:
             broken = self.locker.break_lock(lockstring, lock_id)
         except LockError as error:
-            self.history.record("fault_end", kind="break", error=str(error)[:200])
-            return
-        self.history.record(
-            "fault_end", kind="break", ls=lockstring, id=lock_id, broken=broken is not None
-        )
+            return {"error": str(error)[:300]}
+        return {"broken": broken is not None}
 
     def release_force(self) -> None:
         held = self._held()
@@ -264,27 +264,31 @@ class Nemesis:
         lockstring, lock_id = held
         self._count("release_force", ls=lockstring, id=lock_id)
         command = [*self._cli(), "release", "--force", "--id", str(lock_id), lockstring]
-        thread = threading.Thread(
-            target=self._operator, args=(command, lockstring, lock_id, now()), daemon=True
-        )
+
+        def release() -> dict[str, object]:
+            done = subprocess.run(
+                command, capture_output=True, text=True, timeout=OPERATOR_TIMEOUT, check=False
+            )
+            return {"status": done.returncode, "said": done.stderr.strip()[-300:]}
+
+        self._beside("release_force", lockstring, lock_id, release)
+
+    def _beside(
+        self, kind: str, lockstring: str, lock_id: int, act: Callable[[], dict[str, object]]
+    ) -> None:
+        """An operator's break, run beside the nemesis's schedule (it waits as long as the
+        database makes it, behind a guarded transaction say), recorded when it ends."""
+        began = now()
+
+        def operate() -> None:
+            outcome = act()
+            self.history.record(
+                "fault_end", kind=kind, ls=lockstring, id=lock_id, seconds=now() - began, **outcome
+            )
+
+        thread = threading.Thread(target=operate, name=f"nemesis {kind}", daemon=True)
         thread.start()
         self.operators.append(thread)
-
-    def _operator(self, command: list[str], lockstring: str, lock_id: int, began: float) -> None:
-        """Runs an operator's ``release --force`` beside the rest (it may wait on the database
-        as long as it must), and records when and how it ended."""
-        done = subprocess.run(
-            command, capture_output=True, text=True, timeout=OPERATOR_TIMEOUT, check=False
-        )
-        self.history.record(
-            "fault_end",
-            kind="release_force",
-            ls=lockstring,
-            id=lock_id,
-            status=done.returncode,
-            seconds=now() - began,
-            said=done.stderr.strip()[-300:],
-        )
 
     def purge(self) -> None:
         self._count("purge")

@@ -66,12 +66,13 @@ def render(settings: plan.Settings, events: list[Event], verdict: Verdict, began
         for event in events
         if event["type"] == "fault_end"
         and event.get("seconds", 0) > SLOW_OPERATOR
-        and event.get("kind") == "release_force"
+        and event.get("kind") in {"break", "release_force"}
     ]
     for event in slow:
+        outcome = event.get("said") or event.get("error") or f"broken: {event.get('broken')}"
         lines.append(
-            f"note: `sqllocker release --force --id {event['id']}` took {event['seconds']:.1f}s "
-            f"(status {event['status']}): {event.get('said', '')}"
+            f"note: the operator's {event['kind']} of lock id {event['id']} took "
+            f"{event['seconds']:.1f}s ({outcome})"
         )
     shown: Counter[str] = Counter()
     for number, violation in enumerate(verdict.violations, 1):
