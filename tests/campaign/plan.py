@@ -12,7 +12,7 @@ then, how many operations fit in the time, and what each one meets.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # Plain locks (also taken in pairs by lock_all, and once each in the liveness phase).
 LOCKS = ("c0", "c1", "c2")
@@ -55,7 +55,6 @@ class Settings:
     operations: tuple[str, ...] = ()  # empty: every kind
     mutant: str | None = None
     fault_gap: tuple[float, float] = (0.5, 2.5)
-    extra: dict[str, str] = field(default_factory=dict)
 
     @property
     def liveness_wait(self) -> float:
