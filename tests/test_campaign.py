@@ -9,6 +9,7 @@ schedule.
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.campaign.found import FOUND, Found
 from tests.conftest import BACKENDS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,3 +94,15 @@ def test_the_checker_catches_a_broken_library(mutant: str) -> None:
     assert caught & catchers, output
     # Each violation shown comes with its window of history.
     assert re.search(r"^VIOLATION .*\n  +\d", output, re.MULTILINE), output
+
+
+@pytest.mark.skipif(
+    not os.environ.get("SQLLOCKER_CAMPAIGN_FOUND"),
+    reason="campaigns that found a bug, run by hand once it is fixed (SQLLOCKER_CAMPAIGN_FOUND=1)",
+)
+@pytest.mark.parametrize("found", FOUND, ids=[f"{f.backend}-seed{f.seed}" for f in FOUND])
+def test_a_campaign_that_found_a_bug_finds_none(found: Found) -> None:
+    status, output = campaign(
+        found.backend, found.seed, *found.options.split(), seconds=found.seconds
+    )
+    assert status == 0, f"{found.showed}\n{output}"

@@ -373,8 +373,10 @@ def _run_families(
                 if cut is not None
                 else ""
             )
+            window_start = min(start, cut or start) - settings.expires
             if first in stopped_runners:
                 stopped_at, seconds = stopped_runners[first]
+                window_start = min(window_start, stopped_at - 0.05)
                 why += (
                     f"; the sqllocker of lock id {first} was stopped (SIGSTOP) at "
                     f"{stopped_at - origin:.3f} for {seconds:.3f}s, longer than its expiry "
@@ -387,7 +389,7 @@ def _run_families(
                     "run-exclusion",
                     f"{lockstring!r}: the COMMAND families of lock ids {first} and {second} ran "
                     f"at once for {end - start:.3f}s{why}",
-                    min(start, cut or start) - settings.expires,
+                    window_start,
                     max(ends[first], ends[second]),
                     {lockstring},
                     {first, second},
