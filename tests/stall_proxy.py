@@ -5,7 +5,8 @@ While stalled, bytes already sent are held and new connections are accepted but 
 so clients see a silent network rather than an error. close() ends every connection.
 lose_answer_to() cuts one connection the moment the server has answered a chosen statement:
 the statement took effect, and its client cannot know (and, if asked, stalls from then on).
-cut_before() cuts connections as they send a chosen statement, which never reaches the server.
+cut_before() cuts connections as they send a chosen statement, which never reaches the server;
+cut_all() cuts every connection open now.
 stall_before() stalls as a client sends a chosen statement, before it reaches the server.
 answer_with_mysql_error() answers a chosen statement with a MySQL error in the server's stead.
 """
@@ -51,6 +52,12 @@ class StallProxy:
         ``then_stall``, the proxy stalls at that moment (until ``resume``)."""
         with self._lock:
             self._losing, self._stall_after_losing = marker, then_stall
+
+    def stop_losing(self) -> None:
+        """Cancel a lose_answer_to(): if its statement has not come, no answer is lost; if it
+        has and its answer is still to come, that answer is lost without stalling."""
+        with self._lock:
+            self._losing, self._stall_after_losing = None, False
 
     def cut_before(self, marker: bytes, times: int) -> None:
         """The next ``times`` statements a client sends that contain ``marker`` never reach
@@ -110,6 +117,18 @@ class StallProxy:
 
     def resume(self) -> None:
         self._flowing.set()
+
+    def cut_all(self) -> int:
+        """Close every connection open now (clients see them reset); new ones are accepted as
+        before. Returns how many were cut."""
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                sock.close()
+        return len(sockets) // 2
 
     def close(self) -> None:
         self._closed.set()

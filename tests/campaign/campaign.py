@@ -1,0 +1,296 @@
+"""Runs one campaign: ``python -m tests.campaign --backend sqlite|postgresql|mysql --seconds S
+--seed N`` from the checkout's root.
+
+It makes a database of its own (SQLite: a file in a temporary directory), starts the workers
+(on the servers, through a stall proxy on 127.0.0.1), runs the nemesis for S seconds while
+restarting the workers it kills, then stops the faults and lets every worker go through the
+liveness phase, checks, prints the report, and drops the database. The exit status is 0 only
+if no violation was found; the last line is the summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import sqlalchemy as sa
+
+from sqllocker.permits import permit_lockstring
+from tests.campaign import checker, database, history, mutants, plan, report
+from tests.campaign.nemesis import Nemesis, descendants
+from tests.campaign.sections import WorkerConfig
+from tests.stall_proxy import StallProxy
+
+ROOT = Path(__file__).resolve().parents[2]
+PR_SET_CHILD_SUBREAPER = 36
+CLONE_NEWTIME = 0x80
+
+
+class Workers:
+    """The worker processes: started, restarted after the nemesis kills one (until the faults
+    stop), and waited for."""
+
+    def __init__(self, settings: plan.Settings, url: str, directory: Path) -> None:
+        self.settings = settings
+        self.url = url
+        self.history_path = directory / "history.jsonl"
+        self.chaos_end_file = directory / "chaos_end"
+        self.chaos_end = float("inf")
+        self.logs = directory
+        self.processes: dict[int, tuple[str, subprocess.Popen[bytes]]] = {}
+        self.exits: dict[str, int | None] = {}
+        self.incarnations: dict[int, int] = {}
+        self.clock_steps: dict[int, int] = {}  # worker -> its next start's boot-time offset
+        self._lock = threading.Lock()
+
+    def start(self, number: int) -> None:
+        incarnation = self.incarnations.get(number, -1) + 1
+        self.incarnations[number] = incarnation
+        config = WorkerConfig(
+            url=self.url,
+            table=database.LOCK_TABLE,
+            history=str(self.history_path),
+            number=number,
+            incarnation=incarnation,
+            seed=self.settings.seed,
+            chaos_end_file=str(self.chaos_end_file),
+            expires=self.settings.expires,
+            grace=self.settings.grace,
+            kill_after=self.settings.kill_after,
+            liveness_wait=self.settings.liveness_wait,
+            operations=list(self.settings.operations_for(self.settings.worker_is_async(number))),
+        )
+        module = "async_worker" if self.settings.worker_is_async(number) else "worker"
+        step = self.clock_steps.pop(number, None)
+        environment = dict(os.environ, PYTHONPATH=str(ROOT))
+        environment.pop(mutants.ENVIRONMENT_VARIABLE, None)
+        if self.settings.mutant:
+            environment[mutants.ENVIRONMENT_VARIABLE] = self.settings.mutant
+        log = open(self.logs / f"{config.name}.log", "wb")  # noqa: SIM115 -- the child's
+        process = subprocess.Popen(
+            [sys.executable, "-m", f"tests.campaign.{module}", config.to_json()],
+            cwd=ROOT,
+            env=environment,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=None if step is None else boot_clock_ahead(step),
+        )
+        log.close()
+        with self._lock:
+            self.processes[number] = (config.name, process)
+
+    def wait_until_ready(self, timeout: float = 120.0) -> None:
+        """Until every worker has started (recorded ``start``)."""
+        deadline = history.now() + timeout
+        while history.now() < deadline:
+            if self.history_path.exists():
+                events = history.read(self.history_path)
+                if sum(1 for event in events if event["type"] == "start") >= self.settings.workers:
+                    return
+            time.sleep(0.1)
+        raise RuntimeError("the workers did not start; see their logs")
+
+    def begin(self, seconds: float) -> float:
+        """Start the campaign's clock: tell the workers when the faults stop."""
+        began = history.now()
+        self.chaos_end = began + seconds
+        staging = self.chaos_end_file.with_suffix(".new")
+        staging.write_text(f"{self.chaos_end!r}\n")
+        staging.rename(self.chaos_end_file)
+        return began
+
+    def step_clock_of(self, number: int, seconds: int) -> None:
+        self.clock_steps[number] = seconds
+
+    def live(self) -> dict[int, int]:
+        with self._lock:
+            return {n: p.pid for n, (_, p) in self.processes.items() if p.poll() is None}
+
+    def supervise(self, stop: threading.Event) -> None:
+        """Restart killed workers until the faults stop."""
+        while not stop.is_set():
+            with self._lock:
+                ended = [
+                    (n, name, p) for n, (name, p) in self.processes.items() if p.poll() is not None
+                ]
+            for number, name, process in ended:
+                self.exits[name] = process.returncode
+                if history.now() < self.chaos_end - 0.5:
+                    self.start(number)
+                else:
+                    with self._lock:
+                        del self.processes[number]
+            stop.wait(0.1)
+
+    def wait(self, deadline: float) -> None:
+        with self._lock:
+            remaining = list(self.processes.values())
+        for name, process in remaining:
+            try:
+                process.wait(max(0.1, deadline - history.now()))
+                self.exits[name] = process.returncode
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+                self.exits[name] = None  # it had to be killed: it never ended
+
+
+def run(settings: plan.Settings, keep: Path | None = None) -> int:
+    """One campaign; prints its report; returns how many violations it found."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans come back to us
+    directory = Path(tempfile.mkdtemp(prefix="sqllocker-campaign-"))
+    db = database.create(settings.backend, directory)
+    proxy = None
+    violations = -1
+    try:
+        worker_url = db.url
+        if settings.backend != "sqlite":
+            proxy = StallProxy(database.server_port(db.url))
+            worker_url = database.through_port(db.url, proxy.port)
+        workers = Workers(settings, worker_url, directory)
+        history_path = workers.history_path
+        for number in range(settings.workers):
+            workers.start(number)  # they touch nothing before the campaign's clock starts
+        permits = [permit_lockstring(plan.SEMAPHORE, slot) for slot in range(plan.SEMAPHORE_LIMIT)]
+        db.prepare([*plan.LOCKS, *permits])
+        workers.wait_until_ready()
+        began = workers.begin(settings.seconds)
+        chaos_end = workers.chaos_end
+        stop = threading.Event()
+        supervisor = threading.Thread(target=workers.supervise, args=(stop,), daemon=True)
+        supervisor.start()
+        steps = workers.step_clock_of if time_namespaces() else None
+        nemesis = Nemesis(settings, history_path, db.url, workers.live, proxy, steps)
+        nemesis.run(began, chaos_end)
+        stop.set()
+        supervisor.join()
+        workers.wait(history.now() + 4 * settings.liveness_wait + 30)
+        _end_descendants()
+        events = history.read(history_path)
+        rows, counters = _rows(db)
+        verdict = checker.check(events, rows, counters, workers.exits, settings, began)
+        violations = len(verdict.violations)
+        print(report.render(settings, events, verdict, began))
+        if violations or keep is not None:
+            kept = keep or Path(tempfile.mkdtemp(prefix="sqllocker-campaign-kept-"))
+            shutil.copytree(directory, kept, dirs_exist_ok=True)
+            print(f"history and worker logs kept in {kept}")
+        print(report.summary(settings, events, violations))
+    except BaseException:
+        kept = keep or Path(tempfile.mkdtemp(prefix="sqllocker-campaign-kept-"))
+        shutil.copytree(directory, kept, dirs_exist_ok=True)
+        print(f"the campaign failed; its history and worker logs are kept in {kept}")
+        raise
+    finally:
+        _end_descendants()  # after a failure part-way, workers may still wait for the clock
+        if proxy is not None:
+            proxy.close()
+        db.drop()
+        shutil.rmtree(directory, ignore_errors=True)
+    return violations
+
+
+def boot_clock_ahead(seconds: int) -> Callable[[], None]:
+    """For ``Popen(preexec_fn=...)``: the child runs in a new time namespace (as ``unshare
+    --time``, keeping its pid) whose CLOCK_BOOTTIME is ``seconds`` ahead of the host's, and
+    whose CLOCK_MONOTONIC, which the history is stamped with, is the host's."""
+
+    def enter() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.unshare(CLONE_NEWTIME) != 0:
+            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWTIME)")
+        with open("/proc/self/timens_offsets", "w") as offsets:
+            offsets.write(f"boottime {seconds} 0\n")
+
+    return enter
+
+
+def time_namespaces() -> bool:
+    """Whether time namespaces can be made here (Linux 5.6, and root)."""
+    try:
+        subprocess.run(["true"], check=True, preexec_fn=boot_clock_ahead(1))
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return True
+
+
+def _rows(db: database.CampaignDatabase) -> tuple[list[dict[str, object]], dict[str, int]]:
+    engine = db.engine()
+    try:
+        with engine.connect() as conn:
+            rows = [dict(row._mapping) for row in conn.execute(sa.select(database.writes))]
+            counters = {
+                row.lockstring: row.value for row in conn.execute(sa.select(database.counters))
+            }
+    finally:
+        engine.dispose()
+    return rows, counters
+
+
+def _end_descendants() -> None:
+    """What is left of the runs' processes (a killed worker's ``sqllocker run`` goes on): SIGTERM,
+    a moment, then SIGKILL."""
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        left = descendants(os.getpid())
+        for pid in left:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signum)
+        if left:
+            time.sleep(0.5)
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG) == (0, 0):
+                break
+        except ChildProcessError:
+            break
+
+
+def _gap(text: str) -> tuple[float, float]:
+    low, high = (float(part) for part in text.split(","))
+    return low, high
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.campaign", description=__doc__)
+    parser.add_argument("--backend", choices=["sqlite", "postgresql", "mysql"], required=True)
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--seed", type=int, help="default: a fresh one, printed")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--expires", type=float, default=2.0)
+    parser.add_argument("--faults", help="comma-separated fault kinds (default: all)")
+    parser.add_argument("--operations", help="comma-separated operations (default: all)")
+    parser.add_argument(
+        "--fault-gap",
+        default="0.5,2.5",
+        help="the nemesis waits between LOW and HIGH seconds between faults (LOW,HIGH)",
+    )
+    parser.add_argument("--mutant", choices=mutants.MUTANTS, help="break the library on purpose")
+    parser.add_argument("--keep", type=Path, help="copy the history and logs here")
+    args = parser.parse_args(argv)
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1, 10**6)
+    settings = plan.Settings(
+        backend=args.backend,
+        seconds=args.seconds,
+        seed=seed,
+        workers=args.workers,
+        expires=args.expires,
+        faults=tuple(args.faults.split(",")) if args.faults else (),
+        operations=tuple(args.operations.split(",")) if args.operations else (),
+        mutant=args.mutant,
+        fault_gap=_gap(args.fault_gap),
+    )
+    print(f"campaign: {settings.backend} seed {seed}, {settings.seconds:g}s", flush=True)
+    return 1 if run(settings, args.keep) else 0

@@ -1,0 +1,500 @@
+"""The checker: judges a campaign's history and its database's rows against sqllocker's promise.
+
+- ``guarded-writes``: for each lockstring the counter equals the number of committed guarded
+  writes, each wrote a distinct value (no lost update), the fencing tokens never go back in
+  commit order, and every write acknowledged to its worker is in the table;
+- ``stale-holder``: no release, extend or guarded write of a lock succeeds once another holder
+  of its lockstring had been handed it before that operation began (the row is no longer ours:
+  each must fail with LockLost);
+- ``exclusion``: no two holders' valid intervals overlap, an interval running from the moment
+  the acquire returned to the last moment ``is_valid()`` was seen True (cut at the moment an
+  operator started breaking that lock: a broken holder is not told until it next extends or
+  releases);
+- ``run-exclusion``: no two ``run`` COMMAND families (from their own processes' events) of a
+  lockstring overlap, except for a family whose lock an operator broke, for as long as ``run``
+  takes to notice (a renewal period) and stop it (``--kill-after``) plus a margin;
+- ``decorated-exclusion``: no two bodies of a decorated function under one lockstring overlap,
+  except bodies during which the nemesis had their process stopped (a body has no handle to ask
+  ``is_valid()``);
+- ``semaphore``: at no moment more than ``limit`` valid permit holders;
+- ``groups``: a group holds every lockstring it asked for;
+- ``liveness``: every worker still running when the faults stopped is served each lock it asks
+  for then (with a wait longer than any lock lasts), and ends.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from tests.campaign import plan
+from tests.campaign.history import Event
+
+ACQUIRES = {
+    "lock_wait",
+    "lock_nowait",
+    "try_lock",
+    "hold_at_least",
+    "lock_all",
+    "semaphore",
+    "cancelled",
+    "dawdle",
+    "liveness",
+}
+BREAKS = {"break", "release_force"}
+# How long a `run` may take to stop its command's family once its lock is broken, beyond a
+# renewal period and --kill-after: the margin for a loaded machine.
+RUN_STOP_MARGIN = 1.0
+
+
+@dataclass
+class Violation:
+    check: str
+    message: str
+    start: float
+    end: float
+    lockstrings: set[str] = field(default_factory=set)
+    ids: set[int] = field(default_factory=set)
+    pids: set[int] = field(default_factory=set)
+
+
+@dataclass
+class Holding:
+    lockstring: str
+    lock_id: int
+    worker: str
+    pid: int
+    start: float
+    last_valid: float | None = None
+
+    @property
+    def end(self) -> float | None:
+        return self.last_valid
+
+
+@dataclass
+class Verdict:
+    violations: list[Violation]
+    checks: Counter[str]
+
+
+def check(
+    events: list[Event],
+    rows: list[dict[str, Any]],
+    counters: dict[str, int],
+    exits: dict[str, int | None],
+    settings: plan.Settings,
+    origin: float = 0.0,
+) -> Verdict:
+    """``origin``: the moment the campaign began, which the messages' times count from."""
+    checks: Counter[str] = Counter()
+    violations: list[Violation] = []
+    holdings = _holdings(events)
+    violations += _guarded_writes(events, rows, counters, holdings, checks)
+    violations += _stale_holders(events, holdings, checks)
+    violations += _exclusion(holdings, checks, origin)
+    violations += _semaphore(holdings, checks)
+    violations += _run_families(events, settings, checks, origin)
+    violations += _decorated(events, checks)
+    violations += _groups(events, checks)
+    violations += _liveness(events, exits, checks)
+    return Verdict(violations, checks)
+
+
+# -- holdings -------------------------------------------------------------------------------
+
+
+def _holdings(events: list[Event]) -> dict[tuple[str, int], Holding]:
+    """Every acquisition a worker was handed, with its valid interval."""
+    holdings: dict[tuple[str, int], Holding] = {}
+    for event in events:
+        if event["type"] == "ok" and event.get("op") in ACQUIRES:
+            members = (
+                zip(event["ls"], event["ids"], strict=True)
+                if "ids" in event
+                else [(event["ls"], event["id"])]
+            )
+            for lockstring, lock_id in members:
+                holdings[(lockstring, lock_id)] = Holding(
+                    lockstring, lock_id, event["w"], event["pid"], event["t"]
+                )
+    cuts = {
+        (event["ls"], event["id"]): event["t"]
+        for event in events
+        if event["type"] == "fault" and event.get("kind") in BREAKS
+    }
+    for event in events:
+        if event["type"] == "valid" and event["v"]:
+            holding = holdings.get((event["ls"], event["id"]))
+            if holding is not None and event["t"] >= holding.start:
+                holding.last_valid = max(holding.last_valid or event["t"], event["t"])
+    for key, cut in cuts.items():
+        holding = holdings.get(key)
+        if holding is not None and holding.last_valid is not None and holding.last_valid > cut:
+            holding.last_valid = cut if cut >= holding.start else None
+    return holdings
+
+
+def _valid(holdings: dict[tuple[str, int], Holding]) -> list[Holding]:
+    return [holding for holding in holdings.values() if holding.last_valid is not None]
+
+
+# -- the checks -----------------------------------------------------------------------------
+
+
+def _guarded_writes(
+    events: list[Event],
+    rows: list[dict[str, Any]],
+    counters: dict[str, int],
+    holdings: dict[tuple[str, int], Holding],
+    checks: Counter[str],
+) -> list[Violation]:
+    found: list[Violation] = []
+    by_lockstring: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        by_lockstring[row["lockstring"]].append(row)
+
+    def around(lockstring: str, ids: set[int], message: str) -> Violation:
+        times = [h.start for h in holdings.values() if h.lock_id in ids] or [0.0]
+        ends = [h.last_valid or h.start for h in holdings.values() if h.lock_id in ids] or [0.0]
+        return Violation("guarded-writes", message, min(times), max(ends), {lockstring}, ids)
+
+    for lockstring, value in sorted(counters.items()):
+        written = sorted(by_lockstring.get(lockstring, []), key=lambda row: (row["seq"], row["id"]))
+        checks["guarded-writes: counters"] += 1
+        if value != len(written):
+            ids = {row["lock_id"] for row in written[-2:]}
+            found.append(
+                around(
+                    lockstring,
+                    ids,
+                    f"{lockstring!r}: counter is {value} but {len(written)} guarded writes "
+                    "committed (a lost update)",
+                )
+            )
+        for before, after in itertools.pairwise(written):
+            checks["guarded-writes: successive writes"] += 1
+            if after["seq"] == before["seq"]:
+                found.append(
+                    around(
+                        lockstring,
+                        {before["lock_id"], after["lock_id"]},
+                        f"{lockstring!r}: two committed writes read the same counter (seq "
+                        f"{after['seq']}): lock ids {before['lock_id']} ({before['worker']}, "
+                        f"{before['op']}) and {after['lock_id']} ({after['worker']}, "
+                        f"{after['op']})",
+                    )
+                )
+            elif after["lock_id"] < before["lock_id"]:
+                found.append(
+                    around(
+                        lockstring,
+                        {before["lock_id"], after["lock_id"]},
+                        f"{lockstring!r}: fencing token went back in commit order: seq "
+                        f"{before['seq']} by lock id {before['lock_id']} ({before['worker']}), "
+                        f"seq {after['seq']} by lock id {after['lock_id']} ({after['worker']})",
+                    )
+                )
+    committed = {(row["lockstring"], row["seq"], row["lock_id"]) for row in rows}
+    for event in events:
+        if event["type"] == "ok" and event.get("op") == "write":
+            for lockstring, lock_id, seq in zip(
+                event["ls"], event["ids"], event["seqs"], strict=True
+            ):
+                checks["guarded-writes: acknowledged writes"] += 1
+                if (lockstring, seq, lock_id) not in committed:
+                    found.append(
+                        Violation(
+                            "guarded-writes",
+                            f"{lockstring!r}: write seq {seq} by lock id {lock_id} was "
+                            "acknowledged but is not in the table",
+                            event["t"] - 1,
+                            event["t"],
+                            {lockstring},
+                            {lock_id},
+                        )
+                    )
+    return found
+
+
+def _stale_holders(
+    events: list[Event], holdings: dict[tuple[str, int], Holding], checks: Counter[str]
+) -> list[Violation]:
+    """Operations on a lock that succeeded although another holder had been handed it before
+    they began."""
+    by_id = {holding.lock_id: holding for holding in holdings.values()}
+    successors: dict[str, list[Holding]] = defaultdict(list)
+    for holding in holdings.values():
+        successors[holding.lockstring].append(holding)
+    invoked: dict[tuple[int, str], float] = {}
+    found = []
+    for event in events:
+        if event.get("op") not in {"release", "extend", "write"} or "ids" not in event:
+            continue
+        key = (event["pid"], event["op"])
+        if event["type"] == "invoke":
+            invoked[key] = event["t"]
+            continue
+        began = invoked.pop(key, None)
+        if event["type"] != "ok" or began is None:
+            continue
+        for lock_id in event["ids"]:
+            mine = by_id.get(lock_id)
+            if mine is None:
+                continue
+            checks[f"stale-holder: {event['op']}s"] += 1
+            later = [
+                other
+                for other in successors[mine.lockstring]
+                if other.lock_id > lock_id and other.start < began
+            ]
+            if later:
+                other = min(later, key=lambda holding: holding.start)
+                found.append(
+                    Violation(
+                        "stale-holder",
+                        f"{mine.lockstring!r}: {event['op']} of lock id {lock_id} ({mine.worker}) "
+                        f"succeeded, but lock id {other.lock_id} ({other.worker}) had been handed "
+                        f"the lockstring {began - other.start:.3f}s before it began",
+                        mine.start,
+                        event["t"],
+                        {mine.lockstring},
+                        {lock_id, other.lock_id},
+                    )
+                )
+    return found
+
+
+def _overlaps(intervals: list[tuple[float, float, Any]]) -> list[tuple[Any, Any, float, float]]:
+    """Pairs of intervals (start, end, tag) that overlap, with the overlap."""
+    pairs = []
+    active: list[tuple[float, float, Any]] = []
+    for start, end, tag in sorted(intervals, key=lambda interval: interval[0]):
+        active = [interval for interval in active if interval[1] > start]
+        for other in active:
+            pairs.append((other[2], tag, start, min(end, other[1])))
+        active.append((start, end, tag))
+    return pairs
+
+
+def _exclusion(
+    holdings: dict[tuple[str, int], Holding], checks: Counter[str], origin: float
+) -> list[Violation]:
+    found = []
+    by_lockstring: dict[str, list[tuple[float, float, Holding]]] = defaultdict(list)
+    for holding in _valid(holdings):
+        assert holding.last_valid is not None
+        by_lockstring[holding.lockstring].append((holding.start, holding.last_valid, holding))
+    for lockstring, intervals in sorted(by_lockstring.items()):
+        checks["exclusion: valid intervals"] += len(intervals)
+        for first, second, start, end in _overlaps(intervals):
+            found.append(
+                Violation(
+                    "exclusion",
+                    f"{lockstring!r}: two valid holders at once for {end - start:.3f}s: lock id "
+                    f"{first.lock_id} ({first.worker}, valid until it was seen valid at "
+                    f"{first.last_valid - origin:.3f}) and lock id {second.lock_id} "
+                    f"({second.worker}, acquired at {second.start - origin:.3f})",
+                    first.start,
+                    max(first.last_valid, second.last_valid),
+                    {lockstring},
+                    {first.lock_id, second.lock_id},
+                )
+            )
+    return found
+
+
+def _semaphore(holdings: dict[tuple[str, int], Holding], checks: Counter[str]) -> list[Violation]:
+    prefix = plan.SEMAPHORE + " (permit "
+    permits = sorted(
+        (holding for holding in _valid(holdings) if holding.lockstring.startswith(prefix)),
+        key=lambda holding: holding.start,
+    )
+    checks["semaphore: permits"] += len(permits)
+    found = []
+    active: list[Holding] = []
+    for permit in permits:
+        active = [other for other in active if (other.last_valid or 0) > permit.start]
+        active.append(permit)
+        if len(active) > plan.SEMAPHORE_LIMIT:
+            found.append(
+                Violation(
+                    "semaphore",
+                    f"semaphore {plan.SEMAPHORE!r} (limit {plan.SEMAPHORE_LIMIT}): "
+                    f"{len(active)} valid holders at once: "
+                    + ", ".join(
+                        f"lock id {h.lock_id} ({h.worker}, {h.lockstring})" for h in active
+                    ),
+                    min(h.start for h in active),
+                    permit.start,
+                    {h.lockstring for h in active},
+                    {h.lock_id for h in active},
+                )
+            )
+    return found
+
+
+def _run_families(
+    events: list[Event], settings: plan.Settings, checks: Counter[str], origin: float
+) -> list[Violation]:
+    families: dict[int, list[Event]] = defaultdict(list)
+    for event in events:
+        if event["type"] == "cmd":
+            families[event["id"]].append(event)
+    broken = {
+        event["id"]: event["t"]
+        for event in events
+        if event["type"] == "fault" and event.get("kind") in BREAKS
+    }
+    allowance = settings.expires / 3 + settings.kill_after + RUN_STOP_MARGIN
+    stopped_runners = {
+        event["id"]: (event["t"], event["seconds"])
+        for event in events
+        if event["type"] == "fault" and event.get("kind") == "pause_runner" and event.get("id")
+    }
+    by_lockstring: dict[str, list[tuple[float, float, int]]] = defaultdict(list)
+    for lock_id, family in families.items():
+        times = [event["t"] for event in family]
+        by_lockstring[family[0]["ls"]].append((min(times), max(times), lock_id))
+    found = []
+    for lockstring, intervals in sorted(by_lockstring.items()):
+        checks["run-exclusion: command families"] += len(intervals)
+        ends = {lock_id: end for _, end, lock_id in intervals}
+        for first, second, start, end in _overlaps(intervals):
+            cut = broken.get(first)
+            if cut is not None and ends[first] <= cut + allowance:
+                checks["run-exclusion: overlaps after a break, within the allowance"] += 1
+                continue
+            why = (
+                f"; lock id {first} was broken at {cut - origin:.3f} and its family ran on for "
+                f"{ends[first] - cut:.3f}s after (allowed: {allowance:.3f}s)"
+                if cut is not None
+                else ""
+            )
+            window_start = min(start, cut or start) - settings.expires
+            if first in stopped_runners:
+                stopped_at, seconds = stopped_runners[first]
+                window_start = min(window_start, stopped_at - 0.05)
+                why += (
+                    f"; the sqllocker of lock id {first} was stopped (SIGSTOP) at "
+                    f"{stopped_at - origin:.3f} for {seconds:.3f}s, longer than its expiry "
+                    f"({settings.expires:g}s)"
+                    if seconds > settings.expires
+                    else f"; the sqllocker of lock id {first} was stopped for {seconds:.3f}s"
+                )
+            found.append(
+                Violation(
+                    "run-exclusion",
+                    f"{lockstring!r}: the COMMAND families of lock ids {first} and {second} ran "
+                    f"at once for {end - start:.3f}s{why}",
+                    window_start,
+                    max(ends[first], ends[second]),
+                    {lockstring},
+                    {first, second},
+                )
+            )
+    return found
+
+
+def _decorated(events: list[Event], checks: Counter[str]) -> list[Violation]:
+    stopped: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for event in events:
+        if event["type"] == "fault" and event.get("kind") in {"pause", "kill", "clock"}:
+            stopped[event["target"]].append(
+                (event["t"], event["t"] + event.get("seconds", 0) + 0.5)
+            )
+    entered: dict[int, Event] = {}
+    bodies: dict[str, list[tuple[float, float, Event]]] = defaultdict(list)
+    for event in events:
+        if event["type"] != "deco":
+            continue
+        if event["phase"] == "enter":
+            entered[event["pid"]] = event
+            continue
+        enter = entered.pop(event["pid"], None)
+        if enter is None:
+            continue
+        start, end = enter["t"], event["t"]
+        if any(s < end and start < e for s, e in stopped[event["pid"]]):
+            checks["decorated-exclusion: bodies left out (process stopped)"] += 1
+            continue
+        bodies[event["ls"]].append((start, end, enter))
+    found = []
+    for lockstring, intervals in sorted(bodies.items()):
+        checks["decorated-exclusion: bodies"] += len(intervals)
+        for first, second, start, end in _overlaps(intervals):
+            found.append(
+                Violation(
+                    "decorated-exclusion",
+                    f"{lockstring!r}: decorated bodies of {first['w']} and {second['w']} ran at "
+                    f"once for {end - start:.3f}s",
+                    first["t"],
+                    end,
+                    {lockstring},
+                    pids={first["pid"], second["pid"]},
+                )
+            )
+    return found
+
+
+def _groups(events: list[Event], checks: Counter[str]) -> list[Violation]:
+    found = []
+    for event in events:
+        if event["type"] == "ok" and event.get("op") == "lock_all":
+            checks["groups: granted groups"] += 1
+            if sorted(event["ls"]) != sorted(event["asked"]) or len(set(event["ids"])) != len(
+                event["asked"]
+            ):
+                found.append(
+                    Violation(
+                        "groups",
+                        f"group {event['asked']} was granted {event['ls']} (ids {event['ids']})",
+                        event["t"] - 1,
+                        event["t"],
+                        set(event["asked"]),
+                    )
+                )
+    return found
+
+
+def _liveness(
+    events: list[Event], exits: dict[str, int | None], checks: Counter[str]
+) -> list[Violation]:
+    killed = {
+        event["target"]
+        for event in events
+        if event["type"] == "fault" and event.get("kind") in {"kill", "clock"}
+    }
+    stop = next((event["t"] for event in events if event["type"] == "faults_stop"), None)
+    found = []
+    started = {event["w"]: event for event in events if event["type"] == "start"}
+    for worker, start in sorted(started.items()):
+        if start["pid"] in killed:
+            continue
+        checks["liveness: workers"] += 1
+        mine = [event for event in events if event["w"] == worker and event.get("op") == "liveness"]
+        served = {event.get("sem") or event["ls"] for event in mine if event["type"] == "ok"}
+        wanted = {*plan.LOCKS, plan.SEMAPHORE}
+        status = exits.get(worker)
+        done = any(event["type"] == "done" and event["w"] == worker for event in events)
+        if served >= wanted and done and status == 0:
+            continue
+        missing = sorted(wanted - served)
+        if missing:
+            what = f"was not served {missing} after the faults stopped"
+        elif status is None:
+            what = "did not end, and was killed"
+        else:
+            what = "failed (see its log)"
+        found.append(
+            Violation(
+                "liveness",
+                f"worker {worker} (pid {start['pid']}) {what} (exit status {status})",
+                stop if stop is not None else start["t"],
+                max([event["t"] for event in mine], default=start["t"]),
+                pids={start["pid"]},
+            )
+        )
+    return found

@@ -1,0 +1,105 @@
+"""Libraries broken on purpose, to show that the checker catches what it claims.
+
+A worker process (and the ``sqllocker`` of its ``run`` operations) whose environment names a
+mutant in ``SQLLOCKER_CAMPAIGN_MUTANT`` patches the library in memory before it starts; the
+library itself is never changed. The nemesis and the checker never apply one.
+
+- ``release-skips-guid``: a release deletes the lockstring's row whoever holds it, and never
+  says LockLost (a stale holder's release frees the next holder's lock);
+- ``renewal-revives``: an extend renews the lockstring's row whoever's it is, expired or
+  taken over (a holder that dawdled past its expiry goes on as if it still held the lock);
+- ``run-never-stops``: ``sqllocker run`` never stops its command when the lock is lost;
+- ``semaphore-limit-plus-one``: a semaphore admits one holder more than its limit.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+
+ENVIRONMENT_VARIABLE = "SQLLOCKER_CAMPAIGN_MUTANT"
+MUTANTS = ("release-skips-guid", "renewal-revives", "run-never-stops", "semaphore-limit-plus-one")
+
+_by_lockstring: dict[int, dict[str, Any]] = {}
+
+
+def _statements(operations: Any) -> dict[str, Any]:
+    """This LockOperations' mutant statements, keyed by name (made once: the driver session
+    prepares each statement object once)."""
+    sql = operations._sql
+    found = _by_lockstring.get(id(sql))
+    if found is None:
+        table = sql.table
+        this = table.c.lockstring == sa.bindparam("ls")
+        found = {
+            "release": sa.delete(table).where(this),
+            "extend": sa.update(table)
+            .where(this)
+            .values(expires=operations._be.shifted_now("ttl")),
+            "expires": sa.select(table.c.expires).where(this),
+        }
+        _by_lockstring[id(sql)] = found
+    return found
+
+
+def _release_skipping_guid(
+    self: Any, lockstring: str, lock_id: int, guid: str, hold_at_least: float | None = None
+) -> None:
+    statement = _statements(self)["release"]
+    self._run(lockstring, lambda conn: conn.affected(statement, {"ls": lockstring}))
+
+
+def _extend_reviving(self: Any, lockstring: str, lock_id: int, guid: str, ttl: float) -> datetime:
+    statements = _statements(self)
+
+    def extend(conn: Any) -> Any:
+        params = {"ls": lockstring, "ttl": self._be.seconds_value(ttl)}
+        conn.affected(statements["extend"], params)
+        row = conn.execute(statements["expires"], {"ls": lockstring}).first()
+        return None if row is None else row[0]
+
+    expires: Any = self._run(lockstring, extend)
+    if expires is None:  # no row at all: nothing to revive
+        from sqllocker import LockLost
+
+        raise LockLost(f"mutant: no row of {lockstring!r}", lockstring, lock_id)
+    return expires  # type: ignore[no-any-return]
+
+
+def _never_stop(self: Any) -> None:
+    return None
+
+
+def apply(name: str | None = None) -> str | None:
+    """Apply the mutant ``name`` (else the one the environment names); returns its name."""
+    name = name or os.environ.get(ENVIRONMENT_VARIABLE) or None
+    if name is None:
+        return None
+    if name not in MUTANTS:
+        raise SystemExit(f"unknown mutant {name!r}; one of {', '.join(MUTANTS)}")
+    from sqllocker.operations import LockOperations
+
+    if name == "release-skips-guid":
+        LockOperations.release = _release_skipping_guid  # type: ignore[method-assign]
+    elif name == "renewal-revives":
+        LockOperations.extend = _extend_reviving  # type: ignore[method-assign]
+    elif name == "run-never-stops":
+        from sqllocker import runner
+
+        runner._Group.stop = _never_stop  # type: ignore[method-assign]
+    else:
+        from sqllocker import semaphore
+        from sqllocker.asyncio import semaphore as async_semaphore
+
+        original = semaphore.check_semaphore
+
+        def one_more(name: object, limit: object) -> tuple[str, int]:
+            checked, checked_limit = original(name, limit)
+            return checked, checked_limit + 1
+
+        semaphore.check_semaphore = one_more  # type: ignore[assignment]
+        async_semaphore.check_semaphore = one_more  # type: ignore[assignment]
+    return name

@@ -1,0 +1,330 @@
+"""The nemesis: faults at moments and of kinds drawn from the campaign's seed, each recorded in
+the history (``fault``, and ``fault_end`` when it is undone), until the faults stop.
+
+Kinds: ``kill`` (SIGKILL a worker; the campaign starts it again), ``clock`` (the same, and it
+comes back in a time namespace whose boot-time clock, which sqllocker keeps validity on, is
+up to a day ahead of the host's; where time namespaces can be made), ``pause`` (SIGSTOP a
+worker, SIGCONT later, at times past its locks' expiry), ``pause_runner`` (the same to the
+sqllocker of a ``run`` in progress), ``break`` (``Locker.break_lock`` of a held lock),
+``release_force`` (``sqllocker release --force --id``), ``purge`` (``sqllocker purge-expired``
+running beside), and through the stall proxy on the servers: ``stall`` (a silent network for
+a while), ``cut`` (every connection reset) and ``lose_answer`` (the next statement on the lock table
+reaches the server, its answer is lost, and the network stays silent for a while: an acquire
+whose row is in, or a release or renewal done, and a client that cannot know it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from sqllocker import Locker, LockError
+from sqllocker.permits import permit_lockstring
+from tests.campaign import plan
+from tests.campaign.database import LOCK_TABLE
+from tests.campaign.history import History, now
+from tests.stall_proxy import StallProxy
+
+T = TypeVar("T")
+OPERATOR_TIMEOUT = 300.0
+
+
+@dataclass(frozen=True)
+class Fault:
+    offset: float  # seconds after the campaign began
+    kind: str
+    pick: float  # which target, as a fraction of those there are then
+    fraction: float  # how long, as a fraction of the kind's range
+
+
+def schedule(settings: plan.Settings) -> list[Fault]:
+    """The faults of the whole campaign, from the seed alone: the same list on every run."""
+    rng = plan.nemesis_rng(settings.seed)
+    kinds = settings.fault_kinds()
+    faults, offset = [], 0.0
+    while kinds:
+        offset += rng.uniform(*settings.fault_gap)
+        if offset >= settings.seconds:
+            break
+        faults.append(Fault(offset, rng.choice(kinds), rng.random(), rng.random()))
+    return faults
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux ``/proc``)."""
+    found: list[int] = []
+    pending = [pid]
+    while pending:
+        parent = pending.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            with suppress(OSError):
+                children = [int(child) for child in (task / "children").read_text().split()]
+                found += children
+                pending += children
+    return found
+
+
+def command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def run_lock_id(runner: int) -> int | None:
+    """The fencing token of the lock a ``sqllocker run`` holds, as its command was given it."""
+    for pid in descendants(runner):
+        try:
+            environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for entry in environment:
+            if entry.startswith(b"SQLLOCKER_LOCK_ID="):
+                return int(entry.partition(b"=")[2])
+    return None
+
+
+class Nemesis:
+    def __init__(
+        self,
+        settings: plan.Settings,
+        history_path: Path,
+        url: str,
+        workers: Callable[[], dict[int, int]],
+        proxy: StallProxy | None,
+        step_clock_of: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.history = History(history_path, "nemesis")
+        self.url = url
+        self.workers = workers  # worker number -> pid of the live ones
+        self.proxy = proxy
+        self.step_clock_of = step_clock_of  # (worker, seconds): its next boot clock that far ahead
+        self.locker = Locker(url, table=LOCK_TABLE, expires=settings.expires, grace=settings.grace)
+        self.schedule = schedule(settings)
+        self._pick = 0.0  # this fault's draws: which target, and how long (as fractions)
+        self._fraction = 0.0
+        self.counts: Counter[str] = Counter()
+        self.undo: list[tuple[float, str, Callable[[], None], dict[str, object]]] = []
+        self.purges: list[subprocess.Popen[bytes]] = []
+        self.operators: list[threading.Thread] = []
+
+    def run(self, began: float, until: float) -> None:
+        """Inject the scheduled faults (offsets from ``began``) until ``until`` (monotonic),
+        then undo every one still in force."""
+        pending = list(self.schedule)
+        while now() < until:
+            self._undo_due(now())
+            if pending and now() >= began + pending[0].offset:
+                fault = pending.pop(0)
+                self._pick, self._fraction = fault.pick, fault.fraction
+                injected = sum(self.counts.values())
+                getattr(self, fault.kind.replace("break", "break_"))()
+                if sum(self.counts.values()) == injected:
+                    self.pause()  # nothing for that kind to act on now (no lock held, say)
+            time.sleep(0.02)
+        self.stop()
+
+    def _choose(self, items: list[T]) -> T:
+        return items[min(int(self._pick * len(items)), len(items) - 1)]
+
+    def _seconds(self, shortest: float, longest: float) -> float:
+        return shortest + self._fraction * (longest - shortest)
+
+    def stop(self) -> None:
+        self._undo_due(float("inf"))
+        if self.proxy is not None:
+            # A lost answer armed just before its undo can stall the proxy after it: undone here.
+            self.proxy.stop_losing()
+            self.proxy.resume()
+        for purge in self.purges:
+            with suppress(subprocess.TimeoutExpired):
+                purge.wait(30)
+        for operator in self.operators:
+            operator.join(OPERATOR_TIMEOUT)
+        self.history.record("faults_stop", counts=dict(self.counts))
+        self.locker.close()
+
+    def _undo_due(self, moment: float) -> None:
+        due = [entry for entry in self.undo if entry[0] <= moment]
+        self.undo = [entry for entry in self.undo if entry[0] > moment]
+        for _, kind, action, fields in sorted(due, key=lambda entry: entry[0]):
+            action()
+            self.history.record("fault_end", kind=kind, **fields)
+
+    def _count(self, kind: str, **fields: object) -> float:
+        self.counts[kind] += 1
+        return self.history.record("fault", kind=kind, **fields)
+
+    # -- the faults ---------------------------------------------------------------------------
+
+    def _pick_worker(self) -> tuple[int, int] | None:
+        live = sorted(self.workers().items())
+        return self._choose(live) if live else None
+
+    def kill(self) -> None:
+        picked = self._pick_worker()
+        if picked is None:
+            return
+        number, pid = picked
+        self._count("kill", worker=number, target=pid)
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+    def clock(self) -> None:
+        picked = self._pick_worker()
+        if picked is None or self.step_clock_of is None:
+            return
+        number, pid = picked
+        seconds = int(self._seconds(1, 86400))
+        self._count("clock", worker=number, target=pid, boottime_ahead=seconds)
+        self.step_clock_of(number, seconds)
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+    def pause(self) -> None:
+        picked = self._pick_worker()
+        if picked is None:
+            return
+        number, pid = picked
+        self._stop_for(pid, "pause", worker=number)
+
+    def pause_runner(self) -> None:
+        runners = [
+            pid
+            for worker in self.workers().values()
+            for pid in descendants(worker)
+            if "tests.campaign.sqllocker_cli" in command_line(pid)
+        ]
+        if not runners:
+            return
+        runner = self._choose(sorted(runners))
+        self._stop_for(runner, "pause_runner", id=run_lock_id(runner))
+
+    def _stop_for(self, pid: int, kind: str, **fields: object) -> None:
+        longest = 2 * (self.settings.expires + self.settings.grace)
+        seconds = self._seconds(0.1, longest)
+        self._count(kind, target=pid, seconds=seconds, **fields)
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
+
+        def resume() -> None:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+        self.undo.append((now() + seconds, kind, resume, {"target": pid, **fields}))
+
+    def _held(self) -> tuple[str, int] | None:
+        """A live lock to break, among those held now (not the decorator's: its body has no
+        handle to learn of the loss, so the checker would see a second holder it was promised
+        nothing about)."""
+        breakable = {
+            *plan.LOCKS,
+            *plan.RUN_LOCKS,
+            *(permit_lockstring(plan.SEMAPHORE, slot) for slot in range(plan.SEMAPHORE_LIMIT)),
+        }
+        try:
+            held = [info for info in self.locker.locks() if not info.expired]
+        except LockError:
+            return None
+        candidates = sorted(
+            (info.lockstring, info.lock_id) for info in held if info.lockstring in breakable
+        )
+        return self._choose(candidates) if candidates else None
+
+    def break_(self) -> None:
+        held = self._held()
+        if held is None:
+            return
+        lockstring, lock_id = held
+        self._count("break", ls=lockstring, id=lock_id)
+        self._beside("break", lockstring, lock_id, lambda: self._break(lockstring, lock_id))
+
+    def _break(self, lockstring: str, lock_id: int) -> dict[str, object]:
+        try:
+            broken = self.locker.break_lock(lockstring, lock_id)
+        except LockError as error:
+            return {"error": str(error)[:300]}
+        return {"broken": broken is not None}
+
+    def release_force(self) -> None:
+        held = self._held()
+        if held is None:
+            return
+        lockstring, lock_id = held
+        self._count("release_force", ls=lockstring, id=lock_id)
+        command = [*self._cli(), "release", "--force", "--id", str(lock_id), lockstring]
+
+        def release() -> dict[str, object]:
+            done = subprocess.run(
+                command, capture_output=True, text=True, timeout=OPERATOR_TIMEOUT, check=False
+            )
+            return {"status": done.returncode, "said": done.stderr.strip()[-300:]}
+
+        self._beside("release_force", lockstring, lock_id, release)
+
+    def _beside(
+        self, kind: str, lockstring: str, lock_id: int, act: Callable[[], dict[str, object]]
+    ) -> None:
+        """An operator's break, run beside the nemesis's schedule (it waits as long as the
+        database makes it, behind a guarded transaction say), recorded when it ends."""
+        began = now()
+
+        def operate() -> None:
+            outcome = act()
+            self.history.record(
+                "fault_end", kind=kind, ls=lockstring, id=lock_id, seconds=now() - began, **outcome
+            )
+
+        thread = threading.Thread(target=operate, name=f"nemesis {kind}", daemon=True)
+        thread.start()
+        self.operators.append(thread)
+
+    def purge(self) -> None:
+        self._count("purge")
+        self.purges = [purge for purge in self.purges if purge.poll() is None]
+        grace = str(self.settings.grace)
+        self.purges.append(
+            subprocess.Popen(
+                [*self._cli(), "purge-expired", "--grace", grace, "--pause-ratio", "0"],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+
+    def stall(self) -> None:
+        assert self.proxy is not None
+        seconds = self._seconds(0.1, 2 * (self.settings.expires + self.settings.grace))
+        self._count("stall", seconds=seconds)
+        self.proxy.stall()
+        self.undo.append((now() + seconds, "stall", self.proxy.resume, {}))
+
+    def lose_answer(self) -> None:
+        assert self.proxy is not None
+        seconds = self._seconds(0.1, 2 * (self.settings.expires + self.settings.grace))
+        self._count("lose_answer", seconds=seconds)
+        self.proxy.lose_answer_to(LOCK_TABLE.encode(), then_stall=True)
+        self.undo.append((now() + seconds, "lose_answer", self._stop_losing, {}))
+
+    def _stop_losing(self) -> None:
+        assert self.proxy is not None
+        self.proxy.stop_losing()
+        self.proxy.resume()
+
+    def cut(self) -> None:
+        assert self.proxy is not None
+        self._count("cut", connections=self.proxy.cut_all())
+
+    def _cli(self) -> list[str]:
+        cli = "from sqllocker.cli import main; main()"
+        return [sys.executable, "-c", cli, "--url", self.url, "--table", LOCK_TABLE]

@@ -1,0 +1,83 @@
+"""What both kinds of worker share: their configuration, how an operation's outcome is written
+to the history, and the choice of the next operation."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from sqllocker import LockBusy, LockError, LockLost
+from tests.campaign.history import History
+
+# How often each operation is drawn, relative to the others (a dawdle takes seconds).
+WEIGHTS = {"dawdle": 0.3, "run_command": 0.7, "hold_at_least": 0.5}
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    url: str
+    table: str
+    history: str
+    number: int
+    incarnation: int
+    seed: int
+    chaos_end_file: str  # holds when the faults stop (CLOCK_MONOTONIC), once all are ready
+    expires: float
+    grace: float
+    kill_after: float
+    liveness_wait: float
+    operations: list[str]
+
+    @property
+    def name(self) -> str:
+        return f"w{self.number}.{self.incarnation}"
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__)
+
+
+def wait_for_chaos_end(config: WorkerConfig) -> float:
+    """When the faults stop, once the campaign has written it: it starts its clock only when
+    every first worker is ready, so that slow starts (imports on a loaded machine) take no
+    time from the campaign."""
+    path = Path(config.chaos_end_file)
+    while True:
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            text = ""
+        if text.endswith("\n"):
+            return float(text)
+        time.sleep(0.05)
+
+
+def parse_config(argv: list[str] | None) -> WorkerConfig:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("config")
+    return WorkerConfig(**json.loads(parser.parse_args(argv).config))
+
+
+def next_operation(rng: random.Random, operations: list[str]) -> str:
+    weights = [WEIGHTS.get(op, 1.0) for op in operations]
+    return rng.choices(operations, weights)[0]
+
+
+def outcome(history: History, op: str, error: BaseException, **fields: Any) -> None:
+    """Record how an operation ended with ``error``: ``fail`` when it certainly did not take
+    effect or the lock is known lost, ``info`` when the outcome is unknown."""
+    kind = type(error).__name__
+    if isinstance(error, LockBusy):
+        history.record("fail", op=op, error=kind, **fields)
+    elif isinstance(error, LockLost):
+        history.record("fail", op=op, error=kind, lost=True, **fields)
+    elif isinstance(error, (LockError, sa.exc.SQLAlchemyError, OSError, TimeoutError)):
+        history.record("info", op=op, error=kind, message=str(error)[:200], **fields)
+    else:
+        raise error

@@ -1,0 +1,103 @@
+"""The fault campaign (``tests/campaign``) in the suite: a short campaign on each backend, and
+campaigns against libraries broken on purpose, which the checker must catch.
+
+The short campaigns run a fixed seed per backend, and one fresh seed (printed, and named in the
+test's id) on a backend it picks; a failure prints the campaign's report, whose windows of
+history show each violation, and ``python -m tests.campaign --backend B --seed N`` replays its
+schedule.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.campaign.found import FOUND, Found
+from tests.conftest import BACKENDS
+
+ROOT = Path(__file__).resolve().parents[1]
+SECONDS = 6
+FIXED_SEEDS = {"sqlite": 101, "postgresql": 202, "mysql": 303}
+FRESH_SEED = random.SystemRandom().randrange(1, 10**6)
+SUMMARY = re.compile(
+    r"^campaign: (\w+) seed (\d+): (\d+) operations, (\d+) faults, (\d+) violations$"
+)
+
+
+def campaign(backend: str, seed: int, *options: str, seconds: float = SECONDS) -> tuple[int, str]:
+    command = [sys.executable, "-m", "tests.campaign", "--backend", backend, "--seed", str(seed)]
+    command += ["--seconds", str(seconds), *options]
+    done = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False
+    )
+    return done.returncode, done.stdout + done.stderr[-3000:]
+
+
+def summary(output: str) -> re.Match[str]:
+    lines = [line for line in output.splitlines() if line.startswith("campaign: ")]
+    found = SUMMARY.match(lines[-1]) if lines else None
+    assert found is not None, output
+    return found
+
+
+@pytest.mark.parametrize(
+    ("backend", "seed"),
+    [
+        *FIXED_SEEDS.items(),
+        (BACKENDS[FRESH_SEED % len(BACKENDS)], FRESH_SEED),
+    ],
+    ids=[*(f"{b}-seed{s}" for b, s in FIXED_SEEDS.items()), f"fresh-seed{FRESH_SEED}"],
+)
+def test_a_short_campaign_finds_no_violation(
+    backend: str, seed: int, request: pytest.FixtureRequest
+) -> None:
+    if backend != "sqlite":
+        request.getfixturevalue(f"{backend}_url")  # skips (or fails under CI) if unreachable
+    print(f"campaign: {backend} seed {seed}")
+    status, output = campaign(backend, seed)
+    found = summary(output)
+    assert found.group(1, 2) == (backend, str(seed))
+    assert int(found.group(3)) > 0, output  # operations
+    assert int(found.group(4)) > 0, output  # faults
+    assert (status, found.group(5)) == (0, "0"), output
+
+
+# Holders that dawdle past their expiry, or are stopped past it, and others taking over.
+STALE_HOLDERS = (
+    "--operations=dawdle,lock_wait,lock_nowait --faults=pause --fault-gap=0.3,1 --workers=6"
+)
+# Each mutant with the operations and faults that give it its chance, and what must catch it.
+MUTANTS = {
+    "release-skips-guid": (STALE_HOLDERS, {"stale-holder", "exclusion"}),
+    "renewal-revives": (STALE_HOLDERS, {"stale-holder", "exclusion"}),
+    "run-never-stops": (
+        "--operations=run_command --faults=break --fault-gap=0.3,0.8 --workers=6",
+        {"run-exclusion"},
+    ),
+    "semaphore-limit-plus-one": ("--operations=semaphore --faults=purge", {"semaphore"}),
+}
+
+
+@pytest.mark.parametrize("mutant", sorted(MUTANTS))
+def test_the_checker_catches_a_broken_library(mutant: str) -> None:
+    options, catchers = MUTANTS[mutant]
+    status, output = campaign("sqlite", 7, "--mutant", mutant, *options.split(), seconds=20)
+    caught = set(re.findall(r"^VIOLATION \d+ \[([\w-]+)\]", output, re.MULTILINE))
+    assert status == 1, output
+    assert int(summary(output).group(5)) > 0, output
+    assert caught & catchers, output
+    # Each violation shown comes with its window of history.
+    assert re.search(r"^VIOLATION .*\n  +\d", output, re.MULTILINE), output
+
+
+@pytest.mark.parametrize("found", FOUND, ids=[f"{f.backend}-seed{f.seed}" for f in FOUND])
+def test_a_campaign_that_found_a_bug_finds_none(found: Found) -> None:
+    status, output = campaign(
+        found.backend, found.seed, *found.options.split(), seconds=found.seconds
+    )
+    assert status == 0, f"{found.showed}\n{output}"
