@@ -64,6 +64,9 @@ class Holding:
         self.held = True
         self.lost: LockLost | None = None
         self.on_lost = on_lost
+        # Kept alive (``keep_alive()``): its on_lost is owed once for a loss, whoever meets it
+        # first, the keep-alive or the holder's own release.
+        self.kept_alive = False
         # Seconds from the row's creation that a release keeps it for (see Locker.lock).
         self.hold_at_least: float | None = None
         self.valid_until = sent_at + ttl - safety_margin(ttl)
@@ -135,6 +138,15 @@ class Holding:
         if self.held:
             self.mark_lost(lost)
         raise lost
+
+    def released_lost(self, lost: LockLost) -> None:
+        """The release found the row no longer ours: the lock is neither held nor kept alive
+        any more. A kept-alive lock whose keep-alive had not yet seen the loss is marked lost
+        here, so that its on_lost is called (once: ``mark_lost``)."""
+        self.held = False
+        if self.kept_alive:
+            self.mark_lost(lost)
+        self.leave_place()
 
     def mark_lost(self, lost: LockLost) -> bool:
         """Record that the lock is lost; call on_lost the first time. True if this was the first."""

@@ -115,9 +115,8 @@ class AsyncLockState(Holding):
                     self.operations.release(
                         self.lockstring, self.lock_id, self.guid, self.hold_at_least
                     )
-            except LockLost:
-                self.held = False
-                self.leave_place()
+            except LockLost as lost:
+                self.released_lost(lost)
                 raise
             self.held = False
             self.leave_place()
@@ -283,9 +282,11 @@ class AsyncLock(LockHandle[AsyncLockState]):
         the lock is found gone or its deadline passes without a successful renewal, which is
         always before anyone else can take it over.
         """
+        state = self._state
         if on_lost is not None:
-            self._state.on_lost = on_lost
-        self._state.keep_alives.add(self._state)
+            state.on_lost = on_lost
+        state.kept_alive = state.held and state.lost is None
+        state.keep_alives.add(state)
         return self
 
     async def guard(self, connection: AsyncConnection) -> None:
