@@ -743,3 +743,101 @@ def test_lost_is_never_silent_for_an_unlocked_lost_lock(locker: Locker) -> None:
     # The with-block form of scenario 2, in-process: the lock is broken under a running body.
     with pytest.raises(LockLost), locker.lock("job", expires=5, keep_alive=True):
         locker.break_lock("job")
+
+
+# -- 8. an acquire's answer lost, and an outage past the row's expiry ----------------------------
+
+
+class AcquirerThroughProxy:
+    """A Locker (sync, or an AsyncLocker on an event loop of its own) that waits for a lock
+    on a thread, reports it (``acquired``) and holds it until ``finish``."""
+
+    def __init__(self, url: str, table_name: str, front: str, **lock_options: Any) -> None:
+        self.acquired = threading.Event()
+        self.result: dict[str, Any] = {}
+        self._done = threading.Event()
+        self._url, self._table, self._options = url, table_name, lock_options
+        target = self._in_asyncio if front == "asyncio" else self._in_thread
+        self._thread = threading.Thread(target=target)
+        self._thread.start()
+
+    def _report(self, lock: Any) -> None:
+        self.result.update(lock_id=lock.lock_id, valid=lock.is_valid())
+
+    def _in_thread(self) -> None:
+        locker = Locker(self._url, table=self._table, grace=GRACE)
+        try:
+            lock = locker.lock("job", **self._options)
+            self._report(lock)
+            self.acquired.set()
+            self._done.wait(60)
+            lock.unlock()
+        except BaseException as error:
+            self.result["error"] = error
+        finally:
+            self.acquired.set()
+            locker.close()
+
+    def _in_asyncio(self) -> None:
+        async def hold() -> None:
+            locker = AsyncLocker(async_url(self._url), table=self._table, grace=GRACE)
+            try:
+                lock = await locker.lock("job", **self._options)
+                self._report(lock)
+                self.acquired.set()
+                await asyncio.to_thread(self._done.wait, 60)
+                await lock.unlock()
+            finally:
+                await locker.aclose()
+
+        try:
+            asyncio.run(hold())
+        except BaseException as error:
+            self.result["error"] = error
+        finally:
+            self.acquired.set()
+
+    def finish(self) -> None:
+        self._done.set()
+        self._thread.join(60)
+
+
+@pytest.mark.parametrize("front", ["sync", "asyncio"])
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_an_acquire_whose_answer_was_lost_never_returns_its_own_expired_row(
+    url: str, table_name: str, make_locker: Any, backend: str, front: str
+) -> None:
+    """A waiting acquire's INSERT commits and its answer is lost; the outage lasts past the
+    row's expiry and grace. When the network comes back, the acquire finds its own row, by its
+    guid, expired: taken as the lock, it would be held twice (anyone may take an expired row
+    over). The acquire must take it over (a new id) or go on waiting: whatever it returns is a
+    live row, which nobody else can take meanwhile."""
+    contender = make_locker(grace=GRACE)
+    target = resolve_url(url)
+    proxy = StallProxy(target.port or (5432 if backend == "postgresql" else 3306))
+    through_proxy = target.set(host="127.0.0.1", port=proxy.port)
+    expires = 1.0
+    proxy.lose_answer_to(b"INSERT INTO " + table_name.encode(), then_stall=True)
+    acquirer = AcquirerThroughProxy(
+        through_proxy.render_as_string(hide_password=False),
+        table_name,
+        front,
+        expires=expires,
+        wait=60,
+    )
+    try:
+        wait_until(lambda: proxy.answers_lost == 1, timeout=30)
+        [first] = contender.locks()  # committed, its answer lost
+        time.sleep(expires + GRACE + 1.0)  # the outage outlasts its expiry and grace
+        assert contender.locks()[0].expired
+        proxy.resume()
+        assert acquirer.acquired.wait(60)
+        assert "error" not in acquirer.result, acquirer.result.get("error")
+        # The acquirer holds the lock now: nobody else can take it.
+        assert contender.try_lock("job") is None, "two holders at once"
+        assert acquirer.result["valid"]
+        assert acquirer.result["lock_id"] > first.lock_id  # taken over: a new fencing token
+    finally:
+        acquirer.finish()
+        proxy.close()
+    assert "error" not in acquirer.result, acquirer.result.get("error")

@@ -27,7 +27,9 @@ from sqllocker import (
 )
 from sqllocker.asyncio import AsyncLocker
 from sqllocker.engine import resolve_url
+from sqllocker.identity import holder_details, new_guid
 from sqllocker.migrations import upgrade
+from sqllocker.operations import Acquired, Refused
 from sqllocker.schema import ID_ORDER_STRIPES
 from tests.helpers import count_rows, figure
 from tests.private_servers import PrivateMariaDB, running_private_server
@@ -632,3 +634,33 @@ def test_on_lost_is_called_once_for_a_holder_stopped_past_expiry_and_taken_over(
     assert len(lost.calls) == 1
     assert taken.is_valid()
     taken.unlock()
+
+
+# -- an acquire that finds its own row (its earlier attempt's answer lost) ------------------------
+
+
+def test_an_acquire_counts_its_own_row_only_while_it_is_live(make_locker: Any) -> None:
+    """An attempt whose INSERT committed and whose answer was lost leaves a row under the
+    acquire's guid, which its next attempt finds. Live, it is the lock. Expired, it is no
+    longer anyone's: within grace it refuses the acquire (which, waiting, tries again), and
+    beyond grace it is taken over, with a new id, as anyone else's would be; taken as the
+    lock, it could be taken over by another at the same moment."""
+    locker, contender = make_locker(grace=2.0), make_locker(grace=2.0)
+    operations = locker._operations
+    guid = new_guid()
+    first = operations.try_acquire("job", guid, 1.0, holder_details({}))
+    assert isinstance(first, Acquired)
+    again = operations.try_acquire("job", guid, 1.0, holder_details({}))
+    assert isinstance(again, Acquired)  # live: ours, as it stands
+    assert again.lock_id == first.lock_id
+    time.sleep(1.5)  # expired, within grace
+    refused = operations.try_acquire("job", guid, 1.0, holder_details({}))
+    assert isinstance(refused, Refused)
+    time.sleep(2.0)  # beyond grace
+    taken = operations.try_acquire("job", guid, 30.0, holder_details({}))
+    assert isinstance(taken, Acquired)
+    assert taken.lock_id > first.lock_id
+    assert contender.try_lock("job") is None
+    [row] = locker.locks()
+    assert row.lock_id == taken.lock_id
+    assert not row.expired
