@@ -89,10 +89,14 @@ class LockState(Holding):
         counts as held, so that unlock() can be tried again, but it is no longer kept alive: a
         holder that has stopped working must not keep others out beyond the expiry.
         """
-        with self.op_lock:  # waits for a renewal in flight
+        # Waits for a renewal in flight, but not past the lock's expiry: one stuck on a frozen
+        # server would hold the release for the driver's timeout, or for ever.
+        with concurrency.turn_within(self.op_lock, self.release_patience) as turn:
             if not self.held:
                 return
             self.keep_alives.remove(self)
+            if not turn:
+                raise self.release_gave_up()
             try:
                 # Every cycle's release: called straight, not through ``run``.
                 self.operations.release(

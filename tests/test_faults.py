@@ -841,3 +841,137 @@ def test_an_acquire_whose_answer_was_lost_never_returns_its_own_expired_row(
         acquirer.finish()
         proxy.close()
     assert "error" not in acquirer.result, acquirer.result.get("error")
+
+
+# -- 9. unlock() behind a renewal stuck on a frozen connection -----------------------------------
+
+
+@pytest.mark.parametrize("front", ["sync", "asyncio"])
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_unlock_behind_a_stuck_renewal_ends_within_the_locks_life(
+    url: str, table_name: str, make_locker: Any, backend: str, front: str
+) -> None:
+    """A frozen server or pooler (the kernel still acknowledges; the proxy holds every byte)
+    leaves a renewal with no answer until the driver's 60 s read or statement timeout. Neither
+    the renewal nor an unlock() behind it may outlast the lock's own life (4 s here) by more
+    than a few seconds: unlock() ends with a LockError (the lock could not be confirmed
+    released, and has expired) or success, and the lock is lost either way once expired."""
+    make_locker()  # creates the table
+    target = resolve_url(url)
+    proxy = StallProxy(target.port or (5432 if backend == "postgresql" else 3306))
+    through_proxy = target.set(host="127.0.0.1", port=proxy.port).render_as_string(
+        hide_password=False
+    )
+    expires = 4.0
+    lost: list[LockLost] = []
+    outcome: dict[str, Any] = {}
+    # libpq has no read timeout: without this, a stuck PostgreSQL statement would never end.
+    rescue = threading.Timer(90, proxy.close)
+    rescue.daemon = True
+    rescue.start()
+
+    async def in_asyncio() -> None:
+        locker = AsyncLocker(async_url(through_proxy), table=table_name, grace=GRACE)
+        try:
+            lock = await locker.lock("job", expires=expires, keep_alive=True, on_lost=lost.append)
+            proxy.stall()
+            await asyncio.sleep(expires / 3 + 0.5)  # the first renewal is stuck now
+            started = time.monotonic()
+            try:
+                await lock.unlock()
+            except LockError as error:
+                outcome["error"] = error
+            outcome["took"] = time.monotonic() - started
+        finally:
+            proxy.close()  # lets the stuck statements fail
+            await locker.aclose()
+
+    try:
+        if front == "asyncio":
+            asyncio.run(in_asyncio())
+        else:
+            locker = Locker(through_proxy, table=table_name, grace=GRACE)
+            try:
+                lock = locker.lock("job", expires=expires, keep_alive=True, on_lost=lost.append)
+                proxy.stall()
+                time.sleep(expires / 3 + 0.5)  # the first renewal is stuck now
+                started = time.monotonic()
+                try:
+                    lock.unlock()
+                except LockError as error:
+                    outcome["error"] = error
+                outcome["took"] = time.monotonic() - started
+            finally:
+                proxy.close()
+                locker.close()
+    finally:
+        rescue.cancel()
+        proxy.close()
+    assert outcome["took"] < 30, outcome  # against the 60 s read or statement timeout
+    assert isinstance(outcome.get("error"), LockLost), outcome
+    assert len(lost) == 1
+    figure(
+        "unlock behind a stuck renewal",
+        f"{backend} {front}",
+        f"expiry {expires}s: unlock() ended in {outcome['took']:.1f}s, "
+        f"{type(outcome.get('error')).__name__}",
+    )
+
+
+@pytest.mark.parametrize("front", ["sync", "asyncio"])
+@pytest.mark.parametrize("backend", ["sqlite"])
+def test_unlock_behind_a_renewal_stuck_on_a_busy_sqlite_database_ends_within_the_locks_life(
+    url: str, table_name: str, make_locker: Any, backend: str, front: str
+) -> None:
+    """SQLite's twin of the frozen server: another process's write transaction left open (its
+    process stopped, say) holds the renewal for the 60 s busy timeout; unlock() behind it ends
+    with LockLost once the lock has expired."""
+    make_locker()  # creates the table
+    blocker = sa.create_engine(resolve_url(url)).connect()
+    expires = 4.0
+    lost: list[LockLost] = []
+    outcome: dict[str, Any] = {}
+
+    def block() -> None:
+        blocker.exec_driver_sql("BEGIN IMMEDIATE")
+
+    async def in_asyncio() -> None:
+        locker = AsyncLocker(async_url(url), table=table_name, grace=GRACE)
+        try:
+            lock = await locker.lock("job", expires=expires, keep_alive=True, on_lost=lost.append)
+            block()
+            await asyncio.sleep(expires / 3 + 0.5)  # the first renewal is stuck now
+            started = time.monotonic()
+            try:
+                await lock.unlock()
+            except LockError as error:
+                outcome["error"] = error
+            outcome["took"] = time.monotonic() - started
+        finally:
+            blocker.rollback()
+            await locker.aclose()
+
+    try:
+        if front == "asyncio":
+            asyncio.run(in_asyncio())
+        else:
+            locker = Locker(url, table=table_name, grace=GRACE)
+            try:
+                lock = locker.lock("job", expires=expires, keep_alive=True, on_lost=lost.append)
+                block()
+                time.sleep(expires / 3 + 0.5)  # the first renewal is stuck now
+                started = time.monotonic()
+                try:
+                    lock.unlock()
+                except LockError as error:
+                    outcome["error"] = error
+                outcome["took"] = time.monotonic() - started
+            finally:
+                blocker.rollback()
+                locker.close()
+    finally:
+        blocker.close()
+        blocker.engine.dispose()
+    assert outcome["took"] < 30, outcome  # against the 60 s busy timeout
+    assert isinstance(outcome.get("error"), LockLost), outcome
+    assert len(lost) == 1

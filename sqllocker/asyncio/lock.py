@@ -97,10 +97,14 @@ class AsyncLockState(Holding):
         counts as held, so that unlock() can be tried again, but it is no longer kept alive: a
         holder that has stopped working must not keep others out beyond the expiry.
         """
-        async with self.op_lock:  # waits for a renewal in flight
+        # Waits for a renewal in flight, but not past the lock's expiry: one stuck on a frozen
+        # server would hold the release for the driver's timeout, or for ever.
+        async with concurrency.turn_within(self.op_lock, self.release_patience) as turn:
             if not self.held:
                 return
             self.keep_alives.remove(self)
+            if not turn:
+                raise self.release_gave_up()
             try:
                 if True:  # ASYNC
                     await self.run(
@@ -136,7 +140,19 @@ class AsyncLockState(Holding):
                 return
             # Set before it starts: a release that fails at once clears it again.
             flight = self.releasing = concurrency.InFlight(f"release {self.lockstring!r}")
-            await flight.run(self._release_in_flight())
+            if not self.op_lock.locked():
+                await flight.run(self._release_in_flight())
+                return
+            # Behind a statement of the lock's in flight (a renewal, which may be stuck on a
+            # frozen server, and whose cancellation may wait on it too): waited for no longer
+            # than the lock lives. The release goes on by itself, and finds the lock let go.
+            try:
+                await asyncio.wait_for(
+                    flight.run(self._release_in_flight()), self.release_patience()
+                )
+            except asyncio.TimeoutError:
+                self.keep_alives.remove(self)
+                raise self.release_gave_up() from None
 
         async def _release_in_flight(self) -> None:
             try:
