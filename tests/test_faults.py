@@ -178,6 +178,29 @@ def test_frozen_holder_finds_its_lock_lost_and_its_writes_fenced(
     )
 
 
+def test_a_holder_stopped_past_expiry_and_taken_over_is_told_once_whoever_finds_out(
+    url: str, make_locker: Any, backend: str
+) -> None:
+    """The holder is stopped past its lock's expiry, another takes the lock over, and the
+    holder's unlock() runs as soon as it resumes, racing its own keep-alive thread, which wakes
+    at the same moment: whichever finds the loss first, on_lost is called once."""
+    contender = make_locker(grace=GRACE)
+    for trial in range(4):
+        holder = Holder(url, contender.table_name, "job", "--expires", "1", "--keep-alive")
+        try:
+            holder.read()
+            holder.process.send_signal(signal.SIGSTOP)
+            new = contender.lock("job", wait=30)
+            holder.send("unlock")  # read the moment it resumes
+            holder.process.send_signal(signal.SIGCONT)
+            report = holder.read()
+        finally:
+            holder.finish()
+        assert report["unlock"] == "LockLost", f"trial {trial}"
+        assert report["on_lost_called"] == 1, f"trial {trial}"
+        new.unlock()
+
+
 # -- 3. database restarted ------------------------------------------------------------------------
 
 
