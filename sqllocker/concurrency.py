@@ -27,6 +27,33 @@ T = TypeVar("T")
 Event = threading.Event
 # Reentrant: an on_lost callback, called while an extend holds the lock, may unlock().
 OpLock = threading.RLock
+
+
+class turn_within:
+    """``lock`` (an OpLock), held while the block runs if it came free within ``patience()``
+    seconds (asked only if it is not free at once); the block is told whether it did. (In
+    asyncio the wait is plain: the caller bounds the whole release instead, see
+    ``AsyncLockState.release``.)"""
+
+    __slots__ = ("_acquired", "_lock", "_patience")
+
+    def __init__(self, lock: Any, patience: Callable[[], float]) -> None:
+        self._lock = lock
+        self._patience = patience
+        self._acquired = False
+
+    def __enter__(self) -> bool:
+        lock = self._lock
+        self._acquired = lock.acquire(blocking=False) or lock.acquire(
+            timeout=max(0.0, self._patience())
+        )
+        return self._acquired
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._acquired:
+            self._lock.release()
+
+
 # What the threads of a Locker's lock operations wait on for a connection of its stack to come
 # free (see ``connections.py``).
 ConnectionChanges = threading.Condition

@@ -32,6 +32,10 @@ logger = logging.getLogger("sqllocker")
 
 OnLost = Callable[[LockLost], object]
 
+# The least a release waits for a statement of its lock's that is in flight (a renewal), even
+# once the lock has expired: enough for one that is merely slow.
+RELEASE_PATIENCE = 1.0
+
 # How fast our clock may run slow against the server's: twice the 500 ppm that NTP slews a clock
 # by at most, so that the margin of a day-long lock covers a day of drift, not a second.
 CLOCK_DRIFT = 1e-3
@@ -64,6 +68,9 @@ class Holding:
         self.held = True
         self.lost: LockLost | None = None
         self.on_lost = on_lost
+        # Kept alive (``keep_alive()``): its on_lost is owed once for a loss, whoever meets it
+        # first, the keep-alive or the holder's own release.
+        self.kept_alive = False
         # Seconds from the row's creation that a release keeps it for (see Locker.lock).
         self.hold_at_least: float | None = None
         self.valid_until = sent_at + ttl - safety_margin(ttl)
@@ -135,6 +142,39 @@ class Holding:
         if self.held:
             self.mark_lost(lost)
         raise lost
+
+    def release_patience(self) -> float:
+        """How long a release waits for a statement of its lock's that is in flight (a renewal
+        stuck on a frozen server or pooler, whose driver may wait a minute, or for ever): until
+        the row expires, as the holder reckons it (the deadline's margin added back), but at
+        least ``RELEASE_PATIENCE``."""
+        expires_at = self.valid_until + safety_margin(self.ttl)
+        return max(expires_at - clock.now(), RELEASE_PATIENCE)
+
+    def release_gave_up(self) -> LockLost:
+        """The release waited its ``release_patience`` in vain for a statement in flight: the
+        lock has expired unconfirmed, so it is no longer held, and is lost (on_lost once)."""
+        lost = LockLost(
+            f"lock {self.lockstring!r} (id {self.lock_id}) could not be released before it "
+            "expired: a statement on it (a renewal) was still unanswered (the database, a "
+            "pooler or the network may be frozen); it is no longer ours, and another process "
+            "may take it over",
+            self.lockstring,
+            self.lock_id,
+        )
+        self.held = False
+        self.mark_lost(lost)
+        self.leave_place()
+        return lost
+
+    def released_lost(self, lost: LockLost) -> None:
+        """The release found the row no longer ours: the lock is neither held nor kept alive
+        any more. A kept-alive lock whose keep-alive had not yet seen the loss is marked lost
+        here, so that its on_lost is called (once: ``mark_lost``)."""
+        self.held = False
+        if self.kept_alive:
+            self.mark_lost(lost)
+        self.leave_place()
 
     def mark_lost(self, lost: LockLost) -> bool:
         """Record that the lock is lost; call on_lost the first time. True if this was the first."""

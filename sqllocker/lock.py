@@ -89,18 +89,21 @@ class LockState(Holding):
         counts as held, so that unlock() can be tried again, but it is no longer kept alive: a
         holder that has stopped working must not keep others out beyond the expiry.
         """
-        with self.op_lock:  # waits for a renewal in flight
+        # Waits for a renewal in flight, but not past the lock's expiry: one stuck on a frozen
+        # server would hold the release for the driver's timeout, or for ever.
+        with concurrency.turn_within(self.op_lock, self.release_patience) as turn:
             if not self.held:
                 return
             self.keep_alives.remove(self)
+            if not turn:
+                raise self.release_gave_up()
             try:
                 # Every cycle's release: called straight, not through ``run``.
                 self.operations.release(
                     self.lockstring, self.lock_id, self.guid, self.hold_at_least
                 )
-            except LockLost:
-                self.held = False
-                self.leave_place()
+            except LockLost as lost:
+                self.released_lost(lost)
                 raise
             self.held = False
             self.leave_place()
@@ -188,9 +191,11 @@ class Lock(LockHandle[LockState]):
         the lock is found gone or its deadline passes without a successful renewal, which is
         always before anyone else can take it over.
         """
+        state = self._state
         if on_lost is not None:
-            self._state.on_lost = on_lost
-        self._state.keep_alives.add(self._state)
+            state.on_lost = on_lost
+        state.kept_alive = state.held and state.lost is None
+        state.keep_alives.add(state)
         return self
 
     def guard(self, connection: Connection) -> None:

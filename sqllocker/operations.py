@@ -115,8 +115,9 @@ def _lock_info(row: Any) -> LockInfo:
 class Acquired:
     """Our row was inserted. ``created`` and ``expires`` may be as the driver read them (see
     ``Statements._returned``). ``age``: seconds the row had already existed, by the server's
-    clock, when an attempt found it under our guid (inserted by an earlier attempt whose answer
-    was lost, or by a release that handed it to us).
+    clock, when a hand-off notification's claim found it (``claim_grant``). A row an attempt
+    finds under our guid (an earlier attempt's, whose answer was lost) is renewed by it
+    first (``_learn_holder``): its expiry then counts from that attempt.
 
     ``sent_at``, set by ``try_acquire`` before it hands the Acquired on: the monotonic time the
     successful statement was sent, less ``age``. The lock's validity deadline counts from it
@@ -259,7 +260,14 @@ class LockOperations:
         over, or one queued on SQLite whose turn it is not), the holder's row is read before
         any INSERT (``_refused_by_holder``)."""
 
+        sent_at = 0.0
+
         def attempt(conn: DriverSession) -> Acquired | Refused:
+            nonlocal sent_at
+            # The validity deadline counts from before the attempt's statements are sent (the
+            # server's expiry cannot start earlier), on each connection _run tries: not from
+            # before a first one whose answer was lost, and a reconnection after an outage.
+            sent_at = clock.now()
             outcome = self._acquire_on(
                 conn, lockstring, guid, ttl, details, queue_key, look_first, in_line
             )
@@ -268,9 +276,6 @@ class LockOperations:
             return outcome
 
         for _attempt in range(_ATTEMPTS_PER_TRY):
-            # The validity deadline counts from before the statement is sent: the server's
-            # expiry cannot start earlier than that.
-            sent_at = clock.now()
             outcome = self._run(lockstring, attempt)
             if isinstance(outcome, Acquired):
                 logger.debug("acquired %r (id %d)", lockstring, outcome.lock_id)
@@ -291,10 +296,14 @@ class LockOperations:
         A member held by someone else, or contention the database resolved by failing us,
         rolls the whole attempt back and refuses it.
         """
-        sent_at = clock.now()
-        outcome = self._run(
-            members[0][0], lambda conn: self._acquire_all_on(conn, members, ttl, details)
-        )
+        sent_at = 0.0
+
+        def attempt(conn: DriverSession) -> list[Acquired] | Refused:
+            nonlocal sent_at
+            sent_at = clock.now()  # as for one lock: before this connection's statements
+            return self._acquire_all_on(conn, members, ttl, details)
+
+        outcome = self._run(members[0][0], attempt)
         if isinstance(outcome, list):
             for acquired in outcome:
                 acquired.sent_at = sent_at - acquired.age
@@ -421,19 +430,10 @@ class LockOperations:
         """Push our row's expiry to the server's now + ``ttl``; LockLost if it is gone or has
         already expired (an expired lock is never revived)."""
 
-        def extend(conn: DriverSession) -> datetime | None:
-            params = {"lock_id": lock_id, "lock_guid": guid, "ttl": self._be.seconds_value(ttl)}
-            result = conn.execute(self._sql.extend, params)
-            if self._be.update_returning:
-                row = result.first()
-                return None if row is None else row.expires
-            if result.rowcount != 1:
-                return None
-            # Gone again already (released by another thread, or broken): not ours any more.
-            times = conn.execute(self._sql.times_of, params).first()
-            return None if times is None else times.expires
-
-        expires = self._run(lockstring, extend)
+        params = {"lock_id": lock_id, "lock_guid": guid}
+        expires = self._run(
+            lockstring, lambda conn: self._extend_on(conn, params, self._be.seconds_value(ttl))
+        )
         if expires is None:
             raise LockLost(
                 f"lock {lockstring!r} (id {lock_id}) could not be extended: it had already "
@@ -442,6 +442,21 @@ class LockOperations:
                 lock_id,
             )
         return expires
+
+    def _extend_on(self, conn: DriverSession, row: dict[str, Any], ttl: Any) -> datetime | None:
+        """Push the expiry of our ``row`` (its ``lock_id`` and ``lock_guid``) to the server's
+        now + ``ttl`` (a backend's seconds value): its new expiry, or None if it is gone or has
+        already expired."""
+        params = {**row, "ttl": ttl}
+        result = conn.execute(self._sql.extend, params)
+        if self._be.update_returning:
+            renewed = result.first()
+            return None if renewed is None else renewed.expires
+        if result.rowcount != 1:
+            return None
+        # Gone again already (released by another thread, or broken): not ours any more.
+        times = conn.execute(self._sql.times_of, params).first()
+        return None if times is None else times.expires
 
     def purge_expired(self, batch_size: int, pause_ratio: float) -> int:
         """Delete rows expired beyond grace in batches, each its own short transaction, so a
@@ -812,11 +827,17 @@ class LockOperations:
             # Released in between (or, in line by ticket, a live ticket ahead refused us).
             return Refused(None, None)
         if row.ours:
-            # Ours: an INSERT of ours committed but its answer was lost with the connection
-            # (_run retried), or a release handed the row to our ticket. Its expiry period
-            # began when it was inserted, not now.
-            age = max(0.0, (row.server_now - row.created).total_seconds())
-            return Acquired(row.id, row.created, row.expires, age=age)
+            # Ours and unexpired: an INSERT of ours committed but its answer was lost with the
+            # connection (_run retried), or a release handed the row to our ticket. Its expiry
+            # period began when it was inserted, not now. (Ours but expired, it is not "ours":
+            # an outage outlasted it, and it is taken over below, or refuses us, like anyone's.)
+            # Renewed before it counts, so that its expiry starts from this attempt: an
+            # outage may have left it a moment to live, less than the deadline's margin.
+            mine = {"lock_id": row.id, "lock_guid": params["lock_guid"]}
+            expires = self._extend_on(conn, mine, params["ttl"])
+            if expires is None:
+                return Refused(None, None)  # expired meanwhile: taken over on a later try
+            return Acquired(row.id, row.created, expires)
         if row.takeable:
             # Expired beyond grace by the server's clock: take it over, or lose the race.
             return self._take_over(conn, params) or Refused(None, None)

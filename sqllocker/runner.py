@@ -323,12 +323,13 @@ def _supervise(lock: Lock, command: Sequence[str], options: RunOptions) -> int:
     if not options.pass_url:
         environment.pop(URL_ENVIRONMENT_VARIABLE, None)
     lost = threading.Event()
+    ended = threading.Event()  # the group is closed: nothing is left to stop
     forwarder = _Forwarder()
 
     def on_lost(error: LockLost) -> None:
         lost.set()
         print(f"sqllocker: {error}", file=sys.stderr)
-        if options.on_lost == "stop" and forwarder.group is not None:
+        if options.on_lost == "stop" and forwarder.group is not None and not ended.is_set():
             print("sqllocker: stopping the command: its lock is lost", file=sys.stderr)
             forwarder.group.stop()
 
@@ -353,6 +354,7 @@ def _supervise(lock: Lock, command: Sequence[str], options: RunOptions) -> int:
     finally:
         if forwarder.group is not None:
             forwarder.group.close()
+        ended.set()  # unlock() may yet call on_lost, when it finds the lock lost
         was_valid = lock.is_valid()
         try:
             lock.unlock()

@@ -172,11 +172,16 @@ class Statements:
     @cached_property
     def holder_for_acquirer(self) -> Select[Any]:
         """The holder's row for a refused acquirer, with whether it may be taken over now
-        (expired beyond grace, by the server's clock) and whether it is ours (under our guid:
-        compared here, so that no guid is ever read back)."""
+        (expired beyond grace, by the server's clock) and whether it is ours: under our guid
+        (compared here, so that no guid is ever read back) and unexpired, by the server's
+        clock. An expired row of ours is nobody's lock: past grace anyone may take it over
+        this very moment, so the acquirer takes it over too, or is refused, as by anyone's."""
         c = self.table.c
         takeable = sa.case((self.expired_beyond_grace, True), else_=False).label("takeable")
-        mine = self.backend.equal(c.guid, sa.bindparam("lock_guid", type_=c.guid.type))
+        mine = sa.and_(
+            self.backend.equal(c.guid, sa.bindparam("lock_guid", type_=c.guid.type)),
+            c.expires > self._now,
+        )
         ours = sa.case((mine, True), else_=False).label("ours")
         return self.holder.add_columns(takeable, ours)
 

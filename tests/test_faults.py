@@ -180,6 +180,29 @@ def test_frozen_holder_finds_its_lock_lost_and_its_writes_fenced(
     )
 
 
+def test_a_holder_stopped_past_expiry_and_taken_over_is_told_once_whoever_finds_out(
+    url: str, make_locker: Any, backend: str
+) -> None:
+    """The holder is stopped past its lock's expiry, another takes the lock over, and the
+    holder's unlock() runs as soon as it resumes, racing its own keep-alive thread, which wakes
+    at the same moment: whichever finds the loss first, on_lost is called once."""
+    contender = make_locker(grace=GRACE)
+    for trial in range(4):
+        holder = Holder(url, contender.table_name, "job", "--expires", "1", "--keep-alive")
+        try:
+            holder.read()
+            holder.process.send_signal(signal.SIGSTOP)
+            new = contender.lock("job", wait=30)
+            holder.send("unlock")  # read the moment it resumes
+            holder.process.send_signal(signal.SIGCONT)
+            report = holder.read()
+        finally:
+            holder.finish()
+        assert report["unlock"] == "LockLost", f"trial {trial}"
+        assert report["on_lost_called"] == 1, f"trial {trial}"
+        new.unlock()
+
+
 # -- 3. database restarted ------------------------------------------------------------------------
 
 
@@ -745,3 +768,235 @@ def test_lost_is_never_silent_for_an_unlocked_lost_lock(locker: Locker) -> None:
     # The with-block form of scenario 2, in-process: the lock is broken under a running body.
     with pytest.raises(LockLost), locker.lock("job", expires=5, keep_alive=True):
         locker.break_lock("job")
+
+
+# -- 8. an acquire's answer lost, and an outage past the row's expiry ----------------------------
+
+
+class AcquirerThroughProxy:
+    """A Locker (sync, or an AsyncLocker on an event loop of its own) that waits for a lock
+    on a thread, reports it (``acquired``) and holds it until ``finish``."""
+
+    def __init__(self, url: str, table_name: str, front: str, **lock_options: Any) -> None:
+        self.acquired = threading.Event()
+        self.result: dict[str, Any] = {}
+        self._done = threading.Event()
+        self._url, self._table, self._options = url, table_name, lock_options
+        target = self._in_asyncio if front == "asyncio" else self._in_thread
+        self._thread = threading.Thread(target=target)
+        self._thread.start()
+
+    def _report(self, lock: Any) -> None:
+        self.result.update(lock_id=lock.lock_id, valid=lock.is_valid())
+
+    def _in_thread(self) -> None:
+        locker = Locker(self._url, table=self._table, grace=GRACE)
+        try:
+            lock = locker.lock("job", **self._options)
+            self._report(lock)
+            self.acquired.set()
+            self._done.wait(60)
+            lock.unlock()
+        except BaseException as error:
+            self.result["error"] = error
+        finally:
+            self.acquired.set()
+            locker.close()
+
+    def _in_asyncio(self) -> None:
+        async def hold() -> None:
+            locker = AsyncLocker(async_url(self._url), table=self._table, grace=GRACE)
+            try:
+                lock = await locker.lock("job", **self._options)
+                self._report(lock)
+                self.acquired.set()
+                await asyncio.to_thread(self._done.wait, 60)
+                await lock.unlock()
+            finally:
+                await locker.aclose()
+
+        try:
+            asyncio.run(hold())
+        except BaseException as error:
+            self.result["error"] = error
+        finally:
+            self.acquired.set()
+
+    def finish(self) -> None:
+        self._done.set()
+        self._thread.join(60)
+
+
+@pytest.mark.parametrize("front", ["sync", "asyncio"])
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_an_acquire_whose_answer_was_lost_never_returns_its_own_expired_row(
+    url: str, table_name: str, make_locker: Any, backend: str, front: str
+) -> None:
+    """A waiting acquire's INSERT commits and its answer is lost; the outage lasts past the
+    row's expiry and grace. When the network comes back, the acquire finds its own row, by its
+    guid, expired: taken as the lock, it would be held twice (anyone may take an expired row
+    over). The acquire must take it over (a new id) or go on waiting: whatever it returns is a
+    live row, which nobody else can take meanwhile."""
+    contender = make_locker(grace=GRACE)
+    target = resolve_url(url)
+    proxy = StallProxy(target.port or (5432 if backend == "postgresql" else 3306))
+    through_proxy = target.set(host="127.0.0.1", port=proxy.port)
+    expires = 1.0
+    proxy.lose_answer_to(b"INSERT INTO " + table_name.encode(), then_stall=True)
+    acquirer = AcquirerThroughProxy(
+        through_proxy.render_as_string(hide_password=False),
+        table_name,
+        front,
+        expires=expires,
+        wait=60,
+    )
+    try:
+        wait_until(lambda: proxy.answers_lost == 1, timeout=30)
+        [first] = contender.locks()  # committed, its answer lost
+        time.sleep(expires + GRACE + 1.0)  # the outage outlasts its expiry and grace
+        assert contender.locks()[0].expired
+        proxy.resume()
+        assert acquirer.acquired.wait(60)
+        assert "error" not in acquirer.result, acquirer.result.get("error")
+        # The acquirer holds the lock now: nobody else can take it.
+        assert contender.try_lock("job") is None, "two holders at once"
+        assert acquirer.result["valid"]
+        assert acquirer.result["lock_id"] > first.lock_id  # taken over: a new fencing token
+    finally:
+        acquirer.finish()
+        proxy.close()
+    assert "error" not in acquirer.result, acquirer.result.get("error")
+
+
+# -- 9. unlock() behind a renewal stuck on a frozen connection -----------------------------------
+
+
+@pytest.mark.parametrize("front", ["sync", "asyncio"])
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_unlock_behind_a_stuck_renewal_ends_within_the_locks_life(
+    url: str, table_name: str, make_locker: Any, backend: str, front: str
+) -> None:
+    """A frozen server or pooler (the kernel still acknowledges; the proxy holds every byte)
+    leaves a renewal with no answer until the driver's 60 s read or statement timeout. Neither
+    the renewal nor an unlock() behind it may outlast the lock's own life (4 s here) by more
+    than a few seconds: unlock() ends with a LockError (the lock could not be confirmed
+    released, and has expired) or success, and the lock is lost either way once expired."""
+    make_locker()  # creates the table
+    target = resolve_url(url)
+    proxy = StallProxy(target.port or (5432 if backend == "postgresql" else 3306))
+    through_proxy = target.set(host="127.0.0.1", port=proxy.port).render_as_string(
+        hide_password=False
+    )
+    expires = 4.0
+    lost: list[LockLost] = []
+    outcome: dict[str, Any] = {}
+    # libpq has no read timeout: without this, a stuck PostgreSQL statement would never end.
+    rescue = threading.Timer(90, proxy.close)
+    rescue.daemon = True
+    rescue.start()
+
+    async def in_asyncio() -> None:
+        locker = AsyncLocker(async_url(through_proxy), table=table_name, grace=GRACE)
+        try:
+            lock = await locker.lock("job", expires=expires, keep_alive=True, on_lost=lost.append)
+            proxy.stall()
+            await asyncio.sleep(expires / 3 + 0.5)  # the first renewal is stuck now
+            started = time.monotonic()
+            try:
+                await lock.unlock()
+            except LockError as error:
+                outcome["error"] = error
+            outcome["took"] = time.monotonic() - started
+        finally:
+            proxy.close()  # lets the stuck statements fail
+            await locker.aclose()
+
+    try:
+        if front == "asyncio":
+            asyncio.run(in_asyncio())
+        else:
+            locker = Locker(through_proxy, table=table_name, grace=GRACE)
+            try:
+                lock = locker.lock("job", expires=expires, keep_alive=True, on_lost=lost.append)
+                proxy.stall()
+                time.sleep(expires / 3 + 0.5)  # the first renewal is stuck now
+                started = time.monotonic()
+                try:
+                    lock.unlock()
+                except LockError as error:
+                    outcome["error"] = error
+                outcome["took"] = time.monotonic() - started
+            finally:
+                proxy.close()
+                locker.close()
+    finally:
+        rescue.cancel()
+        proxy.close()
+    assert outcome["took"] < 30, outcome  # against the 60 s read or statement timeout
+    assert isinstance(outcome.get("error"), LockLost), outcome
+    assert len(lost) == 1
+    figure(
+        "unlock behind a stuck renewal",
+        f"{backend} {front}",
+        f"expiry {expires}s: unlock() ended in {outcome['took']:.1f}s, "
+        f"{type(outcome.get('error')).__name__}",
+    )
+
+
+@pytest.mark.parametrize("front", ["sync", "asyncio"])
+@pytest.mark.parametrize("backend", ["sqlite"])
+def test_unlock_behind_a_renewal_stuck_on_a_busy_sqlite_database_ends_within_the_locks_life(
+    url: str, table_name: str, make_locker: Any, backend: str, front: str
+) -> None:
+    """SQLite's twin of the frozen server: another process's write transaction left open (its
+    process stopped, say) holds the renewal for the 60 s busy timeout; unlock() behind it ends
+    with LockLost once the lock has expired."""
+    make_locker()  # creates the table
+    blocker = sa.create_engine(resolve_url(url)).connect()
+    expires = 4.0
+    lost: list[LockLost] = []
+    outcome: dict[str, Any] = {}
+
+    def block() -> None:
+        blocker.exec_driver_sql("BEGIN IMMEDIATE")
+
+    async def in_asyncio() -> None:
+        locker = AsyncLocker(async_url(url), table=table_name, grace=GRACE)
+        try:
+            lock = await locker.lock("job", expires=expires, keep_alive=True, on_lost=lost.append)
+            block()
+            await asyncio.sleep(expires / 3 + 0.5)  # the first renewal is stuck now
+            started = time.monotonic()
+            try:
+                await lock.unlock()
+            except LockError as error:
+                outcome["error"] = error
+            outcome["took"] = time.monotonic() - started
+        finally:
+            blocker.rollback()
+            await locker.aclose()
+
+    try:
+        if front == "asyncio":
+            asyncio.run(in_asyncio())
+        else:
+            locker = Locker(url, table=table_name, grace=GRACE)
+            try:
+                lock = locker.lock("job", expires=expires, keep_alive=True, on_lost=lost.append)
+                block()
+                time.sleep(expires / 3 + 0.5)  # the first renewal is stuck now
+                started = time.monotonic()
+                try:
+                    lock.unlock()
+                except LockError as error:
+                    outcome["error"] = error
+                outcome["took"] = time.monotonic() - started
+            finally:
+                blocker.rollback()
+                locker.close()
+    finally:
+        blocker.close()
+        blocker.engine.dispose()
+    assert outcome["took"] < 30, outcome  # against the 60 s busy timeout
+    assert isinstance(outcome.get("error"), LockLost), outcome
+    assert len(lost) == 1

@@ -120,16 +120,17 @@ def test_a_lost_hand_off_notification_is_found_by_the_waiters_next_attempt(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Without the grant's NOTIFY (its listener reconnecting, say), the first waiter of its
-    Locker finds the row under its own guid at its next attempt, and counts its validity from
-    the row's creation."""
+    Locker finds the row under its own guid at its next attempt, and renews it before it
+    counts: the row's expiry and the lock's validity both count from that attempt."""
     monkeypatch.setattr(notifications.WaiterQueues, "hand_over", lambda self, grant: False)
     holder, waiter = holder_and_waiter
     done = hand_off(holder, waiter, admin, table_name)
-    lock, released = done.lock, done.released
+    lock = done.lock
     info = waiter.lock_info("report")
     assert info is not None
     assert info.lock_id == lock.lock_id
-    assert lock._state.valid_until <= released + 20 - safety_margin(20)
+    assert info.expires == lock.expires  # renewed by the attempt that found it
+    assert lock._state.valid_until <= done.returned + 20 - safety_margin(20)
     lock.unlock()
     assert tickets(admin, table_name) == []
 

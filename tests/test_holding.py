@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import logging
@@ -24,11 +25,15 @@ from sqllocker import (
     UnsafeDatabaseWarning,
     lock_table,
 )
+from sqllocker.asyncio import AsyncLocker
 from sqllocker.engine import resolve_url
+from sqllocker.identity import holder_details, new_guid
 from sqllocker.migrations import upgrade
+from sqllocker.operations import Acquired, Refused
 from sqllocker.schema import ID_ORDER_STRIPES
 from tests.helpers import count_rows, figure
 from tests.private_servers import PrivateMariaDB, running_private_server
+from tests.workers import async_url
 
 
 def threads_of(locker: Locker) -> list[str]:
@@ -541,3 +546,125 @@ def test_only_a_release_commits_before_its_flush_on_postgresql(
         ("DELETE", "purged", "on"),
         ("DELETE", "expiring", "off"),  # the release
     ]
+
+
+# -- on_lost, when the holder's own unlock() meets the loss ---------------------------------------
+
+
+def _paused_keep_alive(locker: Locker) -> Any:
+    """The keep-alive's condition, held by the test's thread: its scheduler cannot run (as in a
+    process stopped past its lock's expiry), while the test's own calls still pass (reentrant)."""
+    return locker._keep_alives._condition
+
+
+@pytest.mark.parametrize("front", ["sync", "asyncio"])
+def test_on_lost_is_called_when_unlock_finds_a_kept_alive_lock_broken(
+    make_locker: Any, url: str, table_name: str, front: str
+) -> None:
+    """Broken by an operator between two renewals, the lock is found lost by its holder's
+    unlock() before its keep-alive looks: on_lost is called once all the same."""
+    operator = make_locker()
+    lost = LostCalls()
+    if front == "sync":
+        lock = make_locker().lock("job", expires=60, keep_alive=True, on_lost=lost)
+        assert operator.break_lock("job") is not None
+        with pytest.raises(LockLost):
+            lock.unlock()
+    else:
+
+        async def hold_and_unlock() -> None:
+            locker = AsyncLocker(async_url(url), table=table_name, grace=0)
+            try:
+                lock = await locker.lock("job", expires=60, keep_alive=True, on_lost=lost)
+                assert operator.break_lock("job") is not None
+                with pytest.raises(LockLost):
+                    await lock.unlock()
+                await asyncio.sleep(0.3)
+            finally:
+                await locker.aclose()
+
+        asyncio.run(hold_and_unlock())
+    time.sleep(0.3)
+    assert len(lost.calls) == 1
+    assert lost.calls[0][0].lockstring == "job"
+
+
+@pytest.mark.parametrize("first", ["unlock", "keep-alive"])
+@pytest.mark.parametrize("front", ["sync", "asyncio"])
+def test_on_lost_is_called_once_for_a_holder_stopped_past_expiry_and_taken_over(
+    make_locker: Any, url: str, table_name: str, front: str, first: str
+) -> None:
+    """The holder stops (its keep-alive too) past its lock's expiry, another takes the lock
+    over, and the holder resumes: whichever of its unlock() and its keep-alive meets the loss
+    first, on_lost is called once, and unlock() raises LockLost. Sync, the keep-alive is
+    paused by holding its condition; in asyncio, the event loop itself is frozen."""
+    contender = make_locker()
+    lost = LostCalls()
+    expires = 1.0
+    if front == "sync":
+        holder = make_locker()
+        lock = holder.lock("job", expires=expires, keep_alive=True, on_lost=lost)
+        paused = _paused_keep_alive(holder)
+        with paused:
+            time.sleep(expires + 0.2)
+            taken = contender.lock("job", wait=30)
+            if first == "unlock":
+                with pytest.raises(LockLost):
+                    lock.unlock()
+        if first == "keep-alive":
+            assert lost.event.wait(5)
+            with pytest.raises(LockLost):
+                lock.unlock()
+    else:
+
+        async def hold_freeze_and_unlock() -> Any:
+            locker = AsyncLocker(async_url(url), table=table_name, grace=0)
+            try:
+                lock = await locker.lock("job", expires=expires, keep_alive=True, on_lost=lost)
+                time.sleep(expires + 0.2)  # the whole event loop stopped past the expiry
+                taken = contender.lock("job", wait=30)
+                if first == "keep-alive":
+                    await asyncio.sleep(0.5)
+                    assert len(lost.calls) == 1
+                with pytest.raises(LockLost):
+                    await lock.unlock()
+                await asyncio.sleep(0.3)
+                return taken
+            finally:
+                await locker.aclose()
+
+        taken = asyncio.run(hold_freeze_and_unlock())
+    time.sleep(0.3)
+    assert len(lost.calls) == 1
+    assert taken.is_valid()
+    taken.unlock()
+
+
+# -- an acquire that finds its own row (its earlier attempt's answer lost) ------------------------
+
+
+def test_an_acquire_counts_its_own_row_only_while_it_is_live(make_locker: Any) -> None:
+    """An attempt whose INSERT committed and whose answer was lost leaves a row under the
+    acquire's guid, which its next attempt finds. Live, it is the lock. Expired, it is no
+    longer anyone's: within grace it refuses the acquire (which, waiting, tries again), and
+    beyond grace it is taken over, with a new id, as anyone else's would be; taken as the
+    lock, it could be taken over by another at the same moment."""
+    locker, contender = make_locker(grace=2.0), make_locker(grace=2.0)
+    operations = locker._operations
+    guid = new_guid()
+    first = operations.try_acquire("job", guid, 1.0, holder_details({}))
+    assert isinstance(first, Acquired)
+    again = operations.try_acquire("job", guid, 1.0, holder_details({}))
+    assert isinstance(again, Acquired)  # live: ours, as it stands
+    assert again.lock_id == first.lock_id
+    time.sleep(1.5)  # expired, within grace
+    refused = operations.try_acquire("job", guid, 1.0, holder_details({}))
+    assert isinstance(refused, Refused)
+    time.sleep(2.0)  # beyond grace
+    taken = operations.try_acquire("job", guid, 30.0, holder_details({}))
+    assert isinstance(taken, Acquired)
+    assert taken.lock_id > first.lock_id
+    assert contender.try_lock("job") is None
+    [row] = locker.locks()
+    assert row.lock_id == taken.lock_id
+    assert not row.expired

@@ -50,10 +50,10 @@ def test_unlock_flips_is_locked_and_a_second_unlock_is_a_no_op(locker: Locker) -
     assert count_rows(locker) == 0
 
 
-def test_a_row_found_under_our_own_guid_keeps_the_deadline_of_its_insert(locker: Locker) -> None:
+def test_a_row_found_under_our_own_guid_is_renewed_before_it_counts(locker: Locker) -> None:
     # An attempt that finds its own row (an earlier attempt's INSERT whose answer was lost, or
-    # a release that handed the row over) must count the lock's validity from when that row
-    # was inserted, not from now: the row expires by then, and someone may take it over.
+    # a release that handed the row over) renews it first: the row's expiry and the lock's
+    # validity then both count from this attempt, never from a moment the holder cannot know.
     first = locker.lock("Zombie Soup", expires=30)
     time.sleep(1.5)
     again = locker._try_acquire(
@@ -61,8 +61,10 @@ def test_a_row_found_under_our_own_guid_keeps_the_deadline_of_its_insert(locker:
     )
     assert isinstance(again, Lock)
     assert again.lock_id == first.lock_id
-    # Both deadlines count from the one INSERT: the second is not 1.5 s later.
-    assert abs(again._state.valid_until - first._state.valid_until) < 0.5
+    assert again.expires - first.expires > timedelta(seconds=1)  # renewed on the server
+    assert again._state.valid_until - first._state.valid_until > 1.0
+    [row] = locker.locks()
+    assert row.expires == again.expires
     again._finalizer.detach()
     first.unlock()
 

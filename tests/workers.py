@@ -217,7 +217,8 @@ async def _async_counter(args: argparse.Namespace) -> int:
 
 def hold(args: argparse.Namespace) -> int:
     """Take a lock, report it, then obey commands on stdin: ``check`` (act as a possibly stale
-    holder and report what happened), ``release``, or end of input (exit holding it)."""
+    holder and report what happened), ``release``, ``unlock`` (at once, and report what it
+    raised and how often on_lost was called), or end of input (exit holding it)."""
     import sqlalchemy as sa
 
     lost_calls: list[str] = []
@@ -270,6 +271,14 @@ def hold(args: argparse.Namespace) -> int:
         elif command == "release":
             lock.unlock()
             _say(event="released", at=time.monotonic())
+        elif command == "unlock":  # at once, racing the woken keep-alive thread
+            try:
+                lock.unlock()
+                outcome = "ok"
+            except LockLost:
+                outcome = "LockLost"
+            time.sleep(0.5)  # a second call of on_lost would come by now
+            _say(event="unlocked", unlock=outcome, on_lost_called=len(lost_calls))
     os._exit(0)  # leave holding it, as a crash would (no finaliser runs)
 
 

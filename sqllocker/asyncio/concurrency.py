@@ -43,6 +43,24 @@ Event = asyncio.Event
 OpLock = asyncio.Lock
 
 
+class turn_within:
+    """``lock``, held while the block runs (the block is told True). The threads' twin waits
+    at most ``patience()`` seconds; here the caller bounds the whole release, the lock's wait
+    included, where something is in flight (``AsyncLockState.release``)."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self, lock: asyncio.Lock, patience: Callable[[], float]) -> None:
+        self._lock = lock
+
+    async def __aenter__(self) -> bool:
+        await self._lock.acquire()
+        return True
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._lock.release()
+
+
 def create_engine(
     url: str | URL | None, *, transaction_pooling: bool, max_connections: int | None
 ) -> AsyncEngine:

@@ -97,10 +97,14 @@ class AsyncLockState(Holding):
         counts as held, so that unlock() can be tried again, but it is no longer kept alive: a
         holder that has stopped working must not keep others out beyond the expiry.
         """
-        async with self.op_lock:  # waits for a renewal in flight
+        # Waits for a renewal in flight, but not past the lock's expiry: one stuck on a frozen
+        # server would hold the release for the driver's timeout, or for ever.
+        async with concurrency.turn_within(self.op_lock, self.release_patience) as turn:
             if not self.held:
                 return
             self.keep_alives.remove(self)
+            if not turn:
+                raise self.release_gave_up()
             try:
                 if True:  # ASYNC
                     await self.run(
@@ -115,9 +119,8 @@ class AsyncLockState(Holding):
                     self.operations.release(
                         self.lockstring, self.lock_id, self.guid, self.hold_at_least
                     )
-            except LockLost:
-                self.held = False
-                self.leave_place()
+            except LockLost as lost:
+                self.released_lost(lost)
                 raise
             self.held = False
             self.leave_place()
@@ -137,7 +140,19 @@ class AsyncLockState(Holding):
                 return
             # Set before it starts: a release that fails at once clears it again.
             flight = self.releasing = concurrency.InFlight(f"release {self.lockstring!r}")
-            await flight.run(self._release_in_flight())
+            if not self.op_lock.locked():
+                await flight.run(self._release_in_flight())
+                return
+            # Behind a statement of the lock's in flight (a renewal, which may be stuck on a
+            # frozen server, and whose cancellation may wait on it too): waited for no longer
+            # than the lock lives. The release goes on by itself, and finds the lock let go.
+            try:
+                await asyncio.wait_for(
+                    flight.run(self._release_in_flight()), self.release_patience()
+                )
+            except asyncio.TimeoutError:
+                self.keep_alives.remove(self)
+                raise self.release_gave_up() from None
 
         async def _release_in_flight(self) -> None:
             try:
@@ -283,9 +298,11 @@ class AsyncLock(LockHandle[AsyncLockState]):
         the lock is found gone or its deadline passes without a successful renewal, which is
         always before anyone else can take it over.
         """
+        state = self._state
         if on_lost is not None:
-            self._state.on_lost = on_lost
-        self._state.keep_alives.add(self._state)
+            state.on_lost = on_lost
+        state.kept_alive = state.held and state.lost is None
+        state.keep_alives.add(state)
         return self
 
     async def guard(self, connection: AsyncConnection) -> None:
