@@ -20,11 +20,13 @@ import click
 from . import __version__
 from .adoption import check_zone
 from .defaults import DEFAULT_GRACE, DEFAULT_PURGE_BATCH, DEFAULT_PURGE_PAUSE_RATIO
-from .engine import URL_ENVIRONMENT_VARIABLE, describe_url
+from .engine import URL_ENVIRONMENT_VARIABLE, create_locker_engine, describe_url, resolve_url
 from .errors import LockError, describe_holder, one_line, printable
+from .exporter import DEFAULT_MAX_SERIES, ExporterOptions, parse_listen, serve
 from .locker import Locker, LockInfo
 from .runner import DEFAULT_KILL_AFTER, EXIT_LOCK_LOST, ON_LOST_CHOICES, RunOptions, run_locked
 from .schema import DEFAULT_TABLE, FOREIGN_CLOCK_MARGIN
+from .validation import check_table_name
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "show_default": True}
 
@@ -360,6 +362,45 @@ def run(
         record_args=record_args,
     )
     sys.exit(run_locked(settings.locker(), lockstring, command, options))
+
+
+# -- exporter -------------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.option(
+    "--listen",
+    default="127.0.0.1:9464",
+    metavar="HOST:PORT",
+    help="Where to serve /metrics (0.0.0.0:PORT: every address).",
+)
+@click.option(
+    "--per-lock",
+    metavar="GLOB",
+    help="Also give each lockstring matching GLOB series of its own (label lockstring).",
+)
+@click.option(
+    "--max-series",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_SERIES,
+    help="At most this many lockstrings get series of their own (the first, in order).",
+)
+@pass_settings
+def exporter(settings: _Settings, listen: str, per_lock: str | None, max_series: int) -> None:
+    """Serve the lock table as Prometheus metrics, read from the database on each scrape.
+
+    Needs pip install 'sqllocker[exporter]'. Run it as a role that may only read (see the
+    Observability page for its grants). A scrape that cannot reach the database answers
+    sqllocker_up 0.
+    """
+    host, port = parse_listen(listen)
+    options = ExporterOptions(
+        table=check_table_name(settings.table), per_lock=per_lock, max_series=max_series
+    )
+    engine = create_locker_engine(
+        resolve_url(settings.url), transaction_pooling=settings.transaction_pooling
+    )
+    serve(engine, options, host, port)
 
 
 # -- migrate --------------------------------------------------------------------------------------
