@@ -104,6 +104,14 @@ def take_census(
     )
 
 
+def live_waiters(engine: Engine, table: str) -> dict[str, int] | None:
+    """How many live tickets stand for each lockstring (those with none left out), or None
+    where waiters keep no tickets in the database (SQLite)."""
+    name = check_table_name(table)
+    with engine.connect() as conn:
+        return _waiters(conn, backend_for(conn.dialect), name)
+
+
 def _waiters(conn: sa.Connection, backend: Backend, table: str) -> dict[str, int] | None:
     statement = backend.live_waiters(table)
     if statement is None:

@@ -364,6 +364,30 @@ def run(
     sys.exit(run_locked(settings.locker(), lockstring, command, options))
 
 
+# -- top ----------------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.argument("pattern", required=False)
+@click.pass_context
+def top(context: click.Context, pattern: str | None) -> None:
+    """Watch the held locks live, oldest first, refreshed every second; q quits.
+
+    Shows each lock's holder, how long it has been held, how long until it expires (in red
+    when close), its queued waiters, and the expired rows not yet purged; only lockstrings
+    matching PATTERN (a glob) with one. Needs pip install 'sqllocker[top]'. When stdout is
+    not a terminal it prints what `list` prints, once.
+    """
+    if not (sys.stdout.isatty() and sys.stdin.isatty()):
+        context.invoke(list_locks, pattern=pattern, as_json=False, expired_only=False)
+        return
+    from .top import run_top
+
+    settings = context.find_object(_Settings)
+    assert settings is not None
+    run_top(settings.locker(), pattern)
+
+
 # -- exporter -------------------------------------------------------------------------------------
 
 
