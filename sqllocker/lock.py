@@ -72,13 +72,14 @@ class LockState(Holding):
         with self.op_lock:
             self.check_extendable()
             sent_at = clock.now()
-            try:
-                expires: datetime = self.run(
-                    self.operations.extend, self.lockstring, self.lock_id, self.guid, ttl
-                )
-            except LockLost as lost:
-                self.mark_lost(lost)
-                raise
+            with self.telemetry.extending():
+                try:
+                    expires: datetime = self.run(
+                        self.operations.extend, self.lockstring, self.lock_id, self.guid, ttl
+                    )
+                except LockLost as lost:
+                    self.mark_lost(lost)
+                    raise
             self.renewed(sent_at, ttl)
             return expires
 
@@ -93,15 +94,16 @@ class LockState(Holding):
             if not self.held:
                 return
             self.keep_alives.remove(self)
-            try:
-                # Every cycle's release: called straight, not through ``run``.
-                self.operations.release(
-                    self.lockstring, self.lock_id, self.guid, self.hold_at_least
-                )
-            except LockLost:
-                self.held = False
-                self.leave_place()
-                raise
+            with self.telemetry.releasing():
+                try:
+                    # Every cycle's release: called straight, not through ``run``.
+                    self.operations.release(
+                        self.lockstring, self.lock_id, self.guid, self.hold_at_least
+                    )
+                except LockLost:
+                    self.held = False
+                    self.leave_place()
+                    raise
             self.held = False
             self.leave_place()
             if self.operations.checkpoint_due():

@@ -43,6 +43,7 @@ from .notifications import guid_digest
 from .operations import Acquired, LockInfo, LockOperations, Refused
 from .schema import DEFAULT_TABLE
 from .semaphore import Semaphore
+from .telemetry import NameMapping, Telemetry, system_name
 from .tickets import LOOK_AGAIN, NEWCOMER, LocalLine, Ticket
 
 logger = logging.getLogger("sqllocker")
@@ -94,6 +95,12 @@ class Locker:
     listener, which keeps its waiters' tickets alive; for an engine of your own, its pool's
     ``pool_size + max_overflow`` is that limit.
 
+    ``meter_provider``, ``tracer_provider``: OpenTelemetry's, to record metrics and spans
+    through (``pip install 'sqllocker[otel]'``; default: the global ones, once set; nothing is
+    recorded without any). ``telemetry_name``: makes the ``sqllocker.name`` attribute of a
+    lockstring (default: its runs of digits as ``<n>``; ``str`` for the exact lockstring, if
+    they are few). See ``sqllocker.telemetry``.
+
     ``transaction_pooling``: PostgreSQL is reached through a pooler that lends a server session
     per transaction (PgBouncer's ``pool_mode = transaction``), where no session setting, prepared
     statement, LISTEN or session lock lasts from one statement to the next. The locker then
@@ -115,6 +122,9 @@ class Locker:
         strict: bool = False,
         transaction_pooling: bool = False,
         max_connections: int | None = None,
+        meter_provider: Any = None,
+        tracer_provider: Any = None,
+        telemetry_name: NameMapping | None = None,
     ) -> None:
         options = validation.check_locker_options(
             table, expires, grace, keep_alive_fraction, on_lost
@@ -157,6 +167,13 @@ class Locker:
         )
         self.table = self._operations.table
         self.auto_create = self._operations.auto_create
+        self._telemetry = Telemetry(
+            self.table_name,
+            functools.partial(system_name, sync_engine),
+            meter_provider,
+            tracer_provider,
+            telemetry_name,
+        )
         self._keep_alives = KeepAlive(fraction)
         self._setup_lock = threading.Lock()  # never held across a wait
         self._listener: ReleaseListener | None = None
@@ -327,6 +344,7 @@ class Locker:
             validation.check_batch_size(batch_size),
             validation.check_pause_ratio(pause_ratio),
         )
+        self._telemetry.purged(purged)
         return purged
 
     def locks(self, pattern: str | None = None) -> list[LockInfo]:
@@ -405,10 +423,16 @@ class Locker:
         # ticket), and an attempt that finds the row under it knows the row is ours.
         guid = new_guid()
         details = holder_details(extra, concurrency.task_name())
-        if wait == 0:
-            lock = self._try_once(lockstring, guid, details, ttl, on_lost)
-        else:
-            lock = self._wait_for(lockstring, guid, details, ttl, wait, on_lost)
+        acquisition = self._telemetry.acquiring(lockstring, wait)
+        try:
+            if wait == 0:
+                lock = self._try_once(lockstring, guid, details, ttl, on_lost)
+            else:
+                lock = self._wait_for(lockstring, guid, details, ttl, wait, on_lost)
+        except BaseException as error:
+            acquisition.failed(error)
+            raise
+        lock._state.telemetry = acquisition.acquired(lock._state.lock_id)
         lock._state.hold_at_least = hold_at_least
         return lock.keep_alive() if keep_alive else lock
 

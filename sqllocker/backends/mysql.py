@@ -160,6 +160,11 @@ class MySQLBackend(Backend):
             requests.c.guid_sha256 == _sha256(sa.bindparam("lock_guid", type_=sa.String())),
         )
 
+    @classmethod
+    def system_name(cls, dialect: Dialect) -> str:
+        # Known once connected: SQLAlchemy reads it from the server's version.
+        return "mariadb" if getattr(dialect, "is_mariadb", False) else "mysql"
+
     def live_waiters(self, table: str) -> Executable | None:
         requests = requests_table(table)
         return (

@@ -1,0 +1,290 @@
+"""OpenTelemetry metrics and traces of the locks a process takes (``sqllocker[otel]``).
+
+Each Locker has a ``Telemetry``. Without ``opentelemetry-api``, or with neither a provider
+given to the Locker nor a global one set (the API's proxies still in place), it records
+nothing, and what the lock operations pay is one check per acquisition. Once a provider is
+there, it records:
+
+- ``sqllocker.lock.acquire.duration`` (histogram, s), ``sqllocker.outcome`` = ``acquired`` |
+  ``busy`` (refused at once) | ``timeout`` (refused after waiting) | ``error``;
+- ``sqllocker.lock.hold.duration`` (histogram, s), ``released`` | ``lost``;
+- ``sqllocker.lock.renewals`` (counter), ``renewed`` | ``failed``;
+- ``sqllocker.lock.lost`` (counter); ``sqllocker.locks.held`` (up-down counter);
+- ``sqllocker.purge.rows`` (counter);
+
+and the spans ``sqllocker.acquire``, ``sqllocker.release`` and ``sqllocker.extend``. Their
+attributes are ``db.system.name``, ``sqllocker.table``, ``sqllocker.kind`` and
+``sqllocker.name``: the lockstring with its runs of digits replaced by ``<n>`` (lockstrings
+carry ids, and a metric's series must stay few), or what the Locker's ``telemetry_name``
+makes of it. No guid, URL or password is ever an attribute.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
+
+from sqlalchemy.engine import Engine
+
+from .backends import backend_class
+from .errors import LockBusy, LockLost
+
+_DIGITS = re.compile(r"\d+")
+_NOTHING: AbstractContextManager[None] = nullcontext()
+
+NameMapping = Callable[[str], str]
+
+
+def system_name(engine: Engine) -> str:
+    """``db.system.name`` of ``engine``'s database (MariaDB is told from MySQL once
+    connected)."""
+    return backend_class(engine.dialect.name).system_name(engine.dialect)
+
+
+def default_name(lockstring: str) -> str:
+    """A lockstring as ``sqllocker.name``: its runs of digits replaced by ``<n>``."""
+    return _DIGITS.sub("<n>", lockstring)
+
+
+class Hold:
+    """What one held lock records: nothing (this class), or ``_RecordedHold``'s."""
+
+    def extending(self) -> AbstractContextManager[Any]:
+        return _NOTHING
+
+    def releasing(self) -> AbstractContextManager[Any]:
+        return _NOTHING
+
+    def lost(self) -> None:
+        pass
+
+
+NO_HOLD = Hold()
+
+
+class Acquisition:
+    """What one acquisition records: nothing (this class), or ``_RecordedAcquisition``'s."""
+
+    def wait_turn(self) -> None:
+        pass
+
+    def failed(self, error: BaseException) -> None:
+        pass
+
+    def acquired(self, lock_id: int) -> Hold:
+        return NO_HOLD
+
+
+_NO_ACQUISITION = Acquisition()
+
+
+class Telemetry:
+    """A Locker's instruments, made on its first acquisition once a provider is there."""
+
+    def __init__(
+        self,
+        table: str,
+        system_name: Callable[[], str],
+        meter_provider: Any = None,
+        tracer_provider: Any = None,
+        name_of: NameMapping | None = None,
+    ) -> None:
+        self._table = table
+        self._system_name = system_name
+        self._meter_provider = meter_provider
+        self._tracer_provider = tracer_provider
+        self._name_of = name_of or default_name
+        self._instruments: _Instruments | None = None
+
+    def acquiring(self, lockstring: str, wait: float | None, kind: str = "lock") -> Acquisition:
+        instruments = self._instruments or self._look_for_providers()
+        if instruments is None:
+            return _NO_ACQUISITION
+        return _RecordedAcquisition(
+            instruments, functools.partial(self._attributes, kind, lockstring), wait
+        )
+
+    def purged(self, rows: int) -> None:
+        instruments = self._instruments or self._look_for_providers()
+        if instruments is not None and rows:
+            instruments.purge_rows.add(rows, self._table_attributes())
+
+    def _table_attributes(self) -> dict[str, str]:
+        return {"db.system.name": self._system_name(), "sqllocker.table": self._table}
+
+    def _attributes(self, kind: str, lockstring: str) -> dict[str, str]:
+        return {
+            **self._table_attributes(),
+            "sqllocker.kind": kind,
+            "sqllocker.name": self._name_of(lockstring),
+        }
+
+    def _look_for_providers(self) -> _Instruments | None:
+        try:
+            from opentelemetry import metrics, trace
+        except ImportError:
+            return None
+        meter_provider = self._meter_provider or metrics.get_meter_provider()
+        tracer_provider = self._tracer_provider or trace.get_tracer_provider()
+        if _is_proxy(meter_provider) and _is_proxy(tracer_provider):
+            return None  # nobody configured OpenTelemetry (yet): record nothing
+        self._instruments = _Instruments(meter_provider, tracer_provider, self._table_attributes)
+        return self._instruments
+
+
+def _is_proxy(provider: Any) -> bool:
+    """The API's stand-in before a provider is set (or its no-op one)."""
+    return type(provider).__name__ in {
+        "_ProxyMeterProvider",
+        "ProxyTracerProvider",
+        "NoOpMeterProvider",
+        "NoOpTracerProvider",
+    }
+
+
+class _Instruments:
+    def __init__(
+        self,
+        meter_provider: Any,
+        tracer_provider: Any,
+        table_attributes: Callable[[], dict[str, str]],
+    ) -> None:
+        from . import __version__
+
+        meter = meter_provider.get_meter("sqllocker", __version__)
+        self.tracer = tracer_provider.get_tracer("sqllocker", __version__)
+        self.table_attributes = table_attributes
+        self.acquire_duration = meter.create_histogram(
+            "sqllocker.lock.acquire.duration",
+            unit="s",
+            description="From the call to acquire a lock to its outcome",
+        )
+        self.hold_duration = meter.create_histogram(
+            "sqllocker.lock.hold.duration",
+            unit="s",
+            description="From a lock acquired to released or lost",
+        )
+        self.renewals = meter.create_counter(
+            "sqllocker.lock.renewals", description="Extensions of held locks, by outcome"
+        )
+        self.lost = meter.create_counter("sqllocker.lock.lost", description="Locks lost")
+        self.held = meter.create_up_down_counter(
+            "sqllocker.locks.held", description="Locks this process holds now"
+        )
+        self.purge_rows = meter.create_counter(
+            "sqllocker.purge.rows", description="Expired rows deleted by purges"
+        )
+
+
+def _status(span: Any, error: BaseException | None) -> None:
+    from opentelemetry.trace import Status, StatusCode
+
+    if error is not None:
+        span.set_status(Status(StatusCode.ERROR, type(error).__name__))
+        span.set_attribute("error.type", type(error).__name__)
+
+
+class _RecordedAcquisition(Acquisition):
+    def __init__(
+        self, instruments: _Instruments, attributes: Callable[[], dict[str, str]], wait: Any
+    ) -> None:
+        self._instruments = instruments
+        # Read again at the outcome: MariaDB is told from MySQL only once connected.
+        self._attributes_now = attributes
+        self._attributes = attributes()
+        self._waits = wait != 0
+        self._started = time.monotonic()
+        self._span = instruments.tracer.start_span("sqllocker.acquire", attributes=self._attributes)
+        self._turns = 0
+
+    def wait_turn(self) -> None:
+        self._turns += 1
+        self._span.add_event("sqllocker.wait_turn", {"sqllocker.turn": self._turns})
+
+    def failed(self, error: BaseException) -> None:
+        outcome = "error"
+        if isinstance(error, LockBusy):
+            outcome = "timeout" if self._waits else "busy"
+        self._end(outcome, error)
+
+    def acquired(self, lock_id: int) -> Hold:
+        self._span.set_attribute("sqllocker.lock.id", lock_id)
+        self._end("acquired", None)
+        self._instruments.held.add(1, self._instruments.table_attributes())
+        return _RecordedHold(self._instruments, self._attributes, lock_id)
+
+    def _end(self, outcome: str, error: BaseException | None) -> None:
+        elapsed = time.monotonic() - self._started
+        self._attributes = self._attributes_now()
+        self._span.set_attributes(self._attributes)
+        attributes = {**self._attributes, "sqllocker.outcome": outcome}
+        self._instruments.acquire_duration.record(elapsed, attributes)
+        self._span.set_attribute("sqllocker.outcome", outcome)
+        _status(self._span, error)
+        self._span.end()
+
+
+class _RecordedHold(Hold):
+    def __init__(self, instruments: _Instruments, attributes: dict[str, str], lock_id: int) -> None:
+        self._instruments = instruments
+        self._attributes = attributes
+        self._lock_id = lock_id
+        self._since = time.monotonic()
+        self._ended = False
+
+    @contextmanager
+    def extending(self) -> Iterator[None]:
+        with self._span("sqllocker.extend") as span:
+            try:
+                yield
+            except BaseException as error:
+                self._renewal("failed")
+                _status(span, error)
+                if isinstance(error, LockLost):
+                    self.lost()
+                raise
+            self._renewal("renewed")
+
+    @contextmanager
+    def releasing(self) -> Iterator[None]:
+        with self._span("sqllocker.release") as span:
+            try:
+                yield
+            except LockLost as error:
+                _status(span, error)
+                self.lost()
+                raise
+            except BaseException as error:
+                _status(span, error)  # still held: unlock() may be tried again
+                raise
+            self._end("released")
+
+    def lost(self) -> None:
+        if self._end("lost"):
+            self._instruments.lost.add(1, self._attributes)
+
+    def _renewal(self, outcome: str) -> None:
+        self._instruments.renewals.add(1, {**self._attributes, "sqllocker.outcome": outcome})
+
+    def _end(self, outcome: str) -> bool:
+        if self._ended:
+            return False
+        self._ended = True
+        elapsed = time.monotonic() - self._since
+        attributes = {**self._attributes, "sqllocker.outcome": outcome}
+        self._instruments.hold_duration.record(elapsed, attributes)
+        self._instruments.held.add(-1, self._instruments.table_attributes())
+        return True
+
+    @contextmanager
+    def _span(self, name: str) -> Iterator[Any]:
+        attributes = {**self._attributes, "sqllocker.lock.id": self._lock_id}
+        span = self._instruments.tracer.start_span(name, attributes=attributes)
+        try:
+            yield span
+        finally:
+            span.end()
