@@ -26,6 +26,8 @@ from .exporter import DEFAULT_MAX_SERIES, ExporterOptions, parse_listen, serve
 from .locker import Locker, LockInfo
 from .runner import DEFAULT_KILL_AFTER, EXIT_LOCK_LOST, ON_LOST_CHOICES, RunOptions, run_locked
 from .schema import DEFAULT_TABLE, FOREIGN_CLOCK_MARGIN
+from .telemetry import default_name
+from .trace_context import joined_trace
 from .validation import check_table_name
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "show_default": True}
@@ -361,7 +363,9 @@ def run(
         pass_url=pass_url,
         record_args=record_args,
     )
-    sys.exit(run_locked(settings.locker(), lockstring, command, options))
+    with joined_trace(default_name(lockstring)):
+        status = run_locked(settings.locker(), lockstring, command, options)
+    sys.exit(status)
 
 
 # -- top ----------------------------------------------------------------------------------------

@@ -291,3 +291,116 @@ def assert_no_secrets(recorded: Recorded, guid: str | None, url: str) -> None:
 def test_time_is_monotonic_not_wall() -> None:
     # The durations come from time.monotonic: a wall clock stepped back makes no negative hold.
     assert time.monotonic() > 0
+
+
+# -- sqllocker run in its caller's trace -----------------------------------------------------------
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+CALLER = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
+
+# The command line in a process whose global tracer provider records in memory (as
+# opentelemetry-instrument would set one), printing the finished spans as JSON.
+RUN_TRACED = """
+import json, sys
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+exporter = InMemorySpanExporter()
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(exporter))
+trace.set_tracer_provider(provider)
+from sqllocker.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as done:
+    status = done.code
+spans = [
+    {
+        "name": s.name,
+        "trace": format(s.context.trace_id, "032x"),
+        "span": format(s.context.span_id, "016x"),
+        "parent": format(s.parent.span_id, "016x") if s.parent else None,
+    }
+    for s in exporter.get_finished_spans()
+]
+print(json.dumps({"status": status, "spans": spans}))
+"""
+
+
+def test_run_joins_the_callers_trace_and_passes_it_on(
+    url: str, table_name: str, make_locker: Callable[..., Locker], tmp_path: Path
+) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    make_locker()  # the table
+    seen = tmp_path / "traceparent"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            RUN_TRACED,
+            "--url",
+            url,
+            "--table",
+            table_name,
+            "run",
+            "job 5",
+            "--",
+            "sh",
+            "-c",
+            f'printf %s "$TRACEPARENT" > {seen}',
+        ],
+        env={**os.environ, "TRACEPARENT": CALLER},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["status"] == 0
+    spans = {span["name"]: span for span in result["spans"]}
+    assert set(spans) >= {"sqllocker.run", "sqllocker.acquire", "sqllocker.release"}
+    run = spans["sqllocker.run"]
+    assert {span["trace"] for span in spans.values()} == {TRACE_ID}
+    assert run["parent"] == CALLER.split("-")[2]
+    assert spans["sqllocker.acquire"]["parent"] == run["span"]
+    # COMMAND is handed the context of the run's span, in the same trace.
+    assert seen.read_text() == f"00-{TRACE_ID}-{run['span']}-01"
+
+
+def test_run_passes_the_context_on_even_when_nothing_records(
+    url: str, table_name: str, make_locker: Callable[..., Locker], tmp_path: Path
+) -> None:
+    import os
+    import subprocess
+
+    make_locker()
+    seen = tmp_path / "traceparent"
+    sqllocker = str(Path(__file__).resolve().parents[1] / ".venv" / "bin" / "sqllocker")
+    done = subprocess.run(
+        [
+            sqllocker,
+            "--url",
+            url,
+            "--table",
+            table_name,
+            "run",
+            "job 5",
+            "--",
+            "sh",
+            "-c",
+            f'printf %s "$TRACEPARENT" > {seen}',
+        ],
+        env={**os.environ, "TRACEPARENT": CALLER},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert seen.read_text() == CALLER
