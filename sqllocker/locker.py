@@ -43,7 +43,7 @@ from .notifications import guid_digest
 from .operations import Acquired, LockInfo, LockOperations, Refused
 from .schema import DEFAULT_TABLE
 from .semaphore import Semaphore
-from .telemetry import NameMapping, Telemetry, system_name
+from .telemetry import NameMapping, Telemetry, attempted, system_name
 from .tickets import LOOK_AGAIN, NEWCOMER, LocalLine, Ticket
 
 logger = logging.getLogger("sqllocker")
@@ -781,6 +781,7 @@ class Locker:
     ) -> Lock | Refused:
         attempt = (lockstring, guid, ttl, details, queue_key, look_first, in_line)
         outcome = self._operations.try_acquire(*attempt)
+        attempted(outcome)
         if not isinstance(outcome, Acquired):
             return outcome
         return self._lock(lockstring, guid, outcome, ttl, details, on_lost)

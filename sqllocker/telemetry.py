@@ -9,7 +9,8 @@ there, it records:
   ``busy`` (refused at once) | ``timeout`` (refused after waiting) | ``error``;
 - ``sqllocker.lock.hold.duration`` (histogram, s), ``released`` | ``lost``;
 - ``sqllocker.lock.renewals`` (counter), ``renewed`` | ``failed``;
-- ``sqllocker.lock.lost`` (counter); ``sqllocker.locks.held`` (up-down counter);
+- ``sqllocker.lock.lost`` (counter); ``sqllocker.lock.takeovers`` (counter: expired holders'
+  rows taken over); ``sqllocker.locks.held`` (up-down counter);
 - ``sqllocker.purge.rows`` (counter);
 
 and the spans ``sqllocker.acquire``, ``sqllocker.release`` and ``sqllocker.extend``. Their
@@ -26,6 +27,7 @@ import re
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextvars import ContextVar
 from typing import Any
 
 from sqlalchemy.engine import Engine
@@ -34,6 +36,8 @@ from .backends import backend_class
 from .errors import LockBusy, LockLost
 
 _DIGITS = re.compile(r"\d+")
+# The acquisition this task or thread is recording, for the attempts deep in its wait.
+_CURRENT: ContextVar[Acquisition | None] = ContextVar("sqllocker_acquisition", default=None)
 _NOTHING: AbstractContextManager[None] = nullcontext()
 
 NameMapping = Callable[[str], str]
@@ -66,10 +70,18 @@ class Hold:
 NO_HOLD = Hold()
 
 
+def attempted(outcome: object) -> None:
+    """One attempt of the acquisition being recorded here ended: refused (a wait turn), or
+    acquired (by taking over an expired holder's row, perhaps). Nothing when nothing records."""
+    acquisition = _CURRENT.get()
+    if acquisition is not None:
+        acquisition.attempted(outcome)
+
+
 class Acquisition:
     """What one acquisition records: nothing (this class), or ``_RecordedAcquisition``'s."""
 
-    def wait_turn(self) -> None:
+    def attempted(self, outcome: object) -> None:
         pass
 
     def failed(self, error: BaseException) -> None:
@@ -172,6 +184,9 @@ class _Instruments:
             "sqllocker.lock.renewals", description="Extensions of held locks, by outcome"
         )
         self.lost = meter.create_counter("sqllocker.lock.lost", description="Locks lost")
+        self.takeovers = meter.create_counter(
+            "sqllocker.lock.takeovers", description="Expired holders' rows taken over"
+        )
         self.held = meter.create_up_down_counter(
             "sqllocker.locks.held", description="Locks this process holds now"
         )
@@ -200,10 +215,16 @@ class _RecordedAcquisition(Acquisition):
         self._started = time.monotonic()
         self._span = instruments.tracer.start_span("sqllocker.acquire", attributes=self._attributes)
         self._turns = 0
+        self._took_over = False
+        _CURRENT.set(self)
 
-    def wait_turn(self) -> None:
-        self._turns += 1
-        self._span.add_event("sqllocker.wait_turn", {"sqllocker.turn": self._turns})
+    def attempted(self, outcome: object) -> None:
+        took_over = getattr(outcome, "took_over", None)
+        if took_over is None:  # refused
+            self._turns += 1
+            self._span.add_event("sqllocker.wait_turn", {"sqllocker.turn": self._turns})
+        elif took_over:
+            self._took_over = True
 
     def failed(self, error: BaseException) -> None:
         outcome = "error"
@@ -214,10 +235,14 @@ class _RecordedAcquisition(Acquisition):
     def acquired(self, lock_id: int) -> Hold:
         self._span.set_attribute("sqllocker.lock.id", lock_id)
         self._end("acquired", None)
+        if self._took_over:
+            self._instruments.takeovers.add(1, self._attributes)
         self._instruments.held.add(1, self._instruments.table_attributes())
         return _RecordedHold(self._instruments, self._attributes, lock_id)
 
     def _end(self, outcome: str, error: BaseException | None) -> None:
+        if _CURRENT.get() is self:
+            _CURRENT.set(None)
         elapsed = time.monotonic() - self._started
         self._attributes = self._attributes_now()
         self._span.set_attributes(self._attributes)

@@ -404,3 +404,66 @@ def test_run_passes_the_context_on_even_when_nothing_records(
     )
     assert done.returncode == 0, done.stderr
     assert seen.read_text() == CALLER
+
+
+# -- takeovers, wait turns, a renewal that cannot reach the database ----------------------------
+
+
+def test_a_takeover_and_the_wait_turns_are_recorded(
+    make_locker: Callable[..., Locker], recorded: Recorded
+) -> None:
+    providers = {
+        "meter_provider": recorded.meter_provider,
+        "tracer_provider": recorded.tracer_provider,
+    }
+    locker = make_locker(**providers)
+    other = make_locker(**providers)
+    lapsing = locker.lock("job 1", expires=0.5)
+    wait_until(lambda: locker.lock_info("job 1").expired, timeout=30)  # type: ignore[union-attr]
+    assert recorded.count("sqllocker.lock.takeovers") == 0
+    taken = other.lock("job 1", expires=30)
+    assert recorded.count("sqllocker.lock.takeovers") == 1
+    with pytest.raises(LockError):
+        locker.lock("job 1", wait=1)
+    timeout = next(
+        span
+        for span in recorded.finished("sqllocker.acquire")
+        if span.attributes["sqllocker.outcome"] == "timeout"
+    )
+    turns = [event for event in timeout.events if event.name == "sqllocker.wait_turn"]
+    assert turns
+    assert [event.attributes["sqllocker.turn"] for event in turns] == list(range(1, len(turns) + 1))
+    taken.unlock()
+    del lapsing
+
+
+@pytest.mark.parametrize("server", ["postgresql", "mysql"])
+def test_a_renewal_that_cannot_reach_the_database_fails_without_losing(
+    server: str, request: pytest.FixtureRequest, table_name: str, recorded: Recorded
+) -> None:
+    from sqllocker import lock_table
+    from tests.stall_proxy import StallProxy
+
+    target = sa.make_url(resolve_url(request.getfixturevalue(f"{server}_url")))
+    engine = sa.create_engine(target)
+    lock_table(table_name).create(engine)
+    engine.dispose()
+    proxy = StallProxy(target.port or (5432 if server == "postgresql" else 3306))
+    through = target.set(host="127.0.0.1", port=proxy.port)
+    locker = Locker(
+        through,
+        table=table_name,
+        meter_provider=recorded.meter_provider,
+        tracer_provider=recorded.tracer_provider,
+    )
+    lock = locker.lock("job 1", expires=60)
+    proxy.close()
+    with pytest.raises(LockError) as failure:
+        lock.extend(60)
+    assert not isinstance(failure.value, LockLost)
+    assert recorded.count("sqllocker.lock.renewals", sqllocker_outcome="failed") == 1
+    assert recorded.count("sqllocker.lock.lost") == 0
+    assert recorded.count("sqllocker.locks.held") == 1  # still held, as far as anyone knows
+    (extend,) = recorded.finished("sqllocker.extend")
+    assert extend.status.status_code == StatusCode.ERROR
+    locker.close()

@@ -38,7 +38,7 @@ from ..keepalive import DEFAULT_FRACTION
 from ..notifications import guid_digest
 from ..operations import Acquired, LockInfo, LockOperations, Refused
 from ..schema import DEFAULT_TABLE
-from ..telemetry import NameMapping, Telemetry, system_name
+from ..telemetry import NameMapping, Telemetry, attempted, system_name
 from ..tickets import LOOK_AGAIN, NEWCOMER, LocalLine, Ticket
 from . import concurrency
 from .group import AsyncLockGroup
@@ -837,6 +837,7 @@ class AsyncLocker:
             )
         else:
             outcome = self._operations.try_acquire(*attempt)
+        attempted(outcome)
         if not isinstance(outcome, Acquired):
             return outcome
         return self._lock(lockstring, guid, outcome, ttl, details, on_lost)
