@@ -43,7 +43,7 @@ from .notifications import guid_digest
 from .operations import Acquired, LockInfo, LockOperations, Refused
 from .schema import DEFAULT_TABLE
 from .semaphore import Semaphore
-from .telemetry import NameMapping, Telemetry, attempted, system_name
+from .telemetry import NameMapping, Telemetry, attempted, named, system_name
 from .tickets import LOOK_AGAIN, NEWCOMER, LocalLine, Ticket
 
 logger = logging.getLogger("sqllocker")
@@ -253,13 +253,14 @@ class Locker:
             def under_lock(*args: P.args, **kwargs: P.kwargs) -> R | None:
                 name = template.render(args, kwargs)
                 try:
-                    lock = self.lock(
-                        name,
-                        wait=wait,
-                        expires=expires,
-                        keep_alive=keep_alive,
-                        hold_at_least=hold_at_least,
-                    )
+                    with named(template.template):
+                        lock = self.lock(
+                            name,
+                            wait=wait,
+                            expires=expires,
+                            keep_alive=keep_alive,
+                            hold_at_least=hold_at_least,
+                        )
                 except LockBusy as busy:
                     when_busy(behaviour, function, busy)
                     return None

@@ -70,6 +70,21 @@ class Hold:
 NO_HOLD = Hold()
 
 
+# The name a decorator gives the acquisitions it makes: its lockstring template.
+_NAMED: ContextVar[str | None] = ContextVar("sqllocker_name", default=None)
+
+
+@contextmanager
+def named(name: str) -> Iterator[None]:
+    """Within: acquisitions here record ``sqllocker.name`` = ``name`` (a decorator's template,
+    ``"report {day}"``), whatever their lockstring."""
+    token = _NAMED.set(name)
+    try:
+        yield
+    finally:
+        _NAMED.reset(token)
+
+
 def attempted(outcome: object) -> None:
     """One attempt of the acquisition being recorded here ended: refused (a wait turn), or
     acquired (by taking over an expired holder's row, perhaps). Nothing when nothing records."""
@@ -116,8 +131,11 @@ class Telemetry:
         instruments = self._instruments or self._look_for_providers()
         if instruments is None:
             return _NO_ACQUISITION
+        name = _NAMED.get()
+        if name is None:
+            name = self._name_of(lockstring)
         return _RecordedAcquisition(
-            instruments, functools.partial(self._attributes, kind, lockstring), wait
+            instruments, functools.partial(self._attributes, kind, name), wait
         )
 
     def purged(self, rows: int) -> None:
@@ -128,12 +146,8 @@ class Telemetry:
     def _table_attributes(self) -> dict[str, str]:
         return {"db.system.name": self._system_name(), "sqllocker.table": self._table}
 
-    def _attributes(self, kind: str, lockstring: str) -> dict[str, str]:
-        return {
-            **self._table_attributes(),
-            "sqllocker.kind": kind,
-            "sqllocker.name": self._name_of(lockstring),
-        }
+    def _attributes(self, kind: str, name: str) -> dict[str, str]:
+        return {**self._table_attributes(), "sqllocker.kind": kind, "sqllocker.name": name}
 
     def _look_for_providers(self) -> _Instruments | None:
         try:

@@ -467,3 +467,49 @@ def test_a_renewal_that_cannot_reach_the_database_fails_without_losing(
     (extend,) = recorded.finished("sqllocker.extend")
     assert extend.status.status_code == StatusCode.ERROR
     locker.close()
+
+
+def test_a_decorated_function_is_named_by_its_template(
+    make_locker: Callable[..., Locker], recorded: Recorded
+) -> None:
+    locker = make_locker(
+        meter_provider=recorded.meter_provider, tracer_provider=recorded.tracer_provider
+    )
+
+    @locker.locked("report {day}")
+    def report(day: str) -> str:
+        return day
+
+    assert report("monday 3") == "monday 3"
+    names = {
+        dict(point.attributes)["sqllocker.name"]
+        for point in recorded.points("sqllocker.lock.acquire.duration")
+    }
+    assert names == {"report {day}"}
+    with locker.lock("report tuesday 4"):
+        pass
+    names = {
+        dict(point.attributes)["sqllocker.name"]
+        for point in recorded.points("sqllocker.lock.acquire.duration")
+    }
+    assert names == {"report {day}", "report tuesday <n>"}
+
+
+async def test_a_decorated_coroutine_is_named_by_its_template(
+    url: str, table_name: str, make_locker: Callable[..., Locker], recorded: Recorded
+) -> None:
+    make_locker()
+    async with AsyncLocker(
+        async_url(url),
+        table=table_name,
+        meter_provider=recorded.meter_provider,
+        tracer_provider=recorded.tracer_provider,
+    ) as locker:
+
+        @locker.locked("digest {user}")
+        async def digest(user: int) -> int:
+            return user
+
+        assert await digest(42) == 42
+    (point,) = recorded.points("sqllocker.lock.acquire.duration")
+    assert dict(point.attributes)["sqllocker.name"] == "digest {user}"

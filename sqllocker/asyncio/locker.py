@@ -38,7 +38,7 @@ from ..keepalive import DEFAULT_FRACTION
 from ..notifications import guid_digest
 from ..operations import Acquired, LockInfo, LockOperations, Refused
 from ..schema import DEFAULT_TABLE
-from ..telemetry import NameMapping, Telemetry, attempted, system_name
+from ..telemetry import NameMapping, Telemetry, attempted, named, system_name
 from ..tickets import LOOK_AGAIN, NEWCOMER, LocalLine, Ticket
 from . import concurrency
 from .group import AsyncLockGroup
@@ -273,13 +273,14 @@ class AsyncLocker:
             async def under_lock(*args: P.args, **kwargs: P.kwargs) -> R | None:
                 name = template.render(args, kwargs)
                 try:
-                    lock = await self.lock(
-                        name,
-                        wait=wait,
-                        expires=expires,
-                        keep_alive=keep_alive,
-                        hold_at_least=hold_at_least,
-                    )
+                    with named(template.template):
+                        lock = await self.lock(
+                            name,
+                            wait=wait,
+                            expires=expires,
+                            keep_alive=keep_alive,
+                            hold_at_least=hold_at_least,
+                        )
                 except LockBusy as busy:
                     when_busy(behaviour, function, busy)
                     return None
