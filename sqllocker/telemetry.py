@@ -41,6 +41,20 @@ _CURRENT: ContextVar[Acquisition | None] = ContextVar("sqllocker_acquisition", d
 _NOTHING: AbstractContextManager[None] = nullcontext()
 
 NameMapping = Callable[[str], str]
+# While no provider is set, how long a Locker goes before it looks for one again: one set
+# later (after the Locker was made) is found within this long.
+LOOK_AGAIN_SECONDS = 1.0
+
+
+def _import_opentelemetry() -> tuple[Any, Any] | None:
+    try:
+        from opentelemetry import metrics, trace
+    except ImportError:
+        return None
+    return metrics, trace
+
+
+_OPENTELEMETRY = _import_opentelemetry()
 
 
 def system_name(engine: Engine) -> str:
@@ -126,6 +140,7 @@ class Telemetry:
         self._tracer_provider = tracer_provider
         self._name_of = name_of or default_name
         self._instruments: _Instruments | None = None
+        self._next_look = 0.0
 
     def acquiring(self, lockstring: str, wait: float | None, kind: str = "lock") -> Acquisition:
         instruments = self._instruments or self._look_for_providers()
@@ -150,10 +165,13 @@ class Telemetry:
         return {**self._table_attributes(), "sqllocker.kind": kind, "sqllocker.name": name}
 
     def _look_for_providers(self) -> _Instruments | None:
-        try:
-            from opentelemetry import metrics, trace
-        except ImportError:
+        """The instruments, once a provider is there; None (and no look again for a while:
+        an acquisition must not pay for the look) while none is."""
+        now = time.monotonic()
+        if now < self._next_look or _OPENTELEMETRY is None:
             return None
+        self._next_look = now + LOOK_AGAIN_SECONDS
+        metrics, trace = _OPENTELEMETRY
         meter_provider = self._meter_provider or metrics.get_meter_provider()
         tracer_provider = self._tracer_provider or trace.get_tracer_provider()
         if _is_proxy(meter_provider) and _is_proxy(tracer_provider):
