@@ -22,7 +22,13 @@ from .adoption import check_zone
 from .defaults import DEFAULT_GRACE, DEFAULT_PURGE_BATCH, DEFAULT_PURGE_PAUSE_RATIO
 from .engine import URL_ENVIRONMENT_VARIABLE, create_locker_engine, describe_url, resolve_url
 from .errors import LockError, describe_holder, one_line, printable
-from .exporter import DEFAULT_MAX_SERIES, ExporterOptions, parse_listen, serve
+from .exporter import (
+    DEFAULT_MAX_SERIES,
+    DEFAULT_SCRAPE_TIMEOUT,
+    ExporterOptions,
+    parse_listen,
+    serve,
+)
 from .locker import Locker, LockInfo
 from .runner import DEFAULT_KILL_AFTER, EXIT_LOCK_LOST, ON_LOST_CHOICES, RunOptions, run_locked
 from .schema import DEFAULT_TABLE, FOREIGN_CLOCK_MARGIN
@@ -413,8 +419,18 @@ def top(context: click.Context, pattern: str | None) -> None:
     default=DEFAULT_MAX_SERIES,
     help="At most this many lockstrings get series of their own (the first, in order).",
 )
+@click.option(
+    "--scrape-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=DEFAULT_SCRAPE_TIMEOUT,
+    metavar="SECONDS",
+    help="A scrape whose census of the table takes longer answers sqllocker_up 0 (keep it "
+    "below Prometheus's scrape_timeout).",
+)
 @pass_settings
-def exporter(settings: _Settings, listen: str, per_lock: str | None, max_series: int) -> None:
+def exporter(
+    settings: _Settings, listen: str, per_lock: str | None, max_series: int, scrape_timeout: float
+) -> None:
     """Serve the lock table as Prometheus metrics, read from the database on each scrape.
 
     Needs pip install 'sqllocker[exporter]'. Run it as a role that may only read (see the
@@ -423,7 +439,10 @@ def exporter(settings: _Settings, listen: str, per_lock: str | None, max_series:
     """
     host, port = parse_listen(listen)
     options = ExporterOptions(
-        table=check_table_name(settings.table), per_lock=per_lock, max_series=max_series
+        table=check_table_name(settings.table),
+        per_lock=per_lock,
+        max_series=max_series,
+        timeout=scrape_timeout,
     )
     engine = create_locker_engine(
         resolve_url(settings.url), transaction_pooling=settings.transaction_pooling

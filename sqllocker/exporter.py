@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("sqllocker")
 
 DEFAULT_MAX_SERIES = 100
+# Prometheus gives up on a scrape after its scrape_timeout (10 s by default): the census must
+# answer sooner, with sqllocker_up 0, when the database is slow to, or a network stalls.
+DEFAULT_SCRAPE_TIMEOUT = 5.0
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,7 @@ class ExporterOptions:
     table: str
     per_lock: str | None = None  # glob of the lockstrings that get series of their own
     max_series: int = DEFAULT_MAX_SERIES  # at most this many lockstrings get them
+    timeout: float = DEFAULT_SCRAPE_TIMEOUT  # how long a census may take
 
 
 class TableCollector:
@@ -47,14 +52,7 @@ class TableCollector:
         from prometheus_client.core import GaugeMetricFamily
 
         options = self._options
-        with self._turn:
-            try:
-                census: TableCensus | None = take_census(
-                    self._engine, options.table, options.per_lock, options.max_series
-                )
-            except sa.exc.SQLAlchemyError as error:
-                logger.warning("scrape: the database did not answer: %s", one_line(error))
-                census = None
+        census = self._census()
         up = GaugeMetricFamily(
             "sqllocker_up", "1 when the database answered this scrape, else 0", labels=["table"]
         )
@@ -127,6 +125,36 @@ class TableCollector:
         )
         truncated.add_metric(table, 1 if census.more_locks else 0)
         yield truncated
+
+    def _census(self) -> TableCensus | None:
+        """The census, or None if the database did not answer within the timeout. A census
+        still running from an earlier scrape (a stalled connection) is not joined: it ends on
+        its own, at the latest when the driver's timeouts end its statement."""
+        options = self._options
+        deadline = time.monotonic() + options.timeout
+        if not self._turn.acquire(timeout=options.timeout):
+            logger.warning("scrape: an earlier census is still waiting for the database")
+            return None
+        result: list[TableCensus | None] = []
+
+        def take() -> None:
+            try:
+                result.append(
+                    take_census(self._engine, options.table, options.per_lock, options.max_series)
+                )
+            except sa.exc.SQLAlchemyError as error:
+                logger.warning("scrape: the database did not answer: %s", one_line(error))
+                result.append(None)
+            finally:
+                self._turn.release()
+
+        worker = threading.Thread(target=take, name="sqllocker-census", daemon=True)
+        worker.start()
+        worker.join(max(0.0, deadline - time.monotonic()))
+        if not result:
+            logger.warning("scrape: the database did not answer within %gs", options.timeout)
+            return None
+        return result[0]
 
 
 def registry_for(engine: sa.Engine, options: ExporterOptions) -> CollectorRegistry:

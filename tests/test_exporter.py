@@ -288,3 +288,31 @@ def test_mysql_exporter_user_needs_only_the_documented_grants(
             conn.exec_driver_sql(grant)
     admin.dispose()
     _census_as_reader(mysql_roles.reader, mysql_roles.app, table_name)
+
+
+@pytest.mark.parametrize("server", ["postgresql", "mysql"])
+def test_a_scrape_through_a_stalled_network_answers_up_0_in_time(
+    server: str, request: pytest.FixtureRequest, table_name: str
+) -> None:
+    from tests.stall_proxy import StallProxy
+
+    target = sa.make_url(resolve_url(request.getfixturevalue(f"{server}_url")))
+    engine = sa.create_engine(target)
+    upgrade(engine, table_name)
+    engine.dispose()
+    proxy = StallProxy(target.port or (5432 if server == "postgresql" else 3306))
+    through = target.set(host="127.0.0.1", port=proxy.port)
+    url = through.render_as_string(hide_password=False)
+    try:
+        for port in serve_in_thread(url, ExporterOptions(table=table_name, timeout=2)):
+            assert value(scrape(port), "sqllocker_up", table=table_name) == 1
+            proxy.stall()
+            started = time.monotonic()
+            assert scrape(port) == {("sqllocker_up", (("table", table_name),)): 0}
+            # Against the driver's own 60 s statement timeout that it would otherwise wait.
+            assert time.monotonic() - started < 30
+            assert scrape(port) == {("sqllocker_up", (("table", table_name),)): 0}
+            proxy.resume()
+            wait_until(lambda: value(scrape(port), "sqllocker_up", table=table_name) == 1, 90)
+    finally:
+        proxy.close()

@@ -3,6 +3,7 @@ quits; and without a terminal it prints what ``list`` prints."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import shutil
@@ -10,6 +11,7 @@ import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -148,3 +150,18 @@ def test_top_without_a_terminal_prints_the_list(migrated: str, table_name: str) 
         "LEFT",
     ]
     assert lines[1].startswith("job 7 ")
+
+
+def test_a_lock_close_to_expiry_is_marked(make_locker: Any) -> None:
+    from sqllocker.top import Row
+
+    locker = make_locker()
+    with locker.lock("job 1", expires=60):
+        (info,) = locker.locks()
+    far = Row(info=info, held_seconds=0.0, waiters=None)
+    assert not far.close_to_expiry
+    near = Row(info=dataclasses.replace(info, seconds_left=11.0), held_seconds=49.0, waiters=None)
+    assert near.close_to_expiry  # less than a fifth of its 60 s period left
+    assert not dataclasses.replace(
+        near, info=dataclasses.replace(info, seconds_left=13.0)
+    ).close_to_expiry
