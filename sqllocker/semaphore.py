@@ -45,6 +45,23 @@ class Semaphore:
         """A permit: a lock of its own (``lock_id`` its fencing token), released as any lock
         is. ``wait``, ``expires``, ``keep_alive`` and the rest are the locker's ``lock()``'s;
         raises LockBusy once ``wait`` has passed with every permit held."""
+        acquisition = self.locker._telemetry.compound("semaphore", self.name, wait)
+        try:
+            permit = self._acquire(wait=wait, expires=expires, keep_alive=keep_alive, **options)
+        except BaseException as error:
+            acquisition.failed(error)
+            raise
+        acquisition.succeeded()
+        return permit
+
+    def _acquire(
+        self,
+        *,
+        wait: float | None = 0,
+        expires: float | None = None,
+        keep_alive: bool = False,
+        **options: Any,
+    ) -> Lock:
         backoff = Backoff.for_wait(check_wait(wait, self.name))
         while True:
             for slot in slots_to_try(self.limit):

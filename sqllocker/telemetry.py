@@ -15,9 +15,10 @@ there, it records:
 
 and the spans ``sqllocker.acquire``, ``sqllocker.release`` and ``sqllocker.extend``. Their
 attributes are ``db.system.name``, ``sqllocker.table``, ``sqllocker.kind`` and
-``sqllocker.name``: the lockstring with its runs of digits replaced by ``<n>`` (lockstrings
-carry ids, and a metric's series must stay few), or what the Locker's ``telemetry_name``
-makes of it. No guid, URL or password is ever an attribute.
+``sqllocker.name``: a decorator's template, a semaphore's name, a group's size (``group of
+3``), or else the lockstring with its runs of digits replaced by ``<n>`` (lockstrings carry
+ids, and a metric's series must stay few), or what the Locker's ``telemetry_name`` makes of
+it. No guid, URL or password is ever an attribute.
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ class Hold:
 NO_HOLD = Hold()
 
 
+# The group or semaphore acquisition whose member locks the acquisitions here are.
+_COMPOUND: ContextVar[_RecordedAcquisition | None] = ContextVar("sqllocker_compound", default=None)
 # The name a decorator gives the acquisitions it makes: its lockstring template.
 _NAMED: ContextVar[str | None] = ContextVar("sqllocker_name", default=None)
 
@@ -119,8 +122,30 @@ class Acquisition:
     def acquired(self, lock_id: int) -> Hold:
         return NO_HOLD
 
+    def member(self, lock_id: int) -> Hold:
+        """A member lock of a group or semaphore acquisition (``Telemetry.compound``)."""
+        return NO_HOLD
+
+    def succeeded(self) -> None:
+        """The group or semaphore acquisition has its locks."""
+
 
 _NO_ACQUISITION = Acquisition()
+
+
+class _Member(Acquisition):
+    """A lock taken inside a group or semaphore acquisition: its attempts are that one's
+    wait turns, its hold is recorded under that one's kind and name, and the compound records
+    the acquisition's outcome (a semaphore's slot found busy is no outcome of its own)."""
+
+    def __init__(self, compound: _RecordedAcquisition) -> None:
+        self._compound = compound
+
+    def attempted(self, outcome: object) -> None:
+        self._compound.attempted(outcome)
+
+    def acquired(self, lock_id: int) -> Hold:
+        return self._compound.member(lock_id)
 
 
 class Telemetry:
@@ -146,12 +171,28 @@ class Telemetry:
         instruments = self._instruments or self._look_for_providers()
         if instruments is None:
             return _NO_ACQUISITION
+        compound = _COMPOUND.get()
+        if compound is not None:
+            return _Member(compound)
         name = _NAMED.get()
         if name is None:
             name = self._name_of(lockstring)
         return _RecordedAcquisition(
             instruments, functools.partial(self._attributes, kind, name), wait
         )
+
+    def compound(self, kind: str, name: str, wait: object) -> Acquisition:
+        """The acquisition of a ``group`` (named by its size) or a ``semaphore`` (by its
+        name), whose member locks are taken inside it (in this task or thread) until it ends:
+        ``failed`` or ``member`` for each lock, then ``succeeded``."""
+        instruments = self._instruments or self._look_for_providers()
+        if instruments is None:
+            return _NO_ACQUISITION
+        acquisition = _RecordedAcquisition(
+            instruments, functools.partial(self._attributes, kind, name), wait
+        )
+        _COMPOUND.set(acquisition)
+        return acquisition
 
     def purged(self, rows: int) -> None:
         instruments = self._instruments or self._look_for_providers()
@@ -266,15 +307,23 @@ class _RecordedAcquisition(Acquisition):
 
     def acquired(self, lock_id: int) -> Hold:
         self._span.set_attribute("sqllocker.lock.id", lock_id)
+        self.succeeded()
+        return self.member(lock_id)
+
+    def member(self, lock_id: int) -> Hold:
+        self._instruments.held.add(1, self._instruments.table_attributes())
+        return _RecordedHold(self._instruments, self._attributes_now(), lock_id)
+
+    def succeeded(self) -> None:
         self._end("acquired", None)
         if self._took_over:
             self._instruments.takeovers.add(1, self._attributes)
-        self._instruments.held.add(1, self._instruments.table_attributes())
-        return _RecordedHold(self._instruments, self._attributes, lock_id)
 
     def _end(self, outcome: str, error: BaseException | None) -> None:
         if _CURRENT.get() is self:
             _CURRENT.set(None)
+        if _COMPOUND.get() is self:
+            _COMPOUND.set(None)
         elapsed = time.monotonic() - self._started
         self._attributes = self._attributes_now()
         self._span.set_attributes(self._attributes)

@@ -513,3 +513,51 @@ async def test_a_decorated_coroutine_is_named_by_its_template(
         assert await digest(42) == 42
     (point,) = recorded.points("sqllocker.lock.acquire.duration")
     assert dict(point.attributes)["sqllocker.name"] == "digest {user}"
+
+
+def test_groups_and_semaphores_are_recorded_by_kind(
+    make_locker: Callable[..., Locker], recorded: Recorded
+) -> None:
+    providers = {
+        "meter_provider": recorded.meter_provider,
+        "tracer_provider": recorded.tracer_provider,
+    }
+    locker = make_locker(**providers)
+    other = make_locker(**providers)
+    group = locker.lock_all(["a 1", "b 2", "c 3"])
+    assert recorded.count("sqllocker.locks.held") == 3
+    with pytest.raises(LockError):
+        other.lock_all(["c 3", "d 4"])
+    group.unlock()
+    semaphore = locker.semaphore("crawlers", 2)
+    first = semaphore.acquire()
+    second = other.semaphore("crawlers", 2).acquire()
+    with pytest.raises(LockError):
+        other.semaphore("crawlers", 2).acquire()
+    first.unlock()
+    second.unlock()
+
+    def outcomes(kind: str) -> dict[tuple[str, str], float]:
+        found: dict[tuple[str, str], float] = {}
+        for point in recorded.points("sqllocker.lock.acquire.duration"):
+            attributes = dict(point.attributes)
+            if attributes["sqllocker.kind"] == kind:
+                key = (attributes["sqllocker.name"], attributes["sqllocker.outcome"])
+                found[key] = found.get(key, 0) + point.count
+        return found
+
+    assert outcomes("group") == {("group of 3", "acquired"): 1, ("group of 2", "busy"): 1}
+    # One outcome per semaphore acquire, not one per permit slot tried.
+    assert outcomes("semaphore") == {("crawlers", "acquired"): 2, ("crawlers", "busy"): 1}
+    assert outcomes("lock") == {}
+    assert recorded.count("sqllocker.lock.hold.duration", sqllocker_kind="group") == 3
+    assert recorded.count("sqllocker.lock.hold.duration", sqllocker_kind="semaphore") == 2
+    assert recorded.count("sqllocker.locks.held") == 0
+    releases = recorded.finished("sqllocker.release")
+    assert sorted(span.attributes["sqllocker.name"] for span in releases) == [
+        "crawlers",
+        "crawlers",
+        "group of 3",
+        "group of 3",
+        "group of 3",
+    ]

@@ -13,7 +13,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence, Sized
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
@@ -308,6 +308,35 @@ class AsyncLocker:
         so that groups that overlap never deadlock; one held member refuses the attempt, which
         then takes nothing. The members are ordinary locks, each with its own fencing token.
         """
+        size = len(lockstrings) if isinstance(lockstrings, Sized) else 0
+        acquisition = self._telemetry.compound("group", f"group of {size}", wait)
+        try:
+            group = await self._lock_all(
+                lockstrings,
+                wait=wait,
+                expires=expires,
+                locked_by=locked_by,
+                keep_alive=keep_alive,
+                on_lost=on_lost,
+            )
+        except BaseException as error:
+            acquisition.failed(error)
+            raise
+        for lock in group:
+            lock._state.telemetry = acquisition.member(lock.lock_id)
+        acquisition.succeeded()
+        return group
+
+    async def _lock_all(
+        self,
+        lockstrings: Sequence[str],
+        *,
+        wait: float | None = 0,
+        expires: float | None = None,
+        locked_by: dict[str, Any] | None = None,
+        keep_alive: bool = False,
+        on_lost: OnLost | None = None,
+    ) -> AsyncLockGroup:
         names = validation.canonical_order(lockstrings)
         request = validation.check_lock_request(
             names[0], expires, self.expires, wait, locked_by, on_lost
