@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -341,6 +342,8 @@ class _RecordedHold(Hold):
         self._lock_id = lock_id
         self._since = time.monotonic()
         self._ended = False
+        # A keep-alive's thread may find the lock lost as the caller releases it: one ends it.
+        self._ending = threading.Lock()
 
     @contextmanager
     def extending(self) -> Iterator[None]:
@@ -377,9 +380,10 @@ class _RecordedHold(Hold):
         self._instruments.renewals.add(1, {**self._attributes, "sqllocker.outcome": outcome})
 
     def _end(self, outcome: str) -> bool:
-        if self._ended:
-            return False
-        self._ended = True
+        with self._ending:
+            if self._ended:
+                return False
+            self._ended = True
         elapsed = time.monotonic() - self._since
         attributes = {**self._attributes, "sqllocker.outcome": outcome}
         self._instruments.hold_duration.record(elapsed, attributes)
