@@ -290,6 +290,7 @@ def test_mysql_exporter_user_needs_only_the_documented_grants(
     _census_as_reader(mysql_roles.reader, mysql_roles.app, table_name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("server", ["postgresql", "mysql"])
 def test_a_scrape_through_a_stalled_network_answers_up_0_in_time(
     server: str, request: pytest.FixtureRequest, table_name: str
