@@ -24,19 +24,23 @@ it. No guid, URL or password is ever an attribute.
 from __future__ import annotations
 
 import functools
+import logging
 import re
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from sqlalchemy.engine import Engine
 
 from .backends import backend_class
 from .errors import LockBusy, LockLost
 
+logger = logging.getLogger("sqllocker")
+P = ParamSpec("P")
+R = TypeVar("R")
 _DIGITS = re.compile(r"\d+")
 # The acquisition this task or thread is recording, for the attempts deep in its wait.
 _CURRENT: ContextVar[Acquisition | None] = ContextVar("sqllocker_acquisition", default=None)
@@ -175,12 +179,16 @@ class Telemetry:
         compound = _COMPOUND.get()
         if compound is not None:
             return _Member(compound)
-        name = _NAMED.get()
-        if name is None:
-            name = self._name_of(lockstring)
-        return _RecordedAcquisition(
-            instruments, functools.partial(self._attributes, kind, name), wait
-        )
+        try:
+            name = _NAMED.get()
+            if name is None:
+                name = self._name_of(lockstring)
+            return _RecordedAcquisition(
+                instruments, functools.partial(self._attributes, kind, name), wait
+            )
+        except Exception:
+            logger.exception("sqllocker: recording telemetry failed")
+            return _NO_ACQUISITION
 
     def compound(self, kind: str, name: str, wait: object) -> Acquisition:
         """The acquisition of a ``group`` (named by its size) or a ``semaphore`` (by its
@@ -189,9 +197,13 @@ class Telemetry:
         instruments = self._instruments or self._look_for_providers()
         if instruments is None:
             return _NO_ACQUISITION
-        acquisition = _RecordedAcquisition(
-            instruments, functools.partial(self._attributes, kind, name), wait
-        )
+        try:
+            acquisition = _RecordedAcquisition(
+                instruments, functools.partial(self._attributes, kind, name), wait
+            )
+        except Exception:
+            logger.exception("sqllocker: recording telemetry failed")
+            return _NO_ACQUISITION
         _COMPOUND.set(acquisition)
         return acquisition
 
@@ -269,6 +281,21 @@ class _Instruments:
         )
 
 
+def _never_raising(method: Callable[P, R]) -> Callable[P, R | None]:
+    """Recording must never change what a lock operation does: a provider's error (or a
+    caller's ``telemetry_name`` raising) is logged, and the operation goes on."""
+
+    @functools.wraps(method)
+    def record(*args: P.args, **kwargs: P.kwargs) -> R | None:
+        try:
+            return method(*args, **kwargs)
+        except Exception:
+            logger.exception("sqllocker: recording telemetry failed")
+            return None
+
+    return record
+
+
 def _status(span: Any, error: BaseException | None) -> None:
     from opentelemetry.trace import Status, StatusCode
 
@@ -292,6 +319,7 @@ class _RecordedAcquisition(Acquisition):
         self._took_over = False
         _CURRENT.set(self)
 
+    @_never_raising
     def attempted(self, outcome: object) -> None:
         took_over = getattr(outcome, "took_over", None)
         if took_over is None:  # refused
@@ -312,14 +340,19 @@ class _RecordedAcquisition(Acquisition):
         return self.member(lock_id)
 
     def member(self, lock_id: int) -> Hold:
-        self._instruments.held.add(1, self._instruments.table_attributes())
-        return _RecordedHold(self._instruments, self._attributes_now(), lock_id)
+        try:
+            self._instruments.held.add(1, self._instruments.table_attributes())
+            return _RecordedHold(self._instruments, self._attributes_now(), lock_id)
+        except Exception:
+            logger.exception("sqllocker: recording telemetry failed")
+            return NO_HOLD
 
     def succeeded(self) -> None:
         self._end("acquired", None)
         if self._took_over:
             self._instruments.takeovers.add(1, self._attributes)
 
+    @_never_raising
     def _end(self, outcome: str, error: BaseException | None) -> None:
         if _CURRENT.get() is self:
             _CURRENT.set(None)
@@ -372,13 +405,16 @@ class _RecordedHold(Hold):
                 raise
             self._end("released")
 
+    @_never_raising
     def lost(self) -> None:
         if self._end("lost"):
             self._instruments.lost.add(1, self._attributes)
 
+    @_never_raising
     def _renewal(self, outcome: str) -> None:
         self._instruments.renewals.add(1, {**self._attributes, "sqllocker.outcome": outcome})
 
+    @_never_raising
     def _end(self, outcome: str) -> bool:
         with self._ending:
             if self._ended:

@@ -561,3 +561,19 @@ def test_groups_and_semaphores_are_recorded_by_kind(
         "group of 3",
         "group of 3",
     ]
+
+
+def test_a_failing_name_mapping_never_stops_a_lock(
+    make_locker: Callable[..., Locker], recorded: Recorded
+) -> None:
+    def broken(lockstring: str) -> str:
+        raise ValueError(lockstring)
+
+    locker = make_locker(
+        meter_provider=recorded.meter_provider,
+        tracer_provider=recorded.tracer_provider,
+        telemetry_name=broken,
+    )
+    with locker.lock("job 1") as lock:
+        assert lock.is_valid()
+    assert locker.lock_info("job 1") is None
