@@ -577,3 +577,34 @@ def test_a_failing_name_mapping_never_stops_a_lock(
     with locker.lock("job 1") as lock:
         assert lock.is_valid()
     assert locker.lock_info("job 1") is None
+
+
+async def test_an_async_keep_alive_records_renewals_and_the_loss(
+    url: str, table_name: str, make_locker: Callable[..., Locker], recorded: Recorded
+) -> None:
+    import asyncio
+
+    make_locker()
+    lost: list[LockLost] = []
+    async with AsyncLocker(
+        async_url(url),
+        table=table_name,
+        grace=0,
+        meter_provider=recorded.meter_provider,
+        tracer_provider=recorded.tracer_provider,
+    ) as locker:
+        lock = await locker.lock("kept 1", expires=1, keep_alive=True, on_lost=lost.append)
+        deadline = time.monotonic() + 30
+        while recorded.count("sqllocker.lock.renewals", sqllocker_outcome="renewed") < 1:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        await locker.break_lock("kept 1")
+        while not lost:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        with pytest.raises(LockLost):
+            await lock.unlock()
+    assert recorded.count("sqllocker.lock.lost") == 1
+    assert recorded.count("sqllocker.lock.renewals", sqllocker_outcome="failed") >= 1
+    assert recorded.count("sqllocker.lock.hold.duration", sqllocker_outcome="lost") == 1
+    assert recorded.count("sqllocker.locks.held") == 0
