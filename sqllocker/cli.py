@@ -20,11 +20,21 @@ import click
 from . import __version__
 from .adoption import check_zone
 from .defaults import DEFAULT_GRACE, DEFAULT_PURGE_BATCH, DEFAULT_PURGE_PAUSE_RATIO
-from .engine import URL_ENVIRONMENT_VARIABLE, describe_url
+from .engine import URL_ENVIRONMENT_VARIABLE, create_locker_engine, describe_url, resolve_url
 from .errors import ForeignTable, LockError, describe_holder, one_line, printable
+from .exporter import (
+    DEFAULT_MAX_SERIES,
+    DEFAULT_SCRAPE_TIMEOUT,
+    ExporterOptions,
+    parse_listen,
+    serve,
+)
 from .locker import Locker, LockInfo
 from .runner import DEFAULT_KILL_AFTER, EXIT_LOCK_LOST, ON_LOST_CHOICES, RunOptions, run_locked
 from .schema import DEFAULT_TABLE, FOREIGN_CLOCK_MARGIN
+from .telemetry import default_name
+from .trace_context import joined_trace
+from .validation import check_table_name
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "show_default": True}
 
@@ -362,7 +372,85 @@ def run(
         pass_url=pass_url,
         record_args=record_args,
     )
-    sys.exit(run_locked(settings.locker(), lockstring, command, options))
+    with joined_trace(default_name(lockstring)):
+        status = run_locked(settings.locker(), lockstring, command, options)
+    sys.exit(status)
+
+
+# -- top ----------------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.argument("pattern", required=False)
+@click.pass_context
+def top(context: click.Context, pattern: str | None) -> None:
+    """Watch the held locks live, oldest first, refreshed every second; q quits.
+
+    Shows each lock's holder, how long it has been held, how long until it expires (in red
+    when close), its queued waiters, and the expired rows not yet purged; only lockstrings
+    matching PATTERN (a glob) with one. Needs pip install 'sqllocker[top]'. When stdout is
+    not a terminal it prints what `list` prints, once.
+    """
+    if not (sys.stdout.isatty() and sys.stdin.isatty()):
+        context.invoke(list_locks, pattern=pattern, as_json=False, expired_only=False)
+        return
+    from .top import run_top
+
+    settings = context.find_object(_Settings)
+    assert settings is not None
+    run_top(settings.locker(), pattern)
+
+
+# -- exporter -------------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.option(
+    "--listen",
+    default="127.0.0.1:9464",
+    metavar="HOST:PORT",
+    help="Where to serve /metrics (0.0.0.0:PORT: every address).",
+)
+@click.option(
+    "--per-lock",
+    metavar="GLOB",
+    help="Also give each lockstring matching GLOB series of its own (label lockstring).",
+)
+@click.option(
+    "--max-series",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_SERIES,
+    help="At most this many lockstrings get series of their own (the first, in order).",
+)
+@click.option(
+    "--scrape-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=DEFAULT_SCRAPE_TIMEOUT,
+    metavar="SECONDS",
+    help="A scrape whose census of the table takes longer answers sqllocker_up 0 (keep it "
+    "below Prometheus's scrape_timeout).",
+)
+@pass_settings
+def exporter(
+    settings: _Settings, listen: str, per_lock: str | None, max_series: int, scrape_timeout: float
+) -> None:
+    """Serve the lock table as Prometheus metrics, read from the database on each scrape.
+
+    Needs pip install 'sqllocker[exporter]'. Run it as a role that may only read (see the
+    Observability page for its grants). A scrape that cannot reach the database answers
+    sqllocker_up 0.
+    """
+    host, port = parse_listen(listen)
+    options = ExporterOptions(
+        table=check_table_name(settings.table),
+        per_lock=per_lock,
+        max_series=max_series,
+        timeout=scrape_timeout,
+    )
+    engine = create_locker_engine(
+        resolve_url(settings.url), transaction_pooling=settings.transaction_pooling
+    )
+    serve(engine, options, host, port)
 
 
 # -- migrate --------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from . import clock, forks
 from .errors import LockError, LockLost
 from .finaliser import Finaliser
 from .schema import to_utc
+from .telemetry import NO_HOLD, Hold
 
 if TYPE_CHECKING:
     from .file_queue import Place
@@ -50,6 +51,9 @@ def safety_margin(ttl: float) -> float:
 class Holding:
     """What the sync and async lock states share: one acquisition's identity, whether it is
     held, whether it is known lost, its validity deadline, and the errors that describe it."""
+
+    # What it records (sqllocker.telemetry): set by the acquisition when something records.
+    telemetry: Hold = NO_HOLD
 
     def __init__(
         self,
@@ -182,6 +186,7 @@ class Holding:
             if self.lost is not None:
                 return False
             self.lost = lost
+        self.telemetry.lost()
         self.leave_place()
         logger.warning("%s", lost)
         if self.on_lost is not None and self.pid == forks.pid:

@@ -72,13 +72,14 @@ class LockState(Holding):
         with self.op_lock:
             self.check_extendable()
             sent_at = clock.now()
-            try:
-                expires: datetime = self.run(
-                    self.operations.extend, self.lockstring, self.lock_id, self.guid, ttl
-                )
-            except LockLost as lost:
-                self.mark_lost(lost)
-                raise
+            with self.telemetry.extending():
+                try:
+                    expires: datetime = self.run(
+                        self.operations.extend, self.lockstring, self.lock_id, self.guid, ttl
+                    )
+                except LockLost as lost:
+                    self.mark_lost(lost)
+                    raise
             self.renewed(sent_at, ttl)
             return expires
 
@@ -97,14 +98,15 @@ class LockState(Holding):
             self.keep_alives.remove(self)
             if not turn:
                 raise self.release_gave_up()
-            try:
-                # Every cycle's release: called straight, not through ``run``.
-                self.operations.release(
-                    self.lockstring, self.lock_id, self.guid, self.hold_at_least
-                )
-            except LockLost as lost:
-                self.released_lost(lost)
-                raise
+            with self.telemetry.releasing():
+                try:
+                    # Every cycle's release: called straight, not through ``run``.
+                    self.operations.release(
+                        self.lockstring, self.lock_id, self.guid, self.hold_at_least
+                    )
+                except LockLost as lost:
+                    self.released_lost(lost)
+                    raise
             self.held = False
             self.leave_place()
             if self.operations.checkpoint_due():

@@ -125,7 +125,7 @@ class Acquired:
     the copy was a measurable share of the library's own Python in an uncontended cycle.
     """
 
-    __slots__ = ("age", "created", "expires", "lock_id", "sent_at")
+    __slots__ = ("age", "created", "expires", "lock_id", "sent_at", "took_over")
 
     def __init__(self, lock_id: int, created: object, expires: object, age: float = 0.0) -> None:
         self.lock_id = lock_id
@@ -133,6 +133,7 @@ class Acquired:
         self.expires = expires
         self.age = age
         self.sent_at = 0.0
+        self.took_over = False  # an expired holder's row was replaced (sqllocker.telemetry)
 
 
 class Joined(NamedTuple):
@@ -859,11 +860,14 @@ class LockOperations:
         """Replace an expired holder's row with ours: atomically on PostgreSQL; elsewhere by
         deleting it only if still expired, then inserting (the unique key picks one winner)."""
         sql = self._sql
+        taken = None
         if self._be.atomic_takeover:
-            return self._insert(conn, sql.take_over, params)
-        if conn.affected(sql.take_over_expired, params):
-            return self._insert(conn, sql.acquire, params)
-        return None
+            taken = self._insert(conn, sql.take_over, params)
+        elif conn.affected(sql.take_over_expired, params):
+            taken = self._insert(conn, sql.acquire, params)
+        if taken is not None:
+            taken.took_over = True
+        return taken
 
     def _insert(
         self,

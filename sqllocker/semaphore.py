@@ -73,7 +73,14 @@ class Semaphore:
         # Granted only once counted: until then a permit is held for no window and not kept
         # alive, so that one refused goes back at once (``permit.unlock()``).
         request = functools.partial(self.locker._acquire_request, expires=expires, **options)
-        return acquisition(self._acquire, request, checked_wait, keep_alive, hold)
+        recording = self.locker._telemetry.compound("semaphore", self.name, wait)
+        try:
+            permit = acquisition(self._acquire, request, checked_wait, keep_alive, hold)
+        except BaseException as error:
+            recording.failed(error)
+            raise
+        recording.succeeded()
+        return permit
 
     def _acquire(
         self,

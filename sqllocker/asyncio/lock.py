@@ -80,13 +80,14 @@ class AsyncLockState(Holding):
         async with self.op_lock:
             self.check_extendable()
             sent_at = clock.now()
-            try:
-                expires: datetime = await self.run(
-                    self.operations.extend, self.lockstring, self.lock_id, self.guid, ttl
-                )
-            except LockLost as lost:
-                self.mark_lost(lost)
-                raise
+            with self.telemetry.extending():
+                try:
+                    expires: datetime = await self.run(
+                        self.operations.extend, self.lockstring, self.lock_id, self.guid, ttl
+                    )
+                except LockLost as lost:
+                    self.mark_lost(lost)
+                    raise
             self.renewed(sent_at, ttl)
             return expires
 
@@ -105,23 +106,24 @@ class AsyncLockState(Holding):
             self.keep_alives.remove(self)
             if not turn:
                 raise self.release_gave_up()
-            try:
-                if True:  # ASYNC
-                    await self.run(
-                        self.operations.release,
-                        self.lockstring,
-                        self.lock_id,
-                        self.guid,
-                        self.hold_at_least,
-                    )
-                else:
-                    # Every cycle's release: called straight, not through ``run``.
-                    self.operations.release(
-                        self.lockstring, self.lock_id, self.guid, self.hold_at_least
-                    )
-            except LockLost as lost:
-                self.released_lost(lost)
-                raise
+            with self.telemetry.releasing():
+                try:
+                    if True:  # ASYNC
+                        await self.run(
+                            self.operations.release,
+                            self.lockstring,
+                            self.lock_id,
+                            self.guid,
+                            self.hold_at_least,
+                        )
+                    else:
+                        # Every cycle's release: called straight, not through ``run``.
+                        self.operations.release(
+                            self.lockstring, self.lock_id, self.guid, self.hold_at_least
+                        )
+                except LockLost as lost:
+                    self.released_lost(lost)
+                    raise
             self.held = False
             self.leave_place()
             if self.operations.checkpoint_due():

@@ -13,7 +13,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence, Sized
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
@@ -38,6 +38,7 @@ from ..keepalive import DEFAULT_FRACTION
 from ..notifications import guid_digest
 from ..operations import Acquired, LockInfo, LockOperations, Refused
 from ..schema import DEFAULT_TABLE
+from ..telemetry import NameMapping, Telemetry, attempted, named, system_name
 from ..tickets import LOOK_AGAIN, NEWCOMER, LocalLine, Ticket
 from . import concurrency
 from .acquiring import Winnings, acquisition
@@ -105,6 +106,12 @@ class AsyncLocker:
     listener, which keeps its waiters' tickets alive; for an engine of your own, its pool's
     ``pool_size + max_overflow`` is that limit.
 
+    ``meter_provider``, ``tracer_provider``: OpenTelemetry's, to record metrics and spans
+    through (``pip install 'sqllocker[otel]'``; default: the global ones, once set; nothing is
+    recorded without any). ``telemetry_name``: makes the ``sqllocker.name`` attribute of a
+    lockstring (default: its runs of digits as ``<n>``; ``str`` for the exact lockstring, if
+    they are few). See ``sqllocker.telemetry``.
+
     ``transaction_pooling``: PostgreSQL is reached through a pooler that lends a server session
     per transaction (PgBouncer's ``pool_mode = transaction``), where no session setting, prepared
     statement, LISTEN or session lock lasts from one statement to the next. The locker then
@@ -126,6 +133,9 @@ class AsyncLocker:
         strict: bool = False,
         transaction_pooling: bool = False,
         max_connections: int | None = None,
+        meter_provider: Any = None,
+        tracer_provider: Any = None,
+        telemetry_name: NameMapping | None = None,
     ) -> None:
         options = validation.check_locker_options(
             table, expires, grace, keep_alive_fraction, on_lost
@@ -171,6 +181,13 @@ class AsyncLocker:
         )
         self.table = self._operations.table
         self.auto_create = self._operations.auto_create
+        self._telemetry = Telemetry(
+            self.table_name,
+            functools.partial(system_name, sync_engine),
+            meter_provider,
+            tracer_provider,
+            telemetry_name,
+        )
         self._keep_alives = AsyncKeepAlive(fraction)
         self._setup_lock = threading.Lock()  # never held across a wait
         self._listener: AsyncReleaseListener | None = None
@@ -276,18 +293,21 @@ class AsyncLocker:
         def decorate(function: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R | None]]:
             concurrency.check_decorated(function)
             name_lock = lock_namer(lockstring, key, function)
+            # What telemetry names these locks by: the template, never a call's own name.
+            recorded_as = lockstring if lockstring is not None else function.__qualname__
 
             @functools.wraps(function)
             async def under_lock(*args: P.args, **kwargs: P.kwargs) -> R | None:
                 name = name_lock(args, kwargs)
                 try:
-                    lock = await self.lock(
-                        name,
-                        wait=wait,
-                        expires=expires,
-                        keep_alive=keep_alive,
-                        hold_at_least=hold_at_least,
-                    )
+                    with named(recorded_as):
+                        lock = await self.lock(
+                            name,
+                            wait=wait,
+                            expires=expires,
+                            keep_alive=keep_alive,
+                            hold_at_least=hold_at_least,
+                        )
                 except LockBusy as busy:
                     when_busy(behaviour, function, busy)
                     return None
@@ -315,6 +335,35 @@ class AsyncLocker:
         so that groups that overlap never deadlock; one held member refuses the attempt, which
         then takes nothing. The members are ordinary locks, each with its own fencing token.
         """
+        size = len(lockstrings) if isinstance(lockstrings, Sized) else 0
+        acquisition = self._telemetry.compound("group", f"group of {size}", wait)
+        try:
+            group = await self._lock_all(
+                lockstrings,
+                wait=wait,
+                expires=expires,
+                locked_by=locked_by,
+                keep_alive=keep_alive,
+                on_lost=on_lost,
+            )
+        except BaseException as error:
+            acquisition.failed(error)
+            raise
+        for lock in group:
+            lock._state.telemetry = acquisition.member(lock.lock_id)
+        acquisition.succeeded()
+        return group
+
+    async def _lock_all(
+        self,
+        lockstrings: Sequence[str],
+        *,
+        wait: float | None = 0,
+        expires: float | None = None,
+        locked_by: dict[str, Any] | None = None,
+        keep_alive: bool = False,
+        on_lost: OnLost | None = None,
+    ) -> AsyncLockGroup:
         names = validation.canonical_order(lockstrings)
         request = validation.check_lock_request(
             names[0], expires, self.expires, wait, locked_by, on_lost
@@ -395,6 +444,7 @@ class AsyncLocker:
         )
         if purged and self._file_queue is not None:
             self._file_queue.ring()  # holders of purged rows may still hold their places
+        self._telemetry.purged(purged)
         return purged
 
     async def locks(self, pattern: str | None = None) -> list[LockInfo]:
@@ -481,10 +531,16 @@ class AsyncLocker:
         # ticket), and an attempt that finds the row under it knows the row is ours.
         guid = new_guid()
         details = holder_details(extra, concurrency.task_name())
-        if wait == 0:
-            lock = await self._try_once(winnings, lockstring, guid, details, ttl, on_lost)
-        else:
-            lock = await self._wait_for(winnings, lockstring, guid, details, ttl, wait, on_lost)
+        acquisition = self._telemetry.acquiring(lockstring, wait)
+        try:
+            if wait == 0:
+                lock = await self._try_once(winnings, lockstring, guid, details, ttl, on_lost)
+            else:
+                lock = await self._wait_for(winnings, lockstring, guid, details, ttl, wait, on_lost)
+        except BaseException as error:
+            acquisition.failed(error)
+            raise
+        lock._state.telemetry = acquisition.acquired(lock._state.lock_id)
         lock._state.hold_at_least = hold_at_least
         return lock.keep_alive() if keep_alive else lock
 
@@ -893,6 +949,7 @@ class AsyncLocker:
             )
         else:
             outcome = self._operations.try_acquire(*attempt)
+        attempted(outcome)
         if not isinstance(outcome, Acquired):
             return outcome
         return self._lock(winnings, lockstring, guid, outcome, ttl, details, on_lost)

@@ -182,6 +182,18 @@ class Backend:
         """Who holds the key an acquire waited for in vain (PostgreSQL); None elsewhere."""
         return None
 
+    @classmethod
+    def system_name(cls, dialect: Dialect) -> str:
+        """OpenTelemetry's ``db.system.name`` of a dialect's database (its stable database
+        conventions: ``sqlite``, ``postgresql``, ``mysql``, ``mariadb``)."""
+        return cls.name
+
+    def live_waiters(self, table: str) -> Executable | None:
+        """Rows ``(lockstring, waiters)``: how many live tickets (``sqllocker.tickets``) stand
+        for each lockstring of lock table ``table`` (a checked name), reading only their
+        lockstring and liveness key; None where waiters keep no tickets in the database."""
+        return None
+
     # -- schema --------------------------------------------------------------------------------
 
     @classmethod

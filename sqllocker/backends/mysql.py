@@ -18,7 +18,13 @@ from sqlalchemy.types import TypeEngine
 
 from ..adoption import set_aside_name, swap_name
 from ..errors import LockError
-from ..schema import ID_ORDER_STRIPES, UTCDateTime, id_order_table_name, requests_table_name
+from ..schema import (
+    ID_ORDER_STRIPES,
+    UTCDateTime,
+    id_order_table_name,
+    requests_table,
+    requests_table_name,
+)
 from ..server_settings import LOSES_ROWS, REORDERS_IDS, ServerSettings, UnsafeSetting
 from ..timeouts import (
     CONNECT_TIMEOUT_SECONDS,
@@ -155,6 +161,19 @@ class MySQLBackend(Backend):
             sa.or_(requests.c.ticket == ticket, ticket.is_(None)),
             statements.backend.equal(requests.c.lockstring, statements.lockstring_param),
             requests.c.guid_sha256 == _sha256(sa.bindparam("lock_guid", type_=sa.String())),
+        )
+
+    @classmethod
+    def system_name(cls, dialect: Dialect) -> str:
+        # Known once connected: SQLAlchemy reads it from the server's version.
+        return "mariadb" if getattr(dialect, "is_mariadb", False) else "mysql"
+
+    def live_waiters(self, table: str) -> Executable | None:
+        requests = requests_table(table)
+        return (
+            sa.select(requests.c.lockstring, sa.func.count().label("waiters"))
+            .where(_is_live(requests.c.liveness_key))
+            .group_by(requests.c.lockstring)
         )
 
     def sweep_requests(self, statements: Statements) -> Delete:

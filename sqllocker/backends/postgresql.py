@@ -19,7 +19,7 @@ from sqlalchemy.engine import URL, Connection, Dialect, Engine
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.expression import Executable
 
-from ..schema import UTCDateTime
+from ..schema import UTCDateTime, requests_table_name
 from ..server_settings import LOSES_ROWS, LOSES_ROWS_ON_FAILOVER, ServerSettings, UnsafeSetting
 from ..timeouts import (
     CONNECT_TIMEOUT_SECONDS,
@@ -140,6 +140,20 @@ class PostgreSQLBackend(Backend):
         return sa.text(f"SELECT {statements.function('sweep_requests')}()").columns(
             sa.column("swept", sa.BigInteger)
         )
+
+    def live_waiters(self, table: str) -> Executable | None:
+        """A ticket is live while a session holds the advisory lock of its liveness key (a
+        bigint key shows in ``pg_locks`` as classid, its high half, and objid, its low half)."""
+        return sa.text(
+            "SELECT q.lockstring, count(*) AS waiters"  # noqa: S608 (a checked table name)
+            f" FROM {requests_table_name(table)} AS q"
+            " WHERE EXISTS (SELECT FROM pg_catalog.pg_locks AS l"
+            "  WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted"
+            "   AND l.database = (SELECT oid FROM pg_catalog.pg_database"
+            "                      WHERE datname = pg_catalog.current_database())"
+            "   AND ((l.classid::bigint << 32) | l.objid::bigint) = q.liveness_key)"
+            " GROUP BY q.lockstring"
+        ).columns(sa.column("lockstring", sa.String), sa.column("waiters", sa.BigInteger))
 
     def take_over(self, statements: Statements) -> ReturningInsert[Any]:
         """Replace an expired holder's row with ours in one atomic statement.

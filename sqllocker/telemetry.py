@@ -1,0 +1,436 @@
+"""OpenTelemetry metrics and traces of the locks a process takes (``sqllocker[otel]``).
+
+Each Locker has a ``Telemetry``. Without ``opentelemetry-api``, or with neither a provider
+given to the Locker nor a global one set (the API's proxies still in place), it records
+nothing, and what the lock operations pay is one check per acquisition. Once a provider is
+there, it records:
+
+- ``sqllocker.lock.acquire.duration`` (histogram, s), ``sqllocker.outcome`` = ``acquired`` |
+  ``busy`` (refused at once) | ``timeout`` (refused after waiting) | ``error``;
+- ``sqllocker.lock.hold.duration`` (histogram, s), ``released`` | ``lost``;
+- ``sqllocker.lock.renewals`` (counter), ``renewed`` | ``failed``;
+- ``sqllocker.lock.lost`` (counter); ``sqllocker.lock.takeovers`` (counter: expired holders'
+  rows taken over); ``sqllocker.locks.held`` (up-down counter);
+- ``sqllocker.purge.rows`` (counter);
+
+and the spans ``sqllocker.acquire``, ``sqllocker.release`` and ``sqllocker.extend``. Their
+attributes are ``db.system.name``, ``sqllocker.table``, ``sqllocker.kind`` and
+``sqllocker.name``: a decorator's template, a semaphore's name, a group's size (``group of
+3``), or else the lockstring with its runs of digits replaced by ``<n>`` (lockstrings carry
+ids, and a metric's series must stay few), or what the Locker's ``telemetry_name`` makes of
+it. No guid, URL or password is ever an attribute.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextvars import ContextVar
+from typing import Any, ParamSpec, TypeVar
+
+from sqlalchemy.engine import Engine
+
+from .backends import backend_class
+from .errors import LockBusy, LockLost
+
+logger = logging.getLogger("sqllocker")
+P = ParamSpec("P")
+R = TypeVar("R")
+_DIGITS = re.compile(r"\d+")
+# The acquisition this task or thread is recording, for the attempts deep in its wait.
+_CURRENT: ContextVar[Acquisition | None] = ContextVar("sqllocker_acquisition", default=None)
+_NOTHING: AbstractContextManager[None] = nullcontext()
+
+NameMapping = Callable[[str], str]
+# While no provider is set, how long a Locker goes before it looks for one again: one set
+# later (after the Locker was made) is found within this long.
+LOOK_AGAIN_SECONDS = 1.0
+
+
+def _import_opentelemetry() -> tuple[Any, Any] | None:
+    try:
+        from opentelemetry import metrics, trace
+    except ImportError:
+        return None
+    return metrics, trace
+
+
+_OPENTELEMETRY = _import_opentelemetry()
+
+
+def system_name(engine: Engine) -> str:
+    """``db.system.name`` of ``engine``'s database (MariaDB is told from MySQL once
+    connected)."""
+    return backend_class(engine.dialect.name).system_name(engine.dialect)
+
+
+def default_name(lockstring: str) -> str:
+    """A lockstring as ``sqllocker.name``: its runs of digits replaced by ``<n>``."""
+    return _DIGITS.sub("<n>", lockstring)
+
+
+class Hold:
+    """What one held lock records: nothing (this class), or ``_RecordedHold``'s."""
+
+    def extending(self) -> AbstractContextManager[Any]:
+        return _NOTHING
+
+    def releasing(self) -> AbstractContextManager[Any]:
+        return _NOTHING
+
+    def lost(self) -> None:
+        pass
+
+
+NO_HOLD = Hold()
+
+
+# The group or semaphore acquisition whose member locks the acquisitions here are.
+_COMPOUND: ContextVar[_RecordedAcquisition | None] = ContextVar("sqllocker_compound", default=None)
+# The name a decorator gives the acquisitions it makes: its lockstring template.
+_NAMED: ContextVar[str | None] = ContextVar("sqllocker_name", default=None)
+
+
+@contextmanager
+def named(name: str) -> Iterator[None]:
+    """Within: acquisitions here record ``sqllocker.name`` = ``name`` (a decorator's template,
+    ``"report {day}"``), whatever their lockstring."""
+    token = _NAMED.set(name)
+    try:
+        yield
+    finally:
+        _NAMED.reset(token)
+
+
+def attempted(outcome: object) -> None:
+    """One attempt of the acquisition being recorded here ended: refused (a wait turn), or
+    acquired (by taking over an expired holder's row, perhaps). Nothing when nothing records."""
+    acquisition = _CURRENT.get()
+    if acquisition is not None:
+        acquisition.attempted(outcome)
+
+
+class Acquisition:
+    """What one acquisition records: nothing (this class), or ``_RecordedAcquisition``'s."""
+
+    def attempted(self, outcome: object) -> None:
+        pass
+
+    def failed(self, error: BaseException) -> None:
+        pass
+
+    def acquired(self, lock_id: int) -> Hold:
+        return NO_HOLD
+
+    def member(self, lock_id: int) -> Hold:
+        """A member lock of a group or semaphore acquisition (``Telemetry.compound``)."""
+        return NO_HOLD
+
+    def succeeded(self) -> None:
+        """The group or semaphore acquisition has its locks."""
+
+
+_NO_ACQUISITION = Acquisition()
+
+
+class _Member(Acquisition):
+    """A lock taken inside a group or semaphore acquisition: its attempts are that one's
+    wait turns, its hold is recorded under that one's kind and name, and the compound records
+    the acquisition's outcome (a semaphore's slot found busy is no outcome of its own)."""
+
+    def __init__(self, compound: _RecordedAcquisition) -> None:
+        self._compound = compound
+
+    def attempted(self, outcome: object) -> None:
+        self._compound.attempted(outcome)
+
+    def acquired(self, lock_id: int) -> Hold:
+        return self._compound.member(lock_id)
+
+
+class Telemetry:
+    """A Locker's instruments, made on its first acquisition once a provider is there."""
+
+    def __init__(
+        self,
+        table: str,
+        system_name: Callable[[], str],
+        meter_provider: Any = None,
+        tracer_provider: Any = None,
+        name_of: NameMapping | None = None,
+    ) -> None:
+        self._table = table
+        self._system_name = system_name
+        self._meter_provider = meter_provider
+        self._tracer_provider = tracer_provider
+        self._name_of = name_of or default_name
+        self._instruments: _Instruments | None = None
+        self._next_look = 0.0
+
+    def acquiring(self, lockstring: str, wait: float | None, kind: str = "lock") -> Acquisition:
+        instruments = self._instruments or self._look_for_providers()
+        if instruments is None:
+            return _NO_ACQUISITION
+        compound = _COMPOUND.get()
+        if compound is not None:
+            return _Member(compound)
+        try:
+            name = _NAMED.get()
+            if name is None:
+                name = self._name_of(lockstring)
+            return _RecordedAcquisition(
+                instruments, functools.partial(self._attributes, kind, name), wait
+            )
+        except Exception:
+            logger.exception("sqllocker: recording telemetry failed")
+            return _NO_ACQUISITION
+
+    def compound(self, kind: str, name: str, wait: object) -> Acquisition:
+        """The acquisition of a ``group`` (named by its size) or a ``semaphore`` (by its
+        name), whose member locks are taken inside it (in this task or thread) until it ends:
+        ``failed`` or ``member`` for each lock, then ``succeeded``."""
+        instruments = self._instruments or self._look_for_providers()
+        if instruments is None:
+            return _NO_ACQUISITION
+        try:
+            acquisition = _RecordedAcquisition(
+                instruments, functools.partial(self._attributes, kind, name), wait
+            )
+        except Exception:
+            logger.exception("sqllocker: recording telemetry failed")
+            return _NO_ACQUISITION
+        _COMPOUND.set(acquisition)
+        return acquisition
+
+    def purged(self, rows: int) -> None:
+        instruments = self._instruments or self._look_for_providers()
+        if instruments is not None and rows:
+            instruments.purge_rows.add(rows, self._table_attributes())
+
+    def _table_attributes(self) -> dict[str, str]:
+        return {"db.system.name": self._system_name(), "sqllocker.table": self._table}
+
+    def _attributes(self, kind: str, name: str) -> dict[str, str]:
+        return {**self._table_attributes(), "sqllocker.kind": kind, "sqllocker.name": name}
+
+    def _look_for_providers(self) -> _Instruments | None:
+        """The instruments, once a provider is there; None (and no look again for a while:
+        an acquisition must not pay for the look) while none is."""
+        now = time.monotonic()
+        if now < self._next_look or _OPENTELEMETRY is None:
+            return None
+        self._next_look = now + LOOK_AGAIN_SECONDS
+        metrics, trace = _OPENTELEMETRY
+        meter_provider = self._meter_provider or metrics.get_meter_provider()
+        tracer_provider = self._tracer_provider or trace.get_tracer_provider()
+        if _is_proxy(meter_provider) and _is_proxy(tracer_provider):
+            return None  # nobody configured OpenTelemetry (yet): record nothing
+        self._instruments = _Instruments(meter_provider, tracer_provider, self._table_attributes)
+        return self._instruments
+
+
+def _is_proxy(provider: Any) -> bool:
+    """The API's stand-in before a provider is set (or its no-op one)."""
+    return type(provider).__name__ in {
+        "_ProxyMeterProvider",
+        "ProxyTracerProvider",
+        "NoOpMeterProvider",
+        "NoOpTracerProvider",
+    }
+
+
+class _Instruments:
+    def __init__(
+        self,
+        meter_provider: Any,
+        tracer_provider: Any,
+        table_attributes: Callable[[], dict[str, str]],
+    ) -> None:
+        from . import __version__
+
+        meter = meter_provider.get_meter("sqllocker", __version__)
+        self.tracer = tracer_provider.get_tracer("sqllocker", __version__)
+        self.table_attributes = table_attributes
+        self.acquire_duration = meter.create_histogram(
+            "sqllocker.lock.acquire.duration",
+            unit="s",
+            description="From the call to acquire a lock to its outcome",
+        )
+        self.hold_duration = meter.create_histogram(
+            "sqllocker.lock.hold.duration",
+            unit="s",
+            description="From a lock acquired to released or lost",
+        )
+        self.renewals = meter.create_counter(
+            "sqllocker.lock.renewals", description="Extensions of held locks, by outcome"
+        )
+        self.lost = meter.create_counter("sqllocker.lock.lost", description="Locks lost")
+        self.takeovers = meter.create_counter(
+            "sqllocker.lock.takeovers", description="Expired holders' rows taken over"
+        )
+        self.held = meter.create_up_down_counter(
+            "sqllocker.locks.held", description="Locks this process holds now"
+        )
+        self.purge_rows = meter.create_counter(
+            "sqllocker.purge.rows", description="Expired rows deleted by purges"
+        )
+
+
+def _never_raising(method: Callable[P, R]) -> Callable[P, R | None]:
+    """Recording must never change what a lock operation does: a provider's error (or a
+    caller's ``telemetry_name`` raising) is logged, and the operation goes on."""
+
+    @functools.wraps(method)
+    def record(*args: P.args, **kwargs: P.kwargs) -> R | None:
+        try:
+            return method(*args, **kwargs)
+        except Exception:
+            logger.exception("sqllocker: recording telemetry failed")
+            return None
+
+    return record
+
+
+def _status(span: Any, error: BaseException | None) -> None:
+    from opentelemetry.trace import Status, StatusCode
+
+    if error is not None:
+        span.set_status(Status(StatusCode.ERROR, type(error).__name__))
+        span.set_attribute("error.type", type(error).__name__)
+
+
+class _RecordedAcquisition(Acquisition):
+    def __init__(
+        self, instruments: _Instruments, attributes: Callable[[], dict[str, str]], wait: Any
+    ) -> None:
+        self._instruments = instruments
+        # Read again at the outcome: MariaDB is told from MySQL only once connected.
+        self._attributes_now = attributes
+        self._attributes = attributes()
+        self._waits = wait != 0
+        self._started = time.monotonic()
+        self._span = instruments.tracer.start_span("sqllocker.acquire", attributes=self._attributes)
+        self._turns = 0
+        self._took_over = False
+        _CURRENT.set(self)
+
+    @_never_raising
+    def attempted(self, outcome: object) -> None:
+        took_over = getattr(outcome, "took_over", None)
+        if took_over is None:  # refused
+            self._turns += 1
+            self._span.add_event("sqllocker.wait_turn", {"sqllocker.turn": self._turns})
+        elif took_over:
+            self._took_over = True
+
+    def failed(self, error: BaseException) -> None:
+        outcome = "error"
+        if isinstance(error, LockBusy):
+            outcome = "timeout" if self._waits else "busy"
+        self._end(outcome, error)
+
+    def acquired(self, lock_id: int) -> Hold:
+        self._span.set_attribute("sqllocker.lock.id", lock_id)
+        self.succeeded()
+        return self.member(lock_id)
+
+    def member(self, lock_id: int) -> Hold:
+        try:
+            self._instruments.held.add(1, self._instruments.table_attributes())
+            return _RecordedHold(self._instruments, self._attributes_now(), lock_id)
+        except Exception:
+            logger.exception("sqllocker: recording telemetry failed")
+            return NO_HOLD
+
+    def succeeded(self) -> None:
+        self._end("acquired", None)
+        if self._took_over:
+            self._instruments.takeovers.add(1, self._attributes)
+
+    @_never_raising
+    def _end(self, outcome: str, error: BaseException | None) -> None:
+        if _CURRENT.get() is self:
+            _CURRENT.set(None)
+        if _COMPOUND.get() is self:
+            _COMPOUND.set(None)
+        elapsed = time.monotonic() - self._started
+        self._attributes = self._attributes_now()
+        self._span.set_attributes(self._attributes)
+        attributes = {**self._attributes, "sqllocker.outcome": outcome}
+        self._instruments.acquire_duration.record(elapsed, attributes)
+        self._span.set_attribute("sqllocker.outcome", outcome)
+        _status(self._span, error)
+        self._span.end()
+
+
+class _RecordedHold(Hold):
+    def __init__(self, instruments: _Instruments, attributes: dict[str, str], lock_id: int) -> None:
+        self._instruments = instruments
+        self._attributes = attributes
+        self._lock_id = lock_id
+        self._since = time.monotonic()
+        self._ended = False
+        # A keep-alive's thread may find the lock lost as the caller releases it: one ends it.
+        self._ending = threading.Lock()
+
+    @contextmanager
+    def extending(self) -> Iterator[None]:
+        with self._span("sqllocker.extend") as span:
+            try:
+                yield
+            except BaseException as error:
+                self._renewal("failed")
+                _status(span, error)
+                if isinstance(error, LockLost):
+                    self.lost()
+                raise
+            self._renewal("renewed")
+
+    @contextmanager
+    def releasing(self) -> Iterator[None]:
+        with self._span("sqllocker.release") as span:
+            try:
+                yield
+            except LockLost as error:
+                _status(span, error)
+                self.lost()
+                raise
+            except BaseException as error:
+                _status(span, error)  # still held: unlock() may be tried again
+                raise
+            self._end("released")
+
+    @_never_raising
+    def lost(self) -> None:
+        if self._end("lost"):
+            self._instruments.lost.add(1, self._attributes)
+
+    @_never_raising
+    def _renewal(self, outcome: str) -> None:
+        self._instruments.renewals.add(1, {**self._attributes, "sqllocker.outcome": outcome})
+
+    @_never_raising
+    def _end(self, outcome: str) -> bool:
+        with self._ending:
+            if self._ended:
+                return False
+            self._ended = True
+        elapsed = time.monotonic() - self._since
+        attributes = {**self._attributes, "sqllocker.outcome": outcome}
+        self._instruments.hold_duration.record(elapsed, attributes)
+        self._instruments.held.add(-1, self._instruments.table_attributes())
+        return True
+
+    @contextmanager
+    def _span(self, name: str) -> Iterator[Any]:
+        attributes = {**self._attributes, "sqllocker.lock.id": self._lock_id}
+        span = self._instruments.tracer.start_span(name, attributes=attributes)
+        try:
+            yield span
+        finally:
+            span.end()

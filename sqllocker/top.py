@@ -1,0 +1,169 @@
+"""``sqllocker top``: the held locks, live in a terminal, with ``rich``.
+
+Every second it reads the table (``Locker.locks``) and the waiters' live tickets
+(``census.live_waiters``) and redraws: held locks oldest first, then the expired rows the
+purge has not deleted yet. ``q`` quits. Times are the database server's, as every expiry is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import sys
+import termios
+import tty
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+
+from .census import live_waiters
+from .engine import describe_url
+from .errors import LockError, LockValueError, one_line, printable
+
+if TYPE_CHECKING:
+    from .locker import Locker, LockInfo
+
+REFRESH_SECONDS = 1.0
+# An unexpired lock is shown as close to expiring when less than this share of its period, or
+# than CLOSE_SECONDS, is left: a keep-alive renews at a third of it, so a row this close has
+# missed a renewal or is about to be released.
+CLOSE_SHARE = 0.2
+CLOSE_SECONDS = 5.0
+
+
+@dataclass(frozen=True)
+class Row:
+    """One lock as ``top`` shows it."""
+
+    info: LockInfo
+    held_seconds: float
+    waiters: int | None
+
+    @property
+    def close_to_expiry(self) -> bool:
+        period = (self.info.expires - self.info.created).total_seconds()
+        return self.info.seconds_left < max(CLOSE_SECONDS, CLOSE_SHARE * period)
+
+
+def read_rows(locker: Locker, pattern: str | None) -> tuple[list[Row], list[Row]]:
+    """The held rows, oldest first, and the expired ones, longest expired first."""
+    infos = locker.locks(pattern)
+    try:
+        waiting = live_waiters(locker.engine, locker.table_name)
+    except sa.exc.DBAPIError:
+        # A role granted only what taking locks needs may not read the tickets (PostgreSQL):
+        # the waiters are then unknown, shown as on SQLite.
+        waiting = None
+    rows = [
+        Row(
+            info=info,
+            held_seconds=(info.expires - info.created).total_seconds() - info.seconds_left,
+            waiters=None if waiting is None else waiting.get(info.lockstring, 0),
+        )
+        for info in infos
+    ]
+    held = sorted((r for r in rows if not r.info.expired), key=lambda r: -r.held_seconds)
+    expired = sorted((r for r in rows if r.info.expired), key=lambda r: r.info.seconds_left)
+    return held, expired
+
+
+def duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, seconds = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{minutes}m{seconds:02d}s"
+
+
+def render(locker: Locker, pattern: str | None) -> Any:
+    """The screen: a heading and the table of locks (or the error that kept them unread)."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    now = datetime.now(timezone.utc).strftime("%H:%M:%S")
+    where = f"{describe_url(locker.url)} table {locker.table_name}"
+    shown = f"  filter {pattern!r}" if pattern else ""
+    try:
+        held, expired = read_rows(locker, pattern)
+    except LockError as error:
+        return Group(
+            Text(f"sqllocker top  {where}{shown}  {now}  (q quits)", style="bold"),
+            Text(f"cannot read the table: {one_line(error)}", style="bold red"),
+        )
+    waiting = sum(r.waiters or 0 for r in held)
+    heading = Text(
+        f"sqllocker top  {where}{shown}  {now}  (q quits)\n"
+        f"{len(held)} held, {waiting} waiting, {len(expired)} expired not yet purged",
+        style="bold",
+    )
+    table = Table(expand=True, header_style="bold")
+    # The lockstring folds onto more lines rather than being cut; the program is cut first.
+    table.add_column("LOCKSTRING", overflow="fold", min_width=16, ratio=3)
+    table.add_column("ID", no_wrap=True)
+    table.add_column("HOST", overflow="ellipsis", no_wrap=True, max_width=24)
+    table.add_column("PID", no_wrap=True)
+    table.add_column("PROGRAM", overflow="ellipsis", no_wrap=True, ratio=1, max_width=32)
+    for column in ("HELD FOR", "EXPIRES IN", "WAITERS"):
+        table.add_column(column, no_wrap=True, justify="right")
+    for row in [*held, *expired]:
+        info = row.info
+        if info.expired:
+            left, style = Text("expired", style="dim red"), "dim"
+        else:
+            left = Text(
+                duration(info.seconds_left), style="bold red" if row.close_to_expiry else ""
+            )
+            style = ""
+        table.add_row(
+            printable(info.lockstring),
+            str(info.lock_id),
+            printable(str(info.locked_by.get("host", "?"))),
+            printable(str(info.locked_by.get("pid", "?"))),
+            printable(str(info.locked_by.get("program", ""))),
+            duration(row.held_seconds),
+            left,
+            "-" if row.waiters is None else str(row.waiters),
+            style=style,
+        )
+    return Group(heading, table)
+
+
+def run_top(locker: Locker, pattern: str | None) -> None:
+    """Redraw every second until ``q`` (or Ctrl-C) on a terminal."""
+    try:
+        from rich.console import Console
+        from rich.live import Live
+    except ImportError:
+        raise LockValueError("top needs rich: pip install 'sqllocker[top]'") from None
+    console = Console()
+    with (
+        _keys() as key,
+        Live(render(locker, pattern), console=console, screen=True, auto_refresh=False) as live,
+    ):
+        while True:
+            pressed = key(REFRESH_SECONDS)
+            if pressed in ("q", "Q"):
+                return
+            live.update(render(locker, pattern), refresh=True)
+
+
+@contextlib.contextmanager
+def _keys() -> Iterator[Any]:
+    """A reader of single key presses from the terminal (``None`` after ``timeout`` seconds
+    without one), with the terminal in cbreak mode meanwhile: no echo, no line buffering."""
+    stdin = sys.stdin
+    fd = stdin.fileno()
+    saved = termios.tcgetattr(fd)
+
+    def key(timeout: float) -> str | None:
+        readable, _, _ = select.select([fd], [], [], timeout)
+        return stdin.read(1) if readable else None
+
+    tty.setcbreak(fd)
+    try:
+        yield key
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)

@@ -1,0 +1,610 @@
+"""OpenTelemetry: every metric and span a lock records, read back through the SDK's in-memory
+reader and exporter, on every backend, sync and async."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+
+from sqllocker import Locker, LockError, LockLost
+from sqllocker.asyncio import AsyncLocker
+from sqllocker.engine import resolve_url
+from sqllocker.telemetry import Telemetry, default_name
+from tests.helpers import wait_until
+from tests.workers import async_url
+
+
+@dataclass
+class Recorded:
+    reader: InMemoryMetricReader
+    spans: InMemorySpanExporter
+    meter_provider: MeterProvider
+    tracer_provider: TracerProvider
+
+    def points(self, name: str) -> list[Any]:
+        data = self.reader.get_metrics_data()
+        if data is None:
+            return []
+        return [
+            point
+            for resource in data.resource_metrics
+            for scope in resource.scope_metrics
+            for metric in scope.metrics
+            if metric.name == name
+            for point in metric.data.data_points
+        ]
+
+    def count(self, name: str, **attributes: str) -> float:
+        """The sum of a counter's points, or a histogram's count, whose attributes include
+        ``attributes`` (keys with dots written with underscores)."""
+        wanted = {key.replace("_", "."): v for key, v in attributes.items()}
+        total = 0.0
+        for point in self.points(name):
+            if wanted.items() <= dict(point.attributes).items():
+                total += point.count if hasattr(point, "count") else point.value
+        return total
+
+    def finished(self, name: str) -> list[Any]:
+        return [span for span in self.spans.get_finished_spans() if span.name == name]
+
+
+@pytest.fixture
+def recorded() -> Iterator[Recorded]:
+    reader = InMemoryMetricReader()
+    spans = InMemorySpanExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
+    meter_provider = MeterProvider(metric_readers=[reader])
+    yield Recorded(reader, spans, meter_provider, tracer_provider)
+    meter_provider.shutdown()
+    tracer_provider.shutdown()
+
+
+def expected_system(url: str) -> str:
+    engine = sa.create_engine(resolve_url(url))
+    with engine.connect() as conn:
+        name = conn.dialect.name
+        if name == "mysql":
+            name = "mariadb" if getattr(conn.dialect, "is_mariadb", False) else "mysql"
+    engine.dispose()
+    return name
+
+
+def test_acquire_hold_release_busy_and_timeout_are_recorded(
+    make_locker: Callable[..., Locker], url: str, table_name: str, recorded: Recorded
+) -> None:
+    providers = {
+        "meter_provider": recorded.meter_provider,
+        "tracer_provider": recorded.tracer_provider,
+    }
+    locker = make_locker(**providers)
+    other = make_locker(**providers)
+    lock = locker.lock("digest 42")
+    with pytest.raises(LockError):
+        other.lock("digest 42")
+    with pytest.raises(LockError):
+        other.lock("digest 42", wait=0.3)
+    assert recorded.count("sqllocker.locks.held") == 1
+    lock.unlock()
+
+    system = expected_system(url)
+    common = {
+        "db.system.name": system,
+        "sqllocker.table": table_name,
+        "sqllocker.kind": "lock",
+        "sqllocker.name": "digest <n>",
+    }
+    acquires = {
+        dict(p.attributes)["sqllocker.outcome"]: p
+        for p in recorded.points("sqllocker.lock.acquire.duration")
+    }
+    assert set(acquires) == {"acquired", "busy", "timeout"}
+    for outcome, point in acquires.items():
+        assert dict(point.attributes) == {**common, "sqllocker.outcome": outcome}
+        assert point.count == 1
+    assert acquires["timeout"].sum >= 0.3
+    holds = recorded.points("sqllocker.lock.hold.duration")
+    assert [dict(p.attributes) for p in holds] == [{**common, "sqllocker.outcome": "released"}]
+    assert recorded.count("sqllocker.locks.held") == 0
+    (held,) = recorded.points("sqllocker.locks.held")
+    assert dict(held.attributes) == {"db.system.name": system, "sqllocker.table": table_name}
+
+    spans = recorded.finished("sqllocker.acquire")
+    by_outcome = {span.attributes["sqllocker.outcome"]: span for span in spans}
+    assert by_outcome["acquired"].attributes["sqllocker.lock.id"] == lock.lock_id
+    assert by_outcome["acquired"].status.status_code == StatusCode.UNSET
+    for refused in ("busy", "timeout"):
+        assert by_outcome[refused].status.status_code == StatusCode.ERROR
+        assert "sqllocker.lock.id" not in by_outcome[refused].attributes
+    (release,) = recorded.finished("sqllocker.release")
+    assert release.attributes["sqllocker.lock.id"] == lock.lock_id
+    assert release.attributes["sqllocker.name"] == "digest <n>"
+    assert_no_secrets(recorded, lock._state.guid, url)
+
+
+def test_renewals_loss_and_purge_are_recorded(
+    make_locker: Callable[..., Locker], recorded: Recorded
+) -> None:
+    locker = make_locker(
+        meter_provider=recorded.meter_provider,
+        tracer_provider=recorded.tracer_provider,
+        telemetry_name=str,
+    )
+    lock = locker.lock("report 7", expires=30)
+    lock.extend(30)
+    assert recorded.count("sqllocker.lock.renewals", sqllocker_outcome="renewed") == 1
+    assert locker.break_lock("report 7") is not None
+    with pytest.raises(LockLost):
+        lock.extend(30)
+    assert recorded.count("sqllocker.lock.renewals", sqllocker_outcome="failed") == 1
+    assert recorded.count("sqllocker.lock.lost") == 1
+    with pytest.raises(LockLost):
+        lock.unlock()
+    assert recorded.count("sqllocker.lock.lost") == 1  # lost once, however often found
+    assert recorded.count("sqllocker.lock.hold.duration", sqllocker_outcome="lost") == 1
+    assert recorded.count("sqllocker.lock.hold.duration", sqllocker_outcome="released") == 0
+    assert recorded.count("sqllocker.locks.held") == 0
+    extends = recorded.finished("sqllocker.extend")
+    assert [span.status.status_code for span in extends] == [StatusCode.UNSET, StatusCode.ERROR]
+    assert {span.attributes["sqllocker.name"] for span in extends} == {"report 7"}
+
+    lapsing = locker.lock("short 1", expires=0.5)
+    wait_until(lambda: locker.lock_info("short 1").expired, timeout=30)  # type: ignore[union-attr]
+    assert locker.purge_expired_locks() == 1
+    assert recorded.count("sqllocker.purge.rows") == 1
+    del lapsing
+
+
+def test_a_lock_lost_by_its_keep_alive_is_recorded_once(
+    make_locker: Callable[..., Locker], recorded: Recorded
+) -> None:
+    lost: list[LockLost] = []
+    locker = make_locker(
+        meter_provider=recorded.meter_provider, tracer_provider=recorded.tracer_provider
+    )
+    lock = locker.lock("kept 1", expires=1, keep_alive=True, on_lost=lost.append)
+    wait_until(lambda: recorded.count("sqllocker.lock.renewals") >= 1, timeout=30)
+    locker.break_lock("kept 1")
+    wait_until(lambda: bool(lost), timeout=30)
+    assert recorded.count("sqllocker.lock.lost") == 1
+    assert recorded.count("sqllocker.lock.renewals", sqllocker_outcome="failed") >= 1
+    assert recorded.count("sqllocker.locks.held") == 0
+    with pytest.raises(LockLost):
+        lock.unlock()
+    assert recorded.count("sqllocker.lock.lost") == 1
+
+
+def _closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_an_unreachable_database_is_an_error_outcome(
+    backend: str, tmp_path: Path, recorded: Recorded
+) -> None:
+    if backend == "sqlite":
+        url = f"sqlite:///{tmp_path / 'missing' / 'locks.db'}"
+    else:
+        scheme = {"postgresql": "postgresql://postgres:secret", "mysql": "mysql://root:secret"}
+        url = f"{scheme[backend]}@127.0.0.1:{_closed_port()}/test"
+    locker = Locker(
+        url, meter_provider=recorded.meter_provider, tracer_provider=recorded.tracer_provider
+    )
+    with pytest.raises(LockError):
+        locker.lock("job 1")
+    locker.close()
+    assert recorded.count("sqllocker.lock.acquire.duration", sqllocker_outcome="error") == 1
+    (span,) = recorded.finished("sqllocker.acquire")
+    assert span.status.status_code == StatusCode.ERROR
+    assert_no_secrets(recorded, None, url)
+
+
+async def test_the_async_front_end_records_the_same(
+    url: str, table_name: str, make_locker: Callable[..., Locker], recorded: Recorded
+) -> None:
+    make_locker()  # the table
+    providers = {
+        "meter_provider": recorded.meter_provider,
+        "tracer_provider": recorded.tracer_provider,
+    }
+    async with AsyncLocker(async_url(url), table=table_name, grace=0, **providers) as locker:
+        lock = await locker.lock("digest 9", expires=30)
+        async with AsyncLocker(async_url(url), table=table_name, grace=0, **providers) as other:
+            with pytest.raises(LockError):
+                await other.lock("digest 9")
+            with pytest.raises(LockError):
+                await other.lock("digest 9", wait=0.3)
+        await lock.extend(30)
+        assert await locker.break_lock("digest 9") is not None
+        with pytest.raises(LockLost):
+            await lock.extend(30)
+        with pytest.raises(LockLost):
+            await lock.unlock()
+        again = await locker.lock("digest 10")
+        await again.unlock()
+    for outcome in ("acquired", "busy", "timeout"):
+        count = recorded.count("sqllocker.lock.acquire.duration", sqllocker_outcome=outcome)
+        assert count == (2 if outcome == "acquired" else 1)
+    assert recorded.count("sqllocker.lock.renewals", sqllocker_outcome="renewed") == 1
+    assert recorded.count("sqllocker.lock.renewals", sqllocker_outcome="failed") == 1
+    assert recorded.count("sqllocker.lock.lost") == 1
+    assert recorded.count("sqllocker.lock.hold.duration", sqllocker_outcome="lost") == 1
+    assert recorded.count("sqllocker.lock.hold.duration", sqllocker_outcome="released") == 1
+    assert recorded.count("sqllocker.locks.held") == 0
+    names = {span.name for span in recorded.spans.get_finished_spans()}
+    assert names == {"sqllocker.acquire", "sqllocker.extend", "sqllocker.release"}
+    assert {
+        dict(p.attributes)["sqllocker.name"]
+        for p in recorded.points("sqllocker.lock.acquire.duration")
+    } == {"digest <n>"}
+
+
+def test_nothing_is_recorded_without_a_provider(make_locker: Callable[..., Locker]) -> None:
+    locker = make_locker()
+    with locker.lock("job 1"):
+        pass
+    assert locker._telemetry._instruments is None
+
+
+def test_the_default_name_replaces_runs_of_digits() -> None:
+    assert default_name("digest 42") == "digest <n>"
+    assert default_name("user 7 order 123456") == "user <n> order <n>"
+    assert default_name("nightly") == "nightly"
+    assert Telemetry("t", lambda: "sqlite")._look_for_providers() is None
+
+
+def assert_no_secrets(recorded: Recorded, guid: str | None, url: str) -> None:
+    password = sa.make_url(url).password
+    values = [
+        str(value)
+        for span in recorded.spans.get_finished_spans()
+        for value in [*span.attributes.values(), *(e.attributes or {} for e in span.events)]
+    ] + [
+        str(value)
+        for name in (
+            "sqllocker.lock.acquire.duration",
+            "sqllocker.lock.hold.duration",
+            "sqllocker.locks.held",
+        )
+        for point in recorded.points(name)
+        for value in point.attributes.values()
+    ]
+    for secret in (guid, password, url):
+        if secret:
+            assert not any(secret in value for value in values)
+
+
+def test_time_is_monotonic_not_wall() -> None:
+    # The durations come from time.monotonic: a wall clock stepped back makes no negative hold.
+    assert time.monotonic() > 0
+
+
+# -- sqllocker run in its caller's trace -----------------------------------------------------------
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+CALLER = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
+
+# The command line in a process whose global tracer provider records in memory (as
+# opentelemetry-instrument would set one), printing the finished spans as JSON.
+RUN_TRACED = """
+import json, sys
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+exporter = InMemorySpanExporter()
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(exporter))
+trace.set_tracer_provider(provider)
+from sqllocker.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as done:
+    status = done.code
+spans = [
+    {
+        "name": s.name,
+        "trace": format(s.context.trace_id, "032x"),
+        "span": format(s.context.span_id, "016x"),
+        "parent": format(s.parent.span_id, "016x") if s.parent else None,
+    }
+    for s in exporter.get_finished_spans()
+]
+print(json.dumps({"status": status, "spans": spans}))
+"""
+
+
+def test_run_joins_the_callers_trace_and_passes_it_on(
+    url: str, table_name: str, make_locker: Callable[..., Locker], tmp_path: Path
+) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    make_locker()  # the table
+    seen = tmp_path / "traceparent"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            RUN_TRACED,
+            "--url",
+            url,
+            "--table",
+            table_name,
+            "run",
+            "job 5",
+            "--",
+            "sh",
+            "-c",
+            f'printf %s "$TRACEPARENT" > {seen}',
+        ],
+        env={**os.environ, "TRACEPARENT": CALLER},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["status"] == 0
+    spans = {span["name"]: span for span in result["spans"]}
+    assert set(spans) >= {"sqllocker.run", "sqllocker.acquire", "sqllocker.release"}
+    run = spans["sqllocker.run"]
+    assert {span["trace"] for span in spans.values()} == {TRACE_ID}
+    assert run["parent"] == CALLER.split("-")[2]
+    assert spans["sqllocker.acquire"]["parent"] == run["span"]
+    # COMMAND is handed the context of the run's span, in the same trace.
+    assert seen.read_text() == f"00-{TRACE_ID}-{run['span']}-01"
+
+
+def test_run_passes_the_context_on_even_when_nothing_records(
+    url: str, table_name: str, make_locker: Callable[..., Locker], tmp_path: Path
+) -> None:
+    import os
+    import subprocess
+
+    make_locker()
+    seen = tmp_path / "traceparent"
+    sqllocker = str(Path(__file__).resolve().parents[1] / ".venv" / "bin" / "sqllocker")
+    done = subprocess.run(
+        [
+            sqllocker,
+            "--url",
+            url,
+            "--table",
+            table_name,
+            "run",
+            "job 5",
+            "--",
+            "sh",
+            "-c",
+            f'printf %s "$TRACEPARENT" > {seen}',
+        ],
+        env={**os.environ, "TRACEPARENT": CALLER},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert seen.read_text() == CALLER
+
+
+# -- takeovers, wait turns, a renewal that cannot reach the database ----------------------------
+
+
+def test_a_takeover_and_the_wait_turns_are_recorded(
+    make_locker: Callable[..., Locker], recorded: Recorded
+) -> None:
+    providers = {
+        "meter_provider": recorded.meter_provider,
+        "tracer_provider": recorded.tracer_provider,
+    }
+    locker = make_locker(**providers)
+    other = make_locker(**providers)
+    lapsing = locker.lock("job 1", expires=0.5)
+    wait_until(lambda: locker.lock_info("job 1").expired, timeout=30)  # type: ignore[union-attr]
+    assert recorded.count("sqllocker.lock.takeovers") == 0
+    taken = other.lock("job 1", expires=30)
+    assert recorded.count("sqllocker.lock.takeovers") == 1
+    with pytest.raises(LockError):
+        locker.lock("job 1", wait=1)
+    timeout = next(
+        span
+        for span in recorded.finished("sqllocker.acquire")
+        if span.attributes["sqllocker.outcome"] == "timeout"
+    )
+    turns = [event for event in timeout.events if event.name == "sqllocker.wait_turn"]
+    assert turns
+    assert [event.attributes["sqllocker.turn"] for event in turns] == list(range(1, len(turns) + 1))
+    taken.unlock()
+    del lapsing
+
+
+@pytest.mark.parametrize("server", ["postgresql", "mysql"])
+def test_a_renewal_that_cannot_reach_the_database_fails_without_losing(
+    server: str, request: pytest.FixtureRequest, table_name: str, recorded: Recorded
+) -> None:
+    from sqllocker import lock_table
+    from tests.stall_proxy import StallProxy
+
+    target = sa.make_url(resolve_url(request.getfixturevalue(f"{server}_url")))
+    engine = sa.create_engine(target)
+    lock_table(table_name).create(engine)
+    engine.dispose()
+    proxy = StallProxy(target.port or (5432 if server == "postgresql" else 3306))
+    through = target.set(host="127.0.0.1", port=proxy.port)
+    locker = Locker(
+        through,
+        table=table_name,
+        meter_provider=recorded.meter_provider,
+        tracer_provider=recorded.tracer_provider,
+    )
+    lock = locker.lock("job 1", expires=60)
+    proxy.close()
+    with pytest.raises(LockError) as failure:
+        lock.extend(60)
+    assert not isinstance(failure.value, LockLost)
+    assert recorded.count("sqllocker.lock.renewals", sqllocker_outcome="failed") == 1
+    assert recorded.count("sqllocker.lock.lost") == 0
+    assert recorded.count("sqllocker.locks.held") == 1  # still held, as far as anyone knows
+    (extend,) = recorded.finished("sqllocker.extend")
+    assert extend.status.status_code == StatusCode.ERROR
+    locker.close()
+
+
+def test_a_decorated_function_is_named_by_its_template(
+    make_locker: Callable[..., Locker], recorded: Recorded
+) -> None:
+    locker = make_locker(
+        meter_provider=recorded.meter_provider, tracer_provider=recorded.tracer_provider
+    )
+
+    @locker.locked("report {day}")
+    def report(day: str) -> str:
+        return day
+
+    assert report("monday 3") == "monday 3"
+    names = {
+        dict(point.attributes)["sqllocker.name"]
+        for point in recorded.points("sqllocker.lock.acquire.duration")
+    }
+    assert names == {"report {day}"}
+    with locker.lock("report tuesday 4"):
+        pass
+    names = {
+        dict(point.attributes)["sqllocker.name"]
+        for point in recorded.points("sqllocker.lock.acquire.duration")
+    }
+    assert names == {"report {day}", "report tuesday <n>"}
+
+
+async def test_a_decorated_coroutine_is_named_by_its_template(
+    url: str, table_name: str, make_locker: Callable[..., Locker], recorded: Recorded
+) -> None:
+    make_locker()
+    async with AsyncLocker(
+        async_url(url),
+        table=table_name,
+        meter_provider=recorded.meter_provider,
+        tracer_provider=recorded.tracer_provider,
+    ) as locker:
+
+        @locker.locked("digest {user}")
+        async def digest(user: int) -> int:
+            return user
+
+        assert await digest(42) == 42
+    (point,) = recorded.points("sqllocker.lock.acquire.duration")
+    assert dict(point.attributes)["sqllocker.name"] == "digest {user}"
+
+
+def test_groups_and_semaphores_are_recorded_by_kind(
+    make_locker: Callable[..., Locker], recorded: Recorded
+) -> None:
+    providers = {
+        "meter_provider": recorded.meter_provider,
+        "tracer_provider": recorded.tracer_provider,
+    }
+    locker = make_locker(**providers)
+    other = make_locker(**providers)
+    group = locker.lock_all(["a 1", "b 2", "c 3"])
+    assert recorded.count("sqllocker.locks.held") == 3
+    with pytest.raises(LockError):
+        other.lock_all(["c 3", "d 4"])
+    group.unlock()
+    semaphore = locker.semaphore("crawlers", 2)
+    first = semaphore.acquire()
+    second = other.semaphore("crawlers", 2).acquire()
+    with pytest.raises(LockError):
+        other.semaphore("crawlers", 2).acquire()
+    first.unlock()
+    second.unlock()
+
+    def outcomes(kind: str) -> dict[tuple[str, str], float]:
+        found: dict[tuple[str, str], float] = {}
+        for point in recorded.points("sqllocker.lock.acquire.duration"):
+            attributes = dict(point.attributes)
+            if attributes["sqllocker.kind"] == kind:
+                key = (attributes["sqllocker.name"], attributes["sqllocker.outcome"])
+                found[key] = found.get(key, 0) + point.count
+        return found
+
+    assert outcomes("group") == {("group of 3", "acquired"): 1, ("group of 2", "busy"): 1}
+    # One outcome per semaphore acquire, not one per permit slot tried.
+    assert outcomes("semaphore") == {("crawlers", "acquired"): 2, ("crawlers", "busy"): 1}
+    assert outcomes("lock") == {}
+    assert recorded.count("sqllocker.lock.hold.duration", sqllocker_kind="group") == 3
+    assert recorded.count("sqllocker.lock.hold.duration", sqllocker_kind="semaphore") == 2
+    assert recorded.count("sqllocker.locks.held") == 0
+    releases = recorded.finished("sqllocker.release")
+    assert sorted(span.attributes["sqllocker.name"] for span in releases) == [
+        "crawlers",
+        "crawlers",
+        "group of 3",
+        "group of 3",
+        "group of 3",
+    ]
+
+
+def test_a_failing_name_mapping_never_stops_a_lock(
+    make_locker: Callable[..., Locker], recorded: Recorded
+) -> None:
+    def broken(lockstring: str) -> str:
+        raise ValueError(lockstring)
+
+    locker = make_locker(
+        meter_provider=recorded.meter_provider,
+        tracer_provider=recorded.tracer_provider,
+        telemetry_name=broken,
+    )
+    with locker.lock("job 1") as lock:
+        assert lock.is_valid()
+    assert locker.lock_info("job 1") is None
+
+
+async def test_an_async_keep_alive_records_renewals_and_the_loss(
+    url: str, table_name: str, make_locker: Callable[..., Locker], recorded: Recorded
+) -> None:
+    import asyncio
+
+    make_locker()
+    lost: list[LockLost] = []
+    async with AsyncLocker(
+        async_url(url),
+        table=table_name,
+        grace=0,
+        meter_provider=recorded.meter_provider,
+        tracer_provider=recorded.tracer_provider,
+    ) as locker:
+        lock = await locker.lock("kept 1", expires=1, keep_alive=True, on_lost=lost.append)
+        deadline = time.monotonic() + 30
+        while recorded.count("sqllocker.lock.renewals", sqllocker_outcome="renewed") < 1:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        await locker.break_lock("kept 1")
+        while not lost:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        with pytest.raises(LockLost):
+            await lock.unlock()
+    assert recorded.count("sqllocker.lock.lost") == 1
+    assert recorded.count("sqllocker.lock.renewals", sqllocker_outcome="failed") >= 1
+    assert recorded.count("sqllocker.lock.hold.duration", sqllocker_outcome="lost") == 1
+    assert recorded.count("sqllocker.locks.held") == 0

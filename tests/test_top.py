@@ -1,0 +1,167 @@
+"""``sqllocker top`` driven in a real terminal (tmux): a held lock and its waiter appear, ``q``
+quits; and without a terminal it prints what ``list`` prints."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from sqllocker import Locker
+from sqllocker.engine import resolve_url
+from sqllocker.migrations import upgrade
+from tests.helpers import wait_until
+
+SQLLOCKER = str(Path(__file__).resolve().parents[1] / ".venv" / "bin" / "sqllocker")
+TMUX = shutil.which("tmux")
+
+
+@pytest.fixture
+def migrated(url: str, table_name: str) -> str:
+    engine = sa.create_engine(resolve_url(url))
+    upgrade(engine, table_name)
+    engine.dispose()
+    return url
+
+
+class Terminal:
+    """A tmux server of its own (its own socket), one window of a fixed size."""
+
+    def __init__(self, socket: str) -> None:
+        self.socket = socket
+
+    def tmux(self, *args: str) -> subprocess.CompletedProcess[str]:
+        assert TMUX is not None
+        # The terminal's own size, not one pytest's environment would impose on rich.
+        environment = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+        return subprocess.run(
+            [TMUX, "-L", self.socket, *args],
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+
+    def start(self, command: str) -> None:
+        started = self.tmux("new-session", "-d", "-s", "top", "-x", "160", "-y", "30", command)
+        assert started.returncode == 0, started.stderr
+
+    def screen(self) -> str:
+        return self.tmux("capture-pane", "-p", "-t", "top").stdout
+
+    def alive(self) -> bool:
+        return self.tmux("has-session", "-t", "top").returncode == 0
+
+
+@pytest.fixture
+def terminal() -> Iterator[Terminal]:
+    if TMUX is None:
+        pytest.skip("tmux is not installed")
+    term = Terminal(f"sqllocker-test-{uuid.uuid4().hex[:8]}")
+    yield term
+    term.tmux("kill-server")
+
+
+@pytest.mark.slow
+def test_top_shows_a_held_lock_and_its_waiter_and_q_quits(
+    migrated: str, table_name: str, terminal: Terminal, tmp_path: Path, backend: str
+) -> None:
+    holder = Locker(migrated, table=table_name)
+    held = holder.lock("nightly report 42", expires=300)
+    waiter = subprocess.Popen(
+        [
+            SQLLOCKER,
+            "--url",
+            migrated,
+            "--table",
+            table_name,
+            "run",
+            "-w",
+            "120",
+            "nightly report 42",
+            "true",
+        ]
+    )
+    status = tmp_path / "status"
+    command = shlex.join([SQLLOCKER, "--url", migrated, "--table", table_name, "top"])
+    try:
+        terminal.start(f"{command}; echo $? > {shlex.quote(str(status))}")
+        # SQLite's waiters queue in the kernel, where they cannot be counted.
+        expected = "1 held, 0 waiting" if backend == "sqlite" else "1 held, 1 waiting"
+        screens: list[str] = []
+
+        def drawn() -> bool:
+            # A capture may catch a redraw half done: one that shows both is what counts.
+            screens.append(terminal.screen())
+            return expected in screens[-1] and "nightly report 42" in screens[-1]
+
+        try:
+            wait_until(drawn, timeout=30)
+        except AssertionError:
+            raise AssertionError(screens[-1]) from None
+        screen = screens[-1]
+        line = next(line for line in screen.splitlines() if "nightly report 42" in line)
+        assert str(os.getpid()) in line.split()
+        if backend != "sqlite":
+            assert line.rstrip(" │|").endswith(" 1")  # the WAITERS column
+        assert "q quits" in screen
+        terminal.tmux("send-keys", "-t", "top", "q")
+        wait_until(lambda: status.exists() and status.read_text().strip() != "", timeout=30)
+        assert status.read_text().strip() == "0"
+        wait_until(lambda: not terminal.alive(), timeout=30)
+        held.unlock()
+        assert waiter.wait(60) == 0
+    finally:
+        waiter.kill()
+        waiter.wait(30)
+        holder.close()
+
+
+def test_top_without_a_terminal_prints_the_list(migrated: str, table_name: str) -> None:
+    holder = Locker(migrated, table=table_name)
+    with holder.lock("job 7"):
+        done = subprocess.run(
+            [SQLLOCKER, "--url", migrated, "--table", table_name, "top", "job *"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    holder.close()
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].split() == [
+        "LOCKSTRING",
+        "ID",
+        "HOLDER",
+        "PROGRAM",
+        "CREATED",
+        "EXPIRES",
+        "LEFT",
+    ]
+    assert lines[1].startswith("job 7 ")
+
+
+def test_a_lock_close_to_expiry_is_marked(make_locker: Any) -> None:
+    from sqllocker.top import Row
+
+    locker = make_locker()
+    with locker.lock("job 1", expires=60):
+        (info,) = locker.locks()
+    far = Row(info=info, held_seconds=0.0, waiters=None)
+    assert not far.close_to_expiry
+    near = Row(info=dataclasses.replace(info, seconds_left=11.0), held_seconds=49.0, waiters=None)
+    assert near.close_to_expiry  # less than a fifth of its 60 s period left
+    assert not dataclasses.replace(
+        near, info=dataclasses.replace(info, seconds_left=13.0)
+    ).close_to_expiry
