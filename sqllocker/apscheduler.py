@@ -19,6 +19,9 @@ scheduler gives it (``add_job(..., id="sync")``), or the schedulers would not ag
 from __future__ import annotations
 
 import logging
+import math
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -74,8 +77,8 @@ class LockedThreadPoolExecutor(ThreadPoolExecutor):  # type: ignore[misc]
     between the schedulers' clocks and the delay of a busy scheduler. ``max_workers`` and
     ``pool_kwargs`` are ``ThreadPoolExecutor``'s.
 
-    Each run also deletes its job's rows of past fire times that have expired, so the table does
-    not grow by a row per fire time.
+    Once every ``hold_at_least`` seconds, a run's thread also purges the table's expired rows
+    (``purge_expired_locks``), since each fire time leaves a row of its own.
     """
 
     def __init__(
@@ -97,6 +100,8 @@ class LockedThreadPoolExecutor(ThreadPoolExecutor):  # type: ignore[misc]
         super().__init__(max_workers, pool_kwargs)
         self.locker = locker
         self.hold_at_least = float(hold_at_least)
+        self._purging = threading.Lock()
+        self._purged_at = -math.inf
 
     def _do_submit_job(self, job: Any, run_times: list[datetime]) -> None:
         def callback(future: Any) -> None:
@@ -138,22 +143,24 @@ class LockedThreadPoolExecutor(ThreadPoolExecutor):  # type: ignore[misc]
                 return None
             with lock, _running_as(lock, run_time):
                 result = job.func(*args, **kwargs)
-            self._sweep(job.id, lockstring)
+            self._purge_now_and_then()
             return result
 
         return run
 
-    def _sweep(self, job_id: str, current: str) -> None:
-        """Delete this job's expired rows of past fire times (each fire time has a row of its
-        own, which no later acquirer of the job would take over)."""
-        if any(character in job_id for character in "*?["):
-            return  # the pattern would match other jobs' rows
+    def _purge_now_and_then(self) -> None:
+        """Purge the table's expired rows, once a window: each fire time has a row of its own,
+        which no later fire time takes over, so without a purge the table would grow by a row
+        per fire time."""
+        with self._purging:
+            now = time.monotonic()
+            if now - self._purged_at < self.hold_at_least:
+                return
+            self._purged_at = now
         try:
-            for info in self.locker.locks(f"apscheduler {job_id} *"):
-                if info.lockstring != current and info.seconds_left < -self.locker.grace:
-                    self.locker.break_lock(info.lockstring, info.lock_id)
+            self.locker.purge_expired_locks()
         except LockError as error:
-            logger.warning("could not delete the expired rows of job %s: %s", job_id, error)
+            logger.warning("could not purge the expired locks: %s", error)
 
 
 class _LockedRun:

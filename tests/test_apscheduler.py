@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("apscheduler")
 
-from sqllocker import Locker
+from sqllocker import Locker, LockError
 from tests.helpers import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,3 +122,41 @@ def test_the_docs_example_runs_once_per_fire_time_in_two_processes(
     fire_times = Counter(line.split()[1] for line in lines())
     assert len(fire_times) >= 4
     assert set(fire_times.values()) == {1}
+
+
+def test_expired_rows_of_past_fire_times_are_purged(
+    make_locker: Callable[..., Locker],
+) -> None:
+    """Every fire time has a row of its own: the executor purges the expired ones once a window,
+    so the table holds about a window's worth, not a row per fire time."""
+    from apscheduler.schedulers.background import BackgroundScheduler
+
+    from sqllocker.apscheduler import LockedThreadPoolExecutor
+
+    locker = make_locker()
+    runs: list[float] = []
+    scheduler = BackgroundScheduler(
+        executors={"default": LockedThreadPoolExecutor(locker, hold_at_least=1)}
+    )
+    scheduler.add_job(lambda: runs.append(time.monotonic()), "interval", seconds=0.25, id="t")
+    scheduler.start()
+    try:
+        wait_until(lambda: len(runs) >= 32, timeout=60)
+    finally:
+        scheduler.shutdown()
+    rows = locker.locks("apscheduler t *")
+    # a window (1 s + the job's misfire_grace_time, 1 s) and a purge interval (1 s) of rows
+    assert len(rows) <= 3 / 0.25 + 2 < len(runs)
+
+
+def test_bad_options_are_refused(make_locker: Callable[..., Locker]) -> None:
+    from sqllocker import LockValueError
+    from sqllocker.apscheduler import LockedThreadPoolExecutor, scheduled_run_time
+
+    with pytest.raises(LockValueError):
+        LockedThreadPoolExecutor("sqlite:///x.db")  # type: ignore[arg-type]
+    for bad in (0, -1, True, "60"):
+        with pytest.raises(LockValueError):
+            LockedThreadPoolExecutor(make_locker(), hold_at_least=bad)  # type: ignore[arg-type]
+    with pytest.raises(LockError):
+        scheduled_run_time()
