@@ -88,6 +88,19 @@ class LockedTask(Task[Any, Any]):
     _sqllocker_template: LockstringTemplate | None = None
     _sqllocker_locker: Locker | None = None
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Celery makes each task a subclass, with the decorator's options: they are checked
+        here, when the task is made, before any SQL."""
+        super().__init_subclass__(**kwargs)
+        if cls.on_busy not in ON_BUSY:
+            raise LockValueError(f"on_busy must be 'skip', 'retry' or 'raise', not {cls.on_busy!r}")
+        hold = cls.lock_hold_at_least
+        if isinstance(hold, str) and hold != SCHEDULE:
+            raise LockValueError(f"lock_hold_at_least must be seconds or 'schedule', not {hold!r}")
+        run = cls.__dict__.get("run")
+        if cls.lock is not None and run is not None:
+            LockstringTemplate(cls.lock, getattr(run, "__func__", run))  # names its arguments
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         lockstring = self._lockstring(args, kwargs)
         locker = self._locker()
@@ -151,13 +164,9 @@ class LockedTask(Task[Any, Any]):
 
     def _hold_at_least(self, locker: Locker) -> float | None:
         hold = self.lock_hold_at_least
-        if hold == SCHEDULE:
+        if isinstance(hold, str):  # 'schedule', as __init_subclass__ checked
             beat_schedule = self.app.conf.beat_schedule or {}
             return schedule_window(beat_schedule, self.name, self.app.now(), locker.grace)
-        if isinstance(hold, str):
-            raise LockValueError(
-                f"{self.name}: lock_hold_at_least must be seconds or 'schedule', not {hold!r}"
-            )
         return hold
 
 

@@ -114,7 +114,7 @@ def work_raise(name: str, seconds: float) -> str:
     on_busy="retry",
     lock_retry_countdown=0.5,
     max_retries=None,
-    lock_expires=3,
+    lock_expires=8,
     acks_late=True,
     reject_on_worker_lost=True,
 )

@@ -211,7 +211,7 @@ def test_sigkilled_worker_frees_the_lock_by_expiry_and_its_redelivery_waits(
     cluster: Cluster,
 ) -> None:
     """work_late: acks_late with reject_on_worker_lost, so the message of a task whose worker
-    process is SIGKILLed is delivered again at once; its lock (3 s) is still the dead process's,
+    process is SIGKILLed is delivered again at once; its lock (8 s) is still the dead process's,
     so the second delivery retries until the lock expires, then runs: never both at once."""
     cluster.worker("prefork", "w1")
     cluster.worker("prefork", "w2")
