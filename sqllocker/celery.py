@@ -128,22 +128,19 @@ class LockedTask(Task[Any, Any]):
         return skipped(lockstring, busy)
 
     def _lockstring(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
-        template = type(self)._sqllocker_template
+        # Each task's own, never a base class's: a task may be made on another task's class.
+        template: LockstringTemplate | None = type(self).__dict__.get("_sqllocker_template")
         if template is None:
-            if self.on_busy not in ON_BUSY:
-                raise LockValueError(
-                    f"{self.name}: on_busy must be 'skip', 'retry' or 'raise', not {self.on_busy!r}"
-                )
             template = LockstringTemplate(self.lock or self.name, self.run)
             type(self)._sqllocker_template = template
         return template.render(args, kwargs)
 
     def _locker(self) -> Locker:
-        made = type(self)._sqllocker_locker
+        made: Locker | None = type(self).__dict__.get("_sqllocker_locker")
         if made is not None:
             return made
         with LockedTask._sqllocker_setup:
-            made = type(self)._sqllocker_locker
+            made = type(self).__dict__.get("_sqllocker_locker")
             if made is None:
                 # The decorator's function is a class attribute: read it unbound.
                 given = inspect.getattr_static(self, "locker")
