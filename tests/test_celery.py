@@ -1,7 +1,8 @@
 """sqllocker.celery with real Celery workers and beat processes (tests/celery_app.py), Redis as
-broker and result backend: at most one copy per lockstring, skip/retry/raise, a SIGKILLed worker's
-lock freed by expiry and its acks_late re-delivery held off meanwhile, a lost lock reported as the
-task's failure, and two beat processes' copies of a periodic task run once per period."""
+broker and result backend, on every backend: at most one copy per lockstring, skip/retry/raise,
+a SIGKILLed worker's lock freed by expiry and its acks_late re-delivery held off meanwhile, a lost
+lock reported as the task's failure, and two beat processes' copies of a periodic task run once
+per period."""
 
 from __future__ import annotations
 
@@ -206,7 +207,6 @@ def test_one_copy_per_lockstring_skip_retry_raise(cluster: Cluster, pool: str) -
     assert_one_at_a_time(cluster)
 
 
-@pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True)
 def test_sigkilled_worker_frees_the_lock_by_expiry_and_its_redelivery_waits(
     cluster: Cluster,
 ) -> None:
@@ -230,7 +230,6 @@ def test_sigkilled_worker_frees_the_lock_by_expiry_and_its_redelivery_waits(
     assert len(cluster.events("k", "end")) == 1
 
 
-@pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True)
 def test_a_lock_lost_while_the_task_runs_is_its_failure(
     cluster: Cluster, make_locker: Callable[..., Locker]
 ) -> None:
@@ -244,7 +243,6 @@ def test_a_lock_lost_while_the_task_runs_is_its_failure(
     assert type(sent.result).__name__ == "LockLost"
 
 
-@pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True)
 def test_two_beat_processes_run_a_periodic_task_once_per_period(cluster: Cluster) -> None:
     """Two beat processes each send beat_tick every 3 s (out of phase: an interval schedule
     counts from its beat's start); with lock_hold_at_least="schedule" it runs once a period."""
@@ -279,7 +277,6 @@ def docs_example(page: str) -> str:
     return text.split("```python\n", 1)[1].split("```", 1)[0]
 
 
-@pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True)
 def test_the_docs_example_runs(
     cluster: Cluster, url: str, table_name: str, make_locker: Callable[..., Locker]
 ) -> None:
