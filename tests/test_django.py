@@ -178,3 +178,9 @@ def test_the_docs_example_runs_once_per_day(project: Project, tmp_path: Path) ->
     assert "made" in project.manage("nightly_report", "2026-11-26").stdout
     listed = project.manage("sqllocker", "list").stdout
     assert "nightly report 2026-11-25" in listed
+
+
+def test_djangos_test_runner_gets_the_lock_table_in_its_test_database(project: Project) -> None:
+    done = project.manage("test", "tests.django_project.reports", "--noinput", check=False)
+    assert done.returncode == 0, done.stderr
+    assert "Ran 2 tests" in done.stderr

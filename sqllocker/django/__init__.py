@@ -12,6 +12,8 @@
 - ``lock()`` and ``locked()`` take locks for views and management commands
   (``sqllocker.django.locking``); ``guard(lock)`` proves a lock is held inside
   ``transaction.atomic()`` on Django's own connection (``sqllocker.django.guarding``).
+- ``TEST_RUNNER = "sqllocker.django.testing.DiscoverRunner"`` closes the Lockers before the
+  test databases are dropped.
 
 This module imports nothing of Django's itself, so that Django can import it while it loads
 its apps; the functions import what they need when called.

@@ -121,3 +121,13 @@ def get_locker() -> Locker:
         if locker is None:
             locker = _made[key] = Locker(url, **options)
         return locker
+
+
+def close_lockers() -> None:
+    """Close the Lockers this process made (their connections, which would keep a database
+    from being dropped): the next ``get_locker()`` makes a new one."""
+    with _making:
+        made = list(_made.values())
+        _made.clear()
+    for locker in made:
+        locker.close()

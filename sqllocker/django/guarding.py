@@ -38,7 +38,9 @@ def guard(lock: Lock, using: str | None = None) -> None:
     ``atomic`` block, which rolls back.
 
     ``using`` (default: Django's default database) must be the database of the ``SQLLOCKER``
-    setting, where the lock's row is.
+    setting, where the lock's row is. The ``atomic`` block must be the outermost one, and the
+    lock released after it (its row lock lasts until the transaction ends, and a release inside
+    the transaction would wait for it): guard() refuses a nested one.
     """
     alias = using or DEFAULT_DB_ALIAS
     if alias != database_alias():
@@ -52,6 +54,15 @@ def guard(lock: Lock, using: str | None = None) -> None:
         raise LockError(
             "guard() needs to run inside transaction.atomic(): the protection lasts until that "
             "transaction ends",
+            lock.lockstring,
+        )
+    if len(connection.atomic_blocks) > 1:
+        # The row lock lasts until the outermost transaction ends: a release before then (the
+        # end of the lock's block inside it) would wait for this very transaction.
+        raise LockError(
+            "guard() needs the outermost transaction.atomic() (not one nested in another, nor "
+            "ATOMIC_REQUESTS' or a TestCase's): its protection lasts until the outermost "
+            "transaction ends, and releasing the lock before then would wait for it",
             lock.lockstring,
         )
     connection.ensure_connection()

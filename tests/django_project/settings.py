@@ -25,6 +25,7 @@ ALLOWED_HOSTS = ["testserver"]
 USE_TZ = True
 DEFAULT_AUTO_FIELD = "django.db.models.AutoField"
 ROOT_URLCONF = "tests.django_project.urls"
+TEST_RUNNER = "sqllocker.django.testing.DiscoverRunner"
 INSTALLED_APPS = ["sqllocker.django", "tests.django_project.reports"]
 # tests/test_django.py adds the docs' example as an app of its own.
 INSTALLED_APPS += [app for app in os.environ.get("SQLLOCKER_DJANGO_APPS", "").split(",") if app]
@@ -36,6 +37,8 @@ DATABASES = {
         "PASSWORD": _url.password or "",
         "HOST": _url.host or "",
         "PORT": str(_url.port or ""),
+        # Django's SQLite test database is in memory unless named: locks need a file.
+        "TEST": {"NAME": f"{_url.database}.test"} if _url.get_backend_name() == "sqlite" else {},
     }
 }
 SQLLOCKER = {"database": "default", "table": os.environ["SQLLOCKER_DJANGO_TABLE"], "grace": 0}
