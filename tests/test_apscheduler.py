@@ -49,10 +49,10 @@ def test_three_schedulers_run_a_cron_job_once_per_fire_time(
         all_ready = datetime.now().astimezone()
         time.sleep(2)
         os.kill(schedulers[1].pid, signal.SIGSTOP)  # misses fire times, then catches up
-        time.sleep(2.5)
+        time.sleep(3.5)
         stopped_until = datetime.now().astimezone()
         os.kill(schedulers[1].pid, signal.SIGCONT)
-        time.sleep(1.5)
+        time.sleep(0.5)
         os.kill(schedulers[2].pid, signal.SIGKILL)
         for scheduler in schedulers[:2]:
             assert scheduler.wait(timeout=60) == 0

@@ -186,6 +186,12 @@ def test_one_copy_per_lockstring_skip_retry_raise(cluster: Cluster, pool: str) -
     raises = [tasks.work_raise.delay("c", 0.2) for _ in range(2)]
     results(skips)
     results(raises)
+
+    def all_retried() -> bool:  # each retry copy has found the lock held, and retried
+        logs = cluster.logs()
+        return all(f"[{r.id}] retry: Retry in" in logs for r in retries)
+
+    wait_until(all_retried, timeout=60)
     for name in "abc":
         cluster.stop_early(name)
     results(first + retries)
