@@ -144,7 +144,9 @@ def admin(migrated_postgres: str) -> Iterator[sa.Engine]:
 # alone, since beside each other each would find the machine twice as slow as its timings allow
 # for. The other modules, a thread or two at a time, run on the other worker meanwhile.
 _ONE_AT_A_TIME = {
+    "test_apscheduler",
     "test_campaign",
+    "test_celery",
     "test_dbix_locker",
     "test_faults",
     "test_fencing",

@@ -1,0 +1,108 @@
+"""``guard(lock)`` on Django's own connection, inside ``transaction.atomic()``.
+
+``Lock.guard`` runs its statement on an SQLAlchemy connection in the caller's transaction. Here
+that connection is made around the DB-API connection Django holds (through an engine whose only
+connection it is), so the statement joins Django's transaction; SQLAlchemy is handed a stand-in
+that forwards everything but commit, rollback and close, so it can never end Django's
+transaction or close its connection.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+from django.db import DEFAULT_DB_ALIAS, connections
+from sqlalchemy.pool import StaticPool
+
+from ..errors import LockError
+from ..lock import Lock
+from .configuration import database_alias
+
+# The SQLAlchemy dialect for each DB-API module Django's backends use, and its options: the
+# PostgreSQL dialects would look hstore up on the connection, which is Django's to configure.
+_NO_HSTORE = {"use_native_hstore": False}
+_DIALECTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "psycopg": ("postgresql+psycopg", _NO_HSTORE),
+    "psycopg2": ("postgresql+psycopg2", _NO_HSTORE),
+    "pymysql": ("mysql+pymysql", {}),
+    "MySQLdb": ("mysql+mysqldb", {}),
+    "sqlite3": ("sqlite+pysqlite", {}),
+}
+
+
+def guard(lock: Lock, using: str | None = None) -> None:
+    """Inside ``transaction.atomic(using=using)``: prove ``lock`` is still held and keep it from
+    being taken over or purged until that transaction ends (``Lock.guard``), so the transaction
+    commits only while the lock is held. Raises LockLost if it is not: let it leave the
+    ``atomic`` block, which rolls back.
+
+    ``using`` (default: Django's default database) must be the database of the ``SQLLOCKER``
+    setting, where the lock's row is. The ``atomic`` block must be the outermost one, and the
+    lock released after it (its row lock lasts until the transaction ends, and a release inside
+    the transaction would wait for it): guard() refuses a nested one.
+    """
+    alias = using or DEFAULT_DB_ALIAS
+    if alias != database_alias():
+        raise LockError(
+            f"guard() needs a transaction on the lock table's database "
+            f"({database_alias()!r}), not on {alias!r}",
+            lock.lockstring,
+        )
+    connection = connections[alias]
+    if not connection.in_atomic_block:
+        raise LockError(
+            "guard() needs to run inside transaction.atomic(): the protection lasts until that "
+            "transaction ends",
+            lock.lockstring,
+        )
+    if len(connection.atomic_blocks) > 1:
+        # The row lock lasts until the outermost transaction ends: a release before then (the
+        # end of the lock's block inside it) would wait for this very transaction.
+        raise LockError(
+            "guard() needs the outermost transaction.atomic() (not one nested in another, nor "
+            "ATOMIC_REQUESTS' or a TestCase's): its protection lasts until the outermost "
+            "transaction ends, and releasing the lock before then would wait for it",
+            lock.lockstring,
+        )
+    connection.ensure_connection()
+    raw = connection.connection
+    module = type(raw).__module__.partition(".")[0]
+    known = _DIALECTS.get(module)
+    if known is None:
+        raise LockError(f"guard() does not know Django's driver {module!r}", lock.lockstring)
+    dialect, options = known
+    borrowed = _Borrowed(raw)
+    engine = sa.create_engine(
+        f"{dialect}://",
+        **options,
+        creator=lambda: borrowed,
+        poolclass=StaticPool,
+        pool_reset_on_return=None,
+    )
+    try:
+        with engine.connect() as sa_connection:
+            sa_connection.begin()  # SQLAlchemy's view of the transaction Django has open
+            lock.guard(sa_connection)
+    finally:
+        engine.dispose()
+
+
+class _Borrowed:
+    """Django's DB-API connection, lent to SQLAlchemy: its statements run in Django's
+    transaction; commit, rollback and close are Django's alone."""
+
+    def __init__(self, connection: Any) -> None:
+        self._connection = connection
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._connection, name)
+
+    def commit(self) -> None:
+        pass
+
+    def rollback(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

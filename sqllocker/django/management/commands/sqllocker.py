@@ -1,0 +1,36 @@
+"""``manage.py sqllocker purge-expired|list|show|release ...``: the ``sqllocker`` command line,
+on the lock table of the ``SQLLOCKER`` setting's database."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from sqllocker.cli import main
+from sqllocker.django.configuration import database_alias, database_url, table_name
+
+SUBCOMMANDS = ("purge-expired", "list", "show", "release")
+
+
+class Command(BaseCommand):
+    help = (
+        "sqllocker's command line on the lock table: purge-expired, list, show, release "
+        "(their own --help says more)"
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("subcommand", choices=SUBCOMMANDS)
+        parser.add_argument("arguments", nargs=argparse.REMAINDER)
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        url = database_url(database_alias()).render_as_string(hide_password=False)
+        command = ["--url", url, "--table", table_name(), options["subcommand"]]
+        try:
+            main([*command, *options["arguments"]])
+        except SystemExit as done:
+            if done.code:
+                raise CommandError(
+                    f"sqllocker {options['subcommand']} failed", returncode=int(done.code)
+                ) from None

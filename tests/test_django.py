@@ -1,0 +1,186 @@
+"""sqllocker.django with a real Django project (tests/django_project) on each backend, each test
+in a database of its own: ``manage.py migrate`` makes the lock table sqllocker's migrations make;
+``manage.py sqllocker ...`` is the command line on it; two ``manage.py`` processes on one
+lockstring run one at a time; ``guard`` on Django's connection commits only while the lock is
+held; a view answers 409 while its lock is held."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("django")
+
+import sqlalchemy as sa
+from sqlalchemy.engine import make_url
+
+from sqllocker.engine import resolve_url
+from sqllocker.migrations import current_revision, head_revision, schema_differences
+from tests.conftest import MYSQL_ADMIN_URL, POSTGRES_ADMIN_URL
+
+ROOT = Path(__file__).resolve().parent.parent
+ADMIN_URLS = {"postgresql": POSTGRES_ADMIN_URL, "mysql": MYSQL_ADMIN_URL}
+
+
+@pytest.fixture
+def database(backend: str, tmp_path: Path) -> Iterator[str]:
+    """A database of this test's own (Django's tables are not per test as the lock tables are)."""
+    if backend == "sqlite":
+        yield f"sqlite:///{tmp_path / 'django.db'}"
+        return
+    name = f"sqllocker_django_{uuid.uuid4().hex[:10]}"
+    admin = sa.create_engine(resolve_url(ADMIN_URLS[backend]), isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f"CREATE DATABASE {name}")
+    except sa.exc.OperationalError as error:
+        admin.dispose()
+        pytest.skip(f"{backend} is unreachable: {error.orig}")
+    try:
+        url = make_url(resolve_url(ADMIN_URLS[backend])).set(database=name)
+        yield url.render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            force = " WITH (FORCE)" if backend == "postgresql" else ""
+            conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name}{force}")
+        admin.dispose()
+
+
+class Project:
+    def __init__(self, url: str, table: str, state: Path) -> None:
+        self.url, self.table = url, table
+        self.env = {
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "tests.django_project.settings",
+            "SQLLOCKER_DJANGO_URL": url,
+            "SQLLOCKER_DJANGO_TABLE": table,
+            "SQLLOCKER_DJANGO_STATE": str(state),
+            "PYTHONPATH": str(ROOT),
+        }
+
+    def command(self, *arguments: str) -> list[str]:
+        return [sys.executable, "-m", "django", *arguments]
+
+    def manage(self, *arguments: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(
+            self.command(*arguments), env=self.env, cwd=ROOT, capture_output=True, text=True
+        )
+        if check:
+            assert done.returncode == 0, done.stderr
+        return done
+
+
+@pytest.fixture
+def project(database: str, table_name: str, tmp_path: Path) -> Project:
+    made = Project(database, table_name, tmp_path)
+    made.manage("migrate", "--verbosity=0")
+    return made
+
+
+def test_migrate_makes_the_table_sqllocker_migrate_makes(project: Project) -> None:
+    engine = sa.create_engine(resolve_url(project.url))
+    try:
+        assert current_revision(engine, project.table) == head_revision()
+        assert schema_differences(engine, project.table) == []
+    finally:
+        engine.dispose()
+    project.manage("migrate", "sqllocker", "zero", "--verbosity=0")
+    inspector_engine = sa.create_engine(resolve_url(project.url))
+    try:
+        assert not sa.inspect(inspector_engine).has_table(project.table)
+    finally:
+        inspector_engine.dispose()
+
+
+def test_manage_py_sqllocker_is_the_command_line_on_the_table(project: Project) -> None:
+    holder = subprocess.Popen(
+        project.command("report", "2026-11-25", "30"), env=project.env, cwd=ROOT
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while "report 2026-11-25" not in project.manage("sqllocker", "list").stdout:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        shown = project.manage("sqllocker", "show", "report 2026-11-25", "--json").stdout
+        assert f'"pid": {holder.pid}' in shown
+        refused = project.manage("sqllocker", "release", "report 2026-11-25", check=False)
+        assert refused.returncode != 0  # --force is required
+        project.manage("sqllocker", "release", "report 2026-11-25", "--force")
+        assert "report 2026-11-25" not in project.manage("sqllocker", "list").stdout
+        purged = project.manage("sqllocker", "purge-expired", "--json").stdout
+        assert json.loads(purged) == {"purged": 0}
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_two_management_commands_on_one_lockstring_run_one_at_a_time(
+    project: Project, tmp_path: Path
+) -> None:
+    commands = [
+        subprocess.Popen(
+            project.command("report", "2026-11-26", "3"),
+            env=project.env,
+            cwd=ROOT,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    errors = [command.communicate(timeout=120)[1] for command in commands]
+    assert [command.returncode for command in commands] == [0, 0]
+    assert not (tmp_path / "overlaps").exists()
+    assert len((tmp_path / "runs").read_text().split()) == 1
+    assert sum("skipped Command.handle" in error for error in errors) == 1
+
+
+def test_guard_on_djangos_connection_commits_only_while_the_lock_is_held(
+    project: Project,
+) -> None:
+    said = project.manage("guarded").stdout.splitlines()
+    assert said == [
+        "break waits: True",
+        "held: 1",
+        "conflict: 409",
+        "free: 200",
+        "refused: LockLost",
+        "after: 0",
+        "outside atomic: LockError",
+    ]
+
+
+def test_the_docs_example_runs_once_per_day(project: Project, tmp_path: Path) -> None:
+    """docs/django.md's command, as an app of its own beside the test project's models."""
+    text = (ROOT / "docs" / "django.md").read_text()
+    example = text.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "from reports.models import Entry" in example
+    example = example.replace("from reports.models", "from tests.django_project.reports.models")
+    commands = tmp_path / "docs_example" / "management" / "commands"
+    commands.mkdir(parents=True)
+    for package in (commands.parent.parent, commands.parent, commands):
+        (package / "__init__.py").touch()
+    (commands / "nightly_report.py").write_text(example)
+    project.env["SQLLOCKER_DJANGO_APPS"] = "docs_example"
+    project.env["PYTHONPATH"] = f"{tmp_path}:{ROOT}"
+
+    first = project.manage("nightly_report", "2026-11-25").stdout
+    assert first.startswith("report 2026-11-25 made under lock ")
+    second = project.manage("nightly_report", "2026-11-25").stdout
+    assert second.startswith("skipped: ")  # hold_at_least: once for the day
+    assert "made" in project.manage("nightly_report", "2026-11-26").stdout
+    listed = project.manage("sqllocker", "list").stdout
+    assert "nightly report 2026-11-25" in listed
+
+
+def test_djangos_test_runner_gets_the_lock_table_in_its_test_database(project: Project) -> None:
+    done = project.manage("test", "tests.django_project.reports", "--noinput", check=False)
+    assert done.returncode == 0, done.stderr
+    assert "Ran 2 tests" in done.stderr
