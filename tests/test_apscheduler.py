@@ -24,6 +24,8 @@ pytest.importorskip("apscheduler")
 from sqllocker import Locker, LockError
 from tests.helpers import wait_until
 
+pytestmark = pytest.mark.slow  # real workers, schedulers or processes
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

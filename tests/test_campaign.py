@@ -20,6 +20,8 @@ import pytest
 from tests.campaign.found import FOUND, Found
 from tests.conftest import BACKENDS
 
+pytestmark = pytest.mark.slow  # real workers, schedulers or processes
+
 ROOT = Path(__file__).resolve().parents[1]
 SECONDS = 6
 FIXED_SEEDS = {"sqlite": 101, "postgresql": 202, "mysql": 303}

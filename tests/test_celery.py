@@ -29,6 +29,8 @@ from sqllocker import Locker  # noqa: E402
 from sqllocker.celery import is_skipped  # noqa: E402
 from tests.helpers import wait_until  # noqa: E402
 
+pytestmark = pytest.mark.slow  # real workers, schedulers or processes
+
 REDIS_URL = os.environ.get("SQLLOCKER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 ROOT = Path(__file__).resolve().parent.parent
 

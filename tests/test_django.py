@@ -26,6 +26,8 @@ from sqllocker.engine import resolve_url
 from sqllocker.migrations import current_revision, head_revision, schema_differences
 from tests.conftest import MYSQL_ADMIN_URL, POSTGRES_ADMIN_URL
 
+pytestmark = pytest.mark.slow  # real workers, schedulers or processes
+
 ROOT = Path(__file__).resolve().parent.parent
 ADMIN_URLS = {"postgresql": POSTGRES_ADMIN_URL, "mysql": MYSQL_ADMIN_URL}
 

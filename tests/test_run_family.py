@@ -20,9 +20,12 @@ from tests.test_cli import Run, alive, migrated, popen, sqllocker, wait_until
 
 __all__ = ["migrated", "sqllocker"]  # fixtures, used by name
 
-pytestmark = pytest.mark.skipif(
-    not Path("/proc/self/stat").exists(), reason="the family is found through /proc (Linux)"
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not Path("/proc/self/stat").exists(), reason="the family is found through /proc (Linux)"
+    ),
+]
 
 # A process that ignores SIGTERM, leaves the process group and the session (``os.setsid``),
 # writes its pid to argv[1], and then, while it lives, the time (CLOCK_MONOTONIC, one clock for
