@@ -173,13 +173,15 @@ class Family:
         is reaped (by us, not meanwhile), so each pid read is still that child."""
         if not self.subreaper:  # pragma: no cover
             return
+        killed: set[int] = set()
         for _ in range(CHILD_KILL_ROUNDS):
-            pids = _children_of_self()
-            if not pids:
+            pids = set(_children_of_self()) - killed
+            if not pids:  # none new: the rest are dying, ended, or may not be signalled
                 return
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
+            killed |= pids
 
     def signal(self, signum: int, members: set[Member]) -> None:
         """Send ``signum`` to each of ``members`` that is still the process it was."""
