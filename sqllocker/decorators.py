@@ -190,7 +190,9 @@ def field_text(value: object) -> str:
 
     An Enum member is its value's text; a ``str`` or ``int`` subclass (other than an Enum) its
     plain value's; an aware datetime is written in UTC, so that equal instants share a name; a
-    Decimal without trailing zeros and exponent (``1.50`` and ``1.5`` are one value)."""
+    Decimal without trailing zeros and exponent (``1.50`` and ``1.5`` are one value). An aware
+    time is refused unless in UTC: without a date it cannot be brought to UTC by wrapping
+    around midnight (Python compares ``00:30+01:00`` with ``23:30`` UTC as unequal)."""
     if isinstance(value, Enum):
         try:
             return field_text(value.value)
@@ -216,7 +218,15 @@ def field_text(value: object) -> str:
         if moment.utcoffset() is not None:
             moment = moment.astimezone(timezone.utc)
         return moment.isoformat(sep=" ")
-    if kind is date or kind is time or kind is UUID:
+    if kind is time:
+        clock: time = value  # type: ignore[assignment]
+        if clock.utcoffset():  # equal to a time in another offset, written differently
+            raise LockTypeError(
+                f"a datetime.time at UTC offset {clock.utcoffset()}, whose text may not "
+                "identify it (pass it in UTC)"
+            )
+        return str(clock)
+    if kind is date or kind is UUID:
         return str(value)
     raise LockTypeError(f"a {kind.__module__}.{kind.__qualname__}, whose text may not identify it")
 

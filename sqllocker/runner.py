@@ -185,8 +185,9 @@ class _Family:
         subreaper), until none is left."""
         self.signal(signal.SIGKILL)
         family = watchdog_script.Family(self._subreaper)
-        while living := family.living():
-            family.signal(signal.SIGKILL, living)
+        while not family.gone():
+            family.signal(signal.SIGKILL, family.living())
+            family.kill_children()
             time.sleep(watchdog_script.KILL_POLL)
             with contextlib.suppress(ChildProcessError):
                 while os.waitpid(-1, os.WNOHANG)[0]:

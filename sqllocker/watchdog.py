@@ -63,6 +63,7 @@ PR_SET_CHILD_SUBREAPER = 36
 # while the machine is suspended, and the deadline's clock does not.
 LONGEST_NAP = 0.25
 KILL_POLL = 0.02  # while SIGKILLed processes are still dying (or still forking)
+CHILD_KILL_ROUNDS = 2000  # reads of our children in one burst of SIGKILLs
 
 now: Callable[[], float] = time.monotonic  # macOS: the same fallback as sqllocker.clock
 if hasattr(time, "CLOCK_BOOTTIME"):
@@ -95,6 +96,31 @@ def _stat(pid: int) -> tuple[int, int, bytes] | None:
     return int(fields[1]), int(fields[19]), fields[0]
 
 
+def _threads_run_on(pid: int) -> bool:
+    """Whether process ``pid``, shown as a zombie, still has threads running: its main thread
+    ended (``pthread_exit``) and the others did not."""
+    try:
+        return len(os.listdir(f"/proc/{pid}/task")) > 1
+    except OSError:
+        return False
+
+
+def _children_of_self() -> list[int]:
+    """The pids of this process's children (of all its threads), from /proc."""
+    pids: list[int] = []
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:  # pragma: no cover
+        return pids
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/children", "rb") as children:
+                pids.extend(int(pid) for pid in children.read().split())
+        except OSError:  # pragma: no cover - a thread gone, or a kernel without the file
+            continue
+    return pids
+
+
 class Family:
     """The descendants of this process: found in /proc, each known by its pid and start time,
     so that a pid used again by another process after ours ended is never signalled."""
@@ -120,9 +146,42 @@ class Family:
         while todo:
             for pid, start, state in children.get(todo.pop(), ()):
                 todo.append(pid)
-                if state not in (b"Z", b"X"):
+                if state not in (b"Z", b"X") or _threads_run_on(pid):
                     found.add((pid, start))
         return found - self.refused
+
+    def has_children(self) -> bool:
+        """Whether this process has a child, ended (not yet reaped) or not. A subreaper's
+        descendants all descend from its children, and an orphan becomes its child: once it has
+        none, the family is gone, whatever a walk of /proc (a snapshot, which a process that
+        forks and exits faster than it is read slips through) may have missed."""
+        if not self.subreaper:  # pragma: no cover
+            return False
+        try:
+            os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return False
+        return True
+
+    def gone(self) -> bool:
+        return not self.living() and not self.has_children()
+
+    def kill_children(self) -> None:
+        """SIGKILL this process's children over and over for a moment, as fast as they can be
+        read: what forks and exits faster than /proc is walked is caught here, as each new
+        generation becomes the subreaper's child. A child's pid is not used again before it
+        is reaped (by us, not meanwhile), so each pid read is still that child."""
+        if not self.subreaper:  # pragma: no cover
+            return
+        killed: set[int] = set()
+        for _ in range(CHILD_KILL_ROUNDS):
+            pids = set(_children_of_self()) - killed
+            if not pids:  # none new: the rest are dying, ended, or may not be signalled
+                return
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            killed |= pids
 
     def signal(self, signum: int, members: set[Member]) -> None:
         """Send ``signum`` to each of ``members`` that is still the process it was."""
@@ -263,7 +322,7 @@ class Watchdog:
                     return min(LONGEST_NAP, max(0.0, self.valid_until - moment))
                 return 3600.0  # until COMMAND ends, or sqllocker says something
             living = self.living()
-            if reason == "leftovers" and not living:
+            if reason == "leftovers" and not living and not self.family.has_children():
                 return None
             if reason in ("deadline", "leftovers"):
                 self.tell(f"stopping {reason} {len(living)}")
@@ -275,11 +334,12 @@ class Watchdog:
         if self.must_end_by_kill_by(moment):
             kill_at = min(kill_at, self.kill_by)
         living = self.living()
-        if not living:  # and so none can start another: the family is gone, or nearly
+        if not living and not self.family.has_children():  # the family is gone
             return None if self.status is not None else KILL_POLL  # COMMAND's status to come
         if moment < kill_at:
             return min(LONGEST_NAP, kill_at - moment)
         self.family.signal(signal.SIGKILL, living)
+        self.family.kill_children()
         return KILL_POLL
 
 
@@ -331,10 +391,14 @@ def kill_everything(family: Family) -> None:
     try:
         for _ in range(100):
             living = family.living()
-            if not living:
+            if not living and not family.has_children():
                 return
             family.signal(signal.SIGKILL, living)
+            family.kill_children()
             time.sleep(KILL_POLL)
+            with contextlib.suppress(ChildProcessError):
+                while os.waitpid(-1, os.WNOHANG)[0]:
+                    pass
     finally:
         os.killpg(os.getpgrp(), signal.SIGKILL)  # what is left of the group, and this process
 

@@ -277,6 +277,18 @@ def test_equal_values_written_differently_take_one_lock(locker: Locker) -> None:
         assert len(set(names(locker, "job {a}", [(first,), (second,)]))) == 1
 
 
+def test_an_aware_time_not_in_utc_is_refused(locker: Locker) -> None:
+    """Equal aware times written in other offsets printed differently: two locks for one
+    value, so two calls that may not run together both ran. A time has no date to bring it
+    to UTC by (00:30+01:00 is not 23:30 UTC to Python): refused, as a float is."""
+    utc = dt.time(9, 30, tzinfo=dt.timezone.utc)
+    paris = dt.time(10, 30, tzinfo=dt.timezone(dt.timedelta(hours=1)))
+    assert utc == paris
+    assert names(locker, "job {a}", [(utc,)]) == ["job 09:30:00+00:00"]
+    with pytest.raises(LockTypeError, match="time"):
+        names(locker, "job {a}", [(paris,)])
+
+
 def test_an_enum_member_whose_value_has_no_identifying_text_is_refused(locker: Locker) -> None:
     class Ratio(enum.Enum):
         HALF = 0.5

@@ -5,6 +5,7 @@ anyone else can hold the lock. Real processes throughout; Linux (``/proc``, a ch
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -472,3 +473,116 @@ def test_a_stopped_process_of_the_family_is_woken_to_act_on_the_sigterm(
     assert sqllocker("release", "job", "--force").returncode == 0
     assert runner.wait(timeout=60) == 75
     assert said.exists()
+
+
+# A process whose main thread ends (pthread_exit) while another thread works on: /proc shows
+# it as a zombie ("Z"), though it runs. Writes its pid to argv[1], then beats to argv[2].
+HEADLESS = """
+import ctypes, os, sys, threading, time
+def beat():
+    while True:
+        with open(sys.argv[2], "a") as out:
+            out.write(f"{time.monotonic()}\\n")
+        time.sleep(0.02)
+with open(sys.argv[1], "a") as out:
+    out.write(f"{os.getpid()}\\n")
+threading.Thread(target=beat).start()
+time.sleep(0.1)
+ctypes.CDLL(None).pthread_exit(None)
+"""
+
+# A daemon that never stays put: each generation forks the next and exits at once, faster than
+# anyone can list /proc; every so often one writes a beat to argv[1], and its process group to
+# argv[2] (so that a failed test can kill what is left).
+FORK_CHAIN = """
+import os, sys, time
+with open(sys.argv[2], "w") as out:
+    out.write(f"{os.getpgrp()}\\n")
+count = 0
+while True:
+    count += 1
+    if count % 50 == 0:
+        with open(sys.argv[1], "a") as out:
+            out.write(f"{time.monotonic()}\\n")
+    if os.fork():
+        os._exit(0)
+"""
+
+
+def test_a_process_whose_main_thread_ended_is_stopped_before_the_lock_is_released(
+    migrated: Locker,
+    url: str,
+    table_name: str,
+    tmp_path: Path,
+    reap_leftovers: list[int],
+) -> None:
+    """A zombie in /proc is not always done: its other threads may run on. The watchdog took
+    it for ended, and sqllocker released the lock while it worked."""
+    pids, beats = tmp_path / "pids", tmp_path / "beats"
+    runner = popen(
+        url,
+        table_name,
+        "run",
+        "--kill-after",
+        "1",
+        "job",
+        "--",
+        "sh",
+        "-c",
+        f"{sys.executable} -c '{HEADLESS}' {pids} {beats} >/dev/null 2>&1 & sleep 0.5",
+    )
+    (headless,) = pids_in(pids, 1)
+    reap_leftovers.append(headless)
+    try:
+        _, err = runner.communicate(timeout=30)
+        assert runner.returncode == 0, err
+        released = time.monotonic()
+        assert migrated.lock_info("job") is None
+        time.sleep(0.2)
+        assert float(beats.read_text().split()[-1]) < released
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(headless, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("how", ["left running", "lock broken"])
+def test_a_daemon_that_forks_faster_than_proc_is_read_is_stopped_all_the_same(
+    migrated: Locker,
+    url: str,
+    table_name: str,
+    sqllocker: Run,
+    tmp_path: Path,
+    how: str,
+) -> None:
+    """Every generation of the daemon had ended (a zombie) by the time the watchdog read it,
+    and the next one was not yet listed: the family looked gone, and sqllocker released the
+    lock while the daemon ran on."""
+    beats, group = tmp_path / "beats", tmp_path / "group"
+    runner = popen(
+        url,
+        table_name,
+        "run",
+        "--expires",
+        "3",
+        "--kill-after",
+        "1",
+        "job",
+        "--",
+        "sh",
+        "-c",
+        f"{sys.executable} -c '{FORK_CHAIN}' {beats} {group} >/dev/null 2>&1 & sleep 1"
+        + ("" if how == "left running" else "; sleep 60"),
+    )
+    try:
+        wait_until(lambda: beats.exists() and group.exists())
+        if how == "lock broken":
+            assert sqllocker("release", "job", "--force").returncode == 0
+        _, err = runner.communicate(timeout=60)
+        assert runner.returncode == (0 if how == "left running" else 75), err
+        ended = time.monotonic()
+        time.sleep(0.5)
+        assert float(beats.read_text().split()[-1]) < ended
+    finally:
+        runner.kill()
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.killpg(int(group.read_text()), signal.SIGKILL)
