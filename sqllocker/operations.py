@@ -609,9 +609,12 @@ class LockOperations:
             )
         return broken
 
-    def guard(self, connection: Connection, lockstring: str, lock_id: int, guid: str) -> bool:
+    def guard(
+        self, connection: Connection, lockstring: str, lock_id: int, guid: str, silence: float
+    ) -> bool:
         """In ``connection``'s open transaction, whether our row is still ours and unexpired;
-        if so, it stays so until that transaction ends (see ``Lock.guard``)."""
+        if so, it stays so until that transaction ends, which the server brings about if the
+        client is silent in it for ``silence`` seconds (see ``Lock.guard``)."""
         if not connection.in_transaction():
             raise LockError(
                 "guard() needs a connection inside a transaction: the protection lasts until "
@@ -624,7 +627,10 @@ class LockOperations:
             # SQLite: a write takes the database's write lock until the caller's transaction
             # ends, so nobody can take over or purge the row meanwhile.
             return connection.execute(self._sql.guard_by_writing, params).rowcount == 1
-        return connection.execute(self._sql.guard, params).first() is not None
+        if connection.execute(self._sql.guard, params).first() is None:
+            return False
+        self._be.bound_silence(connection, silence)
+        return True
 
     def create_table(self) -> None:
         """Create or upgrade the table by applying the shipped migrations; safe to repeat."""

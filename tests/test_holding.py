@@ -253,6 +253,51 @@ def test_guard_refuses_a_stale_holder(locker: Locker, app_engine: sa.Engine) -> 
     fresh.unlock()
 
 
+# How long the server lets the session sit silent in a transaction (0: for ever), as it says.
+SILENCE_SETTING = {
+    "postgresql": "SHOW idle_in_transaction_session_timeout",
+    "mysql": "SELECT @@session.idle_transaction_timeout",
+}
+
+
+@pytest.mark.parametrize("ending", ["commit", "rollback"])
+def test_guard_leaves_a_healthy_transaction_and_its_pooled_connection_as_they_were(
+    locker: Locker, url: str, backend: str, table_name: str, ending: str
+) -> None:
+    """guard() bounds how long the server keeps the transaction of a client that falls
+    silent; a client that is not silent commits as before, and the connection goes back to
+    the pool with the session's own setting."""
+    engine = sa.create_engine(resolve_url(url), pool_size=1, max_overflow=0)
+    work = f"{table_name}_work"
+    setting = SILENCE_SETTING.get(backend)
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(f"CREATE TABLE {work} (n INTEGER)")
+        with engine.connect() as conn:
+            before = conn.exec_driver_sql(setting).scalar() if setting else None
+            conn.rollback()
+        lock = locker.lock("job", expires=30)
+        with engine.connect() as conn:
+            conn.begin()
+            lock.guard(conn)
+            if setting:
+                assert conn.exec_driver_sql(setting).scalar() not in {"0", 0, before}
+            conn.exec_driver_sql(f"INSERT INTO {work} (n) VALUES (1)")
+            time.sleep(0.3)
+            getattr(conn, ending)()
+            if setting:
+                assert conn.exec_driver_sql(setting).scalar() == before
+                conn.rollback()
+        with engine.connect() as conn:  # the same pooled connection
+            if setting:
+                assert conn.exec_driver_sql(setting).scalar() == before
+            written = list(conn.exec_driver_sql(f"SELECT n FROM {work}").scalars())
+        assert written == ([1] if ending == "commit" else [])
+        lock.unlock()
+    finally:
+        engine.dispose()
+
+
 def test_guard_needs_a_transaction(locker: Locker, app_engine: sa.Engine) -> None:
     with (
         locker.lock("job") as lock,
