@@ -598,7 +598,21 @@ class LockOperations:
             deleted = conn.affected(self._sql.break_lock, params)
             return _lock_info(row) if deleted else None
 
-        broken = self._run(lockstring, delete)
+        try:
+            # One retry, for a deadlock; a lock wait that times out twice is a transaction that
+            # holds the row (a guard()), which more waits would not see end any sooner.
+            broken = self._run(lockstring, delete, conflict_retries=1)
+        except DatabaseError as error:
+            cause = error.__cause__
+            if not (isinstance(cause, sa.exc.DBAPIError) and self._be.is_transient_conflict(cause)):
+                raise
+            raise LockError(
+                f"cannot break lock {lockstring!r} now: its row is locked by a transaction still "
+                "open (its holder's guard(), or another session's); it can be broken once that "
+                "transaction ends (the server ends a guarded transaction whose client has been "
+                f"silent for the lock's remaining life): {one_line(cause.orig)}",
+                lockstring,
+            ) from error
         if broken is not None:
             logger.warning(
                 "broke lock %r (id %d) held by %s, on behalf of %s",
@@ -927,7 +941,12 @@ class LockOperations:
 
     # -- connections, retries and errors -----------------------------------------------------------
 
-    def _run(self, lockstring: str | None, operation: Callable[[DriverSession], T]) -> T:
+    def _run(
+        self,
+        lockstring: str | None,
+        operation: Callable[[DriverSession], T],
+        conflict_retries: int = _CONFLICT_RETRIES,
+    ) -> T:
         """Run ``operation`` on a pooled connection, translating driver errors into LockErrors.
 
         Every operation is safe to repeat (acquire recognises its own row by guid), so two kinds
@@ -972,7 +991,7 @@ class LockOperations:
                 if (
                     self._backend is not None
                     and self._be.is_transient_conflict(error)
-                    and conflicts < _CONFLICT_RETRIES
+                    and conflicts < conflict_retries
                 ):
                     conflicts += 1
                     logger.info("contention (%s); trying again", one_line(error.orig))

@@ -18,6 +18,7 @@ from sqlalchemy.engine import make_url
 from sqllocker import (
     DatabaseError,
     Locker,
+    LockError,
     LockLost,
     TableMissing,
     UnsafeDatabase,
@@ -296,6 +297,26 @@ def test_guard_leaves_a_healthy_transaction_and_its_pooled_connection_as_they_we
         lock.unlock()
     finally:
         engine.dispose()
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_breaking_a_guarded_lock_fails_soon_and_says_why(
+    locker: Locker, app_engine: sa.Engine, backend: str
+) -> None:
+    """A guard's row lock holds off break_lock (`release --force`) too, until the guarded
+    transaction ends: never by ending another role's session, which needs privileges. The
+    break gives up after one lock wait (and one retry), with an error that names the cause,
+    rather than retrying lock waits for a minute and more."""
+    lock = locker.lock("job", expires=600)
+    with app_engine.connect() as conn:
+        conn.begin()
+        lock.guard(conn)
+        started = time.monotonic()
+        with pytest.raises(LockError, match="transaction still open"):
+            locker.break_lock("job")
+        assert time.monotonic() - started < 60  # two lock waits, not nine
+        conn.commit()
+    lock.unlock()
 
 
 def test_guard_needs_a_transaction(locker: Locker, app_engine: sa.Engine) -> None:
