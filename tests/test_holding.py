@@ -278,11 +278,20 @@ def test_guard_leaves_a_healthy_transaction_and_its_pooled_connection_as_they_we
             before = conn.exec_driver_sql(setting).scalar() if setting else None
             conn.rollback()
         lock = locker.lock("job", expires=30)
+        longer = locker.lock("other job", expires=600)
         with engine.connect() as conn:
             conn.begin()
-            lock.guard(conn)
+            longer.guard(conn)
             if setting:
-                assert conn.exec_driver_sql(setting).scalar() not in {"0", 0, before}
+                longer_limit = conn.exec_driver_sql(setting).scalar()
+                assert longer_limit not in {"0", 0, before}
+            lock.guard(conn)  # the lock with less life left shortens it
+            if setting:
+                limit = conn.exec_driver_sql(setting).scalar()
+                assert limit != longer_limit
+            longer.guard(conn)  # and the shorter limit stands
+            if setting:
+                assert conn.exec_driver_sql(setting).scalar() == limit
             conn.exec_driver_sql(f"INSERT INTO {work} (n) VALUES (1)")
             time.sleep(0.3)
             getattr(conn, ending)()
@@ -295,6 +304,7 @@ def test_guard_leaves_a_healthy_transaction_and_its_pooled_connection_as_they_we
             written = list(conn.exec_driver_sql(f"SELECT n FROM {work}").scalars())
         assert written == ([1] if ending == "commit" else [])
         lock.unlock()
+        longer.unlock()
     finally:
         engine.dispose()
 

@@ -255,16 +255,15 @@ class MySQLBackend(Backend):
         # has none, and its wait_timeout counts any silence. Either is the session's: set here,
         # and set back as the transaction ends (see _restore_silence), unless already shorter.
         name = _SILENCE_LIMIT[bool(getattr(conn.dialect, "is_mariadb", False))]
-        if _SILENCE_KEY in conn.info:
-            return  # guarded twice in one transaction: the first guard's limit stands
-        before = int(conn.execute(sa.text(f"SELECT @@session.{name}")).scalar_one())
+        now = int(conn.execute(sa.text(f"SELECT @@session.{name}")).scalar_one())
         limit = min(max(math.ceil(seconds), 1), _MOST_SECONDS)
-        if 0 < before <= limit:
-            return
-        for ending in _TRANSACTION_ENDS:
-            if not sa.event.contains(conn, ending, _restore_silence):
-                sa.event.listen(conn, ending, _restore_silence)
-        conn.info[_SILENCE_KEY] = (name, before)
+        if 0 < now <= limit:
+            return  # the session's own limit, or an earlier guard's in this transaction
+        if _SILENCE_KEY not in conn.info:
+            for ending in _TRANSACTION_ENDS:
+                if not sa.event.contains(conn, ending, _restore_silence):
+                    sa.event.listen(conn, ending, _restore_silence)
+            conn.info[_SILENCE_KEY] = (name, now)
         conn.execute(sa.text(f"SET SESSION {name} = :limit"), {"limit": limit})
 
     def read_settings(self, conn: Connection, table: str) -> ServerSettings:
