@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from sqllocker import LockBusy, Locker, LockError, LockLost, lock_table
 from sqllocker.asyncio import AsyncLocker
@@ -428,6 +429,45 @@ def test_a_guarded_transaction_whose_client_falls_silent_holds_off_takeover_only
         backend,
         f"taken over {taken_at - stalled_at:.2f}s into the stall",
     )
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+async def test_an_async_guarded_transaction_whose_client_falls_silent_ends_at_expiry(
+    url: str,
+    table_name: str,
+    backend: str,
+    make_locker: Any,
+    guarded_through_proxy: GuardedThroughProxy,
+) -> None:
+    """The asyncio twin: the same bound through the async drivers, and the silent client's
+    commit fails once it is heard again."""
+    through = guarded_through_proxy
+    make_locker()  # the table
+    app = create_async_engine(async_url(through.app.url.render_as_string(hide_password=False)))
+    holder = AsyncLocker(async_url(url), table=table_name, grace=GRACE)
+    contender = AsyncLocker(async_url(url), table=table_name, grace=GRACE)
+    conn = await app.connect()
+    try:
+        lock = await holder.lock("job", expires=2)
+        await conn.begin()
+        await lock.guard(conn)
+        await conn.exec_driver_sql(f"INSERT INTO {through.work} (n) VALUES (1)")
+        through.proxy.stall()
+        stalled_at = time.monotonic()
+        taken = await contender.lock("job", wait=30)
+        assert time.monotonic() - stalled_at < 25
+        through.proxy.resume()
+        with pytest.raises(sa.exc.DBAPIError):
+            await conn.commit()
+        assert through.written() == []
+        await taken.unlock()
+    finally:
+        through.proxy.close()
+        with contextlib.suppress(sa.exc.DBAPIError):
+            await conn.close()
+        await app.dispose()
+        await holder.aclose()
+        await contender.aclose()
 
 
 class TicketsThroughProxy:
