@@ -310,6 +310,31 @@ def test_guard_leaves_a_healthy_transaction_and_its_pooled_connection_as_they_we
 
 
 @pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_guard_keeps_a_shorter_silence_limit_the_session_has(
+    locker: Locker, app_engine: sa.Engine, backend: str
+) -> None:
+    """A session that ends silent transactions sooner than the lock's life keeps its limit."""
+    own = {"postgresql": "'7s'", "mysql": "7"}[backend]
+    variable = {
+        "postgresql": "idle_in_transaction_session_timeout",
+        "mysql": "idle_transaction_timeout",
+    }[backend]
+    lock = locker.lock("job", expires=600)
+    with app_engine.connect() as conn:
+        conn.exec_driver_sql(f"SET SESSION {variable} = {own}")
+        conn.commit()
+        shown = conn.exec_driver_sql(SILENCE_SETTING[backend]).scalar()
+        conn.rollback()
+        conn.begin()
+        lock.guard(conn)
+        assert conn.exec_driver_sql(SILENCE_SETTING[backend]).scalar() == shown
+        conn.commit()
+        assert conn.exec_driver_sql(SILENCE_SETTING[backend]).scalar() == shown
+        conn.rollback()
+    lock.unlock()
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
 def test_breaking_a_guarded_lock_fails_soon_and_says_why(
     locker: Locker, app_engine: sa.Engine, backend: str
 ) -> None:
