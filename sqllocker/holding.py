@@ -42,6 +42,11 @@ RELEASE_PATIENCE = 1.0
 CLOCK_DRIFT = 1e-3
 
 
+# How much longer than the lock's remaining life the server may keep a guarded transaction
+# whose client has fallen silent (see Lock.guard).
+GUARD_SILENCE_MARGIN = 1.0
+
+
 def safety_margin(ttl: float) -> float:
     """How long before the row's expiry a holder stops trusting its lock: a second plus the
     drift our clock may gather over the expiry period, and never more than a tenth of it."""
@@ -131,6 +136,13 @@ class Holding:
             self.lockstring,
             self.lock_id,
         )
+
+    def guard_silence_limit(self) -> float:
+        """How long the server may keep a guarded transaction whose client is silent: the
+        row's remaining life as we know it (from when the last acquire or extend was sent),
+        plus GUARD_SILENCE_MARGIN."""
+        remaining = self.valid_until + safety_margin(self.ttl) - clock.now()
+        return max(remaining, 0.0) + GUARD_SILENCE_MARGIN
 
     def guard_failed(self, proven: bool) -> None:
         """After a guard statement: raise LockLost (marking the lock lost) unless it proved the

@@ -208,9 +208,15 @@ class Lock(LockHandle[LockState]):
         returns, a commit of the transaction happens while the lock is held: a stale holder's
         transaction can never commit. PostgreSQL and MySQL take a shared row lock
         (``FOR SHARE``); SQLite takes the database's write lock with a no-op update.
+
+        On a server, the transaction is also ended by the server (rolled back) once its client
+        has been silent in it for longer than the lock's remaining life now plus a second, so
+        that a client cut off by the network cannot hold the lock past its expiry for as long
+        as TCP takes to give up; pauses between the transaction's statements must be shorter.
         """
         state = self._state
-        proven = state.operations.guard(connection, state.lockstring, state.lock_id, state.guid)
+        guarding = (state.lockstring, state.lock_id, state.guid, state.guard_silence_limit())
+        proven = state.operations.guard(connection, *guarding)
         state.guard_failed(proven)
 
     def __enter__(self) -> Lock:

@@ -614,7 +614,21 @@ class LockOperations:
             deleted = conn.affected(self._sql.break_lock, params)
             return _lock_info(row) if deleted else None
 
-        broken = self._run(lockstring, delete)
+        try:
+            # One retry, for a deadlock; a lock wait that times out twice is a transaction that
+            # holds the row (a guard()), which more waits would not see end any sooner.
+            broken = self._run(lockstring, delete, conflict_retries=1)
+        except DatabaseError as error:
+            cause = error.__cause__
+            if not (isinstance(cause, sa.exc.DBAPIError) and self._be.is_transient_conflict(cause)):
+                raise
+            raise LockError(
+                f"cannot break lock {lockstring!r} now: its row is locked by a transaction still "
+                "open (its holder's guard(), or another session's); it can be broken once that "
+                "transaction ends (the server ends a guarded transaction whose client has been "
+                f"silent for the lock's remaining life): {one_line(cause.orig)}",
+                lockstring,
+            ) from error
         if broken is not None:
             logger.warning(
                 "broke lock %r (id %d) held by %s, on behalf of %s",
@@ -625,9 +639,12 @@ class LockOperations:
             )
         return broken
 
-    def guard(self, connection: Connection, lockstring: str, lock_id: int, guid: str) -> bool:
+    def guard(
+        self, connection: Connection, lockstring: str, lock_id: int, guid: str, silence: float
+    ) -> bool:
         """In ``connection``'s open transaction, whether our row is still ours and unexpired;
-        if so, it stays so until that transaction ends (see ``Lock.guard``)."""
+        if so, it stays so until that transaction ends, which the server brings about if the
+        client is silent in it for ``silence`` seconds (see ``Lock.guard``)."""
         if not connection.in_transaction():
             raise LockError(
                 "guard() needs a connection inside a transaction: the protection lasts until "
@@ -640,7 +657,10 @@ class LockOperations:
             # SQLite: a write takes the database's write lock until the caller's transaction
             # ends, so nobody can take over or purge the row meanwhile.
             return connection.execute(self._sql.guard_by_writing, params).rowcount == 1
-        return connection.execute(self._sql.guard, params).first() is not None
+        if connection.execute(self._sql.guard, params).first() is None:
+            return False
+        self._be.bound_silence(connection, silence)
+        return True
 
     def create_table(self) -> None:
         """Create or upgrade the table by applying the shipped migrations; safe to repeat."""
@@ -946,7 +966,12 @@ class LockOperations:
 
     # -- connections, retries and errors -----------------------------------------------------------
 
-    def _run(self, lockstring: str | None, operation: Callable[[DriverSession], T]) -> T:
+    def _run(
+        self,
+        lockstring: str | None,
+        operation: Callable[[DriverSession], T],
+        conflict_retries: int = _CONFLICT_RETRIES,
+    ) -> T:
         """Run ``operation`` on a pooled connection, translating driver errors into LockErrors.
 
         Every operation is safe to repeat (acquire recognises its own row by guid), so two kinds
@@ -991,7 +1016,7 @@ class LockOperations:
                 if (
                     self._backend is not None
                     and self._be.is_transient_conflict(error)
-                    and conflicts < _CONFLICT_RETRIES
+                    and conflicts < conflict_retries
                 ):
                     conflicts += 1
                     logger.info("contention (%s); trying again", one_line(error.orig))

@@ -560,6 +560,32 @@ async def test_guard_proves_the_lock_inside_the_callers_transaction(
         await engine.dispose()
 
 
+async def test_guard_gives_the_pooled_connection_back_with_its_own_silence_limit(
+    alocker: AsyncLocker, url: str, backend: str
+) -> None:
+    """The asyncio twin of test_holding's: the limit guard() sets for a silent client (on
+    MariaDB, a session variable set back as the transaction ends) is gone after commit."""
+    setting = {
+        "postgresql": "SHOW idle_in_transaction_session_timeout",
+        "mysql": "SELECT @@session.idle_transaction_timeout",
+    }.get(backend)
+    if setting is None:
+        pytest.skip("SQLite has no network: guard() sets no silence limit there")
+    engine: AsyncEngine = create_async_engine(async_url(url), pool_size=1, max_overflow=0)
+    try:
+        async with engine.connect() as conn:
+            before = (await conn.exec_driver_sql(setting)).scalar()
+        lock = await alocker.lock("job", expires=30)
+        async with engine.connect() as conn, conn.begin():
+            await lock.guard(conn)
+            assert (await conn.exec_driver_sql(setting)).scalar() not in {"0", 0, before}
+        async with engine.connect() as conn:  # the same pooled connection
+            assert (await conn.exec_driver_sql(setting)).scalar() == before
+        await lock.unlock()
+    finally:
+        await engine.dispose()
+
+
 # -- cancellation -------------------------------------------------------------------------------
 
 

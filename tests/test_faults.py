@@ -10,6 +10,7 @@ README.md's Reliability section quotes them from a run of::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import os
@@ -25,6 +26,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from sqllocker import LockBusy, Locker, LockError, LockLost, lock_table
 from sqllocker.asyncio import AsyncLocker
@@ -381,6 +383,114 @@ def test_network_stall_tells_the_holder_before_anyone_can_take_over(
         f"holder told {told[0] - stalled_at:.2f}s into the stall, takeover possible at "
         f"{taken_at - stalled_at:.2f}s (told {taken_at - told[0]:.2f}s before)",
     )
+
+
+@pytest.fixture
+def guarded_through_proxy(url: str, table_name: str, backend: str) -> Iterator[GuardedThroughProxy]:
+    through = GuardedThroughProxy(url, table_name, backend)
+    yield through
+    through.close()
+
+
+class GuardedThroughProxy:
+    """An application's engine on the lock's database through a StallProxy, for guarded
+    transactions whose client can fall silent, and a table ``work`` it writes to."""
+
+    def __init__(self, url: str, table_name: str, backend: str) -> None:
+        target = resolve_url(url)
+        self.proxy = StallProxy(target.port or (5432 if backend == "postgresql" else 3306))
+        self.app = sa.create_engine(target.set(host="127.0.0.1", port=self.proxy.port))
+        self.direct = sa.create_engine(target)
+        self.work = f"{table_name}_work"
+        with self.direct.begin() as conn:
+            conn.exec_driver_sql(f"CREATE TABLE {self.work} (n INTEGER)")
+
+    def written(self) -> list[int]:
+        with self.direct.connect() as conn:
+            return [int(n) for n in conn.exec_driver_sql(f"SELECT n FROM {self.work}").scalars()]
+
+    def close(self) -> None:
+        self.proxy.close()
+        self.app.dispose()
+        self.direct.dispose()
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_a_guarded_transaction_whose_client_falls_silent_holds_off_takeover_only_until_expiry(
+    make_locker: Any, backend: str, guarded_through_proxy: GuardedThroughProxy
+) -> None:
+    """A partition with a guarded transaction open: the server sees a session idle in
+    transaction, which it would keep (with the guard's row lock) until TCP gives up, hours
+    later. The guard bounds it to the lock's remaining life: the server ends the transaction
+    then, the next holder takes over, and the silent client's commit fails once it is heard
+    again, so its write never lands under a lock it lost."""
+    through = guarded_through_proxy
+    holder, contender = make_locker(grace=GRACE), make_locker(grace=GRACE)
+    lock = holder.lock("job", expires=2)
+    conn = through.app.connect()
+    try:
+        conn.begin()
+        lock.guard(conn)
+        conn.exec_driver_sql(f"INSERT INTO {through.work} (n) VALUES (1)")
+        through.proxy.stall()
+        stalled_at = time.monotonic()
+        taken = contender.lock("job", wait=30)
+        taken_at = time.monotonic()
+        assert taken_at - stalled_at < 25  # the row's expiry plus the margin, not TCP's hours
+        through.proxy.resume()
+        with pytest.raises(sa.exc.DBAPIError):
+            conn.commit()
+        assert through.written() == []
+        assert taken.is_valid()
+        taken.unlock()
+    finally:
+        through.proxy.close()
+        with contextlib.suppress(sa.exc.DBAPIError):
+            conn.close()
+    figure(
+        "silent guarded transaction",
+        backend,
+        f"taken over {taken_at - stalled_at:.2f}s into the stall",
+    )
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+async def test_an_async_guarded_transaction_whose_client_falls_silent_ends_at_expiry(
+    url: str,
+    table_name: str,
+    backend: str,
+    make_locker: Any,
+    guarded_through_proxy: GuardedThroughProxy,
+) -> None:
+    """The asyncio twin: the same bound through the async drivers, and the silent client's
+    commit fails once it is heard again."""
+    through = guarded_through_proxy
+    make_locker()  # the table
+    app = create_async_engine(async_url(through.app.url.render_as_string(hide_password=False)))
+    holder = AsyncLocker(async_url(url), table=table_name, grace=GRACE)
+    contender = AsyncLocker(async_url(url), table=table_name, grace=GRACE)
+    conn = await app.connect()
+    try:
+        lock = await holder.lock("job", expires=2)
+        await conn.begin()
+        await lock.guard(conn)
+        await conn.exec_driver_sql(f"INSERT INTO {through.work} (n) VALUES (1)")
+        through.proxy.stall()
+        stalled_at = time.monotonic()
+        taken = await contender.lock("job", wait=30)
+        assert time.monotonic() - stalled_at < 25
+        through.proxy.resume()
+        with pytest.raises(sa.exc.DBAPIError):
+            await conn.commit()
+        assert through.written() == []
+        await taken.unlock()
+    finally:
+        through.proxy.close()
+        with contextlib.suppress(sa.exc.DBAPIError):
+            await conn.close()
+        await app.dispose()
+        await holder.aclose()
+        await contender.aclose()
 
 
 class TicketsThroughProxy:

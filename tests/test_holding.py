@@ -19,6 +19,7 @@ from sqlalchemy.engine import make_url
 from sqllocker import (
     DatabaseError,
     Locker,
+    LockError,
     LockLost,
     TableMissing,
     UnsafeDatabase,
@@ -256,6 +257,106 @@ def test_guard_refuses_a_stale_holder(locker: Locker, app_engine: sa.Engine) -> 
         fresh.guard(conn)
         conn.commit()
     fresh.unlock()
+
+
+# How long the server lets the session sit silent in a transaction (0: for ever), as it says.
+SILENCE_SETTING = {
+    "postgresql": "SHOW idle_in_transaction_session_timeout",
+    "mysql": "SELECT @@session.idle_transaction_timeout",
+}
+
+
+@pytest.mark.parametrize("ending", ["commit", "rollback"])
+def test_guard_leaves_a_healthy_transaction_and_its_pooled_connection_as_they_were(
+    locker: Locker, url: str, backend: str, table_name: str, ending: str
+) -> None:
+    """guard() bounds how long the server keeps the transaction of a client that falls
+    silent; a client that is not silent commits as before, and the connection goes back to
+    the pool with the session's own setting."""
+    engine = sa.create_engine(resolve_url(url), pool_size=1, max_overflow=0)
+    work = f"{table_name}_work"
+    setting = SILENCE_SETTING.get(backend)
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(f"CREATE TABLE {work} (n INTEGER)")
+        with engine.connect() as conn:
+            before = conn.exec_driver_sql(setting).scalar() if setting else None
+            conn.rollback()
+        lock = locker.lock("job", expires=30)
+        longer = locker.lock("other job", expires=600)
+        with engine.connect() as conn:
+            conn.begin()
+            longer.guard(conn)
+            if setting:
+                longer_limit = conn.exec_driver_sql(setting).scalar()
+                assert longer_limit not in {"0", 0, before}
+            lock.guard(conn)  # the lock with less life left shortens it
+            if setting:
+                limit = conn.exec_driver_sql(setting).scalar()
+                assert limit != longer_limit
+            longer.guard(conn)  # and the shorter limit stands
+            if setting:
+                assert conn.exec_driver_sql(setting).scalar() == limit
+            conn.exec_driver_sql(f"INSERT INTO {work} (n) VALUES (1)")
+            time.sleep(0.3)
+            getattr(conn, ending)()
+            if setting:
+                assert conn.exec_driver_sql(setting).scalar() == before
+                conn.rollback()
+        with engine.connect() as conn:  # the same pooled connection
+            if setting:
+                assert conn.exec_driver_sql(setting).scalar() == before
+            written = list(conn.exec_driver_sql(f"SELECT n FROM {work}").scalars())
+        assert written == ([1] if ending == "commit" else [])
+        lock.unlock()
+        longer.unlock()
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_guard_keeps_a_shorter_silence_limit_the_session_has(
+    locker: Locker, app_engine: sa.Engine, backend: str
+) -> None:
+    """A session that ends silent transactions sooner than the lock's life keeps its limit."""
+    own = {"postgresql": "'7s'", "mysql": "7"}[backend]
+    variable = {
+        "postgresql": "idle_in_transaction_session_timeout",
+        "mysql": "idle_transaction_timeout",
+    }[backend]
+    lock = locker.lock("job", expires=600)
+    with app_engine.connect() as conn:
+        conn.exec_driver_sql(f"SET SESSION {variable} = {own}")
+        conn.commit()
+        shown = conn.exec_driver_sql(SILENCE_SETTING[backend]).scalar()
+        conn.rollback()
+        conn.begin()
+        lock.guard(conn)
+        assert conn.exec_driver_sql(SILENCE_SETTING[backend]).scalar() == shown
+        conn.commit()
+        assert conn.exec_driver_sql(SILENCE_SETTING[backend]).scalar() == shown
+        conn.rollback()
+    lock.unlock()
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_breaking_a_guarded_lock_fails_soon_and_says_why(
+    locker: Locker, app_engine: sa.Engine, backend: str
+) -> None:
+    """A guard's row lock holds off break_lock (`release --force`) too, until the guarded
+    transaction ends: never by ending another role's session, which needs privileges. The
+    break gives up after one lock wait (and one retry), with an error that names the cause,
+    rather than retrying lock waits for a minute and more."""
+    lock = locker.lock("job", expires=600)
+    with app_engine.connect() as conn:
+        conn.begin()
+        lock.guard(conn)
+        started = time.monotonic()
+        with pytest.raises(LockError, match="transaction still open"):
+            locker.break_lock("job")
+        assert time.monotonic() - started < 60  # two lock waits, not nine
+        conn.commit()
+    lock.unlock()
 
 
 def test_guard_needs_a_transaction(locker: Locker, app_engine: sa.Engine) -> None:

@@ -471,7 +471,9 @@ class AsyncLocker:
 
         With ``lock_id``, only that exact acquisition is broken. Returns the row that was deleted,
         or None if there was none (or it had another id). The holder finds out at its next
-        extend or unlock, which raise LockLost.
+        extend or unlock, which raise LockLost. A row that a transaction still open has locked
+        (the holder's ``guard()``) cannot be broken until it ends: a LockError says so after
+        two of the database's lock waits.
         """
         checked = validation.check_lockstring(lockstring)
         info: LockInfo | None = await self._call(self._operations.break_lock, checked, lock_id)

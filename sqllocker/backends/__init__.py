@@ -279,6 +279,15 @@ class Backend:
         driver: a session lock to keep them alive, and (where ``hands_over``) LISTEN."""
         return False
 
+    # -- a guarded transaction ---------------------------------------------------------------
+
+    def bound_silence(self, conn: Connection, seconds: float) -> None:
+        """Have the server end ``conn``'s open transaction, rolling it back, once its client
+        has been silent in it for ``seconds`` (or less, if the session's own limit is less),
+        for that transaction only: a client cut off by the network must not keep a guard's
+        row lock until TCP gives up."""
+        raise NotImplementedError
+
     # -- settings the guarantees rest on --------------------------------------------------------
 
     def read_settings(self, conn: Connection, table: str) -> ServerSettings:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
 import re
 import threading
 import time
@@ -266,6 +268,22 @@ class MySQLBackend(Backend):
         sa.event.listen(engine, "connect", _no_autocommit_retries)
 
     # -- settings ----------------------------------------------------------------------------------
+
+    def bound_silence(self, conn: Connection, seconds: float) -> None:
+        # MariaDB's idle_transaction_timeout counts only silence inside a transaction; MySQL
+        # has none, and its wait_timeout counts any silence. Either is the session's: set here,
+        # and set back as the transaction ends (see _restore_silence), unless already shorter.
+        name = _SILENCE_LIMIT[bool(getattr(conn.dialect, "is_mariadb", False))]
+        now = int(conn.execute(sa.text(f"SELECT @@session.{name}")).scalar_one())
+        limit = min(max(math.ceil(seconds), 1), _MOST_SECONDS)
+        if 0 < now <= limit:
+            return  # the session's own limit, or an earlier guard's in this transaction
+        if _SILENCE_KEY not in conn.info:
+            for ending in _TRANSACTION_ENDS:
+                if not sa.event.contains(conn, ending, _restore_silence):
+                    sa.event.listen(conn, ending, _restore_silence)
+            conn.info[_SILENCE_KEY] = (name, now)
+        conn.execute(sa.text(f"SET SESSION {name} = :limit"), {"limit": limit})
 
     def read_settings(self, conn: Connection, table: str) -> ServerSettings:
         """``innodb_autoinc_lock_mode=2`` (MySQL 8's default) draws auto-increment values under
@@ -538,6 +556,33 @@ def _has_table(conn: Connection, name: str) -> bool:
             {"name": name},
         ).scalar()
     )
+
+
+# The session variable that ends a silent client's session: MariaDB's (True) or MySQL's.
+_SILENCE_LIMIT = {True: "idle_transaction_timeout", False: "wait_timeout"}
+# Their largest value (a year, in seconds).
+_MOST_SECONDS = 31536000
+# In a connection's info while a guard's limit stands: (variable, the session's own value).
+_SILENCE_KEY = "sqllocker_silence_limit"
+# The Connection events that end a transaction (each fires before it ends on the server).
+_TRANSACTION_ENDS = ("commit", "rollback", "commit_twophase", "rollback_twophase")
+
+
+def _restore_silence(conn: Connection, *_: Any) -> None:
+    """As a guarded transaction ends: give the session back its own silence limit, before the
+    connection goes back to its pool. A connection that is gone has no session to restore."""
+    saved = conn.info.pop(_SILENCE_KEY, None)
+    if saved is None:
+        return
+    name, before = saved
+    cursor = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+    try:
+        cursor.execute(f"SET SESSION {name} = %s", (int(before),))
+    except conn.dialect.loaded_dbapi.Error:
+        conn.info[_SILENCE_KEY] = saved  # not restored: the session is gone, or going
+    finally:
+        with contextlib.suppress(conn.dialect.loaded_dbapi.Error):
+            cursor.close()
 
 
 def _errno(error: sa.exc.DBAPIError) -> int | None:

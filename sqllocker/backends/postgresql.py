@@ -8,6 +8,7 @@ in a schema on the caller's path can run in its place (CVE-2018-1058).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -28,6 +29,17 @@ from ..timeouts import (
     STATEMENT_TIMEOUT_SECONDS,
 )
 from . import Backend
+
+# idle_in_transaction_session_timeout for the rest of the transaction: :ms, or the session's
+# own if shorter (0 is no limit); catalog-qualified, so nothing on the search path stands in.
+_BOUND_SILENCE = sa.text(
+    "SELECT pg_catalog.set_config('idle_in_transaction_session_timeout', CAST(CASE "
+    "WHEN CAST(setting AS bigint) BETWEEN 1 AND CAST(:ms AS bigint) THEN CAST(setting AS bigint) "
+    "ELSE CAST(:ms AS bigint) END AS text), true) "
+    "FROM pg_catalog.pg_settings WHERE name = 'idle_in_transaction_session_timeout'"
+)
+# The setting's largest value (INT_MAX milliseconds, some 24 days).
+_MOST_MILLISECONDS = 2**31 - 1
 
 if TYPE_CHECKING:
     from sqlalchemy.sql import Delete, Select
@@ -337,6 +349,11 @@ class PostgreSQLBackend(Backend):
         return dialect.driver == "psycopg"
 
     # -- settings ----------------------------------------------------------------------------------
+
+    def bound_silence(self, conn: Connection, seconds: float) -> None:
+        # SET LOCAL, as set_config(..., true): it ends with the transaction, whichever way, so
+        # the caller's pooled connection keeps its own setting; a shorter one is kept.
+        conn.execute(_BOUND_SILENCE, {"ms": min(math.ceil(seconds * 1000), _MOST_MILLISECONDS)})
 
     def read_settings(self, conn: Connection, table: str) -> ServerSettings:
         problems = []

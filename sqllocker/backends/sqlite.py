@@ -176,6 +176,10 @@ class SQLiteBackend(Backend):
             return _in_one_call_of_aiosqlite(dbapi_connection)
         return None
 
+    def bound_silence(self, conn: Connection, seconds: float) -> None:
+        """No network lies between SQLite and its client: a client that is silent in its
+        transaction is a live process, and its file locks end with it."""
+
     def read_settings(self, conn: Connection, table: str) -> ServerSettings:
         problems = []
         if conn.exec_driver_sql("PRAGMA synchronous").scalar() == 0:
