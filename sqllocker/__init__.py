@@ -27,6 +27,7 @@ from .group import LockGroup
 from .lock import Lock
 from .locker import Locker
 from .operations import LockInfo
+from .rwlock import RWLock
 from .schema import lock_table
 from .semaphore import Semaphore
 
@@ -47,6 +48,7 @@ __all__ = [
     "LockTypeError",
     "LockValueError",
     "Locker",
+    "RWLock",
     "Semaphore",
     "TableMissing",
     "UnsafeDatabase",

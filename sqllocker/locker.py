@@ -41,6 +41,7 @@ from .listener import ReleaseListener
 from .lock import Lock, LockState
 from .notifications import guid_digest
 from .operations import Acquired, LockInfo, LockOperations, Refused
+from .rwlock import RWLock
 from .schema import DEFAULT_TABLE
 from .semaphore import Semaphore
 from .tickets import LOOK_AGAIN, NEWCOMER, LocalLine, Ticket
@@ -301,6 +302,12 @@ class Locker:
         permit (a lock of its own) from ``.acquire(wait=..., expires=..., keep_alive=...)``
         (see ``sqllocker.permits``)."""
         return Semaphore(self, self._operations, self._call, name, limit)
+
+    def rwlock(self, name: str) -> RWLock:
+        """A read-write lock: any number of readers of ``name`` together, from ``.read()``, or
+        one writer alone, from ``.write()``, each with ``wait``, ``expires``, ``keep_alive``,
+        ``on_lost`` and ``locked_by`` (see ``sqllocker.rwlocks``)."""
+        return RWLock(self, self._operations, self._call, name)
 
     def try_lock(
         self,

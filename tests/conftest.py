@@ -156,6 +156,7 @@ _ONE_AT_A_TIME = {
     "test_patroni",
     "test_poolers",
     "test_queue_order",
+    "test_rwlocks",
     "test_semaphores",
 }
 

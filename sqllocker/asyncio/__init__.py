@@ -35,6 +35,14 @@ from .acquiring import Acquiring
 from .group import AsyncLockGroup
 from .lock import AsyncLock
 from .locker import AsyncLocker
+from .rwlock import AsyncRWLock
 from .semaphore import AsyncSemaphore
 
-__all__ = ["Acquiring", "AsyncLock", "AsyncLockGroup", "AsyncLocker", "AsyncSemaphore"]
+__all__ = [
+    "Acquiring",
+    "AsyncLock",
+    "AsyncLockGroup",
+    "AsyncLocker",
+    "AsyncRWLock",
+    "AsyncSemaphore",
+]

@@ -44,6 +44,7 @@ from .group import AsyncLockGroup
 from .keepalive import AsyncKeepAlive
 from .listener import AsyncReleaseListener
 from .lock import AsyncLock, AsyncLockState
+from .rwlock import AsyncRWLock
 from .semaphore import AsyncSemaphore
 
 if True:  # ASYNC
@@ -330,6 +331,12 @@ class AsyncLocker:
         permit (a lock of its own) from ``.acquire(wait=..., expires=..., keep_alive=...)``
         (see ``sqllocker.permits``)."""
         return AsyncSemaphore(self, self._operations, self._call, name, limit)
+
+    def rwlock(self, name: str) -> AsyncRWLock:
+        """A read-write lock: any number of readers of ``name`` together, from ``.read()``, or
+        one writer alone, from ``.write()``, each with ``wait``, ``expires``, ``keep_alive``,
+        ``on_lost`` and ``locked_by`` (see ``sqllocker.rwlocks``)."""
+        return AsyncRWLock(self, self._operations, self._call, name)
 
     async def try_lock(
         self,

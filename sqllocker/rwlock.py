@@ -1,0 +1,154 @@
+# Generated from sqllocker/asyncio/rwlock.py by tests/unasync.py: edit that file, then
+# run `python -m tests.unasync`.
+"""Read-write locks: any number of readers together, or one writer alone (see ``rwlocks.py``).
+
+Written once for asyncio; the sync ``sqllocker/rwlock.py`` is generated from it
+(``tests/unasync.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import TYPE_CHECKING, Any
+
+from . import concurrency
+from .backoff import Backoff
+from .errors import LockError
+from .holding import OnLost
+from .rwlocks import (
+    READER,
+    WRITER,
+    check_rwlock_name,
+    reader_lockstring,
+    reader_pattern,
+    refused,
+    writer_pattern,
+)
+from .validation import check_wait
+
+if TYPE_CHECKING:
+    from .lock import Lock, Run
+    from .locker import Locker
+    from .operations import LockInfo, LockOperations
+
+
+class RWLock:
+    """Readers together or one writer alone on ``name`` (see ``sqllocker.rwlocks``); from the
+    locker's ``rwlock()``."""
+
+    def __init__(self, locker: Locker, operations: LockOperations, run: Run, name: str) -> None:
+        self.locker = locker
+        self._operations = operations
+        self._run = run
+        self.name = check_rwlock_name(name)
+
+    def read(
+        self,
+        *,
+        wait: float | None = 0,
+        expires: float | None = None,
+        keep_alive: bool = False,
+        on_lost: OnLost | None = None,
+        locked_by: dict[str, Any] | None = None,
+    ) -> Lock:
+        """A reader's lock (a row of its own, ``lock_id`` its fencing token), released as any
+        lock is. Waits while a writer holds the name or waits for it; ``wait``, ``expires``,
+        ``keep_alive``, ``on_lost`` and ``locked_by`` are the locker's ``lock()``'s. Raises
+        LockBusy once ``wait`` has passed."""
+        backoff = Backoff.for_wait(check_wait(wait, self.name))
+        details = {**(locked_by or {}), "rwlock": READER}
+        while True:
+            if not self._writers():
+                reader = self.locker.lock(
+                    reader_lockstring(self.name),
+                    expires=expires,
+                    locked_by=details,
+                    on_lost=on_lost,
+                )
+                try:
+                    writers = self._writers()
+                except BaseException:
+                    _give_back(reader)
+                    raise
+                if not writers:
+                    return reader.keep_alive() if keep_alive else reader
+                reader.unlock()  # a writer came in first: it goes before us
+            if backoff.expired():
+                raise refused(self.name, READER, wait)
+            concurrency.sleep(backoff.next_delay())
+
+    def write(
+        self,
+        *,
+        wait: float | None = 0,
+        expires: float | None = None,
+        keep_alive: bool = False,
+        on_lost: OnLost | None = None,
+        locked_by: dict[str, Any] | None = None,
+    ) -> Lock:
+        """The writer's lock (the row ``name`` itself, which also excludes a plain lock of the
+        name), once no reader is left; ``lock_id``, its fencing token, is greater than every
+        token handed out before it. New readers are refused from the moment it waits. Raises
+        LockBusy once ``wait`` has passed (its row given back)."""
+        backoff = Backoff.for_wait(check_wait(wait, self.name))
+        details = {**(locked_by or {}), "rwlock": WRITER}
+        while True:
+            writer = self.locker.lock(
+                self.name,
+                expires=expires,
+                wait=backoff.remaining(),
+                locked_by=details,
+                on_lost=on_lost,
+            )
+            try:
+                newest_reader = self._wait_out_readers(writer, backoff, wait)
+            except BaseException:
+                _give_back(writer)
+                raise
+            if newest_reader < writer.lock_id:
+                return writer.keep_alive() if keep_alive else writer
+            # A reader we waited out drew its token after ours: take a new, greater one.
+            writer.unlock()
+
+    def holders(self) -> list[LockInfo]:
+        """The live readers and writer, ordered by lockstring (``locked_by["rwlock"]`` says
+        which is which)."""
+        self._run(self._operations.ensure_setup)
+        readers: list[LockInfo] = self._run(self._operations.permits, *reader_pattern(self.name))
+        writers: list[LockInfo] = self._run(self._operations.permits, *writer_pattern(self.name))
+        return writers + readers
+
+    def _writers(self) -> int:
+        # The count's pattern needs the backend: set up first, as a lock operation would.
+        self._run(self._operations.ensure_setup)
+        count: int = self._run(self._operations.count_live, *writer_pattern(self.name))
+        return count
+
+    def _wait_out_readers(self, writer: Lock, backoff: Backoff, wait: float | None) -> int:
+        """Hold ``writer`` (renewing it) until no live reader is left; the greatest reader id
+        met (0 if none)."""
+        newest = 0
+        renewed = time.monotonic()
+        while True:
+            readers: list[LockInfo] = self._run(
+                self._operations.permits, *reader_pattern(self.name)
+            )
+            if not readers:
+                return newest
+            newest = max([newest, *(info.lock_id for info in readers)])
+            if backoff.expired():
+                raise refused(self.name, WRITER, wait)
+            if time.monotonic() - renewed > writer.ttl / 3:
+                writer.extend()  # waiting readers out may outlast the writer's expiry
+                renewed = time.monotonic()
+            concurrency.sleep(backoff.next_delay())
+
+    def __repr__(self) -> str:
+        return f"<RWLock {self.name!r}>"
+
+
+def _give_back(lock: Lock) -> None:
+    """Release a row we will not hold after all; if that fails, it expires."""
+    with contextlib.suppress(LockError):
+        lock.unlock()
