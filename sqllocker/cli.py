@@ -19,6 +19,7 @@ import click
 
 from . import __version__
 from .adoption import check_zone
+from .cli_waits import FOREVER, wait_seconds
 from .defaults import DEFAULT_GRACE, DEFAULT_PURGE_BATCH, DEFAULT_PURGE_PAUSE_RATIO
 from .engine import URL_ENVIRONMENT_VARIABLE, describe_url
 from .errors import LockError, describe_holder, one_line, printable
@@ -256,9 +257,22 @@ def release(settings: _Settings, lockstring: str, force: bool, lock_id: int | No
 @click.option(
     "-w",
     "--wait",
-    type=click.FloatRange(min=0),
+    callback=wait_seconds,
     default=None,
-    help="Wait up to SECONDS for the lock instead.",
+    metavar="SECONDS|forever",
+    help="Wait up to SECONDS for the lock instead (forever: without limit).",
+)
+@click.option(
+    "--shared",
+    is_flag=True,
+    help="Take the read side of LOCKSTRING's read-write lock: any number of --shared runs "
+    "together, while a plain run (the write side) runs alone.",
+)
+@click.option(
+    "--standby",
+    is_flag=True,
+    help="Wait for the lock without limit (as -w forever): a hot standby of COMMAND, which "
+    "takes over when the active copy dies or is stopped.",
 )
 @click.option(
     "-E",
@@ -327,6 +341,8 @@ def run(
     kill_after: float,
     pass_url: bool,
     record_args: bool,
+    shared: bool,
+    standby: bool,
 ) -> None:
     """Run COMMAND while holding LOCKSTRING, like flock(1) across machines.
 
@@ -346,10 +362,13 @@ def run(
     sqllocker itself is killed, the group is stopped the same way. COMMAND sees the lock's
     fencing token in $SQLLOCKER_LOCK_ID, and not the database URL (see --pass-url).
     """
-    if nonblock and wait is not None:
-        raise click.UsageError("--nonblock and --wait contradict each other")
+    if nonblock and (wait is not None or standby):
+        raise click.UsageError("--nonblock and --wait or --standby contradict each other")
+    if standby and wait is not None and wait != FOREVER:
+        raise click.UsageError("--standby waits forever: it takes no --wait")
     options = RunOptions(
-        wait=0 if wait is None else wait,
+        wait=None if standby or wait == FOREVER else (wait or 0),
+        shared=shared,
         expires=expires,
         conflict_exit_code=conflict_exit_code,
         quiet=quiet,

@@ -36,7 +36,7 @@ from __future__ import annotations
 import secrets
 
 from .errors import LockBusy, LockValueError
-from .validation import MAX_LOCKSTRING_LENGTH, check_lockstring
+from .validation import MAX_LOCKSTRING_LENGTH
 
 READER = "reader"
 WRITER = "writer"
@@ -45,16 +45,15 @@ _TOKEN_HEX = 16
 _LONGEST_SUFFIX = len(_READER_SUFFIX.format(suffix="0" * _TOKEN_HEX))
 
 
-def check_rwlock_name(name: object) -> str:
-    """A read-write lock's name: a lockstring, short enough for its readers' suffix."""
-    checked = check_lockstring(name)
+def check_reader_name(checked: str) -> None:
+    """A read-write lock's name, to be read: short enough for its readers' suffix (the
+    writer's row is the name itself, as long as any lockstring)."""
     if len(checked) > MAX_LOCKSTRING_LENGTH - _LONGEST_SUFFIX:
         raise LockValueError(
             f"a read-write lock's name is at most {MAX_LOCKSTRING_LENGTH - _LONGEST_SUFFIX} "
             f"characters (its readers' lockstrings add a suffix): {checked[:40]!r}...",
             checked,
         )
-    return checked
 
 
 def reader_lockstring(name: str) -> str:

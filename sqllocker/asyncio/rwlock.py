@@ -16,13 +16,13 @@ from ..holding import OnLost
 from ..rwlocks import (
     READER,
     WRITER,
-    check_rwlock_name,
+    check_reader_name,
     reader_lockstring,
     reader_pattern,
     refused,
     writer_pattern,
 )
-from ..validation import check_wait
+from ..validation import check_lockstring, check_wait
 from . import concurrency
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ class AsyncRWLock:
         self.locker = locker
         self._operations = operations
         self._run = run
-        self.name = check_rwlock_name(name)
+        self.name = check_lockstring(name)
 
     async def read(
         self,
@@ -51,11 +51,13 @@ class AsyncRWLock:
         keep_alive: bool = False,
         on_lost: OnLost | None = None,
         locked_by: dict[str, Any] | None = None,
+        hold_at_least: float | None = None,
     ) -> AsyncLock:
         """A reader's lock (a row of its own, ``lock_id`` its fencing token), released as any
         lock is. Waits while a writer holds the name or waits for it; ``wait``, ``expires``,
-        ``keep_alive``, ``on_lost`` and ``locked_by`` are the locker's ``lock()``'s. Raises
-        LockBusy once ``wait`` has passed."""
+        ``keep_alive``, ``on_lost``, ``locked_by`` and ``hold_at_least`` are the locker's
+        ``lock()``'s. Raises LockBusy once ``wait`` has passed."""
+        check_reader_name(self.name)
         backoff = Backoff.for_wait(check_wait(wait, self.name))
         details = {**(locked_by or {}), "rwlock": READER}
         while True:
@@ -65,6 +67,7 @@ class AsyncRWLock:
                     expires=expires,
                     locked_by=details,
                     on_lost=on_lost,
+                    hold_at_least=hold_at_least,
                 )
                 try:
                     writers = await self._writers()
@@ -86,11 +89,14 @@ class AsyncRWLock:
         keep_alive: bool = False,
         on_lost: OnLost | None = None,
         locked_by: dict[str, Any] | None = None,
+        hold_at_least: float | None = None,
     ) -> AsyncLock:
         """The writer's lock (the row ``name`` itself, which also excludes a plain lock of the
         name), once no reader is left; ``lock_id``, its fencing token, is greater than every
         token handed out before it. New readers are refused from the moment it waits. Raises
-        LockBusy once ``wait`` has passed (its row given back)."""
+        LockBusy once ``wait`` has passed (its row given back). With ``hold_at_least``, a row
+        given back to take a new token is kept until its window ends, as any release is, and
+        the new one waits for it within ``wait``."""
         backoff = Backoff.for_wait(check_wait(wait, self.name))
         details = {**(locked_by or {}), "rwlock": WRITER}
         while True:
@@ -100,6 +106,7 @@ class AsyncRWLock:
                 wait=backoff.remaining(),
                 locked_by=details,
                 on_lost=on_lost,
+                hold_at_least=hold_at_least,
             )
             try:
                 newest_reader = await self._wait_out_readers(writer, backoff, wait)
