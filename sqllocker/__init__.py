@@ -11,6 +11,8 @@ See README.md for the table, the guarantees, and what happens when a lock expire
 
 from importlib.metadata import PackageNotFoundError, version
 
+from .election import Election, Leadership
+from .elections import Leader
 from .errors import (
     DatabaseError,
     ForeignTable,
@@ -38,7 +40,10 @@ except PackageNotFoundError:  # running from a checkout that was never installed
 
 __all__ = [
     "DatabaseError",
+    "Election",
     "ForeignTable",
+    "Leader",
+    "Leadership",
     "Lock",
     "LockBusy",
     "LockError",

@@ -216,6 +216,41 @@ def show(settings: _Settings, lockstring: str, as_json: bool) -> None:
         click.echo(f"  {printable(key)}: {printable(shown)}")
 
 
+# -- leader ---------------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Print the leader as JSON (null if none).")
+@pass_settings
+def leader(settings: _Settings, name: str, as_json: bool) -> None:
+    """Print who leads the election NAME (the holder of its lock, e.g. a `run --standby NAME`):
+    host, pid, program, since when and its term (fencing token). Exit status 1 if none."""
+    current = settings.locker().election(name).leader()
+    if as_json:
+        _print_json(
+            None
+            if current is None
+            else {
+                "host": current.host,
+                "pid": current.pid,
+                "program": current.program,
+                "since": current.since.isoformat(),
+                "term": current.term,
+            }
+        )
+    elif current is None:
+        click.echo(f"sqllocker: election {name!r} has no leader", err=True)
+    else:
+        click.echo(f"host:    {printable(str(current.host))}")
+        click.echo(f"pid:     {current.pid}")
+        click.echo(f"program: {printable(str(current.program))}")
+        click.echo(f"since:   {_when(current.since)}")
+        click.echo(f"term:    {current.term}")
+    if current is None:
+        sys.exit(1)
+
+
 # -- release --------------------------------------------------------------------------------------
 
 

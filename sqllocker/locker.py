@@ -30,6 +30,7 @@ from .defaults import (
     DEFAULT_PURGE_BATCH,
     DEFAULT_PURGE_PAUSE_RATIO,
 )
+from .election import Election
 from .engine import describe_url
 from .errors import DatabaseError, LockBusy, LockTypeError
 from .file_queue import BellListener, FileQueue, PlaceRequest
@@ -302,6 +303,12 @@ class Locker:
         permit (a lock of its own) from ``.acquire(wait=..., expires=..., keep_alive=...)``
         (see ``sqllocker.permits``)."""
         return Semaphore(self, self._operations, self._call, name, limit)
+
+    def election(self, name: str) -> Election:
+        """Leader election for ``name``: ``.campaign()`` waits until this process leads and
+        keeps the lead alive; ``.leader()`` and ``.observe()`` say who leads (see
+        ``sqllocker.elections``)."""
+        return Election(self, name)
 
     def rwlock(self, name: str) -> RWLock:
         """A read-write lock: any number of readers of ``name`` together, from ``.read()``, or

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import concurrency
 from .backoff import Backoff
-from .errors import LockError
+from .errors import LockError, LockLost
 from .holding import OnLost
 from .rwlocks import (
     READER,
@@ -74,9 +74,11 @@ class RWLock:
                 except BaseException:
                     _give_back(reader)
                     raise
-                if not writers:
+                if not writers and reader.is_valid():
                     return reader.keep_alive() if keep_alive else reader
-                reader.unlock()  # a writer came in first: it goes before us
+                # A writer came in first (it goes before us), or we were held up so long that
+                # our row may have expired before we looked: try again.
+                _give_back(reader)
             if backoff.expired():
                 raise refused(self.name, READER, wait)
             concurrency.sleep(backoff.next_delay())
@@ -110,13 +112,21 @@ class RWLock:
             )
             try:
                 newest_reader = self._wait_out_readers(writer, backoff, wait)
+            except LockLost:
+                # Held up past its expiry while it waited for readers: the row may have been
+                # taken, or readers let in. Start again.
+                _give_back(writer)
+                continue
             except BaseException:
                 _give_back(writer)
                 raise
-            if newest_reader < writer.lock_id:
+            # Valid after the readers were found gone: our row was live when they were read,
+            # so no reader can have come in since but through its expiry, as with any lock.
+            if newest_reader < writer.lock_id and writer.is_valid():
                 return writer.keep_alive() if keep_alive else writer
-            # A reader we waited out drew its token after ours: take a new, greater one.
-            writer.unlock()
+            # A reader we waited out drew its token after ours (take a new, greater one), or
+            # we were held up past our own deadline: try again.
+            _give_back(writer)
 
     def holders(self) -> list[LockInfo]:
         """The live readers and writer, ordered by lockstring (``locked_by["rwlock"]`` says

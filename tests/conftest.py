@@ -145,6 +145,7 @@ def admin(migrated_postgres: str) -> Iterator[sa.Engine]:
 # for. The other modules, a thread or two at a time, run on the other worker meanwhile.
 _ONE_AT_A_TIME = {
     "test_dbix_locker",
+    "test_elections",
     "test_faults",
     "test_fencing",
     "test_galera",

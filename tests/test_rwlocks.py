@@ -199,11 +199,23 @@ def test_a_kept_alive_reader_outlasts_its_expiry(locker: Locker) -> None:
     reader.unlock()
 
 
-@pytest.mark.parametrize("name", ["", "x" * 120])
+@pytest.mark.parametrize("name", ["", "x" * 129])
 def test_bad_names_are_refused_before_any_sql(locker: Locker, name: str) -> None:
     with pytest.raises(LockValueError):
         locker.rwlock(name)
     assert count_rows(locker) == 0
+
+
+def test_a_long_name_is_written_as_any_lockstring_but_read_only_if_the_suffix_fits(
+    locker: Locker,
+) -> None:
+    longest = locker.rwlock("x" * 128)  # the writer's row is the name itself
+    with pytest.raises(LockValueError, match="at most 102 characters"):
+        longest.read()
+    assert count_rows(locker) == 0
+    longest.write().unlock()
+    fits = locker.rwlock("x" * 102)
+    fits.read().unlock()
 
 
 def test_wildcards_in_the_name_count_only_its_own_readers(locker: Locker) -> None:

@@ -27,7 +27,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 ASYNC_DIR = ROOT / "sqllocker" / "asyncio"
 SYNC_DIR = ROOT / "sqllocker"
-MODULES = ["group.py", "listener.py", "lock.py", "locker.py", "rwlock.py", "semaphore.py"]
+MODULES = [
+    "election.py",
+    "group.py",
+    "listener.py",
+    "lock.py",
+    "locker.py",
+    "rwlock.py",
+    "semaphore.py",
+]
 
 ASYNC_BLOCK = re.compile(r"^(?P<indent> *)if True:  # ASYNC$")
 SUBSTITUTIONS = [

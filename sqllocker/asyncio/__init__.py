@@ -32,6 +32,7 @@ What differs from the sync front end:
 """
 
 from .acquiring import Acquiring
+from .election import AsyncElection, AsyncLeadership
 from .group import AsyncLockGroup
 from .lock import AsyncLock
 from .locker import AsyncLocker
@@ -40,6 +41,8 @@ from .semaphore import AsyncSemaphore
 
 __all__ = [
     "Acquiring",
+    "AsyncElection",
+    "AsyncLeadership",
     "AsyncLock",
     "AsyncLockGroup",
     "AsyncLocker",

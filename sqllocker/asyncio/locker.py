@@ -40,6 +40,7 @@ from ..operations import Acquired, LockInfo, LockOperations, Refused
 from ..schema import DEFAULT_TABLE
 from ..tickets import LOOK_AGAIN, NEWCOMER, LocalLine, Ticket
 from . import concurrency
+from .election import AsyncElection
 from .group import AsyncLockGroup
 from .keepalive import AsyncKeepAlive
 from .listener import AsyncReleaseListener
@@ -331,6 +332,12 @@ class AsyncLocker:
         permit (a lock of its own) from ``.acquire(wait=..., expires=..., keep_alive=...)``
         (see ``sqllocker.permits``)."""
         return AsyncSemaphore(self, self._operations, self._call, name, limit)
+
+    def election(self, name: str) -> AsyncElection:
+        """Leader election for ``name``: ``.campaign()`` waits until this process leads and
+        keeps the lead alive; ``.leader()`` and ``.observe()`` say who leads (see
+        ``sqllocker.elections``)."""
+        return AsyncElection(self, name)
 
     def rwlock(self, name: str) -> AsyncRWLock:
         """A read-write lock: any number of readers of ``name`` together, from ``.read()``, or
