@@ -5,7 +5,8 @@ Rows, each an ordinary lock with its own fencing token, expiry, keep-alive and t
 
 - the **writer** holds the row ``<name>`` itself, the same row a plain ``locker.lock(name)``
   takes (its ``locked_by`` says ``"rwlock": "writer"``), so a plain lock of the name and a
-  writer exclude each other;
+  writer exclude each other; and, once the readers are gone, a row of its own,
+  ``<name> (writer <random hex>)`` (``"rwlock": "writer's fence"``), whose id is its token;
 - each **reader** holds a row of its own, ``<name> (reader <random hex>)`` (``locked_by``
   ``"rwlock": "reader"``), so ``sqllocker list 'name*'`` and the view show the readers and the
   writer for what they are.
@@ -24,11 +25,12 @@ once in, refuses every new reader, so a stream of readers cannot starve a waitin
 the readers waiting behind it all get in together when it is released.
 
 Fencing: a writer's token must be greater than every token handed out before it, readers'
-included. A reader whose row the writer waited out had its id drawn before that row committed,
-which on PostgreSQL and MySQL may be after the writer's own id was drawn. So a writer that has
-waited out a reader with a greater id than its own gives its row back and takes it again
-(a new, greater id) before it holds. Readers' tokens are ordered against writers only in that
-direction: a reader may hold a token lower than the last writer's.
+included. The id of the row ``<name>`` is drawn before the writer waits for the readers, and
+on PostgreSQL and MySQL a reader's id may be drawn after it yet committed (and the reader
+gone again) before the writer looks. So the writer's token is the id of a second row, drawn
+once the readers are gone: every reader that held before it drew its id before then. Readers'
+tokens are ordered against writers only in that direction: a reader may hold a token lower
+than the last writer's.
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ from .validation import MAX_LOCKSTRING_LENGTH
 
 READER = "reader"
 WRITER = "writer"
+WRITER_FENCE = "writer's fence"
 _READER_SUFFIX = " (reader {suffix})"
+_WRITER_SUFFIX = " (writer {suffix})"
 _TOKEN_HEX = 16
 _LONGEST_SUFFIX = len(_READER_SUFFIX.format(suffix="0" * _TOKEN_HEX))
 
@@ -59,6 +63,13 @@ def check_reader_name(checked: str) -> None:
 def reader_lockstring(name: str) -> str:
     """A lockstring of its own for one reader of ``name``."""
     return name + _READER_SUFFIX.format(suffix=secrets.token_hex(_TOKEN_HEX // 2))
+
+
+def writer_lockstring(name: str) -> str:
+    """A lockstring of its own for a writer's token row (the name cut short to fit the
+    suffix: the row is found by its guid, never by its name)."""
+    suffix = _WRITER_SUFFIX.format(suffix=secrets.token_hex(_TOKEN_HEX // 2))
+    return name[: MAX_LOCKSTRING_LENGTH - len(suffix)] + suffix
 
 
 def reader_pattern(name: str) -> tuple[str, str]:

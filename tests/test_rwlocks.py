@@ -42,6 +42,10 @@ def test_readers_share_and_a_writer_excludes_everyone(locker: Locker) -> None:
     assert [(info.lockstring, info.locked_by["rwlock"]) for info in rw.holders()] == [
         ("catalog", "writer")
     ]
+    fence = [info for info in locker.locks() if info.lock_id == writer.lock_id]
+    assert fence[0].lockstring.startswith("catalog (writer ")
+    assert fence[0].locked_by["rwlock"] == "writer's fence"
+    assert writer.claim.lock_id < writer.lock_id
     writer.unlock()
     assert rw.holders() == []
 
@@ -152,7 +156,9 @@ def test_a_crashed_writer_is_taken_over_by_a_writer_and_passed_by_readers(
     locker: Locker,
 ) -> None:
     rw = locker.rwlock("catalog")
-    crashed = abandon(rw.write(expires=0.5))
+    crashed = rw.write(expires=0.5)
+    abandon(crashed.claim)
+    abandon(crashed)
     with pytest.raises(LockBusy):
         rw.read()
     reader = rw.read(wait=10)  # once expired, its row refuses nobody

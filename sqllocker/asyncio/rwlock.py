@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import time
+from datetime import datetime
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from ..backoff import Backoff
@@ -16,18 +18,23 @@ from ..holding import OnLost
 from ..rwlocks import (
     READER,
     WRITER,
+    WRITER_FENCE,
     check_reader_name,
     reader_lockstring,
     reader_pattern,
     refused,
+    writer_lockstring,
     writer_pattern,
 )
 from ..validation import check_lockstring, check_wait
 from . import concurrency
+from .lock import AsyncLock
 
 if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncConnection
+
     from ..operations import LockInfo, LockOperations
-    from .lock import AsyncLock, Run
+    from .lock import Run
     from .locker import AsyncLocker
 
 
@@ -92,41 +99,41 @@ class AsyncRWLock:
         on_lost: OnLost | None = None,
         locked_by: dict[str, Any] | None = None,
         hold_at_least: float | None = None,
-    ) -> AsyncLock:
-        """The writer's lock (the row ``name`` itself, which also excludes a plain lock of the
-        name), once no reader is left; ``lock_id``, its fencing token, is greater than every
-        token handed out before it. New readers are refused from the moment it waits. Raises
-        LockBusy once ``wait`` has passed (its row given back). With ``hold_at_least``, a row
-        given back to take a new token is kept until its window ends, as any release is, and
-        the new one waits for it within ``wait``."""
+    ) -> AsyncWriteLock:
+        """The writer's lock, once no reader is left: the row ``name`` itself (which also
+        excludes a plain lock of the name) and, taken after the readers are gone, a row whose
+        id is the lock's ``lock_id``, greater than every token handed out before it. New
+        readers are refused from the moment it waits. Raises LockBusy once ``wait`` has
+        passed (its row given back)."""
         backoff = Backoff.for_wait(check_wait(wait, self.name))
-        details = {**(locked_by or {}), "rwlock": WRITER}
         while True:
-            writer = await self.locker.lock(
+            claim = await self.locker.lock(
                 self.name,
                 expires=expires,
                 wait=backoff.remaining(),
-                locked_by=details,
+                locked_by={**(locked_by or {}), "rwlock": WRITER},
                 on_lost=on_lost,
                 hold_at_least=hold_at_least,
             )
             try:
-                newest_reader = await self._wait_out_readers(writer, backoff, wait)
+                await self._wait_out_readers(claim, backoff, wait)
+                # Valid after the readers were found gone: the row was live when they were
+                # read, so no reader can have come in since but through its expiry.
+                if claim.is_valid():
+                    token = await self.locker.lock(
+                        writer_lockstring(self.name),
+                        expires=expires,
+                        locked_by={**(locked_by or {}), "rwlock": WRITER_FENCE},
+                        on_lost=on_lost,
+                    )
+                    lock = AsyncWriteLock(claim, token)
+                    return lock.keep_alive() if keep_alive else lock
             except LockLost:
-                # Held up past its expiry while it waited for readers: the row may have been
-                # taken, or readers let in. Start again.
-                await _give_back(writer)
-                continue
+                pass  # held up past its expiry while it waited: start again
             except BaseException:
-                await _give_back(writer)
+                await _give_back(claim)
                 raise
-            # Valid after the readers were found gone: our row was live when they were read,
-            # so no reader can have come in since but through its expiry, as with any lock.
-            if newest_reader < writer.lock_id and writer.is_valid():
-                return writer.keep_alive() if keep_alive else writer
-            # A reader we waited out drew its token after ours (take a new, greater one), or
-            # we were held up past our own deadline: try again.
-            await _give_back(writer)
+            await _give_back(claim)
 
     async def holders(self) -> list[LockInfo]:
         """The live readers and writer, ordered by lockstring (``locked_by["rwlock"]`` says
@@ -147,28 +154,80 @@ class AsyncRWLock:
         return count
 
     async def _wait_out_readers(
-        self, writer: AsyncLock, backoff: Backoff, wait: float | None
-    ) -> int:
-        """Hold ``writer`` (renewing it) until no live reader is left; the greatest reader id
-        met (0 if none)."""
-        newest = 0
+        self, claim: AsyncLock, backoff: Backoff, wait: float | None
+    ) -> None:
+        """Hold ``claim`` (renewing it) until no live reader is left."""
         renewed = time.monotonic()
-        while True:
-            readers: list[LockInfo] = await self._run(
-                self._operations.permits, *reader_pattern(self.name)
-            )
-            if not readers:
-                return newest
-            newest = max([newest, *(info.lock_id for info in readers)])
+        while await self._run(self._operations.count_live, *reader_pattern(self.name)):
             if backoff.expired():
                 raise refused(self.name, WRITER, wait)
-            if time.monotonic() - renewed > writer.ttl / 3:
-                await writer.extend()  # waiting readers out may outlast the writer's expiry
+            if time.monotonic() - renewed > claim.ttl / 3:
+                await claim.extend()  # waiting readers out may outlast the claim's expiry
                 renewed = time.monotonic()
             await concurrency.sleep(backoff.next_delay())
 
     def __repr__(self) -> str:
         return f"<AsyncRWLock {self.name!r}>"
+
+
+class AsyncWriteLock(AsyncLock):
+    """A writer's lock: ``claim``, the row ``name`` that keeps readers, writers and plain
+    holders of the name out, and the row this handle holds, taken once the readers were gone,
+    whose id is ``lock_id``. ``lockstring`` is the name; releases, extends, keep-alive,
+    ``is_valid``, ``check`` and ``guard`` act on both rows."""
+
+    def __init__(self, claim: AsyncLock, token: AsyncLock) -> None:
+        super().__init__(
+            token.locker,
+            token._state,
+            created=token._created,
+            expires=token._expires,
+            locked_by=claim.locked_by,
+        )
+        token._finalizer.detach()  # this handle owns the token row now
+        self.claim = claim
+        self.lockstring = claim.lockstring
+
+    def is_valid(self) -> bool:
+        return super().is_valid() and self.claim.is_valid()
+
+    def check(self) -> None:
+        super().check()
+        self.claim.check()
+
+    async def unlock(self) -> None:
+        """Delete both rows: this handle's, then the claim (tried even if the first fails)."""
+        try:
+            await super().unlock()
+        finally:
+            await self.claim.unlock()
+
+    async def extend(self, seconds: float | None = None) -> datetime:
+        await self.claim.extend(seconds)
+        return await super().extend(seconds)
+
+    def keep_alive(self, on_lost: OnLost | None = None) -> AsyncWriteLock:
+        self.claim.keep_alive(on_lost)
+        super().keep_alive(on_lost)
+        return self
+
+    async def guard(self, connection: AsyncConnection) -> None:
+        await self.claim.guard(connection)
+        await super().guard(connection)
+
+    async def __aenter__(self) -> AsyncWriteLock:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        try:
+            await super().__aexit__(exc_type, exc_value, traceback)
+        finally:
+            await self.claim.__aexit__(exc_type, exc_value, traceback)
 
 
 async def _give_back(lock: AsyncLock) -> None:
