@@ -16,20 +16,23 @@ from typing import TYPE_CHECKING, Any
 from . import concurrency
 from .elections import OBSERVE_INTERVAL, Leader, leader_from
 from .holding import OnLost
+from .rwlocks import writer_fence_pattern
 from .validation import check_lockstring
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
 
-    from .lock import Lock
+    from .lock import Run
     from .locker import Locker
+    from .operations import LockInfo, LockOperations
+    from .rwlock import WriteLock
 
 
 class Leadership:
     """This process leads: ``term`` (= ``lock_id``) is its fencing token. Kept alive until
     ``resign()``; ``is_valid()`` and ``guard(conn)`` as a lock's."""
 
-    def __init__(self, lock: Lock) -> None:
+    def __init__(self, lock: WriteLock) -> None:
         self.lock = lock
         self.term = self.lock_id = lock.lock_id
 
@@ -65,8 +68,10 @@ class Election:
     """Candidates for the lead of ``name`` (see ``sqllocker.elections``); from the locker's
     ``election()``."""
 
-    def __init__(self, locker: Locker, name: str) -> None:
+    def __init__(self, locker: Locker, operations: LockOperations, run: Run, name: str) -> None:
         self.locker = locker
+        self._operations = operations
+        self._run = run
         self.name = check_lockstring(name)
 
     def campaign(
@@ -80,8 +85,7 @@ class Election:
         """Wait (``None``: without limit) until this process leads, and keep the lead alive;
         ``on_lost`` (else the locker's) is called if it is lost, before anyone else can lead.
         Raises LockBusy once ``wait`` has passed."""
-        lock = self.locker.lock(
-            self.name,
+        lock = self.locker.rwlock(self.name).write(
             wait=wait,
             expires=expires,
             keep_alive=True,
@@ -92,7 +96,13 @@ class Election:
 
     def leader(self) -> Leader | None:
         """Who leads now, as the row says, or None."""
-        return leader_from(self.locker.lock_info(self.name))
+        info = self.locker.lock_info(self.name)
+        if info is None:
+            return None
+        fences: list[LockInfo] = self._run(
+            self._operations.permits, *writer_fence_pattern(self.name)
+        )
+        return leader_from(info, fences)
 
     def observe(self, interval: float = OBSERVE_INTERVAL) -> Generator[Leader | None, None]:
         """The leader now, then each change of leader (None while there is none), read at

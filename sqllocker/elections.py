@@ -1,8 +1,11 @@
 """Leader election on the lock table (``Locker.election``): one leader of a name at a time.
 
-The leader holds the row ``<name>``, an ordinary lock kept alive for as long as it leads, so
-an election is a lock that candidates wait for without limit. Everything a lock guarantees
-carries over: the database's clock judges the lease, the row's id is the leader's ``term``
+The leader is the writer of the read-write lock ``<name>`` (``rwlocks.py``), kept alive for
+as long as it leads: it holds the row ``<name>`` and a fence row whose id is its ``term``. So
+an election is a lock that candidates wait for without limit, and ``sqllocker run
+--standby NAME`` (a plain run: the write side) campaigns for the same lead, with the same
+term in ``$SQLLOCKER_LOCK_ID``. Everything a lock guarantees
+carries over: the database's clock judges the lease, the fence row's id is the leader's ``term``
 (its fencing token: every term is greater than the terms before it), a leader that cannot
 renew is told (``on_lost``) before its lease can be taken over, and ``guard`` rejects its
 term from then on. Candidates queue as any waiters do (first come, first served where the
@@ -35,9 +38,14 @@ class Leader:
     term: int  # its fencing token: the row's id
 
 
-def leader_from(info: LockInfo | None) -> Leader | None:
-    """The leader a row names, or None if there is no row or it has expired."""
+def leader_from(info: LockInfo | None, fences: list[LockInfo]) -> Leader | None:
+    """The leader the row ``<name>`` names, its term the id of its fence row (``fences``: the
+    live ones); None if there is no live row, or it has no fence row yet (a candidate still
+    waiting for readers to leave, or a plain lock of the name, which leads nothing)."""
     if info is None or info.expired:
+        return None
+    terms = [fence.lock_id for fence in fences if fence.lock_id > info.lock_id]
+    if not terms:
         return None
     details = info.locked_by
     host, pid, program = details.get("host"), details.get("pid"), details.get("program")
@@ -46,5 +54,5 @@ def leader_from(info: LockInfo | None) -> Leader | None:
         pid=pid if isinstance(pid, int) and not isinstance(pid, bool) else None,
         program=program if isinstance(program, str) else None,
         since=info.created,
-        term=info.lock_id,
+        term=max(terms),
     )

@@ -308,7 +308,7 @@ class Locker:
         """Leader election for ``name``: ``.campaign()`` waits until this process leads and
         keeps the lead alive; ``.leader()`` and ``.observe()`` say who leads (see
         ``sqllocker.elections``)."""
-        return Election(self, name)
+        return Election(self, self._operations, self._call, name)
 
     def rwlock(self, name: str) -> RWLock:
         """A read-write lock: any number of readers of ``name`` together, from ``.read()``, or

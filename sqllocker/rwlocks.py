@@ -72,6 +72,12 @@ def writer_lockstring(name: str) -> str:
     return name[: MAX_LOCKSTRING_LENGTH - len(suffix)] + suffix
 
 
+def writer_fence_pattern(name: str) -> tuple[str, str]:
+    """Every writer's fence row of ``name``, as ``(literal prefix, wildcard suffix)``."""
+    suffix = _WRITER_SUFFIX.format(suffix="*")
+    return name[: MAX_LOCKSTRING_LENGTH - _LONGEST_SUFFIX], suffix
+
+
 def reader_pattern(name: str) -> tuple[str, str]:
     """Every reader row of ``name``, as ``(literal prefix, wildcard suffix)``."""
     return name, _READER_SUFFIX.format(suffix="*")

@@ -3,6 +3,7 @@ waits without limit: ``-w forever`` and ``--standby``."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -90,18 +91,26 @@ def test_waits_without_limit_and_what_they_refuse(
 
 
 @pytest.mark.slow
-def test_a_standby_takes_over_when_the_active_copy_ends(
+def test_a_standby_takes_over_when_the_active_copy_ends_and_leader_names_each(
     sqllocker: Run, migrated: Locker, url: str, table_name: str
 ) -> None:
-    active = popen(url, table_name, "run", "--standby", "service", "--", "sleep", "30")
-    wait_until(lambda: migrated.lock_info("service") is not None)
-    active_id = migrated.lock_info("service")
-    standby = popen(
-        url, table_name, "run", "--standby", "service", "--", "sh", "-c", "echo $SQLLOCKER_LOCK_ID"
-    )
+    service = ["sh", "-c", "echo $SQLLOCKER_LOCK_ID; exec sleep 30"]
+    active = popen(url, table_name, "run", "--standby", "service", "--", *service)
+    assert active.stdout is not None
+    active_token = int(active.stdout.readline())
+    shown = sqllocker("leader", "--json", "service")
+    assert shown.returncode == 0, shown.stderr
+    leader = json.loads(shown.stdout)
+    assert (leader["pid"], leader["term"]) == (active.pid, active_token)
+    standby = popen(url, table_name, "run", "--standby", "service", "--", *service)
+    assert standby.stdout is not None
     active.terminate()
     active.communicate(timeout=30)
-    out, err = standby.communicate(timeout=60)
-    assert standby.returncode == 0, err
-    assert active_id is not None
-    assert int(out) > active_id.lock_id
+    standby_token = int(standby.stdout.readline())
+    assert standby_token > active_token
+    leader = json.loads(sqllocker("leader", "--json", "service").stdout)
+    assert (leader["pid"], leader["term"]) == (standby.pid, standby_token)
+    standby.terminate()
+    standby.communicate(timeout=30)
+    none = sqllocker("leader", "service")
+    assert none.returncode == 1

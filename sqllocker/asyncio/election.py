@@ -13,21 +13,24 @@ from typing import TYPE_CHECKING, Any
 
 from ..elections import OBSERVE_INTERVAL, Leader, leader_from
 from ..holding import OnLost
+from ..rwlocks import writer_fence_pattern
 from ..validation import check_lockstring
 from . import concurrency
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection
 
-    from .lock import AsyncLock
+    from ..operations import LockInfo, LockOperations
+    from .lock import Run
     from .locker import AsyncLocker
+    from .rwlock import AsyncWriteLock
 
 
 class AsyncLeadership:
     """This process leads: ``term`` (= ``lock_id``) is its fencing token. Kept alive until
     ``resign()``; ``is_valid()`` and ``guard(conn)`` as a lock's."""
 
-    def __init__(self, lock: AsyncLock) -> None:
+    def __init__(self, lock: AsyncWriteLock) -> None:
         self.lock = lock
         self.term = self.lock_id = lock.lock_id
 
@@ -63,8 +66,12 @@ class AsyncElection:
     """Candidates for the lead of ``name`` (see ``sqllocker.elections``); from the locker's
     ``election()``."""
 
-    def __init__(self, locker: AsyncLocker, name: str) -> None:
+    def __init__(
+        self, locker: AsyncLocker, operations: LockOperations, run: Run, name: str
+    ) -> None:
         self.locker = locker
+        self._operations = operations
+        self._run = run
         self.name = check_lockstring(name)
 
     async def campaign(
@@ -78,8 +85,7 @@ class AsyncElection:
         """Wait (``None``: without limit) until this process leads, and keep the lead alive;
         ``on_lost`` (else the locker's) is called if it is lost, before anyone else can lead.
         Raises LockBusy once ``wait`` has passed."""
-        lock = await self.locker.lock(
-            self.name,
+        lock = await self.locker.rwlock(self.name).write(
             wait=wait,
             expires=expires,
             keep_alive=True,
@@ -90,7 +96,13 @@ class AsyncElection:
 
     async def leader(self) -> Leader | None:
         """Who leads now, as the row says, or None."""
-        return leader_from(await self.locker.lock_info(self.name))
+        info = await self.locker.lock_info(self.name)
+        if info is None:
+            return None
+        fences: list[LockInfo] = await self._run(
+            self._operations.permits, *writer_fence_pattern(self.name)
+        )
+        return leader_from(info, fences)
 
     async def observe(
         self, interval: float = OBSERVE_INTERVAL

@@ -337,7 +337,7 @@ class AsyncLocker:
         """Leader election for ``name``: ``.campaign()`` waits until this process leads and
         keeps the lead alive; ``.leader()`` and ``.observe()`` say who leads (see
         ``sqllocker.elections``)."""
-        return AsyncElection(self, name)
+        return AsyncElection(self, self._operations, self._call, name)
 
     def rwlock(self, name: str) -> AsyncRWLock:
         """A read-write lock: any number of readers of ``name`` together, from ``.read()``, or
