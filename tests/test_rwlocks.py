@@ -288,3 +288,44 @@ def test_many_processes_readers_overlap_and_no_writer_overlaps_anyone(
             assert entry["id"] > newest, f"writer token {entry['id']} after token {newest}"
         newest = max(newest, entry["id"])
     assert len({entry["id"] for entry in log}) == len(log)
+
+
+@pytest.mark.slow
+def test_a_writer_stopped_past_its_expiry_while_it_waits_starts_again(
+    url: str, locker: Locker, table_name: str
+) -> None:
+    rw = locker.rwlock("catalog")
+    first = rw.read(keep_alive=True)
+    writer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "from sqllocker import Locker\n"
+            f"locker = Locker({url!r}, table={table_name!r}, grace=0)\n"
+            "lock = locker.rwlock('catalog').write(wait=60, expires=1)\n"
+            "print(lock.lock_id, lock.is_valid(), flush=True); lock.unlock()",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while locker.lock_info("catalog") is None:
+            assert time.monotonic() < deadline, "the writer never put its row in"
+            time.sleep(0.02)
+        os.kill(writer.pid, signal.SIGSTOP)
+        second = rw.read(wait=10)  # once the stopped writer's row expired
+        first.unlock()
+        os.kill(writer.pid, signal.SIGCONT)
+        time.sleep(1.5)
+        assert writer.poll() is None  # it waits for the second reader, which holds
+        second.unlock()
+        out, _ = writer.communicate(timeout=30)
+    finally:
+        if writer.poll() is None:
+            os.kill(writer.pid, signal.SIGCONT)
+            writer.kill()
+            writer.wait()
+    token, valid = out.split()
+    assert valid == "True"
+    assert int(token) > second.lock_id
