@@ -44,6 +44,7 @@ def test_one_leader_at_a_time_and_resign_hands_the_lead_on(
     after.resign()
 
 
+@pytest.mark.slow
 def test_a_leadership_is_kept_alive_past_its_expiry(locker: Locker) -> None:
     lead = locker.election("scheduler").campaign(expires=1)
     time.sleep(2.5)

@@ -6,9 +6,12 @@ import contextlib
 import time
 from collections.abc import Callable
 
+import pytest
+
 from sqllocker import Lock, Locker, LockLost
 
 
+@pytest.mark.slow
 def test_an_entry_removed_while_on_lost_runs_does_not_stop_the_renewals(locker: Locker) -> None:
     keep_alives = locker._keep_alives
     renewed = locker.lock("renewed meanwhile", expires=2, keep_alive=True)

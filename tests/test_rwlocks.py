@@ -195,6 +195,7 @@ def test_a_sigkilled_holder_is_taken_over_after_it_expires(
     writer.unlock()
 
 
+@pytest.mark.slow
 def test_a_kept_alive_reader_outlasts_its_expiry(locker: Locker) -> None:
     rw = locker.rwlock("catalog")
     reader = rw.read(expires=1, keep_alive=True)
