@@ -11,6 +11,8 @@ See README.md for the table, the guarantees, and what happens when a lock expire
 
 from importlib.metadata import PackageNotFoundError, version
 
+from .election import Election, Leadership
+from .elections import Leader
 from .errors import (
     DatabaseError,
     ForeignTable,
@@ -27,6 +29,7 @@ from .group import LockGroup
 from .lock import Lock
 from .locker import Locker
 from .operations import LockInfo
+from .rwlock import RWLock
 from .schema import lock_table
 from .semaphore import Semaphore
 
@@ -37,7 +40,10 @@ except PackageNotFoundError:  # running from a checkout that was never installed
 
 __all__ = [
     "DatabaseError",
+    "Election",
     "ForeignTable",
+    "Leader",
+    "Leadership",
     "Lock",
     "LockBusy",
     "LockError",
@@ -47,6 +53,7 @@ __all__ = [
     "LockTypeError",
     "LockValueError",
     "Locker",
+    "RWLock",
     "Semaphore",
     "TableMissing",
     "UnsafeDatabase",

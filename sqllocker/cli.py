@@ -19,6 +19,7 @@ import click
 
 from . import __version__
 from .adoption import check_zone
+from .cli_waits import FOREVER, wait_seconds
 from .defaults import DEFAULT_GRACE, DEFAULT_PURGE_BATCH, DEFAULT_PURGE_PAUSE_RATIO
 from .engine import URL_ENVIRONMENT_VARIABLE, create_locker_engine, describe_url, resolve_url
 from .errors import ForeignTable, LockError, describe_holder, one_line, printable
@@ -225,6 +226,41 @@ def show(settings: _Settings, lockstring: str, as_json: bool) -> None:
         click.echo(f"  {printable(key)}: {printable(shown)}")
 
 
+# -- leader ---------------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Print the leader as JSON (null if none).")
+@pass_settings
+def leader(settings: _Settings, name: str, as_json: bool) -> None:
+    """Print who leads the election NAME (the holder of its lock, e.g. a `run --standby NAME`):
+    host, pid, program, since when and its term (fencing token). Exit status 1 if none."""
+    current = settings.locker().election(name).leader()
+    if as_json:
+        _print_json(
+            None
+            if current is None
+            else {
+                "host": current.host,
+                "pid": current.pid,
+                "program": current.program,
+                "since": current.since.isoformat(),
+                "term": current.term,
+            }
+        )
+    elif current is None:
+        click.echo(f"sqllocker: election {name!r} has no leader", err=True)
+    else:
+        click.echo(f"host:    {printable(str(current.host))}")
+        click.echo(f"pid:     {current.pid}")
+        click.echo(f"program: {printable(str(current.program))}")
+        click.echo(f"since:   {_when(current.since)}")
+        click.echo(f"term:    {current.term}")
+    if current is None:
+        sys.exit(1)
+
+
 # -- release --------------------------------------------------------------------------------------
 
 
@@ -266,9 +302,22 @@ def release(settings: _Settings, lockstring: str, force: bool, lock_id: int | No
 @click.option(
     "-w",
     "--wait",
-    type=click.FloatRange(min=0),
+    callback=wait_seconds,
     default=None,
-    help="Wait up to SECONDS for the lock instead.",
+    metavar="SECONDS|forever",
+    help="Wait up to SECONDS for the lock instead (forever: without limit).",
+)
+@click.option(
+    "--shared",
+    is_flag=True,
+    help="Take the read side of LOCKSTRING's read-write lock: any number of --shared runs "
+    "together, while a plain run (the write side) runs alone.",
+)
+@click.option(
+    "--standby",
+    is_flag=True,
+    help="Wait for the lock without limit (as -w forever): a hot standby of COMMAND, which "
+    "takes over when the active copy dies or is stopped.",
 )
 @click.option(
     "-E",
@@ -338,6 +387,8 @@ def run(
     kill_after: float,
     pass_url: bool,
     record_args: bool,
+    shared: bool,
+    standby: bool,
 ) -> None:
     """Run COMMAND while holding LOCKSTRING, like flock(1) across machines.
 
@@ -359,10 +410,13 @@ def run(
     leaves running when it ends is stopped before the lock is released. COMMAND sees the
     lock's fencing token in $SQLLOCKER_LOCK_ID, and not the database URL (see --pass-url).
     """
-    if nonblock and wait is not None:
-        raise click.UsageError("--nonblock and --wait contradict each other")
+    if nonblock and (wait is not None or standby):
+        raise click.UsageError("--nonblock and --wait or --standby contradict each other")
+    if standby and wait is not None and wait != FOREVER:
+        raise click.UsageError("--standby waits forever: it takes no --wait")
     options = RunOptions(
-        wait=0 if wait is None else wait,
+        wait=None if standby or wait == FOREVER else (wait or 0),
+        shared=shared,
         expires=expires,
         conflict_exit_code=conflict_exit_code,
         quiet=quiet,

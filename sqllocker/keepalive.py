@@ -127,11 +127,13 @@ class KeepAlive:
                 wake = now + IDLE_SECONDS
                 for key, entry in list(self._entries.items()):
                     state = entry.state
+                    # pop, not del: the condition is let go while on_lost runs (below), and
+                    # an unlock meanwhile may have taken this snapshot's later entries out.
                     if not state.held or state.lost is not None:
-                        del self._entries[key]
+                        self._entries.pop(key, None)
                         continue
                     if now >= state.valid_until:
-                        del self._entries[key]
+                        self._entries.pop(key, None)
                         self._declare_lost_at_deadline(state)
                         continue
                     if entry.in_flight is None and now >= entry.next_renewal:

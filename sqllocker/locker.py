@@ -31,6 +31,7 @@ from .defaults import (
     DEFAULT_PURGE_BATCH,
     DEFAULT_PURGE_PAUSE_RATIO,
 )
+from .election import Election
 from .engine import describe_url
 from .errors import DatabaseError, LockBusy, LockTypeError
 from .file_queue import BellListener, FileQueue, PlaceRequest
@@ -42,6 +43,7 @@ from .listener import ReleaseListener
 from .lock import Lock, LockState
 from .notifications import guid_digest
 from .operations import Acquired, LockInfo, LockOperations, Refused
+from .rwlock import RWLock
 from .schema import DEFAULT_TABLE
 from .semaphore import Semaphore
 from .telemetry import NameMapping, Telemetry, attempted, named, system_name
@@ -381,6 +383,18 @@ class Locker:
         permit (a lock of its own) from ``.acquire(wait=..., expires=..., keep_alive=...)``
         (see ``sqllocker.permits``)."""
         return Semaphore(self, self._operations, self._call, name, limit)
+
+    def election(self, name: str) -> Election:
+        """Leader election for ``name``: ``.campaign()`` waits until this process leads and
+        keeps the lead alive; ``.leader()`` and ``.observe()`` say who leads (see
+        ``sqllocker.elections``)."""
+        return Election(self, self._operations, self._call, name)
+
+    def rwlock(self, name: str) -> RWLock:
+        """A read-write lock: any number of readers of ``name`` together, from ``.read()``, or
+        one writer alone, from ``.write()``, each with ``wait``, ``expires``, ``keep_alive``,
+        ``on_lost`` and ``locked_by`` (see ``sqllocker.rwlocks``)."""
+        return RWLock(self, self._operations, self._call, name)
 
     def try_lock(
         self,

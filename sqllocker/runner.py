@@ -69,6 +69,7 @@ class RunOptions:
     kill_after: float = DEFAULT_KILL_AFTER
     pass_url: bool = False
     record_args: bool = False
+    shared: bool = False  # the read side of the lock: with others that run --shared
 
 
 class _Interrupted(Exception):
@@ -82,8 +83,8 @@ def run_locked(locker: Locker, lockstring: str, command: Sequence[str], options:
     recorded = shlex.join(command) if options.record_args else command[0]
     try:
         with _signals_raise():
-            lock = locker.lock(
-                lockstring,
+            rw = locker.rwlock(lockstring)  # plain ``run`` is the write side (``rwlocks.py``)
+            lock = (rw.read if options.shared else rw.write)(
                 wait=options.wait,
                 expires=options.expires,
                 locked_by={"command": recorded},

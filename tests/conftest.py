@@ -148,6 +148,7 @@ _ONE_AT_A_TIME = {
     "test_campaign",
     "test_celery",
     "test_dbix_locker",
+    "test_elections",
     "test_faults",
     "test_fencing",
     "test_galera",
@@ -160,6 +161,7 @@ _ONE_AT_A_TIME = {
     "test_poolers",
     "test_queue_order",
     "test_run_family",
+    "test_rwlocks",
     "test_semaphores",
 }
 

@@ -27,7 +27,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 ASYNC_DIR = ROOT / "sqllocker" / "asyncio"
 SYNC_DIR = ROOT / "sqllocker"
-MODULES = ["acquiring.py", "group.py", "listener.py", "lock.py", "locker.py", "semaphore.py"]
+MODULES = [
+    "acquiring.py",
+    "election.py",
+    "group.py",
+    "listener.py",
+    "lock.py",
+    "locker.py",
+    "rwlock.py",
+    "semaphore.py",
+]
 
 ASYNC_BLOCK = re.compile(r"^(?P<indent> *)if True:  # ASYNC$")
 SUBSTITUTIONS = [

@@ -34,9 +34,20 @@ What differs from the sync front end:
 """
 
 from .acquiring import Acquiring
+from .election import AsyncElection, AsyncLeadership
 from .group import AsyncLockGroup
 from .lock import AsyncLock
 from .locker import AsyncLocker
+from .rwlock import AsyncRWLock
 from .semaphore import AsyncSemaphore
 
-__all__ = ["Acquiring", "AsyncLock", "AsyncLockGroup", "AsyncLocker", "AsyncSemaphore"]
+__all__ = [
+    "Acquiring",
+    "AsyncElection",
+    "AsyncLeadership",
+    "AsyncLock",
+    "AsyncLockGroup",
+    "AsyncLocker",
+    "AsyncRWLock",
+    "AsyncSemaphore",
+]

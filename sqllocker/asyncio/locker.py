@@ -42,10 +42,12 @@ from ..telemetry import NameMapping, Telemetry, attempted, named, system_name
 from ..tickets import LOOK_AGAIN, NEWCOMER, LocalLine, Ticket
 from . import concurrency
 from .acquiring import Winnings, acquisition
+from .election import AsyncElection
 from .group import AsyncLockGroup
 from .keepalive import AsyncKeepAlive
 from .listener import AsyncReleaseListener
 from .lock import AsyncLock, AsyncLockState
+from .rwlock import AsyncRWLock
 from .semaphore import AsyncSemaphore
 
 if True:  # ASYNC
@@ -410,6 +412,18 @@ class AsyncLocker:
         permit (a lock of its own) from ``.acquire(wait=..., expires=..., keep_alive=...)``
         (see ``sqllocker.permits``)."""
         return AsyncSemaphore(self, self._operations, self._call, name, limit)
+
+    def election(self, name: str) -> AsyncElection:
+        """Leader election for ``name``: ``.campaign()`` waits until this process leads and
+        keeps the lead alive; ``.leader()`` and ``.observe()`` say who leads (see
+        ``sqllocker.elections``)."""
+        return AsyncElection(self, self._operations, self._call, name)
+
+    def rwlock(self, name: str) -> AsyncRWLock:
+        """A read-write lock: any number of readers of ``name`` together, from ``.read()``, or
+        one writer alone, from ``.write()``, each with ``wait``, ``expires``, ``keep_alive``,
+        ``on_lost`` and ``locked_by`` (see ``sqllocker.rwlocks``)."""
+        return AsyncRWLock(self, self._operations, self._call, name)
 
     async def try_lock(
         self,

@@ -1,0 +1,124 @@
+"""Leader election: one leader of a name at a time (see ``elections.py``).
+
+Written once for asyncio; the sync ``sqllocker/election.py`` is generated from it
+(``tests/unasync.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from ..elections import OBSERVE_INTERVAL, Leader, leader_from
+from ..holding import OnLost
+from ..rwlocks import writer_fence_pattern
+from ..validation import check_lockstring
+from . import concurrency
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncConnection
+
+    from ..operations import LockInfo, LockOperations
+    from .lock import Run
+    from .locker import AsyncLocker
+    from .rwlock import AsyncWriteLock
+
+
+class AsyncLeadership:
+    """This process leads: ``term`` (= ``lock_id``) is its fencing token. Kept alive until
+    ``resign()``; ``is_valid()`` and ``guard(conn)`` as a lock's."""
+
+    def __init__(self, lock: AsyncWriteLock) -> None:
+        self.lock = lock
+        self.term = self.lock_id = lock.lock_id
+
+    def is_valid(self) -> bool:
+        """Whether this process may still act as the leader (a local check, as a lock's)."""
+        return self.lock.is_valid()
+
+    async def guard(self, connection: AsyncConnection) -> None:
+        """Within ``connection``'s transaction, prove the lead still ours (see a lock's
+        ``guard``); LockLost once it is not."""
+        await self.lock.guard(connection)
+
+    async def resign(self) -> None:
+        """Give up the lead at once: the next candidate in line takes it."""
+        await self.lock.unlock()
+
+    async def __aenter__(self) -> AsyncLeadership:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.lock.__aexit__(exc_type, exc_value, traceback)
+
+    def __repr__(self) -> str:
+        return f"<AsyncLeadership {self.lock.lockstring!r} term={self.term}>"
+
+
+class AsyncElection:
+    """Candidates for the lead of ``name`` (see ``sqllocker.elections``); from the locker's
+    ``election()``."""
+
+    def __init__(
+        self, locker: AsyncLocker, operations: LockOperations, run: Run, name: str
+    ) -> None:
+        self.locker = locker
+        self._operations = operations
+        self._run = run
+        self.name = check_lockstring(name)
+
+    async def campaign(
+        self,
+        *,
+        wait: float | None = None,
+        expires: float | None = None,
+        on_lost: OnLost | None = None,
+        locked_by: dict[str, Any] | None = None,
+    ) -> AsyncLeadership:
+        """Wait (``None``: without limit) until this process leads, and keep the lead alive;
+        ``on_lost`` (else the locker's) is called if it is lost, before anyone else can lead.
+        Raises LockBusy once ``wait`` has passed."""
+        lock = await self.locker.rwlock(self.name).write(
+            wait=wait,
+            expires=expires,
+            keep_alive=True,
+            on_lost=on_lost,
+            locked_by={**(locked_by or {}), "election": "leader"},
+        )
+        return AsyncLeadership(lock)
+
+    async def leader(self) -> Leader | None:
+        """Who leads now, as the row says, or None."""
+        info = await self.locker.lock_info(self.name)
+        if info is None:
+            return None
+        fences: list[LockInfo] = await self._run(
+            self._operations.permits, *writer_fence_pattern(self.name)
+        )
+        return leader_from(info, fences)
+
+    async def observe(
+        self, interval: float = OBSERVE_INTERVAL
+    ) -> AsyncGenerator[Leader | None, None]:
+        """The leader now, then each change of leader (None while there is none), read at
+        most ``interval`` (at most a second) apart."""
+        interval = min(max(interval, 0.01), OBSERVE_INTERVAL)
+        last: Leader | None = None
+        first = True
+        while True:
+            started = time.monotonic()
+            now = await self.leader()
+            if first or (now is None) != (last is None) or (now and last and now.term != last.term):
+                yield now
+                first, last = False, now
+            await concurrency.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+    def __repr__(self) -> str:
+        return f"<AsyncElection {self.name!r}>"

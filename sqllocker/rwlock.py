@@ -1,0 +1,230 @@
+# Generated from sqllocker/asyncio/rwlock.py by tests/unasync.py: edit that file, then
+# run `python -m tests.unasync`.
+"""Read-write locks: any number of readers together, or one writer alone (see ``rwlocks.py``).
+
+Written once for asyncio; the sync ``sqllocker/rwlock.py`` is generated from it
+(``tests/unasync.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from datetime import datetime
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from . import concurrency
+from .backoff import Backoff
+from .errors import LockError, LockLost
+from .holding import OnLost
+from .lock import Lock
+from .rwlocks import (
+    READER,
+    WRITER,
+    WRITER_FENCE,
+    check_reader_name,
+    reader_lockstring,
+    reader_pattern,
+    refused,
+    writer_lockstring,
+    writer_pattern,
+)
+from .validation import check_lockstring, check_wait
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection
+
+    from .lock import Run
+    from .locker import Locker
+    from .operations import LockInfo, LockOperations
+
+
+class RWLock:
+    """Readers together or one writer alone on ``name`` (see ``sqllocker.rwlocks``); from the
+    locker's ``rwlock()``."""
+
+    def __init__(self, locker: Locker, operations: LockOperations, run: Run, name: str) -> None:
+        self.locker = locker
+        self._operations = operations
+        self._run = run
+        self.name = check_lockstring(name)
+
+    def read(
+        self,
+        *,
+        wait: float | None = 0,
+        expires: float | None = None,
+        keep_alive: bool = False,
+        on_lost: OnLost | None = None,
+        locked_by: dict[str, Any] | None = None,
+        hold_at_least: float | None = None,
+    ) -> Lock:
+        """A reader's lock (a row of its own, ``lock_id`` its fencing token), released as any
+        lock is. Waits while a writer holds the name or waits for it; ``wait``, ``expires``,
+        ``keep_alive``, ``on_lost``, ``locked_by`` and ``hold_at_least`` are the locker's
+        ``lock()``'s. Raises LockBusy once ``wait`` has passed."""
+        check_reader_name(self.name)
+        backoff = Backoff.for_wait(check_wait(wait, self.name))
+        details = {**(locked_by or {}), "rwlock": READER}
+        while True:
+            if not self._writers():
+                reader = self.locker.lock(
+                    reader_lockstring(self.name),
+                    expires=expires,
+                    locked_by=details,
+                    on_lost=on_lost,
+                    hold_at_least=hold_at_least,
+                )
+                try:
+                    writers = self._writers()
+                except BaseException:
+                    _give_back(reader)
+                    raise
+                if not writers and reader.is_valid():
+                    return reader.keep_alive() if keep_alive else reader
+                # A writer came in first (it goes before us), or we were held up so long that
+                # our row may have expired before we looked: try again.
+                _give_back(reader)
+            if backoff.expired():
+                raise refused(self.name, READER, wait)
+            concurrency.sleep(backoff.next_delay())
+
+    def write(
+        self,
+        *,
+        wait: float | None = 0,
+        expires: float | None = None,
+        keep_alive: bool = False,
+        on_lost: OnLost | None = None,
+        locked_by: dict[str, Any] | None = None,
+        hold_at_least: float | None = None,
+    ) -> WriteLock:
+        """The writer's lock, once no reader is left: the row ``name`` itself (which also
+        excludes a plain lock of the name) and, taken after the readers are gone, a row whose
+        id is the lock's ``lock_id``, greater than every token handed out before it. New
+        readers are refused from the moment it waits. Raises LockBusy once ``wait`` has
+        passed (its row given back)."""
+        backoff = Backoff.for_wait(check_wait(wait, self.name))
+        while True:
+            claim = self.locker.lock(
+                self.name,
+                expires=expires,
+                wait=backoff.remaining(),
+                locked_by={**(locked_by or {}), "rwlock": WRITER},
+                on_lost=on_lost,
+                hold_at_least=hold_at_least,
+            )
+            try:
+                self._wait_out_readers(claim, backoff, wait)
+                # Valid after the readers were found gone: the row was live when they were
+                # read, so no reader can have come in since but through its expiry.
+                if claim.is_valid():
+                    token = self.locker.lock(
+                        writer_lockstring(self.name),
+                        expires=expires,
+                        locked_by={**(locked_by or {}), "rwlock": WRITER_FENCE},
+                        on_lost=on_lost,
+                    )
+                    lock = WriteLock(claim, token)
+                    return lock.keep_alive() if keep_alive else lock
+            except LockLost:
+                pass  # held up past its expiry while it waited: start again
+            except BaseException:
+                _give_back(claim)
+                raise
+            _give_back(claim)
+
+    def holders(self) -> list[LockInfo]:
+        """The live readers and writer, ordered by lockstring (``locked_by["rwlock"]`` says
+        which is which)."""
+        self._run(self._operations.ensure_setup)
+        readers: list[LockInfo] = self._run(self._operations.permits, *reader_pattern(self.name))
+        writers: list[LockInfo] = self._run(self._operations.permits, *writer_pattern(self.name))
+        return writers + readers
+
+    def _writers(self) -> int:
+        # The count's pattern needs the backend: set up first, as a lock operation would.
+        self._run(self._operations.ensure_setup)
+        count: int = self._run(self._operations.count_live, *writer_pattern(self.name))
+        return count
+
+    def _wait_out_readers(self, claim: Lock, backoff: Backoff, wait: float | None) -> None:
+        """Hold ``claim`` (renewing it) until no live reader is left."""
+        renewed = time.monotonic()
+        while self._run(self._operations.count_live, *reader_pattern(self.name)):
+            if backoff.expired():
+                raise refused(self.name, WRITER, wait)
+            if time.monotonic() - renewed > claim.ttl / 3:
+                claim.extend()  # waiting readers out may outlast the claim's expiry
+                renewed = time.monotonic()
+            concurrency.sleep(backoff.next_delay())
+
+    def __repr__(self) -> str:
+        return f"<RWLock {self.name!r}>"
+
+
+class WriteLock(Lock):
+    """A writer's lock: ``claim``, the row ``name`` that keeps readers, writers and plain
+    holders of the name out, and the row this handle holds, taken once the readers were gone,
+    whose id is ``lock_id``. ``lockstring`` is the name; releases, extends, keep-alive,
+    ``is_valid``, ``check`` and ``guard`` act on both rows."""
+
+    def __init__(self, claim: Lock, token: Lock) -> None:
+        super().__init__(
+            token.locker,
+            token._state,
+            created=token._created,
+            expires=token._expires,
+            locked_by=claim.locked_by,
+        )
+        token._finalizer.detach()  # this handle owns the token row now
+        self.claim = claim
+        self.lockstring = claim.lockstring
+
+    def is_valid(self) -> bool:
+        return super().is_valid() and self.claim.is_valid()
+
+    def check(self) -> None:
+        super().check()
+        self.claim.check()
+
+    def unlock(self) -> None:
+        """Delete both rows: this handle's, then the claim (tried even if the first fails)."""
+        try:
+            super().unlock()
+        finally:
+            self.claim.unlock()
+
+    def extend(self, seconds: float | None = None) -> datetime:
+        self.claim.extend(seconds)
+        return super().extend(seconds)
+
+    def keep_alive(self, on_lost: OnLost | None = None) -> WriteLock:
+        self.claim.keep_alive(on_lost)
+        super().keep_alive(on_lost)
+        return self
+
+    def guard(self, connection: Connection) -> None:
+        self.claim.guard(connection)
+        super().guard(connection)
+
+    def __enter__(self) -> WriteLock:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        try:
+            super().__exit__(exc_type, exc_value, traceback)
+        finally:
+            self.claim.__exit__(exc_type, exc_value, traceback)
+
+
+def _give_back(lock: Lock) -> None:
+    """Release a row we will not hold after all; if that fails, it expires."""
+    with contextlib.suppress(LockError):
+        lock.unlock()

@@ -1,0 +1,199 @@
+"""Leader election: one valid leader at any moment, terms increasing, observers told."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from sqllocker import LockBusy, Locker, LockLost
+from sqllocker.asyncio import AsyncLocker
+from tests.helpers import abandon
+from tests.workers import async_url
+
+
+def test_one_leader_at_a_time_and_resign_hands_the_lead_on(
+    make_locker: Callable[..., Locker],
+) -> None:
+    first, second = make_locker().election("scheduler"), make_locker().election("scheduler")
+    assert first.leader() is None
+    lead = first.campaign(expires=2)
+    assert lead.is_valid()
+    assert lead.term == lead.lock_id
+    leader = second.leader()
+    assert leader is not None
+    assert (leader.pid, leader.term) == (os.getpid(), lead.term)
+    assert leader.host
+    assert leader.program
+    with pytest.raises(LockBusy):
+        second.campaign(wait=0.3)
+    lead.resign()
+    assert first.leader() is None
+    after = second.campaign(wait=5)
+    assert after.term > lead.term
+    after.resign()
+
+
+@pytest.mark.slow
+def test_a_leadership_is_kept_alive_past_its_expiry(locker: Locker) -> None:
+    lead = locker.election("scheduler").campaign(expires=1)
+    time.sleep(2.5)
+    assert lead.is_valid()
+    with pytest.raises(LockBusy):
+        locker.election("scheduler").campaign(wait=0)
+    lead.resign()
+
+
+def test_a_lost_lead_is_told_and_its_term_refused_by_guard(
+    make_locker: Callable[..., Locker],
+) -> None:
+    locker = make_locker()
+    told: list[LockLost] = []
+    lead = locker.election("scheduler").campaign(expires=1, on_lost=told.append)
+    locker.break_lock("scheduler")  # an operator's doing, or a takeover
+    deadline = time.monotonic() + 10
+    while not told:
+        assert time.monotonic() < deadline, "on_lost never called"
+        time.sleep(0.05)
+    assert not lead.is_valid()
+    engine = sa.create_engine(locker._operations.engine.url)
+    with engine.connect() as conn, conn.begin(), pytest.raises(LockLost):
+        lead.guard(conn)
+    engine.dispose()
+    with pytest.raises(LockLost):
+        lead.resign()
+
+
+def test_a_crashed_leader_is_succeeded_after_its_expiry(locker: Locker) -> None:
+    election = locker.election("scheduler")
+    crashed = election.campaign(expires=0.5)
+    abandon(crashed.lock.claim)
+    abandon(crashed.lock)
+    after = election.campaign(wait=10)
+    assert after.term > crashed.term
+    after.resign()
+
+
+async def test_async_election_and_observer(
+    url: str, make_locker: Callable[..., Locker], table_name: str
+) -> None:
+    alocker = AsyncLocker(async_url(url), table=table_name, grace=0)
+    election = alocker.election("scheduler")
+    changes = election.observe(interval=0.05)
+    assert await changes.__anext__() is None
+    lead = await election.campaign(expires=2)
+    seen = await changes.__anext__()
+    assert seen is not None
+    assert seen.term == lead.term
+    sync = make_locker().election("scheduler")
+    await lead.resign()
+    assert await changes.__anext__() is None
+    other = sync.campaign(wait=5)
+    seen = await changes.__anext__()
+    assert seen is not None
+    assert seen.term == other.term > lead.term
+    other.resign()
+    await changes.aclose()
+    await alocker.aclose()
+
+
+def test_sqllocker_leader_names_the_holder_or_exits_1(
+    url: str, locker: Locker, table_name: str
+) -> None:
+    command = [str(Path(sys.executable).parent / "sqllocker"), "--url", url, "--table", table_name]
+    none = subprocess.run([*command, "leader", "scheduler"], capture_output=True, text=True)
+    assert none.returncode == 1
+    assert "has no leader" in none.stderr
+    lead = locker.election("scheduler").campaign()
+    shown = subprocess.run(
+        [*command, "leader", "--json", "scheduler"], capture_output=True, text=True
+    )
+    assert shown.returncode == 0, shown.stderr
+    leader = json.loads(shown.stdout)
+    assert (leader["pid"], leader["term"]) == (os.getpid(), lead.term)
+    lead.resign()
+
+
+def _records(state: Path, role: str) -> dict[int, list[dict[str, Any]]]:
+    return {
+        int(path.stem.split("-")[1]): [json.loads(line) for line in path.read_text().splitlines()]
+        for path in state.glob(f"{role}-*.jsonl")
+    }
+
+
+def _leader_pid(locker: Locker, newer_than: int, timeout: float) -> tuple[int, int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        leader = locker.election("scheduler").leader()
+        if leader is not None and leader.term > newer_than and leader.pid is not None:
+            return leader.pid, leader.term
+        time.sleep(0.05)
+    raise AssertionError(f"no new leader after term {newer_than} within {timeout}s")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("front_end", ["sync", "asyncio"])
+def test_five_candidates_one_valid_leader_through_a_kill_and_a_stop(
+    url: str, make_locker: Callable[..., Locker], table_name: str, tmp_path: Path, front_end: str
+) -> None:
+    locker = make_locker()
+    worker = [sys.executable, "-m", "tests.election_workers"]
+    options = [f"--url={url}", f"--table={table_name}", f"--state={tmp_path}"]
+    options += ["--asyncio"] if front_end == "asyncio" else []
+    observer = subprocess.Popen([*worker, "observer", *options])
+    candidates = [subprocess.Popen([*worker, "candidate", *options]) for _ in range(5)]
+    expires, grace = 2.0, 0.5
+    stopped: int | None = None
+    try:
+        killed_pid, killed_term = _leader_pid(locker, 0, 60)
+        time.sleep(1.5)
+        os.kill(killed_pid, signal.SIGKILL)
+        started = time.monotonic()
+        stopped, stopped_term = _leader_pid(locker, killed_term, 30)
+        # A bound against "never": the takeover comes after expiry + grace.
+        assert time.monotonic() - started < expires + grace + 15
+        time.sleep(1.5)
+        os.kill(stopped, signal.SIGSTOP)
+        _, last_term = _leader_pid(locker, stopped_term, 30)
+        time.sleep(1.5)
+        os.kill(stopped, signal.SIGCONT)
+        time.sleep(2.5)
+        assert any(
+            record["event"] == "lost" and record["term"] == stopped_term
+            for record in _records(tmp_path, "candidate")[stopped]
+        ), "the stopped leader never found its lead lost"
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
+        for process in [*candidates, observer]:
+            if process.poll() is None:
+                process.kill()
+            process.wait(30)
+    spans: dict[int, list[float]] = {}
+    for records in _records(tmp_path, "candidate").values():
+        for record in records:
+            if record["event"] == "valid":
+                term, at = int(record["term"]), float(record["at"])
+                low, high = spans.get(term, [at, at])
+                spans[term] = [min(low, at), max(high, at)]
+    ordered = sorted(spans.items(), key=lambda item: item[1][0])
+    assert len(ordered) >= 3
+    for (term, (_, end)), (next_term, (start, _)) in itertools.pairwise(ordered):
+        assert end < start, f"terms {term} and {next_term} were both valid at once"
+        assert next_term > term
+    assert {killed_term, stopped_term, last_term} <= set(spans)
+    observed = [
+        record["term"] for records in _records(tmp_path, "observer").values() for record in records
+    ]
+    for term in (killed_term, stopped_term, last_term):
+        assert term in observed, f"the observer missed term {term}"

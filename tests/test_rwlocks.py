@@ -1,0 +1,332 @@
+"""Read-write locks: readers together, one writer alone, writers not starved, tokens ordered."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from sqllocker import Lock, LockBusy, Locker, LockValueError
+from sqllocker.asyncio import AsyncLocker
+from tests.helpers import abandon, count_rows
+from tests.workers import async_url
+
+
+def test_readers_share_and_a_writer_excludes_everyone(locker: Locker) -> None:
+    rw = locker.rwlock("catalog")
+    readers = [rw.read(), rw.read(), rw.read()]
+    assert len({reader.lockstring for reader in readers}) == 3
+    assert all(reader.lockstring.startswith("catalog (reader ") for reader in readers)
+    assert all(reader.locked_by["rwlock"] == "reader" for reader in readers)
+    with pytest.raises(LockBusy, match="readers hold it"):
+        rw.write()
+    assert count_rows(locker) == 3  # the refused writer gave its row back
+    for reader in readers:
+        reader.unlock()
+    writer = rw.write()
+    assert writer.lockstring == "catalog"
+    assert writer.locked_by["rwlock"] == "writer"
+    assert writer.lock_id > max(reader.lock_id for reader in readers)
+    with pytest.raises(LockBusy, match="a writer holds or waits"):
+        rw.read()
+    with pytest.raises(LockBusy):
+        rw.write()
+    assert [(info.lockstring, info.locked_by["rwlock"]) for info in rw.holders()] == [
+        ("catalog", "writer")
+    ]
+    fence = [info for info in locker.locks() if info.lock_id == writer.lock_id]
+    assert fence[0].lockstring.startswith("catalog (writer ")
+    assert fence[0].locked_by["rwlock"] == "writer's fence"
+    assert writer.claim.lock_id < writer.lock_id
+    writer.unlock()
+    assert rw.holders() == []
+
+
+def test_a_plain_lock_of_the_name_and_a_writer_exclude_each_other(locker: Locker) -> None:
+    rw = locker.rwlock("catalog")
+    plain = locker.lock("catalog")
+    with pytest.raises(LockBusy):
+        rw.write()
+    with pytest.raises(LockBusy):
+        rw.read()  # a plain holder of the name counts as a writer
+    plain.unlock()
+    writer = rw.write()
+    with pytest.raises(LockBusy):
+        locker.lock("catalog")
+    writer.unlock()
+
+
+def test_a_waiting_writer_refuses_new_readers_and_readers_behind_it_enter_together(
+    make_locker: Callable[..., Locker],
+) -> None:
+    locker = make_locker()
+    rw = locker.rwlock("catalog")
+    first = rw.read()
+    got: dict[str, Lock] = {}
+    writer_thread = threading.Thread(target=lambda: got.update(writer=rw.write(wait=30)))
+    writer_thread.start()
+    deadline = time.monotonic() + 10
+    while not any(info.lockstring == "catalog" for info in rw.holders()):
+        assert time.monotonic() < deadline, "the writer never put its row in"
+        time.sleep(0.01)
+    with pytest.raises(LockBusy):
+        rw.read()  # the writer waits: a new reader is refused
+    inside = threading.Barrier(4, timeout=20)  # three readers behind it, and this test
+    readers: list[Lock] = []
+
+    def reader() -> None:
+        lock = make_locker().rwlock("catalog").read(wait=30)
+        readers.append(lock)
+        inside.wait()  # every reader holds at once
+
+    threads = [threading.Thread(target=reader) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.3)
+    assert readers == []  # behind the writer
+    first.unlock()
+    writer_thread.join(20)
+    writer = got["writer"]
+    assert writer.lock_id > first.lock_id
+    time.sleep(0.3)
+    assert readers == []  # still behind the writer, which holds
+    writer.unlock()
+    inside.wait()
+    for thread in threads:
+        thread.join(10)
+    assert len(readers) == 3
+    assert min(lock.lock_id for lock in readers) > writer.lock_id
+    for lock in readers:
+        lock.unlock()
+
+
+def test_a_writer_is_not_starved_by_a_stream_of_overlapping_readers(
+    make_locker: Callable[..., Locker],
+) -> None:
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def reader(offset: float) -> None:
+        rw = make_locker().rwlock("catalog")
+        time.sleep(offset)
+        try:
+            while not stop.is_set():
+                lock = rw.read(wait=60)
+                time.sleep(0.3)  # four readers, each holding 0.3 s, staggered: never none
+                lock.unlock()
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=reader, args=(i * 0.08,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(0.8)
+        rw = make_locker().rwlock("catalog")
+        assert len(rw.holders()) >= 1
+        writer = rw.write(wait=20)  # a starved writer would give up after 20 s
+        assert [info.lockstring for info in rw.holders()] == ["catalog"]
+        writer.unlock()
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+    assert errors == []
+
+
+def test_a_crashed_reader_blocks_a_writer_only_until_it_expires(locker: Locker) -> None:
+    rw = locker.rwlock("catalog")
+    crashed = abandon(rw.read(expires=0.5))
+    with pytest.raises(LockBusy):
+        rw.write()
+    writer = rw.write(wait=10)
+    assert writer.lock_id > crashed.lock_id
+    writer.unlock()
+
+
+def test_a_crashed_writer_is_taken_over_by_a_writer_and_passed_by_readers(
+    locker: Locker,
+) -> None:
+    rw = locker.rwlock("catalog")
+    crashed = rw.write(expires=0.5)
+    abandon(crashed.claim)
+    abandon(crashed)
+    with pytest.raises(LockBusy):
+        rw.read()
+    reader = rw.read(wait=10)  # once expired, its row refuses nobody
+    reader.unlock()
+    writer = rw.write(wait=10)  # and is taken over
+    assert writer.lock_id > crashed.lock_id
+    writer.unlock()
+
+
+@pytest.mark.parametrize("side", ["read", "write"])
+def test_a_sigkilled_holder_is_taken_over_after_it_expires(
+    url: str, locker: Locker, table_name: str, side: str
+) -> None:
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time; from sqllocker import Locker\n"
+            f"lock = Locker({url!r}, table={table_name!r}).rwlock('catalog').{side}(expires=1)\n"
+            "print(lock.lock_id, flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout is not None
+    killed_id = int(holder.stdout.readline())
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait()
+    rw = locker.rwlock("catalog")
+    with pytest.raises(LockBusy):
+        rw.write()
+    writer = rw.write(wait=10)
+    assert writer.lock_id > killed_id
+    writer.unlock()
+
+
+@pytest.mark.slow
+def test_a_kept_alive_reader_outlasts_its_expiry(locker: Locker) -> None:
+    rw = locker.rwlock("catalog")
+    reader = rw.read(expires=1, keep_alive=True)
+    with pytest.raises(LockBusy, match="gave up after waiting"):
+        rw.write(wait=2)
+    assert reader.is_valid()
+    assert count_rows(locker) == 1
+    reader.unlock()
+
+
+@pytest.mark.parametrize("name", ["", "x" * 129])
+def test_bad_names_are_refused_before_any_sql(locker: Locker, name: str) -> None:
+    with pytest.raises(LockValueError):
+        locker.rwlock(name)
+    assert count_rows(locker) == 0
+
+
+def test_a_long_name_is_written_as_any_lockstring_but_read_only_if_the_suffix_fits(
+    locker: Locker,
+) -> None:
+    longest = locker.rwlock("x" * 128)  # the writer's row is the name itself
+    with pytest.raises(LockValueError, match="at most 102 characters"):
+        longest.read()
+    assert count_rows(locker) == 0
+    longest.write().unlock()
+    fits = locker.rwlock("x" * 102)
+    fits.read().unlock()
+
+
+def test_wildcards_in_the_name_count_only_its_own_readers(locker: Locker) -> None:
+    star = locker.rwlock("a*")
+    underscore = locker.rwlock("a_")
+    reader = locker.rwlock("ab").read()
+    star.write().unlock()
+    underscore.write().unlock()
+    reader.unlock()
+
+
+async def test_async_readers_and_writers_meet_sync_ones(
+    url: str, make_locker: Callable[..., Locker], table_name: str
+) -> None:
+    sync = make_locker().rwlock("catalog")
+    alocker = AsyncLocker(async_url(url), table=table_name, grace=0)
+    rw = alocker.rwlock("catalog")
+    reader = await rw.read()
+    other = sync.read()
+    with pytest.raises(LockBusy):
+        await rw.write()
+    assert len(await rw.holders()) == 2
+    await reader.unlock()
+    other.unlock()
+    async with await rw.write() as writer:
+        assert writer.lock_id > other.lock_id
+        with pytest.raises(LockBusy):
+            sync.read()
+    await alocker.aclose()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("front_end", ["sync", "asyncio"])
+def test_many_processes_readers_overlap_and_no_writer_overlaps_anyone(
+    url: str, make_locker: Callable[..., Locker], table_name: str, tmp_path: Path, front_end: str
+) -> None:
+    make_locker()  # the table
+    workers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.rw_workers",
+                f"--url={url}",
+                f"--table={table_name}",
+                f"--state={tmp_path}",
+                "--seconds=6",
+                *(["--asyncio"] if front_end == "asyncio" else []),
+            ]
+        )
+        for _ in range(8)
+    ]
+    for worker in workers:
+        assert worker.wait(120) == 0
+    violations = tmp_path / "violations"
+    assert not violations.exists(), violations.read_text()
+    log = [json.loads(line) for line in (tmp_path / "log").read_text().splitlines()]
+    kinds = {entry["kind"] for entry in log}
+    assert kinds == {"reader", "writer"}
+    assert int((tmp_path / "most_readers").read_text()) >= 2  # readers did share
+    newest = 0
+    for entry in log:
+        if entry["kind"] == "writer":
+            assert entry["id"] > newest, f"writer token {entry['id']} after token {newest}"
+        newest = max(newest, entry["id"])
+    assert len({entry["id"] for entry in log}) == len(log)
+
+
+@pytest.mark.slow
+def test_a_writer_stopped_past_its_expiry_while_it_waits_starts_again(
+    url: str, locker: Locker, table_name: str
+) -> None:
+    rw = locker.rwlock("catalog")
+    first = rw.read(keep_alive=True)
+    writer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "from sqllocker import Locker\n"
+            f"locker = Locker({url!r}, table={table_name!r}, grace=0)\n"
+            "lock = locker.rwlock('catalog').write(wait=60, expires=1)\n"
+            "print(lock.lock_id, lock.is_valid(), flush=True); lock.unlock()",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while locker.lock_info("catalog") is None:
+            assert time.monotonic() < deadline, "the writer never put its row in"
+            time.sleep(0.02)
+        os.kill(writer.pid, signal.SIGSTOP)
+        second = rw.read(wait=10)  # once the stopped writer's row expired
+        first.unlock()
+        os.kill(writer.pid, signal.SIGCONT)
+        time.sleep(1.5)
+        assert writer.poll() is None  # it waits for the second reader, which holds
+        second.unlock()
+        out, _ = writer.communicate(timeout=30)
+    finally:
+        if writer.poll() is None:
+            os.kill(writer.pid, signal.SIGCONT)
+            writer.kill()
+            writer.wait()
+    token, valid = out.split()
+    assert valid == "True"
+    assert int(token) > second.lock_id
