@@ -47,6 +47,7 @@ from .errors import LockBusy, LockLost
 from .holding import CLOCK_DRIFT, safety_margin
 from .lock import Lock
 from .locker import Locker
+from .rwlock import WriteLock
 
 # Exit statuses that are not the command's own, after the shells' and flock(1)'s conventions.
 EXIT_LOCK_LOST = 75  # EX_TEMPFAIL: the command ran, but not (all of it) under the lock
@@ -239,11 +240,15 @@ def _deadlines(lock: Lock) -> tuple[float, float]:
     gone if that passes without renewal (both on ``clock.now()``): halfway between the
     deadline and the earliest moment the row can expire by the server's clock (the expiry
     period after the renewal was sent, less the clock drift the safety margin allows for).
-    Nobody, whatever their grace, can take the lock over before that."""
-    state = lock._state
-    valid_until = state.valid_until
-    earliest_expiry = valid_until + safety_margin(state.ttl) - state.ttl * CLOCK_DRIFT
-    return valid_until, valid_until + (earliest_expiry - valid_until) / 2
+    Nobody, whatever their grace, can take the lock over before that. A writer's lock holds
+    two rows (its claim on the name, and its token), and the earlier of theirs counts."""
+    rows = [lock._state, lock.claim._state] if isinstance(lock, WriteLock) else [lock._state]
+    valid_until = min(state.valid_until for state in rows)
+    kill_by = min(
+        state.valid_until + (safety_margin(state.ttl) - state.ttl * CLOCK_DRIFT) / 2
+        for state in rows
+    )
+    return valid_until, kill_by
 
 
 class _DeadlineCourier:
@@ -263,7 +268,7 @@ class _DeadlineCourier:
 
     def _run(self) -> None:
         period = min(1.0, max(0.02, self._lock.ttl / 30))
-        sent = self._lock._state.valid_until
+        sent = _deadlines(self._lock)[0]
         while not self._done.wait(period):
             valid_until, kill_by = _deadlines(self._lock)
             if valid_until != sent:
