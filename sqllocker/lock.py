@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.engine import Connection
 
 from . import clock, concurrency, forks
-from .errors import LockLost
+from .errors import LockError, LockLost
 from .holding import Holding, LockHandle, OnLost
 from .validation import check_seconds
 
@@ -80,8 +80,33 @@ class LockState(Holding):
                 except LockLost as lost:
                     self.mark_lost(lost)
                     raise
+            if not self.held:
+                # unlock() gave up waiting for this renewal and reported the lock lost, as it
+                # had expired by our reckoning; but the row expires later by the database's (by
+                # the time our last renewal took to reach it), and this one came in between: it
+                # revived the row, for a whole expiry period, for nobody. Given back, and lost.
+                self._give_back_revived()
+                raise self.lost or self.release_gave_up()
             self.renewed(sent_at, ttl)
             return expires
+
+    def _give_back_revived(self) -> None:
+        try:
+            self.run(
+                self.operations.release,
+                self.lockstring,
+                self.lock_id,
+                self.guid,
+                self.hold_at_least,
+            )
+        except LockError as error:
+            logger.warning(
+                "lock %r (id %d), renewed after its release gave up, could not be deleted; "
+                "it will expire: %s",
+                self.lockstring,
+                self.lock_id,
+                error,
+            )
 
     def _delete_row(self) -> None:
         """Delete the row (once); LockLost if it was no longer ours.

@@ -296,6 +296,7 @@ def _never_raising(method: Callable[P, R]) -> Callable[P, R | None]:
     return record
 
 
+@_never_raising
 def _status(span: Any, error: BaseException | None) -> None:
     from opentelemetry.trace import Status, StatusCode
 
@@ -335,9 +336,13 @@ class _RecordedAcquisition(Acquisition):
         self._end(outcome, error)
 
     def acquired(self, lock_id: int) -> Hold:
-        self._span.set_attribute("sqllocker.lock.id", lock_id)
+        self._identify(lock_id)
         self.succeeded()
         return self.member(lock_id)
+
+    @_never_raising
+    def _identify(self, lock_id: int) -> None:
+        self._span.set_attribute("sqllocker.lock.id", lock_id)
 
     def member(self, lock_id: int) -> Hold:
         try:
@@ -350,7 +355,11 @@ class _RecordedAcquisition(Acquisition):
     def succeeded(self) -> None:
         self._end("acquired", None)
         if self._took_over:
-            self._instruments.takeovers.add(1, self._attributes)
+            self._count_takeover()
+
+    @_never_raising
+    def _count_takeover(self) -> None:
+        self._instruments.takeovers.add(1, self._attributes)
 
     @_never_raising
     def _end(self, outcome: str, error: BaseException | None) -> None:
@@ -428,9 +437,28 @@ class _RecordedHold(Hold):
 
     @contextmanager
     def _span(self, name: str) -> Iterator[Any]:
-        attributes = {**self._attributes, "sqllocker.lock.id": self._lock_id}
-        span = self._instruments.tracer.start_span(name, attributes=attributes)
+        """A span around a renewal or a release. A tracer or span processor that raises as the
+        span starts or ends must not keep the statement from running, nor report one that ran
+        as failed: the renewal would be retried until the lock is lost, and the release leave
+        a live row that nobody holds."""
+        span = self._start_span(name) or _non_recording_span()
         try:
             yield span
         finally:
-            span.end()
+            _end_span(span)
+
+    @_never_raising
+    def _start_span(self, name: str) -> Any:
+        attributes = {**self._attributes, "sqllocker.lock.id": self._lock_id}
+        return self._instruments.tracer.start_span(name, attributes=attributes)
+
+
+def _non_recording_span() -> Any:
+    from opentelemetry.trace import INVALID_SPAN
+
+    return INVALID_SPAN
+
+
+@_never_raising
+def _end_span(span: Any) -> None:
+    span.end()

@@ -1110,3 +1110,86 @@ def test_unlock_behind_a_renewal_stuck_on_a_busy_sqlite_database_ends_within_the
     assert outcome["took"] < 30, outcome  # against the 60 s busy timeout
     assert isinstance(outcome.get("error"), LockLost), outcome
     assert len(lost) == 1
+
+
+@pytest.mark.parametrize("front", ["sync", "asyncio"])
+@pytest.mark.parametrize("backend", ["sqlite"])
+def test_a_renewal_that_lands_after_unlock_gave_up_revives_no_row(
+    url: str, table_name: str, make_locker: Any, backend: str, front: str
+) -> None:
+    """unlock() gives up on a renewal in flight once the lock has expired as its holder
+    reckons it, which is earlier than the database's expiry by the time the last renewal took
+    to reach it (here: a writer held it 1 s). A stuck renewal that reaches the database in
+    between still finds the row live, and renewed it for a whole expiry period more: a row held
+    by nobody, after unlock() said the lock was lost, and the renewal reported success. Its
+    revived row must be given back, and the renewal report the loss."""
+    make_locker()  # creates the table
+    blocker = sa.create_engine(resolve_url(url)).connect()
+    expires = 3.0
+    outcome: dict[str, Any] = {}
+
+    async def in_asyncio() -> None:
+        locker = AsyncLocker(async_url(url), table=table_name, grace=GRACE)
+        try:
+            lock = await locker.lock("job", expires=expires)
+            blocker.exec_driver_sql("BEGIN IMMEDIATE")
+            late = asyncio.create_task(lock.extend(expires))
+            await asyncio.sleep(1.0)
+            blocker.commit()  # the renewal reaches the database 1 s after it was sent
+            await late
+            blocker.exec_driver_sql("BEGIN IMMEDIATE")
+            stuck = asyncio.create_task(lock.extend(expires))
+            await asyncio.sleep(0.1)
+            try:
+                await lock.unlock()
+            except LockError as error:
+                outcome["unlock"] = error
+            blocker.commit()  # before the database's expiry
+            try:
+                outcome["renewal"] = await stuck
+            except LockError as error:
+                outcome["renewal"] = error
+            outcome["row"] = await locker.lock_info("job")
+        finally:
+            await locker.aclose()
+
+    def renew(lock: Any) -> None:
+        try:
+            outcome["renewal"] = lock.extend(expires)
+        except LockError as error:
+            outcome["renewal"] = error
+
+    try:
+        if front == "asyncio":
+            asyncio.run(in_asyncio())
+        else:
+            locker = Locker(url, table=table_name, grace=GRACE)
+            try:
+                lock = locker.lock("job", expires=expires)
+                blocker.exec_driver_sql("BEGIN IMMEDIATE")
+                late = threading.Thread(target=renew, args=(lock,))
+                late.start()
+                time.sleep(1.0)
+                blocker.commit()
+                late.join()
+                blocker.exec_driver_sql("BEGIN IMMEDIATE")
+                stuck = threading.Thread(target=renew, args=(lock,))
+                stuck.start()
+                time.sleep(0.1)
+                try:
+                    lock.unlock()
+                except LockError as error:
+                    outcome["unlock"] = error
+                blocker.commit()
+                stuck.join()
+                outcome["row"] = locker.lock_info("job")
+            finally:
+                locker.close()
+    finally:
+        blocker.rollback()
+        blocker.close()
+        blocker.engine.dispose()
+    assert isinstance(outcome.get("unlock"), LockLost), outcome
+    assert isinstance(outcome.get("renewal"), LockLost), outcome
+    row = outcome["row"]
+    assert row is None or row.expired, outcome

@@ -14,7 +14,7 @@ import pytest
 import sqlalchemy as sa
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
@@ -303,7 +303,7 @@ CALLER = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
 RUN_TRACED = """
 import json, sys
 from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 exporter = InMemorySpanExporter()
@@ -608,3 +608,61 @@ async def test_an_async_keep_alive_records_renewals_and_the_loss(
     assert recorded.count("sqllocker.lock.renewals", sqllocker_outcome="failed") >= 1
     assert recorded.count("sqllocker.lock.hold.duration", sqllocker_outcome="lost") == 1
     assert recorded.count("sqllocker.locks.held") == 0
+
+
+class _FailingSpanProcessor(SpanProcessor):
+    """A span processor with a bug (an exporter's, a vendor's): it raises as a held lock's
+    spans (its renewals, its release) start or end."""
+
+    def __init__(self, at: str) -> None:
+        self.at = at
+
+    def on_start(self, span: Any, parent_context: Any = None) -> None:
+        if self.at == "start" and span.name != "sqllocker.acquire":
+            raise RuntimeError("a span processor's bug")
+
+    def on_end(self, span: Any) -> None:
+        if self.at == "end" and span.name != "sqllocker.acquire":
+            raise RuntimeError("a span processor's bug")
+
+
+@pytest.mark.parametrize("at", ["start", "end"])
+def test_a_failing_span_processor_never_stops_a_release_or_a_renewal(
+    make_locker: Callable[..., Locker], at: str
+) -> None:
+    """A raising tracer left unlock() raising a RuntimeError with the row still live (at
+    start: the DELETE never ran), or raising after the DELETE (at end), and made every renewal
+    fail: a kept-alive lock was reported lost at its first deadline."""
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(_FailingSpanProcessor(at))
+    locker = make_locker(tracer_provider=tracer_provider)
+    lost: list[LockLost] = []
+    lock = locker.lock("job 1", expires=1, keep_alive=True, on_lost=lost.append)
+    time.sleep(2.5)  # past the lock's expiry: only its renewals keep it
+    assert not lost
+    assert lock.is_valid()
+    lock.unlock()
+    assert locker.lock_info("job 1") is None
+    tracer_provider.shutdown()
+
+
+@pytest.mark.parametrize("at", ["start", "end"])
+async def test_a_failing_span_processor_never_stops_an_async_release_or_renewal(
+    url: str, table_name: str, make_locker: Callable[..., Locker], at: str
+) -> None:
+    import asyncio
+
+    make_locker()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(_FailingSpanProcessor(at))
+    lost: list[LockLost] = []
+    async with AsyncLocker(
+        async_url(url), table=table_name, grace=0, tracer_provider=tracer_provider
+    ) as locker:
+        lock = await locker.lock("job 1", expires=1, keep_alive=True, on_lost=lost.append)
+        await asyncio.sleep(2.5)
+        assert not lost
+        assert lock.is_valid()
+        await lock.unlock()
+        assert await locker.lock_info("job 1") is None
+    tracer_provider.shutdown()

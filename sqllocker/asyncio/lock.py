@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from .. import clock, forks
-from ..errors import LockLost
+from ..errors import LockError, LockLost
 from ..holding import Holding, LockHandle, OnLost
 from ..validation import check_seconds
 from . import concurrency
@@ -88,8 +88,33 @@ class AsyncLockState(Holding):
                 except LockLost as lost:
                     self.mark_lost(lost)
                     raise
+            if not self.held:
+                # unlock() gave up waiting for this renewal and reported the lock lost, as it
+                # had expired by our reckoning; but the row expires later by the database's (by
+                # the time our last renewal took to reach it), and this one came in between: it
+                # revived the row, for a whole expiry period, for nobody. Given back, and lost.
+                await self._give_back_revived()
+                raise self.lost or self.release_gave_up()
             self.renewed(sent_at, ttl)
             return expires
+
+    async def _give_back_revived(self) -> None:
+        try:
+            await self.run(
+                self.operations.release,
+                self.lockstring,
+                self.lock_id,
+                self.guid,
+                self.hold_at_least,
+            )
+        except LockError as error:
+            logger.warning(
+                "lock %r (id %d), renewed after its release gave up, could not be deleted; "
+                "it will expire: %s",
+                self.lockstring,
+                self.lock_id,
+                error,
+            )
 
     async def _delete_row(self) -> None:
         """Delete the row (once); LockLost if it was no longer ours.
