@@ -34,10 +34,10 @@ _FUNCTION_SIGNATURES = ("{table}_foreign_times()",)
 
 def _foreign_times(table: str) -> str:
     # The cast to timestamp gives back the text as the session read it. SECURITY INVOKER: it
-    # only rewrites the row it is given. OR REPLACE: a table made by a development version of
-    # 0001 has it already.
+    # only rewrites the row it is given. Never OR REPLACE: a function of that name that another
+    # role made would keep its owner, who could rewrite what the trigger runs.
     return f"""
-        CREATE OR REPLACE FUNCTION {table}_foreign_times() RETURNS trigger
+        CREATE FUNCTION {table}_foreign_times() RETURNS trigger
         LANGUAGE plpgsql SECURITY INVOKER AS $$
         BEGIN
             IF TG_OP OPERATOR(pg_catalog.=) 'INSERT'::text THEN
@@ -61,7 +61,6 @@ def upgrade() -> None:
         return
     table = check_table_name(context.config.attributes["table"])
     create_pinned_functions(table, [_foreign_times(table)], _FUNCTION_SIGNATURES)
-    op.execute(f"DROP TRIGGER IF EXISTS {table}_foreign_times ON {table}")
     op.execute(
         f"CREATE TRIGGER {table}_foreign_times BEFORE INSERT OR UPDATE OF created, expires "
         f"ON {table} FOR EACH ROW WHEN (pg_catalog.starts_with(NEW.guid::text, "
