@@ -102,6 +102,20 @@ def test_migrate_makes_the_table_sqllocker_migrate_makes(project: Project) -> No
         inspector_engine.dispose()
 
 
+def test_migrate_brings_a_lock_table_made_before_0002_to_the_head(project: Project) -> None:
+    """A project migrated before sqllocker's revision 0002 came has its lock table at 0001
+    (migrating back to the app's 0001 leaves it so); ``manage.py migrate`` brings it up."""
+    project.manage("migrate", "sqllocker", "0001", "--verbosity=0")
+    engine = sa.create_engine(resolve_url(project.url))
+    try:
+        assert current_revision(engine, project.table) == "0001"
+        project.manage("migrate", "--verbosity=0")
+        assert current_revision(engine, project.table) == head_revision() == "0002"
+        assert schema_differences(engine, project.table) == []
+    finally:
+        engine.dispose()
+
+
 def test_manage_py_sqllocker_is_the_command_line_on_the_table(project: Project) -> None:
     holder = subprocess.Popen(
         project.command("report", "2026-11-25", "30"), env=project.env, cwd=ROOT

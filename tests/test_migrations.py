@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from click.testing import CliRunner
 
 from sqllocker import Locker
+from sqllocker.cli import cli
 from sqllocker.engine import resolve_url
 from sqllocker.migrations import (
     VERSION_TABLE,
@@ -62,6 +65,78 @@ def test_upgrade_is_idempotent_and_uses_its_own_version_table(url: str) -> None:
     assert not set(sa.inspect(engine).get_table_names()) & {"semaphores", "semaphores_requests"}
     with engine.begin() as conn:
         conn.exec_driver_sql(f"DROP TABLE {VERSION_TABLE}")
+    engine.dispose()
+
+
+def foreign_times_made(engine: sa.Engine, table: str) -> tuple[bool, bool]:
+    """Whether ``<table>_foreign_times`` exists as a trigger, and as a function."""
+    with engine.connect() as conn:
+        trigger = conn.exec_driver_sql(
+            "SELECT count(*) FROM pg_catalog.pg_trigger WHERE tgname = %(name)s",
+            {"name": f"{table}_foreign_times"},
+        ).scalar()
+        function = conn.exec_driver_sql(
+            "SELECT count(*) FROM pg_catalog.pg_proc WHERE proname = %(name)s",
+            {"name": f"{table}_foreign_times"},
+        ).scalar()
+    return bool(trigger), bool(function)
+
+
+def test_a_table_at_0001_is_behind_and_migrate_brings_the_foreign_times(
+    url: str, table_name: str
+) -> None:
+    """A table migrated before revision 0002 came is at 0001: ``migrate --check`` says it is
+    behind and what to run, and ``migrate`` brings it, on PostgreSQL the trigger that reads
+    a DBIx::Locker row's offset-less times as UTC, whatever the inserting session's TimeZone
+    (without it, a Tokyo session reads Perl's 12:00 as 03:00 UTC: nine hours early)."""
+    engine = sa.create_engine(resolve_url(url))
+    postgresql = engine.dialect.name == "postgresql"
+    upgrade(engine, table_name, "0001")
+    if postgresql:
+        assert foreign_times_made(engine, table_name) == (False, False)
+    checked = CliRunner().invoke(cli, ["--url", url, "--table", table_name, "migrate", "--check"])
+    assert checked.exit_code == 1, checked.output
+    assert f"at revision 0001, behind {head_revision()}" in checked.output
+    assert f"`sqllocker --url URL --table {table_name} migrate`" in checked.output
+    migrated = CliRunner().invoke(cli, ["--url", url, "--table", table_name, "migrate"])
+    assert migrated.exit_code == 0, migrated.output
+    assert f"from 0001 to revision {head_revision()}" in migrated.output
+    assert current_revision(engine, table_name) == head_revision() == "0002"
+    assert schema_differences(engine, table_name) == []
+    if postgresql:
+        assert foreign_times_made(engine, table_name) == (True, True)
+        with engine.connect() as conn:
+            pinned, public = conn.exec_driver_sql(
+                "SELECT proconfig, pg_catalog.has_function_privilege('public', oid, 'EXECUTE') "
+                "FROM pg_catalog.pg_proc WHERE proname = %(name)s",
+                {"name": f"{table_name}_foreign_times"},
+            ).one()
+        assert pinned == ["search_path=pg_catalog, public, pg_temp"]
+        assert not public
+    with engine.begin() as conn:
+        if postgresql:
+            conn.exec_driver_sql("SET LOCAL TIME ZONE 'Asia/Tokyo'")  # this session only
+        # As DBIx::Locker inserts: no guid, local times without an offset.
+        conn.exec_driver_sql(
+            f"INSERT INTO {table_name} (lockstring, created, expires, locked_by) "
+            "VALUES ('perl job', '2030-01-01 11:00:00', '2030-01-01 12:00:00', '{}')"
+        )
+    locker = Locker(url, table=table_name, auto_create=False)
+    try:
+        info = locker.lock_info("perl job")
+    finally:
+        locker.close()
+    assert info is not None
+    assert info.dbix_locker
+    assert info.expires == datetime(2030, 1, 1, 12, tzinfo=timezone.utc)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f"DELETE FROM {table_name}")
+    downgrade(engine, table_name, "0001")
+    assert current_revision(engine, table_name) == "0001"
+    if postgresql:
+        assert foreign_times_made(engine, table_name) == (False, False)
+    downgrade(engine, table_name)
+    assert not sa.inspect(engine).has_table(table_name)
     engine.dispose()
 
 

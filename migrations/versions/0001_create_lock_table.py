@@ -16,9 +16,9 @@
 Every PostgreSQL function runs with its ``search_path`` pinned to ``pg_catalog``, the table's
 own schema and ``pg_temp`` (last), and calls catalog functions and operators with their exact
 argument types, so that nothing another role creates in a schema on a caller's path can run in
-its place (CVE-2018-1058). The functions are ``SECURITY DEFINER``: they reach the requests
-table for the roles that take locks, which need no privilege on it, only EXECUTE, which PUBLIC
-does not get.
+its place (CVE-2018-1058; see ``sqllocker.migration_functions``). The functions are
+``SECURITY DEFINER``: they reach the requests table for the roles that take locks, which need
+no privilege on it, only EXECUTE, which PUBLIC does not get.
 
 Revision ID: 0001
 Revises:
@@ -31,7 +31,8 @@ import sqlalchemy as sa
 from alembic import context, op
 from sqlalchemy.dialects import postgresql
 
-from sqllocker.schema import FOREIGN_GUID_PREFIX, ForeignGuidDefault, Lockstring, UTCDateTime
+from sqllocker.migration_functions import create_pinned_functions, drop_functions
+from sqllocker.schema import ForeignGuidDefault, Lockstring, UTCDateTime
 from sqllocker.validation import check_table_name
 
 revision: str = "0001"
@@ -240,31 +241,7 @@ def _postgresql_functions(table: str) -> list[str]:
             RETURN swept;
         END
         $$"""
-    # A row DBIx::Locker writes (the guid is the column's default) carries its times as local
-    # text without an offset, which the inserting session read in its own TimeZone: up to 26
-    # hours off the truth (Perl at UTC-12, the session at UTC+14), past the 14 hours the
-    # foreign rows are given (schema.FOREIGN_CLOCK_MARGIN). Read again as UTC, as MySQL and
-    # SQLite store that text, they are off by Perl's own offset only, which the margin covers.
-    # The cast to timestamp gives back the text as the session read it. SECURITY INVOKER: it
-    # only rewrites the row it is given.
-    foreign_times = f"""
-        CREATE FUNCTION {table}_foreign_times() RETURNS trigger LANGUAGE plpgsql AS $$
-        BEGIN
-            IF TG_OP OPERATOR(pg_catalog.=) 'INSERT'::text THEN
-                NEW.created := pg_catalog.timezone('UTC'::text, NEW.created::timestamp);
-                NEW.expires := pg_catalog.timezone('UTC'::text, NEW.expires::timestamp);
-                RETURN NEW;
-            END IF;
-            IF NEW.created IS DISTINCT FROM OLD.created THEN
-                NEW.created := pg_catalog.timezone('UTC'::text, NEW.created::timestamp);
-            END IF;
-            IF NEW.expires IS DISTINCT FROM OLD.expires THEN
-                NEW.expires := pg_catalog.timezone('UTC'::text, NEW.expires::timestamp);
-            END IF;
-            RETURN NEW;
-        END
-        $$"""
-    return [release, queue_join, anyone_ahead, queue_leave, sweep, foreign_times]
+    return [release, queue_join, anyone_ahead, queue_leave, sweep]
 
 
 _FUNCTION_SIGNATURES = (
@@ -273,7 +250,6 @@ _FUNCTION_SIGNATURES = (
     "{table}_anyone_ahead(varchar, bigint)",
     "{table}_queue_leave(bigint, varchar, varchar, boolean)",
     "{table}_sweep_requests()",
-    "{table}_foreign_times()",
 )
 
 
@@ -344,13 +320,6 @@ def upgrade() -> None:
         )
     for step in adoption.after_create if adoption else ():
         _run(step)
-    if dialect == "postgresql":
-        # After the adopted rows, whose times are UTC already.
-        op.execute(
-            f"CREATE TRIGGER {table}_foreign_times BEFORE INSERT OR UPDATE OF created, expires "
-            f"ON {table} FOR EACH ROW WHEN (pg_catalog.starts_with(NEW.guid::text, "
-            f"'{FOREIGN_GUID_PREFIX}'::text)) EXECUTE FUNCTION {table}_foreign_times()"
-        )
 
 
 def _run(step: object) -> None:
@@ -377,51 +346,11 @@ def _upgrade_postgresql(table: str) -> None:
     )
     op.execute(f"CREATE INDEX ix_{table}_requests_line ON {table}_requests (lockstring, ticket)")
     op.execute(f"REVOKE ALL ON {table}_requests FROM PUBLIC")
-    with _pinned_path(table):
-        for function in _postgresql_functions(table):
-            op.execute(function)
-    for signature in _FUNCTION_SIGNATURES:
-        op.execute(f"REVOKE ALL ON FUNCTION {signature.format(table=table)} FROM PUBLIC")
+    create_pinned_functions(table, _postgresql_functions(table), _FUNCTION_SIGNATURES)
     op.execute(
         f"CREATE TRIGGER {table}_released AFTER DELETE ON {table} "
         f"FOR EACH ROW EXECUTE FUNCTION {table}_notify_release()"
     )
-
-
-class _pinned_path:
-    """While the functions are made, the transaction's search_path is the table's schema, so
-    that they are made beside it; then each is pinned (``ALTER FUNCTION ... SET search_path FROM
-    CURRENT``) to pg_catalog, that schema and pg_temp, in that order. In SQL, so that
-    ``sqllocker migrate --sql`` prints it for a DBA too."""
-
-    def __init__(self, table: str) -> None:
-        self._table = table
-
-    def __enter__(self) -> None:
-        op.execute(
-            "SELECT pg_catalog.set_config('sqllocker.saved_search_path', "
-            "pg_catalog.current_setting('search_path'), true), "
-            "pg_catalog.set_config('sqllocker.schema', "
-            "pg_catalog.quote_ident(pg_catalog.current_schema()), true)"
-        )
-        op.execute(
-            "SELECT pg_catalog.set_config('search_path', "
-            "pg_catalog.current_setting('sqllocker.schema'), true)"
-        )
-
-    def __exit__(self, *_: object) -> None:
-        op.execute(
-            "SELECT pg_catalog.set_config('search_path', 'pg_catalog, ' "
-            "OPERATOR(pg_catalog.||) pg_catalog.current_setting('sqllocker.schema') "
-            "OPERATOR(pg_catalog.||) ', pg_temp', true)"
-        )
-        for signature in _FUNCTION_SIGNATURES:
-            function = signature.format(table=self._table)
-            op.execute(f"ALTER FUNCTION {function} SET search_path FROM CURRENT")
-        op.execute(
-            "SELECT pg_catalog.set_config('search_path', "
-            "pg_catalog.current_setting('sqllocker.saved_search_path'), true)"
-        )
 
 
 def downgrade() -> None:
@@ -429,10 +358,7 @@ def downgrade() -> None:
     dialect = op.get_context().dialect.name
     if dialect == "postgresql":
         op.execute(f"DROP TRIGGER {table}_released ON {table}")
-        # IF EXISTS: tables made before the foreign-times trigger came have neither.
-        op.execute(f"DROP TRIGGER IF EXISTS {table}_foreign_times ON {table}")
-        for signature in _FUNCTION_SIGNATURES:
-            op.execute(f"DROP FUNCTION IF EXISTS {signature.format(table=table)}")
+        drop_functions(table, _FUNCTION_SIGNATURES)
         op.execute(f"DROP TABLE {table}_requests")
     elif dialect == "mysql":
         op.drop_table(f"{table}_requests")

@@ -5,30 +5,18 @@ from __future__ import annotations
 
 from typing import Any
 
-import sqlalchemy as sa
 from django.db import migrations
 
 from sqllocker import migrations as lock_table_migrations
-from sqllocker.django.configuration import database_alias, database_url, table_name
-
-
-def _on_lock_database(schema_editor: Any, migrate: Any) -> None:
-    alias = schema_editor.connection.alias
-    if alias != database_alias():
-        return
-    engine = sa.create_engine(database_url(alias))
-    try:
-        migrate(engine, table_name())
-    finally:
-        engine.dispose()
+from sqllocker.django.lock_table import on_lock_database
 
 
 def create_lock_table(apps: Any, schema_editor: Any) -> None:
-    _on_lock_database(schema_editor, lock_table_migrations.upgrade)
+    on_lock_database(schema_editor, lock_table_migrations.upgrade)
 
 
 def drop_lock_table(apps: Any, schema_editor: Any) -> None:
-    _on_lock_database(schema_editor, lock_table_migrations.downgrade)
+    on_lock_database(schema_editor, lock_table_migrations.downgrade)
 
 
 class Migration(migrations.Migration):
