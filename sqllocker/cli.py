@@ -678,3 +678,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 __all__ = ["EXIT_LOCK_LOST", "cli", "main"]
+
+if __name__ == "__main__":  # python -m sqllocker.cli, as the console script
+    main()
