@@ -27,6 +27,7 @@ from celery.result import AsyncResult  # noqa: E402
 
 from sqllocker import Locker  # noqa: E402
 from sqllocker.celery import is_skipped  # noqa: E402
+from tests.conftest import IN_CI  # noqa: E402
 from tests.helpers import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.slow  # real workers, schedulers or processes
@@ -146,6 +147,8 @@ def cluster(
     try:
         redis.Redis.from_url(REDIS_URL).ping()
     except redis.exceptions.ConnectionError as error:
+        if IN_CI:
+            pytest.fail(f"Redis at {REDIS_URL} is unreachable: {error} (CI requires it)")
         pytest.skip(f"Redis at {REDIS_URL} is unreachable: {error}")
     make_locker()  # creates the table
     running = Cluster(url, table_name, tmp_path)

@@ -24,7 +24,7 @@ from sqlalchemy.engine import make_url
 
 from sqllocker.engine import resolve_url
 from sqllocker.migrations import current_revision, head_revision, schema_differences
-from tests.conftest import MYSQL_ADMIN_URL, POSTGRES_ADMIN_URL
+from tests.conftest import IN_CI, MYSQL_ADMIN_URL, POSTGRES_ADMIN_URL
 
 pytestmark = pytest.mark.slow  # real workers, schedulers or processes
 
@@ -45,6 +45,8 @@ def database(backend: str, tmp_path: Path) -> Iterator[str]:
             conn.exec_driver_sql(f"CREATE DATABASE {name}")
     except sa.exc.OperationalError as error:
         admin.dispose()
+        if IN_CI:
+            pytest.fail(f"{backend} is unreachable: {error.orig} (CI requires every backend)")
         pytest.skip(f"{backend} is unreachable: {error.orig}")
     try:
         url = make_url(resolve_url(ADMIN_URLS[backend])).set(database=name)

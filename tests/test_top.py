@@ -19,6 +19,7 @@ import sqlalchemy as sa
 from sqllocker import Locker
 from sqllocker.engine import resolve_url
 from sqllocker.migrations import upgrade
+from tests.conftest import IN_CI
 from tests.helpers import wait_until
 
 SQLLOCKER = str(Path(__file__).resolve().parents[1] / ".venv" / "bin" / "sqllocker")
@@ -66,6 +67,8 @@ class Terminal:
 @pytest.fixture
 def terminal() -> Iterator[Terminal]:
     if TMUX is None:
+        if IN_CI:
+            pytest.fail("needs tmux (Debian's tmux package)")
         pytest.skip("tmux is not installed")
     term = Terminal(f"sqllocker-test-{uuid.uuid4().hex[:8]}")
     yield term

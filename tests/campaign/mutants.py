@@ -73,6 +73,11 @@ def _never_stop(self: Any) -> None:
     return None
 
 
+def _no_deadline(lock: Any) -> tuple[float, float]:
+    """A watchdog told of no deadline: it never stops the family of a stopped sqllocker."""
+    return float("inf"), float("inf")
+
+
 def apply(name: str | None = None) -> str | None:
     """Apply the mutant ``name`` (else the one the environment names); returns its name."""
     name = name or os.environ.get(ENVIRONMENT_VARIABLE) or None
@@ -89,7 +94,10 @@ def apply(name: str | None = None) -> str | None:
     elif name == "run-never-stops":
         from sqllocker import runner
 
-        runner._Group.stop = _never_stop  # type: ignore[method-assign]
+        # Neither sqllocker (when it finds its lock lost) nor its watchdog (when the lock's
+        # deadline passes) stops the command's family.
+        runner._Family.stop = _never_stop  # type: ignore[method-assign]
+        runner._deadlines = _no_deadline
     else:
         from sqllocker import semaphore
         from sqllocker.asyncio import semaphore as async_semaphore
