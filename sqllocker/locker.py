@@ -137,6 +137,7 @@ class Locker:
         )
         self.table_name, self.expires, self.grace, fraction = options
         pooled = validation.check_flag(transaction_pooling, "transaction_pooling")
+        validation.check_telemetry_options(meter_provider, tracer_provider, telemetry_name)
         self.on_lost = on_lost
         self.strict = strict
         self.engine: Engine
@@ -369,6 +370,8 @@ class Locker:
         backoff = Backoff.for_wait(wait)
         while True:
             outcome = self._operations.try_acquire_all(members, ttl, details)
+            for attempt in [outcome] if isinstance(outcome, Refused) else outcome:
+                attempted(attempt)  # a wait turn, or a member taken (over)
             if not isinstance(outcome, Refused):
                 locks = [
                     self._lock(winnings, name, guid, acquired, ttl, details, on_lost)

@@ -85,12 +85,14 @@ class AsyncElection:
         """Wait (``None``: without limit) until this process leads, and keep the lead alive;
         ``on_lost`` (else the locker's) is called if it is lost, before anyone else can lead.
         Raises LockBusy once ``wait`` has passed."""
-        lock = await self.locker.rwlock(self.name).write(
-            wait=wait,
-            expires=expires,
-            keep_alive=True,
-            on_lost=on_lost,
-            locked_by={**(locked_by or {}), "election": "leader"},
+        lock = await self.locker.rwlock(self.name)._write(
+            wait,
+            expires,
+            True,
+            on_lost,
+            {**(locked_by or {}), "election": "leader"},
+            None,
+            kind="election",
         )
         return AsyncLeadership(lock)
 
