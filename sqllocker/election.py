@@ -108,17 +108,36 @@ class Election:
 
     def observe(self, interval: float = OBSERVE_INTERVAL) -> Generator[Leader | None, None]:
         """The leader now, then each change of leader (None while there is none), read at
-        most ``interval`` (at most a second) apart."""
+        most ``interval`` (at most a second) apart, and on PostgreSQL again at once when a
+        candidate says it took or gave up the lead (a NOTIFY, taken as a hint to read)."""
         interval = min(max(interval, 0.01), OBSERVE_INTERVAL)
+        self._run(self._operations.ensure_setup)
+        listener = self.locker._release_listener()
+        if listener is not None and not listener.hands_over:
+            listener = None  # MySQL/MariaDB: no NOTIFY, the poll alone
         last: Leader | None = None
         first = True
         while True:
             started = time.monotonic()
-            now = self.leader()
-            if first or (now is None) != (last is None) or (now and last and now.term != last.term):
-                yield now
-                first, last = False, now
-            concurrency.sleep(max(0.0, interval - (time.monotonic() - started)))
+            # Subscribed before the read: a change after it wakes the wait below.
+            hint = None if listener is None else listener.observe(self.name)
+            try:
+                now = self.leader()
+                if (
+                    first
+                    or (now is None) != (last is None)
+                    or (now and last and now.term != last.term)
+                ):
+                    yield now
+                    first, last = False, now
+                left = max(0.0, interval - (time.monotonic() - started))
+                if hint is None:
+                    concurrency.sleep(left)
+                else:
+                    concurrency.wait(hint.event, left)
+            finally:
+                if listener is not None and hint is not None:
+                    listener.unobserve(hint)
 
     def __repr__(self) -> str:
         return f"<Election {self.name!r}>"

@@ -9,6 +9,7 @@ Written once for asyncio; the sync ``sqllocker/rwlock.py`` is generated from it
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from datetime import datetime
 from types import TracebackType
@@ -32,6 +33,8 @@ from .rwlocks import (
 )
 from .telemetry import LostWith, attempted, unrecorded
 from .validation import check_lockstring, check_wait
+
+logger = logging.getLogger("sqllocker")
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
@@ -149,6 +152,7 @@ class RWLock:
             raise
         lock._state.telemetry = hold = recording.acquired(lock.lock_id)
         lock.claim._state.telemetry = LostWith(hold)
+        _announce(self.locker, self.name)
         return lock.keep_alive() if keep_alive else lock
 
     def _take_write(
@@ -248,7 +252,10 @@ class WriteLock(Lock):
         try:
             super().unlock()
         finally:
-            self.claim.unlock()
+            try:
+                self.claim.unlock()
+            finally:
+                _announce(self.locker, self.lockstring)
 
     def extend(self, seconds: float | None = None) -> datetime:
         self.claim.extend(seconds)
@@ -275,7 +282,19 @@ class WriteLock(Lock):
         try:
             super().__exit__(exc_type, exc_value, traceback)
         finally:
-            self.claim.__exit__(exc_type, exc_value, traceback)
+            try:
+                self.claim.__exit__(exc_type, exc_value, traceback)
+            finally:
+                _announce(self.locker, self.lockstring)
+
+
+def _announce(locker: Locker, name: str) -> None:
+    """Tell the observers of ``name``'s writer (an election's) that it changed: only a hint
+    (see ``Election.observe``), so one that fails is logged, and they poll."""
+    try:
+        locker._call(locker._operations.announce_leader, name)
+    except LockError as error:
+        logger.info("read-write lock %r: could not tell its observers (%s)", name, error)
 
 
 def _give_back(lock: Lock) -> None:

@@ -278,6 +278,11 @@ class Statements:
         return self.backend.checkpoint()
 
     @cached_property
+    def leader_notice(self) -> ClauseElement | None:
+        """Tell an election's observers to read its leader again (PostgreSQL), or None."""
+        return self.backend.leader_notice(self)
+
+    @cached_property
     def sweep_stale_requests(self) -> ClauseElement | None:
         """Delete the tickets whose Locker is gone (nobody holds their liveness key); None
         where the table has no line.

@@ -7,6 +7,7 @@ Written once for asyncio; the sync ``sqllocker/rwlock.py`` is generated from it
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from datetime import datetime
 from types import TracebackType
@@ -30,6 +31,8 @@ from ..telemetry import LostWith, attempted, unrecorded
 from ..validation import check_lockstring, check_wait
 from . import concurrency
 from .lock import AsyncLock
+
+logger = logging.getLogger("sqllocker")
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection
@@ -149,6 +152,7 @@ class AsyncRWLock:
             raise
         lock._state.telemetry = hold = recording.acquired(lock.lock_id)
         lock.claim._state.telemetry = LostWith(hold)
+        await _announce(self.locker, self.name)
         return lock.keep_alive() if keep_alive else lock
 
     async def _take_write(
@@ -254,7 +258,10 @@ class AsyncWriteLock(AsyncLock):
         try:
             await super().unlock()
         finally:
-            await self.claim.unlock()
+            try:
+                await self.claim.unlock()
+            finally:
+                await _announce(self.locker, self.lockstring)
 
     async def extend(self, seconds: float | None = None) -> datetime:
         await self.claim.extend(seconds)
@@ -281,7 +288,19 @@ class AsyncWriteLock(AsyncLock):
         try:
             await super().__aexit__(exc_type, exc_value, traceback)
         finally:
-            await self.claim.__aexit__(exc_type, exc_value, traceback)
+            try:
+                await self.claim.__aexit__(exc_type, exc_value, traceback)
+            finally:
+                await _announce(self.locker, self.lockstring)
+
+
+async def _announce(locker: AsyncLocker, name: str) -> None:
+    """Tell the observers of ``name``'s writer (an election's) that it changed: only a hint
+    (see ``AsyncElection.observe``), so one that fails is logged, and they poll."""
+    try:
+        await locker._call(locker._operations.announce_leader, name)
+    except LockError as error:
+        logger.info("read-write lock %r: could not tell its observers (%s)", name, error)
 
 
 async def _give_back(lock: AsyncLock) -> None:

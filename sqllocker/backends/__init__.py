@@ -153,6 +153,11 @@ class Backend:
         """Give up a ticket (see ``Statements.leave_line``)."""
         raise NotImplementedError(f"{self.name} has no tickets")
 
+    def leader_notice(self, statements: Statements) -> ClauseElement | None:
+        """Tell observers of an election (param ``ls``, its name) to read its leader again;
+        None where nothing can be told (observers poll)."""
+        return None
+
     def sweep_requests(self, statements: Statements) -> ClauseElement:
         """Delete the tickets nobody keeps alive (see ``Statements.sweep_stale_requests``)."""
         raise NotImplementedError(f"{self.name} has no tickets")

@@ -20,6 +20,7 @@ from sqlalchemy.engine import URL, Connection, Dialect, Engine
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.expression import Executable
 
+from ..notifications import leaders_channel_for
 from ..schema import UTCDateTime, requests_table_name
 from ..server_settings import LOSES_ROWS, LOSES_ROWS_ON_FAILOVER, ServerSettings, UnsafeSetting
 from ..timeouts import (
@@ -124,6 +125,15 @@ class PostgreSQLBackend(Backend):
         c = statements.table.c
         return insert.on_conflict_do_nothing(index_elements=[c.lockstring]).returning(
             *statements.returned
+        )
+
+    def leader_notice(self, statements: Statements) -> TextualSelect:
+        """``pg_notify`` on the table's leaders channel, with the election's name."""
+        channel = leaders_channel_for(statements.table.name)
+        return (
+            sa.text("SELECT pg_catalog.pg_notify(:channel, CAST(:ls AS text)) IS NULL AS sent")
+            .bindparams(sa.bindparam("channel", channel, type_=sa.String))
+            .columns(sa.column("sent", sa.Boolean))
         )
 
     def join_line(self, statements: Statements) -> TextualSelect:
