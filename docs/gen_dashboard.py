@@ -144,44 +144,42 @@ def quantile(buckets: list[float], bounds: list[float], q: float) -> float | Non
 
 
 def per_interval(readings: list[Path], started: float) -> dict[str, list[Any]]:
-    """The workers' cumulative points summed per reading step, as rates per second."""
+    """The workers' points, as each one's increase since its last reading, summed per step:
+    the busy, timeout, lost and failed rates per second, and the acquire duration's p50 and
+    p99 over the step."""
     steps: dict[int, dict[Any, Any]] = {}
     for path in readings:
+        previous: dict[Any, Any] = {}
         for line in path.read_text().splitlines():
             moment, points = json.loads(line)
             step = steps.setdefault(int((moment - started) // STEP), {})
             for point in points:
                 key = (point["name"], point.get("sqllocker.outcome", ""))
                 if "buckets" in point:
-                    old = step.get(key, [0.0] * len(point["buckets"]))
-                    step[key] = [a + b for a, b in zip(old, point["buckets"], strict=True)]
+                    before = previous.get(key, [0] * len(point["buckets"]))
+                    grown = [a - b for a, b in zip(point["buckets"], before, strict=True)]
+                    summed = step.get(key, [0] * len(grown))
+                    step[key] = [a + b for a, b in zip(summed, grown, strict=True)]
                     step["bounds"] = point["bounds"]
+                    previous[key] = point["buckets"]
                 else:
-                    step[key] = step.get(key, 0.0) + point["value"]
-    series: dict[str, list[Any]] = {key: [] for key in ("t", "p50", "p99", "busy", "timeout")}
-    series.update({"lost": [], "failed": []})
-    previous: dict[Any, Any] = {}
+                    step[key] = step.get(key, 0) + point["value"] - previous.get(key, 0)
+                    previous[key] = point["value"]
+    series: dict[str, list[Any]] = {
+        key: [] for key in ("t", "p50", "p99", "busy", "timeout", "lost", "failed")
+    }
+    acquire = "sqllocker.lock.acquire.duration"
     for index in sorted(steps):
         step = steps[index]
-        delta: dict[Any, Any] = {}
-        for key, value in step.items():
-            if key == "bounds":
-                continue
-            before = previous.get(key)
-            if isinstance(value, list):
-                delta[key] = [a - b for a, b in zip(value, before or [0] * len(value), strict=True)]
-            else:
-                delta[key] = value - (before or 0)
-        previous = step
-        acquired = delta.get(("sqllocker.lock.acquire.duration", "acquired"), [])
         series["t"].append(index * STEP)
-        series["p50"].append(quantile(acquired, step.get("bounds", []), 0.5))
-        series["p99"].append(quantile(acquired, step.get("bounds", []), 0.99))
+        for name, q in (("p50", 0.5), ("p99", 0.99)):
+            series[name].append(
+                quantile(step.get((acquire, "acquired"), []), step.get("bounds", []), q)
+            )
         for outcome in ("busy", "timeout"):
-            counts = delta.get(("sqllocker.lock.acquire.duration", outcome), [])
-            series[outcome].append(sum(counts) / STEP)
-        series["lost"].append(delta.get(("sqllocker.lock.lost", ""), 0) / STEP)
-        series["failed"].append(delta.get(("sqllocker.lock.renewals", "failed"), 0) / STEP)
+            series[outcome].append(sum(step.get((acquire, outcome), [])) / STEP)
+        series["lost"].append(step.get(("sqllocker.lock.lost", ""), 0) / STEP)
+        series["failed"].append(step.get(("sqllocker.lock.renewals", "failed"), 0) / STEP)
     return series
 
 

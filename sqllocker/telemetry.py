@@ -47,6 +47,13 @@ _CURRENT: ContextVar[Acquisition | None] = ContextVar("sqllocker_acquisition", d
 _NOTHING: AbstractContextManager[None] = nullcontext()
 
 NameMapping = Callable[[str], str]
+# The histograms' buckets, unless a View says otherwise: the SDK's default ones are made for
+# milliseconds, and would put every acquisition under 5 s in one bucket. From a millisecond's
+# uncontended cycle up to a nightly job's hour.
+SECONDS_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    300.0, 900.0, 3600.0,
+)  # fmt: skip
 # While no provider is set, how long a Locker goes before it looks for one again: one set
 # later (after the Locker was made) is found within this long.
 LOOK_AGAIN_SECONDS = 1.0
@@ -297,11 +304,13 @@ class _Instruments:
             "sqllocker.lock.acquire.duration",
             unit="s",
             description="From the call to acquire a lock to its outcome",
+            explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
         )
         self.hold_duration = meter.create_histogram(
             "sqllocker.lock.hold.duration",
             unit="s",
             description="From a lock acquired to released or lost",
+            explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
         )
         self.renewals = meter.create_counter(
             "sqllocker.lock.renewals", description="Extensions of held locks, by outcome"

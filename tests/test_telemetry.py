@@ -116,6 +116,8 @@ def test_acquire_hold_release_busy_and_timeout_are_recorded(
         assert dict(point.attributes) == {**common, "sqllocker.outcome": outcome}
         assert point.count == 1
     assert acquires["timeout"].sum >= 0.3
+    # Buckets for seconds, not the SDK's default ones (made for milliseconds).
+    assert list(acquires["acquired"].explicit_bounds)[:3] == [0.001, 0.0025, 0.005]
     holds = recorded.points("sqllocker.lock.hold.duration")
     assert [dict(p.attributes) for p in holds] == [{**common, "sqllocker.outcome": "released"}]
     assert recorded.count("sqllocker.locks.held") == 0
