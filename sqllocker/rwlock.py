@@ -152,7 +152,11 @@ class RWLock:
             raise
         lock._state.telemetry = hold = recording.acquired(lock.lock_id)
         lock.claim._state.telemetry = LostWith(hold)
-        _announce(self.locker, self.name)
+        try:
+            _announce(self.locker, self.name)
+        except BaseException:  # cancelled meanwhile: the caller never gets the lock
+            _give_back(lock)
+            raise
         return lock.keep_alive() if keep_alive else lock
 
     def _take_write(

@@ -152,7 +152,11 @@ class AsyncRWLock:
             raise
         lock._state.telemetry = hold = recording.acquired(lock.lock_id)
         lock.claim._state.telemetry = LostWith(hold)
-        await _announce(self.locker, self.name)
+        try:
+            await _announce(self.locker, self.name)
+        except BaseException:  # cancelled meanwhile: the caller never gets the lock
+            await _give_back(lock)
+            raise
         return lock.keep_alive() if keep_alive else lock
 
     async def _take_write(
