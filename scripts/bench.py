@@ -505,7 +505,7 @@ def otel_cycle(url: str, mode: str) -> Cycle:
 
     from sqllocker import telemetry
 
-    installed, providers = telemetry._OPENTELEMETRY, {}
+    installed, providers = telemetry._OPENTELEMETRY, dict[str, Any]()
     if mode == OTEL_MODES[0]:
         telemetry._OPENTELEMETRY = None  # what the module finds without the package
     elif mode == OTEL_MODES[2]:
@@ -1251,7 +1251,7 @@ def main() -> int:
     parser.add_argument("--only", choices=["otel"], help="these rows alone, into OUT/bench.json")
     args = parser.parse_args()
     if args.only:  # measure these rows alone; the page keeps the rest of OUT/bench.json
-        results = json.loads((Path(args.out) / "bench.json").read_text())
+        results: dict[str, Any] = json.loads((Path(args.out) / "bench.json").read_text())
         backends = [b for b in args.backends.split(",") if b]
         profile = QUICK if args.quick else FULL
         URLS["sqlite"] = f"sqlite:///{Path(args.out) / 'bench.db'}"
@@ -1276,7 +1276,7 @@ def main() -> int:
     skip = set(args.skip.split(","))
     profile = QUICK if args.quick else FULL
     machine = f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}, SQLAlchemy {sa.__version__}"
-    results: dict[str, Any] = {"machine": machine, "quick": args.quick, "profile": asdict(profile)}
+    results = {"machine": machine, "quick": args.quick, "profile": asdict(profile)}
     results.update(run_context(backends))
     results["uncontended"], results["async_layers"] = uncontended(
         backends, profile.cycles, profile.uncontended_rounds

@@ -14,7 +14,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from . import concurrency
-from .elections import OBSERVE_INTERVAL, Leader, leader_from
+from .elections import HINTED_READ_GAP, OBSERVE_INTERVAL, Leader, leader_from
 from .holding import OnLost
 from .rwlocks import writer_fence_pattern
 from .validation import check_lockstring
@@ -135,6 +135,9 @@ class Election:
                     concurrency.sleep(left)
                 else:
                     concurrency.wait(hint.event, left)
+                    # A flood of NOTIFYs (anyone may send them) costs at most a read a tick.
+                    gap = HINTED_READ_GAP - (time.monotonic() - started)
+                    concurrency.sleep(max(0.0, gap))
             finally:
                 if listener is not None and hint is not None:
                     listener.unobserve(hint)

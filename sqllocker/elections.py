@@ -29,6 +29,8 @@ from .operations import LockInfo
 
 # How often ``observe()`` reads the leader's row: a change is seen at most this late.
 OBSERVE_INTERVAL = 1.0
+# On PostgreSQL, the least time between two reads of one observer's, however many NOTIFYs come.
+HINTED_READ_GAP = 0.05
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from collections.abc import AsyncGenerator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from ..elections import OBSERVE_INTERVAL, Leader, leader_from
+from ..elections import HINTED_READ_GAP, OBSERVE_INTERVAL, Leader, leader_from
 from ..holding import OnLost
 from ..rwlocks import writer_fence_pattern
 from ..validation import check_lockstring
@@ -137,6 +137,9 @@ class AsyncElection:
                     await concurrency.sleep(left)
                 else:
                     await concurrency.wait(hint.event, left)
+                    # A flood of NOTIFYs (anyone may send them) costs at most a read a tick.
+                    gap = HINTED_READ_GAP - (time.monotonic() - started)
+                    await concurrency.sleep(max(0.0, gap))
             finally:
                 if listener is not None and hint is not None:
                     listener.unobserve(hint)
