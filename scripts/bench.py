@@ -548,11 +548,11 @@ def _otel_section(results: dict[str, Any]) -> list[str]:
         "sqllocker's uncontended cycle as it records (see the observability page): as if",
         "`opentelemetry-api` were not installed, with it but no provider set (nothing is",
         "recorded), and into an SDK provider (metrics to an in-memory reader, spans to an",
-        f"in-memory exporter), in {results['profile']['uncontended_rounds']} rounds in which each",
-        "runs in turn; the ratio is to the first's cycles/s in the same round. Measured by",
-        f"`scripts/bench.py --only otel` on {results.get('otel_measured_at', '?')}, a run of its",
-        "own on a machine shared with other work: only the ratios compare.",
-        "",
+        f"in-memory exporter), in {results['profile']['uncontended_rounds']} rounds in which",
+        "each runs in turn; the ratio is to the first's cycles/s in the same round. Measured by",
+        f"`scripts/bench.py --only otel{' --quick' if results.get('otel_quick') else ''}` on",
+        f"{results.get('otel_measured_at', '?')}, a run of its own on a machine shared with",
+        "other work: only the ratios compare.",
         *_table(
             "backend | OpenTelemetry | cycles/s | p50 ms | x without | rounds", "--::::", cells
         ),
@@ -1259,6 +1259,7 @@ def main() -> int:
             backends, profile.cycles, results["profile"]["uncontended_rounds"]
         )
         results["otel_measured_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        results["otel_quick"] = args.quick
         for backend in backends:
             drop_table(URLS[backend], TABLE)
         report(results, Path(args.out))

