@@ -1,11 +1,13 @@
 """Keeping held locks alive: one scheduler thread per Locker renews all of its kept-alive locks.
 
 Each lock is renewed every ``fraction`` of its expiry period with the same statement as
-``extend()`` (which never revives an expired row). The statements run on a single worker thread,
-apart from the scheduler, so that a renewal stuck on a stalled network cannot delay the other
-duty of the scheduler: declaring a lock lost, and calling its ``on_lost``, the moment its
-validity deadline passes without a successful renewal. That moment always comes before anyone
-else can take the lock over (see ``lock.py``).
+``extend()`` (which never revives an expired row). The statements run on worker threads (one
+unless renewals overlap: ``RENEWERS``), apart from the scheduler, so that a renewal stuck on a
+stalled network delays neither the other locks' renewals nor the other duty of the scheduler:
+declaring a lock lost, and calling its ``on_lost``, the moment its validity deadline passes
+without a successful renewal. That moment always comes before anyone else can take the lock
+over (see ``lock.py``). A renewal stuck on a frozen connection ends at its lock's expiry
+(``sqllocker.deadlines``).
 
 A transient database error is logged and retried with backoff until the deadline; a lock is
 declared lost only when its row is found gone or expired, or when the deadline passes. Neither
@@ -29,6 +31,10 @@ logger = logging.getLogger("sqllocker")
 
 DEFAULT_FRACTION = 1 / 3
 FIRST_RETRY_DELAY = 0.05
+# Renewals that may run at once, each on a worker thread (started only as they are needed: one,
+# while every renewal ends before the next is due), so that other locks' renewals never wait
+# behind one stuck on a frozen connection.
+RENEWERS = 16
 # How long the threads linger with nothing to renew before they end (and are started again by
 # the next keep_alive()), so an idle Locker costs no thread.
 IDLE_SECONDS = 5.0
@@ -74,7 +80,7 @@ class KeepAlive:
             self._entries[id(state)] = _Entry(state, due)
             self._stopping = False
             if self._thread is None or not self._thread.is_alive():
-                self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-renew")
+                self._worker = ThreadPoolExecutor(RENEWERS, thread_name_prefix=f"{self.name}-renew")
                 self._thread = threading.Thread(target=self._schedule, name=self.name, daemon=True)
                 self._thread.start()
             self._condition.notify()

@@ -33,7 +33,7 @@ from ..timeouts import (
     ROW_LOCK_TIMEOUT_SECONDS,
     STATEMENT_TIMEOUT_SECONDS,
 )
-from . import Backend, pymysql_tls
+from . import Backend, pymysql_tls, shut_down_socket
 
 if TYPE_CHECKING:
     from sqlalchemy.sql import Delete, Insert, Select
@@ -266,6 +266,13 @@ class MySQLBackend(Backend):
         if engine.dialect.driver == "pymysql":
             sa.event.listen(engine, "do_connect", pymysql_tls.connect)
         sa.event.listen(engine, "connect", _no_autocommit_retries)
+
+    @classmethod
+    def interrupt(cls, dbapi_connection: Any) -> None:
+        # PyMySQL's socket (read_timeout would end the wait only after a minute).
+        sock = getattr(dbapi_connection, "_sock", None)
+        if sock is not None:
+            shut_down_socket(sock.fileno())
 
     # -- settings ----------------------------------------------------------------------------------
 

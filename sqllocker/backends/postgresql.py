@@ -28,7 +28,7 @@ from ..timeouts import (
     ROW_LOCK_TIMEOUT_SECONDS,
     STATEMENT_TIMEOUT_SECONDS,
 )
-from . import Backend
+from . import Backend, shut_down_socket
 
 # idle_in_transaction_session_timeout for the rest of the transaction: :ms, or the session's
 # own if shorter (0 is no limit); catalog-qualified, so nothing on the search path stands in.
@@ -347,6 +347,12 @@ class PostgreSQLBackend(Backend):
     @classmethod
     def takes_tickets(cls, dialect: Dialect) -> bool:
         return dialect.driver == "psycopg"
+
+    @classmethod
+    def interrupt(cls, dbapi_connection: Any) -> None:
+        # A cancel request would need a new connection to the frozen server: the socket is
+        # shut down instead (psycopg then reports the connection lost).
+        shut_down_socket(dbapi_connection.pgconn.socket)
 
     # -- settings ----------------------------------------------------------------------------------
 
