@@ -26,7 +26,7 @@ from sqlalchemy.engine import Connection
 
 from . import clock, concurrency, deadlines, forks
 from .errors import LockError, LockLost
-from .holding import Holding, LockHandle, OnLost
+from .holding import RELEASE_PATIENCE, Holding, LockHandle, OnLost
 from .validation import check_seconds
 
 if TYPE_CHECKING:
@@ -82,7 +82,16 @@ class LockState(Holding):
         except LockError as error:
             if clock.now() < deadline:
                 raise
-            raise self.outlived("extended") from error
+            lost, cause = self.outlived("extended"), error
+        self._give_back_outlived()
+        raise lost from cause
+
+    def _give_back_outlived(self) -> None:
+        """After an extend that outlived the row: one short try to delete whatever is left of
+        it (by id and guid: never another holder's row), so that a renewal that still reaches
+        the database late leaves no row held by nobody; a frozen database is left alone."""
+        with deadlines.statements_end_by(clock.now() + RELEASE_PATIENCE):
+            self._give_back_revived()
 
     def _extend(self, ttl: float) -> datetime:
         with concurrency.turn_within(self.op_lock, self.release_patience) as turn:

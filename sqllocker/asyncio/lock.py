@@ -24,12 +24,13 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from .. import clock, deadlines, forks
 from ..errors import LockError, LockLost
-from ..holding import Holding, LockHandle, OnLost
+from ..holding import RELEASE_PATIENCE, Holding, LockHandle, OnLost
 from ..validation import check_seconds
 from . import concurrency
 
 if True:  # ASYNC
     import asyncio
+    import contextlib
     import inspect
 
     from .tasks import spawn
@@ -85,7 +86,8 @@ class AsyncLockState(Holding):
             try:
                 return await asyncio.wait_for(self._extend(ttl), patience)
             except asyncio.TimeoutError:
-                raise self.outlived("extended") from None
+                lost = self.outlived("extended")
+                cause: LockError | None = None
         else:
             deadline = clock.now() + patience
             try:
@@ -96,7 +98,20 @@ class AsyncLockState(Holding):
             except LockError as error:
                 if clock.now() < deadline:
                     raise
-                raise self.outlived("extended") from error
+                lost, cause = self.outlived("extended"), error
+        await self._give_back_outlived()
+        raise lost from cause
+
+    async def _give_back_outlived(self) -> None:
+        """After an extend that outlived the row: one short try to delete whatever is left of
+        it (by id and guid: never another holder's row), so that a renewal that still reaches
+        the database late leaves no row held by nobody; a frozen database is left alone."""
+        if True:  # ASYNC
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._give_back_revived(), RELEASE_PATIENCE)
+        else:
+            with deadlines.statements_end_by(clock.now() + RELEASE_PATIENCE):
+                self._give_back_revived()
 
     async def _extend(self, ttl: float) -> datetime:
         async with concurrency.turn_within(self.op_lock, self.release_patience) as turn:
