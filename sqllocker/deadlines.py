@@ -34,6 +34,7 @@ TICK = 0.1
 IDLE_SECONDS = 5.0
 
 _deadline: ContextVar[float | None] = ContextVar("sqllocker_statement_deadline", default=None)
+_connect_deadline: ContextVar[float | None] = ContextVar("sqllocker_connect_deadline", default=None)
 
 
 @contextlib.contextmanager
@@ -45,6 +46,24 @@ def statements_end_by(deadline: float) -> Iterator[None]:
         yield
     finally:
         _deadline.reset(token)
+
+
+@contextlib.contextmanager
+def connections_by(deadline: float | None) -> Iterator[None]:
+    """Within the block, a new connection gives up at ``deadline`` (on ``clock.now()``), or
+    sooner, as the driver's connect timeout says (``Backend.cap_connect``): a wait for a lock
+    ends with its ``wait``, whatever a server that accepts and never answers does."""
+    token = _connect_deadline.set(deadline)
+    try:
+        yield
+    finally:
+        _connect_deadline.reset(token)
+
+
+def connect_within() -> float | None:
+    """Seconds left for a new connection (``connections_by``), or None: the driver's own."""
+    deadline = _connect_deadline.get()
+    return None if deadline is None else deadline - clock.now()
 
 
 def passed() -> bool:

@@ -21,7 +21,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from sqlalchemy.engine import URL, Engine
 
-from . import concurrency, tickets, validation
+from . import clock, concurrency, deadlines, tickets, validation
 from .acquiring import Winnings, acquisition
 from .backoff import Backoff
 from .decorators import check_decoration, lock_namer, when_busy
@@ -48,6 +48,7 @@ from .schema import DEFAULT_TABLE
 from .semaphore import Semaphore
 from .telemetry import NameMapping, Telemetry, attempted, named, system_name
 from .tickets import LOOK_AGAIN, NEWCOMER, LocalLine, Ticket
+from .timeouts import CONNECT_SLACK_SECONDS
 
 logger = logging.getLogger("sqllocker")
 
@@ -500,6 +501,25 @@ class Locker:
     # -- internals -------------------------------------------------------------------------------
 
     def _acquire(
+        self,
+        lockstring: str,
+        ttl: float,
+        wait: float | None,
+        extra: dict[str, Any],
+        keep_alive: bool,
+        on_lost: OnLost | None,
+        hold_at_least: float | None,
+        winnings: Winnings,
+    ) -> Lock:
+        # A new connection gives up with the wait (a little after), not after the driver's
+        # connect timeout: a server that accepts and never answers ends a wait on time too.
+        connect_by = None if wait is None else clock.now() + wait + CONNECT_SLACK_SECONDS
+        with deadlines.connections_by(connect_by):
+            return self._acquire_within(
+                lockstring, ttl, wait, extra, keep_alive, on_lost, hold_at_least, winnings
+            )
+
+    def _acquire_within(
         self,
         lockstring: str,
         ttl: float,

@@ -254,3 +254,51 @@ def test_a_stuck_renewal_delays_no_other_locks_renewals(
         finally:
             proxy.close()
             locker.close()
+
+
+@pytest.mark.parametrize("front", ["sync", "asyncio"])
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_a_wait_against_an_unreachable_server_ends_with_the_wait(
+    proxied: Proxied, table_name: str, make_locker: Any, backend: str, front: str
+) -> None:
+    """A server that accepts connections and never answers (the kernel completes the
+    handshake; nothing comes back): lock(wait=W) ends within about W, not after the driver's
+    connect timeout (10 s) or read timeout (60 s)."""
+    make_locker()  # creates the table
+    proxy = proxied.proxy
+    wait = 1.0
+    outcome: dict[str, Any] = {}
+    proxy.stall()
+
+    async def in_asyncio() -> None:
+        locker = AsyncLocker(async_url(proxied.url), table=table_name, grace=GRACE)
+        started = time.monotonic()
+        try:
+            await locker.lock("job", wait=wait)
+        except LockError as error:
+            outcome["error"] = error
+        finally:
+            outcome["took"] = time.monotonic() - started
+            proxy.close()
+            await locker.aclose()
+
+    if front == "asyncio":
+        asyncio.run(in_asyncio())
+    else:
+        locker = Locker(proxied.url, table=table_name, grace=GRACE)
+        started = time.monotonic()
+        try:
+            locker.lock("job", wait=wait)
+        except LockError as error:
+            outcome["error"] = error
+        finally:
+            outcome["took"] = time.monotonic() - started
+            proxy.close()
+            locker.close()
+    assert isinstance(outcome.get("error"), LockError), outcome
+    assert outcome["took"] < 8, outcome  # against the 10 s connect timeout
+    figure(
+        "a wait against an unreachable server",
+        f"{backend} {front}",
+        f"wait {wait}s: ended in {outcome['took']:.1f}s, {type(outcome['error']).__name__}",
+    )

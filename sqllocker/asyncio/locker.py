@@ -20,7 +20,7 @@ from typing import Any, ParamSpec, TypeVar
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from .. import tickets, validation
+from .. import clock, deadlines, tickets, validation
 from ..backoff import Backoff
 from ..decorators import check_decoration, lock_namer, when_busy
 from ..defaults import (
@@ -40,6 +40,7 @@ from ..operations import Acquired, LockInfo, LockOperations, Refused
 from ..schema import DEFAULT_TABLE
 from ..telemetry import NameMapping, Telemetry, attempted, named, system_name
 from ..tickets import LOOK_AGAIN, NEWCOMER, LocalLine, Ticket
+from ..timeouts import CONNECT_SLACK_SECONDS
 from . import concurrency
 from .acquiring import Winnings, acquisition
 from .election import AsyncElection
@@ -531,6 +532,25 @@ class AsyncLocker:
     # -- internals -------------------------------------------------------------------------------
 
     async def _acquire(
+        self,
+        lockstring: str,
+        ttl: float,
+        wait: float | None,
+        extra: dict[str, Any],
+        keep_alive: bool,
+        on_lost: OnLost | None,
+        hold_at_least: float | None,
+        winnings: Winnings,
+    ) -> AsyncLock:
+        # A new connection gives up with the wait (a little after), not after the driver's
+        # connect timeout: a server that accepts and never answers ends a wait on time too.
+        connect_by = None if wait is None else clock.now() + wait + CONNECT_SLACK_SECONDS
+        with deadlines.connections_by(connect_by):
+            return await self._acquire_within(
+                lockstring, ttl, wait, extra, keep_alive, on_lost, hold_at_least, winnings
+            )
+
+    async def _acquire_within(
         self,
         lockstring: str,
         ttl: float,

@@ -284,6 +284,11 @@ class Backend:
     # -- a statement past its deadline ---------------------------------------------------------
 
     @classmethod
+    def cap_connect(cls, dialect: Dialect, cparams: dict[str, Any], seconds: float) -> None:
+        """Make the connection ``cparams`` describe give up within about ``seconds`` (or its
+        own timeout, if shorter), until it is established (``sqllocker.deadlines``)."""
+
+    @classmethod
     def interrupt(cls, dbapi_connection: Any) -> None:
         """End the statement ``dbapi_connection`` (a sync driver's) is waiting on, from another
         thread, at once: its lock's life is over (``sqllocker.deadlines``). The driver then

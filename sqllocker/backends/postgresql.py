@@ -349,6 +349,13 @@ class PostgreSQLBackend(Backend):
         return dialect.driver == "psycopg"
 
     @classmethod
+    def cap_connect(cls, dialect: Dialect, cparams: dict[str, Any], seconds: float) -> None:
+        # libpq's connect_timeout covers the whole start-up, in whole seconds, at least 2.
+        own = int(cparams.get("connect_timeout") or 0)
+        capped = max(2, math.ceil(seconds))
+        cparams["connect_timeout"] = capped if own <= 0 else min(own, capped)
+
+    @classmethod
     def interrupt(cls, dbapi_connection: Any) -> None:
         # A cancel request would need a new connection to the frozen server: the socket is
         # shut down instead (psycopg then reports the connection lost).
