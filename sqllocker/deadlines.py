@@ -8,6 +8,8 @@ operation sends on this thread is interrupted at the deadline by the backend
 (``Backend.interrupt``: the connection's socket shut down, SQLite's ``interrupt()``), which
 the driver reports as a lost connection, and a lost connection is then not tried again
 (``passed``). The async front end bounds its awaits with ``asyncio.wait_for`` instead.
+Within ``connections_by(deadline)`` (a lock's wait), a new connection's own timeout is cut to
+the deadline (``Backend.cap_connect``).
 
 One watcher thread serves every deadline of the process: it looks at the statements in flight
 ten times a second, and ends when it has had none for a while.
@@ -15,6 +17,7 @@ ten times a second, and ends when it has had none for a while.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import logging
@@ -34,7 +37,9 @@ TICK = 0.1
 IDLE_SECONDS = 5.0
 
 _deadline: ContextVar[float | None] = ContextVar("sqllocker_statement_deadline", default=None)
-_connect_deadline: ContextVar[float | None] = ContextVar("sqllocker_connect_deadline", default=None)
+_connect_deadline: ContextVar[tuple[float, object] | None] = ContextVar(
+    "sqllocker_connect_deadline", default=None
+)
 
 
 @contextlib.contextmanager
@@ -53,7 +58,7 @@ def connections_by(deadline: float | None) -> Iterator[None]:
     """Within the block, a new connection gives up at ``deadline`` (on ``clock.now()``), or
     sooner, as the driver's connect timeout says (``Backend.cap_connect``): a wait for a lock
     ends with its ``wait``, whatever a server that accepts and never answers does."""
-    token = _connect_deadline.set(deadline)
+    token = _connect_deadline.set(None if deadline is None else (deadline, _owner()))
     try:
         yield
     finally:
@@ -61,9 +66,22 @@ def connections_by(deadline: float | None) -> Iterator[None]:
 
 
 def connect_within() -> float | None:
-    """Seconds left for a new connection (``connections_by``), or None: the driver's own."""
-    deadline = _connect_deadline.get()
-    return None if deadline is None else deadline - clock.now()
+    """Seconds left for a new connection (``connections_by``), or None: the driver's own. A
+    task started within the block (a lock's keep-alive, a listener) inherits the context but
+    not the deadline: it is the block's own thread's or task's."""
+    bound = _connect_deadline.get()
+    if bound is None or bound[1] != _owner():
+        return None
+    return bound[0] - clock.now()
+
+
+def _owner() -> object:
+    """The task running (asyncio), else the thread."""
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # no event loop in this thread
+        task = None
+    return task if task is not None else threading.get_ident()
 
 
 def passed() -> bool:
