@@ -302,3 +302,58 @@ def test_a_wait_against_an_unreachable_server_ends_with_the_wait(
         f"{backend} {front}",
         f"wait {wait}s: ended in {outcome['took']:.1f}s, {type(outcome['error']).__name__}",
     )
+
+
+@pytest.mark.parametrize("front", ["sync", "asyncio"])
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_an_acquire_that_failed_after_its_insert_committed_leaves_no_row(
+    proxied: Proxied, table_name: str, make_locker: Any, backend: str, front: str
+) -> None:
+    """An acquire's INSERT commits and its answer is lost with the connection; the outage
+    outlasts the wait, and the acquire fails. Its row, held by nobody, must not stand for its
+    whole expiry (60 s here): it is deleted in the background once the database answers again,
+    by its guid, and another process can take the lock then, with nobody else holding it."""
+    contender = make_locker(grace=GRACE)
+    proxy = proxied.proxy
+    outcome: dict[str, Any] = {}
+    proxy.lose_answer_to(b"INSERT INTO " + table_name.encode(), then_stall=True)
+
+    async def in_asyncio() -> None:
+        locker = AsyncLocker(async_url(proxied.url), table=table_name, grace=GRACE)
+        try:
+            try:
+                outcome["lock"] = await locker.lock("job", expires=60, wait=1)
+            except LockError as error:
+                outcome["error"] = error
+            outcome["rows"] = len(await asyncio.to_thread(contender.locks))
+            proxy.resume()
+            await asyncio.to_thread(_taken_once_free, contender, outcome)
+        finally:
+            proxy.close()
+            await locker.aclose()
+
+    if front == "asyncio":
+        asyncio.run(in_asyncio())
+    else:
+        locker = Locker(proxied.url, table=table_name, grace=GRACE)
+        try:
+            try:
+                outcome["lock"] = locker.lock("job", expires=60, wait=1)
+            except LockError as error:
+                outcome["error"] = error
+            outcome["rows"] = len(contender.locks())
+            proxy.resume()
+            _taken_once_free(contender, outcome)
+        finally:
+            proxy.close()
+            locker.close()
+    assert proxy.answers_lost == 1
+    assert isinstance(outcome.get("error"), LockError), outcome
+    assert outcome["rows"] == 1, "the INSERT had committed"
+    assert outcome["second"] is not None, "the row stood, held by nobody"
+
+
+def _taken_once_free(contender: Locker, outcome: dict[str, Any]) -> None:
+    second = contender.lock("job", wait=20)
+    outcome["second"] = second
+    second.unlock()
