@@ -84,7 +84,9 @@ class AsyncLockState(Holding):
         patience = self.release_patience()
         if True:  # ASYNC
             try:
-                return await asyncio.wait_for(self._extend(ttl), patience)
+                return await concurrency.within(
+                    self._extend(ttl), patience, f"extend {self.lockstring!r}"
+                )
             except asyncio.TimeoutError:
                 lost = self.outlived("extended")
                 cause: LockError | None = None
@@ -108,7 +110,9 @@ class AsyncLockState(Holding):
         the database late leaves no row held by nobody; a frozen database is left alone."""
         if True:  # ASYNC
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._give_back_revived(), RELEASE_PATIENCE)
+                await concurrency.within(
+                    self._give_back_revived(), RELEASE_PATIENCE, f"give {self.lockstring!r} back"
+                )
         else:
             with deadlines.statements_end_by(clock.now() + RELEASE_PATIENCE):
                 self._give_back_revived()
@@ -187,7 +191,7 @@ class AsyncLockState(Holding):
 
         async def _delete_within(self, patience: float) -> None:
             try:
-                await asyncio.wait_for(
+                await concurrency.within(
                     self.run(
                         self.operations.release,
                         self.lockstring,
@@ -196,6 +200,7 @@ class AsyncLockState(Holding):
                         self.hold_at_least,
                     ),
                     patience,
+                    f"release {self.lockstring!r}",
                 )
             except asyncio.TimeoutError:
                 raise self.release_gave_up() from None

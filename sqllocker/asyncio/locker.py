@@ -575,9 +575,10 @@ class AsyncLocker:
             try:
                 if True:  # ASYNC
                     with contextlib.suppress(asyncio.TimeoutError):
-                        deleted = await asyncio.wait_for(
+                        deleted = await concurrency.within(
                             self._call(self._operations.forget_attempt, lockstring, guid),
                             FORGET_PATIENCE,
+                            f"forget a failed acquire of {lockstring!r}",
                         )
                 else:
                     bound = clock.now() + FORGET_PATIENCE
