@@ -233,6 +233,16 @@ class Statements:
         return self.backend.release(self)
 
     @cached_property
+    def forget_attempt(self) -> Delete:
+        """Delete the row of ``:ls`` an acquire that failed may have inserted, by its guid
+        alone (the acquire never learnt its id): never another acquisition's row."""
+        c = self.table.c
+        return sa.delete(self.table).where(
+            self._this_lockstring,
+            self.backend.equal(c.guid, sa.bindparam("lock_guid", type_=c.guid.type)),
+        )
+
+    @cached_property
     def finish_within_window(self) -> Update:
         """A release before ``created + hold`` (``hold_at_least``): the row stays, expiring at
         the end of that window, and says when its holder finished (``locked_by.finished``), so

@@ -29,7 +29,7 @@ from ..timeouts import (
     ROW_LOCK_TIMEOUT_SECONDS,
     STATEMENT_TIMEOUT_SECONDS,
 )
-from . import Backend
+from . import Backend, shut_down_socket
 
 # idle_in_transaction_session_timeout for the rest of the transaction: :ms, or the session's
 # own if shorter (0 is no limit); catalog-qualified, so nothing on the search path stands in.
@@ -357,6 +357,19 @@ class PostgreSQLBackend(Backend):
     @classmethod
     def takes_tickets(cls, dialect: Dialect) -> bool:
         return dialect.driver == "psycopg"
+
+    @classmethod
+    def cap_connect(cls, dialect: Dialect, cparams: dict[str, Any], seconds: float) -> None:
+        # libpq's connect_timeout covers the whole start-up, in whole seconds, at least 2.
+        own = int(cparams.get("connect_timeout") or 0)
+        capped = max(2, math.ceil(seconds))
+        cparams["connect_timeout"] = capped if own <= 0 else min(own, capped)
+
+    @classmethod
+    def interrupt(cls, dbapi_connection: Any) -> None:
+        # A cancel request would need a new connection to the frozen server: the socket is
+        # shut down instead (psycopg then reports the connection lost).
+        shut_down_socket(dbapi_connection.pgconn.socket)
 
     # -- settings ----------------------------------------------------------------------------------
 
