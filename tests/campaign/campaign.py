@@ -27,6 +27,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
+from sqllocker import Locker, LockError
 from sqllocker.permits import permit_lockstring
 from tests.campaign import checker, database, history, mutants, plan, report
 from tests.campaign.nemesis import Nemesis, descendants
@@ -147,6 +148,64 @@ class Workers:
                 self.exits[name] = None  # it had to be killed: it never ended
 
 
+class Snapshots:
+    """The lock table's live rows, read again and again from the moment the faults stop (for
+    the ``held-by-nobody`` check), until ``finish`` has seen them all expire or gone."""
+
+    PERIOD = 0.25
+
+    def __init__(self, url: str) -> None:
+        self.locker = Locker(url, table=database.LOCK_TABLE)
+        self.taken: list[checker.Snapshot] = []
+        self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="snapshots", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def take(self) -> checker.Snapshot | None:
+        at = history.now()
+        try:
+            infos = self.locker.locks()
+        except LockError:
+            self.failures += 1
+            return None
+        rows = [
+            {
+                "ls": info.lockstring,
+                "id": info.lock_id,
+                "pid": info.locked_by.get("pid"),
+                "left": info.seconds_left,
+            }
+            for info in infos
+            if not info.expired
+        ]
+        snapshot = checker.Snapshot(at, rows)
+        self.taken.append(snapshot)
+        return snapshot
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self.take()
+            self._stop.wait(self.PERIOD)
+
+    def finish(self, longest: float) -> list[checker.Snapshot]:
+        """Stop polling, then read until no live row is left (for at most ``longest``
+        seconds): the campaign's last word on the rows."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        deadline = history.now() + longest
+        while True:
+            snapshot = self.take()
+            if (snapshot is not None and not snapshot.rows) or history.now() > deadline:
+                break
+            time.sleep(self.PERIOD)
+        self.locker.close()
+        return self.taken
+
+
 def run(settings: plan.Settings, keep: Path | None = None) -> int:
     """One campaign; prints its report; returns how many violations it found."""
     with contextlib.suppress(OSError, AttributeError):
@@ -173,15 +232,19 @@ def run(settings: plan.Settings, keep: Path | None = None) -> int:
         supervisor = threading.Thread(target=workers.supervise, args=(stop,), daemon=True)
         supervisor.start()
         steps = workers.step_clock_of if time_namespaces() else None
-        nemesis = Nemesis(settings, history_path, db.url, workers.live, proxy, steps)
+        snapshots = Snapshots(db.url)
+        nemesis = Nemesis(
+            settings, history_path, db.url, workers.live, proxy, steps, snapshots.start
+        )
         nemesis.run(began, chaos_end)
         stop.set()
         supervisor.join()
         workers.wait(history.now() + 4 * settings.liveness_wait + 30)
         _end_descendants()
+        taken = snapshots.finish(settings.expires + checker.NOBODY_SLACK + 1)
         events = history.read(history_path)
         rows, counters = _rows(db)
-        verdict = checker.check(events, rows, counters, workers.exits, settings, began)
+        verdict = checker.check(events, rows, counters, workers.exits, settings, began, taken)
         violations = len(verdict.violations)
         print(report.render(settings, events, verdict, began))
         if violations or keep is not None:

@@ -103,6 +103,7 @@ class Nemesis:
         workers: Callable[[], dict[int, int]],
         proxy: StallProxy | None,
         step_clock_of: Callable[[int, int], None] | None = None,
+        on_undone: Callable[[], None] | None = None,
     ) -> None:
         self.settings = settings
         self.history = History(history_path, "nemesis")
@@ -110,6 +111,7 @@ class Nemesis:
         self.workers = workers  # worker number -> pid of the live ones
         self.proxy = proxy
         self.step_clock_of = step_clock_of  # (worker, seconds): its next boot clock that far ahead
+        self.on_undone = on_undone  # called once every fault is undone
         self.locker = Locker(url, table=LOCK_TABLE, expires=settings.expires, grace=settings.grace)
         self.schedule = schedule(settings)
         self._pick = 0.0  # this fault's draws: which target, and how long (as fractions)
@@ -147,6 +149,10 @@ class Nemesis:
             # A lost answer armed just before its undo can stall the proxy after it: undone here.
             self.proxy.stop_losing()
             self.proxy.resume()
+        # Every fault is undone; the operators' breaks and purges running beside may still end.
+        self.history.record("faults_undone")
+        if self.on_undone is not None:
+            self.on_undone()
         for purge in self.purges:
             with suppress(subprocess.TimeoutExpired):
                 purge.wait(30)

@@ -102,7 +102,7 @@ def _outcomes(events: list[Event]) -> Counter[str]:
 
 
 def _concerns(event: Event, violation: Violation) -> bool:
-    if event["type"] in {"fault", "fault_end", "faults_stop"}:
+    if event["type"] in {"fault", "fault_end", "faults_undone", "faults_stop"}:
         return True
     lockstrings = event.get("ls")
     lockstrings = lockstrings if isinstance(lockstrings, list) else [lockstrings]
