@@ -73,7 +73,7 @@ def test_a_short_campaign_finds_no_violation(
 
 # Restarts of a private server (fast and immediate), among pauses, kills and cut connections.
 RESTARTS = "--private-server --faults=restart,pause,cut,kill --fault-gap=0.5,1.5"
-RESTART_SEEDS = {"postgresql": 124, "mysql": 66}  # an immediate restart first; a fast one
+RESTART_SEEDS = {"postgresql": 124, "mysql": 66}  # the first restart immediate; fast
 
 
 @pytest.mark.parametrize("backend", sorted(RESTART_SEEDS))

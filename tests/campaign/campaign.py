@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import json
 import os
 import random
 import shutil
@@ -264,6 +265,8 @@ def _run(
         workers.wait(history.now() + 4 * settings.liveness_wait + 30)
         _end_descendants(server)
         taken = snapshots.finish(settings.expires + checker.NOBODY_SLACK + 1)
+        with open(directory / "snapshots.jsonl", "w") as kept_rows:  # kept with the history
+            kept_rows.writelines(json.dumps(snapshot.__dict__) + "\n" for snapshot in taken)
         events = history.read(history_path)
         rows, counters = _rows(db)
         verdict = checker.check(events, rows, counters, workers.exits, settings, began, taken)

@@ -79,6 +79,7 @@ class Holding:
     pid: int
     start: float
     last_valid: float | None = None
+    op: str = ""  # the operation that acquired it
 
     @property
     def end(self) -> float | None:
@@ -143,7 +144,7 @@ def _holdings(events: list[Event]) -> dict[tuple[str, int], Holding]:
             )
             for lockstring, lock_id in members:
                 holdings[(lockstring, lock_id)] = Holding(
-                    lockstring, lock_id, event["w"], event["pid"], event["t"]
+                    lockstring, lock_id, event["w"], event["pid"], event["t"], op=event["op"]
                 )
     cuts = {
         (event["ls"], event["id"]): event["t"]
@@ -602,7 +603,7 @@ def _given_up(
             if event.get("op") == "release" and lock_id in event.get("ids", ()):
                 if event["type"] == "invoke":
                     continue
-                if event["type"] == "ok" and event.get("during") == "hold_at_least":
+                if event["type"] == "ok" and holding.op == "hold_at_least":
                     return None  # kept until its window ends
                 said = "released it" if event["type"] == "ok" else f"its release {event['type']}ed"
                 return event["t"], f"{holding.worker} {said}", holding.start
