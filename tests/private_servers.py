@@ -243,13 +243,19 @@ class PrivateMariaDB:
         return int((self.home / "pid").read_text())
 
     def stop(self, crash: bool) -> None:
+        """SIGTERM (a normal shutdown) or SIGKILL; a SIGTERM that mariadbd still starting up
+        missed is followed by SIGKILL after a minute."""
         pid = self.pid
         os.kill(pid, signal.SIGKILL if crash else signal.SIGTERM)
+        deadline = time.monotonic() + 60
         while True:
             try:
                 os.kill(pid, 0)
             except ProcessLookupError:
                 break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                deadline = float("inf")
             time.sleep(0.05)
         if self.process is not None:
             self.process.wait(timeout=60)

@@ -30,7 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+import sqlalchemy as sa
+
 from sqllocker import Locker, LockError
+from sqllocker.engine import resolve_url
 from sqllocker.permits import permit_lockstring
 from tests.campaign import plan
 from tests.campaign.database import LOCK_TABLE
@@ -40,6 +43,7 @@ from tests.stall_proxy import StallProxy
 
 T = TypeVar("T")
 OPERATOR_TIMEOUT = 300.0
+SERVER_START_TIMEOUT = 60.0
 SERVER_BACK_BEFORE_END = 2.0  # seconds: a restarted server is started again this long before
 
 
@@ -369,12 +373,31 @@ class Nemesis:
         for attempt in range(3):
             try:
                 self.server.start()
+                self._until_ready()
                 break
             except Exception:  # a start that failed: again, a moment later
                 if attempt == 2:
                     raise
                 time.sleep(1)
         self.server_down = False
+
+    def _until_ready(self) -> None:
+        """Until the restarted server answers a query (MariaDB listens before it is ready for
+        a shutdown: a SIGTERM that soon is missed)."""
+        engine = sa.create_engine(resolve_url(self.url), poolclass=sa.pool.NullPool)
+        deadline = now() + SERVER_START_TIMEOUT
+        try:
+            while True:
+                try:
+                    with engine.connect() as conn:
+                        conn.execute(sa.text("SELECT 1"))
+                    return
+                except sa.exc.SQLAlchemyError:
+                    if now() > deadline:
+                        raise
+                    time.sleep(0.2)
+        finally:
+            engine.dispose()
 
     def _cli(self) -> list[str]:
         cli = "from sqllocker.cli import main; main()"
