@@ -5,18 +5,18 @@ than a single change to it is worth, so a change is judged against the code befo
 alternating rounds: each round, every tree (in a fresh interpreter, in that tree's directory,
 so that it imports that tree's code) measures a raw floor and its own ``Locker``, back to back,
 best of two runs each, reversing the order of the trees every other round; the medians per
-tree come last. The floor's code is defined here, not in the trees, so that every tree runs
-the very same floor: sqllocker's acquire and release statements on one held driver
-connection, with values of the size sqllocker sends. The statements are that tree's
-(``sqllocker.statements``), so a change to them shows in ``floor_us``, and ``x_floor`` is
-against the floor of the statements the tree sends. Make the other tree with
-``git worktree add /tmp/base HEAD``, then:
+tree come last. The floor is this tool's own (``bench.raw_floor_cycle`` of the
+``scripts/bench.py`` beside it, run on each tree's sqllocker), so that every tree runs the very
+same floor: sqllocker's acquire and release statements on one held driver connection, with
+values of the size sqllocker sends. The statements are that tree's (``sqllocker.statements``),
+so a change to them shows in ``floor_us``, and ``x_floor`` is against the floor of the
+statements the tree sends. Make the other tree with ``git worktree add /tmp/base HEAD``, then:
 
     .venv/bin/python scripts/ab_uncontended.py --rounds 4 new=. base=/tmp/base
 
 ``--asyncio`` does the same for the async cycle: each tree's ``AsyncLocker`` against the async
-floor (that tree's ``scripts.bench.async_raw_floor_cycle``: the statements through the async
-driver on one held connection) in one event loop, best of three.
+floor (``bench.async_raw_floor_cycle``: the statements through the async driver on one held
+connection) in one event loop, best of three.
 
 A change worth a few microseconds of Python is lost in that noise (a round's ratio moves by
 0.1, about 20 us of an SQLite cycle). ``--stub-driver`` times the library's own Python alone:
@@ -41,72 +41,55 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scripts import bench
 
-# Both programs: the tree's Locker, and the floor's cycle on whatever ``cursor`` is then.
-_SETUP = """
-import json, os, sys, time
-from sqllocker import Locker
-from sqllocker.execution import Prepared
-from sqllocker.identity import holder_details
+BENCH = str(Path(bench.__file__).resolve())
 
-url, table, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
-if url.endswith("/"):  # SQLite: a new file each run, made as the tree makes it
-    url += f"{os.getpid()}.db"
-locker = Locker(url, table=table, auto_create=True)
-locker.lock("compile").unlock()
-lock_table = locker._operations
-dialect = lock_table.engine.dialect
-acquire = Prepared(lock_table.statements.acquire, dialect)
-release = Prepared(lock_table.statements.release, dialect)
-ttl, minus_grace = lock_table.backend.seconds_value(3600), lock_table.backend.seconds_value(-1)
-holder = holder_details({})
-run = os.getpid()
+# Both programs: this tool's bench.py (its floor), on the sqllocker of the tree run in.
+_PRELUDE = """
+import importlib.util, sys
 
-
-def floor(n):
-    guid = os.urandom(16).hex()
-    values = {"ls": f"floor {run} {n}", "lock_guid": guid, "ttl": ttl,
-              "minus_grace": minus_grace, "holder": {**holder, "guid": guid}}
-    cursor.execute(acquire.sql, acquire.parameters(values))
-    lock_id = cursor.fetchall()[0][0]
-    cursor.execute(release.sql, release.parameters({"lock_id": lock_id, "lock_guid": guid}))
-
-
-def library(n):
-    locker.lock(f"lib {run} {n}").unlock()
+spec = importlib.util.spec_from_file_location("bench", sys.argv[1])
+bench = sys.modules["bench"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+url, count, repeats = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 """
 
-_ONE_ROUND = (
-    _SETUP
+# One run in a tree: the floor and its Locker (or the async floor and its AsyncLocker, in one
+# event loop), each in turn, best of ``repeats``; as microseconds a cycle.
+_ROUND = (
+    _PRELUDE
     + """
-raw = locker.engine.raw_connection()
-cursor = raw.driver_connection.cursor()
-if lock_table.backend.name == "sqlite":
-    cursor.execute("PRAGMA wal_autocheckpoint=1000")  # as bench.FLOOR_SETTINGS: its own log
-best = {}
-for repeat in range(2):
-    for name, cycle in (("floor", floor), ("sqllocker", library)):
-        for n in range(200):  # warm up
-            cycle(10**7 + repeat * 1000 + n)
-        started = time.perf_counter()
-        for n in range(count):
-            cycle(repeat * 10**6 + n)
-        us = (time.perf_counter() - started) / count * 1e6
-        best[name] = min(best.get(name, us), us)
-cursor.close()
-raw.close()
-locker.close()
-print(json.dumps({"floor_us": round(best["floor"], 1), "sqllocker_us": round(best["sqllocker"], 1),
-                  "x_floor": round(best["floor"] / best["sqllocker"], 3)}))
+import asyncio, functools, json, os
+
+mode = sys.argv[5]
+if url.endswith("/"):  # SQLite: a new file each run, its table made as the tree makes it
+    url += f"{os.getpid()}.db"
+    bench.fresh_table(url)
+if mode == "async":
+    rounds = asyncio.run(bench.async_figures(url, count, repeats, layers=False))
+    floor, library = "async raw floor", "sqllocker.asyncio"
+else:
+    floor, library = "raw floor", "sqllocker"
+    systems = [(floor, functools.partial(bench.raw_floor_cycle, url)),
+               (library, functools.partial(bench.sqllocker_cycle, url))]
+    rounds = bench.rounds_in_turn(systems, count, repeats)
+best = {name: 1e6 / max(r[name]["cycles_per_s"] for r in rounds) for name in (floor, library)}
+print(json.dumps({"floor_us": round(best[floor], 1), "sqllocker_us": round(best[library], 1),
+                  "x_floor": round(best[floor] / best[library], 3)}))
 """
 )
 
-# The floor's own Python too (``floor_us``: its guid, parameters and JSON), on the same stub.
+# The library's own Python, and the floor's (its guid, parameters and JSON), on SQLite with
+# every cursor a stub that answers at once as SQLite would in an uncontended cycle.
 _STUB_ROUND = (
-    _SETUP
+    _PRELUDE
     + """
+import json, os, time
+from sqllocker import Locker
+
+url += f"{os.getpid()}.db"
+
 
 class StubCursor:
-    # What SQLite answers in an uncontended cycle, without SQLite.
     rowcount, lastrowid, description = 1, None, None
     rows = []
 
@@ -118,11 +101,21 @@ class StubCursor:
         return self.rows
 
 
-cursor = StubCursor()
+bench.fresh_table(url)
+locker = Locker(url, table=bench.TABLE)
+locker.lock("compile").unlock()
+floor = bench.floor_cycle(bench.FloorStatements(locker._operations), StubCursor())
 for held in locker._operations._stack._idle:
     held.cursor, held.session = StubCursor(), None
+run = os.getpid()
+
+
+def library(n):
+    locker.lock(f"lib {run} {n}").unlock()
+
+
 best = {}
-for repeat in range(5):
+for repeat in range(repeats):
     for name, cycle in (("floor", floor), ("library", library)):
         started = time.perf_counter()
         for n in range(count):
@@ -133,38 +126,6 @@ locker.close()
 print(json.dumps({"library_us": round(best["library"], 2), "floor_us": round(best["floor"], 2)}))
 """
 )
-
-
-# The async cycle: the tree's own async floor (scripts/bench.py) and its AsyncLocker, best of
-# three, in one event loop.
-_ASYNC_ROUND = """
-import asyncio, json, sys, time
-from scripts import bench
-
-url, count = sys.argv[1], int(sys.argv[2])
-
-
-async def main():
-    best = {}
-    for repeat in range(3):
-        for name, make in (("floor", bench.async_raw_floor_cycle),
-                           ("sqllocker", bench.async_sqllocker_cycle)):
-            cycle, close = await make(url)
-            for n in range(100):  # warm up
-                await cycle(10**7 + repeat * 1000 + n)
-            started = time.perf_counter()
-            for n in range(count):
-                await cycle(repeat * 10**6 + n)
-            us = (time.perf_counter() - started) / count * 1e6
-            await close()
-            best[name] = min(best.get(name, us), us)
-    floor, library = best["floor"], best["sqllocker"]
-    print(json.dumps({"floor_us": round(floor, 1), "sqllocker_us": round(library, 1),
-                      "x_floor": round(floor / library, 3)}))
-
-
-asyncio.run(main())
-"""
 
 
 def run_rounds(
@@ -211,30 +172,21 @@ def main() -> int:
     trees = [(name, path) for name, path in (tree.split("=", 1) for tree in args.trees)]
     if args.stub_driver and (args.backend != "sqlite" or args.asyncio):
         parser.error("--stub-driver stubs SQLite's sync answers: use it with --backend sqlite")
-    if args.asyncio:
-        return async_rounds(trees, args.rounds, args.backend, args.cycles or 1000)
-    program = _STUB_ROUND if args.stub_driver else _ONE_ROUND
-    cycles = str((args.cycles or 3000) * (5 if args.stub_driver else 1))
-    table = "ab_uncontended"
+    mode = "async" if args.asyncio else "sync"
+    cycles = args.cycles or (1000 if args.asyncio else 3000)
+    if args.stub_driver:
+        program, arguments = _STUB_ROUND, [str(cycles * 5), "5"]
+    else:
+        program, arguments = _ROUND, [str(cycles), "3" if args.asyncio else "2", mode]
     with tempfile.TemporaryDirectory() as scratch:
         url = f"sqlite:///{scratch}/" if args.backend == "sqlite" else bench.URLS[args.backend]
+        if args.backend != "sqlite":
+            bench.fresh_table(url)
         try:
-            run_rounds(trees, args.rounds, program, url, table, cycles)
+            run_rounds(trees, args.rounds, program, BENCH, url, *arguments)
         finally:
             if args.backend != "sqlite":
-                bench.drop_table(url, table)
-    return 0
-
-
-def async_rounds(trees: list[tuple[str, str]], rounds: int, backend: str, cycles: int) -> int:
-    """The async cycle's rounds, on the bench's table (each tree's bench uses its own name)."""
-    with tempfile.TemporaryDirectory() as scratch:
-        url = f"sqlite:///{scratch}/ab.db" if backend == "sqlite" else bench.URLS[backend]
-        bench.fresh_table(url)
-        try:
-            run_rounds(trees, rounds, _ASYNC_ROUND, url, str(cycles))
-        finally:
-            bench.drop_table(url, bench.TABLE)
+                bench.drop_table(url, bench.TABLE)
     return 0
 
 

@@ -223,18 +223,24 @@ def raw_floor_cycle(url: str) -> Cycle:
     for setting in floor.settings:
         cursor.execute(setting)
 
+    def close() -> None:
+        cursor.close()
+        raw.close()
+        locker.close()
+
+    return floor_cycle(floor, cursor), close
+
+
+def floor_cycle(floor: FloorStatements, cursor: Any) -> Callable[[int], None]:
+    """The floor's cycle of lockstring n on ``cursor`` (a driver's, or the A/B tool's stub)."""
+
     def cycle(n: int) -> None:
         guid = os.urandom(16).hex()  # as sqllocker.identity.new_guid
         cursor.execute(floor.acquire.sql, floor.acquire_parameters(n, guid))
         lock_id = cursor.fetchall()[0][0]
         cursor.execute(floor.release.sql, floor.release_parameters(lock_id, guid))
 
-    def close() -> None:
-        cursor.close()
-        raw.close()
-        locker.close()
-
-    return cycle, close
+    return cycle
 
 
 def sqllocker_cycle(url: str, table: str = TABLE, **options: Any) -> Cycle:
@@ -347,13 +353,15 @@ ASYNC_LAYERS = {
 }
 
 
-async def async_figures(url: str, count: int, rounds: int) -> list[dict[str, dict[str, float]]]:
-    """The async floor, its layers and AsyncLocker, taken in turn ``rounds`` times in one event
-    loop: each round's figures."""
+async def async_figures(
+    url: str, count: int, rounds: int, layers: bool = True
+) -> list[dict[str, dict[str, float]]]:
+    """The async floor, its ``layers`` and AsyncLocker, taken in turn ``rounds`` times in one
+    event loop: each round's figures."""
     per_round: list[dict[str, dict[str, float]]] = []
     systems: list[tuple[str, Callable[[], Awaitable[AsyncCycle]]]] = [
         (name, functools.partial(async_raw_floor_cycle, url, layer))
-        for name, layer in ASYNC_LAYERS.items()
+        for name, layer in list(ASYNC_LAYERS.items())[: None if layers else 1]
     ]
     systems.append(("sqllocker.asyncio", functools.partial(async_sqllocker_cycle, url)))
     for _round in range(rounds):
@@ -431,29 +439,25 @@ SERVER_LOCKS: dict[str, tuple[str, str, str, Callable[[int], object]]] = {
 }  # fmt: skip
 
 
-def redis_cycle() -> Cycle:
+def redis_cycle(floor: bool) -> Cycle:
+    """redis-py's ``Lock``, or (``floor``) the bare SET NX and DEL of a key."""
     import redis
 
     client = redis.Redis.from_url(REDIS_URL)
 
-    def cycle(n: int) -> None:
+    def lock_cycle(n: int) -> None:
         lock = client.lock(f"bench {n}", timeout=3600)
         lock.acquire(blocking=False)
         lock.release()
 
-    return cycle, client.close
-
-
-def redis_floor_cycle() -> Cycle:
-    import redis
-
-    client = redis.Redis.from_url(REDIS_URL)
-
-    def cycle(n: int) -> None:
+    def floor_cycle(n: int) -> None:
         client.set(f"floor {n}", "token", nx=True, px=3_600_000)
         client.delete(f"floor {n}")
 
-    return cycle, client.close
+    return floor_cycle if floor else lock_cycle, client.close
+
+
+REDIS = (("raw SET NX + DEL", True), ("redis-py Lock", False))  # the floor first
 
 
 def uncontended(
@@ -482,9 +486,8 @@ def uncontended(
             if name not in ASYNC_LAYERS or name == "async raw floor":
                 rows.append(row)
     try:
-        redis_systems = [("raw SET NX + DEL", redis_floor_cycle), ("redis-py Lock", redis_cycle)]
-        redis_rounds = rounds_in_turn(redis_systems, count, rounds)
-        rows += paired_rows("redis", redis_rounds, "raw SET NX + DEL")
+        redis_systems = [(name, functools.partial(redis_cycle, floor)) for name, floor in REDIS]
+        rows += paired_rows("redis", rounds_in_turn(redis_systems, count, rounds), REDIS[0][0])
     except Exception as error:  # Redis is optional: say so and go on
         print(f"redis skipped: {error}", file=sys.stderr)
     return rows, layers
@@ -781,31 +784,18 @@ def fill(url: str, count: int, expired: bool, table_name: str = TABLE) -> None:
     engine.dispose()
 
 
-def _cycler(url: str, seconds: float, queue: Any) -> None:
-    """Cycles on distinct lockstrings for ``seconds``: the latency of each."""
-    cycle, close = sqllocker_cycle(url)
-    latencies = []
-    deadline = time.monotonic() + seconds
-    n = 0
-    while time.monotonic() < deadline:
-        t0 = time.perf_counter()
-        cycle(n)
-        latencies.append(time.perf_counter() - t0)
-        n += 1
-    close()
-    queue.put(latencies)
-
-
-def _timed_cycler(url: str, stop: Any, queue: Any) -> None:
-    """Cycles until ``stop`` is set; each as (monotonic start, latency)."""
+def _cycler(url: str, seconds: float, stop: Any, queue: Any) -> None:
+    """Cycles on distinct lockstrings for ``seconds``, or until ``stop`` (an Event) is set if
+    there is one; each as (monotonic start, latency)."""
     cycle, close = sqllocker_cycle(url)
     samples = []
-    n = 0
-    while not stop.is_set():
+    deadline = time.monotonic() + seconds
+    for n in itertools.count():
         started, t0 = time.monotonic(), time.perf_counter()
+        if stop.is_set() if stop is not None else started >= deadline:
+            break
         cycle(n)
         samples.append((started, time.perf_counter() - t0))
-        n += 1
     close()
     queue.put(samples)
 
@@ -816,7 +806,7 @@ def cycles_per_s_of(url: str, processes: int, seconds: float) -> float:
     context = processes_context()
     queue = context.Queue()
     workers = [
-        context.Process(target=_cycler, args=(url, seconds, queue)) for _ in range(processes)
+        context.Process(target=_cycler, args=(url, seconds, None, queue)) for _ in range(processes)
     ]
     for worker in workers:
         worker.start()
@@ -833,7 +823,7 @@ def purge_beside_a_worker(url: str, seconds: float) -> tuple[list[float], list[f
     purged and how long the purge took."""
     context = processes_context()
     queue, stop = context.Queue(), context.Event()
-    worker = context.Process(target=_timed_cycler, args=(url, stop, queue))
+    worker = context.Process(target=_cycler, args=(url, 0.0, stop, queue))
     worker.start()
     time.sleep(seconds + 1.0)  # its first second (connecting, warming up) is left out below
     purger = Locker(url, table=TABLE)
@@ -1250,41 +1240,41 @@ def main() -> int:
     parser.add_argument("--render-only", action="store_true", help="from OUT/bench.json")
     parser.add_argument("--only", choices=["otel"], help="these rows alone, into OUT/bench.json")
     args = parser.parse_args()
-    if args.only:  # measure these rows alone; the page keeps the rest of OUT/bench.json
-        results: dict[str, Any] = json.loads((Path(args.out) / "bench.json").read_text())
-        backends = [b for b in args.backends.split(",") if b]
-        profile = QUICK if args.quick else FULL
-        URLS["sqlite"] = f"sqlite:///{Path(args.out) / 'bench.db'}"
-        results["otel"] = otel_rows(
-            backends, profile.cycles, results["profile"]["uncontended_rounds"]
-        )
-        results["otel_measured_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-        results["otel_quick"] = args.quick
-        for backend in backends:
-            drop_table(URLS[backend], TABLE)
-        report(results, Path(args.out))
-        return 0
+    out = Path(args.out)
     if args.render_only:  # measure nothing: the page and chart again
-        write_page_and_chart(
-            json.loads((Path(args.out) / "bench.json").read_text()), Path(args.out)
-        )
+        write_page_and_chart(json.loads((out / "bench.json").read_text()), out)
         return 0
     backends = [b for b in args.backends.split(",") if b]
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    URLS["sqlite"] = f"sqlite:///{Path(args.out) / 'bench.db'}"  # beside the results, wherever
-    for leftover in Path(args.out).glob("bench.db*"):
-        leftover.unlink()  # a file of an earlier run keeps the page size it was made with
-    skip = set(args.skip.split(","))
     profile = QUICK if args.quick else FULL
+    URLS["sqlite"] = f"sqlite:///{out / 'bench.db'}"  # beside the results, wherever
+    if args.only:  # measure these rows alone; the page keeps the rest of OUT/bench.json
+        results: dict[str, Any] = json.loads((out / "bench.json").read_text())
+        rounds = results["profile"]["uncontended_rounds"]
+        results["otel"] = otel_rows(backends, profile.cycles, rounds)
+        results["otel_measured_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        results["otel_quick"] = args.quick
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        for leftover in out.glob("bench.db*"):
+            leftover.unlink()  # a file of an earlier run keeps the page size it was made with
+        results = measure(backends, profile, set(args.skip.split(",")), args.quick)
+    for backend in backends:  # whatever was skipped, nothing is left on the servers
+        drop_table(URLS[backend], TABLE)
+    report(results, out)
+    return 0
+
+
+def measure(backends: list[str], profile: Profile, skip: set[str], quick: bool) -> dict[str, Any]:
+    """Every row of the page but the OpenTelemetry ones, measured in one run."""
     machine = f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}, SQLAlchemy {sa.__version__}"
-    results = {"machine": machine, "quick": args.quick, "profile": asdict(profile)}
+    results: dict[str, Any] = {"machine": machine, "quick": quick, "profile": asdict(profile)}
     results.update(run_context(backends))
     results["uncontended"], results["async_layers"] = uncontended(
         backends, profile.cycles, profile.uncontended_rounds
     )
     if "contended" not in skip:
-        targets = [(b, "sqllocker", URLS[b]) for b in backends]
         baselines = {"sqlite": "flock", "postgresql": "advisory lock", "mysql": "GET_LOCK"}
+        targets = [(b, "sqllocker", URLS[b]) for b in backends]
         targets += [(b, baselines[b], URLS[b]) for b in backends]
         targets.append(("redis", "redis-py Lock", REDIS_URL))
         servers = [b for b in backends if b in {"postgresql", "mysql"}]
@@ -1297,10 +1287,7 @@ def main() -> int:
     if "scale" not in skip:
         results["scale"] = scale(backends, profile)
         results["scale"] += [connections_used(b, profile) for b in backends]
-    for backend in backends:  # whatever was skipped, nothing is left on the servers
-        drop_table(URLS[backend], TABLE)
-    report(results, Path(args.out))
-    return 0
+    return results
 
 
 if __name__ == "__main__":
