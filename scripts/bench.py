@@ -539,11 +539,7 @@ def _otel_section(results: dict[str, Any]) -> list[str]:
     rows = results.get("otel") or []
     if not rows:
         return []
-    cells = [
-        [_backend(row["backend"]), row["system"], f"{row['cycles_per_s']:,.0f}",
-         f"{row['p50_ms']:.3f}", f"{row['ratio_to_floor']:.2f}", _spread(row["ratio_range"], ".2f")]
-        for row in rows
-    ]  # fmt: skip
+    cells = [_paired_cells(row, "p50_ms") for row in rows]
     return [
         "",
         "## The cost of OpenTelemetry",
@@ -1024,15 +1020,7 @@ def performance_page(results: dict[str, Any]) -> str:
         "are measured against the *async* floor: the same statements through the async driver",
         "(psycopg's async connection, aiosqlite, aiomysql) on one held connection.",
     ]
-    cells = []
-    for row in results["uncontended"]:
-        ratio = f"{row['ratio_to_floor']:.2f}"
-        cells.append(
-            [_backend(row["backend"]), SYSTEM_NAMES.get(row["system"], row["system"]),
-             f"{row['cycles_per_s']:,.0f}", f"{row['p50_ms']:.3f}", f"{row['p99_ms']:.3f}",
-             f"**{ratio}**" if row["system"].startswith("sqllocker") else ratio,
-             _spread(row.get("ratio_range"), ".2f")]
-        )  # fmt: skip
+    cells = [_paired_cells(row, "p50_ms", "p99_ms") for row in results["uncontended"]]
     lines += _table(
         "backend | system | cycles/s | p50 ms | p99 ms | x floor | rounds", "--:::::", cells
     )
@@ -1124,6 +1112,18 @@ def _table(header: str, alignment: str, cells: list[list[str]]) -> list[str]:
     for each column of ``header``."""
     rule = "|".join("---" if side == "-" else "---:" for side in alignment)
     return ["", f"| {header} |", f"|{rule}|", *(f"| {' | '.join(row)} |" for row in cells)]
+
+
+def _paired_cells(row: dict[str, Any], *latencies: str) -> list[str]:
+    """A row of ``paired_rows``: its system, cycles/s, ``latencies`` (ms), ratio (in bold for
+    sqllocker's own) and the ratio's spread over the rounds."""
+    ratio = f"{row['ratio_to_floor']:.2f}"
+    return [
+        _backend(row["backend"]), SYSTEM_NAMES.get(row["system"], row["system"]),
+        f"{row['cycles_per_s']:,.0f}", *(f"{row[latency]:.3f}" for latency in latencies),
+        f"**{ratio}**" if row["system"].startswith("sqllocker") else ratio,
+        _spread(row.get("ratio_range"), ".2f"),
+    ]  # fmt: skip
 
 
 def _backend(backend: str) -> str:
