@@ -138,31 +138,34 @@ def admin(migrated_postgres: str) -> Iterator[sa.Engine]:
     engine.dispose()
 
 
-# README's test command runs the suite on pytest-xdist workers. The tests of the modules below
-# load the machine or time what they check against expiries and turns, and the private servers
-# and clusters are started and failed over one at a time: each group (a "lane") runs its modules
-# one after another on one worker, as they would alone, since beside each other each would find
-# the machine twice as slow as its timings allow for. The two lanes differ in what they wait on:
-# the machine's lane runs many processes at once (CPU), the servers' lane mostly waits for
-# clusters to start, fail over and catch up, which leaves the CPUs to the other lane. The other
-# modules, a thread or two at a time, fill whichever worker is free meanwhile, the lanes first.
+# README's test command runs the suite on three pytest-xdist workers. The tests of the modules
+# below load the machine, time what they check against expiries and turns, or start private
+# servers and clusters: each group (a "lane") runs its modules one after another on one worker,
+# as they would alone, since beside each other the same kind would find the machine twice as
+# slow as its timings allow for. The lanes differ in what they load: the processes' lane runs
+# many processes at once (CPU), the turns' lane a few threads and processes timed against
+# expiries, keep-alives and turns, and the servers' lane mostly waits for private servers and
+# clusters to start, fail over and catch up. The other modules, a thread or two at a time, fill
+# whichever worker is free, the lanes first.
 _LANES = {
-    "the machine's lane": {
-        "test_apscheduler",
+    "the processes' lane": {
         "test_campaign",
-        "test_celery",
         "test_dbix_locker",
-        "test_elections",
-        "test_faults",
         "test_groups",
-        "test_hand_off",
-        "test_holding",
         "test_mutual_exclusion",
         "test_poolers",
-        "test_queue_order",
         "test_run_family",
         "test_rwlocks",
         "test_semaphores",
+    },
+    "the turns' lane": {
+        "test_apscheduler",
+        "test_celery",
+        "test_elections",
+        "test_faults",
+        "test_hand_off",
+        "test_holding",
+        "test_queue_order",
     },
     "the servers' lane": {
         "test_fencing",
