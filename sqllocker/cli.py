@@ -31,6 +31,7 @@ from .exporter import (
     serve,
 )
 from .locker import Locker, LockInfo
+from .row_kinds import kind_of
 from .runner import DEFAULT_KILL_AFTER, EXIT_LOCK_LOST, ON_LOST_CHOICES, RunOptions, run_locked
 from .schema import DEFAULT_TABLE, FOREIGN_CLOCK_MARGIN
 from .telemetry import default_name
@@ -171,10 +172,11 @@ def list_locks(settings: _Settings, pattern: str | None, as_json: bool, expired_
     if as_json:
         _print_json([_info_json(info) for info in infos])
         return
-    header = ("LOCKSTRING", "ID", "HOLDER", "PROGRAM", "CREATED", "EXPIRES", "LEFT")
+    header = ("LOCKSTRING", "KIND", "ID", "HOLDER", "PROGRAM", "CREATED", "EXPIRES", "LEFT")
     rows = [
         (
             printable(info.lockstring),
+            kind_of(info.lockstring, info.locked_by),
             str(info.lock_id),
             printable(f"{info.locked_by.get('host', '?')}:{info.locked_by.get('pid', '?')}"),
             printable(info.locked_by.get("program", "")),
@@ -213,6 +215,7 @@ def show(settings: _Settings, lockstring: str, as_json: bool) -> None:
         return
     state = "expired" if info.expired else f"held, {_duration(info.seconds_left)} left"
     click.echo(f"lockstring: {printable(info.lockstring)}")
+    click.echo(f"kind:       {kind_of(info.lockstring, info.locked_by)}")
     click.echo(f"lock id:    {info.lock_id}")
     click.echo(f"state:      {state}")
     click.echo(f"holder:     {describe_holder(info.locked_by)}")
@@ -645,6 +648,7 @@ ROW_NOTES = (
 def _info_json(info: LockInfo) -> dict[str, Any]:
     return {
         "lockstring": info.lockstring,
+        "kind": kind_of(info.lockstring, info.locked_by),
         "lock_id": info.lock_id,
         "created": info.created.isoformat(),
         "expires": info.expires.isoformat(),

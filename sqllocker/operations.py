@@ -33,7 +33,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import QueuePool
 from sqlalchemy.sql import ClauseElement
 
-from . import clock
+from . import clock, deadlines
 from .backends import Backend, backend_class, backend_for
 from .connections import ConnectionStack
 from .engine import describe_url, prepares_statements
@@ -400,6 +400,12 @@ class LockOperations:
             )
         logger.debug("released %r (id %d)", lockstring, lock_id)
 
+    def forget_attempt(self, lockstring: str, guid: str) -> int:
+        """Delete the row an acquire by ``guid`` that failed may have left (its INSERT
+        committed, its answer lost); how many were deleted."""
+        params = {"ls": lockstring, "lock_guid": guid}
+        return self._run(lockstring, lambda conn: conn.affected(self._sql.forget_attempt, params))
+
     def checkpoint_due(self) -> bool:
         """Counts a release; whether the log is due a checkpoint (``checkpoint``) now. Counted
         without a lock: a count lost between threads only moves a checkpoint by a release."""
@@ -507,6 +513,14 @@ class LockOperations:
         return int(
             self._run(literal, lambda conn: conn.execute(self._sql.count_live, params).one().live)
         )
+
+    def announce_leader(self, name: str) -> None:
+        """Tell the observers of the election ``name`` to read its leader again (PostgreSQL:
+        a NOTIFY they take as a hint only); nothing elsewhere."""
+        self.ensure_setup()
+        statement = self._sql.leader_notice
+        if statement is not None:
+            self._run(name, lambda conn: conn.execute(statement, {"ls": name}))
 
     def count_permits(self, literal: str, wildcard: str, turn: str) -> tuple[int, LockInfo | None]:
         """``count_live``, and the row of the lockstring ``turn`` (a semaphore's turn: see
@@ -1007,7 +1021,8 @@ class LockOperations:
                     ) from error
                 if error.connection_invalidated:
                     self._needs_setup = True  # the server may have restarted: see ensure_setup
-                    if not retried_connection:
+                    # (Not once its deadline has passed: see sqllocker.deadlines.)
+                    if not retried_connection and not deadlines.passed():
                         retried_connection = True
                         logger.warning(
                             "database connection was lost (%s); reconnecting", error.orig
@@ -1059,7 +1074,8 @@ class LockOperations:
             if held.session is None:
                 one_call = self._be.in_one_call(held.connection)
                 held.session = DriverSession(held.connection, held.cursor, self._prepared, one_call)
-            result = operation(held.session)
+            with deadlines.interrupting(self._be.interrupt, held.connection):
+                result = operation(held.session)
         except sa.exc.DBAPIError as error:
             if error.connection_invalidated or self._be.is_read_only(error):
                 stack.discard(held)
@@ -1100,7 +1116,8 @@ class LockOperations:
         try:
             dbapi_connection = fairy.dbapi_connection
             one_call = self._be.in_one_call(dbapi_connection)
-            yield DriverSession(dbapi_connection, kept_cursor(fairy), self._prepared, one_call)
+            with deadlines.interrupting(self._be.interrupt, dbapi_connection):
+                yield DriverSession(dbapi_connection, kept_cursor(fairy), self._prepared, one_call)
         except sa.exc.DBAPIError as error:
             if error.connection_invalidated or (
                 self._backend is not None and self._be.is_read_only(error)

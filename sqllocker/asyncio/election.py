@@ -11,7 +11,7 @@ from collections.abc import AsyncGenerator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from ..elections import OBSERVE_INTERVAL, Leader, leader_from
+from ..elections import HINTED_READ_GAP, OBSERVE_INTERVAL, Leader, leader_from
 from ..holding import OnLost
 from ..rwlocks import writer_fence_pattern
 from ..validation import check_lockstring
@@ -85,12 +85,14 @@ class AsyncElection:
         """Wait (``None``: without limit) until this process leads, and keep the lead alive;
         ``on_lost`` (else the locker's) is called if it is lost, before anyone else can lead.
         Raises LockBusy once ``wait`` has passed."""
-        lock = await self.locker.rwlock(self.name).write(
-            wait=wait,
-            expires=expires,
-            keep_alive=True,
-            on_lost=on_lost,
-            locked_by={**(locked_by or {}), "election": "leader"},
+        lock = await self.locker.rwlock(self.name)._write(
+            wait,
+            expires,
+            True,
+            on_lost,
+            {**(locked_by or {}), "election": "leader"},
+            None,
+            kind="election",
         )
         return AsyncLeadership(lock)
 
@@ -108,17 +110,39 @@ class AsyncElection:
         self, interval: float = OBSERVE_INTERVAL
     ) -> AsyncGenerator[Leader | None, None]:
         """The leader now, then each change of leader (None while there is none), read at
-        most ``interval`` (at most a second) apart."""
+        most ``interval`` (at most a second) apart, and on PostgreSQL again at once when a
+        candidate says it took or gave up the lead (a NOTIFY, taken as a hint to read)."""
         interval = min(max(interval, 0.01), OBSERVE_INTERVAL)
+        await self._run(self._operations.ensure_setup)
+        listener = self.locker._release_listener()
+        if listener is not None and not listener.hands_over:
+            listener = None  # MySQL/MariaDB: no NOTIFY, the poll alone
         last: Leader | None = None
         first = True
         while True:
             started = time.monotonic()
-            now = await self.leader()
-            if first or (now is None) != (last is None) or (now and last and now.term != last.term):
-                yield now
-                first, last = False, now
-            await concurrency.sleep(max(0.0, interval - (time.monotonic() - started)))
+            # Subscribed before the read: a change after it wakes the wait below.
+            hint = None if listener is None else await listener.observe(self.name)
+            try:
+                now = await self.leader()
+                if (
+                    first
+                    or (now is None) != (last is None)
+                    or (now and last and now.term != last.term)
+                ):
+                    yield now
+                    first, last = False, now
+                left = max(0.0, interval - (time.monotonic() - started))
+                if hint is None:
+                    await concurrency.sleep(left)
+                else:
+                    await concurrency.wait(hint.event, left)
+                    # A flood of NOTIFYs (anyone may send them) costs at most a read a tick.
+                    gap = HINTED_READ_GAP - (time.monotonic() - started)
+                    await concurrency.sleep(max(0.0, gap))
+            finally:
+                if listener is not None and hint is not None:
+                    listener.unobserve(hint)
 
     def __repr__(self) -> str:
         return f"<AsyncElection {self.name!r}>"

@@ -20,7 +20,7 @@ from typing import Any, ParamSpec, TypeVar
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from .. import tickets, validation
+from .. import clock, deadlines, tickets, validation
 from ..backoff import Backoff
 from ..decorators import check_decoration, lock_namer, when_busy
 from ..defaults import (
@@ -30,7 +30,7 @@ from ..defaults import (
     DEFAULT_PURGE_PAUSE_RATIO,
 )
 from ..engine import describe_url
-from ..errors import DatabaseError, LockBusy, LockTypeError
+from ..errors import DatabaseError, LockBusy, LockError, LockTypeError
 from ..file_queue import BellListener, FileQueue, PlaceRequest
 from ..holding import OnLost
 from ..identity import holder_details, new_guid
@@ -40,6 +40,7 @@ from ..operations import Acquired, LockInfo, LockOperations, Refused
 from ..schema import DEFAULT_TABLE
 from ..telemetry import NameMapping, Telemetry, attempted, named, system_name
 from ..tickets import LOOK_AGAIN, NEWCOMER, LocalLine, Ticket
+from ..timeouts import CONNECT_SLACK_SECONDS
 from . import concurrency
 from .acquiring import Winnings, acquisition
 from .election import AsyncElection
@@ -52,8 +53,8 @@ from .semaphore import AsyncSemaphore
 
 if True:  # ASYNC
     import asyncio
+    import contextlib
 
-    from ..errors import LockError
     from ..operations import Joined
     from .acquiring import Acquiring
     from .loop_end import at_loop_end
@@ -64,6 +65,10 @@ logger = logging.getLogger("sqllocker")
 T = TypeVar("T")
 P = ParamSpec("P")
 R = TypeVar("R")
+
+# How long each try to delete a failed acquire's row may take (``_forget_attempt``).
+FORGET_PATIENCE = 2.0
+FORGET_FOR = 30.0
 
 __all__ = ["AsyncLocker", "LockInfo"]
 
@@ -147,6 +152,7 @@ class AsyncLocker:
         )
         self.table_name, self.expires, self.grace, fraction = options
         pooled = validation.check_flag(transaction_pooling, "transaction_pooling")
+        validation.check_telemetry_options(meter_provider, tracer_provider, telemetry_name)
         self.on_lost = on_lost
         self.strict = strict
         self.engine: AsyncEngine
@@ -398,6 +404,8 @@ class AsyncLocker:
                 )
             else:
                 outcome = self._operations.try_acquire_all(members, ttl, details)
+            for attempt in [outcome] if isinstance(outcome, Refused) else outcome:
+                attempted(attempt)  # a wait turn, or a member taken (over)
             if not isinstance(outcome, Refused):
                 locks = [
                     self._lock(winnings, name, guid, acquired, ttl, details, on_lost)
@@ -541,11 +549,71 @@ class AsyncLocker:
         hold_at_least: float | None,
         winnings: Winnings,
     ) -> AsyncLock:
-        if True:  # ASYNC
-            await self._ready()
+        # A new connection gives up with the wait (a little after), not after the driver's
+        # connect timeout: a server that accepts and never answers ends a wait on time too.
+        connect_by = None if wait is None else clock.now() + wait + CONNECT_SLACK_SECONDS
         # One guid for every attempt of this call: a release may hand the row to it (as our
         # ticket), and an attempt that finds the row under it knows the row is ours.
         guid = new_guid()
+        try:
+            with deadlines.connections_by(connect_by):
+                return await self._acquire_within(
+                    lockstring, guid, ttl, wait, extra, keep_alive, on_lost, hold_at_least, winnings
+                )
+        except DatabaseError:
+            # An attempt's INSERT may have committed with its answer lost: that row, held by
+            # nobody, would keep everyone out until it expired.
+            self._leaving.call_soon(self._forget_attempt, lockstring, guid, ttl)
+            raise
+
+    async def _forget_attempt(self, lockstring: str, guid: str, ttl: float) -> None:
+        """Delete the row a failed acquire by ``guid`` may have left, once the database answers:
+        tried every ``tickets.GIVE_UP_AGAIN`` seconds, each try ending by FORGET_PATIENCE,
+        until the row would have expired, or for FORGET_FOR at most (the give-ups of tickets
+        wait behind it); never another acquisition's row (see ``Statements.forget_attempt``).
+        """
+        until = clock.now() + min(ttl, FORGET_FOR)
+        while not self._closing.is_set() and clock.now() < until:
+            deleted: int | None = None
+            try:
+                if True:  # ASYNC
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        deleted = await concurrency.within(
+                            self._call(self._operations.forget_attempt, lockstring, guid),
+                            FORGET_PATIENCE,
+                            f"forget a failed acquire of {lockstring!r}",
+                        )
+                else:
+                    bound = clock.now() + FORGET_PATIENCE
+                    with deadlines.statements_end_by(bound), deadlines.connections_by(bound):
+                        deleted = self._operations.forget_attempt(lockstring, guid)
+            except LockError:
+                pass
+            if deleted is None:
+                await concurrency.wait(self._closing, tickets.GIVE_UP_AGAIN)
+                continue
+            if deleted:
+                logger.info("deleted the row of a failed acquire of %r", lockstring)
+            return
+        logger.warning(
+            "the row a failed acquire of %r may have left could not be deleted; it will expire",
+            lockstring,
+        )
+
+    async def _acquire_within(
+        self,
+        lockstring: str,
+        guid: str,
+        ttl: float,
+        wait: float | None,
+        extra: dict[str, Any],
+        keep_alive: bool,
+        on_lost: OnLost | None,
+        hold_at_least: float | None,
+        winnings: Winnings,
+    ) -> AsyncLock:
+        if True:  # ASYNC
+            await self._ready()
         details = holder_details(extra, concurrency.task_name())
         acquisition = self._telemetry.acquiring(lockstring, wait)
         try:
