@@ -145,8 +145,8 @@ def admin(migrated_postgres: str) -> Iterator[sa.Engine]:
 # slow as its timings allow for. The lanes differ in what they load: the processes' lane runs
 # many processes at once (CPU), the turns' lane a few threads and processes timed against
 # expiries, keep-alives and turns, and the servers' lane mostly waits for private servers and
-# clusters to start, fail over and catch up. The other modules, a thread or two at a time, fill
-# whichever worker is free, the lanes first.
+# clusters to start, fail over and catch up, or for a server frozen behind a proxy. The other
+# modules, a thread or two at a time, fill whichever worker is free, the lanes first.
 _LANES = {
     "the processes' lane": {
         "test_campaign",
@@ -171,6 +171,7 @@ _LANES = {
         "test_fencing",
         "test_galera",
         "test_high_availability",
+        "test_life_bounds",
         "test_patroni",
     },
 }
