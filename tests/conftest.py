@@ -138,45 +138,64 @@ def admin(migrated_postgres: str) -> Iterator[sa.Engine]:
     engine.dispose()
 
 
-# README's test command runs the suite on two pytest-xdist workers (``-n 2``). The tests of these
-# modules load the whole machine (many processes, private servers, clusters) or time what they
-# check against expiries and turns: they run one after another on one worker, as they would
-# alone, since beside each other each would find the machine twice as slow as its timings allow
-# for. The other modules, a thread or two at a time, run on the other worker meanwhile.
-_ONE_AT_A_TIME = {
-    "test_apscheduler",
-    "test_campaign",
-    "test_celery",
-    "test_dbix_locker",
-    "test_elections",
-    "test_faults",
-    "test_fencing",
-    "test_galera",
-    "test_groups",
-    "test_hand_off",
-    "test_high_availability",
-    "test_holding",
-    "test_mutual_exclusion",
-    "test_patroni",
-    "test_poolers",
-    "test_queue_order",
-    "test_run_family",
-    "test_rwlocks",
-    "test_semaphores",
+# README's test command runs the suite on three pytest-xdist workers. The tests of the modules
+# below load the machine, time what they check against expiries and turns, or start private
+# servers and clusters: each group (a "lane") runs its modules one after another on one worker,
+# as they would alone, since beside each other the same kind would find the machine twice as
+# slow as its timings allow for. The lanes differ in what they load: the processes' lane runs
+# many processes at once (CPU), the turns' lane a few threads and processes timed against
+# expiries, keep-alives and turns, and the servers' lane mostly waits for private servers and
+# clusters to start, fail over and catch up, or for a server frozen behind a proxy. The other
+# modules, a thread or two at a time, fill whichever worker is free, the lanes first.
+_LANES = {
+    "the processes' lane": {
+        "test_campaign",
+        "test_dbix_locker",
+        "test_groups",
+        "test_mutual_exclusion",
+        "test_poolers",
+        "test_run_family",
+        "test_rwlocks",
+        "test_semaphores",
+    },
+    "the turns' lane": {
+        "test_apscheduler",
+        "test_celery",
+        "test_elections",
+        "test_faults",
+        "test_hand_off",
+        "test_holding",
+        "test_queue_order",
+    },
+    "the servers' lane": {
+        "test_fencing",
+        "test_galera",
+        "test_high_availability",
+        "test_life_bounds",
+        "test_patroni",
+    },
 }
+_LANE_OF = {module: lane for lane, modules in _LANES.items() for module in modules}
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Whole modules to each worker, and all of ``_ONE_AT_A_TIME`` to one (pytest-xdist's
-    ``xdist_group`` marks, which would say the same, are lost on pytest 9's node ids)."""
+    """Whole modules to each worker, each lane's modules to one worker in turn, the lanes
+    before the other modules (pytest-xdist's ``xdist_group`` marks, which would say the same,
+    are lost on pytest 9's node ids)."""
     from xdist.scheduler import LoadScopeScheduling
 
-    class OneAtATimeBesideTheRest(LoadScopeScheduling):  # type: ignore[misc]
+    class LanesFirst(LoadScopeScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.partition("::")[0]
-            return "one at a time" if Path(module).stem in _ONE_AT_A_TIME else module
+            return _LANE_OF.get(Path(module).stem, module)
 
-    return OneAtATimeBesideTheRest(config, log)
+        def _assign_work_unit(self, node: Any) -> None:
+            for lane in reversed(list(_LANES)):  # the longest first: the lanes
+                if lane in self.workqueue:
+                    self.workqueue.move_to_end(lane, last=False)
+            super()._assign_work_unit(node)
+
+    return LanesFirst(config, log)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -127,7 +127,7 @@ async def async_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.rw_workers")
     parser.add_argument("--url", required=True)
     parser.add_argument("--table", required=True)
@@ -138,7 +138,7 @@ def main() -> int:
     parser.add_argument("--expires", type=float, default=60)
     parser.add_argument("--grace", type=float, default=1.0)
     parser.add_argument("--asyncio", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.asyncio:
         return asyncio.run(async_worker(args))
     return sync_worker(args)

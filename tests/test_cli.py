@@ -108,6 +108,7 @@ def test_run_help_says_it_does_not_wait_by_default() -> None:
     assert "Unlike flock(1), which waits by default" in " ".join(result.stdout.split())
 
 
+@pytest.mark.slow
 def test_usage_errors_exit_2(sqllocker: Run) -> None:
     for args in (
         ["no-such-command"],
@@ -139,6 +140,7 @@ def test_migrate_check_apply_and_sql(sqllocker: Run, url: str, table_name: str) 
     assert f"CREATE VIEW {table_name}_held" in ddl.stdout
 
 
+@pytest.mark.slow
 def test_missing_table_is_a_one_line_error_naming_migrate(sqllocker: Run, backend: str) -> None:
     for args in (["list"], ["purge-expired"], ["run", "job", "--", "true"]):
         result = sqllocker(*args)
@@ -296,6 +298,7 @@ def test_control_characters_in_a_row_never_reach_the_terminal(
     lock.unlock()
 
 
+@pytest.mark.slow
 def test_release_needs_force_and_can_name_the_acquisition(sqllocker: Run, migrated: Locker) -> None:
     lock = migrated.lock("stuck job", expires=600)
     refused = sqllocker("release", "stuck job")

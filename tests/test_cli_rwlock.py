@@ -82,6 +82,7 @@ def test_a_shared_run_waits_for_a_plain_run(
         (["-w", "nan"], 2),
     ],
 )
+@pytest.mark.slow
 def test_waits_without_limit_and_what_they_refuse(
     sqllocker: Run, migrated: Locker, options: list[str], status: int
 ) -> None:

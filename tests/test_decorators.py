@@ -426,6 +426,7 @@ def _run_workers(
     return reports
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("asyncio", [False, True], ids=["sync", "asyncio"])
 def test_processes_calling_with_one_name_exclude_each_other_and_with_two_run_together(
     url: str, make_locker: Callable[..., Locker], table_name: str, tmp_path: Path, asyncio: bool

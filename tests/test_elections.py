@@ -107,6 +107,7 @@ async def test_async_election_and_observer(
     await alocker.aclose()
 
 
+@pytest.mark.slow
 def test_sqllocker_leader_names_the_holder_or_exits_1(
     url: str, locker: Locker, table_name: str
 ) -> None:

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -29,6 +27,7 @@ from sqllocker import LockBusy, Locker, LockLost, UnsafeDatabase, UnsafeDatabase
 from sqllocker.asyncio import AsyncLocker
 from sqllocker.backends.mysql import MySQLBackend
 from sqllocker.engine import resolve_url
+from tests.fleet import Fleet
 from tests.galera_cluster import GaleraCluster, running_galera_cluster
 from tests.helpers import READ_BACK, break_and_take_when_stalled, holding_faults, worker_records
 from tests.stall_proxy import StallProxy
@@ -56,27 +55,29 @@ def run_workers(
 ) -> list[dict[str, Any]]:
     """``WORKERS`` workers of ``tests.workers``' ``command`` on ``lockstrings``, through ``urls``
     in turn; their reports, once every one has ended well."""
-    workers = [
-        subprocess.Popen(
+    fleet = Fleet(
+        "tests.workers",
+        [
             [
-                sys.executable,
-                *("-m", "tests.workers", command, "--url", urls[number % len(urls)]),
+                *(command, "--url", urls[number % len(urls)]),
                 *("--table", TABLE, "--state", str(state), "--lockstrings", ",".join(lockstrings)),
                 *("--grace", "0", *options),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for number in range(WORKERS)
-    ]
+            ]
+            for number in range(WORKERS)
+        ],
+        state / "workers",
+    )
     reports = []
-    for worker in workers:
-        out, err = worker.communicate(timeout=300)
-        assert worker.returncode == 0, f"worker failed:\n{err[-3000:]}"
-        report = json.loads(out.strip().splitlines()[-1])
-        report["lost_told"] = [line for line in err.splitlines() if line.startswith(LOST)]
-        reports.append(report)
+    try:
+        for outcome in fleet.wait(timeout=300):
+            assert outcome.returncode == 0, f"worker failed:\n{outcome.err[-3000:]}"
+            report = json.loads(outcome.out.strip().splitlines()[-1])
+            report["lost_told"] = [
+                line for line in outcome.err.splitlines() if line.startswith(LOST)
+            ]
+            reports.append(report)
+    finally:
+        fleet.kill()
     return reports
 
 

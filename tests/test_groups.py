@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -15,6 +13,7 @@ import pytest
 
 from sqllocker import LockBusy, Locker, LockGroup, LockLost, LockTypeError, LockValueError
 from sqllocker.asyncio import AsyncLocker
+from tests.fleet import Fleet
 from tests.helpers import abandon, count_rows, figure
 from tests.workers import async_url
 
@@ -101,12 +100,10 @@ def test_eight_processes_taking_overlapping_pairs_never_overlap_nor_deadlock(
     locker = make_locker()
     processes, count = 8, 200
     started = time.monotonic()
-    workers = [
-        subprocess.Popen(
+    fleet = Fleet(
+        "tests.workers",
+        [
             [
-                sys.executable,
-                "-m",
-                "tests.workers",
                 "pairs",
                 "--url",
                 url,
@@ -118,18 +115,19 @@ def test_eight_processes_taking_overlapping_pairs_never_overlap_nor_deadlock(
                 ",".join(ACCOUNTS),
                 "--count",
                 str(count),
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=Path(__file__).resolve().parents[1],
-        )
-        for _ in range(processes)
-    ]
+            ]
+            for _ in range(processes)
+        ],
+        tmp_path / "workers",
+    )
+    try:
+        outcomes = fleet.wait(timeout=240)  # a deadlock would hang here
+    finally:
+        fleet.kill()
     reports = []
-    for worker in workers:
-        out, _ = worker.communicate(timeout=240)  # a deadlock would hang here
-        assert worker.returncode == 0
-        reports.append(json.loads(out.splitlines()[-1]))
+    for outcome in outcomes:
+        assert outcome.returncode == 0, outcome.err
+        reports.append(json.loads(outcome.out.splitlines()[-1]))
     records = [
         json.loads(line)
         for log in tmp_path.glob("log-*.jsonl")

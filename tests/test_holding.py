@@ -339,6 +339,7 @@ def test_guard_keeps_a_shorter_silence_limit_the_session_has(
     lock.unlock()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["postgresql", "mysql"])
 def test_breaking_a_guarded_lock_fails_soon_and_says_why(
     locker: Locker, app_engine: sa.Engine, backend: str
@@ -417,6 +418,7 @@ def test_settings_that_lose_rows_warn_or_refuse(url: str, table_name: str) -> No
         assert count_rows(Locker(database_url, table=table_name)) == 0  # strict wrote nothing
 
 
+@pytest.mark.slow
 def test_mariadb_autoinc_lock_mode_2_is_safe_only_with_the_id_order_table(
     table_name: str,
 ) -> None:
@@ -471,6 +473,7 @@ def test_mariadb_autoinc_lock_mode_2_is_safe_only_with_the_id_order_table(
         engine.dispose()
 
 
+@pytest.mark.slow
 def test_a_server_restarted_with_other_settings_is_checked_again(table_name: str) -> None:
     """A Locker reads the settings when it first connects, and again once it finds its
     connection lost, as a restart shows: a server restarted in MySQL 8's autoinc mode then gets

@@ -119,6 +119,7 @@ def test_a_dropped_lock_in_a_reference_cycle_is_released_by_the_collector(locker
             gc.enable()
 
 
+@pytest.mark.slow
 def test_a_lock_still_held_when_the_interpreter_exits_is_released(
     locker: Locker, url: str, tmp_path: Path
 ) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import json
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -17,13 +16,13 @@ import sqlalchemy as sa
 from sqllocker import Locker
 from sqllocker.engine import resolve_url
 from sqllocker.migrations import upgrade
+from tests.fleet import Fleet
 from tests.helpers import abandon, figure
 from tests.private_servers import running_private_server
 from tests.workers import DUMP_SIGNAL, LOST
 
 pytestmark = pytest.mark.slow  # many processes on one lock: not in the quick subset
 
-REPO = Path(__file__).resolve().parent.parent
 PROCESSES = 8
 ACQUISITIONS_EACH = 200
 LOCKSTRINGS = ["alpha", "beta", "gamma"]
@@ -55,65 +54,46 @@ def run_workers(
     options: tuple[str, ...] = (),
 ) -> list[dict]:
     """Run ``processes`` workers, the last ``asyncio_processes`` of them through AsyncLocker,
-    with further ``options`` of tests.workers' counter."""
-    workers = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.workers",
-                "counter",
-                "--url",
-                url,
-                "--table",
-                table,
-                "--state",
-                str(state),
-                "--lockstrings",
-                ",".join(LOCKSTRINGS),
-                "--count",
-                str(count),
-                *(["--asyncio"] if number >= processes - asyncio_processes else []),
-                *options,
-            ],
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+    with further ``options`` of tests.workers' counter. They are forked from one launcher that
+    imported tests.workers once (``tests/fleet.py``): each is a process of its own, as if
+    started alone, without a second of imports each on a machine they load already."""
+    argvs = [
+        [
+            "counter",
+            "--url",
+            url,
+            "--table",
+            table,
+            "--state",
+            str(state),
+            "--lockstrings",
+            ",".join(LOCKSTRINGS),
+            "--count",
+            str(count),
+            *(["--asyncio"] if number >= processes - asyncio_processes else []),
+            *options,
+        ]
         for number in range(processes)
     ]
+    fleet = Fleet("tests.workers", argvs, state / "workers")
     reports = []
     try:
-        for worker in workers:
-            try:
-                out, err = worker.communicate(timeout=WORKER_SECONDS)
-            except subprocess.TimeoutExpired:
-                raise AssertionError(f"a worker stood still:\n{stacks_of(worker)}") from None
-            assert worker.returncode == 0, f"worker failed:\n{err}"
+        try:
+            outcomes = fleet.wait(timeout=WORKER_SECONDS)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"a worker stood still:\n{fleet.stacks(DUMP_SIGNAL)}") from None
+        for outcome in outcomes:
+            assert outcome.returncode == 0, f"worker failed:\n{outcome.err}"
             # SQLite's "database is locked" must never reach a user: no worker may log an error.
-            assert "database is locked" not in err
-            report = json.loads(out.strip().splitlines()[-1])
-            report["lost_told"] = [line for line in err.splitlines() if line.startswith(LOST)]
+            assert "database is locked" not in outcome.err
+            report = json.loads(outcome.out.strip().splitlines()[-1])
+            report["lost_told"] = [
+                line for line in outcome.err.splitlines() if line.startswith(LOST)
+            ]
             reports.append(report)
     finally:
-        for worker in workers:
-            if worker.poll() is None:
-                worker.kill()
-                worker.wait()
+        fleet.kill()
     return reports
-
-
-def stacks_of(worker: subprocess.Popen[str]) -> str:
-    """Where a worker that ran out of time stands (its threads, and its tasks if async), and
-    what it wrote to stderr: it is killed after."""
-    worker.send_signal(DUMP_SIGNAL)
-    try:
-        _, err = worker.communicate(timeout=5)
-    except subprocess.TimeoutExpired:
-        worker.kill()
-        _, err = worker.communicate()
-    return f"(exit status {worker.returncode})\n{str(err)[-20000:]}"
 
 
 def purge_meanwhile(locker: Locker, done: threading.Event) -> list[int]:

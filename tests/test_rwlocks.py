@@ -16,6 +16,7 @@ import pytest
 
 from sqllocker import Lock, LockBusy, Locker, LockValueError
 from sqllocker.asyncio import AsyncLocker
+from tests.fleet import Fleet
 from tests.helpers import abandon, count_rows
 from tests.workers import async_url
 
@@ -260,23 +261,26 @@ def test_many_processes_readers_overlap_and_no_writer_overlaps_anyone(
     url: str, make_locker: Callable[..., Locker], table_name: str, tmp_path: Path, front_end: str
 ) -> None:
     make_locker()  # the table
-    workers = [
-        subprocess.Popen(
+    fleet = Fleet(
+        "tests.rw_workers",
+        [
             [
-                sys.executable,
-                "-m",
-                "tests.rw_workers",
                 f"--url={url}",
                 f"--table={table_name}",
                 f"--state={tmp_path}",
                 "--seconds=6",
                 *(["--asyncio"] if front_end == "asyncio" else []),
             ]
-        )
-        for _ in range(8)
-    ]
-    for worker in workers:
-        assert worker.wait(120) == 0
+            for _ in range(8)
+        ],
+        tmp_path / "workers",
+    )
+    try:
+        outcomes = fleet.wait(timeout=120)
+    finally:
+        fleet.kill()
+    for outcome in outcomes:
+        assert outcome.returncode == 0, outcome.err
     violations = tmp_path / "violations"
     assert not violations.exists(), violations.read_text()
     log = [json.loads(line) for line in (tmp_path / "log").read_text().splitlines()]

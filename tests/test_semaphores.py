@@ -19,6 +19,7 @@ import pytest
 
 from sqllocker import Lock, LockBusy, Locker, LockTypeError, LockValueError
 from sqllocker.asyncio import AsyncLocker
+from tests.fleet import Fleet
 from tests.helpers import abandon, count_rows, figure
 from tests.workers import async_url
 
@@ -167,12 +168,10 @@ def run_semaphore_workers(
     url: str, table_name: str, tmp_path: Path, limits: list[int], seconds: float
 ) -> Run:
     """One worker process per limit in ``limits``, on one semaphore, for ``seconds``."""
-    workers = [
-        subprocess.Popen(
+    fleet = Fleet(
+        "tests.workers",
+        [
             [
-                sys.executable,
-                "-m",
-                "tests.workers",
                 "semaphore",
                 "--url",
                 url,
@@ -186,18 +185,19 @@ def run_semaphore_workers(
                 str(limit),
                 "--seconds",
                 str(seconds),
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=Path(__file__).resolve().parents[1],
-        )
-        for limit in limits
-    ]
+            ]
+            for limit in limits
+        ],
+        tmp_path / "workers",
+    )
+    try:
+        outcomes = fleet.wait(timeout=seconds + 120)
+    finally:
+        fleet.kill()
     taken = []
-    for worker, limit in zip(workers, limits, strict=True):
-        out, _ = worker.communicate(timeout=seconds + 120)
-        assert worker.returncode == 0
-        taken.append((limit, json.loads(out.splitlines()[-1])["taken"]))
+    for outcome, limit in zip(outcomes, limits, strict=True):
+        assert outcome.returncode == 0, outcome.err
+        taken.append((limit, json.loads(outcome.out.splitlines()[-1])["taken"]))
     records = [
         json.loads(line)
         for log in tmp_path.glob("log-*.jsonl")
