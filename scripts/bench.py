@@ -481,12 +481,11 @@ def uncontended(
         rows += paired_rows(backend, rounds_in_turn(makers, count, rounds), "raw floor")
         # The async rows' ratios are to the async floor: the same statements, the async driver.
         async_rounds = asyncio.run(async_figures(url, count, rounds))
-        for row in paired_rows(backend, async_rounds, "async raw floor"):
-            name = row["system"]
-            if name in ASYNC_LAYERS or name == "sqllocker.asyncio":
-                layers.append(row)
-            if name not in ASYNC_LAYERS or name == "async raw floor":
-                rows.append(row)
+        async_rows = paired_rows(backend, async_rounds, "async raw floor")
+        layers += async_rows  # the layers' own rows are on the page in that section alone
+        rows += [
+            row for row in async_rows if row["system"] in ("async raw floor", "sqllocker.asyncio")
+        ]
     try:
         redis_systems = [(name, functools.partial(redis_cycle, floor)) for name, floor in REDIS]
         rows += paired_rows("redis", rounds_in_turn(redis_systems, count, rounds), REDIS[0][0])
@@ -847,16 +846,11 @@ def scale(backends: list[str], profile: Profile) -> list[dict[str, Any]]:
         fill(url, rows_in_table, expired=False, table_name=FULL_TABLE)
         # The empty and the full table in turn, best of three each: measured once each, minutes
         # apart, this row moved between runs by more than the 20% it is judged by.
-        best: dict[str, dict[str, float]] = {}
-        for _round in range(profile.scale_rounds):
-            for name, table in (("empty", TABLE), ("full", FULL_TABLE)):
-                cycle, close = sqllocker_cycle(url, table)
-                figures = timed_cycles(cycle, count)
-                close()
-                if name not in best or figures["cycles_per_s"] > best[name]["cycles_per_s"]:
-                    best[name] = figures
+        tables = [("empty", TABLE), ("full", FULL_TABLE)]
+        makers = [(name, functools.partial(sqllocker_cycle, url, table)) for name, table in tables]
+        per_round = rounds_in_turn(makers, count, profile.scale_rounds)
         drop_table(url, FULL_TABLE)
-        empty, full = best["empty"]["cycles_per_s"], best["full"]["cycles_per_s"]
+        empty, full = (max(r[name]["cycles_per_s"] for r in per_round) for name, _ in tables)
         row = functools.partial(scale_row, backend)
         rows.append(
             row(f"cycle with {rows_in_table:,} other rows", full / empty,
