@@ -119,7 +119,7 @@ class StubCursor:
 
 
 cursor = StubCursor()
-for held in locker._operations._stack._idle:
+for held in locker._operations.database.pool.stack._idle:
     held.cursor, held.session = StubCursor(), None
 best = {}
 for repeat in range(5):

@@ -190,7 +190,7 @@ async def test_an_async_locker_with_many_waiting_tasks_stays_within_max_connecti
         await locker.aclose()
     assert len(served) == 90
     assert 2 <= most <= 6
-    stack = locker._operations._stack
+    stack = locker._operations.database.pool.stack
     assert stack is not None
     assert stack._limit == 5  # one for the listener
     assert longest_beat < 5  # the loop never stopped for a connection

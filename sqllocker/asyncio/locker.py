@@ -1049,7 +1049,7 @@ class AsyncLocker:
             thread lock, which one task must never hold while another task on the same thread
             waits."""
             self._bind_to_running_loop()
-            if self._operations._backend is not None:
+            if self._operations.is_set_up:
                 return
             if self._ready_lock is None:
                 self._ready_lock = asyncio.Lock()
