@@ -16,16 +16,15 @@ from typing import TYPE_CHECKING, Any
 from . import concurrency
 from .elections import OBSERVE_INTERVAL, Leader, leader_from
 from .holding import OnLost
+from .rwlock import RWLock, WriteLock
 from .rwlocks import writer_fence_pattern
 from .validation import check_lockstring
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
 
-    from .lock import Run
-    from .locker import Locker
+    from .lock import LockTaker, Run
     from .operations import LockInfo, LockOperations
-    from .rwlock import WriteLock
 
 
 class Leadership:
@@ -68,7 +67,7 @@ class Election:
     """Candidates for the lead of ``name`` (see ``sqllocker.elections``); from the locker's
     ``election()``."""
 
-    def __init__(self, locker: Locker, operations: LockOperations, run: Run, name: str) -> None:
+    def __init__(self, locker: LockTaker, operations: LockOperations, run: Run, name: str) -> None:
         self.locker = locker
         self._operations = operations
         self._run = run
@@ -85,7 +84,8 @@ class Election:
         """Wait (``None``: without limit) until this process leads, and keep the lead alive;
         ``on_lost`` (else the locker's) is called if it is lost, before anyone else can lead.
         Raises LockBusy once ``wait`` has passed."""
-        lock = self.locker.rwlock(self.name).write(
+        rwlock = RWLock(self.locker, self._operations, self._run, self.name)
+        lock = rwlock.write(
             wait=wait,
             expires=expires,
             keep_alive=True,

@@ -35,8 +35,7 @@ from .validation import check_lockstring, check_wait
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
 
-    from .lock import Run
-    from .locker import Locker
+    from .lock import LockTaker, Run
     from .operations import LockInfo, LockOperations
 
 
@@ -44,7 +43,7 @@ class RWLock:
     """Readers together or one writer alone on ``name`` (see ``sqllocker.rwlocks``); from the
     locker's ``rwlock()``."""
 
-    def __init__(self, locker: Locker, operations: LockOperations, run: Run, name: str) -> None:
+    def __init__(self, locker: LockTaker, operations: LockOperations, run: Run, name: str) -> None:
         self.locker = locker
         self._operations = operations
         self._run = run

@@ -795,7 +795,7 @@ async def _settled(lockers: list[AsyncLocker]) -> None:
     from sqllocker.asyncio import tasks
 
     deadline = time.monotonic() + 60
-    while tasks._running or any(locker._leaving._tasks for locker in lockers):
+    while tasks._running or any(locker._tickets.leaving._tasks for locker in lockers):
         assert time.monotonic() < deadline, "background work still running"
         await asyncio.sleep(0.05)
 
@@ -871,8 +871,8 @@ async def test_postgres_async_waiter_wakes_on_notify(
         freed = time.monotonic()
         lock = await asyncio.wait_for(waiting, 20)
         assert time.monotonic() - freed < 10  # far sooner than the poll: NOTIFY woke it
-        assert waiter._listener is not None
-        assert waiter._listener.notifications >= 1
+        assert waiter._tickets.listener is not None
+        assert waiter._tickets.listener.notifications >= 1
         await lock.unlock()
     holder.close()
 

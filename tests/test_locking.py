@@ -56,7 +56,7 @@ def test_a_row_found_under_our_own_guid_is_renewed_before_it_counts(locker: Lock
     # validity then both count from this attempt, never from a moment the holder cannot know.
     first = locker.lock("Zombie Soup", expires=30)
     time.sleep(1.5)
-    again = locker._try_acquire(
+    again = locker._acquirer.attempts.try_acquire(
         Winnings(), first.lockstring, first.guid, first.locked_by, 30.0, None
     )
     assert isinstance(again, Lock)

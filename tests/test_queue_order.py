@@ -141,7 +141,7 @@ def test_a_locker_with_many_waiters_opens_no_more_connections_than_max_connectio
     for thread in threads:
         thread.join(60)
     most = sampler.stop() - baseline
-    listener = locker._listener
+    listener = locker._tickets.listener
     assert listener is not None  # tickets, kept alive by the listener
     if server == "postgresql":
         assert listener.grants > 0

@@ -16,14 +16,13 @@ from ..holding import OnLost
 from ..rwlocks import writer_fence_pattern
 from ..validation import check_lockstring
 from . import concurrency
+from .rwlock import AsyncRWLock, AsyncWriteLock
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection
 
     from ..operations import LockInfo, LockOperations
-    from .lock import Run
-    from .locker import AsyncLocker
-    from .rwlock import AsyncWriteLock
+    from .lock import AsyncLockTaker, Run
 
 
 class AsyncLeadership:
@@ -67,7 +66,7 @@ class AsyncElection:
     ``election()``."""
 
     def __init__(
-        self, locker: AsyncLocker, operations: LockOperations, run: Run, name: str
+        self, locker: AsyncLockTaker, operations: LockOperations, run: Run, name: str
     ) -> None:
         self.locker = locker
         self._operations = operations
@@ -85,7 +84,8 @@ class AsyncElection:
         """Wait (``None``: without limit) until this process leads, and keep the lead alive;
         ``on_lost`` (else the locker's) is called if it is lost, before anyone else can lead.
         Raises LockBusy once ``wait`` has passed."""
-        lock = await self.locker.rwlock(self.name).write(
+        rwlock = AsyncRWLock(self.locker, self._operations, self._run, self.name)
+        lock = await rwlock.write(
             wait=wait,
             expires=expires,
             keep_alive=True,

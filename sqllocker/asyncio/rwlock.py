@@ -34,8 +34,7 @@ if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection
 
     from ..operations import LockInfo, LockOperations
-    from .lock import Run
-    from .locker import AsyncLocker
+    from .lock import AsyncLockTaker, Run
 
 
 class AsyncRWLock:
@@ -43,7 +42,7 @@ class AsyncRWLock:
     locker's ``rwlock()``."""
 
     def __init__(
-        self, locker: AsyncLocker, operations: LockOperations, run: Run, name: str
+        self, locker: AsyncLockTaker, operations: LockOperations, run: Run, name: str
     ) -> None:
         self.locker = locker
         self._operations = operations
