@@ -41,8 +41,9 @@ import sqlalchemy as sa
 
 from sqllocker import Locker, lock_table
 from sqllocker.engine import create_locker_engine, resolve_url
-from sqllocker.migrations import current_revision, downgrade, upgrade, version_table_for
+from sqllocker.migrations import current_revision, downgrade, upgrade
 from sqllocker.operations import LockOperations
+from sqllocker.schema import version_table_for
 
 URLS = {
     "sqlite": "sqlite:///bench-results/bench.db",
