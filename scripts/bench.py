@@ -238,8 +238,8 @@ def raw_floor_cycle(url: str) -> Cycle:
     return cycle, close
 
 
-def sqllocker_cycle(url: str, table: str = TABLE) -> Cycle:
-    locker = Locker(url, table=table)
+def sqllocker_cycle(url: str, table: str = TABLE, **options: Any) -> Cycle:
+    locker = Locker(url, table=table, **options)
     run = os.getpid()
 
     def cycle(n: int) -> None:
@@ -489,6 +489,75 @@ def uncontended(
     except Exception as error:  # Redis is optional: say so and go on
         print(f"redis skipped: {error}", file=sys.stderr)
     return rows, layers
+
+
+OTEL_MODES = ("without OpenTelemetry", "API, no provider", "SDK provider")
+
+
+def otel_cycle(url: str, mode: str) -> Cycle:
+    """sqllocker's cycle as ``mode`` (``OTEL_MODES``) records it: as if ``opentelemetry-api``
+    were not installed, with the API and no provider set, or into the SDK's in-memory metric
+    reader and span exporter."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from sqllocker import telemetry
+
+    installed, providers = telemetry._OPENTELEMETRY, dict[str, Any]()
+    if mode == OTEL_MODES[0]:
+        telemetry._OPENTELEMETRY = None  # what the module finds without the package
+    elif mode == OTEL_MODES[2]:
+        tracer_provider = TracerProvider()
+        tracer_provider.add_span_processor(SimpleSpanProcessor(InMemorySpanExporter()))
+        meter_provider = MeterProvider(metric_readers=[InMemoryMetricReader()])
+        providers = {"meter_provider": meter_provider, "tracer_provider": tracer_provider}
+    cycle, close = sqllocker_cycle(url, **providers)
+
+    def closing() -> None:
+        close()
+        telemetry._OPENTELEMETRY = installed
+
+    return cycle, closing
+
+
+def otel_rows(backends: list[str], count: int, rounds: int) -> list[dict[str, Any]]:
+    """What recording costs the uncontended cycle: each mode against the first, in turn."""
+    rows: list[dict[str, Any]] = []
+    for backend in backends:
+        fresh_table(URLS[backend])
+        makers = [(mode, functools.partial(otel_cycle, URLS[backend], mode)) for mode in OTEL_MODES]
+        rows += paired_rows(backend, rounds_in_turn(makers, count, rounds), OTEL_MODES[0])
+    return rows
+
+
+def _otel_section(results: dict[str, Any]) -> list[str]:
+    rows = results.get("otel") or []
+    if not rows:
+        return []
+    cells = [
+        [_backend(row["backend"]), row["system"], f"{row['cycles_per_s']:,.0f}",
+         f"{row['p50_ms']:.3f}", f"{row['ratio_to_floor']:.2f}", _spread(row["ratio_range"], ".2f")]
+        for row in rows
+    ]  # fmt: skip
+    return [
+        "",
+        "## The cost of OpenTelemetry",
+        "",
+        "sqllocker's uncontended cycle as it records (see the observability page): as if",
+        "`opentelemetry-api` were not installed, with it but no provider set (nothing is",
+        "recorded), and into an SDK provider (metrics to an in-memory reader, spans to an",
+        f"in-memory exporter), in {results['profile']['uncontended_rounds']} rounds in which",
+        "each runs in turn; the ratio is to the first's cycles/s in the same round. Measured by",
+        f"`scripts/bench.py --only otel{' --quick' if results.get('otel_quick') else ''}` on",
+        f"{results.get('otel_measured_at', '?')}, a run of its own on a machine shared with",
+        "other work: only the ratios compare.",
+        *_table(
+            "backend | OpenTelemetry | cycles/s | p50 ms | x without | rounds", "--::::", cells
+        ),
+    ]
 
 
 # -- contended hand-off ---------------------------------------------------------------------------
@@ -1057,6 +1126,7 @@ def performance_page(results: dict[str, Any]) -> str:
             for row in scale_rows
         ]  # fmt: skip
         lines += _table("backend | measure | value | detail", "--:-", cells)
+    lines += _otel_section(results)
     return "\n".join(lines) + "\n"
 
 
@@ -1179,7 +1249,22 @@ def main() -> int:
     parser.add_argument("--skip", default="", help="comma-separated: contended,scale")
     parser.add_argument("--out", default="bench-results")
     parser.add_argument("--render-only", action="store_true", help="from OUT/bench.json")
+    parser.add_argument("--only", choices=["otel"], help="these rows alone, into OUT/bench.json")
     args = parser.parse_args()
+    if args.only:  # measure these rows alone; the page keeps the rest of OUT/bench.json
+        results: dict[str, Any] = json.loads((Path(args.out) / "bench.json").read_text())
+        backends = [b for b in args.backends.split(",") if b]
+        profile = QUICK if args.quick else FULL
+        URLS["sqlite"] = f"sqlite:///{Path(args.out) / 'bench.db'}"
+        results["otel"] = otel_rows(
+            backends, profile.cycles, results["profile"]["uncontended_rounds"]
+        )
+        results["otel_measured_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        results["otel_quick"] = args.quick
+        for backend in backends:
+            drop_table(URLS[backend], TABLE)
+        report(results, Path(args.out))
+        return 0
     if args.render_only:  # measure nothing: the page and chart again
         write_page_and_chart(
             json.loads((Path(args.out) / "bench.json").read_text()), Path(args.out)
@@ -1193,7 +1278,7 @@ def main() -> int:
     skip = set(args.skip.split(","))
     profile = QUICK if args.quick else FULL
     machine = f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}, SQLAlchemy {sa.__version__}"
-    results: dict[str, Any] = {"machine": machine, "quick": args.quick, "profile": asdict(profile)}
+    results = {"machine": machine, "quick": args.quick, "profile": asdict(profile)}
     results.update(run_context(backends))
     results["uncontended"], results["async_layers"] = uncontended(
         backends, profile.cycles, profile.uncontended_rounds

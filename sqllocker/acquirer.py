@@ -9,13 +9,15 @@ Written once for asyncio; the sync ``sqllocker/acquirer.py`` is generated from i
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence, Sized
 from typing import Any
 
-from . import concurrency, validation
+from . import clock, concurrency, deadlines, tickets, validation
 from .acquiring import Winnings, acquisition
 from .attempts import Attempts
 from .backoff import Backoff
+from .errors import DatabaseError, LockError
 from .file_queue import FileQueue
 from .group import LockGroup
 from .holding import OnLost
@@ -23,8 +25,15 @@ from .identity import holder_details, new_guid
 from .lock import Call, KeepAlives, Lock, LockTaker
 from .operations import LockOperations, Refused
 from .queue_wait import QueueWait
-from .telemetry import Telemetry
+from .telemetry import Telemetry, attempted
 from .ticket_wait import TicketWait
+from .timeouts import CONNECT_SLACK_SECONDS
+
+logger = logging.getLogger("sqllocker")
+
+# How long each try to delete a failed acquire's row may take (``_forget_attempt``).
+FORGET_PATIENCE = 2.0
+FORGET_FOR = 30.0
 
 
 class Acquirer:
@@ -67,9 +76,61 @@ class Acquirer:
         hold_at_least: float | None,
         winnings: Winnings,
     ) -> Lock:
+        # A new connection gives up with the wait (a little after), not after the driver's
+        # connect timeout: a server that accepts and never answers ends a wait on time too.
+        connect_by = None if wait is None else clock.now() + wait + CONNECT_SLACK_SECONDS
         # One guid for every attempt of this call: a release may hand the row to it (as our
         # ticket), and an attempt that finds the row under it knows the row is ours.
         guid = new_guid()
+        try:
+            with deadlines.connections_by(connect_by):
+                return self._acquire_within(
+                    lockstring, guid, ttl, wait, extra, keep_alive, on_lost, hold_at_least, winnings
+                )
+        except DatabaseError:
+            # An attempt's INSERT may have committed with its answer lost: that row, held by
+            # nobody, would keep everyone out until it expired.
+            self.tickets.leaving.call_soon(self._forget_attempt, lockstring, guid, ttl)
+            raise
+
+    def _forget_attempt(self, lockstring: str, guid: str, ttl: float) -> None:
+        """Delete the row a failed acquire by ``guid`` may have left, once the database answers:
+        tried every ``tickets.GIVE_UP_AGAIN`` seconds, each try ending by FORGET_PATIENCE,
+        until the row would have expired, or for FORGET_FOR at most (the give-ups of tickets
+        wait behind it); never another acquisition's row (see ``Statements.forget_attempt``).
+        """
+        until = clock.now() + min(ttl, FORGET_FOR)
+        while not self.tickets.closing.is_set() and clock.now() < until:
+            deleted: int | None = None
+            try:
+                bound = clock.now() + FORGET_PATIENCE
+                with deadlines.statements_end_by(bound), deadlines.connections_by(bound):
+                    deleted = self._operations.forget_attempt(lockstring, guid)
+            except LockError:
+                pass
+            if deleted is None:
+                concurrency.wait(self.tickets.closing, tickets.GIVE_UP_AGAIN)
+                continue
+            if deleted:
+                logger.info("deleted the row of a failed acquire of %r", lockstring)
+            return
+        logger.warning(
+            "the row a failed acquire of %r may have left could not be deleted; it will expire",
+            lockstring,
+        )
+
+    def _acquire_within(
+        self,
+        lockstring: str,
+        guid: str,
+        ttl: float,
+        wait: float | None,
+        extra: dict[str, Any],
+        keep_alive: bool,
+        on_lost: OnLost | None,
+        hold_at_least: float | None,
+        winnings: Winnings,
+    ) -> Lock:
         details = holder_details(extra, concurrency.task_name())
         acquisition = self._telemetry.acquiring(lockstring, wait)
         try:
@@ -174,6 +235,8 @@ class Acquirer:
         backoff = Backoff.for_wait(wait)
         while True:
             outcome = self._operations.try_acquire_all(members, ttl, details)
+            for attempt in [outcome] if isinstance(outcome, Refused) else outcome:
+                attempted(attempt)  # a wait turn, or a member taken (over)
             if not isinstance(outcome, Refused):
                 locks = [
                     self.attempts.handle(winnings, name, guid, acquired, ttl, details, on_lost)

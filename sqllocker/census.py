@@ -9,7 +9,7 @@ database server's, as every expiry is judged by its clock.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
@@ -17,6 +17,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from .backends import Backend, backend_for
+from .row_kinds import LIKE_PATTERNS, LOCK, PERMIT, READER, TURN, WRITER, kind_of, writer_name
 from .schema import lock_table, to_utc
 from .validation import check_table_name
 
@@ -30,6 +31,7 @@ class LockCensus:
     held_seconds: float  # since the row was created, by the server's clock
     seconds_left: float  # until it expires; negative once expired
     waiters: int | None  # live tickets for it; None where waiters keep none in the database
+    kind: str = LOCK  # what the row is (``sqllocker.row_kinds``): lock, permit, reader, ...
 
 
 @dataclass(frozen=True)
@@ -37,10 +39,16 @@ class TableCensus:
     """The table as a whole, and the rows of the lockstrings asked for."""
 
     table: str
-    held: int  # unexpired rows
+    # Unexpired locks: rows, less semaphores' turns (a waiter's place, in ``turns``) and the
+    # second row each writer of a read-write lock holds (so that a writer counts once).
+    held: int
     expired: int  # expired rows the purge has not deleted yet
-    oldest_held_seconds: float  # the longest an unexpired row has existed; 0 with none
+    oldest_held_seconds: float  # the longest a held lock's row has existed; 0 with none
     waiters: int | None  # live tickets, all lockstrings; None where there are none to count
+    # Held locks told apart by their rows: readers, writers (those past their readers) and
+    # permits; the rest of ``held`` are plain locks and the claims writers hold on names.
+    held_by_kind: dict[str, int] = field(default_factory=dict)
+    turns: int = 0  # unexpired semaphores' turns: waiters, not holders
     locks: list[LockCensus] = field(default_factory=list)
     more_locks: bool = False  # more lockstrings matched than were asked for
 
@@ -58,14 +66,25 @@ def take_census(
         backend = backend_for(conn.dialect)
         now = backend.now()
         held = c.expires > now
-        summary = conn.execute(
+        text = backend.as_text(c.lockstring)
+        kind = sa.case(
+            *((text.like(sa.literal(like)), sa.literal(name)) for name, like in LIKE_PATTERNS),
+            else_=sa.literal(LOCK),
+        )
+        each = sa.select(
+            kind.label("kind"),
+            sa.case((held, 1), else_=0).label("held"),
+            sa.case((held, c.created)).label("held_since"),
+        ).subquery()
+        by_kind = conn.execute(
             sa.select(
+                each.c.kind,
                 sa.func.count().label("total"),
-                sa.func.coalesce(sa.func.sum(sa.case((held, 1), else_=0)), 0).label("held"),
-                sa.func.min(sa.case((held, c.created))).label("oldest"),
-                now.label("server_now"),
-            ).select_from(rows)
-        ).one()
+                sa.func.coalesce(sa.func.sum(each.c.held), 0).label("held"),
+                sa.func.min(each.c.held_since).label("oldest"),
+            ).group_by(each.c.kind)
+        ).all()
+        server_now = _utc(conn.execute(sa.select(now.label("server_now"))).scalar_one())
         waiting = _waiters(conn, backend, name)
         locks: list[LockCensus] = []
         more = False
@@ -88,20 +107,37 @@ def take_census(
                         held_seconds=max(0.0, (server_now - _utc(row.created)).total_seconds()),
                         seconds_left=left,
                         waiters=None if waiting is None else waiting.get(row.lockstring, 0),
+                        kind=kind_of(row.lockstring),
                     )
                 )
-    oldest = 0.0
-    if summary.oldest is not None:
-        oldest = max(0.0, (_utc(summary.server_now) - _utc(summary.oldest)).total_seconds())
+    counted = {row.kind: int(row.held) for row in by_kind}
+    locks_rows = [row for row in by_kind if row.kind not in (TURN, WRITER)]
+    since = [_utc(row.oldest) for row in locks_rows if row.oldest is not None]
+    oldest = max(0.0, (server_now - min(since)).total_seconds()) if since else 0.0
     return TableCensus(
         table=name,
-        held=int(summary.held),
-        expired=int(summary.total) - int(summary.held),
+        held=sum(int(row.held) for row in locks_rows),
+        expired=sum(int(row.total) - int(row.held) for row in by_kind),
         oldest_held_seconds=oldest,
         waiters=None if waiting is None else sum(waiting.values()),
-        locks=locks,
+        held_by_kind={kind: counted.get(kind, 0) for kind in (READER, WRITER, PERMIT)},
+        turns=counted.get(TURN, 0),
+        locks=_with_writers(locks),
         more_locks=more,
     )
+
+
+def _with_writers(locks: list[LockCensus]) -> list[LockCensus]:
+    """``locks`` with the claim of each writer whose token row is among them as a writer."""
+    writers = {
+        name
+        for lock in locks
+        if not lock.expired and (name := writer_name(lock.lockstring)) is not None
+    }
+    return [
+        replace(lock, kind=WRITER) if lock.lockstring in writers and lock.kind == LOCK else lock
+        for lock in locks
+    ]
 
 
 def live_waiters(engine: Engine, table: str) -> dict[str, int] | None:

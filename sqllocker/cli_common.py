@@ -13,6 +13,7 @@ import click
 
 from .errors import LockError, one_line
 from .locker import Locker, LockInfo
+from .row_kinds import kind_of
 from .schema import FOREIGN_CLOCK_MARGIN
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "show_default": True}
@@ -74,6 +75,7 @@ ROW_NOTES = (
 def info_json(info: LockInfo) -> dict[str, Any]:
     return {
         "lockstring": info.lockstring,
+        "kind": kind_of(info.lockstring, info.locked_by),
         "lock_id": info.lock_id,
         "created": info.created.isoformat(),
         "expires": info.expires.isoformat(),

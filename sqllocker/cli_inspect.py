@@ -19,6 +19,7 @@ from .cli_common import (
 )
 from .defaults import DEFAULT_GRACE, DEFAULT_PURGE_BATCH, DEFAULT_PURGE_PAUSE_RATIO
 from .errors import describe_holder, printable
+from .row_kinds import kind_of
 
 # -- purge-expired --------------------------------------------------------------------------------
 
@@ -100,10 +101,11 @@ def list_locks(settings: Settings, pattern: str | None, as_json: bool, expired_o
     if as_json:
         print_json([info_json(info) for info in infos])
         return
-    header = ("LOCKSTRING", "ID", "HOLDER", "PROGRAM", "CREATED", "EXPIRES", "LEFT")
+    header = ("LOCKSTRING", "KIND", "ID", "HOLDER", "PROGRAM", "CREATED", "EXPIRES", "LEFT")
     rows = [
         (
             printable(info.lockstring),
+            kind_of(info.lockstring, info.locked_by),
             str(info.lock_id),
             printable(f"{info.locked_by.get('host', '?')}:{info.locked_by.get('pid', '?')}"),
             printable(info.locked_by.get("program", "")),
@@ -142,6 +144,7 @@ def show(settings: Settings, lockstring: str, as_json: bool) -> None:
         return
     state = "expired" if info.expired else f"held, {duration(info.seconds_left)} left"
     click.echo(f"lockstring: {printable(info.lockstring)}")
+    click.echo(f"kind:       {kind_of(info.lockstring, info.locked_by)}")
     click.echo(f"lock id:    {info.lock_id}")
     click.echo(f"state:      {state}")
     click.echo(f"holder:     {describe_holder(info.locked_by)}")

@@ -13,7 +13,11 @@ backend queues), and ``sqllocker run --standby NAME`` campaigns for the same row
 
 ``leader()`` reads the row (read access is enough) and ``observe()`` reads it again at most
 a second apart and yields each change; both say what the row says, which is only as fresh
-as the moment it was read.
+as the moment it was read. On PostgreSQL a writer of the name (a leader) that takes or gives
+up the lead also sends ``NOTIFY sqllocker_<table>_leaders, '<name>'``, on which observers
+read the row again at once: any role that can connect can send one, so it is only a hint to
+read, never a leader believed, and the poll stays for what no NOTIFY says (a leader that
+died, or one lost).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from .operations import LockInfo
 
 # How often ``observe()`` reads the leader's row: a change is seen at most this late.
 OBSERVE_INTERVAL = 1.0
+# On PostgreSQL, the least time between two reads of one observer's, however many NOTIFYs come.
+HINTED_READ_GAP = 0.05
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,14 @@ from __future__ import annotations
 import logging
 import os
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Engine, make_url
 
-from .backends import backend_class, url_names
+from . import deadlines
+from .backends import Backend, backend_class, url_names
 from .errors import LockValueError
 
 if TYPE_CHECKING:
@@ -128,7 +130,10 @@ def _engine_options(
 
 
 def _configure(engine: Engine) -> None:
-    backend_class(engine.dialect.name).configure_engine(engine)
+    backend = backend_class(engine.dialect.name)
+    # First: the backend's own may connect (returning the connection), with these caps.
+    sa.event.listen(engine, "do_connect", _connect_within_deadline(backend))
+    backend.configure_engine(engine)
     _engines_we_own.add(engine)
 
 
@@ -163,3 +168,15 @@ def describe_url(url: URL) -> str:
     if hidden:
         url = url.update_query_dict(hidden)
     return url.render_as_string(hide_password=True).replace("%2A%2A%2A", "***")
+
+
+def _connect_within_deadline(backend: type[Backend]) -> Callable[..., None]:
+    """A ``do_connect`` listener: within ``sqllocker.deadlines.connections_by``, the new
+    connection gives up by its deadline (``Backend.cap_connect``)."""
+
+    def cap(dialect: Any, _record: Any, _cargs: Any, cparams: dict[str, Any]) -> None:
+        seconds = deadlines.connect_within()
+        if seconds is not None:
+            backend.cap_connect(dialect, cparams, seconds)
+
+    return cap

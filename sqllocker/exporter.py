@@ -63,7 +63,19 @@ class TableCollector:
         table = [census.table]
         families = {
             "held": GaugeMetricFamily(
-                "sqllocker_locks_held", "Unexpired locks (rows)", labels=["table"]
+                "sqllocker_locks_held",
+                "Unexpired locks (a writer's two rows count once; semaphores' turns not at all)",
+                labels=["table"],
+            ),
+            "kinds": GaugeMetricFamily(
+                "sqllocker_locks_held_by_kind",
+                "Unexpired locks told apart by their rows: readers, writers and permits",
+                labels=["table", "kind"],
+            ),
+            "turns": GaugeMetricFamily(
+                "sqllocker_semaphore_turns",
+                "Semaphores' turns: waiters with a smaller limit holding newcomers back",
+                labels=["table"],
             ),
             "expired": GaugeMetricFamily(
                 "sqllocker_locks_expired",
@@ -77,6 +89,9 @@ class TableCollector:
             ),
         }
         families["held"].add_metric(table, census.held)
+        for kind, count in census.held_by_kind.items():
+            families["kinds"].add_metric([census.table, kind], count)
+        families["turns"].add_metric(table, census.turns)
         families["expired"].add_metric(table, census.expired)
         families["oldest"].add_metric(table, census.oldest_held_seconds)
         yield from families.values()
@@ -109,6 +124,11 @@ class TableCollector:
                 "Waiters queued for the lockstring",
                 labels=["table", "lockstring"],
             ),
+            "kind": GaugeMetricFamily(
+                "sqllocker_lock_kind",
+                "1, labelled by what the row is: lock, permit, turn, reader or writer",
+                labels=["table", "lockstring", "kind"],
+            ),
         }
         for lock in census.locks:
             labels = [census.table, lock.lockstring]
@@ -117,6 +137,7 @@ class TableCollector:
             per_lock["left"].add_metric(labels, lock.seconds_left)
             if lock.waiters is not None:
                 per_lock["waiters"].add_metric(labels, lock.waiters)
+            per_lock["kind"].add_metric([*labels, lock.kind], 1)
         yield from per_lock.values()
         truncated = GaugeMetricFamily(
             "sqllocker_lock_series_truncated",

@@ -183,6 +183,20 @@ class Holding:
         self.leave_place()
         return lost
 
+    def outlived(self, action: str) -> LockLost:
+        """An extend got no answer (or no turn behind a renewal in flight) within its
+        ``release_patience``: the row has expired unconfirmed, as the holder reckons it, so the
+        lock is lost (on_lost once); it stays held, for unlock() to delete whatever is left."""
+        lost = LockLost(
+            f"lock {self.lockstring!r} (id {self.lock_id}) could not be {action} before it "
+            "expired: the database did not answer in time (it, a pooler or the network may be "
+            "frozen); it must be treated as lost, and another process may take it over",
+            self.lockstring,
+            self.lock_id,
+        )
+        self.mark_lost(lost)
+        return self.lost or lost
+
     def released_lost(self, lost: LockLost) -> None:
         """The release found the row no longer ours: the lock is neither held nor kept alive
         any more. A kept-alive lock whose keep-alive had not yet seen the loss is marked lost

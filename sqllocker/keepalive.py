@@ -1,11 +1,13 @@
 """Keeping held locks alive: one scheduler thread per Locker renews all of its kept-alive locks.
 
 Each lock is renewed every ``fraction`` of its expiry period with the same statement as
-``extend()`` (which never revives an expired row). The statements run on a single worker thread,
-apart from the scheduler, so that a renewal stuck on a stalled network cannot delay the other
-duty of the scheduler: declaring a lock lost, and calling its ``on_lost``, the moment its
-validity deadline passes without a successful renewal. That moment always comes before anyone
-else can take the lock over (see ``lock.py``).
+``extend()`` (which never revives an expired row). The statements run on worker threads (one
+unless renewals overlap: ``RENEWERS``), apart from the scheduler, so that a renewal stuck on a
+stalled network delays neither the other locks' renewals nor the other duty of the scheduler:
+declaring a lock lost, and calling its ``on_lost``, the moment its validity deadline passes
+without a successful renewal. That moment always comes before anyone else can take the lock
+over (see ``lock.py``). A renewal stuck on a frozen connection ends at its lock's expiry
+(``sqllocker.deadlines``).
 
 A transient database error is logged and retried with backoff until the deadline; a lock is
 declared lost only when its row is found gone or expired, or when the deadline passes. Neither
@@ -29,6 +31,11 @@ logger = logging.getLogger("sqllocker")
 
 DEFAULT_FRACTION = 1 / 3
 FIRST_RETRY_DELAY = 0.05
+# Renewals that may run at once, each on a worker thread of its own: one, unless every worker
+# has been busy with a renewal for STUCK_SECONDS, so that other locks' renewals never wait
+# behind one stuck on a frozen connection.
+RENEWERS = 16
+STUCK_SECONDS = 0.5
 # How long the threads linger with nothing to renew before they end (and are started again by
 # the next keep_alive()), so an idle Locker costs no thread.
 IDLE_SECONDS = 5.0
@@ -47,6 +54,16 @@ class _Entry:
         self.failures = 0
 
 
+class _Worker:
+    """A thread that renews one lock at a time, and since when it is busy (None: idle)."""
+
+    __slots__ = ("busy_since", "executor")
+
+    def __init__(self, name: str) -> None:
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=name)
+        self.busy_since: float | None = None
+
+
 class KeepAlive:
     """The kept-alive locks of one Locker, and the threads that renew them."""
 
@@ -60,7 +77,9 @@ class KeepAlive:
         self._condition = threading.Condition()
         self._entries: dict[int, _Entry] = {}
         self._thread: threading.Thread | None = None
-        self._worker: ThreadPoolExecutor | None = None
+        # Each runs one renewal at a time; another is started only while every one has been
+        # busy for STUCK_SECONDS (a renewal stuck on a frozen connection), up to RENEWERS.
+        self._workers: list[_Worker] = []
         self._stopping = False
         self._pid = forks.pid
 
@@ -74,7 +93,6 @@ class KeepAlive:
             self._entries[id(state)] = _Entry(state, due)
             self._stopping = False
             if self._thread is None or not self._thread.is_alive():
-                self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-renew")
                 self._thread = threading.Thread(target=self._schedule, name=self.name, daemon=True)
                 self._thread.start()
             self._condition.notify()
@@ -117,9 +135,9 @@ class KeepAlive:
                     idle_since = idle_since or now
                     if self._stopping or now - idle_since >= IDLE_SECONDS:
                         self._thread = None
-                        if self._worker is not None:
-                            self._worker.shutdown(wait=False)
-                            self._worker = None
+                        for worker in self._workers:
+                            worker.executor.shutdown(wait=False)
+                        self._workers = []
                         return
                     self._condition.wait(IDLE_SECONDS)
                     continue
@@ -137,10 +155,14 @@ class KeepAlive:
                         self._declare_lost_at_deadline(state)
                         continue
                     if entry.in_flight is None and now >= entry.next_renewal:
-                        entry.in_flight = self._submit(entry)
+                        entry.in_flight = self._submit(entry, now)
                     wake = min(wake, state.valid_until)
-                    if entry.in_flight is None:
+                    if entry.in_flight is None and now < entry.next_renewal:
                         wake = min(wake, entry.next_renewal)
+                    elif entry.in_flight is None:
+                        # Due, with no worker free yet: looked at again as one comes free
+                        # (notified), or once the busy ones count as stuck.
+                        wake = min(wake, now + STUCK_SECONDS)
                 self._condition.wait(max(0.0, wake - clock.now()))
 
     def _declare_lost_at_deadline(self, state: LockState) -> None:
@@ -151,15 +173,27 @@ class KeepAlive:
         finally:
             self._condition.acquire()
 
-    def _submit(self, entry: _Entry) -> Future[None] | None:
-        worker = self._worker
-        if worker is None:
+    def _submit(self, entry: _Entry, now: float) -> Future[None] | None:
+        """Start ``entry``'s renewal on an idle worker, or on a new one if every worker has
+        been busy for STUCK_SECONDS; None if none can take it now."""
+        if self._stopping:
             return None
-        return worker.submit(self._renew, entry)
+        idle = next((worker for worker in self._workers if worker.busy_since is None), None)
+        if idle is None:
+            if len(self._workers) >= RENEWERS or any(
+                now - worker.busy_since < STUCK_SECONDS
+                for worker in self._workers
+                if worker.busy_since is not None
+            ):
+                return None
+            idle = _Worker(f"{self.name}-renew-{len(self._workers)}")
+            self._workers.append(idle)
+        idle.busy_since = now
+        return idle.executor.submit(self._renew, entry, idle)
 
     # -- the worker thread ------------------------------------------------------------------------
 
-    def _renew(self, entry: _Entry) -> None:
+    def _renew(self, entry: _Entry, worker: _Worker) -> None:
         state = entry.state
         try:
             state.extend(state.ttl)
@@ -186,6 +220,7 @@ class KeepAlive:
         finally:
             with self._condition:
                 entry.in_flight = None
+                worker.busy_since = None
                 self._condition.notify()
 
 

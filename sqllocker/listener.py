@@ -26,7 +26,14 @@ from sqlalchemy.engine import Engine
 from . import concurrency, forks
 from .backends.mysql import liveness_name
 from .errors import LockError
-from .notifications import Waiter, WaiterQueues, channel_for, grants_channel_for, parse_grant
+from .notifications import (
+    Waiter,
+    WaiterQueues,
+    channel_for,
+    grants_channel_for,
+    leaders_channel_for,
+    parse_grant,
+)
 
 logger = logging.getLogger("sqllocker")
 
@@ -50,7 +57,9 @@ class ReleaseListener:
         self.hands_over = hands_over
         self.channel = channel_for(table)
         self.grants_channel = grants_channel_for(table)
+        self.leaders_channel = leaders_channel_for(table)
         self._waiters = WaiterQueues()
+        self._observers = WaiterQueues()  # of elections, by name (``sqllocker.elections``)
         self._listening = concurrency.Event()
         self._failing = False  # its last session ended in an error, and no new one has begun
         # The session advisory lock the listening connection holds: the liveness key of this
@@ -80,6 +89,17 @@ class ReleaseListener:
 
     def unregister(self, waiter: Waiter[concurrency.Event]) -> None:
         self._waiters.remove(waiter)
+
+    def observe(self, name: str) -> Waiter[concurrency.Event]:
+        """Subscribe to the next notice that the election ``name``'s leader may have changed
+        (PostgreSQL, ``hands_over``); call before reading the leader, then ``unobserve``."""
+        self._start_listening()
+        if not self._failing:
+            concurrency.wait(self._listening, SUBSCRIBE_SECONDS)
+        return self._observers.add(Waiter(name, concurrency.Event()))
+
+    def unobserve(self, waiter: Waiter[concurrency.Event]) -> None:
+        self._observers.remove(waiter)
 
     def follow_releases(self, waiter: Waiter[concurrency.Event]) -> None:
         """Wake ``waiter`` on its lockstring's releases too (see ``WaiterQueues``)."""
@@ -115,6 +135,7 @@ class ReleaseListener:
                 logger.warning("the listening connection failed (%s); reconnecting", error)
             self._listening.clear()
             self._waiters.wake_everyone()  # they may have missed a release meanwhile
+            self._observers.wake_everyone()
             if self._listening_on():
                 concurrency.sleep(RECONNECT_SECONDS)
 
@@ -135,6 +156,7 @@ class ReleaseListener:
         """PostgreSQL: LISTEN, hold a liveness key, and hand each notification on."""
         connection.execute(f'LISTEN "{self.channel}"')
         connection.execute(f'LISTEN "{self.grants_channel}"')
+        connection.execute(f'LISTEN "{self.leaders_channel}"')
         self.liveness_key = _hold_a_key(connection)
         self._failing = False
         self._listening.set()
@@ -160,6 +182,8 @@ class ReleaseListener:
         self.notifications += 1
         if notice.channel == self.channel:
             self._waiters.wake_all(notice.payload)
+        elif notice.channel == self.leaders_channel:
+            self._observers.wake_all(notice.payload)  # a hint: they read the row again
         elif (grant := parse_grant(notice.payload)) is not None:
             self.grants += self._waiters.hand_over(grant)
 

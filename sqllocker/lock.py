@@ -24,9 +24,9 @@ from typing import Any, Protocol, TypeVar
 
 from sqlalchemy.engine import Connection, Engine
 
-from . import clock, concurrency, forks
+from . import clock, concurrency, deadlines, forks
 from .errors import LockError, LockLost
-from .holding import Holding, LockHandle, OnLost
+from .holding import RELEASE_PATIENCE, Holding, LockHandle, OnLost
 from .operations import LockInfo, LockOperations
 from .validation import check_seconds
 
@@ -111,8 +111,35 @@ class LockState(Holding):
         self.op_lock = concurrency.OpLock()
 
     def extend(self, ttl: float) -> datetime:
-        """Push the row's expiry to server now + ``ttl``; LockLost (and lost) if it is not ours."""
-        with self.op_lock:
+        """Push the row's expiry to server now + ``ttl``; LockLost (and lost) if it is not ours,
+        or if no answer came before the row expired as we reckon it (``release_patience``),
+        whatever the driver's timeouts: behind a renewal in flight, or on a frozen connection.
+        """
+        patience = self.release_patience()
+        deadline = clock.now() + patience
+        try:
+            with deadlines.statements_end_by(deadline):
+                return self._extend(ttl)
+        except LockLost:
+            raise
+        except LockError as error:
+            if clock.now() < deadline:
+                raise
+            lost, cause = self.outlived("extended"), error
+        self._give_back_outlived()
+        raise lost from cause
+
+    def _give_back_outlived(self) -> None:
+        """After an extend that outlived the row: one short try to delete whatever is left of
+        it (by id and guid: never another holder's row), so that a renewal that still reaches
+        the database late leaves no row held by nobody; a frozen database is left alone."""
+        with deadlines.statements_end_by(clock.now() + RELEASE_PATIENCE):
+            self._give_back_revived()
+
+    def _extend(self, ttl: float) -> datetime:
+        with concurrency.turn_within(self.op_lock, self.release_patience) as turn:
+            if not turn:
+                raise self.outlived("extended")
             self.check_extendable()
             sent_at = clock.now()
             with self.telemetry.extending():
@@ -168,10 +195,7 @@ class LockState(Holding):
                 raise self.release_gave_up()
             with self.telemetry.releasing():
                 try:
-                    # Every cycle's release: called straight, not through ``run``.
-                    self.operations.release(
-                        self.lockstring, self.lock_id, self.guid, self.hold_at_least
-                    )
+                    self._delete_within(self.release_patience())
                 except LockLost as lost:
                     self.released_lost(lost)
                     raise
@@ -179,6 +203,24 @@ class LockState(Holding):
             self.leave_place()
             if self.operations.checkpoint_due():
                 self.run(self.operations.checkpoint)
+
+    # The DELETE itself ends by the row's expiry, as we reckon it, on a frozen connection too:
+    # then nothing is left to release, and the lock is lost (``release_gave_up``).
+
+    def _delete_within(self, patience: float) -> None:
+        deadline = clock.now() + patience
+        try:
+            # Every cycle's release: called straight, not through ``run``.
+            with deadlines.statements_end_by(deadline):
+                self.operations.release(
+                    self.lockstring, self.lock_id, self.guid, self.hold_at_least
+                )
+        except LockLost:
+            raise
+        except LockError as error:
+            if clock.now() < deadline:
+                raise
+            raise self.release_gave_up() from error
 
     release = _delete_row
 

@@ -139,6 +139,7 @@ class Locker:
         )
         self.table_name, self.expires, self.grace, fraction = options
         pooled = validation.check_flag(transaction_pooling, "transaction_pooling")
+        validation.check_telemetry_options(meter_provider, tracer_provider, telemetry_name)
         self.on_lost = on_lost
         self.strict = strict
         self.engine, owns_engine = _engine(url_or_engine, pooled, most)
@@ -315,13 +316,20 @@ class Locker:
         """Leader election for ``name``: ``.campaign()`` waits until this process leads and
         keeps the lead alive; ``.leader()`` and ``.observe()`` say who leads (see
         ``sqllocker.elections``)."""
-        return Election(self, self._operations, self._call, name)
+        return Election(
+            self,
+            self._operations,
+            self._call,
+            name,
+            self._tickets.release_listener,
+            self._telemetry,
+        )
 
     def rwlock(self, name: str) -> RWLock:
         """A read-write lock: any number of readers of ``name`` together, from ``.read()``, or
         one writer alone, from ``.write()``, each with ``wait``, ``expires``, ``keep_alive``,
         ``on_lost`` and ``locked_by`` (see ``sqllocker.rwlocks``)."""
-        return RWLock(self, self._operations, self._call, name)
+        return RWLock(self, self._operations, self._call, name, self._telemetry)
 
     def try_lock(
         self,

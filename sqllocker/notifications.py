@@ -147,6 +147,13 @@ def channel_for(table: str) -> str:
     return f"sqllocker_{table}"
 
 
+def leaders_channel_for(table: str) -> str:
+    """The NOTIFY channel on which a writer of a read-write lock (an election's leader) says,
+    with the name as payload, that it took or gave up ``name``: a hint to observers to read
+    the leader's row again, never believed for itself (see ``sqllocker.elections``)."""
+    return f"sqllocker_{table}_leaders"
+
+
 def grants_channel_for(table: str) -> str:
     """The NOTIFY channel on which the DELETE trigger says it handed a row to a queue's head."""
     return f"sqllocker_{table}_granted"

@@ -29,6 +29,7 @@ from .permits import (
     turn_details,
     turn_lockstring,
 )
+from .telemetry import unrecorded
 from .validation import check_hold_at_least, check_wait
 
 if TYPE_CHECKING:
@@ -102,11 +103,14 @@ class Semaphore:
         request = functools.partial(self._request, expires=expires, **options)
         recording = self._telemetry.compound("semaphore", self.name, wait)
         try:
-            permit = acquisition(self._acquire, request, checked_wait, keep_alive, hold)
+            # A permit counts as held once granted: one refused by the count, given back at
+            # once, and the turn, a waiter's place, are never held locks.
+            with unrecorded():
+                permit = acquisition(self._acquire, request, checked_wait, keep_alive, hold)
         except BaseException as error:
             recording.failed(error)
             raise
-        recording.succeeded()
+        permit._state.telemetry = recording.acquired(permit.lock_id)
         return permit
 
     def _acquire(

@@ -233,6 +233,16 @@ class Statements:
         return self.backend.release(self)
 
     @cached_property
+    def forget_attempt(self) -> Delete:
+        """Delete the row of ``:ls`` an acquire that failed may have inserted, by its guid
+        alone (the acquire never learnt its id): never another acquisition's row."""
+        c = self.table.c
+        return sa.delete(self.table).where(
+            self._this_lockstring,
+            self.backend.equal(c.guid, sa.bindparam("lock_guid", type_=c.guid.type)),
+        )
+
+    @cached_property
     def finish_within_window(self) -> Update:
         """A release before ``created + hold`` (``hold_at_least``): the row stays, expiring at
         the end of that window, and says when its holder finished (``locked_by.finished``), so
@@ -276,6 +286,11 @@ class Statements:
         """What a purge runs after each batch to pay for the log it wrote (SQLite's WAL), or
         None."""
         return self.backend.checkpoint()
+
+    @cached_property
+    def leader_notice(self) -> ClauseElement | None:
+        """Tell an election's observers to read its leader again (PostgreSQL), or None."""
+        return self.backend.leader_notice(self)
 
     @cached_property
     def sweep_stale_requests(self) -> ClauseElement | None:

@@ -48,6 +48,13 @@ _CURRENT: ContextVar[Acquisition | None] = ContextVar("sqllocker_acquisition", d
 _NOTHING: AbstractContextManager[None] = nullcontext()
 
 NameMapping = Callable[[str], str]
+# The histograms' buckets, unless a View says otherwise: the SDK's default ones are made for
+# milliseconds, and would put every acquisition under 5 s in one bucket. From a millisecond's
+# uncontended cycle up to a nightly job's hour.
+SECONDS_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    300.0, 900.0, 3600.0,
+)  # fmt: skip
 # While no provider is set, how long a Locker goes before it looks for one again: one set
 # later (after the Locker was made) is found within this long.
 LOOK_AGAIN_SECONDS = 1.0
@@ -91,10 +98,35 @@ class Hold:
 NO_HOLD = Hold()
 
 
+class LostWith(Hold):
+    """The hold of a second row of one lock (a writer's claim on its name): its loss is the
+    lock's, recorded once; its renewals and release are the lock's own row's."""
+
+    def __init__(self, hold: Hold) -> None:
+        self._hold = hold
+
+    def lost(self) -> None:
+        self._hold.lost()
+
+
 # The group or semaphore acquisition whose member locks the acquisitions here are.
 _COMPOUND: ContextVar[_RecordedAcquisition | None] = ContextVar("sqllocker_compound", default=None)
 # The name a decorator gives the acquisitions it makes: its lockstring template.
 _NAMED: ContextVar[str | None] = ContextVar("sqllocker_name", default=None)
+# Set while a compound takes rows that are not locks of their own (a semaphore's turn, a
+# read-write lock's rows before it decides): they record nothing but the compound's wait turns.
+_UNRECORDED: ContextVar[bool] = ContextVar("sqllocker_unrecorded", default=False)
+
+
+@contextmanager
+def unrecorded() -> Iterator[None]:
+    """Within: acquisitions record no outcome or hold of their own; their attempts are still
+    the wait turns of the group, semaphore or read-write lock acquisition around them."""
+    token = _UNRECORDED.set(True)
+    try:
+        yield
+    finally:
+        _UNRECORDED.reset(token)
 
 
 @contextmanager
@@ -175,7 +207,7 @@ class Telemetry:
 
     def acquiring(self, lockstring: str, wait: float | None, kind: str = "lock") -> Acquisition:
         instruments = self._instruments or self._look_for_providers()
-        if instruments is None:
+        if instruments is None or _UNRECORDED.get():
             return _NO_ACQUISITION
         compound = _COMPOUND.get()
         if compound is not None:
@@ -183,7 +215,7 @@ class Telemetry:
         try:
             name = _NAMED.get()
             if name is None:
-                name = self._name_of(lockstring)
+                name = self.name_of(lockstring)
             return _RecordedAcquisition(
                 instruments, functools.partial(self._attributes, kind, name), wait
             )
@@ -191,14 +223,26 @@ class Telemetry:
             logger.exception("sqllocker: recording telemetry failed")
             return _NO_ACQUISITION
 
-    def compound(self, kind: str, name: str, wait: object) -> Acquisition:
-        """The acquisition of a ``group`` (named by its size) or a ``semaphore`` (by its
-        name), whose member locks are taken inside it (in this task or thread) until it ends:
-        ``failed`` or ``member`` for each lock, then ``succeeded``."""
+    def name_of(self, lockstring: str) -> str:
+        """``sqllocker.name`` of ``lockstring``: the caller's mapping's, if it gives a str."""
+        name = self._name_of(lockstring)
+        if not isinstance(name, str):
+            raise TypeError(f"telemetry_name returned {type(name).__name__}, not str")
+        return name
+
+    def compound(self, kind: str, name: str, wait: object, *, mapped: bool = False) -> Acquisition:
+        """The acquisition of a ``group`` (named by its size), a ``semaphore`` (by its name),
+        or a read-write lock's side or election (``rwlock.reader``, ``rwlock.writer``,
+        ``election``: by its name, mapped as a lockstring), whose locks are taken inside it (in
+        this task or thread) until it ends: ``failed``, or ``member`` for each lock (or
+        ``acquired`` for a lock of one row's token) then ``succeeded``. ``mapped``: ``name``
+        goes through the Locker's ``telemetry_name`` as a lockstring would."""
         instruments = self._instruments or self._look_for_providers()
-        if instruments is None:
+        if instruments is None or _UNRECORDED.get():
             return _NO_ACQUISITION
         try:
+            if mapped:
+                name = self.name_of(name)
             acquisition = _RecordedAcquisition(
                 instruments, functools.partial(self._attributes, kind, name), wait
             )
@@ -259,11 +303,13 @@ class _Instruments:
             "sqllocker.lock.acquire.duration",
             unit="s",
             description="From the call to acquire a lock to its outcome",
+            explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
         )
         self.hold_duration = meter.create_histogram(
             "sqllocker.lock.hold.duration",
             unit="s",
             description="From a lock acquired to released or lost",
+            explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
         )
         self.renewals = meter.create_counter(
             "sqllocker.lock.renewals", description="Extensions of held locks, by outcome"

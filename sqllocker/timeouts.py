@@ -1,6 +1,9 @@
 """How long sqllocker waits for the database: the limits every backend's connections get."""
 
 CONNECT_TIMEOUT_SECONDS = 10
+# Within a lock(wait=W), a new connection gives up after what is left of W plus this much, if
+# that is sooner (sqllocker.deadlines.connections_by); PostgreSQL's is at least 2 s.
+CONNECT_SLACK_SECONDS = 1.0
 # How long an SQLite connection waits for another process's write transaction. Lock operations
 # hold the write lock for microseconds; this only has to outlast a burst of 8+ writers or a purge
 # batch, and keeps "database is locked" from reaching users.

@@ -22,6 +22,7 @@ import sqlalchemy as sa
 from .census import live_waiters
 from .engine import describe_url
 from .errors import LockError, LockValueError, one_line, printable
+from .row_kinds import TURN, kind_of, writer_name
 
 if TYPE_CHECKING:
     from .locker import Locker, LockInfo
@@ -41,6 +42,16 @@ class Row:
     info: LockInfo
     held_seconds: float
     waiters: int | None
+
+    @property
+    def kind(self) -> str:
+        """What the row is (``sqllocker.row_kinds``)."""
+        return kind_of(self.info.lockstring, self.info.locked_by)
+
+    @property
+    def counts_as_held(self) -> bool:
+        """A lock of its own: not a semaphore's turn (a waiter), nor a writer's second row."""
+        return self.kind != TURN and writer_name(self.info.lockstring) is None
 
     @property
     def close_to_expiry(self) -> bool:
@@ -93,15 +104,17 @@ def render(locker: Locker, pattern: str | None) -> Any:
             Text(f"sqllocker top  {where}{shown}  {now}  (q quits)", style="bold"),
             Text(f"cannot read the table: {one_line(error)}", style="bold red"),
         )
-    waiting = sum(r.waiters or 0 for r in held)
+    waiting = sum(r.waiters or 0 for r in held) + sum(r.kind == TURN for r in held)
+    holding = sum(r.counts_as_held for r in held)
     heading = Text(
         f"sqllocker top  {where}{shown}  {now}  (q quits)\n"
-        f"{len(held)} held, {waiting} waiting, {len(expired)} expired not yet purged",
+        f"{holding} held, {waiting} waiting, {len(expired)} expired not yet purged",
         style="bold",
     )
     table = Table(expand=True, header_style="bold")
     # The lockstring folds onto more lines rather than being cut; the program is cut first.
     table.add_column("LOCKSTRING", overflow="fold", min_width=16, ratio=3)
+    table.add_column("KIND", no_wrap=True)
     table.add_column("ID", no_wrap=True)
     table.add_column("HOST", overflow="ellipsis", no_wrap=True, max_width=24)
     table.add_column("PID", no_wrap=True)
@@ -116,9 +129,10 @@ def render(locker: Locker, pattern: str | None) -> Any:
             left = Text(
                 duration(info.seconds_left), style="bold red" if row.close_to_expiry else ""
             )
-            style = ""
+            style = "dim" if row.kind == TURN else ""
         table.add_row(
             printable(info.lockstring),
+            row.kind,
             str(info.lock_id),
             printable(str(info.locked_by.get("host", "?"))),
             printable(str(info.locked_by.get("pid", "?"))),

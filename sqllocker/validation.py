@@ -161,6 +161,27 @@ def check_on_lost(callback: object) -> None:
         raise LockTypeError(f"on_lost must be callable, not {type(callback).__name__}")
 
 
+def check_telemetry_options(
+    meter_provider: object, tracer_provider: object, telemetry_name: object
+) -> None:
+    """A Locker's OpenTelemetry options: providers (or None) and a callable ``telemetry_name``
+    (or None), refused now rather than at the first lock recorded."""
+    if telemetry_name is not None and not callable(telemetry_name):
+        raise LockTypeError(
+            "telemetry_name must be callable (a lockstring to its sqllocker.name), not "
+            f"{type(telemetry_name).__name__}"
+        )
+    for value, name, method in (
+        (meter_provider, "meter_provider", "get_meter"),
+        (tracer_provider, "tracer_provider", "get_tracer"),
+    ):
+        if value is not None and not callable(getattr(value, method, None)):
+            raise LockTypeError(
+                f"{name} must be an OpenTelemetry {name.replace('_', ' ')} (with {method}()), "
+                f"not {type(value).__name__}"
+            )
+
+
 def check_flag(value: object, name: str) -> bool:
     # A string "false" is truthy: taking any truthy value would turn an option on by mistake.
     if not isinstance(value, bool):

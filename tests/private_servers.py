@@ -28,12 +28,21 @@ from tests.conftest import IN_CI
 def running_private_server(kind: str, *options: str) -> Iterator[PrivatePostgres | PrivateMariaDB]:
     """A fresh, started server of ``kind`` ("postgresql" or "mysql"), removed afterwards;
     MariaDB's ``options`` go to mariadbd."""
-    binaries = _postgres_binaries()
-    if binaries is None or os.geteuid() != 0 or shutil.which("runuser") is None:
-        message = "needs the database servers' binaries and root (to run them as their users)"
+    message = private_servers_missing()
+    if message is not None:
         if IN_CI:
             pytest.fail(message)
         pytest.skip(message)
+    with private_server(kind, *options) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def private_server(kind: str, *options: str) -> Iterator[PrivatePostgres | PrivateMariaDB]:
+    """``running_private_server`` outside pytest: the caller has made sure that
+    ``private_servers_missing()`` is None."""
+    binaries = _postgres_binaries()
+    assert binaries is not None
     with _home_of("postgres" if kind == "postgresql" else "mysql") as home:
         server = (
             PrivatePostgres(home, binaries)
@@ -42,6 +51,13 @@ def running_private_server(kind: str, *options: str) -> Iterator[PrivatePostgres
         )
         with _started(server):
             yield server
+
+
+def private_servers_missing() -> str | None:
+    """Why private servers cannot be run here, or None if they can."""
+    if _postgres_binaries() is None or os.geteuid() != 0 or shutil.which("runuser") is None:
+        return "needs the database servers' binaries and root (to run them as their users)"
+    return None
 
 
 @contextlib.contextmanager
@@ -227,13 +243,19 @@ class PrivateMariaDB:
         return int((self.home / "pid").read_text())
 
     def stop(self, crash: bool) -> None:
+        """SIGTERM (a normal shutdown) or SIGKILL; a SIGTERM that mariadbd still starting up
+        missed is followed by SIGKILL after a minute."""
         pid = self.pid
         os.kill(pid, signal.SIGKILL if crash else signal.SIGTERM)
+        deadline = time.monotonic() + 60
         while True:
             try:
                 os.kill(pid, 0)
             except ProcessLookupError:
                 break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                deadline = float("inf")
             time.sleep(0.05)
         if self.process is not None:
             self.process.wait(timeout=60)

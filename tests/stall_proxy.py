@@ -8,6 +8,7 @@ the statement took effect, and its client cannot know (and, if asked, stalls fro
 cut_before() cuts connections as they send a chosen statement, which never reaches the server;
 cut_all() cuts every connection open now.
 stall_before() stalls as a client sends a chosen statement, before it reaches the server.
+freeze_connection_before() does so for that one connection only: the others flow on.
 answer_with_mysql_error() answers a chosen statement with a MySQL error in the server's stead.
 """
 
@@ -39,6 +40,8 @@ class StallProxy:
         self.statements_cut = 0
         self._stalling: bytes | None = None  # see stall_before
         self._erring: tuple[bytes, int] | None = None  # see answer_with_mysql_error
+        self._freezing: bytes | None = None  # see freeze_connection_before
+        self.connections_frozen = 0
         self.errors_answered = 0
         self.stalled_before = threading.Event()
         threading.Thread(target=self._accept, name="stall-proxy", daemon=True).start()
@@ -71,6 +74,21 @@ class StallProxy:
         with self._lock:
             self._stalling = marker
             self.stalled_before.clear()
+
+    def freeze_connection_before(self, marker: bytes) -> None:
+        """The next statement a client sends that contains ``marker`` never reaches the server,
+        and its connection forwards nothing more until close(): that connection alone is
+        frozen (a server session hung on it), the others flow on."""
+        with self._lock:
+            self._freezing = marker
+
+    def _freezes(self, data: bytes) -> bool:
+        with self._lock:
+            if self._freezing is None or self._freezing not in data:
+                return False
+            self._freezing = None
+            self.connections_frozen += 1
+            return True
 
     def answer_with_mysql_error(self, marker: bytes, errno: int) -> None:
         """The next statement a client sends that contains ``marker`` never reaches the server:
@@ -175,6 +193,9 @@ class StallProxy:
                             self.stall()
                         self.answers_lost += 1
                         return  # the answer goes nowhere, and both ends are closed
+                    if sock is client and self._freezes(data):
+                        self._closed.wait()  # held, never sent; the connection stays open
+                        return
                     if sock is client and self._cuts(data):
                         return  # the statement goes nowhere, and both ends are closed
                     error = self._error_answer(data) if sock is client else None

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from tests.campaign.found import FOUND, Found
-from tests.conftest import BACKENDS
+from tests.conftest import BACKENDS, IN_CI
+from tests.private_servers import private_servers_missing
 
 pytestmark = pytest.mark.slow  # real workers, schedulers or processes
 
@@ -70,6 +71,25 @@ def test_a_short_campaign_finds_no_violation(
     assert (status, found.group(5)) == (0, "0"), output
 
 
+# Restarts of a private server (fast and immediate), among pauses, kills and cut connections.
+RESTARTS = "--private-server --faults=restart,pause,cut,kill --fault-gap=0.5,1.5"
+RESTART_SEEDS = {"postgresql": 124, "mysql": 66}  # the first restart immediate; fast
+
+
+@pytest.mark.parametrize("backend", sorted(RESTART_SEEDS))
+def test_a_campaign_with_server_restarts_finds_no_violation(backend: str) -> None:
+    missing = private_servers_missing()
+    if missing is not None:
+        if IN_CI:
+            pytest.fail(missing)
+        pytest.skip(missing)
+    seed = RESTART_SEEDS[backend]
+    status, output = campaign(backend, seed, *RESTARTS.split(), seconds=6)
+    found = summary(output)
+    assert re.search(r"^faults: .*restart [1-9]", output, re.MULTILINE), output
+    assert (status, found.group(5)) == (0, "0"), output
+
+
 # Holders that dawdle past their expiry, or are stopped past it, and others taking over.
 STALE_HOLDERS = (
     "--operations=dawdle,lock_wait,lock_nowait --faults=pause --fault-gap=0.3,1 --workers=6"
@@ -83,13 +103,17 @@ MUTANTS = {
         {"run-exclusion"},
     ),
     "semaphore-limit-plus-one": ("--operations=semaphore --faults=purge", {"semaphore"}),
+    # Seen in the liveness phase, after 3 s of faults: rows outliving their release.
+    "release-keeps-row": ("--faults=purge --workers=2", {"held-by-nobody"}),
 }
+SECONDS_OF_MUTANTS = {"release-keeps-row": 3}
 
 
 @pytest.mark.parametrize("mutant", sorted(MUTANTS))
 def test_the_checker_catches_a_broken_library(mutant: str) -> None:
     options, catchers = MUTANTS[mutant]
-    status, output = campaign("sqlite", 7, "--mutant", mutant, *options.split(), seconds=20)
+    seconds = SECONDS_OF_MUTANTS.get(mutant, 20)
+    status, output = campaign("sqlite", 7, "--mutant", mutant, *options.split(), seconds=seconds)
     caught = set(re.findall(r"^VIOLATION \d+ \[([\w-]+)\]", output, re.MULTILINE))
     assert status == 1, output
     assert int(summary(output).group(5)) > 0, output

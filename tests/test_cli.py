@@ -220,6 +220,7 @@ def test_list_and_show_in_text_and_json(sqllocker: Run, migrated: Locker) -> Non
     lines = table.stdout.splitlines()
     assert lines[0].split() == [
         "LOCKSTRING",
+        "KIND",
         "ID",
         "HOLDER",
         "PROGRAM",
@@ -243,6 +244,7 @@ def test_list_and_show_in_text_and_json(sqllocker: Run, migrated: Locker) -> Non
     assert 500 < first["seconds_left"] <= 600
     assert set(first) == {
         "lockstring",
+        "kind",
         "lock_id",
         "created",
         "expires",

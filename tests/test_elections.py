@@ -197,3 +197,81 @@ def test_five_candidates_one_valid_leader_through_a_kill_and_a_stop(
     ]
     for term in (killed_term, stopped_term, last_term):
         assert term in observed, f"the observer missed term {term}"
+
+
+@pytest.fixture
+def slow_observer_poll(monkeypatch: pytest.MonkeyPatch) -> float:
+    """Observers that would read the leader again only every 5 minutes: a change they see
+    sooner was pushed to them."""
+    import sqllocker.asyncio.election
+    import sqllocker.election
+
+    monkeypatch.setattr(sqllocker.election, "OBSERVE_INTERVAL", 300.0)
+    monkeypatch.setattr(sqllocker.asyncio.election, "OBSERVE_INTERVAL", 300.0)
+    return 300.0
+
+
+def _observe_in_thread(
+    locker: Locker, interval: float
+) -> tuple[list[tuple[float, int | None]], Callable[[], None]]:
+    """A thread that observes ``locker``'s election ``scheduler``: each change as (when,
+    term); it stops after the change that follows the call of the function returned."""
+    import threading
+
+    seen: list[tuple[float, int | None]] = []
+    stopping = threading.Event()
+
+    def observe() -> None:
+        for leader in locker.election("scheduler").observe(interval=interval):
+            seen.append((time.monotonic(), None if leader is None else leader.term))
+            if stopping.is_set():
+                break
+
+    threading.Thread(target=observe, daemon=True).start()
+    return seen, stopping.set
+
+
+def test_a_postgresql_observer_is_told_at_once(
+    migrated_postgres: str, table_name: str, slow_observer_poll: float
+) -> None:
+    observer = Locker(migrated_postgres, table=table_name)
+    seen, stop = _observe_in_thread(observer, slow_observer_poll)
+    deadline = time.monotonic() + 30
+    while not seen:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert seen == [(seen[0][0], None)]
+    candidate = Locker(migrated_postgres, table=table_name)
+    lead = candidate.election("scheduler").campaign()
+    started = time.monotonic()
+    while len(seen) < 2:
+        assert time.monotonic() - started < slow_observer_poll / 5, "the NOTIFY was not heard"
+        time.sleep(0.02)
+    assert seen[1][1] == lead.term
+    stop()
+    lead.resign()
+    while len(seen) < 3:
+        assert time.monotonic() - started < slow_observer_poll / 5, "the NOTIFY was not heard"
+        time.sleep(0.02)
+    assert seen[2][1] is None
+    candidate.close()
+    observer.close()
+
+
+async def test_an_async_postgresql_observer_is_told_at_once(
+    migrated_postgres: str, table_name: str, slow_observer_poll: float
+) -> None:
+    import asyncio
+
+    async with AsyncLocker(async_url(migrated_postgres), table=table_name) as locker:
+        changes = locker.election("scheduler").observe(interval=slow_observer_poll)
+        assert await changes.__anext__() is None
+        candidate = Locker(migrated_postgres, table=table_name)
+        lead = await asyncio.to_thread(candidate.election("scheduler").campaign)
+        seen = await asyncio.wait_for(changes.__anext__(), slow_observer_poll / 5)
+        assert seen is not None
+        assert seen.term == lead.term
+        await asyncio.to_thread(lead.resign)
+        assert await asyncio.wait_for(changes.__anext__(), slow_observer_poll / 5) is None
+        await changes.aclose()
+        candidate.close()

@@ -3,6 +3,7 @@ waited for, with the database unreachable, and as a role granted only what the d
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import time
@@ -317,3 +318,60 @@ def test_a_scrape_through_a_stalled_network_answers_up_0_in_time(
             wait_until(lambda: value(scrape(port), "sqllocker_up", table=table_name) == 1, 90)
     finally:
         proxy.close()
+
+
+def test_readers_writers_permits_and_turns_are_shown_as_what_they_are(
+    migrated: str, table_name: str, backend: str
+) -> None:
+    holder = Locker(migrated, table=table_name)
+    other = Locker(migrated, table=table_name)
+    readers = [holder.rwlock("catalog").read(), other.rwlock("catalog").read()]
+    writer = holder.rwlock("orders").write()
+    permits = [holder.semaphore("crawl", 3).acquire() for _ in range(2)]
+    # A semaphore's turn, as a waiter with a smaller limit takes it (see sqllocker.permits).
+    turn = other.lock("crawl (turn)", locked_by={"semaphore_limit": 1})
+    plain = holder.lock("plain")
+    port_of = serve_in_thread(migrated, ExporterOptions(table=table_name, per_lock="*"))
+    port = next(port_of)
+    try:
+        samples = scrape(port)
+        table = {"table": table_name}
+        # 2 readers, 1 writer (two rows, counted once), 2 permits, 1 plain lock; no turn.
+        assert value(samples, "sqllocker_locks_held", **table) == 6
+        assert value(samples, "sqllocker_semaphore_turns", **table) == 1
+        by_kind = {
+            dict(labels)["kind"]: v
+            for (name, labels), v in samples.items()
+            if name == "sqllocker_locks_held_by_kind"
+        }
+        assert by_kind == {"reader": 2, "writer": 1, "permit": 2}
+        kinds = {
+            dict(labels)["lockstring"]: dict(labels)["kind"]
+            for (name, labels), v in samples.items()
+            if name == "sqllocker_lock_kind" and v == 1
+        }
+        assert kinds == {
+            readers[0].lockstring: "reader",
+            readers[1].lockstring: "reader",
+            "orders": "writer",
+            writer._state.lockstring: "writer",
+            permits[0].lockstring: "permit",
+            permits[1].lockstring: "permit",
+            "crawl (turn)": "turn",
+            "plain": "lock",
+        }
+    finally:
+        next(port_of, None)
+    command = [SQLLOCKER, "--url", migrated, "--table", table_name]
+    listed = subprocess.run([*command, "list"], capture_output=True, text=True, check=True)
+    assert listed.stdout.split()[:2] == ["LOCKSTRING", "KIND"]
+    as_json = subprocess.run(
+        [*command, "list", "--json"], capture_output=True, text=True, check=True
+    )
+    assert {item["lockstring"]: item["kind"] for item in json.loads(as_json.stdout)} == kinds
+    show = subprocess.run([*command, "show", "orders"], capture_output=True, text=True, check=True)
+    assert "kind:       writer" in show.stdout
+    for lock in [*readers, writer, *permits, turn, plain]:
+        lock.unlock()
+    holder.close()
+    other.close()

@@ -337,3 +337,41 @@ def test_a_release_succeeds_and_skips_its_notification_when_the_queue_is_filling
     filler.close()
     holder.close()
     waiter.close()
+
+
+def test_a_forged_leader_notification_changes_no_leader(
+    migrated_postgres: str,
+    table_name: str,
+    intruder: psycopg.Connection[tuple[object, ...]],
+) -> None:
+    """Anyone who can connect can NOTIFY on the leaders channel, with any payload. An observer
+    takes it as a hint to read the leader's row again, and reports only what it reads."""
+    import threading
+
+    leader_locker = Locker(migrated_postgres, table=table_name)
+    lead = leader_locker.election("scheduler").campaign()
+    observer = Locker(migrated_postgres, table=table_name)
+    seen: list[object] = []
+    resigned = threading.Event()
+
+    def observe() -> None:
+        for leader in observer.election("scheduler").observe():
+            seen.append(leader)
+            if resigned.is_set():
+                break
+
+    threading.Thread(target=observe, daemon=True).start()
+    wait_until(lambda: bool(seen), timeout=30)
+    channel = f"sqllocker_{table_name}_leaders"
+    for forged in ("scheduler", "", "scheduler 999999 evil-host 1", "x" * 1000):
+        intruder.execute("SELECT pg_notify(%s, %s)", (channel, forged))
+    time.sleep(1.5)  # past a poll, too: a forged hint changes nothing either way
+    assert len(seen) == 1
+    (current,) = seen
+    assert getattr(current, "term", None) == lead.term
+    resigned.set()
+    lead.resign()
+    wait_until(lambda: len(seen) == 2, timeout=30)
+    assert seen[1] is None
+    observer.close()
+    leader_locker.close()

@@ -116,6 +116,8 @@ def test_acquire_hold_release_busy_and_timeout_are_recorded(
         assert dict(point.attributes) == {**common, "sqllocker.outcome": outcome}
         assert point.count == 1
     assert acquires["timeout"].sum >= 0.3
+    # Buckets for seconds, not the SDK's default ones (made for milliseconds).
+    assert list(acquires["acquired"].explicit_bounds)[:3] == [0.001, 0.0025, 0.005]
     holds = recorded.points("sqllocker.lock.hold.duration")
     assert [dict(p.attributes) for p in holds] == [{**common, "sqllocker.outcome": "released"}]
     assert recorded.count("sqllocker.locks.held") == 0
@@ -666,3 +668,179 @@ async def test_a_failing_span_processor_never_stops_an_async_release_or_renewal(
         await lock.unlock()
         assert await locker.lock_info("job 1") is None
     tracer_provider.shutdown()
+
+
+# -- options refused at creation, and the kinds beside plain locks -------------------------------
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "says"),
+    [
+        ("telemetry_name", "digest", "telemetry_name must be callable"),
+        ("telemetry_name", 42, "telemetry_name must be callable"),
+        ("meter_provider", "global", "meter_provider must be an OpenTelemetry meter provider"),
+        ("tracer_provider", object(), "tracer_provider must be an OpenTelemetry tracer provider"),
+    ],
+)
+def test_a_bad_telemetry_option_is_refused_at_creation(
+    option: str, value: object, says: str, tmp_path: Path
+) -> None:
+    url = f"sqlite:///{tmp_path / 'locks.db'}"
+    for make in (Locker, AsyncLocker):
+        with pytest.raises(LockError) as refused:
+            make(url, **{option: value})  # type: ignore[arg-type]
+        assert says in str(refused.value)
+        assert "\n" not in str(refused.value)
+    assert not (tmp_path / "locks.db").exists()  # nothing written
+
+
+def test_a_groups_wait_turns_are_events_of_its_span(
+    make_locker: Callable[..., Locker], recorded: Recorded
+) -> None:
+    providers = {
+        "meter_provider": recorded.meter_provider,
+        "tracer_provider": recorded.tracer_provider,
+    }
+    held = make_locker(**providers).lock("c 3")
+    with pytest.raises(LockError):
+        make_locker(**providers).lock_all(["c 3", "d 4"], wait=1)
+    (span,) = [
+        span
+        for span in recorded.finished("sqllocker.acquire")
+        if span.attributes["sqllocker.kind"] == "group"
+    ]
+    assert span.attributes["sqllocker.outcome"] == "timeout"
+    turns = [event for event in span.events if event.name == "sqllocker.wait_turn"]
+    assert turns
+    assert [event.attributes["sqllocker.turn"] for event in turns] == list(range(1, len(turns) + 1))
+    held.unlock()
+
+
+def test_a_semaphores_turn_is_never_counted_as_held(
+    make_locker: Callable[..., Locker], recorded: Recorded
+) -> None:
+    providers = {
+        "meter_provider": recorded.meter_provider,
+        "tracer_provider": recorded.tracer_provider,
+    }
+    wide = make_locker(**providers).semaphore("crawlers", 3)
+    permits = [wide.acquire(), wide.acquire()]
+    narrow = make_locker(**providers).semaphore("crawlers", 1)
+    with pytest.raises(LockError):
+        narrow.acquire(wait=1)  # outnumbered for its limit: it takes the turn while it waits
+    assert recorded.count("sqllocker.locks.held") == 2
+    assert recorded.count("sqllocker.lock.hold.duration") == 0
+    for permit in permits:
+        permit.unlock()
+    assert recorded.count("sqllocker.lock.hold.duration", sqllocker_kind="semaphore") == 2
+    assert recorded.count("sqllocker.locks.held") == 0
+
+
+def _by_kind(recorded: Recorded, name: str) -> dict[tuple[str, str, str], float]:
+    found: dict[tuple[str, str, str], float] = {}
+    for point in recorded.points(name):
+        attributes = dict(point.attributes)
+        key = (
+            attributes["sqllocker.kind"],
+            attributes["sqllocker.name"],
+            attributes["sqllocker.outcome"],
+        )
+        found[key] = found.get(key, 0) + point.count
+    return found
+
+
+def test_read_write_locks_and_elections_are_recorded_by_kind(
+    make_locker: Callable[..., Locker], recorded: Recorded
+) -> None:
+    providers = {
+        "meter_provider": recorded.meter_provider,
+        "tracer_provider": recorded.tracer_provider,
+    }
+    locker, other = make_locker(**providers), make_locker(**providers)
+    readers = [locker.rwlock("catalog 7").read(), other.rwlock("catalog 7").read()]
+    assert recorded.count("sqllocker.locks.held") == 2
+    with pytest.raises(LockError):
+        locker.rwlock("catalog 7").write(wait=0.5)
+    for reader in readers:
+        reader.unlock()
+    writer = locker.rwlock("catalog 7").write()
+    assert recorded.count("sqllocker.locks.held") == 1  # two rows, one lock
+    with pytest.raises(LockError):
+        other.rwlock("catalog 7").read()
+    writer.unlock()
+    lead = other.election("scheduler").campaign()
+    assert recorded.count("sqllocker.locks.held") == 1
+    lead.resign()
+
+    assert _by_kind(recorded, "sqllocker.lock.acquire.duration") == {
+        ("rwlock.reader", "catalog <n>", "acquired"): 2,
+        ("rwlock.reader", "catalog <n>", "busy"): 1,
+        ("rwlock.writer", "catalog <n>", "timeout"): 1,
+        ("rwlock.writer", "catalog <n>", "acquired"): 1,
+        ("election", "scheduler", "acquired"): 1,
+    }
+    assert _by_kind(recorded, "sqllocker.lock.hold.duration") == {
+        ("rwlock.reader", "catalog <n>", "released"): 2,
+        ("rwlock.writer", "catalog <n>", "released"): 1,
+        ("election", "scheduler", "released"): 1,
+    }
+    assert recorded.count("sqllocker.locks.held") == 0
+    timeout = next(
+        span
+        for span in recorded.finished("sqllocker.acquire")
+        if span.attributes["sqllocker.outcome"] == "timeout"
+    )
+    assert [event for event in timeout.events if event.name == "sqllocker.wait_turn"]
+    acquired = [
+        span
+        for span in recorded.finished("sqllocker.acquire")
+        if span.attributes["sqllocker.outcome"] == "acquired"
+        and span.attributes["sqllocker.kind"] == "election"
+    ]
+    assert [span.attributes["sqllocker.lock.id"] for span in acquired] == [lead.term]
+
+
+def test_a_writer_lost_through_its_claim_is_recorded_once(
+    make_locker: Callable[..., Locker], recorded: Recorded
+) -> None:
+    locker = make_locker(
+        meter_provider=recorded.meter_provider, tracer_provider=recorded.tracer_provider
+    )
+    lost: list[LockLost] = []
+    lead = locker.election("scheduler").campaign(expires=1, on_lost=lost.append)
+    locker.break_lock("scheduler")  # the claim on the name, not the term's row
+    wait_until(lambda: bool(lost), timeout=30)
+    wait_until(lambda: recorded.count("sqllocker.lock.lost") >= 1, timeout=30)
+    with pytest.raises(LockLost):
+        lead.resign()
+    assert recorded.count("sqllocker.lock.lost") == 1
+    assert recorded.count("sqllocker.locks.held") == 0
+    assert recorded.count("sqllocker.lock.hold.duration", sqllocker_outcome="lost") == 1
+
+
+async def test_async_read_write_locks_and_elections_are_recorded_by_kind(
+    url: str, table_name: str, make_locker: Callable[..., Locker], recorded: Recorded
+) -> None:
+    make_locker()
+    async with AsyncLocker(
+        async_url(url),
+        table=table_name,
+        meter_provider=recorded.meter_provider,
+        tracer_provider=recorded.tracer_provider,
+    ) as locker:
+        reader = await locker.rwlock("catalog").read()
+        await reader.unlock()
+        writer = await locker.rwlock("catalog").write()
+        assert recorded.count("sqllocker.locks.held") == 1
+        await writer.unlock()
+        lead = await locker.election("scheduler").campaign()
+        await lead.resign()
+        group = await locker.lock_all(["a", "b"])
+        await group.unlock()
+    assert _by_kind(recorded, "sqllocker.lock.hold.duration") == {
+        ("rwlock.reader", "catalog", "released"): 1,
+        ("rwlock.writer", "catalog", "released"): 1,
+        ("election", "scheduler", "released"): 1,
+        ("group", "group of 2", "released"): 2,
+    }
+    assert recorded.count("sqllocker.locks.held") == 0

@@ -145,6 +145,7 @@ def test_top_without_a_terminal_prints_the_list(migrated: str, table_name: str) 
     lines = done.stdout.splitlines()
     assert lines[0].split() == [
         "LOCKSTRING",
+        "KIND",
         "ID",
         "HOLDER",
         "PROGRAM",
@@ -168,3 +169,29 @@ def test_a_lock_close_to_expiry_is_marked(make_locker: Any) -> None:
     assert not dataclasses.replace(
         near, info=dataclasses.replace(info, seconds_left=13.0)
     ).close_to_expiry
+
+
+def test_top_tells_readers_writers_and_turns_apart(make_locker: Any) -> None:
+    from sqllocker.top import read_rows, render
+
+    locker = make_locker()
+    reader = locker.rwlock("catalog").read()
+    writer = locker.rwlock("orders").write()
+    turn = locker.lock("crawl (turn)", locked_by={"semaphore_limit": 1})
+    held, expired = read_rows(locker, None)
+    assert not expired
+    kinds = {row.info.lockstring: row.kind for row in held}
+    assert kinds == {
+        reader.lockstring: "reader",
+        "orders": "writer",
+        writer._state.lockstring: "writer",
+        "crawl (turn)": "turn",
+    }
+    assert sum(row.counts_as_held for row in held) == 2  # the reader, the writer once
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(render(locker, None))
+    assert "2 held, 1 waiting" in console.export_text()
+    for lock in (reader, writer, turn):
+        lock.unlock()

@@ -8,16 +8,19 @@ Written once for asyncio; the sync ``sqllocker/acquirer.py`` is generated from i
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Awaitable, Callable, Sequence, Sized
 from typing import Any
 
-from .. import validation
+from .. import clock, deadlines, tickets, validation
 from ..backoff import Backoff
+from ..errors import DatabaseError, LockError
 from ..file_queue import FileQueue
 from ..holding import OnLost
 from ..identity import holder_details, new_guid
 from ..operations import LockOperations, Refused
-from ..telemetry import Telemetry
+from ..telemetry import Telemetry, attempted
+from ..timeouts import CONNECT_SLACK_SECONDS
 from . import concurrency
 from .acquiring import Winnings, acquisition
 from .attempts import AsyncAttempts
@@ -27,8 +30,17 @@ from .queue_wait import AsyncQueueWait
 from .ticket_wait import AsyncTicketWait
 
 if True:  # ASYNC
+    import asyncio
+    import contextlib
+
     from ..operations import Acquired
     from .tasks import spawn
+
+logger = logging.getLogger("sqllocker")
+
+# How long each try to delete a failed acquire's row may take (``_forget_attempt``).
+FORGET_PATIENCE = 2.0
+FORGET_FOR = 30.0
 
 
 class AsyncAcquirer:
@@ -73,11 +85,71 @@ class AsyncAcquirer:
         hold_at_least: float | None,
         winnings: Winnings,
     ) -> AsyncLock:
-        if True:  # ASYNC
-            await self._ready()
+        # A new connection gives up with the wait (a little after), not after the driver's
+        # connect timeout: a server that accepts and never answers ends a wait on time too.
+        connect_by = None if wait is None else clock.now() + wait + CONNECT_SLACK_SECONDS
         # One guid for every attempt of this call: a release may hand the row to it (as our
         # ticket), and an attempt that finds the row under it knows the row is ours.
         guid = new_guid()
+        try:
+            with deadlines.connections_by(connect_by):
+                return await self._acquire_within(
+                    lockstring, guid, ttl, wait, extra, keep_alive, on_lost, hold_at_least, winnings
+                )
+        except DatabaseError:
+            # An attempt's INSERT may have committed with its answer lost: that row, held by
+            # nobody, would keep everyone out until it expired.
+            self.tickets.leaving.call_soon(self._forget_attempt, lockstring, guid, ttl)
+            raise
+
+    async def _forget_attempt(self, lockstring: str, guid: str, ttl: float) -> None:
+        """Delete the row a failed acquire by ``guid`` may have left, once the database answers:
+        tried every ``tickets.GIVE_UP_AGAIN`` seconds, each try ending by FORGET_PATIENCE,
+        until the row would have expired, or for FORGET_FOR at most (the give-ups of tickets
+        wait behind it); never another acquisition's row (see ``Statements.forget_attempt``).
+        """
+        until = clock.now() + min(ttl, FORGET_FOR)
+        while not self.tickets.closing.is_set() and clock.now() < until:
+            deleted: int | None = None
+            try:
+                if True:  # ASYNC
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        deleted = await concurrency.within(
+                            self._call(self._operations.forget_attempt, lockstring, guid),
+                            FORGET_PATIENCE,
+                            f"forget a failed acquire of {lockstring!r}",
+                        )
+                else:
+                    bound = clock.now() + FORGET_PATIENCE
+                    with deadlines.statements_end_by(bound), deadlines.connections_by(bound):
+                        deleted = self._operations.forget_attempt(lockstring, guid)
+            except LockError:
+                pass
+            if deleted is None:
+                await concurrency.wait(self.tickets.closing, tickets.GIVE_UP_AGAIN)
+                continue
+            if deleted:
+                logger.info("deleted the row of a failed acquire of %r", lockstring)
+            return
+        logger.warning(
+            "the row a failed acquire of %r may have left could not be deleted; it will expire",
+            lockstring,
+        )
+
+    async def _acquire_within(
+        self,
+        lockstring: str,
+        guid: str,
+        ttl: float,
+        wait: float | None,
+        extra: dict[str, Any],
+        keep_alive: bool,
+        on_lost: OnLost | None,
+        hold_at_least: float | None,
+        winnings: Winnings,
+    ) -> AsyncLock:
+        if True:  # ASYNC
+            await self._ready()
         details = holder_details(extra, concurrency.task_name())
         acquisition = self._telemetry.acquiring(lockstring, wait)
         try:
@@ -193,6 +265,8 @@ class AsyncAcquirer:
                 )
             else:
                 outcome = self._operations.try_acquire_all(members, ttl, details)
+            for attempt in [outcome] if isinstance(outcome, Refused) else outcome:
+                attempted(attempt)  # a wait turn, or a member taken (over)
             if not isinstance(outcome, Refused):
                 locks = [
                     self.attempts.handle(winnings, name, guid, acquired, ttl, details, on_lost)

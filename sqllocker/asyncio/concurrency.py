@@ -21,7 +21,7 @@ import asyncio
 import collections
 import contextlib
 import inspect
-from collections.abc import Callable, Coroutine, Generator
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from typing import Any, Generic, TypeVar
 
 from sqlalchemy.engine import URL
@@ -59,6 +59,27 @@ class turn_within:
 
     async def __aexit__(self, *exc_info: object) -> None:
         self._lock.release()
+
+
+async def within(work: Awaitable[T], seconds: float, name: str) -> T:
+    """What ``work`` returns, run in a task of its own; ``asyncio.TimeoutError`` once
+    ``seconds`` have passed, the task then cancelled and left to end by itself: a driver may
+    take its time to end a cancelled statement (psycopg sends the server a cancel request,
+    which waits for a frozen server up to its connect timeout)."""
+    task = spawn(_awaited(work), name)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=max(seconds, 0.0))
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if not done:
+        task.cancel()
+        raise asyncio.TimeoutError
+    return task.result()
+
+
+async def _awaited(work: Awaitable[T]) -> T:
+    return await work
 
 
 def create_engine(

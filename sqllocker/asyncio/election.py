@@ -7,11 +7,11 @@ Written once for asyncio; the sync ``sqllocker/election.py`` is generated from i
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from ..elections import OBSERVE_INTERVAL, Leader, leader_from
+from ..elections import HINTED_READ_GAP, OBSERVE_INTERVAL, Leader, leader_from
 from ..holding import OnLost
 from ..rwlocks import writer_fence_pattern
 from ..validation import check_lockstring
@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection
 
     from ..operations import LockInfo, LockOperations
+    from ..telemetry import Telemetry
+    from .listener import AsyncReleaseListener
     from .lock import AsyncLockTaker, Run
 
 
@@ -66,11 +68,21 @@ class AsyncElection:
     ``election()``."""
 
     def __init__(
-        self, locker: AsyncLockTaker, operations: LockOperations, run: Run, name: str
+        self,
+        locker: AsyncLockTaker,
+        operations: LockOperations,
+        run: Run,
+        name: str,
+        release_listener: Callable[[], AsyncReleaseListener | None],
+        telemetry: Telemetry,
     ) -> None:
         self.locker = locker
         self._operations = operations
         self._run = run
+        self._telemetry = telemetry
+        # The locker's listener, where waiters take tickets: on PostgreSQL it hears the
+        # candidates' NOTIFYs.
+        self._release_listener = release_listener
         self.name = check_lockstring(name)
 
     async def campaign(
@@ -84,13 +96,15 @@ class AsyncElection:
         """Wait (``None``: without limit) until this process leads, and keep the lead alive;
         ``on_lost`` (else the locker's) is called if it is lost, before anyone else can lead.
         Raises LockBusy once ``wait`` has passed."""
-        rwlock = AsyncRWLock(self.locker, self._operations, self._run, self.name)
-        lock = await rwlock.write(
-            wait=wait,
-            expires=expires,
-            keep_alive=True,
-            on_lost=on_lost,
-            locked_by={**(locked_by or {}), "election": "leader"},
+        rwlock = AsyncRWLock(self.locker, self._operations, self._run, self.name, self._telemetry)
+        lock = await rwlock._write(
+            wait,
+            expires,
+            True,
+            on_lost,
+            {**(locked_by or {}), "election": "leader"},
+            None,
+            kind="election",
         )
         return AsyncLeadership(lock)
 
@@ -108,17 +122,39 @@ class AsyncElection:
         self, interval: float = OBSERVE_INTERVAL
     ) -> AsyncGenerator[Leader | None, None]:
         """The leader now, then each change of leader (None while there is none), read at
-        most ``interval`` (at most a second) apart."""
+        most ``interval`` (at most a second) apart, and on PostgreSQL again at once when a
+        candidate says it took or gave up the lead (a NOTIFY, taken as a hint to read)."""
         interval = min(max(interval, 0.01), OBSERVE_INTERVAL)
+        await self._run(self._operations.ensure_setup)
+        listener = self._release_listener()
+        if listener is not None and not listener.hands_over:
+            listener = None  # MySQL/MariaDB: no NOTIFY, the poll alone
         last: Leader | None = None
         first = True
         while True:
             started = time.monotonic()
-            now = await self.leader()
-            if first or (now is None) != (last is None) or (now and last and now.term != last.term):
-                yield now
-                first, last = False, now
-            await concurrency.sleep(max(0.0, interval - (time.monotonic() - started)))
+            # Subscribed before the read: a change after it wakes the wait below.
+            hint = None if listener is None else await listener.observe(self.name)
+            try:
+                now = await self.leader()
+                if (
+                    first
+                    or (now is None) != (last is None)
+                    or (now and last and now.term != last.term)
+                ):
+                    yield now
+                    first, last = False, now
+                left = max(0.0, interval - (time.monotonic() - started))
+                if hint is None:
+                    await concurrency.sleep(left)
+                else:
+                    await concurrency.wait(hint.event, left)
+                    # A flood of NOTIFYs (anyone may send them) costs at most a read a tick.
+                    gap = HINTED_READ_GAP - (time.monotonic() - started)
+                    await concurrency.sleep(max(0.0, gap))
+            finally:
+                if listener is not None and hint is not None:
+                    listener.unobserve(hint)
 
     def __repr__(self) -> str:
         return f"<AsyncElection {self.name!r}>"

@@ -22,7 +22,14 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ..backends.mysql import liveness_name
 from ..errors import LockError
-from ..notifications import Waiter, WaiterQueues, channel_for, grants_channel_for, parse_grant
+from ..notifications import (
+    Waiter,
+    WaiterQueues,
+    channel_for,
+    grants_channel_for,
+    leaders_channel_for,
+    parse_grant,
+)
 from . import concurrency
 
 if True:  # ASYNC
@@ -55,7 +62,9 @@ class AsyncReleaseListener:
         self.hands_over = hands_over
         self.channel = channel_for(table)
         self.grants_channel = grants_channel_for(table)
+        self.leaders_channel = leaders_channel_for(table)
         self._waiters = WaiterQueues()
+        self._observers = WaiterQueues()  # of elections, by name (``sqllocker.elections``)
         self._listening = concurrency.Event()
         self._failing = False  # its last session ended in an error, and no new one has begun
         # The session advisory lock the listening connection holds: the liveness key of this
@@ -88,6 +97,17 @@ class AsyncReleaseListener:
 
     def unregister(self, waiter: Waiter[concurrency.Event]) -> None:
         self._waiters.remove(waiter)
+
+    async def observe(self, name: str) -> Waiter[concurrency.Event]:
+        """Subscribe to the next notice that the election ``name``'s leader may have changed
+        (PostgreSQL, ``hands_over``); call before reading the leader, then ``unobserve``."""
+        self._start_listening()
+        if not self._failing:
+            await concurrency.wait(self._listening, SUBSCRIBE_SECONDS)
+        return self._observers.add(Waiter(name, concurrency.Event()))
+
+    def unobserve(self, waiter: Waiter[concurrency.Event]) -> None:
+        self._observers.remove(waiter)
 
     def follow_releases(self, waiter: Waiter[concurrency.Event]) -> None:
         """Wake ``waiter`` on its lockstring's releases too (see ``WaiterQueues``)."""
@@ -144,6 +164,7 @@ class AsyncReleaseListener:
                 logger.warning("the listening connection failed (%s); reconnecting", error)
             self._listening.clear()
             self._waiters.wake_everyone()  # they may have missed a release meanwhile
+            self._observers.wake_everyone()
             if self._listening_on():
                 await concurrency.sleep(RECONNECT_SECONDS)
 
@@ -164,6 +185,7 @@ class AsyncReleaseListener:
         """PostgreSQL: LISTEN, hold a liveness key, and hand each notification on."""
         await connection.execute(f'LISTEN "{self.channel}"')
         await connection.execute(f'LISTEN "{self.grants_channel}"')
+        await connection.execute(f'LISTEN "{self.leaders_channel}"')
         self.liveness_key = await _hold_a_key(connection)
         self._failing = False
         self._listening.set()
@@ -196,6 +218,8 @@ class AsyncReleaseListener:
         self.notifications += 1
         if notice.channel == self.channel:
             self._waiters.wake_all(notice.payload)
+        elif notice.channel == self.leaders_channel:
+            self._observers.wake_all(notice.payload)  # a hint: they read the row again
         elif (grant := parse_grant(notice.payload)) is not None:
             self.grants += self._waiters.hand_over(grant)
 

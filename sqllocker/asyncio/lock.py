@@ -22,15 +22,16 @@ from typing import Any, Protocol, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from .. import clock, forks
+from .. import clock, deadlines, forks
 from ..errors import LockError, LockLost
-from ..holding import Holding, LockHandle, OnLost
+from ..holding import RELEASE_PATIENCE, Holding, LockHandle, OnLost
 from ..operations import LockInfo, LockOperations
 from ..validation import check_seconds
 from . import concurrency
 
 if True:  # ASYNC
     import asyncio
+    import contextlib
     import inspect
 
     from .tasks import spawn
@@ -120,8 +121,50 @@ class AsyncLockState(Holding):
             self.releasing: concurrency.InFlight[None] | None = None
 
     async def extend(self, ttl: float) -> datetime:
-        """Push the row's expiry to server now + ``ttl``; LockLost (and lost) if it is not ours."""
-        async with self.op_lock:
+        """Push the row's expiry to server now + ``ttl``; LockLost (and lost) if it is not ours,
+        or if no answer came before the row expired as we reckon it (``release_patience``),
+        whatever the driver's timeouts: behind a renewal in flight, or on a frozen connection.
+        """
+        patience = self.release_patience()
+        if True:  # ASYNC
+            try:
+                return await concurrency.within(
+                    self._extend(ttl), patience, f"extend {self.lockstring!r}"
+                )
+            except asyncio.TimeoutError:
+                lost = self.outlived("extended")
+                cause: LockError | None = None
+        else:
+            deadline = clock.now() + patience
+            try:
+                with deadlines.statements_end_by(deadline):
+                    return self._extend(ttl)
+            except LockLost:
+                raise
+            except LockError as error:
+                if clock.now() < deadline:
+                    raise
+                lost, cause = self.outlived("extended"), error
+        await self._give_back_outlived()
+        raise lost from cause
+
+    async def _give_back_outlived(self) -> None:
+        """After an extend that outlived the row: one short try to delete whatever is left of
+        it (by id and guid: never another holder's row), so that a renewal that still reaches
+        the database late leaves no row held by nobody; a frozen database is left alone."""
+        if True:  # ASYNC
+            with contextlib.suppress(asyncio.TimeoutError):
+                await concurrency.within(
+                    self._give_back_revived(), RELEASE_PATIENCE, f"give {self.lockstring!r} back"
+                )
+        else:
+            with deadlines.statements_end_by(clock.now() + RELEASE_PATIENCE):
+                self._give_back_revived()
+
+    async def _extend(self, ttl: float) -> datetime:
+        async with concurrency.turn_within(self.op_lock, self.release_patience) as turn:
+            if not turn:
+                raise self.outlived("extended")
             self.check_extendable()
             sent_at = clock.now()
             with self.telemetry.extending():
@@ -177,19 +220,7 @@ class AsyncLockState(Holding):
                 raise self.release_gave_up()
             with self.telemetry.releasing():
                 try:
-                    if True:  # ASYNC
-                        await self.run(
-                            self.operations.release,
-                            self.lockstring,
-                            self.lock_id,
-                            self.guid,
-                            self.hold_at_least,
-                        )
-                    else:
-                        # Every cycle's release: called straight, not through ``run``.
-                        self.operations.release(
-                            self.lockstring, self.lock_id, self.guid, self.hold_at_least
-                        )
+                    await self._delete_within(self.release_patience())
                 except LockLost as lost:
                     self.released_lost(lost)
                     raise
@@ -197,6 +228,43 @@ class AsyncLockState(Holding):
             self.leave_place()
             if self.operations.checkpoint_due():
                 await self.run(self.operations.checkpoint)
+
+    # The DELETE itself ends by the row's expiry, as we reckon it, on a frozen connection too:
+    # then nothing is left to release, and the lock is lost (``release_gave_up``).
+    if True:  # ASYNC
+
+        async def _delete_within(self, patience: float) -> None:
+            try:
+                await concurrency.within(
+                    self.run(
+                        self.operations.release,
+                        self.lockstring,
+                        self.lock_id,
+                        self.guid,
+                        self.hold_at_least,
+                    ),
+                    patience,
+                    f"release {self.lockstring!r}",
+                )
+            except asyncio.TimeoutError:
+                raise self.release_gave_up() from None
+
+    else:
+
+        def _delete_within(self, patience: float) -> None:
+            deadline = clock.now() + patience
+            try:
+                # Every cycle's release: called straight, not through ``run``.
+                with deadlines.statements_end_by(deadline):
+                    self.operations.release(
+                        self.lockstring, self.lock_id, self.guid, self.hold_at_least
+                    )
+            except LockLost:
+                raise
+            except LockError as error:
+                if clock.now() < deadline:
+                    raise
+                raise self.release_gave_up() from error
 
     if True:  # ASYNC
 

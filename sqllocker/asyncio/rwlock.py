@@ -7,6 +7,7 @@ Written once for asyncio; the sync ``sqllocker/rwlock.py`` is generated from it
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from datetime import datetime
 from types import TracebackType
@@ -26,14 +27,18 @@ from ..rwlocks import (
     writer_lockstring,
     writer_pattern,
 )
+from ..telemetry import LostWith, attempted, unrecorded
 from ..validation import check_lockstring, check_wait
 from . import concurrency
 from .lock import AsyncLock
+
+logger = logging.getLogger("sqllocker")
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection
 
     from ..operations import LockInfo, LockOperations
+    from ..telemetry import Telemetry
     from .lock import AsyncLockTaker, Run
 
 
@@ -42,11 +47,17 @@ class AsyncRWLock:
     locker's ``rwlock()``."""
 
     def __init__(
-        self, locker: AsyncLockTaker, operations: LockOperations, run: Run, name: str
+        self,
+        locker: AsyncLockTaker,
+        operations: LockOperations,
+        run: Run,
+        name: str,
+        telemetry: Telemetry,
     ) -> None:
         self.locker = locker
         self._operations = operations
         self._run = run
+        self._telemetry = telemetry
         self.name = check_lockstring(name)
 
     async def read(
@@ -64,27 +75,47 @@ class AsyncRWLock:
         ``keep_alive``, ``on_lost``, ``locked_by`` and ``hold_at_least`` are the locker's
         ``lock()``'s. Raises LockBusy once ``wait`` has passed."""
         check_reader_name(self.name)
-        backoff = Backoff.for_wait(check_wait(wait, self.name))
+        checked = check_wait(wait, self.name)
+        recording = self._telemetry.compound("rwlock.reader", self.name, wait, mapped=True)
+        try:
+            reader = await self._read(checked, expires, on_lost, locked_by, hold_at_least)
+        except BaseException as error:
+            recording.failed(error)
+            raise
+        reader._state.telemetry = recording.acquired(reader.lock_id)
+        return reader.keep_alive() if keep_alive else reader
+
+    async def _read(
+        self,
+        wait: float | None,
+        expires: float | None,
+        on_lost: OnLost | None,
+        locked_by: dict[str, Any] | None,
+        hold_at_least: float | None,
+    ) -> AsyncLock:
+        backoff = Backoff.for_wait(wait)
         details = {**(locked_by or {}), "rwlock": READER}
         while True:
             if not await self._writers():
-                reader = await self.locker.lock(
-                    reader_lockstring(self.name),
-                    expires=expires,
-                    locked_by=details,
-                    on_lost=on_lost,
-                    hold_at_least=hold_at_least,
-                )
+                with unrecorded():  # held only once no writer is found after it
+                    reader = await self.locker.lock(
+                        reader_lockstring(self.name),
+                        expires=expires,
+                        locked_by=details,
+                        on_lost=on_lost,
+                        hold_at_least=hold_at_least,
+                    )
                 try:
                     writers = await self._writers()
                 except BaseException:
                     await _give_back(reader)
                     raise
                 if not writers and reader.is_valid():
-                    return reader.keep_alive() if keep_alive else reader
+                    return reader
                 # A writer came in first (it goes before us), or we were held up so long that
                 # our row may have expired before we looked: try again.
                 await _give_back(reader)
+            attempted(None)  # a wait turn
             if backoff.expired():
                 raise refused(self.name, READER, wait)
             await concurrency.sleep(backoff.next_delay())
@@ -104,7 +135,45 @@ class AsyncRWLock:
         id is the lock's ``lock_id``, greater than every token handed out before it. New
         readers are refused from the moment it waits. Raises LockBusy once ``wait`` has
         passed (its row given back)."""
-        backoff = Backoff.for_wait(check_wait(wait, self.name))
+        return await self._write(wait, expires, keep_alive, on_lost, locked_by, hold_at_least)
+
+    async def _write(
+        self,
+        wait: float | None,
+        expires: float | None,
+        keep_alive: bool,
+        on_lost: OnLost | None,
+        locked_by: dict[str, Any] | None,
+        hold_at_least: float | None,
+        kind: str = "rwlock.writer",
+    ) -> AsyncWriteLock:
+        """``write()``, recorded as ``kind`` (an election's campaign: ``election``)."""
+        checked = check_wait(wait, self.name)
+        recording = self._telemetry.compound(kind, self.name, wait, mapped=True)
+        try:
+            with unrecorded():  # two rows, one lock: recorded once, below
+                lock = await self._take_write(checked, expires, on_lost, locked_by, hold_at_least)
+        except BaseException as error:
+            recording.failed(error)
+            raise
+        lock._state.telemetry = hold = recording.acquired(lock.lock_id)
+        lock.claim._state.telemetry = LostWith(hold)
+        try:
+            await _announce(self._run, self._operations, self.name)
+        except BaseException:  # cancelled meanwhile: the caller never gets the lock
+            await _give_back(lock)
+            raise
+        return lock.keep_alive() if keep_alive else lock
+
+    async def _take_write(
+        self,
+        wait: float | None,
+        expires: float | None,
+        on_lost: OnLost | None,
+        locked_by: dict[str, Any] | None,
+        hold_at_least: float | None,
+    ) -> AsyncWriteLock:
+        backoff = Backoff.for_wait(wait)
         while True:
             claim = await self.locker.lock(
                 self.name,
@@ -125,8 +194,7 @@ class AsyncRWLock:
                         locked_by={**(locked_by or {}), "rwlock": WRITER_FENCE},
                         on_lost=on_lost,
                     )
-                    lock = AsyncWriteLock(claim, token)
-                    return lock.keep_alive() if keep_alive else lock
+                    return AsyncWriteLock(claim, token)
             except LockLost:
                 pass  # held up past its expiry while it waited: start again
             except BaseException:
@@ -158,6 +226,7 @@ class AsyncRWLock:
         """Hold ``claim`` (renewing it) until no live reader is left."""
         renewed = time.monotonic()
         while await self._run(self._operations.count_live, *reader_pattern(self.name)):
+            attempted(None)  # a wait turn
             if backoff.expired():
                 raise refused(self.name, WRITER, wait)
             if time.monotonic() - renewed > claim.ttl / 3:
@@ -199,7 +268,10 @@ class AsyncWriteLock(AsyncLock):
         try:
             await super().unlock()
         finally:
-            await self.claim.unlock()
+            try:
+                await self.claim.unlock()
+            finally:
+                await _announce(self._state.run, self._state.operations, self.lockstring)
 
     async def extend(self, seconds: float | None = None) -> datetime:
         await self.claim.extend(seconds)
@@ -226,7 +298,20 @@ class AsyncWriteLock(AsyncLock):
         try:
             await super().__aexit__(exc_type, exc_value, traceback)
         finally:
-            await self.claim.__aexit__(exc_type, exc_value, traceback)
+            try:
+                await self.claim.__aexit__(exc_type, exc_value, traceback)
+            finally:
+                await _announce(self._state.run, self._state.operations, self.lockstring)
+
+
+async def _announce(run: Run, operations: LockOperations, name: str) -> None:
+    """Tell the observers of ``name``'s writer (an election's) that it changed, through the
+    locker's ``operations`` (each run by ``run``): only a hint (see ``AsyncElection.observe``),
+    so one that fails is logged, and they poll."""
+    try:
+        await run(operations.announce_leader, name)
+    except LockError as error:
+        logger.info("read-write lock %r: could not tell its observers (%s)", name, error)
 
 
 async def _give_back(lock: AsyncLock) -> None:

@@ -25,6 +25,7 @@ from ..permits import (
     turn_details,
     turn_lockstring,
 )
+from ..telemetry import unrecorded
 from ..validation import check_hold_at_least, check_wait
 from . import concurrency
 from .acquiring import Winnings, acquisition
@@ -100,11 +101,14 @@ class AsyncSemaphore:
         request = functools.partial(self._request, expires=expires, **options)
         recording = self._telemetry.compound("semaphore", self.name, wait)
         try:
-            permit = await acquisition(self._acquire, request, checked_wait, keep_alive, hold)
+            # A permit counts as held once granted: one refused by the count, given back at
+            # once, and the turn, a waiter's place, are never held locks.
+            with unrecorded():
+                permit = await acquisition(self._acquire, request, checked_wait, keep_alive, hold)
         except BaseException as error:
             recording.failed(error)
             raise
-        recording.succeeded()
+        permit._state.telemetry = recording.acquired(permit.lock_id)
         return permit
 
     async def _acquire(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -172,6 +174,11 @@ class Backend:
         """Give up a ticket (see ``Statements.leave_line``)."""
         raise NotImplementedError(f"{self.name} has no tickets")
 
+    def leader_notice(self, statements: StatementParts) -> ClauseElement | None:
+        """Tell observers of an election (param ``ls``, its name) to read its leader again;
+        None where nothing can be told (observers poll)."""
+        return None
+
     def sweep_requests(self, statements: StatementParts) -> ClauseElement:
         """Delete the tickets nobody keeps alive (see ``Statements.sweep_stale_requests``)."""
         raise NotImplementedError(f"{self.name} has no tickets")
@@ -298,6 +305,19 @@ class Backend:
         driver: a session lock to keep them alive, and (where ``hands_over``) LISTEN."""
         return False
 
+    # -- a statement past its deadline ---------------------------------------------------------
+
+    @classmethod
+    def cap_connect(cls, dialect: Dialect, cparams: dict[str, Any], seconds: float) -> None:
+        """Make the connection ``cparams`` describe give up within about ``seconds`` (or its
+        own timeout, if shorter), until it is established (``sqllocker.deadlines``)."""
+
+    @classmethod
+    def interrupt(cls, dbapi_connection: Any) -> None:
+        """End the statement ``dbapi_connection`` (a sync driver's) is waiting on, from another
+        thread, at once: its lock's life is over (``sqllocker.deadlines``). The driver then
+        raises, most often as for a lost connection; the connection is not used again."""
+
     # -- a guarded transaction ---------------------------------------------------------------
 
     def bound_silence(self, conn: Connection, seconds: float) -> None:
@@ -370,3 +390,14 @@ class Backend:
         nobody can write to ``table``, and swap the two names in one step, ``table`` going to
         ``aside``; returns how many rows it copied."""
         raise NotImplementedError
+
+
+def shut_down_socket(fd: int) -> None:
+    """Shut a connection's socket down (both ways) from another thread, without closing the
+    driver's descriptor: a driver waiting on it wakes at once to a closed connection, whatever
+    the peer does (a frozen server's kernel still acknowledges)."""
+    duplicate = socket.socket(fileno=os.dup(fd))
+    try:
+        duplicate.shutdown(socket.SHUT_RDWR)
+    finally:
+        duplicate.close()

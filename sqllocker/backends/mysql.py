@@ -36,7 +36,7 @@ from ..timeouts import (
     STATEMENT_TIMEOUT_SECONDS,
 )
 from . import pymysql_tls
-from .base import Backend, StatementParts
+from .base import Backend, StatementParts, shut_down_socket
 
 if TYPE_CHECKING:
     from sqlalchemy.sql import Delete, Insert, Select
@@ -268,6 +268,28 @@ class MySQLBackend(Backend):
         if engine.dialect.driver == "pymysql":
             sa.event.listen(engine, "do_connect", pymysql_tls.connect)
         sa.event.listen(engine, "connect", _no_autocommit_retries)
+
+    @classmethod
+    def cap_connect(cls, dialect: Dialect, cparams: dict[str, Any], seconds: float) -> None:
+        seconds = max(seconds, 0.1)
+        cparams["connect_timeout"] = min(float(cparams.get("connect_timeout") or seconds), seconds)
+        if dialect.driver == "pymysql":
+            # The server's greeting is read with the read timeout: capped for the start-up
+            # only (pymysql_tls.connect gives the connection its own back).
+            own = cparams.get("read_timeout")
+            cparams["read_timeout"] = min(float(own or seconds), seconds)
+            cparams[pymysql_tls.READ_TIMEOUT_AFTER] = own
+        elif dialect.driver == "aiomysql":
+            # aiomysql bounds only its TCP connect; the greeting is awaited without a limit.
+            connect = cparams.pop("async_creator_fn", None) or _aiomysql_connect()
+            cparams["async_creator_fn"] = _within(connect, seconds)
+
+    @classmethod
+    def interrupt(cls, dbapi_connection: Any) -> None:
+        # PyMySQL's socket (read_timeout would end the wait only after a minute).
+        sock = getattr(dbapi_connection, "_sock", None)
+        if sock is not None:
+            shut_down_socket(sock.fileno())
 
     # -- settings ----------------------------------------------------------------------------------
 
@@ -591,3 +613,26 @@ def _restore_silence(conn: Connection, *_: Any) -> None:
 def _errno(error: sa.exc.DBAPIError) -> int | None:
     args = getattr(error.orig, "args", ())
     return args[0] if args and isinstance(args[0], int) else None
+
+
+def _aiomysql_connect() -> Any:
+    import aiomysql
+
+    return aiomysql.connect
+
+
+def _within(connect: Any, seconds: float) -> Any:
+    """``connect``, an async connect function, ending by ``seconds`` (then TimeoutError)."""
+    import asyncio
+
+    async def bounded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await asyncio.wait_for(connect(*args, **kwargs), seconds)
+        except asyncio.TimeoutError:
+            from pymysql.err import OperationalError
+
+            raise OperationalError(
+                2003, f"Can't connect to MySQL server: no answer within {seconds:.1f} s"
+            ) from None
+
+    return bounded

@@ -20,6 +20,7 @@ from sqlalchemy.engine import URL, Connection, Dialect, Engine
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.expression import Executable
 
+from ..notifications import leaders_channel_for
 from ..schema import UTCDateTime, requests_table_name
 from ..server_settings import LOSES_ROWS, LOSES_ROWS_ON_FAILOVER, ServerSettings, UnsafeSetting
 from ..timeouts import (
@@ -28,7 +29,7 @@ from ..timeouts import (
     ROW_LOCK_TIMEOUT_SECONDS,
     STATEMENT_TIMEOUT_SECONDS,
 )
-from .base import Backend, StatementParts
+from .base import Backend, StatementParts, shut_down_socket
 
 # idle_in_transaction_session_timeout for the rest of the transaction: :ms, or the session's
 # own if shorter (0 is no limit); catalog-qualified, so nothing on the search path stands in.
@@ -123,6 +124,15 @@ class PostgreSQLBackend(Backend):
         c = statements.table.c
         return insert.on_conflict_do_nothing(index_elements=[c.lockstring]).returning(
             *statements.returned
+        )
+
+    def leader_notice(self, statements: StatementParts) -> TextualSelect:
+        """``pg_notify`` on the table's leaders channel, with the election's name."""
+        channel = leaders_channel_for(statements.table.name)
+        return (
+            sa.text("SELECT pg_catalog.pg_notify(:channel, CAST(:ls AS text)) IS NULL AS sent")
+            .bindparams(sa.bindparam("channel", channel, type_=sa.String))
+            .columns(sa.column("sent", sa.Boolean))
         )
 
     def join_line(self, statements: StatementParts) -> TextualSelect:
@@ -346,6 +356,19 @@ class PostgreSQLBackend(Backend):
     @classmethod
     def takes_tickets(cls, dialect: Dialect) -> bool:
         return dialect.driver == "psycopg"
+
+    @classmethod
+    def cap_connect(cls, dialect: Dialect, cparams: dict[str, Any], seconds: float) -> None:
+        # libpq's connect_timeout covers the whole start-up, in whole seconds, at least 2.
+        own = int(cparams.get("connect_timeout") or 0)
+        capped = max(2, math.ceil(seconds))
+        cparams["connect_timeout"] = capped if own <= 0 else min(own, capped)
+
+    @classmethod
+    def interrupt(cls, dbapi_connection: Any) -> None:
+        # A cancel request would need a new connection to the frozen server: the socket is
+        # shut down instead (psycopg then reports the connection lost).
+        shut_down_socket(dbapi_connection.pgconn.socket)
 
     # -- settings ----------------------------------------------------------------------------------
 

@@ -19,10 +19,20 @@ _preferred_context: Any = None  # the ssl.SSLContext of PyMySQL's preferred mode
 _connection_class: Any = None
 
 
+# A connect argument of sqllocker's own (``MySQL.cap_connect``): the read timeout the
+# connection keeps once connected, where the start-up had a shorter one.
+READ_TIMEOUT_AFTER = "sqllocker_read_timeout_after"
+
+
 def connect(_dialect: Any, _record: Any, cargs: Any, cparams: Any) -> Any:
     """SQLAlchemy's ``do_connect`` event: a PyMySQL connection made with the engine's
     arguments, sharing the process's preferred-mode TLS context."""
-    return _shared_context_connection()(*cargs, **cparams)
+    if READ_TIMEOUT_AFTER not in cparams:
+        return _shared_context_connection()(*cargs, **cparams)
+    after = cparams.pop(READ_TIMEOUT_AFTER)
+    connection = _shared_context_connection()(*cargs, **cparams)
+    connection._read_timeout = after  # PyMySQL sets it on the socket before each read
+    return connection
 
 
 def _shared_context_connection() -> Any:

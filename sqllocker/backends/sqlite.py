@@ -175,6 +175,11 @@ class SQLiteBackend(Backend):
             return _in_one_call_of_aiosqlite(dbapi_connection)
         return None
 
+    @classmethod
+    def interrupt(cls, dbapi_connection: Any) -> None:
+        # A wait for another connection's write lock (the busy timeout) ends at once.
+        dbapi_connection.interrupt()
+
     def bound_silence(self, conn: Connection, seconds: float) -> None:
         """No network lies between SQLite and its client: a client that is silent in its
         transaction is a live process, and its file locks end with it."""

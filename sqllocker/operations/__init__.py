@@ -87,6 +87,7 @@ class LockOperations:
         self.claim_grant = acquirer.claim_grant
         # releasing, extending and guarding
         self.release = releaser.release
+        self.forget_attempt = releaser.forget_attempt
         self.extend = releaser.extend
         self.guard = releaser.guard
         self.checkpoint_due = releaser.checkpoint_due
@@ -98,6 +99,7 @@ class LockOperations:
         self.locks = inspection.locks
         self.lock_info = inspection.lock_info
         self.count_live = inspection.count_live
+        self.announce_leader = inspection.announce_leader
         self.count_permits = inspection.count_permits
         self.permits = inspection.permits
         self.expired_locks = inspection.expired_locks

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from .. import deadlines
 from ..backends import Backend, backend_class
 from ..engine import describe_url
 from ..errors import DatabaseError, LockError, TableMissing, one_line
@@ -269,7 +270,8 @@ class Database:
                     ) from error
                 if error.connection_invalidated:
                     self.needs_setup = True  # the server may have restarted: see ensure_setup
-                    if not retried_connection:
+                    # (Not once its deadline has passed: see sqllocker.deadlines.)
+                    if not retried_connection and not deadlines.passed():
                         retried_connection = True
                         logger.warning(
                             "database connection was lost (%s); reconnecting", error.orig
@@ -322,7 +324,8 @@ class Database:
             if held.session is None:
                 one_call = self.be.in_one_call(held.connection)
                 held.session = DriverSession(held.connection, held.cursor, self._prepared, one_call)
-            result = operation(held.session)
+            with deadlines.interrupting(self.be.interrupt, held.connection):
+                result = operation(held.session)
         except sa.exc.DBAPIError as error:
             if error.connection_invalidated or self.be.is_read_only(error):
                 stack.discard(held)

@@ -54,6 +54,14 @@ class Inspection:
             )
         )
 
+    def announce_leader(self, name: str) -> None:
+        """Tell the observers of the election ``name`` to read its leader again (PostgreSQL:
+        a NOTIFY they take as a hint only); nothing elsewhere."""
+        self._db.ensure_setup()
+        statement = self._db.sql.leader_notice
+        if statement is not None:
+            self._db.run(name, lambda conn: conn.execute(statement, {"ls": name}))
+
     def count_permits(self, literal: str, wildcard: str, turn: str) -> tuple[int, LockInfo | None]:
         """``count_live``, and the row of the lockstring ``turn`` (a semaphore's turn: see
         ``sqllocker.permits``), live or expired, or None, read on one connection."""

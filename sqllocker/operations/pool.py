@@ -12,6 +12,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import QueuePool
 
+from .. import deadlines
 from ..backends import Backend, backend_class
 from ..connections import ConnectionStack
 from ..engine import describe_url
@@ -71,7 +72,8 @@ class Connections:
         try:
             dbapi_connection = fairy.dbapi_connection
             one_call = backend.in_one_call(dbapi_connection)
-            yield DriverSession(dbapi_connection, kept_cursor(fairy), prepared, one_call)
+            with deadlines.interrupting(backend.interrupt, dbapi_connection):
+                yield DriverSession(dbapi_connection, kept_cursor(fairy), prepared, one_call)
         except sa.exc.DBAPIError as error:
             if error.connection_invalidated or backend.is_read_only(error):
                 fairy.invalidate(error.orig)

@@ -95,6 +95,14 @@ class Releaser:
         times = conn.execute(self._db.sql.times_of, params).first()
         return None if times is None else times.expires
 
+    def forget_attempt(self, lockstring: str, guid: str) -> int:
+        """Delete the row an acquire by ``guid`` that failed may have left (its INSERT
+        committed, its answer lost); how many were deleted."""
+        params = {"ls": lockstring, "lock_guid": guid}
+        return self._db.run(
+            lockstring, lambda conn: conn.affected(self._db.sql.forget_attempt, params)
+        )
+
     def checkpoint_due(self) -> bool:
         """Counts a release; whether the log is due a checkpoint (``checkpoint``) now. Counted
         without a lock: a count lost between threads only moves a checkpoint by a release."""

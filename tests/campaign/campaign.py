@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import json
 import os
 import random
 import shutil
@@ -27,10 +28,17 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
+from sqllocker import Locker, LockError
 from sqllocker.permits import permit_lockstring
 from tests.campaign import checker, database, history, mutants, plan, report
 from tests.campaign.nemesis import Nemesis, descendants
 from tests.campaign.sections import WorkerConfig
+from tests.private_servers import (
+    PrivateMariaDB,
+    PrivatePostgres,
+    private_server,
+    private_servers_missing,
+)
 from tests.stall_proxy import StallProxy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,17 +150,91 @@ class Workers:
                 process.wait(max(0.1, deadline - history.now()))
                 self.exits[name] = process.returncode
             except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    process.send_signal(signal.SIGUSR1)  # its stacks, to its log
+                time.sleep(1)
                 process.kill()
                 process.wait()
                 self.exits[name] = None  # it had to be killed: it never ended
 
 
+class Snapshots:
+    """The lock table's live rows, read again and again from the moment the faults stop (for
+    the ``held-by-nobody`` check), until ``finish`` has seen them all expire or gone."""
+
+    PERIOD = 0.25
+
+    def __init__(self, url: str) -> None:
+        self.locker = Locker(url, table=database.LOCK_TABLE)
+        self.taken: list[checker.Snapshot] = []
+        self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="snapshots", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def take(self) -> checker.Snapshot | None:
+        at = history.now()
+        try:
+            infos = self.locker.locks()
+        except LockError:
+            self.failures += 1
+            return None
+        rows = [
+            {
+                "ls": info.lockstring,
+                "id": info.lock_id,
+                "pid": info.locked_by.get("pid"),
+                "left": info.seconds_left,
+            }
+            for info in infos
+            if not info.expired
+        ]
+        snapshot = checker.Snapshot(at, rows)
+        self.taken.append(snapshot)
+        return snapshot
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self.take()
+            self._stop.wait(self.PERIOD)
+
+    def finish(self, longest: float) -> list[checker.Snapshot]:
+        """Stop polling, then read until no live row is left (for at most ``longest``
+        seconds): the campaign's last word on the rows."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        deadline = history.now() + longest
+        while True:
+            snapshot = self.take()
+            if (snapshot is not None and not snapshot.rows) or history.now() > deadline:
+                break
+            time.sleep(self.PERIOD)
+        self.locker.close()
+        return self.taken
+
+
 def run(settings: plan.Settings, keep: Path | None = None) -> int:
     """One campaign; prints its report; returns how many violations it found."""
+    if not settings.private_server or settings.backend == "sqlite":
+        return _run(settings, keep, None)
+    missing = private_servers_missing()
+    if missing is not None:
+        raise SystemExit(f"--private-server {missing}")
+    with private_server(settings.backend) as server:
+        print(f"private {settings.backend} server on port {server.port}", flush=True)
+        return _run(settings, keep, server)
+
+
+def _run(
+    settings: plan.Settings, keep: Path | None, server: PrivatePostgres | PrivateMariaDB | None
+) -> int:
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans come back to us
     directory = Path(tempfile.mkdtemp(prefix="sqllocker-campaign-"))
-    db = database.create(settings.backend, directory)
+    db = database.create(settings.backend, directory, server.url if server else None)
     proxy = None
     violations = -1
     try:
@@ -173,15 +255,21 @@ def run(settings: plan.Settings, keep: Path | None = None) -> int:
         supervisor = threading.Thread(target=workers.supervise, args=(stop,), daemon=True)
         supervisor.start()
         steps = workers.step_clock_of if time_namespaces() else None
-        nemesis = Nemesis(settings, history_path, db.url, workers.live, proxy, steps)
+        snapshots = Snapshots(db.url)
+        nemesis = Nemesis(
+            settings, history_path, db.url, workers.live, proxy, steps, snapshots.start, server
+        )
         nemesis.run(began, chaos_end)
         stop.set()
         supervisor.join()
         workers.wait(history.now() + 4 * settings.liveness_wait + 30)
-        _end_descendants()
+        _end_descendants(server)
+        taken = snapshots.finish(settings.expires + checker.NOBODY_SLACK + 1)
+        with open(directory / "snapshots.jsonl", "w") as kept_rows:  # kept with the history
+            kept_rows.writelines(json.dumps(snapshot.__dict__) + "\n" for snapshot in taken)
         events = history.read(history_path)
         rows, counters = _rows(db)
-        verdict = checker.check(events, rows, counters, workers.exits, settings, began)
+        verdict = checker.check(events, rows, counters, workers.exits, settings, began, taken)
         violations = len(verdict.violations)
         print(report.render(settings, events, verdict, began))
         if violations or keep is not None:
@@ -195,7 +283,7 @@ def run(settings: plan.Settings, keep: Path | None = None) -> int:
         print(f"the campaign failed; its history and worker logs are kept in {kept}")
         raise
     finally:
-        _end_descendants()  # after a failure part-way, workers may still wait for the clock
+        _end_descendants(server)  # after a failure part-way, workers may still wait for the clock
         if proxy is not None:
             proxy.close()
         db.drop()
@@ -240,11 +328,12 @@ def _rows(db: database.CampaignDatabase) -> tuple[list[dict[str, object]], dict[
     return rows, counters
 
 
-def _end_descendants() -> None:
+def _end_descendants(server: PrivatePostgres | PrivateMariaDB | None = None) -> None:
     """What is left of the runs' processes (a killed worker's ``sqllocker run`` goes on): SIGTERM,
-    a moment, then SIGKILL."""
+    a moment, then SIGKILL. Not the private server's (restarted, they are ours too)."""
     for signum in (signal.SIGTERM, signal.SIGKILL):
-        left = descendants(os.getpid())
+        spared = _server_processes(server)
+        left = [pid for pid in descendants(os.getpid()) if pid not in spared]
         for pid in left:
             with contextlib.suppress(OSError):
                 os.kill(pid, signum)
@@ -256,6 +345,22 @@ def _end_descendants() -> None:
                 break
         except ChildProcessError:
             break
+
+
+def _server_processes(server: PrivatePostgres | PrivateMariaDB | None) -> set[int]:
+    """The private server's processes (started again by the nemesis, they are our orphans)."""
+    if server is None:
+        return set()
+    roots = set()
+    if isinstance(server, PrivatePostgres):
+        pid_file = server.data / "postmaster.pid"
+    else:
+        pid_file = server.home / "pid"
+        if server.process is not None:
+            roots.add(server.process.pid)  # runuser, mariadbd's parent
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        roots.add(int(pid_file.read_text().split()[0]))
+    return roots | {pid for root in roots for pid in descendants(root)}
 
 
 def _gap(text: str) -> tuple[float, float]:
@@ -278,6 +383,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the nemesis waits between LOW and HIGH seconds between faults (LOW,HIGH)",
     )
     parser.add_argument("--mutant", choices=mutants.MUTANTS, help="break the library on purpose")
+    parser.add_argument(
+        "--private-server",
+        action="store_true",
+        help="run on a server of the campaign's own (not the suite's), which the nemesis "
+        "restarts (needs root and the servers' binaries)",
+    )
     parser.add_argument("--keep", type=Path, help="copy the history and logs here")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1, 10**6)
@@ -291,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         operations=tuple(args.operations.split(",")) if args.operations else (),
         mutant=args.mutant,
         fault_gap=_gap(args.fault_gap),
+        private_server=args.private_server,
     )
     print(f"campaign: {settings.backend} seed {seed}, {settings.seconds:g}s", flush=True)
     return 1 if run(settings, args.keep) else 0

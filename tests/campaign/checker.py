@@ -19,7 +19,15 @@
 - ``semaphore``: at no moment more than ``limit`` valid permit holders;
 - ``groups``: a group holds every lockstring it asked for;
 - ``liveness``: every worker still running when the faults stopped is served each lock it asks
-  for then (with a wait longer than any lock lasts), and ends.
+  for then (with a wait longer than any lock lasts), and ends;
+- ``held-by-nobody``: from the moment the faults stop until every worker has ended and the
+  rows left have expired, the lock table is read again and again (``Snapshot``), and every live
+  row (by the server's clock) of a worker must belong to a holder the history says still holds
+  it: not one its holder released, gave up or failed to acquire (nor one of a worker that ended)
+  more than ``NOBODY_SLACK`` before. A killed worker's rows may stay until they expire; so may
+  the rows given up while the faults were in force (a release whose statement never reached
+  the server), until the faults stopped and they expire after. Rows of other processes (a
+  ``run``'s sqllocker) are not judged.
 """
 
 from __future__ import annotations
@@ -47,6 +55,9 @@ BREAKS = {"break", "release_force"}
 # How long a `run` may take to stop its command's family once its lock is broken, beyond a
 # renewal period and --kill-after: the margin for a loaded machine.
 RUN_STOP_MARGIN = 1.0
+# How long a row may outlive its holder's giving it up (a loaded machine, a give-back that
+# runs beside the caller after a cancelled acquire).
+NOBODY_SLACK = 1.0
 
 
 @dataclass
@@ -68,10 +79,21 @@ class Holding:
     pid: int
     start: float
     last_valid: float | None = None
+    op: str = ""  # the operation that acquired it
 
     @property
     def end(self) -> float | None:
         return self.last_valid
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The lock table's live rows as read at ``t`` (monotonic, taken before the read): each
+    with ``ls``, ``id``, ``pid`` (its ``locked_by``'s) and ``left`` (seconds until it expires
+    by the server's clock)."""
+
+    t: float
+    rows: list[dict[str, Any]]
 
 
 @dataclass
@@ -87,6 +109,7 @@ def check(
     exits: dict[str, int | None],
     settings: plan.Settings,
     origin: float = 0.0,
+    snapshots: list[Snapshot] | None = None,
 ) -> Verdict:
     """``origin``: the moment the campaign began, which the messages' times count from."""
     checks: Counter[str] = Counter()
@@ -100,6 +123,9 @@ def check(
     violations += _decorated(events, checks)
     violations += _groups(events, checks)
     violations += _liveness(events, exits, checks)
+    violations += _held_by_nobody(
+        events, snapshots or [], holdings, exits, settings, checks, origin
+    )
     return Verdict(violations, checks)
 
 
@@ -118,7 +144,7 @@ def _holdings(events: list[Event]) -> dict[tuple[str, int], Holding]:
             )
             for lockstring, lock_id in members:
                 holdings[(lockstring, lock_id)] = Holding(
-                    lockstring, lock_id, event["w"], event["pid"], event["t"]
+                    lockstring, lock_id, event["w"], event["pid"], event["t"], op=event["op"]
                 )
     cuts = {
         (event["ls"], event["id"]): event["t"]
@@ -498,3 +524,125 @@ def _liveness(
             )
         )
     return found
+
+
+def _held_by_nobody(
+    events: list[Event],
+    snapshots: list[Snapshot],
+    holdings: dict[tuple[str, int], Holding],
+    exits: dict[str, int | None],
+    settings: plan.Settings,
+    checks: Counter[str],
+    origin: float,
+) -> list[Violation]:
+    workers = {event["pid"]: event["w"] for event in events if event["type"] == "start"}
+    killed = {
+        event["target"]: event["t"]
+        for event in events
+        if event["type"] == "fault" and event.get("kind") in {"kill", "clock"}
+    }
+    ended = {event["pid"]: event["t"] for event in events if event["type"] == "done"}
+    for pid, worker in workers.items():
+        if pid not in ended and exits.get(worker, 0) != 0:
+            killed.setdefault(pid, float("inf"))  # killed when it would not end, or it crashed
+    stop = next((e["t"] for e in events if e["type"] == "faults_undone"), float("inf"))
+    by_pid: dict[int, list[Event]] = defaultdict(list)
+    for event in events:
+        if event["pid"] in workers:
+            by_pid[event["pid"]].append(event)
+    holders = {holding.lock_id: holding for holding in holdings.values()}
+    checks["held-by-nobody: reads of the table"] += len(snapshots)
+    found: dict[int, Violation] = {}
+    for snapshot in snapshots:
+        for row in snapshot.rows:
+            pid, lock_id = row["pid"], row["id"]
+            if pid not in workers:
+                checks["held-by-nobody: rows of other processes (not judged)"] += 1
+                continue
+            checks["held-by-nobody: live rows of workers"] += 1
+            if pid in killed or lock_id in found:
+                continue
+            gave_up = _given_up(row, snapshot.t, by_pid[pid], holders.get(lock_id), ended.get(pid))
+            if gave_up is None:
+                continue
+            moment, what, since = gave_up
+            # Given up while the faults were in force: the row may stay until it expires.
+            allowed = moment + NOBODY_SLACK
+            if moment < stop:
+                allowed = max(moment, stop) + settings.expires + NOBODY_SLACK
+            if snapshot.t <= allowed:
+                continue
+            found[lock_id] = Violation(
+                "held-by-nobody",
+                f"{row['ls']!r}: lock id {lock_id} (pid {pid}, {workers[pid]}) was live at "
+                f"{snapshot.t - origin:.3f} with {row['left']:.3f}s left by the server's clock, "
+                f"held by nobody: {what} at {moment - origin:.3f}",
+                since,
+                snapshot.t,
+                {row["ls"]},
+                {lock_id},
+                {pid},
+            )
+    return list(found.values())
+
+
+def _given_up(
+    row: dict[str, Any],
+    at: float,
+    mine: list[Event],
+    holding: Holding | None,
+    ended: float | None,
+) -> tuple[float, str, float] | None:
+    """When and how the holder of ``row`` (a worker's) gave it up before ``at``, per the history
+    (with the moment its operation began), or None if it may hold it still."""
+    lockstring, lock_id = row["ls"], row["id"]
+    if holding is not None:
+        for event in mine:
+            if event["t"] > at or event["t"] < holding.start:
+                continue
+            if event.get("op") == "release" and lock_id in event.get("ids", ()):
+                if event["type"] == "invoke":
+                    continue
+                if event["type"] == "ok" and holding.op == "hold_at_least":
+                    return None  # kept until its window ends
+                said = "released it" if event["type"] == "ok" else f"its release {event['type']}ed"
+                return event["t"], f"{holding.worker} {said}", holding.start
+        if ended is not None and ended < at:
+            return ended, f"{holding.worker} ended without releasing it", holding.start
+        return None
+    # Never handed to its worker: the operation that asked for it must be in progress.
+    invoked: Event | None = None
+    last: tuple[float, str, float] | None = None
+    for event in mine:
+        if event["t"] > at:
+            break
+        if event.get("op") not in ACQUIRES | {"decorator"} or not _asks_for(event, lockstring):
+            continue
+        if event["type"] == "invoke":
+            invoked = event
+        elif invoked is not None and event["op"] == invoked["op"]:
+            said = event.get("error") or event["type"]
+            what = f"{event['w']}'s {event['op']} ended ({event['type']}: {said})"
+            if event["type"] == "ok" and event["op"] != "decorator":
+                what = f"{event['w']}'s {event['op']} was handed another lock ({said})"
+            if event["type"] == "ok" and event["op"] == "decorator":
+                what = f"{event['w']}'s decorated call returned"
+            last = (event["t"], what, invoked["t"])
+            invoked = None
+    if invoked is not None:
+        return None  # its operation is still under way
+    if last is None and ended is not None and ended < at:
+        return ended, "its worker ended, never having been handed it", ended
+    return last
+
+
+def _asks_for(event: Event, lockstring: str) -> bool:
+    """Whether the operation of ``event`` may win ``lockstring``'s row."""
+    if event.get("op") == "cancelled" or "kind" in event:
+        return True  # its invoke names no lockstring
+    if lockstring.startswith(plan.SEMAPHORE + " (permit "):
+        return event.get("sem") == plan.SEMAPHORE or (
+            isinstance(event.get("ls"), str) and event["ls"] == lockstring
+        )
+    asked = event.get("ls")
+    return lockstring in asked if isinstance(asked, list) else asked == lockstring

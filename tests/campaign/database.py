@@ -75,11 +75,12 @@ class CampaignDatabase:
             admin.dispose()
 
 
-def create(backend: str, directory: Path) -> CampaignDatabase:
-    """A fresh database for one campaign run."""
+def create(backend: str, directory: Path, admin_url: str | None = None) -> CampaignDatabase:
+    """A fresh database for one campaign run (on the server of ``admin_url``, by default the
+    test suite's)."""
     if backend == "sqlite":
         return CampaignDatabase(f"sqlite:///{directory / 'campaign.db'}", None, None)
-    admin_url = ADMIN_URLS[backend]
+    admin_url = admin_url or ADMIN_URLS[backend]
     name = f"sqllocker_campaign_{uuid.uuid4().hex[:10]}"
     admin = sa.create_engine(resolve_url(admin_url), isolation_level="AUTOCOMMIT")
     try:

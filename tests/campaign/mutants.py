@@ -9,7 +9,11 @@ library itself is never changed. The nemesis and the checker never apply one.
 - ``renewal-revives``: an extend renews the lockstring's row whoever's it is, expired or
   taken over (a holder that dawdled past its expiry goes on as if it still held the lock);
 - ``run-never-stops``: ``sqllocker run`` never stops its command when the lock is lost;
-- ``semaphore-limit-plus-one``: a semaphore admits one holder more than its limit.
+- ``semaphore-limit-plus-one``: a semaphore admits one holder more than its limit;
+- ``release-keeps-row``: a release reports success and deletes nothing (the row stays, held by
+  nobody, until it expires);
+- ``acquire-fails-after-insert``: every other acquire whose row is in fails with DatabaseError
+  and leaves the row (held by nobody until it expires).
 """
 
 from __future__ import annotations
@@ -21,7 +25,14 @@ from typing import Any
 import sqlalchemy as sa
 
 ENVIRONMENT_VARIABLE = "SQLLOCKER_CAMPAIGN_MUTANT"
-MUTANTS = ("release-skips-guid", "renewal-revives", "run-never-stops", "semaphore-limit-plus-one")
+MUTANTS = (
+    "release-skips-guid",
+    "renewal-revives",
+    "run-never-stops",
+    "semaphore-limit-plus-one",
+    "release-keeps-row",
+    "acquire-fails-after-insert",
+)
 
 _by_lockstring: dict[int, dict[str, Any]] = {}
 
@@ -67,6 +78,30 @@ def _extend_reviving(self: Any, lockstring: str, lock_id: int, guid: str, ttl: f
     return expires  # type: ignore[no-any-return]
 
 
+def _release_keeping_row(
+    self: Any, lockstring: str, lock_id: int, guid: str, hold_at_least: float | None = None
+) -> None:
+    return None
+
+
+def _failing_after_insert(original: Any) -> Any:
+    acquired = 0
+
+    def try_acquire(self: Any, lockstring: str, *args: Any, **kwargs: Any) -> Any:
+        nonlocal acquired
+        from sqllocker import DatabaseError
+        from sqllocker.operations import Acquired
+
+        outcome = original(self, lockstring, *args, **kwargs)
+        if isinstance(outcome, Acquired):
+            acquired += 1
+            if acquired % 2 == 1:
+                raise DatabaseError(f"mutant: the row of {lockstring!r} is in; failing", lockstring)
+        return outcome
+
+    return try_acquire
+
+
 def _never_stop(self: Any) -> None:
     return None
 
@@ -83,6 +118,7 @@ def apply(name: str | None = None) -> str | None:
         return None
     if name not in MUTANTS:
         raise SystemExit(f"unknown mutant {name!r}; one of {', '.join(MUTANTS)}")
+    from sqllocker.operations.acquire import Acquirer
     from sqllocker.operations.release import Releaser
 
     if name == "release-skips-guid":
@@ -96,6 +132,12 @@ def apply(name: str | None = None) -> str | None:
         # deadline passes) stops the command's family.
         runner._Family.stop = _never_stop  # type: ignore[method-assign]
         runner._deadlines = _no_deadline
+    elif name == "release-keeps-row":
+        Releaser.release = _release_keeping_row  # type: ignore[method-assign]
+    elif name == "acquire-fails-after-insert":
+        Acquirer.try_acquire = _failing_after_insert(  # type: ignore[method-assign]
+            Acquirer.try_acquire
+        )
     else:
         from sqllocker import semaphore
         from sqllocker.asyncio import semaphore as async_semaphore

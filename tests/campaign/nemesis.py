@@ -10,7 +10,9 @@ sqllocker of a ``run`` in progress), ``break`` (``Locker.break_lock`` of a held 
 running beside), and through the stall proxy on the servers: ``stall`` (a silent network for
 a while), ``cut`` (every connection reset) and ``lose_answer`` (the next statement on the lock table
 reaches the server, its answer is lost, and the network stays silent for a while: an acquire
-whose row is in, or a release or renewal done, and a client that cannot know it).
+whose row is in, or a release or renewal done, and a client that cannot know it); on a server
+the campaign started itself (``--private-server``): ``restart`` (the server stopped, fast or
+as a crash would stop it, and started again a while later).
 """
 
 from __future__ import annotations
@@ -28,15 +30,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+import sqlalchemy as sa
+
 from sqllocker import Locker, LockError
+from sqllocker.engine import resolve_url
 from sqllocker.permits import permit_lockstring
 from tests.campaign import plan
 from tests.campaign.database import LOCK_TABLE
 from tests.campaign.history import History, now
+from tests.private_servers import PrivateMariaDB, PrivatePostgres
 from tests.stall_proxy import StallProxy
 
 T = TypeVar("T")
 OPERATOR_TIMEOUT = 300.0
+SERVER_START_TIMEOUT = 60.0
+SERVER_BACK_BEFORE_END = 2.0  # seconds: a restarted server is started again this long before
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,8 @@ class Nemesis:
         workers: Callable[[], dict[int, int]],
         proxy: StallProxy | None,
         step_clock_of: Callable[[int, int], None] | None = None,
+        on_undone: Callable[[], None] | None = None,
+        server: PrivatePostgres | PrivateMariaDB | None = None,
     ) -> None:
         self.settings = settings
         self.history = History(history_path, "nemesis")
@@ -110,6 +120,10 @@ class Nemesis:
         self.workers = workers  # worker number -> pid of the live ones
         self.proxy = proxy
         self.step_clock_of = step_clock_of  # (worker, seconds): its next boot clock that far ahead
+        self.on_undone = on_undone  # called once every fault is undone
+        self.server = server  # the campaign's own, to restart
+        self.server_down = False
+        self.until = float("inf")  # when the faults stop
         self.locker = Locker(url, table=LOCK_TABLE, expires=settings.expires, grace=settings.grace)
         self.schedule = schedule(settings)
         self._pick = 0.0  # this fault's draws: which target, and how long (as fractions)
@@ -123,6 +137,7 @@ class Nemesis:
         """Inject the scheduled faults (offsets from ``began``) until ``until`` (monotonic),
         then undo every one still in force."""
         pending = list(self.schedule)
+        self.until = until
         while now() < until:
             self._undo_due(now())
             if pending and now() >= began + pending[0].offset:
@@ -147,6 +162,10 @@ class Nemesis:
             # A lost answer armed just before its undo can stall the proxy after it: undone here.
             self.proxy.stop_losing()
             self.proxy.resume()
+        # Every fault is undone; the operators' breaks and purges running beside may still end.
+        self.history.record("faults_undone")
+        if self.on_undone is not None:
+            self.on_undone()
         for purge in self.purges:
             with suppress(subprocess.TimeoutExpired):
                 purge.wait(30)
@@ -324,6 +343,61 @@ class Nemesis:
     def cut(self) -> None:
         assert self.proxy is not None
         self._count("cut", connections=self.proxy.cut_all())
+
+    def restart(self) -> None:
+        """Stop the server, fast (PostgreSQL ``-m fast``, MariaDB SIGTERM) or as a crash would
+        (``-m immediate``, SIGKILL), and start it again a while later."""
+        if self.server is None or self.server_down:
+            return
+        crash = self._pick < 0.5
+        mode = "immediate" if crash else "fast"
+        seconds = self._seconds(0.1, 2 * (self.settings.expires + self.settings.grace))
+        # Back before the faults stop, so that the liveness phase meets a server that is up
+        # (a worker started during the outage has never reached it: its acquires fail at once).
+        seconds = min(seconds, self.until - SERVER_BACK_BEFORE_END - now())
+        if seconds < 0.1:
+            return
+        began = self._count("restart", mode=mode, seconds=seconds)
+        self.server_down = True
+        try:
+            self.server.stop(crash=crash)
+        except Exception as error:  # a shutdown that failed: the server may still run
+            self.history.record("fault_end", kind="restart", error=str(error)[:300])
+            self.server_down = False
+            return
+        self.history.record("server_stopped", mode=mode, seconds=now() - began)
+        self.undo.append((now() + seconds, "restart", self._start_server, {"mode": mode}))
+
+    def _start_server(self) -> None:
+        assert self.server is not None
+        for attempt in range(3):
+            try:
+                self.server.start()
+                self._until_ready()
+                break
+            except Exception:  # a start that failed: again, a moment later
+                if attempt == 2:
+                    raise
+                time.sleep(1)
+        self.server_down = False
+
+    def _until_ready(self) -> None:
+        """Until the restarted server answers a query (MariaDB listens before it is ready for
+        a shutdown: a SIGTERM that soon is missed)."""
+        engine = sa.create_engine(resolve_url(self.url), poolclass=sa.pool.NullPool)
+        deadline = now() + SERVER_START_TIMEOUT
+        try:
+            while True:
+                try:
+                    with engine.connect() as conn:
+                        conn.execute(sa.text("SELECT 1"))
+                    return
+                except sa.exc.SQLAlchemyError:
+                    if now() > deadline:
+                        raise
+                    time.sleep(0.2)
+        finally:
+            engine.dispose()
 
     def _cli(self) -> list[str]:
         cli = "from sqllocker.cli import main; main()"

@@ -40,6 +40,8 @@ ASYNC_OPERATIONS = (*SYNC_OPERATIONS[:-2], "cancelled", "dawdle")
 
 FAULTS_EVERYWHERE = ("kill", "clock", "pause", "pause_runner", "break", "release_force", "purge")
 FAULTS_ON_SERVERS = ("stall", "cut", "lose_answer")
+# Only on a private server the campaign started itself (``--private-server``).
+FAULTS_ON_PRIVATE_SERVERS = ("restart",)
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class Settings:
     operations: tuple[str, ...] = ()  # empty: every kind
     mutant: str | None = None
     fault_gap: tuple[float, float] = (0.5, 2.5)
+    private_server: bool = False  # a server of the campaign's own, which the nemesis restarts
 
     @property
     def liveness_wait(self) -> float:
@@ -64,6 +67,8 @@ class Settings:
 
     def fault_kinds(self) -> tuple[str, ...]:
         allowed = FAULTS_EVERYWHERE + (FAULTS_ON_SERVERS if self.backend != "sqlite" else ())
+        if self.private_server and self.backend != "sqlite":
+            allowed += FAULTS_ON_PRIVATE_SERVERS
         return tuple(kind for kind in (self.faults or allowed) if kind in allowed)
 
     def worker_is_async(self, number: int) -> bool:

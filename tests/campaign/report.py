@@ -51,7 +51,9 @@ def render(settings: plan.Settings, events: list[Event], verdict: Verdict, began
     lines = [
         f"seed {settings.seed}, backend {settings.backend}, {settings.seconds:g}s of faults, "
         f"{settings.workers} workers (half asyncio), expires {settings.expires:g}s, grace "
-        f"{settings.grace:g}s" + (f", MUTANT {settings.mutant}" if settings.mutant else ""),
+        f"{settings.grace:g}s"
+        + (", on a private server" if settings.private_server else "")
+        + (f", MUTANT {settings.mutant}" if settings.mutant else ""),
         f"plan {plan_fingerprint(settings)}: fixed by the seed (the nemesis's schedule, each "
         "worker's operations and timings); not fixed: the interleavings, so which target each "
         "fault finds, how many operations fit, and their outcomes (the counts below)",
@@ -102,7 +104,7 @@ def _outcomes(events: list[Event]) -> Counter[str]:
 
 
 def _concerns(event: Event, violation: Violation) -> bool:
-    if event["type"] in {"fault", "fault_end", "faults_stop"}:
+    if event["type"] in {"fault", "fault_end", "faults_undone", "faults_stop"}:
         return True
     lockstrings = event.get("ls")
     lockstrings = lockstrings if isinstance(lockstrings, list) else [lockstrings]

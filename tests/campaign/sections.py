@@ -4,8 +4,10 @@ to the history, and the choice of the next operation."""
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import random
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +15,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from sqllocker import LockBusy, LockError, LockLost
+from sqllocker import DatabaseError, LockBusy, LockError, LockLost
 from tests.campaign.history import History
 
 # How often each operation is drawn, relative to the others (a dawdle takes seconds).
@@ -59,6 +61,9 @@ def wait_for_chaos_end(config: WorkerConfig) -> float:
 
 
 def parse_config(argv: list[str] | None) -> WorkerConfig:
+    # A worker that will not end is sent SIGUSR1 before it is killed: its threads' stacks go to
+    # its log.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     parser = argparse.ArgumentParser()
     parser.add_argument("config")
     return WorkerConfig(**json.loads(parser.parse_args(argv).config))
@@ -77,6 +82,10 @@ def outcome(history: History, op: str, error: BaseException, **fields: Any) -> N
         history.record("fail", op=op, error=kind, **fields)
     elif isinstance(error, LockLost):
         history.record("fail", op=op, error=kind, lost=True, **fields)
+    elif isinstance(error, DatabaseError):
+        history.record(
+            "info", op=op, error=kind, outage=error.outage, message=str(error)[:300], **fields
+        )
     elif isinstance(error, (LockError, sa.exc.SQLAlchemyError, OSError, TimeoutError)):
         history.record("info", op=op, error=kind, message=str(error)[:200], **fields)
     else:

@@ -1,0 +1,359 @@
+"""Operations on a held lock end within the lock's own life, whatever the driver's timeouts.
+
+A frozen server or pooler (the kernel still acknowledges: ``tests/stall_proxy.py`` holds every
+byte) leaves a statement without an answer for the driver's 60 s read or statement timeout
+(MariaDB), or for ever (libpq has no read timeout). A renewal, an ``extend()`` or an
+``unlock()`` on such a connection must end in a ``LockError`` or success within about the
+lock's remaining life, and a second holder may come only after the first was told.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from sqllocker import Locker, LockError, LockLost
+from sqllocker.asyncio import AsyncLocker
+from sqllocker.engine import resolve_url
+from tests.helpers import figure
+from tests.stall_proxy import StallProxy
+from tests.workers import async_url
+
+pytestmark = pytest.mark.slow  # stalls of several seconds
+
+GRACE = 1.0
+EXPIRES = 4.0
+# Far below the drivers' 60 s, far above the lock's 4 s life: a load spike cannot fail it.
+WITHIN_LIFE = 25.0
+
+
+class Proxied:
+    """A StallProxy in front of the test's server, the URL through it, and a rescue that ends
+    every stuck statement if the code under test never does."""
+
+    def __init__(self, url: str, backend: str) -> None:
+        target = resolve_url(url)
+        self.proxy = StallProxy(target.port or (5432 if backend == "postgresql" else 3306))
+        self.url = target.set(host="127.0.0.1", port=self.proxy.port).render_as_string(
+            hide_password=False
+        )
+        self._rescue = threading.Timer(90, self.proxy.close)
+        self._rescue.daemon = True
+        self._rescue.start()
+
+    def close(self) -> None:
+        self._rescue.cancel()
+        self.proxy.close()
+
+
+@pytest.fixture
+def proxied(url: str, backend: str) -> Iterator[Proxied]:
+    through = Proxied(url, backend)
+    try:
+        yield through
+    finally:
+        through.close()
+
+
+class Told:
+    """What a holder's on_lost saw: how many times, and when first."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.at: float | None = None
+
+    def __call__(self, lost: LockLost) -> None:
+        self.count += 1
+        self.at = self.at or time.monotonic()
+
+
+def _takes_over_after(
+    contender: Locker, lockstring: str, first: dict[str, Any], told: Told | None
+) -> None:
+    """A second holder waits for the lock: it gets it only after the first was told (is_valid
+    False, on_lost called for a kept-alive lock), and with a higher fencing token."""
+    second = contender.lock(lockstring, wait=30)
+    acquired_at = time.monotonic()
+    try:
+        assert not first["still_valid"](), "two valid holders at once"
+        assert second.lock_id > first["lock_id"], "fencing token went back"
+        if told is not None:
+            assert told.count == 1
+            assert told.at is not None
+            assert told.at < acquired_at, "told after the takeover"
+    finally:
+        second.unlock()
+
+
+@pytest.mark.parametrize("front", ["sync", "asyncio"])
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_extend_behind_a_stuck_renewal_ends_within_the_locks_life(
+    proxied: Proxied, table_name: str, make_locker: Any, backend: str, front: str
+) -> None:
+    """A caller's extend() issued while the keep-alive's renewal is stuck on a frozen
+    connection does not queue behind it for the driver's timeout."""
+    contender = make_locker(grace=GRACE)
+    proxy = proxied.proxy
+    told = Told()
+    outcome: dict[str, Any] = {}
+
+    async def in_asyncio() -> None:
+        locker = AsyncLocker(async_url(proxied.url), table=table_name, grace=GRACE)
+        try:
+            lock = await locker.lock("job", expires=EXPIRES, keep_alive=True, on_lost=told)
+            outcome.update(lock_id=lock.lock_id, still_valid=lock.is_valid)
+            proxy.stall()
+            await asyncio.sleep(EXPIRES / 3 + 0.5)  # the first renewal is stuck now
+            started = time.monotonic()
+            try:
+                outcome["extended"] = await lock.extend()
+            except LockError as error:
+                outcome["error"] = error
+            outcome["took"] = time.monotonic() - started
+            await asyncio.to_thread(_takes_over_after, contender, "job", outcome, told)
+        finally:
+            proxy.close()
+            await locker.aclose()
+
+    if front == "asyncio":
+        asyncio.run(in_asyncio())
+    else:
+        locker = Locker(proxied.url, table=table_name, grace=GRACE)
+        try:
+            lock = locker.lock("job", expires=EXPIRES, keep_alive=True, on_lost=told)
+            outcome.update(lock_id=lock.lock_id, still_valid=lock.is_valid)
+            proxy.stall()
+            time.sleep(EXPIRES / 3 + 0.5)  # the first renewal is stuck now
+            started = time.monotonic()
+            try:
+                outcome["extended"] = lock.extend()
+            except LockError as error:
+                outcome["error"] = error
+            outcome["took"] = time.monotonic() - started
+            _takes_over_after(contender, "job", outcome, told)
+        finally:
+            proxy.close()
+            locker.close()
+    assert outcome["took"] < WITHIN_LIFE, outcome
+    assert isinstance(outcome.get("error"), LockLost), outcome
+    figure(
+        "extend behind a stuck renewal",
+        f"{backend} {front}",
+        f"expiry {EXPIRES}s: extend() ended in {outcome['took']:.1f}s, "
+        f"{type(outcome['error']).__name__}",
+    )
+
+
+@pytest.mark.parametrize("front", ["sync", "asyncio"])
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_unlock_on_a_frozen_connection_ends_within_the_locks_life(
+    proxied: Proxied, table_name: str, make_locker: Any, backend: str, front: str
+) -> None:
+    """unlock()'s DELETE on a frozen connection, no renewal in flight: it gives up once the
+    lock has expired (nothing is left to release), with LockLost."""
+    contender = make_locker(grace=GRACE)
+    proxy = proxied.proxy
+    outcome: dict[str, Any] = {}
+
+    async def in_asyncio() -> None:
+        locker = AsyncLocker(async_url(proxied.url), table=table_name, grace=GRACE)
+        try:
+            lock = await locker.lock("job", expires=EXPIRES)
+            outcome.update(lock_id=lock.lock_id, still_valid=lock.is_valid)
+            proxy.stall()
+            started = time.monotonic()
+            try:
+                await lock.unlock()
+            except LockError as error:
+                outcome["error"] = error
+            outcome["took"] = time.monotonic() - started
+            await asyncio.to_thread(_takes_over_after, contender, "job", outcome, None)
+        finally:
+            proxy.close()
+            await locker.aclose()
+
+    if front == "asyncio":
+        asyncio.run(in_asyncio())
+    else:
+        locker = Locker(proxied.url, table=table_name, grace=GRACE)
+        try:
+            lock = locker.lock("job", expires=EXPIRES)
+            outcome.update(lock_id=lock.lock_id, still_valid=lock.is_valid)
+            proxy.stall()
+            started = time.monotonic()
+            try:
+                lock.unlock()
+            except LockError as error:
+                outcome["error"] = error
+            outcome["took"] = time.monotonic() - started
+            _takes_over_after(contender, "job", outcome, None)
+        finally:
+            proxy.close()
+            locker.close()
+    assert outcome["took"] < WITHIN_LIFE, outcome
+    assert isinstance(outcome.get("error"), LockLost), outcome
+    figure(
+        "unlock on a frozen connection",
+        f"{backend} {front}",
+        f"expiry {EXPIRES}s: unlock() ended in {outcome['took']:.1f}s, "
+        f"{type(outcome['error']).__name__}",
+    )
+
+
+@pytest.mark.parametrize("front", ["sync", "asyncio"])
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_a_stuck_renewal_delays_no_other_locks_renewals(
+    proxied: Proxied, table_name: str, make_locker: Any, backend: str, front: str
+) -> None:
+    """One kept-alive lock's renewal stuck on a frozen connection (that connection alone) for
+    several renewal periods: the Locker's other kept-alive lock is renewed all along, and the
+    stuck one is lost at its deadline, told before anyone takes it over."""
+    contender = make_locker(grace=GRACE)
+    proxy = proxied.proxy
+    expires = 3.0
+    told_stuck, told_fine = Told(), Told()
+    outcome: dict[str, Any] = {}
+
+    def check(stuck: Any, fine: Any) -> None:
+        assert proxy.connections_frozen == 1, "the stuck lock's renewal never came"
+        assert fine.is_valid(), "a renewal waited behind another"
+        assert told_fine.count == 0
+        assert contender.try_lock("fine") is None, "two holders at once"
+        outcome.update(lock_id=stuck.lock_id, still_valid=stuck.is_valid)
+        _takes_over_after(contender, "stuck", outcome, told_stuck)
+
+    async def in_asyncio() -> None:
+        locker = AsyncLocker(async_url(proxied.url), table=table_name, grace=GRACE)
+        try:
+            stuck = await locker.lock("stuck", expires=expires, keep_alive=True, on_lost=told_stuck)
+            fine = await locker.lock("fine", expires=expires, keep_alive=True, on_lost=told_fine)
+            proxy.freeze_connection_before(stuck.guid.encode())
+            await asyncio.sleep(3 * expires)
+            await asyncio.to_thread(check, stuck, fine)
+            await fine.unlock()
+        finally:
+            proxy.close()
+            await locker.aclose()
+
+    if front == "asyncio":
+        asyncio.run(in_asyncio())
+    else:
+        locker = Locker(proxied.url, table=table_name, grace=GRACE)
+        try:
+            stuck = locker.lock("stuck", expires=expires, keep_alive=True, on_lost=told_stuck)
+            fine = locker.lock("fine", expires=expires, keep_alive=True, on_lost=told_fine)
+            proxy.freeze_connection_before(stuck.guid.encode())
+            time.sleep(3 * expires)
+            check(stuck, fine)
+            fine.unlock()
+        finally:
+            proxy.close()
+            locker.close()
+
+
+@pytest.mark.parametrize("front", ["sync", "asyncio"])
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_a_wait_against_an_unreachable_server_ends_with_the_wait(
+    proxied: Proxied, table_name: str, make_locker: Any, backend: str, front: str
+) -> None:
+    """A server that accepts connections and never answers (the kernel completes the
+    handshake; nothing comes back): lock(wait=W) ends within about W, not after the driver's
+    connect timeout (10 s) or read timeout (60 s)."""
+    make_locker()  # creates the table
+    proxy = proxied.proxy
+    wait = 1.0
+    outcome: dict[str, Any] = {}
+    proxy.stall()
+
+    async def in_asyncio() -> None:
+        locker = AsyncLocker(async_url(proxied.url), table=table_name, grace=GRACE)
+        started = time.monotonic()
+        try:
+            await locker.lock("job", wait=wait)
+        except LockError as error:
+            outcome["error"] = error
+        finally:
+            outcome["took"] = time.monotonic() - started
+            proxy.close()
+            await locker.aclose()
+
+    if front == "asyncio":
+        asyncio.run(in_asyncio())
+    else:
+        locker = Locker(proxied.url, table=table_name, grace=GRACE)
+        started = time.monotonic()
+        try:
+            locker.lock("job", wait=wait)
+        except LockError as error:
+            outcome["error"] = error
+        finally:
+            outcome["took"] = time.monotonic() - started
+            proxy.close()
+            locker.close()
+    assert isinstance(outcome.get("error"), LockError), outcome
+    assert outcome["took"] < 8, outcome  # against the 10 s connect timeout
+    figure(
+        "a wait against an unreachable server",
+        f"{backend} {front}",
+        f"wait {wait}s: ended in {outcome['took']:.1f}s, {type(outcome['error']).__name__}",
+    )
+
+
+@pytest.mark.parametrize("front", ["sync", "asyncio"])
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_an_acquire_that_failed_after_its_insert_committed_leaves_no_row(
+    proxied: Proxied, table_name: str, make_locker: Any, backend: str, front: str
+) -> None:
+    """An acquire's INSERT commits and its answer is lost with the connection; the outage
+    outlasts the wait, and the acquire fails. Its row, held by nobody, must not stand for its
+    whole expiry (60 s here): it is deleted in the background once the database answers again,
+    by its guid, and another process can take the lock then, with nobody else holding it."""
+    contender = make_locker(grace=GRACE)
+    proxy = proxied.proxy
+    outcome: dict[str, Any] = {}
+    proxy.lose_answer_to(b"INSERT INTO " + table_name.encode(), then_stall=True)
+
+    async def in_asyncio() -> None:
+        locker = AsyncLocker(async_url(proxied.url), table=table_name, grace=GRACE)
+        try:
+            try:
+                outcome["lock"] = await locker.lock("job", expires=60, wait=1)
+            except LockError as error:
+                outcome["error"] = error
+            outcome["rows"] = len(await asyncio.to_thread(contender.locks))
+            proxy.resume()
+            await asyncio.to_thread(_taken_once_free, contender, outcome)
+        finally:
+            proxy.close()
+            await locker.aclose()
+
+    if front == "asyncio":
+        asyncio.run(in_asyncio())
+    else:
+        locker = Locker(proxied.url, table=table_name, grace=GRACE)
+        try:
+            try:
+                outcome["lock"] = locker.lock("job", expires=60, wait=1)
+            except LockError as error:
+                outcome["error"] = error
+            outcome["rows"] = len(contender.locks())
+            proxy.resume()
+            _taken_once_free(contender, outcome)
+        finally:
+            proxy.close()
+            locker.close()
+    assert proxy.answers_lost == 1
+    assert isinstance(outcome.get("error"), LockError), outcome
+    assert outcome["rows"] == 1, "the INSERT had committed"
+    assert outcome["second"] is not None, "the row stood, held by nobody"
+
+
+def _taken_once_free(contender: Locker, outcome: dict[str, Any]) -> None:
+    second = contender.lock("job", wait=20)
+    outcome["second"] = second
+    second.unlock()
