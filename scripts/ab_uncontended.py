@@ -105,7 +105,9 @@ bench.fresh_table(url)
 locker = Locker(url, table=bench.TABLE)
 locker.lock("compile").unlock()
 floor = bench.floor_cycle(bench.FloorStatements(locker._operations), StubCursor())
-for held in locker._operations._stack._idle:
+operations = locker._operations
+stack = operations.database.pool.stack if hasattr(operations, "database") else operations._stack
+for held in stack._idle:
     held.cursor, held.session = StubCursor(), None
 run = os.getpid()
 

@@ -41,7 +41,12 @@ import sqlalchemy as sa
 
 from sqllocker import Locker, lock_table
 from sqllocker.engine import create_locker_engine, resolve_url
-from sqllocker.migrations import current_revision, downgrade, upgrade, version_table_for
+from sqllocker.migrations import current_revision, downgrade, upgrade
+
+try:
+    from sqllocker.schema import version_table_for
+except ImportError:  # a tree from before schema held it (the A/B tool runs this file on others)
+    from sqllocker.migrations import version_table_for  # type: ignore[attr-defined]
 
 if TYPE_CHECKING:  # the A/B tool runs this file on other trees, whose internals may differ
     from sqllocker.operations import LockOperations

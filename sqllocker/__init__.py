@@ -9,8 +9,6 @@
 See README.md for the table, the guarantees, and what happens when a lock expires.
 """
 
-from importlib.metadata import PackageNotFoundError, version
-
 from .election import Election, Leadership
 from .elections import Leader
 from .errors import (
@@ -32,11 +30,7 @@ from .operations import LockInfo
 from .rwlock import RWLock
 from .schema import lock_table
 from .semaphore import Semaphore
-
-try:
-    __version__ = version("sqllocker")
-except PackageNotFoundError:  # running from a checkout that was never installed
-    __version__ = "0+unknown"
+from .version import __version__
 
 __all__ = [
     "DatabaseError",

@@ -33,13 +33,9 @@ from sqlalchemy.sql.expression import Executable
 
 from .backends import backend_for
 from .errors import LockValueError
-from .schema import UTCDateTime, lock_table
+from .schema import UTCDateTime, lock_table, set_aside_name, swap_name
 from .validation import check_table_name
 
-# Where MySQL's old table goes when the new one is swapped in (dropped once the adoption is
-# done), and the name the new one is built under until then.
-SET_ASIDE_SUFFIX = "_dbix_locker"
-SWAP_SUFFIX = "_sqllocker_new"
 _INSERT_BATCH = 500
 _DBIX_COLUMNS = {"id", "lockstring", "created", "expires", "locked_by"}
 
@@ -67,14 +63,6 @@ def check_zone(name: str) -> ZoneInfo:
         raise LockValueError(
             f"unknown time zone {name!r} (an IANA name, e.g. America/New_York)"
         ) from error
-
-
-def set_aside_name(table: str) -> str:
-    return check_table_name(table) + SET_ASIDE_SUFFIX
-
-
-def swap_name(table: str) -> str:
-    return check_table_name(table) + SWAP_SUFFIX
 
 
 def check_adoptable(conn: Connection, table: str, version_table: str) -> None:

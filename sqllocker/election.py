@@ -9,23 +9,24 @@ Written once for asyncio; the sync ``sqllocker/election.py`` is generated from i
 from __future__ import annotations
 
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from . import concurrency
 from .elections import HINTED_READ_GAP, OBSERVE_INTERVAL, Leader, leader_from
 from .holding import OnLost
+from .rwlock import RWLock, WriteLock
 from .rwlocks import writer_fence_pattern
 from .validation import check_lockstring
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
 
-    from .lock import Run
-    from .locker import Locker
+    from .listener import ReleaseListener
+    from .lock import LockTaker, Run
     from .operations import LockInfo, LockOperations
-    from .rwlock import WriteLock
+    from .telemetry import Telemetry
 
 
 class Leadership:
@@ -68,10 +69,22 @@ class Election:
     """Candidates for the lead of ``name`` (see ``sqllocker.elections``); from the locker's
     ``election()``."""
 
-    def __init__(self, locker: Locker, operations: LockOperations, run: Run, name: str) -> None:
+    def __init__(
+        self,
+        locker: LockTaker,
+        operations: LockOperations,
+        run: Run,
+        name: str,
+        release_listener: Callable[[], ReleaseListener | None],
+        telemetry: Telemetry,
+    ) -> None:
         self.locker = locker
         self._operations = operations
         self._run = run
+        self._telemetry = telemetry
+        # The locker's listener, where waiters take tickets: on PostgreSQL it hears the
+        # candidates' NOTIFYs.
+        self._release_listener = release_listener
         self.name = check_lockstring(name)
 
     def campaign(
@@ -85,7 +98,8 @@ class Election:
         """Wait (``None``: without limit) until this process leads, and keep the lead alive;
         ``on_lost`` (else the locker's) is called if it is lost, before anyone else can lead.
         Raises LockBusy once ``wait`` has passed."""
-        lock = self.locker.rwlock(self.name)._write(
+        rwlock = RWLock(self.locker, self._operations, self._run, self.name, self._telemetry)
+        lock = rwlock._write(
             wait,
             expires,
             True,
@@ -112,7 +126,7 @@ class Election:
         candidate says it took or gave up the lead (a NOTIFY, taken as a hint to read)."""
         interval = min(max(interval, 0.01), OBSERVE_INTERVAL)
         self._run(self._operations.ensure_setup)
-        listener = self.locker._release_listener()
+        listener = self._release_listener()
         if listener is not None and not listener.hands_over:
             listener = None  # MySQL/MariaDB: no NOTIFY, the poll alone
         last: Leader | None = None

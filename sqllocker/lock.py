@@ -20,25 +20,68 @@ import logging
 from collections.abc import Callable
 from datetime import datetime
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, Engine
 
 from . import clock, concurrency, deadlines, forks
 from .errors import LockError, LockLost
 from .holding import RELEASE_PATIENCE, Holding, LockHandle, OnLost
+from .operations import LockInfo, LockOperations
 from .validation import check_seconds
-
-if TYPE_CHECKING:
-    from .keepalive import KeepAlive
-    from .locker import Locker
-    from .operations import LockOperations
 
 logger = logging.getLogger("sqllocker")
 
 # Runs one LockOperations operation for the locker (in asyncio: in a greenlet, on the running
 # loop's connections).
 Run = Callable[..., Any]
+
+T = TypeVar("T")
+
+
+class Call(Protocol):
+    """How a locker runs one of the table's operations, typed (``Locker._call``)."""
+
+    def __call__(self, operation: Callable[..., T], *args: Any) -> T:
+        """``operation(*args)`` (in asyncio: in a greenlet, on the running loop's
+        connections)."""
+        ...
+
+
+class KeepAlives(Protocol):
+    """What a lock's state asks of its locker's keep-alive (``keepalive.py``)."""
+
+    def add(self, state: LockState) -> None:
+        """Renew ``state`` in the background until it is removed."""
+
+    def remove(self, state: LockState) -> None:
+        """Stop renewing ``state``."""
+
+
+class LockTaker(Protocol):
+    """The locker a lock came from (``Locker``), as the lock's handle, read-write locks
+    and elections know it: what takes and reads locks on its table."""
+
+    engine: Engine
+    table_name: str
+
+    def lock(
+        self,
+        lockstring: str,
+        *,
+        expires: float | None = None,
+        wait: float | None = 0,
+        locked_by: dict[str, Any] | None = None,
+        keep_alive: bool = False,
+        on_lost: OnLost | None = None,
+        hold_at_least: float | None = None,
+    ) -> Lock:
+        """Acquire ``lockstring`` (see ``Locker.lock``)."""
+        ...
+
+    def lock_info(self, lockstring: str) -> LockInfo | None:
+        """The row of ``lockstring``, live or expired, or None if there is none."""
+        ...
 
 
 class LockState(Holding):
@@ -53,7 +96,7 @@ class LockState(Holding):
         self,
         operations: LockOperations,
         run: Run,
-        keep_alives: KeepAlive,
+        keep_alives: KeepAlives,
         lockstring: str,
         lock_id: int,
         guid: str,
@@ -209,7 +252,7 @@ class Lock(LockHandle[LockState]):
 
     def __init__(
         self,
-        locker: Locker,
+        locker: LockTaker,
         state: LockState,
         *,
         created: object,

@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
-import time
-from collections.abc import Callable, Sequence, Sized
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
 from sqlalchemy.engine import URL, Engine
 
-from . import clock, concurrency, deadlines, tickets, validation
+from . import concurrency, validation
+from .acquirer import Acquirer
 from .acquiring import Winnings, acquisition
-from .backoff import Backoff
-from .decorators import check_decoration, lock_namer, when_busy
+from .decorating import lock_decorator
 from .defaults import (
     DEFAULT_EXPIRES,
     DEFAULT_GRACE,
@@ -33,22 +31,17 @@ from .defaults import (
 )
 from .election import Election
 from .engine import describe_url
-from .errors import DatabaseError, LockBusy, LockError, LockTypeError
-from .file_queue import BellListener, FileQueue, PlaceRequest
+from .errors import LockBusy, LockTypeError
+from .file_queue import FileQueue
 from .group import LockGroup
 from .holding import OnLost
-from .identity import holder_details, new_guid
 from .keepalive import DEFAULT_FRACTION, KeepAlive
-from .listener import ReleaseListener
-from .lock import Lock, LockState
-from .notifications import guid_digest
-from .operations import Acquired, LockInfo, LockOperations, Refused
+from .lock import Lock
+from .operations import LockInfo, LockOperations
 from .rwlock import RWLock
 from .schema import DEFAULT_TABLE
 from .semaphore import Semaphore
-from .telemetry import NameMapping, Telemetry, attempted, named, system_name
-from .tickets import LOOK_AGAIN, NEWCOMER, LocalLine, Ticket
-from .timeouts import CONNECT_SLACK_SECONDS
+from .telemetry import NameMapping, Telemetry, system_name
 
 logger = logging.getLogger("sqllocker")
 
@@ -56,21 +49,25 @@ T = TypeVar("T")
 P = ParamSpec("P")
 R = TypeVar("R")
 
-# How long each try to delete a failed acquire's row may take (``_forget_attempt``).
-FORGET_PATIENCE = 2.0
-FORGET_FOR = 30.0
-
 __all__ = ["LockInfo", "Locker"]
 
 
-def _wait_out(error: DatabaseError, backoff: Backoff, lockstring: str) -> None:
-    """After a waiting attempt failed with ``error``: if it is an outage (a failover, a restart)
-    and the wait is not over, wait it out, as for a holder; else raise it. An attempt cut off may
-    have taken the row; the next one finds it ours (guid)."""
-    if not error.outage or backoff.expired():
-        raise error
-    logger.warning("waiting for %r through an outage: %s", lockstring, error)
-    concurrency.sleep(backoff.next_delay())
+def _engine(
+    url_or_engine: str | URL | Engine | None, pooled: bool, most: int | None
+) -> tuple[Engine, bool]:
+    """The locker's engine, and whether sqllocker made it (see ``Locker``)."""
+    if isinstance(url_or_engine, Engine):
+        return url_or_engine.execution_options(isolation_level="AUTOCOMMIT"), False
+    if url_or_engine is None or isinstance(url_or_engine, str | URL):
+        engine = concurrency.create_engine(
+            url_or_engine, transaction_pooling=pooled, max_connections=most
+        )
+        return engine, True
+    kind = type(url_or_engine).__name__
+    raise LockTypeError(
+        f"url_or_engine must be a URL string, sqlalchemy URL or Engine, not {kind}"
+        + concurrency.wrong_engine_hint(kind)
+    )
 
 
 class Locker:
@@ -145,21 +142,7 @@ class Locker:
         validation.check_telemetry_options(meter_provider, tracer_provider, telemetry_name)
         self.on_lost = on_lost
         self.strict = strict
-        self.engine: Engine
-        if isinstance(url_or_engine, Engine):
-            self.engine = url_or_engine.execution_options(isolation_level="AUTOCOMMIT")
-            owns_engine = False
-        elif url_or_engine is None or isinstance(url_or_engine, str | URL):
-            self.engine = concurrency.create_engine(
-                url_or_engine, transaction_pooling=pooled, max_connections=most
-            )
-            owns_engine = True
-        else:
-            kind = type(url_or_engine).__name__
-            raise LockTypeError(
-                f"url_or_engine must be a URL string, sqlalchemy URL or Engine, not {kind}"
-                + concurrency.wrong_engine_hint(kind)
-            )
+        self.engine, owns_engine = _engine(url_or_engine, pooled, most)
         self.url = self.engine.url
         sync_engine = self.engine
         self._operations = LockOperations(
@@ -184,15 +167,21 @@ class Locker:
             telemetry_name,
         )
         self._keep_alives = KeepAlive(fraction)
-        self._setup_lock = threading.Lock()  # never held across a wait
-        self._listener: ReleaseListener | None = None
-        self._line = LocalLine()  # the tickets of this Locker's waiters
-        self._leaving = concurrency.Background("sqllocker-ticket-leaver")
-        self._closing = concurrency.Event()  # set by close: ends the give-ups tried again
         # The listener holds a connection of the pool's; the lock operations get the rest.
         self._operations.reserve_for_waiting()
         queue_file = self._operations.queue_file
         self._file_queue = FileQueue(queue_file) if queue_file is not None else None
+        self._acquirer = Acquirer(
+            self,
+            self._operations,
+            self._call,
+            self._keep_alives,
+            self._file_queue,
+            self._telemetry,
+            self.grace,
+            self._ready,
+        )
+        self._tickets = self._acquirer.tickets
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -231,7 +220,7 @@ class Locker:
         )
         hold = validation.check_hold_at_least(hold_at_least, request[0])
         on_lost = on_lost or self.on_lost
-        return acquisition(self._acquire, *request, keep_alive, on_lost, hold)
+        return acquisition(self._acquirer.acquire, *request, keep_alive, on_lost, hold)
 
     def _acquire_request(
         self,
@@ -249,7 +238,9 @@ class Locker:
             lockstring, expires, self.expires, wait, locked_by, on_lost
         )
         hold = validation.check_hold_at_least(hold_at_least, request[0])
-        return functools.partial(self._acquire, *request, keep_alive, on_lost or self.on_lost, hold)
+        return functools.partial(
+            self._acquirer.acquire, *request, keep_alive, on_lost or self.on_lost, hold
+        )
 
     def locked(
         self,
@@ -276,35 +267,9 @@ class Locker:
         runs (``keep_alive``), released when it returns or raises (unless ``hold_at_least``
         keeps it), and LockLost is raised at the end if it was lost meanwhile.
         """
-        behaviour = check_decoration(on_busy, wait, expires, hold_at_least)
-
-        def decorate(function: Callable[P, R]) -> Callable[P, R | None]:
-            concurrency.check_decorated(function)
-            name_lock = lock_namer(lockstring, key, function)
-            # What telemetry names these locks by: the template, never a call's own name.
-            recorded_as = lockstring if lockstring is not None else function.__qualname__
-
-            @functools.wraps(function)
-            def under_lock(*args: P.args, **kwargs: P.kwargs) -> R | None:
-                name = name_lock(args, kwargs)
-                try:
-                    with named(recorded_as):
-                        lock = self.lock(
-                            name,
-                            wait=wait,
-                            expires=expires,
-                            keep_alive=keep_alive,
-                            hold_at_least=hold_at_least,
-                        )
-                except LockBusy as busy:
-                    when_busy(behaviour, function, busy)
-                    return None
-                with lock:
-                    return function(*args, **kwargs)
-
-            return under_lock
-
-        return decorate
+        return lock_decorator(
+            self, lockstring, key, wait, on_busy, expires, keep_alive, hold_at_least
+        )
 
     def lock_all(
         self,
@@ -323,86 +288,48 @@ class Locker:
         so that groups that overlap never deadlock; one held member refuses the attempt, which
         then takes nothing. The members are ordinary locks, each with its own fencing token.
         """
-        size = len(lockstrings) if isinstance(lockstrings, Sized) else 0
-        acquisition = self._telemetry.compound("group", f"group of {size}", wait)
-        try:
-            group = self._lock_all(
-                lockstrings,
-                wait=wait,
-                expires=expires,
-                locked_by=locked_by,
-                keep_alive=keep_alive,
-                on_lost=on_lost,
-            )
-        except BaseException as error:
-            acquisition.failed(error)
-            raise
-        for lock in group:
-            lock._state.telemetry = acquisition.member(lock.lock_id)
-        acquisition.succeeded()
-        return group
-
-    def _lock_all(
-        self,
-        lockstrings: Sequence[str],
-        *,
-        wait: float | None = 0,
-        expires: float | None = None,
-        locked_by: dict[str, Any] | None = None,
-        keep_alive: bool = False,
-        on_lost: OnLost | None = None,
-    ) -> LockGroup:
-        names = validation.canonical_order(lockstrings)
-        request = validation.check_lock_request(
-            names[0], expires, self.expires, wait, locked_by, on_lost
+        return self._acquirer.lock_all(
+            lockstrings,
+            wait=wait,
+            expires=expires,
+            locked_by=locked_by,
+            keep_alive=keep_alive,
+            on_lost=on_lost,
+            defaults=(self.expires, self.on_lost),
         )
-        _, ttl, wait, extra = request
-        on_lost = on_lost or self.on_lost
-        return acquisition(self._acquire_all, names, ttl, wait, extra, keep_alive, on_lost)
-
-    def _acquire_all(
-        self,
-        names: list[str],
-        ttl: float,
-        wait: float | None,
-        extra: dict[str, Any],
-        keep_alive: bool,
-        on_lost: OnLost | None,
-        winnings: Winnings,
-    ) -> LockGroup:
-        details = holder_details(extra, concurrency.task_name())
-        members = [(name, new_guid()) for name in names]
-        backoff = Backoff.for_wait(wait)
-        while True:
-            outcome = self._operations.try_acquire_all(members, ttl, details)
-            for attempt in [outcome] if isinstance(outcome, Refused) else outcome:
-                attempted(attempt)  # a wait turn, or a member taken (over)
-            if not isinstance(outcome, Refused):
-                locks = [
-                    self._lock(winnings, name, guid, acquired, ttl, details, on_lost)
-                    for (name, guid), acquired in zip(members, outcome, strict=True)
-                ]
-                group = LockGroup(locks)
-                return group.keep_alive() if keep_alive else group
-            concurrency.sleep(backoff.after_refusal(outcome, names[0], wait, self.grace))
 
     def semaphore(self, name: str, limit: int) -> Semaphore:
         """A counting semaphore: at most ``limit`` holders of ``name`` at once, each holding a
         permit (a lock of its own) from ``.acquire(wait=..., expires=..., keep_alive=...)``
         (see ``sqllocker.permits``)."""
-        return Semaphore(self, self._operations, self._call, name, limit)
+        return Semaphore(
+            self,
+            self._operations,
+            self._call,
+            name,
+            limit,
+            request=self._acquire_request,
+            telemetry=self._telemetry,
+        )
 
     def election(self, name: str) -> Election:
         """Leader election for ``name``: ``.campaign()`` waits until this process leads and
         keeps the lead alive; ``.leader()`` and ``.observe()`` say who leads (see
         ``sqllocker.elections``)."""
-        return Election(self, self._operations, self._call, name)
+        return Election(
+            self,
+            self._operations,
+            self._call,
+            name,
+            self._tickets.release_listener,
+            self._telemetry,
+        )
 
     def rwlock(self, name: str) -> RWLock:
         """A read-write lock: any number of readers of ``name`` together, from ``.read()``, or
         one writer alone, from ``.write()``, each with ``wait``, ``expires``, ``keep_alive``,
         ``on_lost`` and ``locked_by`` (see ``sqllocker.rwlocks``)."""
-        return RWLock(self, self._operations, self._call, name)
+        return RWLock(self, self._operations, self._call, name, self._telemetry)
 
     def try_lock(
         self,
@@ -483,10 +410,7 @@ class Locker:
         """Stop keeping locks alive and listening, and close the pooled connections of an
         engine the locker created (not a caller's)."""
         self._keep_alives.stop()
-        self._closing.set()
-        self._leaving.close()
-        if self._listener is not None:
-            self._listener.stop()
+        self._tickets.close()
         if self._file_queue is not None:
             self._file_queue.close()
         concurrency.run(self._operations.close)
@@ -507,518 +431,12 @@ class Locker:
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _acquire(
-        self,
-        lockstring: str,
-        ttl: float,
-        wait: float | None,
-        extra: dict[str, Any],
-        keep_alive: bool,
-        on_lost: OnLost | None,
-        hold_at_least: float | None,
-        winnings: Winnings,
-    ) -> Lock:
-        # A new connection gives up with the wait (a little after), not after the driver's
-        # connect timeout: a server that accepts and never answers ends a wait on time too.
-        connect_by = None if wait is None else clock.now() + wait + CONNECT_SLACK_SECONDS
-        # One guid for every attempt of this call: a release may hand the row to it (as our
-        # ticket), and an attempt that finds the row under it knows the row is ours.
-        guid = new_guid()
-        try:
-            with deadlines.connections_by(connect_by):
-                return self._acquire_within(
-                    lockstring, guid, ttl, wait, extra, keep_alive, on_lost, hold_at_least, winnings
-                )
-        except DatabaseError:
-            # An attempt's INSERT may have committed with its answer lost: that row, held by
-            # nobody, would keep everyone out until it expired.
-            self._leaving.call_soon(self._forget_attempt, lockstring, guid, ttl)
-            raise
-
-    def _forget_attempt(self, lockstring: str, guid: str, ttl: float) -> None:
-        """Delete the row a failed acquire by ``guid`` may have left, once the database answers:
-        tried every ``tickets.GIVE_UP_AGAIN`` seconds, each try ending by FORGET_PATIENCE,
-        until the row would have expired, or for FORGET_FOR at most (the give-ups of tickets
-        wait behind it); never another acquisition's row (see ``Statements.forget_attempt``).
-        """
-        until = clock.now() + min(ttl, FORGET_FOR)
-        while not self._closing.is_set() and clock.now() < until:
-            deleted: int | None = None
-            try:
-                bound = clock.now() + FORGET_PATIENCE
-                with deadlines.statements_end_by(bound), deadlines.connections_by(bound):
-                    deleted = self._operations.forget_attempt(lockstring, guid)
-            except LockError:
-                pass
-            if deleted is None:
-                concurrency.wait(self._closing, tickets.GIVE_UP_AGAIN)
-                continue
-            if deleted:
-                logger.info("deleted the row of a failed acquire of %r", lockstring)
-            return
-        logger.warning(
-            "the row a failed acquire of %r may have left could not be deleted; it will expire",
-            lockstring,
-        )
-
-    def _acquire_within(
-        self,
-        lockstring: str,
-        guid: str,
-        ttl: float,
-        wait: float | None,
-        extra: dict[str, Any],
-        keep_alive: bool,
-        on_lost: OnLost | None,
-        hold_at_least: float | None,
-        winnings: Winnings,
-    ) -> Lock:
-        details = holder_details(extra, concurrency.task_name())
-        acquisition = self._telemetry.acquiring(lockstring, wait)
-        try:
-            if wait == 0:
-                lock = self._try_once(winnings, lockstring, guid, details, ttl, on_lost)
-            else:
-                lock = self._wait_for(winnings, lockstring, guid, details, ttl, wait, on_lost)
-        except BaseException as error:
-            acquisition.failed(error)
-            raise
-        lock._state.telemetry = acquisition.acquired(lock._state.lock_id)
-        lock._state.hold_at_least = hold_at_least
-        return lock.keep_alive() if keep_alive else lock
-
-    def _wait_for(
-        self,
-        winnings: Winnings,
-        lockstring: str,
-        guid: str,
-        details: dict[str, Any],
-        ttl: float,
-        wait: float | None,
-        on_lost: OnLost | None,
-    ) -> Lock:
-        """Attempts until one succeeds, or LockBusy once ``wait`` has passed: in line by
-        ticket where waiters take tickets (``_wait_with_ticket``), in the kernel's queue on
-        SQLite, and elsewhere backing off between attempts (``_wait_in_line``)."""
-        listener = self._release_listener()
-        if listener is not None:
-            return self._wait_with_ticket(
-                winnings, listener, lockstring, guid, details, ttl, wait, on_lost
-            )
-        return self._wait_in_line(
-            winnings, self._file_queue, lockstring, guid, details, ttl, wait, on_lost
-        )
-
-    def _wait_with_ticket(
-        self,
-        winnings: Winnings,
-        listener: ReleaseListener,
-        lockstring: str,
-        guid: str,
-        details: dict[str, Any],
-        ttl: float,
-        wait: float | None,
-        on_lost: OnLost | None,
-    ) -> Lock:
-        """``_wait_for`` where waiters take tickets: refused, a waiter takes a ticket; on
-        PostgreSQL a release hands it the row when its turn comes, and the first of this
-        Locker's waiters for the row also tries it now and then; on MySQL that first waiter
-        polls the row, at a quarter of the age of the hold it waits out (see
-        ``sqllocker.tickets``). While the listener reconnects, a waiter keeps its ticket,
-        dead now, and tries by it; one without a ticket backs off and tries, as if alone."""
-        backoff = Backoff.for_wait(wait)
-        polls = not listener.hands_over  # the first waiter polls the row (MySQL)
-        digest = guid_digest(guid)  # what a release's grant names this waiter by
-        line = self._line
-        ticket: Ticket | None = None
-        refused = Refused(None, None)  # the last refusal, which LockBusy names
-        # The first attempt: not ahead of anyone waiting. Where a waiter of this Locker holds a
-        # ticket already, it would be refused: take a ticket at once.
-        gate: int | None = None if line.waiting(lockstring) else NEWCOMER
-        try_now = True
-        free_since: float | None = None  # in line, refused a free row by a ticket ahead
-        # A join failed, and may have taken a ticket all the same, kept alive by this key.
-        unsure: int | None = None
-        doubled = False  # a ticket of ours may have been handed a row ahead of ``ticket``
-        rejoining = False  # our dead ticket given up, the next of our line not yet woken
-        outcome: Lock | None = None  # ours, once won by an attempt or handed over
-        try:
-            while True:
-                if (
-                    ticket is not None
-                    and listener.liveness_key not in (None, ticket.liveness_key)
-                    and line.first(ticket)
-                ):
-                    # The listener's session ended, and the ticket's life with it: once it has
-                    # a new one, give the ticket up (with a row handed to it that we never
-                    # heard of), and take a new one. The waiters of our line behind us take
-                    # theirs after us, in order.
-                    dead, ticket = ticket, None
-                    self._give_up(dead, guid, give_back=True, wake_next=False)
-                    rejoining = True
-                    try_now = True
-                waiter = listener.register(lockstring, digest, releases=False)
-                try:
-                    key = listener.liveness_key
-                    if rejoining and key is None:
-                        rejoining = False  # nothing to take a ticket with: the next tries too
-                        line.wake_first(lockstring)
-                    if ticket is None and gate is None and key is not None:
-                        try:
-                            ticket, held, replaced = self._join_line(
-                                lockstring, guid, ttl, details, key, unsure is not None
-                            )
-                        except DatabaseError as error:
-                            unsure = key
-                            _wait_out(error, backoff, lockstring)
-                            continue
-                        unsure = None  # the join gave up whatever an earlier one took
-                        doubled = doubled or replaced
-                        line.join(ticket)
-                        if rejoining:
-                            rejoining = False
-                            line.wake_first(lockstring)  # the next of our dead tickets
-                        if polls:
-                            backoff.heading()
-                        else:
-                            backoff.await_hand_off()
-                        # A release may have come before our ticket: try at once, unless the
-                        # row is polled anyway, as soon (Backoff.heading).
-                        try_now = not held and not polls
-                    first = ticket is None or line.watch(ticket, waiter.event.set)
-                    if first:
-                        listener.follow_releases(waiter)
-                    if first and try_now:
-                        waited = 0.0 if free_since is None else time.monotonic() - free_since
-                        in_line = ticket is not None and waited < tickets.PATIENCE
-                        try:
-                            attempt = self._try_acquire(
-                                winnings,
-                                lockstring,
-                                guid,
-                                details,
-                                ttl,
-                                on_lost,
-                                ticket.number if in_line and ticket is not None else gate,
-                                look_first=in_line and polls,
-                                in_line=in_line,
-                            )
-                        except DatabaseError as error:
-                            _wait_out(error, backoff, lockstring)
-                            continue
-                        if isinstance(attempt, Lock):
-                            line.passed += ticket is not None and not in_line
-                            outcome = attempt
-                            return attempt
-                        gated_unasked = gate is not None and attempt.busy is None
-                        gate = None
-                        if ticket is None or attempt.busy is not None:
-                            free_since = None
-                        elif free_since is None:
-                            free_since = time.monotonic()
-                        if attempt.busy is not None or refused.busy is None:
-                            if tickets.new_hold(attempt.busy, refused.busy) and polls:
-                                backoff.heading()  # polls paced by the age of this hold
-                            refused = attempt
-                        if backoff.expired() and gated_unasked:
-                            continue  # the gate refused us unasked: one full attempt first
-                    try_now = True
-                    if backoff.expired():
-                        raise refused.busy_after(lockstring, wait)
-                    if ticket is None and key is not None:
-                        continue  # refused: take a ticket
-                    if first:
-                        busy = refused.busy
-                        delay = backoff.next_delay(
-                            busy.expires if busy else None, refused.server_now, self.grace
-                        )
-                    else:  # wakes when it is first, or is handed the row
-                        remaining = backoff.remaining()
-                        delay = LOOK_AGAIN if remaining is None else min(LOOK_AGAIN, remaining)
-                    concurrency.wait(waiter.event, delay)
-                    if waiter.grant is not None and ticket is not None:
-                        claimed: Acquired | None = self._call(
-                            self._operations.claim_grant, lockstring, waiter.grant.lock_id, guid
-                        )
-                        if claimed is not None:
-                            if not doubled:  # else given up below: it may be the one left
-                                line.leave(ticket)
-                                ticket = None  # the release that granted it took it
-                            outcome = self._lock(
-                                winnings, lockstring, guid, claimed, ttl, details, on_lost
-                            )
-                            return outcome
-                finally:
-                    listener.unregister(waiter)
-        finally:
-            if rejoining:
-                line.wake_first(lockstring)
-            if ticket is not None and outcome is not None and polls:
-                # Won by our own INSERT where no release hands rows over: there is nothing to
-                # give back, and the caller need not wait for the round trip (the ticket keeps
-                # nobody from a row that is ours).
-                self._leaving.call_soon(self._give_up, ticket, guid, False)
-            elif ticket is not None:
-                # Given up before the caller has its lock: a later release must not hand a
-                # row to a ticket nobody waits on. Without the lock, a row handed to it goes
-                # back.
-                self._give_up(ticket, guid, outcome is None)
-            elif unsure is not None:  # and, without the lock, a row handed to it goes back
-                self._give_up_every(lockstring, unsure, guid, outcome is None)
-
-    def _give_up(self, ticket: Ticket, guid: str, give_back: bool, wake_next: bool = True) -> None:
-        """Give up ``ticket`` (``_leave_line``), then wake the next waiter of this Locker (if
-        ``wake_next``): told sooner, it would find our ticket still ahead of its own. A give-up
-        that failed is tried again in the background (``_give_up_again``)."""
-        given_up = False
-        try:
-            given_up = self._leave_line(ticket.lockstring, ticket.number, guid, give_back)
-        finally:
-            self._line.leave(ticket, wake_next)
-            if not given_up:
-                number, key = ticket.number, ticket.liveness_key
-                self._leaving.call_soon(
-                    self._give_up_again, ticket.lockstring, number, key, guid, give_back
-                )
-
-    def _give_up_every(
-        self, lockstring: str, liveness_key: int, guid: str, give_back: bool
-    ) -> None:
-        """Give up every ticket of ``guid`` for ``lockstring``: a join that failed may have
-        taken one, alive while ``liveness_key`` is held. A give-up that failed is tried again
-        in the background, as for a known ticket."""
-        if not self._leave_line(lockstring, None, guid, give_back):
-            self._leaving.call_soon(
-                self._give_up_again, lockstring, None, liveness_key, guid, give_back
-            )
-
-    def _give_up_again(
-        self,
-        lockstring: str,
-        number: int | None,
-        liveness_key: int,
-        guid: str,
-        give_back: bool,
-    ) -> None:
-        """Try to give up ticket ``number`` (None: every ticket of ``guid``), alive while
-        ``liveness_key`` is held, again every ``tickets.GIVE_UP_AGAIN`` seconds while it may
-        live: left live with nobody waiting on it, it would be handed the next row, to stand
-        held by nobody until it expires (PostgreSQL), or hold every waiter behind it back from
-        a free row for PATIENCE at each turn (MariaDB)."""
-        for _attempt in range(tickets.GIVE_UP_ATTEMPTS):
-            concurrency.wait(self._closing, tickets.GIVE_UP_AGAIN)
-            listener = self._listener
-            if self._closing.is_set() or listener is None or listener.liveness_key != liveness_key:
-                return  # the ticket has died with the listener's session, or will with it
-            if self._leave_line(lockstring, number, guid, give_back, quiet=True):
-                logger.info("gave up a ticket for %r after all", lockstring)
-                return
-        logger.warning(
-            "could not give up a ticket for %r; it stands until this Locker is closed", lockstring
-        )
-
-    def _join_line(
-        self,
-        lockstring: str,
-        guid: str,
-        ttl: float,
-        details: dict[str, Any],
-        key: int,
-        replacing: bool,
-    ) -> tuple[Ticket, bool, bool]:
-        """A ticket for ``lockstring``, alive while ``key`` is held, whether the row is held,
-        and whether an earlier one may have been handed it (``LockOperations.join_line``;
-        ``replacing`` an earlier one that may stand)."""
-        join = (lockstring, guid, ttl, details, key, replacing)
-        number, held, replaced = self._operations.join_line(*join)
-        return Ticket(lockstring, number, key), held, replaced
-
-    def _leave_line(
-        self, lockstring: str, number: int | None, guid: str, give_back: bool, quiet: bool = False
-    ) -> bool:
-        """Give up ticket ``number`` (None: every ticket of ``guid``; see
-        ``LockOperations.leave_line``), whoever stops waiting for it. Whether it was: a failure
-        is logged (at DEBUG if ``quiet``), not raised."""
-        leave = (lockstring, number, guid, give_back)
-        try:
-            self._operations.leave_line(*leave)
-        except DatabaseError as error:
-            log = logger.debug if quiet else logger.warning
-            log("could not give up a ticket for %r (%s)", lockstring, error)
-            return False
-        return True
-
-    def _try_once(
-        self,
-        winnings: Winnings,
-        lockstring: str,
-        guid: str,
-        details: dict[str, Any],
-        ttl: float,
-        on_lost: OnLost | None,
-    ) -> Lock:
-        """One attempt, or LockBusy; on SQLite taking the lockstring's place in the kernel's
-        queue too if it is free, so that waiters wake when this lock is released."""
-        queue = self._file_queue
-        place = queue.take(queue.offset(self.table_name, lockstring)) if queue else None
-        try:
-            outcome = self._try_acquire(winnings, lockstring, guid, details, ttl, on_lost)
-        except BaseException:
-            if place is not None:
-                place.leave()
-            raise
-        if not isinstance(outcome, Lock):
-            if place is not None:
-                place.leave()
-            raise outcome.busy_after(lockstring, 0)
-        outcome._state.place = place
-        return outcome
-
-    def _wait_in_line(
-        self,
-        winnings: Winnings,
-        queue: FileQueue | None,
-        lockstring: str,
-        guid: str,
-        details: dict[str, Any],
-        ttl: float,
-        wait: float | None,
-        on_lost: OnLost | None,
-    ) -> Lock:
-        """Attempts until one succeeds, or LockBusy once ``wait`` has passed, in the kernel's
-        queue of ``lockstring`` (SQLite: see ``sqllocker.file_queue``): only the waiter holding
-        its place tries the row, and keeps the place while the row is ours. Without a
-        ``queue``, backing off between attempts."""
-        backoff = Backoff.for_wait(wait)
-        offset = queue.offset(self.table_name, lockstring) if queue is not None else 0
-        place = queue.take(offset) if queue is not None else None
-        request: PlaceRequest | None = None
-        bell: BellListener | None = None
-        # Seconds until the row as last read can be taken over (0: free; None: unknown).
-        until_free: float | None = None
-        # Until the kernel's queue fails us (then back off, unqueued).
-        in_line = queue is not None
-        try:
-            while True:
-                if place is None and in_line and queue is not None:
-                    request = request or queue.request(offset)
-                    if request is None:
-                        in_line = False  # the queue file cannot be opened: back off, unqueued
-                    else:
-                        if bell is None:
-                            # Listening before the row is first read: a break after it is heard.
-                            bell = queue.listen()
-                            until_free = self._until_free(lockstring)
-                        granted, wake = concurrency.woken_from_thread()
-                        request.when_granted(wake)
-                        bell.when_rung(wake)
-                        concurrency.wait(granted, backoff.turn_patience(until_free))
-                        place = request.take()
-                        if place is not None or request.granted.is_set():
-                            in_line, request = place is not None, None
-                        elif not bell.heard() and not backoff.expired():
-                            # Not our turn yet, and no break heard of: a look at the row, and
-                            # an attempt only if it is free or takeable.
-                            until_free = self._until_free(lockstring)
-                            if until_free is not None and until_free > 0:
-                                continue
-                try:
-                    # Not our turn: the row is read before any INSERT.
-                    outcome = self._try_acquire(
-                        winnings, lockstring, guid, details, ttl, on_lost, look_first=place is None
-                    )
-                except DatabaseError as error:
-                    _wait_out(error, backoff, lockstring)
-                    continue
-                if isinstance(outcome, Lock):
-                    outcome._state.place, place = place, None
-                    return outcome
-                until_free = backoff.until_takeable(outcome, self.grace)
-                if place is not None or not in_line or backoff.expired():
-                    # Our turn, but the row is held by someone who did not queue (or whose
-                    # grace is not over): back off until it is free.
-                    delay = backoff.after_refusal(outcome, lockstring, wait, self.grace)
-                    concurrency.sleep(delay)
-        finally:
-            if bell is not None:
-                bell.close()
-            if request is not None:
-                request.withdraw()
-            if place is not None:
-                place.leave()
-
-    def _until_free(self, lockstring: str) -> float | None:
-        """A queued waiter's look at the row (a read): seconds until it can be taken over, 0
-        if it is free or can be now; None if unknown (the read failed, or a DBIx::Locker row,
-        taken over only once expired in every time zone)."""
-        try:
-            info: LockInfo | None = self._call(self._operations.lock_info, lockstring)
-        except DatabaseError:
-            return None
-        if info is None:
-            return 0.0
-        return None if info.dbix_locker else max(0.0, info.seconds_left + self.grace)
-
-    def _try_acquire(
-        self,
-        winnings: Winnings,
-        lockstring: str,
-        guid: str,
-        details: dict[str, Any],
-        ttl: float,
-        on_lost: OnLost | None,
-        queue_key: int | None = None,
-        look_first: bool = False,
-        in_line: bool = False,
-    ) -> Lock | Refused:
-        attempt = (lockstring, guid, ttl, details, queue_key, look_first, in_line)
-        outcome = self._operations.try_acquire(*attempt)
-        attempted(outcome)
-        if not isinstance(outcome, Acquired):
-            return outcome
-        return self._lock(winnings, lockstring, guid, outcome, ttl, details, on_lost)
-
-    def _lock(
-        self,
-        winnings: Winnings,
-        lockstring: str,
-        guid: str,
-        acquired: Acquired,
-        ttl: float,
-        details: dict[str, Any],
-        on_lost: OnLost | None,
-    ) -> Lock:
-        """The handle of a row just won, recorded in the acquire's ``winnings``: if the acquire
-        ends in an exception before it hands the lock over, it is released (``acquisition``)."""
-        state = LockState(
-            self._operations,
-            self._call,
-            self._keep_alives,
-            lockstring,
-            acquired.lock_id,
-            guid,
-            ttl,
-            acquired.sent_at,
-            on_lost,
-        )
-        lock = Lock(
-            self, state, created=acquired.created, expires=acquired.expires, locked_by=details
-        )
-        return winnings.won(lock)
-
     def _call(self, operation: Callable[..., T], *args: Any) -> T:
         """Run one of the table's operations (in asyncio: in a greenlet, on the running loop's
         connections)."""
         return operation(*args)
 
-    def _release_listener(self) -> ReleaseListener | None:
-        """The connection that keeps this Locker's tickets alive (and, on PostgreSQL, wakes
-        its waiters on NOTIFY), where waiters take tickets; None where they back off."""
-        if not self._operations.waits_by_ticket:
-            return None
-        with self._setup_lock:
-            if self._listener is None:
-                self._listener = ReleaseListener(
-                    self.engine, self.table_name, self._operations.hands_over
-                )
-            return self._listener
+    def _ready(self) -> None:
+        """Set up on first use, one task at a time (in asyncio: LockOperations's own set-up lock
+        is a thread lock, which one task must never hold while another task on the same thread
+        waits; a sync locker sets up in its first operation)."""

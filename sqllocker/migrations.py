@@ -22,14 +22,18 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.engine import URL, Connection, Engine
 
-from .adoption import check_adoptable, interrupted_after_swap, plan_adoption, set_aside_name
+from .adoption import check_adoptable, interrupted_after_swap, plan_adoption
 from .backends import backend_class, backend_for
 from .engine import describe_url
 from .errors import ForeignTable, LockError, one_line
-from .schema import DEFAULT_TABLE, FOREIGN_GUID_PREFIX, lock_table
-from .validation import check_table_name
-
-VERSION_TABLE = "sqllocker_alembic_version"
+from .schema import (
+    DEFAULT_TABLE,
+    FOREIGN_GUID_PREFIX,
+    current_revision_on,
+    lock_table,
+    set_aside_name,
+    version_table_for,
+)
 
 
 def script_location() -> Path:
@@ -41,12 +45,6 @@ def script_location() -> Path:
         f"sqllocker's migration scripts are missing (looked in {package_dir / '_migrations'} "
         f"and {package_dir.parent / 'migrations'}); reinstall sqllocker"
     )
-
-
-def version_table_for(table: str) -> str:
-    """sqllocker_alembic_version for the default table; one per table for the others."""
-    check_table_name(table)
-    return VERSION_TABLE if table == DEFAULT_TABLE else f"{VERSION_TABLE}_{table}"
 
 
 def alembic_config(table: str, **attributes: Any) -> Config:
@@ -66,11 +64,6 @@ def head_revision() -> str:
 def current_revision(engine: Engine, table: str = DEFAULT_TABLE) -> str | None:
     with engine.connect() as conn:
         return current_revision_on(conn, table)
-
-
-def current_revision_on(conn: Connection, table: str = DEFAULT_TABLE) -> str | None:
-    context = MigrationContext.configure(conn, opts={"version_table": version_table_for(table)})
-    return context.get_current_revision()
 
 
 def upgrade(engine: Engine, table: str = DEFAULT_TABLE, revision: str = "head") -> None:

@@ -39,19 +39,27 @@ logger = logging.getLogger("sqllocker")
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
 
-    from .lock import Run
-    from .locker import Locker
+    from .lock import LockTaker, Run
     from .operations import LockInfo, LockOperations
+    from .telemetry import Telemetry
 
 
 class RWLock:
     """Readers together or one writer alone on ``name`` (see ``sqllocker.rwlocks``); from the
     locker's ``rwlock()``."""
 
-    def __init__(self, locker: Locker, operations: LockOperations, run: Run, name: str) -> None:
+    def __init__(
+        self,
+        locker: LockTaker,
+        operations: LockOperations,
+        run: Run,
+        name: str,
+        telemetry: Telemetry,
+    ) -> None:
         self.locker = locker
         self._operations = operations
         self._run = run
+        self._telemetry = telemetry
         self.name = check_lockstring(name)
 
     def read(
@@ -70,7 +78,7 @@ class RWLock:
         ``lock()``'s. Raises LockBusy once ``wait`` has passed."""
         check_reader_name(self.name)
         checked = check_wait(wait, self.name)
-        recording = self.locker._telemetry.compound("rwlock.reader", self.name, wait, mapped=True)
+        recording = self._telemetry.compound("rwlock.reader", self.name, wait, mapped=True)
         try:
             reader = self._read(checked, expires, on_lost, locked_by, hold_at_least)
         except BaseException as error:
@@ -143,7 +151,7 @@ class RWLock:
     ) -> WriteLock:
         """``write()``, recorded as ``kind`` (an election's campaign: ``election``)."""
         checked = check_wait(wait, self.name)
-        recording = self.locker._telemetry.compound(kind, self.name, wait, mapped=True)
+        recording = self._telemetry.compound(kind, self.name, wait, mapped=True)
         try:
             with unrecorded():  # two rows, one lock: recorded once, below
                 lock = self._take_write(checked, expires, on_lost, locked_by, hold_at_least)
@@ -153,7 +161,7 @@ class RWLock:
         lock._state.telemetry = hold = recording.acquired(lock.lock_id)
         lock.claim._state.telemetry = LostWith(hold)
         try:
-            _announce(self.locker, self.name)
+            _announce(self._run, self._operations, self.name)
         except BaseException:  # cancelled meanwhile: the caller never gets the lock
             _give_back(lock)
             raise
@@ -259,7 +267,7 @@ class WriteLock(Lock):
             try:
                 self.claim.unlock()
             finally:
-                _announce(self.locker, self.lockstring)
+                _announce(self._state.run, self._state.operations, self.lockstring)
 
     def extend(self, seconds: float | None = None) -> datetime:
         self.claim.extend(seconds)
@@ -289,14 +297,15 @@ class WriteLock(Lock):
             try:
                 self.claim.__exit__(exc_type, exc_value, traceback)
             finally:
-                _announce(self.locker, self.lockstring)
+                _announce(self._state.run, self._state.operations, self.lockstring)
 
 
-def _announce(locker: Locker, name: str) -> None:
-    """Tell the observers of ``name``'s writer (an election's) that it changed: only a hint
-    (see ``Election.observe``), so one that fails is logged, and they poll."""
+def _announce(run: Run, operations: LockOperations, name: str) -> None:
+    """Tell the observers of ``name``'s writer (an election's) that it changed, through the
+    locker's ``operations`` (each run by ``run``): only a hint (see ``Election.observe``),
+    so one that fails is logged, and they poll."""
     try:
-        locker._call(locker._operations.announce_leader, name)
+        run(operations.announce_leader, name)
     except LockError as error:
         logger.info("read-write lock %r: could not tell its observers (%s)", name, error)
 

@@ -18,20 +18,18 @@ The column types are where the three backends are made to agree:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
-from sqlalchemy.engine import Dialect
+from sqlalchemy.engine import Connection, Dialect
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.types import TypeEngine
 
 from .validation import MAX_LOCKSTRING_LENGTH, check_table_name
-
-if TYPE_CHECKING:
-    from .backends import Backend
 
 DEFAULT_TABLE = "semaphores"
 GUID_LENGTH = 36
@@ -148,10 +146,63 @@ def expires_index_name(table: str) -> str:
     return f"ix_{table}_expires"
 
 
-def _backend(dialect: Dialect) -> type[Backend]:
-    from .backends import backend_class  # the backends build on this module's types
+class ColumnRules(Protocol):
+    """What the table's column types ask of the database they are compiled for: its backend's
+    (``backends.Backend``)."""
 
-    return backend_class(dialect.name)
+    reads_timestamps_as_text: bool
+
+    def lockstring_type(self, dialect: Dialect, length: int) -> TypeEngine[Any]: ...
+
+    def timestamp_type(self, dialect: Dialect) -> TypeEngine[Any]: ...
+
+    def timestamp_bind(self, value: Any) -> Any: ...
+
+    def foreign_guid_default(self) -> str: ...
+
+
+# The backends build on this module's types; they give it how to find theirs when imported
+# (``backends.backend_class``).
+_column_rules: list[Callable[[str], ColumnRules]] = []
+
+
+def use_column_rules(rules_of: Callable[[str], ColumnRules]) -> None:
+    """Look up the column rules of a dialect, by its name, with ``rules_of`` from now on."""
+    _column_rules[:] = [rules_of]
+
+
+def _backend(dialect: Dialect) -> ColumnRules:
+    return _column_rules[0](dialect.name)
+
+
+# alembic's version table of the default lock table; a table of another name has its own.
+VERSION_TABLE = "sqllocker_alembic_version"
+# Where MySQL's old table goes when the new one is swapped in (dropped once the adoption is
+# done), and the name the new one is built under until then.
+SET_ASIDE_SUFFIX = "_dbix_locker"
+SWAP_SUFFIX = "_sqllocker_new"
+
+
+def version_table_for(table: str) -> str:
+    """sqllocker_alembic_version for the default table; one per table for the others."""
+    check_table_name(table)
+    return VERSION_TABLE if table == DEFAULT_TABLE else f"{VERSION_TABLE}_{table}"
+
+
+def current_revision_on(conn: Connection, table: str = DEFAULT_TABLE) -> str | None:
+    """The migration revision recorded for ``table`` on ``conn``, or None."""
+    from alembic.runtime.migration import MigrationContext  # alembic only when asked
+
+    context = MigrationContext.configure(conn, opts={"version_table": version_table_for(table)})
+    return context.get_current_revision()
+
+
+def set_aside_name(table: str) -> str:
+    return check_table_name(table) + SET_ASIDE_SUFFIX
+
+
+def swap_name(table: str) -> str:
+    return check_table_name(table) + SWAP_SUFFIX
 
 
 # MySQL/MariaDB: the rows an acquire locks, one per stripe of lockstrings, so that acquirers of

@@ -11,12 +11,13 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from . import concurrency
 from .acquiring import Winnings, acquisition
 from .backoff import Backoff
 from .errors import LockBusy, LockError
+from .holding import OnLost
 from .permits import (
     TURN_EXPIRES,
     admits,
@@ -32,11 +33,27 @@ from .telemetry import unrecorded
 from .validation import check_hold_at_least, check_wait
 
 if TYPE_CHECKING:
-    from .lock import Lock, Run
-    from .locker import Locker
+    from .lock import Lock, LockTaker, Run
     from .operations import LockInfo, LockOperations
+    from .telemetry import Telemetry
 
 logger = logging.getLogger("sqllocker")
+
+
+class Request(Protocol):
+    """The locker's acquire of one lock, its arguments checked, to run in the acquisition of a
+    permit (``Locker._acquire_request``)."""
+
+    def __call__(
+        self,
+        lockstring: str,
+        expires: float | None = None,
+        wait: float | None = 0,
+        locked_by: dict[str, Any] | None = None,
+        keep_alive: bool = False,
+        on_lost: OnLost | None = None,
+        hold_at_least: float | None = None,
+    ) -> Callable[[Winnings], Lock]: ...
 
 
 def _turn_lost(_: object) -> None:
@@ -48,9 +65,19 @@ class Semaphore:
     locker's ``semaphore()``."""
 
     def __init__(
-        self, locker: Locker, operations: LockOperations, run: Run, name: str, limit: int
+        self,
+        locker: LockTaker,
+        operations: LockOperations,
+        run: Run,
+        name: str,
+        limit: int,
+        *,
+        request: Request,
+        telemetry: Telemetry,
     ) -> None:
         self.locker = locker
+        self._request = request
+        self._telemetry = telemetry
         self._operations = operations
         self._run = run
         self.name, self.limit = check_semaphore(name, limit)
@@ -73,8 +100,8 @@ class Semaphore:
         hold = check_hold_at_least(hold_at_least, self.name)
         # Granted only once counted: until then a permit is held for no window and not kept
         # alive, so that one refused goes back at once (``permit.unlock()``).
-        request = functools.partial(self.locker._acquire_request, expires=expires, **options)
-        recording = self.locker._telemetry.compound("semaphore", self.name, wait)
+        request = functools.partial(self._request, expires=expires, **options)
+        recording = self._telemetry.compound("semaphore", self.name, wait)
         try:
             # A permit counts as held once granted: one refused by the count, given back at
             # once, and the turn, a waiter's place, are never held locks.
@@ -136,7 +163,7 @@ class Semaphore:
     def _take_turn(self, winnings: Winnings) -> Lock | None:
         """The semaphore's turn for this waiter, refused for its smaller limit, if nobody else
         has it: kept alive while it waits, it holds newcomers off the permits it needs."""
-        request = self.locker._acquire_request(
+        request = self._request(
             turn_lockstring(self.name),
             expires=TURN_EXPIRES,
             locked_by=turn_details(self.limit),

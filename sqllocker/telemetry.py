@@ -37,6 +37,7 @@ from sqlalchemy.engine import Engine
 
 from .backends import backend_class
 from .errors import LockBusy, LockLost
+from .version import __version__
 
 logger = logging.getLogger("sqllocker")
 P = ParamSpec("P")
@@ -295,8 +296,6 @@ class _Instruments:
         tracer_provider: Any,
         table_attributes: Callable[[], dict[str, str]],
     ) -> None:
-        from . import __version__
-
         meter = meter_provider.get_meter("sqllocker", __version__)
         self.tracer = tracer_provider.get_tracer("sqllocker", __version__)
         self.table_attributes = table_attributes

@@ -427,8 +427,9 @@ async def test_a_closed_aiosqlite_connection_fails_the_one_call_as_a_dbapi_error
             with pytest.raises(sqlite3.OperationalError):
                 await in_greenlet(one_call, "SELECT 1", (), returns_rows)
         await in_greenlet(pooled.invalidate)
-        assert locker._operations._stack is not None
-        for held in locker._operations._stack._idle:  # a kept connection closed, then replaced
+        stack = locker._operations.database.pool.stack
+        assert stack is not None
+        for held in stack._idle:  # a kept connection closed, then replaced
             await held.connection.driver_connection.close()
         lock = await locker.lock("job")
         await lock.unlock()
@@ -445,8 +446,8 @@ async def test_every_statement_on_a_closed_aiosqlite_connection_replaces_it(
         lock = await locker.lock("held")
 
         async def close_the_kept_connections() -> None:
-            assert locker._operations._stack is not None
-            for held in locker._operations._stack._idle:
+            assert locker._operations.database.pool.stack is not None
+            for held in locker._operations.database.pool.stack._idle:
                 await held.connection.driver_connection.close()
 
         await close_the_kept_connections()
@@ -794,7 +795,7 @@ async def _settled(lockers: list[AsyncLocker]) -> None:
     from sqllocker.asyncio import tasks
 
     deadline = time.monotonic() + 60
-    while tasks._running or any(locker._leaving._tasks for locker in lockers):
+    while tasks._running or any(locker._tickets.leaving._tasks for locker in lockers):
         assert time.monotonic() < deadline, "background work still running"
         await asyncio.sleep(0.05)
 
@@ -870,8 +871,8 @@ async def test_postgres_async_waiter_wakes_on_notify(
         freed = time.monotonic()
         lock = await asyncio.wait_for(waiting, 20)
         assert time.monotonic() - freed < 10  # far sooner than the poll: NOTIFY woke it
-        assert waiter._listener is not None
-        assert waiter._listener.notifications >= 1
+        assert waiter._tickets.listener is not None
+        assert waiter._tickets.listener.notifications >= 1
         await lock.unlock()
     holder.close()
 
@@ -1007,7 +1008,7 @@ async def main(url):
     locker = AsyncLocker(url)
     await (await locker.lock("warm")).unlock()
     operations = locker._operations
-    backend = type(operations._be)
+    backend = type(operations.database.be)
     read_settings = backend.read_settings
 
     def slow_read_settings(self, conn, table):  # an await inside the setup
@@ -1015,7 +1016,7 @@ async def main(url):
         return read_settings(self, conn, table)
 
     backend.read_settings = slow_read_settings
-    operations._needs_setup = True  # as after a lost connection
+    operations.database.needs_setup = True  # as after a lost connection
     locks = await asyncio.gather(*(locker.lock(f"lock {n}") for n in range(3)))
     for lock in locks:
         await lock.unlock()

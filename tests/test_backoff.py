@@ -47,8 +47,8 @@ def test_postgres_waiter_wakes_on_notify(
     thread.join(20)
     assert acquired, "the waiter was not woken"
     assert acquired[0] - freed < 10  # far sooner than its 30 s poll: the notification woke it
-    assert waiter._listener is not None
-    assert waiter._listener.notifications >= 1
+    assert waiter._tickets.listener is not None
+    assert waiter._tickets.listener.notifications >= 1
     holder.close()
     waiter.close()
 
@@ -89,7 +89,7 @@ def test_other_backends_wait_by_backing_off(make_locker: Any, backend: str) -> N
     threading.Timer(0.3, held.unlock).start()
     with waiter.lock("job", wait=10) as lock:
         assert lock.is_locked
-    assert waiter._release_listener() is None
+    assert waiter._tickets.release_listener() is None
 
 
 def test_a_waiter_awaiting_a_hand_off_waits_the_longest_delay_but_not_past_a_takeover() -> None:

@@ -412,7 +412,7 @@ def test_purge_rests_after_each_full_batch_in_proportion_to_it(migrated: Locker)
         abandon(migrated.lock(f"dead {n}", expires=0.1))
     time.sleep(0.3)
     rests: list[float] = []
-    migrated._operations._sleep = rests.append
+    migrated._operations.database.sleep = rests.append
     assert migrated.purge_expired_locks(batch_size=10, pause_ratio=2) == 25
     assert len(rests) == 2  # after the two full batches, not after the last, partial one
     assert all(0 < rest < 10 for rest in rests)

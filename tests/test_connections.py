@@ -38,7 +38,7 @@ from tests.test_fork_and_clocks import run_in_child
 
 
 def stack_of(locker: Locker) -> ConnectionStack:
-    stack = locker._operations._stack
+    stack = locker._operations.database.pool.stack
     assert stack is not None, "a Locker on a URL runs its lock operations on a ConnectionStack"
     return stack
 
@@ -276,7 +276,7 @@ def test_a_callers_engine_keeps_its_pool_and_never_reuses_a_replaced_connections
     connection; a connection that was replaced is never handed its old cursor."""
     engine = create_locker_engine(resolve_url(url))
     locker = Locker(engine, table=table_name, auto_create=True)
-    assert locker._operations._stack is None
+    assert locker._operations.database.pool.stack is None
     locker.lock("warm up").unlock()
 
     def kept() -> tuple[object, object]:

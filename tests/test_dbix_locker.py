@@ -36,9 +36,8 @@ from sqllocker.migrations import (
     head_revision,
     schema_differences,
     upgrade,
-    version_table_for,
 )
-from sqllocker.schema import FOREIGN_CLOCK_MARGIN
+from sqllocker.schema import FOREIGN_CLOCK_MARGIN, version_table_for
 
 from .conftest import IN_CI
 from .test_cli import SQLLOCKER

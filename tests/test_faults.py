@@ -291,8 +291,10 @@ def test_a_row_handed_over_is_durable_before_its_new_holder_has_it(private_serve
     held.unlock()
     thread.join(10)
     handed = result["lock"]
-    assert waiter._listener is not None
-    assert waiter._listener.grants == 1  # handed over by the release, not taken by the waiter
+    assert waiter._tickets.listener is not None
+    assert (
+        waiter._tickets.listener.grants == 1
+    )  # handed over by the release, not taken by the waiter
     private_server.stop(crash=True)
     private_server.start()
 

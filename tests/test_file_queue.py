@@ -17,8 +17,9 @@ from typing import Any
 
 import pytest
 
-from sqllocker import LockBusy, Locker, LockLost, backoff, operations
+from sqllocker import LockBusy, Locker, LockLost, backoff
 from sqllocker.file_queue import AVAILABLE, SUFFIX, FileQueue
+from sqllocker.operations import release as releasing
 from tests.helpers import wait_in_thread, wait_until
 from tests.test_cli import SQLLOCKER
 from tests.test_hand_off import counting_attempts
@@ -211,7 +212,7 @@ def test_releases_checkpoint_the_log_once_they_have_left_their_place(
     then a release still holding its place: its waiters waited it out. The engine's connections
     no longer checkpoint as they commit; a release does, every CHECKPOINT_EVERY, once its place
     is free."""
-    monkeypatch.setattr(operations, "CHECKPOINT_EVERY", 4)
+    monkeypatch.setattr(releasing, "CHECKPOINT_EVERY", 4)
     locker = lockers()
     probe = FileQueue(str(tmp_path / "locks.db"))
     places_free: list[bool] = []
@@ -253,14 +254,14 @@ def test_without_the_releases_checkpoints_the_log_grows_past_sqlites_limit(
     """What the releases' checkpoints are for: with none, nothing copies the log back (the
     engine's connections no longer do it as they commit) and it grows with every lock; with
     them, it starts again as it did with SQLite's own."""
-    monkeypatch.setattr(operations, "CHECKPOINT_EVERY", 10**9)
+    monkeypatch.setattr(releasing, "CHECKPOINT_EVERY", 10**9)
     locker = lockers()
     for _ in range(200):
         with locker.lock("report"):
             pass
     log, _ = log_pages(tmp_path / "locks.db")
     assert log > 1000  # SQLite's own limit, in pages
-    monkeypatch.setattr(operations, "CHECKPOINT_EVERY", 128)
+    monkeypatch.setattr(releasing, "CHECKPOINT_EVERY", 128)
     for _ in range(300):
         with locker.lock("report"):
             pass

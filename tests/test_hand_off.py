@@ -15,6 +15,7 @@ import sqlalchemy as sa
 from sqllocker import Lock, Locker, notifications
 from sqllocker import tickets as ticketing
 from sqllocker.asyncio import AsyncLocker
+from sqllocker.attempts import Attempts
 from sqllocker.backoff import Backoff
 from sqllocker.holding import safety_margin
 from tests.helpers import (
@@ -74,8 +75,8 @@ def test_a_release_hands_the_row_to_the_waiter_with_the_first_ticket(
     done = hand_off(holder, waiter, admin, table_name)
     held, lock, released = done.held, done.lock, done.released
     assert done.returned - released < 5  # not the 30 s poll
-    assert waiter._listener is not None
-    assert waiter._listener.grants == 1
+    assert waiter._tickets.listener is not None
+    assert waiter._tickets.listener.grants == 1
     info = waiter.lock_info("report")
     assert info is not None
     assert info.lock_id == lock.lock_id
@@ -84,7 +85,7 @@ def test_a_release_hands_the_row_to_the_waiter_with_the_first_ticket(
     assert lock.created == info.created
     assert lock._state.valid_until <= released + 20 - safety_margin(20)
     assert tickets(admin, table_name) == []  # the release took the ticket with it
-    assert len(waiter._line) == 0
+    assert len(waiter._tickets.line) == 0
     lock.unlock()
     assert waiter.lock_info("report") is None  # and nobody was handed the row again
 
@@ -217,8 +218,8 @@ def test_a_waiter_that_took_the_row_itself_gives_up_its_ticket_before_it_has_the
     started = time.monotonic()
     lock = waiter.lock("report", wait=60)
     assert 0.3 <= time.monotonic() - started < 5  # its patience, not the minute
-    assert waiter._listener is not None
-    assert waiter._listener.grants == 0  # its own INSERT
+    assert waiter._tickets.listener is not None
+    assert waiter._tickets.listener.grants == 0  # its own INSERT
     assert tickets(admin, table_name) == [("report", stopped.guid)]  # its own given up
     lock.unlock()  # handed to the stopped ticket, still live
     assert row_guid(admin, table_name, "report") == stopped.guid
@@ -242,10 +243,10 @@ def test_a_waiter_whose_wait_ends_in_an_error_gives_back_a_row_handed_to_it(
     monkeypatch.setattr(notifications.WaiterQueues, "hand_over", lambda self, grant: False)
     # No attempt of its own until woken below: none can be under way when the release lands.
     monkeypatch.setattr(Backoff, "for_wait", classmethod(lambda cls, wait: cls(None, 30.0, 30.0)))
-    try_acquire = Locker._try_acquire
+    try_acquire = Attempts.try_acquire
 
     def fail_once_handed_the_row(
-        self: Locker, winnings: Any, lockstring: str, guid: str, *args: Any, **kwargs: Any
+        self: Attempts, winnings: Any, lockstring: str, guid: str, *args: Any, **kwargs: Any
     ) -> Any:
         if row_guid(admin, table_name, lockstring) == guid:  # this attempt would find it ours
             raise RuntimeError("the database went away")
@@ -253,12 +254,12 @@ def test_a_waiter_whose_wait_ends_in_an_error_gives_back_a_row_handed_to_it(
 
     holder, waiter = holder_and_waiter
     held = holder.lock("report")
-    monkeypatch.setattr(Locker, "_try_acquire", fail_once_handed_the_row)
+    monkeypatch.setattr(Attempts, "try_acquire", fail_once_handed_the_row)
     thread, result = wait_in_thread(waiter, wait=60)
     in_line(admin, table_name)
     held.unlock()
-    assert waiter._listener is not None
-    waiter._listener._waiters.wake_everyone()  # as a dropped listening connection does
+    assert waiter._tickets.listener is not None
+    waiter._tickets.listener._waiters.wake_everyone()  # as a dropped listening connection does
     thread.join(10)
     assert isinstance(result.get("error"), RuntimeError)  # it was handed the row, then failed
     assert holder.lock_info("report") is None  # given back
@@ -285,8 +286,8 @@ def test_no_row_is_handed_to_a_ticket_whose_locker_is_gone_and_the_next_live_one
     held.unlock()
     thread.join(10)
     assert result["lock"].lock_id > held.lock_id  # handed over at once, not polled for
-    assert waiter._listener is not None
-    assert waiter._listener.grants == 1
+    assert waiter._tickets.listener is not None
+    assert waiter._tickets.listener.grants == 1
     assert tickets(admin, table_name) == []  # the dead ones passed over, and deleted
     result["lock"].unlock()
 
@@ -306,8 +307,8 @@ def advisory_locks_of(admin: sa.Engine, backend_pid: int) -> int:
 
 def listener_pid(admin: sa.Engine, locker: Locker | AsyncLocker) -> int:
     """The server session of ``locker``'s listener: the one holding its liveness key."""
-    assert locker._listener is not None
-    key = locker._listener.liveness_key
+    assert locker._tickets.listener is not None
+    key = locker._tickets.listener.liveness_key
     assert key is not None
     with admin.connect() as conn:
         return int(
@@ -335,8 +336,8 @@ def test_a_lockers_tickets_live_by_its_listeners_one_key_given_up_with_its_sessi
     assert advisory_locks_of(admin, pid) == 1
     with admin.connect() as conn:
         keys = conn.exec_driver_sql(f"SELECT liveness_key FROM {table_name}_requests").all()
-    assert waiter._listener is not None
-    assert {key for (key,) in keys} == {waiter._listener.liveness_key}
+    assert waiter._tickets.listener is not None
+    assert {key for (key,) in keys} == {waiter._tickets.listener.liveness_key}
     held.unlock()
     unlock_in_turn(threads)
     waiter.close()
@@ -356,18 +357,19 @@ def test_a_listener_that_reconnects_has_its_waiters_take_new_tickets_and_be_serv
     for number in range(4):
         threads.append(wait_in_thread(waiter, wait=60))
         in_line(admin, table_name, waiters=number + 1)
-    assert waiter._listener is not None
-    old_key = waiter._listener.liveness_key
+    assert waiter._tickets.listener is not None
+    old_key = waiter._tickets.listener.liveness_key
     with admin.connect() as conn:
         conn.execute(
             sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": listener_pid(admin, waiter)}
         )
     wait_until(
         lambda: (
-            waiter._listener is not None and waiter._listener.liveness_key not in (None, old_key)
+            waiter._tickets.listener is not None
+            and waiter._tickets.listener.liveness_key not in (None, old_key)
         )
     )
-    new_key = waiter._listener.liveness_key
+    new_key = waiter._tickets.listener.liveness_key
     with admin.connect() as conn:
         wait_until(
             lambda: (
@@ -471,8 +473,8 @@ def test_break_lock_and_purge_hand_the_row_to_the_first_ticket_too(
     thread.join(10)
     assert result["lock"].lock_id > expiring.lock_id
     result["lock"].unlock()
-    assert waiter._listener is not None
-    assert waiter._listener.grants == 2
+    assert waiter._tickets.listener is not None
+    assert waiter._tickets.listener.grants == 2
 
 
 async def test_an_async_waiter_is_handed_the_row_too(
@@ -487,8 +489,8 @@ async def test_an_async_waiter_is_handed_the_row_too(
     released = time.monotonic()
     lock = await asyncio.wait_for(task, 10)
     assert time.monotonic() - released < 5  # not the 30 s poll
-    assert waiter._listener is not None
-    assert waiter._listener.grants == 1
+    assert waiter._tickets.listener is not None
+    assert waiter._tickets.listener.grants == 1
     info = holder.lock_info("report")
     assert info is not None
     assert info.lock_id == lock.lock_id

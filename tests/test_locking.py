@@ -56,7 +56,7 @@ def test_a_row_found_under_our_own_guid_is_renewed_before_it_counts(locker: Lock
     # validity then both count from this attempt, never from a moment the holder cannot know.
     first = locker.lock("Zombie Soup", expires=30)
     time.sleep(1.5)
-    again = locker._try_acquire(
+    again = locker._acquirer.attempts.try_acquire(
         Winnings(), first.lockstring, first.guid, first.locked_by, 30.0, None
     )
     assert isinstance(again, Lock)
@@ -557,8 +557,8 @@ def test_contention_met_by_a_read_back_is_tried_again_not_a_refusal(
     names = ["read back a", "read back b"][: 2 if group else 1]
     try:
         locker.lock_info(names[0])  # set up, then read back as on a Galera node that retries
-        locker._operations._inserts_replayed = True
-        locker._operations._lone_inserts_retried = True
+        locker._operations.database.inserts_replayed = True
+        locker._operations.database.lone_inserts_retried = True
         proxy.answer_with_mysql_error(READ_BACK, 1213)
         held = locker.lock_all(names) if group else [locker.lock(names[0])]
         assert proxy.errors_answered == 1

@@ -207,7 +207,7 @@ def test_a_newcomer_does_not_take_a_free_row_ahead_of_a_live_ticket(
     started = time.monotonic()
     lock = newcomer.lock("report", wait=10)
     assert time.monotonic() - started >= 0.45  # it waited its turn, as long as its patience
-    assert newcomer._line.passed == 1
+    assert newcomer._tickets.line.passed == 1
     lock.unlock()
     taken = newcomer.try_lock("report")
     assert taken is not None
@@ -229,7 +229,7 @@ def test_a_dead_ticket_keeps_nobody_waiting_and_the_purge_sweeps_it(
     locker.lock("report", wait=10).unlock()
     # Not PATIENCE (a second): the dead ticket did not count.
     assert time.monotonic() - started < 0.9 * ticketing.PATIENCE
-    assert locker._line.passed == 0
+    assert locker._tickets.line.passed == 0
     live = StrangerTicket(migrated_mysql, table_name)
     assert len(standing(admin, table_name)) == 2
     locker.purge_expired_locks()
@@ -252,7 +252,7 @@ def test_waiters_whose_listener_lost_its_session_take_new_tickets_and_are_served
     for number in range(4):
         results.append(wait_in_thread(waiters, wait=30))
         wait_until(lambda: len(standing(admin, table_name)) == number + 1)
-    listener = waiters._listener
+    listener = waiters._tickets.listener
     assert listener is not None
     assert listener.liveness_key is not None
     old_key = listener.liveness_key

@@ -16,16 +16,14 @@ from sqllocker import Locker
 from sqllocker.cli import cli
 from sqllocker.engine import resolve_url
 from sqllocker.migrations import (
-    VERSION_TABLE,
     current_revision,
     downgrade,
     head_revision,
     schema_differences,
     upgrade,
     upgrade_sql,
-    version_table_for,
 )
-from sqllocker.schema import ID_ORDER_STRIPES
+from sqllocker.schema import ID_ORDER_STRIPES, VERSION_TABLE, version_table_for
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -141,7 +141,7 @@ def test_a_locker_with_many_waiters_opens_no_more_connections_than_max_connectio
     for thread in threads:
         thread.join(60)
     most = sampler.stop() - baseline
-    listener = locker._listener
+    listener = locker._tickets.listener
     assert listener is not None  # tickets, kept alive by the listener
     if server == "postgresql":
         assert listener.grants > 0
@@ -190,7 +190,7 @@ async def test_an_async_locker_with_many_waiting_tasks_stays_within_max_connecti
         await locker.aclose()
     assert len(served) == 90
     assert 2 <= most <= 6
-    stack = locker._operations._stack
+    stack = locker._operations.database.pool.stack
     assert stack is not None
     assert stack._limit == 5  # one for the listener
     assert longest_beat < 5  # the loop never stopped for a connection

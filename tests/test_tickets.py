@@ -364,7 +364,7 @@ async def test_a_cancelled_async_waiter_gives_up_its_ticket(
         with pytest.raises(asyncio.CancelledError):
             await task
     assert tickets(admin, table_name) == []
-    assert len(waiter._line) == 0
+    assert len(waiter._tickets.line) == 0
     held.unlock()
     assert holder.lock_info("report") is None  # handed to nobody
     await waiter.aclose()

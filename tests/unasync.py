@@ -28,14 +28,19 @@ ROOT = Path(__file__).resolve().parent.parent
 ASYNC_DIR = ROOT / "sqllocker" / "asyncio"
 SYNC_DIR = ROOT / "sqllocker"
 MODULES = [
+    "acquirer.py",
     "acquiring.py",
+    "attempts.py",
+    "decorating.py",
     "election.py",
     "group.py",
     "listener.py",
     "lock.py",
     "locker.py",
+    "queue_wait.py",
     "rwlock.py",
     "semaphore.py",
+    "ticket_wait.py",
 ]
 
 ASYNC_BLOCK = re.compile(r"^(?P<indent> *)if True:  # ASYNC$")

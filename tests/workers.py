@@ -34,7 +34,7 @@ from tests.helpers import abandon
 def ended_waits(locker: Locker | AsyncLocker) -> int:
     """Waits cut short because the line stood still on a free row: waiters that took the row
     past a live ticket ahead (``tickets.PATIENCE``)."""
-    return locker._line.passed
+    return locker._tickets.line.passed
 
 
 # With --cancel-some: the share of acquire attempts, and of releases, cancelled mid-way.
@@ -133,7 +133,7 @@ def counter(args: argparse.Namespace) -> int:
             record = {"ls": lockstring, "id": lock.lock_id, "in": entered, "out": left}
             log.write(json.dumps(record) + "\n")
     # PostgreSQL: how many of its locks a release handed over (migration 0005).
-    handed_over = locker._listener.grants if locker._listener is not None else 0
+    handed_over = locker._tickets.listener.grants if locker._tickets.listener is not None else 0
     report = {
         "pid": os.getpid(),
         "overlaps": work.overlaps,

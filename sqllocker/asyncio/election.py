@@ -7,7 +7,7 @@ Written once for asyncio; the sync ``sqllocker/election.py`` is generated from i
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -16,14 +16,15 @@ from ..holding import OnLost
 from ..rwlocks import writer_fence_pattern
 from ..validation import check_lockstring
 from . import concurrency
+from .rwlock import AsyncRWLock, AsyncWriteLock
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection
 
     from ..operations import LockInfo, LockOperations
-    from .lock import Run
-    from .locker import AsyncLocker
-    from .rwlock import AsyncWriteLock
+    from ..telemetry import Telemetry
+    from .listener import AsyncReleaseListener
+    from .lock import AsyncLockTaker, Run
 
 
 class AsyncLeadership:
@@ -67,11 +68,21 @@ class AsyncElection:
     ``election()``."""
 
     def __init__(
-        self, locker: AsyncLocker, operations: LockOperations, run: Run, name: str
+        self,
+        locker: AsyncLockTaker,
+        operations: LockOperations,
+        run: Run,
+        name: str,
+        release_listener: Callable[[], AsyncReleaseListener | None],
+        telemetry: Telemetry,
     ) -> None:
         self.locker = locker
         self._operations = operations
         self._run = run
+        self._telemetry = telemetry
+        # The locker's listener, where waiters take tickets: on PostgreSQL it hears the
+        # candidates' NOTIFYs.
+        self._release_listener = release_listener
         self.name = check_lockstring(name)
 
     async def campaign(
@@ -85,7 +96,8 @@ class AsyncElection:
         """Wait (``None``: without limit) until this process leads, and keep the lead alive;
         ``on_lost`` (else the locker's) is called if it is lost, before anyone else can lead.
         Raises LockBusy once ``wait`` has passed."""
-        lock = await self.locker.rwlock(self.name)._write(
+        rwlock = AsyncRWLock(self.locker, self._operations, self._run, self.name, self._telemetry)
+        lock = await rwlock._write(
             wait,
             expires,
             True,
@@ -114,7 +126,7 @@ class AsyncElection:
         candidate says it took or gave up the lead (a NOTIFY, taken as a hint to read)."""
         interval = min(max(interval, 0.01), OBSERVE_INTERVAL)
         await self._run(self._operations.ensure_setup)
-        listener = self.locker._release_listener()
+        listener = self._release_listener()
         if listener is not None and not listener.hands_over:
             listener = None  # MySQL/MariaDB: no NOTIFY, the poll alone
         last: Leader | None = None

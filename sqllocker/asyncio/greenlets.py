@@ -1,6 +1,6 @@
 """Sync code run on the event loop, in greenlets kept for the next call.
 
-The lock operations are sync code (``operations.py``), written once for both front ends; in
+The lock operations are sync code (``operations/``), written once for both front ends; in
 asyncio each runs in a greenlet, where SQLAlchemy's ``await_`` hands every driver call to the
 event loop. SQLAlchemy's ``greenlet_spawn`` makes a new greenlet for every call, and a new
 greenlet's first run allocates a frame stack of its own: a measurable share of an async lock

@@ -18,13 +18,14 @@ import logging
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
-from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from .. import clock, deadlines, forks
 from ..errors import LockError, LockLost
 from ..holding import RELEASE_PATIENCE, Holding, LockHandle, OnLost
+from ..operations import LockInfo, LockOperations
 from ..validation import check_seconds
 from . import concurrency
 
@@ -35,16 +36,59 @@ if True:  # ASYNC
 
     from .tasks import spawn
 
-if TYPE_CHECKING:
-    from ..operations import LockOperations
-    from .keepalive import AsyncKeepAlive
-    from .locker import AsyncLocker
 
 logger = logging.getLogger("sqllocker")
 
 # Runs one LockOperations operation for the locker (in asyncio: in a greenlet, on the running
 # loop's connections).
 Run = Callable[..., Awaitable[Any]]
+
+T = TypeVar("T")
+
+
+class AsyncCall(Protocol):
+    """How a locker runs one of the table's operations, typed (``AsyncLocker._call``)."""
+
+    async def __call__(self, operation: Callable[..., T], *args: Any) -> T:
+        """``operation(*args)`` (in asyncio: in a greenlet, on the running loop's
+        connections)."""
+        ...
+
+
+class AsyncKeepAlives(Protocol):
+    """What a lock's state asks of its locker's keep-alive (``keepalive.py``)."""
+
+    def add(self, state: AsyncLockState) -> None:
+        """Renew ``state`` in the background until it is removed."""
+
+    def remove(self, state: AsyncLockState) -> None:
+        """Stop renewing ``state``."""
+
+
+class AsyncLockTaker(Protocol):
+    """The locker a lock came from (``AsyncLocker``), as the lock's handle, read-write locks
+    and elections know it: what takes and reads locks on its table."""
+
+    engine: AsyncEngine
+    table_name: str
+
+    def lock(
+        self,
+        lockstring: str,
+        *,
+        expires: float | None = None,
+        wait: float | None = 0,
+        locked_by: dict[str, Any] | None = None,
+        keep_alive: bool = False,
+        on_lost: OnLost | None = None,
+        hold_at_least: float | None = None,
+    ) -> Awaitable[AsyncLock]:
+        """Acquire ``lockstring`` (see ``AsyncLocker.lock``)."""
+        ...
+
+    async def lock_info(self, lockstring: str) -> LockInfo | None:
+        """The row of ``lockstring``, live or expired, or None if there is none."""
+        ...
 
 
 class AsyncLockState(Holding):
@@ -59,7 +103,7 @@ class AsyncLockState(Holding):
         self,
         operations: LockOperations,
         run: Run,
-        keep_alives: AsyncKeepAlive,
+        keep_alives: AsyncKeepAlives,
         lockstring: str,
         lock_id: int,
         guid: str,
@@ -342,7 +386,7 @@ class AsyncLock(LockHandle[AsyncLockState]):
 
     def __init__(
         self,
-        locker: AsyncLocker,
+        locker: AsyncLockTaker,
         state: AsyncLockState,
         *,
         created: object,

@@ -11,8 +11,11 @@ from every driver, and from aiomysql a traceback ("Event loop is closed").
 
 from __future__ import annotations
 
+import asyncio
 import weakref
 from collections.abc import AsyncGenerator, Awaitable, Callable
+
+from ..errors import LockError
 
 
 async def _until_loop_end(
@@ -41,3 +44,34 @@ def at_loop_end(clean_up: Callable[[], Awaitable[None]]) -> AsyncGenerator[None,
     else:  # pragma: no cover - the body awaits nothing before its yield
         raise RuntimeError("the loop-end watcher suspended before its yield")
     return watcher
+
+
+class LoopBinding:
+    """The event loop an AsyncLocker's connections, events and tasks belong to, and the watcher
+    that cleans up as it shuts down (``at_loop_end``)."""
+
+    def __init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._loop_end: AsyncGenerator[None, None] | None = None
+
+    def bind(self, owner: object, clean_up: Callable[[], Awaitable[None]]) -> bool:
+        """Make the running loop ``owner``'s, whose ``clean_up`` (a bound method) runs as it
+        shuts down: whether ``owner`` moves to it from an earlier loop, whose connections,
+        events and tasks it must then drop. A LockError if that loop is still running."""
+        loop = asyncio.get_running_loop()
+        previous = self.loop
+        if previous is loop:
+            return False
+        if previous is not None and previous.is_running():
+            raise LockError(
+                f"{owner!r} is in use on another event loop that is still running (in "
+                "another thread); its connections belong to that loop: make one "
+                "AsyncLocker per loop"
+            )
+        self.loop = loop
+        self._loop_end = at_loop_end(clean_up)
+        return previous is not None
+
+    def is_running(self) -> bool:
+        """Whether the bound loop is the one running now."""
+        return self.loop is asyncio.get_running_loop()

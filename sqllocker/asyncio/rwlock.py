@@ -38,8 +38,8 @@ if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection
 
     from ..operations import LockInfo, LockOperations
-    from .lock import Run
-    from .locker import AsyncLocker
+    from ..telemetry import Telemetry
+    from .lock import AsyncLockTaker, Run
 
 
 class AsyncRWLock:
@@ -47,11 +47,17 @@ class AsyncRWLock:
     locker's ``rwlock()``."""
 
     def __init__(
-        self, locker: AsyncLocker, operations: LockOperations, run: Run, name: str
+        self,
+        locker: AsyncLockTaker,
+        operations: LockOperations,
+        run: Run,
+        name: str,
+        telemetry: Telemetry,
     ) -> None:
         self.locker = locker
         self._operations = operations
         self._run = run
+        self._telemetry = telemetry
         self.name = check_lockstring(name)
 
     async def read(
@@ -70,7 +76,7 @@ class AsyncRWLock:
         ``lock()``'s. Raises LockBusy once ``wait`` has passed."""
         check_reader_name(self.name)
         checked = check_wait(wait, self.name)
-        recording = self.locker._telemetry.compound("rwlock.reader", self.name, wait, mapped=True)
+        recording = self._telemetry.compound("rwlock.reader", self.name, wait, mapped=True)
         try:
             reader = await self._read(checked, expires, on_lost, locked_by, hold_at_least)
         except BaseException as error:
@@ -143,7 +149,7 @@ class AsyncRWLock:
     ) -> AsyncWriteLock:
         """``write()``, recorded as ``kind`` (an election's campaign: ``election``)."""
         checked = check_wait(wait, self.name)
-        recording = self.locker._telemetry.compound(kind, self.name, wait, mapped=True)
+        recording = self._telemetry.compound(kind, self.name, wait, mapped=True)
         try:
             with unrecorded():  # two rows, one lock: recorded once, below
                 lock = await self._take_write(checked, expires, on_lost, locked_by, hold_at_least)
@@ -153,7 +159,7 @@ class AsyncRWLock:
         lock._state.telemetry = hold = recording.acquired(lock.lock_id)
         lock.claim._state.telemetry = LostWith(hold)
         try:
-            await _announce(self.locker, self.name)
+            await _announce(self._run, self._operations, self.name)
         except BaseException:  # cancelled meanwhile: the caller never gets the lock
             await _give_back(lock)
             raise
@@ -265,7 +271,7 @@ class AsyncWriteLock(AsyncLock):
             try:
                 await self.claim.unlock()
             finally:
-                await _announce(self.locker, self.lockstring)
+                await _announce(self._state.run, self._state.operations, self.lockstring)
 
     async def extend(self, seconds: float | None = None) -> datetime:
         await self.claim.extend(seconds)
@@ -295,14 +301,15 @@ class AsyncWriteLock(AsyncLock):
             try:
                 await self.claim.__aexit__(exc_type, exc_value, traceback)
             finally:
-                await _announce(self.locker, self.lockstring)
+                await _announce(self._state.run, self._state.operations, self.lockstring)
 
 
-async def _announce(locker: AsyncLocker, name: str) -> None:
-    """Tell the observers of ``name``'s writer (an election's) that it changed: only a hint
-    (see ``AsyncElection.observe``), so one that fails is logged, and they poll."""
+async def _announce(run: Run, operations: LockOperations, name: str) -> None:
+    """Tell the observers of ``name``'s writer (an election's) that it changed, through the
+    locker's ``operations`` (each run by ``run``): only a hint (see ``AsyncElection.observe``),
+    so one that fails is logged, and they poll."""
     try:
-        await locker._call(locker._operations.announce_leader, name)
+        await run(operations.announce_leader, name)
     except LockError as error:
         logger.info("read-write lock %r: could not tell its observers (%s)", name, error)
 

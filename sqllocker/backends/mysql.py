@@ -18,14 +18,16 @@ from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.expression import Executable
 from sqlalchemy.types import TypeEngine
 
-from ..adoption import set_aside_name, swap_name
 from ..errors import LockError
 from ..schema import (
     ID_ORDER_STRIPES,
     UTCDateTime,
+    current_revision_on,
     id_order_table_name,
     requests_table,
     requests_table_name,
+    set_aside_name,
+    swap_name,
 )
 from ..server_settings import LOSES_ROWS, REORDERS_IDS, ServerSettings, UnsafeSetting
 from ..timeouts import (
@@ -33,12 +35,12 @@ from ..timeouts import (
     ROW_LOCK_TIMEOUT_SECONDS,
     STATEMENT_TIMEOUT_SECONDS,
 )
-from . import Backend, pymysql_tls, shut_down_socket
+from . import pymysql_tls
+from .base import Backend, StatementParts, shut_down_socket
 
 if TYPE_CHECKING:
     from sqlalchemy.sql import Delete, Insert, Select
 
-    from ..statements import Statements
 
 # Serialises concurrent `sqllocker migrate` runs (a named lock, not a row).
 _MIGRATION_LOCK_NAME = "sqllocker_migrate"
@@ -103,7 +105,7 @@ class MySQLBackend(Backend):
 
     # -- statements ------------------------------------------------------------------------------
 
-    def acquire(self, statements: Statements) -> Insert:
+    def acquire(self, statements: StatementParts) -> Insert:
         """An INSERT of a SELECT, whose duplicate-key error means held (never ``INSERT
         IGNORE``: it truncates over-long keys).
 
@@ -123,7 +125,7 @@ class MySQLBackend(Backend):
         )
         return insert.returning(*statements.returned) if self.insert_returning else insert
 
-    def acquire_unless_queued(self, statements: Statements) -> Any:
+    def acquire_unless_queued(self, statements: StatementParts) -> Any:
         """``acquire``, unless a live ticket lower than ``queue_key`` waits for the lockstring
         (``tickets.NEWCOMER``: any live ticket at all): then insert nothing and raise nothing,
         which tells this refusal from the held row's duplicate key."""
@@ -133,7 +135,7 @@ class MySQLBackend(Backend):
         )
         return insert.returning(*statements.returned) if self.insert_returning else insert
 
-    def _anyone_ahead(self, statements: Statements) -> ColumnElement[bool]:
+    def _anyone_ahead(self, statements: StatementParts) -> ColumnElement[bool]:
         """Whether a live ticket lower than ``:queue_key`` waits for the lockstring."""
         requests = statements.requests
         ahead = (
@@ -147,7 +149,7 @@ class MySQLBackend(Backend):
         )
         return sa.exists(ahead)
 
-    def join_line(self, statements: Statements) -> Insert:
+    def join_line(self, statements: StatementParts) -> Insert:
         """A ticket: a row of the requests table, whose id is its number."""
         return sa.insert(statements.requests).values(
             lockstring=statements.lockstring_param,
@@ -155,7 +157,7 @@ class MySQLBackend(Backend):
             liveness_key=sa.bindparam("liveness_key", type_=sa.BigInteger()),
         )
 
-    def leave_line(self, statements: Statements) -> Delete:
+    def leave_line(self, statements: StatementParts) -> Delete:
         requests = statements.requests
         ticket = sa.bindparam("ticket", type_=sa.BigInteger())
         return sa.delete(requests).where(
@@ -178,11 +180,11 @@ class MySQLBackend(Backend):
             .group_by(requests.c.lockstring)
         )
 
-    def sweep_requests(self, statements: Statements) -> Delete:
+    def sweep_requests(self, statements: StatementParts) -> Delete:
         requests = statements.requests
         return sa.delete(requests).where(sa.not_(_is_live(requests.c.liveness_key)))
 
-    def _new_row(self, statements: Statements) -> Select[Any]:
+    def _new_row(self, statements: StatementParts) -> Select[Any]:
         new_row = sa.select(*statements.new_row.values())
         if statements.id_order is not None:
             # CRC32 of the lockstring's UTF-8 bytes, whatever the connection's character set.
@@ -191,7 +193,7 @@ class MySQLBackend(Backend):
             new_row = new_row.where(statements.id_order.c.stripe == stripe).with_for_update()
         return new_row
 
-    def purge_batch(self, statements: Statements, batch_size: int) -> Delete:
+    def purge_batch(self, statements: StatementParts, batch_size: int) -> Delete:
         # MySQL refuses LIMIT in an IN (sub-select) on the same table; DELETE ... LIMIT is fine.
         return (
             sa.delete(statements.table)
@@ -375,11 +377,12 @@ class MySQLBackend(Backend):
         if "guid" not in columns:
             return "it has no guid column"
         collation = columns.get("lockstring", "")
-        if collation and not collation.endswith("_bin"):
-            from ..migrations import current_revision_on
-
-            if current_revision_on(conn, table) is None:
-                return f"its lockstrings compare by collation {collation}, which folds case"
+        if (
+            collation
+            and not collation.endswith("_bin")
+            and current_revision_on(conn, table) is None
+        ):
+            return f"its lockstrings compare by collation {collation}, which folds case"
         return None
 
     # -- migrations and adoption -------------------------------------------------------------------

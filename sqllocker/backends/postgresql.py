@@ -29,7 +29,7 @@ from ..timeouts import (
     ROW_LOCK_TIMEOUT_SECONDS,
     STATEMENT_TIMEOUT_SECONDS,
 )
-from . import Backend, shut_down_socket
+from .base import Backend, StatementParts, shut_down_socket
 
 # idle_in_transaction_session_timeout for the rest of the transaction: :ms, or the session's
 # own if shorter (0 is no limit); catalog-qualified, so nothing on the search path stands in.
@@ -47,7 +47,6 @@ if TYPE_CHECKING:
     from sqlalchemy.sql.dml import ReturningInsert
     from sqlalchemy.sql.selectable import TextualSelect
 
-    from ..statements import Statements
 
 # How long an acquire waits for the lockstring's id-order key, which others hold only for their
 # INSERT: a wait this long means a session outside the protocol holds it.
@@ -96,7 +95,7 @@ class PostgreSQLBackend(Backend):
 
     # -- statements ------------------------------------------------------------------------------
 
-    def acquire(self, statements: Statements) -> ReturningInsert[Any]:
+    def acquire(self, statements: StatementParts) -> ReturningInsert[Any]:
         """``ON CONFLICT DO NOTHING`` returns no row when held, with no ERROR in the server log,
         and without locking the holder's row: an upsert that decides not to update still locks
         the row it met and must flush its commit to disk, and the holder's release then waits
@@ -109,7 +108,7 @@ class PostgreSQLBackend(Backend):
             *statements.returned
         )
 
-    def acquire_unless_queued(self, statements: Statements) -> ReturningInsert[Any]:
+    def acquire_unless_queued(self, statements: StatementParts) -> ReturningInsert[Any]:
         """``acquire``, unless a live ticket lower than ``queue_key`` waits for the lockstring
         (see ``sqllocker.tickets``; ``tickets.NEWCOMER``: any live ticket at all): then insert
         nothing, as if refused. So a newcomer cannot take the row ahead of those already
@@ -127,7 +126,7 @@ class PostgreSQLBackend(Backend):
             *statements.returned
         )
 
-    def leader_notice(self, statements: Statements) -> TextualSelect:
+    def leader_notice(self, statements: StatementParts) -> TextualSelect:
         """``pg_notify`` on the table's leaders channel, with the election's name."""
         channel = leaders_channel_for(statements.table.name)
         return (
@@ -136,7 +135,7 @@ class PostgreSQLBackend(Backend):
             .columns(sa.column("sent", sa.Boolean))
         )
 
-    def join_line(self, statements: Statements) -> TextualSelect:
+    def join_line(self, statements: StatementParts) -> TextualSelect:
         """The table's ``queue_join``: the ticket, and whether the row is held."""
         # The function's name is the validated table's, in its quoted schema.
         return (
@@ -149,7 +148,7 @@ class PostgreSQLBackend(Backend):
             .columns(sa.column("ticket", sa.BigInteger), sa.column("held", sa.Boolean))
         )
 
-    def leave_line(self, statements: Statements) -> TextualSelect:
+    def leave_line(self, statements: StatementParts) -> TextualSelect:
         """The table's ``queue_leave``: says whether it gave back a row granted to the ticket."""
         return sa.text(
             f"SELECT {statements.function('queue_leave')}(CAST(:ticket AS bigint), "
@@ -157,7 +156,7 @@ class PostgreSQLBackend(Backend):
             "AS given_back"
         ).columns(sa.column("given_back", sa.Boolean))
 
-    def sweep_requests(self, statements: Statements) -> TextualSelect:
+    def sweep_requests(self, statements: StatementParts) -> TextualSelect:
         """The table's ``sweep_requests``: how many tickets it deleted."""
         return sa.text(f"SELECT {statements.function('sweep_requests')}()").columns(
             sa.column("swept", sa.BigInteger)
@@ -177,7 +176,7 @@ class PostgreSQLBackend(Backend):
             " GROUP BY q.lockstring"
         ).columns(sa.column("lockstring", sa.String), sa.column("waiters", sa.BigInteger))
 
-    def take_over(self, statements: Statements) -> ReturningInsert[Any]:
+    def take_over(self, statements: StatementParts) -> ReturningInsert[Any]:
         """Replace an expired holder's row with ours in one atomic statement.
 
         ``ON CONFLICT DO UPDATE ... WHERE expired`` replaces the row in place, including a fresh
@@ -199,7 +198,7 @@ class PostgreSQLBackend(Backend):
         ).returning(*statements.returned)
 
     def _new_row_in_id_order(
-        self, statements: Statements, only_if: ColumnElement[bool] | None = None
+        self, statements: StatementParts, only_if: ColumnElement[bool] | None = None
     ) -> Select[Any]:
         """Our new row, as a SELECT to insert from, which first waits for any other acquirer
         of the lockstring to finish its INSERT's transaction; with ``only_if``, no row (and no
@@ -236,7 +235,7 @@ class PostgreSQLBackend(Backend):
             in_turn = in_turn.where(only_if)
         return sa.select(*statements.new_row.values()).select_from(in_turn.subquery("ids_in_order"))
 
-    def release(self, statements: Statements) -> Delete:
+    def release(self, statements: StatementParts) -> Delete:
         """The release's transaction commits without waiting for its WAL to reach disk
         (``synchronous_commit`` off for that transaction only), so that a hand-off under
         contention waits for the disk once, at the next holder's acquire, not twice. A release
@@ -254,7 +253,7 @@ class PostgreSQLBackend(Backend):
         )
         return super().release(statements).where(self.equal(unflushed, sa.literal("off")))
 
-    def id_order_blocker(self, statements: Statements) -> TextualSelect | None:
+    def id_order_blocker(self, statements: StatementParts) -> TextualSelect | None:
         """The pid of another session holding the lockstring's id-order key, which an acquirer
         holds only for its INSERT: an acquire that waited out its bound for that key names it
         (a session of a role outside sqllocker's protocol, or a stuck one)."""

@@ -22,14 +22,13 @@ from .. import file_queue
 from ..schema import UTCDateTime
 from ..server_settings import LOSES_ROWS, ServerSettings, UnsafeSetting
 from ..timeouts import SQLITE_BUSY_TIMEOUT_SECONDS
-from . import Backend
+from .base import Backend, StatementParts
 
 if TYPE_CHECKING:
     from sqlalchemy.sql import Insert
     from sqlalchemy.sql.selectable import TextualSelect
 
     from ..execution import OneCall
-    from ..statements import Statements
 
 TIMESTAMP_FORMAT = "%Y-%m-%d %H:%M:%f"
 # SQLite without AUTOINCREMENT (DBIx::Locker's DDL) keeps no record of the ids it handed out and
@@ -87,7 +86,7 @@ class SQLiteBackend(Backend):
     def starts_with(self, column: ColumnElement[str], prefix: str) -> ColumnElement[bool]:
         return column.op("GLOB", is_comparison=True)(sa.literal(self.literal_glob(prefix) + "*"))
 
-    def acquire(self, statements: Statements) -> Insert:
+    def acquire(self, statements: StatementParts) -> Insert:
         c = statements.table.c
         insert = sqlite.insert(statements.table).values(statements.new_row)
         insert = insert.on_conflict_do_nothing(index_elements=[c.lockstring])

@@ -37,19 +37,17 @@ MUTANTS = (
 _by_lockstring: dict[int, dict[str, Any]] = {}
 
 
-def _statements(operations: Any) -> dict[str, Any]:
-    """This LockOperations' mutant statements, keyed by name (made once: the driver session
+def _statements(database: Any) -> dict[str, Any]:
+    """This Database's mutant statements, keyed by name (made once: the driver session
     prepares each statement object once)."""
-    sql = operations._sql
+    sql = database.sql
     found = _by_lockstring.get(id(sql))
     if found is None:
         table = sql.table
         this = table.c.lockstring == sa.bindparam("ls")
         found = {
             "release": sa.delete(table).where(this),
-            "extend": sa.update(table)
-            .where(this)
-            .values(expires=operations._be.shifted_now("ttl")),
+            "extend": sa.update(table).where(this).values(expires=database.be.shifted_now("ttl")),
             "expires": sa.select(table.c.expires).where(this),
         }
         _by_lockstring[id(sql)] = found
@@ -59,20 +57,20 @@ def _statements(operations: Any) -> dict[str, Any]:
 def _release_skipping_guid(
     self: Any, lockstring: str, lock_id: int, guid: str, hold_at_least: float | None = None
 ) -> None:
-    statement = _statements(self)["release"]
-    self._run(lockstring, lambda conn: conn.affected(statement, {"ls": lockstring}))
+    statement = _statements(self._db)["release"]
+    self._db.run(lockstring, lambda conn: conn.affected(statement, {"ls": lockstring}))
 
 
 def _extend_reviving(self: Any, lockstring: str, lock_id: int, guid: str, ttl: float) -> datetime:
-    statements = _statements(self)
+    statements = _statements(self._db)
 
     def extend(conn: Any) -> Any:
-        params = {"ls": lockstring, "ttl": self._be.seconds_value(ttl)}
+        params = {"ls": lockstring, "ttl": self._db.be.seconds_value(ttl)}
         conn.affected(statements["extend"], params)
         row = conn.execute(statements["expires"], {"ls": lockstring}).first()
         return None if row is None else row[0]
 
-    expires: Any = self._run(lockstring, extend)
+    expires: Any = self._db.run(lockstring, extend)
     if expires is None:  # no row at all: nothing to revive
         from sqllocker import LockLost
 
@@ -120,12 +118,13 @@ def apply(name: str | None = None) -> str | None:
         return None
     if name not in MUTANTS:
         raise SystemExit(f"unknown mutant {name!r}; one of {', '.join(MUTANTS)}")
-    from sqllocker.operations import LockOperations
+    from sqllocker.operations.acquire import Acquirer
+    from sqllocker.operations.release import Releaser
 
     if name == "release-skips-guid":
-        LockOperations.release = _release_skipping_guid  # type: ignore[method-assign]
+        Releaser.release = _release_skipping_guid  # type: ignore[method-assign]
     elif name == "renewal-revives":
-        LockOperations.extend = _extend_reviving  # type: ignore[method-assign]
+        Releaser.extend = _extend_reviving  # type: ignore[method-assign]
     elif name == "run-never-stops":
         from sqllocker import runner
 
@@ -134,10 +133,10 @@ def apply(name: str | None = None) -> str | None:
         runner._Family.stop = _never_stop  # type: ignore[method-assign]
         runner._deadlines = _no_deadline
     elif name == "release-keeps-row":
-        LockOperations.release = _release_keeping_row  # type: ignore[method-assign]
+        Releaser.release = _release_keeping_row  # type: ignore[method-assign]
     elif name == "acquire-fails-after-insert":
-        LockOperations.try_acquire = _failing_after_insert(  # type: ignore[method-assign]
-            LockOperations.try_acquire
+        Acquirer.try_acquire = _failing_after_insert(  # type: ignore[method-assign]
+            Acquirer.try_acquire
         )
     else:
         from sqllocker import semaphore

@@ -1,0 +1,247 @@
+# Generated from sqllocker/asyncio/acquirer.py by tests/unasync.py: edit that file, then
+# run `python -m tests.unasync`.
+"""Lock: a lock (at once, or waiting for it in whichever way the database's waiters wait)
+and a group of locks, recorded by telemetry.
+
+Written once for asyncio; the sync ``sqllocker/acquirer.py`` is generated from it
+(``tests/unasync.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence, Sized
+from typing import Any
+
+from . import clock, concurrency, deadlines, tickets, validation
+from .acquiring import Winnings, acquisition
+from .attempts import Attempts
+from .backoff import Backoff
+from .errors import DatabaseError, LockError
+from .file_queue import FileQueue
+from .group import LockGroup
+from .holding import OnLost
+from .identity import holder_details, new_guid
+from .lock import Call, KeepAlives, Lock, LockTaker
+from .operations import LockOperations, Refused
+from .queue_wait import QueueWait
+from .telemetry import Telemetry, attempted
+from .ticket_wait import TicketWait
+from .timeouts import CONNECT_SLACK_SECONDS
+
+logger = logging.getLogger("sqllocker")
+
+# How long each try to delete a failed acquire's row may take (``_forget_attempt``).
+FORGET_PATIENCE = 2.0
+FORGET_FOR = 30.0
+
+
+class Acquirer:
+    """The acquires of ``locker``'s locks: ``attempts`` at rows, and waits in line by ticket
+    (``tickets``) or in the kernel's queue of ``file_queue`` and backing off; one lock or a
+    group, through ``operations`` (each run by ``run``), kept alive by ``keep_alives`` and
+    recorded by ``telemetry``; a row expired for ``grace`` seconds may be taken over.
+    ``ready``: the set-up an acquire awaits first (in asyncio)."""
+
+    def __init__(
+        self,
+        locker: LockTaker,
+        operations: LockOperations,
+        run: Call,
+        keep_alives: KeepAlives,
+        file_queue: FileQueue | None,
+        telemetry: Telemetry,
+        grace: float,
+        ready: Callable[[], None],
+    ) -> None:
+        table_name = locker.table_name
+        self.attempts = Attempts(locker, operations, run, keep_alives, file_queue)
+        self.tickets = TicketWait(self.attempts, operations, run, locker.engine, table_name, grace)
+        self._queue_wait = QueueWait(self.attempts, operations, run, table_name, grace)
+        self._file_queue = file_queue
+        self._operations = operations
+        self._call = run
+        self._telemetry = telemetry
+        self._grace = grace
+        self._ready = ready
+
+    def acquire(
+        self,
+        lockstring: str,
+        ttl: float,
+        wait: float | None,
+        extra: dict[str, Any],
+        keep_alive: bool,
+        on_lost: OnLost | None,
+        hold_at_least: float | None,
+        winnings: Winnings,
+    ) -> Lock:
+        # A new connection gives up with the wait (a little after), not after the driver's
+        # connect timeout: a server that accepts and never answers ends a wait on time too.
+        connect_by = None if wait is None else clock.now() + wait + CONNECT_SLACK_SECONDS
+        # One guid for every attempt of this call: a release may hand the row to it (as our
+        # ticket), and an attempt that finds the row under it knows the row is ours.
+        guid = new_guid()
+        try:
+            with deadlines.connections_by(connect_by):
+                return self._acquire_within(
+                    lockstring, guid, ttl, wait, extra, keep_alive, on_lost, hold_at_least, winnings
+                )
+        except DatabaseError:
+            # An attempt's INSERT may have committed with its answer lost: that row, held by
+            # nobody, would keep everyone out until it expired.
+            self.tickets.leaving.call_soon(self._forget_attempt, lockstring, guid, ttl)
+            raise
+
+    def _forget_attempt(self, lockstring: str, guid: str, ttl: float) -> None:
+        """Delete the row a failed acquire by ``guid`` may have left, once the database answers:
+        tried every ``tickets.GIVE_UP_AGAIN`` seconds, each try ending by FORGET_PATIENCE,
+        until the row would have expired, or for FORGET_FOR at most (the give-ups of tickets
+        wait behind it); never another acquisition's row (see ``Statements.forget_attempt``).
+        """
+        until = clock.now() + min(ttl, FORGET_FOR)
+        while not self.tickets.closing.is_set() and clock.now() < until:
+            deleted: int | None = None
+            try:
+                bound = clock.now() + FORGET_PATIENCE
+                with deadlines.statements_end_by(bound), deadlines.connections_by(bound):
+                    deleted = self._operations.forget_attempt(lockstring, guid)
+            except LockError:
+                pass
+            if deleted is None:
+                concurrency.wait(self.tickets.closing, tickets.GIVE_UP_AGAIN)
+                continue
+            if deleted:
+                logger.info("deleted the row of a failed acquire of %r", lockstring)
+            return
+        logger.warning(
+            "the row a failed acquire of %r may have left could not be deleted; it will expire",
+            lockstring,
+        )
+
+    def _acquire_within(
+        self,
+        lockstring: str,
+        guid: str,
+        ttl: float,
+        wait: float | None,
+        extra: dict[str, Any],
+        keep_alive: bool,
+        on_lost: OnLost | None,
+        hold_at_least: float | None,
+        winnings: Winnings,
+    ) -> Lock:
+        details = holder_details(extra, concurrency.task_name())
+        acquisition = self._telemetry.acquiring(lockstring, wait)
+        try:
+            if wait == 0:
+                lock = self.attempts.try_once(winnings, lockstring, guid, details, ttl, on_lost)
+            else:
+                lock = self._wait_for(winnings, lockstring, guid, details, ttl, wait, on_lost)
+        except BaseException as error:
+            acquisition.failed(error)
+            raise
+        lock._state.telemetry = acquisition.acquired(lock._state.lock_id)
+        lock._state.hold_at_least = hold_at_least
+        return lock.keep_alive() if keep_alive else lock
+
+    def _wait_for(
+        self,
+        winnings: Winnings,
+        lockstring: str,
+        guid: str,
+        details: dict[str, Any],
+        ttl: float,
+        wait: float | None,
+        on_lost: OnLost | None,
+    ) -> Lock:
+        """Attempts until one succeeds, or LockBusy once ``wait`` has passed: in line by
+        ticket where waiters take tickets (``TicketWait``), in the kernel's queue on
+        SQLite, and elsewhere backing off between attempts (``QueueWait``)."""
+        listener = self.tickets.release_listener()
+        if listener is not None:
+            return self.tickets.wait(
+                winnings, listener, lockstring, guid, details, ttl, wait, on_lost
+            )
+        return self._queue_wait.wait(
+            winnings, self._file_queue, lockstring, guid, details, ttl, wait, on_lost
+        )
+
+    def lock_all(
+        self,
+        lockstrings: Sequence[str],
+        *,
+        wait: float | None = 0,
+        expires: float | None = None,
+        locked_by: dict[str, Any] | None = None,
+        keep_alive: bool = False,
+        on_lost: OnLost | None = None,
+        defaults: tuple[float, OnLost | None],
+    ) -> LockGroup:
+        """``Locker.lock_all``, with the locker's ``defaults`` (its expiry and its
+        ``on_lost``) as they are now."""
+        size = len(lockstrings) if isinstance(lockstrings, Sized) else 0
+        acquisition = self._telemetry.compound("group", f"group of {size}", wait)
+        try:
+            group = self._lock_all(
+                lockstrings,
+                wait=wait,
+                expires=expires,
+                locked_by=locked_by,
+                keep_alive=keep_alive,
+                on_lost=on_lost,
+                defaults=defaults,
+            )
+        except BaseException as error:
+            acquisition.failed(error)
+            raise
+        for lock in group:
+            lock._state.telemetry = acquisition.member(lock.lock_id)
+        acquisition.succeeded()
+        return group
+
+    def _lock_all(
+        self,
+        lockstrings: Sequence[str],
+        *,
+        wait: float | None = 0,
+        expires: float | None = None,
+        locked_by: dict[str, Any] | None = None,
+        keep_alive: bool = False,
+        on_lost: OnLost | None = None,
+        defaults: tuple[float, OnLost | None],
+    ) -> LockGroup:
+        default_expires, default_on_lost = defaults
+        names = validation.canonical_order(lockstrings)
+        request = validation.check_lock_request(
+            names[0], expires, default_expires, wait, locked_by, on_lost
+        )
+        _, ttl, wait, extra = request
+        on_lost = on_lost or default_on_lost
+        return acquisition(self._acquire_all, names, ttl, wait, extra, keep_alive, on_lost)
+
+    def _acquire_all(
+        self,
+        names: list[str],
+        ttl: float,
+        wait: float | None,
+        extra: dict[str, Any],
+        keep_alive: bool,
+        on_lost: OnLost | None,
+        winnings: Winnings,
+    ) -> LockGroup:
+        details = holder_details(extra, concurrency.task_name())
+        members = [(name, new_guid()) for name in names]
+        backoff = Backoff.for_wait(wait)
+        while True:
+            outcome = self._operations.try_acquire_all(members, ttl, details)
+            for attempt in [outcome] if isinstance(outcome, Refused) else outcome:
+                attempted(attempt)  # a wait turn, or a member taken (over)
+            if not isinstance(outcome, Refused):
+                locks = [
+                    self.attempts.handle(winnings, name, guid, acquired, ttl, details, on_lost)
+                    for (name, guid), acquired in zip(members, outcome, strict=True)
+                ]
+                group = LockGroup(locks)
+                return group.keep_alive() if keep_alive else group
+            concurrency.sleep(backoff.after_refusal(outcome, names[0], wait, self._grace))

@@ -1,0 +1,288 @@
+"""Acquiring: a lock (at once, or waiting for it in whichever way the database's waiters wait)
+and a group of locks, recorded by telemetry.
+
+Written once for asyncio; the sync ``sqllocker/acquirer.py`` is generated from it
+(``tests/unasync.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Awaitable, Callable, Sequence, Sized
+from typing import Any
+
+from .. import clock, deadlines, tickets, validation
+from ..backoff import Backoff
+from ..errors import DatabaseError, LockError
+from ..file_queue import FileQueue
+from ..holding import OnLost
+from ..identity import holder_details, new_guid
+from ..operations import LockOperations, Refused
+from ..telemetry import Telemetry, attempted
+from ..timeouts import CONNECT_SLACK_SECONDS
+from . import concurrency
+from .acquiring import Winnings, acquisition
+from .attempts import AsyncAttempts
+from .group import AsyncLockGroup
+from .lock import AsyncCall, AsyncKeepAlives, AsyncLock, AsyncLockTaker
+from .queue_wait import AsyncQueueWait
+from .ticket_wait import AsyncTicketWait
+
+if True:  # ASYNC
+    import asyncio
+    import contextlib
+
+    from ..operations import Acquired
+    from .tasks import spawn
+
+logger = logging.getLogger("sqllocker")
+
+# How long each try to delete a failed acquire's row may take (``_forget_attempt``).
+FORGET_PATIENCE = 2.0
+FORGET_FOR = 30.0
+
+
+class AsyncAcquirer:
+    """The acquires of ``locker``'s locks: ``attempts`` at rows, and waits in line by ticket
+    (``tickets``) or in the kernel's queue of ``file_queue`` and backing off; one lock or a
+    group, through ``operations`` (each run by ``run``), kept alive by ``keep_alives`` and
+    recorded by ``telemetry``; a row expired for ``grace`` seconds may be taken over.
+    ``ready``: the set-up an acquire awaits first (in asyncio)."""
+
+    def __init__(
+        self,
+        locker: AsyncLockTaker,
+        operations: LockOperations,
+        run: AsyncCall,
+        keep_alives: AsyncKeepAlives,
+        file_queue: FileQueue | None,
+        telemetry: Telemetry,
+        grace: float,
+        ready: Callable[[], Awaitable[None]],
+    ) -> None:
+        table_name = locker.table_name
+        self.attempts = AsyncAttempts(locker, operations, run, keep_alives, file_queue)
+        self.tickets = AsyncTicketWait(
+            self.attempts, operations, run, locker.engine, table_name, grace
+        )
+        self._queue_wait = AsyncQueueWait(self.attempts, operations, run, table_name, grace)
+        self._file_queue = file_queue
+        self._operations = operations
+        self._call = run
+        self._telemetry = telemetry
+        self._grace = grace
+        self._ready = ready
+
+    async def acquire(
+        self,
+        lockstring: str,
+        ttl: float,
+        wait: float | None,
+        extra: dict[str, Any],
+        keep_alive: bool,
+        on_lost: OnLost | None,
+        hold_at_least: float | None,
+        winnings: Winnings,
+    ) -> AsyncLock:
+        # A new connection gives up with the wait (a little after), not after the driver's
+        # connect timeout: a server that accepts and never answers ends a wait on time too.
+        connect_by = None if wait is None else clock.now() + wait + CONNECT_SLACK_SECONDS
+        # One guid for every attempt of this call: a release may hand the row to it (as our
+        # ticket), and an attempt that finds the row under it knows the row is ours.
+        guid = new_guid()
+        try:
+            with deadlines.connections_by(connect_by):
+                return await self._acquire_within(
+                    lockstring, guid, ttl, wait, extra, keep_alive, on_lost, hold_at_least, winnings
+                )
+        except DatabaseError:
+            # An attempt's INSERT may have committed with its answer lost: that row, held by
+            # nobody, would keep everyone out until it expired.
+            self.tickets.leaving.call_soon(self._forget_attempt, lockstring, guid, ttl)
+            raise
+
+    async def _forget_attempt(self, lockstring: str, guid: str, ttl: float) -> None:
+        """Delete the row a failed acquire by ``guid`` may have left, once the database answers:
+        tried every ``tickets.GIVE_UP_AGAIN`` seconds, each try ending by FORGET_PATIENCE,
+        until the row would have expired, or for FORGET_FOR at most (the give-ups of tickets
+        wait behind it); never another acquisition's row (see ``Statements.forget_attempt``).
+        """
+        until = clock.now() + min(ttl, FORGET_FOR)
+        while not self.tickets.closing.is_set() and clock.now() < until:
+            deleted: int | None = None
+            try:
+                if True:  # ASYNC
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        deleted = await concurrency.within(
+                            self._call(self._operations.forget_attempt, lockstring, guid),
+                            FORGET_PATIENCE,
+                            f"forget a failed acquire of {lockstring!r}",
+                        )
+                else:
+                    bound = clock.now() + FORGET_PATIENCE
+                    with deadlines.statements_end_by(bound), deadlines.connections_by(bound):
+                        deleted = self._operations.forget_attempt(lockstring, guid)
+            except LockError:
+                pass
+            if deleted is None:
+                await concurrency.wait(self.tickets.closing, tickets.GIVE_UP_AGAIN)
+                continue
+            if deleted:
+                logger.info("deleted the row of a failed acquire of %r", lockstring)
+            return
+        logger.warning(
+            "the row a failed acquire of %r may have left could not be deleted; it will expire",
+            lockstring,
+        )
+
+    async def _acquire_within(
+        self,
+        lockstring: str,
+        guid: str,
+        ttl: float,
+        wait: float | None,
+        extra: dict[str, Any],
+        keep_alive: bool,
+        on_lost: OnLost | None,
+        hold_at_least: float | None,
+        winnings: Winnings,
+    ) -> AsyncLock:
+        if True:  # ASYNC
+            await self._ready()
+        details = holder_details(extra, concurrency.task_name())
+        acquisition = self._telemetry.acquiring(lockstring, wait)
+        try:
+            if wait == 0:
+                lock = await self.attempts.try_once(
+                    winnings, lockstring, guid, details, ttl, on_lost
+                )
+            else:
+                lock = await self._wait_for(winnings, lockstring, guid, details, ttl, wait, on_lost)
+        except BaseException as error:
+            acquisition.failed(error)
+            raise
+        lock._state.telemetry = acquisition.acquired(lock._state.lock_id)
+        lock._state.hold_at_least = hold_at_least
+        return lock.keep_alive() if keep_alive else lock
+
+    async def _wait_for(
+        self,
+        winnings: Winnings,
+        lockstring: str,
+        guid: str,
+        details: dict[str, Any],
+        ttl: float,
+        wait: float | None,
+        on_lost: OnLost | None,
+    ) -> AsyncLock:
+        """Attempts until one succeeds, or LockBusy once ``wait`` has passed: in line by
+        ticket where waiters take tickets (``AsyncTicketWait``), in the kernel's queue on
+        SQLite, and elsewhere backing off between attempts (``AsyncQueueWait``)."""
+        listener = self.tickets.release_listener()
+        if listener is not None:
+            return await self.tickets.wait(
+                winnings, listener, lockstring, guid, details, ttl, wait, on_lost
+            )
+        return await self._queue_wait.wait(
+            winnings, self._file_queue, lockstring, guid, details, ttl, wait, on_lost
+        )
+
+    async def lock_all(
+        self,
+        lockstrings: Sequence[str],
+        *,
+        wait: float | None = 0,
+        expires: float | None = None,
+        locked_by: dict[str, Any] | None = None,
+        keep_alive: bool = False,
+        on_lost: OnLost | None = None,
+        defaults: tuple[float, OnLost | None],
+    ) -> AsyncLockGroup:
+        """``AsyncLocker.lock_all``, with the locker's ``defaults`` (its expiry and its
+        ``on_lost``) as they are now."""
+        size = len(lockstrings) if isinstance(lockstrings, Sized) else 0
+        acquisition = self._telemetry.compound("group", f"group of {size}", wait)
+        try:
+            group = await self._lock_all(
+                lockstrings,
+                wait=wait,
+                expires=expires,
+                locked_by=locked_by,
+                keep_alive=keep_alive,
+                on_lost=on_lost,
+                defaults=defaults,
+            )
+        except BaseException as error:
+            acquisition.failed(error)
+            raise
+        for lock in group:
+            lock._state.telemetry = acquisition.member(lock.lock_id)
+        acquisition.succeeded()
+        return group
+
+    async def _lock_all(
+        self,
+        lockstrings: Sequence[str],
+        *,
+        wait: float | None = 0,
+        expires: float | None = None,
+        locked_by: dict[str, Any] | None = None,
+        keep_alive: bool = False,
+        on_lost: OnLost | None = None,
+        defaults: tuple[float, OnLost | None],
+    ) -> AsyncLockGroup:
+        default_expires, default_on_lost = defaults
+        names = validation.canonical_order(lockstrings)
+        request = validation.check_lock_request(
+            names[0], expires, default_expires, wait, locked_by, on_lost
+        )
+        _, ttl, wait, extra = request
+        on_lost = on_lost or default_on_lost
+        return await acquisition(self._acquire_all, names, ttl, wait, extra, keep_alive, on_lost)
+
+    async def _acquire_all(
+        self,
+        names: list[str],
+        ttl: float,
+        wait: float | None,
+        extra: dict[str, Any],
+        keep_alive: bool,
+        on_lost: OnLost | None,
+        winnings: Winnings,
+    ) -> AsyncLockGroup:
+        if True:  # ASYNC
+            await self._ready()
+        details = holder_details(extra, concurrency.task_name())
+        members = [(name, new_guid()) for name in names]
+        backoff = Backoff.for_wait(wait)
+        while True:
+            if True:  # ASYNC
+                outcome = await concurrency.shielded(
+                    self._call(self._operations.try_acquire_all, members, ttl, details),
+                    f"acquire {len(names)} locks",
+                    functools.partial(self._release_group_won, members),
+                )
+            else:
+                outcome = self._operations.try_acquire_all(members, ttl, details)
+            for attempt in [outcome] if isinstance(outcome, Refused) else outcome:
+                attempted(attempt)  # a wait turn, or a member taken (over)
+            if not isinstance(outcome, Refused):
+                locks = [
+                    self.attempts.handle(winnings, name, guid, acquired, ttl, details, on_lost)
+                    for (name, guid), acquired in zip(members, outcome, strict=True)
+                ]
+                group = AsyncLockGroup(locks)
+                return group.keep_alive() if keep_alive else group
+            await concurrency.sleep(backoff.after_refusal(outcome, names[0], wait, self._grace))
+
+    if True:  # ASYNC
+
+        def _release_group_won(
+            self, members: list[tuple[str, str]], outcome: list[Acquired] | Refused
+        ) -> None:
+            """The caller of a group's attempt was cancelled: release the rows it took, if any."""
+            if isinstance(outcome, list):
+                for (name, guid), acquired in zip(members, outcome, strict=True):
+                    release = self._call(self._operations.release, name, acquired.lock_id, guid)
+                    spawn(release, f"release {name!r} after cancellation")

@@ -1,0 +1,62 @@
+"""The locker's decorator: a function run under a lock (``AsyncLocker.locked``).
+
+Written once for asyncio; the sync ``sqllocker/decorating.py`` is generated from it
+(``tests/unasync.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable
+from typing import ParamSpec, TypeVar
+
+from ..decorators import check_decoration, lock_namer, when_busy
+from ..errors import LockBusy
+from ..telemetry import named
+from . import concurrency
+from .lock import AsyncLockTaker
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def lock_decorator(
+    locker: AsyncLockTaker,
+    lockstring: str | None,
+    key: Callable[..., str] | None,
+    wait: float | None,
+    on_busy: str,
+    expires: float | None,
+    keep_alive: bool,
+    hold_at_least: float | None,
+) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R | None]]]:
+    """``locker.locked()``'s decorator, its arguments checked now."""
+    behaviour = check_decoration(on_busy, wait, expires, hold_at_least)
+
+    def decorate(function: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R | None]]:
+        concurrency.check_decorated(function)
+        name_lock = lock_namer(lockstring, key, function)
+        # What telemetry names these locks by: the template, never a call's own name.
+        recorded_as = lockstring if lockstring is not None else function.__qualname__
+
+        @functools.wraps(function)
+        async def under_lock(*args: P.args, **kwargs: P.kwargs) -> R | None:
+            name = name_lock(args, kwargs)
+            try:
+                with named(recorded_as):
+                    lock = await locker.lock(
+                        name,
+                        wait=wait,
+                        expires=expires,
+                        keep_alive=keep_alive,
+                        hold_at_least=hold_at_least,
+                    )
+            except LockBusy as busy:
+                when_busy(behaviour, function, busy)
+                return None
+            async with lock:
+                return await function(*args, **kwargs)
+
+        return under_lock
+
+    return decorate

@@ -1,0 +1,91 @@
+"""What the command line's subcommands share: the settings of the ``sqllocker`` group (its
+Locker), and how rows, times and errors are printed."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any
+
+import click
+
+from .errors import LockError, one_line
+from .locker import Locker, LockInfo
+from .row_kinds import kind_of
+from .schema import FOREIGN_CLOCK_MARGIN
+
+CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "show_default": True}
+
+
+class Settings:
+    def __init__(self, url: str | None, table: str, transaction_pooling: bool) -> None:
+        self.url = url
+        self.table = table
+        self.transaction_pooling = transaction_pooling
+        self._locker: Locker | None = None
+
+    def locker(self, **options: Any) -> Locker:
+        if self._locker is None:
+            self._locker = Locker(
+                self.url,
+                table=self.table,
+                transaction_pooling=self.transaction_pooling,
+                **options,
+            )
+        return self._locker
+
+
+pass_settings = click.make_pass_decorator(Settings)
+
+
+@contextmanager
+def one_line_errors(what: str) -> Iterator[None]:
+    """alembic's and the driver's errors as one line (a LockError), not a traceback."""
+    try:
+        yield
+    except LockError:
+        raise
+    except Exception as error:
+        raise LockError(f"{what} failed: {one_line(error)}") from error
+
+
+def when(moment: datetime) -> str:
+    return moment.strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, seconds = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{minutes}m{seconds:02d}s"
+
+
+# What `list` and `show` mark with "!" and "*".
+ROW_NOTES = (
+    "! created in the future by the database's clock: written from a client's clock in another "
+    "time zone (DBIx::Locker writes local times)",
+    f"* written by DBIx::Locker, in its client's local time: taken over or purged only "
+    f"{FOREIGN_CLOCK_MARGIN // 3600} hours "
+    "after this expiry, once past in every time zone",
+)
+
+
+def info_json(info: LockInfo) -> dict[str, Any]:
+    return {
+        "lockstring": info.lockstring,
+        "kind": kind_of(info.lockstring, info.locked_by),
+        "lock_id": info.lock_id,
+        "created": info.created.isoformat(),
+        "expires": info.expires.isoformat(),
+        "expired": info.expired,
+        "seconds_left": round(info.seconds_left, 3),
+        "locked_by": info.locked_by,
+        "dbix_locker": info.dbix_locker,
+        "created_in_future": info.created_in_future,
+    }
+
+
+def print_json(value: object) -> None:
+    click.echo(json.dumps(value, indent=2, sort_keys=True))

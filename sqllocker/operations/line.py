@@ -1,0 +1,77 @@
+"""The waiting line: a waiter's ticket taken and given up (see ``sqllocker.tickets``)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..execution import DriverSession
+from .database import Database
+from .outcomes import Joined
+
+logger = logging.getLogger("sqllocker")
+
+
+class WaitingLine:
+    """The tickets of waiters for rows of ``database``'s table, where waiters take them
+    (``Database.waits_by_ticket``)."""
+
+    def __init__(self, database: Database) -> None:
+        self._db = database
+
+    def join_line(
+        self,
+        lockstring: str,
+        guid: str,
+        ttl: float,
+        details: dict[str, Any],
+        liveness_key: int,
+        replacing: bool = False,
+    ) -> Joined:
+        """Take a ticket for ``lockstring`` (``sqllocker.tickets``), alive while
+        ``liveness_key`` is held: its number, and whether the row is held (where the backend
+        hands the row over, which reads it in the same statement; elsewhere False: the
+        caller's polls find out).
+
+        ``replacing``: an earlier attempt of this waiter's (``guid``) failed, and may have
+        taken a ticket all the same, its answer lost with its connection; so may an attempt
+        retried here. Such a ticket stays live, and would keep everyone behind it waiting (or,
+        where releases hand rows over, be handed one nobody claims): it is given up first."""
+        params = {
+            "ls": lockstring,
+            "lock_guid": guid,
+            "holder": details,
+            "ttl": ttl,
+            "liveness_key": liveness_key,
+        }
+        earlier = {"ticket": None, "ls": lockstring, "lock_guid": guid, "give_back": False}
+        attempted = replacing
+
+        def join(conn: DriverSession) -> Joined:
+            nonlocal attempted
+            replaced = attempted
+            if replaced:
+                conn.execute(self._db.sql.leave_line, earlier)
+            attempted = True
+            result = conn.execute(self._db.sql.join_line, params)
+            if not self._db.be.hands_over:
+                assert result.lastrowid is not None, "a ticket's INSERT reports its id"
+                return Joined(int(result.lastrowid), False, replaced)
+            row = result.one()
+            return Joined(int(row.ticket), bool(row.held), replaced)
+
+        return self._db.run(lockstring, join)
+
+    def leave_line(self, lockstring: str, ticket: int | None, guid: str, give_back: bool) -> bool:
+        """Give up ``ticket``; with ``give_back``, a row already handed to it is deleted again
+        (its waiter stopped waiting), where releases hand rows over. Says whether one was."""
+        params = {"ticket": ticket, "ls": lockstring, "lock_guid": guid, "give_back": give_back}
+
+        def leave(conn: DriverSession) -> bool:
+            result = conn.execute(self._db.sql.leave_line, params)
+            return self._db.be.hands_over and bool(result.one().given_back)
+
+        given_back = self._db.run(lockstring, leave)
+        if given_back:
+            logger.debug("gave back %r, handed over to a waiter that stopped waiting", lockstring)
+        return given_back

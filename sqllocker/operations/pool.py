@@ -1,0 +1,173 @@
+"""The connections the lock operations run on: a ConnectionStack of an engine sqllocker made,
+or the pool of a caller's Engine; and the errors of a database that lends none."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.pool import QueuePool
+
+from .. import deadlines
+from ..backends import Backend, backend_class
+from ..connections import ConnectionStack
+from ..engine import describe_url
+from ..errors import DatabaseError, one_line
+from ..execution import DriverSession, PreparedCache, kept_cursor
+from ..sqlalchemy_internals import most_connections
+
+# The fewest connections a pool must allow for a Locker to keep one listening for releases:
+# the lock operations must always have at least two of the rest.
+LISTENING_BUDGET = 3
+
+
+class Connections:
+    """The connections of ``engine`` for the lock operations (see ``Database`` for
+    ``owns_engine``, ``transaction_pooling``, ``direct_connections`` and
+    ``connection_changes``). ``reached``: a connection has been made and set up before, so
+    one that fails now is an outage (a restart or a failover), not a wrong URL."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        owns_engine: bool,
+        transaction_pooling: bool,
+        direct_connections: bool,
+        connection_changes: Callable[[], Any] = threading.Condition,
+    ) -> None:
+        self.engine = engine
+        self.url = engine.url
+        self.owns_engine = owns_engine
+        self.transaction_pooling = transaction_pooling
+        self.reached = False
+        # An in-memory SQLite database lives in one connection (SingletonThreadPool): no stack.
+        direct = direct_connections and owns_engine and isinstance(engine.pool, QueuePool)
+        self.stack = ConnectionStack(engine, connection_changes) if direct else None
+        # Whether the pool can spare a connection for the release listener (see
+        # Database.waits_by_ticket); the pool's limits never change.
+        budget = self.connection_budget
+        self.spares_listener = budget is None or budget >= LISTENING_BUDGET
+
+    @contextmanager
+    def pooled(self, backend: Backend, prepared: PreparedCache) -> Iterator[DriverSession]:
+        """A connection of the engine's pool, in autocommit mode, for one operation.
+
+        An engine sqllocker made is AUTOCOMMIT for every connection, so its raw pooled
+        connections serve directly; a caller's Engine gets AUTOCOMMIT through an SQLAlchemy
+        Connection, which also restores the connection's own setting when it goes back.
+        """
+        try:
+            checkout: Any = self.engine.raw_connection() if self.owns_engine else None
+            connection = None if self.owns_engine else self.engine.connect()
+        except sa.exc.TimeoutError as error:
+            raise self.no_free_connection(error) from error
+        except self.connect_errors as error:
+            raise self.unreachable(error) from error
+        fairy = checkout if connection is None else connection.connection
+        try:
+            dbapi_connection = fairy.dbapi_connection
+            one_call = backend.in_one_call(dbapi_connection)
+            with deadlines.interrupting(backend.interrupt, dbapi_connection):
+                yield DriverSession(dbapi_connection, kept_cursor(fairy), prepared, one_call)
+        except sa.exc.DBAPIError as error:
+            if error.connection_invalidated or backend.is_read_only(error):
+                fairy.invalidate(error.orig)
+                if self.owns_engine:
+                    # The server went away: every pooled connection is as dead as this one.
+                    self.engine.dispose()
+            raise
+        except BaseException as error:
+            if not isinstance(error, Exception):
+                # Cancelled (async) or interrupted mid-statement: the connection's state is
+                # unknown (a statement may still be running), so it must not be reused.
+                fairy.invalidate(error)
+            raise
+        finally:
+            (fairy if connection is None else connection).close()
+
+    @contextmanager
+    def connection(self) -> Iterator[Connection]:
+        """An SQLAlchemy Connection, for the rare statements outside the lock operations."""
+        try:
+            connection = self.engine.connect()
+        except sa.exc.TimeoutError as error:
+            raise self.no_free_connection(error) from error
+        except sa.exc.DBAPIError as error:
+            raise self.unreachable(error) from error
+        with connection:
+            yield connection
+
+    @property
+    def connect_errors(self) -> tuple[type[BaseException], ...]:
+        """What opening a connection raises: SQLAlchemy's wrapped errors, or the driver's own
+        (``raw_connection()`` does not wrap them)."""
+        return (sa.exc.DBAPIError, self.engine.dialect.loaded_dbapi.Error)
+
+    def no_free_connection(self, error: sa.exc.TimeoutError) -> DatabaseError:
+        """The error for a pool that lent no connection within its timeout."""
+        return DatabaseError(
+            f"no connection to {describe_url(self.url)} came free in time: {one_line(error)}; "
+            "more threads or tasks run lock operations at once than the pool allows "
+            "(pool_size + max_overflow, or the Locker's max_connections), or connections are "
+            "held elsewhere"
+        )
+
+    def unreachable(self, error: BaseException | None) -> DatabaseError:
+        """The error for a database that could not be connected to; ``error`` is the driver's,
+        or SQLAlchemy's wrapping of it."""
+        if isinstance(error, sa.exc.DBAPIError):
+            error = error.orig
+        advice = "check the URL (--url or $SQLLOCKER_URL) and that the server is running"
+        if "unsupported startup parameter" in str(error):
+            advice = (
+                "a pooler such as PgBouncer refused the session settings sqllocker sends; if "
+                "it pools transactions, pass transaction_pooling=True (the command line's "
+                "--transaction-pooling)"
+            )
+        url = describe_url(self.url)
+        # Reachable before: a restart or a failover, not a wrong URL.
+        outage = self.reached
+        return DatabaseError(f"cannot connect to {url}: {one_line(error)}; {advice}", outage=outage)
+
+    def close(self) -> None:
+        if self.owns_engine:
+            self.engine.dispose()
+
+    def forget_connections(self) -> None:
+        """Drop the engine's connections without closing them (an AsyncLocker's, when the event
+        loop they were made on has ended, which alone could close them)."""
+        if self.stack is not None:
+            self.stack.forget()
+        if self.owns_engine:
+            self.engine.dispose(close=False)
+
+    @property
+    def connection_budget(self) -> int | None:
+        """How many connections the engine's pool lets be open at once (None: no limit), which
+        the lock operations share with the Locker's listener."""
+        pool = self.engine.pool
+        return most_connections(pool) if isinstance(pool, QueuePool) else None
+
+    def reserve_for_waiting(self) -> None:
+        """Set aside one of the pool's connections for the Locker's listener (which keeps its
+        waiters' tickets alive), checked out of the pool for as long as it listens. Asked
+        before any connection is made (whether the table has its line of tickets is not known
+        yet): a ConnectionStack, which the pool does not see, opens one fewer from the start."""
+        dialect = self.engine.dialect
+        if self.transaction_pooling or not backend_class(dialect.name).takes_tickets(dialect):
+            return
+        if self.spares_listener and self.stack is not None:
+            self.stack.reserve(1)
+
+    def connections(self) -> tuple[int, int]:
+        """(open, in use): the connections the lock operations have now, for the benchmark and
+        the soak test (the engine's pool also counts those it lends to other statements)."""
+        if self.stack is not None:
+            return self.stack.open, self.stack.in_use
+        pool: Any = self.engine.pool
+        return pool.checkedin() + pool.checkedout(), pool.checkedout()

@@ -1,0 +1,154 @@
+"""A held row: its release, its extension, its guard in a caller's transaction; and SQLite's
+checkpoints after releases."""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from ..backends import backend_class
+from ..errors import LockError, LockLost
+from ..execution import DriverSession
+from .database import Database
+
+logger = logging.getLogger("sqllocker")
+
+# SQLite: a Locker's releases checkpoint the write-ahead log every this many. A lock cycle
+# writes about 7 pages to the log, so this is about SQLite's own limit of 1000 pages.
+CHECKPOINT_EVERY = 128
+
+
+class Releaser:
+    """Releases, extends and guards rows of ``database``'s table that a caller holds (by
+    id and guid), and checkpoints SQLite's log every ``CHECKPOINT_EVERY`` releases."""
+
+    def __init__(self, database: Database) -> None:
+        self._db = database
+        # Only an engine sqllocker made has SQLite's own checkpoints turned off.
+        backend = backend_class(database.engine.dialect.name)
+        self._checkpoints_after_releases = (
+            database.owns_engine and backend.checkpoints_after_releases
+        )
+        self._releases = 0
+
+    def release(
+        self, lockstring: str, lock_id: int, guid: str, hold_at_least: float | None = None
+    ) -> None:
+        """Delete our row; LockLost if it was no longer ours. With ``hold_at_least``, a release
+        within that many seconds of the row's creation keeps the row until then instead (see
+        ``Statements.finish_within_window``)."""
+        params: dict[str, Any] = {"lock_id": lock_id, "lock_guid": guid}
+        if hold_at_least is not None:
+            params["hold"] = self._db.be.seconds_value(hold_at_least)
+            kept = self._db.run(
+                lockstring, lambda conn: conn.affected(self._db.sql.finish_within_window, params)
+            )
+            if kept == 1:
+                logger.debug(
+                    "finished %r (id %d); it stays held till its window ends", lockstring, lock_id
+                )
+                return
+        deleted = self._db.run(lockstring, lambda conn: conn.affected(self._db.sql.release, params))
+        if deleted != 1:
+            raise LockLost(
+                f"lock {lockstring!r} (id {lock_id}) was no longer ours at release: it expired "
+                "and was purged, taken over or broken; work done under it may have overlapped "
+                "with another holder's",
+                lockstring,
+                lock_id,
+            )
+        logger.debug("released %r (id %d)", lockstring, lock_id)
+
+    def extend(self, lockstring: str, lock_id: int, guid: str, ttl: float) -> datetime:
+        """Push our row's expiry to the server's now + ``ttl``; LockLost if it is gone or has
+        already expired (an expired lock is never revived)."""
+
+        params = {"lock_id": lock_id, "lock_guid": guid}
+        expires = self._db.run(
+            lockstring, lambda conn: self.extend_on(conn, params, self._db.be.seconds_value(ttl))
+        )
+        if expires is None:
+            raise LockLost(
+                f"lock {lockstring!r} (id {lock_id}) could not be extended: it had already "
+                "expired, or was purged, taken over or broken; an expired lock is never revived",
+                lockstring,
+                lock_id,
+            )
+        return expires
+
+    def extend_on(self, conn: DriverSession, row: dict[str, Any], ttl: Any) -> datetime | None:
+        """Push the expiry of our ``row`` (its ``lock_id`` and ``lock_guid``) to the server's
+        now + ``ttl`` (a backend's seconds value): its new expiry, or None if it is gone or has
+        already expired."""
+        params = {**row, "ttl": ttl}
+        result = conn.execute(self._db.sql.extend, params)
+        if self._db.be.update_returning:
+            renewed = result.first()
+            return None if renewed is None else renewed.expires
+        if result.rowcount != 1:
+            return None
+        # Gone again already (released by another thread, or broken): not ours any more.
+        times = conn.execute(self._db.sql.times_of, params).first()
+        return None if times is None else times.expires
+
+    def forget_attempt(self, lockstring: str, guid: str) -> int:
+        """Delete the row an acquire by ``guid`` that failed may have left (its INSERT
+        committed, its answer lost); how many were deleted."""
+        params = {"ls": lockstring, "lock_guid": guid}
+        return self._db.run(
+            lockstring, lambda conn: conn.affected(self._db.sql.forget_attempt, params)
+        )
+
+    def checkpoint_due(self) -> bool:
+        """Counts a release; whether the log is due a checkpoint (``checkpoint``) now. Counted
+        without a lock: a count lost between threads only moves a checkpoint by a release."""
+        if not self._checkpoints_after_releases:
+            return False
+        self._releases += 1
+        return self._releases % CHECKPOINT_EVERY == 0
+
+    def checkpoint(self) -> None:
+        """Copy the write-ahead log back into the database file, without waiting for (or
+        blocking) anyone: after a release has left its place, so that no waiter waits for it.
+        A failure is logged, not raised: the release it follows has succeeded."""
+        try:
+            self._db.run(None, self.checkpoint_on)
+        except LockError as error:
+            logger.warning("could not checkpoint the database's log (%s)", error)
+
+    def checkpoint_on(self, conn: DriverSession) -> None:
+        checkpoint = self._db.sql.checkpoint
+        if checkpoint is None:
+            return
+        try:
+            conn.execute(checkpoint)
+        except sa.exc.DBAPIError as error:  # another checkpoint running: it does the job
+            if not self._db.be.is_transient_conflict(error):
+                raise
+
+    def guard(
+        self, connection: Connection, lockstring: str, lock_id: int, guid: str, silence: float
+    ) -> bool:
+        """In ``connection``'s open transaction, whether our row is still ours and unexpired;
+        if so, it stays so until that transaction ends, which the server brings about if the
+        client is silent in it for ``silence`` seconds (see ``Lock.guard``)."""
+        if not connection.in_transaction():
+            raise LockError(
+                "guard() needs a connection inside a transaction: the protection lasts until "
+                "that transaction ends",
+                lockstring,
+            )
+        self._db.ensure_setup()
+        params = {"lock_id": lock_id, "lock_guid": guid}
+        if not self._db.be.share_locks_rows:
+            # SQLite: a write takes the database's write lock until the caller's transaction
+            # ends, so nobody can take over or purge the row meanwhile.
+            return connection.execute(self._db.sql.guard_by_writing, params).rowcount == 1
+        if connection.execute(self._db.sql.guard, params).first() is None:
+            return False
+        self._db.be.bound_silence(connection, silence)
+        return True

@@ -1,0 +1,321 @@
+# Generated from sqllocker/asyncio/ticket_wait.py by tests/unasync.py: edit that file, then
+# run `python -m tests.unasync`.
+"""Waiting for a lock in line by ticket, where waiters take tickets (PostgreSQL and MySQL/MariaDB:
+see ``sqllocker.tickets``), with the listener that keeps a locker's tickets alive.
+
+Written once for asyncio; the sync ``sqllocker/ticket_wait.py`` is generated from it
+(``tests/unasync.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from sqlalchemy.engine import Engine
+
+from . import concurrency, tickets
+from .acquiring import Winnings
+from .attempts import Attempts, wait_out
+from .backoff import Backoff
+from .errors import DatabaseError
+from .holding import OnLost
+from .listener import ReleaseListener
+from .lock import Call, Lock
+from .notifications import guid_digest
+from .operations import Acquired, LockOperations, Refused
+from .tickets import LOOK_AGAIN, NEWCOMER, LocalLine, Ticket
+
+logger = logging.getLogger("sqllocker")
+
+
+class TicketWait:
+    """The waits of a locker's waiters in line by ticket for the rows of ``table_name`` on
+    ``engine``: ``attempts`` at the rows, tickets taken and given up through ``operations``
+    (run by ``run``); a row expired for ``grace`` seconds may be taken over.
+
+    ``listener``: the connection that keeps the tickets alive, once a waiter needed it;
+    ``line``: this locker's waiters' tickets; ``leaving``: the give-ups tried again in the
+    background, which ``closing`` ends.
+    """
+
+    def __init__(
+        self,
+        attempts: Attempts,
+        operations: LockOperations,
+        run: Call,
+        engine: Engine,
+        table_name: str,
+        grace: float,
+    ) -> None:
+        self._attempts = attempts
+        self._operations = operations
+        self._call = run
+        self._engine = engine
+        self._table_name = table_name
+        self._grace = grace
+        self._setup_lock = threading.Lock()  # never held across a wait
+        self.listener: ReleaseListener | None = None
+        self.line = LocalLine()  # the tickets of this Locker's waiters
+        self.leaving = concurrency.Background("sqllocker-ticket-leaver")
+        self.closing = concurrency.Event()  # set by close: ends the give-ups tried again
+
+    def close(self) -> None:
+        """End the give-ups tried again, and stop listening."""
+        self.closing.set()
+        self.leaving.close()
+        if self.listener is not None:
+            self.listener.stop()
+
+    def release_listener(self) -> ReleaseListener | None:
+        """The connection that keeps this Locker's tickets alive (and, on PostgreSQL, wakes
+        its waiters on NOTIFY), where waiters take tickets; None where they back off."""
+        if not self._operations.waits_by_ticket:
+            return None
+        with self._setup_lock:
+            if self.listener is None:
+                self.listener = ReleaseListener(
+                    self._engine, self._table_name, self._operations.hands_over
+                )
+            return self.listener
+
+    def wait(
+        self,
+        winnings: Winnings,
+        listener: ReleaseListener,
+        lockstring: str,
+        guid: str,
+        details: dict[str, Any],
+        ttl: float,
+        wait: float | None,
+        on_lost: OnLost | None,
+    ) -> Lock:
+        """``_wait_for`` where waiters take tickets: refused, a waiter takes a ticket; on
+        PostgreSQL a release hands it the row when its turn comes, and the first of this
+        Locker's waiters for the row also tries it now and then; on MySQL that first waiter
+        polls the row, at a quarter of the age of the hold it waits out (see
+        ``sqllocker.tickets``). While the listener reconnects, a waiter keeps its ticket,
+        dead now, and tries by it; one without a ticket backs off and tries, as if alone."""
+        backoff = Backoff.for_wait(wait)
+        polls = not listener.hands_over  # the first waiter polls the row (MySQL)
+        digest = guid_digest(guid)  # what a release's grant names this waiter by
+        line = self.line
+        ticket: Ticket | None = None
+        refused = Refused(None, None)  # the last refusal, which LockBusy names
+        # The first attempt: not ahead of anyone waiting. Where a waiter of this Locker holds a
+        # ticket already, it would be refused: take a ticket at once.
+        gate: int | None = None if line.waiting(lockstring) else NEWCOMER
+        try_now = True
+        free_since: float | None = None  # in line, refused a free row by a ticket ahead
+        # A join failed, and may have taken a ticket all the same, kept alive by this key.
+        unsure: int | None = None
+        doubled = False  # a ticket of ours may have been handed a row ahead of ``ticket``
+        rejoining = False  # our dead ticket given up, the next of our line not yet woken
+        outcome: Lock | None = None  # ours, once won by an attempt or handed over
+        try:
+            while True:
+                if (
+                    ticket is not None
+                    and listener.liveness_key not in (None, ticket.liveness_key)
+                    and line.first(ticket)
+                ):
+                    # The listener's session ended, and the ticket's life with it: once it has
+                    # a new one, give the ticket up (with a row handed to it that we never
+                    # heard of), and take a new one. The waiters of our line behind us take
+                    # theirs after us, in order.
+                    dead, ticket = ticket, None
+                    self._give_up(dead, guid, give_back=True, wake_next=False)
+                    rejoining = True
+                    try_now = True
+                waiter = listener.register(lockstring, digest, releases=False)
+                try:
+                    key = listener.liveness_key
+                    if rejoining and key is None:
+                        rejoining = False  # nothing to take a ticket with: the next tries too
+                        line.wake_first(lockstring)
+                    if ticket is None and gate is None and key is not None:
+                        try:
+                            ticket, held, replaced = self._join_line(
+                                lockstring, guid, ttl, details, key, unsure is not None
+                            )
+                        except DatabaseError as error:
+                            unsure = key
+                            wait_out(error, backoff, lockstring)
+                            continue
+                        unsure = None  # the join gave up whatever an earlier one took
+                        doubled = doubled or replaced
+                        line.join(ticket)
+                        if rejoining:
+                            rejoining = False
+                            line.wake_first(lockstring)  # the next of our dead tickets
+                        if polls:
+                            backoff.heading()
+                        else:
+                            backoff.await_hand_off()
+                        # A release may have come before our ticket: try at once, unless the
+                        # row is polled anyway, as soon (Backoff.heading).
+                        try_now = not held and not polls
+                    first = ticket is None or line.watch(ticket, waiter.event.set)
+                    if first:
+                        listener.follow_releases(waiter)
+                    if first and try_now:
+                        waited = 0.0 if free_since is None else time.monotonic() - free_since
+                        in_line = ticket is not None and waited < tickets.PATIENCE
+                        try:
+                            attempt = self._attempts.try_acquire(
+                                winnings,
+                                lockstring,
+                                guid,
+                                details,
+                                ttl,
+                                on_lost,
+                                ticket.number if in_line and ticket is not None else gate,
+                                look_first=in_line and polls,
+                                in_line=in_line,
+                            )
+                        except DatabaseError as error:
+                            wait_out(error, backoff, lockstring)
+                            continue
+                        if isinstance(attempt, Lock):
+                            line.passed += ticket is not None and not in_line
+                            outcome = attempt
+                            return attempt
+                        gated_unasked = gate is not None and attempt.busy is None
+                        gate = None
+                        if ticket is None or attempt.busy is not None:
+                            free_since = None
+                        elif free_since is None:
+                            free_since = time.monotonic()
+                        if attempt.busy is not None or refused.busy is None:
+                            if tickets.new_hold(attempt.busy, refused.busy) and polls:
+                                backoff.heading()  # polls paced by the age of this hold
+                            refused = attempt
+                        if backoff.expired() and gated_unasked:
+                            continue  # the gate refused us unasked: one full attempt first
+                    try_now = True
+                    if backoff.expired():
+                        raise refused.busy_after(lockstring, wait)
+                    if ticket is None and key is not None:
+                        continue  # refused: take a ticket
+                    if first:
+                        busy = refused.busy
+                        delay = backoff.next_delay(
+                            busy.expires if busy else None, refused.server_now, self._grace
+                        )
+                    else:  # wakes when it is first, or is handed the row
+                        remaining = backoff.remaining()
+                        delay = LOOK_AGAIN if remaining is None else min(LOOK_AGAIN, remaining)
+                    concurrency.wait(waiter.event, delay)
+                    if waiter.grant is not None and ticket is not None:
+                        claimed: Acquired | None = self._call(
+                            self._operations.claim_grant, lockstring, waiter.grant.lock_id, guid
+                        )
+                        if claimed is not None:
+                            if not doubled:  # else given up below: it may be the one left
+                                line.leave(ticket)
+                                ticket = None  # the release that granted it took it
+                            outcome = self._attempts.handle(
+                                winnings, lockstring, guid, claimed, ttl, details, on_lost
+                            )
+                            return outcome
+                finally:
+                    listener.unregister(waiter)
+        finally:
+            if rejoining:
+                line.wake_first(lockstring)
+            if ticket is not None and outcome is not None and polls:
+                # Won by our own INSERT where no release hands rows over: there is nothing to
+                # give back, and the caller need not wait for the round trip (the ticket keeps
+                # nobody from a row that is ours).
+                self.leaving.call_soon(self._give_up, ticket, guid, False)
+            elif ticket is not None:
+                # Given up before the caller has its lock: a later release must not hand a
+                # row to a ticket nobody waits on. Without the lock, a row handed to it goes
+                # back.
+                self._give_up(ticket, guid, outcome is None)
+            elif unsure is not None:  # and, without the lock, a row handed to it goes back
+                self._give_up_every(lockstring, unsure, guid, outcome is None)
+
+    def _give_up(self, ticket: Ticket, guid: str, give_back: bool, wake_next: bool = True) -> None:
+        """Give up ``ticket`` (``_leave_line``), then wake the next waiter of this Locker (if
+        ``wake_next``): told sooner, it would find our ticket still ahead of its own. A give-up
+        that failed is tried again in the background (``_give_up_again``)."""
+        given_up = False
+        try:
+            given_up = self._leave_line(ticket.lockstring, ticket.number, guid, give_back)
+        finally:
+            self.line.leave(ticket, wake_next)
+            if not given_up:
+                number, key = ticket.number, ticket.liveness_key
+                self.leaving.call_soon(
+                    self._give_up_again, ticket.lockstring, number, key, guid, give_back
+                )
+
+    def _give_up_every(
+        self, lockstring: str, liveness_key: int, guid: str, give_back: bool
+    ) -> None:
+        """Give up every ticket of ``guid`` for ``lockstring``: a join that failed may have
+        taken one, alive while ``liveness_key`` is held. A give-up that failed is tried again
+        in the background, as for a known ticket."""
+        if not self._leave_line(lockstring, None, guid, give_back):
+            self.leaving.call_soon(
+                self._give_up_again, lockstring, None, liveness_key, guid, give_back
+            )
+
+    def _give_up_again(
+        self,
+        lockstring: str,
+        number: int | None,
+        liveness_key: int,
+        guid: str,
+        give_back: bool,
+    ) -> None:
+        """Try to give up ticket ``number`` (None: every ticket of ``guid``), alive while
+        ``liveness_key`` is held, again every ``tickets.GIVE_UP_AGAIN`` seconds while it may
+        live: left live with nobody waiting on it, it would be handed the next row, to stand
+        held by nobody until it expires (PostgreSQL), or hold every waiter behind it back from
+        a free row for PATIENCE at each turn (MariaDB)."""
+        for _attempt in range(tickets.GIVE_UP_ATTEMPTS):
+            concurrency.wait(self.closing, tickets.GIVE_UP_AGAIN)
+            listener = self.listener
+            if self.closing.is_set() or listener is None or listener.liveness_key != liveness_key:
+                return  # the ticket has died with the listener's session, or will with it
+            if self._leave_line(lockstring, number, guid, give_back, quiet=True):
+                logger.info("gave up a ticket for %r after all", lockstring)
+                return
+        logger.warning(
+            "could not give up a ticket for %r; it stands until this Locker is closed", lockstring
+        )
+
+    def _join_line(
+        self,
+        lockstring: str,
+        guid: str,
+        ttl: float,
+        details: dict[str, Any],
+        key: int,
+        replacing: bool,
+    ) -> tuple[Ticket, bool, bool]:
+        """A ticket for ``lockstring``, alive while ``key`` is held, whether the row is held,
+        and whether an earlier one may have been handed it (``LockOperations.join_line``;
+        ``replacing`` an earlier one that may stand)."""
+        join = (lockstring, guid, ttl, details, key, replacing)
+        number, held, replaced = self._operations.join_line(*join)
+        return Ticket(lockstring, number, key), held, replaced
+
+    def _leave_line(
+        self, lockstring: str, number: int | None, guid: str, give_back: bool, quiet: bool = False
+    ) -> bool:
+        """Give up ticket ``number`` (None: every ticket of ``guid``; see
+        ``LockOperations.leave_line``), whoever stops waiting for it. Whether it was: a failure
+        is logged (at DEBUG if ``quiet``), not raised."""
+        leave = (lockstring, number, guid, give_back)
+        try:
+            self._operations.leave_line(*leave)
+        except DatabaseError as error:
+            log = logger.debug if quiet else logger.warning
+            log("could not give up a ticket for %r (%s)", lockstring, error)
+            return False
+        return True
