@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
-import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -18,7 +15,6 @@ from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.expression import Executable
 from sqlalchemy.types import TypeEngine
 
-from ..errors import LockError
 from ..schema import (
     ID_ORDER_STRIPES,
     UTCDateTime,
@@ -35,7 +31,7 @@ from ..timeouts import (
     ROW_LOCK_TIMEOUT_SECONDS,
     STATEMENT_TIMEOUT_SECONDS,
 )
-from . import pymysql_tls
+from . import mysql_adoption, pymysql_tls
 from .base import Backend, StatementParts, shut_down_socket
 
 if TYPE_CHECKING:
@@ -44,7 +40,6 @@ if TYPE_CHECKING:
 
 # Serialises concurrent `sqllocker migrate` runs (a named lock, not a row).
 _MIGRATION_LOCK_NAME = "sqllocker_migrate"
-_NAME = re.compile(r"[A-Za-z0-9_]+")
 
 
 # A ticket's liveness key, as the GET_LOCK name its Locker's listening connection holds
@@ -420,7 +415,7 @@ class MySQLBackend(Backend):
         ]
 
     def ids_handed_out_below(self, conn: Connection, source: str, highest_row: int) -> int:
-        return max(highest_row + 1, _next_auto_increment(conn, source))
+        return max(highest_row + 1, mysql_adoption.next_auto_increment(conn, source))
 
     def next_id_at_least(self, table: str, first: int) -> list[Executable | str]:
         return [f"ALTER TABLE {table} AUTO_INCREMENT = {int(first)}"]
@@ -428,22 +423,7 @@ class MySQLBackend(Backend):
     def lockstring_like(
         self, conn: Connection, source: str, table: str, exact_lockstrings: bool
     ) -> list[Executable | str]:
-        """Without ``exact_lockstrings``, the new lockstring column gets the old one's character
-        set and collation, so that the same lockstrings collide as before."""
-        if exact_lockstrings:
-            return []
-        charset, collation = conn.exec_driver_sql(
-            "SELECT character_set_name, collation_name FROM information_schema.columns "
-            "WHERE table_schema = DATABASE() AND table_name = %(table)s "
-            "AND column_name = 'lockstring'",
-            {"table": source},
-        ).one()
-        if not all(name and _NAME.fullmatch(name) for name in (charset, collation)):
-            return []
-        return [
-            f"ALTER TABLE {table} MODIFY lockstring VARCHAR(128) CHARACTER SET "
-            f"{charset} COLLATE {collation} NOT NULL"
-        ]
+        return mysql_adoption.lockstring_like(conn, source, table, exact_lockstrings)
 
     def swap_in(
         self,
@@ -453,103 +433,7 @@ class MySQLBackend(Backend):
         aside: str,
         copy_rows: Callable[[Connection], list[int]],
     ) -> int:
-        """``LOCK TABLES ... WRITE`` on both tables keeps every Perl process out of the old one
-        (they wait) while its rows are copied and the new one's counter set above every id the
-        old one handed out. MariaDB refuses RENAME TABLE under LOCK TABLES, so another
-        connection asks for ``RENAME TABLE table TO aside, new TO table`` meanwhile, which
-        waits for the table locks; only once it waits are they released. A waiting RENAME's
-        exclusive metadata lock goes before every waiting INSERT and DELETE, which then open the
-        table by its name: the new one. Nobody writes to the old table after the copy, and
-        the name never stands for an empty table, nor for none."""
-        engine = conn.engine
-        conn.exec_driver_sql(f"SET SESSION lock_wait_timeout = {_ADOPTION_LOCK_WAIT_SECONDS}")
-        conn.exec_driver_sql(f"LOCK TABLES {table} WRITE, {new} WRITE")
-        renamer: _Renamer | None = None
-        try:
-            ids = copy_rows(conn)
-            next_id = max(max(ids, default=0) + 1, _next_auto_increment(conn, table))
-            conn.exec_driver_sql(f"ALTER TABLE {new} AUTO_INCREMENT = {int(next_id)}")
-            renamer = _Renamer(engine, f"RENAME TABLE {table} TO {aside}, {new} TO {table}")
-            renamer.wait_until_queued(conn)
-        finally:
-            conn.exec_driver_sql("UNLOCK TABLES")
-            if renamer is not None:
-                renamer.join()
-        if renamer.error is not None:
-            raise renamer.error
-        # Nothing can have reached the old table after the copy; should anything have, its
-        # rows are kept where they are, and the adoption says so.
-        old_ids = sa.select(sa.table(aside, sa.column("id")).c.id)
-        left = set(conn.execute(old_ids).scalars()) - set(ids)
-        if left:
-            raise LockError(
-                f"rows {sorted(left)} were written to {table!r} after its rows were copied; "
-                f"they are in {aside!r}, and {table!r} is sqllocker's without them"
-            )
-        return len(ids)
-
-
-_ADOPTION_LOCK_WAIT_SECONDS = 60
-
-
-class _Renamer:
-    """A RENAME TABLE on a connection of its own, in a thread, which waits for the caller's
-    table locks (see ``MySQLBackend.swap_in``)."""
-
-    def __init__(self, engine: Engine, statement: str) -> None:
-        self.error: BaseException | None = None
-        self._statement = statement
-        self._connection = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
-        self.connection_id = int(
-            self._connection.exec_driver_sql("SELECT CONNECTION_ID()").scalar() or 0
-        )
-        self._connection.exec_driver_sql(
-            f"SET SESSION lock_wait_timeout = {_ADOPTION_LOCK_WAIT_SECONDS}"
-        )
-        self._thread = threading.Thread(target=self._run, name="sqllocker-rename", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self._connection.exec_driver_sql(self._statement)
-        except BaseException as error:  # reported by join()'s caller
-            self.error = error
-
-    def wait_until_queued(self, conn: Connection) -> None:
-        """Until the RENAME waits for the table locks; if it does not within the bound, its
-        connection is killed (so it never runs after the locks go)."""
-        deadline = time.monotonic() + _ADOPTION_LOCK_WAIT_SECONDS
-        while time.monotonic() < deadline and self._thread.is_alive():
-            state = conn.exec_driver_sql(
-                "SELECT state FROM information_schema.processlist WHERE id = %(id)s",
-                {"id": self.connection_id},
-            ).scalar()
-            if state and "metadata lock" in str(state):
-                return
-            time.sleep(0.005)
-        if self._thread.is_alive():
-            conn.exec_driver_sql(f"KILL CONNECTION {self.connection_id}")
-            raise LockError("the RENAME TABLE of the adoption never came to wait for its locks")
-
-    def join(self) -> None:
-        self._thread.join()
-        self._connection.close()
-
-
-def _next_auto_increment(conn: Connection, table: str) -> int:
-    """The next id InnoDB would draw for ``table``, read now (MySQL 8 caches the value in
-    information_schema unless told not to; MariaDB has no such setting)."""
-    try:
-        conn.exec_driver_sql("SET SESSION information_schema_stats_expiry = 0")
-    except sa.exc.DBAPIError as error:
-        if _errno(error) != _UNKNOWN_SYSTEM_VARIABLE:
-            raise
-    next_id = conn.exec_driver_sql(
-        "SELECT auto_increment FROM information_schema.tables "
-        "WHERE table_schema = DATABASE() AND table_name = %(table)s",
-        {"table": table},
-    ).scalar()
-    return int(next_id or 0)
+        return mysql_adoption.swap_in(conn, table, new, aside, copy_rows)
 
 
 # A server without Galera does not know its variables.
