@@ -7,7 +7,8 @@ timeout (MariaDB: a minute) or for ever (libpq has none), and neither TCP keepal
 operation sends on this thread is interrupted at the deadline by the backend
 (``Backend.interrupt``: the connection's socket shut down, SQLite's ``interrupt()``), which
 the driver reports as a lost connection, and a lost connection is then not tried again
-(``passed``). The async front end bounds its awaits with ``asyncio.wait_for`` instead.
+(``passed``); a connection opened within the block gives up by the deadline too. The async
+front end bounds its awaits with ``asyncio.wait_for`` instead.
 Within ``connections_by(deadline)`` (a lock's wait), a new connection's own timeout is cut to
 the deadline (``Backend.cap_connect``).
 
@@ -45,10 +46,11 @@ _connect_deadline: ContextVar[tuple[float, object] | None] = ContextVar(
 @contextlib.contextmanager
 def statements_end_by(deadline: float) -> Iterator[None]:
     """Within the block, statements of lock operations are interrupted at ``deadline`` (on
-    ``clock.now()``)."""
+    ``clock.now()``), and a new connection gives up by then too (``connections_by``)."""
     token = _deadline.set(deadline)
     try:
-        yield
+        with connections_by(deadline):
+            yield
     finally:
         _deadline.reset(token)
 

@@ -205,6 +205,38 @@ def test_unlock_on_a_frozen_connection_ends_within_the_locks_life(
     )
 
 
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_unlock_that_must_connect_to_a_frozen_server_ends_within_the_locks_life(
+    proxied: Proxied, table_name: str, make_locker: Any, backend: str
+) -> None:
+    """unlock() with no connection left to it (each was lost) opens one to a frozen server,
+    which accepts and never answers: the new connection gives up by the lock's expiry, not
+    after the driver's connect timeout (10 s), and nothing is left that a takeover meets."""
+    contender = make_locker(grace=GRACE)
+    proxy = proxied.proxy
+    outcome: dict[str, Any] = {}
+    locker = Locker(proxied.url, table=table_name, grace=GRACE)
+    try:
+        lock = locker.lock("job", expires=EXPIRES)
+        outcome.update(lock_id=lock.lock_id, still_valid=lock.is_valid)
+        locker._operations.forget_connections()  # the release must open a connection
+        proxy.stall()
+        started = time.monotonic()
+        try:
+            lock.unlock()
+        except LockError as error:
+            outcome["error"] = error
+        outcome["took"] = time.monotonic() - started
+        _takes_over_after(contender, "job", outcome, None)
+    finally:
+        proxy.close()
+        locker.close()
+    # The lock's life (EXPIRES) and the smallest connect timeout a driver takes (2 s), with
+    # room for a loaded machine; the driver's own 10 s would be past it.
+    assert outcome["took"] < EXPIRES + 5.0, outcome
+    assert isinstance(outcome.get("error"), LockLost), outcome
+
+
 @pytest.mark.parametrize("front", ["sync", "asyncio"])
 @pytest.mark.parametrize("backend", ["postgresql", "mysql"])
 def test_a_stuck_renewal_delays_no_other_locks_renewals(

@@ -121,7 +121,7 @@ class AsyncAcquirer:
                         )
                 else:
                     bound = clock.now() + FORGET_PATIENCE
-                    with deadlines.statements_end_by(bound), deadlines.connections_by(bound):
+                    with deadlines.statements_end_by(bound):
                         deleted = self._operations.forget_attempt(lockstring, guid)
             except LockError:
                 pass
