@@ -46,6 +46,8 @@ READ_SECONDS = 1.0
 # MySQL: how long that look may take before the connection is taken for lost (aiomysql has no
 # read timeout of its own).
 LOOK_SECONDS = 10.0
+# How long a stopping Locker waits for its listener to end before cancelling it again.
+STOP_RETRY_SECONDS = 0.5
 
 
 class ReleaseListener:

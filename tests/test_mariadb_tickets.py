@@ -273,3 +273,38 @@ def test_waiters_whose_listener_lost_its_session_take_new_tickets_and_are_served
     wait_until(lambda: standing(admin, table_name) == [])  # given up in the background
     holder.close()
     waiters.close()
+
+
+async def test_a_listener_that_loses_a_cancellation_still_stops(
+    migrated_mysql: str, table_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """aclose() ends even when the listener's task lets a cancellation go by, as Python 3.11's
+    wait_for does with one that comes as the liveness look it waits for ends: the task is
+    cancelled again. Before, aclose() waited for it for ever (a many-process test's worker
+    stood still at its end)."""
+    from sqllocker.asyncio.listener import AsyncReleaseListener
+
+    listen = AsyncReleaseListener._listen
+    lost: list[bool] = []
+
+    async def deaf_once(self: AsyncReleaseListener) -> None:
+        try:
+            await listen(self)
+        except asyncio.CancelledError:
+            lost.append(True)  # the cancellation lost: it listens on
+            await listen(self)
+
+    monkeypatch.setattr(AsyncReleaseListener, "_listen", deaf_once)
+    holder = Locker(migrated_mysql, table=table_name)
+    held = holder.lock("report")
+    locker = AsyncLocker(async_url(migrated_mysql), table=table_name)
+    try:
+        threading.Timer(0.5, held.unlock).start()
+        await (await locker.lock("report", wait=30)).unlock()  # a waiter: the listener runs
+        assert locker._tickets.listener is not None
+    finally:
+        closing = asyncio.create_task(locker.aclose())
+        closed, _ = await asyncio.wait({closing}, timeout=20)
+        holder.close()
+    assert closed, "aclose() still waits for its listener"
+    assert lost == [True]

@@ -51,6 +51,8 @@ READ_SECONDS = 1.0
 # MySQL: how long that look may take before the connection is taken for lost (aiomysql has no
 # read timeout of its own).
 LOOK_SECONDS = 10.0
+# How long a stopping Locker waits for its listener to end before cancelling it again.
+STOP_RETRY_SECONDS = 0.5
 
 
 class AsyncReleaseListener:
@@ -124,10 +126,16 @@ class AsyncReleaseListener:
 
         async def stop(self) -> None:
             task, self._task = self._task, None
-            if task is not None:
+            if task is None:
+                return
+            # A cancellation can be lost on its way (Python 3.11's wait_for drops one that
+            # comes as the statement it waits for ends), and the task would listen on: it is
+            # cancelled again until it has ended.
+            while not task.done():
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                await asyncio.wait({task}, timeout=STOP_RETRY_SECONDS)
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
         def _listening_on(self) -> bool:
             return True  # until the task is cancelled
