@@ -23,6 +23,7 @@ def test_shared_runs_run_together_and_a_plain_run_waits_for_them_all(
     sqllocker: Run, migrated: Locker, url: str, table_name: str, tmp_path: Path
 ) -> None:
     done = tmp_path / "done"
+    go = tmp_path / "go"  # the readers hold until the test has tried the plain run
     readers = [
         popen(
             url,
@@ -33,7 +34,7 @@ def test_shared_runs_run_together_and_a_plain_run_waits_for_them_all(
             "--",
             "sh",
             "-c",
-            f"sleep 2; echo r >> {done}",
+            f"while [ ! -e {go} ]; do sleep 0.05; done; echo r >> {done}",
         )
         for _ in range(2)
     ]
@@ -41,6 +42,9 @@ def test_shared_runs_run_together_and_a_plain_run_waits_for_them_all(
     busy = sqllocker("run", "catalog", "--", "echo", "must not run")
     assert busy.returncode == 1, busy.stderr
     assert "readers hold it" in busy.stderr
+    assert _readers(migrated) == 2
+    assert not done.exists()
+    go.touch()
     writer = sqllocker("run", "-w", "30", "catalog", "--", "cat", str(done))
     assert writer.returncode == 0, writer.stderr
     assert writer.stdout == "r\nr\n"  # it ran after both readers were done
