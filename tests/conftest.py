@@ -22,6 +22,7 @@ from sqllocker import Locker, lock_table
 from sqllocker.backoff import Backoff
 from sqllocker.engine import resolve_url
 from sqllocker.migrations import upgrade
+from tests.helpers import Proxied
 
 POSTGRES_ADMIN_URL = os.environ.get(
     "SQLLOCKER_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
@@ -120,6 +121,16 @@ def migrated_postgres(postgresql_url: str, table_name: str) -> Iterator[str]:
     upgrade(engine, table_name)
     engine.dispose()
     return postgresql_url
+
+
+@pytest.fixture
+def proxied(url: str) -> Iterator[Proxied]:
+    """A StallProxy in front of this test's server (PostgreSQL or MariaDB)."""
+    through = Proxied(url)
+    try:
+        yield through
+    finally:
+        through.close()
 
 
 @pytest.fixture
