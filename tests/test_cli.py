@@ -214,6 +214,9 @@ def test_sqlite_default_needs_no_set_up(tmp_path: Path) -> None:
 
 # -- list / show ----------------------------------------------------------------------------------
 
+# The columns of ``sqllocker list`` (and of ``top``'s table).
+LIST_COLUMNS = ["LOCKSTRING", "KIND", "ID", "HOLDER", "PROGRAM", "CREATED", "EXPIRES", "LEFT"]
+
 
 @pytest.mark.slow
 def test_list_and_show_in_text_and_json(sqllocker: Run, migrated: Locker) -> None:
@@ -225,16 +228,7 @@ def test_list_and_show_in_text_and_json(sqllocker: Run, migrated: Locker) -> Non
     table = sqllocker("list")
     assert table.returncode == 0
     lines = table.stdout.splitlines()
-    assert lines[0].split() == [
-        "LOCKSTRING",
-        "KIND",
-        "ID",
-        "HOLDER",
-        "PROGRAM",
-        "CREATED",
-        "EXPIRES",
-        "LEFT",
-    ]
+    assert lines[0].split() == LIST_COLUMNS
     assert len(lines) == 4
     assert any("report 2" in line and line.endswith("expired") for line in lines)
 

@@ -21,6 +21,7 @@ from sqllocker.engine import resolve_url
 from sqllocker.migrations import upgrade
 from tests.conftest import IN_CI
 from tests.helpers import wait_until
+from tests.test_cli import LIST_COLUMNS
 
 SQLLOCKER = str(Path(__file__).resolve().parents[1] / ".venv" / "bin" / "sqllocker")
 TMUX = shutil.which("tmux")
@@ -143,16 +144,7 @@ def test_top_without_a_terminal_prints_the_list(migrated: str, table_name: str) 
     holder.close()
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0].split() == [
-        "LOCKSTRING",
-        "KIND",
-        "ID",
-        "HOLDER",
-        "PROGRAM",
-        "CREATED",
-        "EXPIRES",
-        "LEFT",
-    ]
+    assert lines[0].split() == LIST_COLUMNS
     assert lines[1].startswith("job 7 ")
 
 
