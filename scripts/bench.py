@@ -230,24 +230,18 @@ def raw_floor_cycle(url: str) -> Cycle:
     for setting in floor.settings:
         cursor.execute(setting)
 
-    def close() -> None:
-        cursor.close()
-        raw.close()
-        locker.close()
-
-    return floor_cycle(floor, cursor), close
-
-
-def floor_cycle(floor: FloorStatements, cursor: Any) -> Callable[[int], None]:
-    """The floor's cycle of lockstring n on ``cursor`` (a driver's, or the A/B tool's stub)."""
-
     def cycle(n: int) -> None:
         guid = os.urandom(16).hex()  # as sqllocker.identity.new_guid
         cursor.execute(floor.acquire.sql, floor.acquire_parameters(n, guid))
         lock_id = cursor.fetchall()[0][0]
         cursor.execute(floor.release.sql, floor.release_parameters(lock_id, guid))
 
-    return cycle
+    def close() -> None:
+        cursor.close()
+        raw.close()
+        locker.close()
+
+    return cycle, close
 
 
 def sqllocker_cycle(url: str, table: str = TABLE, **options: Any) -> Cycle:
