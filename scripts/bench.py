@@ -418,47 +418,77 @@ def paired_rows(
     return rows
 
 
-def statements_cycle(url: str, take: str, give: str, key: Callable[[int], object]) -> Cycle:
-    """A server's own lock of ``key(n)`` taken and given back by two statements (``take`` and
-    ``give``, each with the key as its parameter), on a plain connection."""
-    connection = plain_connection(url)
-    cursor = connection.cursor()
+# The servers' own locks of key(n), beside sqllocker's: row -> (take, give, key). A try-lock is
+# in the uncontended rows (``TRY_LOCKS``), a blocking one in the contended rows.
+PG_UNLOCK, MARIADB_UNLOCK = "SELECT pg_advisory_unlock(%s)", "SELECT RELEASE_LOCK(%s)"
+SERVER_LOCKS: dict[str, tuple[str, str, Callable[[int], object]]] = {
+    "advisory try-lock": ("SELECT pg_try_advisory_lock(%s)", PG_UNLOCK, int),
+    "advisory lock": ("SELECT pg_advisory_lock(%s)", PG_UNLOCK, int),
+    "GET_LOCK try-lock": ("SELECT GET_LOCK(%s, 0)", MARIADB_UNLOCK, "bench {}".format),
+    "GET_LOCK": ("SELECT GET_LOCK(%s, 60)", MARIADB_UNLOCK, "bench {}".format),
+}
+TRY_LOCKS = {"postgresql": "advisory try-lock", "mysql": "GET_LOCK try-lock"}
+BLOCKING_LOCKS = {"sqlite": "flock", "postgresql": "advisory lock", "mysql": "GET_LOCK"}
+# Redis: the floor (the bare SET NX and DEL of a key), and redis-py's Lock: row -> blocking.
+REDIS_FLOOR, REDIS_LOCKS = "raw SET NX + DEL", {"redis-py Lock (non-blocking)": False}
+REDIS_LOCKS["redis-py Lock"] = True
 
-    def cycle(n: int) -> None:
-        for statement in (take, give):
-            cursor.execute(statement, (key(n),))
+LockCalls = tuple[Callable[[int], Any], Callable[[Any], Any], Callable[[], Any]]
+"""(take lock n, returning what gives it back; give it back; close) of one system's lock."""
+
+
+def lock_calls(system: str, url: str) -> LockCalls:
+    """A row's lock, on a connection of its own: sqllocker's blocking lock of one lockstring
+    (the contended rows'), a server's (``SERVER_LOCKS``), ``flock`` on a file beside the SQLite
+    database (one machine's blocking lock, beside sqllocker's own queue file), redis-py's
+    ``Lock`` (``REDIS_LOCKS``) or ``REDIS_FLOOR``."""
+    if system == "sqllocker":
+        locker = Locker(url, table=TABLE, grace=1)
+        return (
+            (lambda _: locker.lock("contended", wait=None, expires=60)),
+            (lambda lock: lock.unlock()),
+            locker.close,
+        )
+    if system == "flock":
+        fd = os.open(url.removeprefix("sqlite:///") + "-flock", os.O_RDWR | os.O_CREAT, 0o644)
+        return (
+            (lambda _: fcntl.flock(fd, fcntl.LOCK_EX)),
+            (lambda _: fcntl.flock(fd, fcntl.LOCK_UN)),
+            (lambda: os.close(fd)),
+        )
+    if system in SERVER_LOCKS:
+        take, give, key = SERVER_LOCKS[system]
+        connection = plain_connection(url)
+        cursor = connection.cursor()
+
+        def run(statement: str, name: object) -> object:
+            cursor.execute(statement, (name,))
             cursor.fetchone()
+            return name
 
-    return cycle, connection.close
-
-
-# The servers' own locks, beside sqllocker in the uncontended rows: (row, take, give, key).
-SERVER_LOCKS: dict[str, tuple[str, str, str, Callable[[int], object]]] = {
-    "postgresql": ("advisory try-lock", "SELECT pg_try_advisory_lock(%s)",
-                   "SELECT pg_advisory_unlock(%s)", int),
-    "mysql": ("GET_LOCK", "SELECT GET_LOCK(%s, 0)", "SELECT RELEASE_LOCK(%s)", "bench {}".format),
-}  # fmt: skip
-
-
-def redis_cycle(floor: bool) -> Cycle:
-    """redis-py's ``Lock``, or (``floor``) the bare SET NX and DEL of a key."""
+        return (lambda n: run(take, key(n))), functools.partial(run, give), connection.close
     import redis
 
     client = redis.Redis.from_url(REDIS_URL)
 
-    def lock_cycle(n: int) -> None:
-        lock = client.lock(f"bench {n}", timeout=3600)
-        lock.acquire(blocking=False)
-        lock.release()
-
-    def set_and_delete(n: int) -> None:
+    def set_key(n: int) -> str:
         client.set(f"floor {n}", "token", nx=True, px=3_600_000)
-        client.delete(f"floor {n}")
+        return f"floor {n}"
 
-    return set_and_delete if floor else lock_cycle, client.close
+    def take_lock(n: int) -> Any:
+        lock = client.lock(f"bench {n}", timeout=3600)
+        lock.acquire(blocking=REDIS_LOCKS[system])
+        return lock
+
+    if system == REDIS_FLOOR:
+        return set_key, client.delete, client.close
+    return take_lock, lambda lock: lock.release(), client.close
 
 
-REDIS = (("raw SET NX + DEL", True), ("redis-py Lock", False))  # the floor first
+def lock_cycle(system: str, url: str) -> Cycle:
+    """``lock_calls(system, url)``'s lock n taken and given back."""
+    take, give, close = lock_calls(system, url)
+    return (lambda n: give(take(n))), close
 
 
 def uncontended(
@@ -474,9 +504,10 @@ def uncontended(
             ("raw floor", functools.partial(raw_floor_cycle, url)),
             ("sqllocker", functools.partial(sqllocker_cycle, url)),
         ]
-        if backend in SERVER_LOCKS:
-            name, take, give, key = SERVER_LOCKS[backend]
-            makers.append((name, functools.partial(statements_cycle, url, take, give, key)))
+        if backend in TRY_LOCKS:
+            makers.append(
+                (TRY_LOCKS[backend], functools.partial(lock_cycle, TRY_LOCKS[backend], url))
+            )
         rows += paired_rows(backend, rounds_in_turn(makers, count, rounds), "raw floor")
         # The async rows' ratios are to the async floor: the same statements, the async driver.
         async_rounds = asyncio.run(async_figures(url, count, rounds))
@@ -486,8 +517,9 @@ def uncontended(
             row for row in async_rows if row["system"] in ("async raw floor", "sqllocker.asyncio")
         ]
     try:
-        redis_systems = [(name, functools.partial(redis_cycle, floor)) for name, floor in REDIS]
-        rows += paired_rows("redis", rounds_in_turn(redis_systems, count, rounds), REDIS[0][0])
+        redis = [REDIS_FLOOR, "redis-py Lock (non-blocking)"]
+        redis_systems = [(name, functools.partial(lock_cycle, name, REDIS_URL)) for name in redis]
+        rows += paired_rows("redis", rounds_in_turn(redis_systems, count, rounds), REDIS_FLOOR)
     except Exception as error:  # Redis is optional: say so and go on
         print(f"redis skipped: {error}", file=sys.stderr)
     return rows, layers
@@ -569,7 +601,7 @@ def _contender(system: str, url: str, seconds: float, ready: Any, queue: Any) ->
     """One of the processes taking turns: it sets up its lock, waits at ``ready`` (a Barrier)
     until every other process and the parent have too, then asks, holds for HOLD_SECONDS,
     releases and steps back, for ``seconds``."""
-    acquire, release, close = _blocking_lock(system, url)
+    take, give, close = lock_calls(system, url)
     records = []
     ready.wait()
     # Turns before the clock starts count for nothing: a first use sets up the table's
@@ -579,65 +611,17 @@ def _contender(system: str, url: str, seconds: float, ready: Any, queue: Any) ->
     deadline = started + WARM_UP_SECONDS + seconds
     while time.monotonic() < deadline:
         asked = time.monotonic()
-        token = acquire()
+        token = take(0)
         got = time.monotonic()
         time.sleep(HOLD_SECONDS)
         left = time.monotonic()
-        release(token)
+        give(token)
         released = time.monotonic()
         if asked >= started + WARM_UP_SECONDS:
             records.append((asked, got, left, released))
         time.sleep(STEP_BACK_SECONDS)
     close()  # not left to the process's exit, which the server logs as a connection reset
     queue.put(records)
-
-
-def _blocking_lock(
-    system: str, url: str
-) -> tuple[Callable[[], Any], Callable[[Any], None], Callable[[], None]]:
-    """(acquire, release, close) of one contender's blocking lock."""
-    if system == "sqllocker":
-        locker = Locker(url, table=TABLE, grace=1)
-        return (
-            (lambda: locker.lock("contended", wait=None, expires=60)),
-            (lambda lock: lock.unlock()),
-            locker.close,
-        )
-    if system == "flock":
-        # Beside the database, as sqllocker's own queue file is: one machine's blocking lock.
-        fd = os.open(url.removeprefix("sqlite:///") + "-flock", os.O_RDWR | os.O_CREAT, 0o644)
-        return (
-            (lambda: fcntl.flock(fd, fcntl.LOCK_EX)),
-            (lambda _: fcntl.flock(fd, fcntl.LOCK_UN)),
-            (lambda: os.close(fd)),
-        )
-    if system in BLOCKING_SERVER_LOCKS:
-        connection = plain_connection(url)
-        cursor = connection.cursor()
-        take, give = BLOCKING_SERVER_LOCKS[system]
-
-        def run(statement: str) -> None:
-            cursor.execute(statement)
-            cursor.fetchone()
-
-        return (lambda: run(take)), (lambda _: run(give)), connection.close
-    import redis
-
-    client = redis.Redis.from_url(REDIS_URL)
-
-    def take_redis() -> Any:
-        lock = client.lock("contended", timeout=60)
-        lock.acquire(blocking=True)
-        return lock
-
-    return take_redis, lambda lock: lock.release(), client.close
-
-
-# The servers' own blocking locks, the contended rows' baselines: (take, give) of one key.
-BLOCKING_SERVER_LOCKS = {
-    "advisory lock": ("SELECT pg_advisory_lock(42)", "SELECT pg_advisory_unlock(42)"),
-    "GET_LOCK": ("SELECT GET_LOCK('contended', 60)", "SELECT RELEASE_LOCK('contended')"),
-}
 
 
 Turn = tuple[float, float, float, float]  # monotonic: asked, got, began releasing, released
@@ -932,7 +916,9 @@ SYSTEM_NAMES = {
     "advisory lock": "blocking `pg_advisory_lock`",
     "flock": "blocking `flock` (one machine)",
     "GET_LOCK": "blocking `GET_LOCK`",
+    "GET_LOCK try-lock": "`GET_LOCK` try-lock (timeout 0)",
     "redis-py Lock": "redis-py `Lock` (blocking)",
+    "redis-py Lock (non-blocking)": "redis-py `Lock` (non-blocking)",
 }
 
 
@@ -1268,9 +1254,8 @@ def measure(backends: list[str], profile: Profile, skip: set[str], quick: bool) 
         backends, profile.cycles, profile.uncontended_rounds
     )
     if "contended" not in skip:
-        baselines = {"sqlite": "flock", "postgresql": "advisory lock", "mysql": "GET_LOCK"}
         targets = [(b, "sqllocker", URLS[b]) for b in backends]
-        targets += [(b, baselines[b], URLS[b]) for b in backends]
+        targets += [(b, BLOCKING_LOCKS[b], URLS[b]) for b in backends]
         targets.append(("redis", "redis-py Lock", REDIS_URL))
         servers = [b for b in backends if b in {"postgresql", "mysql"}]
         flushes = [{"when": "before", **commit_flush(b, URLS[b])} for b in servers]
