@@ -67,13 +67,28 @@ def processes_context() -> Any:
     """Where the benchmark's worker processes come from: a fork server that has imported the
     drivers and sqllocker once, holding no connection. Each worker is a fork of it, with
     nothing of the parent's (as with spawn), without the second or two of imports a spawned
-    interpreter pays, which made up most of a ``--quick`` run's contended and scale rows.
-    Spawned where there is no fork server (Windows)."""
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
+    interpreter pays, which made up most of a ``--quick`` run's contended and scale rows."""
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(["sqlalchemy", "psycopg", "pymysql", "redis", "sqllocker"])
     return context
+
+
+def start_processes(processes: int, target: Callable[..., None], *args: Any) -> Any:
+    """``processes`` processes each running ``target(*args, queue)``; what is returned, given a
+    timeout in seconds, returns what each put on ``queue``, once they have all ended."""
+    context = processes_context()
+    queue = context.Queue()
+    workers = [context.Process(target=target, args=(*args, queue)) for _ in range(processes)]
+    for worker in workers:
+        worker.start()
+
+    def collect(timeout: float) -> list[Any]:
+        results = [queue.get(timeout=timeout) for _ in workers]
+        for worker in workers:
+            worker.join()
+        return results
+
+    return collect
 
 
 @dataclass(frozen=True)
@@ -657,19 +672,10 @@ def turn_figures(turns: list[Turn]) -> dict[str, Any]:
 
 def contend(system: str, url: str, processes: int, seconds: float) -> list[Turn]:
     """Every turn of ``processes`` contenders for ``seconds``, once all of them are ready."""
-    context = processes_context()
-    queue, ready = context.Queue(), context.Barrier(processes + 1)
-    workers = [
-        context.Process(target=_contender, args=(system, url, seconds, ready, queue))
-        for _ in range(processes)
-    ]
-    for worker in workers:
-        worker.start()
+    ready = processes_context().Barrier(processes + 1)
+    collect = start_processes(processes, _contender, system, url, seconds, ready)
     ready.wait(timeout=120)
-    records = [record for _ in workers for record in queue.get(timeout=seconds + 120)]
-    for worker in workers:
-        worker.join()
-    return records
+    return [turn for turns in collect(seconds + 120) for turn in turns]
 
 
 def contended(
@@ -783,17 +789,8 @@ def _cycler(url: str, seconds: float, stop: Any, queue: Any) -> None:
 def cycles_per_s_of(url: str, processes: int, seconds: float) -> float:
     """Lock cycles per second of ``processes`` processes cycling on distinct lockstrings, in
     all."""
-    context = processes_context()
-    queue = context.Queue()
-    workers = [
-        context.Process(target=_cycler, args=(url, seconds, None, queue)) for _ in range(processes)
-    ]
-    for worker in workers:
-        worker.start()
-    total = sum(len(queue.get(timeout=seconds + 120)) for _ in workers)
-    for worker in workers:
-        worker.join()
-    return total / seconds
+    collect = start_processes(processes, _cycler, url, seconds, None)
+    return sum(len(samples) for samples in collect(seconds + 120)) / seconds
 
 
 def purge_beside_a_worker(url: str, seconds: float) -> tuple[list[float], list[float], int, float]:
@@ -801,10 +798,8 @@ def purge_beside_a_worker(url: str, seconds: float) -> tuple[list[float], list[f
     with the defaults, as `sqllocker purge-expired` does: its latencies before and during the
     purge (one worker process, so both sides share its connection, cache and luck), the rows
     purged and how long the purge took."""
-    context = processes_context()
-    queue, stop = context.Queue(), context.Event()
-    worker = context.Process(target=_cycler, args=(url, 0.0, stop, queue))
-    worker.start()
+    stop = processes_context().Event()
+    collect = start_processes(1, _cycler, url, 0.0, stop)
     time.sleep(seconds + 1.0)  # its first second (connecting, warming up) is left out below
     purger = Locker(url, table=TABLE)
     t0 = time.monotonic()
@@ -812,8 +807,7 @@ def purge_beside_a_worker(url: str, seconds: float) -> tuple[list[float], list[f
     t1 = time.monotonic()
     purger.close()
     stop.set()
-    samples = queue.get(timeout=120)
-    worker.join()
+    [samples] = collect(120)
     quiet = [latency for started, latency in samples if t0 - seconds <= started < t0]
     busy = [latency for started, latency in samples if t0 <= started < t1]
     return quiet, busy, purged, t1 - t0
@@ -953,7 +947,7 @@ def _async_layers_section(rows: list[dict[str, Any]], rounds: int) -> list[str]:
             for system in [*ASYNC_LAYERS, "sqllocker.asyncio"]
         ]
         steps = [f"{now:,.0f} ({now - before:+,.0f})" for before, now in itertools.pairwise(us)]
-        cells.append([_backend(backend), f"{us[0]:,.0f}", *steps])
+        cells.append([BACKEND_NAMES[backend], f"{us[0]:,.0f}", *steps])
     header = "backend | async floor | in greenlets | run to its end | sqllocker.asyncio"
     return [
         *lines,
@@ -1026,7 +1020,7 @@ def performance_page(results: dict[str, Any]) -> str:
             "at most. *Overlaps*: two holders at once, checked by the processes themselves.",
         ]
         cells = [
-            [_backend(row["backend"]), SYSTEM_NAMES.get(row["system"], row["system"]),
+            [BACKEND_NAMES[row["backend"]], SYSTEM_NAMES.get(row["system"], row["system"]),
              f"{row['acquisitions_per_s']:,.0f}", _spread(row.get("acquisitions_range"), ",.0f"),
              _ms(row["handoff_p50_ms"]), _ms(row["handoff_p99_ms"]), _ms(row["wait_p99_ms"]),
              str(_passed_by_at(row, 0.999)), str(row["overtaken_max"]), str(row["violations"])]
@@ -1058,12 +1052,9 @@ def performance_page(results: dict[str, Any]) -> str:
         cells = []
         for backend in dict.fromkeys(row["backend"] for row in flushes):
             rows = {row["when"]: row for row in flushes if row["backend"] == backend}
-            before, after = rows.get("before"), rows.get("after")
-            cells.append(
-                [_backend(backend), _ms(before["commit_p50_ms"] if before else None),
-                 _ms(after["commit_p50_ms"] if after else None),
-                 _ms((before or after or {}).get("round_trip_p50_ms"))]
-            )  # fmt: skip
+            commits = [_ms(rows[when]["commit_p50_ms"]) for when in ("before", "after")]
+            round_trip = _ms(rows["before"]["round_trip_p50_ms"])
+            cells.append([BACKEND_NAMES[backend], *commits, round_trip])
         lines += _table("backend | before | after | a bare round trip", "-:::", cells)
     scale_rows = results.get("scale") or []
     if scale_rows:
@@ -1078,7 +1069,7 @@ def performance_page(results: dict[str, Any]) -> str:
             "locks.",
         ]
         cells = [
-            [_backend(row["backend"]), row["row"],
+            [BACKEND_NAMES[row["backend"]], row["row"],
              f"{row['value']:,.0f}" if row["value"] >= 100 else f"{row['value']:.2f}",
              row["detail"]]
             for row in scale_rows
@@ -1100,15 +1091,11 @@ def _paired_cells(row: dict[str, Any], *latencies: str) -> list[str]:
     sqllocker's own) and the ratio's spread over the rounds."""
     ratio = f"{row['ratio_to_floor']:.2f}"
     return [
-        _backend(row["backend"]), SYSTEM_NAMES.get(row["system"], row["system"]),
+        BACKEND_NAMES[row["backend"]], SYSTEM_NAMES.get(row["system"], row["system"]),
         f"{row['cycles_per_s']:,.0f}", *(f"{row[latency]:.3f}" for latency in latencies),
         f"**{ratio}**" if row["system"].startswith("sqllocker") else ratio,
         _spread(row.get("ratio_range"), ".2f"),
     ]  # fmt: skip
-
-
-def _backend(backend: str) -> str:
-    return BACKEND_NAMES.get(backend, backend)
 
 
 def _passed_by_at(row: dict[str, Any], fraction: float) -> int:
@@ -1160,13 +1147,9 @@ def run_context(backends: list[str]) -> dict[str, Any]:
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             versions[distribution] = importlib.metadata.version(distribution)
     try:
-        commit = subprocess.run(
-            ["git", "describe", "--always", "--dirty"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).resolve().parent,
-        ).stdout.strip()
+        describe = ["git", "describe", "--always", "--dirty"]
+        here = Path(__file__).resolve().parent
+        commit = subprocess.check_output(describe, text=True, cwd=here).strip()
     except (OSError, subprocess.CalledProcessError):
         commit = ""
     measured_at = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -1179,34 +1162,31 @@ def chart(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = results["uncontended"]
-    contended_rows = results.get("contended") or []
+    rows, contended_rows = results["uncontended"], results.get("contended") or []
     height = max(5.0, 0.32 * len(rows) + 1.5)  # one readable line per bar
     panels = 3 if contended_rows else 1
     figure, axes = plt.subplots(1, panels, figsize=(7 * panels, height), squeeze=False)
-    labels = [f"{r['backend']}: {r['system']}" for r in rows]
     ours = {"sqllocker": "#d62728", "sqllocker.asyncio": "#ff7f0e"}
-    colours = [ours.get(r["system"], "#7f7f7f") for r in rows]
-    axes[0][0].barh(labels, [r["cycles_per_s"] for r in rows], color=colours)
+
+    def bars(panel: int, shown: list[dict[str, Any]], key: str, **options: Any) -> None:
+        labels = [f"{r['backend']}: {r['system']}" for r in shown]
+        colours = [ours.get(r["system"], "#7f7f7f") for r in shown]
+        axes[0][panel].barh(labels, [r[key] for r in shown], **{"color": colours, **options})
+
+    bars(0, rows, "cycles_per_s")
     axes[0][0].set_xlabel("uncontended acquire+release cycles/s (higher is better)")
-    axes[0][0].invert_yaxis()
     if contended_rows:
         shown = [r for r in contended_rows if r["handoff_p50_ms"] is not None]
-        labels = [f"{r['backend']}: {r['system']}" for r in shown]
         # p99 behind, p50 in front, both from the axis: stacking misleads on a log scale.
-        axes[0][1].barh(labels, [r["handoff_p99_ms"] for r in shown], label="p99", color="#aec7e8")
-        axes[0][1].barh(labels, [r["handoff_p50_ms"] for r in shown], label="p50", color="#1f77b4")
+        bars(1, shown, "handoff_p99_ms", label="p99", color="#aec7e8")
+        bars(1, shown, "handoff_p50_ms", label="p50", color="#1f77b4")
         axes[0][1].set_xscale("log")
         axes[0][1].set_xlabel("hand-off latency, ms (log; lower is better)")
         axes[0][1].legend()
-        axes[0][1].invert_yaxis()
-        labels = [f"{r['backend']}: {r['system']}" for r in contended_rows]
-        waits = [r["wait_p99_ms"] for r in contended_rows]
-        axes[0][2].barh(
-            labels, waits, color=[ours.get(r["system"], "#7f7f7f") for r in contended_rows]
-        )
+        bars(2, contended_rows, "wait_p99_ms")
         axes[0][2].set_xlabel("contended wait p99, ms (lower is better)")
-        axes[0][2].invert_yaxis()
+    for axis in axes[0]:
+        axis.invert_yaxis()
     figure.suptitle(results["machine"])
     figure.tight_layout()
     figure.savefig(path, dpi=110)
