@@ -1,22 +1,18 @@
 """Compare the uncontended cycle of two or more source trees, interleaved: the A/B tool.
 
-The library's own Python is a few tens of microseconds a cycle, and one run moves by more
-than a single change to it is worth, so a change is judged against the code before it in
-alternating rounds: each round, every tree (in a fresh interpreter, in that tree's directory,
-so that it imports that tree's code) measures a raw floor and its own ``Locker``, back to back,
-best of two runs each, reversing the order of the trees every other round; the medians per
-tree come last. The floor is this tool's own (``bench.raw_floor_cycle`` of the
-``scripts/bench.py`` beside it, run on each tree's sqllocker), so that every tree runs the very
-same floor: sqllocker's acquire and release statements on one held driver connection, with
-values of the size sqllocker sends. The statements are that tree's (``sqllocker.statements``),
-so a change to them shows in ``floor_us``, and ``x_floor`` is against the floor of the
-statements the tree sends. Make the other tree with ``git worktree add /tmp/base HEAD``, then:
+One run moves by more than a change to the library's own Python is worth, so a change is
+judged against the code before it in alternating rounds: each round, every tree (a fresh
+interpreter in that tree's directory, importing that tree's code) times the raw floor and its
+own ``Locker`` back to back, best of two runs each, the trees' order reversed every other
+round; each tree's medians come last. Every tree runs the same floor (``bench.raw_floor_cycle``
+of the bench.py beside this file) with that tree's statements: a change to them shows in
+``floor_us``, and ``x_floor`` is against the floor of what the tree sends. With the other tree
+made by ``git worktree add /tmp/base HEAD``:
 
     .venv/bin/python scripts/ab_uncontended.py --rounds 4 new=. base=/tmp/base
 
-``--asyncio`` does the same for the async cycle: each tree's ``AsyncLocker`` against the async
-floor (``bench.async_raw_floor_cycle``: the statements through the async driver on one held
-connection) in one event loop, best of three.
+``--asyncio`` times each tree's ``AsyncLocker`` against the async floor instead
+(``bench.async_raw_floor_cycle``), in one event loop, best of three.
 """
 
 from __future__ import annotations
@@ -69,13 +65,8 @@ def run_rounds(trees: list[tuple[str, str]], rounds: int, *arguments: str) -> No
     results: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in trees}
     for number in range(rounds):
         for name, path in trees if number % 2 == 0 else trees[::-1]:
-            done = subprocess.run(
-                [sys.executable, "-c", _ROUND, *arguments],
-                cwd=path,
-                capture_output=True,
-                text=True,
-                check=False,
-            )
+            command = [sys.executable, "-c", _ROUND, *arguments]
+            done = subprocess.run(command, cwd=path, capture_output=True, text=True, check=False)
             lines = done.stdout.strip().splitlines()
             if done.returncode != 0 or not lines:
                 print(number, name, done.stderr[-2000:], flush=True)

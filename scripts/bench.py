@@ -4,11 +4,9 @@
     .venv/bin/python scripts/bench.py --quick      # under a minute
     .venv/bin/python scripts/bench.py --out docs   # the performance page's figures
 
-Every ratio compares figures measured in the same run, so a busy or slow machine moves both
-sides. The *raw floor* of a backend is the very statements sqllocker sends for an uncontended
-acquire and release, run through the same driver on one held autocommit connection with no
-library around them, with the values sqllocker sends (``FloorStatements``). The rows, and what
-each means, are on the page this writes: bench.json, bench.png and performance.md in --out
+Every ratio compares figures of the same run, against the *raw floor*: sqllocker's own
+statements, straight through the driver (``FloorStatements``). The rows, and what each means,
+are on the page this writes: bench.json, bench.png and performance.md in --out
 (bench-results/); ``--render-only`` rewrites the page and chart from the bench.json there.
 """
 
@@ -27,6 +25,7 @@ import itertools
 import json
 import multiprocessing as mp
 import os
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -63,22 +62,21 @@ TABLE = "sqllocker_bench"
 FULL_TABLE = "sqllocker_bench_full"  # the scale row's table with a million other rows
 
 
-def processes_context() -> Any:
-    """Where the benchmark's worker processes come from: a fork server that has imported the
-    drivers and sqllocker once, holding no connection. Each worker is a fork of it, with
-    nothing of the parent's (as with spawn), without the second or two of imports a spawned
-    interpreter pays, which made up most of a ``--quick`` run's contended and scale rows."""
-    context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["sqlalchemy", "psycopg", "pymysql", "redis", "sqllocker"])
-    return context
+# Where the benchmark's worker processes come from: a fork server that has imported the drivers
+# and sqllocker once, holding no connection. Each worker is a fork of it, with nothing of the
+# parent's (as with spawn), without the second or two of imports a spawned interpreter pays,
+# which made up most of a --quick run's contended and scale rows.
+PROCESSES = mp.get_context("forkserver")
+PROCESSES.set_forkserver_preload(["sqlalchemy", "psycopg", "pymysql", "redis", "sqllocker"])
 
 
-def start_processes(processes: int, target: Callable[..., None], *args: Any) -> Any:
+def start_processes(
+    processes: int, target: Callable[..., None], *args: Any
+) -> Callable[[float], list[Any]]:
     """``processes`` processes each running ``target(*args, queue)``; what is returned, given a
     timeout in seconds, returns what each put on ``queue``, once they have all ended."""
-    context = processes_context()
-    queue = context.Queue()
-    workers = [context.Process(target=target, args=(*args, queue)) for _ in range(processes)]
+    queue = PROCESSES.Queue()
+    workers = [PROCESSES.Process(target=target, args=(*args, queue)) for _ in range(processes)]
     for worker in workers:
         worker.start()
 
@@ -93,7 +91,7 @@ def start_processes(processes: int, target: Callable[..., None], *args: Any) -> 
 
 @dataclass(frozen=True)
 class Profile:
-    """How much one run measures: the README's figures, or a smoke run's (``--quick``)."""
+    """How much one run measures: the page's figures, or a smoke run's (``--quick``)."""
 
     cycles: int  # uncontended cycles per system and round, and the scale row's
     uncontended_rounds: int  # rounds in which each uncontended system runs in turn
@@ -152,21 +150,11 @@ def cycle_figures(latencies: list[float], elapsed: float) -> dict[str, float]:
 
 
 def plain_connection(url: str) -> Any:
-    """A plain psycopg or PyMySQL connection in autocommit mode: the alternatives' baseline."""
-    target = resolve_url(url)
-    if target.get_backend_name() == "postgresql":
-        import psycopg
-
-        return psycopg.connect(
-            host=target.host, port=target.port or 5432, user=target.username,
-            dbname=target.database, autocommit=True,
-        )  # fmt: skip
-    import pymysql
-
-    return pymysql.connect(
-        host=target.host, port=target.port or 3306, user=target.username,
-        database=target.database, autocommit=True,
-    )  # fmt: skip
+    """A plain driver connection (psycopg, PyMySQL) in autocommit mode, made with the arguments
+    SQLAlchemy's dialect reads from ``url``: the alternatives' baseline."""
+    engine = sa.create_engine(resolve_url(url))
+    cargs, cparams = engine.dialect.create_connect_args(engine.url)
+    return engine.dialect.connect(*cargs, **cparams, autocommit=True)
 
 
 def fresh_table(url: str, table: str = TABLE) -> None:
@@ -211,7 +199,11 @@ class FloorStatements:
         self._ttl, self._minus_grace = backend.seconds_value(3600), backend.seconds_value(-1)
         self._run = os.getpid()
         self._holder = holder_details({})  # made once: the floor's rows, not its work
-        self.settings = FLOOR_SETTINGS.get(backend.name, [])
+        # What the floor's connection runs first, to be set up as a plain application's.
+        # SQLite: its default checkpoint, which a Locker's connections leave to its releases; a
+        # floor without one never copied its write-ahead log back, and the Locker timed after it
+        # paid for all of it.
+        self.settings = ["PRAGMA wal_autocheckpoint=1000"] if backend.name == "sqlite" else []
 
     def acquire_parameters(self, n: int, guid: str) -> Any:
         values = {
@@ -225,12 +217,6 @@ class FloorStatements:
 
     def release_parameters(self, lock_id: int, guid: str) -> Any:
         return self.release.parameters({"lock_id": lock_id, "lock_guid": guid})
-
-
-# What the floor's connection runs first, to be set up as a plain application's. SQLite: its
-# default checkpoint, which a Locker's connections leave to its releases; a floor without one
-# never copied its write-ahead log back, and the Locker timed after it paid for all of it.
-FLOOR_SETTINGS = {"sqlite": ["PRAGMA wal_autocheckpoint=1000"]}
 
 
 def raw_floor_cycle(url: str) -> Cycle:
@@ -274,13 +260,10 @@ AsyncCycle = tuple[Callable[[int], Awaitable[None]], Callable[[], Awaitable[None
 
 async def async_raw_floor_cycle(url: str, layer: str = "driver") -> AsyncCycle:
     """The same statements through the async driver (psycopg async, aiosqlite, aiomysql) on one
-    held connection of the AsyncLocker's own engine, with no library around them.
-
-    ``layer`` wraps them in what ``sqllocker.asyncio`` runs its statements in, one layer at a
-    time (``ASYNC_LAYERS``): ``"greenlet"``, each operation in a greenlet (``greenlets.run``)
-    through SQLAlchemy's adapted cursor, as the lock operations (sync code, written once) run;
-    ``"shielded"``, that run to its end whoever stops waiting for it (``InFlight``), as an
-    operation is kept from being cut off halfway by its caller's cancellation."""
+    held connection of the AsyncLocker's own engine, with no library around them; or, by
+    ``layer``, in what ``sqllocker.asyncio`` runs its statements in (``ASYNC_LAYERS``): each
+    operation in a greenlet through SQLAlchemy's adapted cursor (``"greenlet"``), and that run
+    to its end whoever stops waiting for it (``"shielded"``), as the lock operations run."""
     from sqllocker.asyncio import AsyncLocker
     from sqllocker.asyncio.concurrency import shielded
     from sqllocker.asyncio.greenlets import run as in_greenlet
@@ -442,7 +425,7 @@ SERVER_LOCKS: dict[str, tuple[str, str, Callable[[int], object]]] = {
     "GET_LOCK try-lock": ("SELECT GET_LOCK(%s, 0)", MARIADB_UNLOCK, "bench {}".format),
     "GET_LOCK": ("SELECT GET_LOCK(%s, 60)", MARIADB_UNLOCK, "bench {}".format),
 }
-TRY_LOCKS = {"postgresql": "advisory try-lock", "mysql": "GET_LOCK try-lock"}
+TRY_LOCKS = {"sqlite": [], "postgresql": ["advisory try-lock"], "mysql": ["GET_LOCK try-lock"]}
 BLOCKING_LOCKS = {"sqlite": "flock", "postgresql": "advisory lock", "mysql": "GET_LOCK"}
 # Redis: the floor (the bare SET NX and DEL of a key), and redis-py's Lock: row -> blocking.
 REDIS_FLOOR, REDIS_LOCKS = "raw SET NX + DEL", {"redis-py Lock (non-blocking)": False}
@@ -519,10 +502,7 @@ def uncontended(
             ("raw floor", functools.partial(raw_floor_cycle, url)),
             ("sqllocker", functools.partial(sqllocker_cycle, url)),
         ]
-        if backend in TRY_LOCKS:
-            makers.append(
-                (TRY_LOCKS[backend], functools.partial(lock_cycle, TRY_LOCKS[backend], url))
-            )
+        makers += [(name, functools.partial(lock_cycle, name, url)) for name in TRY_LOCKS[backend]]
         rows += paired_rows(backend, rounds_in_turn(makers, count, rounds), "raw floor")
         # The async rows' ratios are to the async floor: the same statements, the async driver.
         async_rounds = asyncio.run(async_figures(url, count, rounds))
@@ -672,7 +652,7 @@ def turn_figures(turns: list[Turn]) -> dict[str, Any]:
 
 def contend(system: str, url: str, processes: int, seconds: float) -> list[Turn]:
     """Every turn of ``processes`` contenders for ``seconds``, once all of them are ready."""
-    ready = processes_context().Barrier(processes + 1)
+    ready = PROCESSES.Barrier(processes + 1)
     collect = start_processes(processes, _contender, system, url, seconds, ready)
     ready.wait(timeout=120)
     return [turn for turns in collect(seconds + 120) for turn in turns]
@@ -713,19 +693,14 @@ def contended(
 # -- the server's durable commit ----------------------------------------------------------------
 
 FLUSH_TABLE = f"{TABLE}_flush"  # commit_flush's scratch table
-FLUSH_COMMITS = 200
 
 
-def commit_flush(backend: str, url: str, count: int = FLUSH_COMMITS) -> dict[str, Any]:
+def commit_flush(backend: str, url: str, count: int = 200) -> dict[str, Any]:
     """What a durable commit costs the server now: the p50 of a one-row INSERT in autocommit,
     which the server answers only once its log is on disk, beside the p50 of a bare round trip
-    (``SELECT 1``) on the same connection.
-
-    A table lock waits for one such flush on every acquisition, and on PostgreSQL every hand-off
-    under contention (the release grants the row to the first waiter's ticket in its own
-    transaction, which must be on disk before that waiter may act on it). Advisory locks,
-    ``GET_LOCK`` and Redis wait for none. A slow flush moves the contended rows far more than
-    any change to the library did: measured beside them, it says what they ran on."""
+    (``SELECT 1``) on the same connection. A table lock's every acquisition and contended
+    hand-off waits for one such flush, and advisory locks, ``GET_LOCK`` and Redis wait for none:
+    a slow flush moves the contended rows far more than any change to the library did."""
     key = "bigserial" if backend == "postgresql" else "bigint AUTO_INCREMENT"
     create = f"CREATE TABLE {FLUSH_TABLE} (id {key} PRIMARY KEY, v integer)"
     connection = plain_connection(url)
@@ -798,7 +773,7 @@ def purge_beside_a_worker(url: str, seconds: float) -> tuple[list[float], list[f
     with the defaults, as `sqllocker purge-expired` does: its latencies before and during the
     purge (one worker process, so both sides share its connection, cache and luck), the rows
     purged and how long the purge took."""
-    stop = processes_context().Event()
+    stop = PROCESSES.Event()
     collect = start_processes(1, _cycler, url, 0.0, stop)
     time.sleep(seconds + 1.0)  # its first second (connecting, warming up) is left out below
     purger = Locker(url, table=TABLE)
@@ -886,17 +861,13 @@ def report(results: dict[str, Any], out: Path) -> None:
     """The run's JSON, page and chart in ``out``, and the page's tables on the terminal."""
     out.mkdir(exist_ok=True)
     (out / "bench.json").write_text(json.dumps(results, indent=2))
-    write_page_and_chart(results, out)
-    page = performance_page(results).splitlines()
-    print("\n".join(line for line in page if line.startswith(("#", "|"))))
-
-
-def write_page_and_chart(results: dict[str, Any], out: Path) -> None:
     try:
         chart(results, out / "bench.png")
     except ImportError:
         print("matplotlib is not installed: no chart (pip install -e '.[bench]')", file=sys.stderr)
-    (out / "performance.md").write_text(performance_page(results))
+    page = performance_page(results)
+    (out / "performance.md").write_text(page)
+    print("\n".join(line for line in page.splitlines() if line.startswith(("#", "|"))))
     print(f"\nwrote {out / 'bench.json'}, {out / 'bench.png'} and {out / 'performance.md'}")
 
 
@@ -1002,15 +973,14 @@ def performance_page(results: dict[str, Any]) -> str:
     lines += _async_layers_section(results.get("async_layers") or [], rounds)
     contended_rows = results.get("contended") or []
     if contended_rows:
-        processes = contended_rows[0]["processes"]
-        contended_rounds = results["profile"]["contended_rounds"]
-        contended_seconds = results["profile"]["contended_seconds"]
+        processes, profile = contended_rows[0]["processes"], results["profile"]
         lines += [
             "",
             "## Contended",
             "",
             f"{processes} processes taking turns on one lockstring, each holding it about 1 ms and",
-            f"then stepping back 2 ms; {contended_rounds} round(s) of {contended_seconds:g} s, in",
+            f"then stepping back 2 ms; {profile['contended_rounds']} round(s) of "
+            f"{profile['contended_seconds']:g} s, in",
             "which every system runs in turn. A row's acquisitions/s are its median round's (the",
             "lowest and highest beside them), its other figures those of every round's turns",
             "together. *Hand-off*: from the holder's release returning to the next,",
@@ -1118,24 +1088,16 @@ def _ms(value: float | None) -> str:
 
 
 def _run_description(results: dict[str, Any]) -> str:
-    parts = [results["machine"]]
-    if results.get("versions"):
-        parts.append(
-            ", ".join(f"{name} {version}" for name, version in results["versions"].items())
-        )
-    if results.get("measured_at"):
-        parts.append(f"on {results['measured_at']}")
-    if results.get("commit"):
+    versions = ", ".join(f"{name} {version}" for name, version in results["versions"].items())
+    parts = [results["machine"], versions, f"on {results['measured_at']}"]
+    if results["commit"]:  # empty where the run's tree was not a git checkout
         parts.append(f"timing the code of commit `{results['commit']}`")
     return "; ".join(parts)
 
 
 def run_context(backends: list[str]) -> dict[str, Any]:
     """When, on what code, and against which versions the run measured."""
-    versions: dict[str, str] = {}
-    import sqlite3
-
-    versions["SQLite"] = sqlite3.sqlite_version
+    versions = {"SQLite": sqlite3.sqlite_version}
     for backend, query in (("postgresql", "SHOW server_version"), ("mysql", "SELECT VERSION()")):
         if backend in backends:
             engine = sa.create_engine(resolve_url(URLS[backend]))
@@ -1203,7 +1165,7 @@ def main() -> int:
     args = parser.parse_args()
     out = Path(args.out)
     if args.render_only:  # measure nothing: the page and chart again
-        write_page_and_chart(json.loads((out / "bench.json").read_text()), out)
+        report(json.loads((out / "bench.json").read_text()), out)
         return 0
     backends = [b for b in args.backends.split(",") if b]
     profile = QUICK if args.quick else FULL
