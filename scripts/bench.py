@@ -114,8 +114,15 @@ def percentile(values: list[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
-def timed_cycles(cycle: Callable[[int], None], count: int) -> dict[str, float]:
-    for n in range(min(200, count // 10)):  # warm caches, prepared statements, pools
+Cycle = tuple[Callable[[int], None], Callable[[], None]]  # (a cycle of lockstring n, close)
+AsyncCycle = tuple[Callable[[int], Awaitable[None]], Callable[[], Awaitable[None]]]
+
+
+def timed_cycles(make: Callable[[], Cycle], count: int) -> dict[str, float]:
+    """The figures of ``count`` cycles of what ``make`` makes, after a warm-up (of caches,
+    prepared statements, pools); it is closed after them."""
+    cycle, close = make()
+    for n in range(min(200, count // 10)):
         cycle(-n - 1)
     latencies = []
     started = time.perf_counter()
@@ -123,12 +130,16 @@ def timed_cycles(cycle: Callable[[int], None], count: int) -> dict[str, float]:
         t0 = time.perf_counter()
         cycle(n)
         latencies.append(time.perf_counter() - t0)
-    return cycle_figures(latencies, time.perf_counter() - started)
+    figures = cycle_figures(latencies, time.perf_counter() - started)
+    close()
+    return figures
 
 
 async def timed_async_cycles(
-    cycle: Callable[[int], Awaitable[None]], count: int
+    make: Callable[[], Awaitable[AsyncCycle]], count: int
 ) -> dict[str, float]:
+    """``timed_cycles`` of an async cycle."""
+    cycle, close = await make()
     for n in range(min(200, count // 10)):
         await cycle(-n - 1)
     latencies = []
@@ -137,13 +148,14 @@ async def timed_async_cycles(
         t0 = time.perf_counter()
         await cycle(n)
         latencies.append(time.perf_counter() - t0)
-    return cycle_figures(latencies, time.perf_counter() - started)
+    figures = cycle_figures(latencies, time.perf_counter() - started)
+    await close()
+    return figures
 
 
 def cycle_figures(latencies: list[float], elapsed: float) -> dict[str, float]:
-    count = len(latencies)
     return {
-        "cycles_per_s": count / elapsed,
+        "cycles_per_s": len(latencies) / elapsed,
         "p50_ms": percentile(latencies, 0.5) * 1000,
         "p99_ms": percentile(latencies, 0.99) * 1000,
     }
@@ -181,8 +193,6 @@ def drop_table(url: str, table: str) -> None:
 
 
 # -- uncontended ----------------------------------------------------------------------------------
-
-Cycle = tuple[Callable[[int], None], Callable[[], None]]  # (a cycle of lockstring n, close)
 
 
 class FloorStatements:
@@ -253,9 +263,6 @@ def sqllocker_cycle(url: str, table: str = TABLE, **options: Any) -> Cycle:
         locker.lock(f"lib {run} {n}").unlock()
 
     return cycle, locker.close
-
-
-AsyncCycle = tuple[Callable[[int], Awaitable[None]], Callable[[], Awaitable[None]]]
 
 
 async def async_raw_floor_cycle(url: str, layer: str = "driver") -> AsyncCycle:
@@ -357,37 +364,22 @@ async def async_figures(
 ) -> list[dict[str, dict[str, float]]]:
     """The async floor, its ``layers`` and AsyncLocker, taken in turn ``rounds`` times in one
     event loop: each round's figures."""
-    per_round: list[dict[str, dict[str, float]]] = []
     systems: list[tuple[str, Callable[[], Awaitable[AsyncCycle]]]] = [
         (name, functools.partial(async_raw_floor_cycle, url, layer))
         for name, layer in list(ASYNC_LAYERS.items())[: None if layers else 1]
     ]
     systems.append(("sqllocker.asyncio", functools.partial(async_sqllocker_cycle, url)))
-    for _round in range(rounds):
-        figures: dict[str, dict[str, float]] = {}
-        for name, make in systems:
-            cycle, close = await make()
-            figures[name] = await timed_async_cycles(cycle, count)
-            await close()
-        per_round.append(figures)
-    return per_round
+    return [
+        {name: await timed_async_cycles(make, count) for name, make in systems}
+        for _round in range(rounds)
+    ]
 
 
 def rounds_in_turn(
-    systems: Sequence[tuple[str, Callable[[], Cycle]]],
-    count: int,
-    rounds: int,
+    systems: Sequence[tuple[str, Callable[[], Cycle]]], count: int, rounds: int
 ) -> list[dict[str, dict[str, float]]]:
     """Each round's figures of ``systems`` (name, maker of its cycle), each run in turn."""
-    per_round = []
-    for _round in range(rounds):
-        figures = {}
-        for name, make in systems:
-            cycle, close = make()
-            figures[name] = timed_cycles(cycle, count)
-            close()
-        per_round.append(figures)
-    return per_round
+    return [{name: timed_cycles(make, count) for name, make in systems} for _round in range(rounds)]
 
 
 def paired_rows(
@@ -401,9 +393,7 @@ def paired_rows(
     rows = []
     for name in per_round[0]:
         ordered = sorted((figures[name] for figures in per_round), key=lambda f: f["cycles_per_s"])
-        ratios = [
-            figures[name]["cycles_per_s"] / figures[floor]["cycles_per_s"] for figures in per_round
-        ]
+        ratios = [run[name]["cycles_per_s"] / run[floor]["cycles_per_s"] for run in per_round]
         rows.append(
             {
                 "backend": backend,
@@ -428,8 +418,8 @@ SERVER_LOCKS: dict[str, tuple[str, str, Callable[[int], object]]] = {
 TRY_LOCKS = {"sqlite": [], "postgresql": ["advisory try-lock"], "mysql": ["GET_LOCK try-lock"]}
 BLOCKING_LOCKS = {"sqlite": "flock", "postgresql": "advisory lock", "mysql": "GET_LOCK"}
 # Redis: the floor (the bare SET NX and DEL of a key), and redis-py's Lock: row -> blocking.
-REDIS_FLOOR, REDIS_LOCKS = "raw SET NX + DEL", {"redis-py Lock (non-blocking)": False}
-REDIS_LOCKS["redis-py Lock"] = True
+REDIS_FLOOR = "raw SET NX + DEL"
+REDIS_LOCKS = {"redis-py Lock (non-blocking)": False, "redis-py Lock": True}
 
 LockCalls = tuple[Callable[[int], Any], Callable[[Any], Any], Callable[[], Any]]
 """(take lock n, returning what gives it back; give it back; close) of one system's lock."""
@@ -507,13 +497,12 @@ def uncontended(
         # The async rows' ratios are to the async floor: the same statements, the async driver.
         async_rounds = asyncio.run(async_figures(url, count, rounds))
         async_rows = paired_rows(backend, async_rounds, "async raw floor")
-        layers += async_rows  # the layers' own rows are on the page in that section alone
-        rows += [
-            row for row in async_rows if row["system"] in ("async raw floor", "sqllocker.asyncio")
-        ]
+        layers += async_rows
+        shown = ("async raw floor", "sqllocker.asyncio")  # the layers' rows have a section
+        rows += [row for row in async_rows if row["system"] in shown]
     try:
-        redis = [REDIS_FLOOR, "redis-py Lock (non-blocking)"]
-        redis_systems = [(name, functools.partial(lock_cycle, name, REDIS_URL)) for name in redis]
+        names = [REDIS_FLOOR, "redis-py Lock (non-blocking)"]
+        redis_systems = [(name, functools.partial(lock_cycle, name, REDIS_URL)) for name in names]
         rows += paired_rows("redis", rounds_in_turn(redis_systems, count, rounds), REDIS_FLOOR)
     except Exception as error:  # Redis is optional: say so and go on
         print(f"redis skipped: {error}", file=sys.stderr)
@@ -734,14 +723,11 @@ def fill(url: str, count: int, expired: bool, table_name: str = TABLE) -> None:
     """``count`` rows of other lockstrings, long expired or expiring far in the future."""
     moment = datetime(2000 if expired else 2999, 1, 1, tzinfo=timezone.utc)
     row = {"guid": "g", "created": moment, "expires": moment, "locked_by": {}}
-    engine = sa.create_engine(resolve_url(url))
+    engine, insert = sa.create_engine(resolve_url(url)), lock_table(table_name).insert()
     with engine.begin() as conn:
         for start in range(0, count, 20_000):
             batch = range(start, min(count, start + 20_000))
-            conn.execute(
-                lock_table(table_name).insert(),
-                [{**row, "lockstring": f"filler {n}"} for n in batch],
-            )
+            conn.execute(insert, [{**row, "lockstring": f"filler {n}"} for n in batch])
     engine.dispose()
 
 
@@ -759,13 +745,6 @@ def _cycler(url: str, seconds: float, stop: Any, queue: Any) -> None:
         samples.append((started, time.perf_counter() - t0))
     close()
     queue.put(samples)
-
-
-def cycles_per_s_of(url: str, processes: int, seconds: float) -> float:
-    """Lock cycles per second of ``processes`` processes cycling on distinct lockstrings, in
-    all."""
-    collect = start_processes(processes, _cycler, url, seconds, None)
-    return sum(len(samples) for samples in collect(seconds + 120)) / seconds
 
 
 def purge_beside_a_worker(url: str, seconds: float) -> tuple[list[float], list[float], int, float]:
@@ -809,8 +788,9 @@ def scale(backends: list[str], profile: Profile) -> list[dict[str, Any]]:
                 f"{empty:.0f}/s empty, {full:.0f}/s full")
         )  # fmt: skip
         fresh_table(url)
-        for processes in (1, 2, 4):
-            per_s = cycles_per_s_of(url, processes, seconds)
+        for processes in (1, 2, 4):  # cycling on distinct lockstrings
+            collect = start_processes(processes, _cycler, url, seconds, None)
+            per_s = sum(len(samples) for samples in collect(seconds + 120)) / seconds
             rows.append(row(f"{processes} process(es), distinct names", per_s, "cycles/s in total"))
         # A worker's p99 quiet, and while a large purge runs beside it.
         fill(url, rows_in_table, expired=True)
@@ -829,13 +809,11 @@ def scale_row(backend: str, row: str, value: float, detail: str) -> dict[str, An
 
 
 def connections_used(backend: str, profile: Profile) -> dict[str, Any]:
-    url = URLS[backend]
-    held = profile.kept_alive
+    url, held, expires = URLS[backend], profile.kept_alive, profile.kept_alive_expires
     fresh_table(url)
     locker = Locker(url, table=TABLE)
     # Renewed at a third of their expiry; the samples span renewals, to show whether a
     # connection stays checked out between them.
-    expires = profile.kept_alive_expires
     locks = [locker.lock(f"kept {n}", expires=expires, keep_alive=True) for n in range(held)]
     samples = []
     for _ in range(round(profile.sampled_seconds * 10)):
@@ -910,13 +888,10 @@ def _async_layers_section(rows: list[dict[str, Any]], rounds: int) -> list[str]:
         "",
         "A step of a few microseconds either way is within the run's noise.",
     ]
-    cells = []
+    cells, systems = [], [*ASYNC_LAYERS, "sqllocker.asyncio"]
     for backend in dict.fromkeys(row["backend"] for row in rows):
         by_system = {row["system"]: row for row in rows if row["backend"] == backend}
-        us = [
-            1e6 / by_system[system]["cycles_per_s"]
-            for system in [*ASYNC_LAYERS, "sqllocker.asyncio"]
-        ]
+        us = [1e6 / by_system[system]["cycles_per_s"] for system in systems]
         steps = [f"{now:,.0f} ({now - before:+,.0f})" for before, now in itertools.pairwise(us)]
         cells.append([BACKEND_NAMES[backend], f"{us[0]:,.0f}", *steps])
     header = "backend | async floor | in greenlets | run to its end | sqllocker.asyncio"
@@ -1071,9 +1046,8 @@ def _paired_cells(row: dict[str, Any], *latencies: str) -> list[str]:
 def _passed_by_at(row: dict[str, Any], fraction: float) -> int:
     """How many others passed a waiter, at ``fraction`` of a contended row's acquisitions."""
     counts = row["overtaken_counts"].items()
-    return int(
-        percentile([int(passed) for passed, count in counts for _ in range(count)], fraction)
-    )
+    passed = [int(others) for others, acquisitions in counts for _ in range(acquisitions)]
+    return int(percentile(passed, fraction))
 
 
 def _spread(pair: list[float] | None, form: str) -> str:
