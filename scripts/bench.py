@@ -109,7 +109,7 @@ FULL = Profile(5000, 5, 5.0, 3, 1_000_000, 5.0, 3, 1000, 30.0, 15.0)
 QUICK = Profile(500, 1, 1.0, 1, 20_000, 0.5, 1, 100, 3.0, 3.0)
 
 
-def percentile(values: list[float], fraction: float) -> float:
+def percentile(values: Sequence[float], fraction: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
