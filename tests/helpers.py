@@ -21,7 +21,15 @@ import sqlalchemy as sa
 from sqllocker import Lock, Locker, LockError
 from sqllocker.asyncio import AsyncLocker
 from sqllocker.engine import resolve_url
+from sqllocker.migrations import upgrade
 from tests.stall_proxy import StallProxy
+
+
+def migrate(url: str | sa.URL, table: str) -> None:
+    """``table`` (and its companions) made by the migrations on ``url``'s database."""
+    engine = sa.create_engine(resolve_url(url))
+    upgrade(engine, table)
+    engine.dispose()
 
 
 def count_rows(locker: Locker) -> int:

@@ -19,9 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqllocker import Locker
 from sqllocker.engine import create_locker_engine, resolve_url
 from sqllocker.exporter import ExporterOptions, registry_for
-from sqllocker.migrations import upgrade
 from tests import test_privileges
-from tests.helpers import Proxied, wait_until
+from tests.helpers import Proxied, migrate, wait_until
 from tests.test_privileges import (
     MYSQL_GRANTS,
     POSTGRESQL_GRANTS,
@@ -53,9 +52,7 @@ def value(samples: Samples, name: str, **labels: str) -> float | None:
 @pytest.fixture
 def migrated(url: str, table_name: str) -> str:
     """The table as the migrations make it, tickets table included."""
-    engine = sa.create_engine(resolve_url(url))
-    upgrade(engine, table_name)
-    engine.dispose()
+    migrate(url, table_name)
     return url
 
 
@@ -287,10 +284,8 @@ def test_mysql_exporter_user_needs_only_the_documented_grants(
 def test_a_scrape_through_a_stalled_network_answers_up_0_in_time(
     server: str, request: pytest.FixtureRequest, table_name: str
 ) -> None:
-    target = resolve_url(request.getfixturevalue(f"{server}_url"))
-    engine = sa.create_engine(target)
-    upgrade(engine, table_name)
-    engine.dispose()
+    target = request.getfixturevalue(f"{server}_url")
+    migrate(target, table_name)
     proxied = Proxied(target)
     proxy = proxied.proxy
     try:

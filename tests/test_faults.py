@@ -31,7 +31,6 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from sqllocker import LockBusy, Locker, LockError, LockLost, lock_table
 from sqllocker.asyncio import AsyncLocker
 from sqllocker.engine import resolve_url
-from sqllocker.migrations import upgrade
 from tests.helpers import (
     FRONTS,
     Front,
@@ -39,6 +38,7 @@ from tests.helpers import (
     count_rows,
     figure,
     in_line,
+    migrate,
     wait_in_thread,
     wait_until,
     wait_until_async,
@@ -501,9 +501,7 @@ class TicketsThroughProxy:
 
     def __init__(self, url: str, table_name: str) -> None:
         target = resolve_url(url)
-        migrating = sa.create_engine(target)
-        upgrade(migrating, table_name)
-        migrating.dispose()
+        migrate(target, table_name)
         self._admin = sa.create_engine(target, isolation_level="AUTOCOMMIT")
         self._direct = target
         self._proxied = Proxied(target)

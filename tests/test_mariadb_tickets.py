@@ -15,14 +15,14 @@ import pymysql
 import pytest
 import sqlalchemy as sa
 
-from sqllocker import LockBusy, Locker
+from sqllocker import Locker
 from sqllocker import tickets as ticketing
 from sqllocker.asyncio import AsyncLocker
 from sqllocker.backends.mysql import liveness_name
 from sqllocker.engine import resolve_url
-from sqllocker.migrations import upgrade
-from tests.helpers import served_in_turn, wait_in_thread, wait_until
+from tests.helpers import migrate, served_in_turn, wait_in_thread, wait_until
 from tests.test_tickets import (
+    gives_up_at_its_deadline,
     served_in_the_order_they_came,
     tried_while_in_line,
 )
@@ -32,9 +32,7 @@ from tests.workers import async_url
 @pytest.fixture
 def migrated_mysql(mysql_url: str, table_name: str) -> str:
     """A table made by the migrations, so it has its requests table."""
-    engine = sa.create_engine(resolve_url(mysql_url))
-    upgrade(engine, table_name)
-    engine.dispose()
+    migrate(mysql_url, table_name)
     return mysql_url
 
 
@@ -136,22 +134,13 @@ async def test_async_waiters_get_the_lock_in_the_order_they_came(
 def test_a_waiter_gives_up_at_its_deadline_and_its_ticket_with_it(
     migrated_mysql: str, table_name: str, admin: sa.Engine
 ) -> None:
-    holder, first, behind = (Locker(migrated_mysql, table=table_name) for _ in range(3))
-    held = holder.lock("report")
-    thread, result = wait_in_thread(first, wait=30)
-    wait_until(lambda: len(standing(admin, table_name)) == 1)
-    started = time.monotonic()
-    with pytest.raises(LockBusy) as busy:
-        behind.lock("report", wait=0.5)
-    assert 0.4 < time.monotonic() - started < 5
-    assert busy.value.lock_id == held.lock_id  # it names the holder
-    assert len(standing(admin, table_name)) == 1  # only the first waiter's is left
-    held.unlock()
-    thread.join(10)
-    result["lock"].unlock()
-    wait_until(lambda: standing(admin, table_name) == [])  # given up in the background
-    for locker in (holder, first, behind):
-        locker.close()
+    def in_line() -> int:
+        return len(standing(admin, table_name))
+
+    def none_left() -> None:
+        wait_until(lambda: standing(admin, table_name) == [])  # given up in the background
+
+    gives_up_at_its_deadline(migrated_mysql, table_name, in_line, none_left)
 
 
 def test_only_the_first_waiter_of_a_locker_polls_the_row(

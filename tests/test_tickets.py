@@ -82,22 +82,36 @@ def served_in_the_order_they_came(
 def test_a_waiter_gives_up_at_its_deadline_and_its_ticket_with_it(
     migrated_postgres: str, table_name: str, admin: sa.Engine
 ) -> None:
-    holder = Locker(migrated_postgres, table=table_name)
-    first, behind = (Locker(migrated_postgres, table=table_name) for _ in range(2))
+    def in_line() -> int:
+        return len(tickets(admin, table_name))
+
+    def none_left() -> None:
+        wait_until(lambda: tickets(admin, table_name) == [])
+
+    gives_up_at_its_deadline(migrated_postgres, table_name, in_line, none_left)
+
+
+def gives_up_at_its_deadline(
+    url: str, table: str, in_line: Callable[[], int], none_left: Callable[[], None]
+) -> None:
+    """A waiter behind another (``in_line()`` counts the tickets) gives up at its deadline,
+    still naming the holder, and its ticket goes with it; the one ahead is served, and
+    ``none_left()`` checks that no ticket stands after it, before the Lockers close."""
+    holder, first, behind = (Locker(url, table=table) for _ in range(3))
     held = holder.lock("report")
     thread, result = wait_in_thread(first, wait=30)
-    wait_until(lambda: len(tickets(admin, table_name)) == 1)
-
+    wait_until(lambda: in_line() == 1)
     started = time.monotonic()
     with pytest.raises(LockBusy) as busy:
         behind.lock("report", wait=0.5)
     assert 0.4 < time.monotonic() - started < 5
     assert busy.value.lock_id == held.lock_id  # it still names the holder
-    assert len(tickets(admin, table_name)) == 1  # only the first waiter's is left
+    assert in_line() == 1  # only the first waiter's is left
     held.unlock()
     thread.join(10)
     assert "lock" in result
     result["lock"].unlock()
+    none_left()
     for locker in (holder, first, behind):
         locker.close()
 

@@ -14,13 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import sqlalchemy as sa
 
 from sqllocker import Locker
-from sqllocker.engine import resolve_url
-from sqllocker.migrations import upgrade
 from tests.conftest import IN_CI
-from tests.helpers import wait_until
+from tests.helpers import migrate, wait_until
 from tests.test_cli import LIST_COLUMNS
 
 SQLLOCKER = str(Path(__file__).resolve().parents[1] / ".venv" / "bin" / "sqllocker")
@@ -29,9 +26,7 @@ TMUX = shutil.which("tmux")
 
 @pytest.fixture
 def migrated(url: str, table_name: str) -> str:
-    engine = sa.create_engine(resolve_url(url))
-    upgrade(engine, table_name)
-    engine.dispose()
+    migrate(url, table_name)
     return url
 
 
