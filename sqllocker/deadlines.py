@@ -19,13 +19,12 @@ ten times a second, and ends when it has had none for a while.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
 
@@ -42,29 +41,46 @@ _connect_deadline: ContextVar[tuple[float, object] | None] = ContextVar(
     "sqllocker_connect_deadline", default=None
 )
 
+# Every lock operation's release enters these blocks, and every statement of one looks at them:
+# plain classes, not generator context managers, and no exception raised and caught on the way
+# (asyncio.current_task() outside an event loop), as each was a few percent of an SQLite cycle.
 
-@contextlib.contextmanager
-def statements_end_by(deadline: float) -> Iterator[None]:
+
+class statements_end_by:
     """Within the block, statements of lock operations are interrupted at ``deadline`` (on
     ``clock.now()``), and a new connection gives up by then too (``connections_by``)."""
-    token = _deadline.set(deadline)
-    try:
-        with connections_by(deadline):
-            yield
-    finally:
-        _deadline.reset(token)
+
+    __slots__ = ("_connect_token", "_deadline", "_token")
+
+    def __init__(self, deadline: float) -> None:
+        self._deadline = deadline
+
+    def __enter__(self) -> None:
+        deadline = self._deadline
+        self._token = _deadline.set(deadline)
+        self._connect_token = _connect_deadline.set((deadline, _owner()))
+
+    def __exit__(self, *_exc: object) -> None:
+        _connect_deadline.reset(self._connect_token)
+        _deadline.reset(self._token)
 
 
-@contextlib.contextmanager
-def connections_by(deadline: float | None) -> Iterator[None]:
+class connections_by:
     """Within the block, a new connection gives up at ``deadline`` (on ``clock.now()``), or
     sooner, as the driver's connect timeout says (``Backend.cap_connect``): a wait for a lock
     ends with its ``wait``, whatever a server that accepts and never answers does."""
-    token = _connect_deadline.set(None if deadline is None else (deadline, _owner()))
-    try:
-        yield
-    finally:
-        _connect_deadline.reset(token)
+
+    __slots__ = ("_deadline", "_token")
+
+    def __init__(self, deadline: float | None) -> None:
+        self._deadline = deadline
+
+    def __enter__(self) -> None:
+        deadline = self._deadline
+        self._token = _connect_deadline.set(None if deadline is None else (deadline, _owner()))
+
+    def __exit__(self, *_exc: object) -> None:
+        _connect_deadline.reset(self._token)
 
 
 def connect_within() -> float | None:
@@ -79,10 +95,8 @@ def connect_within() -> float | None:
 
 def _owner() -> object:
     """The task running (asyncio), else the thread."""
-    try:
-        task = asyncio.current_task()
-    except RuntimeError:  # no event loop in this thread
-        task = None
+    # Asked of the running loop first: current_task() raises outside one, at a cost.
+    task = None if asyncio._get_running_loop() is None else asyncio.current_task()
     return task if task is not None else threading.get_ident()
 
 
@@ -92,33 +106,47 @@ def passed() -> bool:
     return deadline is not None and clock.now() >= deadline
 
 
-@contextlib.contextmanager
-def interrupting(interrupt: Callable[[Any], None], connection: Any) -> Iterator[None]:
+def current() -> float | None:
+    """The deadline of the ``statements_end_by`` block this runs in, or None."""
+    return _deadline.get()
+
+
+class interrupting:
     """Run the block (one statement or a few on ``connection``); if the deadline of
     ``statements_end_by`` passes before it ends, call ``interrupt(connection)`` once, from the
-    watcher. It is never called after the block has ended."""
-    deadline = _deadline.get()
-    if deadline is None:
-        yield
-        return
-    key = _watcher.arm(deadline, lambda: interrupt(connection))
-    try:
-        yield
-    finally:
-        _watcher.disarm(key)
+    watcher. It is never called after the block has ended. Outside such a block it costs a
+    look at the context, no more."""
+
+    __slots__ = ("_connection", "_interrupt", "_key")
+
+    def __init__(self, interrupt: Callable[[Any], None], connection: Any) -> None:
+        self._interrupt = interrupt
+        self._connection = connection
+
+    def __enter__(self) -> None:
+        deadline = _deadline.get()
+        self._key = (
+            None if deadline is None else _watcher.arm(deadline, self._interrupt, self._connection)
+        )
+
+    def __exit__(self, *_exc: object) -> None:
+        if self._key is not None:
+            _watcher.disarm(self._key)
 
 
 class _Watcher:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._armed: dict[int, tuple[float, Callable[[], None]]] = {}
+        self._armed: dict[int, tuple[float, Callable[[Any], None], Any]] = {}
         self._keys = itertools.count()
         self._thread: threading.Thread | None = None
 
-    def arm(self, deadline: float, interrupt: Callable[[], None]) -> int:
+    def arm(self, deadline: float, interrupt: Callable[[Any], None], connection: Any) -> int:
+        """Watch a block on ``connection`` until ``disarm(key)``: past ``deadline``, the watcher
+        calls ``interrupt(connection)``. Returns the key."""
         key = next(self._keys)
         with self._lock:
-            self._armed[key] = (deadline, interrupt)
+            self._armed[key] = (deadline, interrupt, connection)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._watch, name="sqllocker-deadlines", daemon=True
@@ -145,12 +173,12 @@ class _Watcher:
                         return
                     continue
                 idle_since = None
-                for key, (deadline, interrupt) in list(self._armed.items()):
+                for key, (deadline, interrupt, connection) in list(self._armed.items()):
                     if now < deadline:
                         continue
                     del self._armed[key]
                     try:
-                        interrupt()
+                        interrupt(connection)
                     except Exception:
                         logger.exception("could not interrupt a statement past its deadline")
 

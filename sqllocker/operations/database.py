@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from .. import deadlines
+from .. import clock, deadlines
 from ..backends import Backend, backend_class
 from ..engine import describe_url
 from ..errors import DatabaseError, LockError, TableMissing, one_line
@@ -324,8 +324,13 @@ class Database:
             if held.session is None:
                 one_call = self.be.in_one_call(held.connection)
                 held.session = DriverSession(held.connection, held.cursor, self._prepared, one_call)
-            with deadlines.interrupting(self.be.interrupt, held.connection):
+            deadline = deadlines.current()
+            bound = self.be.operation_wait_bound
+            if deadline is None or (bound is not None and clock.now() + bound < deadline):
                 result = operation(held.session)
+            else:
+                with deadlines.interrupting(self.be.interrupt, held.connection):
+                    result = operation(held.session)
         except sa.exc.DBAPIError as error:
             if error.connection_invalidated or self.be.is_read_only(error):
                 stack.discard(held)
