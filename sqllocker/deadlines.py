@@ -36,9 +36,11 @@ logger = logging.getLogger("sqllocker")
 TICK = 0.1
 IDLE_SECONDS = 5.0
 
-_deadline: ContextVar[float | None] = ContextVar("sqllocker_statement_deadline", default=None)
-_connect_deadline: ContextVar[tuple[float, object] | None] = ContextVar(
-    "sqllocker_connect_deadline", default=None
+# The bounds of the block this runs in: (the statements' deadline, a new connection's deadline,
+# the thread or task the latter is for), each deadline None if there is none. One variable for
+# both, as every release enters a block of both.
+_bounds: ContextVar[tuple[float | None, float | None, object] | None] = ContextVar(
+    "sqllocker_deadlines", default=None
 )
 
 # Every lock operation's release enters these blocks, and every statement of one looks at them:
@@ -50,19 +52,16 @@ class statements_end_by:
     """Within the block, statements of lock operations are interrupted at ``deadline`` (on
     ``clock.now()``), and a new connection gives up by then too (``connections_by``)."""
 
-    __slots__ = ("_connect_token", "_deadline", "_token")
+    __slots__ = ("_deadline", "_token")
 
     def __init__(self, deadline: float) -> None:
         self._deadline = deadline
 
     def __enter__(self) -> None:
-        deadline = self._deadline
-        self._token = _deadline.set(deadline)
-        self._connect_token = _connect_deadline.set((deadline, _owner()))
+        self._token = _bounds.set((self._deadline, self._deadline, _owner()))
 
     def __exit__(self, *_exc: object) -> None:
-        _connect_deadline.reset(self._connect_token)
-        _deadline.reset(self._token)
+        _bounds.reset(self._token)
 
 
 class connections_by:
@@ -76,21 +75,24 @@ class connections_by:
         self._deadline = deadline
 
     def __enter__(self) -> None:
+        outer = _bounds.get()
+        statements = None if outer is None else outer[0]
         deadline = self._deadline
-        self._token = _connect_deadline.set(None if deadline is None else (deadline, _owner()))
+        owner = None if deadline is None else _owner()
+        self._token = _bounds.set((statements, deadline, owner))
 
     def __exit__(self, *_exc: object) -> None:
-        _connect_deadline.reset(self._token)
+        _bounds.reset(self._token)
 
 
 def connect_within() -> float | None:
     """Seconds left for a new connection (``connections_by``), or None: the driver's own. A
     task started within the block (a lock's keep-alive, a listener) inherits the context but
     not the deadline: it is the block's own thread's or task's."""
-    bound = _connect_deadline.get()
-    if bound is None or bound[1] != _owner():
+    bounds = _bounds.get()
+    if bounds is None or bounds[1] is None or bounds[2] != _owner():
         return None
-    return bound[0] - clock.now()
+    return bounds[1] - clock.now()
 
 
 def _owner() -> object:
@@ -100,15 +102,16 @@ def _owner() -> object:
     return task if task is not None else threading.get_ident()
 
 
-def passed() -> bool:
-    """Whether the block's deadline (if any) has passed."""
-    deadline = _deadline.get()
-    return deadline is not None and clock.now() >= deadline
-
-
 def current() -> float | None:
     """The deadline of the ``statements_end_by`` block this runs in, or None."""
-    return _deadline.get()
+    bounds = _bounds.get()
+    return None if bounds is None else bounds[0]
+
+
+def passed() -> bool:
+    """Whether the block's deadline (if any) has passed."""
+    deadline = current()
+    return deadline is not None and clock.now() >= deadline
 
 
 class interrupting:
@@ -124,7 +127,7 @@ class interrupting:
         self._connection = connection
 
     def __enter__(self) -> None:
-        deadline = _deadline.get()
+        deadline = current()
         self._key = (
             None if deadline is None else _watcher.arm(deadline, self._interrupt, self._connection)
         )
