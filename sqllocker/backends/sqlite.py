@@ -59,6 +59,7 @@ class SQLiteBackend(Backend):
     # interrupt() does not cut short: it ends the statement once the wait is over); an
     # operation runs two statements at most.
     operation_wait_bound = 2 * SQLITE_BUSY_TIMEOUT_SECONDS
+    connects_locally = True
 
     @classmethod
     def for_dialect(cls, dialect: Dialect) -> Backend:

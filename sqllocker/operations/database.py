@@ -171,6 +171,11 @@ class Database:
         return self.backend.hands_over
 
     @property
+    def connects_locally(self) -> bool:
+        """Whether a new connection opens a local file (``Backend.connects_locally``)."""
+        return backend_class(self.engine.dialect.name).connects_locally
+
+    @property
     def queue_file(self) -> str | None:
         """The database file beside which waiters queue in the kernel (SQLite), or None."""
         return backend_class(self.engine.dialect.name).queue_file(self.url)
