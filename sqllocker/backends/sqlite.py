@@ -57,7 +57,7 @@ class SQLiteBackend(Backend):
     # A statement of a lock operation waits only in SQLite's busy handler, for another
     # connection's write lock, and for no longer than the busy timeout (which SQLite's
     # interrupt() does not cut short: it ends the statement once the wait is over); an
-    # operation runs two statements at most.
+    # operation run under a deadline (a release, an extend) sends two statements at most.
     operation_wait_bound = 2 * SQLITE_BUSY_TIMEOUT_SECONDS
     connects_locally = True
 
