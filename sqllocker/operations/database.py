@@ -46,6 +46,16 @@ def _nothing_more(session: DriverSession) -> None:
     """An operation that is only its set-up (``Database.ensure_setup``)."""
 
 
+class _NotSetUp:
+    """What ``Database.be`` and ``Database.sql`` are before the set-up: any use raises."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+
+    def __getattr__(self, name: str) -> Any:
+        raise LockError(f"internal error: {self._what} used before the first connection")
+
+
 class Database:
     """``table_name`` through ``engine`` (a sync Engine, or an AsyncEngine's ``sync_engine``
     when called from a greenlet): the connections the lock operations run on, and what they
@@ -101,6 +111,11 @@ class Database:
         )
         self._backend: Backend | None = None
         self._statements: Statements | None = None
+        # The backend and the statements inside an operation (set up by then): plain
+        # attributes, read a few times a statement; before the set-up, any use of them is an
+        # internal error.
+        self.be: Backend = _NotSetUp("backend")  # type: ignore[assignment]
+        self.sql: Statements = _NotSetUp("statements")  # type: ignore[assignment]
         # The parameters of the test whether a row may be taken over or purged now (set up
         # with the backend, which writes them; never changed by their users).
         self.expiry: dict[str, Any] = {}
@@ -133,20 +148,6 @@ class Database:
         if self._statements is None:
             self.ensure_setup()
         assert self._statements is not None
-        return self._statements
-
-    @property
-    def be(self) -> Backend:
-        """The backend, inside an operation (set up by then)."""
-        if self._backend is None:
-            raise LockError("internal error: backend used before the first connection")
-        return self._backend
-
-    @property
-    def sql(self) -> Statements:
-        """The statements, inside an operation (set up by then)."""
-        if self._statements is None:
-            raise LockError("internal error: statements used before the first connection")
         return self._statements
 
     @property
@@ -203,8 +204,8 @@ class Database:
                     setup = set_up(conn, self.table, self._options)
                     if self._backend is None:
                         self._prepared = PreparedCache(conn.dialect)
-                    self._statements = setup.statements
-                    self._backend = setup.backend
+                    self._statements = self.sql = setup.statements
+                    self._backend = self.be = setup.backend
                     self.inserts_replayed = setup.inserts_replayed
                     self.lone_inserts_retried = setup.lone_inserts_retried
                     self.expiry = setup.expiry
