@@ -6,9 +6,11 @@ timeout (MariaDB: a minute) or for ever (libpq has none), and neither TCP keepal
 ``tcp_user_timeout`` notice. Within ``statements_end_by(deadline)``, every statement a lock
 operation sends on this thread is interrupted at the deadline by the backend
 (``Backend.interrupt``: the connection's socket shut down, SQLite's ``interrupt()``), which
-the driver reports as a lost connection, and a lost connection is then not tried again
-(``passed``); a connection opened within the block gives up by the deadline too. The async
-front end bounds its awaits with ``asyncio.wait_for`` instead.
+the driver reports as a lost connection, and a lost connection or a contention is then not
+tried again (``passed``); a connection opened within the block gives up by the deadline too.
+A wait that no interrupt ends (SQLite's for another connection's write lock) is cut to the
+deadline before the statements start (``Backend.bound_waits``). The async front end bounds
+its awaits with ``asyncio.wait_for`` instead, within ``waits_end_by`` (the cut, no watcher).
 Within ``connections_by(deadline)`` (a lock's wait), a new connection's own timeout is cut to
 the deadline (``Backend.cap_connect``).
 
@@ -26,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, Protocol
 
 from . import clock
 
@@ -37,9 +39,10 @@ TICK = 0.1
 IDLE_SECONDS = 5.0
 
 # The bounds of the block this runs in: (the statements' deadline, a new connection's deadline,
-# the thread or task the latter is for), each deadline None if there is none. One variable for
-# both, as every release enters a block of both.
-_bounds: ContextVar[tuple[float | None, float | None, object] | None] = ContextVar(
+# the thread or task the latter is for, whether the watcher interrupts the statements), each
+# deadline None if there is none. One variable for both, as every release enters a block of
+# both.
+_bounds: ContextVar[tuple[float | None, float | None, object, bool] | None] = ContextVar(
     "sqllocker_deadlines", default=None
 )
 
@@ -58,7 +61,27 @@ class statements_end_by:
         self._deadline = deadline
 
     def __enter__(self) -> None:
-        self._token = _bounds.set((self._deadline, self._deadline, _owner()))
+        self._token = _bounds.set((self._deadline, self._deadline, _owner(), True))
+
+    def __exit__(self, *_exc: object) -> None:
+        _bounds.reset(self._token)
+
+
+class waits_end_by:
+    """The async front end's ``statements_end_by``, whose caller stops awaiting at ``deadline``
+    (``asyncio.wait_for``): within the block, no statement's wait for another connection's
+    lock outlasts the deadline (``Backend.bound_waits``), nor is a contention tried again past
+    it; no watcher interrupts them, and new connections keep their own timeout."""
+
+    __slots__ = ("_deadline", "_token")
+
+    def __init__(self, deadline: float) -> None:
+        self._deadline = deadline
+
+    def __enter__(self) -> None:
+        outer = _bounds.get()
+        connections, owner = (None, None) if outer is None else (outer[1], outer[2])
+        self._token = _bounds.set((self._deadline, connections, owner, False))
 
     def __exit__(self, *_exc: object) -> None:
         _bounds.reset(self._token)
@@ -76,10 +99,10 @@ class connections_by:
 
     def __enter__(self) -> None:
         outer = _bounds.get()
-        statements = None if outer is None else outer[0]
+        statements, watched = (None, True) if outer is None else (outer[0], outer[3])
         deadline = self._deadline
         owner = None if deadline is None else _owner()
-        self._token = _bounds.set((statements, deadline, owner))
+        self._token = _bounds.set((statements, deadline, owner, watched))
 
     def __exit__(self, *_exc: object) -> None:
         _bounds.reset(self._token)
@@ -115,26 +138,47 @@ def passed() -> bool:
 
 
 class interrupting:
-    """Run the block (one statement or a few on ``connection``); if the deadline of
-    ``statements_end_by`` passes before it ends, call ``interrupt(connection)`` once, from the
-    watcher. It is never called after the block has ended. Outside such a block it costs a
-    look at the context, no more."""
+    """Run the block (one statement or a few on ``connection``, a connection of ``backend``'s)
+    so that it ends by the deadline of ``statements_end_by``: its waits for other connections'
+    locks cut to the deadline (``backend.bound_waits``, undone when it ends, unless it was
+    cancelled: the connection is then discarded), and if the deadline passes before it ends,
+    ``backend.interrupt(connection)`` called once, from the watcher (never after the block has
+    ended). Outside such a block it costs a look at the context, no more."""
 
-    __slots__ = ("_connection", "_interrupt", "_key")
+    __slots__ = ("_backend", "_connection", "_key", "_undo")
 
-    def __init__(self, interrupt: Callable[[Any], None], connection: Any) -> None:
-        self._interrupt = interrupt
+    def __init__(self, backend: Interruptible, connection: Any) -> None:
+        self._backend = backend
         self._connection = connection
 
     def __enter__(self) -> None:
-        deadline = current()
+        bounds = _bounds.get()
+        deadline = None if bounds is None else bounds[0]
+        if deadline is None:
+            self._key = self._undo = None
+            return
+        watched = bounds[3]  # type: ignore[index]  # a deadline: bounds were set
+        self._undo = self._backend.bound_waits(self._connection, deadline - clock.now())
         self._key = (
-            None if deadline is None else _watcher.arm(deadline, self._interrupt, self._connection)
+            _watcher.arm(deadline, self._backend.interrupt, self._connection) if watched else None
         )
 
-    def __exit__(self, *_exc: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, *_exc: object) -> None:
+        # The watcher first: no interrupt may fall on the restoring statement.
         if self._key is not None:
             _watcher.disarm(self._key)
+        if self._undo is not None and (kind is None or issubclass(kind, Exception)):
+            self._backend.unbound_waits(self._connection, self._undo)
+
+
+class Interruptible(Protocol):
+    """What ``interrupting`` asks of a backend (``sqllocker.backends.base.Backend``)."""
+
+    def interrupt(self, dbapi_connection: Any) -> None: ...
+
+    def bound_waits(self, dbapi_connection: Any, seconds: float) -> object | None: ...
+
+    def unbound_waits(self, dbapi_connection: Any, undo: object) -> None: ...
 
 
 class _Watcher:

@@ -4,13 +4,14 @@ which block's deadline a statement or a new connection sees, and when the watche
 from __future__ import annotations
 
 import contextvars
+import sqlite3
 import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from sqllocker import Locker, clock, deadlines
+from sqllocker import Locker, LockLost, clock, deadlines
 from sqllocker.timeouts import SQLITE_BUSY_TIMEOUT_SECONDS
 
 
@@ -56,22 +57,34 @@ def test_a_thread_given_the_blocks_context_has_its_statements_deadline_not_its_c
     assert seen == [far, None]
 
 
+class Interrupted:
+    """A backend whose statements only an interrupt ends: the connections it interrupted."""
+
+    def __init__(self) -> None:
+        self.calls: list[object] = []
+        self.event = threading.Event()
+
+    def interrupt(self, connection: object) -> None:
+        self.calls.append(connection)
+        self.event.set()
+
+    def bound_waits(self, connection: object, seconds: float) -> object | None:
+        return None
+
+    def unbound_waits(self, connection: object, undo: object) -> None:
+        raise AssertionError("nothing was cut")
+
+
 def test_a_deadline_passed_interrupts_the_block_once_and_never_after_it() -> None:
-    interrupted = threading.Event()
-    calls: list[object] = []
-
-    def interrupt(connection: object) -> None:
-        calls.append(connection)
-        interrupted.set()
-
+    backend = Interrupted()
     with (
         deadlines.statements_end_by(clock.now() + 0.05),
-        deadlines.interrupting(interrupt, "the connection"),
+        deadlines.interrupting(backend, "the connection"),
     ):
-        assert interrupted.wait(5)
-    with deadlines.statements_end_by(clock.now() - 1), deadlines.interrupting(interrupt, "later"):
+        assert backend.event.wait(5)
+    with deadlines.statements_end_by(clock.now() - 1), deadlines.interrupting(backend, "later"):
         pass
-    assert calls == ["the connection"]
+    assert backend.calls == ["the connection"]
 
 
 def armed_during(locker: Locker, monkeypatch: pytest.MonkeyPatch, expires: float) -> list[float]:
@@ -99,5 +112,38 @@ def test_sqlite_arms_the_watcher_only_for_a_release_its_busy_timeout_may_outlast
     try:
         assert armed_during(locker, monkeypatch, 20 * SQLITE_BUSY_TIMEOUT_SECONDS) == []
         assert len(armed_during(locker, monkeypatch, 10)) == 1
+    finally:
+        locker.close()
+
+
+def busy_timeouts(locker: Locker) -> list[int]:
+    """The busy timeout (ms) of each connection the Locker's operations keep."""
+    stack = locker._operations.database.pool.stack
+    assert stack is not None
+    return [held.connection.execute("PRAGMA busy_timeout").fetchone()[0] for held in stack._idle]
+
+
+def test_sqlite_gives_a_connection_its_busy_timeout_back_after_a_short_locks_statements(
+    tmp_path: Path,
+) -> None:
+    """A lock shorter than the busy timeout has its release's wait for the write lock cut to
+    its expiry; the connection goes back to the Locker with its own busy timeout, after a
+    release that waited in vain too."""
+    path = tmp_path / "locks.db"
+    locker = Locker(f"sqlite:///{path}", grace=0.5)
+    own = SQLITE_BUSY_TIMEOUT_SECONDS * 1000
+    try:
+        locker.lock("quick", expires=5).unlock()
+        assert busy_timeouts(locker) == [own]
+        lock = locker.lock("blocked", expires=1)
+        writer = sqlite3.connect(path, isolation_level=None)
+        writer.execute("BEGIN IMMEDIATE")
+        try:
+            with pytest.raises(LockLost):
+                lock.unlock()
+        finally:
+            writer.execute("COMMIT")
+            writer.close()
+        assert busy_timeouts(locker) == [own]
     finally:
         locker.close()

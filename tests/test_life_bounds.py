@@ -2,16 +2,21 @@
 
 A frozen server or pooler (the kernel still acknowledges: ``tests/stall_proxy.py`` holds every
 byte) leaves a statement without an answer for the driver's 60 s read or statement timeout
-(MariaDB), or for ever (libpq has no read timeout). A renewal, an ``extend()`` or an
-``unlock()`` on such a connection must end in a ``LockError`` or success within about the
-lock's remaining life, and a second holder may come only after the first was told.
+(MariaDB), or for ever (libpq has no read timeout); on SQLite, another connection that holds
+the write lock (an operator's shell, a backup) leaves one waiting for the 60 s busy timeout. A
+renewal, an ``extend()`` or an ``unlock()`` on such a connection must end in a ``LockError``
+or success within about the lock's remaining life, and a second holder may come only after
+the first was told.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sqlite3
+import threading
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -257,3 +262,129 @@ def test_an_acquire_that_failed_after_its_insert_committed_leaves_no_row(
     assert isinstance(outcome.get("error"), LockError), outcome
     assert outcome["rows"] == 1, "the INSERT had committed"
     assert outcome["second"] is not None, "the row stood, held by nobody"
+
+
+class Writer:
+    """Another connection to an SQLite file, holding its write lock (``BEGIN IMMEDIATE``) from
+    ``hold()`` until ``commit()``, or until a rescue 40 s on, which ends the test's stuck
+    statements if the code under test never does (the busy timeout is 60 s)."""
+
+    def __init__(self, path: Path) -> None:
+        self._connection = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._mutex = threading.Lock()
+        self._rescue = threading.Timer(40, self.commit)
+
+    def hold(self) -> None:
+        self._connection.execute("BEGIN IMMEDIATE")
+        self._rescue.start()
+
+    def commit(self) -> None:
+        with self._mutex:
+            if self._connection.in_transaction:
+                self._connection.execute("COMMIT")
+
+    def close(self) -> None:
+        self._rescue.cancel()
+        self.commit()
+        self._connection.close()
+
+
+def _beside_a_writer(
+    front: Front, url: str, table_name: str, scenario: Callable[[Any, Writer], Awaitable[None]]
+) -> None:
+    """Run ``scenario`` with a Locker (or AsyncLocker) on the SQLite file of ``url`` and a
+    Writer on it; the writer commits before the Locker closes."""
+    writer = Writer(Path(url.removeprefix("sqlite:///")))
+
+    async def run() -> None:
+        locker = front.locker(url, table=table_name, grace=GRACE)
+        try:
+            await scenario(locker, writer)
+        finally:
+            writer.close()
+            await front.close(locker)
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("front", FRONTS, ids=str)
+@pytest.mark.parametrize("backend", ["sqlite"])
+def test_unlock_behind_another_connections_write_lock_ends_within_the_locks_life(
+    url: str, table_name: str, make_locker: Any, backend: str, front: Front
+) -> None:
+    """unlock() while another connection holds SQLite's write lock past the lock's expiry: the
+    DELETE does not wait out the busy timeout; it gives up once the lock has expired, with
+    LockLost, and a second holder comes only after that."""
+    contender = make_locker(grace=GRACE)
+    outcome: dict[str, Any] = {}
+
+    async def scenario(locker: Any, writer: Writer) -> None:
+        lock = await front.call(locker.lock, "job", expires=EXPIRES)
+        _held_by(outcome, lock)
+        writer.hold()
+        outcome.update(await front.timed(lock.unlock))
+        writer.commit()
+        await asyncio.to_thread(_takes_over_after, contender, "job", outcome, None)
+
+    _beside_a_writer(front, url, table_name, scenario)
+    _ended_within(outcome, WITHIN_LIFE, LockLost)
+    _release_figure("unlock behind a writer", "unlock()", backend, front, outcome)
+
+
+@pytest.mark.parametrize("front", FRONTS, ids=str)
+@pytest.mark.parametrize("backend", ["sqlite"])
+def test_extend_behind_another_connections_write_lock_ends_within_the_locks_life(
+    url: str, table_name: str, make_locker: Any, backend: str, front: Front
+) -> None:
+    """extend() of a kept-alive lock while another connection holds SQLite's write lock past
+    the lock's expiry: LockLost within the lock's life, on_lost called once, and both before
+    a second holder takes the lock once the writer commits."""
+    contender = make_locker(grace=GRACE)
+    told = Told()
+    outcome: dict[str, Any] = {}
+
+    async def scenario(locker: Any, writer: Writer) -> None:
+        lock = await front.call(locker.lock, "job", expires=EXPIRES, keep_alive=True, on_lost=told)
+        _held_by(outcome, lock)
+        writer.hold()
+        outcome.update(await front.timed(lock.extend))
+        writer.commit()
+        await asyncio.to_thread(_takes_over_after, contender, "job", outcome, told)
+
+    _beside_a_writer(front, url, table_name, scenario)
+    _ended_within(outcome, WITHIN_LIFE, LockLost)
+    _release_figure("extend behind a writer", "extend()", backend, front, outcome)
+
+
+# The sync front only: an AsyncLocker's renewal cancelled at the deadline leaves SQLite's write
+# lock held, after the writer has committed, until a garbage collection (an aiosqlite cursor
+# of the discarded connection), and the takeover below waits in vain.
+@pytest.mark.parametrize("front", [SYNC], ids=str)
+@pytest.mark.parametrize("backend", ["sqlite"])
+def test_a_renewal_behind_another_connections_write_lock_is_told_lost_within_the_locks_life(
+    url: str, table_name: str, make_locker: Any, backend: str, front: Front
+) -> None:
+    """A kept-alive lock whose renewals wait behind another connection's write lock past the
+    lock's expiry: on_lost is called once within the lock's life, and the Locker's next
+    lock, once the writer has committed, is not held up by the renewal that waited."""
+    contender = make_locker(grace=GRACE)
+    told = Told()
+    outcome: dict[str, Any] = {}
+
+    async def scenario(locker: Any, writer: Writer) -> None:
+        lock = await front.call(locker.lock, "job", expires=EXPIRES, keep_alive=True, on_lost=told)
+        _held_by(outcome, lock)
+        writer.hold()
+        started = time.monotonic()
+        while told.count == 0 and time.monotonic() - started < WITHIN_LIFE:
+            await asyncio.sleep(0.1)
+        outcome["took"] = time.monotonic() - started
+        writer.commit()
+        await asyncio.to_thread(_takes_over_after, contender, "job", outcome, told)
+        again = await front.timed(locker.lock, "next", expires=EXPIRES)
+        outcome["next"] = again
+        await front.call(again["result"].unlock)
+
+    _beside_a_writer(front, url, table_name, scenario)
+    assert outcome["took"] < WITHIN_LIFE, outcome
+    assert outcome["next"]["took"] < WITHIN_LIFE, outcome

@@ -32,6 +32,7 @@ try:
 except ImportError:  # SQLAlchemy 2.0 calls it await_only
     from sqlalchemy.util import await_only as _await
 
+from .. import clock, deadlines
 from ..engine import create_async_locker_engine, resolve_url
 from ..errors import LockTypeError
 from .greenlets import run as run  # sync database code, its driver calls awaited
@@ -66,7 +67,7 @@ async def within(work: Awaitable[T], seconds: float, name: str) -> T:
     ``seconds`` have passed, the task then cancelled and left to end by itself: a driver may
     take its time to end a cancelled statement (psycopg sends the server a cancel request,
     which waits for a frozen server up to its connect timeout)."""
-    task = spawn(_awaited(work), name)
+    task = spawn(_awaited(work, clock.now() + seconds), name)
     try:
         done, _ = await asyncio.wait({task}, timeout=max(seconds, 0.0))
     except asyncio.CancelledError:
@@ -78,8 +79,11 @@ async def within(work: Awaitable[T], seconds: float, name: str) -> T:
     return task.result()
 
 
-async def _awaited(work: Awaitable[T]) -> T:
-    return await work
+async def _awaited(work: Awaitable[T], deadline: float) -> T:
+    # What the task's statements wait for ends by then too (SQLite's busy handler, which a
+    # cancellation does not end), and a contention is not tried again past it.
+    with deadlines.waits_end_by(deadline):
+        return await work
 
 
 def create_engine(

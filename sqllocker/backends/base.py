@@ -325,6 +325,21 @@ class Backend:
         thread, at once: its lock's life is over (``sqllocker.deadlines``). The driver then
         raises, most often as for a lost connection; the connection is not used again."""
 
+    @classmethod
+    def bound_waits(cls, dbapi_connection: Any, seconds: float) -> object | None:
+        """Before a lock operation's statements on ``dbapi_connection`` that must end within
+        ``seconds`` (``sqllocker.deadlines``): cut their waits for other connections' locks to
+        that, where ``interrupt`` cannot end such a wait and the driver's own may be longer
+        (SQLite's busy handler). What ``unbound_waits`` needs to undo it after them, or None
+        if nothing was cut."""
+        return None
+
+    @classmethod
+    def unbound_waits(cls, dbapi_connection: Any, undo: object) -> None:
+        """Undo ``bound_waits`` (which returned ``undo``), once the statements have ended (not
+        after a cancellation: that connection is discarded). A connection that cannot be given
+        its own waits back is closed, never left to the next operation with the cut."""
+
     # -- a guarded transaction ---------------------------------------------------------------
 
     def bound_silence(self, conn: Connection, seconds: float) -> None:

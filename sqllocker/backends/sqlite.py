@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
 import sqlite3
 import time
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
     from sqlalchemy.sql.selectable import TextualSelect
 
     from ..execution import OneCall
+
+logger = logging.getLogger("sqllocker")
 
 TIMESTAMP_FORMAT = "%Y-%m-%d %H:%M:%f"
 # SQLite without AUTOINCREMENT (DBIx::Locker's DDL) keeps no record of the ids it handed out and
@@ -183,8 +187,41 @@ class SQLiteBackend(Backend):
 
     @classmethod
     def interrupt(cls, dbapi_connection: Any) -> None:
-        # A wait for another connection's write lock (the busy timeout) ends at once.
+        # A statement that runs ends at once; one waiting for another connection's write lock
+        # (the busy timeout) only once that wait is over, which ``bound_waits`` cuts short.
         dbapi_connection.interrupt()
+
+    @classmethod
+    def bound_waits(cls, dbapi_connection: Any, seconds: float) -> object | None:
+        # The busy timeout, where it is longer than what is left: SQLite's interrupt() does not
+        # end a wait in the busy handler (a backup, an operator's shell holding the write lock).
+        if seconds >= SQLITE_BUSY_TIMEOUT_SECONDS:
+            return None  # no connection sqllocker's operations run on waits longer
+        cut = max(0, int(seconds * 1000))
+        try:
+            if isinstance(dbapi_connection, AdaptedConnection):
+                return dbapi_connection.run_async(lambda driver: _cut_busy_timeout(driver, cut))
+            own = dbapi_connection.execute("PRAGMA busy_timeout").fetchone()[0]
+            if cut >= own:
+                return None
+            dbapi_connection.execute(f"PRAGMA busy_timeout = {cut}")
+            return own  # type: ignore[no-any-return]
+        except Exception as error:  # sqlite3's or aiosqlite's; the operation meets it too
+            logger.warning("could not cut the busy timeout to the lock's deadline: %s", error)
+            return None
+
+    @classmethod
+    def unbound_waits(cls, dbapi_connection: Any, undo: object) -> None:
+        restore = f"PRAGMA busy_timeout = {int(undo)}"  # type: ignore[call-overload]
+        try:
+            if isinstance(dbapi_connection, AdaptedConnection):
+                dbapi_connection.run_async(lambda driver: driver.execute_fetchall(restore))
+            else:
+                dbapi_connection.execute(restore)
+        except Exception as error:
+            logger.warning("closing a connection whose busy timeout was left cut: %s", error)
+            with contextlib.suppress(Exception):
+                dbapi_connection.close()
 
     def bound_silence(self, conn: Connection, seconds: float) -> None:
         """No network lies between SQLite and its client: a client that is silent in its
@@ -303,6 +340,16 @@ def _in_one_call_of_aiosqlite(connection: AdaptedConnection) -> OneCall:
             raise sqlite3.OperationalError(f"no active connection ({error})") from error
 
     return call
+
+
+async def _cut_busy_timeout(driver: Any, cut: int) -> int | None:
+    """``SQLiteBackend.bound_waits`` on aiosqlite's connection, in one call of its adapter:
+    the busy timeout it had, or None if ``cut`` (ms) is no shorter."""
+    own = int((await driver.execute_fetchall("PRAGMA busy_timeout"))[0][0])
+    if cut >= own:
+        return None
+    await driver.execute_fetchall(f"PRAGMA busy_timeout = {cut}")
+    return own
 
 
 def _sleep_for(dbapi_connection: Any) -> Callable[[float], None]:

@@ -287,6 +287,7 @@ class Database:
                     self._backend is not None
                     and self.be.is_transient_conflict(error)
                     and conflicts < conflict_retries
+                    and not deadlines.passed()
                 ):
                     conflicts += 1
                     logger.info("contention (%s); trying again", one_line(error.orig))
@@ -335,7 +336,7 @@ class Database:
             if deadline is None or (bound is not None and clock.now() + bound < deadline):
                 result = operation(held.session)
             else:
-                with deadlines.interrupting(self.be.interrupt, held.connection):
+                with deadlines.interrupting(self.be, held.connection):
                     result = operation(held.session)
         except sa.exc.DBAPIError as error:
             if error.connection_invalidated or self.be.is_read_only(error):

@@ -72,7 +72,7 @@ class Connections:
         try:
             dbapi_connection = fairy.dbapi_connection
             one_call = backend.in_one_call(dbapi_connection)
-            with deadlines.interrupting(backend.interrupt, dbapi_connection):
+            with deadlines.interrupting(backend, dbapi_connection):
                 yield DriverSession(dbapi_connection, kept_cursor(fairy), prepared, one_call)
         except sa.exc.DBAPIError as error:
             if error.connection_invalidated or backend.is_read_only(error):
