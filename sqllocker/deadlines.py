@@ -19,13 +19,12 @@ ten times a second, and ends when it has had none for a while.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
 
@@ -43,28 +42,45 @@ _connect_deadline: ContextVar[tuple[float, object] | None] = ContextVar(
 )
 
 
-@contextlib.contextmanager
-def statements_end_by(deadline: float) -> Iterator[None]:
+class statements_end_by:
     """Within the block, statements of lock operations are interrupted at ``deadline`` (on
     ``clock.now()``), and a new connection gives up by then too (``connections_by``)."""
-    token = _deadline.set(deadline)
-    try:
-        with connections_by(deadline):
-            yield
-    finally:
-        _deadline.reset(token)
+
+    __slots__ = ("_connections", "_deadline", "_token")
+
+    def __init__(self, deadline: float) -> None:
+        self._deadline = deadline
+        self._connections = connections_by(deadline)
+
+    def __enter__(self) -> None:
+        self._token = _deadline.set(self._deadline)
+        self._connections.__enter__()
+
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            self._connections.__exit__()
+        finally:
+            _deadline.reset(self._token)
 
 
-@contextlib.contextmanager
-def connections_by(deadline: float | None) -> Iterator[None]:
+class connections_by:
     """Within the block, a new connection gives up at ``deadline`` (on ``clock.now()``), or
     sooner, as the driver's connect timeout says (``Backend.cap_connect``): a wait for a lock
-    ends with its ``wait``, whatever a server that accepts and never answers does."""
-    token = _connect_deadline.set(None if deadline is None else (deadline, _owner()))
-    try:
-        yield
-    finally:
-        _connect_deadline.reset(token)
+    ends with its ``wait``, whatever a server that accepts and never answers does.
+
+    (A class, not a generator: it is entered in every acquire.)"""
+
+    __slots__ = ("_deadline", "_token")
+
+    def __init__(self, deadline: float | None) -> None:
+        self._deadline = deadline
+
+    def __enter__(self) -> None:
+        deadline = self._deadline
+        self._token = _connect_deadline.set(None if deadline is None else (deadline, _owner()))
+
+    def __exit__(self, *exc_info: object) -> None:
+        _connect_deadline.reset(self._token)
 
 
 def connect_within() -> float | None:
@@ -92,20 +108,30 @@ def passed() -> bool:
     return deadline is not None and clock.now() >= deadline
 
 
-@contextlib.contextmanager
-def interrupting(interrupt: Callable[[Any], None], connection: Any) -> Iterator[None]:
+class interrupting:
     """Run the block (one statement or a few on ``connection``); if the deadline of
     ``statements_end_by`` passes before it ends, call ``interrupt(connection)`` once, from the
-    watcher. It is never called after the block has ended."""
-    deadline = _deadline.get()
-    if deadline is None:
-        yield
-        return
-    key = _watcher.arm(deadline, lambda: interrupt(connection))
-    try:
-        yield
-    finally:
-        _watcher.disarm(key)
+    watcher. It is never called after the block has ended.
+
+    (A class, not a generator: it is entered in every lock operation.)"""
+
+    __slots__ = ("_connection", "_interrupt", "_key")
+
+    def __init__(self, interrupt: Callable[[Any], None], connection: Any) -> None:
+        self._interrupt = interrupt
+        self._connection = connection
+
+    def __enter__(self) -> None:
+        deadline = _deadline.get()
+        if deadline is None:
+            self._key: int | None = None
+            return
+        interrupt, connection = self._interrupt, self._connection
+        self._key = _watcher.arm(deadline, lambda: interrupt(connection))
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._key is not None:
+            _watcher.disarm(self._key)
 
 
 class _Watcher:
