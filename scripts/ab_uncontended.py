@@ -1,29 +1,18 @@
 """Compare the uncontended cycle of two or more source trees, interleaved: the A/B tool.
 
-The library's own Python is a few tens of microseconds a cycle, and one run moves by more
-than a single change to it is worth, so a change is judged against the code before it in
-alternating rounds: each round, every tree (in a fresh interpreter, in that tree's directory,
-so that it imports that tree's code) measures a raw floor and its own ``Locker``, back to back,
-best of two runs each, reversing the order of the trees every other round; the medians per
-tree come last. The floor is this tool's own (``bench.raw_floor_cycle`` of the
-``scripts/bench.py`` beside it, run on each tree's sqllocker), so that every tree runs the very
-same floor: sqllocker's acquire and release statements on one held driver connection, with
-values of the size sqllocker sends. The statements are that tree's (``sqllocker.statements``),
-so a change to them shows in ``floor_us``, and ``x_floor`` is against the floor of the
-statements the tree sends. Make the other tree with ``git worktree add /tmp/base HEAD``, then:
+One run moves by more than a change to the library's own Python is worth, so a change is
+judged against the code before it in alternating rounds: each round, every tree (a fresh
+interpreter in that tree's directory, importing that tree's code) times the raw floor and its
+own ``Locker`` back to back, best of two runs each, the trees' order reversed every other
+round; each tree's medians come last. Every tree runs the same floor (``bench.raw_floor_cycle``
+of the bench.py beside this file) with that tree's statements: a change to them shows in
+``floor_us``, and ``x_floor`` is against the floor of what the tree sends. With the other tree
+made by ``git worktree add /tmp/base HEAD``:
 
     .venv/bin/python scripts/ab_uncontended.py --rounds 4 new=. base=/tmp/base
 
-``--asyncio`` does the same for the async cycle: each tree's ``AsyncLocker`` against the async
-floor (``bench.async_raw_floor_cycle``: the statements through the async driver on one held
-connection) in one event loop, best of three.
-
-A change worth a few microseconds of Python is lost in that noise (a round's ratio moves by
-0.1, about 20 us of an SQLite cycle). ``--stub-driver`` times the library's own Python alone:
-each tree's ``Locker`` on SQLite with its connection's cursor replaced by a stub that answers
-at once as the database would (the acquire's row, the release's rowcount), best of five runs
-per round, as ``library_us``; and the floor's own Python (its guid, parameters and JSON) on the
-same stub, as ``floor_us``.
+``--asyncio`` times each tree's ``AsyncLocker`` against the async floor instead
+(``bench.async_raw_floor_cycle``), in one event loop, best of three.
 """
 
 from __future__ import annotations
@@ -43,24 +32,16 @@ from scripts import bench
 
 BENCH = str(Path(bench.__file__).resolve())
 
-# Both programs: this tool's bench.py (its floor), on the sqllocker of the tree run in.
-_PRELUDE = """
-import importlib.util, sys
+# One run in a tree, of this tool's bench.py (its floor) on that tree's sqllocker: the floor and
+# its Locker (or the async floor and its AsyncLocker, in one event loop), each in turn, best of
+# ``repeats``; as microseconds a cycle.
+_ROUND = """
+import asyncio, functools, importlib.util, json, os, sys
 
 spec = importlib.util.spec_from_file_location("bench", sys.argv[1])
 bench = sys.modules["bench"] = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)
-url, count, repeats = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-"""
-
-# One run in a tree: the floor and its Locker (or the async floor and its AsyncLocker, in one
-# event loop), each in turn, best of ``repeats``; as microseconds a cycle.
-_ROUND = (
-    _PRELUDE
-    + """
-import asyncio, functools, json, os
-
-mode = sys.argv[5]
+url, count, repeats, mode = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 if url.endswith("/"):  # SQLite: a new file each run, its table made as the tree makes it
     url += f"{os.getpid()}.db"
     bench.fresh_table(url)
@@ -76,75 +57,16 @@ best = {name: 1e6 / max(r[name]["cycles_per_s"] for r in rounds) for name in (fl
 print(json.dumps({"floor_us": round(best[floor], 1), "sqllocker_us": round(best[library], 1),
                   "x_floor": round(best[floor] / best[library], 3)}))
 """
-)
-
-# The library's own Python, and the floor's (its guid, parameters and JSON), on SQLite with
-# every cursor a stub that answers at once as SQLite would in an uncontended cycle.
-_STUB_ROUND = (
-    _PRELUDE
-    + """
-import json, os, time
-from sqllocker import Locker
-
-url += f"{os.getpid()}.db"
 
 
-class StubCursor:
-    rowcount, lastrowid, description = 1, None, None
-    rows = []
-
-    def execute(self, sql, parameters):
-        inserting = sql.startswith("INSERT")
-        self.rows = [(1, "2026-11-25 00:00:00.000", "2026-11-25 01:00:00.000")] if inserting else []
-
-    def fetchall(self):
-        return self.rows
-
-
-bench.fresh_table(url)
-locker = Locker(url, table=bench.TABLE)
-locker.lock("compile").unlock()
-floor = bench.floor_cycle(bench.FloorStatements(locker._operations), StubCursor())
-operations = locker._operations
-stack = operations.database.pool.stack if hasattr(operations, "database") else operations._stack
-for held in stack._idle:
-    held.cursor, held.session = StubCursor(), None
-run = os.getpid()
-
-
-def library(n):
-    locker.lock(f"lib {run} {n}").unlock()
-
-
-best = {}
-for repeat in range(repeats):
-    for name, cycle in (("floor", floor), ("library", library)):
-        started = time.perf_counter()
-        for n in range(count):
-            cycle(repeat * 10**6 + n)
-        us = (time.perf_counter() - started) / count * 1e6
-        best[name] = min(best.get(name, us), us)
-locker.close()
-print(json.dumps({"library_us": round(best["library"], 2), "floor_us": round(best["floor"], 2)}))
-"""
-)
-
-
-def run_rounds(
-    trees: list[tuple[str, str]], rounds: int, program: str, *arguments: str
-) -> dict[str, list[dict[str, Any]]]:
-    """Run ``python -c program arguments...`` in each tree, ``rounds`` times, interleaved; each
-    run's last line of output is its JSON figures. Prints each round's figures as it comes."""
+def run_rounds(trees: list[tuple[str, str]], rounds: int, *arguments: str) -> None:
+    """Run ``_ROUND`` in each tree, ``rounds`` times, interleaved, printing each run's figures
+    (its last line of output, as JSON) as it comes and then each tree's medians."""
     results: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in trees}
     for number in range(rounds):
         for name, path in trees if number % 2 == 0 else trees[::-1]:
-            done = subprocess.run(
-                [sys.executable, "-c", program, *arguments],
-                cwd=path,
-                capture_output=True,
-                text=True,
-                check=False,
-            )
+            command = [sys.executable, "-c", _ROUND, *arguments]
+            done = subprocess.run(command, cwd=path, capture_output=True, text=True, check=False)
             lines = done.stdout.strip().splitlines()
             if done.returncode != 0 or not lines:
                 print(number, name, done.stderr[-2000:], flush=True)
@@ -155,7 +77,6 @@ def run_rounds(
         if measured:
             medians = {key: statistics.median(m[key] for m in measured) for key in measured[0]}
             print(name, "median", json.dumps(medians))
-    return results
 
 
 def main() -> int:
@@ -164,28 +85,20 @@ def main() -> int:
     parser.add_argument("--cycles", type=int, help="a run's cycles: 3000, async 1000")
     parser.add_argument("--backend", choices=["sqlite", "postgresql", "mysql"], default="sqlite")
     parser.add_argument("--asyncio", action="store_true", help="the async cycle")
-    parser.add_argument(
-        "--stub-driver", action="store_true", help="time the library's Python alone (SQLite)"
-    )
     parser.add_argument("trees", nargs="+", help="name=path of a checkout, two or more")
     args = parser.parse_args()
     if len(args.trees) < 2 or not all("=" in tree for tree in args.trees):
         parser.error("give two or more trees, each as name=path")
     trees = [(name, path) for name, path in (tree.split("=", 1) for tree in args.trees)]
-    if args.stub_driver and (args.backend != "sqlite" or args.asyncio):
-        parser.error("--stub-driver stubs SQLite's sync answers: use it with --backend sqlite")
     mode = "async" if args.asyncio else "sync"
     cycles = args.cycles or (1000 if args.asyncio else 3000)
-    if args.stub_driver:
-        program, arguments = _STUB_ROUND, [str(cycles * 5), "5"]
-    else:
-        program, arguments = _ROUND, [str(cycles), "3" if args.asyncio else "2", mode]
+    arguments = [str(cycles), "3" if args.asyncio else "2", mode]
     with tempfile.TemporaryDirectory() as scratch:
         url = f"sqlite:///{scratch}/" if args.backend == "sqlite" else bench.URLS[args.backend]
         if args.backend != "sqlite":
             bench.fresh_table(url)
         try:
-            run_rounds(trees, args.rounds, program, BENCH, url, *arguments)
+            run_rounds(trees, args.rounds, BENCH, url, *arguments)
         finally:
             if args.backend != "sqlite":
                 bench.drop_table(url, bench.TABLE)

@@ -4,11 +4,9 @@
     .venv/bin/python scripts/bench.py --quick      # under a minute
     .venv/bin/python scripts/bench.py --out docs   # the performance page's figures
 
-Every ratio compares figures measured in the same run, so a busy or slow machine moves both
-sides. The *raw floor* of a backend is the very statements sqllocker sends for an uncontended
-acquire and release, run through the same driver on one held autocommit connection with no
-library around them, with the values sqllocker sends (``FloorStatements``). The rows, and what
-each means, are on the page this writes: bench.json, bench.png and performance.md in --out
+Every ratio compares figures of the same run, against the *raw floor*: sqllocker's own
+statements, straight through the driver (``FloorStatements``). The rows, and what each means,
+are on the page this writes: bench.json, bench.png and performance.md in --out
 (bench-results/); ``--render-only`` rewrites the page and chart from the bench.json there.
 """
 
@@ -27,6 +25,7 @@ import itertools
 import json
 import multiprocessing as mp
 import os
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -63,22 +62,36 @@ TABLE = "sqllocker_bench"
 FULL_TABLE = "sqllocker_bench_full"  # the scale row's table with a million other rows
 
 
-def processes_context() -> Any:
-    """Where the benchmark's worker processes come from: a fork server that has imported the
-    drivers and sqllocker once, holding no connection. Each worker is a fork of it, with
-    nothing of the parent's (as with spawn), without the second or two of imports a spawned
-    interpreter pays, which made up most of a ``--quick`` run's contended and scale rows.
-    Spawned where there is no fork server (Windows)."""
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["sqlalchemy", "psycopg", "pymysql", "redis", "sqllocker"])
-    return context
+# Where the benchmark's worker processes come from: a fork server that has imported the drivers
+# and sqllocker once, holding no connection. Each worker is a fork of it, with nothing of the
+# parent's (as with spawn), without the second or two of imports a spawned interpreter pays,
+# which made up most of a --quick run's contended and scale rows.
+PROCESSES = mp.get_context("forkserver")
+PROCESSES.set_forkserver_preload(["sqlalchemy", "psycopg", "pymysql", "redis", "sqllocker"])
+
+
+def start_processes(
+    processes: int, target: Callable[..., None], *args: Any
+) -> Callable[[float], list[Any]]:
+    """``processes`` processes each running ``target(*args, queue)``; what is returned, given a
+    timeout in seconds, returns what each put on ``queue``, once they have all ended."""
+    queue = PROCESSES.Queue()
+    workers = [PROCESSES.Process(target=target, args=(*args, queue)) for _ in range(processes)]
+    for worker in workers:
+        worker.start()
+
+    def collect(timeout: float) -> list[Any]:
+        results = [queue.get(timeout=timeout) for _ in workers]
+        for worker in workers:
+            worker.join()
+        return results
+
+    return collect
 
 
 @dataclass(frozen=True)
 class Profile:
-    """How much one run measures: the README's figures, or a smoke run's (``--quick``)."""
+    """How much one run measures: the page's figures, or a smoke run's (``--quick``)."""
 
     cycles: int  # uncontended cycles per system and round, and the scale row's
     uncontended_rounds: int  # rounds in which each uncontended system runs in turn
@@ -96,13 +109,20 @@ FULL = Profile(5000, 5, 5.0, 3, 1_000_000, 5.0, 3, 1000, 30.0, 15.0)
 QUICK = Profile(500, 1, 1.0, 1, 20_000, 0.5, 1, 100, 3.0, 3.0)
 
 
-def percentile(values: list[float], fraction: float) -> float:
+def percentile(values: Sequence[float], fraction: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
-def timed_cycles(cycle: Callable[[int], None], count: int) -> dict[str, float]:
-    for n in range(min(200, count // 10)):  # warm caches, prepared statements, pools
+Cycle = tuple[Callable[[int], None], Callable[[], None]]  # (a cycle of lockstring n, close)
+AsyncCycle = tuple[Callable[[int], Awaitable[None]], Callable[[], Awaitable[None]]]
+
+
+def timed_cycles(make: Callable[[], Cycle], count: int) -> dict[str, float]:
+    """The figures of ``count`` cycles of what ``make`` makes, after a warm-up (of caches,
+    prepared statements, pools); it is closed after them."""
+    cycle, close = make()
+    for n in range(min(200, count // 10)):
         cycle(-n - 1)
     latencies = []
     started = time.perf_counter()
@@ -110,12 +130,16 @@ def timed_cycles(cycle: Callable[[int], None], count: int) -> dict[str, float]:
         t0 = time.perf_counter()
         cycle(n)
         latencies.append(time.perf_counter() - t0)
-    return cycle_figures(latencies, time.perf_counter() - started)
+    figures = cycle_figures(latencies, time.perf_counter() - started)
+    close()
+    return figures
 
 
 async def timed_async_cycles(
-    cycle: Callable[[int], Awaitable[None]], count: int
+    make: Callable[[], Awaitable[AsyncCycle]], count: int
 ) -> dict[str, float]:
+    """``timed_cycles`` of an async cycle."""
+    cycle, close = await make()
     for n in range(min(200, count // 10)):
         await cycle(-n - 1)
     latencies = []
@@ -124,34 +148,25 @@ async def timed_async_cycles(
         t0 = time.perf_counter()
         await cycle(n)
         latencies.append(time.perf_counter() - t0)
-    return cycle_figures(latencies, time.perf_counter() - started)
+    figures = cycle_figures(latencies, time.perf_counter() - started)
+    await close()
+    return figures
 
 
 def cycle_figures(latencies: list[float], elapsed: float) -> dict[str, float]:
-    count = len(latencies)
     return {
-        "cycles_per_s": count / elapsed,
+        "cycles_per_s": len(latencies) / elapsed,
         "p50_ms": percentile(latencies, 0.5) * 1000,
         "p99_ms": percentile(latencies, 0.99) * 1000,
     }
 
 
 def plain_connection(url: str) -> Any:
-    """A plain psycopg or PyMySQL connection in autocommit mode: the alternatives' baseline."""
-    target = resolve_url(url)
-    if target.get_backend_name() == "postgresql":
-        import psycopg
-
-        return psycopg.connect(
-            host=target.host, port=target.port or 5432, user=target.username,
-            dbname=target.database, autocommit=True,
-        )  # fmt: skip
-    import pymysql
-
-    return pymysql.connect(
-        host=target.host, port=target.port or 3306, user=target.username,
-        database=target.database, autocommit=True,
-    )  # fmt: skip
+    """A plain driver connection (psycopg, PyMySQL) in autocommit mode, made with the arguments
+    SQLAlchemy's dialect reads from ``url``: the alternatives' baseline."""
+    engine = sa.create_engine(resolve_url(url))
+    cargs, cparams = engine.dialect.create_connect_args(engine.url)
+    return engine.dialect.connect(*cargs, **cparams, autocommit=True)
 
 
 def fresh_table(url: str, table: str = TABLE) -> None:
@@ -179,8 +194,6 @@ def drop_table(url: str, table: str) -> None:
 
 # -- uncontended ----------------------------------------------------------------------------------
 
-Cycle = tuple[Callable[[int], None], Callable[[], None]]  # (a cycle of lockstring n, close)
-
 
 class FloorStatements:
     """sqllocker's acquire and release statements, compiled for one dialect, as SQL text and
@@ -196,7 +209,11 @@ class FloorStatements:
         self._ttl, self._minus_grace = backend.seconds_value(3600), backend.seconds_value(-1)
         self._run = os.getpid()
         self._holder = holder_details({})  # made once: the floor's rows, not its work
-        self.settings = FLOOR_SETTINGS.get(backend.name, [])
+        # What the floor's connection runs first, to be set up as a plain application's.
+        # SQLite: its default checkpoint, which a Locker's connections leave to its releases; a
+        # floor without one never copied its write-ahead log back, and the Locker timed after it
+        # paid for all of it.
+        self.settings = ["PRAGMA wal_autocheckpoint=1000"] if backend.name == "sqlite" else []
 
     def acquire_parameters(self, n: int, guid: str) -> Any:
         values = {
@@ -212,12 +229,6 @@ class FloorStatements:
         return self.release.parameters({"lock_id": lock_id, "lock_guid": guid})
 
 
-# What the floor's connection runs first, to be set up as a plain application's. SQLite: its
-# default checkpoint, which a Locker's connections leave to its releases; a floor without one
-# never copied its write-ahead log back, and the Locker timed after it paid for all of it.
-FLOOR_SETTINGS = {"sqlite": ["PRAGMA wal_autocheckpoint=1000"]}
-
-
 def raw_floor_cycle(url: str) -> Cycle:
     """sqllocker's own acquire and release statements, straight through the driver (on a
     connection made as sqllocker makes its own)."""
@@ -230,24 +241,18 @@ def raw_floor_cycle(url: str) -> Cycle:
     for setting in floor.settings:
         cursor.execute(setting)
 
-    def close() -> None:
-        cursor.close()
-        raw.close()
-        locker.close()
-
-    return floor_cycle(floor, cursor), close
-
-
-def floor_cycle(floor: FloorStatements, cursor: Any) -> Callable[[int], None]:
-    """The floor's cycle of lockstring n on ``cursor`` (a driver's, or the A/B tool's stub)."""
-
     def cycle(n: int) -> None:
         guid = os.urandom(16).hex()  # as sqllocker.identity.new_guid
         cursor.execute(floor.acquire.sql, floor.acquire_parameters(n, guid))
         lock_id = cursor.fetchall()[0][0]
         cursor.execute(floor.release.sql, floor.release_parameters(lock_id, guid))
 
-    return cycle
+    def close() -> None:
+        cursor.close()
+        raw.close()
+        locker.close()
+
+    return cycle, close
 
 
 def sqllocker_cycle(url: str, table: str = TABLE, **options: Any) -> Cycle:
@@ -260,18 +265,12 @@ def sqllocker_cycle(url: str, table: str = TABLE, **options: Any) -> Cycle:
     return cycle, locker.close
 
 
-AsyncCycle = tuple[Callable[[int], Awaitable[None]], Callable[[], Awaitable[None]]]
-
-
 async def async_raw_floor_cycle(url: str, layer: str = "driver") -> AsyncCycle:
     """The same statements through the async driver (psycopg async, aiosqlite, aiomysql) on one
-    held connection of the AsyncLocker's own engine, with no library around them.
-
-    ``layer`` wraps them in what ``sqllocker.asyncio`` runs its statements in, one layer at a
-    time (``ASYNC_LAYERS``): ``"greenlet"``, each operation in a greenlet (``greenlets.run``)
-    through SQLAlchemy's adapted cursor, as the lock operations (sync code, written once) run;
-    ``"shielded"``, that run to its end whoever stops waiting for it (``InFlight``), as an
-    operation is kept from being cut off halfway by its caller's cancellation."""
+    held connection of the AsyncLocker's own engine, with no library around them; or, by
+    ``layer``, in what ``sqllocker.asyncio`` runs its statements in (``ASYNC_LAYERS``): each
+    operation in a greenlet through SQLAlchemy's adapted cursor (``"greenlet"``), and that run
+    to its end whoever stops waiting for it (``"shielded"``), as the lock operations run."""
     from sqllocker.asyncio import AsyncLocker
     from sqllocker.asyncio.concurrency import shielded
     from sqllocker.asyncio.greenlets import run as in_greenlet
@@ -365,37 +364,22 @@ async def async_figures(
 ) -> list[dict[str, dict[str, float]]]:
     """The async floor, its ``layers`` and AsyncLocker, taken in turn ``rounds`` times in one
     event loop: each round's figures."""
-    per_round: list[dict[str, dict[str, float]]] = []
     systems: list[tuple[str, Callable[[], Awaitable[AsyncCycle]]]] = [
         (name, functools.partial(async_raw_floor_cycle, url, layer))
         for name, layer in list(ASYNC_LAYERS.items())[: None if layers else 1]
     ]
     systems.append(("sqllocker.asyncio", functools.partial(async_sqllocker_cycle, url)))
-    for _round in range(rounds):
-        figures: dict[str, dict[str, float]] = {}
-        for name, make in systems:
-            cycle, close = await make()
-            figures[name] = await timed_async_cycles(cycle, count)
-            await close()
-        per_round.append(figures)
-    return per_round
+    return [
+        {name: await timed_async_cycles(make, count) for name, make in systems}
+        for _round in range(rounds)
+    ]
 
 
 def rounds_in_turn(
-    systems: Sequence[tuple[str, Callable[[], Cycle]]],
-    count: int,
-    rounds: int,
+    systems: Sequence[tuple[str, Callable[[], Cycle]]], count: int, rounds: int
 ) -> list[dict[str, dict[str, float]]]:
     """Each round's figures of ``systems`` (name, maker of its cycle), each run in turn."""
-    per_round = []
-    for _round in range(rounds):
-        figures = {}
-        for name, make in systems:
-            cycle, close = make()
-            figures[name] = timed_cycles(cycle, count)
-            close()
-        per_round.append(figures)
-    return per_round
+    return [{name: timed_cycles(make, count) for name, make in systems} for _round in range(rounds)]
 
 
 def paired_rows(
@@ -409,9 +393,7 @@ def paired_rows(
     rows = []
     for name in per_round[0]:
         ordered = sorted((figures[name] for figures in per_round), key=lambda f: f["cycles_per_s"])
-        ratios = [
-            figures[name]["cycles_per_s"] / figures[floor]["cycles_per_s"] for figures in per_round
-        ]
+        ratios = [run[name]["cycles_per_s"] / run[floor]["cycles_per_s"] for run in per_round]
         rows.append(
             {
                 "backend": backend,
@@ -424,47 +406,77 @@ def paired_rows(
     return rows
 
 
-def statements_cycle(url: str, take: str, give: str, key: Callable[[int], object]) -> Cycle:
-    """A server's own lock of ``key(n)`` taken and given back by two statements (``take`` and
-    ``give``, each with the key as its parameter), on a plain connection."""
-    connection = plain_connection(url)
-    cursor = connection.cursor()
+# The servers' own locks of key(n), beside sqllocker's: row -> (take, give, key). A try-lock is
+# in the uncontended rows (``TRY_LOCKS``), a blocking one in the contended rows.
+PG_UNLOCK, MARIADB_UNLOCK = "SELECT pg_advisory_unlock(%s)", "SELECT RELEASE_LOCK(%s)"
+SERVER_LOCKS: dict[str, tuple[str, str, Callable[[int], object]]] = {
+    "advisory try-lock": ("SELECT pg_try_advisory_lock(%s)", PG_UNLOCK, int),
+    "advisory lock": ("SELECT pg_advisory_lock(%s)", PG_UNLOCK, int),
+    "GET_LOCK try-lock": ("SELECT GET_LOCK(%s, 0)", MARIADB_UNLOCK, "bench {}".format),
+    "GET_LOCK": ("SELECT GET_LOCK(%s, 60)", MARIADB_UNLOCK, "bench {}".format),
+}
+TRY_LOCKS = {"sqlite": [], "postgresql": ["advisory try-lock"], "mysql": ["GET_LOCK try-lock"]}
+BLOCKING_LOCKS = {"sqlite": "flock", "postgresql": "advisory lock", "mysql": "GET_LOCK"}
+# Redis: the floor (the bare SET NX and DEL of a key), and redis-py's Lock: row -> blocking.
+REDIS_FLOOR = "raw SET NX + DEL"
+REDIS_LOCKS = {"redis-py Lock (non-blocking)": False, "redis-py Lock": True}
 
-    def cycle(n: int) -> None:
-        for statement in (take, give):
-            cursor.execute(statement, (key(n),))
+LockCalls = tuple[Callable[[int], Any], Callable[[Any], Any], Callable[[], Any]]
+"""(take lock n, returning what gives it back; give it back; close) of one system's lock."""
+
+
+def lock_calls(system: str, url: str) -> LockCalls:
+    """A row's lock, on a connection of its own: sqllocker's blocking lock of one lockstring
+    (the contended rows'), a server's (``SERVER_LOCKS``), ``flock`` on a file beside the SQLite
+    database (one machine's blocking lock, beside sqllocker's own queue file), redis-py's
+    ``Lock`` (``REDIS_LOCKS``) or ``REDIS_FLOOR``."""
+    if system == "sqllocker":
+        locker = Locker(url, table=TABLE, grace=1)
+        return (
+            (lambda _: locker.lock("contended", wait=None, expires=60)),
+            (lambda lock: lock.unlock()),
+            locker.close,
+        )
+    if system == "flock":
+        fd = os.open(url.removeprefix("sqlite:///") + "-flock", os.O_RDWR | os.O_CREAT, 0o644)
+        return (
+            (lambda _: fcntl.flock(fd, fcntl.LOCK_EX)),
+            (lambda _: fcntl.flock(fd, fcntl.LOCK_UN)),
+            (lambda: os.close(fd)),
+        )
+    if system in SERVER_LOCKS:
+        take, give, key = SERVER_LOCKS[system]
+        connection = plain_connection(url)
+        cursor = connection.cursor()
+
+        def run(statement: str, name: object) -> object:
+            cursor.execute(statement, (name,))
             cursor.fetchone()
+            return name
 
-    return cycle, connection.close
-
-
-# The servers' own locks, beside sqllocker in the uncontended rows: (row, take, give, key).
-SERVER_LOCKS: dict[str, tuple[str, str, str, Callable[[int], object]]] = {
-    "postgresql": ("advisory try-lock", "SELECT pg_try_advisory_lock(%s)",
-                   "SELECT pg_advisory_unlock(%s)", int),
-    "mysql": ("GET_LOCK", "SELECT GET_LOCK(%s, 0)", "SELECT RELEASE_LOCK(%s)", "bench {}".format),
-}  # fmt: skip
-
-
-def redis_cycle(floor: bool) -> Cycle:
-    """redis-py's ``Lock``, or (``floor``) the bare SET NX and DEL of a key."""
+        return (lambda n: run(take, key(n))), functools.partial(run, give), connection.close
     import redis
 
     client = redis.Redis.from_url(REDIS_URL)
 
-    def lock_cycle(n: int) -> None:
-        lock = client.lock(f"bench {n}", timeout=3600)
-        lock.acquire(blocking=False)
-        lock.release()
-
-    def set_and_delete(n: int) -> None:
+    def set_key(n: int) -> str:
         client.set(f"floor {n}", "token", nx=True, px=3_600_000)
-        client.delete(f"floor {n}")
+        return f"floor {n}"
 
-    return set_and_delete if floor else lock_cycle, client.close
+    def take_lock(n: int) -> Any:
+        lock = client.lock(f"bench {n}", timeout=3600)
+        lock.acquire(blocking=REDIS_LOCKS[system])
+        return lock
+
+    if system == REDIS_FLOOR:
+        return set_key, client.delete, client.close
+    return take_lock, lambda lock: lock.release(), client.close
 
 
-REDIS = (("raw SET NX + DEL", True), ("redis-py Lock", False))  # the floor first
+def lock_cycle(system: str, url: str) -> Cycle:
+    """``lock_calls(system, url)``'s lock n taken and given back."""
+    take, give, close = lock_calls(system, url)
+    return (lambda n: give(take(n))), close
 
 
 def uncontended(
@@ -480,20 +492,18 @@ def uncontended(
             ("raw floor", functools.partial(raw_floor_cycle, url)),
             ("sqllocker", functools.partial(sqllocker_cycle, url)),
         ]
-        if backend in SERVER_LOCKS:
-            name, take, give, key = SERVER_LOCKS[backend]
-            makers.append((name, functools.partial(statements_cycle, url, take, give, key)))
+        makers += [(name, functools.partial(lock_cycle, name, url)) for name in TRY_LOCKS[backend]]
         rows += paired_rows(backend, rounds_in_turn(makers, count, rounds), "raw floor")
         # The async rows' ratios are to the async floor: the same statements, the async driver.
         async_rounds = asyncio.run(async_figures(url, count, rounds))
         async_rows = paired_rows(backend, async_rounds, "async raw floor")
-        layers += async_rows  # the layers' own rows are on the page in that section alone
-        rows += [
-            row for row in async_rows if row["system"] in ("async raw floor", "sqllocker.asyncio")
-        ]
+        layers += async_rows
+        shown = ("async raw floor", "sqllocker.asyncio")  # the layers' rows have a section
+        rows += [row for row in async_rows if row["system"] in shown]
     try:
-        redis_systems = [(name, functools.partial(redis_cycle, floor)) for name, floor in REDIS]
-        rows += paired_rows("redis", rounds_in_turn(redis_systems, count, rounds), REDIS[0][0])
+        names = [REDIS_FLOOR, "redis-py Lock (non-blocking)"]
+        redis_systems = [(name, functools.partial(lock_cycle, name, REDIS_URL)) for name in names]
+        rows += paired_rows("redis", rounds_in_turn(redis_systems, count, rounds), REDIS_FLOOR)
     except Exception as error:  # Redis is optional: say so and go on
         print(f"redis skipped: {error}", file=sys.stderr)
     return rows, layers
@@ -575,7 +585,7 @@ def _contender(system: str, url: str, seconds: float, ready: Any, queue: Any) ->
     """One of the processes taking turns: it sets up its lock, waits at ``ready`` (a Barrier)
     until every other process and the parent have too, then asks, holds for HOLD_SECONDS,
     releases and steps back, for ``seconds``."""
-    acquire, release, close = _blocking_lock(system, url)
+    take, give, close = lock_calls(system, url)
     records = []
     ready.wait()
     # Turns before the clock starts count for nothing: a first use sets up the table's
@@ -585,65 +595,17 @@ def _contender(system: str, url: str, seconds: float, ready: Any, queue: Any) ->
     deadline = started + WARM_UP_SECONDS + seconds
     while time.monotonic() < deadline:
         asked = time.monotonic()
-        token = acquire()
+        token = take(0)
         got = time.monotonic()
         time.sleep(HOLD_SECONDS)
         left = time.monotonic()
-        release(token)
+        give(token)
         released = time.monotonic()
         if asked >= started + WARM_UP_SECONDS:
             records.append((asked, got, left, released))
         time.sleep(STEP_BACK_SECONDS)
     close()  # not left to the process's exit, which the server logs as a connection reset
     queue.put(records)
-
-
-def _blocking_lock(
-    system: str, url: str
-) -> tuple[Callable[[], Any], Callable[[Any], None], Callable[[], None]]:
-    """(acquire, release, close) of one contender's blocking lock."""
-    if system == "sqllocker":
-        locker = Locker(url, table=TABLE, grace=1)
-        return (
-            (lambda: locker.lock("contended", wait=None, expires=60)),
-            (lambda lock: lock.unlock()),
-            locker.close,
-        )
-    if system == "flock":
-        # Beside the database, as sqllocker's own queue file is: one machine's blocking lock.
-        fd = os.open(url.removeprefix("sqlite:///") + "-flock", os.O_RDWR | os.O_CREAT, 0o644)
-        return (
-            (lambda: fcntl.flock(fd, fcntl.LOCK_EX)),
-            (lambda _: fcntl.flock(fd, fcntl.LOCK_UN)),
-            (lambda: os.close(fd)),
-        )
-    if system in BLOCKING_SERVER_LOCKS:
-        connection = plain_connection(url)
-        cursor = connection.cursor()
-        take, give = BLOCKING_SERVER_LOCKS[system]
-
-        def run(statement: str) -> None:
-            cursor.execute(statement)
-            cursor.fetchone()
-
-        return (lambda: run(take)), (lambda _: run(give)), connection.close
-    import redis
-
-    client = redis.Redis.from_url(REDIS_URL)
-
-    def take_redis() -> Any:
-        lock = client.lock("contended", timeout=60)
-        lock.acquire(blocking=True)
-        return lock
-
-    return take_redis, lambda lock: lock.release(), client.close
-
-
-# The servers' own blocking locks, the contended rows' baselines: (take, give) of one key.
-BLOCKING_SERVER_LOCKS = {
-    "advisory lock": ("SELECT pg_advisory_lock(42)", "SELECT pg_advisory_unlock(42)"),
-    "GET_LOCK": ("SELECT GET_LOCK('contended', 60)", "SELECT RELEASE_LOCK('contended')"),
-}
 
 
 Turn = tuple[float, float, float, float]  # monotonic: asked, got, began releasing, released
@@ -679,19 +641,10 @@ def turn_figures(turns: list[Turn]) -> dict[str, Any]:
 
 def contend(system: str, url: str, processes: int, seconds: float) -> list[Turn]:
     """Every turn of ``processes`` contenders for ``seconds``, once all of them are ready."""
-    context = processes_context()
-    queue, ready = context.Queue(), context.Barrier(processes + 1)
-    workers = [
-        context.Process(target=_contender, args=(system, url, seconds, ready, queue))
-        for _ in range(processes)
-    ]
-    for worker in workers:
-        worker.start()
+    ready = PROCESSES.Barrier(processes + 1)
+    collect = start_processes(processes, _contender, system, url, seconds, ready)
     ready.wait(timeout=120)
-    records = [record for _ in workers for record in queue.get(timeout=seconds + 120)]
-    for worker in workers:
-        worker.join()
-    return records
+    return [turn for turns in collect(seconds + 120) for turn in turns]
 
 
 def contended(
@@ -729,19 +682,14 @@ def contended(
 # -- the server's durable commit ----------------------------------------------------------------
 
 FLUSH_TABLE = f"{TABLE}_flush"  # commit_flush's scratch table
-FLUSH_COMMITS = 200
 
 
-def commit_flush(backend: str, url: str, count: int = FLUSH_COMMITS) -> dict[str, Any]:
+def commit_flush(backend: str, url: str, count: int = 200) -> dict[str, Any]:
     """What a durable commit costs the server now: the p50 of a one-row INSERT in autocommit,
     which the server answers only once its log is on disk, beside the p50 of a bare round trip
-    (``SELECT 1``) on the same connection.
-
-    A table lock waits for one such flush on every acquisition, and on PostgreSQL every hand-off
-    under contention (the release grants the row to the first waiter's ticket in its own
-    transaction, which must be on disk before that waiter may act on it). Advisory locks,
-    ``GET_LOCK`` and Redis wait for none. A slow flush moves the contended rows far more than
-    any change to the library did: measured beside them, it says what they ran on."""
+    (``SELECT 1``) on the same connection. A table lock's every acquisition and contended
+    hand-off waits for one such flush, and advisory locks, ``GET_LOCK`` and Redis wait for none:
+    a slow flush moves the contended rows far more than any change to the library did."""
     key = "bigserial" if backend == "postgresql" else "bigint AUTO_INCREMENT"
     create = f"CREATE TABLE {FLUSH_TABLE} (id {key} PRIMARY KEY, v integer)"
     connection = plain_connection(url)
@@ -775,14 +723,11 @@ def fill(url: str, count: int, expired: bool, table_name: str = TABLE) -> None:
     """``count`` rows of other lockstrings, long expired or expiring far in the future."""
     moment = datetime(2000 if expired else 2999, 1, 1, tzinfo=timezone.utc)
     row = {"guid": "g", "created": moment, "expires": moment, "locked_by": {}}
-    engine = sa.create_engine(resolve_url(url))
+    engine, insert = sa.create_engine(resolve_url(url)), lock_table(table_name).insert()
     with engine.begin() as conn:
         for start in range(0, count, 20_000):
             batch = range(start, min(count, start + 20_000))
-            conn.execute(
-                lock_table(table_name).insert(),
-                [{**row, "lockstring": f"filler {n}"} for n in batch],
-            )
+            conn.execute(insert, [{**row, "lockstring": f"filler {n}"} for n in batch])
     engine.dispose()
 
 
@@ -802,31 +747,13 @@ def _cycler(url: str, seconds: float, stop: Any, queue: Any) -> None:
     queue.put(samples)
 
 
-def cycles_per_s_of(url: str, processes: int, seconds: float) -> float:
-    """Lock cycles per second of ``processes`` processes cycling on distinct lockstrings, in
-    all."""
-    context = processes_context()
-    queue = context.Queue()
-    workers = [
-        context.Process(target=_cycler, args=(url, seconds, None, queue)) for _ in range(processes)
-    ]
-    for worker in workers:
-        worker.start()
-    total = sum(len(queue.get(timeout=seconds + 120)) for _ in workers)
-    for worker in workers:
-        worker.join()
-    return total / seconds
-
-
 def purge_beside_a_worker(url: str, seconds: float) -> tuple[list[float], list[float], int, float]:
     """A worker cycling for ``seconds`` (quiet), then while the table's expired rows are purged
     with the defaults, as `sqllocker purge-expired` does: its latencies before and during the
     purge (one worker process, so both sides share its connection, cache and luck), the rows
     purged and how long the purge took."""
-    context = processes_context()
-    queue, stop = context.Queue(), context.Event()
-    worker = context.Process(target=_cycler, args=(url, 0.0, stop, queue))
-    worker.start()
+    stop = PROCESSES.Event()
+    collect = start_processes(1, _cycler, url, 0.0, stop)
     time.sleep(seconds + 1.0)  # its first second (connecting, warming up) is left out below
     purger = Locker(url, table=TABLE)
     t0 = time.monotonic()
@@ -834,8 +761,7 @@ def purge_beside_a_worker(url: str, seconds: float) -> tuple[list[float], list[f
     t1 = time.monotonic()
     purger.close()
     stop.set()
-    samples = queue.get(timeout=120)
-    worker.join()
+    [samples] = collect(120)
     quiet = [latency for started, latency in samples if t0 - seconds <= started < t0]
     busy = [latency for started, latency in samples if t0 <= started < t1]
     return quiet, busy, purged, t1 - t0
@@ -862,8 +788,9 @@ def scale(backends: list[str], profile: Profile) -> list[dict[str, Any]]:
                 f"{empty:.0f}/s empty, {full:.0f}/s full")
         )  # fmt: skip
         fresh_table(url)
-        for processes in (1, 2, 4):
-            per_s = cycles_per_s_of(url, processes, seconds)
+        for processes in (1, 2, 4):  # cycling on distinct lockstrings
+            collect = start_processes(processes, _cycler, url, seconds, None)
+            per_s = sum(len(samples) for samples in collect(seconds + 120)) / seconds
             rows.append(row(f"{processes} process(es), distinct names", per_s, "cycles/s in total"))
         # A worker's p99 quiet, and while a large purge runs beside it.
         fill(url, rows_in_table, expired=True)
@@ -882,13 +809,11 @@ def scale_row(backend: str, row: str, value: float, detail: str) -> dict[str, An
 
 
 def connections_used(backend: str, profile: Profile) -> dict[str, Any]:
-    url = URLS[backend]
-    held = profile.kept_alive
+    url, held, expires = URLS[backend], profile.kept_alive, profile.kept_alive_expires
     fresh_table(url)
     locker = Locker(url, table=TABLE)
     # Renewed at a third of their expiry; the samples span renewals, to show whether a
     # connection stays checked out between them.
-    expires = profile.kept_alive_expires
     locks = [locker.lock(f"kept {n}", expires=expires, keep_alive=True) for n in range(held)]
     samples = []
     for _ in range(round(profile.sampled_seconds * 10)):
@@ -914,17 +839,13 @@ def report(results: dict[str, Any], out: Path) -> None:
     """The run's JSON, page and chart in ``out``, and the page's tables on the terminal."""
     out.mkdir(exist_ok=True)
     (out / "bench.json").write_text(json.dumps(results, indent=2))
-    write_page_and_chart(results, out)
-    page = performance_page(results).splitlines()
-    print("\n".join(line for line in page if line.startswith(("#", "|"))))
-
-
-def write_page_and_chart(results: dict[str, Any], out: Path) -> None:
     try:
         chart(results, out / "bench.png")
     except ImportError:
         print("matplotlib is not installed: no chart (pip install -e '.[bench]')", file=sys.stderr)
-    (out / "performance.md").write_text(performance_page(results))
+    page = performance_page(results)
+    (out / "performance.md").write_text(page)
+    print("\n".join(line for line in page.splitlines() if line.startswith(("#", "|"))))
     print(f"\nwrote {out / 'bench.json'}, {out / 'bench.png'} and {out / 'performance.md'}")
 
 
@@ -938,7 +859,9 @@ SYSTEM_NAMES = {
     "advisory lock": "blocking `pg_advisory_lock`",
     "flock": "blocking `flock` (one machine)",
     "GET_LOCK": "blocking `GET_LOCK`",
+    "GET_LOCK try-lock": "`GET_LOCK` try-lock (timeout 0)",
     "redis-py Lock": "redis-py `Lock` (blocking)",
+    "redis-py Lock (non-blocking)": "redis-py `Lock` (non-blocking)",
 }
 
 
@@ -965,15 +888,12 @@ def _async_layers_section(rows: list[dict[str, Any]], rounds: int) -> list[str]:
         "",
         "A step of a few microseconds either way is within the run's noise.",
     ]
-    cells = []
+    cells, systems = [], [*ASYNC_LAYERS, "sqllocker.asyncio"]
     for backend in dict.fromkeys(row["backend"] for row in rows):
         by_system = {row["system"]: row for row in rows if row["backend"] == backend}
-        us = [
-            1e6 / by_system[system]["cycles_per_s"]
-            for system in [*ASYNC_LAYERS, "sqllocker.asyncio"]
-        ]
+        us = [1e6 / by_system[system]["cycles_per_s"] for system in systems]
         steps = [f"{now:,.0f} ({now - before:+,.0f})" for before, now in itertools.pairwise(us)]
-        cells.append([_backend(backend), f"{us[0]:,.0f}", *steps])
+        cells.append([BACKEND_NAMES[backend], f"{us[0]:,.0f}", *steps])
     header = "backend | async floor | in greenlets | run to its end | sqllocker.asyncio"
     return [
         *lines,
@@ -1028,15 +948,14 @@ def performance_page(results: dict[str, Any]) -> str:
     lines += _async_layers_section(results.get("async_layers") or [], rounds)
     contended_rows = results.get("contended") or []
     if contended_rows:
-        processes = contended_rows[0]["processes"]
-        contended_rounds = results["profile"]["contended_rounds"]
-        contended_seconds = results["profile"]["contended_seconds"]
+        processes, profile = contended_rows[0]["processes"], results["profile"]
         lines += [
             "",
             "## Contended",
             "",
             f"{processes} processes taking turns on one lockstring, each holding it about 1 ms and",
-            f"then stepping back 2 ms; {contended_rounds} round(s) of {contended_seconds:g} s, in",
+            f"then stepping back 2 ms; {profile['contended_rounds']} round(s) of "
+            f"{profile['contended_seconds']:g} s, in",
             "which every system runs in turn. A row's acquisitions/s are its median round's (the",
             "lowest and highest beside them), its other figures those of every round's turns",
             "together. *Hand-off*: from the holder's release returning to the next,",
@@ -1046,7 +965,7 @@ def performance_page(results: dict[str, Any]) -> str:
             "at most. *Overlaps*: two holders at once, checked by the processes themselves.",
         ]
         cells = [
-            [_backend(row["backend"]), SYSTEM_NAMES.get(row["system"], row["system"]),
+            [BACKEND_NAMES[row["backend"]], SYSTEM_NAMES.get(row["system"], row["system"]),
              f"{row['acquisitions_per_s']:,.0f}", _spread(row.get("acquisitions_range"), ",.0f"),
              _ms(row["handoff_p50_ms"]), _ms(row["handoff_p99_ms"]), _ms(row["wait_p99_ms"]),
              str(_passed_by_at(row, 0.999)), str(row["overtaken_max"]), str(row["violations"])]
@@ -1078,12 +997,9 @@ def performance_page(results: dict[str, Any]) -> str:
         cells = []
         for backend in dict.fromkeys(row["backend"] for row in flushes):
             rows = {row["when"]: row for row in flushes if row["backend"] == backend}
-            before, after = rows.get("before"), rows.get("after")
-            cells.append(
-                [_backend(backend), _ms(before["commit_p50_ms"] if before else None),
-                 _ms(after["commit_p50_ms"] if after else None),
-                 _ms((before or after or {}).get("round_trip_p50_ms"))]
-            )  # fmt: skip
+            commits = [_ms(rows[when]["commit_p50_ms"]) for when in ("before", "after")]
+            round_trip = _ms(rows["before"]["round_trip_p50_ms"])
+            cells.append([BACKEND_NAMES[backend], *commits, round_trip])
         lines += _table("backend | before | after | a bare round trip", "-:::", cells)
     scale_rows = results.get("scale") or []
     if scale_rows:
@@ -1098,7 +1014,7 @@ def performance_page(results: dict[str, Any]) -> str:
             "locks.",
         ]
         cells = [
-            [_backend(row["backend"]), row["row"],
+            [BACKEND_NAMES[row["backend"]], row["row"],
              f"{row['value']:,.0f}" if row["value"] >= 100 else f"{row['value']:.2f}",
              row["detail"]]
             for row in scale_rows
@@ -1120,23 +1036,18 @@ def _paired_cells(row: dict[str, Any], *latencies: str) -> list[str]:
     sqllocker's own) and the ratio's spread over the rounds."""
     ratio = f"{row['ratio_to_floor']:.2f}"
     return [
-        _backend(row["backend"]), SYSTEM_NAMES.get(row["system"], row["system"]),
+        BACKEND_NAMES[row["backend"]], SYSTEM_NAMES.get(row["system"], row["system"]),
         f"{row['cycles_per_s']:,.0f}", *(f"{row[latency]:.3f}" for latency in latencies),
         f"**{ratio}**" if row["system"].startswith("sqllocker") else ratio,
         _spread(row.get("ratio_range"), ".2f"),
     ]  # fmt: skip
 
 
-def _backend(backend: str) -> str:
-    return BACKEND_NAMES.get(backend, backend)
-
-
 def _passed_by_at(row: dict[str, Any], fraction: float) -> int:
     """How many others passed a waiter, at ``fraction`` of a contended row's acquisitions."""
     counts = row["overtaken_counts"].items()
-    return int(
-        percentile([int(passed) for passed, count in counts for _ in range(count)], fraction)
-    )
+    passed = [int(others) for others, acquisitions in counts for _ in range(acquisitions)]
+    return int(percentile(passed, fraction))
 
 
 def _spread(pair: list[float] | None, form: str) -> str:
@@ -1151,24 +1062,16 @@ def _ms(value: float | None) -> str:
 
 
 def _run_description(results: dict[str, Any]) -> str:
-    parts = [results["machine"]]
-    if results.get("versions"):
-        parts.append(
-            ", ".join(f"{name} {version}" for name, version in results["versions"].items())
-        )
-    if results.get("measured_at"):
-        parts.append(f"on {results['measured_at']}")
-    if results.get("commit"):
+    versions = ", ".join(f"{name} {version}" for name, version in results["versions"].items())
+    parts = [results["machine"], versions, f"on {results['measured_at']}"]
+    if results["commit"]:  # empty where the run's tree was not a git checkout
         parts.append(f"timing the code of commit `{results['commit']}`")
     return "; ".join(parts)
 
 
 def run_context(backends: list[str]) -> dict[str, Any]:
     """When, on what code, and against which versions the run measured."""
-    versions: dict[str, str] = {}
-    import sqlite3
-
-    versions["SQLite"] = sqlite3.sqlite_version
+    versions = {"SQLite": sqlite3.sqlite_version}
     for backend, query in (("postgresql", "SHOW server_version"), ("mysql", "SELECT VERSION()")):
         if backend in backends:
             engine = sa.create_engine(resolve_url(URLS[backend]))
@@ -1180,13 +1083,9 @@ def run_context(backends: list[str]) -> dict[str, Any]:
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             versions[distribution] = importlib.metadata.version(distribution)
     try:
-        commit = subprocess.run(
-            ["git", "describe", "--always", "--dirty"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).resolve().parent,
-        ).stdout.strip()
+        describe = ["git", "describe", "--always", "--dirty"]
+        here = Path(__file__).resolve().parent
+        commit = subprocess.check_output(describe, text=True, cwd=here).strip()
     except (OSError, subprocess.CalledProcessError):
         commit = ""
     measured_at = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -1199,34 +1098,31 @@ def chart(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = results["uncontended"]
-    contended_rows = results.get("contended") or []
+    rows, contended_rows = results["uncontended"], results.get("contended") or []
     height = max(5.0, 0.32 * len(rows) + 1.5)  # one readable line per bar
     panels = 3 if contended_rows else 1
     figure, axes = plt.subplots(1, panels, figsize=(7 * panels, height), squeeze=False)
-    labels = [f"{r['backend']}: {r['system']}" for r in rows]
     ours = {"sqllocker": "#d62728", "sqllocker.asyncio": "#ff7f0e"}
-    colours = [ours.get(r["system"], "#7f7f7f") for r in rows]
-    axes[0][0].barh(labels, [r["cycles_per_s"] for r in rows], color=colours)
+
+    def bars(panel: int, shown: list[dict[str, Any]], key: str, **options: Any) -> None:
+        labels = [f"{r['backend']}: {r['system']}" for r in shown]
+        colours = [ours.get(r["system"], "#7f7f7f") for r in shown]
+        axes[0][panel].barh(labels, [r[key] for r in shown], **{"color": colours, **options})
+
+    bars(0, rows, "cycles_per_s")
     axes[0][0].set_xlabel("uncontended acquire+release cycles/s (higher is better)")
-    axes[0][0].invert_yaxis()
     if contended_rows:
         shown = [r for r in contended_rows if r["handoff_p50_ms"] is not None]
-        labels = [f"{r['backend']}: {r['system']}" for r in shown]
         # p99 behind, p50 in front, both from the axis: stacking misleads on a log scale.
-        axes[0][1].barh(labels, [r["handoff_p99_ms"] for r in shown], label="p99", color="#aec7e8")
-        axes[0][1].barh(labels, [r["handoff_p50_ms"] for r in shown], label="p50", color="#1f77b4")
+        bars(1, shown, "handoff_p99_ms", label="p99", color="#aec7e8")
+        bars(1, shown, "handoff_p50_ms", label="p50", color="#1f77b4")
         axes[0][1].set_xscale("log")
         axes[0][1].set_xlabel("hand-off latency, ms (log; lower is better)")
         axes[0][1].legend()
-        axes[0][1].invert_yaxis()
-        labels = [f"{r['backend']}: {r['system']}" for r in contended_rows]
-        waits = [r["wait_p99_ms"] for r in contended_rows]
-        axes[0][2].barh(
-            labels, waits, color=[ours.get(r["system"], "#7f7f7f") for r in contended_rows]
-        )
+        bars(2, contended_rows, "wait_p99_ms")
         axes[0][2].set_xlabel("contended wait p99, ms (lower is better)")
-        axes[0][2].invert_yaxis()
+    for axis in axes[0]:
+        axis.invert_yaxis()
     figure.suptitle(results["machine"])
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -1243,7 +1139,7 @@ def main() -> int:
     args = parser.parse_args()
     out = Path(args.out)
     if args.render_only:  # measure nothing: the page and chart again
-        write_page_and_chart(json.loads((out / "bench.json").read_text()), out)
+        report(json.loads((out / "bench.json").read_text()), out)
         return 0
     backends = [b for b in args.backends.split(",") if b]
     profile = QUICK if args.quick else FULL
@@ -1274,9 +1170,8 @@ def measure(backends: list[str], profile: Profile, skip: set[str], quick: bool) 
         backends, profile.cycles, profile.uncontended_rounds
     )
     if "contended" not in skip:
-        baselines = {"sqlite": "flock", "postgresql": "advisory lock", "mysql": "GET_LOCK"}
         targets = [(b, "sqllocker", URLS[b]) for b in backends]
-        targets += [(b, baselines[b], URLS[b]) for b in backends]
+        targets += [(b, BLOCKING_LOCKS[b], URLS[b]) for b in backends]
         targets.append(("redis", "redis-py Lock", REDIS_URL))
         servers = [b for b in backends if b in {"postgresql", "mysql"}]
         flushes = [{"when": "before", **commit_flush(b, URLS[b])} for b in servers]

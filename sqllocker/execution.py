@@ -210,7 +210,7 @@ class DriverSession:
         """The first row of ``statement``, or None, read by position: a plain tuple when its
         columns need no conversion, as an acquire's do (see ``Statements.returned``): the
         acquire's path, where a Result and a named row were a measurable share of the library's
-        own Python (``ab_uncontended.py --stub-driver``)."""
+        own Python (timed against a stub cursor: ``git log -S stub-driver -- scripts``)."""
         prepared = self._prepared[statement]
         if self._one_call is not None and prepared.returns_rows:
             rows = self._in_one_call(prepared, values)[0]

@@ -154,7 +154,6 @@ _LANES = {
         "test_groups",
         "test_mutual_exclusion",
         "test_poolers",
-        "test_run_family",
         "test_rwlocks",
         "test_semaphores",
     },
@@ -173,6 +172,7 @@ _LANES = {
         "test_high_availability",
         "test_life_bounds",
         "test_patroni",
+        "test_run_family",
     },
 }
 _LANE_OF = {module: lane for lane, modules in _LANES.items() for module in modules}

@@ -128,3 +128,33 @@ def test_a_campaign_that_found_a_bug_finds_none(found: Found) -> None:
         found.backend, found.seed, *found.options.split(), seconds=found.seconds
     )
     assert status == 0, f"{found.showed}\n{output}"
+
+
+def _family(lock_id: int, start: float, end: float) -> list[dict[str, object]]:
+    return [
+        {"t": t, "type": "cmd", "phase": phase, "ls": "r0", "id": lock_id, "child": False}
+        for t, phase in ((start, "start"), (end, "stop"))
+    ]
+
+
+@pytest.mark.parametrize(
+    ("second_starts", "first_stops", "violations"),
+    [(10.1, 10.3, 0), (9.5, 10.3, 1), (10.1, 20.0, 1)],
+    ids=["after the break, stopped soon", "before the break", "never stopped"],
+)
+def test_a_run_whose_claim_was_broken_may_overlap_the_next_only_as_it_stops(
+    second_starts: float, first_stops: float, violations: int
+) -> None:
+    """A plain run holds two rows (the write side, sqllocker.rwlocks): an operator breaks the
+    claim, named by the lockstring, whose id is not the family's token. The break still
+    excuses the overlap it causes, and only that: a second family that started before the
+    break, or a first that runs on past the allowance, is a violation."""
+    from collections import Counter
+
+    from tests.campaign import checker, plan
+
+    broken = {"t": 10.0, "type": "fault", "kind": "break", "ls": "r0", "id": 6}
+    events = [*_family(7, 5.0, first_stops), broken, *_family(9, second_starts, 12.0)]
+    settings = plan.Settings(backend="sqlite", seconds=20, seed=1)
+    found = checker._run_families(events, settings, Counter(), 0.0)
+    assert len(found) == violations, found

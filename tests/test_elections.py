@@ -18,7 +18,7 @@ import sqlalchemy as sa
 
 from sqllocker import LockBusy, Locker, LockLost
 from sqllocker.asyncio import AsyncLocker
-from tests.helpers import abandon
+from tests.helpers import abandon, wait_until
 from tests.workers import async_url
 
 
@@ -152,6 +152,8 @@ def test_five_candidates_one_valid_leader_through_a_kill_and_a_stop(
     options = [f"--url={url}", f"--table={table_name}", f"--state={tmp_path}"]
     options += ["--asyncio"] if front_end == "asyncio" else []
     observer = subprocess.Popen([*worker, "observer", *options])
+    # Watching before the first term begins (its first line says: no leader yet).
+    wait_until(lambda: "\n" in "".join(p.read_text() for p in tmp_path.glob("observer-*")), 60)
     candidates = [subprocess.Popen([*worker, "candidate", *options]) for _ in range(5)]
     expires, grace = 2.0, 0.5
     stopped: int | None = None

@@ -379,13 +379,16 @@ async def test_an_async_waiter_cancelled_as_it_takes_its_ticket_leaves_none_behi
     holder = Locker(migrated_postgres, table=table_name)
     waiter = AsyncLocker(async_url(migrated_postgres), table=table_name)
     held = holder.lock("report")
-    joining = threading.Event()
+    joining, joined = threading.Event(), threading.Event()
     join_line = waiter._operations.join_line
 
     def slow_join(*args: Any) -> tuple[int, bool]:
         joining.set()
         time.sleep(0.3)
-        return join_line(*args)
+        try:
+            return join_line(*args)
+        finally:
+            joined.set()
 
     monkeypatch.setattr(waiter._operations, "join_line", slow_join)
 
@@ -397,8 +400,9 @@ async def test_an_async_waiter_cancelled_as_it_takes_its_ticket_leaves_none_behi
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    await asyncio.to_thread(joined.wait, 10)  # the statement ran to its end: a ticket taken
     await wait_until_async(lambda: tickets(admin, table_name) == [])
     held.unlock()
-    assert holder.lock_info("report") is None
+    assert holder.lock_info("report") is None  # handed to nobody, it would stay an hour
     await waiter.aclose()
     holder.close()

@@ -362,6 +362,26 @@ def _semaphore(holdings: dict[tuple[str, int], Holding], checks: Counter[str]) -
     return found
 
 
+def _broken_families(
+    breaks: list[tuple[float, str]],
+    by_lockstring: dict[str, list[tuple[float, float, int]]],
+    expires: float,
+) -> dict[int, float]:
+    """When each family's lock was broken, by family (its token). A plain ``run`` holds the
+    write side of a read-write lock (``sqllocker.rwlocks``): the row an operator breaks is its
+    claim, named by the lockstring, while the family's token is the id of the writer's other
+    row. So a break of a lockstring belongs to the family running under it then, or, broken
+    before its command started, to the one that started within an expiry after."""
+    broken: dict[int, float] = {}
+    for at, lockstring in breaks:
+        families = sorted(by_lockstring.get(lockstring, []))
+        running = [lock_id for start, end, lock_id in families if start <= at <= end]
+        starting = [lock_id for start, _, lock_id in families if at < start <= at + expires]
+        for lock_id in running or starting[:1]:
+            broken.setdefault(lock_id, at)
+    return broken
+
+
 def _run_families(
     events: list[Event], settings: plan.Settings, checks: Counter[str], origin: float
 ) -> list[Violation]:
@@ -369,11 +389,11 @@ def _run_families(
     for event in events:
         if event["type"] == "cmd":
             families[event["id"]].append(event)
-    broken = {
-        event["id"]: event["t"]
+    breaks = [
+        (event["t"], event["ls"])
         for event in events
         if event["type"] == "fault" and event.get("kind") in BREAKS
-    }
+    ]
     allowance = settings.expires / 3 + settings.kill_after + RUN_STOP_MARGIN
     stopped_runners = {
         event["id"]: (event["t"], event["seconds"])
@@ -384,13 +404,16 @@ def _run_families(
     for lock_id, family in families.items():
         times = [event["t"] for event in family]
         by_lockstring[family[0]["ls"]].append((min(times), max(times), lock_id))
+    broken = _broken_families(breaks, by_lockstring, settings.expires)
     found = []
     for lockstring, intervals in sorted(by_lockstring.items()):
         checks["run-exclusion: command families"] += len(intervals)
         ends = {lock_id: end for _, end, lock_id in intervals}
         for first, second, start, end in _overlaps(intervals):
             cut = broken.get(first)
-            if cut is not None and ends[first] <= cut + allowance:
+            # Excused: the second began once the first's lock was broken, and the first
+            # stopped within the allowance of the break.
+            if cut is not None and start >= cut and ends[first] <= cut + allowance:
                 checks["run-exclusion: overlaps after a break, within the allowance"] += 1
                 continue
             why = (
