@@ -236,6 +236,26 @@ async def test_within_raises_timeout_at_the_deadline_and_leaves_the_work_cancell
     assert steps == ["started", "cancelled", "ended"]
 
 
+async def test_within_ends_at_the_deadline_however_long_a_task_it_awaits_takes_to_end() -> None:
+    """Work that waits on a task: cancelled, the task may take its time to end (here until
+    ``gate``); the caller has its TimeoutError at once all the same."""
+    gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    steps: list[str] = []
+
+    async def work() -> str:
+        return await asyncio.ensure_future(_slow_to_cancel(gate, steps))
+
+    with pytest.raises(asyncio.TimeoutError):
+        await within(work(), 0.01, "test")
+    await _turns_until(lambda: "cancelled" in steps)
+    assert steps == ["started", "cancelled"]
+    (task,) = _tasks_named("test")  # the work, until the task it waits on has ended
+    gate.set_result(None)
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert steps == ["started", "cancelled", "ended"]
+
+
 async def test_within_gives_the_callers_cancellation_to_the_caller_at_once() -> None:
     gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     steps: list[str] = []

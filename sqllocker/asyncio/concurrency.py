@@ -409,8 +409,10 @@ class _Resumed:
     task awaiting this waits on what it yielded, as the coroutine's own would have, and
     anything thrown into the task (its cancellation) is thrown into the coroutine.
 
-    ``cancel``: that wait is cancelled first, and the coroutine thrown CancelledError at once,
-    as a task of the coroutine's own would be by ``cancel()``."""
+    ``cancel``: that wait is cancelled first, as a task of the coroutine's own would be by
+    ``cancel()`` (a task waited on may take its time to end); if there is nothing left to
+    cancel (it has ended, or was cancelled already), the coroutine is thrown CancelledError at
+    once, as that task's next step would be."""
 
     def __init__(self, work: Coroutine[Any, Any, Any], yielded: Any, cancel: bool) -> None:
         self._work = work
@@ -419,8 +421,7 @@ class _Resumed:
 
     def __await__(self) -> Generator[Any, Any, Any]:
         work, yielded = self._work, self._yielded
-        if self._cancel:
-            _cancel(yielded)
+        if self._cancel and not _cancel(yielded):
             try:
                 yielded = work.throw(asyncio.CancelledError())
             except StopIteration as finished:
@@ -440,11 +441,10 @@ class _Resumed:
                     return finished.value
 
 
-def _cancel(waited: Any) -> None:
-    """Cancel ``waited`` if it is a future not done yet."""
+def _cancel(waited: Any) -> bool:
+    """Cancel ``waited`` if it is a future not done yet: whether it was."""
     cancel = getattr(waited, "cancel", None)
-    if cancel is not None:
-        cancel()
+    return cancel is not None and bool(cancel())
 
 
 class _Bounded:
