@@ -9,6 +9,7 @@ Written once for asyncio; the sync ``sqllocker/acquirer.py`` is generated from i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence, Sized
 from typing import Any
@@ -34,6 +35,10 @@ logger = logging.getLogger("sqllocker")
 # How long each try to delete a failed acquire's row may take (``_forget_attempt``).
 FORGET_PATIENCE = 2.0
 FORGET_FOR = 30.0
+
+
+# The block an acquire on SQLite runs in instead of ``deadlines.connections_by``.
+_CONNECTS_AT_ONCE = contextlib.nullcontext()
 
 
 class Acquirer:
@@ -64,6 +69,7 @@ class Acquirer:
         self._telemetry = telemetry
         self._grace = grace
         self._ready = ready
+        self._connects_locally = operations.connects_locally
 
     def acquire(
         self,
@@ -78,12 +84,17 @@ class Acquirer:
     ) -> Lock:
         # A new connection gives up with the wait (a little after), not after the driver's
         # connect timeout: a server that accepts and never answers ends a wait on time too.
+        # (SQLite's open a file: nothing to give up on, and no block to enter every cycle.)
         connect_by = None if wait is None else clock.now() + wait + CONNECT_SLACK_SECONDS
         # One guid for every attempt of this call: a release may hand the row to it (as our
         # ticket), and an attempt that finds the row under it knows the row is ours.
         guid = new_guid()
         try:
-            with deadlines.connections_by(connect_by):
+            with (
+                _CONNECTS_AT_ONCE
+                if self._connects_locally
+                else deadlines.connections_by(connect_by)
+            ):
                 return self._acquire_within(
                     lockstring, guid, ttl, wait, extra, keep_alive, on_lost, hold_at_least, winnings
                 )

@@ -36,39 +36,38 @@ logger = logging.getLogger("sqllocker")
 TICK = 0.1
 IDLE_SECONDS = 5.0
 
-_deadline: ContextVar[float | None] = ContextVar("sqllocker_statement_deadline", default=None)
-_connect_deadline: ContextVar[tuple[float, object] | None] = ContextVar(
-    "sqllocker_connect_deadline", default=None
+# The bounds of the block this runs in: (the statements' deadline, a new connection's deadline,
+# the thread or task the latter is for), each deadline None if there is none. One variable for
+# both, as every release enters a block of both.
+_bounds: ContextVar[tuple[float | None, float | None, object] | None] = ContextVar(
+    "sqllocker_deadlines", default=None
 )
+
+# Every lock operation's release enters these blocks, and every statement of one looks at them:
+# plain classes, not generator context managers, and no exception raised and caught on the way
+# (asyncio.current_task() outside an event loop), as each was a few percent of an SQLite cycle.
 
 
 class statements_end_by:
     """Within the block, statements of lock operations are interrupted at ``deadline`` (on
     ``clock.now()``), and a new connection gives up by then too (``connections_by``)."""
 
-    __slots__ = ("_connections", "_deadline", "_token")
+    __slots__ = ("_deadline", "_token")
 
     def __init__(self, deadline: float) -> None:
         self._deadline = deadline
-        self._connections = connections_by(deadline)
 
     def __enter__(self) -> None:
-        self._token = _deadline.set(self._deadline)
-        self._connections.__enter__()
+        self._token = _bounds.set((self._deadline, self._deadline, _owner()))
 
-    def __exit__(self, *exc_info: object) -> None:
-        try:
-            self._connections.__exit__()
-        finally:
-            _deadline.reset(self._token)
+    def __exit__(self, *_exc: object) -> None:
+        _bounds.reset(self._token)
 
 
 class connections_by:
     """Within the block, a new connection gives up at ``deadline`` (on ``clock.now()``), or
     sooner, as the driver's connect timeout says (``Backend.cap_connect``): a wait for a lock
-    ends with its ``wait``, whatever a server that accepts and never answers does.
-
-    (A class, not a generator: it is entered in every acquire.)"""
+    ends with its ``wait``, whatever a server that accepts and never answers does."""
 
     __slots__ = ("_deadline", "_token")
 
@@ -76,44 +75,50 @@ class connections_by:
         self._deadline = deadline
 
     def __enter__(self) -> None:
+        outer = _bounds.get()
+        statements = None if outer is None else outer[0]
         deadline = self._deadline
-        self._token = _connect_deadline.set(None if deadline is None else (deadline, _owner()))
+        owner = None if deadline is None else _owner()
+        self._token = _bounds.set((statements, deadline, owner))
 
-    def __exit__(self, *exc_info: object) -> None:
-        _connect_deadline.reset(self._token)
+    def __exit__(self, *_exc: object) -> None:
+        _bounds.reset(self._token)
 
 
 def connect_within() -> float | None:
     """Seconds left for a new connection (``connections_by``), or None: the driver's own. A
     task started within the block (a lock's keep-alive, a listener) inherits the context but
     not the deadline: it is the block's own thread's or task's."""
-    bound = _connect_deadline.get()
-    if bound is None or bound[1] != _owner():
+    bounds = _bounds.get()
+    if bounds is None or bounds[1] is None or bounds[2] != _owner():
         return None
-    return bound[0] - clock.now()
+    return bounds[1] - clock.now()
 
 
 def _owner() -> object:
     """The task running (asyncio), else the thread."""
-    try:
-        task = asyncio.current_task()
-    except RuntimeError:  # no event loop in this thread
-        task = None
+    # Asked of the running loop first: current_task() raises outside one, at a cost.
+    task = None if asyncio._get_running_loop() is None else asyncio.current_task()
     return task if task is not None else threading.get_ident()
+
+
+def current() -> float | None:
+    """The deadline of the ``statements_end_by`` block this runs in, or None."""
+    bounds = _bounds.get()
+    return None if bounds is None else bounds[0]
 
 
 def passed() -> bool:
     """Whether the block's deadline (if any) has passed."""
-    deadline = _deadline.get()
+    deadline = current()
     return deadline is not None and clock.now() >= deadline
 
 
 class interrupting:
     """Run the block (one statement or a few on ``connection``); if the deadline of
     ``statements_end_by`` passes before it ends, call ``interrupt(connection)`` once, from the
-    watcher. It is never called after the block has ended.
-
-    (A class, not a generator: it is entered in every lock operation.)"""
+    watcher. It is never called after the block has ended. Outside such a block it costs a
+    look at the context, no more."""
 
     __slots__ = ("_connection", "_interrupt", "_key")
 
@@ -122,14 +127,12 @@ class interrupting:
         self._connection = connection
 
     def __enter__(self) -> None:
-        deadline = _deadline.get()
-        if deadline is None:
-            self._key: int | None = None
-            return
-        interrupt, connection = self._interrupt, self._connection
-        self._key = _watcher.arm(deadline, lambda: interrupt(connection))
+        deadline = current()
+        self._key = (
+            None if deadline is None else _watcher.arm(deadline, self._interrupt, self._connection)
+        )
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, *_exc: object) -> None:
         if self._key is not None:
             _watcher.disarm(self._key)
 
@@ -137,14 +140,16 @@ class interrupting:
 class _Watcher:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._armed: dict[int, tuple[float, Callable[[], None]]] = {}
+        self._armed: dict[int, tuple[float, Callable[[Any], None], Any]] = {}
         self._keys = itertools.count()
         self._thread: threading.Thread | None = None
 
-    def arm(self, deadline: float, interrupt: Callable[[], None]) -> int:
+    def arm(self, deadline: float, interrupt: Callable[[Any], None], connection: Any) -> int:
+        """Watch a block on ``connection`` until ``disarm(key)``: past ``deadline``, the watcher
+        calls ``interrupt(connection)``. Returns the key."""
         key = next(self._keys)
         with self._lock:
-            self._armed[key] = (deadline, interrupt)
+            self._armed[key] = (deadline, interrupt, connection)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._watch, name="sqllocker-deadlines", daemon=True
@@ -171,12 +176,12 @@ class _Watcher:
                         return
                     continue
                 idle_since = None
-                for key, (deadline, interrupt) in list(self._armed.items()):
+                for key, (deadline, interrupt, connection) in list(self._armed.items()):
                     if now < deadline:
                         continue
                     del self._armed[key]
                     try:
-                        interrupt()
+                        interrupt(connection)
                     except Exception:
                         logger.exception("could not interrupt a statement past its deadline")
 

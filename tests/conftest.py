@@ -21,7 +21,7 @@ from sqlalchemy.engine import make_url
 from sqllocker import Locker, lock_table
 from sqllocker.backoff import Backoff
 from sqllocker.engine import resolve_url
-from sqllocker.migrations import upgrade
+from tests.helpers import Proxied, migrate
 
 POSTGRES_ADMIN_URL = os.environ.get(
     "SQLLOCKER_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
@@ -114,12 +114,20 @@ def locker(make_locker: Callable[..., Locker]) -> Locker:
 
 
 @pytest.fixture
-def migrated_postgres(postgresql_url: str, table_name: str) -> Iterator[str]:
+def migrated_postgres(postgresql_url: str, table_name: str) -> str:
     """A table made by the migrations, so it has the release-notifying trigger."""
-    engine = sa.create_engine(resolve_url(postgresql_url))
-    upgrade(engine, table_name)
-    engine.dispose()
+    migrate(postgresql_url, table_name)
     return postgresql_url
+
+
+@pytest.fixture
+def proxied(url: str) -> Iterator[Proxied]:
+    """A StallProxy in front of this test's server (PostgreSQL or MariaDB)."""
+    through = Proxied(url)
+    try:
+        yield through
+    finally:
+        through.close()
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """What the tests share besides fixtures: reading the table, crashing a holder, PostgreSQL's
-tickets seen from outside, waiting for a condition, and printing a figure."""
+tickets seen from outside, waiting for a condition, printing a figure, a scenario written once
+for both front ends, and a stalling proxy in front of the test's server."""
 
 from __future__ import annotations
 
@@ -10,18 +11,25 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psycopg
 import sqlalchemy as sa
 
-from sqllocker import Lock, Locker
+from sqllocker import Lock, Locker, LockError
+from sqllocker.asyncio import AsyncLocker
 from sqllocker.engine import resolve_url
+from sqllocker.migrations import upgrade
+from tests.stall_proxy import StallProxy
 
-if TYPE_CHECKING:
-    from tests.stall_proxy import StallProxy
+
+def migrate(url: str | sa.URL, table: str) -> None:
+    """``table`` (and its companions) made by the migrations on ``url``'s database."""
+    engine = sa.create_engine(resolve_url(url))
+    upgrade(engine, table)
+    engine.dispose()
 
 
 def count_rows(locker: Locker) -> int:
@@ -257,3 +265,88 @@ def break_and_take_when_stalled(
             proxy.resume()
 
     return threading.Thread(target=break_and_take), taken
+
+
+def async_url(url: str) -> str:
+    """The async driver's URL for one of the test fixtures' (sync) URLs."""
+    for sync, asynchronous in (
+        ("mysql+pymysql://", "mysql+aiomysql://"),
+        ("sqlite://", "sqlite+aiosqlite://"),
+    ):
+        if url.startswith(sync):
+            return asynchronous + url[len(sync) :]
+    return url
+
+
+class Front:
+    """The sync or the asyncio front end, for a scenario written once as a coroutine:
+    ``await front.call(lock.extend)`` awaits what an AsyncLocker's call returns and takes a
+    Locker's result as it is (the sync call blocks the scenario's loop, which has nothing else
+    to run)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.is_async = name == "asyncio"
+
+    def __str__(self) -> str:
+        return self.name
+
+    def locker(self, url: str, **options: Any) -> Any:
+        """A Locker, or an AsyncLocker on the async driver, with ``options``."""
+        if self.is_async:
+            return AsyncLocker(async_url(url), **options)
+        return Locker(url, **options)
+
+    async def call(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        result = method(*args, **kwargs)
+        if self.is_async:
+            return await result
+        assert not isinstance(result, Awaitable), f"{method} is the asyncio front's"
+        return result
+
+    async def timed(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """What ``call`` returned (``result``) or the LockError it raised (``error``), and how
+        long it took (``took``)."""
+        outcome: dict[str, Any] = {}
+        started = time.monotonic()
+        try:
+            outcome["result"] = await self.call(method, *args, **kwargs)
+        except LockError as error:
+            outcome["error"] = error
+        outcome["took"] = time.monotonic() - started
+        return outcome
+
+    def in_background(
+        self, method: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> asyncio.Task[Any]:
+        """``call`` as a task: the sync front's on a thread, so that the scenario goes on."""
+        if self.is_async:
+            return asyncio.ensure_future(method(*args, **kwargs))
+        return asyncio.ensure_future(asyncio.to_thread(method, *args, **kwargs))
+
+    async def close(self, locker: Any) -> None:
+        await self.call(locker.aclose if self.is_async else locker.close)
+
+
+FRONTS = [Front("sync"), Front("asyncio")]
+
+
+class Proxied:
+    """A StallProxy in front of the server of ``url`` (PostgreSQL or MariaDB), the URL through
+    it (``target``, and ``url`` rendered with its password), and a rescue that closes the proxy
+    after 90 s, which ends every stuck statement if the code under test never does (libpq has
+    no read timeout)."""
+
+    def __init__(self, url: str | sa.URL) -> None:
+        direct = resolve_url(url)
+        default_port = 5432 if direct.get_backend_name() == "postgresql" else 3306
+        self.proxy = StallProxy(direct.port or default_port)
+        self.target = direct.set(host="127.0.0.1", port=self.proxy.port)
+        self.url = self.target.render_as_string(hide_password=False)
+        self._rescue = threading.Timer(90, self.proxy.close)
+        self._rescue.daemon = True
+        self._rescue.start()
+
+    def close(self) -> None:
+        self._rescue.cancel()
+        self.proxy.close()

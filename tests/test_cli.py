@@ -61,6 +61,11 @@ def popen(url: str, table: str, *args: str) -> subprocess.Popen[str]:
     )
 
 
+def run_job(url: str, table: str, options: str, script: str) -> subprocess.Popen[str]:
+    """``sqllocker run OPTIONS job -- sh -c SCRIPT``, started (OPTIONS: words between spaces)."""
+    return popen(url, table, "run", *options.split(), "job", "--", "sh", "-c", script)
+
+
 def wait_until(condition: Callable[[], bool], timeout: float = 20) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -209,6 +214,9 @@ def test_sqlite_default_needs_no_set_up(tmp_path: Path) -> None:
 
 # -- list / show ----------------------------------------------------------------------------------
 
+# The columns of ``sqllocker list`` (and of ``top``'s table).
+LIST_COLUMNS = ["LOCKSTRING", "KIND", "ID", "HOLDER", "PROGRAM", "CREATED", "EXPIRES", "LEFT"]
+
 
 @pytest.mark.slow
 def test_list_and_show_in_text_and_json(sqllocker: Run, migrated: Locker) -> None:
@@ -220,16 +228,7 @@ def test_list_and_show_in_text_and_json(sqllocker: Run, migrated: Locker) -> Non
     table = sqllocker("list")
     assert table.returncode == 0
     lines = table.stdout.splitlines()
-    assert lines[0].split() == [
-        "LOCKSTRING",
-        "KIND",
-        "ID",
-        "HOLDER",
-        "PROGRAM",
-        "CREATED",
-        "EXPIRES",
-        "LEFT",
-    ]
+    assert lines[0].split() == LIST_COLUMNS
     assert len(lines) == 4
     assert any("report 2" in line and line.endswith("expired") for line in lines)
 
@@ -510,18 +509,8 @@ def test_run_keeps_the_lock_for_several_expiry_periods(
     migrated: Locker, url: str, table_name: str, tmp_path: Path
 ) -> None:
     done = tmp_path / "command-finished"
-    runner = popen(
-        url,
-        table_name,
-        "run",
-        "--expires",
-        RUNNER_EXPIRES,
-        "job",
-        "--",
-        "sh",
-        "-c",
-        f"sleep 9; touch {done}",  # three expiry periods
-    )
+    three_periods = f"sleep 9; touch {done}"
+    runner = run_job(url, table_name, f"--expires {RUNNER_EXPIRES}", three_periods)
     wait_until(lambda: migrated.lock_info("job") is not None)
     first_id = migrated.lock_info("job").lock_id  # type: ignore[union-attr]
     while runner.poll() is None:
@@ -543,7 +532,7 @@ def test_run_forwards_sigterm_and_releases(
 ) -> None:
     marker = tmp_path / "got-term"
     script = f"trap 'touch {marker}; kill $!; exit 9' TERM; sleep 30 & wait"
-    runner = popen(url, table_name, "run", "job", "--", "sh", "-c", script)
+    runner = run_job(url, table_name, "", script)
     wait_until(lambda: migrated.lock_info("job") is not None)
     time.sleep(0.3)  # let the shell install its trap
     runner.send_signal(signal.SIGTERM)
@@ -675,22 +664,7 @@ def test_of_eight_machines_starting_a_held_job_at_once_one_runs(
 ) -> None:
     ran = tmp_path / "ran"
     runners = [
-        popen(
-            url,
-            table_name,
-            "run",
-            "-q",
-            "-E",
-            "0",
-            "--hold-at-least",
-            "10",
-            "job",
-            "--",
-            "sh",
-            "-c",
-            f"echo x >> {ran}",
-        )
-        for _ in range(8)
+        run_job(url, table_name, "-q -E 0 --hold-at-least 10", f"echo x >> {ran}") for _ in range(8)
     ]
     assert [runner.wait(60) for runner in runners] == [0] * 8
     assert ran.read_text().split() == ["x"]
@@ -720,9 +694,7 @@ def test_run_stops_the_commands_whole_group_when_the_lock_is_lost(
 ) -> None:
     pids = tmp_path / "pids"
     script = WITH_GRANDCHILD.format(pids=pids)
-    runner = popen(
-        url, table_name, "run", "--expires", RUNNER_EXPIRES, "job", "--", "sh", "-c", script
-    )
+    runner = run_job(url, table_name, f"--expires {RUNNER_EXPIRES}", script)
     grandchild, child = started_pids(pids)
     started = time.monotonic()
     assert sqllocker("release", "job", "--force").returncode == 0
@@ -739,20 +711,7 @@ def test_run_kills_a_command_that_ignores_sigterm_after_kill_after(
 ) -> None:
     pids = tmp_path / "pids"
     script = "trap '' TERM; " + WITH_GRANDCHILD.format(pids=pids)  # both ignore SIGTERM
-    runner = popen(
-        url,
-        table_name,
-        "run",
-        "--expires",
-        RUNNER_EXPIRES,
-        "--kill-after",
-        "1",
-        "job",
-        "--",
-        "sh",
-        "-c",
-        script,
-    )
+    runner = run_job(url, table_name, f"--expires {RUNNER_EXPIRES} --kill-after 1", script)
     grandchild, child = started_pids(pids)
     started = time.monotonic()
     assert sqllocker("release", "job", "--force").returncode == 0
@@ -767,18 +726,10 @@ def test_run_with_on_lost_warn_lets_the_command_finish(
     migrated: Locker, url: str, table_name: str, sqllocker: Run, tmp_path: Path
 ) -> None:
     done, go = tmp_path / "done", tmp_path / "go"
-    runner = popen(
+    runner = run_job(
         url,
         table_name,
-        "run",
-        "--expires",
-        RUNNER_EXPIRES,
-        "--on-lost",
-        "warn",
-        "job",
-        "--",
-        "sh",
-        "-c",
+        f"--expires {RUNNER_EXPIRES} --on-lost warn",
         f"until [ -e {go} ]; do sleep 0.05; done; touch {done}",
     )
     wait_until(lambda: migrated.lock_info("job") is not None)
@@ -796,18 +747,7 @@ def test_a_killed_sqllocker_takes_its_commands_group_with_it(
     migrated: Locker, url: str, table_name: str, tmp_path: Path
 ) -> None:
     pids = tmp_path / "pids"
-    runner = popen(
-        url,
-        table_name,
-        "run",
-        "--kill-after",
-        "1",
-        "job",
-        "--",
-        "sh",
-        "-c",
-        WITH_GRANDCHILD.format(pids=pids),
-    )
+    runner = run_job(url, table_name, "--kill-after 1", WITH_GRANDCHILD.format(pids=pids))
     grandchild, child = started_pids(pids)
     runner.kill()  # SIGKILL: no handler of sqllocker's runs
     runner.communicate(timeout=30)

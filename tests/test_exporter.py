@@ -19,10 +19,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqllocker import Locker
 from sqllocker.engine import create_locker_engine, resolve_url
 from sqllocker.exporter import ExporterOptions, registry_for
-from sqllocker.migrations import upgrade
 from tests import test_privileges
-from tests.helpers import wait_until
-from tests.test_privileges import POSTGRESQL_GRANTS, Roles, sqllocker
+from tests.helpers import Proxied, migrate, wait_until
+from tests.test_privileges import (
+    MYSQL_GRANTS,
+    POSTGRESQL_GRANTS,
+    Roles,
+    migrate_and_grant_mysql,
+    sqllocker,
+)
 
 SQLLOCKER = str(Path(__file__).resolve().parents[1] / ".venv" / "bin" / "sqllocker")
 
@@ -47,9 +52,7 @@ def value(samples: Samples, name: str, **labels: str) -> float | None:
 @pytest.fixture
 def migrated(url: str, table_name: str) -> str:
     """The table as the migrations make it, tickets table included."""
-    engine = sa.create_engine(resolve_url(url))
-    upgrade(engine, table_name)
-    engine.dispose()
+    migrate(url, table_name)
     return url
 
 
@@ -270,24 +273,9 @@ def test_postgresql_exporter_role_needs_only_the_documented_grants(
 def test_mysql_exporter_user_needs_only_the_documented_grants(
     mysql_roles: Roles, mysql_url: str, table_name: str
 ) -> None:
-    migrated = sqllocker(mysql_roles.migrator, "--table", table_name, "migrate")
-    assert migrated.returncode == 0, migrated.stderr
-    database = sa.make_url(resolve_url(mysql_url)).database
-    app = sa.make_url(resolve_url(mysql_roles.app)).username
-    reader = sa.make_url(resolve_url(mysql_roles.reader)).username
-    admin = sa.create_engine(resolve_url(mysql_url), isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        for grant in (
-            f"GRANT SELECT, INSERT, UPDATE, DELETE ON {database}.{table_name} TO '{app}'@'%%'",
-            f"GRANT SELECT, UPDATE ON {database}.{table_name}_id_order TO '{app}'@'%%'",
-            f"GRANT SELECT, INSERT, DELETE ON {database}.{table_name}_requests TO '{app}'@'%%'",
-            *(
-                grant.format(database=database, table=table_name, reader=reader)
-                for grant in MYSQL_EXPORTER_GRANTS
-            ),
-        ):
-            conn.exec_driver_sql(grant)
-    admin.dispose()
+    migrate_and_grant_mysql(
+        mysql_roles, mysql_url, table_name, [*MYSQL_GRANTS, *MYSQL_EXPORTER_GRANTS]
+    )
     _census_as_reader(mysql_roles.reader, mysql_roles.app, table_name)
 
 
@@ -296,17 +284,12 @@ def test_mysql_exporter_user_needs_only_the_documented_grants(
 def test_a_scrape_through_a_stalled_network_answers_up_0_in_time(
     server: str, request: pytest.FixtureRequest, table_name: str
 ) -> None:
-    from tests.stall_proxy import StallProxy
-
-    target = sa.make_url(resolve_url(request.getfixturevalue(f"{server}_url")))
-    engine = sa.create_engine(target)
-    upgrade(engine, table_name)
-    engine.dispose()
-    proxy = StallProxy(target.port or (5432 if server == "postgresql" else 3306))
-    through = target.set(host="127.0.0.1", port=proxy.port)
-    url = through.render_as_string(hide_password=False)
+    target = request.getfixturevalue(f"{server}_url")
+    migrate(target, table_name)
+    proxied = Proxied(target)
+    proxy = proxied.proxy
     try:
-        for port in serve_in_thread(url, ExporterOptions(table=table_name, timeout=2)):
+        for port in serve_in_thread(proxied.url, ExporterOptions(table=table_name, timeout=2)):
             assert value(scrape(port), "sqllocker_up", table=table_name) == 1
             proxy.stall()
             started = time.monotonic()
@@ -317,7 +300,7 @@ def test_a_scrape_through_a_stalled_network_answers_up_0_in_time(
             proxy.resume()
             wait_until(lambda: value(scrape(port), "sqllocker_up", table=table_name) == 1, 90)
     finally:
-        proxy.close()
+        proxied.close()
 
 
 def test_readers_writers_permits_and_turns_are_shown_as_what_they_are(

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,17 +31,19 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from sqllocker import LockBusy, Locker, LockError, LockLost, lock_table
 from sqllocker.asyncio import AsyncLocker
 from sqllocker.engine import resolve_url
-from sqllocker.migrations import upgrade
 from tests.helpers import (
+    FRONTS,
+    Front,
+    Proxied,
     count_rows,
     figure,
     in_line,
+    migrate,
     wait_in_thread,
     wait_until,
     wait_until_async,
 )
 from tests.private_servers import running_private_server
-from tests.stall_proxy import StallProxy
 from tests.workers import async_url
 
 pytestmark = pytest.mark.slow  # private servers, stalls and frozen holders: not the quick subset
@@ -354,13 +356,11 @@ def test_a_release_lost_in_a_crash_keeps_the_lock_held_until_it_expires(
 # there by test_holding.test_on_lost_fires_at_the_deadline_when_renewals_keep_failing.
 @pytest.mark.parametrize("backend", ["postgresql", "mysql"])
 def test_network_stall_tells_the_holder_before_anyone_can_take_over(
-    url: str, table_name: str, make_locker: Any, backend: str
+    proxied: Proxied, table_name: str, make_locker: Any, backend: str
 ) -> None:
     contender = make_locker(grace=GRACE)
-    target = resolve_url(url)
-    proxy = StallProxy(target.port or (5432 if backend == "postgresql" else 3306))
-    through_proxy = target.set(host="127.0.0.1", port=proxy.port)
-    holder = Locker(through_proxy, table=table_name, grace=GRACE)
+    proxy = proxied.proxy
+    holder = Locker(proxied.target, table=table_name, grace=GRACE)
     told: list[float] = []
     expires = 2.0
     try:
@@ -388,8 +388,8 @@ def test_network_stall_tells_the_holder_before_anyone_can_take_over(
 
 
 @pytest.fixture
-def guarded_through_proxy(url: str, table_name: str, backend: str) -> Iterator[GuardedThroughProxy]:
-    through = GuardedThroughProxy(url, table_name, backend)
+def guarded_through_proxy(url: str, table_name: str) -> Iterator[GuardedThroughProxy]:
+    through = GuardedThroughProxy(url, table_name)
     yield through
     through.close()
 
@@ -398,11 +398,11 @@ class GuardedThroughProxy:
     """An application's engine on the lock's database through a StallProxy, for guarded
     transactions whose client can fall silent, and a table ``work`` it writes to."""
 
-    def __init__(self, url: str, table_name: str, backend: str) -> None:
-        target = resolve_url(url)
-        self.proxy = StallProxy(target.port or (5432 if backend == "postgresql" else 3306))
-        self.app = sa.create_engine(target.set(host="127.0.0.1", port=self.proxy.port))
-        self.direct = sa.create_engine(target)
+    def __init__(self, url: str, table_name: str) -> None:
+        self._proxied = Proxied(url)
+        self.proxy = self._proxied.proxy
+        self.app = sa.create_engine(self._proxied.target)
+        self.direct = sa.create_engine(resolve_url(url))
         self.work = f"{table_name}_work"
         with self.direct.begin() as conn:
             conn.exec_driver_sql(f"CREATE TABLE {self.work} (n INTEGER)")
@@ -412,7 +412,7 @@ class GuardedThroughProxy:
             return [int(n) for n in conn.exec_driver_sql(f"SELECT n FROM {self.work}").scalars()]
 
     def close(self) -> None:
-        self.proxy.close()
+        self._proxied.close()
         self.app.dispose()
         self.direct.dispose()
 
@@ -497,18 +497,32 @@ async def test_an_async_guarded_transaction_whose_client_falls_silent_ends_at_ex
 
 class TicketsThroughProxy:
     """A table made by the migrations (its tickets' table too), a StallProxy in front of its
-    server (``through_proxy``: the URL through it), and the tickets standing, read directly."""
+    server (``url``: the URL through it), and the tickets standing, read directly."""
 
     def __init__(self, url: str, table_name: str) -> None:
         target = resolve_url(url)
-        migrating = sa.create_engine(target)
-        upgrade(migrating, table_name)
-        migrating.dispose()
+        migrate(target, table_name)
         self._admin = sa.create_engine(target, isolation_level="AUTOCOMMIT")
-        default_port = 5432 if target.get_backend_name() == "postgresql" else 3306
-        self.proxy = StallProxy(target.port or default_port)
-        self.through_proxy = target.set(host="127.0.0.1", port=self.proxy.port)
+        self._direct = target
+        self._proxied = Proxied(target)
+        self.proxy = self._proxied.proxy
+        self.url = self._proxied.url
         self._table_name = table_name
+
+    def run(self, front: Front, scenario: Callable[[Locker, Any], Awaitable[None]]) -> None:
+        """Run ``scenario`` with a holder, a Locker on the server directly, and a waiter, a
+        Locker (or an AsyncLocker) through the proxy."""
+
+        async def run() -> None:
+            holder = Locker(self._direct, table=self._table_name)
+            waiter = front.locker(self.url, table=self._table_name)
+            try:
+                await scenario(holder, waiter)
+            finally:
+                await front.close(waiter)
+                holder.close()
+
+        asyncio.run(run())
 
     def standing(self) -> list[int]:
         with self._admin.connect() as conn:
@@ -516,7 +530,7 @@ class TicketsThroughProxy:
             return [int(ticket) for ticket in conn.exec_driver_sql(query).scalars()]
 
     def close(self) -> None:
-        self.proxy.close()
+        self._proxied.close()
         self._admin.dispose()
 
 
@@ -541,7 +555,7 @@ def test_a_ticket_whose_answer_was_lost_leaves_none_behind(
     handed the row, and the waiter claims it holding the second) or after."""
     proxy, standing = tickets.proxy, tickets.standing
     holder = Locker(url, table=table_name)
-    waiter = Locker(tickets.through_proxy, table=table_name)
+    waiter = Locker(tickets.url, table=table_name)
     try:
         held = holder.lock("job")
         joining = (
@@ -569,10 +583,10 @@ def test_a_ticket_whose_answer_was_lost_leaves_none_behind(
         holder.close()
 
 
-@pytest.mark.parametrize("front", ["sync", "asyncio"])
+@pytest.mark.parametrize("front", FRONTS, ids=str)
 @pytest.mark.parametrize("backend", ["postgresql", "mysql"])
 def test_a_ticket_whose_give_up_failed_is_given_up_again(
-    url: str, table_name: str, backend: str, front: str, tickets: TicketsThroughProxy
+    table_name: str, backend: str, front: Front, tickets: TicketsThroughProxy
 ) -> None:
     """A waiter that stops waiting gives its ticket up; if that fails (its connection cut as it
     sends the statement, and again on the new one), the ticket stays, kept live by its
@@ -581,54 +595,35 @@ def test_a_ticket_whose_give_up_failed_is_given_up_again(
     PATIENCE. So the Locker tries again in the background while the ticket lives: the ticket
     goes, and a newcomer takes the released row at once."""
     proxy, standing = tickets.proxy, tickets.standing
-    holder = Locker(url, table=table_name)
-    waiter = Locker(tickets.through_proxy, table=table_name)
-
-    async def wait_in_asyncio() -> None:
-        url = async_url(tickets.through_proxy.render_as_string(hide_password=False))
-        locker = AsyncLocker(url, table=table_name)
-        try:
-            with pytest.raises(LockBusy):
-                await locker.lock("job", wait=0.5)
-            assert proxy.statements_cut == 2
-            await wait_until_async(lambda: standing() == [])
-        finally:
-            await locker.aclose()
-
     leaving = (
         b"_queue_leave("
         if backend == "postgresql"
         else b"DELETE FROM %s_requests" % (table_name.encode())
     )
-    try:
+
+    async def scenario(holder: Locker, waiter: Any) -> None:
         held = holder.lock("job")
         proxy.cut_before(leaving, times=2)  # the give-up, and its retry on a new connection
-        if front == "asyncio":
-            asyncio.run(wait_in_asyncio())
-        else:
-            with pytest.raises(LockBusy):
-                waiter.lock("job", wait=0.5)
-            assert proxy.statements_cut == 2
-            wait_until(lambda: standing() == [])
+        with pytest.raises(LockBusy):
+            await front.call(waiter.lock, "job", wait=0.5)
+        assert proxy.statements_cut == 2
+        await wait_until_async(lambda: standing() == [])
         held.unlock()
         holder.lock("job", wait=0).unlock()
-    finally:
-        waiter.close()
-        holder.close()
+
+    tickets.run(front, scenario)
 
 
-@pytest.mark.parametrize("front", ["sync", "asyncio"])
+@pytest.mark.parametrize("front", FRONTS, ids=str)
 @pytest.mark.parametrize("backend", ["postgresql", "mysql"])
 def test_a_ticket_taken_by_a_failed_join_is_given_up_again(
-    url: str, table_name: str, backend: str, front: str, tickets: TicketsThroughProxy
+    table_name: str, backend: str, front: Front, tickets: TicketsThroughProxy
 ) -> None:
     """A waiter's ticket committed as its connection dropped, and every give-up after it was
     cut off (the join's own retry gives up first, and so does the waiter as it stops): the
     waiter knows of no ticket, yet one of its stands, live. It is given up in the background,
     by guid, as a known ticket is, and a newcomer takes the released row at once."""
     proxy, standing = tickets.proxy, tickets.standing
-    holder = Locker(url, table=table_name)
-    waiter = Locker(tickets.through_proxy, table=table_name)
     joining, leaving = (
         (b"_queue_join(", b"_queue_leave(")
         if backend == "postgresql"
@@ -638,41 +633,26 @@ def test_a_ticket_taken_by_a_failed_join_is_given_up_again(
         )
     )
 
-    async def wait_in_asyncio() -> None:
-        url = async_url(tickets.through_proxy.render_as_string(hide_password=False))
-        locker = AsyncLocker(url, table=table_name)
-        try:
-            with pytest.raises(LockError):
-                await locker.lock("job", wait=0.5)
-            proxy.cut_before(leaving, times=0)
-            await wait_until_async(lambda: standing() == [])
-        finally:
-            await locker.aclose()
-
-    try:
+    async def scenario(holder: Locker, waiter: Any) -> None:
         held = holder.lock("job")
         proxy.lose_answer_to(joining)
         proxy.cut_before(leaving, times=1000)
-        if front == "asyncio":
-            asyncio.run(wait_in_asyncio())
-        else:
-            with pytest.raises(LockError):
-                waiter.lock("job", wait=0.5)
-            proxy.cut_before(leaving, times=0)
-            wait_until(lambda: standing() == [])
+        with pytest.raises(LockError):
+            await front.call(waiter.lock, "job", wait=0.5)
+        proxy.cut_before(leaving, times=0)
+        await wait_until_async(lambda: standing() == [])
         assert proxy.answers_lost == 1
         assert proxy.statements_cut >= 2
         held.unlock()
         holder.lock("job", wait=0).unlock()
-    finally:
-        waiter.close()
-        holder.close()
+
+    tickets.run(front, scenario)
 
 
-@pytest.mark.parametrize("front", ["sync", "asyncio"])
+@pytest.mark.parametrize("front", FRONTS, ids=str)
 @pytest.mark.parametrize("backend", ["postgresql", "mysql"])
 def test_a_connection_lost_while_the_settings_are_read_is_retried_then_a_lock_error(
-    table_name: str, backend: str, front: str, tickets: TicketsThroughProxy
+    table_name: str, backend: str, front: Front, tickets: TicketsThroughProxy
 ) -> None:
     """A Locker's first lock operation reads the server's settings; an application that starts
     during a failover can lose that connection. Cut once, it is retried on a new connection, as
@@ -681,33 +661,28 @@ def test_a_connection_lost_while_the_settings_are_read_is_retried_then_a_lock_er
     Both by a waiter, which reads the settings before it takes a ticket, and by a try."""
     proxy = tickets.proxy
     reading = b"_anyone_ahead(" if backend == "postgresql" else b"@@innodb_flush_log_at_trx_commit"
-    url = tickets.through_proxy.render_as_string(hide_password=False)
 
-    async def in_asyncio(wait: float | None) -> None:
-        locker = AsyncLocker(async_url(url), table=table_name)
+    async def first_lock(wait: float | None) -> None:
+        locker = front.locker(tickets.url, table=table_name)
         try:
-            await (await locker.lock("job", wait=wait)).unlock()
+            await front.call((await front.call(locker.lock, "job", wait=wait)).unlock)
         finally:
-            await locker.aclose()
+            await front.close(locker)
 
-    def first_lock(wait: float | None) -> None:
-        if front == "asyncio":
-            asyncio.run(in_asyncio(wait))
-            return
-        with Locker(url, table=table_name) as locker:
-            locker.lock("job", wait=wait).unlock()
+    async def scenario() -> None:
+        for wait in (5.0, 0):
+            proxy.cut_before(reading, times=1)
+            await first_lock(wait)
+            assert proxy.statements_cut == 1
+            proxy.statements_cut = 0
+            proxy.cut_before(reading, times=1000)
+            with pytest.raises(LockError, match="database error"):
+                await first_lock(wait)
+            assert proxy.statements_cut >= 2
+            proxy.cut_before(reading, times=0)
+            proxy.statements_cut = 0
 
-    for wait in (5.0, 0):
-        proxy.cut_before(reading, times=1)
-        first_lock(wait)
-        assert proxy.statements_cut == 1
-        proxy.statements_cut = 0
-        proxy.cut_before(reading, times=1000)
-        with pytest.raises(LockError, match="database error"):
-            first_lock(wait)
-        assert proxy.statements_cut >= 2
-        proxy.cut_before(reading, times=0)
-        proxy.statements_cut = 0
+    asyncio.run(scenario())
 
 
 # Every public operation, each given the lock it acts on where it needs one; on an AsyncLocker
@@ -730,38 +705,29 @@ OPERATIONS: dict[str, Callable[[Any, Any], Any]] = {
 
 
 @pytest.mark.parametrize("operation", list(OPERATIONS))
-@pytest.mark.parametrize("front", ["sync", "asyncio"])
+@pytest.mark.parametrize("front", FRONTS, ids=str)
 @pytest.mark.parametrize("backend", ["postgresql", "mysql"])
 def test_every_operation_whose_statement_is_cut_off_is_a_lock_error(
-    table_name: str, backend: str, front: str, operation: str, tickets: TicketsThroughProxy
+    table_name: str, backend: str, front: Front, operation: str, tickets: TicketsThroughProxy
 ) -> None:
     """Set up and holding a lock, a Locker whose every statement on its table is cut off (the
     connection closed as it is sent, on each new connection too) fails each operation with a
     LockError, never the driver's or SQLAlchemy's own error; an AsyncLocker too, whose
     operations run in greenlets on the async drivers."""
     proxy = tickets.proxy
-    url = tickets.through_proxy.render_as_string(hide_password=False)
 
-    async def in_asyncio() -> None:
-        locker = AsyncLocker(async_url(url), table=table_name)
+    async def scenario() -> None:
+        locker = front.locker(tickets.url, table=table_name)
         try:
-            held = await locker.lock("held")
+            held = await front.call(locker.lock, "held")
             proxy.cut_before(table_name.encode(), times=10**6)
             with pytest.raises(LockError):
-                await OPERATIONS[operation](locker, held)
+                await front.call(OPERATIONS[operation], locker, held)
         finally:
             proxy.cut_before(b"", times=0)
-            await locker.aclose()
+            await front.close(locker)
 
-    if front == "asyncio":
-        asyncio.run(in_asyncio())
-    else:
-        with Locker(url, table=table_name) as locker:
-            held = locker.lock("held")
-            proxy.cut_before(table_name.encode(), times=10**6)
-            with pytest.raises(LockError):
-                OPERATIONS[operation](locker, held)
-            proxy.cut_before(b"", times=0)
+    asyncio.run(scenario())
     assert proxy.statements_cut >= 1
 
 
@@ -777,12 +743,10 @@ def test_unlock_is_not_held_up_for_ever_by_a_renewal_stuck_on_a_stalled_connecti
     engine = sa.create_engine(resolve_url(mysql_url))
     lock_table(table_name).create(engine)
     engine.dispose()
-    target = resolve_url(mysql_url)
-    proxy = StallProxy(target.port or 3306)
-    through_proxy = target.set(
-        host="127.0.0.1",
-        port=proxy.port,
-        query={"read_timeout": "1", "write_timeout": "1", "connect_timeout": "1"},
+    proxied = Proxied(mysql_url)
+    proxy = proxied.proxy
+    through_proxy = proxied.target.set(
+        query={"read_timeout": "1", "write_timeout": "1", "connect_timeout": "1"}
     )
     holder = Locker(through_proxy, table=table_name)
     try:
@@ -794,7 +758,7 @@ def test_unlock_is_not_held_up_for_ever_by_a_renewal_stuck_on_a_stalled_connecti
             lock.unlock()
         assert time.monotonic() - started < 15
     finally:
-        proxy.close()
+        proxied.close()
         holder.close()
 
 
@@ -886,49 +850,32 @@ def test_lost_is_never_silent_for_an_unlocked_lost_lock(locker: Locker) -> None:
 
 
 class AcquirerThroughProxy:
-    """A Locker (sync, or an AsyncLocker on an event loop of its own) that waits for a lock
-    on a thread, reports it (``acquired``) and holds it until ``finish``."""
+    """A Locker (sync, or an AsyncLocker) that waits for a lock on a thread with an event loop
+    of its own, reports it (``acquired``) and holds it until ``finish``."""
 
-    def __init__(self, url: str, table_name: str, front: str, **lock_options: Any) -> None:
+    def __init__(self, url: str, table_name: str, front: Front, **lock_options: Any) -> None:
         self.acquired = threading.Event()
         self.result: dict[str, Any] = {}
         self._done = threading.Event()
-        self._url, self._table, self._options = url, table_name, lock_options
-        target = self._in_asyncio if front == "asyncio" else self._in_thread
-        self._thread = threading.Thread(target=target)
+        self._url, self._table, self._front, self._options = url, table_name, front, lock_options
+        self._thread = threading.Thread(target=self._in_thread)
         self._thread.start()
 
-    def _report(self, lock: Any) -> None:
-        self.result.update(lock_id=lock.lock_id, valid=lock.is_valid())
+    async def _hold(self) -> None:
+        front = self._front
+        locker = front.locker(self._url, table=self._table, grace=GRACE)
+        try:
+            lock = await front.call(locker.lock, "job", **self._options)
+            self.result.update(lock_id=lock.lock_id, valid=lock.is_valid())
+            self.acquired.set()
+            await asyncio.to_thread(self._done.wait, 60)
+            await front.call(lock.unlock)
+        finally:
+            await front.close(locker)
 
     def _in_thread(self) -> None:
-        locker = Locker(self._url, table=self._table, grace=GRACE)
         try:
-            lock = locker.lock("job", **self._options)
-            self._report(lock)
-            self.acquired.set()
-            self._done.wait(60)
-            lock.unlock()
-        except BaseException as error:
-            self.result["error"] = error
-        finally:
-            self.acquired.set()
-            locker.close()
-
-    def _in_asyncio(self) -> None:
-        async def hold() -> None:
-            locker = AsyncLocker(async_url(self._url), table=self._table, grace=GRACE)
-            try:
-                lock = await locker.lock("job", **self._options)
-                self._report(lock)
-                self.acquired.set()
-                await asyncio.to_thread(self._done.wait, 60)
-                await lock.unlock()
-            finally:
-                await locker.aclose()
-
-        try:
-            asyncio.run(hold())
+            asyncio.run(self._hold())
         except BaseException as error:
             self.result["error"] = error
         finally:
@@ -939,10 +886,10 @@ class AcquirerThroughProxy:
         self._thread.join(60)
 
 
-@pytest.mark.parametrize("front", ["sync", "asyncio"])
+@pytest.mark.parametrize("front", FRONTS, ids=str)
 @pytest.mark.parametrize("backend", ["postgresql", "mysql"])
 def test_an_acquire_whose_answer_was_lost_never_returns_its_own_expired_row(
-    url: str, table_name: str, make_locker: Any, backend: str, front: str
+    proxied: Proxied, table_name: str, make_locker: Any, backend: str, front: Front
 ) -> None:
     """A waiting acquire's INSERT commits and its answer is lost; the outage lasts past the
     row's expiry and grace. When the network comes back, the acquire finds its own row, by its
@@ -950,18 +897,10 @@ def test_an_acquire_whose_answer_was_lost_never_returns_its_own_expired_row(
     over). The acquire must take it over (a new id) or go on waiting: whatever it returns is a
     live row, which nobody else can take meanwhile."""
     contender = make_locker(grace=GRACE)
-    target = resolve_url(url)
-    proxy = StallProxy(target.port or (5432 if backend == "postgresql" else 3306))
-    through_proxy = target.set(host="127.0.0.1", port=proxy.port)
+    proxy = proxied.proxy
     expires = 1.0
     proxy.lose_answer_to(b"INSERT INTO " + table_name.encode(), then_stall=True)
-    acquirer = AcquirerThroughProxy(
-        through_proxy.render_as_string(hide_password=False),
-        table_name,
-        front,
-        expires=expires,
-        wait=60,
-    )
+    acquirer = AcquirerThroughProxy(proxied.url, table_name, front, expires=expires, wait=60)
     try:
         wait_until(lambda: proxy.answers_lost == 1, timeout=30)
         [first] = contender.locks()  # committed, its answer lost
@@ -983,10 +922,42 @@ def test_an_acquire_whose_answer_was_lost_never_returns_its_own_expired_row(
 # -- 9. unlock() behind a renewal stuck on a frozen connection -----------------------------------
 
 
-@pytest.mark.parametrize("front", ["sync", "asyncio"])
+STUCK_EXPIRES = 4.0
+
+
+def _unlock_behind_a_stuck_renewal(
+    front: Front, url: str, table_name: str, stick: Callable[[], Any], unstick: Callable[[], Any]
+) -> dict[str, Any]:
+    """A kept-alive lock whose renewal ``stick`` leaves stuck, and unlock() behind it: what it
+    returned or raised and how long it took. ``unstick`` lets the stuck statements end."""
+    expires = STUCK_EXPIRES
+    lost: list[LockLost] = []
+    outcome: dict[str, Any] = {}
+
+    async def scenario() -> None:
+        locker = front.locker(url, table=table_name, grace=GRACE)
+        try:
+            lock = await front.call(
+                locker.lock, "job", expires=expires, keep_alive=True, on_lost=lost.append
+            )
+            stick()
+            await asyncio.sleep(expires / 3 + 0.5)  # the first renewal is stuck now
+            outcome.update(await front.timed(lock.unlock))
+        finally:
+            unstick()
+            await front.close(locker)
+
+    asyncio.run(scenario())
+    assert outcome["took"] < 30, outcome  # against the 60 s read, statement or busy timeout
+    assert isinstance(outcome.get("error"), LockLost), outcome
+    assert len(lost) == 1
+    return outcome
+
+
+@pytest.mark.parametrize("front", FRONTS, ids=str)
 @pytest.mark.parametrize("backend", ["postgresql", "mysql"])
 def test_unlock_behind_a_stuck_renewal_ends_within_the_locks_life(
-    url: str, table_name: str, make_locker: Any, backend: str, front: str
+    proxied: Proxied, table_name: str, make_locker: Any, backend: str, front: Front
 ) -> None:
     """A frozen server or pooler (the kernel still acknowledges; the proxy holds every byte)
     leaves a renewal with no answer until the driver's 60 s read or statement timeout. Neither
@@ -994,130 +965,44 @@ def test_unlock_behind_a_stuck_renewal_ends_within_the_locks_life(
     than a few seconds: unlock() ends with a LockError (the lock could not be confirmed
     released, and has expired) or success, and the lock is lost either way once expired."""
     make_locker()  # creates the table
-    target = resolve_url(url)
-    proxy = StallProxy(target.port or (5432 if backend == "postgresql" else 3306))
-    through_proxy = target.set(host="127.0.0.1", port=proxy.port).render_as_string(
-        hide_password=False
+    outcome = _unlock_behind_a_stuck_renewal(
+        front, proxied.url, table_name, proxied.proxy.stall, proxied.close
     )
-    expires = 4.0
-    lost: list[LockLost] = []
-    outcome: dict[str, Any] = {}
-    # libpq has no read timeout: without this, a stuck PostgreSQL statement would never end.
-    rescue = threading.Timer(90, proxy.close)
-    rescue.daemon = True
-    rescue.start()
-
-    async def in_asyncio() -> None:
-        locker = AsyncLocker(async_url(through_proxy), table=table_name, grace=GRACE)
-        try:
-            lock = await locker.lock("job", expires=expires, keep_alive=True, on_lost=lost.append)
-            proxy.stall()
-            await asyncio.sleep(expires / 3 + 0.5)  # the first renewal is stuck now
-            started = time.monotonic()
-            try:
-                await lock.unlock()
-            except LockError as error:
-                outcome["error"] = error
-            outcome["took"] = time.monotonic() - started
-        finally:
-            proxy.close()  # lets the stuck statements fail
-            await locker.aclose()
-
-    try:
-        if front == "asyncio":
-            asyncio.run(in_asyncio())
-        else:
-            locker = Locker(through_proxy, table=table_name, grace=GRACE)
-            try:
-                lock = locker.lock("job", expires=expires, keep_alive=True, on_lost=lost.append)
-                proxy.stall()
-                time.sleep(expires / 3 + 0.5)  # the first renewal is stuck now
-                started = time.monotonic()
-                try:
-                    lock.unlock()
-                except LockError as error:
-                    outcome["error"] = error
-                outcome["took"] = time.monotonic() - started
-            finally:
-                proxy.close()
-                locker.close()
-    finally:
-        rescue.cancel()
-        proxy.close()
-    assert outcome["took"] < 30, outcome  # against the 60 s read or statement timeout
-    assert isinstance(outcome.get("error"), LockLost), outcome
-    assert len(lost) == 1
     figure(
         "unlock behind a stuck renewal",
         f"{backend} {front}",
-        f"expiry {expires}s: unlock() ended in {outcome['took']:.1f}s, "
+        f"expiry {STUCK_EXPIRES}s: unlock() ended in {outcome['took']:.1f}s, "
         f"{type(outcome.get('error')).__name__}",
     )
 
 
-@pytest.mark.parametrize("front", ["sync", "asyncio"])
+@pytest.mark.parametrize("front", FRONTS, ids=str)
 @pytest.mark.parametrize("backend", ["sqlite"])
 def test_unlock_behind_a_renewal_stuck_on_a_busy_sqlite_database_ends_within_the_locks_life(
-    url: str, table_name: str, make_locker: Any, backend: str, front: str
+    url: str, table_name: str, make_locker: Any, backend: str, front: Front
 ) -> None:
     """SQLite's twin of the frozen server: another process's write transaction left open (its
     process stopped, say) holds the renewal for the 60 s busy timeout; unlock() behind it ends
     with LockLost once the lock has expired."""
     make_locker()  # creates the table
     blocker = sa.create_engine(resolve_url(url)).connect()
-    expires = 4.0
-    lost: list[LockLost] = []
-    outcome: dict[str, Any] = {}
-
-    def block() -> None:
-        blocker.exec_driver_sql("BEGIN IMMEDIATE")
-
-    async def in_asyncio() -> None:
-        locker = AsyncLocker(async_url(url), table=table_name, grace=GRACE)
-        try:
-            lock = await locker.lock("job", expires=expires, keep_alive=True, on_lost=lost.append)
-            block()
-            await asyncio.sleep(expires / 3 + 0.5)  # the first renewal is stuck now
-            started = time.monotonic()
-            try:
-                await lock.unlock()
-            except LockError as error:
-                outcome["error"] = error
-            outcome["took"] = time.monotonic() - started
-        finally:
-            blocker.rollback()
-            await locker.aclose()
-
     try:
-        if front == "asyncio":
-            asyncio.run(in_asyncio())
-        else:
-            locker = Locker(url, table=table_name, grace=GRACE)
-            try:
-                lock = locker.lock("job", expires=expires, keep_alive=True, on_lost=lost.append)
-                block()
-                time.sleep(expires / 3 + 0.5)  # the first renewal is stuck now
-                started = time.monotonic()
-                try:
-                    lock.unlock()
-                except LockError as error:
-                    outcome["error"] = error
-                outcome["took"] = time.monotonic() - started
-            finally:
-                blocker.rollback()
-                locker.close()
+        _unlock_behind_a_stuck_renewal(
+            front,
+            url,
+            table_name,
+            lambda: blocker.exec_driver_sql("BEGIN IMMEDIATE"),
+            blocker.rollback,
+        )
     finally:
         blocker.close()
         blocker.engine.dispose()
-    assert outcome["took"] < 30, outcome  # against the 60 s busy timeout
-    assert isinstance(outcome.get("error"), LockLost), outcome
-    assert len(lost) == 1
 
 
-@pytest.mark.parametrize("front", ["sync", "asyncio"])
+@pytest.mark.parametrize("front", FRONTS, ids=str)
 @pytest.mark.parametrize("backend", ["sqlite"])
 def test_a_renewal_that_lands_after_unlock_gave_up_revives_no_row(
-    url: str, table_name: str, make_locker: Any, backend: str, front: str
+    url: str, table_name: str, make_locker: Any, backend: str, front: Front
 ) -> None:
     """unlock() gives up on a renewal in flight once the lock has expired as its holder
     reckons it, which is earlier than the database's expiry by the time the last renewal took
@@ -1130,20 +1015,20 @@ def test_a_renewal_that_lands_after_unlock_gave_up_revives_no_row(
     expires = 3.0
     outcome: dict[str, Any] = {}
 
-    async def in_asyncio() -> None:
-        locker = AsyncLocker(async_url(url), table=table_name, grace=GRACE)
+    async def scenario() -> None:
+        locker = front.locker(url, table=table_name, grace=GRACE)
         try:
-            lock = await locker.lock("job", expires=expires)
+            lock = await front.call(locker.lock, "job", expires=expires)
             blocker.exec_driver_sql("BEGIN IMMEDIATE")
-            late = asyncio.create_task(lock.extend(expires))
+            late = front.in_background(lock.extend, expires)
             await asyncio.sleep(1.0)
             blocker.commit()  # the renewal reaches the database 1 s after it was sent
             await late
             blocker.exec_driver_sql("BEGIN IMMEDIATE")
-            stuck = asyncio.create_task(lock.extend(expires))
+            stuck = front.in_background(lock.extend, expires)
             await asyncio.sleep(0.1)
             try:
-                await lock.unlock()
+                await front.call(lock.unlock)
             except LockError as error:
                 outcome["unlock"] = error
             blocker.commit()  # before the database's expiry
@@ -1151,42 +1036,12 @@ def test_a_renewal_that_lands_after_unlock_gave_up_revives_no_row(
                 outcome["renewal"] = await stuck
             except LockError as error:
                 outcome["renewal"] = error
-            outcome["row"] = await locker.lock_info("job")
+            outcome["row"] = await front.call(locker.lock_info, "job")
         finally:
-            await locker.aclose()
-
-    def renew(lock: Any) -> None:
-        try:
-            outcome["renewal"] = lock.extend(expires)
-        except LockError as error:
-            outcome["renewal"] = error
+            await front.close(locker)
 
     try:
-        if front == "asyncio":
-            asyncio.run(in_asyncio())
-        else:
-            locker = Locker(url, table=table_name, grace=GRACE)
-            try:
-                lock = locker.lock("job", expires=expires)
-                blocker.exec_driver_sql("BEGIN IMMEDIATE")
-                late = threading.Thread(target=renew, args=(lock,))
-                late.start()
-                time.sleep(1.0)
-                blocker.commit()
-                late.join()
-                blocker.exec_driver_sql("BEGIN IMMEDIATE")
-                stuck = threading.Thread(target=renew, args=(lock,))
-                stuck.start()
-                time.sleep(0.1)
-                try:
-                    lock.unlock()
-                except LockError as error:
-                    outcome["unlock"] = error
-                blocker.commit()
-                stuck.join()
-                outcome["row"] = locker.lock_info("job")
-            finally:
-                locker.close()
+        asyncio.run(scenario())
     finally:
         blocker.rollback()
         blocker.close()

@@ -10,19 +10,14 @@ lock's remaining life, and a second holder may come only after the first was tol
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 
 from sqllocker import Locker, LockError, LockLost
-from sqllocker.asyncio import AsyncLocker
-from sqllocker.engine import resolve_url
-from tests.helpers import figure
-from tests.stall_proxy import StallProxy
-from tests.workers import async_url
+from tests.helpers import FRONTS, Front, Proxied, figure
 
 pytestmark = pytest.mark.slow  # stalls of several seconds
 
@@ -30,34 +25,7 @@ GRACE = 1.0
 EXPIRES = 4.0
 # Far below the drivers' 60 s, far above the lock's 4 s life: a load spike cannot fail it.
 WITHIN_LIFE = 25.0
-
-
-class Proxied:
-    """A StallProxy in front of the test's server, the URL through it, and a rescue that ends
-    every stuck statement if the code under test never does."""
-
-    def __init__(self, url: str, backend: str) -> None:
-        target = resolve_url(url)
-        self.proxy = StallProxy(target.port or (5432 if backend == "postgresql" else 3306))
-        self.url = target.set(host="127.0.0.1", port=self.proxy.port).render_as_string(
-            hide_password=False
-        )
-        self._rescue = threading.Timer(90, self.proxy.close)
-        self._rescue.daemon = True
-        self._rescue.start()
-
-    def close(self) -> None:
-        self._rescue.cancel()
-        self.proxy.close()
-
-
-@pytest.fixture
-def proxied(url: str, backend: str) -> Iterator[Proxied]:
-    through = Proxied(url, backend)
-    try:
-        yield through
-    finally:
-        through.close()
+SYNC = FRONTS[0]
 
 
 class Told:
@@ -70,6 +38,35 @@ class Told:
     def __call__(self, lost: LockLost) -> None:
         self.count += 1
         self.at = self.at or time.monotonic()
+
+
+def _through_proxy(
+    front: Front,
+    proxied: Proxied,
+    table_name: str,
+    scenario: Callable[[Any], Awaitable[None]],
+) -> None:
+    """Run ``scenario`` with a Locker (or AsyncLocker) through the proxy; the proxy is closed
+    before the Locker, so that no statement it left stuck holds the closing up."""
+
+    async def run() -> None:
+        locker = front.locker(proxied.url, table=table_name, grace=GRACE)
+        try:
+            await scenario(locker)
+        finally:
+            proxied.close()
+            await front.close(locker)
+
+    asyncio.run(run())
+
+
+def _ended_within(outcome: dict[str, Any], bound: float, error: type[LockError]) -> None:
+    assert outcome["took"] < bound, outcome
+    assert isinstance(outcome.get("error"), error), outcome
+
+
+def _held_by(outcome: dict[str, Any], lock: Any) -> None:
+    outcome.update(lock_id=lock.lock_id, still_valid=lock.is_valid)
 
 
 def _takes_over_after(
@@ -90,119 +87,61 @@ def _takes_over_after(
         second.unlock()
 
 
-@pytest.mark.parametrize("front", ["sync", "asyncio"])
+def _release_figure(
+    scenario: str, call: str, backend: str, front: Front, outcome: dict[str, Any]
+) -> None:
+    figure(
+        scenario,
+        f"{backend} {front}",
+        f"expiry {EXPIRES}s: {call} ended in {outcome['took']:.1f}s, "
+        f"{type(outcome['error']).__name__}",
+    )
+
+
+@pytest.mark.parametrize("front", FRONTS, ids=str)
 @pytest.mark.parametrize("backend", ["postgresql", "mysql"])
 def test_extend_behind_a_stuck_renewal_ends_within_the_locks_life(
-    proxied: Proxied, table_name: str, make_locker: Any, backend: str, front: str
+    proxied: Proxied, table_name: str, make_locker: Any, backend: str, front: Front
 ) -> None:
     """A caller's extend() issued while the keep-alive's renewal is stuck on a frozen
     connection does not queue behind it for the driver's timeout."""
     contender = make_locker(grace=GRACE)
-    proxy = proxied.proxy
     told = Told()
     outcome: dict[str, Any] = {}
 
-    async def in_asyncio() -> None:
-        locker = AsyncLocker(async_url(proxied.url), table=table_name, grace=GRACE)
-        try:
-            lock = await locker.lock("job", expires=EXPIRES, keep_alive=True, on_lost=told)
-            outcome.update(lock_id=lock.lock_id, still_valid=lock.is_valid)
-            proxy.stall()
-            await asyncio.sleep(EXPIRES / 3 + 0.5)  # the first renewal is stuck now
-            started = time.monotonic()
-            try:
-                outcome["extended"] = await lock.extend()
-            except LockError as error:
-                outcome["error"] = error
-            outcome["took"] = time.monotonic() - started
-            await asyncio.to_thread(_takes_over_after, contender, "job", outcome, told)
-        finally:
-            proxy.close()
-            await locker.aclose()
+    async def scenario(locker: Any) -> None:
+        lock = await front.call(locker.lock, "job", expires=EXPIRES, keep_alive=True, on_lost=told)
+        _held_by(outcome, lock)
+        proxied.proxy.stall()
+        await asyncio.sleep(EXPIRES / 3 + 0.5)  # the first renewal is stuck now
+        outcome.update(await front.timed(lock.extend))
+        await asyncio.to_thread(_takes_over_after, contender, "job", outcome, told)
 
-    if front == "asyncio":
-        asyncio.run(in_asyncio())
-    else:
-        locker = Locker(proxied.url, table=table_name, grace=GRACE)
-        try:
-            lock = locker.lock("job", expires=EXPIRES, keep_alive=True, on_lost=told)
-            outcome.update(lock_id=lock.lock_id, still_valid=lock.is_valid)
-            proxy.stall()
-            time.sleep(EXPIRES / 3 + 0.5)  # the first renewal is stuck now
-            started = time.monotonic()
-            try:
-                outcome["extended"] = lock.extend()
-            except LockError as error:
-                outcome["error"] = error
-            outcome["took"] = time.monotonic() - started
-            _takes_over_after(contender, "job", outcome, told)
-        finally:
-            proxy.close()
-            locker.close()
-    assert outcome["took"] < WITHIN_LIFE, outcome
-    assert isinstance(outcome.get("error"), LockLost), outcome
-    figure(
-        "extend behind a stuck renewal",
-        f"{backend} {front}",
-        f"expiry {EXPIRES}s: extend() ended in {outcome['took']:.1f}s, "
-        f"{type(outcome['error']).__name__}",
-    )
+    _through_proxy(front, proxied, table_name, scenario)
+    _ended_within(outcome, WITHIN_LIFE, LockLost)
+    _release_figure("extend behind a stuck renewal", "extend()", backend, front, outcome)
 
 
-@pytest.mark.parametrize("front", ["sync", "asyncio"])
+@pytest.mark.parametrize("front", FRONTS, ids=str)
 @pytest.mark.parametrize("backend", ["postgresql", "mysql"])
 def test_unlock_on_a_frozen_connection_ends_within_the_locks_life(
-    proxied: Proxied, table_name: str, make_locker: Any, backend: str, front: str
+    proxied: Proxied, table_name: str, make_locker: Any, backend: str, front: Front
 ) -> None:
     """unlock()'s DELETE on a frozen connection, no renewal in flight: it gives up once the
     lock has expired (nothing is left to release), with LockLost."""
     contender = make_locker(grace=GRACE)
-    proxy = proxied.proxy
     outcome: dict[str, Any] = {}
 
-    async def in_asyncio() -> None:
-        locker = AsyncLocker(async_url(proxied.url), table=table_name, grace=GRACE)
-        try:
-            lock = await locker.lock("job", expires=EXPIRES)
-            outcome.update(lock_id=lock.lock_id, still_valid=lock.is_valid)
-            proxy.stall()
-            started = time.monotonic()
-            try:
-                await lock.unlock()
-            except LockError as error:
-                outcome["error"] = error
-            outcome["took"] = time.monotonic() - started
-            await asyncio.to_thread(_takes_over_after, contender, "job", outcome, None)
-        finally:
-            proxy.close()
-            await locker.aclose()
+    async def scenario(locker: Any) -> None:
+        lock = await front.call(locker.lock, "job", expires=EXPIRES)
+        _held_by(outcome, lock)
+        proxied.proxy.stall()
+        outcome.update(await front.timed(lock.unlock))
+        await asyncio.to_thread(_takes_over_after, contender, "job", outcome, None)
 
-    if front == "asyncio":
-        asyncio.run(in_asyncio())
-    else:
-        locker = Locker(proxied.url, table=table_name, grace=GRACE)
-        try:
-            lock = locker.lock("job", expires=EXPIRES)
-            outcome.update(lock_id=lock.lock_id, still_valid=lock.is_valid)
-            proxy.stall()
-            started = time.monotonic()
-            try:
-                lock.unlock()
-            except LockError as error:
-                outcome["error"] = error
-            outcome["took"] = time.monotonic() - started
-            _takes_over_after(contender, "job", outcome, None)
-        finally:
-            proxy.close()
-            locker.close()
-    assert outcome["took"] < WITHIN_LIFE, outcome
-    assert isinstance(outcome.get("error"), LockLost), outcome
-    figure(
-        "unlock on a frozen connection",
-        f"{backend} {front}",
-        f"expiry {EXPIRES}s: unlock() ended in {outcome['took']:.1f}s, "
-        f"{type(outcome['error']).__name__}",
-    )
+    _through_proxy(front, proxied, table_name, scenario)
+    _ended_within(outcome, WITHIN_LIFE, LockLost)
+    _release_figure("unlock on a frozen connection", "unlock()", backend, front, outcome)
 
 
 @pytest.mark.parametrize("backend", ["postgresql", "mysql"])
@@ -213,34 +152,26 @@ def test_unlock_that_must_connect_to_a_frozen_server_ends_within_the_locks_life(
     which accepts and never answers: the new connection gives up by the lock's expiry, not
     after the driver's connect timeout (10 s), and nothing is left that a takeover meets."""
     contender = make_locker(grace=GRACE)
-    proxy = proxied.proxy
     outcome: dict[str, Any] = {}
-    locker = Locker(proxied.url, table=table_name, grace=GRACE)
-    try:
+
+    async def scenario(locker: Locker) -> None:
         lock = locker.lock("job", expires=EXPIRES)
-        outcome.update(lock_id=lock.lock_id, still_valid=lock.is_valid)
+        _held_by(outcome, lock)
         locker._operations.forget_connections()  # the release must open a connection
-        proxy.stall()
-        started = time.monotonic()
-        try:
-            lock.unlock()
-        except LockError as error:
-            outcome["error"] = error
-        outcome["took"] = time.monotonic() - started
+        proxied.proxy.stall()
+        outcome.update(await SYNC.timed(lock.unlock))
         _takes_over_after(contender, "job", outcome, None)
-    finally:
-        proxy.close()
-        locker.close()
+
+    _through_proxy(SYNC, proxied, table_name, scenario)
     # The lock's life (EXPIRES) and the smallest connect timeout a driver takes (2 s), with
     # room for a loaded machine; the driver's own 10 s would be past it.
-    assert outcome["took"] < EXPIRES + 5.0, outcome
-    assert isinstance(outcome.get("error"), LockLost), outcome
+    _ended_within(outcome, EXPIRES + 5.0, LockLost)
 
 
-@pytest.mark.parametrize("front", ["sync", "asyncio"])
+@pytest.mark.parametrize("front", FRONTS, ids=str)
 @pytest.mark.parametrize("backend", ["postgresql", "mysql"])
 def test_a_stuck_renewal_delays_no_other_locks_renewals(
-    proxied: Proxied, table_name: str, make_locker: Any, backend: str, front: str
+    proxied: Proxied, table_name: str, make_locker: Any, backend: str, front: Front
 ) -> None:
     """One kept-alive lock's renewal stuck on a frozen connection (that connection alone) for
     several renewal periods: the Locker's other kept-alive lock is renewed all along, and the
@@ -256,79 +187,39 @@ def test_a_stuck_renewal_delays_no_other_locks_renewals(
         assert fine.is_valid(), "a renewal waited behind another"
         assert told_fine.count == 0
         assert contender.try_lock("fine") is None, "two holders at once"
-        outcome.update(lock_id=stuck.lock_id, still_valid=stuck.is_valid)
+        _held_by(outcome, stuck)
         _takes_over_after(contender, "stuck", outcome, told_stuck)
 
-    async def in_asyncio() -> None:
-        locker = AsyncLocker(async_url(proxied.url), table=table_name, grace=GRACE)
-        try:
-            stuck = await locker.lock("stuck", expires=expires, keep_alive=True, on_lost=told_stuck)
-            fine = await locker.lock("fine", expires=expires, keep_alive=True, on_lost=told_fine)
-            proxy.freeze_connection_before(stuck.guid.encode())
-            await asyncio.sleep(3 * expires)
-            await asyncio.to_thread(check, stuck, fine)
-            await fine.unlock()
-        finally:
-            proxy.close()
-            await locker.aclose()
+    async def scenario(locker: Any) -> None:
+        kept = {"expires": expires, "keep_alive": True}
+        stuck = await front.call(locker.lock, "stuck", **kept, on_lost=told_stuck)
+        fine = await front.call(locker.lock, "fine", **kept, on_lost=told_fine)
+        proxy.freeze_connection_before(stuck.guid.encode())
+        await asyncio.sleep(3 * expires)
+        await asyncio.to_thread(check, stuck, fine)
+        await front.call(fine.unlock)
 
-    if front == "asyncio":
-        asyncio.run(in_asyncio())
-    else:
-        locker = Locker(proxied.url, table=table_name, grace=GRACE)
-        try:
-            stuck = locker.lock("stuck", expires=expires, keep_alive=True, on_lost=told_stuck)
-            fine = locker.lock("fine", expires=expires, keep_alive=True, on_lost=told_fine)
-            proxy.freeze_connection_before(stuck.guid.encode())
-            time.sleep(3 * expires)
-            check(stuck, fine)
-            fine.unlock()
-        finally:
-            proxy.close()
-            locker.close()
+    _through_proxy(front, proxied, table_name, scenario)
 
 
-@pytest.mark.parametrize("front", ["sync", "asyncio"])
+@pytest.mark.parametrize("front", FRONTS, ids=str)
 @pytest.mark.parametrize("backend", ["postgresql", "mysql"])
 def test_a_wait_against_an_unreachable_server_ends_with_the_wait(
-    proxied: Proxied, table_name: str, make_locker: Any, backend: str, front: str
+    proxied: Proxied, table_name: str, make_locker: Any, backend: str, front: Front
 ) -> None:
     """A server that accepts connections and never answers (the kernel completes the
     handshake; nothing comes back): lock(wait=W) ends within about W, not after the driver's
     connect timeout (10 s) or read timeout (60 s)."""
     make_locker()  # creates the table
-    proxy = proxied.proxy
     wait = 1.0
     outcome: dict[str, Any] = {}
-    proxy.stall()
+    proxied.proxy.stall()
 
-    async def in_asyncio() -> None:
-        locker = AsyncLocker(async_url(proxied.url), table=table_name, grace=GRACE)
-        started = time.monotonic()
-        try:
-            await locker.lock("job", wait=wait)
-        except LockError as error:
-            outcome["error"] = error
-        finally:
-            outcome["took"] = time.monotonic() - started
-            proxy.close()
-            await locker.aclose()
+    async def scenario(locker: Any) -> None:
+        outcome.update(await front.timed(locker.lock, "job", wait=wait))
 
-    if front == "asyncio":
-        asyncio.run(in_asyncio())
-    else:
-        locker = Locker(proxied.url, table=table_name, grace=GRACE)
-        started = time.monotonic()
-        try:
-            locker.lock("job", wait=wait)
-        except LockError as error:
-            outcome["error"] = error
-        finally:
-            outcome["took"] = time.monotonic() - started
-            proxy.close()
-            locker.close()
-    assert isinstance(outcome.get("error"), LockError), outcome
-    assert outcome["took"] < 8, outcome  # against the 10 s connect timeout
+    _through_proxy(front, proxied, table_name, scenario)
+    _ended_within(outcome, 8, LockError)  # against the 10 s connect timeout
     figure(
         "a wait against an unreachable server",
         f"{backend} {front}",
@@ -336,10 +227,10 @@ def test_a_wait_against_an_unreachable_server_ends_with_the_wait(
     )
 
 
-@pytest.mark.parametrize("front", ["sync", "asyncio"])
+@pytest.mark.parametrize("front", FRONTS, ids=str)
 @pytest.mark.parametrize("backend", ["postgresql", "mysql"])
 def test_an_acquire_that_failed_after_its_insert_committed_leaves_no_row(
-    proxied: Proxied, table_name: str, make_locker: Any, backend: str, front: str
+    proxied: Proxied, table_name: str, make_locker: Any, backend: str, front: Front
 ) -> None:
     """An acquire's INSERT commits and its answer is lost with the connection; the outage
     outlasts the wait, and the acquire fails. Its row, held by nobody, must not stand for its
@@ -350,42 +241,19 @@ def test_an_acquire_that_failed_after_its_insert_committed_leaves_no_row(
     outcome: dict[str, Any] = {}
     proxy.lose_answer_to(b"INSERT INTO " + table_name.encode(), then_stall=True)
 
-    async def in_asyncio() -> None:
-        locker = AsyncLocker(async_url(proxied.url), table=table_name, grace=GRACE)
-        try:
-            try:
-                outcome["lock"] = await locker.lock("job", expires=60, wait=1)
-            except LockError as error:
-                outcome["error"] = error
-            outcome["rows"] = len(await asyncio.to_thread(contender.locks))
-            proxy.resume()
-            await asyncio.to_thread(_taken_once_free, contender, outcome)
-        finally:
-            proxy.close()
-            await locker.aclose()
+    def taken_once_free() -> None:
+        second = contender.lock("job", wait=20)
+        outcome["second"] = second
+        second.unlock()
 
-    if front == "asyncio":
-        asyncio.run(in_asyncio())
-    else:
-        locker = Locker(proxied.url, table=table_name, grace=GRACE)
-        try:
-            try:
-                outcome["lock"] = locker.lock("job", expires=60, wait=1)
-            except LockError as error:
-                outcome["error"] = error
-            outcome["rows"] = len(contender.locks())
-            proxy.resume()
-            _taken_once_free(contender, outcome)
-        finally:
-            proxy.close()
-            locker.close()
+    async def scenario(locker: Any) -> None:
+        outcome.update(await front.timed(locker.lock, "job", expires=60, wait=1))
+        outcome["rows"] = len(await asyncio.to_thread(contender.locks))
+        proxy.resume()
+        await asyncio.to_thread(taken_once_free)
+
+    _through_proxy(front, proxied, table_name, scenario)
     assert proxy.answers_lost == 1
     assert isinstance(outcome.get("error"), LockError), outcome
     assert outcome["rows"] == 1, "the INSERT had committed"
     assert outcome["second"] is not None, "the row stood, held by nobody"
-
-
-def _taken_once_free(contender: Locker, outcome: dict[str, Any]) -> None:
-    second = contender.lock("job", wait=20)
-    outcome["second"] = second
-    second.unlock()

@@ -15,23 +15,24 @@ import pymysql
 import pytest
 import sqlalchemy as sa
 
-from sqllocker import LockBusy, Locker
+from sqllocker import Locker
 from sqllocker import tickets as ticketing
 from sqllocker.asyncio import AsyncLocker
 from sqllocker.backends.mysql import liveness_name
 from sqllocker.engine import resolve_url
-from sqllocker.migrations import upgrade
-from tests.helpers import served_in_turn, wait_in_thread, wait_until
-from tests.test_tickets import counting_attempts
+from tests.helpers import migrate, served_in_turn, wait_in_thread, wait_until
+from tests.test_tickets import (
+    gives_up_at_its_deadline,
+    served_in_the_order_they_came,
+    tried_while_in_line,
+)
 from tests.workers import async_url
 
 
 @pytest.fixture
 def migrated_mysql(mysql_url: str, table_name: str) -> str:
     """A table made by the migrations, so it has its requests table."""
-    engine = sa.create_engine(resolve_url(mysql_url))
-    upgrade(engine, table_name)
-    engine.dispose()
+    migrate(mysql_url, table_name)
     return mysql_url
 
 
@@ -89,28 +90,14 @@ def test_waiters_get_the_lock_in_the_order_they_came(
 ) -> None:
     """With a Locker each, as separate processes would have, each Locker's first waiter polls
     the row, and without tickets whichever polled first after a release would win."""
-    holder = Locker(migrated_mysql, table=table_name)
-    held = holder.lock("report")
-    order: list[int] = []
-    waiting = [Locker(migrated_mysql, table=table_name) for _ in range(lockers)]
 
-    def wait(number: int) -> None:
-        with waiting[number % lockers].lock("report", wait=60):
-            order.append(number)
-            time.sleep(0.05)
+    def none_left() -> None:
+        wait_until(lambda: standing(admin, table_name) == [])  # given up in the background
 
-    threads = []
-    for number in range(5):
-        threads.append(threading.Thread(target=wait, args=(number,)))
-        threads[-1].start()
-        wait_until(lambda: len(standing(admin, table_name)) == number + 1)
-    held.unlock()
-    for thread in threads:
-        thread.join(30)
-    assert order == [0, 1, 2, 3, 4]
-    wait_until(lambda: standing(admin, table_name) == [])  # given up in the background
-    for locker in [holder, *waiting]:
-        locker.close()
+    def in_line() -> int:
+        return len(standing(admin, table_name))
+
+    served_in_the_order_they_came(migrated_mysql, table_name, lockers, in_line, none_left)
 
 
 @pytest.mark.slow
@@ -147,22 +134,13 @@ async def test_async_waiters_get_the_lock_in_the_order_they_came(
 def test_a_waiter_gives_up_at_its_deadline_and_its_ticket_with_it(
     migrated_mysql: str, table_name: str, admin: sa.Engine
 ) -> None:
-    holder, first, behind = (Locker(migrated_mysql, table=table_name) for _ in range(3))
-    held = holder.lock("report")
-    thread, result = wait_in_thread(first, wait=30)
-    wait_until(lambda: len(standing(admin, table_name)) == 1)
-    started = time.monotonic()
-    with pytest.raises(LockBusy) as busy:
-        behind.lock("report", wait=0.5)
-    assert 0.4 < time.monotonic() - started < 5
-    assert busy.value.lock_id == held.lock_id  # it names the holder
-    assert len(standing(admin, table_name)) == 1  # only the first waiter's is left
-    held.unlock()
-    thread.join(10)
-    result["lock"].unlock()
-    wait_until(lambda: standing(admin, table_name) == [])  # given up in the background
-    for locker in (holder, first, behind):
-        locker.close()
+    def in_line() -> int:
+        return len(standing(admin, table_name))
+
+    def none_left() -> None:
+        wait_until(lambda: standing(admin, table_name) == [])  # given up in the background
+
+    gives_up_at_its_deadline(migrated_mysql, table_name, in_line, none_left)
 
 
 def test_only_the_first_waiter_of_a_locker_polls_the_row(
@@ -170,29 +148,15 @@ def test_only_the_first_waiter_of_a_locker_polls_the_row(
 ) -> None:
     """Hundreds of waiters in a process would each poll the row; the ones behind the first
     of their Locker send nothing at all while they wait."""
-    holder, waiters = (Locker(migrated_mysql, table=table_name) for _ in range(2))
-    held = holder.lock("report")
-    attempts = counting_attempts(waiters, monkeypatch)
-    first = threading.Thread(target=lambda: waiters.lock("report", wait=60).unlock(), name="1st")
-    first.start()
-    wait_until(lambda: len(standing(admin, table_name)) == 1)
-    later = [
-        threading.Thread(target=lambda: waiters.lock("report", wait=60).unlock(), name=name)
-        for name in ("2nd", "3rd")
-    ]
-    for thread in later:
-        thread.start()
-    wait_until(lambda: len(standing(admin, table_name)) == 3)
-    since = time.monotonic()
-    time.sleep(1.0)
-    tried = [name for name, moment in attempts if moment >= since]
-    assert set(tried) == {"1st"}, tried  # and it does poll: nothing hands the row over
-    held.unlock()
-    for thread in [first, *later]:
-        thread.join(20)
-    wait_until(lambda: standing(admin, table_name) == [])  # given up in the background
-    holder.close()
-    waiters.close()
+
+    def none_left() -> None:
+        wait_until(lambda: standing(admin, table_name) == [])  # given up in the background
+
+    def in_line(waiters: int) -> None:
+        wait_until(lambda: len(standing(admin, table_name)) == waiters)
+
+    tried = tried_while_in_line(migrated_mysql, table_name, monkeypatch, in_line, none_left)
+    assert tried == {"1st"}, tried  # and it does poll: nothing hands the row over
 
 
 def test_a_newcomer_does_not_take_a_free_row_ahead_of_a_live_ticket(

@@ -164,24 +164,42 @@ def mysql_roles(mysql_url: str) -> Iterator[Roles]:
     admin.dispose()
 
 
+# The app's grants on MySQL and MariaDB, as the docs list them.
+MYSQL_GRANTS = [
+    "GRANT SELECT, INSERT, UPDATE, DELETE ON {database}.{table} TO '{app}'@'%%'",
+    "GRANT SELECT, UPDATE ON {database}.{table}_id_order TO '{app}'@'%%'",
+    "GRANT SELECT, INSERT, DELETE ON {database}.{table}_requests TO '{app}'@'%%'",
+]
+
+
+def migrate_and_grant_mysql(roles: Roles, mysql_url: str, table: str, grants: list[str]) -> None:
+    """The table migrated by the migrator role, then ``grants`` given by the admin (formatted
+    with the ``database``, the ``table``, and the ``app`` and ``reader`` roles' user names)."""
+    migrated = sqllocker(roles.migrator, "--table", table, "migrate")
+    assert migrated.returncode == 0, migrated.stderr
+    names = {
+        "database": sa.make_url(resolve_url(mysql_url)).database,
+        "table": table,
+        "app": sa.make_url(resolve_url(roles.app)).username,
+        "reader": sa.make_url(resolve_url(roles.reader)).username,
+    }
+    admin = sa.create_engine(resolve_url(mysql_url), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        for grant in grants:
+            conn.exec_driver_sql(grant.format(**names))
+    admin.dispose()
+
+
 @pytest.mark.slow
 def test_mysql_users_need_only_the_documented_grants(
     mysql_roles: Roles, mysql_url: str, table_name: str
 ) -> None:
-    migrated = sqllocker(mysql_roles.migrator, "--table", table_name, "migrate")
-    assert migrated.returncode == 0, migrated.stderr
-    database = sa.make_url(resolve_url(mysql_url)).database
-    app = sa.make_url(resolve_url(mysql_roles.app)).username
-    reader = sa.make_url(resolve_url(mysql_roles.reader)).username
-    admin = sa.create_engine(resolve_url(mysql_url), isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        for grant in (
-            f"GRANT SELECT, INSERT, UPDATE, DELETE ON {database}.{table_name} TO '{app}'@'%%'",
-            f"GRANT SELECT, UPDATE ON {database}.{table_name}_id_order TO '{app}'@'%%'",
-            f"GRANT SELECT, INSERT, DELETE ON {database}.{table_name}_requests TO '{app}'@'%%'",
-            f"GRANT SELECT ON {database}.{table_name}_held TO '{reader}'@'%%'",
-        ):
-            conn.exec_driver_sql(grant)
+    migrate_and_grant_mysql(
+        mysql_roles,
+        mysql_url,
+        table_name,
+        [*MYSQL_GRANTS, "GRANT SELECT ON {database}.{table}_held TO '{reader}'@'%%'"],
+    )
     exercise(mysql_roles.app, table_name)
     viewer = sa.create_engine(resolve_url(mysql_roles.reader))
     keeper = Locker(mysql_roles.app, table=table_name)
@@ -193,4 +211,3 @@ def test_mysql_users_need_only_the_documented_grants(
             conn.exec_driver_sql(f"SELECT guid FROM {table_name}")
     keeper.close()
     viewer.dispose()
-    admin.dispose()

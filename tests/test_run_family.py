@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from sqllocker import Lock, Locker
-from tests.test_cli import Run, alive, migrated, popen, sqllocker, wait_until
+from tests.test_cli import Run, alive, migrated, popen, run_job, sqllocker, wait_until
 
 __all__ = ["migrated", "sqllocker"]  # fixtures, used by name
 
@@ -77,20 +77,7 @@ def test_kill_after_reaches_a_grandchild_when_the_command_dies_of_sigterm(
     the SIGKILL ``--kill-after`` seconds later."""
     pids = tmp_path / "pids"
     script = f"sh -c \"trap '' TERM; echo \\$\\$ >> {pids}; exec sleep 60\" & wait"
-    runner = popen(
-        url,
-        table_name,
-        "run",
-        "--expires",
-        "3",
-        "--kill-after",
-        "1",
-        "job",
-        "--",
-        "sh",
-        "-c",
-        script,
-    )
+    runner = run_job(url, table_name, "--expires 3 --kill-after 1", script)
     (grandchild,) = pids_in(pids, 1)
     reap_leftovers.append(grandchild)
     assert sqllocker("release", "job", "--force").returncode == 0
@@ -113,20 +100,7 @@ def test_a_daemon_that_left_the_group_is_stopped_with_the_family(
     # The daemon is started by a subshell that exits at once: a double fork, so that it is
     # nobody's child but the subreaper's, in a session of its own.
     script = f"( {daemon(pids, beats)} & ); echo $$ >> {pids}; sleep 60"
-    runner = popen(
-        url,
-        table_name,
-        "run",
-        "--expires",
-        "3",
-        "--kill-after",
-        "1",
-        "job",
-        "--",
-        "sh",
-        "-c",
-        script,
-    )
+    runner = run_job(url, table_name, "--expires 3 --kill-after 1", script)
     family = pids_in(pids, 2)
     reap_leftovers.extend(family)
     if how == "lock broken":
@@ -148,18 +122,7 @@ def test_what_the_command_leaves_running_is_stopped_before_the_lock_is_released(
 ) -> None:
     """A daemonising command returns at once; its daemon must not run on without the lock."""
     pids, beats = tmp_path / "pids", tmp_path / "beats"
-    runner = popen(
-        url,
-        table_name,
-        "run",
-        "--kill-after",
-        "1",
-        "job",
-        "--",
-        "sh",
-        "-c",
-        f"( {daemon(pids, beats)} & ); sleep 0.5",
-    )
+    runner = run_job(url, table_name, "--kill-after 1", f"( {daemon(pids, beats)} & ); sleep 0.5")
     (stubborn,) = pids_in(pids, 1)
     reap_leftovers.append(stubborn)
     _, err = runner.communicate(timeout=30)
@@ -200,20 +163,7 @@ def test_a_stopped_or_killed_sqllocker_has_its_family_gone_before_anyone_else_ho
         f"trap '' TERM; echo $$ >> {pids}; {daemon(pids, beats)} & sleep 60 & "
         f"echo $! >> {pids}; wait"
     )
-    runner = popen(
-        url,
-        table_name,
-        "run",
-        "--expires",
-        "3",
-        "--kill-after",
-        "30",
-        "job",
-        "--",
-        "sh",
-        "-c",
-        script,
-    )
+    runner = run_job(url, table_name, "--expires 3 --kill-after 30", script)
     family = pids_in(pids, 3)
     reap_leftovers.extend(family)
     wait_until(lambda: beats.exists())
@@ -240,20 +190,7 @@ def test_on_lost_warn_lets_a_stopped_sqllockers_command_run_on(
     """With --on-lost=warn the watchdog does not act on the deadline either (documented: the
     command may then run beside the next holder)."""
     pids = tmp_path / "pids"
-    runner = popen(
-        url,
-        table_name,
-        "run",
-        "--expires",
-        "3",
-        "--on-lost",
-        "warn",
-        "job",
-        "--",
-        "sh",
-        "-c",
-        f"echo $$ >> {pids}; sleep 60",
-    )
+    runner = run_job(url, table_name, "--expires 3 --on-lost warn", f"echo $$ >> {pids}; sleep 60")
     (command,) = pids_in(pids, 1)
     reap_leftovers.append(command)
     os.kill(runner.pid, signal.SIGSTOP)
@@ -324,16 +261,7 @@ def test_the_watchdog_is_a_subreaper_and_reaps(
 ) -> None:
     """An orphan of the command is the watchdog's child (not init's), and reaped by it."""
     pids = tmp_path / "pids"
-    runner = popen(
-        url,
-        table_name,
-        "run",
-        "job",
-        "--",
-        "sh",
-        "-c",
-        f"( sleep 1 & echo $! >> {pids} ); sleep 3",
-    )
+    runner = run_job(url, table_name, "", f"( sleep 1 & echo $! >> {pids} ); sleep 3")
     (orphan,) = pids_in(pids, 1)
     stat = Path(f"/proc/{orphan}/stat").read_text().rsplit(")", 1)[1].split()
     parent = int(stat[1])
@@ -361,17 +289,8 @@ def test_a_killed_watchdog_takes_the_family_with_it(
     """The OOM killer picks the watchdog: sqllocker must not take the command for ended and
     release the lock while it runs; it kills the family (its orphans come to sqllocker)."""
     pids, beats = tmp_path / "pids", tmp_path / "beats"
-    runner = popen(
-        url,
-        table_name,
-        "run",
-        "--expires",
-        "3",
-        "job",
-        "--",
-        "sh",
-        "-c",
-        f"( {daemon(pids, beats)} & ); echo $$ >> {pids}; sleep 60",
+    runner = run_job(
+        url, table_name, "--expires 3", f"( {daemon(pids, beats)} & ); echo $$ >> {pids}; sleep 60"
     )
     family = pids_in(pids, 2)
     reap_leftovers.extend(family)
@@ -409,19 +328,8 @@ def test_a_family_that_ends_at_the_sigterm_is_not_kept_waiting_for_the_sigkill(
     """The watchdog watches the family while --kill-after runs: once all of it has ended on
     the SIGTERM, sqllocker exits, without waiting out the 60 s."""
     pids = tmp_path / "pids"
-    runner = popen(
-        url,
-        table_name,
-        "run",
-        "--expires",
-        "3",
-        "--kill-after",
-        "60",
-        "job",
-        "--",
-        "sh",
-        "-c",
-        f"sleep 60 & echo $! >> {pids}; wait",
+    runner = run_job(
+        url, table_name, "--expires 3 --kill-after 60", f"sleep 60 & echo $! >> {pids}; wait"
     )
     pids_in(pids, 1)
     started = time.monotonic()
@@ -452,18 +360,10 @@ def test_a_stopped_process_of_the_family_is_woken_to_act_on_the_sigterm(
     """A process of the family that is stopped (SIGSTOP, Ctrl-Z) would hold the SIGTERM
     pending until the SIGKILL: it is sent SIGCONT with it, and ends on its own terms."""
     pids, said = tmp_path / "pids", tmp_path / "got-term"
-    runner = popen(
+    runner = run_job(
         url,
         table_name,
-        "run",
-        "--expires",
-        "3",
-        "--kill-after",
-        "60",
-        "job",
-        "--",
-        "sh",
-        "-c",
+        "--expires 3 --kill-after 60",
         f"{sys.executable} -c '{SAYS_TERM}' {said} & echo $! >> {pids}; wait",
     )
     (stopped,) = pids_in(pids, 1)
@@ -519,16 +419,10 @@ def test_a_process_whose_main_thread_ended_is_stopped_before_the_lock_is_release
     """A zombie in /proc is not always done: its other threads may run on. The watchdog took
     it for ended, and sqllocker released the lock while it worked."""
     pids, beats = tmp_path / "pids", tmp_path / "beats"
-    runner = popen(
+    runner = run_job(
         url,
         table_name,
-        "run",
-        "--kill-after",
-        "1",
-        "job",
-        "--",
-        "sh",
-        "-c",
+        "--kill-after 1",
         f"{sys.executable} -c '{HEADLESS}' {pids} {beats} >/dev/null 2>&1 & sleep 0.5",
     )
     (headless,) = pids_in(pids, 1)
@@ -558,18 +452,10 @@ def test_a_daemon_that_forks_faster_than_proc_is_read_is_stopped_all_the_same(
     and the next one was not yet listed: the family looked gone, and sqllocker released the
     lock while the daemon ran on."""
     beats, group = tmp_path / "beats", tmp_path / "group"
-    runner = popen(
+    runner = run_job(
         url,
         table_name,
-        "run",
-        "--expires",
-        "3",
-        "--kill-after",
-        "1",
-        "job",
-        "--",
-        "sh",
-        "-c",
+        "--expires 3 --kill-after 1",
         f"{sys.executable} -c '{FORK_CHAIN}' {beats} {group} >/dev/null 2>&1 & sleep 1"
         + ("" if how == "left running" else "; sleep 60"),
     )

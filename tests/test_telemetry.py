@@ -3,7 +3,12 @@ reader and exporter, on every backend, sync and async."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,11 +24,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from sqllocker import Locker, LockError, LockLost
+from sqllocker import Locker, LockError, LockLost, lock_table
 from sqllocker.asyncio import AsyncLocker
 from sqllocker.engine import resolve_url
 from sqllocker.telemetry import Telemetry, default_name
-from tests.helpers import wait_until
+from tests.helpers import FRONTS, Front, Proxied, wait_until, wait_until_async
 from tests.workers import async_url
 
 
@@ -60,6 +65,15 @@ class Recorded:
     def finished(self, name: str) -> list[Any]:
         return [span for span in self.spans.get_finished_spans() if span.name == name]
 
+    @property
+    def providers(self) -> dict[str, Any]:
+        """A Locker's options that record here."""
+        return {"meter_provider": self.meter_provider, "tracer_provider": self.tracer_provider}
+
+    def async_locker(self, url: str, table_name: str, **options: Any) -> AsyncLocker:
+        """An AsyncLocker on the test's table that records here."""
+        return AsyncLocker(async_url(url), table=table_name, **self.providers, **options)
+
 
 @pytest.fixture
 def recorded() -> Iterator[Recorded]:
@@ -86,12 +100,8 @@ def expected_system(url: str) -> str:
 def test_acquire_hold_release_busy_and_timeout_are_recorded(
     make_locker: Callable[..., Locker], url: str, table_name: str, recorded: Recorded
 ) -> None:
-    providers = {
-        "meter_provider": recorded.meter_provider,
-        "tracer_provider": recorded.tracer_provider,
-    }
-    locker = make_locker(**providers)
-    other = make_locker(**providers)
+    locker = make_locker(**recorded.providers)
+    other = make_locker(**recorded.providers)
     lock = locker.lock("digest 42")
     with pytest.raises(LockError):
         other.lock("digest 42")
@@ -141,8 +151,7 @@ def test_renewals_loss_and_purge_are_recorded(
     make_locker: Callable[..., Locker], recorded: Recorded
 ) -> None:
     locker = make_locker(
-        meter_provider=recorded.meter_provider,
-        tracer_provider=recorded.tracer_provider,
+        **recorded.providers,
         telemetry_name=str,
     )
     lock = locker.lock("report 7", expires=30)
@@ -170,23 +179,37 @@ def test_renewals_loss_and_purge_are_recorded(
     del lapsing
 
 
+@pytest.mark.parametrize("front", FRONTS, ids=str)
 def test_a_lock_lost_by_its_keep_alive_is_recorded_once(
-    make_locker: Callable[..., Locker], recorded: Recorded
+    url: str, table_name: str, make_locker: Callable[..., Locker], recorded: Recorded, front: Front
 ) -> None:
+    make_locker()  # the table
     lost: list[LockLost] = []
-    locker = make_locker(
-        meter_provider=recorded.meter_provider, tracer_provider=recorded.tracer_provider
-    )
-    lock = locker.lock("kept 1", expires=1, keep_alive=True, on_lost=lost.append)
-    wait_until(lambda: recorded.count("sqllocker.lock.renewals") >= 1, timeout=30)
-    locker.break_lock("kept 1")
-    wait_until(lambda: bool(lost), timeout=30)
-    assert recorded.count("sqllocker.lock.lost") == 1
+
+    def renewed() -> bool:
+        return recorded.count("sqllocker.lock.renewals", sqllocker_outcome="renewed") >= 1
+
+    async def scenario() -> None:
+        locker = front.locker(url, table=table_name, grace=0, **recorded.providers)
+        try:
+            lock = await front.call(
+                locker.lock, "kept 1", expires=1, keep_alive=True, on_lost=lost.append
+            )
+            await wait_until_async(renewed, timeout=30)
+            await front.call(locker.break_lock, "kept 1")
+            await wait_until_async(lambda: bool(lost), timeout=30)
+            assert recorded.count("sqllocker.lock.lost") == 1
+            assert recorded.count("sqllocker.locks.held") == 0
+            with pytest.raises(LockLost):
+                await front.call(lock.unlock)
+        finally:
+            await front.close(locker)
+
+    asyncio.run(scenario())
+    assert recorded.count("sqllocker.lock.lost") == 1  # lost once, however often found
     assert recorded.count("sqllocker.lock.renewals", sqllocker_outcome="failed") >= 1
+    assert recorded.count("sqllocker.lock.hold.duration", sqllocker_outcome="lost") == 1
     assert recorded.count("sqllocker.locks.held") == 0
-    with pytest.raises(LockLost):
-        lock.unlock()
-    assert recorded.count("sqllocker.lock.lost") == 1
 
 
 def _closed_port() -> int:
@@ -203,9 +226,7 @@ def test_an_unreachable_database_is_an_error_outcome(
     else:
         scheme = {"postgresql": "postgresql://postgres:secret", "mysql": "mysql://root:secret"}
         url = f"{scheme[backend]}@127.0.0.1:{_closed_port()}/test"
-    locker = Locker(
-        url, meter_provider=recorded.meter_provider, tracer_provider=recorded.tracer_provider
-    )
+    locker = Locker(url, **recorded.providers)
     with pytest.raises(LockError):
         locker.lock("job 1")
     locker.close()
@@ -219,13 +240,9 @@ async def test_the_async_front_end_records_the_same(
     url: str, table_name: str, make_locker: Callable[..., Locker], recorded: Recorded
 ) -> None:
     make_locker()  # the table
-    providers = {
-        "meter_provider": recorded.meter_provider,
-        "tracer_provider": recorded.tracer_provider,
-    }
-    async with AsyncLocker(async_url(url), table=table_name, grace=0, **providers) as locker:
+    async with recorded.async_locker(url, table_name, grace=0) as locker:
         lock = await locker.lock("digest 9", expires=30)
-        async with AsyncLocker(async_url(url), table=table_name, grace=0, **providers) as other:
+        async with recorded.async_locker(url, table_name, grace=0) as other:
             with pytest.raises(LockError):
                 await other.lock("digest 9")
             with pytest.raises(LockError):
@@ -330,21 +347,14 @@ print(json.dumps({"status": status, "spans": spans}))
 """
 
 
-def test_run_joins_the_callers_trace_and_passes_it_on(
-    url: str, table_name: str, make_locker: Callable[..., Locker], tmp_path: Path
-) -> None:
-    import json
-    import os
-    import subprocess
-    import sys
-
-    make_locker()  # the table
-    seen = tmp_path / "traceparent"
+def _run_traced(
+    launcher: list[str], url: str, table_name: str, seen: Path
+) -> subprocess.CompletedProcess[str]:
+    """``sqllocker run`` started by ``launcher`` in the caller's trace (TRACEPARENT), whose
+    command writes the TRACEPARENT it was handed to ``seen``."""
     done = subprocess.run(
         [
-            sys.executable,
-            "-c",
-            RUN_TRACED,
+            *launcher,
             "--url",
             url,
             "--table",
@@ -363,6 +373,15 @@ def test_run_joins_the_callers_trace_and_passes_it_on(
         check=False,
     )
     assert done.returncode == 0, done.stderr
+    return done
+
+
+def test_run_joins_the_callers_trace_and_passes_it_on(
+    url: str, table_name: str, make_locker: Callable[..., Locker], tmp_path: Path
+) -> None:
+    make_locker()  # the table
+    seen = tmp_path / "traceparent"
+    done = _run_traced([sys.executable, "-c", RUN_TRACED], url, table_name, seen)
     result = json.loads(done.stdout.splitlines()[-1])
     assert result["status"] == 0
     spans = {span["name"]: span for span in result["spans"]}
@@ -378,33 +397,10 @@ def test_run_joins_the_callers_trace_and_passes_it_on(
 def test_run_passes_the_context_on_even_when_nothing_records(
     url: str, table_name: str, make_locker: Callable[..., Locker], tmp_path: Path
 ) -> None:
-    import os
-    import subprocess
-
     make_locker()
     seen = tmp_path / "traceparent"
     sqllocker = str(Path(__file__).resolve().parents[1] / ".venv" / "bin" / "sqllocker")
-    done = subprocess.run(
-        [
-            sqllocker,
-            "--url",
-            url,
-            "--table",
-            table_name,
-            "run",
-            "job 5",
-            "--",
-            "sh",
-            "-c",
-            f'printf %s "$TRACEPARENT" > {seen}',
-        ],
-        env={**os.environ, "TRACEPARENT": CALLER},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
+    _run_traced([sqllocker], url, table_name, seen)
     assert seen.read_text() == CALLER
 
 
@@ -414,12 +410,8 @@ def test_run_passes_the_context_on_even_when_nothing_records(
 def test_a_takeover_and_the_wait_turns_are_recorded(
     make_locker: Callable[..., Locker], recorded: Recorded
 ) -> None:
-    providers = {
-        "meter_provider": recorded.meter_provider,
-        "tracer_provider": recorded.tracer_provider,
-    }
-    locker = make_locker(**providers)
-    other = make_locker(**providers)
+    locker = make_locker(**recorded.providers)
+    other = make_locker(**recorded.providers)
     lapsing = locker.lock("job 1", expires=0.5)
     wait_until(lambda: locker.lock_info("job 1").expired, timeout=30)  # type: ignore[union-attr]
     assert recorded.count("sqllocker.lock.takeovers") == 0
@@ -443,23 +435,14 @@ def test_a_takeover_and_the_wait_turns_are_recorded(
 def test_a_renewal_that_cannot_reach_the_database_fails_without_losing(
     server: str, request: pytest.FixtureRequest, table_name: str, recorded: Recorded
 ) -> None:
-    from sqllocker import lock_table
-    from tests.stall_proxy import StallProxy
-
-    target = sa.make_url(resolve_url(request.getfixturevalue(f"{server}_url")))
+    target = resolve_url(request.getfixturevalue(f"{server}_url"))
     engine = sa.create_engine(target)
     lock_table(table_name).create(engine)
     engine.dispose()
-    proxy = StallProxy(target.port or (5432 if server == "postgresql" else 3306))
-    through = target.set(host="127.0.0.1", port=proxy.port)
-    locker = Locker(
-        through,
-        table=table_name,
-        meter_provider=recorded.meter_provider,
-        tracer_provider=recorded.tracer_provider,
-    )
+    proxied = Proxied(target)
+    locker = Locker(proxied.target, table=table_name, **recorded.providers)
     lock = locker.lock("job 1", expires=60)
-    proxy.close()
+    proxied.close()
     with pytest.raises(LockError) as failure:
         lock.extend(60)
     assert not isinstance(failure.value, LockLost)
@@ -474,9 +457,7 @@ def test_a_renewal_that_cannot_reach_the_database_fails_without_losing(
 def test_a_decorated_function_is_named_by_its_template(
     make_locker: Callable[..., Locker], recorded: Recorded
 ) -> None:
-    locker = make_locker(
-        meter_provider=recorded.meter_provider, tracer_provider=recorded.tracer_provider
-    )
+    locker = make_locker(**recorded.providers)
 
     @locker.locked("report {day}")
     def report(day: str) -> str:
@@ -501,12 +482,7 @@ async def test_a_decorated_coroutine_is_named_by_its_template(
     url: str, table_name: str, make_locker: Callable[..., Locker], recorded: Recorded
 ) -> None:
     make_locker()
-    async with AsyncLocker(
-        async_url(url),
-        table=table_name,
-        meter_provider=recorded.meter_provider,
-        tracer_provider=recorded.tracer_provider,
-    ) as locker:
+    async with recorded.async_locker(url, table_name) as locker:
 
         @locker.locked("digest {user}")
         async def digest(user: int) -> int:
@@ -520,12 +496,8 @@ async def test_a_decorated_coroutine_is_named_by_its_template(
 def test_groups_and_semaphores_are_recorded_by_kind(
     make_locker: Callable[..., Locker], recorded: Recorded
 ) -> None:
-    providers = {
-        "meter_provider": recorded.meter_provider,
-        "tracer_provider": recorded.tracer_provider,
-    }
-    locker = make_locker(**providers)
-    other = make_locker(**providers)
+    locker = make_locker(**recorded.providers)
+    other = make_locker(**recorded.providers)
     group = locker.lock_all(["a 1", "b 2", "c 3"])
     assert recorded.count("sqllocker.locks.held") == 3
     with pytest.raises(LockError):
@@ -572,44 +544,12 @@ def test_a_failing_name_mapping_never_stops_a_lock(
         raise ValueError(lockstring)
 
     locker = make_locker(
-        meter_provider=recorded.meter_provider,
-        tracer_provider=recorded.tracer_provider,
+        **recorded.providers,
         telemetry_name=broken,
     )
     with locker.lock("job 1") as lock:
         assert lock.is_valid()
     assert locker.lock_info("job 1") is None
-
-
-async def test_an_async_keep_alive_records_renewals_and_the_loss(
-    url: str, table_name: str, make_locker: Callable[..., Locker], recorded: Recorded
-) -> None:
-    import asyncio
-
-    make_locker()
-    lost: list[LockLost] = []
-    async with AsyncLocker(
-        async_url(url),
-        table=table_name,
-        grace=0,
-        meter_provider=recorded.meter_provider,
-        tracer_provider=recorded.tracer_provider,
-    ) as locker:
-        lock = await locker.lock("kept 1", expires=1, keep_alive=True, on_lost=lost.append)
-        deadline = time.monotonic() + 30
-        while recorded.count("sqllocker.lock.renewals", sqllocker_outcome="renewed") < 1:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
-        await locker.break_lock("kept 1")
-        while not lost:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
-        with pytest.raises(LockLost):
-            await lock.unlock()
-    assert recorded.count("sqllocker.lock.lost") == 1
-    assert recorded.count("sqllocker.lock.renewals", sqllocker_outcome="failed") >= 1
-    assert recorded.count("sqllocker.lock.hold.duration", sqllocker_outcome="lost") == 1
-    assert recorded.count("sqllocker.locks.held") == 0
 
 
 class _FailingSpanProcessor(SpanProcessor):
@@ -628,45 +568,34 @@ class _FailingSpanProcessor(SpanProcessor):
             raise RuntimeError("a span processor's bug")
 
 
+@pytest.mark.parametrize("front", FRONTS, ids=str)
 @pytest.mark.parametrize("at", ["start", "end"])
 def test_a_failing_span_processor_never_stops_a_release_or_a_renewal(
-    make_locker: Callable[..., Locker], at: str
+    url: str, table_name: str, make_locker: Callable[..., Locker], at: str, front: Front
 ) -> None:
     """A raising tracer left unlock() raising a RuntimeError with the row still live (at
     start: the DELETE never ran), or raising after the DELETE (at end), and made every renewal
     fail: a kept-alive lock was reported lost at its first deadline."""
-    tracer_provider = TracerProvider()
-    tracer_provider.add_span_processor(_FailingSpanProcessor(at))
-    locker = make_locker(tracer_provider=tracer_provider)
-    lost: list[LockLost] = []
-    lock = locker.lock("job 1", expires=1, keep_alive=True, on_lost=lost.append)
-    time.sleep(2.5)  # past the lock's expiry: only its renewals keep it
-    assert not lost
-    assert lock.is_valid()
-    lock.unlock()
-    assert locker.lock_info("job 1") is None
-    tracer_provider.shutdown()
-
-
-@pytest.mark.parametrize("at", ["start", "end"])
-async def test_a_failing_span_processor_never_stops_an_async_release_or_renewal(
-    url: str, table_name: str, make_locker: Callable[..., Locker], at: str
-) -> None:
-    import asyncio
-
-    make_locker()
+    make_locker()  # the table
     tracer_provider = TracerProvider()
     tracer_provider.add_span_processor(_FailingSpanProcessor(at))
     lost: list[LockLost] = []
-    async with AsyncLocker(
-        async_url(url), table=table_name, grace=0, tracer_provider=tracer_provider
-    ) as locker:
-        lock = await locker.lock("job 1", expires=1, keep_alive=True, on_lost=lost.append)
-        await asyncio.sleep(2.5)
-        assert not lost
-        assert lock.is_valid()
-        await lock.unlock()
-        assert await locker.lock_info("job 1") is None
+
+    async def scenario() -> None:
+        locker = front.locker(url, table=table_name, grace=0, tracer_provider=tracer_provider)
+        try:
+            lock = await front.call(
+                locker.lock, "job 1", expires=1, keep_alive=True, on_lost=lost.append
+            )
+            await asyncio.sleep(2.5)  # past the lock's expiry: only its renewals keep it
+            assert not lost
+            assert lock.is_valid()
+            await front.call(lock.unlock)
+            assert await front.call(locker.lock_info, "job 1") is None
+        finally:
+            await front.close(locker)
+
+    asyncio.run(scenario())
     tracer_provider.shutdown()
 
 
@@ -697,13 +626,9 @@ def test_a_bad_telemetry_option_is_refused_at_creation(
 def test_a_groups_wait_turns_are_events_of_its_span(
     make_locker: Callable[..., Locker], recorded: Recorded
 ) -> None:
-    providers = {
-        "meter_provider": recorded.meter_provider,
-        "tracer_provider": recorded.tracer_provider,
-    }
-    held = make_locker(**providers).lock("c 3")
+    held = make_locker(**recorded.providers).lock("c 3")
     with pytest.raises(LockError):
-        make_locker(**providers).lock_all(["c 3", "d 4"], wait=1)
+        make_locker(**recorded.providers).lock_all(["c 3", "d 4"], wait=1)
     (span,) = [
         span
         for span in recorded.finished("sqllocker.acquire")
@@ -719,13 +644,9 @@ def test_a_groups_wait_turns_are_events_of_its_span(
 def test_a_semaphores_turn_is_never_counted_as_held(
     make_locker: Callable[..., Locker], recorded: Recorded
 ) -> None:
-    providers = {
-        "meter_provider": recorded.meter_provider,
-        "tracer_provider": recorded.tracer_provider,
-    }
-    wide = make_locker(**providers).semaphore("crawlers", 3)
+    wide = make_locker(**recorded.providers).semaphore("crawlers", 3)
     permits = [wide.acquire(), wide.acquire()]
-    narrow = make_locker(**providers).semaphore("crawlers", 1)
+    narrow = make_locker(**recorded.providers).semaphore("crawlers", 1)
     with pytest.raises(LockError):
         narrow.acquire(wait=1)  # outnumbered for its limit: it takes the turn while it waits
     assert recorded.count("sqllocker.locks.held") == 2
@@ -752,11 +673,7 @@ def _by_kind(recorded: Recorded, name: str) -> dict[tuple[str, str, str], float]
 def test_read_write_locks_and_elections_are_recorded_by_kind(
     make_locker: Callable[..., Locker], recorded: Recorded
 ) -> None:
-    providers = {
-        "meter_provider": recorded.meter_provider,
-        "tracer_provider": recorded.tracer_provider,
-    }
-    locker, other = make_locker(**providers), make_locker(**providers)
+    locker, other = make_locker(**recorded.providers), make_locker(**recorded.providers)
     readers = [locker.rwlock("catalog 7").read(), other.rwlock("catalog 7").read()]
     assert recorded.count("sqllocker.locks.held") == 2
     with pytest.raises(LockError):
@@ -803,9 +720,7 @@ def test_read_write_locks_and_elections_are_recorded_by_kind(
 def test_a_writer_lost_through_its_claim_is_recorded_once(
     make_locker: Callable[..., Locker], recorded: Recorded
 ) -> None:
-    locker = make_locker(
-        meter_provider=recorded.meter_provider, tracer_provider=recorded.tracer_provider
-    )
+    locker = make_locker(**recorded.providers)
     lost: list[LockLost] = []
     lead = locker.election("scheduler").campaign(expires=1, on_lost=lost.append)
     locker.break_lock("scheduler")  # the claim on the name, not the term's row
@@ -822,12 +737,7 @@ async def test_async_read_write_locks_and_elections_are_recorded_by_kind(
     url: str, table_name: str, make_locker: Callable[..., Locker], recorded: Recorded
 ) -> None:
     make_locker()
-    async with AsyncLocker(
-        async_url(url),
-        table=table_name,
-        meter_provider=recorded.meter_provider,
-        tracer_provider=recorded.tracer_provider,
-    ) as locker:
+    async with recorded.async_locker(url, table_name) as locker:
         reader = await locker.rwlock("catalog").read()
         await reader.unlock()
         writer = await locker.rwlock("catalog").write()

@@ -7,6 +7,7 @@ import asyncio
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -38,10 +39,26 @@ def test_waiters_get_the_lock_in_the_order_they_came(
     """With a Locker (and a listener) each, as separate processes would have, every release
     notifies all of them, and without tickets whichever reacted first would win; with one
     Locker, its waiters are in one line of its own as well."""
-    holder = Locker(migrated_postgres, table=table_name)
+
+    def none_left() -> None:
+        assert tickets(admin, table_name) == []
+
+    def in_line() -> int:
+        return len(tickets(admin, table_name))
+
+    served_in_the_order_they_came(migrated_postgres, table_name, lockers, in_line, none_left)
+
+
+def served_in_the_order_they_came(
+    url: str, table: str, lockers: int, in_line: Callable[[], int], none_left: Callable[[], None]
+) -> None:
+    """Five waiters on ``lockers`` Lockers, each come once ``in_line()`` counts the tickets of
+    those before it: the held lock, released, goes to them in the order they came, and
+    ``none_left()`` checks that no ticket stands after them, before their Lockers close."""
+    holder = Locker(url, table=table)
     held = holder.lock("report")
     order: list[int] = []
-    waiting = [Locker(migrated_postgres, table=table_name) for _ in range(lockers)]
+    waiting = [Locker(url, table=table) for _ in range(lockers)]
 
     def wait(number: int) -> None:
         with waiting[number % lockers].lock("report", wait=60):
@@ -52,12 +69,12 @@ def test_waiters_get_the_lock_in_the_order_they_came(
     for number in range(5):
         threads.append(threading.Thread(target=wait, args=(number,)))
         threads[-1].start()
-        wait_until(lambda: len(tickets(admin, table_name)) == number + 1)
+        wait_until(lambda: in_line() == number + 1)
     held.unlock()
     for thread in threads:
         thread.join(30)
     assert order == [0, 1, 2, 3, 4]
-    assert tickets(admin, table_name) == []
+    none_left()
     for locker in [holder, *waiting]:
         locker.close()
 
@@ -65,22 +82,36 @@ def test_waiters_get_the_lock_in_the_order_they_came(
 def test_a_waiter_gives_up_at_its_deadline_and_its_ticket_with_it(
     migrated_postgres: str, table_name: str, admin: sa.Engine
 ) -> None:
-    holder = Locker(migrated_postgres, table=table_name)
-    first, behind = (Locker(migrated_postgres, table=table_name) for _ in range(2))
+    def in_line() -> int:
+        return len(tickets(admin, table_name))
+
+    def none_left() -> None:
+        wait_until(lambda: tickets(admin, table_name) == [])
+
+    gives_up_at_its_deadline(migrated_postgres, table_name, in_line, none_left)
+
+
+def gives_up_at_its_deadline(
+    url: str, table: str, in_line: Callable[[], int], none_left: Callable[[], None]
+) -> None:
+    """A waiter behind another (``in_line()`` counts the tickets) gives up at its deadline,
+    still naming the holder, and its ticket goes with it; the one ahead is served, and
+    ``none_left()`` checks that no ticket stands after it, before the Lockers close."""
+    holder, first, behind = (Locker(url, table=table) for _ in range(3))
     held = holder.lock("report")
     thread, result = wait_in_thread(first, wait=30)
-    wait_until(lambda: len(tickets(admin, table_name)) == 1)
-
+    wait_until(lambda: in_line() == 1)
     started = time.monotonic()
     with pytest.raises(LockBusy) as busy:
         behind.lock("report", wait=0.5)
     assert 0.4 < time.monotonic() - started < 5
     assert busy.value.lock_id == held.lock_id  # it still names the holder
-    assert len(tickets(admin, table_name)) == 1  # only the first waiter's is left
+    assert in_line() == 1  # only the first waiter's is left
     held.unlock()
     thread.join(10)
     assert "lock" in result
     result["lock"].unlock()
+    none_left()
     for locker in (holder, first, behind):
         locker.close()
 
@@ -105,29 +136,54 @@ def test_only_the_first_waiter_of_a_locker_tries_the_row_and_the_next_once_it_is
 ) -> None:
     """Hundreds of waiters in a process would each poll the row; the ones behind the first
     of their Locker send nothing at all while they wait."""
-    holder, waiters = (Locker(migrated_postgres, table=table_name) for _ in range(2))
+
+    def none_left() -> None:
+        assert tickets(admin, table_name) == []
+
+    tried = tried_while_in_line(
+        migrated_postgres,
+        table_name,
+        monkeypatch,
+        lambda waiters: in_line(admin, table_name, waiters=waiters),
+        none_left,
+    )
+    assert tried <= {"1st"}, tried
+
+
+def tried_while_in_line(
+    url: str,
+    table: str,
+    monkeypatch: pytest.MonkeyPatch,
+    in_line: Callable[[int], None],
+    none_left: Callable[[], None],
+) -> set[str]:
+    """Three waiters of one Locker behind a held lock, the first ("1st") alone in line
+    (``in_line(1)``, then ``in_line(3)``): which of them tried the row during a second they
+    all stood in line. Then the lock is released, each is served, and ``none_left()`` checks
+    that no ticket stands after them, before their Locker closes."""
+    holder, waiters = (Locker(url, table=table) for _ in range(2))
     held = holder.lock("report")
     attempts = counting_attempts(waiters, monkeypatch)
     first = threading.Thread(target=lambda: waiters.lock("report", wait=60).unlock(), name="1st")
     first.start()
-    wait_until(lambda: len(tickets(admin, table_name)) == 1)
+    in_line(1)
     later = [
         threading.Thread(target=lambda: waiters.lock("report", wait=60).unlock(), name=name)
         for name in ("2nd", "3rd")
     ]
     for thread in later:
         thread.start()
-    in_line(admin, table_name, waiters=3)
+    in_line(3)
     since = time.monotonic()
     time.sleep(1.0)
     tried = {name for name, moment in attempts if moment >= since}
-    assert tried <= {"1st"}, tried
     held.unlock()
     for thread in [first, *later]:
         thread.join(20)
-    assert tickets(admin, table_name) == []
+    none_left()
     holder.close()
     waiters.close()
+    return tried
 
 
 def test_a_newcomer_does_not_take_a_free_row_ahead_of_a_live_ticket(

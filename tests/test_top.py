@@ -14,13 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import sqlalchemy as sa
 
 from sqllocker import Locker
-from sqllocker.engine import resolve_url
-from sqllocker.migrations import upgrade
 from tests.conftest import IN_CI
-from tests.helpers import wait_until
+from tests.helpers import migrate, wait_until
+from tests.test_cli import LIST_COLUMNS
 
 SQLLOCKER = str(Path(__file__).resolve().parents[1] / ".venv" / "bin" / "sqllocker")
 TMUX = shutil.which("tmux")
@@ -28,9 +26,7 @@ TMUX = shutil.which("tmux")
 
 @pytest.fixture
 def migrated(url: str, table_name: str) -> str:
-    engine = sa.create_engine(resolve_url(url))
-    upgrade(engine, table_name)
-    engine.dispose()
+    migrate(url, table_name)
     return url
 
 
@@ -143,16 +139,7 @@ def test_top_without_a_terminal_prints_the_list(migrated: str, table_name: str) 
     holder.close()
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0].split() == [
-        "LOCKSTRING",
-        "KIND",
-        "ID",
-        "HOLDER",
-        "PROGRAM",
-        "CREATED",
-        "EXPIRES",
-        "LEFT",
-    ]
+    assert lines[0].split() == LIST_COLUMNS
     assert lines[1].startswith("job 7 ")
 
 

@@ -29,6 +29,7 @@ from sqllocker import Lock, LockBusy, Locker, LockError, LockLost, tickets
 from sqllocker.asyncio import AsyncLock, AsyncLocker
 from sqllocker.engine import resolve_url
 from tests.helpers import abandon
+from tests.helpers import async_url as async_url  # the tests' import of it
 
 
 def ended_waits(locker: Locker | AsyncLocker) -> int:
@@ -39,17 +40,6 @@ def ended_waits(locker: Locker | AsyncLocker) -> int:
 
 # With --cancel-some: the share of acquire attempts, and of releases, cancelled mid-way.
 CANCELLED_SHARE = 0.3
-
-
-def async_url(url: str) -> str:
-    """The async driver's URL for one of the test fixtures' (sync) URLs."""
-    for sync, asynchronous in (
-        ("mysql+pymysql://", "mysql+aiomysql://"),
-        ("sqlite://", "sqlite+aiosqlite://"),
-    ):
-        if url.startswith(sync):
-            return asynchronous + url[len(sync) :]
-    return url
 
 
 class CriticalSection:

@@ -89,6 +89,13 @@ class Backend:
     # Adoption of a DBIx::Locker table, where DDL cannot be rolled back: the new table is built
     # under a name of its own and swapped in (``swap_in``), not made in place in a transaction.
     adoption_swaps: ClassVar[bool] = False
+    # The longest a lock operation's statements can wait, in all, on a connection of an engine
+    # sqllocker made, whatever the server does; None: no bound (a frozen server, which only
+    # ``interrupt`` ends). A deadline further off needs no watching (``sqllocker.deadlines``).
+    operation_wait_bound: ClassVar[float | None] = None
+    # A new connection opens a file of this machine (SQLite): nothing to give up on, so no
+    # ``cap_connect``, and a wait's acquire sets no deadline for its connections.
+    connects_locally: ClassVar[bool] = False
 
     def __init__(self, insert_returning: bool, update_returning: bool) -> None:
         self.insert_returning = insert_returning

@@ -54,6 +54,12 @@ class SQLiteBackend(Backend):
     # SQLite takes its write lock at once: a deferred transaction that writes after another's
     # commit fails "database is locked" at once, whatever the busy timeout.
     begin = "BEGIN IMMEDIATE"
+    # A statement of a lock operation waits only in SQLite's busy handler, for another
+    # connection's write lock, and for no longer than the busy timeout (which SQLite's
+    # interrupt() does not cut short: it ends the statement once the wait is over); an
+    # operation run under a deadline (a release, an extend) sends two statements at most.
+    operation_wait_bound = 2 * SQLITE_BUSY_TIMEOUT_SECONDS
+    connects_locally = True
 
     @classmethod
     def for_dialect(cls, dialect: Dialect) -> Backend:

@@ -139,6 +139,11 @@ class LockOperations:
         return self.database.hands_over
 
     @property
+    def connects_locally(self) -> bool:
+        """Whether a new connection opens a local file (``Backend.connects_locally``)."""
+        return self.database.connects_locally
+
+    @property
     def queue_file(self) -> str | None:
         """The database file beside which waiters queue in the kernel (SQLite), or None."""
         return self.database.queue_file

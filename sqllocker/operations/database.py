@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from .. import deadlines
+from .. import clock, deadlines
 from ..backends import Backend, backend_class
 from ..engine import describe_url
 from ..errors import DatabaseError, LockError, TableMissing, one_line
@@ -44,6 +44,16 @@ _FIRST_CONFLICT_DELAY = 0.005
 
 def _nothing_more(session: DriverSession) -> None:
     """An operation that is only its set-up (``Database.ensure_setup``)."""
+
+
+class _NotSetUp:
+    """What ``Database.be`` and ``Database.sql`` are before the set-up: any use raises."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+
+    def __getattr__(self, name: str) -> Any:
+        raise LockError(f"internal error: {self._what} used before the first connection")
 
 
 class Database:
@@ -101,6 +111,11 @@ class Database:
         )
         self._backend: Backend | None = None
         self._statements: Statements | None = None
+        # The backend and the statements inside an operation (set up by then): plain
+        # attributes, read a few times a statement; before the set-up, any use of them is an
+        # internal error.
+        self.be: Backend = _NotSetUp("backend")  # type: ignore[assignment]
+        self.sql: Statements = _NotSetUp("statements")  # type: ignore[assignment]
         # The parameters of the test whether a row may be taken over or purged now (set up
         # with the backend, which writes them; never changed by their users).
         self.expiry: dict[str, Any] = {}
@@ -136,20 +151,6 @@ class Database:
         return self._statements
 
     @property
-    def be(self) -> Backend:
-        """The backend, inside an operation (set up by then)."""
-        if self._backend is None:
-            raise LockError("internal error: backend used before the first connection")
-        return self._backend
-
-    @property
-    def sql(self) -> Statements:
-        """The statements, inside an operation (set up by then)."""
-        if self._statements is None:
-            raise LockError("internal error: statements used before the first connection")
-        return self._statements
-
-    @property
     def waits_by_ticket(self) -> bool:
         """Whether waiters take tickets (see ``sqllocker.tickets``): on PostgreSQL through
         psycopg 3 and on MySQL/MariaDB, sync or async, unless a transaction pooler is between
@@ -169,6 +170,11 @@ class Database:
     def hands_over(self) -> bool:
         """Whether a release hands the row to the first live ticket (``Backend.hands_over``)."""
         return self.backend.hands_over
+
+    @property
+    def connects_locally(self) -> bool:
+        """Whether a new connection opens a local file (``Backend.connects_locally``)."""
+        return backend_class(self.engine.dialect.name).connects_locally
 
     @property
     def queue_file(self) -> str | None:
@@ -198,8 +204,8 @@ class Database:
                     setup = set_up(conn, self.table, self._options)
                     if self._backend is None:
                         self._prepared = PreparedCache(conn.dialect)
-                    self._statements = setup.statements
-                    self._backend = setup.backend
+                    self._statements = self.sql = setup.statements
+                    self._backend = self.be = setup.backend
                     self.inserts_replayed = setup.inserts_replayed
                     self.lone_inserts_retried = setup.lone_inserts_retried
                     self.expiry = setup.expiry
@@ -324,8 +330,13 @@ class Database:
             if held.session is None:
                 one_call = self.be.in_one_call(held.connection)
                 held.session = DriverSession(held.connection, held.cursor, self._prepared, one_call)
-            with deadlines.interrupting(self.be.interrupt, held.connection):
+            deadline = deadlines.current()
+            bound = self.be.operation_wait_bound
+            if deadline is None or (bound is not None and clock.now() + bound < deadline):
                 result = operation(held.session)
+            else:
+                with deadlines.interrupting(self.be.interrupt, held.connection):
+                    result = operation(held.session)
         except sa.exc.DBAPIError as error:
             if error.connection_invalidated or self.be.is_read_only(error):
                 stack.discard(held)
