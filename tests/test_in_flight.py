@@ -1,6 +1,8 @@
 """The async front end's lock operations run to their end whoever stops waiting for them
 (``sqllocker.asyncio.concurrency.InFlight``): what a cancelled caller would have got is undone,
 however the cancellation and the work's end fall, and nothing is undone that a caller got.
+A held lock's statements end by a deadline (``within``): the caller stops waiting at once,
+and the work is cancelled and left to end by itself.
 
 Each case is timed by the event loop's own order (no sleeps): a future that the work waits on
 is resolved, and a callback scheduled after it cancels the caller at the chosen turn."""
@@ -12,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from sqllocker.asyncio.concurrency import InFlight, shielded
+from sqllocker.asyncio import concurrency
+from sqllocker.asyncio.concurrency import InFlight, shielded, within
 
 
 def _work(gate: asyncio.Future[None], steps: list[str]) -> Any:
@@ -173,3 +176,177 @@ async def test_cancelling_the_works_task_cancels_its_waiters() -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
+
+
+# -- within: a deadline, the work in the caller's own task ---------------------------------------
+
+
+def _slow_to_cancel(gate: asyncio.Future[None], steps: list[str]) -> Any:
+    """Work that, cancelled, still waits for ``gate`` before it ends (as psycopg's cancel
+    request waits for a frozen server)."""
+
+    async def work() -> str:
+        steps.append("started")
+        try:
+            await asyncio.get_running_loop().create_future()  # never done
+        except asyncio.CancelledError:
+            steps.append("cancelled")
+            await gate
+            steps.append("ended")
+            raise
+        return "never"
+
+    return work()
+
+
+async def test_within_runs_the_work_in_the_callers_task() -> None:
+    gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    steps: list[str] = []
+    caller = asyncio.ensure_future(within(_work(gate, steps), 60, "test"))
+    await asyncio.sleep(0)
+    assert steps == ["started"]
+    assert _tasks_named("test") == []
+    gate.set_result(None)
+    await asyncio.sleep(0)  # the caller has the result in the turn the work's wait ends
+    assert caller.done()
+    assert caller.result() == "won"
+    assert _tasks_named("test") == []
+
+
+async def _turns_until(done: Any, turns: int = 10) -> None:
+    """Let the event loop run until ``done()``, a few turns at most."""
+    for _ in range(turns):
+        if done():
+            return
+        await asyncio.sleep(0)
+
+
+async def test_within_raises_timeout_at_the_deadline_and_leaves_the_work_cancelled() -> None:
+    gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    steps: list[str] = []
+    with pytest.raises(asyncio.TimeoutError):
+        await within(_slow_to_cancel(gate, steps), 0.01, "test")
+    # At once, though the work is still ending, in a task of its own.
+    (task,) = _tasks_named("test")
+    await _turns_until(lambda: "cancelled" in steps)
+    assert steps == ["started", "cancelled"]
+    gate.set_result(None)
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert steps == ["started", "cancelled", "ended"]
+
+
+async def test_within_ends_at_the_deadline_however_long_a_task_it_awaits_takes_to_end() -> None:
+    """Work that waits on a task: cancelled, the task may take its time to end (here until
+    ``gate``); the caller has its TimeoutError at once all the same."""
+    gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    steps: list[str] = []
+
+    async def work() -> str:
+        return await asyncio.ensure_future(_slow_to_cancel(gate, steps))
+
+    with pytest.raises(asyncio.TimeoutError):
+        await within(work(), 0.01, "test")
+    await _turns_until(lambda: "cancelled" in steps)
+    assert steps == ["started", "cancelled"]
+    (task,) = _tasks_named("test")  # the work, until the task it waits on has ended
+    gate.set_result(None)
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert steps == ["started", "cancelled", "ended"]
+
+
+async def test_within_gives_the_callers_cancellation_to_the_caller_at_once() -> None:
+    gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    steps: list[str] = []
+    caller = asyncio.ensure_future(within(_slow_to_cancel(gate, steps), 60, "test"))
+    await asyncio.sleep(0)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    (task,) = _tasks_named("test")
+    await _turns_until(lambda: "cancelled" in steps)
+    assert steps == ["started", "cancelled"]
+    gate.set_result(None)
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert steps == ["started", "cancelled", "ended"]
+
+
+async def test_within_a_flight_the_deadline_holds_after_the_flights_caller_left() -> None:
+    """A release runs to its end (``InFlight``) and its statement ends by the lock's expiry
+    (``within``): a caller that stops waiting leaves the deadline in force."""
+    gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    steps: list[str] = []
+    flight: InFlight[str] = InFlight("flight")
+
+    async def bounded() -> str:
+        try:
+            return await within(_slow_to_cancel(gate, steps), 0.05, "test")
+        except asyncio.TimeoutError:
+            steps.append("timed out")
+            raise
+
+    caller = asyncio.ensure_future(flight.run(bounded()))
+    await asyncio.sleep(0)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert len(_tasks_named("flight")) == 1  # the flight goes on without its caller
+    with pytest.raises(asyncio.TimeoutError):
+        await flight.wait()
+    (task,) = _tasks_named("test")
+    await _turns_until(lambda: "cancelled" in steps)
+    assert steps == ["started", "timed out", "cancelled"]
+    gate.set_result(None)
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert steps[-1] == "ended"
+
+
+async def test_within_a_flight_the_deadline_reaches_the_flights_caller() -> None:
+    gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    steps: list[str] = []
+    flight: InFlight[str] = InFlight("flight")
+    with pytest.raises(asyncio.TimeoutError):
+        await flight.run(within(_slow_to_cancel(gate, steps), 0.01, "test"))
+    (task,) = _tasks_named("test")
+    await _turns_until(lambda: "cancelled" in steps)
+    assert steps == ["started", "cancelled"]
+    gate.set_result(None)
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+@pytest.mark.skipif(not hasattr(asyncio.Task, "cancelling"), reason="Python 3.11's cancelling()")
+async def test_within_a_cancellation_in_the_deadlines_turn_is_the_callers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The caller cancelled after the deadline woke it, before it runs again: CancelledError,
+    as for a cancellation before the deadline, not TimeoutError."""
+    gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    steps: list[str] = []
+    callers: list[asyncio.Future[str]] = []
+    expire = concurrency._Bounded._expire
+
+    def expire_then_cancel(bounded: Any) -> None:
+        expire(bounded)
+        callers[0].cancel()
+
+    monkeypatch.setattr(concurrency._Bounded, "_expire", expire_then_cancel)
+    callers.append(asyncio.ensure_future(within(_slow_to_cancel(gate, steps), 0.01, "test")))
+    with pytest.raises(asyncio.CancelledError):
+        await callers[0]
+    gate.set_result(None)
+    (task,) = _tasks_named("test")
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_within_work_that_never_waits_needs_no_task() -> None:
+    async def work() -> str:
+        return "at once"
+
+    tasks_before = len(asyncio.all_tasks())
+    assert await within(work(), 0, "test") == "at once"
+    assert len(asyncio.all_tasks()) == tasks_before

@@ -63,27 +63,21 @@ class turn_within:
 
 
 async def within(work: Awaitable[T], seconds: float, name: str) -> T:
-    """What ``work`` returns, run in a task of its own; ``asyncio.TimeoutError`` once
-    ``seconds`` have passed, the task then cancelled and left to end by itself: a driver may
-    take its time to end a cancelled statement (psycopg sends the server a cancel request,
-    which waits for a frozen server up to its connect timeout)."""
-    task = spawn(_awaited(work, clock.now() + seconds), name)
-    try:
-        done, _ = await asyncio.wait({task}, timeout=max(seconds, 0.0))
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    if not done:
-        task.cancel()
-        raise asyncio.TimeoutError
-    return task.result()
+    """What ``work`` returns; ``asyncio.TimeoutError`` once ``seconds`` have passed, the work
+    then cancelled and left to end by itself in a task of its own: a driver may take its time
+    to end a cancelled statement (psycopg sends the server a cancel request, which waits for a
+    frozen server up to its connect timeout). The caller's cancellation cancels the work
+    likewise, and reaches the caller at once.
+
+    The work runs in the caller's own task, as ``InFlight`` runs it (``_Bounded``): a task of
+    its own would cost every lock cycle's release a task and three turns of the event loop."""
+    coroutine = work if inspect.iscoroutine(work) else _awaited(work)
+    result: T = await _Bounded(coroutine, seconds, name)
+    return result
 
 
-async def _awaited(work: Awaitable[T], deadline: float) -> T:
-    # What the task's statements wait for ends by then too (SQLite's busy handler, which a
-    # cancellation does not end), and a contention is not tried again past it.
-    with deadlines.waits_end_by(deadline):
-        return await work
+async def _awaited(work: Awaitable[T]) -> T:
+    return await work
 
 
 def create_engine(
@@ -317,14 +311,30 @@ class _Uncancellable:
         return loop
 
     def add_done_callback(self, callback: Callable[[Any], None], *, context: Any = None) -> None:
+        if self.cancelled_by_caller:  # done, whatever the work's future does
+            self.get_loop().call_soon(callback, self, context=context)
+            return
+
         def forward(_future: Any) -> None:
             callback(self)
 
         self._callbacks.append((callback, forward, context))
         self.future.add_done_callback(forward, context=context)
 
+    def remove_done_callback(self, callback: Callable[[Any], None]) -> int:
+        kept = [entry for entry in self._callbacks if entry[0] is not callback]
+        for _callback, forward, _context in self._callbacks:
+            if _callback is callback:
+                self.future.remove_done_callback(forward)
+        removed = len(self._callbacks) - len(kept)
+        self._callbacks = kept
+        return removed
+
     def done(self) -> bool:
         return self.cancelled_by_caller or bool(self.future.done())
+
+    def cancelled(self) -> bool:
+        return self.cancelled_by_caller or bool(self.future.cancelled())
 
     def cancel(self, msg: Any = None) -> bool:
         if self.done():
@@ -391,21 +401,32 @@ class _Driven:
                 return
 
 
-async def _resumed(work: Coroutine[Any, Any, None], yielded: Any) -> None:
-    await _Resumed(work, yielded)
+async def _resumed(work: Coroutine[Any, Any, Any], yielded: Any, cancel: bool = False) -> None:
+    await _Resumed(work, yielded, cancel)
 
 
 class _Resumed:
     """A coroutine already run up to a wait (what it yielded then), awaited from there: the
     task awaiting this waits on what it yielded, as the coroutine's own would have, and
-    anything thrown into the task (its cancellation) is thrown into the coroutine."""
+    anything thrown into the task (its cancellation) is thrown into the coroutine.
 
-    def __init__(self, work: Coroutine[Any, Any, Any], yielded: Any) -> None:
+    ``cancel``: that wait is cancelled first, as a task of the coroutine's own would be by
+    ``cancel()`` (a task waited on may take its time to end); if there is nothing left to
+    cancel (it has ended, or was cancelled already), the coroutine is thrown CancelledError at
+    once, as that task's next step would be."""
+
+    def __init__(self, work: Coroutine[Any, Any, Any], yielded: Any, cancel: bool) -> None:
         self._work = work
         self._yielded = yielded
+        self._cancel = cancel
 
     def __await__(self) -> Generator[Any, Any, Any]:
         work, yielded = self._work, self._yielded
+        if self._cancel and not _cancel(yielded):
+            try:
+                yielded = work.throw(asyncio.CancelledError())
+            except StopIteration as finished:
+                return finished.value
         while True:
             try:
                 sent = yield yielded
@@ -419,6 +440,106 @@ class _Resumed:
                     yielded = work.send(sent)
                 except StopIteration as finished:
                     return finished.value
+
+
+def _cancel(waited: Any) -> bool:
+    """Cancel ``waited`` if it is a future not done yet: whether it was."""
+    cancel = getattr(waited, "cancel", None)
+    return cancel is not None and bool(cancel())
+
+
+class _Bounded:
+    """``within``'s work, driven by the awaiting task as ``_Driven`` drives a flight's, every
+    future it yields seen through ``_Uncancellable``, for ``seconds`` at most. At the deadline
+    the task stops waiting at once (``asyncio.TimeoutError``), and so it does if it is
+    cancelled (CancelledError, which wins over a deadline passing in the same turn): either
+    way the work goes on from there in a task of its own, cancelled (``_Resumed``). The work's
+    own future cancelled is the work's to handle."""
+
+    __slots__ = ("_deadline_woke", "_expired", "_name", "_seconds", "_waited", "_work")
+
+    def __init__(self, work: Coroutine[Any, Any, Any], seconds: float, name: str) -> None:
+        self._work = work
+        self._seconds = seconds
+        self._name = name
+        self._expired = False
+        self._deadline_woke = False  # the deadline cancelled the wait, not the caller
+        self._waited: Any = None
+
+    def _expire(self) -> None:
+        self._expired = True
+        waited = self._waited
+        if isinstance(waited, _Uncancellable) and waited.cancel():
+            self._deadline_woke = True
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        work = self._work
+        requests = _cancel_requests()  # to tell the caller's cancellation from the deadline
+        timer = asyncio.get_running_loop().call_later(max(self._seconds, 0.0), self._expire)
+        # Each step of the work sees the deadline (the caller's task runs it, and goes on
+        # without it): its statements' waits end by then too (SQLite's busy handler, which
+        # a cancellation does not end), and a contention is not tried again past it.
+        bound = deadlines.waits_end_by(clock.now() + self._seconds)
+        try:
+            try:
+                with bound:
+                    yielded = work.send(None)
+            except StopIteration as finished:
+                return finished.value
+            while True:
+                if self._expired:  # past the deadline, and the work waits again
+                    spawn(_resumed(work, yielded, cancel=True), self._name)
+                    raise asyncio.TimeoutError
+                waited = self._waited = (
+                    _Uncancellable(yielded)
+                    if getattr(yielded, "_asyncio_future_blocking", None) is not None
+                    else yielded
+                )
+                thrown: BaseException | None = None
+                try:
+                    yield waited
+                    if isinstance(waited, _Uncancellable) and waited.cancelled_by_caller:
+                        # Resumed as a wait of its own is when cancelled (an InFlight driving
+                        # this one is told so): as that wait's CancelledError.
+                        raise asyncio.CancelledError
+                except asyncio.CancelledError as cancelled:
+                    if not (
+                        isinstance(waited, _Uncancellable)
+                        and not waited.cancelled_by_caller
+                        and waited.future.cancelled()
+                    ):
+                        # The deadline or the caller's cancellation: the work is cancelled and
+                        # ends without the caller.
+                        spawn(_resumed(work, yielded, cancel=True), self._name)
+                        if self._deadline_woke and not _cancelled_since(requests):
+                            raise asyncio.TimeoutError from None
+                        raise
+                    thrown = cancelled  # the work's own future was cancelled: it is told so
+                except BaseException as error:
+                    thrown = error
+                self._waited = None
+                try:
+                    with bound:
+                        yielded = work.send(None) if thrown is None else work.throw(thrown)
+                except StopIteration as finished:
+                    return finished.value
+        finally:
+            timer.cancel()
+
+
+def _cancel_requests() -> tuple[asyncio.Task[Any] | None, int]:
+    """The running task, and its cancellations not yet taken back (Python 3.11's
+    ``cancelling()``; 0 before it)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return task, cancelling() if cancelling is not None else 0
+
+
+def _cancelled_since(mark: tuple[asyncio.Task[Any] | None, int]) -> bool:
+    """Whether the running task was cancelled since ``_cancel_requests`` returned ``mark``
+    (in a task of the work's own, since it began: the work left its caller)."""
+    task, requests = _cancel_requests()
+    return requests > (mark[1] if task is mark[0] else 0)
 
 
 class Background:

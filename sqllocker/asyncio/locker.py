@@ -455,7 +455,8 @@ class AsyncLocker:
         """Run one of the table's operations (in asyncio: in a greenlet, on the running loop's
         connections)."""
         if True:  # ASYNC
-            await self._ready()
+            if not self._is_ready():
+                await self._ready()
             return await concurrency.run(operation, *args)
         else:
             return operation(*args)
@@ -465,6 +466,8 @@ class AsyncLocker:
         is a thread lock, which one task must never hold while another task on the same thread
         waits; a sync locker sets up in its first operation)."""
         if True:  # ASYNC
+            if self._is_ready():
+                return
             self._bind_to_running_loop()
             if self._operations.is_set_up:
                 return
@@ -474,6 +477,10 @@ class AsyncLocker:
                 await concurrency.run(self._operations.ensure_setup)
 
     if True:  # ASYNC
+
+        def _is_ready(self) -> bool:
+            """Set up, on the running loop: ``_ready`` has nothing to do (every operation asks)."""
+            return self._loop.loop is asyncio.get_running_loop() and self._operations.is_set_up
 
         def _bind_to_running_loop(self) -> None:
             """Make the running loop this locker's, dropping what belonged to the previous one.
