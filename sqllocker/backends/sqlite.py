@@ -8,9 +8,9 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import sqlite
@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     from ..execution import OneCall
 
 logger = logging.getLogger("sqllocker")
+
+T = TypeVar("T")
 
 TIMESTAMP_FORMAT = "%Y-%m-%d %H:%M:%f"
 # SQLite without AUTOINCREMENT (DBIx::Locker's DDL) keeps no record of the ids it handed out and
@@ -199,13 +201,11 @@ class SQLiteBackend(Backend):
             return None  # no connection sqllocker's operations run on waits longer
         cut = max(0, int(seconds * 1000))
         try:
-            if isinstance(dbapi_connection, AdaptedConnection):
-                return dbapi_connection.run_async(lambda driver: _cut_busy_timeout(driver, cut))
-            own = dbapi_connection.execute("PRAGMA busy_timeout").fetchone()[0]
-            if cut >= own:
-                return None
-            dbapi_connection.execute(f"PRAGMA busy_timeout = {cut}")
-            return own  # type: ignore[no-any-return]
+            return _on_sqlite3(
+                dbapi_connection,
+                lambda conn: _cut_busy_timeout(conn, cut),
+                lambda driver: _cut_busy_timeout_async(driver, cut),
+            )
         except Exception as error:  # sqlite3's or aiosqlite's; the operation meets it too
             logger.warning("could not cut the busy timeout to the lock's deadline: %s", error)
             return None
@@ -214,10 +214,11 @@ class SQLiteBackend(Backend):
     def unbound_waits(cls, dbapi_connection: Any, undo: object) -> None:
         restore = f"PRAGMA busy_timeout = {int(undo)}"  # type: ignore[call-overload]
         try:
-            if isinstance(dbapi_connection, AdaptedConnection):
-                dbapi_connection.run_async(lambda driver: driver.execute_fetchall(restore))
-            else:
-                dbapi_connection.execute(restore)
+            _on_sqlite3(
+                dbapi_connection,
+                lambda conn: conn.execute(restore),
+                lambda driver: driver.execute_fetchall(restore),
+            )
         except Exception as error:
             logger.warning("closing a connection whose busy timeout was left cut: %s", error)
             with contextlib.suppress(Exception):
@@ -342,9 +343,40 @@ def _in_one_call_of_aiosqlite(connection: AdaptedConnection) -> OneCall:
     return call
 
 
-async def _cut_busy_timeout(driver: Any, cut: int) -> int | None:
-    """``SQLiteBackend.bound_waits`` on aiosqlite's connection, in one call of its adapter:
-    the busy timeout it had, or None if ``cut`` (ms) is no shorter."""
+def _on_sqlite3(
+    dbapi_connection: Any,
+    work: Callable[[sqlite3.Connection], T],
+    hop: Callable[[Any], Awaitable[T]],
+) -> T:
+    """``work`` on ``dbapi_connection``'s sqlite3 connection. Under aiosqlite's, from this
+    thread: between an operation's calls aiosqlite's own thread is idle, and a trip there and
+    back (``hop``, on aiosqlite's connection) costs a wake-up of each thread; unless that
+    connection may be used from its own thread only (a caller's engine, made without
+    ``check_same_thread=False``)."""
+    if not isinstance(dbapi_connection, AdaptedConnection):
+        return work(dbapi_connection)
+    driver = dbapi_connection.driver_connection
+    raw = getattr(driver, "_connection", None)  # aiosqlite's, not public
+    if isinstance(raw, sqlite3.Connection):
+        try:
+            return work(raw)
+        except sqlite3.ProgrammingError:
+            pass  # another thread's
+    return dbapi_connection.run_async(hop)
+
+
+def _cut_busy_timeout(conn: sqlite3.Connection, cut: int) -> int | None:
+    """``SQLiteBackend.bound_waits``: the busy timeout ``conn`` had, or None if ``cut`` (ms) is
+    no shorter."""
+    own = int(conn.execute("PRAGMA busy_timeout").fetchone()[0])
+    if cut >= own:
+        return None
+    conn.execute(f"PRAGMA busy_timeout = {cut}")
+    return own
+
+
+async def _cut_busy_timeout_async(driver: Any, cut: int) -> int | None:
+    """``_cut_busy_timeout`` on aiosqlite's connection, in one call of its adapter."""
     own = int((await driver.execute_fetchall("PRAGMA busy_timeout"))[0][0])
     if cut >= own:
         return None
