@@ -289,6 +289,15 @@ class InFlight(Generic[T]):
             self._undo(result)  # type: ignore[arg-type]
 
 
+def _seen_by_caller(yielded: Any) -> Any:
+    """What the driving caller's task waits on for a step of the work that yielded
+    ``yielded``: a future seen through ``_Uncancellable``, anything else (a bare yield) as
+    it is."""
+    if getattr(yielded, "_asyncio_future_blocking", None) is not None:
+        return _Uncancellable(yielded)
+    return yielded
+
+
 class _Uncancellable:
     """A future that the work waits on, as its driving caller's task sees it: that task's
     ``cancel()`` wakes the task at once with CancelledError, without cancelling the work's own
@@ -374,11 +383,7 @@ class _Driven:
         except BaseException:
             return
         while True:
-            waited = (
-                _Uncancellable(yielded)
-                if getattr(yielded, "_asyncio_future_blocking", None) is not None
-                else yielded
-            )
+            waited = _seen_by_caller(yielded)
             thrown: BaseException | None = None
             try:
                 yield waited
@@ -490,11 +495,7 @@ class _Bounded:
                 if self._expired:  # past the deadline, and the work waits again
                     spawn(_resumed(work, yielded, cancel=True), self._name)
                     raise asyncio.TimeoutError
-                waited = self._waited = (
-                    _Uncancellable(yielded)
-                    if getattr(yielded, "_asyncio_future_blocking", None) is not None
-                    else yielded
-                )
+                waited = self._waited = _seen_by_caller(yielded)
                 thrown: BaseException | None = None
                 try:
                     yield waited
