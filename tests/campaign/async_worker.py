@@ -18,11 +18,11 @@ from sqllocker.engine import resolve_url
 from tests.campaign import guarded, mutants, plan
 from tests.campaign.history import History, now
 from tests.campaign.sections import (
+    ChaosEnd,
     WorkerConfig,
     next_operation,
     outcome,
     parse_config,
-    wait_for_chaos_end,
 )
 from tests.workers import async_url
 
@@ -43,9 +43,10 @@ class AsyncWorker:
 
     async def run(self) -> None:
         self.history.record("start", incarnation=self.config.incarnation)
-        chaos_end = wait_for_chaos_end(self.config)
+        chaos_end = ChaosEnd(self.config)
+        chaos_end.wait()
         step = 0
-        while now() < chaos_end:
+        while now() < chaos_end.at():
             step += 1
             self.rng = plan.operation_rng(
                 self.config.seed, self.config.number, self.config.incarnation, step

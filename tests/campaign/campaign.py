@@ -44,6 +44,7 @@ from tests.stall_proxy import StallProxy
 ROOT = Path(__file__).resolve().parents[2]
 PR_SET_CHILD_SUBREAPER = 36
 CLONE_NEWTIME = 0x80
+WATCH_PERIOD = 0.5  # seconds between the checks of the history so far (--stop-on)
 
 
 class Workers:
@@ -118,6 +119,14 @@ class Workers:
         staging.write_text(f"{self.chaos_end!r}\n")
         staging.rename(self.chaos_end_file)
         return began
+
+    def end_chaos_now(self) -> None:
+        """Bring the moment the faults stop forward to now (the workers read it again before
+        each operation)."""
+        self.chaos_end = min(self.chaos_end, history.now())
+        staging = self.chaos_end_file.with_suffix(".new")
+        staging.write_text(f"{self.chaos_end!r}\n")
+        staging.rename(self.chaos_end_file)
 
     def step_clock_of(self, number: int, seconds: int) -> None:
         self.clock_steps[number] = seconds
@@ -259,9 +268,20 @@ def _run(
         nemesis = Nemesis(
             settings, history_path, db.url, workers.live, proxy, steps, snapshots.start, server
         )
+        watcher = None
+        if settings.stop_on:
+            watcher = threading.Thread(
+                target=_stop_on_violation,
+                args=(settings, history_path, began, workers, nemesis, stop),
+                name="watcher",
+                daemon=True,
+            )
+            watcher.start()
         nemesis.run(began, chaos_end)
         stop.set()
         supervisor.join()
+        if watcher is not None:
+            watcher.join()
         workers.wait(history.now() + 4 * settings.liveness_wait + 30)
         _end_descendants(server)
         taken = snapshots.finish(settings.expires + checker.NOBODY_SLACK + 1)
@@ -289,6 +309,34 @@ def _run(
         db.drop()
         shutil.rmtree(directory, ignore_errors=True)
     return violations
+
+
+def _stop_on_violation(
+    settings: plan.Settings,
+    history_path: Path,
+    began: float,
+    workers: Workers,
+    nemesis: Nemesis,
+    stop: threading.Event,
+) -> None:
+    """Check the history so far every ``WATCH_PERIOD``; once it shows a violation of one of
+    ``settings.stop_on``, end the faults now. The verdict is still the full check's, after
+    the liveness phase, on the whole history (which holds every violation seen here)."""
+    while not stop.wait(WATCH_PERIOD):
+        seen = [
+            violation
+            for violation in checker.early(history.read(history_path), settings, began)
+            if violation.check in settings.stop_on
+        ]
+        if seen:
+            print(
+                f"faults ended at {history.now() - began:.1f}s of {settings.seconds:g}s: "
+                f"[{seen[0].check}] seen",
+                flush=True,
+            )
+            workers.end_chaos_now()
+            nemesis.end_now()
+            return
 
 
 def boot_clock_ahead(seconds: int) -> Callable[[], None]:
@@ -368,6 +416,14 @@ def _gap(text: str) -> tuple[float, float]:
     return low, high
 
 
+def _stop_on(text: str | None, parser: argparse.ArgumentParser) -> tuple[str, ...]:
+    checks = tuple(text.split(",")) if text else ()
+    unknown = sorted(set(checks) - set(checker.EARLY_CHECKS))
+    if unknown:
+        parser.error(f"--stop-on: not checks that can end a campaign early: {unknown}")
+    return checks
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.campaign", description=__doc__)
     parser.add_argument("--backend", choices=["sqlite", "postgresql", "mysql"], required=True)
@@ -389,6 +445,11 @@ def main(argv: list[str] | None = None) -> int:
         help="run on a server of the campaign's own (not the suite's), which the nemesis "
         "restarts (needs root and the servers' binaries)",
     )
+    parser.add_argument(
+        "--stop-on",
+        help="comma-separated checks (of: " + ", ".join(checker.EARLY_CHECKS) + "): end the "
+        "faults as soon as the history so far shows a violation of one (default: never)",
+    )
     parser.add_argument("--keep", type=Path, help="copy the history and logs here")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1, 10**6)
@@ -403,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         mutant=args.mutant,
         fault_gap=_gap(args.fault_gap),
         private_server=args.private_server,
+        stop_on=_stop_on(args.stop_on, parser),
     )
     print(f"campaign: {settings.backend} seed {seed}, {settings.seconds:g}s", flush=True)
     return 1 if run(settings, args.keep) else 0

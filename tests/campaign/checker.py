@@ -129,6 +129,24 @@ def check(
     return Verdict(violations, checks)
 
 
+# The checks that more history cannot take back: a violation of one in the history so far is
+# one in the whole (holders and families only come, intervals only grow, and a break is
+# recorded before it is done). A campaign run with ``--stop-on`` runs them as it goes.
+EARLY_CHECKS = ("stale-holder", "exclusion", "semaphore", "run-exclusion")
+
+
+def early(events: list[Event], settings: plan.Settings, origin: float = 0.0) -> list[Violation]:
+    """The violations of ``EARLY_CHECKS`` in a history still being written."""
+    checks: Counter[str] = Counter()
+    holdings = _holdings(events)
+    return [
+        *_stale_holders(events, holdings, checks),
+        *_exclusion(holdings, checks, origin),
+        *_semaphore(holdings, checks),
+        *_run_families(events, settings, checks, origin),
+    ]
+
+
 # -- holdings -------------------------------------------------------------------------------
 
 

@@ -134,11 +134,11 @@ class Nemesis:
         self.operators: list[threading.Thread] = []
 
     def run(self, began: float, until: float) -> None:
-        """Inject the scheduled faults (offsets from ``began``) until ``until`` (monotonic),
-        then undo every one still in force."""
+        """Inject the scheduled faults (offsets from ``began``) until ``until`` (monotonic, or
+        sooner if ``end_now`` is called), then undo every one still in force."""
         pending = list(self.schedule)
         self.until = until
-        while now() < until:
+        while now() < self.until:
             self._undo_due(now())
             if pending and now() >= began + pending[0].offset:
                 fault = pending.pop(0)
@@ -149,6 +149,10 @@ class Nemesis:
                     self.pause()  # nothing for that kind to act on now (no lock held, say)
             time.sleep(0.02)
         self.stop()
+
+    def end_now(self) -> None:
+        """Stop injecting faults (from another thread): ``run`` undoes them and returns."""
+        self.until = min(self.until, now())
 
     def _choose(self, items: list[T]) -> T:
         return items[min(int(self._pick * len(items)), len(items) - 1)]

@@ -58,6 +58,9 @@ class Settings:
     mutant: str | None = None
     fault_gap: tuple[float, float] = (0.5, 2.5)
     private_server: bool = False  # a server of the campaign's own, which the nemesis restarts
+    # Violations of these checks (checker.EARLY_CHECKS) end the faults as soon as the history
+    # so far shows one (the campaigns against a broken library: what they must show is shown).
+    stop_on: tuple[str, ...] = ()
 
     @property
     def liveness_wait(self) -> float:

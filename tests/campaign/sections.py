@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import os
 import random
 import signal
 import time
@@ -45,19 +46,35 @@ class WorkerConfig:
         return json.dumps(self.__dict__)
 
 
-def wait_for_chaos_end(config: WorkerConfig) -> float:
-    """When the faults stop, once the campaign has written it: it starts its clock only when
-    every first worker is ready, so that slow starts (imports on a loaded machine) take no
-    time from the campaign."""
-    path = Path(config.chaos_end_file)
-    while True:
+class ChaosEnd:
+    """When the faults stop, as the campaign last wrote it (``chaos_end_file``, replaced whole
+    by a rename): read again whenever the file was replaced, since a campaign run with
+    ``--stop-on`` brings the end forward once its checker has seen what it was looking for."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.path = Path(config.chaos_end_file)
+        self.version: tuple[int, int] | None = None  # the file's inode and mtime, as read
+        self.moment = float("inf")
+
+    def wait(self) -> float:
+        """Once the campaign has written it: it starts its clock only when every first worker
+        is ready, so that slow starts (imports on a loaded machine) take no time from the
+        campaign."""
+        while self.at() == float("inf"):
+            time.sleep(0.05)
+        return self.moment
+
+    def at(self) -> float:
         try:
-            text = path.read_text()
+            status = os.stat(self.path)
+            version = (status.st_ino, status.st_mtime_ns)
+            if version != self.version:
+                text = self.path.read_text()
+                if text.endswith("\n"):
+                    self.version, self.moment = version, float(text)
         except FileNotFoundError:
-            text = ""
-        if text.endswith("\n"):
-            return float(text)
-        time.sleep(0.05)
+            pass
+        return self.moment
 
 
 def parse_config(argv: list[str] | None) -> WorkerConfig:
