@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -562,10 +563,34 @@ def start_churn(
             stderr=subprocess.PIPE,
             text=True,
         )
-        for _ in range(3)
+        for _ in range(CHURNERS)
     ]
     _HOLDERS.extend(processes)
     return processes
+
+
+CHURNERS = 3  # Perl processes in a churn
+CHURN_HOLDS = 3  # holds each churning process completes before and after what a test does
+
+
+def wait_for_churn(state: Path, after: float | None = None, timeout: float = 120) -> None:
+    """Until every churning Perl process has released ``CHURN_HOLDS`` locks (since the
+    monotonic moment ``after``): they are all taking and releasing locks then, whatever time
+    their start took on a loaded machine. A process that reports an error or ends fails it."""
+    log = state / "log"
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = log.read_text().splitlines() if log.exists() else []
+        assert not [line for line in lines if line.startswith("error ")], lines
+        released = Counter(
+            line.split()[4]
+            for line in lines
+            if line.startswith("release ") and (after is None or float(line.split()[3]) > after)
+        )
+        if len(released) == CHURNERS and min(released.values()) >= CHURN_HOLDS:
+            return
+        assert time.monotonic() < deadline, f"the churn stood still: {released}"
+        time.sleep(0.05)
 
 
 def check_churn(processes: list[subprocess.Popen[str]], state: Path) -> dict[str, int]:
@@ -611,14 +636,14 @@ def test_adoption_while_perl_locks_and_unlocks_never_hands_a_lock_twice(
     state = tmp_path / "state"
     state.mkdir()
     churn = start_churn(url, table_name, state, seconds=120)
-    time.sleep(2)
+    wait_for_churn(state)
     began = time.monotonic()  # CLOCK_MONOTONIC, as Perl's log
     code, output = sqllocker_cli(
         url, table_name, "migrate", "--adopt-dbix-locker", "--perl-tz", "UTC"
     )
     ended = time.monotonic()
     assert code == 0, output
-    time.sleep(1)
+    wait_for_churn(state, after=ended)
     counts = check_churn(churn, state)
     assert all(count > 0 for count in counts.values()), counts
     moments = [float(line.split()[3]) for line in (state / "log").read_text().splitlines()]
@@ -1068,7 +1093,7 @@ def test_an_adoption_killed_at_any_moment_hands_no_lock_twice_and_can_be_finishe
     state = tmp_path / "state"
     state.mkdir()
     churn = start_churn(url, table_name, state, seconds=120)
-    time.sleep(1)
+    wait_for_churn(state)
     adopt = ["migrate", "--adopt-dbix-locker", "--perl-tz", "UTC"]
     adoption = subprocess.Popen(
         [SQLLOCKER, "--url", url, "--table", table_name, *adopt],
@@ -1101,7 +1126,7 @@ def test_an_adoption_killed_at_any_moment_hands_no_lock_twice_and_can_be_finishe
             conn.exec_driver_sql(f"DROP {kind} {name}")
     else:
         pytest.fail(f"never adopted: {output}")
-    time.sleep(1)
+    wait_for_churn(state, after=time.monotonic())
     check_churn(churn, state)
     assert current_revision(db, table_name) == head_revision()
     locker = Locker(url, table=table_name)
