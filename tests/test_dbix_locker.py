@@ -41,6 +41,7 @@ from sqllocker.migrations import (
 )
 from sqllocker.schema import FOREIGN_CLOCK_MARGIN, version_table_for
 
+from . import forked_cli
 from .conftest import IN_CI
 from .test_cli import SQLLOCKER
 from .workers import async_url
@@ -202,13 +203,9 @@ def db(url: str, table_name: str) -> Iterator[sa.Engine]:
 
 
 def sqllocker_cli(url: str, table: str, *args: str) -> tuple[int, str]:
-    """The console script's exit status and what it printed (stdout, then stderr)."""
-    result = subprocess.run(
-        [SQLLOCKER, "--url", url, "--table", table, *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    """The console script's exit status and what it printed (stdout, then stderr); forked
+    from a server that imported it once (``tests/forked_cli.py``)."""
+    result = forked_cli.run(["--url", url, "--table", table, *args])
     return result.returncode, result.stdout + result.stderr
 
 
@@ -863,11 +860,8 @@ def run_suggested(
     }
     program, *words = shlex.split(command)
     assert program == "sqllocker"
-    return subprocess.run(
-        [SQLLOCKER, *(values.get(word, word) for word in words)],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    return forked_cli.run(
+        [values.get(word, word) for word in words],
         cwd=tmp_path,
         env={key: value for key, value in os.environ.items() if not key.startswith("SQLLOCKER")},
     )
