@@ -136,13 +136,15 @@ class PostgreSQLBackend(Backend):
         )
 
     def join_line(self, statements: StatementParts) -> TextualSelect:
-        """The table's ``queue_join``: the ticket, and whether the row is held."""
+        """The table's ``queue_join``: the ticket, and whether the row is held; a release
+        signs its grant to the ticket with ``:grant_key`` (``notifications.GrantKey``)."""
         # The function's name is the validated table's, in its quoted schema.
         return (
             sa.text(
                 f"SELECT j.ticket, j.held FROM {statements.function('queue_join')}("  # noqa: S608
                 "CAST(:ls AS varchar), CAST(:lock_guid AS varchar), CAST(:holder AS jsonb), "
-                "CAST(:ttl AS double precision), CAST(:liveness_key AS bigint)) AS j"
+                "CAST(:ttl AS double precision), CAST(:liveness_key AS bigint), "
+                "CAST(:grant_key AS bytea)) AS j"
             )
             .bindparams(sa.bindparam("holder", type_=statements.table.c.locked_by.type))
             .columns(sa.column("ticket", sa.BigInteger), sa.column("held", sa.Boolean))

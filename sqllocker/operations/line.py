@@ -27,6 +27,7 @@ class WaitingLine:
         details: dict[str, Any],
         liveness_key: int,
         replacing: bool = False,
+        grant_key: bytes | None = None,
     ) -> Joined:
         """Take a ticket for ``lockstring`` (``sqllocker.tickets``), alive while
         ``liveness_key`` is held: its number, and whether the row is held (where the backend
@@ -36,7 +37,10 @@ class WaitingLine:
         ``replacing``: an earlier attempt of this waiter's (``guid``) failed, and may have
         taken a ticket all the same, its answer lost with its connection; so may an attempt
         retried here. Such a ticket stays live, and would keep everyone behind it waiting (or,
-        where releases hand rows over, be handed one nobody claims): it is given up first."""
+        where releases hand rows over, be handed one nobody claims): it is given up first.
+
+        ``grant_key``: where releases hand rows over, the pads of the key a release signs its
+        grant to this ticket with (``notifications.GrantKey``)."""
         params = {
             "ls": lockstring,
             "lock_guid": guid,
@@ -44,6 +48,8 @@ class WaitingLine:
             "ttl": ttl,
             "liveness_key": liveness_key,
         }
+        if self._db.be.hands_over:
+            params["grant_key"] = grant_key
         earlier = {"ticket": None, "ls": lockstring, "lock_guid": guid, "give_back": False}
         attempted = replacing
 
