@@ -3,9 +3,11 @@
 Each Locker keeps one listening connection, on one thread (or task), shared by all its waiters.
 A release of a lockstring for which waiters hold tickets (``sqllocker.tickets``) hands the row
 to the first live ticket, and says so on ``sqllocker_<table>_granted`` with the new row's id:
-its waiter is found by the SHA-256 of its guid, given the Grant and woken, and believes it only
-once it has read the row back under its own guid (``LockOperations.claim_grant``). A
-notification proves nothing: any role that can connect can send one.
+its waiter is found by the SHA-256 of its guid, given the Grant and woken. Any role that can
+connect can send a notification, so one proves nothing by itself: the waiter believes it only
+if it is signed with the key of its own ticket (``GrantKey``; the key is in the owner-only
+requests table, and only the release trigger can sign with it), and reads the row back under
+its own guid where a grant is not signed at all (``LockOperations.claim_grant``).
 
 When the release cannot hand the row over, its trigger sends ``NOTIFY sqllocker_<table>,
 lockstring`` instead, which wakes the waiters that try the row: in each Locker the first of its
