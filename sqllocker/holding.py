@@ -63,15 +63,15 @@ def signed_grant(grant: Grant, key: GrantKey, ttl: float) -> Acquired | None:
     out of time already (then the row is read back, as an unsigned grant is: ``claim_grant``).
 
     The lock's validity counts from a start no later than the row's creation, as an acquire's
-    counts from before its statement was sent. The ticket was taken (``joined``, by the
-    server's ``clock_timestamp()``, not ``now()``: that is its transaction's start) after
-    ``key.since``, before the first join with the key was sent; the row was created
-    ``created - joined`` seconds of the server's clock later (``clock_timestamp()`` again: the
-    release's ``now()`` is its transaction's start, maybe long before). So the row was created
-    no earlier than ``key.since`` plus that many of our seconds, counted at ``1 - CLOCK_DRIFT``
-    of them should the server's clock run fast against ours, and no later than now (it exists
-    before its notification is heard): the start is capped at now, which bounds what a server
-    clock stepped forward between the two could add to the bound (to how late we hear)."""
+    counts from before its statement was sent. By the server's clock the row was created
+    ``created - joined`` seconds after our ticket was taken, and the ticket was taken after
+    ``key.since`` (before the first join with the key was sent). So on our clock the row was
+    created no earlier than ``key.since`` plus those seconds, counted at ``1 - CLOCK_DRIFT``
+    should the server's clock run fast against ours; and no later than now, as its
+    notification comes after it: capped at now, a server clock stepped forward between the
+    join and the grant moves the start no later than the moment we heard. Both times are the
+    server's ``clock_timestamp()``, when the statement ran: ``now()`` is when its transaction
+    began, for a release maybe long before its DELETE."""
     signed = grant.signed
     if signed is None or not key.signed(signed):
         return None
