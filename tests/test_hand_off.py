@@ -19,7 +19,9 @@ from sqllocker import tickets as ticketing
 from sqllocker.asyncio import AsyncLocker
 from sqllocker.attempts import Attempts
 from sqllocker.backoff import Backoff
+from sqllocker.engine import resolve_url
 from sqllocker.holding import safety_margin
+from sqllocker.migrations import current_revision, downgrade, upgrade
 from tests.helpers import (
     RawTicket,
     abandon,
@@ -729,3 +731,36 @@ async def test_an_async_waiter_believes_a_signed_grant_without_a_statement(
     await lock.unlock()
     holder.close()
     await waiter.aclose()
+
+
+def test_a_table_behind_revision_0003_hands_over_unsigned_grants_read_back(
+    postgresql_url: str,
+    table_name: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    slow_polling: None,
+) -> None:
+    """A table migrated before revision 0003 has a ``queue_join`` that takes no key: a waiter
+    takes its ticket without one (told once that the table is behind), and its grant, told
+    unsigned, is read back from the table before it is believed, as before."""
+    engine = sa.create_engine(resolve_url(postgresql_url))
+    upgrade(engine, table_name, "0002")
+    holder = Locker(postgresql_url, table=table_name, auto_create=False)
+    waiter = Locker(postgresql_url, table=table_name, auto_create=False)
+    read_back = no_read_back(waiter, monkeypatch)
+    try:
+        done = hand_off(holder, waiter, engine, table_name)
+        lock = done.lock
+        assert read_back == [lock.lock_id]
+        assert "behind revision 0003" in caplog.text
+        info = waiter.lock_info("report")
+        assert info is not None
+        assert (info.lock_id, info.expires) == (lock.lock_id, lock.expires)
+        assert lock._state.valid_until <= done.released + 20 - safety_margin(20)
+        lock.unlock()
+        assert current_revision(engine, table_name) == "0002"
+    finally:
+        holder.close()
+        waiter.close()
+        downgrade(engine, table_name)
+        engine.dispose()

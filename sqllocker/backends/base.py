@@ -177,6 +177,11 @@ class Backend:
         """Take a ticket (see ``Statements.join_line``)."""
         raise NotImplementedError(f"{self.name} has no tickets")
 
+    def join_line_unsigned(self, statements: StatementParts) -> ClauseElement:
+        """Take a ticket whose grant is not signed (see ``Statements.join_line_unsigned``):
+        where releases hand nothing over, the same as ``join_line``."""
+        return self.join_line(statements)
+
     def leave_line(self, statements: StatementParts) -> ClauseElement:
         """Give up a ticket (see ``Statements.leave_line``)."""
         raise NotImplementedError(f"{self.name} has no tickets")
@@ -260,6 +265,11 @@ class Backend:
 
     def is_missing_table(self, error: sa.exc.DBAPIError) -> bool:
         raise NotImplementedError
+
+    def is_missing_function(self, error: sa.exc.DBAPIError) -> bool:
+        """No function of that name takes those arguments: one of the table's, as an older
+        revision of its migrations made it (where the table has functions)."""
+        return False
 
     def is_read_only(self, error: sa.exc.DBAPIError) -> bool:
         """The server accepts no writes: a standby, or a primary demoted by a failover. The
