@@ -1009,7 +1009,9 @@ def test_a_renewal_that_lands_after_unlock_gave_up_revives_no_row(
     to reach it (here: a writer held it 1 s). A stuck renewal that reaches the database in
     between still finds the row live, and renewed it for a whole expiry period more: a row held
     by nobody, after unlock() said the lock was lost, and the renewal reported success. Its
-    revived row must be given back, and the renewal report the loss."""
+    revived row must be given back, and the renewal report the loss. (SQLite's busy timeout
+    is cut to the renewal's deadline, so here the renewal ends unanswered before the writer
+    commits; the give-back is reached on the servers, in the test below.)"""
     make_locker()  # creates the table
     blocker = sa.create_engine(resolve_url(url)).connect()
     expires = 3.0
