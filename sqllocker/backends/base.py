@@ -336,6 +336,14 @@ class Backend:
         raises, most often as for a lost connection; the connection is not used again."""
 
     @classmethod
+    def abandon(cls, dbapi_connection: Any, cursor: Any) -> None:
+        """Before ``dbapi_connection`` is closed in the middle of a lock operation (its caller
+        cancelled, or interrupted), ``cursor`` the one the operation used: end what it still
+        runs or has left unfinished, its writes rolled back, so that no lock in the database
+        outlives the close. On a server, closing the connection ends its session, and the
+        server rolls back: nothing to do. Never raises an ``Exception``."""
+
+    @classmethod
     def bound_waits(cls, dbapi_connection: Any, seconds: float) -> object | None:
         """Before a lock operation's statements on ``dbapi_connection`` that must end within
         ``seconds`` (``sqllocker.deadlines``): cut their waits for other connections' locks to
