@@ -1,4 +1,5 @@
-"""The real ``sqllocker`` console script, run in subprocesses, on every backend."""
+"""The ``sqllocker`` command line on every backend, each command in a process of its own: the
+console script itself where how a command starts or stops matters, else forked (``sqllocker``)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import sqlalchemy as sa
 
 from sqllocker import Locker
 from sqllocker.engine import resolve_url
+from tests import forked_cli
 from tests.helpers import abandon, migrate
 
 SQLLOCKER = str(Path(sys.executable).parent / "sqllocker")
@@ -28,18 +30,14 @@ Run = Callable[..., subprocess.CompletedProcess[str]]
 
 @pytest.fixture
 def sqllocker(url: str, table_name: str, tmp_path: Path) -> Run:
-    """Run the console script against this test's database and table."""
+    """Run a command to its end against this test's database and table, in a process of its
+    own forked from one that imported the command line once (``tests/forked_cli.py``): what
+    the command does, not how the console script starts, which the tests that start it with
+    ``popen`` (signals, process groups, a terminal) and ``tests/test_release.py`` cover."""
 
-    def run(
-        *args: str, timeout: float = 120, **options: object
-    ) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [SQLLOCKER, "--url", url, "--table", table_name, *args],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            cwd=tmp_path,
-            **options,  # type: ignore[call-overload]
+    def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return forked_cli.run(
+            ["--url", url, "--table", table_name, *args], cwd=tmp_path, timeout=timeout
         )
 
     return run
