@@ -116,6 +116,14 @@ def _sending_holder_json(process: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return send
 
 
+def _shown(values: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``values`` as the SQL log shows them: a ticket's grant key, with which anyone who can
+    NOTIFY could sign a grant to its waiter, is left out."""
+    if values.get("grant_key") is None:
+        return values
+    return {**values, "grant_key": "<secret>"}
+
+
 class Result:
     __slots__ = ("lastrowid", "rowcount", "rows")
 
@@ -225,7 +233,8 @@ class DriverSession:
         how many rows it changed."""
         assert self._one_call is not None
         if sql_logger.isEnabledFor(logging.DEBUG):
-            sql_logger.debug("%s %r", prepared.sql, values, extra={"sqllocker_values": values})
+            shown = _shown(values)
+            sql_logger.debug("%s %r", prepared.sql, shown, extra={"sqllocker_values": shown})
         try:
             return self._one_call(prepared.sql, prepared.parameters(values), prepared.returns_rows)
         except self.dialect.loaded_dbapi.Error as error:
@@ -235,7 +244,8 @@ class DriverSession:
         """Run ``prepared`` on the cursor: its rows as the driver returned them, if any."""
         cursor = self.cursor
         if sql_logger.isEnabledFor(logging.DEBUG):
-            sql_logger.debug("%s %r", prepared.sql, values, extra={"sqllocker_values": values})
+            shown = _shown(values)
+            sql_logger.debug("%s %r", prepared.sql, shown, extra={"sqllocker_values": shown})
         try:
             cursor.execute(prepared.sql, prepared.parameters(values))
             if prepared.returns_rows or cursor.description:

@@ -7,10 +7,16 @@ no stolen secret and no unbounded wait can come of it.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import itertools
+import logging
+import re
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta, timezone
 from urllib.parse import quote
 
 import psycopg
@@ -313,6 +319,175 @@ def test_a_dead_lockers_liveness_key_held_outside_the_protocol_delays_a_waiter_b
     assert 0.5 <= time.monotonic() - started < 3
     lock.unlock()
     locker.close()
+
+
+@pytest.fixture
+def monitor(postgresql_url: str) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
+    """A session of a monitoring role (``pg_read_all_stats``, which ``pg_monitor`` has): it sees
+    the statement every session runs or ran last in ``pg_stat_activity``, and no table."""
+    role = f"sqllocker_monitor_{uuid.uuid4().hex[:8]}"
+    database = sa.make_url(resolve_url(postgresql_url)).database
+    with connect(postgresql_url) as admin:
+        admin.execute(f"CREATE ROLE {role} LOGIN")
+        admin.execute(f"GRANT CONNECT ON DATABASE {database} TO {role}")
+        admin.execute(f"GRANT pg_read_all_stats TO {role}")
+    connection = connect(postgresql_url, user=role)
+    yield connection
+    connection.close()
+    with connect(postgresql_url) as admin:
+        admin.execute(f"DROP OWNED BY {role}")
+        admin.execute(f"DROP ROLE {role}")
+
+
+def signed_with(key: bytes, lock_id: int, digest: str, ttl: float) -> str:
+    """A grant as the release trigger writes it, for a row created now, signed with ``key``."""
+    now = datetime.now(timezone.utc).replace(tzinfo=None)
+    times = [now - timedelta(seconds=1), now, now + timedelta(seconds=ttl)]
+    said = " ".join([str(lock_id), digest, *(t.strftime("%Y-%m-%dT%H:%M:%S.%f") for t in times)])
+    return f"{said} {hmac.new(key, said.encode(), hashlib.sha256).hexdigest()}"
+
+
+@pytest.mark.parametrize("cursor_factory", [None, psycopg.ClientCursor])
+def test_a_role_that_sees_every_sessions_statement_cannot_sign_a_grant(
+    migrated_postgres: str,
+    table_name: str,
+    admin: sa.Engine,
+    monitor: psycopg.Connection[tuple[object, ...]],
+    intruder: psycopg.Connection[tuple[object, ...]],
+    cursor_factory: type[psycopg.ClientCursor[tuple[object, ...]]] | None,
+) -> None:
+    """A monitoring role reads every session's statement in ``pg_stat_activity``, and whoever
+    can connect can NOTIFY. A driver that writes a statement's parameters into its text
+    (psycopg's ClientCursor) would show a ticket's key there, to be signed with: a waiter on
+    such a connection takes its ticket without a key (its grant is told unsigned, and read
+    back); on one that binds them at the server the key is not in the text. Either way the
+    monitor finds no key to sign a grant with that the waiter believes."""
+    holder = Locker(migrated_postgres, table=table_name)
+    options = {} if cursor_factory is None else {"cursor_factory": cursor_factory}
+    engine = sa.create_engine(resolve_url(migrated_postgres), connect_args=options)
+    waiter = Locker(engine, table=table_name)
+    held = holder.lock("report")
+    seen: set[str] = set()
+    looking = threading.Event()
+
+    def look() -> None:  # what the monitor sees, the whole time the waiter takes its ticket
+        while not looking.is_set():
+            for (query,) in monitor.execute(
+                "SELECT query FROM pg_stat_activity "
+                "WHERE query LIKE '%queue_join%' AND pid <> pg_backend_pid()"
+            ):
+                seen.add(str(query))
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=look)
+    watcher.start()
+    try:
+        thread, result = wait_in_thread(waiter, wait=30)
+        in_line(admin, table_name)
+    finally:
+        looking.set()
+        watcher.join()
+    assert seen, "the monitor saw the waiter's join"
+    ((_lockstring, guid),) = tickets(admin, table_name)  # a digest, given away to be generous
+    pads = [
+        bytes.fromhex(found) for query in seen for found in re.findall(r"\\x([0-9a-f]{256})", query)
+    ]
+    keys = [bytes(byte ^ 0x36 for byte in pad[:32]) for pad in pads] or [bytes(32)]
+    for key in keys:
+        forged = signed_with(key, held.lock_id + 1, guid_digest(guid), waiter.expires)
+        intruder.execute("SELECT pg_notify(%s, %s)", (f"sqllocker_{table_name}_granted", forged))
+    time.sleep(1.0)
+    assert "lock" not in result, f"a grant signed with a key read from {seen} was believed"
+    assert pads == []
+    held.unlock()  # now a true hand-off
+    thread.join(10)
+    lock = result["lock"]
+    info = holder.lock_info("report")
+    assert info is not None
+    assert info.lock_id == lock.lock_id
+    lock.unlock()
+    holder.close()
+    waiter.close()
+    engine.dispose()
+
+
+@pytest.fixture
+def reader(postgresql_url: str) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
+    """A session of a role given ``pg_read_all_data`` (PostgreSQL 14+: backups, reporting): it
+    may read every table, and write none."""
+    role = f"sqllocker_reader_{uuid.uuid4().hex[:8]}"
+    database = sa.make_url(resolve_url(postgresql_url)).database
+    with connect(postgresql_url) as admin:
+        admin.execute(f"CREATE ROLE {role} LOGIN")
+        admin.execute(f"GRANT CONNECT ON DATABASE {database} TO {role}")
+        admin.execute(f"GRANT pg_read_all_data TO {role}")
+    connection = connect(postgresql_url, user=role)
+    yield connection
+    connection.close()
+    with connect(postgresql_url) as admin:
+        admin.execute(f"DROP OWNED BY {role}")
+        admin.execute(f"DROP ROLE {role}")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="pg_read_all_data reads <table>_requests, grant keys and guids included; with "
+    "NOTIFY (PUBLIC) that signs a grant to a waiter still in line",
+)
+def test_a_role_that_may_read_every_table_cannot_sign_a_grant(
+    migrated_postgres: str,
+    table_name: str,
+    admin: sa.Engine,
+    reader: psycopg.Connection[tuple[object, ...]],
+) -> None:
+    """A role that may read every table but write none (``pg_read_all_data``) cannot make a
+    waiter believe a grant it was not given: it reads no ticket's key."""
+    holder = Locker(migrated_postgres, table=table_name)
+    waiter = Locker(migrated_postgres, table=table_name)
+    held = holder.lock("report")
+    thread, result = wait_in_thread(waiter, wait=30)
+    in_line(admin, table_name)
+    try:
+        try:
+            rows = reader.execute(f"SELECT guid, grant_key FROM {table_name}_requests").fetchall()
+        except psycopg.errors.InsufficientPrivilege:
+            rows = []
+        for guid, pads in rows:
+            key = bytes(byte ^ 0x36 for byte in bytes(pads)[:32])  # type: ignore[arg-type]
+            forged = signed_with(key, held.lock_id + 1, guid_digest(str(guid)), waiter.expires)
+            reader.execute("SELECT pg_notify(%s, %s)", (f"sqllocker_{table_name}_granted", forged))
+        time.sleep(1.0)
+        assert "lock" not in result, "a grant signed with a key read from the tickets was believed"
+    finally:
+        held.unlock()
+        thread.join(10)
+        if "lock" in result:
+            result["lock"]._state.held = False  # a forged grant's row was never there
+        holder.close()
+        waiter.close()
+
+
+def test_the_sql_log_shows_no_grant_key(
+    migrated_postgres: str, table_name: str, admin: sa.Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The SQL log (``sqllocker.sql`` at DEBUG) shows each statement's values, but not a
+    ticket's grant key: with it, anyone who can NOTIFY could sign a grant to its waiter."""
+    caplog.set_level(logging.DEBUG, logger="sqllocker.sql")
+    holder = Locker(migrated_postgres, table=table_name)
+    waiter = Locker(migrated_postgres, table=table_name)
+    held = holder.lock("report")
+    thread, result = wait_in_thread(waiter, wait=30)
+    in_line(admin, table_name)
+    joins = [record for record in caplog.records if "queue_join" in record.getMessage()]
+    assert joins
+    for record in joins:
+        assert record.sqllocker_values["grant_key"] == "<secret>"  # type: ignore[attr-defined]
+        assert "<secret>" in record.getMessage()
+    held.unlock()
+    thread.join(10)
+    result["lock"].unlock()
+    holder.close()
+    waiter.close()
 
 
 def test_same_named_tables_in_two_schemas_have_keys_of_their_own(

@@ -271,6 +271,12 @@ class Backend:
         revision of its migrations made it (where the table has functions)."""
         return False
 
+    def binds_in_text(self, dbapi_connection: Any) -> bool:
+        """Whether ``dbapi_connection``'s driver writes a statement's parameters into the
+        statement's text, where the server shows them to others (where releases hand rows
+        over: see ``PostgreSQLBackend.binds_in_text``)."""
+        return False
+
     def is_read_only(self, error: sa.exc.DBAPIError) -> bool:
         """The server accepts no writes: a standby, or a primary demoted by a failover. The
         connection is dropped and the operation tried again on a fresh one, which a URL naming

@@ -318,6 +318,22 @@ class PostgreSQLBackend(Backend):
     def is_missing_function(self, error: sa.exc.DBAPIError) -> bool:
         return _sqlstate(error) == "42883"  # undefined_function
 
+    def binds_in_text(self, dbapi_connection: Any) -> bool:
+        """Whether the driver writes a statement's parameters into its text, which
+        ``pg_stat_activity`` shows to the role's other sessions and to ``pg_read_all_stats``
+        (``pg_monitor``): psycopg's ClientCursor, or a driver not known to bind them at the
+        server. A ticket's grant key, with which anyone who can NOTIFY could sign a grant, is
+        never sent so."""
+        driver = getattr(dbapi_connection, "driver_connection", dbapi_connection)
+        if not type(driver).__module__.startswith("psycopg"):
+            return True
+        import psycopg  # the driver's own module, loaded already
+
+        factory = getattr(driver, "cursor_factory", None)
+        return not isinstance(factory, type) or issubclass(
+            factory, (psycopg.ClientCursor, psycopg.AsyncClientCursor)
+        )
+
     def is_read_only(self, error: sa.exc.DBAPIError) -> bool:
         # read_only_sql_transaction: a standby, or a session opened read-only
         return _sqlstate(error) == "25006"

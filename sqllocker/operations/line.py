@@ -24,6 +24,8 @@ class WaitingLine:
         # grants come unsigned, and are read back, until the table is migrated and this
         # process starts again.
         self._unsigned = False
+        # Told once that the driver would show a ticket's key in the statement's text.
+        self._in_text = False
 
     def join_line(
         self,
@@ -83,6 +85,16 @@ class WaitingLine:
         if not be.hands_over:
             return conn.execute(sql.join_line, unsigned)
         if signed is None or self._unsigned:
+            return conn.execute(sql.join_line_unsigned, unsigned)
+        if be.binds_in_text(conn.dbapi_connection):
+            if not self._in_text:
+                self._in_text = True
+                logger.warning(
+                    "the driver writes parameters into the statement's text (psycopg's "
+                    "ClientCursor?), which pg_stat_activity shows: hand-offs from %s are read "
+                    "back from the table, their tickets taken without a key",
+                    self._db.table_name,
+                )
             return conn.execute(sql.join_line_unsigned, unsigned)
         try:
             return conn.execute(sql.join_line, signed)
