@@ -128,17 +128,27 @@ def test_transient_renewal_errors_are_retried(
     lost = LostCalls()
     lock = locker.lock("job", expires=1.5, keep_alive=True, on_lost=lost)
     real_extend = locker._operations.extend
+    first_deadline = lock._state.valid_until
     failures = {"left": 2}
+    renewals: list[object] = []
+    renewed = threading.Event()
 
     def flaky(*args: Any) -> Any:
         if failures["left"]:
             failures["left"] -= 1
             raise DatabaseError("simulated hiccup")
-        return real_extend(*args)
+        result = real_extend(*args)
+        renewals.append(result)
+        if len(renewals) == 2:
+            renewed.set()
+        return result
 
     monkeypatch.setattr(locker._operations, "extend", flaky)
-    time.sleep(3.5)  # more than two expiry periods
+    # Two renewals after the two failures: retried, and kept on its schedule after. One too
+    # late would have found the lock lost instead.
+    assert renewed.wait(10)
     assert failures["left"] == 0
+    assert lock._state.valid_until > first_deadline
     assert lost.calls == []
     assert lock.is_valid()
     assert any("could not renew" in record.getMessage() for record in caplog.records)
