@@ -191,20 +191,30 @@ def test_a_holder_stopped_past_expiry_and_taken_over_is_told_once_whoever_finds_
     holder's unlock() runs as soon as it resumes, racing its own keep-alive thread, which wakes
     at the same moment: whichever finds the loss first, on_lost is called once."""
     contender = make_locker(grace=GRACE)
-    for trial in range(4):
-        holder = Holder(url, contender.table_name, "job", "--expires", "1", "--keep-alive")
-        try:
+    # Four trials, each on a lock of its own: their holders start, and are stopped past their
+    # locks' expiry, together; each is then taken over and resumed in turn.
+    holders = [
+        Holder(url, contender.table_name, f"job {trial}", "--expires", "1", "--keep-alive")
+        for trial in range(4)
+    ]
+    try:
+        for holder in holders:
             holder.read()
+        for holder in holders:
             holder.process.send_signal(signal.SIGSTOP)
-            new = contender.lock("job", wait=30)
+        for trial, holder in enumerate(holders):
+            new = contender.lock(f"job {trial}", wait=30)
             holder.send("unlock")  # read the moment it resumes
             holder.process.send_signal(signal.SIGCONT)
             report = holder.read()
-        finally:
+            assert report["unlock"] == "LockLost", f"trial {trial}"
+            assert report["on_lost_called"] == 1, f"trial {trial}"
+            new.unlock()
+    finally:
+        for holder in holders:
+            with contextlib.suppress(ProcessLookupError):
+                holder.process.send_signal(signal.SIGCONT)
             holder.finish()
-        assert report["unlock"] == "LockLost", f"trial {trial}"
-        assert report["on_lost_called"] == 1, f"trial {trial}"
-        new.unlock()
 
 
 # -- 3. database restarted ------------------------------------------------------------------------
