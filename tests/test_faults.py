@@ -239,7 +239,9 @@ def test_database_restart_never_gives_two_holders_or_reuses_an_id(
     contender = Locker(url, grace=GRACE)
     lost: list[str] = []
     locks = [
-        holder.lock(f"job {n}", expires=3, keep_alive=True, on_lost=lambda e: lost.append(str(e)))
+        holder.lock(
+            f"job {n}", expires=3, keep_alive=True, on_lost=lambda e: lost.append(str(e.lockstring))
+        )
         for n in range(3)
     ]
     highest_before = max(lock.lock_id for lock in locks)
@@ -248,7 +250,15 @@ def test_database_restart_never_gives_two_holders_or_reuses_an_id(
     time.sleep(1.0)
     private_server.start()
     downtime = time.monotonic() - down_at
-    time.sleep(4)  # more than an expiry period: renewals must have resumed, or losses be known
+    # Until each lock has been renewed since the server came back, or its holder told it is
+    # lost (at its deadline, less than an expiry period away).
+    deadlines = [lock._state.valid_until for lock in locks]
+    wait_until(
+        lambda: all(
+            lock.lockstring in lost or lock._state.valid_until > deadline
+            for lock, deadline in zip(locks, deadlines, strict=True)
+        )
+    )
     survived = [lock for lock in locks if lock.is_valid()]
     for lock in locks:
         stolen = contender.try_lock(lock.lockstring)
