@@ -226,17 +226,26 @@ def private_server(request: pytest.FixtureRequest) -> Iterator[Any]:
         yield server
 
 
+@pytest.fixture(scope="module", params=["postgresql", "mysql"])
+def restartable_server(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A private server that the tests restart as they go, started once for all of them: each
+    leaves it running, and each has a table of its own."""
+    with running_private_server(request.param) as server:
+        yield server
+
+
 @pytest.mark.parametrize("crash", [False, True], ids=["clean", "crash"])
 def test_database_restart_never_gives_two_holders_or_reuses_an_id(
-    private_server: Any, crash: bool
+    restartable_server: Any, crash: bool, table_name: str
 ) -> None:
+    private_server = restartable_server
     url = private_server.url
     engine = sa.create_engine(resolve_url(url))
-    lock_table("semaphores").create(engine)
+    lock_table(table_name).create(engine)
     backend = engine.dialect.name
     engine.dispose()
-    holder = Locker(url, grace=GRACE)
-    contender = Locker(url, grace=GRACE)
+    holder = Locker(url, table=table_name, grace=GRACE)
+    contender = Locker(url, table=table_name, grace=GRACE)
     lost: list[str] = []
     locks = [
         holder.lock(
