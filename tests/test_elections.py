@@ -160,7 +160,9 @@ def _renewed(locker: Locker, term: int) -> None:
 
 
 def _observed(state: Path) -> list[int | None]:
-    return [record["term"] for records in _records(state, "observer").values() for record in records]
+    return [
+        record["term"] for records in _records(state, "observer").values() for record in records
+    ]
 
 
 def _was_valid(state: Path, term: int) -> bool:
@@ -190,9 +192,7 @@ def test_five_candidates_one_valid_leader_through_a_kill_and_a_stop(
     stopped: int | None = None
     try:
         # Watching before the first term begins (its first line says: no leader yet).
-        wait_until(
-            lambda: "\n" in "".join(p.read_text() for p in tmp_path.glob("observer-*")), 60
-        )
+        wait_until(lambda: "\n" in "".join(p.read_text() for p in tmp_path.glob("observer-*")), 60)
         go.touch()
         killed_pid, killed_term = _leader_pid(locker, 0, 60)
         _renewed(locker, killed_term)  # killed with its lead kept alive past its start
