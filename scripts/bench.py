@@ -977,8 +977,9 @@ def performance_page(results: dict[str, Any]) -> str:
             *_table(header, "--::::::::", cells),
             "",
             "Waiters queue on every backend. On PostgreSQL each takes a ticket, and the release",
-            "hands the row to the first in its own transaction; that waiter reads its row back",
-            "before it believes the notification. On MariaDB each takes a ticket too, and the",
+            "hands the row to the first in its own transaction; that waiter believes the",
+            "notification, signed with a key only the trigger can read, without a round trip.",
+            "On MariaDB each takes a ticket too, and the",
             "first waiter of each process polls the row, so a turn pays the poll's lag and two",
             "durable commits (see the flushes below), where `GET_LOCK` itself pays none. On",
             "SQLite they queue in the kernel, on a byte of a file beside the database that the",
@@ -1013,6 +1014,13 @@ def performance_page(results: dict[str, Any]) -> str:
             "against just before it, and the connections of a process holding many kept-alive",
             "locks.",
         ]
+        if results.get("scale_measured_at"):  # carried over from an earlier run
+            lines += [
+                "",
+                f"Measured on {results['scale_measured_at']}, timing the code of commit",
+                f"`{results.get('scale_commit') or '?'}`, by an earlier run than the rows above",
+                "(`scripts/bench.py --skip scale` keeps them): compare them with each other only.",
+            ]
         cells = [
             [BACKEND_NAMES[row["backend"]], row["row"],
              f"{row['value']:,.0f}" if row["value"] >= 100 else f"{row['value']:.2f}",
@@ -1132,7 +1140,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small counts: about a minute")
     parser.add_argument("--backends", default="sqlite,postgresql,mysql")
-    parser.add_argument("--skip", default="", help="comma-separated: contended,scale")
+    parser.add_argument(
+        "--skip", default="", help="comma-separated: contended,scale (scale: OUT/bench.json's kept)"
+    )
     parser.add_argument("--out", default="bench-results")
     parser.add_argument("--render-only", action="store_true", help="from OUT/bench.json")
     parser.add_argument("--only", choices=["otel"], help="these rows alone, into OUT/bench.json")
@@ -1154,11 +1164,27 @@ def main() -> int:
         out.mkdir(parents=True, exist_ok=True)
         for leftover in out.glob("bench.db*"):
             leftover.unlink()  # a file of an earlier run keeps the page size it was made with
-        results = measure(backends, profile, set(args.skip.split(",")), args.quick)
+        skip = set(args.skip.split(","))
+        earlier = out / "bench.json"
+        kept = json.loads(earlier.read_text()) if earlier.exists() else {}
+        results = carry_over(kept, measure(backends, profile, skip, args.quick), skip)
     for backend in backends:  # whatever was skipped, nothing is left on the servers
         drop_table(URLS[backend], TABLE)
     report(results, out)
     return 0
+
+
+def carry_over(earlier: dict[str, Any], results: dict[str, Any], skip: set[str]) -> dict[str, Any]:
+    """``results`` with what an earlier run's ``earlier`` measured that this run did not: the
+    rows measured alone (``--only``), and the scale rows where ``skip`` has them, each with
+    when and on what code they were measured."""
+    carried = ["otel", "otel_measured_at", "otel_quick"]
+    if "scale" in skip and earlier.get("scale"):
+        earlier = dict(earlier)
+        earlier.setdefault("scale_measured_at", earlier.get("measured_at"))
+        earlier.setdefault("scale_commit", earlier.get("commit"))
+        carried += ["scale", "scale_measured_at", "scale_commit"]
+    return {**results, **{key: earlier[key] for key in carried if key in earlier}}
 
 
 def measure(backends: list[str], profile: Profile, skip: set[str], quick: bool) -> dict[str, Any]:

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from . import clock, forks
 from .errors import LockError, LockLost
 from .finaliser import Finaliser
+from .notifications import Grant, GrantKey
+from .operations import Acquired
 from .schema import to_utc
 from .telemetry import NO_HOLD, Hold
 
@@ -51,6 +53,38 @@ def safety_margin(ttl: float) -> float:
     """How long before the row's expiry a holder stops trusting its lock: a second plus the
     drift our clock may gather over the expiry period, and never more than a tenth of it."""
     return min(ttl / 10, 1.0 + ttl * CLOCK_DRIFT)
+
+
+def signed_grant(grant: Grant, key: GrantKey, ttl: float) -> Acquired | None:
+    """The row a release's grant names, believed without reading it back: its notification is
+    signed with ``key``, which only the release trigger (running with the table owner's rights)
+    can read, and says when our ticket was taken and the row's times. None if it is not so
+    signed (a forgery, a grant to a ticket of another key), or if the lock it grants would be
+    out of time already (then the row is read back, as an unsigned grant is: ``claim_grant``).
+
+    The lock's validity counts from a start no later than the row's creation, as an acquire's
+    counts from before its statement was sent. By the server's clock the row was created
+    ``created - joined`` seconds after our ticket was taken, and the ticket was taken after
+    ``key.since`` (before the first join with the key was sent). So on our clock the row was
+    created no earlier than ``key.since`` plus those seconds, counted at ``1 - CLOCK_DRIFT``
+    should the server's clock run fast against ours; and no later than now, as its
+    notification comes after it: capped at now, a server clock stepped forward between the
+    join and the grant moves the start no later than the moment we heard. Both times are the
+    server's ``clock_timestamp()``, when the statement ran: ``now()`` is when its transaction
+    began, for a release maybe long before its DELETE."""
+    signed = grant.signed
+    if signed is None or not key.signed(signed):
+        return None
+    now = clock.now()
+    waited = max(0.0, (signed.created - signed.joined).total_seconds())
+    start = min(key.since + waited * (1 - CLOCK_DRIFT), now)
+    # A row given less than ttl (never, by our own trigger): its deadline comes as much sooner.
+    start -= max(0.0, ttl - (signed.expires - signed.created).total_seconds())
+    if start + ttl - safety_margin(ttl) <= now:
+        return None
+    acquired = Acquired(grant.lock_id, signed.created, signed.expires)
+    acquired.sent_at = start
+    return acquired
 
 
 class Holding:

@@ -54,3 +54,36 @@ def drop_functions(table: str, signatures: Sequence[str]) -> None:
     """Drop the functions ``signatures`` name (``{table}`` stands for the table's name)."""
     for signature in signatures:
         op.execute(f"DROP FUNCTION {signature.format(table=table)}")
+
+
+def carry_execute_grants(table: str, old_signature: str, new_signature: str) -> None:
+    """Grant EXECUTE on the function ``new_signature`` to every role that has it on
+    ``old_signature`` (but PUBLIC and the owner), with the grant option where it had it: a
+    function whose arguments change is a new function, and one dropped takes its grants along.
+    ``{table}`` stands for the table's name in both."""
+    old = old_signature.format(table=table)
+    new = new_signature.format(table=table)
+    # The signatures are the migrations' own, written out as dollar-quoted literals; the
+    # grantees' names are quoted by format's %I.
+    op.execute(
+        f"""
+        DO $$
+        DECLARE
+            granted record;
+        BEGIN
+            FOR granted IN
+                SELECT r.rolname, a.is_grantable
+                  FROM pg_catalog.pg_proc AS p,
+                       LATERAL pg_catalog.aclexplode(p.proacl) AS a
+                  JOIN pg_catalog.pg_roles AS r ON r.oid OPERATOR(pg_catalog.=) a.grantee
+                 WHERE p.oid OPERATOR(pg_catalog.=) $sig${old}$sig$::pg_catalog.regprocedure
+                   AND a.privilege_type OPERATOR(pg_catalog.=) 'EXECUTE'::text
+                   AND a.grantee OPERATOR(pg_catalog.<>) p.proowner
+            LOOP
+                EXECUTE pg_catalog.format(
+                    'GRANT EXECUTE ON FUNCTION %s TO %I%s', $sig${new}$sig$, granted.rolname,
+                    CASE WHEN granted.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
+            END LOOP;
+        END
+        $$"""  # noqa: S608
+    )

@@ -3,9 +3,11 @@
 Each Locker keeps one listening connection, on one thread (or task), shared by all its waiters.
 A release of a lockstring for which waiters hold tickets (``sqllocker.tickets``) hands the row
 to the first live ticket, and says so on ``sqllocker_<table>_granted`` with the new row's id:
-its waiter is found by the SHA-256 of its guid, given the Grant and woken, and believes it only
-once it has read the row back under its own guid (``LockOperations.claim_grant``). A
-notification proves nothing: any role that can connect can send one.
+its waiter is found by the SHA-256 of its guid, given the Grant and woken. Any role that can
+connect can send a notification, so one proves nothing by itself: the waiter believes it only
+if it is signed with the key of its own ticket (``GrantKey``; the key is in the owner-only
+requests table, and only the release trigger can sign with it), and reads the row back under
+its own guid where a grant is not signed at all (``LockOperations.claim_grant``).
 
 When the release cannot hand the row over, its trigger sends ``NOTIFY sqllocker_<table>,
 lockstring`` instead, which wakes the waiters that try the row: in each Locker the first of its
@@ -21,10 +23,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import hmac
 import logging
+import os
 import threading
 from collections import defaultdict, deque
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any, Generic, TypeVar
 
 logger = logging.getLogger("sqllocker")
@@ -33,12 +38,28 @@ Event = TypeVar("Event", threading.Event, asyncio.Event)
 
 
 @dataclass(frozen=True)
+class Signed:
+    """What a grant's notification says besides the row's id, signed by the release trigger
+    with the ticket's key: when the ticket was taken and the new row's times, by the server's
+    clock (``message``: the text signed; ``mac``: its HMAC-SHA256 in hex, as sent)."""
+
+    joined: datetime
+    created: datetime
+    expires: datetime
+    message: bytes
+    mac: str
+
+
+@dataclass(frozen=True)
 class Grant:
     """What a hand-off notification claims: a release inserted row ``lock_id`` for the head of
-    a queue whose guid has the SHA-256 ``digest``. To be read back before it is believed."""
+    a queue whose guid has the SHA-256 ``digest``. Believed only if ``signed`` with the key
+    its head gave with its ticket (``GrantKey.signed``), or once read back from the table where
+    it is not signed at all (a ticket taken without a key)."""
 
     lock_id: int
     digest: str
+    signed: Signed | None = None
 
 
 def guid_digest(guid: str) -> str:
@@ -48,15 +69,55 @@ def guid_digest(guid: str) -> str:
     return hashlib.sha256(guid.encode()).hexdigest()
 
 
+def _utc(text: str) -> datetime:
+    return datetime.fromisoformat(text).replace(tzinfo=timezone.utc)
+
+
 def parse_grant(payload: str) -> Grant | None:
-    """The Grant in a ``sqllocker_<table>_granted`` payload (``<id> <digest>``), or None if it
-    is not one."""
-    lock_id, _, digest = payload.partition(" ")
+    """The Grant in a ``sqllocker_<table>_granted`` payload, or None if it is not one: ``<id>
+    <digest>`` (unsigned), or ``<id> <digest> <joined> <created> <expires> <hmac>``, the times
+    UTC to the microsecond (signed: see migration 0003)."""
+    fields = payload.split(" ")
     try:
-        return Grant(int(lock_id), digest)
+        if len(fields) == 2:
+            return Grant(int(fields[0]), fields[1])
+        if len(fields) == 6:
+            signed = Signed(
+                _utc(fields[2]),
+                _utc(fields[3]),
+                _utc(fields[4]),
+                payload[: payload.rindex(" ")].encode(),
+                fields[5],
+            )
+            return Grant(int(fields[0]), fields[1], signed)
     except ValueError:
-        logger.warning("ignored a malformed hand-off notification: %r", payload[:100])
-        return None
+        pass
+    logger.warning("ignored a malformed hand-off notification: %r", payload[:100])
+    return None
+
+
+class GrantKey:
+    """A waiter's secret for the grants of its tickets: 32 random bytes, given to the ticket's
+    ``queue_join`` as its HMAC-SHA256 pads (``pads``: ``K xor ipad || K xor opad``), kept by
+    the server where only the table's owner can read it, and deleted with the ticket. Only the
+    release trigger (which runs with the owner's rights) can sign a grant with it.
+
+    ``since``: the monotonic time before the first ticket taken with it was sent (the conservative
+    start of a grant's validity counts from it: ``sqllocker.operations.acquire.signed_grant``).
+    """
+
+    __slots__ = ("_key", "pads", "since")
+
+    def __init__(self, since: float) -> None:
+        self._key = os.urandom(32)
+        padded = self._key.ljust(64, b"\0")
+        self.pads = bytes(byte ^ 0x36 for byte in padded) + bytes(byte ^ 0x5C for byte in padded)
+        self.since = since
+
+    def signed(self, signed: Signed) -> bool:
+        """Whether ``signed`` bears this key's HMAC (compared in constant time)."""
+        expected = hmac.new(self._key, signed.message, hashlib.sha256).hexdigest()
+        return hmac.compare_digest(expected.encode(), signed.mac.encode())
 
 
 class Waiter(Generic[Event]):

@@ -124,6 +124,12 @@ class Statements:
         return self.backend.join_line(self)
 
     @cached_property
+    def join_line_unsigned(self) -> ClauseElement:
+        """``join_line`` without ``:grant_key``: a ticket whose grant is not signed, where the
+        table's ``queue_join`` is older than the key (PostgreSQL, revision 0002 and before)."""
+        return self.backend.join_line_unsigned(self)
+
+    @cached_property
     def leave_line(self) -> ClauseElement:
         """Gives up the ticket ``:ticket`` of ``:ls`` and ``:lock_guid`` (a NULL ticket: every
         one of theirs); PostgreSQL's, with ``:give_back``, also gives back a row granted to it,

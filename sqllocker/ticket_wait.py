@@ -16,15 +16,15 @@ from typing import Any
 
 from sqlalchemy.engine import Engine
 
-from . import concurrency, tickets
+from . import clock, concurrency, tickets
 from .acquiring import Winnings
 from .attempts import Attempts, wait_out
 from .backoff import Backoff
 from .errors import DatabaseError
-from .holding import OnLost
+from .holding import OnLost, signed_grant
 from .listener import ReleaseListener
 from .lock import Call, Lock
-from .notifications import guid_digest
+from .notifications import Grant, GrantKey, guid_digest
 from .operations import Acquired, LockOperations, Refused
 from .tickets import LOOK_AGAIN, NEWCOMER, LocalLine, Ticket
 
@@ -111,6 +111,9 @@ class TicketWait:
         free_since: float | None = None  # in line, refused a free row by a ticket ahead
         # A join failed, and may have taken a ticket all the same, kept alive by this key.
         unsure: int | None = None
+        # What a release signs its grant to our ticket with: a new one for each ticket, but
+        # for one that replaces a ticket whose join failed (that one may have been granted).
+        grant_key: GrantKey | None = None
         doubled = False  # a ticket of ours may have been handed a row ahead of ``ticket``
         rejoining = False  # our dead ticket given up, the next of our line not yet woken
         outcome: Lock | None = None  # ours, once won by an attempt or handed over
@@ -136,9 +139,11 @@ class TicketWait:
                         rejoining = False  # nothing to take a ticket with: the next tries too
                         line.wake_first(lockstring)
                     if ticket is None and gate is None and key is not None:
+                        if grant_key is None or unsure is None:
+                            grant_key = GrantKey(clock.now())
                         try:
                             ticket, held, replaced = self._join_line(
-                                lockstring, guid, ttl, details, key, unsure is not None
+                                lockstring, guid, ttl, details, key, unsure is not None, grant_key
                             )
                         except DatabaseError as error:
                             unsure = key
@@ -209,9 +214,7 @@ class TicketWait:
                         delay = LOOK_AGAIN if remaining is None else min(LOOK_AGAIN, remaining)
                     concurrency.wait(waiter.event, delay)
                     if waiter.grant is not None and ticket is not None:
-                        claimed: Acquired | None = self._call(
-                            self._operations.claim_grant, lockstring, waiter.grant.lock_id, guid
-                        )
+                        claimed = self._claim(lockstring, guid, ttl, waiter.grant, grant_key)
                         if claimed is not None:
                             if not doubled:  # else given up below: it may be the one left
                                 line.leave(ticket)
@@ -237,6 +240,34 @@ class TicketWait:
                 self._give_up(ticket, guid, outcome is None)
             elif unsure is not None:  # and, without the lock, a row handed to it goes back
                 self._give_up_every(lockstring, unsure, guid, outcome is None)
+
+    def _claim(
+        self, lockstring: str, guid: str, ttl: float, grant: Grant, key: GrantKey | None
+    ) -> Acquired | None:
+        """The row ``grant`` says a release inserted for us, if it is so: signed with ``key``,
+        the key of our ticket, it is believed as it comes (``holding.signed_grant``); not
+        signed at all (a ticket taken by an older release of sqllocker's), it is read back
+        from the table (``LockOperations.claim_grant``). A grant signed with another key is
+        not ours, or not ours to keep: ignored."""
+        signed = grant.signed
+        if signed is not None:
+            acquired = None if key is None else signed_grant(grant, key, ttl)
+            if acquired is not None:
+                logger.debug("acquired %r (id %d), handed over", lockstring, grant.lock_id)
+                return acquired
+            if key is None or not key.signed(signed):
+                logger.warning(
+                    "a hand-off notification for %r (id %d) is not signed with its ticket's "
+                    "key; ignored",
+                    lockstring,
+                    grant.lock_id,
+                )
+                return None
+            # Ours, but heard too late to count on without the table's word.
+        claimed: Acquired | None = self._call(
+            self._operations.claim_grant, lockstring, grant.lock_id, guid
+        )
+        return claimed
 
     def _give_up(self, ticket: Ticket, guid: str, give_back: bool, wake_next: bool = True) -> None:
         """Give up ``ticket`` (``_leave_line``), then wake the next waiter of this Locker (if
@@ -297,11 +328,13 @@ class TicketWait:
         details: dict[str, Any],
         key: int,
         replacing: bool,
+        grant_key: GrantKey,
     ) -> tuple[Ticket, bool, bool]:
         """A ticket for ``lockstring``, alive while ``key`` is held, whether the row is held,
         and whether an earlier one may have been handed it (``LockOperations.join_line``;
-        ``replacing`` an earlier one that may stand)."""
-        join = (lockstring, guid, ttl, details, key, replacing)
+        ``replacing`` an earlier one that may stand); a release signs its grant to it with
+        ``grant_key``."""
+        join = (lockstring, guid, ttl, details, key, replacing, grant_key.pads)
         number, held, replaced = self._operations.join_line(*join)
         return Ticket(lockstring, number, key), held, replaced
 

@@ -14,12 +14,18 @@ the waiter ahead of it in its Locker's line has its new ticket.
 **PostgreSQL hands the row over.** A ticket there also holds what a release needs to insert
 the waiter's row for it (guid, holder details, expiry period; the table's ``queue_join``). The
 release's trigger inserts the row for the lowest live ticket in the release's own transaction,
-deletes that ticket, and says so by NOTIFY with the new row's id and the SHA-256 of the
-waiter's guid; the waiter reads its row back by id and guid before it believes it (anyone who
-can connect can send a NOTIFY). A release cannot always grant: the id-order key it needs may be
-held by an acquirer's INSERT, or the holder's row may expire instead of being released. So the
-first waiter of each Locker (below) also tries the row at a slow backoff, and at the moment the
-holder's row can be taken over.
+deletes that ticket, and says so by NOTIFY with the new row's id, the SHA-256 of the waiter's
+guid (which finds the waiter) and the row's times, signed with a key the waiter gave with its
+ticket (``notifications.GrantKey``), which only the trigger can read: anyone who can connect
+can send a NOTIFY, but only the trigger can sign one, so the waiter believes a grant signed
+with its key without reading its row back (``holding.signed_grant``). A waiter takes a new
+key with each ticket but one that replaces a ticket whose join failed (which a release may
+have granted the row to): a ticket whose row it gave back (``queue_leave``) took its key along.
+
+A release cannot always grant: the id-order key it needs may be held by an acquirer's INSERT,
+or the holder's row may expire instead of being released. So the first waiter of each Locker
+(below) also tries the row at a slow backoff, and at the moment the holder's row can be taken
+over.
 
 **MySQL/MariaDB polls.** There is no trigger that can insert into its own table, and no NOTIFY:
 the first waiter of each Locker polls the row, reading it before any INSERT, at a quarter of

@@ -92,3 +92,21 @@ def test_the_performance_page_is_what_the_benchmark_wrote() -> None:
     docs = Path(__file__).resolve().parents[1] / "docs"
     results = json.loads((docs / "bench.json").read_text())
     assert (docs / "performance.md").read_text() == bench.performance_page(results)
+
+
+def test_a_run_that_skips_the_scale_rows_keeps_the_earlier_ones_with_their_date() -> None:
+    earlier = {
+        "measured_at": "2026-11-28 07:44 UTC",
+        "commit": "ab221b8",
+        "scale": [{"backend": "sqlite", "row": "1 process(es)", "value": 10.0, "detail": "x"}],
+        "otel": [{"backend": "sqlite"}],
+        "otel_measured_at": "2026-11-29 04:19 UTC",
+    }
+    now = {"measured_at": "2026-11-29 12:00 UTC", "commit": "1dba70c", "uncontended": []}
+    kept = bench.carry_over(earlier, now, {"scale"})
+    assert kept["scale"] == earlier["scale"]
+    assert (kept["scale_measured_at"], kept["scale_commit"]) == ("2026-11-28 07:44 UTC", "ab221b8")
+    assert kept["otel"] == earlier["otel"]
+    assert kept["measured_at"] == "2026-11-29 12:00 UTC"
+    # Measured again, the scale rows are this run's own.
+    assert "scale" not in bench.carry_over(earlier, now, set())

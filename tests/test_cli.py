@@ -20,7 +20,7 @@ import sqlalchemy as sa
 
 from sqllocker import Locker
 from sqllocker.engine import resolve_url
-from tests.helpers import abandon
+from tests.helpers import abandon, migrate
 
 SQLLOCKER = str(Path(sys.executable).parent / "sqllocker")
 Run = Callable[..., subprocess.CompletedProcess[str]]
@@ -46,9 +46,10 @@ def sqllocker(url: str, table_name: str, tmp_path: Path) -> Run:
 
 
 @pytest.fixture
-def migrated(sqllocker: Run, url: str, table_name: str) -> Locker:
-    result = sqllocker("migrate")
-    assert result.returncode == 0, result.stderr
+def migrated(url: str, table_name: str) -> Locker:
+    """The table made by the migrations, in this process (``sqllocker migrate`` itself is
+    tested on its own), and a Locker on it."""
+    migrate(url, table_name)
     return Locker(url, table=table_name, grace=0)
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import gc
 import threading
+import weakref
 from typing import Any
 
 import pytest
@@ -74,6 +76,30 @@ async def test_an_error_comes_back_as_raised_and_the_greenlet_serves_again() -> 
         await run(fails)
     value, _ = await run(_slept_and_returned, "after")
     assert value == "after"
+
+
+class _Held:
+    """What a call's frames hold (a lock operation's connection)."""
+
+
+async def test_an_error_raised_leaves_no_reference_cycle_holding_the_calls_frames() -> None:
+    """What the frames an error came through hold is freed once the error is, without a
+    garbage collection: a connection abandoned by a cancelled operation is closed at once."""
+
+    def fails(held: _Held) -> None:
+        await_(asyncio.sleep(0))
+        raise KeyError("the row")
+
+    held = _Held()
+    freed = weakref.ref(held)
+    gc.disable()
+    try:
+        with pytest.raises(KeyError):
+            await run(fails, held)
+        del held
+        assert freed() is None, "held by a reference cycle until a garbage collection"
+    finally:
+        gc.enable()
 
 
 async def test_a_cancellation_is_thrown_in_where_the_call_awaits() -> None:

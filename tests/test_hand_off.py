@@ -4,6 +4,8 @@ never to a waiter that is no longer there."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -12,12 +14,14 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from sqllocker import Lock, Locker, notifications
+from sqllocker import Lock, Locker, clock, notifications
 from sqllocker import tickets as ticketing
 from sqllocker.asyncio import AsyncLocker
 from sqllocker.attempts import Attempts
 from sqllocker.backoff import Backoff
+from sqllocker.engine import resolve_url
 from sqllocker.holding import safety_margin
+from sqllocker.migrations import current_revision, downgrade, upgrade
 from tests.helpers import (
     RawTicket,
     abandon,
@@ -562,3 +566,201 @@ async def test_a_cancelled_async_waiter_leaves_no_ticket_and_no_row_behind(
     assert holder.lock_info("report") is None  # given back
     holder.close()
     await waiter.aclose()
+
+
+def statements_of(engine: sa.Engine) -> list[str]:
+    """The statements sent through ``engine`` from now on (until the test ends)."""
+    sent: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        sent.append(statement)
+
+    sa.event.listen(engine, "before_cursor_execute", record)
+    return sent
+
+
+def no_read_back(locker: Locker | AsyncLocker, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The ids of the grants ``locker`` reads back from the table from now on."""
+    read_back: list[int] = []
+    claim_grant = locker._operations.claim_grant
+
+    def counted(lockstring: str, lock_id: int, guid: str) -> Any:
+        read_back.append(lock_id)
+        return claim_grant(lockstring, lock_id, guid)
+
+    monkeypatch.setattr(locker._operations, "claim_grant", counted)
+    return read_back
+
+
+def test_a_signed_grant_is_believed_without_a_statement(
+    holder_and_waiter: tuple[Locker, Locker],
+    table_name: str,
+    admin: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+    slow_polling: None,
+) -> None:
+    """The release signs its grant with the key the waiter gave with its ticket, which only
+    the trigger can read: the waiter has its lock from the notification alone, without reading
+    its row back (one round trip per hand-off), and its lock is the row the table holds."""
+    holder, waiter = holder_and_waiter
+    read_back = no_read_back(waiter, monkeypatch)
+    held = holder.lock("report")
+    thread, result = wait_in_thread(waiter, wait=60, expires=20)
+    in_line(admin, table_name)
+    sent = statements_of(waiter.engine)
+    held.unlock()
+    thread.join(10)
+    handed = list(sent)
+    lock = result["lock"]
+    assert read_back == []
+    assert handed == []  # no statement at all between the release and lock() returning
+    assert waiter._tickets.listener is not None
+    assert waiter._tickets.listener.grants == 1
+    info = waiter.lock_info("report")
+    assert info is not None
+    assert (info.lock_id, info.created, info.expires) == (lock.lock_id, lock.created, lock.expires)
+    lock.unlock()
+    assert waiter.lock_info("report") is None
+
+
+def test_a_grant_whose_release_commits_late_counts_from_the_rows_creation(
+    holder_and_waiter: tuple[Locker, Locker],
+    table_name: str,
+    admin: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+    slow_polling: None,
+) -> None:
+    """The trigger inserts the waiter's row when the release DELETEs; its notification is heard
+    when the release commits, here half a second later. The waiter, which no longer reads its
+    row back, counts its validity from no later than the row's creation (by what the signed
+    grant says of the server's clock), so its deadline is never later than the row's expiry."""
+    holder, waiter = holder_and_waiter
+    read_back = no_read_back(waiter, monkeypatch)
+    held = holder.lock("report")
+    thread, result = wait_in_thread(waiter, wait=60, expires=20)
+    in_line(admin, table_name)
+    with admin.begin() as conn:
+        conn.exec_driver_sql(f"DELETE FROM {table_name} WHERE id = %(id)s", {"id": held.lock_id})
+        conn.exec_driver_sql("SELECT pg_sleep(0.5)")
+    thread.join(10)
+    lock = result["lock"]
+    assert read_back == []
+    asked = clock.now()
+    with admin.connect() as conn:
+        row = conn.exec_driver_sql(
+            f"SELECT created, expires, clock_timestamp() AS server_now FROM {table_name} "
+            "WHERE id = %(id)s",
+            {"id": lock.lock_id},
+        ).one()
+    answered = clock.now()
+    assert (lock.created, lock.expires) == (row.created, row.expires)
+    # On our clock, the row was created no later than ``answered`` less its age then, and
+    # expires no later than ``answered`` plus what it had left.
+    created_by = answered - (row.server_now - row.created).total_seconds()
+    expires_by = answered + (row.expires - row.server_now).total_seconds()
+    state = lock._state
+    assert state.valid_until <= expires_by - safety_margin(20)
+    start = state.valid_until - 20 + safety_margin(20)
+    assert start <= created_by, (start - created_by, answered - asked)
+    held._state.held = False  # its row went with the DELETE above
+    lock.unlock()
+
+
+def signed_payload(key: notifications.GrantKey, lock_id: int, digest: str) -> str:
+    """A grant's notification as the release trigger writes it, signed with ``key``."""
+    times = "2030-01-01T00:00:00.000001 2030-01-01T00:00:01.000002 2030-01-01T00:00:21.000002"
+    said = f"{lock_id} {digest} {times}"
+    return f"{said} {hmac.new(key._key, said.encode(), hashlib.sha256).hexdigest()}"
+
+
+def test_a_grant_is_believed_only_as_signed_and_under_its_own_key() -> None:
+    """What the waiter checks a signed grant by: the HMAC of everything it says, under the key
+    of its own ticket. A payload with any field changed, one signed under another waiter's
+    key, and a MAC that is not even hex are refused (and raise nothing)."""
+    key, other = notifications.GrantKey(0.0), notifications.GrantKey(0.0)
+    assert len(key.pads) == 128
+    digest = notifications.guid_digest("guid")
+    payload = signed_payload(key, 7, digest)
+    grant = notifications.parse_grant(payload)
+    assert grant is not None
+    assert grant.signed is not None
+    assert (grant.lock_id, grant.digest) == (7, digest)
+    assert key.signed(grant.signed)
+    assert not other.signed(grant.signed)
+    fields = payload.split(" ")
+    mac = fields[-1]
+    for changed in (
+        payload.replace("7 ", "8 ", 1),
+        payload.replace(digest, notifications.guid_digest("another")),
+        payload.replace("00:00:21", "00:00:59"),
+        payload[:-1] + ("0" if mac[-1] != "0" else "1"),
+        " ".join([*fields[:-1], "é" * 64]),
+    ):
+        forged = notifications.parse_grant(changed)
+        assert forged is not None
+        assert forged.signed is not None
+        assert not key.signed(forged.signed), changed
+    for malformed in (" ".join(fields[:-1]), " ".join([*fields[:2], "yesterday", *fields[3:]])):
+        assert notifications.parse_grant(malformed) is None
+    unsigned = notifications.parse_grant(f"7 {digest}")
+    assert unsigned == notifications.Grant(7, digest)
+
+
+async def test_an_async_waiter_believes_a_signed_grant_without_a_statement(
+    migrated_postgres: str,
+    table_name: str,
+    admin: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+    slow_polling: None,
+) -> None:
+    holder = Locker(migrated_postgres, table=table_name)
+    waiter = AsyncLocker(async_url(migrated_postgres), table=table_name)
+    read_back = no_read_back(waiter, monkeypatch)
+    held = holder.lock("report")
+    task = asyncio.ensure_future(waiter.lock("report", wait=60, expires=20))
+    await in_line_async(admin, table_name)
+    sent = statements_of(waiter.engine.sync_engine)
+    await asyncio.to_thread(held.unlock)
+    lock = await asyncio.wait_for(task, 10)
+    handed = list(sent)
+    assert read_back == []
+    assert handed == []
+    info = holder.lock_info("report")
+    assert info is not None
+    assert (info.lock_id, info.created, info.expires) == (lock.lock_id, lock.created, lock.expires)
+    await lock.unlock()
+    holder.close()
+    await waiter.aclose()
+
+
+def test_a_table_behind_revision_0003_hands_over_unsigned_grants_read_back(
+    postgresql_url: str,
+    table_name: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    slow_polling: None,
+) -> None:
+    """A table migrated before revision 0003 has a ``queue_join`` that takes no key: a waiter
+    takes its ticket without one (told once that the table is behind), and its grant, told
+    unsigned, is read back from the table before it is believed, as before."""
+    engine = sa.create_engine(resolve_url(postgresql_url))
+    upgrade(engine, table_name, "0002")
+    holder = Locker(postgresql_url, table=table_name, auto_create=False)
+    waiter = Locker(postgresql_url, table=table_name, auto_create=False)
+    read_back = no_read_back(waiter, monkeypatch)
+    try:
+        done = hand_off(holder, waiter, engine, table_name)
+        lock = done.lock
+        assert read_back == [lock.lock_id]
+        assert "behind revision 0003" in caplog.text
+        info = waiter.lock_info("report")
+        assert info is not None
+        assert (info.lock_id, info.expires) == (lock.lock_id, lock.expires)
+        assert lock._state.valid_until <= done.released + 20 - safety_margin(20)
+        lock.unlock()
+        assert current_revision(engine, table_name) == "0002"
+    finally:
+        holder.close()
+        waiter.close()
+        downgrade(engine, table_name)
+        engine.dispose()

@@ -96,6 +96,71 @@ def test_a_forged_grant_notification_is_not_taken_for_a_lock(
     waiter.close()
 
 
+def test_a_grant_signed_wrongly_or_replayed_is_not_taken_for_a_lock(
+    migrated_postgres: str,
+    table_name: str,
+    admin: sa.Engine,
+    intruder: psycopg.Connection[tuple[object, ...]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A grant's notification is signed with a key its waiter gave with its ticket, which only
+    the release trigger can read. Whoever can connect can listen to the genuine grants, and
+    send any payload: one with a well-formed but wrong MAC, a genuine one readdressed to
+    another waiter or naming another id, or replayed as it was, is not believed (nor read back:
+    a signed grant is the trigger's, or nobody's)."""
+    holder = Locker(migrated_postgres, table=table_name)
+    waiter = Locker(migrated_postgres, table=table_name)
+    other = Locker(migrated_postgres, table=table_name)
+    read_back: list[int] = []
+    claim_grant = waiter._operations.claim_grant
+
+    def counted(lockstring: str, lock_id: int, guid: str) -> object:
+        read_back.append(lock_id)
+        return claim_grant(lockstring, lock_id, guid)
+
+    monkeypatch.setattr(waiter._operations, "claim_grant", counted)
+    channel = f"sqllocker_{table_name}_granted"
+    intruder.execute(f'LISTEN "{channel}"')
+    # A genuine grant, to another waiter, heard by the intruder.
+    earlier = holder.lock("earlier")
+    thread, result = wait_in_thread(other, "earlier", wait=30)
+    in_line(admin, table_name)
+    earlier.unlock()
+    thread.join(10)
+    result["lock"].unlock()
+    (genuine,) = [notice.payload for notice in intruder.notifies(timeout=1, stop_after=1)]
+    lock_id, digest, *times, mac = genuine.split(" ")
+    held = holder.lock("report")
+    thread, result = wait_in_thread(waiter, wait=30)
+    in_line(admin, table_name)
+    ((_lockstring, guid),) = tickets(admin, table_name)
+    ours = guid_digest(guid)
+    said = " ".join([str(held.lock_id + 1), ours, *times])
+    for forged in (
+        f"{said} {'0' * 64}",  # well-formed, its MAC wrong
+        f"{said} {mac}",  # the genuine MAC, readdressed to our waiter and a new id
+        " ".join([lock_id, ours, *times, mac]),  # readdressed to our waiter only
+        " ".join([str(held.lock_id + 1), digest, *times, mac]),  # another id only
+        genuine,  # replayed as it was
+    ):
+        intruder.execute("SELECT pg_notify(%s, %s)", (channel, forged))
+    time.sleep(1.0)
+    assert "lock" not in result, "the waiter took a forged notification for its lock"
+    assert thread.is_alive()
+    assert read_back == []
+    held.unlock()  # now a true hand-off
+    thread.join(10)
+    lock = result["lock"]
+    assert lock.lock_id > held.lock_id
+    info = waiter.lock_info("report")
+    assert info is not None
+    assert info.lock_id == lock.lock_id
+    assert read_back == []
+    lock.unlock()
+    for locker in (holder, waiter, other):
+        locker.close()
+
+
 def test_a_role_that_can_only_connect_learns_no_guid(
     migrated_postgres: str,
     table_name: str,
@@ -126,7 +191,8 @@ def test_a_role_that_can_only_connect_learns_no_guid(
     thread.join(10)
     lock = result["lock"]
     payloads = [notice.payload for notice in intruder.notifies(timeout=1, stop_after=1)]
-    assert payloads == [f"{lock.lock_id} {guid_digest(lock.guid)}"]  # a digest of it, one-way
+    assert len(payloads) == 1
+    assert payloads[0].startswith(f"{lock.lock_id} {guid_digest(lock.guid)} ")  # one-way
     assert lock.guid not in payloads[0]
     with admin.connect() as conn:  # the view, what read-only roles are given, has none either
         view = conn.exec_driver_sql(f"SELECT * FROM {table_name}_held").mappings().one()

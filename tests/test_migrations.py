@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -23,7 +24,10 @@ from sqllocker.migrations import (
     upgrade,
     upgrade_sql,
 )
+from sqllocker.notifications import guid_digest
 from sqllocker.schema import ID_ORDER_STRIPES, VERSION_TABLE, version_table_for
+from tests import helpers
+from tests.helpers import RawTicket
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -99,7 +103,7 @@ def test_a_table_at_0001_is_behind_and_migrate_brings_the_foreign_times(
     migrated = CliRunner().invoke(cli, ["--url", url, "--table", table_name, "migrate"])
     assert migrated.exit_code == 0, migrated.output
     assert f"from 0001 to revision {head_revision()}" in migrated.output
-    assert current_revision(engine, table_name) == head_revision() == "0002"
+    assert current_revision(engine, table_name) == head_revision() == "0003"
     assert schema_differences(engine, table_name) == []
     if postgresql:
         assert foreign_times_made(engine, table_name) == (True, True)
@@ -136,6 +140,87 @@ def test_a_table_at_0001_is_behind_and_migrate_brings_the_foreign_times(
     downgrade(engine, table_name)
     assert not sa.inspect(engine).has_table(table_name)
     engine.dispose()
+
+
+def functions_named(
+    engine: sa.Engine, name: str, role: str
+) -> list[tuple[str, list[str], bool, bool]]:
+    """Each function called ``name``: its arguments, pinned path, whether PUBLIC and whether
+    ``role`` may EXECUTE it."""
+    with engine.connect() as conn:
+        rows = conn.exec_driver_sql(
+            "SELECT pg_catalog.pg_get_function_identity_arguments(oid), proconfig, "
+            "pg_catalog.has_function_privilege('public', oid, 'EXECUTE'), "
+            "pg_catalog.has_function_privilege(%(role)s, oid, 'EXECUTE') "
+            "FROM pg_catalog.pg_proc WHERE proname = %(name)s",
+            {"name": name, "role": role},
+        ).all()
+    return [tuple(row) for row in rows]  # type: ignore[misc]
+
+
+def test_a_table_at_0002_has_its_grants_signed_once_migrated_and_keeps_execute(
+    postgresql_url: str, table_name: str
+) -> None:
+    """Revision 0003 (PostgreSQL): tickets keep a key their grants are signed with. The table's
+    ``queue_join`` takes it as a sixth argument (a new function), and the roles granted
+    EXECUTE on the old one have it on the new one too, and back again on a downgrade. A
+    ticket taken without a key (the five arguments an older sqllocker sends) is still
+    handed the row, told it unsigned."""
+    engine = sa.create_engine(resolve_url(postgresql_url))
+    role = f"sqllocker_caller_{table_name}"
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f"CREATE ROLE {role}")
+    upgrade(engine, table_name, "0002")
+    join = f"{table_name}_queue_join"
+    five = (
+        "ls character varying, request_guid character varying, holder jsonb, "
+        "ttl double precision, liveness_key bigint"
+    )
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            f"GRANT EXECUTE ON FUNCTION {join}(varchar, varchar, jsonb, double precision, "
+            f"bigint) TO {role}"
+        )
+    pinned = ["search_path=pg_catalog, public, pg_temp"]
+    assert functions_named(engine, join, role) == [(five, pinned, False, True)]
+    upgrade(engine, table_name)
+    assert current_revision(engine, table_name) == head_revision()
+    assert schema_differences(engine, table_name) == []
+    six = f"{five}, grant_key bytea"
+    assert functions_named(engine, join, role) == [(six, pinned, False, True)]
+    (release,) = functions_named(engine, f"{table_name}_notify_release", role)
+    assert release[1:3] == (pinned, False)
+    holder = Locker(postgresql_url, table=table_name, auto_create=False)
+    held = holder.lock("report")
+    raw = RawTicket(postgresql_url, table_name)  # five arguments: no key
+    heard = psycopg_listen(postgresql_url, f"sqllocker_{table_name}_granted")
+    held.unlock()
+    payloads = heard()
+    assert len(payloads) == 1
+    _granted, digest = payloads[0].split(" ")
+    assert digest == guid_digest(raw.guid)
+    assert raw.leave(give_back=True)  # the row granted to it goes back
+    raw.die()
+    holder.close()
+    downgrade(engine, table_name, "0002")
+    assert functions_named(engine, join, role) == [(five, pinned, False, True)]
+    downgrade(engine, table_name)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f"DROP ROLE {role}")
+    engine.dispose()
+
+
+def psycopg_listen(url: str, channel: str) -> Callable[[], list[str]]:
+    """Listen on ``channel``; the returned function drains what has arrived."""
+    connection = helpers.connect(url)
+    connection.execute(f'LISTEN "{channel}"')
+
+    def drain() -> list[str]:
+        payloads = [notice.payload for notice in connection.notifies(timeout=0.5)]
+        connection.close()
+        return payloads
+
+    return drain
 
 
 def test_each_table_has_its_own_version_table() -> None:

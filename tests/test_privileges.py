@@ -112,7 +112,7 @@ POSTGRESQL_GRANTS = [
     "GRANT SELECT, INSERT, UPDATE, DELETE ON semaphores TO {app}",
     "GRANT USAGE ON SEQUENCE semaphores_id_seq TO {app}",
     "GRANT EXECUTE ON FUNCTION semaphores_queue_join(varchar, varchar, jsonb, double precision, "
-    "bigint), semaphores_anyone_ahead(varchar, bigint), "
+    "bigint, bytea), semaphores_anyone_ahead(varchar, bigint), "
     "semaphores_queue_leave(bigint, varchar, varchar, boolean), "
     "semaphores_sweep_requests() TO {app}",
     "GRANT SELECT ON semaphores_held TO {reader}",

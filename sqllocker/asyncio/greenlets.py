@@ -87,5 +87,11 @@ async def run(function: Callable[..., T], *args: Any) -> T:
         idle.append(worker)
     if outcome.error is not None:
         error, outcome.error = outcome.error, None
-        raise error
+        try:
+            raise error
+        finally:
+            # The error's traceback holds this frame: with the error in it too, the two would
+            # keep each other, and every frame the error came through (the connection of the
+            # operation it ended), until a garbage collection.
+            del error
     return outcome.value  # type: ignore[no-any-return]

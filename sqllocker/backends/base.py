@@ -177,6 +177,11 @@ class Backend:
         """Take a ticket (see ``Statements.join_line``)."""
         raise NotImplementedError(f"{self.name} has no tickets")
 
+    def join_line_unsigned(self, statements: StatementParts) -> ClauseElement:
+        """Take a ticket whose grant is not signed (see ``Statements.join_line_unsigned``):
+        where releases hand nothing over, the same as ``join_line``."""
+        return self.join_line(statements)
+
     def leave_line(self, statements: StatementParts) -> ClauseElement:
         """Give up a ticket (see ``Statements.leave_line``)."""
         raise NotImplementedError(f"{self.name} has no tickets")
@@ -261,6 +266,11 @@ class Backend:
     def is_missing_table(self, error: sa.exc.DBAPIError) -> bool:
         raise NotImplementedError
 
+    def is_missing_function(self, error: sa.exc.DBAPIError) -> bool:
+        """No function of that name takes those arguments: one of the table's, as an older
+        revision of its migrations made it (where the table has functions)."""
+        return False
+
     def is_read_only(self, error: sa.exc.DBAPIError) -> bool:
         """The server accepts no writes: a standby, or a primary demoted by a failover. The
         connection is dropped and the operation tried again on a fresh one, which a URL naming
@@ -324,6 +334,14 @@ class Backend:
         """End the statement ``dbapi_connection`` (a sync driver's) is waiting on, from another
         thread, at once: its lock's life is over (``sqllocker.deadlines``). The driver then
         raises, most often as for a lost connection; the connection is not used again."""
+
+    @classmethod
+    def abandon(cls, dbapi_connection: Any, cursor: Any) -> None:
+        """Before ``dbapi_connection`` is closed in the middle of a lock operation (its caller
+        cancelled, or interrupted), ``cursor`` the one the operation used: end what it still
+        runs or has left unfinished, its writes rolled back, so that no lock in the database
+        outlives the close. On a server, closing the connection ends its session, and the
+        server rolls back: nothing to do. Never raises an ``Exception``."""
 
     @classmethod
     def bound_waits(cls, dbapi_connection: Any, seconds: float) -> object | None:

@@ -136,8 +136,23 @@ class PostgreSQLBackend(Backend):
         )
 
     def join_line(self, statements: StatementParts) -> TextualSelect:
-        """The table's ``queue_join``: the ticket, and whether the row is held."""
+        """The table's ``queue_join``: the ticket, and whether the row is held; a release
+        signs its grant to the ticket with ``:grant_key`` (``notifications.GrantKey``)."""
         # The function's name is the validated table's, in its quoted schema.
+        return (
+            sa.text(
+                f"SELECT j.ticket, j.held FROM {statements.function('queue_join')}("  # noqa: S608
+                "CAST(:ls AS varchar), CAST(:lock_guid AS varchar), CAST(:holder AS jsonb), "
+                "CAST(:ttl AS double precision), CAST(:liveness_key AS bigint), "
+                "CAST(:grant_key AS bytea)) AS j"
+            )
+            .bindparams(sa.bindparam("holder", type_=statements.table.c.locked_by.type))
+            .columns(sa.column("ticket", sa.BigInteger), sa.column("held", sa.Boolean))
+        )
+
+    def join_line_unsigned(self, statements: StatementParts) -> TextualSelect:
+        """``queue_join`` without a key, as a table behind revision 0003 has it: its release
+        tells the ticket's grant unsigned, to be read back."""
         return (
             sa.text(
                 f"SELECT j.ticket, j.held FROM {statements.function('queue_join')}("  # noqa: S608
@@ -299,6 +314,9 @@ class PostgreSQLBackend(Backend):
 
     def is_missing_table(self, error: sa.exc.DBAPIError) -> bool:
         return _sqlstate(error) == "42P01"
+
+    def is_missing_function(self, error: sa.exc.DBAPIError) -> bool:
+        return _sqlstate(error) == "42883"  # undefined_function
 
     def is_read_only(self, error: sa.exc.DBAPIError) -> bool:
         # read_only_sql_transaction: a standby, or a session opened read-only

@@ -194,6 +194,31 @@ class SQLiteBackend(Backend):
         dbapi_connection.interrupt()
 
     @classmethod
+    def abandon(cls, dbapi_connection: Any, cursor: Any) -> None:
+        # Closed with a statement not run to its end, a connection is not closed: SQLite keeps
+        # it, with the write lock that statement holds, until the statement is finalised, when
+        # its cursor is freed (after a garbage collection, if a reference cycle holds it), and
+        # the statement then commits. Such a statement is one still waiting for another
+        # connection's write lock (under aiosqlite, a cancelled call runs on in its thread), or
+        # an UPDATE ... RETURNING whose rows were not read. Interrupted, the first ends once its
+        # wait is over, and the second at its next step (reading the rest of its rows), both
+        # with SQLITE_INTERRUPT, their writes rolled back.
+        raw = _sqlite3_of(dbapi_connection)
+        if raw is not None:
+            with contextlib.suppress(sqlite3.Error):
+                raw.interrupt()  # from any thread
+        try:
+            if isinstance(dbapi_connection, AdaptedConnection):
+                kept = getattr(cursor, "_cursor", None)  # aiosqlite's, under SQLAlchemy's
+                if kept is not None and hasattr(kept, "fetchall"):
+                    dbapi_connection.run_async(lambda _driver: _finish_aiosqlite_cursor(kept))
+            elif isinstance(cursor, sqlite3.Cursor):
+                _finish_cursor(cursor)
+            dbapi_connection.rollback()  # a transaction the operation began (BEGIN IMMEDIATE)
+        except Exception as error:  # sqlite3's or aiosqlite's: the connection is closed next
+            logger.debug("abandoning a connection: %s", error)
+
+    @classmethod
     def bound_waits(cls, dbapi_connection: Any, seconds: float) -> object | None:
         # The busy timeout, where it is longer than what is left: SQLite's interrupt() does not
         # end a wait in the busy handler (a backup, an operator's shell holding the write lock).
@@ -363,6 +388,31 @@ def _on_sqlite3(
         except sqlite3.ProgrammingError:
             pass  # another thread's
     return dbapi_connection.run_async(hop)
+
+
+def _sqlite3_of(dbapi_connection: Any) -> sqlite3.Connection | None:
+    """The sqlite3 connection of ``dbapi_connection`` (sqlite3's, or aiosqlite's adapted by
+    SQLAlchemy), or None once aiosqlite's is closed."""
+    if not isinstance(dbapi_connection, AdaptedConnection):
+        return dbapi_connection if isinstance(dbapi_connection, sqlite3.Connection) else None
+    raw = getattr(dbapi_connection.driver_connection, "_connection", None)  # not public
+    return raw if isinstance(raw, sqlite3.Connection) else None
+
+
+def _finish_cursor(cursor: sqlite3.Cursor) -> None:
+    """Step ``cursor``'s statement, if it has one not run to its end, and close it: interrupted
+    (``SQLiteBackend.abandon``), the statement ends rolled back."""
+    with contextlib.suppress(sqlite3.Error):
+        cursor.fetchall()
+    cursor.close()
+
+
+async def _finish_aiosqlite_cursor(cursor: Any) -> None:
+    """``_finish_cursor`` on aiosqlite's ``cursor``, in its connection's thread, after the call
+    that thread is running."""
+    with contextlib.suppress(sqlite3.Error):
+        await cursor.fetchall()
+    await cursor.close()
 
 
 def _cut_busy_timeout(conn: sqlite3.Connection, cut: int) -> int | None:

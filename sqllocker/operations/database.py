@@ -353,8 +353,12 @@ class Database:
             raise
         except BaseException:
             # Interrupted mid-statement: the connection's state is unknown (a statement may
-            # still be running), so it must not be reused.
-            stack.discard(held)
+            # still be running), so it must not be reused; whatever it still runs is ended
+            # first, so that closing it frees its locks in the database at once.
+            try:
+                self.be.abandon(held.connection, held.cursor)
+            finally:
+                stack.discard(held)
             raise
         stack.give_back(held)
         return result

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import sqlalchemy as sa
+
 from ..execution import DriverSession
 from .database import Database
 from .outcomes import Joined
@@ -18,6 +20,10 @@ class WaitingLine:
 
     def __init__(self, database: Database) -> None:
         self._db = database
+        # The table's queue_join takes no key (PostgreSQL, a table behind revision 0003): its
+        # grants come unsigned, and are read back, until the table is migrated and this
+        # process starts again.
+        self._unsigned = False
 
     def join_line(
         self,
@@ -27,6 +33,7 @@ class WaitingLine:
         details: dict[str, Any],
         liveness_key: int,
         replacing: bool = False,
+        grant_key: bytes | None = None,
     ) -> Joined:
         """Take a ticket for ``lockstring`` (``sqllocker.tickets``), alive while
         ``liveness_key`` is held: its number, and whether the row is held (where the backend
@@ -36,7 +43,10 @@ class WaitingLine:
         ``replacing``: an earlier attempt of this waiter's (``guid``) failed, and may have
         taken a ticket all the same, its answer lost with its connection; so may an attempt
         retried here. Such a ticket stays live, and would keep everyone behind it waiting (or,
-        where releases hand rows over, be handed one nobody claims): it is given up first."""
+        where releases hand rows over, be handed one nobody claims): it is given up first.
+
+        ``grant_key``: where releases hand rows over, the pads of the key a release signs its
+        grant to this ticket with (``notifications.GrantKey``)."""
         params = {
             "ls": lockstring,
             "lock_guid": guid,
@@ -44,6 +54,7 @@ class WaitingLine:
             "ttl": ttl,
             "liveness_key": liveness_key,
         }
+        signed = dict(params, grant_key=grant_key)
         earlier = {"ticket": None, "ls": lockstring, "lock_guid": guid, "give_back": False}
         attempted = replacing
 
@@ -53,7 +64,7 @@ class WaitingLine:
             if replaced:
                 conn.execute(self._db.sql.leave_line, earlier)
             attempted = True
-            result = conn.execute(self._db.sql.join_line, params)
+            result = self._join(conn, params, signed if grant_key is not None else None)
             if not self._db.be.hands_over:
                 assert result.lastrowid is not None, "a ticket's INSERT reports its id"
                 return Joined(int(result.lastrowid), False, replaced)
@@ -61,6 +72,30 @@ class WaitingLine:
             return Joined(int(row.ticket), bool(row.held), replaced)
 
         return self._db.run(lockstring, join)
+
+    def _join(
+        self, conn: DriverSession, unsigned: dict[str, Any], signed: dict[str, Any] | None
+    ) -> Any:
+        """The join's statement: with ``signed`` (its parameters with a grant key) where
+        releases hand the row over and the table's ``queue_join`` takes a key, else
+        ``unsigned``."""
+        sql, be = self._db.sql, self._db.be
+        if not be.hands_over:
+            return conn.execute(sql.join_line, unsigned)
+        if signed is None or self._unsigned:
+            return conn.execute(sql.join_line_unsigned, unsigned)
+        try:
+            return conn.execute(sql.join_line, signed)
+        except sa.exc.DBAPIError as error:
+            if not be.is_missing_function(error):
+                raise
+        self._unsigned = True
+        logger.warning(
+            "the lock table %s is behind revision 0003 (its queue_join takes no key): hand-offs "
+            "are read back from the table until `sqllocker migrate` brings it up to date",
+            self._db.table_name,
+        )
+        return conn.execute(sql.join_line_unsigned, unsigned)
 
     def leave_line(self, lockstring: str, ticket: int | None, guid: str, give_back: bool) -> bool:
         """Give up ``ticket``; with ``give_back``, a row already handed to it is deleted again

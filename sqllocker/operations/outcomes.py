@@ -51,9 +51,10 @@ class Acquired:
     first (``Attempt.learn_holder``): its expiry then counts from that attempt.
 
     ``sent_at``, set by ``try_acquire`` before it hands the Acquired on: the monotonic time the
-    successful statement was sent, less ``age``. The lock's validity deadline counts from it
-    (see ``lock.py``). Set on the one object rather than copied into a second, immutable one:
-    the copy was a measurable share of the library's own Python in an uncontended cycle.
+    successful statement was sent, less ``age`` (for a grant signed by its release, the start
+    ``holding.signed_grant`` proves). The lock's validity deadline counts from it (see
+    ``lock.py``). Set on the one object rather than copied into a second, immutable one: the
+    copy was a measurable share of the library's own Python in an uncontended cycle.
     """
 
     __slots__ = ("age", "created", "expires", "lock_id", "sent_at", "took_over")

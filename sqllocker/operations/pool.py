@@ -69,11 +69,13 @@ class Connections:
         except self.connect_errors as error:
             raise self.unreachable(error) from error
         fairy = checkout if connection is None else connection.connection
+        cursor = None
         try:
             dbapi_connection = fairy.dbapi_connection
             one_call = backend.in_one_call(dbapi_connection)
+            cursor = kept_cursor(fairy)
             with deadlines.interrupting(backend, dbapi_connection):
-                yield DriverSession(dbapi_connection, kept_cursor(fairy), prepared, one_call)
+                yield DriverSession(dbapi_connection, cursor, prepared, one_call)
         except sa.exc.DBAPIError as error:
             if error.connection_invalidated or backend.is_read_only(error):
                 fairy.invalidate(error.orig)
@@ -84,8 +86,13 @@ class Connections:
         except BaseException as error:
             if not isinstance(error, Exception):
                 # Cancelled (async) or interrupted mid-statement: the connection's state is
-                # unknown (a statement may still be running), so it must not be reused.
-                fairy.invalidate(error)
+                # unknown (a statement may still be running), so it must not be reused;
+                # whatever it still runs is ended first, so that closing it frees its locks.
+                try:
+                    if cursor is not None:
+                        backend.abandon(fairy.dbapi_connection, cursor)
+                finally:
+                    fairy.invalidate(error)
             raise
         finally:
             (fairy if connection is None else connection).close()
