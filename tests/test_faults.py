@@ -1153,7 +1153,9 @@ def test_a_renewal_held_up_by_a_row_lock_past_unlock_gives_the_revived_row_back(
     assert isinstance(outcome.get("unlock"), LockLost), outcome
     assert isinstance(outcome.get("renewal"), LockLost), outcome
     row = outcome["row"]
-    # Given back, or left to expire when the renewal the holder was told of set it.
-    assert row is None or row.expires <= outcome["renewed_until"], outcome
+    # Given back, or left to expire when the renewal the holder was told of set it (a row of
+    # another id is the second locker's, which may have taken the lock by then).
+    if row is not None and row.lock_id == outcome["first_id"]:
+        assert row.expires <= outcome["renewed_until"], outcome
     assert outcome["first_valid_at_takeover"] is False, outcome
     assert outcome["second_id"] > outcome["first_id"], outcome
