@@ -35,10 +35,18 @@ class _Lines:
         self.out.flush()
 
 
+def _wait_for_go(args: argparse.Namespace) -> None:
+    """With ``--go``, campaign only once that file exists: the processes start while the test
+    waits for the observer, and campaign when told."""
+    while args.go is not None and not Path(args.go).exists():
+        time.sleep(0.01)
+
+
 def candidate(args: argparse.Namespace) -> int:
     locker = Locker(args.url, table=args.table, grace=args.grace)
     election = locker.election(args.name)
     lines = _writer(Path(args.state), "candidate")
+    _wait_for_go(args)
     while True:
         lead = election.campaign(expires=args.expires, on_lost=lambda lost: None)
         lines.write(event="lead", term=lead.term)
@@ -57,6 +65,7 @@ async def async_candidate(args: argparse.Namespace) -> int:
     locker = AsyncLocker(async_url(args.url), table=args.table, grace=args.grace)
     election = locker.election(args.name)
     lines = _writer(Path(args.state), "candidate")
+    _wait_for_go(args)
     while True:
         lead = await election.campaign(expires=args.expires, on_lost=lambda lost: None)
         lines.write(event="lead", term=lead.term)
@@ -97,6 +106,7 @@ def main() -> int:
     parser.add_argument("--expires", type=float, default=2.0)
     parser.add_argument("--grace", type=float, default=0.5)
     parser.add_argument("--asyncio", action="store_true")
+    parser.add_argument("--go", help="a file to wait for before campaigning")
     args = parser.parse_args()
     if args.asyncio:
         run = async_candidate if args.role == "candidate" else async_observer

@@ -62,7 +62,8 @@ class Cluster:
 
         self.app = app_module
 
-    def start(self, *arguments: str, ready: str) -> subprocess.Popen[bytes]:
+    def start(self, *arguments: str, ready: str, wait: bool = True) -> subprocess.Popen[bytes]:
+        """Start a celery process; with ``wait``, return once its log says ``ready``."""
         log = self.state / f"process-{len(self.processes)}.log"
         process = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "tests.celery_app", *arguments],
@@ -73,21 +74,32 @@ class Cluster:
             start_new_session=True,
         )
         self.processes.append((process, log))
-        wait_until(lambda: ready in log.read_text(errors="replace"), timeout=90)
+        if wait:
+            wait_until(lambda: ready in log.read_text(errors="replace"), timeout=90)
         return process
 
-    def worker(self, pool: str, name: str) -> subprocess.Popen[bytes]:
-        return self.start(
-            "worker",
-            f"--pool={pool}",
-            "--concurrency=3",
-            f"--hostname={name}-{self.prefix[:-1]}@localhost",
-            "--without-gossip",
-            "--without-mingle",
-            "--without-heartbeat",
-            "--loglevel=INFO",
-            ready="ready.",
+    def workers(self, pool: str, *names: str) -> list[subprocess.Popen[bytes]]:
+        """Worker processes, started together; returned once each is ready."""
+        started = [
+            self.start(
+                "worker",
+                f"--pool={pool}",
+                "--concurrency=3",
+                f"--hostname={name}-{self.prefix[:-1]}@localhost",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+                "--loglevel=INFO",
+                ready="ready.",
+                wait=False,
+            )
+            for name in names
+        ]
+        logs = [log for process, log in self.processes if process in started]
+        wait_until(
+            lambda: all("ready." in log.read_text(errors="replace") for log in logs), timeout=90
         )
+        return started
 
     def beat(self, number: int) -> subprocess.Popen[bytes]:
         return self.start(
@@ -174,8 +186,7 @@ def assert_one_at_a_time(cluster: Cluster) -> None:
 
 @pytest.mark.parametrize("pool", ["prefork", "threads"])
 def test_one_copy_per_lockstring_skip_retry_raise(cluster: Cluster, pool: str) -> None:
-    cluster.worker(pool, "w1")
-    cluster.worker(pool, "w2")
+    cluster.workers(pool, "w1", "w2")
     tasks = cluster.app
     # A first copy of each holds its lock while more copies arrive, and find free slots (six).
     first = [
@@ -223,8 +234,7 @@ def test_sigkilled_worker_frees_the_lock_by_expiry_and_its_redelivery_waits(
     """work_late: acks_late with reject_on_worker_lost, so the message of a task whose worker
     process is SIGKILLed is delivered again at once; its lock (8 s) is still the dead process's,
     so the second delivery retries until the lock expires, then runs: never both at once."""
-    cluster.worker("prefork", "w1")
-    cluster.worker("prefork", "w2")
+    cluster.workers("prefork", "w1", "w2")
     sent = cluster.app.work_late.delay("k", 60)
     (first,) = cluster.started("k")
     os.kill(first["pid"], signal.SIGKILL)
@@ -243,7 +253,7 @@ def test_sigkilled_worker_frees_the_lock_by_expiry_and_its_redelivery_waits(
 def test_a_lock_lost_while_the_task_runs_is_its_failure(
     cluster: Cluster, make_locker: Callable[..., Locker]
 ) -> None:
-    cluster.worker("threads", "w1")
+    cluster.workers("threads", "w1")
     sent = cluster.app.work_skip.delay("lost", 60)
     cluster.started("lost")
     assert make_locker().break_lock("work lost") is not None
@@ -258,8 +268,7 @@ def test_two_beat_processes_run_a_periodic_task_once_per_period(cluster: Cluster
     counts from its beat's start); with lock_hold_at_least="schedule" it runs at most once a
     period, and every copy either ran or was skipped."""
     every = cluster.app.BEAT_EVERY
-    cluster.worker("prefork", "w1")
-    cluster.worker("prefork", "w2")
+    cluster.workers("prefork", "w1", "w2")
     beats = [cluster.beat(1), cluster.beat(2)]
     beat_logs = [log for process, log in cluster.processes if process in beats]
 

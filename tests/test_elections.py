@@ -142,6 +142,37 @@ def _leader_pid(locker: Locker, newer_than: int, timeout: float) -> tuple[int, i
     raise AssertionError(f"no new leader after term {newer_than} within {timeout}s")
 
 
+def _renewed(locker: Locker, term: int) -> None:
+    """Wait until the lead of ``term`` has been renewed (its row's expiry moved on)."""
+    info = locker.lock_info("scheduler")
+    leader = locker.election("scheduler").leader()
+    assert info is not None
+    assert leader is not None
+    assert leader.term == term
+
+    def moved_on() -> bool:
+        now = locker.lock_info("scheduler")
+        assert now is not None
+        assert now.lock_id == info.lock_id, "the lead changed hands"
+        return now.expires > info.expires
+
+    wait_until(moved_on, 30)
+
+
+def _observed(state: Path) -> list[int | None]:
+    return [
+        record["term"] for records in _records(state, "observer").values() for record in records
+    ]
+
+
+def _was_valid(state: Path, term: int) -> bool:
+    return any(
+        record["event"] == "valid" and record["term"] == term
+        for records in _records(state, "candidate").values()
+        for record in records
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("front_end", ["sync", "asyncio"])
 def test_five_candidates_one_valid_leader_through_a_kill_and_a_stop(
@@ -152,29 +183,45 @@ def test_five_candidates_one_valid_leader_through_a_kill_and_a_stop(
     options = [f"--url={url}", f"--table={table_name}", f"--state={tmp_path}"]
     options += ["--asyncio"] if front_end == "asyncio" else []
     observer = subprocess.Popen([*worker, "observer", *options])
-    # Watching before the first term begins (its first line says: no leader yet).
-    wait_until(lambda: "\n" in "".join(p.read_text() for p in tmp_path.glob("observer-*")), 60)
-    candidates = [subprocess.Popen([*worker, "candidate", *options]) for _ in range(5)]
+    # The candidates start meanwhile, and campaign once told to.
+    go = tmp_path / "go"
+    candidates = [
+        subprocess.Popen([*worker, "candidate", *options, f"--go={go}"]) for _ in range(5)
+    ]
     expires, grace = 2.0, 0.5
     stopped: int | None = None
     try:
+        # Watching before the first term begins (its first line says: no leader yet).
+        wait_until(lambda: "\n" in "".join(p.read_text() for p in tmp_path.glob("observer-*")), 60)
+        go.touch()
         killed_pid, killed_term = _leader_pid(locker, 0, 60)
-        time.sleep(1.5)
+        _renewed(locker, killed_term)  # killed with its lead kept alive past its start
         os.kill(killed_pid, signal.SIGKILL)
         started = time.monotonic()
         stopped, stopped_term = _leader_pid(locker, killed_term, 30)
         # A bound against "never": the takeover comes after expiry + grace.
         assert time.monotonic() - started < expires + grace + 15
+        # Not at a renewal's moment: stopped within a write, it would hold SQLite's lock.
         time.sleep(1.5)
         os.kill(stopped, signal.SIGSTOP)
         _, last_term = _leader_pid(locker, stopped_term, 30)
-        time.sleep(1.5)
+        # The next leader has been valid while the stopped one was still frozen.
+        wait_until(lambda: _was_valid(tmp_path, last_term), 30)
         os.kill(stopped, signal.SIGCONT)
-        time.sleep(2.5)
-        assert any(
-            record["event"] == "lost" and record["term"] == stopped_term
-            for record in _records(tmp_path, "candidate")[stopped]
-        ), "the stopped leader never found its lead lost"
+        wait_until(
+            lambda: any(
+                record["event"] == "lost" and record["term"] == stopped_term
+                for record in _records(tmp_path, "candidate")[stopped]
+            ),
+            30,
+        )  # the stopped leader found its lead lost
+        # The observer reads at least every second: until it has shown the last term (if it
+        # ever missed one, the check below says which).
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if {killed_term, stopped_term, last_term} <= set(_observed(tmp_path)):
+                break
+            time.sleep(0.05)
     finally:
         if stopped is not None:
             os.kill(stopped, signal.SIGCONT)
@@ -195,9 +242,7 @@ def test_five_candidates_one_valid_leader_through_a_kill_and_a_stop(
         assert end < start, f"terms {term} and {next_term} were both valid at once"
         assert next_term > term
     assert {killed_term, stopped_term, last_term} <= set(spans)
-    observed = [
-        record["term"] for records in _records(tmp_path, "observer").values() for record in records
-    ]
+    observed = _observed(tmp_path)
     for term in (killed_term, stopped_term, last_term):
         assert term in observed, f"the observer missed term {term}"
 

@@ -191,20 +191,30 @@ def test_a_holder_stopped_past_expiry_and_taken_over_is_told_once_whoever_finds_
     holder's unlock() runs as soon as it resumes, racing its own keep-alive thread, which wakes
     at the same moment: whichever finds the loss first, on_lost is called once."""
     contender = make_locker(grace=GRACE)
-    for trial in range(4):
-        holder = Holder(url, contender.table_name, "job", "--expires", "1", "--keep-alive")
-        try:
+    # Four trials, each on a lock of its own: their holders start, and are stopped past their
+    # locks' expiry, together; each is then taken over and resumed in turn.
+    holders = [
+        Holder(url, contender.table_name, f"job {trial}", "--expires", "1", "--keep-alive")
+        for trial in range(4)
+    ]
+    try:
+        for holder in holders:
             holder.read()
+        for holder in holders:
             holder.process.send_signal(signal.SIGSTOP)
-            new = contender.lock("job", wait=30)
+        for trial, holder in enumerate(holders):
+            new = contender.lock(f"job {trial}", wait=30)
             holder.send("unlock")  # read the moment it resumes
             holder.process.send_signal(signal.SIGCONT)
             report = holder.read()
-        finally:
+            assert report["unlock"] == "LockLost", f"trial {trial}"
+            assert report["on_lost_called"] == 1, f"trial {trial}"
+            new.unlock()
+    finally:
+        for holder in holders:
+            with contextlib.suppress(ProcessLookupError):
+                holder.process.send_signal(signal.SIGCONT)
             holder.finish()
-        assert report["unlock"] == "LockLost", f"trial {trial}"
-        assert report["on_lost_called"] == 1, f"trial {trial}"
-        new.unlock()
 
 
 # -- 3. database restarted ------------------------------------------------------------------------
@@ -216,20 +226,31 @@ def private_server(request: pytest.FixtureRequest) -> Iterator[Any]:
         yield server
 
 
+@pytest.fixture(scope="module", params=["postgresql", "mysql"])
+def restartable_server(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A private server that the tests restart as they go, started once for all of them: each
+    leaves it running, and each has a table of its own."""
+    with running_private_server(request.param) as server:
+        yield server
+
+
 @pytest.mark.parametrize("crash", [False, True], ids=["clean", "crash"])
 def test_database_restart_never_gives_two_holders_or_reuses_an_id(
-    private_server: Any, crash: bool
+    restartable_server: Any, crash: bool, table_name: str
 ) -> None:
+    private_server = restartable_server
     url = private_server.url
     engine = sa.create_engine(resolve_url(url))
-    lock_table("semaphores").create(engine)
+    lock_table(table_name).create(engine)
     backend = engine.dialect.name
     engine.dispose()
-    holder = Locker(url, grace=GRACE)
-    contender = Locker(url, grace=GRACE)
+    holder = Locker(url, table=table_name, grace=GRACE)
+    contender = Locker(url, table=table_name, grace=GRACE)
     lost: list[str] = []
     locks = [
-        holder.lock(f"job {n}", expires=3, keep_alive=True, on_lost=lambda e: lost.append(str(e)))
+        holder.lock(
+            f"job {n}", expires=3, keep_alive=True, on_lost=lambda e: lost.append(str(e.lockstring))
+        )
         for n in range(3)
     ]
     highest_before = max(lock.lock_id for lock in locks)
@@ -238,7 +259,15 @@ def test_database_restart_never_gives_two_holders_or_reuses_an_id(
     time.sleep(1.0)
     private_server.start()
     downtime = time.monotonic() - down_at
-    time.sleep(4)  # more than an expiry period: renewals must have resumed, or losses be known
+    # Until each lock has been renewed since the server came back, or its holder told it is
+    # lost (at its deadline, less than an expiry period away).
+    deadlines = [lock._state.valid_until for lock in locks]
+    wait_until(
+        lambda: all(
+            lock.lockstring in lost or lock._state.valid_until > deadline
+            for lock, deadline in zip(locks, deadlines, strict=True)
+        )
+    )
     survived = [lock for lock in locks if lock.is_valid()]
     for lock in locks:
         stolen = contender.try_lock(lock.lockstring)
@@ -1124,7 +1153,9 @@ def test_a_renewal_held_up_by_a_row_lock_past_unlock_gives_the_revived_row_back(
     assert isinstance(outcome.get("unlock"), LockLost), outcome
     assert isinstance(outcome.get("renewal"), LockLost), outcome
     row = outcome["row"]
-    # Given back, or left to expire when the renewal the holder was told of set it.
-    assert row is None or row.expires <= outcome["renewed_until"], outcome
+    # Given back, or left to expire when the renewal the holder was told of set it (a row of
+    # another id is the second locker's, which may have taken the lock by then).
+    if row is not None and row.lock_id == outcome["first_id"]:
+        assert row.expires <= outcome["renewed_until"], outcome
     assert outcome["first_valid_at_takeover"] is False, outcome
     assert outcome["second_id"] > outcome["first_id"], outcome

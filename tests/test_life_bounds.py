@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from sqllocker import Locker, LockError, LockLost
+from sqllocker import Locker, LockError, LockLost, clock
 from sqllocker.connections import ConnectionStack
 from tests.helpers import FRONTS, Front, Proxied, figure
 
@@ -201,7 +201,16 @@ def test_a_stuck_renewal_delays_no_other_locks_renewals(
         stuck = await front.call(locker.lock, "stuck", **kept, on_lost=told_stuck)
         fine = await front.call(locker.lock, "fine", **kept, on_lost=told_fine)
         proxy.freeze_connection_before(stuck.guid.encode())
-        await asyncio.sleep(3 * expires)
+        # Until the stuck lock was told lost at its deadline (its renewal stuck for several
+        # renewal periods), and the other was renewed since: a renewal queued behind the stuck
+        # one would never come, and the check below finds the other lapsed.
+        deadline = time.monotonic() + 3 * expires
+        while time.monotonic() < deadline:
+            # valid_until is on sqllocker's clock, Told.at on time.monotonic()
+            fine_until = fine._state.valid_until - clock.now() + time.monotonic()
+            if told_stuck.at is not None and fine_until > told_stuck.at + expires / 2:
+                break
+            await asyncio.sleep(0.05)
         await asyncio.to_thread(check, stuck, fine)
         await front.call(fine.unlock)
 
