@@ -277,6 +277,12 @@ class Backend:
         over: see ``PostgreSQLBackend.binds_in_text``)."""
         return False
 
+    def others_read_tickets(self, table: str) -> ClauseElement | None:
+        """Where releases hand rows over: a statement answering one row, one column, whether
+        a role other than the owner of ``table``'s tickets (and roles acting as the owner, and
+        superusers) may read them, grant keys included; None where tickets keep no key."""
+        return None
+
     def is_read_only(self, error: sa.exc.DBAPIError) -> bool:
         """The server accepts no writes: a standby, or a primary demoted by a failover. The
         connection is dropped and the operation tried again on a fresh one, which a URL naming

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import URL, Connection, Dialect, Engine
-from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql.elements import ClauseElement, ColumnElement
 from sqlalchemy.sql.expression import Executable
 
 from ..notifications import leaders_channel_for
@@ -317,6 +317,27 @@ class PostgreSQLBackend(Backend):
 
     def is_missing_function(self, error: sa.exc.DBAPIError) -> bool:
         return _sqlstate(error) == "42883"  # undefined_function
+
+    def others_read_tickets(self, table: str) -> ClauseElement:
+        """A grant key, read, lets anyone who can NOTIFY sign a grant: so a ticket is taken with
+        one only where no role that can log in may SELECT from the requests table, by itself or
+        through a role it is a member of (a grant, PUBLIC, ``pg_read_all_data``, which
+        ``has_table_privilege`` counts), but the table's owner, the roles that may act as it,
+        and superusers (who may do anything). A table that cannot be found counts as read."""
+        return (
+            sa.text(
+                "SELECT pg_catalog.to_regclass(:requests) IS NULL OR EXISTS ("
+                " SELECT FROM pg_catalog.pg_class AS c, pg_catalog.pg_roles AS r,"
+                "  pg_catalog.pg_roles AS g"
+                " WHERE c.oid = pg_catalog.to_regclass(:requests)"
+                "  AND r.rolcanlogin AND NOT r.rolsuper"
+                "  AND NOT pg_catalog.pg_has_role(r.oid, c.relowner, 'MEMBER')"
+                "  AND pg_catalog.pg_has_role(r.oid, g.oid, 'MEMBER')"
+                "  AND pg_catalog.has_table_privilege(g.oid, c.oid, 'SELECT')) AS read_by_others"
+            )
+            .bindparams(requests=requests_table_name(table))
+            .columns(sa.column("read_by_others", sa.Boolean))
+        )
 
     def binds_in_text(self, dbapi_connection: Any) -> bool:
         """Whether the driver writes a statement's parameters into its text, which

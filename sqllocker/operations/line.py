@@ -26,6 +26,9 @@ class WaitingLine:
         self._unsigned = False
         # Told once that the driver would show a ticket's key in the statement's text.
         self._in_text = False
+        # Whether roles other than the owner may read the tickets' keys: asked once, before
+        # the first ticket with a key (None: not yet asked).
+        self._keys_read: bool | None = None
 
     def join_line(
         self,
@@ -96,6 +99,10 @@ class WaitingLine:
                     self._db.table_name,
                 )
             return conn.execute(sql.join_line_unsigned, unsigned)
+        if self._keys_read is None:
+            self._keys_read = self._others_read_tickets(conn)
+        if self._keys_read:
+            return conn.execute(sql.join_line_unsigned, unsigned)
         try:
             return conn.execute(sql.join_line, signed)
         except sa.exc.DBAPIError as error:
@@ -108,6 +115,24 @@ class WaitingLine:
             self._db.table_name,
         )
         return conn.execute(sql.join_line_unsigned, unsigned)
+
+    def _others_read_tickets(self, conn: DriverSession) -> bool:
+        """Whether roles other than the owner may read the tickets, their keys included
+        (``Backend.others_read_tickets``): then tickets are taken without a key, and a release's
+        grant is read back from the table. Asked once per Locker: a role let read them later
+        is seen once its processes start again."""
+        query = self._db.be.others_read_tickets(self._db.table_name)
+        if query is None:
+            return False
+        if not conn.execute(query).one().read_by_others:
+            return False
+        logger.warning(
+            "roles other than its owner may read the tickets of %s (a grant, PUBLIC, or "
+            "pg_read_all_data), keys included: hand-offs are read back from the table, their "
+            "tickets taken without a key",
+            self._db.table_name,
+        )
+        return True
 
     def leave_line(self, lockstring: str, ticket: int | None, guid: str, give_back: bool) -> bool:
         """Give up ``ticket``; with ``give_back``, a row already handed to it is deleted again
