@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import URL, Connection, Dialect, Engine
-from sqlalchemy.sql.elements import ClauseElement, ColumnElement
+from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.expression import Executable
 
 from ..notifications import leaders_channel_for
@@ -29,6 +29,7 @@ from ..timeouts import (
     ROW_LOCK_TIMEOUT_SECONDS,
     STATEMENT_TIMEOUT_SECONDS,
 )
+from . import postgresql_grant_keys as grant_keys
 from .base import Backend, StatementParts, shut_down_socket
 
 # idle_in_transaction_session_timeout for the rest of the transaction: :ms, or the session's
@@ -318,42 +319,9 @@ class PostgreSQLBackend(Backend):
     def is_missing_function(self, error: sa.exc.DBAPIError) -> bool:
         return _sqlstate(error) == "42883"  # undefined_function
 
-    def others_read_tickets(self, table: str) -> ClauseElement:
-        """A grant key, read, lets anyone who can NOTIFY sign a grant: so a ticket is taken with
-        one only where no role that can log in may SELECT from the requests table, by itself or
-        through a role it is a member of (a grant, PUBLIC, ``pg_read_all_data``, which
-        ``has_table_privilege`` counts), but the table's owner, the roles that may act as it,
-        and superusers (who may do anything). A table that cannot be found counts as read."""
-        return (
-            sa.text(
-                "SELECT pg_catalog.to_regclass(:requests) IS NULL OR EXISTS ("
-                " SELECT FROM pg_catalog.pg_class AS c, pg_catalog.pg_roles AS r,"
-                "  pg_catalog.pg_roles AS g"
-                " WHERE c.oid = pg_catalog.to_regclass(:requests)"
-                "  AND r.rolcanlogin AND NOT r.rolsuper"
-                "  AND NOT pg_catalog.pg_has_role(r.oid, c.relowner, 'MEMBER')"
-                "  AND pg_catalog.pg_has_role(r.oid, g.oid, 'MEMBER')"
-                "  AND pg_catalog.has_table_privilege(g.oid, c.oid, 'SELECT')) AS read_by_others"
-            )
-            .bindparams(requests=requests_table_name(table))
-            .columns(sa.column("read_by_others", sa.Boolean))
-        )
-
-    def binds_in_text(self, dbapi_connection: Any) -> bool:
-        """Whether the driver writes a statement's parameters into its text, which
-        ``pg_stat_activity`` shows to the role's other sessions and to ``pg_read_all_stats``
-        (``pg_monitor``): psycopg's ClientCursor, or a driver not known to bind them at the
-        server. A ticket's grant key, with which anyone who can NOTIFY could sign a grant, is
-        never sent so."""
-        driver = getattr(dbapi_connection, "driver_connection", dbapi_connection)
-        if not type(driver).__module__.startswith("psycopg"):
-            return True
-        import psycopg  # the driver's own module, loaded already
-
-        factory = getattr(driver, "cursor_factory", None)
-        return not isinstance(factory, type) or issubclass(
-            factory, (psycopg.ClientCursor, psycopg.AsyncClientCursor)
-        )
+    # Where a ticket's grant key would be seen by others: then it is taken without one.
+    others_read_tickets = staticmethod(grant_keys.others_read_tickets)
+    binds_in_text = staticmethod(grant_keys.binds_in_text)
 
     def is_read_only(self, error: sa.exc.DBAPIError) -> bool:
         # read_only_sql_transaction: a standby, or a session opened read-only
