@@ -203,12 +203,12 @@ async def pooled_connection(engine: AsyncEngine, autocommit: bool = True) -> Poo
     return connection
 
 
-async def shielded(work: Coroutine[Any, Any, T], name: str, undo: Callable[[T], None]) -> T:
+def shielded(work: Coroutine[Any, Any, T], name: str, undo: Callable[[T], None]) -> Awaitable[T]:
     """Await ``work``, which runs to its end whoever stops waiting for it (``InFlight``): if the
     caller is cancelled, ``undo`` gets what the work returns once it is done (and did not
     raise)."""
     flight: InFlight[T] = InFlight(name, undo)
-    return await flight.run(work)
+    return flight.run(work)
 
 
 class InFlight(Generic[T]):
@@ -232,11 +232,10 @@ class InFlight(Generic[T]):
         self._result: T | None = None
         self._error: BaseException | None = None
 
-    async def run(self, work: Coroutine[Any, Any, T]) -> T:
-        """Run ``work`` (once per InFlight), driven by the caller's own task, and return what
-        it returns, or raise what it raised."""
-        await _Driven(self._run(work), self._name, self._left)
-        return self._outcome()
+    def run(self, work: Coroutine[Any, Any, T]) -> Awaitable[T]:
+        """Run ``work`` (once per InFlight), driven by the awaiting caller's own task: what it
+        returns, or raise what it raised."""
+        return _Driven(self, work)
 
     async def wait(self) -> T:
         """What the work that ``run`` runs returned (or raise what it raised)."""
@@ -258,12 +257,10 @@ class InFlight(Generic[T]):
             raise self._error
         return self._result  # type: ignore[return-value]
 
-    def _left(self) -> None:
-        self._driver_left = True
-
-    async def _run(self, work: Coroutine[Any, Any, T]) -> None:
+    async def _go_on(self, work: Coroutine[Any, Any, T], yielded: Any) -> None:
+        """The work, left by its driving caller at a wait (``yielded``), to its end."""
         try:
-            result = await work
+            result = await _Resumed(work, yielded, False)
         except BaseException as error:
             self._finish(None, error)
             raise
@@ -362,26 +359,28 @@ class _Uncancellable:
         return self.future.result()
 
 
-class _Driven:
-    """A coroutine driven by the awaiting task, every future it yields seen through
-    ``_Uncancellable``; if the task is cancelled, the coroutine goes on from there in a task of
-    its own (``left`` is called), and the task gets its CancelledError at once."""
+class _Driven(Generic[T]):
+    """An InFlight's work, driven by the awaiting task, every future it yields seen through
+    ``_Uncancellable``; its end recorded in the InFlight. If the task is cancelled, the work
+    goes on from there in a task of its own (``InFlight._go_on``), and the task gets its
+    CancelledError at once."""
 
-    def __init__(
-        self, work: Coroutine[Any, Any, None], name: str, left: Callable[[], None]
-    ) -> None:
+    __slots__ = ("_flight", "_work")
+
+    def __init__(self, flight: InFlight[T], work: Coroutine[Any, Any, T]) -> None:
+        self._flight = flight
         self._work = work
-        self._name = name
-        self._left = left
 
-    def __await__(self) -> Generator[Any, None, None]:
-        # The work is InFlight._run, which records its own end (a StopIteration or an error
-        # out of send or throw here): the caller reads it from the InFlight.
-        work = self._work
+    def __await__(self) -> Generator[Any, None, T]:
+        flight, work = self._flight, self._work
         try:
             yielded = work.send(None)
-        except BaseException:
-            return
+        except StopIteration as finished:
+            flight._finish(finished.value, None)
+            return finished.value  # type: ignore[no-any-return]
+        except BaseException as error:
+            flight._finish(None, error)
+            raise
         while True:
             waited = _seen_by_caller(yielded)
             thrown: BaseException | None = None
@@ -389,21 +388,25 @@ class _Driven:
                 yield waited
             except asyncio.CancelledError:
                 if not (
-                    isinstance(waited, _Uncancellable)
+                    type(waited) is _Uncancellable
                     and not waited.cancelled_by_caller
                     and waited.future.cancelled()
                 ):
                     # The caller's cancellation: the work goes on without it.
-                    self._left()
-                    spawn(_resumed(work, yielded), self._name)
+                    flight._driver_left = True
+                    spawn(flight._go_on(work, yielded), flight._name)
                     raise
                 # Else the work's own future was cancelled: resumed, the work is told so.
             except BaseException as error:
                 thrown = error
             try:
                 yielded = work.send(None) if thrown is None else work.throw(thrown)
-            except BaseException:
-                return
+            except StopIteration as finished:
+                flight._finish(finished.value, None)
+                return finished.value  # type: ignore[no-any-return]
+            except BaseException as error:
+                flight._finish(None, error)
+                raise
 
 
 async def _resumed(work: Coroutine[Any, Any, Any], yielded: Any, cancel: bool = False) -> None:

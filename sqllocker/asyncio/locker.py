@@ -46,6 +46,7 @@ from .semaphore import AsyncSemaphore
 
 if True:  # ASYNC
     import asyncio
+    from collections.abc import Coroutine
 
     from .acquiring import Acquiring
     from .loop_end import LoopBinding
@@ -189,7 +190,7 @@ class AsyncLocker:
             self._file_queue,
             self._telemetry,
             self.grace,
-            self._ready,
+            self._readying,
         )
         self._tickets = self._acquirer.tickets
         if True:  # ASYNC
@@ -451,14 +452,23 @@ class AsyncLocker:
 
     # -- internals -------------------------------------------------------------------------------
 
-    async def _call(self, operation: Callable[..., T], *args: Any) -> T:
-        """Run one of the table's operations (in asyncio: in a greenlet, on the running loop's
-        connections)."""
-        if True:  # ASYNC
-            if not self._is_ready():
-                await self._ready()
+    if True:  # ASYNC
+
+        def _call(self, operation: Callable[..., T], *args: Any) -> Coroutine[Any, Any, T]:
+            """Run one of the table's operations (in asyncio: in a greenlet, on the running
+            loop's connections; the set-up first, where it is due)."""
+            if self._is_ready():
+                return concurrency.run(operation, *args)
+            return self._call_when_ready(operation, *args)
+
+        async def _call_when_ready(self, operation: Callable[..., T], *args: Any) -> T:
+            await self._ready()
             return await concurrency.run(operation, *args)
-        else:
+
+    else:
+
+        def _call(self, operation: Callable[..., T], *args: Any) -> T:
+            """Run one of the table's operations."""
             return operation(*args)
 
     async def _ready(self) -> None:
@@ -475,6 +485,15 @@ class AsyncLocker:
                 self._ready_lock = asyncio.Lock()
             async with self._ready_lock:
                 await concurrency.run(self._operations.ensure_setup)
+
+    if True:  # ASYNC
+
+        def _readying(self) -> Awaitable[None] | None:
+            """``_ready()``, or None where it has nothing to do (every acquire asks)."""
+            return None if self._is_ready() else self._ready()
+
+    else:
+        _readying = _ready
 
     if True:  # ASYNC
 
