@@ -327,13 +327,13 @@ async def test_within_a_cancellation_in_the_deadlines_turn_is_the_callers(
     gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     steps: list[str] = []
     callers: list[asyncio.Future[str]] = []
-    expire = concurrency._Bounded._expire
+    expire = concurrency._Bounded.expire
 
     def expire_then_cancel(bounded: Any) -> None:
         expire(bounded)
         callers[0].cancel()
 
-    monkeypatch.setattr(concurrency._Bounded, "_expire", expire_then_cancel)
+    monkeypatch.setattr(concurrency._Bounded, "expire", expire_then_cancel)
     callers.append(asyncio.ensure_future(within(_slow_to_cancel(gate, steps), 0.01, "test")))
     with pytest.raises(asyncio.CancelledError):
         await callers[0]
@@ -350,3 +350,43 @@ async def test_within_work_that_never_waits_needs_no_task() -> None:
     tasks_before = len(asyncio.all_tasks())
     assert await within(work(), 0, "test") == "at once"
     assert len(asyncio.all_tasks()) == tasks_before
+
+
+async def test_within_bounded_works_share_one_timer_each_ending_at_its_own_deadline() -> None:
+    """The loop's bounded works share one timer (``alarm``): set for the earliest deadline,
+    then for the earliest still waiting; a work that ends first leaves no deadline behind."""
+    loop = asyncio.get_running_loop()
+    gates: list[asyncio.Future[None]] = []
+    ended: list[str] = []
+
+    async def bounded(name: str, seconds: float) -> None:
+        gates.append(loop.create_future())
+        try:
+            await within(gates[-1], seconds, name)
+            ended.append(f"{name} done")
+        except asyncio.TimeoutError:
+            ended.append(f"{name} timed out")
+
+    def timers() -> int:
+        return sum(not timer.cancelled() for timer in loop._scheduled)  # type: ignore[attr-defined]
+
+    timers_before = timers()
+    works = [
+        asyncio.ensure_future(bounded(name, seconds))
+        for name, seconds in [("late", 0.3), ("early", 0.05), ("never", 30), ("first", 0.0)]
+    ]
+    await asyncio.sleep(0)
+    assert timers() == timers_before + 1
+    await asyncio.wait_for(asyncio.shield(works[1]), 2)
+    assert ended == ["first timed out", "early timed out"]
+    await asyncio.wait_for(asyncio.shield(works[0]), 2)
+    assert ended[-1] == "late timed out"
+    for gate in gates:
+        if not gate.done():
+            gate.set_result(None)
+    await asyncio.gather(*works)
+    assert ended[-1] == "never done"
+    assert not concurrency.alarm.of(loop)._due
+    for _ in range(50):
+        await within(asyncio.sleep(0), 30, "quick")
+    assert not concurrency.alarm.of(loop)._due

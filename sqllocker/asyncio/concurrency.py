@@ -35,6 +35,7 @@ except ImportError:  # SQLAlchemy 2.0 calls it await_only
 from .. import clock, deadlines
 from ..engine import create_async_locker_engine, resolve_url
 from ..errors import LockTypeError
+from . import alarm
 from .greenlets import run as run  # sync database code, its driver calls awaited
 from .tasks import spawn
 
@@ -62,7 +63,7 @@ class turn_within:
         self._lock.release()
 
 
-async def within(work: Awaitable[T], seconds: float, name: str) -> T:
+def within(work: Awaitable[T], seconds: float, name: str) -> Awaitable[T]:
     """What ``work`` returns; ``asyncio.TimeoutError`` once ``seconds`` have passed, the work
     then cancelled and left to end by itself in a task of its own: a driver may take its time
     to end a cancelled statement (psycopg sends the server a cancel request, which waits for a
@@ -72,8 +73,7 @@ async def within(work: Awaitable[T], seconds: float, name: str) -> T:
     The work runs in the caller's own task, as ``InFlight`` runs it (``_Bounded``): a task of
     its own would cost every lock cycle's release a task and three turns of the event loop."""
     coroutine = work if inspect.iscoroutine(work) else _awaited(work)
-    result: T = await _Bounded(coroutine, seconds, name)
-    return result
+    return _Bounded(coroutine, seconds, name)
 
 
 async def _awaited(work: Awaitable[T]) -> T:
@@ -232,10 +232,10 @@ class InFlight(Generic[T]):
         self._result: T | None = None
         self._error: BaseException | None = None
 
-    def run(self, work: Coroutine[Any, Any, T]) -> Awaitable[T]:
+    def run(self, work: Awaitable[T]) -> Awaitable[T]:
         """Run ``work`` (once per InFlight), driven by the awaiting caller's own task: what it
         returns, or raise what it raised."""
-        return _Driven(self, work)
+        return _Driven(self, work if inspect.iscoroutine(work) else work.__await__())
 
     async def wait(self) -> T:
         """What the work that ``run`` runs returned (or raise what it raised)."""
@@ -257,7 +257,9 @@ class InFlight(Generic[T]):
             raise self._error
         return self._result  # type: ignore[return-value]
 
-    async def _go_on(self, work: Coroutine[Any, Any, T], yielded: Any) -> None:
+    async def _go_on(
+        self, work: Coroutine[Any, Any, T] | Generator[Any, None, T], yielded: Any
+    ) -> None:
         """The work, left by its driving caller at a wait (``yielded``), to its end."""
         try:
             result = await _Resumed(work, yielded, False)
@@ -367,7 +369,9 @@ class _Driven(Generic[T]):
 
     __slots__ = ("_flight", "_work")
 
-    def __init__(self, flight: InFlight[T], work: Coroutine[Any, Any, T]) -> None:
+    def __init__(
+        self, flight: InFlight[T], work: Coroutine[Any, Any, T] | Generator[Any, None, T]
+    ) -> None:
         self._flight = flight
         self._work = work
 
@@ -423,7 +427,9 @@ class _Resumed:
     cancel (it has ended, or was cancelled already), the coroutine is thrown CancelledError at
     once, as that task's next step would be."""
 
-    def __init__(self, work: Coroutine[Any, Any, Any], yielded: Any, cancel: bool) -> None:
+    def __init__(
+        self, work: Coroutine[Any, Any, Any] | Generator[Any, None, Any], yielded: Any, cancel: bool
+    ) -> None:
         self._work = work
         self._yielded = yielded
         self._cancel = cancel
@@ -456,7 +462,7 @@ def _cancel(waited: Any) -> bool:
     return cancel is not None and bool(cancel())
 
 
-class _Bounded:
+class _Bounded(Generic[T]):
     """``within``'s work, driven by the awaiting task as ``_Driven`` drives a flight's, every
     future it yields seen through ``_Uncancellable``, for ``seconds`` at most. At the deadline
     the task stops waiting at once (``asyncio.TimeoutError``), and so it does if it is
@@ -466,7 +472,7 @@ class _Bounded:
 
     __slots__ = ("_deadline_woke", "_expired", "_name", "_seconds", "_waited", "_work")
 
-    def __init__(self, work: Coroutine[Any, Any, Any], seconds: float, name: str) -> None:
+    def __init__(self, work: Coroutine[Any, Any, T], seconds: float, name: str) -> None:
         self._work = work
         self._seconds = seconds
         self._name = name
@@ -474,16 +480,19 @@ class _Bounded:
         self._deadline_woke = False  # the deadline cancelled the wait, not the caller
         self._waited: Any = None
 
-    def _expire(self) -> None:
+    def expire(self) -> None:
+        """The deadline has come (``alarm``)."""
         self._expired = True
         waited = self._waited
         if isinstance(waited, _Uncancellable) and waited.cancel():
             self._deadline_woke = True
 
-    def __await__(self) -> Generator[Any, None, Any]:
+    def __await__(self) -> Generator[Any, None, T]:
         work = self._work
         requests = _cancel_requests()  # to tell the caller's cancellation from the deadline
-        timer = asyncio.get_running_loop().call_later(max(self._seconds, 0.0), self._expire)
+        loop = asyncio.get_running_loop()
+        timer = alarm.of(loop)
+        timer.set(self, loop.time() + max(self._seconds, 0.0))
         # Each step of the work sees the deadline (the caller's task runs it, and goes on
         # without it): its statements' waits end by then too (SQLite's busy handler, which
         # a cancellation does not end), and a contention is not tried again past it.
@@ -493,7 +502,7 @@ class _Bounded:
                 with bound:
                     yielded = work.send(None)
             except StopIteration as finished:
-                return finished.value
+                return finished.value  # type: ignore[no-any-return]
             while True:
                 if self._expired:  # past the deadline, and the work waits again
                     spawn(_resumed(work, yielded, cancel=True), self._name)
@@ -526,9 +535,9 @@ class _Bounded:
                     with bound:
                         yielded = work.send(None) if thrown is None else work.throw(thrown)
                 except StopIteration as finished:
-                    return finished.value
+                    return finished.value  # type: ignore[no-any-return]
         finally:
-            timer.cancel()
+            timer.clear(self)
 
 
 def _cancel_requests() -> tuple[asyncio.Task[Any] | None, int]:
