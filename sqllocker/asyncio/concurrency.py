@@ -22,6 +22,7 @@ import collections
 import contextlib
 import inspect
 from collections.abc import Awaitable, Callable, Coroutine, Generator
+from types import CoroutineType
 from typing import Any, Generic, TypeVar
 
 from sqlalchemy.engine import URL
@@ -55,12 +56,25 @@ class turn_within:
     def __init__(self, lock: asyncio.Lock, patience: Callable[[], float]) -> None:
         self._lock = lock
 
-    async def __aenter__(self) -> bool:
-        await self._lock.acquire()
-        return True
+    # Every release enters one: no coroutine of their own.
+    def __aenter__(self) -> Awaitable[bool]:
+        return self._lock.acquire()  # True, once it is ours
 
-    async def __aexit__(self, *exc_info: object) -> None:
+    def __aexit__(self, *exc_info: object) -> Awaitable[None]:
         self._lock.release()
+        return _DONE
+
+
+class _Done:
+    """An awaitable that is done at once (None), with no coroutine of its own."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return iter(())  # type: ignore[return-value]
+
+
+_DONE = _Done()
 
 
 def within(work: Awaitable[T], seconds: float, name: str) -> Awaitable[T]:
@@ -72,7 +86,7 @@ def within(work: Awaitable[T], seconds: float, name: str) -> Awaitable[T]:
 
     The work runs in the caller's own task, as ``InFlight`` runs it (``_Bounded``): a task of
     its own would cost every lock cycle's release a task and three turns of the event loop."""
-    coroutine = work if inspect.iscoroutine(work) else _awaited(work)
+    coroutine = work if isinstance(work, CoroutineType) else _awaited(work)
     return _Bounded(coroutine, seconds, name)
 
 
@@ -223,10 +237,13 @@ class InFlight(Generic[T]):
     returns if its callers were all cancelled before it ended.
     """
 
+    __slots__ = ("_driver_left", "_error", "_name", "_result", "_undo", "_waiters", "done")
+
     def __init__(self, name: str, undo: Callable[[T], None] | None = None) -> None:
         self._name = name
         self._undo = undo
-        self._waiters: list[asyncio.Future[T]] = []  # cancelled: their callers stopped waiting
+        # Made for the first; cancelled: their callers stopped waiting.
+        self._waiters: list[asyncio.Future[T]] | None = None
         self._driver_left = False  # run's caller was cancelled before the work ended
         self.done = False
         self._result: T | None = None
@@ -235,12 +252,14 @@ class InFlight(Generic[T]):
     def run(self, work: Awaitable[T]) -> Awaitable[T]:
         """Run ``work`` (once per InFlight), driven by the awaiting caller's own task: what it
         returns, or raise what it raised."""
-        return _Driven(self, work if inspect.iscoroutine(work) else work.__await__())
+        return _Driven(self, work if isinstance(work, CoroutineType) else work.__await__())
 
     async def wait(self) -> T:
         """What the work that ``run`` runs returned (or raise what it raised)."""
         if not self.done:
             waiter: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+            if self._waiters is None:
+                self._waiters = []
             self._waiters.append(waiter)
             try:
                 return await waiter
@@ -270,10 +289,12 @@ class InFlight(Generic[T]):
 
     def _finish(self, result: T | None, error: BaseException | None) -> None:
         self.done, self._result, self._error = True, result, error
-        waiters, self._waiters = self._waiters, []
+        waiters, self._waiters = self._waiters, None
+        if waiters is None and not self._driver_left:
+            return  # run's caller, still driving the work, alone waits for it
         # run's caller still driving the work has its outcome as soon as this returns.
         told, stopped = not self._driver_left, self._driver_left
-        for waiter in waiters:
+        for waiter in waiters or ():
             if waiter.done():  # cancelled: its caller stopped waiting
                 stopped = True
                 continue
@@ -304,15 +325,26 @@ class _Uncancellable:
     loop between (its callbacks are the work's future's).
 
     Only what ``asyncio.Task`` asks of a future it waits on (it accepts any object with
-    ``_asyncio_future_blocking``)."""
+    ``_asyncio_future_blocking``). The task waiting adds one callback, kept apart from any
+    others (a list made only for them): one is made and dropped every step of a lock's
+    statements."""
 
-    _asyncio_future_blocking = False
+    __slots__ = (
+        "_asyncio_future_blocking",
+        "_callback",
+        "_context",
+        "_others",
+        "cancelled_by_caller",
+        "future",
+    )
 
     def __init__(self, future: Any) -> None:
         self.future = future
         self._asyncio_future_blocking = True  # as a future's own __await__ sets it
         self.cancelled_by_caller = False
-        self._callbacks: list[tuple[Callable[[Any], None], Callable[[Any], None], Any]] = []
+        self._callback: Callable[[Any], None] | None = None
+        self._context: Any = None
+        self._others: list[tuple[Callable[[Any], None], Callable[[Any], None], Any]] | None = None
 
     def get_loop(self) -> asyncio.AbstractEventLoop:
         loop: asyncio.AbstractEventLoop = self.future.get_loop()
@@ -322,20 +354,37 @@ class _Uncancellable:
         if self.cancelled_by_caller:  # done, whatever the work's future does
             self.get_loop().call_soon(callback, self, context=context)
             return
+        if self._callback is None:
+            self._callback, self._context = callback, context
+            self.future.add_done_callback(self._forward, context=context)
+            return
 
         def forward(_future: Any) -> None:
             callback(self)
 
-        self._callbacks.append((callback, forward, context))
+        if self._others is None:
+            self._others = []
+        self._others.append((callback, forward, context))
         self.future.add_done_callback(forward, context=context)
 
+    def _forward(self, _future: Any) -> None:
+        callback = self._callback
+        if callback is not None:
+            callback(self)
+
     def remove_done_callback(self, callback: Callable[[Any], None]) -> int:
-        kept = [entry for entry in self._callbacks if entry[0] is not callback]
-        for _callback, forward, _context in self._callbacks:
-            if _callback is callback:
-                self.future.remove_done_callback(forward)
-        removed = len(self._callbacks) - len(kept)
-        self._callbacks = kept
+        removed = 0
+        if self._callback is not None and self._callback == callback:
+            self.future.remove_done_callback(self._forward)
+            self._callback = None
+            removed = 1
+        if self._others:
+            kept = [entry for entry in self._others if entry[0] != callback]
+            for entry in self._others:
+                if entry[0] == callback:
+                    self.future.remove_done_callback(entry[1])
+            removed += len(self._others) - len(kept)
+            self._others = kept
         return removed
 
     def done(self) -> bool:
@@ -349,10 +398,14 @@ class _Uncancellable:
             return False
         self.cancelled_by_caller = True
         loop = self.get_loop()
-        callbacks, self._callbacks = self._callbacks, []
-        for callback, forward, context in callbacks:
+        callback, self._callback = self._callback, None
+        others, self._others = self._others or [], None
+        if callback is not None:
+            self.future.remove_done_callback(self._forward)
+            loop.call_soon(callback, self, context=self._context)
+        for other, forward, context in others:
             self.future.remove_done_callback(forward)
-            loop.call_soon(callback, self, context=context)
+            loop.call_soon(other, self, context=context)
         return True
 
     def result(self) -> Any:
