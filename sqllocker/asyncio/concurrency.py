@@ -77,8 +77,14 @@ class _Done:
 _DONE = _Done()
 
 
-def within(work: Awaitable[T], seconds: float, name: str) -> Awaitable[T]:
-    """What ``work`` returns; ``asyncio.TimeoutError`` once ``seconds`` have passed, the work
+def within(
+    work: Awaitable[T],
+    seconds: float,
+    name: str,
+    timed_out: Callable[[], BaseException] | None = None,
+) -> Awaitable[T]:
+    """What ``work`` returns; ``asyncio.TimeoutError`` (or what ``timed_out()`` makes) once
+    ``seconds`` have passed, the work
     then cancelled and left to end by itself in a task of its own: a driver may take its time
     to end a cancelled statement (psycopg sends the server a cancel request, which waits for a
     frozen server up to its connect timeout). The caller's cancellation cancels the work
@@ -87,7 +93,7 @@ def within(work: Awaitable[T], seconds: float, name: str) -> Awaitable[T]:
     The work runs in the caller's own task, as ``InFlight`` runs it (``_Bounded``): a task of
     its own would cost every lock cycle's release a task and three turns of the event loop."""
     coroutine = work if isinstance(work, CoroutineType) else _awaited(work)
-    return _Bounded(coroutine, seconds, name)
+    return _Bounded(coroutine, seconds, name, timed_out)
 
 
 async def _awaited(work: Awaitable[T]) -> T:
@@ -523,12 +529,27 @@ class _Bounded(Generic[T]):
     way the work goes on from there in a task of its own, cancelled (``_Resumed``). The work's
     own future cancelled is the work's to handle."""
 
-    __slots__ = ("_deadline_woke", "_expired", "_name", "_seconds", "_waited", "_work")
+    __slots__ = (
+        "_deadline_woke",
+        "_expired",
+        "_name",
+        "_seconds",
+        "_timed_out",
+        "_waited",
+        "_work",
+    )
 
-    def __init__(self, work: Coroutine[Any, Any, T], seconds: float, name: str) -> None:
+    def __init__(
+        self,
+        work: Coroutine[Any, Any, T],
+        seconds: float,
+        name: str,
+        timed_out: Callable[[], BaseException] | None,
+    ) -> None:
         self._work = work
         self._seconds = seconds
         self._name = name
+        self._timed_out = timed_out
         self._expired = False
         self._deadline_woke = False  # the deadline cancelled the wait, not the caller
         self._waited: Any = None
@@ -539,6 +560,9 @@ class _Bounded(Generic[T]):
         waited = self._waited
         if isinstance(waited, _Uncancellable) and waited.cancel():
             self._deadline_woke = True
+
+    def _timeout(self) -> BaseException:
+        return asyncio.TimeoutError() if self._timed_out is None else self._timed_out()
 
     def __await__(self) -> Generator[Any, None, T]:
         work = self._work
@@ -559,7 +583,7 @@ class _Bounded(Generic[T]):
             while True:
                 if self._expired:  # past the deadline, and the work waits again
                     spawn(_resumed(work, yielded, cancel=True), self._name)
-                    raise asyncio.TimeoutError
+                    raise self._timeout()
                 waited = self._waited = _seen_by_caller(yielded)
                 thrown: BaseException | None = None
                 try:
@@ -578,7 +602,7 @@ class _Bounded(Generic[T]):
                         # ends without the caller.
                         spawn(_resumed(work, yielded, cancel=True), self._name)
                         if self._deadline_woke and not _cancelled_since(requests):
-                            raise asyncio.TimeoutError from None
+                            raise self._timeout() from None
                         raise
                     thrown = cancelled  # the work's own future was cancelled: it is told so
                 except BaseException as error:
