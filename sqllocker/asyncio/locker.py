@@ -196,6 +196,8 @@ class AsyncLocker:
         if True:  # ASYNC
             self._loop = LoopBinding()
             self._ready_lock: asyncio.Lock | None = None
+            # The loop this locker was found set up on (and bound to): a set-up stays done.
+            self._ready_on: asyncio.AbstractEventLoop | None = None
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -499,7 +501,13 @@ class AsyncLocker:
 
         def _is_ready(self) -> bool:
             """Set up, on the running loop: ``_ready`` has nothing to do (every operation asks)."""
-            return self._loop.loop is asyncio.get_running_loop() and self._operations.is_set_up
+            running = asyncio.get_running_loop()
+            if self._ready_on is running:
+                return True
+            if self._loop.loop is running and self._operations.is_set_up:
+                self._ready_on = running
+                return True
+            return False
 
         def _bind_to_running_loop(self) -> None:
             """Make the running loop this locker's, dropping what belonged to the previous one.
@@ -510,6 +518,7 @@ class AsyncLocker:
             """
             if not self._loop.bind(self, self._close_at_loop_end):
                 return
+            self._ready_on = None
             logger.info(
                 "%r moves to a new event loop, dropping the previous loop's connections", self
             )
