@@ -110,3 +110,56 @@ def test_a_run_that_skips_the_scale_rows_keeps_the_earlier_ones_with_their_date(
     assert kept["measured_at"] == "2026-11-29 12:00 UTC"
     # Measured again, the scale rows are this run's own.
     assert "scale" not in bench.carry_over(earlier, now, set())
+
+
+@pytest.mark.slow  # processes taking turns for a second or two
+def test_the_durable_fifo_floor_takes_turns_in_order_one_holder_at_a_time(
+    backend: str, url: str
+) -> None:
+    """The floor's row runs sqllocker's contended protocol as bare statements in the
+    contenders' harness: one holder at a time, in line, beside sqllocker's own row on the
+    same table."""
+    targets = [(backend, "sqllocker", url), (backend, bench.FIFO_FLOOR, url)]
+    rows = bench.contended(targets, processes=3, seconds=0.5)
+    assert [row["system"] for row in rows] == ["sqllocker", bench.FIFO_FLOOR]
+    for row in rows:
+        assert row["violations"] == 0
+        assert row["acquisitions_per_s"] > 20
+        # In line: no one passed by each of the others more than twice (one may ask after a
+        # waiter, yet draw its ticket first). A free-for-all passes a waiter by dozens.
+        assert row["overtaken_max"] <= 2 * 2
+    bench.drop_table(url, bench.TABLE)
+
+
+def test_the_page_sets_sqllocker_against_its_floor_and_the_goals_the_floor_bounds() -> None:
+    """A run with the floor's rows: they show in the contended table, with sqllocker's ratios
+    to them, and, for the goals against a server's own lock, where the floor itself stands."""
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    results = json.loads((docs / "bench.json").read_text())
+    rows = results["contended"]
+    assert not any(row["system"] == bench.FIFO_FLOOR for row in rows)
+    floor_rows = []
+    for row in rows:
+        if row["system"] == "sqllocker":
+            floor = dict(row, system=bench.FIFO_FLOOR)
+            floor["acquisitions_per_s"] = row["acquisitions_per_s"] * 1.25
+            floor["wait_p99_ms"] = row["wait_p99_ms"] / 2
+            floor_rows.append(floor)
+    results["contended"] = rows + floor_rows
+    page = bench.performance_page(results)
+    assert page.count("| durable FIFO floor |") == 3
+    assert "| PostgreSQL | 0.80 | 2.00 |" in page
+    assert "| MariaDB | 0.80 | 2.00 |" in page
+    by = {(row["backend"], row["system"]): row for row in results["contended"]}
+    advisory = by["postgresql", "advisory lock"]["acquisitions_per_s"]
+    ours = by["postgresql", "sqllocker"]["acquisitions_per_s"] / advisory
+    floor = by["postgresql", bench.FIFO_FLOOR]["acquisitions_per_s"] / advisory
+    assert f"sqllocker's acquisitions/s, {ours:.2f}x blocking `pg_advisory_lock`'s" in page
+    assert f"the floor's, {floor:.2f}x" in page
+    assert "- MariaDB: sqllocker's wait p99, " in page
+    # The page of a run without them is as before.
+    assert "durable FIFO floor" not in bench.performance_page(
+        json.loads((docs / "bench.json").read_text())
+    )
