@@ -407,15 +407,15 @@ def _goal_sentence(
     )
     reached = floor >= goal if better == "higher" else floor <= goal
     bound = (
-        "within the protocol's reach: the rest of the gap is the library's"
+        "within the protocol's reach, and the rest of the gap is the library's"
         if reached
-        else "out of this protocol's reach: its bare statements miss it by themselves"
+        else "out of this protocol's reach: its bare statements alone miss it"
     )
     at = "at least" if better == "higher" else "at most"
     name = system_names.get(blocking, blocking)
     return (
-        f"- {backend_names[backend]}: sqllocker's {_MEASURES[measure]}, {ours:.2f}x {name}'s "
-        f"(the goal: {at} {goal}x); the floor's, {floor:.2f}x: the goal is {bound}."
+        f"- {backend_names[backend]}: sqllocker's {_MEASURES[measure]} is {ours:.2f}x {name}'s "
+        f"(the goal: {at} {goal}x), the floor's {floor:.2f}x, so the goal is {bound}."
     )
 
 
