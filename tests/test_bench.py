@@ -112,21 +112,20 @@ def test_a_run_that_skips_the_scale_rows_keeps_the_earlier_ones_with_their_date(
     assert "scale" not in bench.carry_over(earlier, now, set())
 
 
-@pytest.mark.slow  # processes taking turns for a second or two
-def test_the_durable_fifo_floor_takes_turns_in_order_one_holder_at_a_time(
+@pytest.mark.slow  # processes taking turns for a second
+def test_the_durable_fifo_floor_takes_turns_in_line_one_holder_at_a_time(
     backend: str, url: str
 ) -> None:
     """The floor's row runs sqllocker's contended protocol as bare statements in the
-    contenders' harness: one holder at a time, in line, beside sqllocker's own row on the
-    same table."""
-    targets = [(backend, "sqllocker", url), (backend, bench.FIFO_FLOOR, url)]
-    rows = bench.contended(targets, processes=3, seconds=0.5)
-    assert [row["system"] for row in rows] == ["sqllocker", bench.FIFO_FLOOR]
-    for row in rows:
-        assert row["violations"] == 0
-        assert row["acquisitions_per_s"] > 20
-        # In line: no one passed by each of the others more than twice (one may ask after a
-        # waiter, yet draw its ticket first). A free-for-all passes a waiter by dozens.
+    contenders' harness, on the table its migrations make: one holder at a time and, where
+    waiters take tickets, in line."""
+    [row] = bench.contended([(backend, bench.FIFO_FLOOR, url)], processes=3, seconds=0.5)
+    assert row["system"] == bench.FIFO_FLOOR
+    assert row["violations"] == 0
+    assert row["acquisitions_per_s"] > 20
+    if backend != "sqlite":  # there the kernel wakes the waiters, in an order of its own
+        # No one passed by each of the others more than twice (one may ask after a waiter,
+        # yet draw its ticket first); a free-for-all passes a waiter by dozens.
         assert row["overtaken_max"] <= 2 * 2
     bench.drop_table(url, bench.TABLE)
 
