@@ -418,7 +418,8 @@ SERVER_LOCKS: dict[str, tuple[str, str, Callable[[int], object]]] = {
 }
 TRY_LOCKS = {"sqlite": [], "postgresql": ["advisory try-lock"], "mysql": ["GET_LOCK try-lock"]}
 BLOCKING_LOCKS = {"sqlite": "flock", "postgresql": "advisory lock", "mysql": "GET_LOCK"}
-# sqllocker's contended protocol as bare statements (scripts/bench_floor.py).
+# sqllocker's contended protocol as bare statements: scripts/bench_floor.py, whose FIFO_FLOOR
+# this is (that module is imported only where it is used: see ``floors``).
 FIFO_FLOOR = "durable FIFO floor"
 # Redis: the floor (the bare SET NX and DEL of a key), and redis-py's Lock: row -> blocking.
 REDIS_FLOOR = "raw SET NX + DEL"

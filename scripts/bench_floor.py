@@ -5,9 +5,9 @@ sends and waits for, with no library around it: the same statements, compiled by
 for its table (made by its migrations, so PostgreSQL's release trigger hands the row over),
 with the values it sends, straight through the driver on one held autocommit connection per
 process (made as the library makes its own; on MariaDB a second one gives the tickets up), in
-the same contenders' harness. What the
-library adds to a turn beyond its protocol is the gap between the two rows; what the protocol
-itself costs against a server's own blocking lock is this row's gap to that lock's.
+the same contenders' harness. What the library adds to a turn beyond its protocol is the gap
+between the two rows; what the protocol itself costs against a server's own blocking lock is
+this row's gap to that lock's.
 
 - PostgreSQL: a newcomer's INSERT gated on the line (``acquire_unless_queued``); refused, a
   ticket (``queue_join``, with a grant key), the gated INSERT again if the row was free, then
@@ -35,10 +35,16 @@ import secrets
 import struct
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from sqllocker.execution import Prepared
+from sqllocker import Locker
+from sqllocker.backends.mysql import liveness_name
+from sqllocker.backoff import HEAD_FIRST_DELAY, HEAD_POLL_SHARE, MAX_DELAY
+from sqllocker.execution import Prepared
+from sqllocker.file_queue import SUFFIX, FileQueue
+from sqllocker.identity import holder_details
+from sqllocker.notifications import channel_for, grants_channel_for
+from sqllocker.tickets import NEWCOMER
 
 LockCalls = tuple[Callable[[int], Any], Callable[[Any], Any], Callable[[], Any]]
 """(take the lock, returning what gives it back; give it back; close), as ``bench.lock_calls``."""
@@ -57,10 +63,6 @@ class _Compiled:
     sends with them (one process's: a guid is drawn for each acquisition)."""
 
     def __init__(self, url: str, table: str) -> None:
-        from sqllocker import Locker
-        from sqllocker.execution import Prepared
-        from sqllocker.identity import holder_details
-
         self.locker = Locker(url, table=table, grace=GRACE)
         # Connect, set up, learn the backend: on a lockstring of this process's, as the
         # contenders all start at once.
@@ -69,7 +71,6 @@ class _Compiled:
         self.backend = operations.backend
         self.statements = operations.statements
         self._dialect = self.locker.engine.dialect
-        self._prepared = Prepared
         self.raw = self.locker.engine.raw_connection()
         connection: Any = self.raw.driver_connection
         self.connection = connection
@@ -86,7 +87,7 @@ class _Compiled:
         self.queue_file = operations.queue_file
 
     def prepare(self, statement: Any) -> Prepared:
-        return self._prepared(statement, self._dialect)
+        return Prepared(statement, self._dialect)
 
     def run(self, prepared: Prepared, values: dict[str, Any]) -> list[Any]:
         """``prepared`` with ``values``: its rows as the driver returns them, if any."""
@@ -119,9 +120,6 @@ def fifo_floor_calls(url: str, table: str) -> LockCalls:
 
 
 def _postgresql(floor: _Compiled) -> LockCalls:
-    from sqllocker.notifications import channel_for, grants_channel_for
-    from sqllocker.tickets import NEWCOMER
-
     sql, connection = floor.statements, floor.connection
     gated, join = floor.prepare(sql.acquire_unless_queued), floor.prepare(sql.join_line)
     holder, extend = floor.prepare(sql.holder_for_acquirer), floor.prepare(sql.extend)
@@ -195,10 +193,6 @@ def _signed_grant(payload: str, digest: str, key: bytes) -> int | None:
 def _mariadb(floor: _Compiled) -> LockCalls:
     import pymysql
     from pymysql.constants import COMMAND
-
-    from sqllocker.backends.mysql import liveness_name
-    from sqllocker.backoff import HEAD_FIRST_DELAY, HEAD_POLL_SHARE, MAX_DELAY
-    from sqllocker.tickets import NEWCOMER
 
     sql, cursor = floor.statements, floor.cursor
     assert floor.backend.insert_returning, "MariaDB 10.5 and later: INSERT ... RETURNING"
@@ -291,8 +285,6 @@ _FLOCK = struct.Struct("@hhqqixxxx")  # struct flock on 64-bit Linux, as sqllock
 
 def _sqlite(floor: _Compiled) -> LockCalls:
     import fcntl
-
-    from sqllocker.file_queue import SUFFIX, FileQueue
 
     sql = floor.statements
     acquire, release = floor.prepare(sql.acquire), floor.prepare(sql.release)

@@ -139,6 +139,7 @@ def test_the_page_sets_sqllocker_against_its_floor_and_the_goals_the_floor_bound
     results = json.loads((docs / "bench.json").read_text())
     rows = results["contended"]
     assert not any(row["system"] == bench.FIFO_FLOOR for row in rows)
+    assert bench.FIFO_FLOOR == bench.floors().FIFO_FLOOR  # the rows' name, and the page's
     floor_rows = []
     for row in rows:
         if row["system"] == "sqllocker":
