@@ -680,6 +680,7 @@ def contended(
             "processes": processes,
             "acquisitions_per_s": statistics.median(rates[backend, system]),
             "acquisitions_range": [min(rates[backend, system]), max(rates[backend, system])],
+            "acquisitions_by_round": rates[backend, system],
             **turn_figures(turns[backend, system]),
         }
         for backend, system, _ in targets
@@ -1205,9 +1206,10 @@ def measure(backends: list[str], profile: Profile, skip: set[str], quick: bool) 
         backends, profile.cycles, profile.uncontended_rounds
     )
     if "contended" not in skip:
-        targets = [(b, "sqllocker", URLS[b]) for b in backends]
-        targets += [(b, FIFO_FLOOR, URLS[b]) for b in backends]
-        targets += [(b, BLOCKING_LOCKS[b], URLS[b]) for b in backends]
+        # Each backend's rows one after another: a burst of the machine's load weighs on
+        # the systems compared with each other alike.
+        systems = ("sqllocker", FIFO_FLOOR)
+        targets = [(b, s, URLS[b]) for b in backends for s in (*systems, BLOCKING_LOCKS[b])]
         targets.append(("redis", "redis-py Lock", REDIS_URL))
         servers = [b for b in backends if b in {"postgresql", "mysql"}]
         flushes = [{"when": "before", **commit_flush(b, URLS[b])} for b in servers]
