@@ -359,9 +359,9 @@ def page_section(
         "DELETE on a second connection, unwaited for, as the library sends it from a thread; on",
         "SQLite the place in the kernel's queue, a look at the row, the INSERT and the DELETE.",
         "The floor is what the protocol costs; sqllocker's gap to it is the library's own (the",
-        f"goal: at least {OF_THE_FLOOR}x the floor's acquisitions/s on every backend). The",
-        "ratio of acquisitions/s is the median of the rounds' (their lowest and highest beside",
-        "it); the others are those of the rows above.",
+        f"goal: at least {OF_THE_FLOOR}x the floor's acquisitions/s on every backend). Ratios",
+        "of acquisitions/s, here and below, are the medians of the rounds' (the lowest and",
+        "highest beside them); those of wait p99 are the rows' above.",
     ]
     cells = []
     for backend in backends:
@@ -387,13 +387,20 @@ def page_section(
     return lines
 
 
-def _round_ratios(ours: dict[str, Any], floor: dict[str, Any]) -> list[float]:
-    """sqllocker's acquisitions/s over the floor's, round by round (the rounds' medians' alone,
-    for a run that kept no rounds)."""
-    if "acquisitions_by_round" in ours and "acquisitions_by_round" in floor:
-        pairs = zip(ours["acquisitions_by_round"], floor["acquisitions_by_round"], strict=True)
+def _round_ratios(row: dict[str, Any], other: dict[str, Any]) -> list[float]:
+    """``row``'s acquisitions/s over ``other``'s, round by round (their medians' alone, for a
+    run that kept no rounds)."""
+    if "acquisitions_by_round" in row and "acquisitions_by_round" in other:
+        pairs = zip(row["acquisitions_by_round"], other["acquisitions_by_round"], strict=True)
         return [mine / its for mine, its in pairs]
-    return [ours["acquisitions_per_s"] / floor["acquisitions_per_s"]]
+    return [row["acquisitions_per_s"] / other["acquisitions_per_s"]]
+
+
+def _ratio(row: dict[str, Any], other: dict[str, Any], measure: str) -> float:
+    """``row``'s ``measure`` over ``other``'s: for acquisitions/s the median of the rounds'."""
+    if measure == "acquisitions_per_s":
+        return statistics.median(_round_ratios(row, other))
+    return float(row[measure] / other[measure])
 
 
 def _goal_sentence(
@@ -406,11 +413,9 @@ def _goal_sentence(
     """How far sqllocker is from its goal against ``blocking`` on ``backend``, and how far
     its protocol's bare statements are: the remaining gap as numbers."""
     measure, better, goal = GOALS[backend]
-    server = by[backend, blocking][measure]
-    ours, floor = (
-        by[backend, "sqllocker"][measure] / server,
-        by[backend, FIFO_FLOOR][measure] / server,
-    )
+    server = by[backend, blocking]
+    ours = _ratio(by[backend, "sqllocker"], server, measure)
+    floor = _ratio(by[backend, FIFO_FLOOR], server, measure)
     reached = floor >= goal if better == "higher" else floor <= goal
     bound = (
         "within the protocol's reach, and the rest of the gap is the library's"
