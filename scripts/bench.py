@@ -941,6 +941,7 @@ def performance_page(results: dict[str, Any]) -> str:
         "",
         "![uncontended cycles and hand-off latency](bench.png)",
         "",
+        *goals().section(results),
         "## Uncontended",
         "",
         f"Acquire + release of distinct lockstrings, one process, in {rounds} rounds in which",
@@ -996,7 +997,7 @@ def performance_page(results: dict[str, Any]) -> str:
             "the kernel's, as for `flock`. A first-come-first-served wait is longer than a",
             "free-for-all's, where a process back from its step often finds the lock free.",
         ]
-        lines += floors().page_section(contended_rows, BLOCKING_LOCKS, BACKEND_NAMES, SYSTEM_NAMES)
+        lines += floors().page_section(contended_rows, BACKEND_NAMES)
     flushes = results.get("commit_flush") or []
     if flushes:
         lines += [
@@ -1222,6 +1223,13 @@ def measure(backends: list[str], profile: Profile, skip: set[str], quick: bool) 
         results["scale"] = scale(backends, profile)
         results["scale"] += [connections_used(b, profile) for b in backends]
     return results
+
+
+def goals() -> ModuleType:
+    """scripts/bench_goals.py, imported where it is used, as ``floors``."""
+    from scripts import bench_goals
+
+    return bench_goals
 
 
 def floors() -> ModuleType:

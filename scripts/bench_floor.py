@@ -326,24 +326,11 @@ def _sqlite(floor: _Compiled) -> LockCalls:
 
 # sqllocker's contended throughput against the floor's, on every backend: at least this.
 OF_THE_FLOOR = 0.8
-# The goals the floor bounds, against the server's own blocking lock: backend -> (the measure,
-# "higher" or "lower" is better, the goal as a multiple of the blocking lock's).
-GOALS = {
-    "postgresql": ("acquisitions_per_s", "higher", 0.6),
-    "mysql": ("wait_p99_ms", "lower", 3.0),
-}
-_MEASURES = {"acquisitions_per_s": "acquisitions/s", "wait_p99_ms": "wait p99"}
 
 
-def page_section(
-    rows: list[dict[str, Any]],
-    blocking: dict[str, str],
-    backend_names: dict[str, str],
-    system_names: dict[str, str],
-) -> list[str]:
+def page_section(rows: list[dict[str, Any]], backend_names: dict[str, str]) -> list[str]:
     """What the performance page says of the floor's contended rows (none if the run has
-    none): sqllocker against its floor, and the floor against the goals it bounds
-    (``blocking``: each backend's blocking lock's row)."""
+    none): sqllocker against its floor (the goals it bounds are in ``bench_goals``)."""
     by = {(row["backend"], row["system"]): row for row in rows}
     backends = [row["backend"] for row in rows if row["system"] == FIFO_FLOOR]
     if not backends:
@@ -366,7 +353,7 @@ def page_section(
     cells = []
     for backend in backends:
         ours, floor = by[backend, "sqllocker"], by[backend, FIFO_FLOOR]
-        ratios = _round_ratios(ours, floor)
+        ratios = round_ratios(ours, floor)
         cells.append(
             [
                 backend_names[backend],
@@ -377,58 +364,16 @@ def page_section(
         )
     header = "backend | sqllocker's acquisitions/s x the floor's | rounds | wait p99 x the floor's"
     lines += _table(header, cells)
-    sentences = [
-        _goal_sentence(backend, by, blocking[backend], backend_names, system_names)
-        for backend in backends
-        if backend in GOALS and (backend, blocking[backend]) in by
-    ]
-    if sentences:
-        lines += ["", *sentences]
     return lines
 
 
-def _round_ratios(row: dict[str, Any], other: dict[str, Any]) -> list[float]:
+def round_ratios(row: dict[str, Any], other: dict[str, Any]) -> list[float]:
     """``row``'s acquisitions/s over ``other``'s, round by round (their medians' alone, for a
     run that kept no rounds)."""
     if "acquisitions_by_round" in row and "acquisitions_by_round" in other:
         pairs = zip(row["acquisitions_by_round"], other["acquisitions_by_round"], strict=True)
         return [mine / its for mine, its in pairs]
     return [row["acquisitions_per_s"] / other["acquisitions_per_s"]]
-
-
-def _ratio(row: dict[str, Any], other: dict[str, Any], measure: str) -> float:
-    """``row``'s ``measure`` over ``other``'s: for acquisitions/s the median of the rounds'."""
-    if measure == "acquisitions_per_s":
-        return statistics.median(_round_ratios(row, other))
-    return float(row[measure] / other[measure])
-
-
-def _goal_sentence(
-    backend: str,
-    by: dict[tuple[str, str], dict[str, Any]],
-    blocking: str,
-    backend_names: dict[str, str],
-    system_names: dict[str, str],
-) -> str:
-    """How far sqllocker is from its goal against ``blocking`` on ``backend``, and how far
-    its protocol's bare statements are: the remaining gap as numbers."""
-    measure, better, goal = GOALS[backend]
-    server = by[backend, blocking]
-    ours = _ratio(by[backend, "sqllocker"], server, measure)
-    floor = _ratio(by[backend, FIFO_FLOOR], server, measure)
-    shown = round(floor, 2)  # judged as the page shows it
-    reached = shown >= goal if better == "higher" else shown <= goal
-    bound = (
-        "within the protocol's reach, and the rest of the gap is the library's"
-        if reached
-        else "out of this protocol's reach: its bare statements alone miss it"
-    )
-    at = "at least" if better == "higher" else "at most"
-    name = system_names.get(blocking, blocking)
-    return (
-        f"- {backend_names[backend]}: sqllocker's {_MEASURES[measure]} is {ours:.2f}x {name}'s "
-        f"(the goal: {at} {goal}x), the floor's {floor:.2f}x, so the goal is {bound}."
-    )
 
 
 def _table(header: str, cells: list[list[str]]) -> list[str]:
