@@ -10,6 +10,7 @@ is resolved, and a callback scheduled after it cancels the caller at the chosen 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import pytest
@@ -302,6 +303,43 @@ async def test_within_a_flight_the_deadline_holds_after_the_flights_caller_left(
     with pytest.raises(asyncio.CancelledError):
         await task
     assert steps[-1] == "ended"
+
+
+@pytest.mark.parametrize("first", ["caller", "deadline"])
+async def test_within_a_flight_the_callers_cancellation_and_the_deadline_in_one_turn(
+    monkeypatch: pytest.MonkeyPatch, first: str
+) -> None:
+    """The flight's caller cancelled in the very turn the deadline comes, before or after it:
+    the flight's work still ends by the deadline (its statement cancelled), wherever it goes
+    on."""
+    gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    steps: list[str] = []
+    flight: InFlight[str] = InFlight("flight")
+    callers: list[asyncio.Future[str]] = []
+    expire = concurrency._Bounded.expire
+
+    def in_one_turn(bounded: Any) -> None:
+        if first == "caller":
+            callers[0].cancel()
+            expire(bounded)
+        else:
+            expire(bounded)
+            callers[0].cancel()
+
+    monkeypatch.setattr(concurrency._Bounded, "expire", in_one_turn)
+    callers.append(
+        asyncio.ensure_future(flight.run(within(_slow_to_cancel(gate, steps), 0.01, "test")))
+    )
+    with pytest.raises((asyncio.CancelledError, asyncio.TimeoutError)):
+        await callers[0]
+    await _turns_until(lambda: "cancelled" in steps)  # the statement, cut off by its deadline
+    assert steps == ["started", "cancelled"]
+    gate.set_result(None)
+    await _turns_until(lambda: flight.done)
+    assert flight.done
+    for task in _tasks_named("test") + _tasks_named("flight"):
+        with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
+            await task
 
 
 async def test_within_a_flight_the_deadline_reaches_the_flights_caller() -> None:

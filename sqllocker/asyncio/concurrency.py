@@ -341,13 +341,19 @@ class _Uncancellable:
         "_context",
         "_others",
         "cancelled_by_caller",
+        "driven",
         "future",
+        "left",
     )
 
     def __init__(self, future: Any) -> None:
         self.future = future
         self._asyncio_future_blocking = True  # as a future's own __await__ sets it
         self.cancelled_by_caller = False
+        # Waited on through an InFlight's driver (``_Driven``), which sees its task's
+        # cancellation as ``left``: the task stops waiting, the work's bound does not see it.
+        self.driven = False
+        self.left = False
         self._callback: Callable[[Any], None] | None = None
         self._context: Any = None
         self._others: list[tuple[Callable[[Any], None], Callable[[Any], None], Any]] | None = None
@@ -357,7 +363,7 @@ class _Uncancellable:
         return loop
 
     def add_done_callback(self, callback: Callable[[Any], None], *, context: Any = None) -> None:
-        if self.cancelled_by_caller:  # done, whatever the work's future does
+        if self.cancelled_by_caller or self.left:  # done, whatever the work's future does
             self.get_loop().call_soon(callback, self, context=context)
             return
         if self._callback is None:
@@ -394,15 +400,35 @@ class _Uncancellable:
         return removed
 
     def done(self) -> bool:
-        return self.cancelled_by_caller or bool(self.future.done())
+        return self.cancelled_by_caller or self.left or bool(self.future.done())
 
     def cancelled(self) -> bool:
-        return self.cancelled_by_caller or bool(self.future.cancelled())
+        return self.cancelled_by_caller or self.left or bool(self.future.cancelled())
 
     def cancel(self, msg: Any = None) -> bool:
+        """The waiting task's cancellation."""
+        if self.done():
+            return False
+        if self.driven:
+            self.left = True
+        else:
+            self.cancelled_by_caller = True
+        self._wake()
+        return True
+
+    def expire(self) -> bool:
+        """The work's deadline (``_Bounded``): the wait ends as by its caller's cancellation.
+        Left by an InFlight's caller meanwhile, it wakes whoever waits on it next at once."""
+        if self.left:
+            self.cancelled_by_caller = True
+            return True
         if self.done():
             return False
         self.cancelled_by_caller = True
+        self._wake()
+        return True
+
+    def _wake(self) -> None:
         loop = self.get_loop()
         callback, self._callback = self._callback, None
         others, self._others = self._others or [], None
@@ -412,10 +438,9 @@ class _Uncancellable:
         for other, forward, context in others:
             self.future.remove_done_callback(forward)
             loop.call_soon(other, self, context=context)
-        return True
 
     def result(self) -> Any:
-        if self.cancelled_by_caller:
+        if self.cancelled_by_caller or self.left:
             raise asyncio.CancelledError()
         return self.future.result()
 
@@ -445,12 +470,30 @@ class _Driven(Generic[T]):
             flight._finish(None, error)
             raise
         while True:
-            waited = _seen_by_caller(yielded)
+            if type(yielded) is _Uncancellable:
+                # A bound's view of its work's future (``within``, run to its end): waited on
+                # as it is, this task's cancellation kept from the bound (``left``).
+                waited = yielded
+                waited.driven = True
+            else:
+                waited = _seen_by_caller(yielded)
             thrown: BaseException | None = None
             try:
                 yield waited
             except asyncio.CancelledError:
-                if not (
+                if waited is yielded:
+                    waited.driven = False
+                    if waited.left or not (waited.cancelled_by_caller or waited.future.cancelled()):
+                        # The caller's cancellation: the work goes on without it, its bound's
+                        # wait as it was.
+                        waited.left = False
+                        waited._asyncio_future_blocking = True  # for the task that goes on
+                        flight._driver_left = True
+                        spawn(flight._go_on(work, yielded), flight._name)
+                        raise
+                    # Else its bound's deadline, or the work's own future cancelled: the work is
+                    # told so.
+                elif not (
                     type(waited) is _Uncancellable
                     and not waited.cancelled_by_caller
                     and waited.future.cancelled()
@@ -558,7 +601,7 @@ class _Bounded(Generic[T]):
         """The deadline has come (``alarm``)."""
         self._expired = True
         waited = self._waited
-        if isinstance(waited, _Uncancellable) and waited.cancel():
+        if isinstance(waited, _Uncancellable) and waited.expire():
             self._deadline_woke = True
 
     def _timeout(self) -> BaseException:
