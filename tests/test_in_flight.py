@@ -428,3 +428,24 @@ async def test_within_bounded_works_share_one_timer_each_ending_at_its_own_deadl
     for _ in range(50):
         await within(asyncio.sleep(0), 30, "quick")
     assert not concurrency.alarm.of(loop)._due
+
+
+async def test_a_caller_cancelled_at_a_bare_yield_of_the_work_leaves_it_to_go_on() -> None:
+    """A work that yields nothing to wait on (``asyncio.sleep(0)``) when its caller is
+    cancelled goes on without it."""
+    steps: list[str] = []
+
+    async def work() -> str:
+        steps.append("started")
+        await asyncio.sleep(0)
+        steps.append("finished")
+        return "won"
+
+    flight: InFlight[str] = InFlight("flight")
+    caller = asyncio.ensure_future(flight.run(work()))
+    await asyncio.sleep(0)  # the caller's first step: the work's bare yield
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert await flight.wait() == "won"
+    assert steps == ["started", "finished"]

@@ -470,7 +470,8 @@ class _Driven(Generic[T]):
             flight._finish(None, error)
             raise
         while True:
-            if type(yielded) is _Uncancellable:
+            through = type(yielded) is _Uncancellable
+            if through:
                 # A bound's view of its work's future (``within``, run to its end): waited on
                 # as it is, this task's cancellation kept from the bound (``left``).
                 waited = yielded
@@ -481,7 +482,7 @@ class _Driven(Generic[T]):
             try:
                 yield waited
             except asyncio.CancelledError:
-                if waited is yielded:
+                if through:
                     waited.driven = False
                     if waited.left or not (waited.cancelled_by_caller or waited.future.cancelled()):
                         # The caller's cancellation: the work goes on without it, its bound's
