@@ -421,6 +421,7 @@ BLOCKING_LOCKS = {"sqlite": "flock", "postgresql": "advisory lock", "mysql": "GE
 # sqllocker's contended protocol as bare statements: scripts/bench_floor.py, whose FIFO_FLOOR
 # this is (that module is imported only where it is used: see ``floors``).
 FIFO_FLOOR = "durable FIFO floor"
+DOORBELL_FLOOR = "doorbell floor"  # a design tried on MariaDB: bench_floor.DOORBELL_FLOOR
 # Redis: the floor (the bare SET NX and DEL of a key), and redis-py's Lock: row -> blocking.
 REDIS_FLOOR = "raw SET NX + DEL"
 REDIS_LOCKS = {"redis-py Lock (non-blocking)": False, "redis-py Lock": True}
@@ -433,9 +434,9 @@ def lock_calls(system: str, url: str) -> LockCalls:
     """A row's lock, on a connection of its own: sqllocker's blocking lock of one lockstring
     (the contended rows'), a server's (``SERVER_LOCKS``), ``flock`` on a file beside the SQLite
     database (one machine's blocking lock, beside sqllocker's own queue file), redis-py's
-    ``Lock`` (``REDIS_LOCKS``), ``REDIS_FLOOR`` or ``FIFO_FLOOR``."""
-    if system == FIFO_FLOOR:
-        floor: LockCalls = floors().fifo_floor_calls(url, TABLE)
+    ``Lock`` (``REDIS_LOCKS``), ``REDIS_FLOOR``, ``FIFO_FLOOR`` or ``DOORBELL_FLOOR``."""
+    if system in (FIFO_FLOOR, DOORBELL_FLOOR):
+        floor: LockCalls = floors().fifo_floor_calls(url, TABLE, system)
         return floor
     if system == "sqllocker":
         locker = Locker(url, table=TABLE, grace=1)
@@ -668,7 +669,7 @@ def contended(
     rates: dict[tuple[str, str], list[float]] = {}
     for _round in range(rounds):
         for backend, system, url in targets:
-            if system in ("sqllocker", FIFO_FLOOR):
+            if system in ("sqllocker", FIFO_FLOOR, DOORBELL_FLOOR):
                 fresh_table(url)
             records = contend(system, url, processes, seconds)
             turns.setdefault((backend, system), []).extend(records)
@@ -868,6 +869,7 @@ SYSTEM_NAMES = {
     "flock": "blocking `flock` (one machine)",
     "GET_LOCK": "blocking `GET_LOCK`",
     FIFO_FLOOR: "durable FIFO floor",
+    DOORBELL_FLOOR: "doorbell floor (a design tried)",
     "GET_LOCK try-lock": "`GET_LOCK` try-lock (timeout 0)",
     "redis-py Lock": "redis-py `Lock` (blocking)",
     "redis-py Lock (non-blocking)": "redis-py `Lock` (non-blocking)",
@@ -1209,8 +1211,11 @@ def measure(backends: list[str], profile: Profile, skip: set[str], quick: bool) 
     if "contended" not in skip:
         # Each backend's rows one after another: a burst of the machine's load weighs on
         # the systems compared with each other alike.
-        systems = ("sqllocker", FIFO_FLOOR)
-        targets = [(b, s, URLS[b]) for b in backends for s in (*systems, BLOCKING_LOCKS[b])]
+        systems = {
+            b: ["sqllocker", FIFO_FLOOR] + ([DOORBELL_FLOOR] if b == "mysql" else [])
+            for b in backends
+        }
+        targets = [(b, s, URLS[b]) for b in backends for s in (*systems[b], BLOCKING_LOCKS[b])]
         targets.append(("redis", "redis-py Lock", REDIS_URL))
         servers = [b for b in backends if b in {"postgresql", "mysql"}]
         flushes = [{"when": "before", **commit_flush(b, URLS[b])} for b in servers]
