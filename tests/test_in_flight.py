@@ -449,3 +449,21 @@ async def test_a_caller_cancelled_at_a_bare_yield_of_the_work_leaves_it_to_go_on
         await caller
     assert await flight.wait() == "won"
     assert steps == ["started", "finished"]
+
+
+async def test_within_on_a_loop_that_cannot_be_referred_to_weakly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bound on a loop that takes no weak reference gets a timer of its own, and its deadline
+    holds as well."""
+
+    class NoWeakReference:
+        def get(self, _loop: object) -> object:
+            raise TypeError("cannot create weak reference")
+
+    monkeypatch.setattr(concurrency.alarm, "_last", None)
+    monkeypatch.setattr(concurrency.alarm, "_alarms", NoWeakReference())
+    gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    with pytest.raises(asyncio.TimeoutError):
+        await within(gate, 0.01, "test")
+    assert await within(asyncio.sleep(0, "done"), 30, "test") == "done"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import math
 import weakref
+from collections.abc import Callable
 from typing import Protocol
 
 
@@ -28,7 +29,8 @@ class Alarm:
     __slots__ = ("__weakref__", "_at", "_due", "_loop", "_timer")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = weakref.ref(loop)  # the loop's timer holds the loop; this must not
+        # The loop's timer holds the loop; its alarm, kept for it, must not.
+        self._loop: Callable[[], asyncio.AbstractEventLoop | None] = weakref.ref(loop)
         self._due: dict[Bounded, float] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._at = math.inf  # when the timer rings
@@ -76,8 +78,24 @@ def of(loop: asyncio.AbstractEventLoop) -> Alarm:
     alarm = _last
     if alarm is not None and alarm._loop() is loop:
         return alarm
-    alarm = _alarms.get(loop)
-    if alarm is None:
-        alarm = _alarms[loop] = Alarm(loop)
+    try:
+        alarm = _alarms.get(loop)
+        if alarm is None:
+            alarm = _alarms[loop] = Alarm(loop)
+    except TypeError:  # a loop that cannot be referred to weakly: an alarm for this work alone
+        return _Unkept(loop)
     _last = alarm
     return alarm
+
+
+class _Unkept(Alarm):
+    """The alarm of one bounded work, on a loop that cannot be referred to weakly (a timer of
+    its own, as before alarms were shared)."""
+
+    __slots__ = ()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = lambda: loop
+        self._due = {}
+        self._timer = None
+        self._at = math.inf
