@@ -16,7 +16,7 @@ from . import concurrency
 from .acquiring import Winnings
 from .backoff import Backoff
 from .errors import DatabaseError
-from .file_queue import FileQueue
+from .file_queue import FileQueue, offsets
 from .holding import OnLost
 from .lock import Call, KeepAlives, Lock, LockState, LockTaker
 from .operations import Acquired, LockOperations, Refused
@@ -53,7 +53,7 @@ class Attempts:
         self._call = run
         self._keep_alives = keep_alives
         self.file_queue = file_queue
-        self._table_name = locker.table_name
+        self._offset = offsets(locker.table_name)  # of a lockstring's place in file_queue
 
     def try_acquire(
         self,
@@ -118,7 +118,7 @@ class Attempts:
         """One attempt, or LockBusy; on SQLite taking the lockstring's place in the kernel's
         queue too if it is free, so that waiters wake when this lock is released."""
         queue = self.file_queue
-        place = queue.take(queue.offset(self._table_name, lockstring)) if queue else None
+        place = queue.take(self._offset(lockstring)) if queue else None
         try:
             outcome = self.try_acquire(winnings, lockstring, guid, details, ttl, on_lost)
         except BaseException:

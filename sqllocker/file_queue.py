@@ -43,6 +43,8 @@ from . import forks
 if sys.platform == "linux":
     import fcntl
 
+    _SETLK, _WRLCK, _UNLCK = fcntl.F_OFD_SETLK, fcntl.F_WRLCK, fcntl.F_UNLCK
+
 logger = logging.getLogger("sqllocker")
 
 SUFFIX = "-sqllocker-queue"
@@ -61,12 +63,26 @@ BELL_INTERVAL = 0.05
 
 
 _pack = struct.Struct(_FLOCK).pack
-# Copied for each lockstring: cheaper than making the hash with its parameters every time.
+# Copied for each table: cheaper than making the hash with its parameters every time.
 _PLACE_HASH = hashlib.blake2b(digest_size=8, person=b"sqllocker")
 
 
 def _byte(kind: int, offset: int) -> bytes:
     return _pack(kind, os.SEEK_SET, offset, 1, 0)
+
+
+def offsets(table: str) -> Callable[[str], int]:
+    """The byte of each lockstring's place in ``table``'s queue (``FileQueue.offset``), the
+    table's part of the hash made once: a lock cycle hashes only its lockstring."""
+    table_hash = _PLACE_HASH.copy()
+    table_hash.update(f"{table}\0".encode())
+
+    def offset(lockstring: str) -> int:
+        place_hash = table_hash.copy()
+        place_hash.update(lockstring.encode())
+        return int.from_bytes(place_hash.digest(), "big") >> 2
+
+    return offset
 
 
 class FileQueue:
@@ -86,10 +102,10 @@ class FileQueue:
 
     @staticmethod
     def offset(table: str, lockstring: str) -> int:
-        """The byte of ``lockstring``'s place: a hash, all but certain to be no one else's."""
-        place_hash = _PLACE_HASH.copy()
-        place_hash.update(f"{table}\0{lockstring}".encode())
-        return int.from_bytes(place_hash.digest(), "big") >> 2
+        """The byte of ``lockstring``'s place: a hash, all but certain to be no one else's (a
+        62-bit BLAKE2b of table and lockstring, which every version of sqllocker must agree on:
+        see ``offsets``)."""
+        return offsets(table)(lockstring)
 
     def take(self, offset: int) -> Place | None:
         """The place at ``offset`` if nobody holds it or waits for it (and the queue file can be
@@ -98,7 +114,7 @@ class FileQueue:
         if fd is None:
             return None
         try:
-            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _byte(fcntl.F_WRLCK, offset))
+            fcntl.fcntl(fd, _SETLK, _pack(_WRLCK, os.SEEK_SET, offset, 1, 0))
         except OSError:
             self._keep(fd)
             return None
@@ -294,7 +310,7 @@ class Place:
         if fd is None or self._pid != forks.pid:
             return
         try:
-            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _byte(fcntl.F_UNLCK, self._offset))
+            fcntl.fcntl(fd, _SETLK, _pack(_UNLCK, os.SEEK_SET, self._offset, 1, 0))
         except OSError as error:  # not expected; closing the file gives the place up too
             logger.warning("could not leave a lock queue's place (%s); closing its file", error)
             os.close(fd)

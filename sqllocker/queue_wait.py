@@ -16,7 +16,7 @@ from .acquiring import Winnings
 from .attempts import Attempts, wait_out
 from .backoff import Backoff
 from .errors import DatabaseError
-from .file_queue import BellListener, FileQueue, PlaceRequest
+from .file_queue import BellListener, FileQueue, PlaceRequest, offsets
 from .holding import OnLost
 from .lock import Call, Lock
 from .operations import LockInfo, LockOperations
@@ -38,7 +38,7 @@ class QueueWait:
         self._attempts = attempts
         self._operations = operations
         self._call = run
-        self._table_name = table_name
+        self._offset = offsets(table_name)  # of a lockstring's place in the kernel's queue
         self._grace = grace
 
     def wait(
@@ -57,7 +57,7 @@ class QueueWait:
         its place tries the row, and keeps the place while the row is ours. Without a
         ``queue``, backing off between attempts."""
         backoff = Backoff.for_wait(wait)
-        offset = queue.offset(self._table_name, lockstring) if queue is not None else 0
+        offset = self._offset(lockstring) if queue is not None else 0
         place = queue.take(offset) if queue is not None else None
         request: PlaceRequest | None = None
         bell: BellListener | None = None

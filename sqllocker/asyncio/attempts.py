@@ -13,7 +13,7 @@ from typing import Any
 
 from ..backoff import Backoff
 from ..errors import DatabaseError
-from ..file_queue import FileQueue
+from ..file_queue import FileQueue, offsets
 from ..holding import OnLost
 from ..operations import Acquired, LockOperations, Refused
 from ..telemetry import attempted
@@ -55,7 +55,7 @@ class AsyncAttempts:
         self._call = run
         self._keep_alives = keep_alives
         self.file_queue = file_queue
-        self._table_name = locker.table_name
+        self._offset = offsets(locker.table_name)  # of a lockstring's place in file_queue
 
     async def try_acquire(
         self,
@@ -127,7 +127,7 @@ class AsyncAttempts:
         """One attempt, or LockBusy; on SQLite taking the lockstring's place in the kernel's
         queue too if it is free, so that waiters wake when this lock is released."""
         queue = self.file_queue
-        place = queue.take(queue.offset(self._table_name, lockstring)) if queue else None
+        place = queue.take(self._offset(lockstring)) if queue else None
         try:
             outcome = await self.try_acquire(winnings, lockstring, guid, details, ttl, on_lost)
         except BaseException:
