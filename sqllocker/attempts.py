@@ -115,19 +115,13 @@ class Attempts:
         ttl: float,
         on_lost: OnLost | None,
     ) -> Lock:
-        """One attempt, or LockBusy; on SQLite taking the lockstring's place in the kernel's
-        queue too if it is free, so that waiters wake when this lock is released."""
-        queue = self.file_queue
-        place = queue.take(self._offset(lockstring)) if queue else None
-        try:
-            outcome = self.try_acquire(winnings, lockstring, guid, details, ttl, on_lost)
-        except BaseException:
-            if place is not None:
-                place.leave()
-            raise
+        """One attempt, or LockBusy. On SQLite it takes no place in the kernel's queue: its
+        release looks whether a waiter took the place meanwhile, and rings the bell for it
+        (``file_queue.Unplaced``)."""
+        outcome = self.try_acquire(winnings, lockstring, guid, details, ttl, on_lost)
         if not isinstance(outcome, Lock):
-            if place is not None:
-                place.leave()
             raise outcome.busy_after(lockstring, 0)
-        outcome._state.place = place
+        queue = self.file_queue
+        if queue is not None:
+            outcome._state.place = queue.unplaced(self._offset(lockstring))
         return outcome

@@ -39,11 +39,15 @@ import time
 from collections.abc import Callable
 
 from . import forks
+from .file_watch import FileWatch
 
 if sys.platform == "linux":
     import fcntl
 
-    _SETLK, _WRLCK, _UNLCK = fcntl.F_OFD_SETLK, fcntl.F_WRLCK, fcntl.F_UNLCK
+    _SETLK, _GETLK = fcntl.F_OFD_SETLK, fcntl.F_OFD_GETLK
+    _WRLCK, _UNLCK = fcntl.F_WRLCK, fcntl.F_UNLCK
+    # What F_OFD_GETLK answers first (l_type) for a byte that nobody else holds.
+    _FREE = struct.pack("@h", _UNLCK)
 
 logger = logging.getLogger("sqllocker")
 
@@ -120,6 +124,24 @@ class FileQueue:
             return None
         return Place(self, fd, offset)
 
+    def unplaced(self, offset: int) -> Unplaced:
+        """What a lock taken without its place (``offset``) leaves at its release."""
+        return Unplaced(self, offset)
+
+    def is_held(self, offset: int) -> bool:
+        """Whether someone else holds the place at ``offset`` (a look, which takes nothing);
+        True if the look fails, False if the queue file cannot be opened."""
+        fd = self._open()
+        if fd is None:
+            return False
+        try:
+            found = fcntl.fcntl(fd, _GETLK, _pack(_WRLCK, os.SEEK_SET, offset, 1, 0))
+        except OSError as error:
+            logger.debug("cannot look at a place in %s (%s)", self.path, error)
+            found = b""
+        self._keep(fd)
+        return found[:2] != _FREE
+
     def request(self, offset: int) -> PlaceRequest | None:
         """Ask for the place at ``offset``: a thread waits for it, and the request says when it
         is granted (None if the queue file cannot be opened). A request another waiter of this
@@ -137,15 +159,16 @@ class FileQueue:
         threading.Thread(target=request.wait, name=self.thread_name, daemon=True).start()
         return request
 
-    def ring(self) -> None:
+    def ring(self, turn: bool = False) -> None:
         """Wake every waiter of this database to try its row: after a break or a purge, whose
         holders may still hold their places (best effort: a waiter that does not hear it finds
-        out at its next look)."""
+        out at its next look). ``turn``: wake only the waiters holding their places, waiting
+        for rows held by locks taken without theirs (``Unplaced``), to look at their rows."""
         fd = self._open()
         if fd is None:
             return
         try:
-            os.pwrite(fd, os.urandom(BELL_SIZE), 0)
+            os.pwrite(fd, os.urandom(BELL_SIZE), BELL_SIZE if turn else 0)
         except OSError as error:
             logger.debug("cannot ring the bell of %s (%s)", self.path, error)
         self._keep(fd)
@@ -172,11 +195,16 @@ class FileQueue:
         return listener
 
     def _watch_bell(self, fd: int, heard: bytes | None) -> None:
-        """The bell's reader: wakes this process's listeners whenever the bell changes; ends
-        when none is left."""
+        """The bell's reader: wakes this process's listeners whenever the bell changes (at
+        once where the kernel says when the file is written, else at its next poll); ends when
+        none is left."""
+        watch = FileWatch.of(self.path)
         try:
             while True:
-                time.sleep(BELL_INTERVAL)
+                if watch is None:
+                    time.sleep(BELL_INTERVAL)
+                else:
+                    watch.wait(BELL_INTERVAL)
                 # Read before the listeners are counted: one that came after the read also
                 # comes after any ring it missed, which its own first look sees.
                 now = _read_bell(fd)
@@ -187,10 +215,14 @@ class FileQueue:
                     listeners = list(self._listeners)
                 if now == heard:
                     continue
+                broken = heard is None or now is None or now[:BELL_SIZE] != heard[:BELL_SIZE]
                 heard = now
                 for listener in listeners:
-                    listener.ring()
+                    if broken or listener.turns:
+                        listener.ring()
         finally:
+            if watch is not None:
+                watch.close()
             self._keep(fd)
 
     @property
@@ -248,21 +280,25 @@ class FileQueue:
 
 
 def _read_bell(fd: int) -> bytes | None:
+    """The bell for breaks, then the one for turns (a file shorter than both read as if
+    padded with zeros, as a ring of the second leaves the first)."""
     try:
-        return os.pread(fd, BELL_SIZE, 0)
+        return os.pread(fd, 2 * BELL_SIZE, 0).ljust(2 * BELL_SIZE, b"\0")
     except OSError:
         return None
 
 
 class BellListener:
     """One waiter's ear for the bell: ``when_rung(wake)`` calls ``wake`` at the next ring (at
-    once if one came since the last ``heard()``), ``heard()`` says whether one came."""
+    once if one came since the last ``heard()``), ``heard()`` says whether one came. It hears
+    rings for turns too once ``turns`` is set (by a waiter that holds its place)."""
 
     def __init__(self, queue: FileQueue) -> None:
         self._queue = queue
         self._lock = threading.Lock()
         self._rung = False
         self._wake: Callable[[], None] | None = None
+        self.turns = False
 
     def when_rung(self, wake: Callable[[], None]) -> None:
         with self._lock:
@@ -322,6 +358,24 @@ class Place:
         if self._fd is not None and self._pid == forks.pid:
             with contextlib.suppress(OSError):
                 _close(self._fd)
+
+
+class Unplaced:
+    """A lock taken at once, without its place (``attempts.try_once``): ``leave()``, once its
+    row is deleted, rings the bell if someone holds the place, which is then the first waiter,
+    waiting for a row held by someone it cannot queue behind. One look, no lock taken or left:
+    a lock cycle nobody waited on pays no more for the queue."""
+
+    __slots__ = ("_offset", "_queue")
+
+    def __init__(self, queue: FileQueue, offset: int) -> None:
+        self._queue: FileQueue | None = queue
+        self._offset = offset
+
+    def leave(self) -> None:
+        queue, self._queue = self._queue, None
+        if queue is not None and queue.is_held(self._offset):
+            queue.ring(turn=True)
 
 
 class PlaceRequest:

@@ -101,6 +101,14 @@ class QueueWait:
                     outcome._state.place, place = place, None
                     return outcome
                 until_free = backoff.until_takeable(outcome, self._grace)
+                if place is not None and queue is not None and not backoff.expired():
+                    # Our turn, but the row is held by a lock taken without its place: its
+                    # release finds our place held, and rings the bell. Heard from here on,
+                    # and the row read again, in case the release came before.
+                    bell = bell or queue.listen()
+                    bell.turns = True
+                    until_free = self._until_rung(bell, backoff, lockstring)
+                    continue
                 if place is not None or not in_line or backoff.expired():
                     # Our turn, but the row is held by someone who did not queue (or whose
                     # grace is not over): back off until it is free.
@@ -113,6 +121,22 @@ class QueueWait:
                 request.withdraw()
             if place is not None:
                 place.leave()
+
+    def _until_rung(self, bell: BellListener, backoff: Backoff, lockstring: str) -> float | None:
+        """Holding the place of ``lockstring`` while its row is held by a lock taken without
+        it: looks at the row (reads) until one finds it free or takeable, each after the bell
+        rang for a turn or a break, or ``turn_patience`` passed, or the wait is over; what the
+        last look found."""
+        while True:
+            bell.heard()  # a ring before this look is answered by it
+            until_free = self._until_free(lockstring)
+            if until_free == 0 or backoff.expired():
+                return until_free
+            granted, wake = concurrency.woken_from_thread()
+            bell.when_rung(wake)
+            concurrency.wait(granted, backoff.turn_patience(until_free))
+            if until_free is None:
+                return None  # unknown (a DBIx::Locker row): an attempt says, after a while
 
     def _until_free(self, lockstring: str) -> float | None:
         """A queued waiter's look at the row (a read): seconds until it can be taken over, 0
