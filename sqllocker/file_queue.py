@@ -8,6 +8,13 @@ the place up, and the kernel wakes a waiter blocked on it at once: the next hold
 row without polling. A newcomer that finds the place taken waits for it rather than trying the
 row, so it cannot slip in between a release and the next waiter's INSERT.
 
+A lock taken at once (``wait=0``, no waiting) takes no place: an uncontended cycle would pay
+a lock taken and left on the byte for nothing. Its release looks whether someone holds the
+place (``F_OFD_GETLK``, which takes nothing): a waiter that came meanwhile took it and, its
+turn come, waits for the row; the release then rings the bell for turns (below), which only
+such waiters hear, and the waiter reads the row and inserts. The waiters behind it stay
+blocked on the place, so none of them passes it.
+
 The row is still the lock; the place only says who tries. A holder that stopped (Ctrl-Z), that
 overran its expiry unawares, or whose row was broken, keeps its place but not its row. So a
 waiter reads the row when it queues and waits for the place until the row's own expiry (plus
@@ -15,8 +22,10 @@ grace) at most; meanwhile it looks at the row (a read) every ``QUEUE_PATIENCE``,
 once a look finds it free or takeable, its request for the place still queued in the kernel.
 And whoever breaks or purges a lock through sqllocker rings the queue's *bell*: it writes
 random bytes at the start of the queue file, which one thread of each process with waiters
-reads every ``BELL_INTERVAL``; a change wakes every waiter of that process to try its row
-(a read first). A bell rung for another lockstring costs those waiters a read each.
+reads whenever the file is written (inotify), and every ``BELL_INTERVAL`` besides; a change
+wakes every waiter of that process to try its row (a read first). The bytes after it are the
+bell for turns, which wakes only waiters holding their places. A bell rung for another
+lockstring costs those waiters a read each.
 
 Places are open-file-description locks (Linux ``F_OFD_SETLKW``): each belongs to an open file,
 not to a process, so threads and tasks of one process queue against one another too, and the
@@ -103,6 +112,7 @@ class FileQueue:
         self._closed = False
         self._listeners: set[BellListener] = set()
         self._bell_watched = False  # a thread reads the bell for this process's listeners
+        self._looker: int | None = None  # see _open_looker
 
     @staticmethod
     def offset(table: str, lockstring: str) -> int:
@@ -131,16 +141,27 @@ class FileQueue:
     def is_held(self, offset: int) -> bool:
         """Whether someone else holds the place at ``offset`` (a look, which takes nothing);
         True if the look fails, False if the queue file cannot be opened."""
-        fd = self._open()
+        fd = self._looker if self._looker is not None else self._open_looker()
         if fd is None:
             return False
         try:
             found = fcntl.fcntl(fd, _GETLK, _pack(_WRLCK, os.SEEK_SET, offset, 1, 0))
         except OSError as error:
             logger.debug("cannot look at a place in %s (%s)", self.path, error)
-            found = b""
-        self._keep(fd)
+            return True
         return found[:2] != _FREE
+
+    def _open_looker(self) -> int | None:
+        """The file that ``is_held`` looks through, kept open: it never takes a place (a
+        forked child may share it, as a look takes nothing)."""
+        fd = self._open()
+        with self._lock:
+            if self._looker is None and not self._closed:
+                self._looker, fd = fd, None
+            looker = self._looker
+        if fd is not None:
+            self._keep(fd)
+        return looker
 
     def request(self, offset: int) -> PlaceRequest | None:
         """Ask for the place at ``offset``: a thread waits for it, and the request says when it
@@ -235,6 +256,9 @@ class FileQueue:
         with self._lock:
             self._closed = True
             spare, self._spare = self._spare, []
+            if self._looker is not None:
+                spare.append(self._looker)
+                self._looker = None
         if self._pid == forks.pid:
             for fd in spare:
                 os.close(fd)
