@@ -124,9 +124,9 @@ class QueueWait:
 
     def _until_rung(self, bell: BellListener, backoff: Backoff, lockstring: str) -> float | None:
         """Holding the place of ``lockstring`` while its row is held by a lock taken without
-        it: looks at the row (reads) until one finds it free or takeable, each after the bell
-        rang for a turn or a break, or ``turn_patience`` passed, or the wait is over; what the
-        last look found."""
+        it: until the bell rings for a turn or a break, or a look at the row (a read, at
+        ``turn_patience``) finds it free or takeable, or the wait is over; what the last look
+        found (None after a ring)."""
         while True:
             bell.heard()  # a ring before this look is answered by it
             until_free = self._until_free(lockstring)
@@ -135,8 +135,10 @@ class QueueWait:
             granted, wake = concurrency.woken_from_thread()
             bell.when_rung(wake)
             concurrency.wait(granted, backoff.turn_patience(until_free))
-            if until_free is None:
-                return None  # unknown (a DBIx::Locker row): an attempt says, after a while
+            if bell.heard() or until_free is None:
+                # Rung (by the release, most likely): the row tried at once, no look first.
+                # Unknown (a DBIx::Locker row): an attempt says, after a while.
+                return None
 
     def _until_free(self, lockstring: str) -> float | None:
         """A queued waiter's look at the row (a read): seconds until it can be taken over, 0
