@@ -34,6 +34,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -417,6 +418,10 @@ SERVER_LOCKS: dict[str, tuple[str, str, Callable[[int], object]]] = {
 }
 TRY_LOCKS = {"sqlite": [], "postgresql": ["advisory try-lock"], "mysql": ["GET_LOCK try-lock"]}
 BLOCKING_LOCKS = {"sqlite": "flock", "postgresql": "advisory lock", "mysql": "GET_LOCK"}
+# sqllocker's contended protocol as bare statements: scripts/bench_floor.py, whose FIFO_FLOOR
+# this is (that module is imported only where it is used: see ``floors``).
+FIFO_FLOOR = "durable FIFO floor"
+DOORBELL_FLOOR = "doorbell floor"  # a design tried on MariaDB: bench_floor.DOORBELL_FLOOR
 # Redis: the floor (the bare SET NX and DEL of a key), and redis-py's Lock: row -> blocking.
 REDIS_FLOOR = "raw SET NX + DEL"
 REDIS_LOCKS = {"redis-py Lock (non-blocking)": False, "redis-py Lock": True}
@@ -429,7 +434,10 @@ def lock_calls(system: str, url: str) -> LockCalls:
     """A row's lock, on a connection of its own: sqllocker's blocking lock of one lockstring
     (the contended rows'), a server's (``SERVER_LOCKS``), ``flock`` on a file beside the SQLite
     database (one machine's blocking lock, beside sqllocker's own queue file), redis-py's
-    ``Lock`` (``REDIS_LOCKS``) or ``REDIS_FLOOR``."""
+    ``Lock`` (``REDIS_LOCKS``), ``REDIS_FLOOR``, ``FIFO_FLOOR`` or ``DOORBELL_FLOOR``."""
+    if system in (FIFO_FLOOR, DOORBELL_FLOOR):
+        floor: LockCalls = floors().fifo_floor_calls(url, TABLE, system)
+        return floor
     if system == "sqllocker":
         locker = Locker(url, table=TABLE, grace=1)
         return (
@@ -661,7 +669,7 @@ def contended(
     rates: dict[tuple[str, str], list[float]] = {}
     for _round in range(rounds):
         for backend, system, url in targets:
-            if system == "sqllocker":
+            if system in ("sqllocker", FIFO_FLOOR, DOORBELL_FLOOR):
                 fresh_table(url)
             records = contend(system, url, processes, seconds)
             turns.setdefault((backend, system), []).extend(records)
@@ -673,6 +681,7 @@ def contended(
             "processes": processes,
             "acquisitions_per_s": statistics.median(rates[backend, system]),
             "acquisitions_range": [min(rates[backend, system]), max(rates[backend, system])],
+            "acquisitions_by_round": rates[backend, system],
             **turn_figures(turns[backend, system]),
         }
         for backend, system, _ in targets
@@ -859,6 +868,8 @@ SYSTEM_NAMES = {
     "advisory lock": "blocking `pg_advisory_lock`",
     "flock": "blocking `flock` (one machine)",
     "GET_LOCK": "blocking `GET_LOCK`",
+    FIFO_FLOOR: "durable FIFO floor",
+    DOORBELL_FLOOR: "doorbell floor (a design tried)",
     "GET_LOCK try-lock": "`GET_LOCK` try-lock (timeout 0)",
     "redis-py Lock": "redis-py `Lock` (blocking)",
     "redis-py Lock (non-blocking)": "redis-py `Lock` (non-blocking)",
@@ -932,6 +943,7 @@ def performance_page(results: dict[str, Any]) -> str:
         "",
         "![uncontended cycles and hand-off latency](bench.png)",
         "",
+        *goals().section(results),
         "## Uncontended",
         "",
         f"Acquire + release of distinct lockstrings, one process, in {rounds} rounds in which",
@@ -989,6 +1001,7 @@ def performance_page(results: dict[str, Any]) -> str:
             "first-come-first-served wait is longer than a",
             "free-for-all's, where a process back from its step often finds the lock free.",
         ]
+        lines += floors().page_section(contended_rows, BACKEND_NAMES)
     flushes = results.get("commit_flush") or []
     if flushes:
         lines += [
@@ -1198,8 +1211,13 @@ def measure(backends: list[str], profile: Profile, skip: set[str], quick: bool) 
         backends, profile.cycles, profile.uncontended_rounds
     )
     if "contended" not in skip:
-        targets = [(b, "sqllocker", URLS[b]) for b in backends]
-        targets += [(b, BLOCKING_LOCKS[b], URLS[b]) for b in backends]
+        # Each backend's rows one after another: a burst of the machine's load weighs on
+        # the systems compared with each other alike.
+        systems = {
+            b: ["sqllocker", FIFO_FLOOR] + ([DOORBELL_FLOOR] if b == "mysql" else [])
+            for b in backends
+        }
+        targets = [(b, s, URLS[b]) for b in backends for s in (*systems[b], BLOCKING_LOCKS[b])]
         targets.append(("redis", "redis-py Lock", REDIS_URL))
         servers = [b for b in backends if b in {"postgresql", "mysql"}]
         flushes = [{"when": "before", **commit_flush(b, URLS[b])} for b in servers]
@@ -1214,5 +1232,23 @@ def measure(backends: list[str], profile: Profile, skip: set[str], quick: bool) 
     return results
 
 
+def goals() -> ModuleType:
+    """scripts/bench_goals.py, imported where it is used, as ``floors``."""
+    from scripts import bench_goals
+
+    return bench_goals
+
+
+def floors() -> ModuleType:
+    """scripts/bench_floor.py, imported where it is used: the A/B tool runs this file alone,
+    from its path, in other trees."""
+    from scripts import bench_floor
+
+    return bench_floor
+
+
 if __name__ == "__main__":
+    # Run as a script: the repository's root on the path, as the tests and the A/B tool have
+    # it, for ``floors()`` here and in the contenders' processes (which inherit the path).
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     sys.exit(main())

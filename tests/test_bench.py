@@ -110,3 +110,69 @@ def test_a_run_that_skips_the_scale_rows_keeps_the_earlier_ones_with_their_date(
     assert kept["measured_at"] == "2026-11-29 12:00 UTC"
     # Measured again, the scale rows are this run's own.
     assert "scale" not in bench.carry_over(earlier, now, set())
+
+
+@pytest.mark.slow  # processes taking turns for a second
+def test_the_durable_fifo_floor_takes_turns_in_line_one_holder_at_a_time(
+    backend: str, url: str
+) -> None:
+    """The floor's row runs sqllocker's contended protocol as bare statements in the
+    contenders' harness, on the table its migrations make (and so does each design tried as
+    a floor, MariaDB's doorbell): one holder at a time and, where waiters take tickets, in
+    line."""
+    systems = bench.floors().FLOORS[backend]
+    assert bench.FIFO_FLOOR in systems
+    rows = bench.contended([(backend, system, url) for system in systems], 3, seconds=0.5)
+    for system, row in zip(systems, rows, strict=True):
+        assert row["system"] == system
+        assert row["violations"] == 0
+        assert row["acquisitions_per_s"] > 20
+        if backend != "sqlite":  # there the kernel wakes the waiters, in an order of its own
+            # No one passed by each of the others more than twice (one may ask after a
+            # waiter, yet draw its ticket first); a free-for-all passes a waiter by dozens.
+            assert row["overtaken_max"] <= 2 * 2
+    bench.drop_table(url, bench.TABLE)
+
+
+def test_the_page_sets_sqllocker_against_its_floor_and_the_goals_the_floor_bounds() -> None:
+    """A run with the floor's rows: they show in the contended table, with sqllocker's ratios
+    to them, and, for the goals against a server's own lock, where the floor itself stands."""
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    results = json.loads((docs / "bench.json").read_text())
+    rows = results["contended"]
+    assert not any(row["system"] == bench.FIFO_FLOOR for row in rows)
+    assert bench.FIFO_FLOOR == bench.floors().FIFO_FLOOR  # the rows' name, and the page's
+    assert bench.DOORBELL_FLOOR == bench.floors().DOORBELL_FLOOR
+    floor_rows = []
+    for row in rows:
+        if row["system"] == "sqllocker":
+            floor = dict(row, system=bench.FIFO_FLOOR)
+            floor["acquisitions_per_s"] = row["acquisitions_per_s"] * 1.25
+            floor["wait_p99_ms"] = row["wait_p99_ms"] / 2
+            floor_rows.append(floor)
+            if row["backend"] == "postgresql":  # a run that kept its rounds' figures
+                row["acquisitions_by_round"] = [400.0, 300.0, 500.0]
+                floor["acquisitions_by_round"] = [500.0, 450.0, 640.0]
+        elif row["system"] == "advisory lock":
+            row["acquisitions_by_round"] = [800.0, 600.0, 1000.0]
+    results["contended"] = rows + floor_rows
+    page = bench.performance_page(results)
+    assert page.count("| durable FIFO floor |") == 3
+    # The median of the rounds' ratios, and their lowest and highest.
+    assert "| PostgreSQL | 0.78 | 0.67-0.80 | 2.00 |" in page
+    assert "| MariaDB | 0.80 |  | 2.00 |" in page
+    # Against the goals, the rounds' ratios too (0.50 in each; the floor's 0.62, 0.75, 0.64),
+    # and the floor's own figure beside a goal it bounds.
+    goal = "PostgreSQL: contended acquisitions/s x blocking `pg_advisory_lock`'s"
+    assert f"| {goal} | at least 0.6x | 0.50x | 0.64x | **no** |" in page
+    assert "| MariaDB: wait p99 x blocking `GET_LOCK`'s | at most 3x | " in page
+    assert (
+        "| PostgreSQL: contended acquisitions/s x the durable FIFO floor's | at least 0.8x |"
+        in page
+    )
+    # The page of a run without them is as before.
+    assert "| durable FIFO floor |" not in bench.performance_page(
+        json.loads((docs / "bench.json").read_text())
+    )
