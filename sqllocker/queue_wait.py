@@ -98,7 +98,8 @@ class QueueWait:
                     wait_out(error, backoff, lockstring)
                     continue
                 if isinstance(outcome, Lock):
-                    outcome._state.place, place = place, None
+                    if place is not None:  # kept while the row is ours
+                        outcome._state.place, place = place, None
                     return outcome
                 until_free = backoff.until_takeable(outcome, self._grace)
                 if place is not None and queue is not None and not backoff.expired():
