@@ -894,8 +894,8 @@ def _async_layers_section(rows: list[dict[str, Any]], rounds: int) -> list[str]:
         "  that a caller's cancellation cannot cut a statement off halfway and leave a row nobody",
         "  knows of;",
         "- *sqllocker.asyncio*: the library's own work around them: checking the arguments, a",
-        "  connection of its stack for each operation, the lock objects and, on SQLite, the",
-        "  place in the queue file.",
+        "  connection of its stack for each operation, the lock objects and, on SQLite, a look",
+        "  at the lockstring's place in the queue file at the release.",
         "",
         "A step of a few microseconds either way is within the run's noise.",
     ]
@@ -994,9 +994,11 @@ def performance_page(results: dict[str, Any]) -> str:
             "On MariaDB each takes a ticket too, and the",
             "first waiter of each process polls the row, so a turn pays the poll's lag and two",
             "durable commits (see the flushes below), where `GET_LOCK` itself pays none. On",
-            "SQLite they queue in the kernel, on a byte of a file beside the database that the",
-            "holder keeps until its row is deleted, so the order is",
-            "the kernel's, as for `flock`. A first-come-first-served wait is longer than a",
+            "SQLite they queue in the kernel, on a byte of a file beside the database that a",
+            "holder that waited keeps until its row is deleted, so the order is the kernel's,",
+            "as for `flock`; a lock taken at once (the uncontended rows) takes no byte, and its",
+            "release rings a bell for a waiter that took the byte meanwhile. A",
+            "first-come-first-served wait is longer than a",
             "free-for-all's, where a process back from its step often finds the lock free.",
         ]
         lines += floors().page_section(contended_rows, BACKEND_NAMES)
