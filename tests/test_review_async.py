@@ -1,0 +1,241 @@
+"""Attacks on the async lock cycle's cancellation and release deadlines (one timer per loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from sqllocker import Locker, LockError, LockLost
+from sqllocker.asyncio import AsyncLock, AsyncLocker, alarm, concurrency
+from sqllocker.engine import resolve_url
+from tests.test_asyncio import (  # noqa: F401  (fixtures)
+    MakeAsync,
+    alocker,
+    blocker,
+    eventually,
+    make_async_locker,
+)
+from tests.workers import async_url
+
+
+def hold_rows(blocker: sa.Connection, locker: AsyncLocker, locks: list[AsyncLock]) -> None:
+    """In ``blocker``'s one transaction, write every lock's row so that their DELETEs wait."""
+    blocker.begin()
+    table = locker.table
+    for lock in locks:
+        blocker.execute(
+            table.update().where(table.c.id == lock.lock_id).values(expires=table.c.expires)
+        )
+
+
+async def _release_timed(lock: AsyncLock, started: float) -> tuple[float, BaseException | None]:
+    try:
+        await lock.unlock()
+    except BaseException as error:  # noqa: BLE001
+        return time.monotonic() - started, error
+    return time.monotonic() - started, None
+
+
+async def test_deadlines_of_locks_released_together_each_fire_at_their_own_time(
+    alocker: AsyncLocker, blocker: sa.Connection
+) -> None:
+    """Releases blocked on their rows, their deadlines added in no order (a later one first,
+    then an earlier one): each gives up at its own deadline, with the lock's own error."""
+    ttls = [3.0, 2.0, 4.0, 2.5, 2.0, 3.5]
+    locks = [await alocker.lock(f"deadline {n}", expires=ttl) for n, ttl in enumerate(ttls)]
+    patience = [lock._state.release_patience() for lock in locks]
+    hold_rows(blocker, alocker, locks)
+    started = time.monotonic()
+    tasks = []
+    for lock in locks:
+        tasks.append(asyncio.ensure_future(_release_timed(lock, started)))
+        await asyncio.sleep(0.05)
+    results = await asyncio.gather(*tasks)
+    blocker.rollback()
+    for (took, error), expected in zip(results, patience, strict=True):
+        assert isinstance(error, LockError), error
+        assert not isinstance(error, (asyncio.TimeoutError, asyncio.CancelledError))
+        assert expected - 0.3 < took < expected + 0.9, (took, expected)
+
+
+@pytest.mark.parametrize("order", ["cancel_first", "deadline_first"])
+async def test_caller_cancelled_in_the_deadlines_turn(
+    alocker: AsyncLocker, blocker: sa.Connection, monkeypatch: pytest.MonkeyPatch, order: str
+) -> None:
+    """The caller's cancel() in the very callback where the release's deadline fires: the
+    caller gets its CancelledError, nothing leaks, and a later unlock() ends."""
+    lock = await alocker.lock("race", expires=2.0)
+    hold_rows(blocker, alocker, [lock])
+    releasing: asyncio.Task[None] = asyncio.ensure_future(lock.unlock())
+    original = concurrency._Bounded.expire
+
+    def expire(self: Any) -> None:
+        if order == "cancel_first":
+            releasing.cancel()
+            original(self)
+        else:
+            original(self)
+            releasing.cancel()
+
+    monkeypatch.setattr(concurrency._Bounded, "expire", expire)
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(asyncio.shield(releasing), 10)
+    assert releasing.cancelled()
+    monkeypatch.undo()
+    blocker.rollback()
+    # Whatever happened to the row, a later unlock() ends with the lock let go or lost.
+    try:
+        await asyncio.wait_for(lock.unlock(), 10)
+    except LockLost:
+        pass
+    assert not lock.is_locked
+    await asyncio.sleep(0.2)
+    assert not alarm.of(asyncio.get_running_loop())._due
+
+
+@pytest.mark.parametrize("how", ["timeout", "wait_for"])
+async def test_a_cycle_under_tiny_timeouts_raises_timeout_only_and_leaves_no_row(
+    alocker: AsyncLocker, how: str
+) -> None:
+    await (await alocker.lock("warm up")).unlock()
+    started = time.monotonic()
+    async with alocker.lock("timed"):
+        pass
+    took = time.monotonic() - started
+    task = asyncio.current_task()
+    assert task is not None
+    outcomes: dict[str, int] = {}
+    for step in range(60):
+        seconds = took * step / 40
+        name = f"t {step}"
+
+        async def cycle(name: str = name) -> None:
+            async with alocker.lock(name):
+                await asyncio.sleep(0)
+
+        try:
+            if how == "timeout":
+                async with asyncio.timeout(seconds):
+                    await cycle()
+            else:
+                await asyncio.wait_for(cycle(), seconds)
+            outcomes["done"] = outcomes.get("done", 0) + 1
+        except TimeoutError:
+            outcomes["timeout"] = outcomes.get("timeout", 0) + 1
+        assert task.cancelling() == 0
+
+        async def gone(name: str = name) -> bool:
+            return await alocker.lock_info(name) is None
+
+        await eventually(gone)
+    assert outcomes.get("timeout", 0) >= 2, outcomes
+
+
+async def test_cancel_from_another_task_while_releasing_then_deadline(
+    alocker: AsyncLocker, blocker: sa.Connection
+) -> None:
+    """The caller cancelled while its release waits on the row: the release goes on and gives
+    up at its deadline; a second unlock() waiting on it gets the lock's error, not a
+    CancelledError nor a TimeoutError."""
+    lock = await alocker.lock("go on", expires=2.0)
+    hold_rows(blocker, alocker, [lock])
+    releasing = asyncio.ensure_future(lock.unlock())
+    await asyncio.sleep(0.3)
+    releasing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await releasing
+    second = asyncio.ensure_future(lock.unlock())
+    started = time.monotonic()
+    try:
+        await asyncio.wait_for(second, 10)
+        error: BaseException | None = None
+    except BaseException as caught:  # noqa: BLE001
+        error = caught
+    took = time.monotonic() - started
+    blocker.rollback()
+    assert isinstance(error, LockError), repr(error)
+    assert took < 2.5
+
+
+async def test_no_growth_of_the_loops_timers_over_a_long_run(alocker: AsyncLocker) -> None:
+    loop = asyncio.get_running_loop()
+    await (await alocker.lock("warm up", expires=5)).unlock()
+    before = len(loop._scheduled)  # type: ignore[attr-defined]
+    for n in range(1500):
+        async with alocker.lock(f"long {n % 7}", expires=5 + (n % 13)):
+            pass
+    after = len(loop._scheduled)  # type: ignore[attr-defined]
+    assert after <= before + 3, (before, after)
+    assert not alarm.of(loop)._due
+
+
+def _blocked_release_in_new_loop(url: str, table: str, name: str) -> tuple[float, Any]:
+    """In asyncio.run of its own: a lock whose DELETE a blocker's transaction holds up; how
+    long its release took, and what it raised."""
+
+    async def scenario() -> tuple[float, Any]:
+        locker = AsyncLocker(async_url(url), table=table, grace=0)
+        engine = sa.create_engine(resolve_url(url))
+        connection = engine.connect()
+        try:
+            lock = await locker.lock(name, expires=2.0)
+            hold_rows(connection, locker, [lock])
+            started = time.monotonic()
+            result = await _release_timed(lock, started)
+            connection.rollback()
+            return result
+        finally:
+            connection.close()
+            engine.dispose()
+            await locker.aclose()
+
+    return asyncio.run(scenario())
+
+
+@pytest.fixture
+def sync_table(make_locker: Callable[..., Locker], table_name: str) -> str:
+    make_locker()
+    return table_name
+
+
+def test_asyncio_run_twice_each_release_deadline_fires(
+    backend: str, url: str, sync_table: str
+) -> None:
+    if backend == "sqlite":
+        pytest.skip("one blocker at a time on the database")
+    for run in range(3):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ResourceWarning)
+            took, error = _blocked_release_in_new_loop(url, sync_table, f"run {run}")
+        assert isinstance(error, LockError), repr(error)
+        assert 1.6 < took < 3.0, took
+        gc.collect()
+
+
+def test_several_loops_in_threads_each_release_deadline_fires(
+    backend: str, url: str, sync_table: str
+) -> None:
+    if backend == "sqlite":
+        pytest.skip("one blocker at a time on the database")
+    results: list[tuple[float, Any]] = []
+
+    def in_thread(n: int) -> None:
+        results.append(_blocked_release_in_new_loop(url, sync_table, f"thread {n}"))
+
+    threads = [threading.Thread(target=in_thread, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert len(results) == 4
+    for took, error in results:
+        assert isinstance(error, LockError), repr(error)
+        assert 1.6 < took < 3.0, took
