@@ -90,6 +90,9 @@ async def test_caller_cancelled_in_the_deadlines_turn(
         await asyncio.wait_for(asyncio.shield(releasing), 10)
     assert releasing.cancelled()
     monkeypatch.undo()
+    # Its deadline passed, its DELETE cancelled unanswered: the lock expired unconfirmed, as
+    # when its caller's cancellation comes first in that turn (lost, and on_lost told).
+    assert (lock.is_locked, lock._state.lost is not None) == (False, True)
     blocker.rollback()
     # Whatever happened to the row, a later unlock() ends with the lock let go or lost.
     try:
@@ -239,3 +242,64 @@ def test_several_loops_in_threads_each_release_deadline_fires(
     for took, error in results:
         assert isinstance(error, LockError), repr(error)
         assert 1.6 < took < 3.0, took
+
+
+async def test_many_concurrent_cycles_leave_no_deadline_and_no_row(alocker: AsyncLocker) -> None:
+    loop = asyncio.get_running_loop()
+    await (await alocker.lock("warm up")).unlock()
+
+    async def cycles(n: int) -> None:
+        for round_ in range(4):
+            async with alocker.lock(f"many {n}", expires=5 + (n * 7 + round_) % 11, wait=None):
+                await asyncio.sleep(0)
+
+    await asyncio.wait_for(asyncio.gather(*(cycles(n) for n in range(150))), 120)
+    assert not alarm.of(loop)._due
+    for n in range(0, 150, 17):
+        assert await alocker.lock_info(f"many {n}") is None
+
+
+async def test_unlock_behind_a_stuck_renewal_cancelled_then_the_row_freed(
+    alocker: AsyncLocker, blocker: sa.Connection
+) -> None:
+    """A renewal stuck on the row (the blocker's transaction), unlock() behind it cancelled by
+    its caller: once the row is free the release goes on, and no row is left."""
+    lock = await alocker.lock("renewed", expires=6.0)
+    hold_rows(blocker, alocker, [lock])
+    extending = asyncio.ensure_future(lock.extend())
+    await asyncio.sleep(0.3)
+    releasing = asyncio.ensure_future(lock.unlock())
+    await asyncio.sleep(0.3)
+    releasing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await releasing
+    blocker.rollback()
+    try:
+        await asyncio.wait_for(extending, 10)
+    except LockError:
+        pass
+
+    async def gone() -> bool:
+        return await alocker.lock_info("renewed") is None
+
+    await eventually(gone)
+    assert not lock.is_locked
+
+
+def test_a_forked_child_s_release_deadline_fires(backend: str, url: str, sync_table: str) -> None:
+    import os
+
+    if backend == "sqlite":
+        pytest.skip("one blocker at a time on the database")
+    took, error = _blocked_release_in_new_loop(url, sync_table, "parent")
+    assert isinstance(error, LockError)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            took, error = _blocked_release_in_new_loop(url, sync_table, "child")
+            code = 0 if isinstance(error, LockError) and 1.6 < took < 3.0 else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
