@@ -23,6 +23,10 @@ class Bounded(Protocol):
     def expire(self) -> None: ...
 
 
+def _NO_TIMER() -> None:
+    return None
+
+
 class Alarm:
     """The deadlines (on ``loop.time()``) of ``loop``'s bounded works."""
 
@@ -32,7 +36,9 @@ class Alarm:
         # The loop's timer holds the loop; its alarm, kept for it, must not.
         self._loop: Callable[[], asyncio.AbstractEventLoop | None] = weakref.ref(loop)
         self._due: dict[Bounded, float] = {}
-        self._timer: asyncio.TimerHandle | None = None
+        # Weakly too: a timer handle holds its loop, and the alarm outlives a closed loop
+        # (``_last``, or as the value of the loop's own entry in ``_alarms``).
+        self._timer: Callable[[], asyncio.TimerHandle | None] = _NO_TIMER
         self._at = math.inf  # when the timer rings
 
     def set(self, work: Bounded, when: float) -> None:
@@ -48,13 +54,14 @@ class Alarm:
         loop = self._loop()
         if loop is None or loop.is_closed():
             return
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = loop.call_at(when, self._ring)
+        timer = self._timer()
+        if timer is not None:
+            timer.cancel()
+        self._timer = weakref.ref(loop.call_at(when, self._ring))
         self._at = when
 
     def _ring(self) -> None:
-        self._timer, self._at = None, math.inf
+        self._timer, self._at = _NO_TIMER, math.inf
         loop = self._loop()
         if loop is None:
             return
@@ -97,5 +104,5 @@ class _Unkept(Alarm):
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = lambda: loop
         self._due = {}
-        self._timer = None
+        self._timer = _NO_TIMER
         self._at = math.inf
