@@ -57,7 +57,11 @@ class Alarm:
         timer = self._timer()
         if timer is not None:
             timer.cancel()
-        self._timer = weakref.ref(loop.call_at(when, self._ring))
+        handle = loop.call_at(when, self._ring)
+        try:
+            self._timer = weakref.ref(handle)
+        except TypeError:  # a loop's handle that cannot be referred to weakly: held
+            self._timer = lambda: handle
         self._at = when
 
     def _ring(self) -> None:
