@@ -645,8 +645,13 @@ class _Bounded(Generic[T]):
                         # The deadline or the caller's cancellation: the work is cancelled and
                         # ends without the caller.
                         spawn(_resumed(work, yielded, cancel=True), self._name)
-                        if self._deadline_woke and not _cancelled_since(requests):
-                            raise self._timeout() from None
+                        if self._deadline_woke:
+                            # Made either way: the bound's own error may record what its
+                            # deadline means (a release's: the lock lost), which holds when
+                            # the caller's cancellation in that turn wins.
+                            timed_out = self._timeout()
+                            if not _cancelled_since(requests):
+                                raise timed_out from None
                         raise
                     thrown = cancelled  # the work's own future was cancelled: it is told so
                 except BaseException as error:
