@@ -1,0 +1,77 @@
+"""SQLite: a waiter holding its place while the row is held by a lock that holds neither its
+place nor an ``Unplaced`` (whose release rings no bell) must still be served soon after that
+release, not at its next look (``QUEUE_PATIENCE``)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import struct
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sqllocker import Locker, LockLost, backoff
+from sqllocker.file_queue import AVAILABLE, SUFFIX, FileQueue
+from tests.helpers import wait_in_thread, wait_until
+
+pytestmark = pytest.mark.skipif(not AVAILABLE, reason="open file description locks are Linux's")
+
+LONG_PATIENCE = 6.0
+
+
+def place_held(queue_file: str, offset: int) -> bool:
+    """Whether anyone holds the place at ``offset`` (F_OFD_GETLK through a file of our own)."""
+    fd = os.open(queue_file, os.O_RDWR)
+    try:
+        flock = struct.pack("@hhqqixxxx", fcntl.F_WRLCK, os.SEEK_SET, offset, 1, 0)
+        found = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, flock)
+    finally:
+        os.close(fd)
+    return bool(struct.unpack("@h", found[:2])[0] != fcntl.F_UNLCK)
+
+
+@pytest.fixture
+def url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'locks.db'}"
+
+
+@pytest.fixture
+def made(url: str) -> Iterator[list[Locker]]:
+    lockers: list[Locker] = []
+    yield lockers
+    for locker in lockers:
+        locker.close()
+
+
+def test_a_placed_waiter_behind_a_row_won_by_a_look_is_served_at_its_release(
+    url: str, made: list[Locker], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A queued waiter (X) whose look finds the holder's row expired takes it over, without
+    the place (the stopped holder still has it). The holder then learns of its loss and
+    leaves the place, which passes to the next waiter (W); W finds X's row. X's release rings
+    nothing: W must not wait for its next look to be served."""
+    monkeypatch.setattr(backoff, "QUEUE_PATIENCE", LONG_PATIENCE)
+    holder, x, w = (Locker(url, grace=0) for _ in range(3))
+    made.extend([holder, x, w])
+    offset = FileQueue.offset(holder.table_name, "report")
+    queue_file = str(tmp_path / "locks.db") + SUFFIX
+    held = holder.lock("report", wait=1, expires=1, keep_alive=False)  # takes the place
+    x_thread, x_result = wait_in_thread(x, wait=30, expires=60)
+    x_thread.join(10)
+    x_lock = x_result["lock"]  # took the expired row over, placeless
+    w_thread, w_result = wait_in_thread(w, wait=30, expires=30)
+    time.sleep(0.3)  # W queued behind the holder's place
+    with pytest.raises(LockLost):
+        held.unlock()  # the place passes on, to W
+    wait_until(lambda: place_held(queue_file, offset))
+    time.sleep(0.5)  # W has its place, refused by X's row
+    assert "lock" not in w_result
+    released = time.monotonic()
+    x_lock.unlock()
+    w_thread.join(LONG_PATIENCE + 5)
+    waited = w_result["returned"] - released
+    w_result["lock"].unlock()
+    assert waited < 1.0, f"served {waited:.2f} s after the row was freed"
