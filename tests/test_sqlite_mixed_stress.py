@@ -7,6 +7,7 @@ worker served."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import random
@@ -54,10 +55,8 @@ def _sync_turns(locker: Locker, at_once: bool, shared: dict[str, Any]) -> None:
             except LockBusy:
                 time.sleep(random.uniform(0, 0.002))
         _inside(shared, lock.lock_id)
-        try:
+        with contextlib.suppress(LockLost):
             lock.unlock()
-        except LockLost:
-            pass
 
 
 async def _async_turns(url: str, shared: dict[str, Any]) -> None:
@@ -72,10 +71,8 @@ async def _async_turns(url: str, shared: dict[str, Any]) -> None:
                 except LockBusy:
                     await asyncio.sleep(random.uniform(0, 0.002))
             await asyncio.to_thread(_inside, shared, lock.lock_id)
-            try:
+            with contextlib.suppress(LockLost):
                 await lock.unlock()
-            except LockLost:
-                pass
 
     try:
         await asyncio.gather(turns(True), turns(False))
