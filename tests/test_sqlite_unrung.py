@@ -24,7 +24,10 @@ LONG_PATIENCE = 6.0
 
 def place_held(queue_file: str, offset: int) -> bool:
     """Whether anyone holds the place at ``offset`` (F_OFD_GETLK through a file of our own)."""
-    fd = os.open(queue_file, os.O_RDWR)
+    try:
+        fd = os.open(queue_file, os.O_RDWR)
+    except FileNotFoundError:
+        return False
     try:
         flock = struct.pack("@hhqqixxxx", fcntl.F_WRLCK, os.SEEK_SET, offset, 1, 0)
         found = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, flock)
@@ -74,4 +77,27 @@ def test_a_placed_waiter_behind_a_row_won_by_a_look_is_served_at_its_release(
     w_thread.join(LONG_PATIENCE + 5)
     waited = w_result["returned"] - released
     w_result["lock"].unlock()
+    assert waited < 1.0, f"served {waited:.2f} s after the row was freed"
+
+
+def test_a_placed_waiter_behind_a_group_member_is_served_at_the_groups_release(
+    url: str, made: list[Locker], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``lock_all`` takes its rows without places: a waiter for one of them takes the place,
+    and must be served when the group is released, not at its next look."""
+    monkeypatch.setattr(backoff, "QUEUE_PATIENCE", LONG_PATIENCE)
+    holder, waiter = Locker(url, grace=0), Locker(url, grace=0)
+    made.extend([holder, waiter])
+    offset = FileQueue.offset(holder.table_name, "report")
+    queue_file = str(tmp_path / "locks.db") + SUFFIX
+    group = holder.lock_all(["other", "report"], expires=60)
+    thread, result = wait_in_thread(waiter, wait=30, expires=30)
+    wait_until(lambda: place_held(queue_file, offset))
+    time.sleep(0.5)  # refused by the group's row
+    assert "lock" not in result
+    released = time.monotonic()
+    group.unlock()
+    thread.join(LONG_PATIENCE + 5)
+    waited = result["returned"] - released
+    result["lock"].unlock()
     assert waited < 1.0, f"served {waited:.2f} s after the row was freed"
