@@ -121,7 +121,12 @@ class Attempts:
         outcome = self.try_acquire(winnings, lockstring, guid, details, ttl, on_lost)
         if not isinstance(outcome, Lock):
             raise outcome.busy_after(lockstring, 0)
+        return self.unplaced(outcome)
+
+    def unplaced(self, lock: Lock) -> Lock:
+        """``lock``, taken without its place: on SQLite its release rings for a waiter that
+        took the place meanwhile (``file_queue.Unplaced``)."""
         queue = self.file_queue
         if queue is not None:
-            outcome._state.place = queue.unplaced(self._offset(lockstring))
-        return outcome
+            lock._state.place = queue.unplaced(self._offset(lock._state.lockstring))
+        return lock
