@@ -204,12 +204,13 @@ class FileQueue:
             self._listeners.add(listener)
             if self._bell_watched:
                 return listener
+            # The bell as it is now, read before this call (or another listener's, which
+            # waits for the lock) returns: a ring after it is heard.
+            fd = self._open()
+            if fd is None:
+                return listener  # nothing to read: the waiters' looks find out
+            heard = _read_bell(fd)
             self._bell_watched = True
-        # The bell as it is now, read before this call returns: a ring after it is heard.
-        fd = self._open()
-        if fd is None:
-            return listener  # nothing to read: the waiters' looks find out
-        heard = _read_bell(fd)
         threading.Thread(
             target=self._watch_bell, args=(fd, heard), name=f"{self.thread_name} bell", daemon=True
         ).start()
