@@ -14,6 +14,7 @@ import pytest
 
 from sqllocker import Locker
 from sqllocker.file_queue import AVAILABLE
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason="open file description locks are Linux's")
 
@@ -29,6 +30,8 @@ def inotify_fds() -> int:
 def test_a_child_forked_while_its_parent_waits_keeps_no_inotify_instance(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'locks.db'}"
     holder, waiter = Locker(url, grace=0), Locker(url, grace=0)
+    # The bell readers of earlier tests end within their poll once their waiters have gone.
+    wait_until(lambda: not any(t.name.endswith(" bell") for t in threading.enumerate()))
     before = inotify_fds()
     held = holder.lock("report", expires=30)
     waiting = threading.Thread(target=lambda: waiter.lock("report", wait=20, expires=30).unlock())
