@@ -13,7 +13,9 @@ a lock taken and left on the byte for nothing. Its release looks whether someone
 place (``F_OFD_GETLK``, which takes nothing): a waiter that came meanwhile took it and, its
 turn come, waits for the row; the release then rings the bell for turns (below), which only
 such waiters hear, and the waiter reads the row and inserts. The waiters behind it stay
-blocked on the place, so none of them passes it.
+blocked on the place, so none of them passes it. The locks of a group (``lock_all``), and one
+a queued waiter won by a look at the row, without its place, hold none either, and their
+releases look and ring the same way.
 
 The row is still the lock; the place only says who tries. A holder that stopped (Ctrl-Z), that
 overran its expiry unawares, or whose row was broken, keeps its place but not its row. So a
