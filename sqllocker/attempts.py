@@ -121,11 +121,14 @@ class Attempts:
         outcome = self.try_acquire(winnings, lockstring, guid, details, ttl, on_lost)
         if not isinstance(outcome, Lock):
             raise outcome.busy_after(lockstring, 0)
-        return self.unplaced(outcome)
+        queue = self.file_queue
+        if queue is not None:
+            outcome._state.place = queue.unplaced(self._offset(lockstring))
+        return outcome
 
     def unplaced(self, lock: Lock) -> Lock:
-        """``lock``, taken without its place: on SQLite its release rings for a waiter that
-        took the place meanwhile (``file_queue.Unplaced``)."""
+        """``lock``, taken without its place (a group's member): on SQLite its release rings
+        for a waiter that took the place meanwhile, as ``try_once``'s does."""
         queue = self.file_queue
         if queue is not None:
             lock._state.place = queue.unplaced(self._offset(lock._state.lockstring))
