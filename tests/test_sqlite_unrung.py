@@ -10,6 +10,7 @@ import struct
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -101,3 +102,34 @@ def test_a_placed_waiter_behind_a_group_member_is_served_at_the_groups_release(
     waited = result["returned"] - released
     result["lock"].unlock()
     assert waited < 1.0, f"served {waited:.2f} s after the row was freed"
+
+
+def test_a_ring_for_another_place_costs_a_placed_waiter_no_insert(
+    url: str, made: list[Locker], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Waiters holding the places of five lockstrings, each behind a lock taken at once: a
+    release rings for its own waiter. The others may look at their rows (reads), but each
+    waiter tries its row (an INSERT, SQLite's one writer at a time) only at its first
+    attempt and at its own turn, not at every ring in the process."""
+    monkeypatch.setattr(backoff, "QUEUE_PATIENCE", LONG_PATIENCE)
+    holder, waiter = Locker(url, grace=0), Locker(url, grace=0)
+    made.extend([holder, waiter])
+    tried: list[str] = []
+    real = waiter._operations.try_acquire
+
+    def counting(lockstring: str, *args: Any, **kwargs: Any) -> Any:
+        tried.append(lockstring)
+        return real(lockstring, *args, **kwargs)
+
+    monkeypatch.setattr(waiter._operations, "try_acquire", counting)
+    names = [f"job{number}" for number in range(5)]
+    held = [holder.lock(name, expires=60) for name in names]
+    waits = [wait_in_thread(waiter, name, wait=30, expires=60) for name in names]
+    time.sleep(0.5)  # every waiter holds its place, refused once
+    for lock in held:
+        lock.unlock()
+        time.sleep(0.1)
+    for thread, result in waits:
+        thread.join(LONG_PATIENCE + 5)
+        result["lock"].unlock()
+    assert max(tried.count(name) for name in names) <= 2, tried
