@@ -182,16 +182,20 @@ class FileQueue:
         threading.Thread(target=request.wait, name=self.thread_name, daemon=True).start()
         return request
 
-    def ring(self, turn: bool = False) -> None:
+    def ring(self, turn: int | None = None) -> None:
         """Wake every waiter of this database to try its row: after a break or a purge, whose
         holders may still hold their places (best effort: a waiter that does not hear it finds
-        out at its next look). ``turn``: wake only the waiters holding their places, waiting
-        for rows held by locks taken without theirs (``Unplaced``), to look at their rows."""
+        out at its next look). ``turn``: the offset of a place whose row was released by a
+        lock taken without it (``Unplaced``); wake only the waiters holding their places, that
+        one to try its row, the others to look at theirs."""
         fd = self._open()
         if fd is None:
             return
         try:
-            os.pwrite(fd, os.urandom(BELL_SIZE), BELL_SIZE if turn else 0)
+            if turn is None:
+                os.pwrite(fd, os.urandom(BELL_SIZE), 0)
+            else:
+                os.pwrite(fd, os.urandom(BELL_SIZE) + turn.to_bytes(BELL_SIZE, "big"), BELL_SIZE)
         except OSError as error:
             logger.debug("cannot ring the bell of %s (%s)", self.path, error)
         self._keep(fd)
@@ -240,10 +244,14 @@ class FileQueue:
                 if now == heard:
                     continue
                 broken = heard is None or now is None or now[:BELL_SIZE] != heard[:BELL_SIZE]
+                # The place rung for last (rings coalesced between two reads name the last).
+                turn = None if now is None else int.from_bytes(now[2 * BELL_SIZE :], "big")
                 heard = now
                 for listener in listeners:
-                    if broken or listener.turns:
-                        listener.ring()
+                    if broken:
+                        listener.ring(ours=True)
+                    elif listener.turns is not None:
+                        listener.ring(ours=listener.turns == turn)
         finally:
             if watch is not None:
                 watch.close()
@@ -307,10 +315,11 @@ class FileQueue:
 
 
 def _read_bell(fd: int) -> bytes | None:
-    """The bell for breaks, then the one for turns (a file shorter than both read as if
-    padded with zeros, as a ring of the second leaves the first)."""
+    """The bell for breaks, then the one for turns and the offset of the place it last rang
+    for (a file shorter than all three read as if padded with zeros, as a ring of the second
+    leaves the first)."""
     try:
-        return os.pread(fd, 2 * BELL_SIZE, 0).ljust(2 * BELL_SIZE, b"\0")
+        return os.pread(fd, 3 * BELL_SIZE, 0).ljust(3 * BELL_SIZE, b"\0")
     except OSError:
         return None
 
@@ -318,14 +327,18 @@ def _read_bell(fd: int) -> bytes | None:
 class BellListener:
     """One waiter's ear for the bell: ``when_rung(wake)`` calls ``wake`` at the next ring (at
     once if one came since the last ``heard()``), ``heard()`` says whether one came. It hears
-    rings for turns too once ``turns`` is set (by a waiter that holds its place)."""
+    rings for turns too once ``turns`` is set (by a waiter that holds its place: the place's
+    offset); ``ours``, as of the last ``heard()``, whether a ring named that place (or was a
+    break's), rather than another's."""
 
     def __init__(self, queue: FileQueue) -> None:
         self._queue = queue
         self._lock = threading.Lock()
         self._rung = False
         self._wake: Callable[[], None] | None = None
-        self.turns = False
+        self.turns: int | None = None
+        self._ours = False
+        self.ours = False
 
     def when_rung(self, wake: Callable[[], None]) -> None:
         with self._lock:
@@ -338,12 +351,14 @@ class BellListener:
         """Whether the bell rang since this was last asked (and forget it)."""
         with self._lock:
             rung, self._rung = self._rung, False
+            self.ours, self._ours = self._ours, False
             return rung
 
-    def ring(self) -> None:
+    def ring(self, ours: bool = True) -> None:
         """From the bell's reader: must not block."""
         with self._lock:
             self._rung = True
+            self._ours = self._ours or ours
             wake, self._wake = self._wake, None
         if wake is not None:
             wake()
@@ -402,7 +417,7 @@ class Unplaced:
     def leave(self) -> None:
         queue, self._queue = self._queue, None
         if queue is not None and queue.is_held(self._offset):
-            queue.ring(turn=True)
+            queue.ring(turn=self._offset)
 
 
 class PlaceRequest:

@@ -138,14 +138,16 @@ def test_a_mixed_fleet_never_overlaps_and_is_served(tmp_path: Path) -> None:
     victim = context.Process(target=_victim, args=(url, holding))
     victim.start()
     assert holding.wait(60)
+    assert victim.pid is not None
     os.kill(victim.pid, signal.SIGKILL)  # its row is taken over once expired
     victim.join()
-    stopped = workers[0]
+    stopped = workers[0].pid
+    assert stopped is not None
     deadline = time.monotonic() + 240
     while any(worker.is_alive() for worker in workers) and time.monotonic() < deadline:
-        os.kill(stopped.pid, signal.SIGSTOP)
+        os.kill(stopped, signal.SIGSTOP)
         time.sleep(0.2)
-        os.kill(stopped.pid, signal.SIGCONT)
+        os.kill(stopped, signal.SIGCONT)
         time.sleep(1.0)
     for worker in workers:
         worker.join(5)
