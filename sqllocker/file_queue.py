@@ -26,8 +26,9 @@ And whoever breaks or purges a lock through sqllocker rings the queue's *bell*: 
 random bytes at the start of the queue file, which one thread of each process with waiters
 reads whenever the file is written (inotify), and every ``BELL_INTERVAL`` besides; a change
 wakes every waiter of that process to try its row (a read first). The bytes after it are the
-bell for turns, which wakes only waiters holding their places. A bell rung for another
-lockstring costs those waiters a read each.
+bell for turns, then the offset of the place it last rang for: it wakes only waiters holding
+their places, and the one whose place it names tries its row at once, without a read. A bell
+rung for another lockstring costs those waiters a read each.
 
 Places are open-file-description locks (Linux ``F_OFD_SETLKW``): each belongs to an open file,
 not to a process, so threads and tasks of one process queue against one another too, and the
