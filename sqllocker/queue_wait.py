@@ -98,10 +98,8 @@ class QueueWait:
                     wait_out(error, backoff, lockstring)
                     continue
                 if isinstance(outcome, Lock):
-                    # Won without the place (a look found the row free or takeable), its
-                    # release rings for whoever holds the place then, as one taken at once.
-                    unplaced = queue.unplaced(offset) if place is None and queue else None
-                    outcome._state.place, place = place or unplaced, None
+                    if place is not None:  # kept while the row is ours
+                        outcome._state.place, place = place, None
                     return outcome
                 until_free = backoff.until_takeable(outcome, self._grace)
                 if place is not None and queue is not None and not backoff.expired():

@@ -279,9 +279,7 @@ class AsyncAcquirer:
                 attempted(attempt)  # a wait turn, or a member taken (over)
             if not isinstance(outcome, Refused):
                 locks = [
-                    self.attempts.unplaced(
-                        self.attempts.handle(winnings, name, guid, acquired, ttl, details, on_lost)
-                    )
+                    self.attempts.handle(winnings, name, guid, acquired, ttl, details, on_lost)
                     for (name, guid), acquired in zip(members, outcome, strict=True)
                 ]
                 group = AsyncLockGroup(locks)

@@ -94,7 +94,10 @@ class AsyncAttempts:
         on_lost: OnLost | None,
     ) -> AsyncLock:
         """The handle of a row just won, recorded in the acquire's ``winnings``: if the acquire
-        ends in an exception before it hands the lock over, it is released (``acquisition``)."""
+        ends in an exception before it hands the lock over, it is released (``acquisition``).
+        On SQLite it holds no place in the kernel's queue (a waiter that held one puts it in):
+        its release looks whether a waiter took the place meanwhile, and rings the bell for it
+        (``file_queue.Unplaced``)."""
         state = AsyncLockState(
             self._operations,
             self._call,
@@ -106,6 +109,8 @@ class AsyncAttempts:
             acquired.sent_at,
             on_lost,
         )
+        if self.file_queue is not None:
+            state.place = self.file_queue.unplaced(self._offset(lockstring))
         lock = AsyncLock(
             self._locker,
             state,
@@ -124,24 +129,12 @@ class AsyncAttempts:
         ttl: float,
         on_lost: OnLost | None,
     ) -> AsyncLock:
-        """One attempt, or LockBusy. On SQLite it takes no place in the kernel's queue: its
-        release looks whether a waiter took the place meanwhile, and rings the bell for it
-        (``file_queue.Unplaced``)."""
+        """One attempt, or LockBusy. On SQLite it takes no place in the kernel's queue (see
+        ``handle``)."""
         outcome = await self.try_acquire(winnings, lockstring, guid, details, ttl, on_lost)
         if not isinstance(outcome, AsyncLock):
             raise outcome.busy_after(lockstring, 0)
-        queue = self.file_queue
-        if queue is not None:
-            outcome._state.place = queue.unplaced(self._offset(lockstring))
         return outcome
-
-    def unplaced(self, lock: AsyncLock) -> AsyncLock:
-        """``lock``, taken without its place (a group's member): on SQLite its release rings
-        for a waiter that took the place meanwhile, as ``try_once``'s does."""
-        queue = self.file_queue
-        if queue is not None:
-            lock._state.place = queue.unplaced(self._offset(lock._state.lockstring))
-        return lock
 
     if True:  # ASYNC
 
