@@ -30,6 +30,7 @@ from .notifications import (
     Waiter,
     WaiterQueues,
     channel_for,
+    grant_digest,
     grants_channel_for,
     leaders_channel_for,
     parse_grant,
@@ -186,6 +187,8 @@ class ReleaseListener:
             self._waiters.wake_all(notice.payload)
         elif notice.channel == self.leaders_channel:
             self._observers.wake_all(notice.payload)  # a hint: they read the row again
+        elif not self._waiters.names_a_head(grant_digest(notice.payload)):
+            pass  # another's: every listener hears every grant
         elif (grant := parse_grant(notice.payload)) is not None:
             self.grants += self._waiters.hand_over(grant)
 
