@@ -421,6 +421,7 @@ BLOCKING_LOCKS = {"sqlite": "flock", "postgresql": "advisory lock", "mysql": "GE
 # sqllocker's contended protocol as bare statements: scripts/bench_floor.py, whose FIFO_FLOOR
 # this is (that module is imported only where it is used: see ``floors``).
 FIFO_FLOOR = "durable FIFO floor"
+DOORBELL_FLOOR = "doorbell floor"  # a design tried on MariaDB: bench_floor.DOORBELL_FLOOR
 # Redis: the floor (the bare SET NX and DEL of a key), and redis-py's Lock: row -> blocking.
 REDIS_FLOOR = "raw SET NX + DEL"
 REDIS_LOCKS = {"redis-py Lock (non-blocking)": False, "redis-py Lock": True}
@@ -433,9 +434,9 @@ def lock_calls(system: str, url: str) -> LockCalls:
     """A row's lock, on a connection of its own: sqllocker's blocking lock of one lockstring
     (the contended rows'), a server's (``SERVER_LOCKS``), ``flock`` on a file beside the SQLite
     database (one machine's blocking lock, beside sqllocker's own queue file), redis-py's
-    ``Lock`` (``REDIS_LOCKS``), ``REDIS_FLOOR`` or ``FIFO_FLOOR``."""
-    if system == FIFO_FLOOR:
-        floor: LockCalls = floors().fifo_floor_calls(url, TABLE)
+    ``Lock`` (``REDIS_LOCKS``), ``REDIS_FLOOR``, ``FIFO_FLOOR`` or ``DOORBELL_FLOOR``."""
+    if system in (FIFO_FLOOR, DOORBELL_FLOOR):
+        floor: LockCalls = floors().fifo_floor_calls(url, TABLE, system)
         return floor
     if system == "sqllocker":
         locker = Locker(url, table=TABLE, grace=1)
@@ -668,7 +669,7 @@ def contended(
     rates: dict[tuple[str, str], list[float]] = {}
     for _round in range(rounds):
         for backend, system, url in targets:
-            if system in ("sqllocker", FIFO_FLOOR):
+            if system in ("sqllocker", FIFO_FLOOR, DOORBELL_FLOOR):
                 fresh_table(url)
             records = contend(system, url, processes, seconds)
             turns.setdefault((backend, system), []).extend(records)
@@ -868,6 +869,7 @@ SYSTEM_NAMES = {
     "flock": "blocking `flock` (one machine)",
     "GET_LOCK": "blocking `GET_LOCK`",
     FIFO_FLOOR: "durable FIFO floor",
+    DOORBELL_FLOOR: "doorbell floor (a design tried)",
     "GET_LOCK try-lock": "`GET_LOCK` try-lock (timeout 0)",
     "redis-py Lock": "redis-py `Lock` (blocking)",
     "redis-py Lock (non-blocking)": "redis-py `Lock` (non-blocking)",
@@ -892,8 +894,8 @@ def _async_layers_section(rows: list[dict[str, Any]], rounds: int) -> list[str]:
         "  that a caller's cancellation cannot cut a statement off halfway and leave a row nobody",
         "  knows of;",
         "- *sqllocker.asyncio*: the library's own work around them: checking the arguments, a",
-        "  connection of its stack for each operation, the lock objects and, on SQLite, the",
-        "  place in the queue file.",
+        "  connection of its stack for each operation, the lock objects and, on SQLite, a look",
+        "  at the lockstring's place in the queue file at the release.",
         "",
         "A step of a few microseconds either way is within the run's noise.",
     ]
@@ -941,6 +943,7 @@ def performance_page(results: dict[str, Any]) -> str:
         "",
         "![uncontended cycles and hand-off latency](bench.png)",
         "",
+        *goals().section(results),
         "## Uncontended",
         "",
         f"Acquire + release of distinct lockstrings, one process, in {rounds} rounds in which",
@@ -991,12 +994,14 @@ def performance_page(results: dict[str, Any]) -> str:
             "On MariaDB each takes a ticket too, and the",
             "first waiter of each process polls the row, so a turn pays the poll's lag and two",
             "durable commits (see the flushes below), where `GET_LOCK` itself pays none. On",
-            "SQLite they queue in the kernel, on a byte of a file beside the database that the",
-            "holder keeps until its row is deleted, so the order is",
-            "the kernel's, as for `flock`. A first-come-first-served wait is longer than a",
+            "SQLite they queue in the kernel, on a byte of a file beside the database that a",
+            "holder that waited keeps until its row is deleted, so the order is the kernel's,",
+            "as for `flock`; a lock taken at once (the uncontended rows) takes no byte, and its",
+            "release rings a bell for a waiter that took the byte meanwhile. A",
+            "first-come-first-served wait is longer than a",
             "free-for-all's, where a process back from its step often finds the lock free.",
         ]
-        lines += floors().page_section(contended_rows, BLOCKING_LOCKS, BACKEND_NAMES, SYSTEM_NAMES)
+        lines += floors().page_section(contended_rows, BACKEND_NAMES)
     flushes = results.get("commit_flush") or []
     if flushes:
         lines += [
@@ -1208,8 +1213,11 @@ def measure(backends: list[str], profile: Profile, skip: set[str], quick: bool) 
     if "contended" not in skip:
         # Each backend's rows one after another: a burst of the machine's load weighs on
         # the systems compared with each other alike.
-        systems = ("sqllocker", FIFO_FLOOR)
-        targets = [(b, s, URLS[b]) for b in backends for s in (*systems, BLOCKING_LOCKS[b])]
+        systems = {
+            b: ["sqllocker", FIFO_FLOOR] + ([DOORBELL_FLOOR] if b == "mysql" else [])
+            for b in backends
+        }
+        targets = [(b, s, URLS[b]) for b in backends for s in (*systems[b], BLOCKING_LOCKS[b])]
         targets.append(("redis", "redis-py Lock", REDIS_URL))
         servers = [b for b in backends if b in {"postgresql", "mysql"}]
         flushes = [{"when": "before", **commit_flush(b, URLS[b])} for b in servers]
@@ -1222,6 +1230,13 @@ def measure(backends: list[str], profile: Profile, skip: set[str], quick: bool) 
         results["scale"] = scale(backends, profile)
         results["scale"] += [connections_used(b, profile) for b in backends]
     return results
+
+
+def goals() -> ModuleType:
+    """scripts/bench_goals.py, imported where it is used, as ``floors``."""
+    from scripts import bench_goals
+
+    return bench_goals
 
 
 def floors() -> ModuleType:

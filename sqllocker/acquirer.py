@@ -46,7 +46,8 @@ class Acquirer:
     (``tickets``) or in the kernel's queue of ``file_queue`` and backing off; one lock or a
     group, through ``operations`` (each run by ``run``), kept alive by ``keep_alives`` and
     recorded by ``telemetry``; a row expired for ``grace`` seconds may be taken over.
-    ``ready``: the set-up an acquire awaits first (in asyncio)."""
+    ``ready``: the set-up an acquire awaits first (in asyncio), None where it has nothing to
+    do."""
 
     def __init__(
         self,
@@ -57,7 +58,7 @@ class Acquirer:
         file_queue: FileQueue | None,
         telemetry: Telemetry,
         grace: float,
-        ready: Callable[[], None],
+        ready: Callable[[], None | None],
     ) -> None:
         table_name = locker.table_name
         self.attempts = Attempts(locker, operations, run, keep_alives, file_queue)

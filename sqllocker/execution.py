@@ -66,6 +66,19 @@ class Prepared:
                 constant = process(constant)
             self._plan.append((name, process, constant))
         self._names = tuple(name for name, _, _ in self._plan)
+        # The same plan, for ``parameters``: the constants in place, then each value to fill in
+        # (its place, name and processor); a constant is replaced only by a value given for it.
+        self._template = [
+            None if constant is _REQUIRED else constant for _, _, constant in self._plan
+        ]
+        self._filled = [
+            (place, name, process)
+            for place, (name, process, constant) in enumerate(self._plan)
+            if constant is _REQUIRED
+        ]
+        self._constants = frozenset(
+            name for name, _, constant in self._plan if constant is not _REQUIRED
+        )
         columns = list(getattr(statement, "exported_columns", ()))
         # Known to return rows (a SELECT, a RETURNING): fetched without asking the cursor
         # first, as psycopg builds its ``description`` anew on every call.
@@ -80,15 +93,16 @@ class Prepared:
     def parameters(self, values: Mapping[str, Any]) -> Sequence[Any] | dict[str, Any]:
         """The driver's parameters: ``values`` by name, processed as SQLAlchemy would, with the
         statement's own literals where ``values`` has none."""
-        sent = []
-        for name, processor, constant in self._plan:
-            if name in values:
-                value = values[name]
-                sent.append(value if processor is None else processor(value))
-            elif constant is _REQUIRED:
-                raise KeyError(name)
-            else:
-                sent.append(constant)
+        # Every statement of every lock cycle: the constants copied, the values filled in.
+        sent = self._template.copy()
+        for place, name, processor in self._filled:
+            value = values[name]
+            sent[place] = value if processor is None else processor(value)
+        if not self._constants.isdisjoint(values):
+            for place, (name, processor, _constant) in enumerate(self._plan):
+                if name in self._constants and name in values:
+                    value = values[name]
+                    sent[place] = value if processor is None else processor(value)
         if self._positions is not None:
             return tuple(sent)
         return dict(zip(self._names, sent, strict=True))

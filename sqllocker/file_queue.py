@@ -8,6 +8,13 @@ the place up, and the kernel wakes a waiter blocked on it at once: the next hold
 row without polling. A newcomer that finds the place taken waits for it rather than trying the
 row, so it cannot slip in between a release and the next waiter's INSERT.
 
+A lock taken at once (``wait=0``, no waiting) takes no place: an uncontended cycle would pay
+a lock taken and left on the byte for nothing. Its release looks whether someone holds the
+place (``F_OFD_GETLK``, which takes nothing): a waiter that came meanwhile took it and, its
+turn come, waits for the row; the release then rings the bell for turns (below), which only
+such waiters hear, and the waiter reads the row and inserts. The waiters behind it stay
+blocked on the place, so none of them passes it.
+
 The row is still the lock; the place only says who tries. A holder that stopped (Ctrl-Z), that
 overran its expiry unawares, or whose row was broken, keeps its place but not its row. So a
 waiter reads the row when it queues and waits for the place until the row's own expiry (plus
@@ -15,8 +22,10 @@ grace) at most; meanwhile it looks at the row (a read) every ``QUEUE_PATIENCE``,
 once a look finds it free or takeable, its request for the place still queued in the kernel.
 And whoever breaks or purges a lock through sqllocker rings the queue's *bell*: it writes
 random bytes at the start of the queue file, which one thread of each process with waiters
-reads every ``BELL_INTERVAL``; a change wakes every waiter of that process to try its row
-(a read first). A bell rung for another lockstring costs those waiters a read each.
+reads whenever the file is written (inotify), and every ``BELL_INTERVAL`` besides; a change
+wakes every waiter of that process to try its row (a read first). The bytes after it are the
+bell for turns, which wakes only waiters holding their places. A bell rung for another
+lockstring costs those waiters a read each.
 
 Places are open-file-description locks (Linux ``F_OFD_SETLKW``): each belongs to an open file,
 not to a process, so threads and tasks of one process queue against one another too, and the
@@ -39,9 +48,15 @@ import time
 from collections.abc import Callable
 
 from . import forks
+from .file_watch import FileWatch
 
 if sys.platform == "linux":
     import fcntl
+
+    _SETLK, _GETLK = fcntl.F_OFD_SETLK, fcntl.F_OFD_GETLK
+    _WRLCK, _UNLCK = fcntl.F_WRLCK, fcntl.F_UNLCK
+    # What F_OFD_GETLK answers first (l_type) for a byte that nobody else holds.
+    _FREE = struct.pack("@h", _UNLCK)
 
 logger = logging.getLogger("sqllocker")
 
@@ -61,12 +76,26 @@ BELL_INTERVAL = 0.05
 
 
 _pack = struct.Struct(_FLOCK).pack
-# Copied for each lockstring: cheaper than making the hash with its parameters every time.
+# Copied for each table: cheaper than making the hash with its parameters every time.
 _PLACE_HASH = hashlib.blake2b(digest_size=8, person=b"sqllocker")
 
 
 def _byte(kind: int, offset: int) -> bytes:
     return _pack(kind, os.SEEK_SET, offset, 1, 0)
+
+
+def offsets(table: str) -> Callable[[str], int]:
+    """The byte of each lockstring's place in ``table``'s queue (``FileQueue.offset``), the
+    table's part of the hash made once: a lock cycle hashes only its lockstring."""
+    table_hash = _PLACE_HASH.copy()
+    table_hash.update(f"{table}\0".encode())
+
+    def offset(lockstring: str) -> int:
+        place_hash = table_hash.copy()
+        place_hash.update(lockstring.encode())
+        return int.from_bytes(place_hash.digest(), "big") >> 2
+
+    return offset
 
 
 class FileQueue:
@@ -83,13 +112,14 @@ class FileQueue:
         self._closed = False
         self._listeners: set[BellListener] = set()
         self._bell_watched = False  # a thread reads the bell for this process's listeners
+        self._looker: int | None = None  # see _open_looker
 
     @staticmethod
     def offset(table: str, lockstring: str) -> int:
-        """The byte of ``lockstring``'s place: a hash, all but certain to be no one else's."""
-        place_hash = _PLACE_HASH.copy()
-        place_hash.update(f"{table}\0{lockstring}".encode())
-        return int.from_bytes(place_hash.digest(), "big") >> 2
+        """The byte of ``lockstring``'s place: a hash, all but certain to be no one else's (a
+        62-bit BLAKE2b of table and lockstring, which every version of sqllocker must agree on:
+        see ``offsets``)."""
+        return offsets(table)(lockstring)
 
     def take(self, offset: int) -> Place | None:
         """The place at ``offset`` if nobody holds it or waits for it (and the queue file can be
@@ -98,11 +128,40 @@ class FileQueue:
         if fd is None:
             return None
         try:
-            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _byte(fcntl.F_WRLCK, offset))
+            fcntl.fcntl(fd, _SETLK, _pack(_WRLCK, os.SEEK_SET, offset, 1, 0))
         except OSError:
             self._keep(fd)
             return None
         return Place(self, fd, offset)
+
+    def unplaced(self, offset: int) -> Unplaced:
+        """What a lock taken without its place (``offset``) leaves at its release."""
+        return Unplaced(self, offset)
+
+    def is_held(self, offset: int) -> bool:
+        """Whether someone else holds the place at ``offset`` (a look, which takes nothing);
+        True if the look fails, False if the queue file cannot be opened."""
+        fd = self._looker if self._looker is not None else self._open_looker()
+        if fd is None:
+            return False
+        try:
+            found = fcntl.fcntl(fd, _GETLK, _pack(_WRLCK, os.SEEK_SET, offset, 1, 0))
+        except OSError as error:
+            logger.debug("cannot look at a place in %s (%s)", self.path, error)
+            return True
+        return found[:2] != _FREE
+
+    def _open_looker(self) -> int | None:
+        """The file that ``is_held`` looks through, kept open: it never takes a place (a
+        forked child may share it, as a look takes nothing)."""
+        fd = self._open()
+        with self._lock:
+            if self._looker is None and not self._closed:
+                self._looker, fd = fd, None
+            looker = self._looker
+        if fd is not None:
+            self._keep(fd)
+        return looker
 
     def request(self, offset: int) -> PlaceRequest | None:
         """Ask for the place at ``offset``: a thread waits for it, and the request says when it
@@ -121,15 +180,16 @@ class FileQueue:
         threading.Thread(target=request.wait, name=self.thread_name, daemon=True).start()
         return request
 
-    def ring(self) -> None:
+    def ring(self, turn: bool = False) -> None:
         """Wake every waiter of this database to try its row: after a break or a purge, whose
         holders may still hold their places (best effort: a waiter that does not hear it finds
-        out at its next look)."""
+        out at its next look). ``turn``: wake only the waiters holding their places, waiting
+        for rows held by locks taken without theirs (``Unplaced``), to look at their rows."""
         fd = self._open()
         if fd is None:
             return
         try:
-            os.pwrite(fd, os.urandom(BELL_SIZE), 0)
+            os.pwrite(fd, os.urandom(BELL_SIZE), BELL_SIZE if turn else 0)
         except OSError as error:
             logger.debug("cannot ring the bell of %s (%s)", self.path, error)
         self._keep(fd)
@@ -156,11 +216,16 @@ class FileQueue:
         return listener
 
     def _watch_bell(self, fd: int, heard: bytes | None) -> None:
-        """The bell's reader: wakes this process's listeners whenever the bell changes; ends
-        when none is left."""
+        """The bell's reader: wakes this process's listeners whenever the bell changes (at
+        once where the kernel says when the file is written, else at its next poll); ends when
+        none is left."""
+        watch = FileWatch.of(self.path)
         try:
             while True:
-                time.sleep(BELL_INTERVAL)
+                if watch is None:
+                    time.sleep(BELL_INTERVAL)
+                else:
+                    watch.wait(BELL_INTERVAL)
                 # Read before the listeners are counted: one that came after the read also
                 # comes after any ring it missed, which its own first look sees.
                 now = _read_bell(fd)
@@ -171,10 +236,14 @@ class FileQueue:
                     listeners = list(self._listeners)
                 if now == heard:
                     continue
+                broken = heard is None or now is None or now[:BELL_SIZE] != heard[:BELL_SIZE]
                 heard = now
                 for listener in listeners:
-                    listener.ring()
+                    if broken or listener.turns:
+                        listener.ring()
         finally:
+            if watch is not None:
+                watch.close()
             self._keep(fd)
 
     @property
@@ -187,6 +256,9 @@ class FileQueue:
         with self._lock:
             self._closed = True
             spare, self._spare = self._spare, []
+            if self._looker is not None:
+                spare.append(self._looker)
+                self._looker = None
         if self._pid == forks.pid:
             for fd in spare:
                 os.close(fd)
@@ -232,21 +304,25 @@ class FileQueue:
 
 
 def _read_bell(fd: int) -> bytes | None:
+    """The bell for breaks, then the one for turns (a file shorter than both read as if
+    padded with zeros, as a ring of the second leaves the first)."""
     try:
-        return os.pread(fd, BELL_SIZE, 0)
+        return os.pread(fd, 2 * BELL_SIZE, 0).ljust(2 * BELL_SIZE, b"\0")
     except OSError:
         return None
 
 
 class BellListener:
     """One waiter's ear for the bell: ``when_rung(wake)`` calls ``wake`` at the next ring (at
-    once if one came since the last ``heard()``), ``heard()`` says whether one came."""
+    once if one came since the last ``heard()``), ``heard()`` says whether one came. It hears
+    rings for turns too once ``turns`` is set (by a waiter that holds its place)."""
 
     def __init__(self, queue: FileQueue) -> None:
         self._queue = queue
         self._lock = threading.Lock()
         self._rung = False
         self._wake: Callable[[], None] | None = None
+        self.turns = False
 
     def when_rung(self, wake: Callable[[], None]) -> None:
         with self._lock:
@@ -294,7 +370,7 @@ class Place:
         if fd is None or self._pid != forks.pid:
             return
         try:
-            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _byte(fcntl.F_UNLCK, self._offset))
+            fcntl.fcntl(fd, _SETLK, _pack(_UNLCK, os.SEEK_SET, self._offset, 1, 0))
         except OSError as error:  # not expected; closing the file gives the place up too
             logger.warning("could not leave a lock queue's place (%s); closing its file", error)
             os.close(fd)
@@ -306,6 +382,24 @@ class Place:
         if self._fd is not None and self._pid == forks.pid:
             with contextlib.suppress(OSError):
                 _close(self._fd)
+
+
+class Unplaced:
+    """A lock taken at once, without its place (``attempts.try_once``): ``leave()``, once its
+    row is deleted, rings the bell if someone holds the place, which is then the first waiter,
+    waiting for a row held by someone it cannot queue behind. One look, no lock taken or left:
+    a lock cycle nobody waited on pays no more for the queue."""
+
+    __slots__ = ("_offset", "_queue")
+
+    def __init__(self, queue: FileQueue, offset: int) -> None:
+        self._queue: FileQueue | None = queue
+        self._offset = offset
+
+    def leave(self) -> None:
+        queue, self._queue = self._queue, None
+        if queue is not None and queue.is_held(self._offset):
+            queue.ring(turn=True)
 
 
 class PlaceRequest:

@@ -29,7 +29,7 @@ from .schema import to_utc
 from .telemetry import NO_HOLD, Hold
 
 if TYPE_CHECKING:
-    from .file_queue import Place
+    from .file_queue import Place, Unplaced
 
 logger = logging.getLogger("sqllocker")
 
@@ -119,8 +119,9 @@ class Holding:
         self.valid_until = sent_at + ttl - safety_margin(ttl)
         self._lost_lock = threading.Lock()
         # Our place in the lockstring's queue in the kernel (SQLite: see file_queue), kept
-        # while the row is ours, so that the next waiter wakes the moment it is not.
-        self.place: Place | None = None
+        # while the row is ours, so that the next waiter wakes the moment it is not; or, for
+        # a lock taken at once without it, what rings for a waiter that came meanwhile.
+        self.place: Place | Unplaced | None = None
 
     def leave_place(self) -> None:
         """Let the next waiter in the kernel's queue try for the row (once it is not ours)."""

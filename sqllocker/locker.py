@@ -179,7 +179,7 @@ class Locker:
             self._file_queue,
             self._telemetry,
             self.grace,
-            self._ready,
+            self._readying,
         )
         self._tickets = self._acquirer.tickets
 
@@ -432,11 +432,12 @@ class Locker:
     # -- internals -------------------------------------------------------------------------------
 
     def _call(self, operation: Callable[..., T], *args: Any) -> T:
-        """Run one of the table's operations (in asyncio: in a greenlet, on the running loop's
-        connections)."""
+        """Run one of the table's operations."""
         return operation(*args)
 
     def _ready(self) -> None:
         """Set up on first use, one task at a time (in asyncio: LockOperations's own set-up lock
         is a thread lock, which one task must never hold while another task on the same thread
         waits; a sync locker sets up in its first operation)."""
+
+    _readying = _ready

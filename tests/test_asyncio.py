@@ -625,6 +625,48 @@ async def test_cancelled_acquire_leaves_no_row(
         pass
 
 
+async def test_a_lock_cycle_cancelled_at_any_point_leaves_no_row(alocker: AsyncLocker) -> None:
+    """An uncontended ``async with lock()`` cancelled at points spread over its acquire and its
+    release (after a number of the event loop's turns, then after fractions of a cycle's
+    time): whatever its statement in flight won is given back (the acquire's undo, the release
+    run to its end), and no row is left that nobody holds."""
+    await (await alocker.lock("warm up")).unlock()
+    held: list[AsyncLock] = []
+
+    async def cycle(name: str) -> None:
+        async with alocker.lock(name) as lock:
+            held.append(lock)
+
+    started = time.monotonic()
+    await cycle("timed")
+    took = time.monotonic() - started
+    waits = [("turns", turns) for turns in range(8)]
+    waits += [("seconds", took * step / 16) for step in range(1, 33)]
+    cancelled = 0
+    for number, (kind, amount) in enumerate(waits):
+        name = f"cycle {number}"
+        task = asyncio.ensure_future(cycle(name))
+        if kind == "turns":
+            for _ in range(int(amount)):
+                await asyncio.sleep(0)
+        else:
+            await asyncio.sleep(amount)
+        task.cancel()  # nothing, once the cycle is over
+        try:
+            await task
+        except asyncio.CancelledError:
+            cancelled += 1
+
+        async def gone(name: str = name) -> bool:
+            return await alocker.lock_info(name) is None
+
+        await eventually(gone)
+    assert cancelled >= 2  # in the acquire, at the least, and then further on
+    assert all(not lock.is_locked for lock in held)
+    async with alocker.lock("cycle 0"):  # free for the next holder
+        pass
+
+
 async def test_cancelled_release_can_still_be_released(
     alocker: AsyncLocker, blocker: sa.Connection
 ) -> None:

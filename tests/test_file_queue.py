@@ -1,6 +1,8 @@
 """SQLite waiters queue in the kernel, on a byte of a file beside the database: the one waiter
 holding a lockstring's place tries the row, keeps the place while it holds the row, and the
-release wakes the next one (``sqllocker/file_queue.py``)."""
+release wakes the next one (``sqllocker/file_queue.py``). A lock taken with a wait takes the
+place too (``wait=1`` below); one taken at once does not, and its release rings for the waiter
+that took the place meanwhile (the tests of ``Unplaced``, at the end)."""
 
 from __future__ import annotations
 
@@ -62,7 +64,7 @@ def test_a_waiter_is_woken_by_the_release_not_by_a_poll_timer(
     place, it makes none until the holder gives the place up with its row."""
     holder, waiter = lockers(), lockers()
     attempts = counting_attempts(waiter, monkeypatch)
-    held = holder.lock("report", expires=30)
+    held = holder.lock("report", wait=1, expires=30)
     thread, result = wait_in_thread(waiter, wait=30, expires=30)
     wait_until(lambda: place_threads(tmp_path) == 1)
     time.sleep(0.6)
@@ -85,7 +87,7 @@ def test_a_newcomer_waits_behind_the_holders_place_even_when_the_row_is_free(
     holder's back, which keeps its place."""
     holder, newcomer = lockers(), lockers()
     attempts = counting_attempts(newcomer, monkeypatch)
-    held = holder.lock("report", expires=30)
+    held = holder.lock("report", wait=1, expires=30)
     holder.break_lock("report")
     thread, result = wait_in_thread(newcomer, wait=0.4, expires=30)
     thread.join(10)
@@ -103,7 +105,7 @@ def test_waiters_that_give_up_leave_one_request_behind_for_the_next(
     for the next waiter of its process: twenty timed-out waits cost one blocked thread, not
     twenty, and it goes once the place is granted."""
     holder, waiter = lockers(), lockers()
-    held = holder.lock("report", expires=30)
+    held = holder.lock("report", wait=1, expires=30)
     for _ in range(20):
         with pytest.raises(LockBusy):
             waiter.lock("report", wait=0.01)
@@ -128,7 +130,7 @@ def test_a_forked_child_leaves_its_parents_place_alone(lockers: Callable[[], Loc
     """A child's copy of its parent's file must neither give up the parent's place (nor the
     row) nor keep it after the parent gave it up."""
     holder, waiter = lockers(), lockers()
-    held = holder.lock("report", expires=30)
+    held = holder.lock("report", wait=1, expires=30)
     pid = os.fork()
     if pid == 0:  # the child: dropping the lock must leave the parent's place and row alone
         held._state.leave_place()
@@ -180,7 +182,7 @@ async def test_an_async_waiter_is_woken_by_the_release_too(sqlite_url: str) -> N
     holder = AsyncLocker(sqlite_url.replace("sqlite:", "sqlite+aiosqlite:"), grace=0)
     waiter = AsyncLocker(sqlite_url.replace("sqlite:", "sqlite+aiosqlite:"), grace=0)
     try:
-        held = await holder.lock("report", expires=30)
+        held = await holder.lock("report", wait=1, expires=30)
         attempts: list[float] = []
         try_acquire = waiter._operations.try_acquire
 
@@ -281,7 +283,7 @@ def test_a_queued_waiter_hears_a_break_at_once_not_at_its_next_look(
     the breaker now rings the queue's bell, and every waiter of the database tries the row."""
     monkeypatch.setattr(backoff, "QUEUE_PATIENCE", LONG_PATIENCE)
     holder, waiter, breaker = lockers(), lockers(), lockers()
-    held = holder.lock("report", expires=60, keep_alive=False)
+    held = holder.lock("report", wait=1, expires=60, keep_alive=False)
     thread, result = wait_in_thread(waiter, wait=30, expires=30)
     wait_until(lambda: place_threads(tmp_path) == 1)
     time.sleep(0.5)  # the waiter is waiting for its turn by now
@@ -304,7 +306,7 @@ def test_a_queued_waiter_is_served_when_the_row_expires_not_at_its_next_look(
     own expiry when it queues, and tries it then, not at its next look."""
     monkeypatch.setattr(backoff, "QUEUE_PATIENCE", LONG_PATIENCE)
     holder, waiter = lockers(), lockers()
-    held = holder.lock("report", expires=1, keep_alive=False)
+    held = holder.lock("report", wait=1, expires=1, keep_alive=False)
     thread, result = wait_in_thread(waiter, wait=30, expires=30)
     thread.join(LONG_PATIENCE + 5)
     lock = result["lock"]
@@ -322,7 +324,7 @@ def test_a_queued_waiter_tries_a_row_only_once_a_look_finds_it_free(
     monkeypatch.setattr(backoff, "QUEUE_PATIENCE", 0.2)
     holder, waiter = lockers(), lockers()
     attempts = counting_attempts(waiter, monkeypatch)
-    held = holder.lock("report", expires=60, keep_alive=False)
+    held = holder.lock("report", wait=1, expires=60, keep_alive=False)
     thread, result = wait_in_thread(waiter, wait=30, expires=30)
     time.sleep(1.0)  # five looks or so
     assert attempts == []
@@ -344,7 +346,7 @@ async def test_an_async_queued_waiter_hears_a_break_too(
     async_url = sqlite_url.replace("sqlite:", "sqlite+aiosqlite:")
     holder, waiter, breaker = (AsyncLocker(async_url, grace=0) for _ in range(3))
     try:
-        held = await holder.lock("report", expires=60, keep_alive=False)
+        held = await holder.lock("report", wait=1, expires=60, keep_alive=False)
 
         async def wait() -> AsyncLock:
             return await waiter.lock("report", wait=30, expires=30)
@@ -372,7 +374,7 @@ def test_a_queued_waiter_hears_release_force_from_another_process(
     machine: the bound is set against a patience of a minute.)"""
     monkeypatch.setattr(backoff, "QUEUE_PATIENCE", 60.0)
     holder, waiter = lockers(), lockers()
-    held = holder.lock("report", expires=120, keep_alive=False)
+    held = holder.lock("report", wait=1, expires=120, keep_alive=False)
     thread, result = wait_in_thread(waiter, wait=120, expires=30)
     time.sleep(0.5)
     released = subprocess.run(
@@ -417,3 +419,151 @@ def test_the_bell_wakes_every_listener_of_every_queue_and_its_reader_ends_with_t
     wait_until(lambda: not any(thread.name == bells for thread in threading.enumerate()))
     for queue in (breaker, first, second):
         queue.close()
+
+
+# -- locks taken at once, without their places (file_queue.Unplaced) ----------------------------
+
+
+def test_a_lock_taken_at_once_takes_no_place_and_its_release_rings_for_the_waiter(
+    lockers: Callable[[], Locker], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A lock taken at once (``wait=0``) leaves its place free. A waiter that comes meanwhile
+    takes the place, makes its one attempt, and then only looks at the row, at its patience
+    (made long here) or when the bell rings; the release finds the place held and rings it,
+    and the waiter is served at once, not at its next look, nor at the row's expiry."""
+    monkeypatch.setattr(backoff, "QUEUE_PATIENCE", LONG_PATIENCE)
+    holder, waiter = lockers(), lockers()
+    probe = FileQueue(str(tmp_path / "locks.db"))
+    offset = probe.offset(holder.table_name, "report")
+    attempts = counting_attempts(waiter, monkeypatch)
+    held = holder.lock("report", expires=60)
+    assert not probe.is_held(offset)
+    thread, result = wait_in_thread(waiter, wait=30, expires=30)
+    wait_until(lambda: probe.is_held(offset))  # the waiter's, on its first attempt
+    time.sleep(0.6)
+    assert len(attempts) == 1
+    assert "lock" not in result
+    released = time.monotonic()
+    held.unlock()
+    thread.join(LONG_PATIENCE + 5)
+    lock = result["lock"]
+    assert result["returned"] - released < 1.0  # not LONG_PATIENCE, nor the row's expiry
+    assert len(attempts) == 2
+    assert lock.lock_id > held.lock_id
+    lock.unlock()
+    assert not probe.is_held(offset)
+    probe.close()
+
+
+def test_a_waiter_behind_a_lock_taken_at_once_hears_a_break_too(
+    lockers: Callable[[], Locker], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(backoff, "QUEUE_PATIENCE", LONG_PATIENCE)
+    holder, waiter, breaker = lockers(), lockers(), lockers()
+    held = holder.lock("report", expires=60, keep_alive=False)
+    thread, result = wait_in_thread(waiter, wait=30, expires=30)
+    time.sleep(0.5)
+    broken = time.monotonic()
+    assert breaker.break_lock("report") is not None
+    thread.join(LONG_PATIENCE + 5)
+    assert result["returned"] - broken < 2.0
+    result["lock"].unlock()
+    with pytest.raises(LockLost):
+        held.unlock()
+
+
+def test_the_turns_bell_wakes_only_waiters_holding_their_places(tmp_path: Path) -> None:
+    """A release without a place rings for the waiter that holds it; queued waiters, behind
+    it, are not woken to try the row before it."""
+    path = str(tmp_path / "locks.db")
+    ringer, listening = FileQueue(path), FileQueue(path)
+    queued, placed = listening.listen(), listening.listen()
+    placed.turns = True
+    woken = {"queued": threading.Event(), "placed": threading.Event()}
+    queued.when_rung(woken["queued"].set)
+    placed.when_rung(woken["placed"].set)
+    ringer.ring(turn=True)
+    assert woken["placed"].wait(5)
+    time.sleep(0.2)
+    assert not woken["queued"].is_set()
+    ringer.ring()
+    assert woken["queued"].wait(5)
+    for listener in (queued, placed):
+        listener.close()
+    for queue in (ringer, listening):
+        queue.close()
+
+
+# Processes of the mixed fleet below, and the turns each takes.
+MIXED_PROCESSES = 6
+MIXED_TURNS = 40
+
+
+def _mixed_worker(url: str, number: int, inside: Any, overlaps: Any, ids: Any, go: Any) -> None:
+    """Half the workers take the lock at once (no place), trying again after a refusal, from
+    ``go`` on; the other half wait for it (in the kernel's queue). Each checks that it is
+    alone inside."""
+    locker = Locker(url, grace=0)
+    if number % 2:
+        go.wait(60)
+    try:
+        for _ in range(MIXED_TURNS):
+            if number % 2:
+                while True:
+                    try:
+                        lock = locker.lock("report", expires=30)
+                        break
+                    except LockBusy:
+                        time.sleep(0.001)
+            else:
+                lock = locker.lock("report", wait=60, expires=30)
+            with inside.get_lock():
+                inside.value += 1
+                if inside.value != 1:
+                    overlaps.value += 1
+            with ids.get_lock():
+                if lock.lock_id <= ids.value:  # fencing tokens in the order of the holds
+                    overlaps.value += 1
+                ids.value = lock.lock_id
+            time.sleep(0.002)
+            with inside.get_lock():
+                inside.value -= 1
+            lock.unlock()
+    finally:
+        locker.close()
+
+
+def test_waiters_and_locks_taken_at_once_from_many_processes_never_overlap(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Processes that take the lock at once, without a place, and processes that wait for it
+    in the kernel's queue, on one lockstring: never two holders, fencing tokens in order.
+    The waiters queue first, behind a lock held at once by this process, and the first is
+    served at its release, not at its next look (made long)."""
+    import multiprocessing
+
+    monkeypatch.setattr(backoff, "QUEUE_PATIENCE", LONG_PATIENCE)
+    context = multiprocessing.get_context("fork")
+    inside, overlaps, ids = context.Value("i", 0), context.Value("i", 0), context.Value("q", 0)
+    go = context.Event()
+    locker = Locker(sqlite_url, grace=0)
+    held = locker.lock("report", expires=60)
+    workers = [
+        context.Process(target=_mixed_worker, args=(sqlite_url, n, inside, overlaps, ids, go))
+        for n in range(MIXED_PROCESSES)
+    ]
+    for worker in workers:
+        worker.start()
+    time.sleep(1.0)  # every waiter queued behind the lock taken at once
+    assert ids.value == 0
+    released = time.monotonic()
+    held.unlock()
+    wait_until(lambda: ids.value > 0, timeout=LONG_PATIENCE + 5)
+    served = time.monotonic() - released  # by a waiter: the others start now
+    go.set()
+    for worker in workers:
+        worker.join(120)
+        assert worker.exitcode == 0
+    locker.close()
+    assert overlaps.value == 0
+    assert served < 1.0  # not LONG_PATIENCE

@@ -10,6 +10,7 @@ is resolved, and a callback scheduled after it cancels the caller at the chosen 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import pytest
@@ -304,6 +305,43 @@ async def test_within_a_flight_the_deadline_holds_after_the_flights_caller_left(
     assert steps[-1] == "ended"
 
 
+@pytest.mark.parametrize("first", ["caller", "deadline"])
+async def test_within_a_flight_the_callers_cancellation_and_the_deadline_in_one_turn(
+    monkeypatch: pytest.MonkeyPatch, first: str
+) -> None:
+    """The flight's caller cancelled in the very turn the deadline comes, before or after it:
+    the flight's work still ends by the deadline (its statement cancelled), wherever it goes
+    on."""
+    gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    steps: list[str] = []
+    flight: InFlight[str] = InFlight("flight")
+    callers: list[asyncio.Future[str]] = []
+    expire = concurrency._Bounded.expire
+
+    def in_one_turn(bounded: Any) -> None:
+        if first == "caller":
+            callers[0].cancel()
+            expire(bounded)
+        else:
+            expire(bounded)
+            callers[0].cancel()
+
+    monkeypatch.setattr(concurrency._Bounded, "expire", in_one_turn)
+    callers.append(
+        asyncio.ensure_future(flight.run(within(_slow_to_cancel(gate, steps), 0.01, "test")))
+    )
+    with pytest.raises((asyncio.CancelledError, asyncio.TimeoutError)):
+        await callers[0]
+    await _turns_until(lambda: "cancelled" in steps)  # the statement, cut off by its deadline
+    assert steps == ["started", "cancelled"]
+    gate.set_result(None)
+    await _turns_until(lambda: flight.done)
+    assert flight.done
+    for task in _tasks_named("test") + _tasks_named("flight"):
+        with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
+            await task
+
+
 async def test_within_a_flight_the_deadline_reaches_the_flights_caller() -> None:
     gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     steps: list[str] = []
@@ -327,13 +365,13 @@ async def test_within_a_cancellation_in_the_deadlines_turn_is_the_callers(
     gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     steps: list[str] = []
     callers: list[asyncio.Future[str]] = []
-    expire = concurrency._Bounded._expire
+    expire = concurrency._Bounded.expire
 
     def expire_then_cancel(bounded: Any) -> None:
         expire(bounded)
         callers[0].cancel()
 
-    monkeypatch.setattr(concurrency._Bounded, "_expire", expire_then_cancel)
+    monkeypatch.setattr(concurrency._Bounded, "expire", expire_then_cancel)
     callers.append(asyncio.ensure_future(within(_slow_to_cancel(gate, steps), 0.01, "test")))
     with pytest.raises(asyncio.CancelledError):
         await callers[0]
@@ -350,3 +388,82 @@ async def test_within_work_that_never_waits_needs_no_task() -> None:
     tasks_before = len(asyncio.all_tasks())
     assert await within(work(), 0, "test") == "at once"
     assert len(asyncio.all_tasks()) == tasks_before
+
+
+async def test_within_bounded_works_share_one_timer_each_ending_at_its_own_deadline() -> None:
+    """The loop's bounded works share one timer (``alarm``): set for the earliest deadline,
+    then for the earliest still waiting; a work that ends first leaves no deadline behind."""
+    loop = asyncio.get_running_loop()
+    gates: list[asyncio.Future[None]] = []
+    ended: list[str] = []
+
+    async def bounded(name: str, seconds: float) -> None:
+        gates.append(loop.create_future())
+        try:
+            await within(gates[-1], seconds, name)
+            ended.append(f"{name} done")
+        except asyncio.TimeoutError:
+            ended.append(f"{name} timed out")
+
+    def timers() -> int:
+        return sum(not timer.cancelled() for timer in loop._scheduled)  # type: ignore[attr-defined]
+
+    timers_before = timers()
+    works = [
+        asyncio.ensure_future(bounded(name, seconds))
+        for name, seconds in [("late", 0.3), ("early", 0.05), ("never", 30), ("first", 0.0)]
+    ]
+    await asyncio.sleep(0)
+    assert timers() == timers_before + 1
+    await asyncio.wait_for(asyncio.shield(works[1]), 2)
+    assert ended == ["first timed out", "early timed out"]
+    await asyncio.wait_for(asyncio.shield(works[0]), 2)
+    assert ended[-1] == "late timed out"
+    for gate in gates:
+        if not gate.done():
+            gate.set_result(None)
+    await asyncio.gather(*works)
+    assert ended[-1] == "never done"
+    assert not concurrency.alarm.of(loop)._due
+    for _ in range(50):
+        await within(asyncio.sleep(0), 30, "quick")
+    assert not concurrency.alarm.of(loop)._due
+
+
+async def test_a_caller_cancelled_at_a_bare_yield_of_the_work_leaves_it_to_go_on() -> None:
+    """A work that yields nothing to wait on (``asyncio.sleep(0)``) when its caller is
+    cancelled goes on without it."""
+    steps: list[str] = []
+
+    async def work() -> str:
+        steps.append("started")
+        await asyncio.sleep(0)
+        steps.append("finished")
+        return "won"
+
+    flight: InFlight[str] = InFlight("flight")
+    caller = asyncio.ensure_future(flight.run(work()))
+    await asyncio.sleep(0)  # the caller's first step: the work's bare yield
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert await flight.wait() == "won"
+    assert steps == ["started", "finished"]
+
+
+async def test_within_on_a_loop_that_cannot_be_referred_to_weakly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bound on a loop that takes no weak reference gets a timer of its own, and its deadline
+    holds as well."""
+
+    class NoWeakReference:
+        def get(self, _loop: object) -> object:
+            raise TypeError("cannot create weak reference")
+
+    monkeypatch.setattr(concurrency.alarm, "_last", None)
+    monkeypatch.setattr(concurrency.alarm, "_alarms", NoWeakReference())
+    gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    with pytest.raises(asyncio.TimeoutError):
+        await within(gate, 0.01, "test")
+    assert await within(asyncio.sleep(0, "done"), 30, "test") == "done"

@@ -52,7 +52,8 @@ class AsyncAcquirer:
     (``tickets``) or in the kernel's queue of ``file_queue`` and backing off; one lock or a
     group, through ``operations`` (each run by ``run``), kept alive by ``keep_alives`` and
     recorded by ``telemetry``; a row expired for ``grace`` seconds may be taken over.
-    ``ready``: the set-up an acquire awaits first (in asyncio)."""
+    ``ready``: the set-up an acquire awaits first (in asyncio), None where it has nothing to
+    do."""
 
     def __init__(
         self,
@@ -63,7 +64,7 @@ class AsyncAcquirer:
         file_queue: FileQueue | None,
         telemetry: Telemetry,
         grace: float,
-        ready: Callable[[], Awaitable[None]],
+        ready: Callable[[], Awaitable[None] | None],
     ) -> None:
         table_name = locker.table_name
         self.attempts = AsyncAttempts(locker, operations, run, keep_alives, file_queue)
@@ -159,7 +160,9 @@ class AsyncAcquirer:
         winnings: Winnings,
     ) -> AsyncLock:
         if True:  # ASYNC
-            await self._ready()
+            readying = self._ready()
+            if readying is not None:
+                await readying
         details = holder_details(extra, concurrency.task_name())
         acquisition = self._telemetry.acquiring(lockstring, wait)
         try:
@@ -262,7 +265,9 @@ class AsyncAcquirer:
         winnings: Winnings,
     ) -> AsyncLockGroup:
         if True:  # ASYNC
-            await self._ready()
+            readying = self._ready()
+            if readying is not None:
+                await readying
         details = holder_details(extra, concurrency.task_name())
         members = [(name, new_guid()) for name in names]
         backoff = Backoff.for_wait(wait)

@@ -116,11 +116,11 @@ if True:  # ASYNC
             self._lock = await self._acquire
             return self._lock
 
-        async def __aexit__(
+        def __aexit__(
             self,
             exc_type: type[BaseException] | None,
             exc_value: BaseException | None,
             traceback: TracebackType | None,
-        ) -> None:
+        ) -> Awaitable[None]:
             assert self._lock is not None
-            await self._lock.__aexit__(exc_type, exc_value, traceback)
+            return self._lock.__aexit__(exc_type, exc_value, traceback)  # no coroutine of its own

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..backoff import Backoff
 from ..errors import DatabaseError
-from ..file_queue import FileQueue
+from ..file_queue import FileQueue, offsets
 from ..holding import OnLost
 from ..operations import Acquired, LockOperations, Refused
 from ..telemetry import attempted
@@ -55,7 +55,7 @@ class AsyncAttempts:
         self._call = run
         self._keep_alives = keep_alives
         self.file_queue = file_queue
-        self._table_name = locker.table_name
+        self._offset = offsets(locker.table_name)  # of a lockstring's place in file_queue
 
     async def try_acquire(
         self,
@@ -94,7 +94,10 @@ class AsyncAttempts:
         on_lost: OnLost | None,
     ) -> AsyncLock:
         """The handle of a row just won, recorded in the acquire's ``winnings``: if the acquire
-        ends in an exception before it hands the lock over, it is released (``acquisition``)."""
+        ends in an exception before it hands the lock over, it is released (``acquisition``).
+        On SQLite it holds no place in the kernel's queue (a waiter that held one puts it in):
+        its release looks whether a waiter took the place meanwhile, and rings the bell for it
+        (``file_queue.Unplaced``)."""
         state = AsyncLockState(
             self._operations,
             self._call,
@@ -106,6 +109,8 @@ class AsyncAttempts:
             acquired.sent_at,
             on_lost,
         )
+        if self.file_queue is not None:
+            state.place = self.file_queue.unplaced(self._offset(lockstring))
         lock = AsyncLock(
             self._locker,
             state,
@@ -124,21 +129,11 @@ class AsyncAttempts:
         ttl: float,
         on_lost: OnLost | None,
     ) -> AsyncLock:
-        """One attempt, or LockBusy; on SQLite taking the lockstring's place in the kernel's
-        queue too if it is free, so that waiters wake when this lock is released."""
-        queue = self.file_queue
-        place = queue.take(queue.offset(self._table_name, lockstring)) if queue else None
-        try:
-            outcome = await self.try_acquire(winnings, lockstring, guid, details, ttl, on_lost)
-        except BaseException:
-            if place is not None:
-                place.leave()
-            raise
+        """One attempt, or LockBusy. On SQLite it takes no place in the kernel's queue (see
+        ``handle``)."""
+        outcome = await self.try_acquire(winnings, lockstring, guid, details, ttl, on_lost)
         if not isinstance(outcome, AsyncLock):
-            if place is not None:
-                place.leave()
             raise outcome.busy_after(lockstring, 0)
-        outcome._state.place = place
         return outcome
 
     if True:  # ASYNC

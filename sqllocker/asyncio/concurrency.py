@@ -22,6 +22,7 @@ import collections
 import contextlib
 import inspect
 from collections.abc import Awaitable, Callable, Coroutine, Generator
+from types import CoroutineType
 from typing import Any, Generic, TypeVar
 
 from sqlalchemy.engine import URL
@@ -35,6 +36,7 @@ except ImportError:  # SQLAlchemy 2.0 calls it await_only
 from .. import clock, deadlines
 from ..engine import create_async_locker_engine, resolve_url
 from ..errors import LockTypeError
+from . import alarm
 from .greenlets import run as run  # sync database code, its driver calls awaited
 from .tasks import spawn
 
@@ -54,16 +56,35 @@ class turn_within:
     def __init__(self, lock: asyncio.Lock, patience: Callable[[], float]) -> None:
         self._lock = lock
 
-    async def __aenter__(self) -> bool:
-        await self._lock.acquire()
-        return True
+    # Every release enters one: no coroutine of their own.
+    def __aenter__(self) -> Awaitable[bool]:
+        return self._lock.acquire()  # True, once it is ours
 
-    async def __aexit__(self, *exc_info: object) -> None:
+    def __aexit__(self, *exc_info: object) -> Awaitable[None]:
         self._lock.release()
+        return _DONE
 
 
-async def within(work: Awaitable[T], seconds: float, name: str) -> T:
-    """What ``work`` returns; ``asyncio.TimeoutError`` once ``seconds`` have passed, the work
+class _Done:
+    """An awaitable that is done at once (None), with no coroutine of its own."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return iter(())  # type: ignore[return-value]
+
+
+_DONE = _Done()
+
+
+def within(
+    work: Awaitable[T],
+    seconds: float,
+    name: str,
+    timed_out: Callable[[], BaseException] | None = None,
+) -> Awaitable[T]:
+    """What ``work`` returns; ``asyncio.TimeoutError`` (or what ``timed_out()`` makes) once
+    ``seconds`` have passed, the work
     then cancelled and left to end by itself in a task of its own: a driver may take its time
     to end a cancelled statement (psycopg sends the server a cancel request, which waits for a
     frozen server up to its connect timeout). The caller's cancellation cancels the work
@@ -71,9 +92,8 @@ async def within(work: Awaitable[T], seconds: float, name: str) -> T:
 
     The work runs in the caller's own task, as ``InFlight`` runs it (``_Bounded``): a task of
     its own would cost every lock cycle's release a task and three turns of the event loop."""
-    coroutine = work if inspect.iscoroutine(work) else _awaited(work)
-    result: T = await _Bounded(coroutine, seconds, name)
-    return result
+    coroutine = work if isinstance(work, CoroutineType) else _awaited(work)
+    return _Bounded(coroutine, seconds, name, timed_out)
 
 
 async def _awaited(work: Awaitable[T]) -> T:
@@ -203,12 +223,12 @@ async def pooled_connection(engine: AsyncEngine, autocommit: bool = True) -> Poo
     return connection
 
 
-async def shielded(work: Coroutine[Any, Any, T], name: str, undo: Callable[[T], None]) -> T:
+def shielded(work: Coroutine[Any, Any, T], name: str, undo: Callable[[T], None]) -> Awaitable[T]:
     """Await ``work``, which runs to its end whoever stops waiting for it (``InFlight``): if the
     caller is cancelled, ``undo`` gets what the work returns once it is done (and did not
     raise)."""
     flight: InFlight[T] = InFlight(name, undo)
-    return await flight.run(work)
+    return flight.run(work)
 
 
 class InFlight(Generic[T]):
@@ -223,25 +243,29 @@ class InFlight(Generic[T]):
     returns if its callers were all cancelled before it ended.
     """
 
+    __slots__ = ("_driver_left", "_error", "_name", "_result", "_undo", "_waiters", "done")
+
     def __init__(self, name: str, undo: Callable[[T], None] | None = None) -> None:
         self._name = name
         self._undo = undo
-        self._waiters: list[asyncio.Future[T]] = []  # cancelled: their callers stopped waiting
+        # Made for the first; cancelled: their callers stopped waiting.
+        self._waiters: list[asyncio.Future[T]] | None = None
         self._driver_left = False  # run's caller was cancelled before the work ended
         self.done = False
         self._result: T | None = None
         self._error: BaseException | None = None
 
-    async def run(self, work: Coroutine[Any, Any, T]) -> T:
-        """Run ``work`` (once per InFlight), driven by the caller's own task, and return what
-        it returns, or raise what it raised."""
-        await _Driven(self._run(work), self._name, self._left)
-        return self._outcome()
+    def run(self, work: Awaitable[T]) -> Awaitable[T]:
+        """Run ``work`` (once per InFlight), driven by the awaiting caller's own task: what it
+        returns, or raise what it raised."""
+        return _Driven(self, work if isinstance(work, CoroutineType) else work.__await__())
 
     async def wait(self) -> T:
         """What the work that ``run`` runs returned (or raise what it raised)."""
         if not self.done:
             waiter: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+            if self._waiters is None:
+                self._waiters = []
             self._waiters.append(waiter)
             try:
                 return await waiter
@@ -258,12 +282,12 @@ class InFlight(Generic[T]):
             raise self._error
         return self._result  # type: ignore[return-value]
 
-    def _left(self) -> None:
-        self._driver_left = True
-
-    async def _run(self, work: Coroutine[Any, Any, T]) -> None:
+    async def _go_on(
+        self, work: Coroutine[Any, Any, T] | Generator[Any, None, T], yielded: Any
+    ) -> None:
+        """The work, left by its driving caller at a wait (``yielded``), to its end."""
         try:
-            result = await work
+            result = await _Resumed(work, yielded, False)
         except BaseException as error:
             self._finish(None, error)
             raise
@@ -271,10 +295,12 @@ class InFlight(Generic[T]):
 
     def _finish(self, result: T | None, error: BaseException | None) -> None:
         self.done, self._result, self._error = True, result, error
-        waiters, self._waiters = self._waiters, []
+        waiters, self._waiters = self._waiters, None
+        if waiters is None and not self._driver_left:
+            return  # run's caller, still driving the work, alone waits for it
         # run's caller still driving the work has its outcome as soon as this returns.
         told, stopped = not self._driver_left, self._driver_left
-        for waiter in waiters:
+        for waiter in waiters or ():
             if waiter.done():  # cancelled: its caller stopped waiting
                 stopped = True
                 continue
@@ -305,105 +331,189 @@ class _Uncancellable:
     loop between (its callbacks are the work's future's).
 
     Only what ``asyncio.Task`` asks of a future it waits on (it accepts any object with
-    ``_asyncio_future_blocking``)."""
+    ``_asyncio_future_blocking``). The task waiting adds one callback, kept apart from any
+    others (a list made only for them): one is made and dropped every step of a lock's
+    statements."""
 
-    _asyncio_future_blocking = False
+    __slots__ = (
+        "_asyncio_future_blocking",
+        "_callback",
+        "_context",
+        "_others",
+        "cancelled_by_caller",
+        "driven",
+        "future",
+        "left",
+    )
 
     def __init__(self, future: Any) -> None:
         self.future = future
         self._asyncio_future_blocking = True  # as a future's own __await__ sets it
         self.cancelled_by_caller = False
-        self._callbacks: list[tuple[Callable[[Any], None], Callable[[Any], None], Any]] = []
+        # Waited on through an InFlight's driver (``_Driven``), which sees its task's
+        # cancellation as ``left``: the task stops waiting, the work's bound does not see it.
+        self.driven = False
+        self.left = False
+        self._callback: Callable[[Any], None] | None = None
+        self._context: Any = None
+        self._others: list[tuple[Callable[[Any], None], Callable[[Any], None], Any]] | None = None
 
     def get_loop(self) -> asyncio.AbstractEventLoop:
         loop: asyncio.AbstractEventLoop = self.future.get_loop()
         return loop
 
     def add_done_callback(self, callback: Callable[[Any], None], *, context: Any = None) -> None:
-        if self.cancelled_by_caller:  # done, whatever the work's future does
+        if self.cancelled_by_caller or self.left:  # done, whatever the work's future does
             self.get_loop().call_soon(callback, self, context=context)
+            return
+        if self._callback is None:
+            self._callback, self._context = callback, context
+            self.future.add_done_callback(self._forward, context=context)
             return
 
         def forward(_future: Any) -> None:
             callback(self)
 
-        self._callbacks.append((callback, forward, context))
+        if self._others is None:
+            self._others = []
+        self._others.append((callback, forward, context))
         self.future.add_done_callback(forward, context=context)
 
+    def _forward(self, _future: Any) -> None:
+        callback = self._callback
+        if callback is not None:
+            callback(self)
+
     def remove_done_callback(self, callback: Callable[[Any], None]) -> int:
-        kept = [entry for entry in self._callbacks if entry[0] is not callback]
-        for _callback, forward, _context in self._callbacks:
-            if _callback is callback:
-                self.future.remove_done_callback(forward)
-        removed = len(self._callbacks) - len(kept)
-        self._callbacks = kept
+        removed = 0
+        if self._callback is not None and self._callback == callback:
+            self.future.remove_done_callback(self._forward)
+            self._callback = None
+            removed = 1
+        if self._others:
+            kept = [entry for entry in self._others if entry[0] != callback]
+            for entry in self._others:
+                if entry[0] == callback:
+                    self.future.remove_done_callback(entry[1])
+            removed += len(self._others) - len(kept)
+            self._others = kept
         return removed
 
     def done(self) -> bool:
-        return self.cancelled_by_caller or bool(self.future.done())
+        return self.cancelled_by_caller or self.left or bool(self.future.done())
 
     def cancelled(self) -> bool:
-        return self.cancelled_by_caller or bool(self.future.cancelled())
+        return self.cancelled_by_caller or self.left or bool(self.future.cancelled())
 
     def cancel(self, msg: Any = None) -> bool:
+        """The waiting task's cancellation."""
+        if self.done():
+            return False
+        if self.driven:
+            self.left = True
+        else:
+            self.cancelled_by_caller = True
+        self._wake()
+        return True
+
+    def expire(self) -> bool:
+        """The work's deadline (``_Bounded``): the wait ends as by its caller's cancellation.
+        Left by an InFlight's caller meanwhile, it wakes whoever waits on it next at once."""
+        if self.left:
+            self.cancelled_by_caller = True
+            return True
         if self.done():
             return False
         self.cancelled_by_caller = True
-        loop = self.get_loop()
-        callbacks, self._callbacks = self._callbacks, []
-        for callback, forward, context in callbacks:
-            self.future.remove_done_callback(forward)
-            loop.call_soon(callback, self, context=context)
+        self._wake()
         return True
 
+    def _wake(self) -> None:
+        loop = self.get_loop()
+        callback, self._callback = self._callback, None
+        others, self._others = self._others or [], None
+        if callback is not None:
+            self.future.remove_done_callback(self._forward)
+            loop.call_soon(callback, self, context=self._context)
+        for other, forward, context in others:
+            self.future.remove_done_callback(forward)
+            loop.call_soon(other, self, context=context)
+
     def result(self) -> Any:
-        if self.cancelled_by_caller:
+        if self.cancelled_by_caller or self.left:
             raise asyncio.CancelledError()
         return self.future.result()
 
 
-class _Driven:
-    """A coroutine driven by the awaiting task, every future it yields seen through
-    ``_Uncancellable``; if the task is cancelled, the coroutine goes on from there in a task of
-    its own (``left`` is called), and the task gets its CancelledError at once."""
+class _Driven(Generic[T]):
+    """An InFlight's work, driven by the awaiting task, every future it yields seen through
+    ``_Uncancellable``; its end recorded in the InFlight. If the task is cancelled, the work
+    goes on from there in a task of its own (``InFlight._go_on``), and the task gets its
+    CancelledError at once."""
+
+    __slots__ = ("_flight", "_work")
 
     def __init__(
-        self, work: Coroutine[Any, Any, None], name: str, left: Callable[[], None]
+        self, flight: InFlight[T], work: Coroutine[Any, Any, T] | Generator[Any, None, T]
     ) -> None:
+        self._flight = flight
         self._work = work
-        self._name = name
-        self._left = left
 
-    def __await__(self) -> Generator[Any, None, None]:
-        # The work is InFlight._run, which records its own end (a StopIteration or an error
-        # out of send or throw here): the caller reads it from the InFlight.
-        work = self._work
+    def __await__(self) -> Generator[Any, None, T]:
+        flight, work = self._flight, self._work
         try:
             yielded = work.send(None)
-        except BaseException:
-            return
+        except StopIteration as finished:
+            flight._finish(finished.value, None)
+            return finished.value  # type: ignore[no-any-return]
+        except BaseException as error:
+            flight._finish(None, error)
+            raise
         while True:
-            waited = _seen_by_caller(yielded)
+            through = type(yielded) is _Uncancellable
+            if through:
+                # A bound's view of its work's future (``within``, run to its end): waited on
+                # as it is, this task's cancellation kept from the bound (``left``).
+                waited = yielded
+                waited.driven = True
+            else:
+                waited = _seen_by_caller(yielded)
             thrown: BaseException | None = None
             try:
                 yield waited
             except asyncio.CancelledError:
-                if not (
-                    isinstance(waited, _Uncancellable)
+                if through:
+                    waited.driven = False
+                    if waited.left or not (waited.cancelled_by_caller or waited.future.cancelled()):
+                        # The caller's cancellation: the work goes on without it, its bound's
+                        # wait as it was.
+                        waited.left = False
+                        waited._asyncio_future_blocking = True  # for the task that goes on
+                        flight._driver_left = True
+                        spawn(flight._go_on(work, yielded), flight._name)
+                        raise
+                    # Else its bound's deadline, or the work's own future cancelled: the work is
+                    # told so.
+                elif not (
+                    type(waited) is _Uncancellable
                     and not waited.cancelled_by_caller
                     and waited.future.cancelled()
                 ):
                     # The caller's cancellation: the work goes on without it.
-                    self._left()
-                    spawn(_resumed(work, yielded), self._name)
+                    flight._driver_left = True
+                    spawn(flight._go_on(work, yielded), flight._name)
                     raise
                 # Else the work's own future was cancelled: resumed, the work is told so.
             except BaseException as error:
                 thrown = error
             try:
                 yielded = work.send(None) if thrown is None else work.throw(thrown)
-            except BaseException:
-                return
+            except StopIteration as finished:
+                flight._finish(finished.value, None)
+                return finished.value  # type: ignore[no-any-return]
+            except BaseException as error:
+                flight._finish(None, error)
+                raise
 
 
 async def _resumed(work: Coroutine[Any, Any, Any], yielded: Any, cancel: bool = False) -> None:
@@ -420,7 +530,9 @@ class _Resumed:
     cancel (it has ended, or was cancelled already), the coroutine is thrown CancelledError at
     once, as that task's next step would be."""
 
-    def __init__(self, work: Coroutine[Any, Any, Any], yielded: Any, cancel: bool) -> None:
+    def __init__(
+        self, work: Coroutine[Any, Any, Any] | Generator[Any, None, Any], yielded: Any, cancel: bool
+    ) -> None:
         self._work = work
         self._yielded = yielded
         self._cancel = cancel
@@ -453,7 +565,7 @@ def _cancel(waited: Any) -> bool:
     return cancel is not None and bool(cancel())
 
 
-class _Bounded:
+class _Bounded(Generic[T]):
     """``within``'s work, driven by the awaiting task as ``_Driven`` drives a flight's, every
     future it yields seen through ``_Uncancellable``, for ``seconds`` at most. At the deadline
     the task stops waiting at once (``asyncio.TimeoutError``), and so it does if it is
@@ -461,26 +573,47 @@ class _Bounded:
     way the work goes on from there in a task of its own, cancelled (``_Resumed``). The work's
     own future cancelled is the work's to handle."""
 
-    __slots__ = ("_deadline_woke", "_expired", "_name", "_seconds", "_waited", "_work")
+    __slots__ = (
+        "_deadline_woke",
+        "_expired",
+        "_name",
+        "_seconds",
+        "_timed_out",
+        "_waited",
+        "_work",
+    )
 
-    def __init__(self, work: Coroutine[Any, Any, Any], seconds: float, name: str) -> None:
+    def __init__(
+        self,
+        work: Coroutine[Any, Any, T],
+        seconds: float,
+        name: str,
+        timed_out: Callable[[], BaseException] | None,
+    ) -> None:
         self._work = work
         self._seconds = seconds
         self._name = name
+        self._timed_out = timed_out
         self._expired = False
         self._deadline_woke = False  # the deadline cancelled the wait, not the caller
         self._waited: Any = None
 
-    def _expire(self) -> None:
+    def expire(self) -> None:
+        """The deadline has come (``alarm``)."""
         self._expired = True
         waited = self._waited
-        if isinstance(waited, _Uncancellable) and waited.cancel():
+        if isinstance(waited, _Uncancellable) and waited.expire():
             self._deadline_woke = True
 
-    def __await__(self) -> Generator[Any, None, Any]:
+    def _timeout(self) -> BaseException:
+        return asyncio.TimeoutError() if self._timed_out is None else self._timed_out()
+
+    def __await__(self) -> Generator[Any, None, T]:
         work = self._work
         requests = _cancel_requests()  # to tell the caller's cancellation from the deadline
-        timer = asyncio.get_running_loop().call_later(max(self._seconds, 0.0), self._expire)
+        loop = asyncio.get_running_loop()
+        timer = alarm.of(loop)
+        timer.set(self, loop.time() + max(self._seconds, 0.0))
         # Each step of the work sees the deadline (the caller's task runs it, and goes on
         # without it): its statements' waits end by then too (SQLite's busy handler, which
         # a cancellation does not end), and a contention is not tried again past it.
@@ -490,11 +623,11 @@ class _Bounded:
                 with bound:
                     yielded = work.send(None)
             except StopIteration as finished:
-                return finished.value
+                return finished.value  # type: ignore[no-any-return]
             while True:
                 if self._expired:  # past the deadline, and the work waits again
                     spawn(_resumed(work, yielded, cancel=True), self._name)
-                    raise asyncio.TimeoutError
+                    raise self._timeout()
                 waited = self._waited = _seen_by_caller(yielded)
                 thrown: BaseException | None = None
                 try:
@@ -513,7 +646,7 @@ class _Bounded:
                         # ends without the caller.
                         spawn(_resumed(work, yielded, cancel=True), self._name)
                         if self._deadline_woke and not _cancelled_since(requests):
-                            raise asyncio.TimeoutError from None
+                            raise self._timeout() from None
                         raise
                     thrown = cancelled  # the work's own future was cancelled: it is told so
                 except BaseException as error:
@@ -523,9 +656,9 @@ class _Bounded:
                     with bound:
                         yielded = work.send(None) if thrown is None else work.throw(thrown)
                 except StopIteration as finished:
-                    return finished.value
+                    return finished.value  # type: ignore[no-any-return]
         finally:
-            timer.cancel()
+            timer.clear(self)
 
 
 def _cancel_requests() -> tuple[asyncio.Task[Any] | None, int]:

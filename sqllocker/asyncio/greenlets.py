@@ -43,15 +43,17 @@ class _Worker(greenlet):  # type: ignore[misc]
 
     def __init__(self, parent: greenlet) -> None:
         super().__init__(self._serve, parent)
+        self.ended = _Ended(None, None)  # each call's, emptied by ``run`` as it reads it
 
     def _serve(self, function: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        ended = self.ended
         while True:
             try:
-                ended = _Ended(function(*args), None)
+                ended.value = function(*args)
             except GreenletExit:
                 raise  # the greenlet itself is being thrown away
             except BaseException as error:
-                ended = _Ended(None, error)
+                ended.error = error
             function = args = None  # type: ignore[assignment]  # hold nothing while idle
             function, args = self.parent.switch(ended)
 
@@ -83,6 +85,7 @@ async def run(function: Callable[..., T], *args: Any) -> T:
             outcome = worker.throw(*sys.exc_info())
         else:
             outcome = worker.switch(value)
+    value, outcome.value = outcome.value, None
     if len(idle) < KEPT_PER_THREAD:
         idle.append(worker)
     if outcome.error is not None:
@@ -94,4 +97,4 @@ async def run(function: Callable[..., T], *args: Any) -> T:
             # keep each other, and every frame the error came through (the connection of the
             # operation it ended), until a garbage collection.
             del error
-    return outcome.value  # type: ignore[no-any-return]
+    return value  # type: ignore[no-any-return]

@@ -233,21 +233,20 @@ class AsyncLockState(Holding):
     # then nothing is left to release, and the lock is lost (``release_gave_up``).
     if True:  # ASYNC
 
-        async def _delete_within(self, patience: float) -> None:
-            try:
-                await concurrency.within(
-                    self.run(
-                        self.operations.release,
-                        self.lockstring,
-                        self.lock_id,
-                        self.guid,
-                        self.hold_at_least,
-                    ),
-                    patience,
-                    f"release {self.lockstring!r}",
-                )
-            except asyncio.TimeoutError:
-                raise self.release_gave_up() from None
+        def _delete_within(self, patience: float) -> Awaitable[None]:
+            # Every cycle's release: no coroutine of its own.
+            return concurrency.within(
+                self.run(
+                    self.operations.release,
+                    self.lockstring,
+                    self.lock_id,
+                    self.guid,
+                    self.hold_at_least,
+                ),
+                patience,
+                f"release {self.lockstring!r}",
+                self.release_gave_up,
+            )
 
     else:
 

@@ -46,6 +46,7 @@ from .semaphore import AsyncSemaphore
 
 if True:  # ASYNC
     import asyncio
+    from collections.abc import Coroutine
 
     from .acquiring import Acquiring
     from .loop_end import LoopBinding
@@ -189,12 +190,14 @@ class AsyncLocker:
             self._file_queue,
             self._telemetry,
             self.grace,
-            self._ready,
+            self._readying,
         )
         self._tickets = self._acquirer.tickets
         if True:  # ASYNC
             self._loop = LoopBinding()
             self._ready_lock: asyncio.Lock | None = None
+            # The loop this locker was found set up on (and bound to): a set-up stays done.
+            self._ready_on: asyncio.AbstractEventLoop | None = None
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -451,14 +454,23 @@ class AsyncLocker:
 
     # -- internals -------------------------------------------------------------------------------
 
-    async def _call(self, operation: Callable[..., T], *args: Any) -> T:
-        """Run one of the table's operations (in asyncio: in a greenlet, on the running loop's
-        connections)."""
-        if True:  # ASYNC
-            if not self._is_ready():
-                await self._ready()
+    if True:  # ASYNC
+
+        def _call(self, operation: Callable[..., T], *args: Any) -> Coroutine[Any, Any, T]:
+            """Run one of the table's operations (in asyncio: in a greenlet, on the running
+            loop's connections; the set-up first, where it is due)."""
+            if self._is_ready():
+                return concurrency.run(operation, *args)
+            return self._call_when_ready(operation, *args)
+
+        async def _call_when_ready(self, operation: Callable[..., T], *args: Any) -> T:
+            await self._ready()
             return await concurrency.run(operation, *args)
-        else:
+
+    else:
+
+        def _call(self, operation: Callable[..., T], *args: Any) -> T:
+            """Run one of the table's operations."""
             return operation(*args)
 
     async def _ready(self) -> None:
@@ -478,9 +490,24 @@ class AsyncLocker:
 
     if True:  # ASYNC
 
+        def _readying(self) -> Awaitable[None] | None:
+            """``_ready()``, or None where it has nothing to do (every acquire asks)."""
+            return None if self._is_ready() else self._ready()
+
+    else:
+        _readying = _ready
+
+    if True:  # ASYNC
+
         def _is_ready(self) -> bool:
             """Set up, on the running loop: ``_ready`` has nothing to do (every operation asks)."""
-            return self._loop.loop is asyncio.get_running_loop() and self._operations.is_set_up
+            running = asyncio.get_running_loop()
+            if self._ready_on is running:
+                return True
+            if self._loop.loop is running and self._operations.is_set_up:
+                self._ready_on = running
+                return True
+            return False
 
         def _bind_to_running_loop(self) -> None:
             """Make the running loop this locker's, dropping what belonged to the previous one.
@@ -491,6 +518,7 @@ class AsyncLocker:
             """
             if not self._loop.bind(self, self._close_at_loop_end):
                 return
+            self._ready_on = None
             logger.info(
                 "%r moves to a new event loop, dropping the previous loop's connections", self
             )

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..backoff import Backoff
 from ..errors import DatabaseError
-from ..file_queue import BellListener, FileQueue, PlaceRequest
+from ..file_queue import BellListener, FileQueue, PlaceRequest, offsets
 from ..holding import OnLost
 from ..operations import LockInfo, LockOperations
 from . import concurrency
@@ -36,7 +36,7 @@ class AsyncQueueWait:
         self._attempts = attempts
         self._operations = operations
         self._call = run
-        self._table_name = table_name
+        self._offset = offsets(table_name)  # of a lockstring's place in the kernel's queue
         self._grace = grace
 
     async def wait(
@@ -55,7 +55,7 @@ class AsyncQueueWait:
         its place tries the row, and keeps the place while the row is ours. Without a
         ``queue``, backing off between attempts."""
         backoff = Backoff.for_wait(wait)
-        offset = queue.offset(self._table_name, lockstring) if queue is not None else 0
+        offset = self._offset(lockstring) if queue is not None else 0
         place = queue.take(offset) if queue is not None else None
         request: PlaceRequest | None = None
         bell: BellListener | None = None
@@ -96,9 +96,18 @@ class AsyncQueueWait:
                     await wait_out(error, backoff, lockstring)
                     continue
                 if isinstance(outcome, AsyncLock):
-                    outcome._state.place, place = place, None
+                    if place is not None:  # kept while the row is ours
+                        outcome._state.place, place = place, None
                     return outcome
                 until_free = backoff.until_takeable(outcome, self._grace)
+                if place is not None and queue is not None and not backoff.expired():
+                    # Our turn, but the row is held by a lock taken without its place: its
+                    # release finds our place held, and rings the bell. Heard from here on,
+                    # and the row read again, in case the release came before.
+                    bell = bell or queue.listen()
+                    bell.turns = True
+                    until_free = await self._until_rung(bell, backoff, lockstring)
+                    continue
                 if place is not None or not in_line or backoff.expired():
                     # Our turn, but the row is held by someone who did not queue (or whose
                     # grace is not over): back off until it is free.
@@ -111,6 +120,26 @@ class AsyncQueueWait:
                 request.withdraw()
             if place is not None:
                 place.leave()
+
+    async def _until_rung(
+        self, bell: BellListener, backoff: Backoff, lockstring: str
+    ) -> float | None:
+        """Holding the place of ``lockstring`` while its row is held by a lock taken without
+        it: until the bell rings for a turn or a break, or a look at the row (a read, at
+        ``turn_patience``) finds it free or takeable, or the wait is over; what the last look
+        found (None after a ring)."""
+        while True:
+            bell.heard()  # a ring before this look is answered by it
+            until_free = await self._until_free(lockstring)
+            if until_free == 0 or backoff.expired():
+                return until_free
+            granted, wake = concurrency.woken_from_thread()
+            bell.when_rung(wake)
+            await concurrency.wait(granted, backoff.turn_patience(until_free))
+            if bell.heard() or until_free is None:
+                # Rung (by the release, most likely): the row tried at once, no look first.
+                # Unknown (a DBIx::Locker row): an attempt says, after a while.
+                return None
 
     async def _until_free(self, lockstring: str) -> float | None:
         """A queued waiter's look at the row (a read): seconds until it can be taken over, 0

@@ -1,0 +1,55 @@
+"""A compiled statement's parameters (``execution.Prepared.parameters``), as SQLAlchemy sends
+them: the caller's values by name, processed, and the statement's own literals where the
+values have none, in the driver's order or by name."""
+
+from __future__ import annotations
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.dialects import mysql, postgresql, sqlite
+
+from sqllocker.execution import Prepared
+
+
+class _Upper(sa.TypeDecorator[str]):
+    """A type whose values a processor changes, on every dialect."""
+
+    impl = sa.String
+    cache_ok = True
+
+    def process_bind_param(self, value: str | None, dialect: sa.Dialect) -> str | None:
+        return None if value is None else value.upper()
+
+
+_TABLE = sa.table("t", sa.column("a", sa.String), sa.column("b", _Upper), sa.column("c"))
+
+
+def _statement() -> sa.Select[tuple[str]]:
+    return sa.select(_TABLE.c.a).where(
+        _TABLE.c.a == sa.bindparam("a", type_=sa.String),
+        _TABLE.c.b == sa.bindparam("b", type_=_Upper),
+        _TABLE.c.c == sa.bindparam("c", "fixed", type_=sa.String),
+        _TABLE.c.a != sa.literal("constant"),
+    )
+
+
+@pytest.mark.parametrize(
+    "dialect",
+    [sqlite.dialect(), postgresql.psycopg.dialect(), mysql.pymysql.dialect()],
+    ids=["sqlite", "postgresql", "mysql"],
+)
+def test_values_by_name_processed_and_the_statements_own_where_none_is_given(
+    dialect: sa.Dialect,
+) -> None:
+    prepared = Prepared(_statement(), dialect)
+    sent = prepared.parameters({"a": "x", "b": "y"})
+    overridden = prepared.parameters({"a": "x", "b": "z", "c": "given"})
+    as_list = list(sent.values()) if isinstance(sent, dict) else list(sent)
+    over_list = list(overridden.values()) if isinstance(overridden, dict) else list(overridden)
+    assert as_list[:3] == ["x", "Y", "fixed"]
+    assert over_list[:3] == ["x", "Z", "given"]
+    assert "constant" in as_list[3:]
+    assert "constant" in over_list[3:]
+    with pytest.raises(KeyError):
+        prepared.parameters({"a": "x"})
+    assert prepared.parameters({"a": "x", "b": "y"}) == sent  # nothing kept between calls
