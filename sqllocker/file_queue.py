@@ -13,7 +13,9 @@ a lock taken and left on the byte for nothing. Its release looks whether someone
 place (``F_OFD_GETLK``, which takes nothing): a waiter that came meanwhile took it and, its
 turn come, waits for the row; the release then rings the bell for turns (below), which only
 such waiters hear, and the waiter reads the row and inserts. The waiters behind it stay
-blocked on the place, so none of them passes it.
+blocked on the place, so none of them passes it. The locks of a group (``lock_all``), and one
+a queued waiter won by a look at the row, without its place, hold none either, and their
+releases look and ring the same way.
 
 The row is still the lock; the place only says who tries. A holder that stopped (Ctrl-Z), that
 overran its expiry unawares, or whose row was broken, keeps its place but not its row. So a
@@ -24,8 +26,9 @@ And whoever breaks or purges a lock through sqllocker rings the queue's *bell*: 
 random bytes at the start of the queue file, which one thread of each process with waiters
 reads whenever the file is written (inotify), and every ``BELL_INTERVAL`` besides; a change
 wakes every waiter of that process to try its row (a read first). The bytes after it are the
-bell for turns, which wakes only waiters holding their places. A bell rung for another
-lockstring costs those waiters a read each.
+bell for turns, then the offset of the place it last rang for: it wakes only waiters holding
+their places, and the one whose place it names tries its row at once, without a read. A bell
+rung for another lockstring costs those waiters a read each.
 
 Places are open-file-description locks (Linux ``F_OFD_SETLKW``): each belongs to an open file,
 not to a process, so threads and tasks of one process queue against one another too, and the
@@ -180,16 +183,20 @@ class FileQueue:
         threading.Thread(target=request.wait, name=self.thread_name, daemon=True).start()
         return request
 
-    def ring(self, turn: bool = False) -> None:
+    def ring(self, turn: int | None = None) -> None:
         """Wake every waiter of this database to try its row: after a break or a purge, whose
         holders may still hold their places (best effort: a waiter that does not hear it finds
-        out at its next look). ``turn``: wake only the waiters holding their places, waiting
-        for rows held by locks taken without theirs (``Unplaced``), to look at their rows."""
+        out at its next look). ``turn``: the offset of a place whose row was released by a
+        lock taken without it (``Unplaced``); wake only the waiters holding their places, that
+        one to try its row, the others to look at theirs."""
         fd = self._open()
         if fd is None:
             return
         try:
-            os.pwrite(fd, os.urandom(BELL_SIZE), BELL_SIZE if turn else 0)
+            if turn is None:
+                os.pwrite(fd, os.urandom(BELL_SIZE), 0)
+            else:
+                os.pwrite(fd, os.urandom(BELL_SIZE) + turn.to_bytes(BELL_SIZE, "big"), BELL_SIZE)
         except OSError as error:
             logger.debug("cannot ring the bell of %s (%s)", self.path, error)
         self._keep(fd)
@@ -204,12 +211,13 @@ class FileQueue:
             self._listeners.add(listener)
             if self._bell_watched:
                 return listener
+            # The bell as it is now, read before this call (or another listener's, which
+            # waits for the lock) returns: a ring after it is heard.
+            fd = self._open()
+            if fd is None:
+                return listener  # nothing to read: the waiters' looks find out
+            heard = _read_bell(fd)
             self._bell_watched = True
-        # The bell as it is now, read before this call returns: a ring after it is heard.
-        fd = self._open()
-        if fd is None:
-            return listener  # nothing to read: the waiters' looks find out
-        heard = _read_bell(fd)
         threading.Thread(
             target=self._watch_bell, args=(fd, heard), name=f"{self.thread_name} bell", daemon=True
         ).start()
@@ -237,10 +245,14 @@ class FileQueue:
                 if now == heard:
                     continue
                 broken = heard is None or now is None or now[:BELL_SIZE] != heard[:BELL_SIZE]
+                # The place rung for last (rings coalesced between two reads name the last).
+                turn = None if now is None else int.from_bytes(now[2 * BELL_SIZE :], "big")
                 heard = now
                 for listener in listeners:
-                    if broken or listener.turns:
-                        listener.ring()
+                    if broken:
+                        listener.ring(ours=True)
+                    elif listener.turns is not None:
+                        listener.ring(ours=listener.turns == turn)
         finally:
             if watch is not None:
                 watch.close()
@@ -304,10 +316,11 @@ class FileQueue:
 
 
 def _read_bell(fd: int) -> bytes | None:
-    """The bell for breaks, then the one for turns (a file shorter than both read as if
-    padded with zeros, as a ring of the second leaves the first)."""
+    """The bell for breaks, then the one for turns and the offset of the place it last rang
+    for (a file shorter than all three read as if padded with zeros, as a ring of the second
+    leaves the first)."""
     try:
-        return os.pread(fd, 2 * BELL_SIZE, 0).ljust(2 * BELL_SIZE, b"\0")
+        return os.pread(fd, 3 * BELL_SIZE, 0).ljust(3 * BELL_SIZE, b"\0")
     except OSError:
         return None
 
@@ -315,14 +328,18 @@ def _read_bell(fd: int) -> bytes | None:
 class BellListener:
     """One waiter's ear for the bell: ``when_rung(wake)`` calls ``wake`` at the next ring (at
     once if one came since the last ``heard()``), ``heard()`` says whether one came. It hears
-    rings for turns too once ``turns`` is set (by a waiter that holds its place)."""
+    rings for turns too once ``turns`` is set (by a waiter that holds its place: the place's
+    offset); ``ours``, as of the last ``heard()``, whether a ring named that place (or was a
+    break's), rather than another's."""
 
     def __init__(self, queue: FileQueue) -> None:
         self._queue = queue
         self._lock = threading.Lock()
         self._rung = False
         self._wake: Callable[[], None] | None = None
-        self.turns = False
+        self.turns: int | None = None
+        self._ours = False
+        self.ours = False
 
     def when_rung(self, wake: Callable[[], None]) -> None:
         with self._lock:
@@ -335,12 +352,14 @@ class BellListener:
         """Whether the bell rang since this was last asked (and forget it)."""
         with self._lock:
             rung, self._rung = self._rung, False
+            self.ours, self._ours = self._ours, False
             return rung
 
-    def ring(self) -> None:
+    def ring(self, ours: bool = True) -> None:
         """From the bell's reader: must not block."""
         with self._lock:
             self._rung = True
+            self._ours = self._ours or ours
             wake, self._wake = self._wake, None
         if wake is not None:
             wake()
@@ -399,7 +418,7 @@ class Unplaced:
     def leave(self) -> None:
         queue, self._queue = self._queue, None
         if queue is not None and queue.is_held(self._offset):
-            queue.ring(turn=True)
+            queue.ring(turn=self._offset)
 
 
 class PlaceRequest:

@@ -22,12 +22,30 @@ _IN_MODIFY = 0x2
 _EVENTS_READ = 4096
 
 
+# The watches open in this process. A forked child closes its copies at once: its parent's
+# reader threads are not forked with it, and each copy would keep an inotify instance (a
+# per-user limit, fs.inotify.max_user_instances) for as long as the child lives.
+_watches: set[int] = set()
+
+
+def _close_in_child() -> None:
+    for fd in _watches:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _watches.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_in_child)
+
+
 class FileWatch:
     """Writes to one file: ``wait(timeout)`` returns after the next one (at once if one came
     since the last call), or after ``timeout`` seconds."""
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
+        _watches.add(fd)
 
     @classmethod
     def of(cls, path: str) -> FileWatch | None:
@@ -58,5 +76,6 @@ class FileWatch:
             time.sleep(timeout)
 
     def close(self) -> None:
+        _watches.discard(self._fd)
         with contextlib.suppress(OSError):
             os.close(self._fd)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import select
 import threading
 from typing import Any
 
@@ -30,6 +31,7 @@ from .notifications import (
     Waiter,
     WaiterQueues,
     channel_for,
+    grant_digest,
     grants_channel_for,
     leaders_channel_for,
     parse_grant,
@@ -46,6 +48,8 @@ READ_SECONDS = 1.0
 # MySQL: how long that look may take before the connection is taken for lost (aiomysql has no
 # read timeout of its own).
 LOOK_SECONDS = 10.0
+# libpq's CONNECTION_OK: a session that has not failed.
+_CONNECTION_OK = 0
 # How long a stopping Locker waits for its listener to end before cancelling it again.
 STOP_RETRY_SECONDS = 0.5
 
@@ -128,6 +132,23 @@ class ReleaseListener:
     def _listening_on(self) -> bool:
         return not self._stopping
 
+    def _read_notifications(self, connection: Any) -> None:
+        """Hand on each notification as it comes, until stopped, read from libpq itself:
+        psycopg's ``notifies()`` costs about as much again as the read itself, and every
+        listener wakes for every grant of the table, most of them to another's waiter. A
+        lost connection raises (``consume_input``): the caller reconnects."""
+        pgconn = connection.pgconn
+        encoding = connection.info.encoding
+        poller = select.poll()
+        poller.register(pgconn.socket, select.POLLIN)
+        while not self._stopping:
+            while (notice := pgconn.notifies()) is not None:
+                self._heard(notice.relname.decode(encoding), notice.extra.decode(encoding))
+            if poller.poll(READ_SECONDS * 1000):
+                pgconn.consume_input()
+                if pgconn.status != _CONNECTION_OK:
+                    raise LockError("the listening connection was closed")
+
     def _listen(self) -> None:
         while self._listening_on():
             try:
@@ -162,9 +183,9 @@ class ReleaseListener:
         self.liveness_key = _hold_a_key(connection)
         self._failing = False
         self._listening.set()
-        while not self._stopping:
-            for notice in connection.notifies(timeout=READ_SECONDS):
-                self._received(notice)
+        for notice in connection.notifies(timeout=0):  # heard while subscribing
+            self._received(notice)
+        self._read_notifications(connection)
 
     def _hold_liveness_on(self, connection: Any) -> None:
         """MySQL: hold a liveness key's ``GET_LOCK`` name, looking every READ_SECONDS that the
@@ -181,12 +202,17 @@ class ReleaseListener:
                 raise LockError("the liveness key's GET_LOCK name is no longer held")
 
     def _received(self, notice: Any) -> None:
+        self._heard(notice.channel, notice.payload)
+
+    def _heard(self, channel: str, payload: str) -> None:
         self.notifications += 1
-        if notice.channel == self.channel:
-            self._waiters.wake_all(notice.payload)
-        elif notice.channel == self.leaders_channel:
-            self._observers.wake_all(notice.payload)  # a hint: they read the row again
-        elif (grant := parse_grant(notice.payload)) is not None:
+        if channel == self.channel:
+            self._waiters.wake_all(payload)
+        elif channel == self.leaders_channel:
+            self._observers.wake_all(payload)  # a hint: they read the row again
+        elif not self._waiters.names_a_head(grant_digest(payload)):
+            pass  # another's: every listener hears every grant
+        elif (grant := parse_grant(payload)) is not None:
             self.grants += self._waiters.hand_over(grant)
 
 

@@ -29,7 +29,7 @@ import os
 import threading
 from collections import defaultdict, deque
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any, Generic, TypeVar
 
 logger = logging.getLogger("sqllocker")
@@ -70,7 +70,16 @@ def guid_digest(guid: str) -> str:
 
 
 def _utc(text: str) -> datetime:
-    return datetime.fromisoformat(text).replace(tzinfo=timezone.utc)
+    """A grant's UTC time (``YYYY-MM-DDTHH:MM:SS.ffffff``, no offset), aware: parsed with its
+    offset in one call (a text that has one already is malformed)."""
+    return datetime.fromisoformat(text + "+00:00")
+
+
+def grant_digest(payload: str) -> str | None:
+    """The digest a ``sqllocker_<table>_granted`` payload names its head by, read without
+    parsing the rest: every listener hears every grant, and most name another's waiter."""
+    fields = payload.split(" ", 2)
+    return fields[1] if len(fields) > 1 else None
 
 
 def parse_grant(payload: str) -> Grant | None:
@@ -96,6 +105,11 @@ def parse_grant(payload: str) -> Grant | None:
     return None
 
 
+# HMAC's pads as byte tables: each byte of the padded key XOR 0x36 (inner) or 0x5C (outer).
+_INNER_PAD = bytes(byte ^ 0x36 for byte in range(256))
+_OUTER_PAD = bytes(byte ^ 0x5C for byte in range(256))
+
+
 class GrantKey:
     """A waiter's secret for the grants of its tickets: 32 random bytes, given to the ticket's
     ``queue_join`` as its HMAC-SHA256 pads (``pads``: ``K xor ipad || K xor opad``), kept by
@@ -111,7 +125,7 @@ class GrantKey:
     def __init__(self, since: float) -> None:
         self._key = os.urandom(32)
         padded = self._key.ljust(64, b"\0")
-        self.pads = bytes(byte ^ 0x36 for byte in padded) + bytes(byte ^ 0x5C for byte in padded)
+        self.pads = padded.translate(_INNER_PAD) + padded.translate(_OUTER_PAD)
         self.since = since
 
     def signed(self, signed: Signed) -> bool:
@@ -180,6 +194,11 @@ class WaiterQueues:
             queue = self._waiters.pop(lockstring, None)
             for waiter in queue or ():
                 waiter.event.set()
+
+    def names_a_head(self, digest: str | None) -> bool:
+        """Whether a head of ``digest`` is registered here now: a grant to anyone else is not
+        parsed (``hand_over`` looks again, under the lock)."""
+        return digest in self._heads
 
     def hand_over(self, grant: Grant) -> bool:
         """Give ``grant`` to the head it names, if it is registered here, and wake it; False if

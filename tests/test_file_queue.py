@@ -478,11 +478,11 @@ def test_the_turns_bell_wakes_only_waiters_holding_their_places(tmp_path: Path) 
     path = str(tmp_path / "locks.db")
     ringer, listening = FileQueue(path), FileQueue(path)
     queued, placed = listening.listen(), listening.listen()
-    placed.turns = True
+    placed.turns = 12345
     woken = {"queued": threading.Event(), "placed": threading.Event()}
     queued.when_rung(woken["queued"].set)
     placed.when_rung(woken["placed"].set)
-    ringer.ring(turn=True)
+    ringer.ring(turn=12345)
     assert woken["placed"].wait(5)
     time.sleep(0.2)
     assert not woken["queued"].is_set()

@@ -4,8 +4,10 @@ never to a waiter that is no longer there."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 import hashlib
 import hmac
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,6 +17,7 @@ import pytest
 import sqlalchemy as sa
 
 from sqllocker import Lock, Locker, clock, notifications
+from sqllocker import listener as listening
 from sqllocker import tickets as ticketing
 from sqllocker.asyncio import AsyncLocker
 from sqllocker.attempts import Attempts
@@ -704,6 +707,56 @@ def test_a_grant_is_believed_only_as_signed_and_under_its_own_key() -> None:
         assert notifications.parse_grant(malformed) is None
     unsigned = notifications.parse_grant(f"7 {digest}")
     assert unsigned == notifications.Grant(7, digest)
+    # The times, UTC to the microsecond, and a text with an offset of its own refused.
+    utc = datetime.timezone.utc
+    assert grant.signed.joined == datetime.datetime(2030, 1, 1, 0, 0, 0, 1, tzinfo=utc)
+    assert grant.signed.expires == datetime.datetime(2030, 1, 1, 0, 0, 21, 2, tzinfo=utc)
+    assert notifications.parse_grant(payload.replace(".000001 ", ".000001+02:00 ")) is None
+    # The pads are HMAC's: the key padded to SHA-256's block, XOR ipad, then XOR opad.
+    padded = key._key.ljust(64, b"\0")
+    assert key.pads == bytes(b ^ 0x36 for b in padded) + bytes(b ^ 0x5C for b in padded)
+
+
+def test_a_listener_parses_only_the_grants_that_name_a_waiter_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every listener hears every grant: one naming another's waiter is passed over unparsed,
+    and one naming ours is parsed and handed to it (which believes it only if signed)."""
+    parsed: list[str] = []
+    parse = notifications.parse_grant
+
+    def counted(payload: str) -> notifications.Grant | None:
+        parsed.append(payload)
+        return parse(payload)
+
+    monkeypatch.setattr(listening, "parse_grant", counted)
+    listener = listening.ReleaseListener(sa.create_engine("sqlite://"), "locks")
+    ours = notifications.guid_digest("ours")
+    waiter = listener._waiters.add(
+        notifications.Waiter("report", threading.Event(), ours, releases=False)
+    )
+    key = notifications.GrantKey(0.0)
+    others = signed_payload(key, 7, notifications.guid_digest("another"))
+    for payload in (others, "garbage", ""):
+        listener._received(Notice(listener.grants_channel, payload))
+    assert parsed == []
+    assert waiter.grant is None
+    assert not waiter.event.is_set()
+    mine = signed_payload(key, 8, ours)
+    listener._received(Notice(listener.grants_channel, mine))
+    assert parsed == [mine]
+    assert waiter.grant is not None
+    assert waiter.grant.lock_id == 8
+    assert waiter.event.is_set()
+    assert listener.grants == 1
+
+
+@dataclass
+class Notice:
+    """A notification as psycopg gives it to the listener."""
+
+    channel: str
+    payload: str
 
 
 async def test_an_async_waiter_believes_a_signed_grant_without_a_statement(

@@ -105,7 +105,7 @@ class AsyncQueueWait:
                     # release finds our place held, and rings the bell. Heard from here on,
                     # and the row read again, in case the release came before.
                     bell = bell or queue.listen()
-                    bell.turns = True
+                    bell.turns = offset
                     until_free = await self._until_rung(bell, backoff, lockstring)
                     continue
                 if place is not None or not in_line or backoff.expired():
@@ -136,9 +136,12 @@ class AsyncQueueWait:
             granted, wake = concurrency.woken_from_thread()
             bell.when_rung(wake)
             await concurrency.wait(granted, backoff.turn_patience(until_free))
-            if bell.heard() or until_free is None:
-                # Rung (by the release, most likely): the row tried at once, no look first.
-                # Unknown (a DBIx::Locker row): an attempt says, after a while.
+            if bell.heard() and not bell.ours:
+                continue  # rung for another place: a look (a read), not an INSERT
+            if bell.ours or until_free is None:
+                # Rung for our place (by the release, most likely) or a break: the row tried
+                # at once, no look first. Unknown (a DBIx::Locker row): an attempt says,
+                # after a while.
                 return None
 
     async def _until_free(self, lockstring: str) -> float | None:
