@@ -1,8 +1,10 @@
 """Attacks on the async lock cycle's cancellation and release deadlines (one timer per loop)."""
+# ruff: noqa: F811  (fixtures imported from test_asyncio)
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import threading
 import time
@@ -39,7 +41,7 @@ def hold_rows(blocker: sa.Connection, locker: AsyncLocker, locks: list[AsyncLock
 async def _release_timed(lock: AsyncLock, started: float) -> tuple[float, BaseException | None]:
     try:
         await lock.unlock()
-    except BaseException as error:  # noqa: BLE001
+    except BaseException as error:
         return time.monotonic() - started, error
     return time.monotonic() - started, None
 
@@ -95,10 +97,8 @@ async def test_caller_cancelled_in_the_deadlines_turn(
     assert (lock.is_locked, lock._state.lost is not None) == (False, True)
     blocker.rollback()
     # Whatever happened to the row, a later unlock() ends with the lock let go or lost.
-    try:
+    with contextlib.suppress(LockLost):
         await asyncio.wait_for(lock.unlock(), 10)
-    except LockLost:
-        pass
     assert not lock.is_locked
     await asyncio.sleep(0.2)
     assert not alarm.of(asyncio.get_running_loop())._due
@@ -160,7 +160,7 @@ async def test_cancel_from_another_task_while_releasing_then_deadline(
     try:
         await asyncio.wait_for(second, 10)
         error: BaseException | None = None
-    except BaseException as caught:  # noqa: BLE001
+    except BaseException as caught:
         error = caught
     took = time.monotonic() - started
     blocker.rollback()
@@ -274,10 +274,8 @@ async def test_unlock_behind_a_stuck_renewal_cancelled_then_the_row_freed(
     with pytest.raises(asyncio.CancelledError):
         await releasing
     blocker.rollback()
-    try:
+    with contextlib.suppress(LockError):
         await asyncio.wait_for(extending, 10)
-    except LockError:
-        pass
 
     async def gone() -> bool:
         return await alocker.lock_info("renewed") is None
