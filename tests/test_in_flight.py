@@ -467,3 +467,29 @@ async def test_within_on_a_loop_that_cannot_be_referred_to_weakly(
     with pytest.raises(asyncio.TimeoutError):
         await within(gate, 0.01, "test")
     assert await within(asyncio.sleep(0, "done"), 30, "test") == "done"
+
+
+async def test_a_failing_expiry_keeps_no_other_work_past_its_deadline(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Works due at the same ring: one whose expiry fails is logged, and the others still
+    expire."""
+    loop = asyncio.get_running_loop()
+    expired: list[str] = []
+
+    class Work:
+        def __init__(self, name: str, fails: bool) -> None:
+            self.name, self.fails = name, fails
+
+        def expire(self) -> None:
+            expired.append(self.name)
+            if self.fails:
+                raise RuntimeError("expiry failed")
+
+    alarm = concurrency.alarm.of(loop)
+    when = loop.time() + 0.01
+    for work in (Work("first", True), Work("second", False)):
+        alarm.set(work, when)
+    await asyncio.sleep(0.05)
+    assert sorted(expired) == ["first", "second"]
+    assert "a deadline's expiry failed" in caplog.text

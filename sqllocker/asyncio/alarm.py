@@ -11,10 +11,13 @@ that ends before its deadline only leaves the table.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import weakref
 from collections.abc import Callable
 from typing import Protocol
+
+logger = logging.getLogger("sqllocker")
 
 
 class Bounded(Protocol):
@@ -76,7 +79,10 @@ class Alarm:
         if self._due:
             self._wind(min(self._due.values()))
         for work in expired:
-            work.expire()
+            try:
+                work.expire()
+            except Exception:  # one work's failure must not keep the others past their deadlines
+                logger.exception("a deadline's expiry failed")
 
 
 _alarms: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Alarm] = weakref.WeakKeyDictionary()
