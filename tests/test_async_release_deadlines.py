@@ -209,11 +209,11 @@ def sync_table(make_locker: Callable[..., Locker], table_name: str) -> str:
     return table_name
 
 
+# A release blocked by another session's open transaction: SQLite has one writer at a time.
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"], indirect=True)
 def test_asyncio_run_twice_each_release_deadline_fires(
     backend: str, url: str, sync_table: str
 ) -> None:
-    if backend == "sqlite":
-        pytest.skip("one blocker at a time on the database")
     for run in range(3):
         with warnings.catch_warnings():
             warnings.simplefilter("error", ResourceWarning)
@@ -223,11 +223,11 @@ def test_asyncio_run_twice_each_release_deadline_fires(
         gc.collect()
 
 
+# A release blocked by another session's open transaction: SQLite has one writer at a time.
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"], indirect=True)
 def test_several_loops_in_threads_each_release_deadline_fires(
     backend: str, url: str, sync_table: str
 ) -> None:
-    if backend == "sqlite":
-        pytest.skip("one blocker at a time on the database")
     results: list[tuple[float, Any]] = []
 
     def in_thread(n: int) -> None:
@@ -284,11 +284,11 @@ async def test_unlock_behind_a_stuck_renewal_cancelled_then_the_row_freed(
     assert not lock.is_locked
 
 
+# A release blocked by another session's open transaction: SQLite has one writer at a time.
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"], indirect=True)
 def test_a_forked_child_s_release_deadline_fires(backend: str, url: str, sync_table: str) -> None:
     import os
 
-    if backend == "sqlite":
-        pytest.skip("one blocker at a time on the database")
     took, error = _blocked_release_in_new_loop(url, sync_table, "parent")
     assert isinstance(error, LockError)
     pid = os.fork()
