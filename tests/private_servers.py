@@ -223,6 +223,9 @@ class PrivateMariaDB:
                 f"--port={self.port}",
                 "--bind-address=127.0.0.1",
                 f"--pid-file={self.home / 'pid'}",
+                # Temporary tables in its own directory: in the shared server's /tmp, an
+                # internal temporary table of a shared-server query vanished mid-suite.
+                f"--tmpdir={self.home}",
                 *self.options,
             ],
             stdout=subprocess.DEVNULL,
