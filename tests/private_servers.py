@@ -193,7 +193,7 @@ class PrivateMariaDB:
     def __init__(self, home: Path, *options: str) -> None:
         self.home, self.data, self.port = home, home / "data", _free_port()
         self.options = options  # mariadbd's own, e.g. "--innodb-autoinc-lock-mode=2"
-        subprocess.run(
+        installed = subprocess.run(
             [
                 "mariadb-install-db",
                 "--no-defaults",
@@ -201,11 +201,16 @@ class PrivateMariaDB:
                 "--user=mysql",
                 "--auth-root-authentication-method=normal",
                 "--skip-test-db",
+                # Temporary tables in a directory of this server's own: mariadbd processes
+                # sharing /tmp remove each other's ("Could not remove temporary table:
+                # '/tmp/#sql-temptable-...'"), installs and the shared server's queries fail.
+                f"--tmpdir={home}",
             ],
-            check=True,
             capture_output=True,
+            text=True,
             timeout=120,
         )
+        assert installed.returncode == 0, installed.stdout + installed.stderr
         self.url = f"mysql://root@127.0.0.1:{self.port}/mysql"
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -223,9 +228,7 @@ class PrivateMariaDB:
                 f"--port={self.port}",
                 "--bind-address=127.0.0.1",
                 f"--pid-file={self.home / 'pid'}",
-                # Temporary tables in its own directory: in the shared server's /tmp, an
-                # internal temporary table of a shared-server query vanished mid-suite.
-                f"--tmpdir={self.home}",
+                f"--tmpdir={self.home}",  # as at install: not /tmp, which others share
                 *self.options,
             ],
             stdout=subprocess.DEVNULL,
