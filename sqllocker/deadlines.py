@@ -143,15 +143,20 @@ class interrupting:
     locks cut to the deadline (``backend.bound_waits``, undone when it ends, unless it was
     cancelled: the connection is then discarded), and if the deadline passes before it ends,
     ``backend.interrupt(connection)`` called once, from the watcher (never after the block has
-    ended). Outside such a block it costs a look at the context, no more."""
+    ended). Outside such a block it costs a look at the context, no more.
 
-    __slots__ = ("_backend", "_connection", "_key", "_undo")
+    The watcher may fire after the block's statements have ended and before it is told so:
+    ``interrupted`` then says that the connection was interrupted all the same (its socket
+    shut down), and must not serve again, though what the block did stands."""
+
+    __slots__ = ("_backend", "_connection", "_key", "_undo", "interrupted")
 
     def __init__(self, backend: Interruptible, connection: Any) -> None:
         self._backend = backend
         self._connection = connection
 
     def __enter__(self) -> None:
+        self.interrupted = False
         bounds = _bounds.get()
         deadline = None if bounds is None else bounds[0]
         if deadline is None:
@@ -166,7 +171,9 @@ class interrupting:
     def __exit__(self, kind: type[BaseException] | None, *_exc: object) -> None:
         # The watcher first: no interrupt may fall on the restoring statement.
         if self._key is not None:
-            _watcher.disarm(self._key)
+            self.interrupted = not _watcher.disarm(self._key)
+        if self.interrupted:
+            return  # nothing more is sent on it: its user discards it
         if self._undo is not None and (kind is None or issubclass(kind, Exception)):
             self._backend.unbound_waits(self._connection, self._undo)
 
@@ -201,11 +208,12 @@ class _Watcher:
                 self._thread.start()
         return key
 
-    def disarm(self, key: int) -> None:
+    def disarm(self, key: int) -> bool:
+        """Stop watching; False if the watcher has interrupted the block's connection."""
         # Under the lock: once this returns, the watcher cannot be interrupting this block's
         # connection (which may be closed, and its descriptor reused, right after).
         with self._lock:
-            self._armed.pop(key, None)
+            return self._armed.pop(key, None) is not None
 
     def _watch(self) -> None:
         idle_since: float | None = None

@@ -7,10 +7,13 @@ import asyncio
 import contextvars
 import sqlite3
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from sqllocker import Locker, LockLost, clock, deadlines
 from sqllocker.asyncio import greenlets
@@ -89,6 +92,50 @@ def test_a_deadline_passed_interrupts_the_block_once_and_never_after_it() -> Non
     with deadlines.statements_end_by(clock.now() - 1), deadlines.interrupting(backend, "later"):
         pass
     assert backend.calls == ["the connection"]
+
+
+@pytest.mark.parametrize("engine", ["its own", "the caller's"])
+def test_a_connection_interrupted_as_its_statements_ended_serves_no_more(
+    url: str, table_name: str, make_locker: Callable[..., Locker], engine: str
+) -> None:
+    """The watcher fires once the deadline has passed: at times after the block's statements
+    have ended and before the block has. What they did stands; the connection, its socket
+    shut down on the servers, is not given back for the next operation (it was: a renewal's
+    give-back of the row it revived then failed on it, and the row stayed)."""
+    make_locker()  # the table
+    callers = sa.create_engine(resolve_url(url)) if engine == "the caller's" else None
+    locker = Locker(callers or url, table=table_name)
+    try:
+        locker.lock("connected").unlock()
+        database = locker._operations.database
+
+        def statement_then_a_pause(session: Any) -> str:
+            session.cursor.execute("SELECT 1")
+            session.cursor.fetchall()
+            time.sleep(0.5)  # past the deadline: the watcher interrupts the connection now
+            return "done"
+
+        with deadlines.statements_end_by(clock.now() + 0.05):
+            assert database.run(None, statement_then_a_pause) == "done"
+        # The connection the next operation gets: the one given back last, were it given back.
+        stack = database.pool.stack
+        held = stack.take() if stack is not None else None
+        raw = held.connection if held is not None else locker.engine.raw_connection()
+        try:
+            cursor = raw.cursor()
+            cursor.execute("SELECT 1")
+            assert list(cursor.fetchall()) == [(1,)]
+            cursor.close()
+        finally:
+            if stack is not None and held is not None:
+                stack.give_back(held)
+            else:
+                raw.close()
+        locker.lock("after").unlock()
+    finally:
+        locker.close()
+        if callers is not None:
+            callers.dispose()
 
 
 def armed_during(locker: Locker, monkeypatch: pytest.MonkeyPatch, expires: float) -> list[float]:

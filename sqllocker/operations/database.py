@@ -333,10 +333,12 @@ class Database:
                 held.session = DriverSession(held.connection, held.cursor, self._prepared, one_call)
             deadline = deadlines.current()
             bound = self.be.operation_wait_bound
+            watch = None
             if deadline is None or (bound is not None and clock.now() + bound < deadline):
                 result = operation(held.session)
             else:
-                with deadlines.interrupting(self.be, held.connection):
+                watch = deadlines.interrupting(self.be, held.connection)
+                with watch:
                     result = operation(held.session)
         except sa.exc.DBAPIError as error:
             if error.connection_invalidated or self.be.is_read_only(error):
@@ -360,7 +362,11 @@ class Database:
             finally:
                 stack.discard(held)
             raise
-        stack.give_back(held)
+        if watch is not None and watch.interrupted:
+            # Interrupted as its statements ended: they stand, the connection goes.
+            stack.discard(held)
+        else:
+            stack.give_back(held)
         return result
 
     def _table_missing(self, lockstring: str | None) -> TableMissing:

@@ -74,8 +74,12 @@ class Connections:
             dbapi_connection = fairy.dbapi_connection
             one_call = backend.in_one_call(dbapi_connection)
             cursor = kept_cursor(fairy)
-            with deadlines.interrupting(backend, dbapi_connection):
+            watch = deadlines.interrupting(backend, dbapi_connection)
+            with watch:
                 yield DriverSession(dbapi_connection, cursor, prepared, one_call)
+            if watch.interrupted:
+                # Interrupted as its statements ended: they stand, the connection goes.
+                fairy.invalidate()
         except sa.exc.DBAPIError as error:
             if error.connection_invalidated or backend.is_read_only(error):
                 fairy.invalidate(error.orig)
