@@ -1,4 +1,5 @@
-"""A worker for the decorator's multi-process tests: ``python -m tests.decorated_worker``.
+"""A worker for the decorator's multi-process tests: ``python -m tests.decorated_worker``, or
+forked from ``tests.fleet`` (``main(argv)``).
 
 It calls ``job(a, b)``, decorated with ``@locker.locked("job {a}-{b}", wait=None)``, ``--count``
 times. Under the lock it creates ``<state>/<marker>.holder`` with O_EXCL (a second holder of
@@ -77,7 +78,7 @@ async def run_async(args: argparse.Namespace) -> None:
     work.report()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.decorated_worker")
     parser.add_argument("--url", required=True)
     parser.add_argument("--table", required=True)
@@ -89,7 +90,7 @@ def main() -> int:
     parser.add_argument("--count", type=int, default=1)
     parser.add_argument("--hold", type=float, default=0.005)
     parser.add_argument("--asyncio", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.asyncio:
         asyncio.run(run_async(args))
     else:

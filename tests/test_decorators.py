@@ -9,8 +9,7 @@ import enum
 import itertools
 import json
 import logging
-import subprocess
-import sys
+import tempfile
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 from sqllocker import LockBusy, Locker, LockLost, LockTypeError, LockValueError
 from sqllocker.asyncio import AsyncLocker
 from sqllocker.decorators import LockstringTemplate
+from tests.fleet import Fleet
 from tests.helpers import count_rows
 from tests.workers import async_url
 
@@ -412,17 +412,20 @@ def _run_workers(
     url: str, table: str, state: Path, calls: list[list[str]], asyncio: bool = False
 ) -> list[dict[str, object]]:
     """One ``tests.decorated_worker`` process per entry of ``calls`` (its extra arguments), all
-    at once: their reports."""
-    base = [sys.executable, "-m", "tests.decorated_worker", "--url", url, "--table", table]
-    base += ["--state", str(state)] + (["--asyncio"] if asyncio else [])
-    processes = [
-        subprocess.Popen(base + extra, stdout=subprocess.PIPE, text=True) for extra in calls
-    ]
+    at once, forked from one launcher that imported it once (``tests/fleet.py``): their
+    reports."""
+    base = ["--url", url, "--table", table, "--state", str(state)]
+    base += ["--asyncio"] if asyncio else []
+    directory = Path(tempfile.mkdtemp(prefix="fleet-", dir=state))  # one of each call's own
+    fleet = Fleet("tests.decorated_worker", [base + extra for extra in calls], directory)
+    try:
+        outcomes = fleet.wait(timeout=120)
+    finally:
+        fleet.kill()
     reports = []
-    for process in processes:
-        out, _ = process.communicate(timeout=120)
-        assert process.returncode == 0
-        reports.append(json.loads(out.strip().splitlines()[-1]))
+    for outcome in outcomes:
+        assert outcome.returncode == 0, outcome.err
+        reports.append(json.loads(outcome.out.strip().splitlines()[-1]))
     return reports
 
 
