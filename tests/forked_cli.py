@@ -1,15 +1,18 @@
-"""The ``sqllocker`` console script, each run forked from one server that imported it once.
+"""The ``sqllocker`` console script (or Django's ``python -m django``), each run forked from
+one server that imported it once.
 
-``python -m tests.forked_cli`` imports ``sqllocker.cli`` (SQLAlchemy, click and the library:
-half a second of CPU per interpreter, far more on a loaded machine), then reads requests, one
-JSON line each (``argv``, ``env``, ``cwd``, ``out``, ``err``), and forks one child per request
-that runs ``sqllocker.cli.main(argv)`` as the console script does, in that environment and
-directory, its stdout and stderr in the files named; it answers each with its exit status, one
-JSON line. Nothing is connected before the fork; the children die with the server
-(``PR_SET_PDEATHSIG``).
+``python -m tests.forked_cli PROGRAM`` imports the program (``sqllocker``: ``sqllocker.cli``,
+that is SQLAlchemy, click and the library, half a second of CPU per interpreter, far more on a
+loaded machine; ``django``: Django's command line and the library, settings unread), then
+reads requests, one JSON line each (``argv``, ``env``, ``cwd``, ``out``, ``err``), and forks one
+child per request that runs the program with ``argv`` as its console script does, in that
+environment and directory (``PYTHONPATH`` first on the path), its stdout and stderr in the
+files named; it answers each with its exit status, one JSON line. Nothing is connected or
+configured before the fork; the children die with the server (``PR_SET_PDEATHSIG``).
 
-:func:`run` starts one server per process that calls it (an xdist worker), and runs a command
-through it, for the tests whose claim is what a command does, not how it starts.
+:func:`run` starts one server of each program per process that calls it (an xdist worker),
+and runs a command through it, for the tests whose claim is what a command does, not how it
+starts.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 _PR_SET_PDEATHSIG = 1
 
-_server: subprocess.Popen[str] | None = None
+_servers: dict[str, subprocess.Popen[str]] = {}
 _guard = threading.Lock()
 
 
@@ -41,21 +44,23 @@ def run(
     env: dict[str, str] | None = None,
     cwd: Path | str | None = None,
     timeout: float = 120,
+    program: str = "sqllocker",
 ) -> subprocess.CompletedProcess[str]:
-    """``sqllocker ARGV`` with ``env`` (default: this process's) in ``cwd``: its exit status,
-    stdout and stderr, as ``subprocess.run(..., capture_output=True, text=True)`` gives them.
+    """``sqllocker ARGV`` (``program="django"``: ``python -m django ARGV``) with ``env``
+    (default: this process's) in ``cwd``: its exit status, stdout and stderr, as
+    ``subprocess.run(..., capture_output=True, text=True)`` gives them.
     ``subprocess.TimeoutExpired`` after ``timeout`` seconds (the server is ended then)."""
-    global _server
+    assert program in _PROGRAMS, program
     with _guard, tempfile.TemporaryDirectory(prefix="sqllocker-cli-") as directory:
-        if _server is None or _server.poll() is not None:
-            _server = subprocess.Popen(
-                [sys.executable, "-m", "tests.forked_cli"],
+        server = _servers.get(program)
+        if server is None or server.poll() is not None:
+            server = _servers[program] = subprocess.Popen(
+                [sys.executable, "-m", "tests.forked_cli", program],
                 cwd=REPO,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,
             )
-        server = _server
         assert server.stdin is not None
         assert server.stdout is not None
         out, err = Path(directory, "out"), Path(directory, "err")
@@ -74,22 +79,20 @@ def run(
         reader.start()
         reader.join(timeout)
         if not answer or not answer[0]:
-            _stop()
+            _stop(program)
             reader.join()
-            raise subprocess.TimeoutExpired(["sqllocker", *argv], timeout)
+            raise subprocess.TimeoutExpired([program, *argv], timeout)
         code = int(json.loads(answer[0])["code"])
-        return subprocess.CompletedProcess(
-            ["sqllocker", *argv], code, out.read_text(), err.read_text()
-        )
+        return subprocess.CompletedProcess([program, *argv], code, out.read_text(), err.read_text())
 
 
-def _stop() -> None:
-    global _server
-    if _server is not None:
-        if _server.poll() is None:
-            _server.kill()  # its children die with it
-        _server.wait()
-        _server = None
+def _stop(program: str | None = None) -> None:
+    for name in [program] if program is not None else list(_servers):
+        server = _servers.pop(name, None)
+        if server is not None:
+            if server.poll() is None:
+                server.kill()  # its children die with it
+            server.wait()
 
 
 atexit.register(_stop)
@@ -112,8 +115,8 @@ def _child(main: Callable[[list[str]], None], request: dict[str, Any], parent: i
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(str(request["cwd"]))
+        sys.path[:0] = [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
         argv = list(request["argv"])
-        sys.argv = ["sqllocker", *argv]
         try:
             main(argv)
             code = 0
@@ -129,9 +132,34 @@ def _child(main: Callable[[list[str]], None], request: dict[str, Any], parent: i
             os._exit(code)
 
 
-def serve() -> None:
+def _sqllocker() -> Callable[[list[str]], None]:
     from sqllocker.cli import main
 
+    def run(argv: list[str]) -> None:
+        sys.argv = ["sqllocker", *argv]
+        main(argv)
+
+    return run
+
+
+def _django() -> Callable[[list[str]], None]:
+    import django.core.management
+
+    # Imported once: the settings ask for the app, whose commands run the command line.
+    import sqllocker.cli
+    import sqllocker.django  # noqa: F401
+
+    def run(argv: list[str]) -> None:
+        django.core.management.execute_from_command_line(["python -m django", *argv])
+
+    return run
+
+
+_PROGRAMS = {"sqllocker": _sqllocker, "django": _django}
+
+
+def serve(program: str) -> None:
+    main = _PROGRAMS[program]()
     parent = os.getpid()
     for line in sys.stdin:
         request = json.loads(line)
@@ -146,4 +174,4 @@ def serve() -> None:
 
 if __name__ == "__main__":
     with contextlib.suppress(KeyboardInterrupt, BrokenPipeError):
-        serve()
+        serve(sys.argv[1])

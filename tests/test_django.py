@@ -24,6 +24,7 @@ from sqlalchemy.engine import make_url
 
 from sqllocker.engine import resolve_url
 from sqllocker.migrations import current_revision, head_revision, schema_differences
+from tests import forked_cli
 from tests.conftest import IN_CI, MYSQL_ADMIN_URL, POSTGRES_ADMIN_URL
 
 pytestmark = pytest.mark.slow  # real workers, schedulers or processes
@@ -74,9 +75,9 @@ class Project:
         return [sys.executable, "-m", "django", *arguments]
 
     def manage(self, *arguments: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        done = subprocess.run(
-            self.command(*arguments), env=self.env, cwd=ROOT, capture_output=True, text=True
-        )
+        """``python -m django ARGUMENTS``, forked from a server that imported Django and the
+        library once (``tests/forked_cli.py``): what a command does, not how it starts."""
+        done = forked_cli.run(list(arguments), env=self.env, cwd=ROOT, program="django")
         if check:
             assert done.returncode == 0, done.stderr
         return done
