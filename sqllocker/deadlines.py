@@ -145,18 +145,19 @@ class interrupting:
     ``backend.interrupt(connection)`` called once, from the watcher (never after the block has
     ended). Outside such a block it costs a look at the context, no more.
 
-    The watcher may fire after the block's statements have ended and before it is told so:
-    ``interrupted`` then says that the connection was interrupted all the same (its socket
-    shut down), and must not serve again, though what the block did stands."""
+    ``connection_ended`` says, once the block has ended, whether the watcher interrupted it
+    where ``interrupt`` ends the connection (``backend.interrupt_ends_connection``): the
+    connection must not serve again, however the block ended. The watcher may fire after the
+    block's statements have ended and before the block has: what they did stands."""
 
-    __slots__ = ("_backend", "_connection", "_key", "_undo", "interrupted")
+    __slots__ = ("_backend", "_connection", "_key", "_undo", "connection_ended")
 
     def __init__(self, backend: Interruptible, connection: Any) -> None:
         self._backend = backend
         self._connection = connection
 
     def __enter__(self) -> None:
-        self.interrupted = False
+        self.connection_ended = False
         bounds = _bounds.get()
         deadline = None if bounds is None else bounds[0]
         if deadline is None:
@@ -170,9 +171,9 @@ class interrupting:
 
     def __exit__(self, kind: type[BaseException] | None, *_exc: object) -> None:
         # The watcher first: no interrupt may fall on the restoring statement.
-        if self._key is not None:
-            self.interrupted = not _watcher.disarm(self._key)
-        if self.interrupted:
+        if self._key is not None and not _watcher.disarm(self._key):
+            self.connection_ended = self._backend.interrupt_ends_connection
+        if self.connection_ended:
             return  # nothing more is sent on it: its user discards it
         if self._undo is not None and (kind is None or issubclass(kind, Exception)):
             self._backend.unbound_waits(self._connection, self._undo)
@@ -180,6 +181,9 @@ class interrupting:
 
 class Interruptible(Protocol):
     """What ``interrupting`` asks of a backend (``sqllocker.backends.base.Backend``)."""
+
+    @property
+    def interrupt_ends_connection(self) -> bool: ...
 
     def interrupt(self, dbapi_connection: Any) -> None: ...
 

@@ -4,10 +4,12 @@ which block's deadline a statement or a new connection sees, and when the watche
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import sqlite3
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from sqllocker import Locker, LockLost, clock, deadlines
+from sqllocker import LockBusy, Locker, LockLost, clock, deadlines
 from sqllocker.asyncio import greenlets
 from sqllocker.backends.sqlite import SQLiteBackend
 from sqllocker.engine import create_async_locker_engine, create_locker_engine, resolve_url
@@ -67,6 +69,8 @@ def test_a_thread_given_the_blocks_context_has_its_statements_deadline_not_its_c
 class Interrupted:
     """A backend whose statements only an interrupt ends: the connections it interrupted."""
 
+    interrupt_ends_connection = True
+
     def __init__(self) -> None:
         self.calls: list[object] = []
         self.event = threading.Event()
@@ -94,29 +98,48 @@ def test_a_deadline_passed_interrupts_the_block_once_and_never_after_it() -> Non
     assert backend.calls == ["the connection"]
 
 
+def _statement_then(pause: float, then: Callable[[], None] = lambda: None) -> Any:
+    """An operation: a statement, then ``pause`` seconds (past a deadline, the watcher
+    interrupts the connection meanwhile), then ``then()``; "done"."""
+
+    def operation(session: Any) -> str:
+        session.cursor.execute("SELECT 1")
+        session.cursor.fetchall()
+        time.sleep(pause)
+        then()
+        return "done"
+
+    return operation
+
+
+def _refused() -> None:
+    raise ValueError("refused after its statement")
+
+
+@pytest.mark.parametrize("ending", ["returns", "raises"])
 @pytest.mark.parametrize("engine", ["its own", "the caller's"])
 def test_a_connection_interrupted_as_its_statements_ended_serves_no_more(
-    url: str, table_name: str, make_locker: Callable[..., Locker], engine: str
+    url: str, table_name: str, make_locker: Callable[..., Locker], engine: str, ending: str
 ) -> None:
     """The watcher fires once the deadline has passed: at times after the block's statements
     have ended and before the block has. What they did stands; the connection, its socket
     shut down on the servers, is not given back for the next operation (it was: a renewal's
-    give-back of the row it revived then failed on it, and the row stayed)."""
+    give-back of the row it revived then failed on it, and the row stayed), however the
+    operation ends. (SQLite's interrupt ends nothing more than a running statement: its
+    connection serves on.)"""
     make_locker()  # the table
     callers = sa.create_engine(resolve_url(url)) if engine == "the caller's" else None
     locker = Locker(callers or url, table=table_name)
     try:
         locker.lock("connected").unlock()
         database = locker._operations.database
-
-        def statement_then_a_pause(session: Any) -> str:
-            session.cursor.execute("SELECT 1")
-            session.cursor.fetchall()
-            time.sleep(0.5)  # past the deadline: the watcher interrupts the connection now
-            return "done"
-
+        operation = _statement_then(0.5, _refused if ending == "raises" else lambda: None)
         with deadlines.statements_end_by(clock.now() + 0.05):
-            assert database.run(None, statement_then_a_pause) == "done"
+            if ending == "raises":
+                with pytest.raises(ValueError, match="refused"):
+                    database.run(None, operation)
+            else:
+                assert database.run(None, operation) == "done"
         # The connection the next operation gets: the one given back last, were it given back.
         stack = database.pool.stack
         held = stack.take() if stack is not None else None
@@ -136,6 +159,51 @@ def test_a_connection_interrupted_as_its_statements_ended_serves_no_more(
         locker.close()
         if callers is not None:
             callers.dispose()
+
+
+def test_an_in_memory_database_keeps_its_locks_through_an_interrupt_after_its_statements() -> None:
+    """``sqlite://`` lives in its one connection: an interrupt that came as an operation's
+    statements ended must not close it, which would drop every lock row and let a second
+    holder in."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # journal_mode=MEMORY: UnsafeDatabaseWarning
+        locker = Locker("sqlite://", table="in_memory")
+        held = locker.lock("held", expires=600)
+        with deadlines.statements_end_by(clock.now() + 0.05):
+            assert locker._operations.database.run(None, _statement_then(0.5)) == "done"
+        with pytest.raises(LockBusy):
+            locker.lock("held", wait=0)
+        held.unlock()
+        locker.close()
+
+
+@pytest.mark.parametrize("ending", ["returns", "raises"])
+def test_sqlite_gives_the_busy_timeout_back_after_an_interrupt_after_its_statements(
+    tmp_path: Path, ending: str
+) -> None:
+    """An operation that must end within 50 ms cuts its connection's busy timeout to that;
+    the watcher interrupts it as its statements have ended. The connection serves on (an
+    interrupt ends no more than a running statement on SQLite), its busy timeout given back,
+    not left cut for every later operation on it."""
+    locker = Locker(f"sqlite:///{tmp_path / 'locks.db'}", table="t")
+    try:
+        locker.lock("connected").unlock()
+        database = locker._operations.database
+        stack = database.pool.stack
+        assert stack is not None
+        (connection,) = stack._idle
+        operation = _statement_then(0.5, _refused if ending == "raises" else lambda: None)
+        with deadlines.statements_end_by(clock.now() + 0.05), contextlib.suppress(ValueError):
+            database.run(None, operation)
+        held = stack.take()
+        try:
+            assert held is connection  # kept
+            timeout = held.connection.execute("PRAGMA busy_timeout").fetchall()[0][0]
+            assert timeout == SQLITE_BUSY_TIMEOUT_SECONDS * 1000
+        finally:
+            stack.give_back(held)
+    finally:
+        locker.close()
 
 
 def armed_during(locker: Locker, monkeypatch: pytest.MonkeyPatch, expires: float) -> list[float]:

@@ -93,6 +93,9 @@ class Backend:
     # sqllocker made, whatever the server does; None: no bound (a frozen server, which only
     # ``interrupt`` ends). A deadline further off needs no watching (``sqllocker.deadlines``).
     operation_wait_bound: ClassVar[float | None] = None
+    # Whether ``interrupt`` ends the connection (a server's: its socket shut down), so that it
+    # must not serve again, even when the interrupt came as its statements had ended.
+    interrupt_ends_connection: ClassVar[bool] = True
     # A new connection opens a file of this machine (SQLite): nothing to give up on, so no
     # ``cap_connect``, and a wait's acquire sets no deadline for its connections.
     connects_locally: ClassVar[bool] = False

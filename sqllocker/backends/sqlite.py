@@ -65,6 +65,9 @@ class SQLiteBackend(Backend):
     # interrupt() does not cut short: it ends the statement once the wait is over); an
     # operation run under a deadline (a release, an extend) sends two statements at most.
     operation_wait_bound = 2 * SQLITE_BUSY_TIMEOUT_SECONDS
+    # sqlite3's interrupt() ends the statements running, if any, and no more: the connection
+    # (an in-memory database's only one) serves on.
+    interrupt_ends_connection = False
     connects_locally = True
 
     @classmethod

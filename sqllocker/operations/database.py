@@ -327,13 +327,13 @@ class Database:
             raise pool.no_free_connection(error) from error
         except pool.connect_errors as error:
             raise pool.unreachable(error) from error
+        watch = None
         try:
             if held.session is None:
                 one_call = self.be.in_one_call(held.connection)
                 held.session = DriverSession(held.connection, held.cursor, self._prepared, one_call)
             deadline = deadlines.current()
             bound = self.be.operation_wait_bound
-            watch = None
             if deadline is None or (bound is not None and clock.now() + bound < deadline):
                 result = operation(held.session)
             else:
@@ -347,11 +347,16 @@ class Database:
                 # useless as this one (the stack closes its idle ones when the engine is
                 # disposed of).
                 self.engine.dispose()
+            elif watch is not None and watch.connection_ended:
+                stack.discard(held)
             else:
                 stack.give_back(held)
             raise
         except Exception:
-            stack.give_back(held)
+            if watch is not None and watch.connection_ended:
+                stack.discard(held)
+            else:
+                stack.give_back(held)
             raise
         except BaseException:
             # Interrupted mid-statement: the connection's state is unknown (a statement may
@@ -362,7 +367,7 @@ class Database:
             finally:
                 stack.discard(held)
             raise
-        if watch is not None and watch.interrupted:
+        if watch is not None and watch.connection_ended:
             # Interrupted as its statements ended: they stand, the connection goes.
             stack.discard(held)
         else:

@@ -70,6 +70,7 @@ class Connections:
             raise self.unreachable(error) from error
         fairy = checkout if connection is None else connection.connection
         cursor = None
+        watch = None
         try:
             dbapi_connection = fairy.dbapi_connection
             one_call = backend.in_one_call(dbapi_connection)
@@ -77,7 +78,7 @@ class Connections:
             watch = deadlines.interrupting(backend, dbapi_connection)
             with watch:
                 yield DriverSession(dbapi_connection, cursor, prepared, one_call)
-            if watch.interrupted:
+            if watch.connection_ended:
                 # Interrupted as its statements ended: they stand, the connection goes.
                 fairy.invalidate()
         except sa.exc.DBAPIError as error:
@@ -86,6 +87,8 @@ class Connections:
                 if self.owns_engine:
                     # The server went away: every pooled connection is as dead as this one.
                     self.engine.dispose()
+            elif watch is not None and watch.connection_ended:
+                fairy.invalidate(error.orig)
             raise
         except BaseException as error:
             if not isinstance(error, Exception):
@@ -97,6 +100,8 @@ class Connections:
                         backend.abandon(fairy.dbapi_connection, cursor)
                 finally:
                     fairy.invalidate(error)
+            elif watch is not None and watch.connection_ended:
+                fairy.invalidate(error)
             raise
         finally:
             (fairy if connection is None else connection).close()
