@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from sqllocker import LockBusy, Locker, LockLost, clock, deadlines
+from sqllocker import LockBusy, Locker, LockError, LockLost, clock, deadlines
 from sqllocker.asyncio import greenlets
 from sqllocker.backends.sqlite import SQLiteBackend
 from sqllocker.engine import create_async_locker_engine, create_locker_engine, resolve_url
@@ -116,7 +116,19 @@ def _refused() -> None:
     raise ValueError("refused after its statement")
 
 
-@pytest.mark.parametrize("ending", ["returns", "raises"])
+def _database_refused() -> None:
+    """A database's error that is no lost connection (a constraint, say)."""
+    raise sa.exc.IntegrityError("INSERT ...", {}, Exception("refused after its statement"))
+
+
+ENDINGS = {
+    "returns": lambda: None,
+    "raises": _refused,
+    "raises a database error": _database_refused,
+}
+
+
+@pytest.mark.parametrize("ending", list(ENDINGS))
 @pytest.mark.parametrize("engine", ["its own", "the caller's"])
 def test_a_connection_interrupted_as_its_statements_ended_serves_no_more(
     url: str, table_name: str, make_locker: Callable[..., Locker], engine: str, ending: str
@@ -133,13 +145,13 @@ def test_a_connection_interrupted_as_its_statements_ended_serves_no_more(
     try:
         locker.lock("connected").unlock()
         database = locker._operations.database
-        operation = _statement_then(0.5, _refused if ending == "raises" else lambda: None)
+        operation = _statement_then(0.5, ENDINGS[ending])
         with deadlines.statements_end_by(clock.now() + 0.05):
-            if ending == "raises":
-                with pytest.raises(ValueError, match="refused"):
-                    database.run(None, operation)
-            else:
+            if ending == "returns":
                 assert database.run(None, operation) == "done"
+            else:
+                with pytest.raises((ValueError, LockError), match="refused"):
+                    database.run(None, operation)
         # The connection the next operation gets: the one given back last, were it given back.
         stack = database.pool.stack
         held = stack.take() if stack is not None else None
@@ -177,7 +189,7 @@ def test_an_in_memory_database_keeps_its_locks_through_an_interrupt_after_its_st
         locker.close()
 
 
-@pytest.mark.parametrize("ending", ["returns", "raises"])
+@pytest.mark.parametrize("ending", list(ENDINGS))
 def test_sqlite_gives_the_busy_timeout_back_after_an_interrupt_after_its_statements(
     tmp_path: Path, ending: str
 ) -> None:
@@ -192,8 +204,11 @@ def test_sqlite_gives_the_busy_timeout_back_after_an_interrupt_after_its_stateme
         stack = database.pool.stack
         assert stack is not None
         (connection,) = stack._idle
-        operation = _statement_then(0.5, _refused if ending == "raises" else lambda: None)
-        with deadlines.statements_end_by(clock.now() + 0.05), contextlib.suppress(ValueError):
+        operation = _statement_then(0.5, ENDINGS[ending])
+        with (
+            deadlines.statements_end_by(clock.now() + 0.05),
+            contextlib.suppress(ValueError, LockError),
+        ):
             database.run(None, operation)
         held = stack.take()
         try:

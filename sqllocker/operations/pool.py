@@ -78,9 +78,6 @@ class Connections:
             watch = deadlines.interrupting(backend, dbapi_connection)
             with watch:
                 yield DriverSession(dbapi_connection, cursor, prepared, one_call)
-            if watch.connection_ended:
-                # Interrupted as its statements ended: they stand, the connection goes.
-                fairy.invalidate()
         except sa.exc.DBAPIError as error:
             if error.connection_invalidated or backend.is_read_only(error):
                 fairy.invalidate(error.orig)
@@ -103,6 +100,10 @@ class Connections:
             elif watch is not None and watch.connection_ended:
                 fairy.invalidate(error)
             raise
+        else:
+            if watch.connection_ended:
+                # Interrupted as its statements ended: they stand, the connection goes.
+                fairy.invalidate()
         finally:
             (fairy if connection is None else connection).close()
 
