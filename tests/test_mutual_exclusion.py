@@ -24,7 +24,7 @@ from tests.workers import DUMP_SIGNAL, LOST
 pytestmark = pytest.mark.slow  # many processes on one lock: not in the quick subset
 
 PROCESSES = 8
-ACQUISITIONS_EACH = 100
+ACQUISITIONS_EACH = 70
 LOCKSTRINGS = ["alpha", "beta", "gamma"]
 # Far beyond a healthy run (seconds): workers that stop making progress fail the test instead
 # of holding the run up.
@@ -111,23 +111,23 @@ def purge_meanwhile(locker: Locker, done: threading.Event) -> list[int]:
     return purged
 
 
-# Workers that leave every 50th lock held (two each), as if they had crashed: short expiry and
+# Workers that leave every 35th lock held (two each), as if they had crashed: short expiry and
 # no grace, so the waiters race to take each abandoned row over as soon as it expires. Short,
 # but not too short for the live holders: with a quarter of a second, a sync MariaDB worker on
 # this 2-core VM now and then lost a lock to a release that had to open a connection first
 # (PyMySQL built a TLS context for each then, since shared: CHANGELOG.md), and was taken over
 # meanwhile.
-ABANDON_EVERY = 50
+ABANDON_EVERY = 35
 ABANDONING = ("--abandon-every", str(ABANDON_EVERY), "--expires", "1.0", "--grace", "0")
 # Workers that never wait: each acquisition tries again and again (the one-attempt path).
 TRYING = ("--try-only",)
-# Workers that hold every 50th lock (two each) for two expiry periods (several renewals each),
+# Workers that hold every 35th lock (two each) for two expiry periods (several renewals each),
 # kept alive, with no grace: a renewal that failed to happen would let a waiter take the row
 # over mid-hold.
 # The expiry gives each renewal two thirds of a second to complete: with 0.4 s (under 0.27 s
 # each), MariaDB runs on this 2-core VM now and then lost a lock or three to a renewal that came
 # too late, which the library declared lost (LockLost) while the worker, heeding nothing, held on.
-OUTLIVE_EVERY = 50
+OUTLIVE_EVERY = 35
 OUTLIVING = ("--outlive-every", str(OUTLIVE_EVERY), "--expires", "1.0", "--grace", "0")
 # Workers that give up on a line standing still on a free row after 4 ms, beside abandoned rows
 # that are takeable until a waiter takes them over: the first waiter of a Locker takes a free

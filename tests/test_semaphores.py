@@ -225,10 +225,10 @@ def test_sixteen_processes_never_hold_more_permits_than_the_limit(
 ) -> None:
     make_locker()  # the table
     started = time.monotonic()
-    run = run_semaphore_workers(url, table_name, tmp_path, [3] * 16, 10)
+    run = run_semaphore_workers(url, table_name, tmp_path, [3] * 16, 6)
     taken = [count for _, count in run.taken]
     figure(
-        "semaphore, 16 processes, limit 3, 10 s",
+        "semaphore, 16 processes, limit 3, 6 s",
         backend,
         f"most holders at once {run.most}; permits taken {sum(taken)} "
         f"(overlaps on a slot {run.slot_overlaps}, token inversions {run.token_inversions}) "
