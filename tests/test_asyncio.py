@@ -662,7 +662,13 @@ async def test_a_lock_cycle_cancelled_at_any_point_leaves_no_row(alocker: AsyncL
 
         await eventually(gone)
     assert cancelled >= 2  # in the acquire, at the least, and then further on
-    assert all(not lock.is_locked for lock in held)
+
+    async def all_released() -> bool:
+        # A release cancelled mid-way runs to its end in the background: its row may be seen
+        # gone by another connection before the release has read its answer.
+        return all(not lock.is_locked for lock in held)
+
+    await eventually(all_released)
     async with alocker.lock("cycle 0"):  # free for the next holder
         pass
 
