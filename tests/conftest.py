@@ -10,6 +10,7 @@ from __future__ import annotations
 import compileall
 import itertools
 import os
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -219,6 +220,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # This process keeps what it compiles from here on, pytest's rewritten test modules among
+    # them (half of each worker's collection), though PYTHONDONTWRITEBYTECODE is set.
+    sys.dont_write_bytecode = False
     if not hasattr(config, "workerinput"):  # once, before pytest-xdist starts its workers
         _compile_once()
 
