@@ -232,9 +232,9 @@ def _compile_once() -> None:
 
     The suite starts hundreds of interpreters (workers, fleets, the command line, Django,
     Celery). Where PYTHONDONTWRITEBYTECODE is set, as on CI machines, none writes what it
-    compiles, so each compiled the library from source again: 0.2 s of CPU of each start's
-    0.8 s here. They read bytecode that is there all the same, and a source changed since is
-    compiled afresh as usual (its bytecode records the source's time and size).
+    compiles, so each compiled the library from source again, a good part of its start's CPU.
+    They read bytecode that is there all the same, and a source changed since is compiled
+    afresh as usual (its bytecode records the source's time and size).
     """
     root = Path(__file__).resolve().parent.parent
     for directory in ("sqllocker", "tests"):

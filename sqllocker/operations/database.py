@@ -21,6 +21,7 @@ from sqlalchemy.engine import Engine
 
 from .. import clock, deadlines
 from ..backends import Backend, backend_class
+from ..connections import ConnectionStack, StackedConnection
 from ..engine import describe_url
 from ..errors import DatabaseError, LockError, TableMissing, one_line
 from ..execution import DriverSession, PreparedCache
@@ -347,16 +348,11 @@ class Database:
                 # useless as this one (the stack closes its idle ones when the engine is
                 # disposed of).
                 self.engine.dispose()
-            elif watch is not None and watch.connection_ended:
-                stack.discard(held)
             else:
-                stack.give_back(held)
+                _put_back(stack, held, watch)
             raise
         except Exception:
-            if watch is not None and watch.connection_ended:
-                stack.discard(held)
-            else:
-                stack.give_back(held)
+            _put_back(stack, held, watch)
             raise
         except BaseException:
             # Interrupted mid-statement: the connection's state is unknown (a statement may
@@ -367,11 +363,7 @@ class Database:
             finally:
                 stack.discard(held)
             raise
-        if watch is not None and watch.connection_ended:
-            # Interrupted as its statements ended: they stand, the connection goes.
-            stack.discard(held)
-        else:
-            stack.give_back(held)
+        _put_back(stack, held, watch)
         return result
 
     def _table_missing(self, lockstring: str | None) -> TableMissing:
@@ -381,3 +373,15 @@ class Database:
             "(or Locker.create_table())",
             lockstring,
         )
+
+
+def _put_back(
+    stack: ConnectionStack, held: StackedConnection, watch: deadlines.interrupting | None
+) -> None:
+    """An operation's connection, once it has ended: back on the stack, unless the deadline's
+    watcher ended it (as its statements ended, or after): then it goes, and what its
+    statements did stands."""
+    if watch is not None and watch.connection_ended:
+        stack.discard(held)
+    else:
+        stack.give_back(held)
