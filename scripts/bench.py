@@ -256,6 +256,94 @@ def raw_floor_cycle(url: str) -> Cycle:
     return cycle, close
 
 
+FLAT = "flat cycle"
+FLAT_CYCLES = {"sqlite"}  # where the uncontended goal is the sync cycle's
+
+
+def flat_cycle(url: str) -> Cycle:
+    """What any Python around the floor's statements must do for a lock cycle with the
+    library's API, in one function per acquire and per release: a bound that a library of
+    layers can approach, not pass (the design tried, where the uncontended goal is missed).
+
+    The acquire checks the lockstring, makes a guid and the holder's details, runs the
+    acquire statement on a connection of the Locker's own stack, and hands out the library's
+    own ``Lock``: its state (validity deadline, the lock that orders its release after a
+    renewal) and its finaliser, and on SQLite what its release rings for a waiter that queued
+    meanwhile. The release deletes the row by id and guid under that lock, checks the count,
+    rings, detaches the finaliser, and checkpoints SQLite's log as the Locker's releases do.
+
+    Left out, which the library does: retries after a lost connection or contention, errors
+    translated and named, the takeover of an expired row, the deadlines that end a statement
+    on a frozen connection, telemetry, and ``lock()``'s options."""
+    from sqllocker import LockLost, clock
+    from sqllocker.identity import holder_details, new_guid
+    from sqllocker.lock import Lock, LockState
+    from sqllocker.validation import check_lockstring
+
+    locker = Locker(url, table=TABLE)
+    locker.lock("compile").unlock()  # connect, learn the backend
+    operations = locker._operations
+    stack = operations.database.pool.stack
+    if stack is None or not operations.backend.insert_returning:
+        raise SystemExit(f"{url}: no connection stack, or an acquire that returns no row")
+    attempts = locker._acquirer.attempts
+    file_queue, offset = attempts.file_queue, attempts._offset
+    ttl, statements = locker.expires, FloorStatements(operations)
+    run = os.getpid()
+
+    def lock(lockstring: str) -> Lock:
+        check_lockstring(lockstring)
+        guid, details = new_guid(), holder_details({})
+        parameters = statements.acquire.parameters(
+            {
+                "ls": lockstring,
+                "lock_guid": guid,
+                "ttl": statements._ttl,
+                "minus_grace": statements._minus_grace,
+                "holder": details,
+            }
+        )
+        held = stack.take()
+        try:
+            sent_at = clock.now()
+            held.cursor.execute(statements.acquire.sql, parameters)
+            rows = held.cursor.fetchall()
+        finally:
+            stack.give_back(held)
+        lock_id, created, expires = rows[0]
+        state = LockState(
+            operations, locker._call, locker._keep_alives, lockstring, lock_id, guid, ttl,
+            sent_at, None,
+        )  # fmt: skip
+        if file_queue is not None:
+            state.place = file_queue.unplaced(offset(lockstring))
+        return Lock(locker, state, created=created, expires=expires, locked_by=details)
+
+    def unlock(lock: Lock) -> None:
+        state = lock._state
+        with state.op_lock:
+            held = stack.take()
+            try:
+                held.cursor.execute(
+                    statements.release.sql, statements.release_parameters(state.lock_id, state.guid)
+                )
+                deleted = held.cursor.rowcount
+            finally:
+                stack.give_back(held)
+            if deleted != 1:
+                raise LockLost("no longer ours", state.lockstring, state.lock_id)
+            state.held = False
+            state.leave_place()
+        lock._finalizer.detach()
+        if operations.checkpoint_due():
+            operations.checkpoint()
+
+    def cycle(n: int) -> None:
+        unlock(lock(f"flat {run} {n}"))
+
+    return cycle, locker.close
+
+
 def sqllocker_cycle(url: str, table: str = TABLE, **options: Any) -> Cycle:
     locker = Locker(url, table=table, **options)
     run = os.getpid()
@@ -500,6 +588,8 @@ def uncontended(
             ("raw floor", functools.partial(raw_floor_cycle, url)),
             ("sqllocker", functools.partial(sqllocker_cycle, url)),
         ]
+        if backend in FLAT_CYCLES:
+            makers.append((FLAT, functools.partial(flat_cycle, url)))
         makers += [(name, functools.partial(lock_cycle, name, url)) for name in TRY_LOCKS[backend]]
         rows += paired_rows(backend, rounds_in_turn(makers, count, rounds), "raw floor")
         # The async rows' ratios are to the async floor: the same statements, the async driver.
@@ -870,6 +960,7 @@ SYSTEM_NAMES = {
     "GET_LOCK": "blocking `GET_LOCK`",
     FIFO_FLOOR: "durable FIFO floor",
     DOORBELL_FLOOR: "doorbell floor (a design tried)",
+    FLAT: "flat cycle (a design tried)",
     "GET_LOCK try-lock": "`GET_LOCK` try-lock (timeout 0)",
     "redis-py Lock": "redis-py `Lock` (blocking)",
     "redis-py Lock (non-blocking)": "redis-py `Lock` (non-blocking)",
@@ -953,6 +1044,20 @@ def performance_page(results: dict[str, Any]) -> str:
         "are measured against the *async* floor: the same statements through the async driver",
         "(psycopg's async connection, aiosqlite, aiomysql) on one held connection.",
     ]
+    if any(row["system"] == FLAT for row in results["uncontended"]):
+        lines += [
+            "",
+            "The *flat cycle* is a design tried: what a lock cycle must do around the floor's",
+            "statements, in one function per acquire and per release. It checks the lockstring,",
+            "makes a guid and the holder's details, takes a connection of the Locker's own",
+            "stack, hands out the library's own `Lock` (its state, its deadline, its",
+            "finaliser), and at the release checks the count, rings for a waiter that queued",
+            "meanwhile and checkpoints the log as the Locker does. It leaves out what the",
+            "library adds: retries after a lost connection or contention, errors translated,",
+            "the takeover of an expired row, the deadlines of a frozen connection, telemetry",
+            "and the options of `lock()`. No library of these statements in Python, with this",
+            "API, does much better than it.",
+        ]
     cells = [_paired_cells(row, "p50_ms", "p99_ms") for row in results["uncontended"]]
     lines += _table(
         "backend | system | cycles/s | p50 ms | p99 ms | x floor | rounds", "--:::::", cells

@@ -4,6 +4,7 @@ come from them, so a wrong count there would be a wrong claim there)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -87,8 +88,6 @@ SETTINGS = ("commit_delay", "commit_siblings", "synchronous_commit")
 def test_the_performance_page_is_what_the_benchmark_wrote() -> None:
     """docs/performance.md is written by bench.py from docs/bench.json, never by hand: a page
     that differs from its rendering was edited, or its run's JSON was not committed with it."""
-    from pathlib import Path
-
     docs = Path(__file__).resolve().parents[1] / "docs"
     results = json.loads((docs / "bench.json").read_text())
     assert (docs / "performance.md").read_text() == bench.performance_page(results)
@@ -137,8 +136,6 @@ def test_the_durable_fifo_floor_takes_turns_in_line_one_holder_at_a_time(
 def test_the_page_sets_sqllocker_against_its_floor_and_the_goals_the_floor_bounds() -> None:
     """A run with the floor's rows: they show in the contended table, with sqllocker's ratios
     to them, and, for the goals against a server's own lock, where the floor itself stands."""
-    from pathlib import Path
-
     docs = Path(__file__).resolve().parents[1] / "docs"
     floors = (bench.FIFO_FLOOR, bench.DOORBELL_FLOOR)
     results = json.loads((docs / "bench.json").read_text())
@@ -179,3 +176,36 @@ def test_the_page_sets_sqllocker_against_its_floor_and_the_goals_the_floor_bound
     )
     # The page of a run without them is as before.
     assert "| durable FIFO floor |" not in without_floors
+
+
+def test_the_flat_cycle_takes_real_rows_and_is_the_bound_of_sqlites_uncontended_goal(
+    tmp_path: Path,
+) -> None:
+    """The flat cycle (a lock cycle's duties done in one function each) runs the library's
+    statements on a Locker's connections and gives every row back; on the page it is the floor
+    the SQLite uncontended goal is set against."""
+    url = f"sqlite:///{tmp_path}/flat.db"
+    bench.fresh_table(url)
+    cycle, close = bench.flat_cycle(url)
+    seen = sa.create_engine(url)
+    try:
+        for n in range(200):  # past a checkpoint, which the Locker's releases make
+            cycle(n)
+        with seen.connect() as conn:
+            rows = conn.execute(sa.text(f"SELECT count(*) FROM {bench.TABLE}")).scalar()
+        assert rows == 0
+    finally:
+        close()
+        seen.dispose()
+    assert bench.FLAT == bench.goals().FLAT
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    results = json.loads((docs / "bench.json").read_text())
+    mine = next(
+        row
+        for row in results["uncontended"]
+        if (row["backend"], row["system"]) == ("sqlite", "sqllocker")
+    )
+    results["uncontended"].append(dict(mine, system=bench.FLAT, ratio_to_floor=0.9))
+    page = bench.performance_page(results)
+    assert "| 0.90x (flat cycle) | **no** |" in page
+    assert "| SQLite (WAL) | flat cycle (a design tried) |" in page
