@@ -11,5 +11,6 @@ Modules, one job each: ``plan`` (settings, lockstrings, what the seed decides), 
 under each lock), ``sections`` (what a holder does), ``worker`` and ``async_worker`` (the
 clients), ``command`` (the program ``sqllocker run`` runs), ``mutants`` (broken libraries, for
 the checker's own tests), ``nemesis`` (the faults), ``checker`` (the judgement), ``report``
-(what is printed), ``campaign`` (runs it all).
+(what is printed), ``processes`` (how its processes are forked from servers that imported them
+once), ``campaign`` (runs it all).
 """

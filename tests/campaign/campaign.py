@@ -19,20 +19,19 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import sqlalchemy as sa
 
 from sqllocker import Locker, LockError
 from sqllocker.permits import permit_lockstring
-from tests.campaign import checker, database, history, mutants, plan, report
+from tests.campaign import checker, database, history, mutants, plan, processes, report
 from tests.campaign.nemesis import Nemesis, descendants
 from tests.campaign.sections import WorkerConfig
+from tests.fork_server import Child, Server, boot_clock_ahead
 from tests.private_servers import (
     PrivateMariaDB,
     PrivatePostgres,
@@ -43,22 +42,24 @@ from tests.stall_proxy import StallProxy
 
 ROOT = Path(__file__).resolve().parents[2]
 PR_SET_CHILD_SUBREAPER = 36
-CLONE_NEWTIME = 0x80
 WATCH_PERIOD = 0.5  # seconds between the checks of the history so far (--stop-on)
 
 
 class Workers:
-    """The worker processes: started, restarted after the nemesis kills one (until the faults
-    stop), and waited for."""
+    """The worker processes: started (by ``launcher``, see ``processes.py``), restarted after
+    the nemesis kills one (until the faults stop), and waited for."""
 
-    def __init__(self, settings: plan.Settings, url: str, directory: Path) -> None:
+    def __init__(
+        self, settings: plan.Settings, url: str, directory: Path, launcher: Server
+    ) -> None:
         self.settings = settings
         self.url = url
+        self.launcher = launcher
         self.history_path = directory / "history.jsonl"
         self.chaos_end_file = directory / "chaos_end"
         self.chaos_end = float("inf")
         self.logs = directory
-        self.processes: dict[int, tuple[str, subprocess.Popen[bytes]]] = {}
+        self.processes: dict[int, tuple[str, Child]] = {}
         self.exits: dict[str, int | None] = {}
         self.incarnations: dict[int, int] = {}
         self.clock_steps: dict[int, int] = {}  # worker -> its next start's boot-time offset
@@ -87,16 +88,15 @@ class Workers:
         environment.pop(mutants.ENVIRONMENT_VARIABLE, None)
         if self.settings.mutant:
             environment[mutants.ENVIRONMENT_VARIABLE] = self.settings.mutant
-        log = open(self.logs / f"{config.name}.log", "wb")  # noqa: SIM115 -- the child's
-        process = subprocess.Popen(
-            [sys.executable, "-m", f"tests.campaign.{module}", config.to_json()],
-            cwd=ROOT,
+        log = str(self.logs / f"{config.name}.log")
+        process = self.launcher.spawn(
+            ["-m", f"tests.campaign.{module}", config.to_json()],
+            module,
             env=environment,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            preexec_fn=None if step is None else boot_clock_ahead(step),
+            cwd=ROOT,
+            files=(os.devnull, log, log),
+            boottime_ahead=step,
         )
-        log.close()
         with self._lock:
             self.processes[number] = (config.name, process)
 
@@ -225,20 +225,24 @@ class Snapshots:
         return self.taken
 
 
-def run(settings: plan.Settings, keep: Path | None = None) -> int:
-    """One campaign; prints its report; returns how many violations it found."""
+def run(settings: plan.Settings, launcher: Server, keep: Path | None = None) -> int:
+    """One campaign, its processes started by ``launcher`` (``processes.py``); prints its
+    report; returns how many violations it found."""
     if not settings.private_server or settings.backend == "sqlite":
-        return _run(settings, keep, None)
+        return _run(settings, launcher, keep, None)
     missing = private_servers_missing()
     if missing is not None:
         raise SystemExit(f"--private-server {missing}")
     with private_server(settings.backend) as server:
         print(f"private {settings.backend} server on port {server.port}", flush=True)
-        return _run(settings, keep, server)
+        return _run(settings, launcher, keep, server)
 
 
 def _run(
-    settings: plan.Settings, keep: Path | None, server: PrivatePostgres | PrivateMariaDB | None
+    settings: plan.Settings,
+    launcher: Server,
+    keep: Path | None,
+    server: PrivatePostgres | PrivateMariaDB | None,
 ) -> int:
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans come back to us
@@ -251,7 +255,7 @@ def _run(
         if settings.backend != "sqlite":
             proxy = StallProxy(database.server_port(db.url))
             worker_url = database.through_port(db.url, proxy.port)
-        workers = Workers(settings, worker_url, directory)
+        workers = Workers(settings, worker_url, directory, launcher)
         history_path = workers.history_path
         for number in range(settings.workers):
             workers.start(number)  # they touch nothing before the campaign's clock starts
@@ -266,7 +270,15 @@ def _run(
         steps = workers.step_clock_of if time_namespaces() else None
         snapshots = Snapshots(db.url)
         nemesis = Nemesis(
-            settings, history_path, db.url, workers.live, proxy, steps, snapshots.start, server
+            settings,
+            history_path,
+            db.url,
+            workers.live,
+            launcher,
+            proxy,
+            steps,
+            snapshots.start,
+            server,
         )
         watcher = None
         if settings.stop_on:
@@ -283,6 +295,7 @@ def _run(
         if watcher is not None:
             watcher.join()
         workers.wait(history.now() + 4 * settings.liveness_wait + 30)
+        launcher.close()
         _end_descendants(server)
         taken = snapshots.finish(settings.expires + checker.NOBODY_SLACK + 1)
         with open(directory / "snapshots.jsonl", "w") as kept_rows:  # kept with the history
@@ -339,25 +352,10 @@ def _stop_on_violation(
             return
 
 
-def boot_clock_ahead(seconds: int) -> Callable[[], None]:
-    """For ``Popen(preexec_fn=...)``: the child runs in a new time namespace (as ``unshare
-    --time``, keeping its pid) whose CLOCK_BOOTTIME is ``seconds`` ahead of the host's, and
-    whose CLOCK_MONOTONIC, which the history is stamped with, is the host's."""
-
-    def enter() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.unshare(CLONE_NEWTIME) != 0:
-            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWTIME)")
-        with open("/proc/self/timens_offsets", "w") as offsets:
-            offsets.write(f"boottime {seconds} 0\n")
-
-    return enter
-
-
 def time_namespaces() -> bool:
     """Whether time namespaces can be made here (Linux 5.6, and root)."""
     try:
-        subprocess.run(["true"], check=True, preexec_fn=boot_clock_ahead(1))
+        subprocess.run(["true"], check=True, preexec_fn=lambda: boot_clock_ahead(1))
     except (OSError, subprocess.SubprocessError):
         return False
     return True
@@ -467,4 +465,8 @@ def main(argv: list[str] | None = None) -> int:
         stop_on=_stop_on(args.stop_on, parser),
     )
     print(f"campaign: {settings.backend} seed {seed}, {settings.seconds:g}s", flush=True)
-    return 1 if run(settings, args.keep) else 0
+    launcher = processes.launcher(settings.backend)  # before anything connects or starts
+    try:
+        return 1 if run(settings, launcher, args.keep) else 0
+    finally:
+        launcher.close()

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -35,9 +35,10 @@ import sqlalchemy as sa
 from sqllocker import Locker, LockError
 from sqllocker.engine import resolve_url
 from sqllocker.permits import permit_lockstring
-from tests.campaign import plan
+from tests.campaign import plan, processes
 from tests.campaign.database import LOCK_TABLE
 from tests.campaign.history import History, now
+from tests.fork_server import Child, Server, process_name
 from tests.private_servers import PrivateMariaDB, PrivatePostgres
 from tests.stall_proxy import StallProxy
 
@@ -82,13 +83,6 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def command_line(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
 def run_lock_id(runner: int) -> int | None:
     """The fencing token of the lock a ``sqllocker run`` holds, as its command was given it."""
     for pid in descendants(runner):
@@ -109,6 +103,7 @@ class Nemesis:
         history_path: Path,
         url: str,
         workers: Callable[[], dict[int, int]],
+        launcher: Server,
         proxy: StallProxy | None,
         step_clock_of: Callable[[int, int], None] | None = None,
         on_undone: Callable[[], None] | None = None,
@@ -118,6 +113,7 @@ class Nemesis:
         self.history = History(history_path, "nemesis")
         self.url = url
         self.workers = workers  # worker number -> pid of the live ones
+        self.launcher = launcher  # the operators' commands are forked from it (processes.py)
         self.proxy = proxy
         self.step_clock_of = step_clock_of  # (worker, seconds): its next boot clock that far ahead
         self.on_undone = on_undone  # called once every fault is undone
@@ -130,7 +126,7 @@ class Nemesis:
         self._fraction = 0.0
         self.counts: Counter[str] = Counter()
         self.undo: list[tuple[float, str, Callable[[], None], dict[str, object]]] = []
-        self.purges: list[subprocess.Popen[bytes]] = []
+        self.purges: list[Child] = []
         self.operators: list[threading.Thread] = []
 
     def run(self, began: float, until: float) -> None:
@@ -227,7 +223,7 @@ class Nemesis:
             pid
             for worker in self.workers().values()
             for pid in descendants(worker)
-            if "tests.campaign.sqllocker_cli" in command_line(pid)
+            if process_name(pid) == processes.RUNNER_NAME
         ]
         if not runners:
             return
@@ -289,10 +285,16 @@ class Nemesis:
         command = [*self._cli(), "release", "--force", "--id", str(lock_id), lockstring]
 
         def release() -> dict[str, object]:
-            done = subprocess.run(
-                command, capture_output=True, text=True, timeout=OPERATOR_TIMEOUT, check=False
-            )
-            return {"status": done.returncode, "said": done.stderr.strip()[-300:]}
+            with tempfile.NamedTemporaryFile("r", prefix="sqllocker-release-") as said:
+                files = (os.devnull, os.devnull, said.name)
+                process = self.launcher.spawn(command, "sqllocker", files=files)
+                try:
+                    status = process.wait(OPERATOR_TIMEOUT)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+                    raise
+                return {"status": status, "said": said.read().strip()[-300:]}
 
         self._beside("release_force", lockstring, lock_id, release)
 
@@ -317,13 +319,9 @@ class Nemesis:
         self._count("purge")
         self.purges = [purge for purge in self.purges if purge.poll() is None]
         grace = str(self.settings.grace)
-        self.purges.append(
-            subprocess.Popen(
-                [*self._cli(), "purge-expired", "--grace", grace, "--pause-ratio", "0"],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-        )
+        command = [*self._cli(), "purge-expired", "--grace", grace, "--pause-ratio", "0"]
+        files = (os.devnull, os.devnull, os.devnull)
+        self.purges.append(self.launcher.spawn(command, "sqllocker", files=files))
 
     def stall(self) -> None:
         assert self.proxy is not None
@@ -404,5 +402,4 @@ class Nemesis:
             engine.dispose()
 
     def _cli(self) -> list[str]:
-        cli = "from sqllocker.cli import main; main()"
-        return [sys.executable, "-c", cli, "--url", self.url, "--table", LOCK_TABLE]
+        return ["-m", "sqllocker.cli", "--url", self.url, "--table", LOCK_TABLE]

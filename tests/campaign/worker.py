@@ -2,6 +2,8 @@
 the liveness phase (each lock once more, waiting long enough to be served whatever happened).
 
 ``python -m tests.campaign.worker CONFIG_JSON`` (the campaign starts it; see ``sections.py``).
+Its ``sqllocker run`` processes are forked from a server it forks as it starts
+(``processes.py``).
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from collections.abc import Sequence
 
 import sqlalchemy as sa
 
+import sqllocker.cli  # noqa: F401 -- what the runs run, imported once, before the runs' server
 from sqllocker import Lock, Locker
 from sqllocker.engine import resolve_url
-from tests.campaign import guarded, mutants, plan
+from tests.campaign import guarded, mutants, plan, processes
 from tests.campaign.history import History, now
 from tests.campaign.sections import (
     ChaosEnd,
@@ -24,13 +27,15 @@ from tests.campaign.sections import (
     outcome,
     parse_config,
 )
+from tests.fork_server import Server, run_module
 
 RUN_TIMEOUT = 60.0
 
 
 class SyncWorker:
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, runs: Server) -> None:
         self.config = config
+        self.runs = runs  # forks the ``sqllocker run`` processes
         self.rng = plan.operation_rng(config.seed, config.number, config.incarnation, 0)
         self.history = History(config.history, config.name)
         self.locker = Locker(
@@ -65,6 +70,7 @@ class SyncWorker:
         self.history.record("done")
         self.locker.close()
         self.engine.dispose()
+        self.runs.close()
 
     # -- operations ---------------------------------------------------------------------------
 
@@ -172,7 +178,7 @@ class SyncWorker:
         lockstring = self.rng.choice(plan.RUN_LOCKS)
         seconds = self.rng.uniform(0.2, 5.0)
         command = [
-            *[sys.executable, "-m", "tests.campaign.sqllocker_cli"],
+            *["-m", processes.RUNNER],
             *["--url", self.config.url, "--table", self.config.table, "run", "-q"],
             *["--expires", str(self.config.expires), "--wait", str(self.rng.uniform(0, 4))],
             *["--kill-after", str(self.config.kill_after), lockstring, "--"],
@@ -180,7 +186,14 @@ class SyncWorker:
         ]
         self.history.record("invoke", op=op, ls=lockstring, seconds=seconds)
         try:
-            status = subprocess.run(command, timeout=RUN_TIMEOUT, check=False).returncode
+            # Its stdin, stdout and stderr are the worker's; it outlives a worker killed.
+            status = self.runs.run(
+                command,
+                processes.RUNNER_NAME,
+                files=(None, None, None),
+                timeout=RUN_TIMEOUT,
+                die_with_parent=False,
+            )
         except subprocess.TimeoutExpired:
             self.history.record("info", op=op, ls=lockstring, error="timeout")
             return
@@ -263,9 +276,12 @@ class SyncWorker:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # The runs' server first: it must hold no mutant (each run applies its own), no
+    # connection and no thread.
+    runs = Server.fork(run_module)
     mutants.apply()
     config = parse_config(argv)
-    SyncWorker(config).run()
+    SyncWorker(config, runs).run()
     return 0
 
 
