@@ -7,7 +7,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 import secrets
+import signal
+import sqlite3
 import threading
 import time
 import uuid
@@ -121,6 +124,33 @@ def wait_in_thread(
     thread = threading.Thread(target=wait)
     thread.start()
     return thread, result
+
+
+def stop_outside_a_write(pid: int, url: str | sa.URL, tries: int = 100) -> None:
+    """SIGSTOP ``pid``, at a moment it holds no write lock of ``url``'s database.
+
+    On SQLite a process stopped inside a write (a renewal, say) keeps the database's write
+    lock: nobody else can write until it goes on. That is SQLite's, and the scenarios that
+    stop a holder are about the lock's row, not about it; so the stop is tried again until a
+    probe can take the write lock (it may also be held by another writer for a moment). A
+    server ends a stopped client's statement by itself: there the stop is at once."""
+    os.kill(pid, signal.SIGSTOP)
+    url = resolve_url(url)
+    if url.get_backend_name() != "sqlite" or not url.database:
+        return
+    for _ in range(tries):
+        probe = sqlite3.connect(url.database, timeout=0, isolation_level=None)
+        try:
+            probe.execute("BEGIN IMMEDIATE")
+            probe.execute("ROLLBACK")
+            return
+        except sqlite3.OperationalError:  # locked: the stopped process may be inside a write
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.02)
+            os.kill(pid, signal.SIGSTOP)
+        finally:
+            probe.close()
+    raise AssertionError(f"{url.database}'s write lock stayed held while {pid} was stopped")
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:

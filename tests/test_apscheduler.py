@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("apscheduler")
 
 from sqllocker import Locker, LockError
-from tests.helpers import wait_until
+from tests.helpers import stop_outside_a_write, wait_until
 
 pytestmark = pytest.mark.slow  # real workers, schedulers or processes
 
@@ -50,7 +50,7 @@ def test_three_schedulers_run_a_cron_job_once_per_fire_time(
             assert scheduler.stdout.readline() == b"ready\n"
         all_ready = datetime.now().astimezone()
         time.sleep(2)
-        os.kill(schedulers[1].pid, signal.SIGSTOP)  # misses fire times, then catches up
+        stop_outside_a_write(schedulers[1].pid, url)  # misses fire times, then catches up
         time.sleep(3.5)
         stopped_until = datetime.now().astimezone()
         os.kill(schedulers[1].pid, signal.SIGCONT)

@@ -18,7 +18,7 @@ import sqlalchemy as sa
 
 from sqllocker import LockBusy, Locker, LockLost
 from sqllocker.asyncio import AsyncLocker
-from tests.helpers import abandon, wait_until
+from tests.helpers import abandon, stop_outside_a_write, wait_until
 from tests.workers import async_url
 
 
@@ -201,9 +201,8 @@ def test_five_candidates_one_valid_leader_through_a_kill_and_a_stop(
         stopped, stopped_term = _leader_pid(locker, killed_term, 30)
         # A bound against "never": the takeover comes after expiry + grace.
         assert time.monotonic() - started < expires + grace + 15
-        # Not at a renewal's moment: stopped within a write, it would hold SQLite's lock.
         time.sleep(1.5)
-        os.kill(stopped, signal.SIGSTOP)
+        stop_outside_a_write(stopped, url)
         _, last_term = _leader_pid(locker, stopped_term, 30)
         # The next leader has been valid while the stopped one was still frozen.
         wait_until(lambda: _was_valid(tmp_path, last_term), 30)

@@ -39,6 +39,7 @@ from tests.helpers import (
     figure,
     in_line,
     migrate,
+    stop_outside_a_write,
     wait_in_thread,
     wait_until,
     wait_until_async,
@@ -144,7 +145,7 @@ def test_frozen_holder_finds_its_lock_lost_and_its_writes_fenced(
     holder = Holder(url, contender.table_name, "job", "--expires", "1", "--keep-alive")
     try:
         stale_id = holder.read()["lock_id"]
-        holder.process.send_signal(signal.SIGSTOP)
+        stop_outside_a_write(holder.process.pid, url)
         frozen_at = time.monotonic()
         new = contender.lock("job", wait=30)
         took_over_after = time.monotonic() - frozen_at
@@ -201,7 +202,7 @@ def test_a_holder_stopped_past_expiry_and_taken_over_is_told_once_whoever_finds_
         for holder in holders:
             holder.read()
         for holder in holders:
-            holder.process.send_signal(signal.SIGSTOP)
+            stop_outside_a_write(holder.process.pid, url)
         for trial, holder in enumerate(holders):
             new = contender.lock(f"job {trial}", wait=30)
             holder.send("unlock")  # read the moment it resumes

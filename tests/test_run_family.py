@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from sqllocker import Lock, Locker
+from tests.helpers import stop_outside_a_write
 from tests.test_cli import Run, alive, migrated, popen, run_job, sqllocker, wait_until
 
 __all__ = ["migrated", "sqllocker"]  # fixtures, used by name
@@ -167,7 +168,10 @@ def test_a_stopped_or_killed_sqllocker_has_its_family_gone_before_anyone_else_ho
     family = pids_in(pids, 3)
     reap_leftovers.extend(family)
     wait_until(lambda: beats.exists())
-    os.kill(runner.pid, signal.SIGSTOP if how == "stopped" else signal.SIGKILL)
+    if how == "stopped":
+        stop_outside_a_write(runner.pid, url)
+    else:
+        os.kill(runner.pid, signal.SIGKILL)
     try:
         second = take_over_at_expiry(migrated, "job")
         took_over = time.monotonic()
@@ -193,7 +197,7 @@ def test_on_lost_warn_lets_a_stopped_sqllockers_command_run_on(
     runner = run_job(url, table_name, "--expires 3 --on-lost warn", f"echo $$ >> {pids}; sleep 60")
     (command,) = pids_in(pids, 1)
     reap_leftovers.append(command)
-    os.kill(runner.pid, signal.SIGSTOP)
+    stop_outside_a_write(runner.pid, url)
     try:
         second = migrated.lock("job", wait=30)
         assert alive(command)

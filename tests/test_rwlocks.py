@@ -17,7 +17,7 @@ import pytest
 from sqllocker import Lock, LockBusy, Locker, LockValueError
 from sqllocker.asyncio import AsyncLocker
 from tests.fleet import Fleet
-from tests.helpers import abandon, count_rows
+from tests.helpers import abandon, count_rows, stop_outside_a_write
 from tests.workers import async_url
 
 
@@ -318,7 +318,7 @@ def test_a_writer_stopped_past_its_expiry_while_it_waits_starts_again(
         while locker.lock_info("catalog") is None:
             assert time.monotonic() < deadline, "the writer never put its row in"
             time.sleep(0.02)
-        os.kill(writer.pid, signal.SIGSTOP)
+        stop_outside_a_write(writer.pid, url)
         second = rw.read(wait=10)  # once the stopped writer's row expired
         first.unlock()
         os.kill(writer.pid, signal.SIGCONT)
