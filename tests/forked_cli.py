@@ -1,9 +1,11 @@
-"""The ``sqllocker`` console script (or Django's ``python -m django``), each run forked from
-one server that imported it once (``fork_server.py``).
+"""The ``sqllocker`` console script (or Django's ``python -m django``, or a fault campaign's
+``python -m tests.campaign``), each run forked from one server that imported it once
+(``fork_server.py``).
 
 ``python -m tests.forked_cli PROGRAM`` imports the program (``sqllocker``: ``sqllocker.cli``,
 that is SQLAlchemy, click and the library, half a second of CPU per interpreter, far more on a
-loaded machine; ``django``: Django's command line and the library, settings unread), then
+loaded machine; ``django``: Django's command line and the library, settings unread;
+``campaign``: the campaign, what its processes run and every backend's drivers), then
 serves requests on its stdin and stdout, forking one child per request that runs the program
 with the request's ``argv`` as its console script does. Nothing is connected or configured
 before the fork; the children die with the server (``PR_SET_PDEATHSIG``).
@@ -25,7 +27,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.fork_server import REPO, Channel, Server, serve
+from tests.fork_server import REPO, Channel, Server, run_module, serve
 
 _servers: dict[str, Server] = {}
 _guard = threading.Lock()
@@ -38,7 +40,8 @@ def run(
     timeout: float = 120,
     program: str = "sqllocker",
 ) -> subprocess.CompletedProcess[str]:
-    """``sqllocker ARGV`` (``program="django"``: ``python -m django ARGV``) with ``env``
+    """``sqllocker ARGV`` (``program="django"``: ``python -m django ARGV``; ``"campaign"``:
+    ``python -m tests.campaign ARGV``) with ``env``
     (default: this process's) in ``cwd``: its exit status, stdout and stderr, as
     ``subprocess.run(..., capture_output=True, text=True)`` gives them.
     ``subprocess.TimeoutExpired`` after ``timeout`` seconds (the command is killed then)."""
@@ -89,7 +92,19 @@ def _django() -> Callable[[list[str]], None]:
     return run
 
 
-_PROGRAMS = {"sqllocker": _sqllocker, "django": _django}
+def _campaign() -> Callable[[list[str]], None]:
+    import tests.campaign.campaign  # noqa: F401
+    from tests.campaign import processes
+
+    processes.preload("sqlite", "postgresql", "mysql")
+
+    def run(argv: list[str]) -> None:
+        run_module(["-m", "tests.campaign", *argv])
+
+    return run
+
+
+_PROGRAMS = {"sqllocker": _sqllocker, "django": _django, "campaign": _campaign}
 
 
 if __name__ == "__main__":

@@ -5,19 +5,18 @@ The short campaigns run a fixed seed per backend, and one fresh seed (drawn when
 so that both xdist workers collect the same tests, and printed with its report) on a backend it
 picks; a failure prints the campaign's report, whose windows of
 history show each violation, and ``python -m tests.campaign --backend B --seed N`` replays its
-schedule.
+schedule. Each campaign is forked from a server that imported it once (``tests/forked_cli.py``).
 """
 
 from __future__ import annotations
 
 import random
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests import forked_cli
 from tests.campaign.checker import EARLY_CHECKS
 from tests.campaign.found import FOUND, Found
 from tests.conftest import BACKENDS, IN_CI
@@ -34,11 +33,8 @@ SUMMARY = re.compile(
 
 
 def campaign(backend: str, seed: int, *options: str, seconds: float = SECONDS) -> tuple[int, str]:
-    command = [sys.executable, "-m", "tests.campaign", "--backend", backend, "--seed", str(seed)]
-    command += ["--seconds", str(seconds), *options]
-    done = subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False
-    )
+    argv = ["--backend", backend, "--seed", str(seed), "--seconds", str(seconds), *options]
+    done = forked_cli.run(argv, cwd=ROOT, timeout=600, program="campaign")
     return done.returncode, done.stdout + done.stderr[-3000:]
 
 
