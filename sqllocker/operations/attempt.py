@@ -112,7 +112,7 @@ class Attempt:
         live holder's row, or None (free, ours, or takeable: the INSERT follows). A refused
         INSERT takes a lock on the holder's row, which its release then waits for, and costs
         a round trip more than the read. (Reading whether a live ticket stands ahead as well
-        cost more than the INSERTs it spared: docs/speed-history.md.)"""
+        was measured to cost more than the INSERTs it spared.)"""
         held = conn.execute(self._db.sql.holder_for_acquirer, params).first()
         if held is None or held.ours or held.takeable:
             return None

@@ -53,8 +53,7 @@ class Purge:
         params = self._db.expiry
         deleted = conn.affected(self._db.sql.purge_batch(batch_size), params)
         if deleted:
-            # The purge pays for its own WAL pages here, rather than the next lock operation
-            # (the rounds that showed it are in docs/speed-history.md).
+            # The purge pays for its own WAL pages here, rather than the next lock operation.
             self._checkpoints.checkpoint_on(conn)
         return deleted
 
