@@ -11,16 +11,27 @@ third of that:
   (a script that ends without unlocking gives its rows back rather than leaving them to expire);
 - never after that exit pass (interpreter teardown, with modules half gone), and never once
   detached.
+
+An owner freed by the cycle collector is freed wherever the collector happens to run: at any
+allocation, in any code, sqllocker's own included, say half-way through setting up a connection
+with the set-up lock held. A release run there would wait for that lock for ever, so what the
+collector frees is called back on a thread of its own (``_Deferred``) instead; an owner freed by
+its last reference going is called back at once, where that happened, as before.
 """
 
 from __future__ import annotations
 
 import atexit
 import gc
+import os
+import queue
 import sys
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
+
+from . import forks
 
 # Each live finaliser's weak reference, mapped to what to call: dict operations are atomic
 # under the GIL, so no lock is needed.
@@ -37,20 +48,94 @@ class Finaliser:
     def __init__(self, owner: object, callback: Callable[[Any], None], argument: Any) -> None:
         self._ref = weakref.ref(owner, _collected)
         _pending[self._ref] = (callback, argument)
+        if _deferred.pid != forks.pid:
+            _deferred.start()  # here, not where the collector runs: see _Deferred
 
     def detach(self) -> None:
         """Never call back."""
         _pending.pop(self._ref, None)
 
     def __call__(self) -> None:
-        _collected(self._ref)
+        due = _pending.pop(self._ref, None)
+        if due is not None and not _shut_down:
+            _call(*due)
 
 
 def _collected(ref: weakref.ref[Any]) -> None:
     due = _pending.pop(ref, None)
-    if due is not None and not _shut_down:
-        callback, argument = due
+    if due is None or _shut_down:
+        return
+    if _collecting.thread == threading.get_ident():
+        _deferred.put(due)
+    else:
+        _call(*due)
+
+
+def _call(callback: Callable[[Any], None], argument: Any) -> None:
+    try:
         callback(argument)
+    except Exception:
+        sys.excepthook(*sys.exc_info())
+
+
+class _Collecting:
+    """Which thread the cycle collector runs in, while it runs (``gc.callbacks``)."""
+
+    thread: int | None = None
+
+    def __call__(self, phase: str, _info: dict[str, int]) -> None:
+        self.thread = threading.get_ident() if phase == "start" else None
+
+
+class _Deferred:
+    """The callbacks of owners the cycle collector freed, run in order on a thread of this
+    process's own, started with its first finaliser: where the collector runs, they are only
+    queued (a C queue: nothing there waits for a lock the interrupted code may hold, as
+    starting a thread would); drained at interpreter exit."""
+
+    def __init__(self) -> None:
+        self.pid: int | None = None  # of the process whose thread serves the queue
+        self._forget()
+
+    def _forget(self) -> None:
+        """No queue served yet: in a forked child, what the parent queued, and its lock, held
+        maybe by its thread, are not the child's."""
+        self.pid = None
+        self._queue: queue.SimpleQueue[tuple[Callable[[Any], None], Any]] = queue.SimpleQueue()
+        self._running = threading.Lock()  # held while a callback runs
+
+    def start(self) -> None:
+        self.pid = forks.pid
+        thread = threading.Thread(
+            target=self._serve, args=(self._queue,), name="sqllocker-finaliser", daemon=True
+        )
+        thread.start()
+
+    def put(self, due: tuple[Callable[[Any], None], Any]) -> None:
+        self._queue.put(due)
+
+    def _serve(self, served: queue.SimpleQueue[tuple[Callable[[Any], None], Any]]) -> None:
+        while True:
+            due = served.get()
+            with self._running:
+                if not _shut_down:
+                    _call(*due)
+
+    def drain(self) -> None:
+        """Run what is queued, here and now, once any callback running has ended."""
+        with self._running:
+            while True:
+                try:
+                    due = self._queue.get_nowait()
+                except queue.Empty:
+                    return
+                _call(*due)
+
+
+_collecting = _Collecting()
+gc.callbacks.append(_collecting)
+_deferred = _Deferred()
+os.register_at_fork(after_in_child=_deferred._forget)
 
 
 @atexit.register  # at import: atexit runs hooks last in, first out, so every hook registered
@@ -60,12 +145,10 @@ def _run_all_at_exit() -> None:
     collecting = gc.isenabled()
     gc.disable()  # no collection may start another finaliser's callback meanwhile
     try:
+        _deferred.drain()
         while _pending:
-            _ref, (callback, argument) = _pending.popitem()  # the newest first
-            try:
-                callback(argument)
-            except Exception:
-                sys.excepthook(*sys.exc_info())
+            _ref, due = _pending.popitem()  # the newest first
+            _call(*due)
     finally:
         _shut_down = True
         if collecting:

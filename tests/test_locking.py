@@ -19,7 +19,13 @@ from sqllocker import Lock, LockBusy, Locker, LockLost, lock_table
 from sqllocker.acquiring import Winnings
 from sqllocker.engine import resolve_url
 from sqllocker.identity import HolderDetails, holder_details
-from tests.helpers import READ_BACK, abandon, break_and_take_when_stalled, count_rows
+from tests.helpers import (
+    READ_BACK,
+    abandon,
+    break_and_take_when_stalled,
+    count_rows,
+    wait_until,
+)
 from tests.stall_proxy import StallProxy
 
 # -- DBIx::Locker t/basic.t ---------------------------------------------------------------------
@@ -105,6 +111,7 @@ def test_a_lock_nobody_keeps_is_released_at_once(locker: Locker) -> None:
 def test_a_dropped_lock_in_a_reference_cycle_is_released_by_the_collector(locker: Locker) -> None:
     # Reference counting never frees a lock that refers to itself; only the cycle collector
     # does, and it calls back only through weak references that something else keeps alive.
+    # The release runs on a thread of sqllocker's own (see the next test).
     lock = locker.lock("Zombie Soup")
     lock.itself = lock  # type: ignore[attr-defined]
     collecting = gc.isenabled()
@@ -113,10 +120,43 @@ def test_a_dropped_lock_in_a_reference_cycle_is_released_by_the_collector(locker
         del lock
         assert count_rows(locker) == 1
         gc.collect()
-        assert count_rows(locker) == 0
+        wait_until(lambda: count_rows(locker) == 0)
     finally:
         if collecting:
             gc.enable()
+
+
+def test_a_lock_the_collector_frees_inside_an_operation_is_released_after_it(
+    locker: Locker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cycle collector runs at any allocation, sqllocker's own code included: here while
+    an acquire sets up its connection again (as after a lost one) with the set-up lock held.
+    A dropped lock it frees is released once that is done, not in its middle, where its
+    release waited for the set-up lock for ever (seen in the fault campaign)."""
+    import sqllocker.operations.database as database
+
+    dropped = locker.lock("dropped")
+    dropped.itself = dropped  # type: ignore[attr-defined]  # only the collector frees it
+    set_up = database.set_up
+
+    def set_up_collecting(*args: object, **options: object) -> object:
+        gc.collect()
+        return set_up(*args, **options)  # type: ignore[arg-type]
+
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        del dropped
+        monkeypatch.setattr(database, "set_up", set_up_collecting)
+        locker._operations.database.needs_setup = True
+        other = threading.Thread(target=lambda: locker.lock("other").unlock(), daemon=True)
+        other.start()
+        other.join(30)
+        assert not other.is_alive(), "the acquire never ended"
+    finally:
+        if collecting:
+            gc.enable()
+    wait_until(lambda: locker.lock_info("dropped") is None)
 
 
 @pytest.mark.slow
