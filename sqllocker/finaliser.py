@@ -16,7 +16,7 @@ An owner freed by the cycle collector is freed wherever the collector happens to
 allocation, in any code, sqllocker's own included, say half-way through setting up a connection
 with the set-up lock held. A release run there would wait for that lock for ever, so what the
 collector frees is called back on a thread of its own (``_Deferred``) instead; an owner freed by
-its last reference going is called back at once, where that happened, as before.
+its last reference going is called back at once, where that happened.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from . import forks
 
 # Each live finaliser's weak reference, mapped to what to call: dict operations are atomic
 # under the GIL, so no lock is needed.
-_pending: dict[weakref.ref[Any], tuple[Callable[[Any], None], Any]] = {}
+Due = tuple[Callable[[Any], None], Any]  # a callback and its argument
+_pending: dict[weakref.ref[Any], Due] = {}
 _shut_down = False
 
 
@@ -88,48 +89,89 @@ class _Collecting:
 
 
 class _Deferred:
-    """The callbacks of owners the cycle collector freed, run in order on a thread of this
-    process's own, started with its first finaliser: where the collector runs, they are only
-    queued (a C queue: nothing there waits for a lock the interrupted code may hold, as
-    starting a thread would); drained at interpreter exit."""
+    """The callbacks of owners the cycle collector freed. Where the collector runs they are
+    only queued (a C queue: nothing there waits for a lock the interrupted code may hold, as
+    starting a thread would); a thread of this process's own, started with its first
+    finaliser, runs each on a thread of its own, so that a release stuck on one database
+    holds up no other; at interpreter exit, what is queued runs there, and what runs is
+    waited for."""
 
     def __init__(self) -> None:
         self.pid: int | None = None  # of the process whose thread serves the queue
         self._forget()
 
     def _forget(self) -> None:
-        """No queue served yet: in a forked child, what the parent queued, and its lock, held
-        maybe by its thread, are not the child's."""
+        """Nothing queued or running yet: in a forked child, what the parent queued and ran,
+        and its locks, held maybe by its threads, are not the child's."""
         self.pid = None
-        self._queue: queue.SimpleQueue[tuple[Callable[[Any], None], Any]] = queue.SimpleQueue()
-        self._running = threading.Lock()  # held while a callback runs
+        self._queue: queue.SimpleQueue[Due] = queue.SimpleQueue()
+        self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()  # one per callback queued
+        self._guard = threading.Lock()  # over taking a callback, and the runs
+        self._runs: set[threading.Thread] = set()
+        self._closing = False
 
     def start(self) -> None:
-        self.pid = forks.pid
         thread = threading.Thread(
-            target=self._serve, args=(self._queue,), name="sqllocker-finaliser", daemon=True
+            target=self._serve,
+            args=(self._queue, self._wake),
+            name="sqllocker-finaliser",
+            daemon=True,
         )
-        thread.start()
+        try:
+            thread.start()
+        except RuntimeError:  # no thread to be had: tried again with the next finaliser
+            return
+        self.pid = forks.pid
 
-    def put(self, due: tuple[Callable[[Any], None], Any]) -> None:
+    def put(self, due: Due) -> None:
         self._queue.put(due)
+        self._wake.put(None)
 
-    def _serve(self, served: queue.SimpleQueue[tuple[Callable[[Any], None], Any]]) -> None:
+    def _serve(self, served: queue.SimpleQueue[Due], wake: queue.SimpleQueue[None]) -> None:
         while True:
-            due = served.get()
-            with self._running:
-                if not _shut_down:
+            wake.get()
+            with self._guard:  # taken only here: drain() takes it, or waits for its run
+                if self._closing:
+                    return
+                try:
+                    due = served.get_nowait()
+                except queue.Empty:
+                    continue
+                run = threading.Thread(
+                    target=self._run, args=(due,), name="sqllocker-finaliser run", daemon=True
+                )
+                self._runs.add(run)
+                try:
+                    run.start()
+                except RuntimeError:
+                    self._runs.discard(run)
                     _call(*due)
 
+    def _run(self, due: Due) -> None:
+        try:
+            _call(*due)
+        finally:
+            with self._guard:
+                self._runs.discard(threading.current_thread())
+
     def drain(self) -> None:
-        """Run what is queued, here and now, once any callback running has ended."""
-        with self._running:
-            while True:
-                try:
-                    due = self._queue.get_nowait()
-                except queue.Empty:
-                    return
+        """Run what is queued, here and now, and wait for what runs; nothing starts after."""
+        while True:
+            with self._guard:
+                self._closing = True
+                runs = list(self._runs)
+                queued = []
+                while True:
+                    try:
+                        queued.append(self._queue.get_nowait())
+                    except queue.Empty:
+                        break
+            if not queued and not runs:
+                return
+            for due in queued:
                 _call(*due)
+            for run in runs:
+                run.join()
 
 
 _collecting = _Collecting()

@@ -21,6 +21,7 @@ from sqllocker.engine import resolve_url
 from sqllocker.identity import HolderDetails, holder_details
 from tests.helpers import (
     READ_BACK,
+    Proxied,
     abandon,
     break_and_take_when_stalled,
     count_rows,
@@ -157,6 +158,69 @@ def test_a_lock_the_collector_frees_inside_an_operation_is_released_after_it(
         if collecting:
             gc.enable()
     wait_until(lambda: locker.lock_info("dropped") is None)
+
+
+@pytest.mark.slow
+def test_locks_the_collector_frees_just_before_exit_are_all_released(
+    locker: Locker, url: str, tmp_path: Path
+) -> None:
+    """Releases the collector queued are run, or waited for, by the exit pass: none is left
+    to expire, however many are queued (the thread that serves them may have taken one)."""
+    script = tmp_path / "collects_then_ends.py"
+    script.write_text(
+        "import gc, sys\n"
+        "from sqllocker import Locker\n"
+        "locker = Locker(sys.argv[1], table=sys.argv[2], grace=0)\n"
+        "gc.disable()\n"
+        "for n in range(20):\n"
+        "    lock = locker.lock(f'dropped {n}', expires=3600)\n"
+        "    lock.itself = lock\n"
+        "del lock\n"
+        "print('holding', len(locker.locks()), flush=True)\n"
+        "gc.collect()\n"
+    )
+    for _run in range(3):
+        finished = subprocess.run(
+            [sys.executable, str(script), url, locker.table_name],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        assert finished.stdout.splitlines()[0] == "holding 20"
+        assert count_rows(locker) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_a_release_stuck_on_one_server_holds_up_no_other_the_collector_freed(
+    locker: Locker, proxied: Proxied
+) -> None:
+    """Each release of a lock the collector freed runs on a thread of its own: one whose
+    server has gone silent (here behind a stalled proxy) keeps the next, on another
+    server's connection, waiting for nothing."""
+    silent = Locker(proxied.url, table=locker.table_name, grace=0)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        stuck = silent.lock("on the silent server", expires=20)
+        stuck.itself = stuck  # type: ignore[attr-defined]
+        del stuck
+        proxied.proxy.stall()
+        gc.collect()  # its release now waits on the stalled connection
+        time.sleep(0.5)
+        dropped = locker.lock("on the healthy one", expires=20)
+        dropped.itself = dropped  # type: ignore[attr-defined]
+        del dropped
+        gc.collect()
+        started = time.monotonic()
+        wait_until(lambda: locker.lock_info("on the healthy one") is None, 10)
+        assert time.monotonic() - started < 10
+    finally:
+        if collecting:
+            gc.enable()
+        proxied.proxy.resume()
+        silent.close()
 
 
 @pytest.mark.slow
