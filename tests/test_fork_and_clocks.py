@@ -5,8 +5,10 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
@@ -37,6 +39,47 @@ def run_in_child(body: Callable[[], None]) -> int:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status)
+
+
+def test_a_child_forked_while_another_thread_sets_up_sets_up_on_its_own(
+    locker: Locker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fork while another thread holds the Locker's set-up lock (here the release of a lock
+    the collector freed, on sqllocker's own thread, setting up again as after a lost
+    connection): the child, which has no such thread, takes a set-up lock of its own instead
+    of waiting for that one for ever."""
+    import sqllocker.operations.database as database
+
+    set_up = database.set_up
+    setting_up = threading.Event()
+
+    def slow_set_up(*args: object, **options: object) -> object:
+        setting_up.set()
+        time.sleep(1.0)  # a slow server
+        return set_up(*args, **options)  # type: ignore[arg-type]
+
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        dropped = locker.lock("dropped")
+        dropped.itself = dropped  # type: ignore[attr-defined]  # only the collector frees it
+        del dropped
+        monkeypatch.setattr(database, "set_up", slow_set_up)
+        locker._operations.database.needs_setup = True
+        gc.collect()  # its release sets up, slowly, on a thread of sqllocker's own
+        assert setting_up.wait(10)
+
+        def child() -> None:
+            signal.alarm(20)  # a hung child ends, and fails the test
+            database.set_up = set_up
+            with locker.lock("child's own"):
+                pass
+            locker.engine.dispose()
+
+        assert run_in_child(child) == 0
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def test_child_after_fork_never_releases_the_parents_lock(

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from .. import clock, deadlines
+from .. import clock, deadlines, forks
 from ..backends import Backend, backend_class
 from ..connections import ConnectionStack, StackedConnection
 from ..engine import describe_url
@@ -127,6 +127,7 @@ class Database:
         self._prepared: PreparedCache
         self.needs_setup = True  # see ensure_setup
         self._setup_lock = threading.Lock()
+        self._setup_lock_pid = forks.pid  # a forked child makes its own (see _setup_turn)
 
     # -- what the set-up learnt ------------------------------------------------------------------
 
@@ -218,7 +219,11 @@ class Database:
         """The setup lock, waited for by ``sleep``: an AsyncLocker's tasks run this code in
         greenlets on one thread, and a task blocked on the lock would stop the event loop, and
         with it the task holding the lock across an await (setup again after a lost connection,
-        when several tasks find it needed at once)."""
+        when several tasks find it needed at once). A forked child takes a lock of its own: the
+        parent's may have been held at the fork by a thread the child does not have (one
+        releasing a lock the collector freed, say), which would hold it for ever."""
+        if self._setup_lock_pid != forks.pid:
+            self._setup_lock, self._setup_lock_pid = threading.Lock(), forks.pid
         while not self._setup_lock.acquire(blocking=False):
             self.sleep(_SETUP_TURN_SECONDS)
         try:
