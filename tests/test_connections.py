@@ -24,10 +24,10 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import create_async_engine
-from sqlalchemy.pool import AsyncAdaptedQueuePool, SingletonThreadPool, StaticPool
+from sqlalchemy.pool import AsyncAdaptedQueuePool, StaticPool
 from sqlalchemy.util import greenlet_spawn
 
-from sqllocker import Locker, execution
+from sqllocker import LockBusy, Locker, execution
 from sqllocker.asyncio import AsyncLocker
 from sqllocker.asyncio import concurrency as async_concurrency
 from sqllocker.backends import sqlite as sqlite_backend
@@ -210,8 +210,52 @@ def test_a_database_in_memory_keeps_the_pool_it_lives_in(url: str, asynchronous:
             engine = create_async_locker_engine(resolve_url(url, asynchronous=True)).sync_engine
         else:
             engine = create_locker_engine(resolve_url(url))
-    assert type(engine.pool) is (StaticPool if asynchronous else SingletonThreadPool)
+    assert type(engine.pool) is StaticPool
     engine.dispose()
+
+
+@pytest.mark.parametrize(
+    "url", ["sqlite://", "sqlite:///file:shared-memory?mode=memory&cache=shared&uri=true"]
+)
+def test_the_threads_of_a_locker_on_a_database_in_memory_share_its_locks(url: str) -> None:
+    """A database in memory is one connection's: every thread of the Locker works on that
+    one, one operation at a time. With a connection (so a database) of each thread's own, a
+    second thread took a lock the first held, its renewals and releases missed the row."""
+    locker = Locker(url, grace=0)
+    try:
+        held = locker.lock("report")
+        taken: list[object] = []
+
+        def take() -> None:
+            try:
+                taken.append(locker.lock("report"))
+            except LockBusy as busy:
+                taken.append(busy)
+
+        other = threading.Thread(target=take)
+        other.start()
+        other.join(30)
+        assert len(taken) == 1
+        assert isinstance(taken[0], LockBusy)
+        # Kept alive by the keep-alive's thread, released by another thread.
+        kept = locker.lock("kept", expires=1.2, keep_alive=True)
+        time.sleep(2.5)
+        assert kept.is_valid()
+        releasing = threading.Thread(target=kept.unlock)
+        releasing.start()
+        releasing.join(30)
+        assert not kept.is_locked
+        threads = [
+            threading.Thread(target=lambda n=n: locker.lock(f"many {n}").unlock()) for n in range(8)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        held.unlock()
+        assert locker.locks() == []
+    finally:
+        locker.close()
 
 
 def test_threads_share_the_stack_without_sharing_a_connection(locker: Locker) -> None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.engine import URL, AdaptedConnection, Connection, Dialect, Engine
-from sqlalchemy.pool import AsyncAdaptedQueuePool, Pool, SingletonThreadPool, StaticPool
+from sqlalchemy.pool import AsyncAdaptedQueuePool, Pool, StaticPool
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.expression import Executable
 from sqlalchemy.types import TypeEngine
@@ -161,9 +161,12 @@ class SQLiteBackend(Backend):
     def pool_class(cls, url: URL) -> type[Pool] | None:
         asynchronous = url.get_driver_name() == "aiosqlite"
         if _database_file(url) is None:
-            # The pool a database in memory lives in, named: SQLAlchemy 2.1 warns that a later
-            # release will give a mode=memory URL a pool whose connections come and go.
-            return StaticPool if asynchronous else SingletonThreadPool
+            # The one connection a database in memory lives in, for every thread: with one per
+            # thread (SingletonThreadPool), each thread had a database of its own, and two
+            # threads could hold one lockstring at once. Named, too: SQLAlchemy 2.1 warns that
+            # a later release will give a mode=memory URL a pool whose connections come and go.
+            # (A Locker runs one operation at a time on it: Connections.alone.)
+            return StaticPool
         # SQLAlchemy before 2.0.38 gives aiosqlite's file databases a NullPool: every lock
         # operation would open a connection and apply its settings.
         return AsyncAdaptedQueuePool if asynchronous else None

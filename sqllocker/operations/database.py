@@ -235,7 +235,8 @@ class Database:
         """Create or upgrade the table by applying the shipped migrations; safe to repeat."""
         from ..migrations import upgrade
 
-        upgrade(self.engine, self.table_name)
+        with self.pool.alone:
+            upgrade(self.engine, self.table_name)
         # A migration may change what the settings check found (0006's stripes table).
         self.needs_setup = True
 

@@ -3,6 +3,7 @@ or the pool of a caller's Engine; and the errors of a database that lends none."
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -10,7 +11,7 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.pool import QueuePool
+from sqlalchemy.pool import QueuePool, StaticPool
 
 from .. import deadlines
 from ..backends import Backend, backend_class
@@ -45,9 +46,15 @@ class Connections:
         self.owns_engine = owns_engine
         self.transaction_pooling = transaction_pooling
         self.reached = False
-        # An in-memory SQLite database lives in one connection (SingletonThreadPool): no stack.
+        # An in-memory SQLite database lives in one connection (StaticPool): no stack, and
+        # (sync) one operation at a time on it, whichever thread runs it. (Under asyncio the
+        # operations of a loop's tasks run on its one thread.)
         direct = direct_connections and owns_engine and isinstance(engine.pool, QueuePool)
         self.stack = ConnectionStack(engine, connection_changes) if direct else None
+        one_connection = isinstance(engine.pool, StaticPool) and not engine.dialect.is_async
+        self.alone: contextlib.AbstractContextManager[Any] = (
+            threading.RLock() if one_connection else contextlib.nullcontext()
+        )
         # Whether the pool can spare a connection for the release listener (see
         # Database.waits_by_ticket); the pool's limits never change.
         budget = self.connection_budget
@@ -61,6 +68,10 @@ class Connections:
         connections serve directly; a caller's Engine gets AUTOCOMMIT through an SQLAlchemy
         Connection, which also restores the connection's own setting when it goes back.
         """
+        with self.alone:
+            yield from self._pooled(backend, prepared)
+
+    def _pooled(self, backend: Backend, prepared: PreparedCache) -> Iterator[DriverSession]:
         try:
             checkout: Any = self.engine.raw_connection() if self.owns_engine else None
             connection = None if self.owns_engine else self.engine.connect()
@@ -110,6 +121,10 @@ class Connections:
     @contextmanager
     def connection(self) -> Iterator[Connection]:
         """An SQLAlchemy Connection, for the rare statements outside the lock operations."""
+        with self.alone:
+            yield from self._connection()
+
+    def _connection(self) -> Iterator[Connection]:
         try:
             connection = self.engine.connect()
         except sa.exc.TimeoutError as error:
