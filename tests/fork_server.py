@@ -294,8 +294,12 @@ def serve(main: Main, channel: Channel) -> None:
         pid = os.fork()
         if pid == 0:
             _child(main, request, channel, server)
-        channel.send({"pid": pid})
-        channel.send({"code": os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])})
+        try:
+            channel.send({"pid": pid})
+            channel.send({"code": os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])})
+        except BrokenPipeError:  # the client has gone (a campaign worker killed): so do we
+            os.waitpid(pid, 0)
+            return
 
 
 def _hand_over(
@@ -378,16 +382,17 @@ def _child(
 
 def _take_files(paths: list[str | None]) -> None:
     """Open stdin, stdout and stderr on the paths given (the same path once for both outputs,
-    which then share an offset), inherited by what the child executes; ``None`` keeps the
-    server's."""
-    opened: dict[str, int] = {}
+    which then share an offset; stdin on its own, to read), inherited by what the child
+    executes; ``None`` keeps the server's."""
+    opened: dict[tuple[str, bool], int] = {}
     for fd, path in enumerate(paths):
         if path is None:
             continue
-        if path not in opened:
+        key = (path, fd == 0)
+        if key not in opened:
             flags = os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-            opened[path] = os.open(path, flags, 0o644)
-        os.dup2(opened[path], fd)
+            opened[key] = os.open(path, flags, 0o644)
+        os.dup2(opened[key], fd)
         os.set_inheritable(fd, True)
     for target in opened.values():
         if target > 2:
