@@ -5,6 +5,8 @@ for both front ends, and a stalling proxy in front of the test's server."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import itertools
 import json
 import os
@@ -14,7 +16,7 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +153,19 @@ def stop_outside_a_write(pid: int, url: str | sa.URL, tries: int = 100) -> None:
         finally:
             probe.close()
     raise AssertionError(f"{url.database}'s write lock stayed held while {pid} was stopped")
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """No automatic garbage collection within the block: what a test frees in a reference
+    cycle is freed only by its own ``gc.collect()``."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:

@@ -22,7 +22,7 @@ from sqllocker import Locker, LockError
 from sqllocker.engine import resolve_url
 from sqllocker.holding import CLOCK_DRIFT, safety_margin
 from tests.conftest import IN_CI
-from tests.helpers import abandon
+from tests.helpers import abandon, collector_paused
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -58,9 +58,7 @@ def test_a_child_forked_while_another_thread_sets_up_sets_up_on_its_own(
         time.sleep(1.0)  # a slow server
         return set_up(*args, **options)  # type: ignore[arg-type]
 
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_paused():
         dropped = locker.lock("dropped")
         dropped.itself = dropped  # type: ignore[attr-defined]  # only the collector frees it
         del dropped
@@ -77,9 +75,6 @@ def test_a_child_forked_while_another_thread_sets_up_sets_up_on_its_own(
             locker.engine.dispose()
 
         assert run_in_child(child) == 0
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def test_child_after_fork_never_releases_the_parents_lock(

@@ -24,6 +24,7 @@ from tests.helpers import (
     Proxied,
     abandon,
     break_and_take_when_stalled,
+    collector_paused,
     count_rows,
     wait_until,
 )
@@ -115,16 +116,11 @@ def test_a_dropped_lock_in_a_reference_cycle_is_released_by_the_collector(locker
     # The release runs on a thread of sqllocker's own (see the next test).
     lock = locker.lock("Zombie Soup")
     lock.itself = lock  # type: ignore[attr-defined]
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_paused():
         del lock
         assert count_rows(locker) == 1
         gc.collect()
         wait_until(lambda: count_rows(locker) == 0)
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def test_a_lock_the_collector_frees_inside_an_operation_is_released_after_it(
@@ -144,9 +140,7 @@ def test_a_lock_the_collector_frees_inside_an_operation_is_released_after_it(
         gc.collect()
         return set_up(*args, **options)  # type: ignore[arg-type]
 
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_paused():
         del dropped
         monkeypatch.setattr(database, "set_up", set_up_collecting)
         locker._operations.database.needs_setup = True
@@ -154,10 +148,18 @@ def test_a_lock_the_collector_frees_inside_an_operation_is_released_after_it(
         other.start()
         other.join(30)
         assert not other.is_alive(), "the acquire never ended"
-    finally:
-        if collecting:
-            gc.enable()
     wait_until(lambda: locker.lock_info("dropped") is None)
+
+
+def _run_script(script: Path, url: str, table: str) -> subprocess.CompletedProcess[str]:
+    """``python SCRIPT URL TABLE`` to its end: what it printed."""
+    return subprocess.run(
+        [sys.executable, str(script), url, table],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
 
 
 @pytest.mark.slow
@@ -180,13 +182,7 @@ def test_locks_the_collector_frees_just_before_exit_are_all_released(
         "gc.collect()\n"
     )
     for _run in range(3):
-        finished = subprocess.run(
-            [sys.executable, str(script), url, locker.table_name],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        )
+        finished = _run_script(script, url, locker.table_name)
         assert finished.stdout.splitlines()[0] == "holding 20"
         assert count_rows(locker) == 0
 
@@ -200,25 +196,22 @@ def test_a_release_stuck_on_one_server_holds_up_no_other_the_collector_freed(
     server has gone silent (here behind a stalled proxy) keeps the next, on another
     server's connection, waiting for nothing."""
     silent = Locker(proxied.url, table=locker.table_name, grace=0)
-    collecting = gc.isenabled()
-    gc.disable()
     try:
-        stuck = silent.lock("on the silent server", expires=20)
-        stuck.itself = stuck  # type: ignore[attr-defined]
-        del stuck
-        proxied.proxy.stall()
-        gc.collect()  # its release now waits on the stalled connection
-        time.sleep(0.5)
-        dropped = locker.lock("on the healthy one", expires=20)
-        dropped.itself = dropped  # type: ignore[attr-defined]
-        del dropped
-        gc.collect()
-        started = time.monotonic()
-        wait_until(lambda: locker.lock_info("on the healthy one") is None, 10)
-        assert time.monotonic() - started < 10
+        with collector_paused():
+            stuck = silent.lock("on the silent server", expires=20)
+            stuck.itself = stuck  # type: ignore[attr-defined]
+            del stuck
+            proxied.proxy.stall()
+            gc.collect()  # its release now waits on the stalled connection
+            time.sleep(0.5)
+            dropped = locker.lock("on the healthy one", expires=20)
+            dropped.itself = dropped  # type: ignore[attr-defined]
+            del dropped
+            gc.collect()
+            started = time.monotonic()
+            wait_until(lambda: locker.lock_info("on the healthy one") is None, 10)
+            assert time.monotonic() - started < 10
     finally:
-        if collecting:
-            gc.enable()
         proxied.proxy.resume()
         silent.close()
 
@@ -243,13 +236,7 @@ def test_a_lock_still_held_when_the_interpreter_exits_is_released(
         "locker.lock('unlocked', expires=3600).unlock()\n"
         "print('holding', len(locker.locks()), flush=True)\n"
     )
-    finished = subprocess.run(
-        [sys.executable, str(script), url, locker.table_name],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
+    finished = _run_script(script, url, locker.table_name)
     lines = finished.stdout.splitlines()
     assert lines[0] == "holding 3"
     released = [line for line in lines if "released by garbage collection" in line]
