@@ -17,6 +17,7 @@ from sqllocker.asyncio import AsyncLocker
 from sqllocker.engine import resolve_url
 from sqllocker.migrations import upgrade
 from tests.connection_count import Sampler, open_connections
+from tests.helpers import wait_until
 from tests.workers import async_url
 
 WAITERS = "ABCD"
@@ -46,6 +47,31 @@ def migrated(url: str, table_name: str) -> Iterator[str]:
     return url
 
 
+class Line:
+    """Whether the waiters started so far have asked: on a server, until each holds its ticket
+    (a thread or task started on a loaded machine may not have asked yet when the next one
+    does); on SQLite, whose waiters queue in the kernel, a moment each."""
+
+    def __init__(self, url: str, table: str) -> None:
+        self.table = table
+        self.admin = None if url.startswith("sqlite") else sa.create_engine(resolve_url(url))
+
+    def asked(self, waiters: int) -> None:
+        time.sleep(0.2)
+        if self.admin is not None:
+            wait_until(lambda: self._tickets() >= waiters, 30)
+
+    def _tickets(self) -> int:
+        assert self.admin is not None
+        with self.admin.connect() as conn:
+            count = conn.exec_driver_sql(f"SELECT count(*) FROM {self.table}_requests").scalar()
+        return int(count or 0)
+
+    def close(self) -> None:
+        if self.admin is not None:
+            self.admin.dispose()
+
+
 @pytest.mark.parametrize("run", range(2))
 @pytest.mark.slow
 def test_waiters_are_served_in_the_order_they_came_however_long_the_hold(
@@ -69,9 +95,11 @@ def test_waiters_are_served_in_the_order_they_came_however_long_the_hold(
             time.sleep(0.02)
 
     threads = [threading.Thread(target=wait, args=(number,)) for number in range(len(WAITERS))]
-    for thread in threads:
+    line = Line(migrated, table_name)
+    for number, thread in enumerate(threads):
         thread.start()
-        time.sleep(0.2)
+        line.asked(number + 1)
+    line.close()
     time.sleep(max(0.0, 1.2 - (time.monotonic() - started)))
     held.unlock()
     for thread in threads:
@@ -98,9 +126,11 @@ async def test_async_waiters_are_served_in_the_order_they_came_however_long_the_
             await asyncio.sleep(0.02)
 
     tasks = []
+    line = Line(migrated, table_name)
     for number in range(len(WAITERS)):
         tasks.append(asyncio.create_task(wait(number)))
-        await asyncio.sleep(0.2)
+        await asyncio.to_thread(line.asked, number + 1)
+    line.close()
     await asyncio.sleep(max(0.0, 1.2 - (time.monotonic() - started)))
     await asyncio.to_thread(held.unlock)
     await asyncio.wait_for(asyncio.gather(*tasks), 30)
