@@ -21,6 +21,7 @@ from sqlalchemy.engine import URL, Engine
 from . import forks
 from .engine import create_locker_engine, resolve_url
 from .errors import LockTypeError
+from .operations.waits import THREADS
 
 T = TypeVar("T")
 
@@ -54,9 +55,8 @@ class turn_within:
             self._lock.release()
 
 
-# What the threads of a Locker's lock operations wait on for a connection of its stack to come
-# free (see ``connections.py``).
-ConnectionChanges = threading.Condition
+# How the lock operations of a Locker wait: for threads.
+WAITS = THREADS
 
 
 def create_engine(
@@ -86,10 +86,6 @@ def task_name() -> str | None:
 
 def run(operation: Callable[..., T], *args: Any) -> T:
     return operation(*args)
-
-
-# LockOperations's pause between retries.
-sleep_in_operation = time.sleep
 
 
 def sleep(seconds: float) -> None:

@@ -258,6 +258,49 @@ def test_the_threads_of_a_locker_on_a_database_in_memory_share_its_locks(url: st
         locker.close()
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "sqlite+aiosqlite://",
+        "sqlite+aiosqlite:///file:shared-memory-tasks?mode=memory&cache=shared&uri=true",
+    ],
+)
+async def test_the_tasks_of_an_async_locker_on_a_database_in_memory_run_one_operation_at_a_time(
+    url: str,
+) -> None:
+    """An AsyncLocker's in-memory database is its one connection, shared by every task: a
+    task's operation that awaits the driver mid-transaction (a group's BEGIN .. ROLLBACK) must
+    not let another task's statements into that transaction. Let in, a lone acquire's row was
+    rolled back with a refused group, and its holder held a lock nobody else could see."""
+    locker = AsyncLocker(url, grace=0)
+    seen_held = 0
+    try:
+        blocker = await locker.lock("held")
+
+        async def refused_groups() -> None:
+            for n in range(150):
+                with pytest.raises(LockBusy):
+                    await locker.lock_all([f"group {n}", "held"])
+
+        async def lone_holders(k: int) -> None:
+            nonlocal seen_held
+            for n in range(150):
+                lock = await locker.lock(f"lone {k} {n}")
+                with pytest.raises(LockBusy):
+                    await locker.lock(f"lone {k} {n}")  # a second holder
+                await asyncio.sleep(0)  # the groups run meanwhile
+                assert lock.lock_id in {info.lock_id for info in await locker.locks()}
+                seen_held += 1
+                await lock.unlock()  # LockLost if its row went with a rolled-back group
+
+        await asyncio.gather(refused_groups(), refused_groups(), lone_holders(1), lone_holders(2))
+        await blocker.unlock()
+        assert await locker.locks() == []
+        assert seen_held == 300
+    finally:
+        await locker.aclose()
+
+
 def test_threads_share_the_stack_without_sharing_a_connection(locker: Locker) -> None:
     stack = stack_of(locker)
     in_use: set[int] = set()

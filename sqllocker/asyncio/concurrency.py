@@ -33,9 +33,12 @@ try:
 except ImportError:  # SQLAlchemy 2.0 calls it await_only
     from sqlalchemy.util import await_only as _await
 
+from greenlet import getcurrent
+
 from .. import clock, deadlines
 from ..engine import create_async_locker_engine, resolve_url
 from ..errors import LockTypeError
+from ..operations.waits import Waits
 from . import alarm
 from .greenlets import run as run  # sync database code, its driver calls awaited
 from .tasks import spawn
@@ -170,6 +173,40 @@ class ConnectionChanges:
 def sleep_in_operation(seconds: float) -> None:
     """LockOperations's pause between retries, without blocking the event loop."""
     _await(asyncio.sleep(seconds))
+
+
+class OneOperationAtATime:
+    """What keeps the lock operations on an in-memory database's one connection apart, for
+    tasks: the ``threading.RLock`` it is for threads, held by the greenlet of an operation
+    across its awaits, and entered again by that operation itself. The lock of the loop it is
+    entered on (an AsyncLocker moves to a new loop only once its old one has ended)."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = asyncio.Lock()
+        self._holder: object = None
+        self._depth = 0
+
+    def __enter__(self) -> None:
+        me = getcurrent()
+        if self._holder is me:
+            self._depth += 1
+            return
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            self._loop, self._lock = loop, asyncio.Lock()
+        _await(self._lock.acquire())
+        self._holder, self._depth = me, 1
+
+    def __exit__(self, *_: object) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._holder = None
+            self._lock.release()
+
+
+# How the lock operations of an AsyncLocker wait: for tasks, in their greenlets.
+WAITS = Waits(ConnectionChanges, OneOperationAtATime, sleep_in_operation)
 
 
 async def sleep(seconds: float) -> None:

@@ -165,8 +165,7 @@ class AsyncLocker:
             strict=strict,
             transaction_pooling=pooled,
             direct_connections=owns_engine,
-            connection_changes=concurrency.ConnectionChanges,
-            sleep=concurrency.sleep_in_operation,
+            waits=concurrency.WAITS,
         )
         self.table = self._operations.table
         self.auto_create = self._operations.auto_create

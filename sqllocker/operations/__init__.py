@@ -22,11 +22,6 @@ breaking a lock) and ``purge``. ``LockOperations`` puts them together for the fr
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Callable
-from typing import Any
-
 from sqlalchemy.engine import Engine
 
 from ..backends import Backend
@@ -39,6 +34,7 @@ from .line import WaitingLine
 from .outcomes import Acquired, Joined, LockInfo, Refused
 from .purge import Purge
 from .release import Releaser
+from .waits import THREADS, Waits
 
 __all__ = ["Acquired", "Joined", "LockInfo", "LockOperations", "Refused"]
 
@@ -58,8 +54,7 @@ class LockOperations:
         strict: bool,
         transaction_pooling: bool = False,
         direct_connections: bool = False,
-        connection_changes: Callable[[], Any] = threading.Condition,
-        sleep: Callable[[float], None] = time.sleep,
+        waits: Waits = THREADS,
     ) -> None:
         database = Database(
             engine,
@@ -70,8 +65,7 @@ class LockOperations:
             strict=strict,
             transaction_pooling=transaction_pooling,
             direct_connections=direct_connections,
-            connection_changes=connection_changes,
-            sleep=sleep,
+            waits=waits,
         )
         self.database = database
         self.engine = engine

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import random
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -29,6 +28,7 @@ from ..schema import lock_table
 from ..statements import Statements
 from .pool import Connections
 from .setup import Options, set_up
+from .waits import THREADS, Waits
 
 logger = logging.getLogger("sqllocker")
 
@@ -68,9 +68,8 @@ class Database:
     so nothing may rest on a session's state (see ``waits_by_ticket``).
     ``direct_connections``: run the lock operations on a ConnectionStack of the engine's
     connections rather than through its pool (an engine sqllocker made: see
-    ``connections.py``), whose callers wait for a free one on ``connection_changes`` (a
-    ``threading.Condition``, or its twin for tasks). ``sleep`` is how a retry after contention
-    waits: ``time.sleep``, or an await of ``asyncio.sleep`` for the async front end.
+    ``connections.py``). ``waits``: how the operations wait, for threads or for tasks (see
+    ``Waits``).
     """
 
     def __init__(
@@ -84,8 +83,7 @@ class Database:
         strict: bool,
         transaction_pooling: bool = False,
         direct_connections: bool = False,
-        connection_changes: Callable[[], Any] = threading.Condition,
-        sleep: Callable[[float], None] = time.sleep,
+        waits: Waits = THREADS,
     ) -> None:
         self.engine = engine
         self.url = engine.url
@@ -99,7 +97,7 @@ class Database:
             auto_create = backend_class(engine.dialect.name).creates_table_on_first_use
         self.auto_create = auto_create
         self.transaction_pooling = transaction_pooling
-        self.sleep = sleep
+        self.sleep = waits.sleep
         self._options = Options(
             self.url, table_name, grace, strict, owns_engine, transaction_pooling
         )
@@ -108,7 +106,7 @@ class Database:
             owns_engine=owns_engine,
             transaction_pooling=transaction_pooling,
             direct_connections=direct_connections,
-            connection_changes=connection_changes,
+            waits=waits,
         )
         self._backend: Backend | None = None
         self._statements: Statements | None = None

@@ -4,8 +4,7 @@ or the pool of a caller's Engine; and the errors of a database that lends none."
 from __future__ import annotations
 
 import contextlib
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -20,6 +19,7 @@ from ..engine import describe_url
 from ..errors import DatabaseError, one_line
 from ..execution import DriverSession, PreparedCache, kept_cursor
 from ..sqlalchemy_internals import most_connections
+from .waits import THREADS, Waits
 
 # The fewest connections a pool must allow for a Locker to keep one listening for releases:
 # the lock operations must always have at least two of the rest.
@@ -28,9 +28,9 @@ LISTENING_BUDGET = 3
 
 class Connections:
     """The connections of ``engine`` for the lock operations (see ``Database`` for
-    ``owns_engine``, ``transaction_pooling``, ``direct_connections`` and
-    ``connection_changes``). ``reached``: a connection has been made and set up before, so
-    one that fails now is an outage (a restart or a failover), not a wrong URL."""
+    ``owns_engine``, ``transaction_pooling``, ``direct_connections`` and ``waits``).
+    ``reached``: a connection has been made and set up before, so one that fails now is an
+    outage (a restart or a failover), not a wrong URL."""
 
     def __init__(
         self,
@@ -39,21 +39,23 @@ class Connections:
         owns_engine: bool,
         transaction_pooling: bool,
         direct_connections: bool,
-        connection_changes: Callable[[], Any] = threading.Condition,
+        waits: Waits = THREADS,
     ) -> None:
         self.engine = engine
         self.url = engine.url
         self.owns_engine = owns_engine
         self.transaction_pooling = transaction_pooling
         self.reached = False
-        # An in-memory SQLite database lives in one connection (StaticPool): no stack, and
-        # (sync) one operation at a time on it, whichever thread runs it. (Under asyncio the
-        # operations of a loop's tasks run on its one thread.)
+        # An in-memory SQLite database lives in one connection (StaticPool): no stack, and one
+        # operation at a time on it, whichever thread or task runs it: a task's operation
+        # awaits the driver between its statements, and another's must not come in between
+        # (into a group's transaction, say, and out with its rollback).
         direct = direct_connections and owns_engine and isinstance(engine.pool, QueuePool)
-        self.stack = ConnectionStack(engine, connection_changes) if direct else None
-        one_connection = isinstance(engine.pool, StaticPool) and not engine.dialect.is_async
+        self.stack = ConnectionStack(engine, waits.connection_changes) if direct else None
         self.alone: contextlib.AbstractContextManager[Any] = (
-            threading.RLock() if one_connection else contextlib.nullcontext()
+            waits.one_operation_at_a_time()
+            if isinstance(engine.pool, StaticPool)
+            else contextlib.nullcontext()
         )
         # Whether the pool can spare a connection for the release listener (see
         # Database.waits_by_ticket); the pool's limits never change.
