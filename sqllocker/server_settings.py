@@ -23,6 +23,10 @@ LOSES_ROWS_ON_FAILOVER = (
     "can lose acknowledged lock rows when a replica is promoted, which lets a second holder in "
     "and reuses its lock id"
 )
+SPLITS_THE_DATABASE = (
+    "gives connections databases in memory of their own (each thread's, or each operation's), "
+    "which lets a second holder in; make the engine with poolclass=StaticPool"
+)
 REORDERS_IDS = (
     "can hand out lock ids out of holding order, so a later holder may carry a smaller fencing "
     "token"

@@ -27,7 +27,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import AsyncAdaptedQueuePool, StaticPool
 from sqlalchemy.util import greenlet_spawn
 
-from sqllocker import LockBusy, Locker, execution
+from sqllocker import LockBusy, Locker, UnsafeDatabase, UnsafeDatabaseWarning, execution
 from sqllocker.asyncio import AsyncLocker
 from sqllocker.asyncio import concurrency as async_concurrency
 from sqllocker.backends import sqlite as sqlite_backend
@@ -256,6 +256,37 @@ def test_the_threads_of_a_locker_on_a_database_in_memory_share_its_locks(url: st
         assert locker.locks() == []
     finally:
         locker.close()
+
+
+def test_a_callers_pool_that_splits_a_database_in_memory_is_reported_or_refused() -> None:
+    """A caller's Engine on ``sqlite://`` keeps a connection per thread (SingletonThreadPool),
+    each a database of its own: a lock held on one thread is free on another. sqllocker
+    cannot change a caller's pool: it says so, as of a setting that breaks the locks, and
+    with strict=True refuses the database before writing anything."""
+    engine = sa.create_engine("sqlite://")
+    try:
+        locker = Locker(engine)
+        with pytest.warns(UnsafeDatabaseWarning, match="SingletonThreadPool .* poolclass=Static"):
+            held = locker.lock("report")
+        taken: list[object] = []
+        thread = threading.Thread(target=lambda: taken.append(locker.lock("report")))
+        thread.start()
+        thread.join(30)
+        assert len(taken) == 1  # what the warning is about: a second holder
+        held.unlock()
+        with pytest.raises(UnsafeDatabase, match="SingletonThreadPool"):
+            Locker(engine, strict=True).lock("refused")
+        assert "refused" not in {info.lockstring for info in locker.locks()}
+    finally:
+        engine.dispose()
+    shared = sa.create_engine("sqlite://", poolclass=StaticPool)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            Locker(shared).lock("report").unlock()
+        assert not [w for w in caught if "Pool" in str(w.message)]
+    finally:
+        shared.dispose()
 
 
 @pytest.mark.parametrize(

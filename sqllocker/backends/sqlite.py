@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.engine import URL, AdaptedConnection, Connection, Dialect, Engine
-from sqlalchemy.pool import AsyncAdaptedQueuePool, Pool, StaticPool
+from sqlalchemy.pool import AsyncAdaptedQueuePool, NullPool, Pool, StaticPool
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.expression import Executable
 from sqlalchemy.types import TypeEngine
 
 from .. import file_queue
 from ..schema import UTCDateTime
-from ..server_settings import LOSES_ROWS, ServerSettings, UnsafeSetting
+from ..server_settings import LOSES_ROWS, SPLITS_THE_DATABASE, ServerSettings, UnsafeSetting
 from ..timeouts import SQLITE_BUSY_TIMEOUT_SECONDS
 from .base import Backend, StatementParts
 
@@ -266,6 +266,9 @@ class SQLiteBackend(Backend):
         journal = str(conn.exec_driver_sql("PRAGMA journal_mode").scalar()).lower()
         if journal in {"off", "memory"}:
             problems.append(UnsafeSetting(f"PRAGMA journal_mode={journal.upper()}", LOSES_ROWS))
+        pool = conn.engine.pool
+        if _splits_a_database_in_memory(conn.engine.url, pool):
+            problems.append(UnsafeSetting(f"a {type(pool).__name__}", SPLITS_THE_DATABASE))
         return ServerSettings(problems, lock_stripes=False, foreign=self.foreign_table(conn, table))
 
     def foreign_table(self, conn: Connection, table: str) -> str | None:
@@ -338,6 +341,27 @@ def _configure_connection(dbapi_connection: Any, _record: Any) -> None:
         cursor.execute("PRAGMA wal_autocheckpoint=0")
     finally:
         cursor.close()
+
+
+def _splits_a_database_in_memory(url: URL, pool: Pool) -> bool:
+    """Whether ``pool`` (a caller's engine's: sqllocker's own keep one connection) splits an
+    in-memory database: an unnamed one is each connection's own, so only a pool of one
+    connection (StaticPool) shares it; a named one lives while a connection to it is open,
+    which a NullPool closes after every operation."""
+    if _database_file(url) is not None or isinstance(pool, StaticPool):
+        return False
+    return _unnamed(url) or isinstance(pool, NullPool)
+
+
+def _unnamed(url: URL) -> bool:
+    """Whether ``url``'s in-memory database is each connection's own (not a named one, nor
+    ``file::memory:?cache=shared``, which every connection of the process shares)."""
+    database = url.database or ""
+    if url.query.get("uri") in ("true", "1") and database.startswith("file:"):
+        name, _, options = database[len("file:") :].partition("?")
+        shared = "cache=shared" in options or url.query.get("cache") == "shared"
+        return name in ("", ":memory:") and not shared
+    return database in ("", ":memory:")
 
 
 def _database_file(url: URL) -> str | None:
