@@ -97,6 +97,7 @@ class RWLock:
     ) -> Lock:
         backoff = Backoff.for_wait(wait)
         details = {**(locked_by or {}), "rwlock": READER}
+        ran_out = None  # the expiry of our last row, if it ran out before no writer was found
         while True:
             if not self._writers():
                 with unrecorded():  # held only once no writer is found after it
@@ -116,10 +117,13 @@ class RWLock:
                     return reader
                 # A writer came in first (it goes before us), or we were held up so long that
                 # our row may have expired before we looked: try again.
+                ran_out = None if writers else reader.ttl
                 _give_back(reader)
+            else:
+                ran_out = None
             attempted(None)  # a wait turn
             if backoff.expired():
-                raise refused(self.name, READER, wait)
+                raise refused(self.name, READER, wait, ran_out)
             concurrency.sleep(backoff.next_delay())
 
     def write(

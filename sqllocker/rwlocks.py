@@ -88,9 +88,18 @@ def writer_pattern(name: str) -> tuple[str, str]:
     return name, ""
 
 
-def refused(name: str, side: str, wait: float | None) -> LockBusy:
+def refused(name: str, side: str, wait: float | None, ran_out: float | None = None) -> LockBusy:
+    """The LockBusy of a side not taken within ``wait``: held by the other side, or (a reader
+    whose own row ran out before it found no writer) for want of time: ``ran_out``, its
+    expiry."""
     busy = LockBusy(name, waited=0.0 if wait is None else wait)
-    other = "a writer holds or waits for it" if side == READER else "readers hold it"
+    if ran_out is not None:
+        other = (
+            f"no writer holds it, but its reader's row, {ran_out:.3g}s long, ran out before "
+            "that was confirmed: give it a longer expiry"
+        )
+    else:
+        other = "a writer holds or waits for it" if side == READER else "readers hold it"
     busy.message = (
         f"read-write lock {name!r}: no {side} lock, {other}"
         + (f"; gave up after waiting {wait:.3g}s" if wait else "")

@@ -237,6 +237,20 @@ def test_wildcards_in_the_name_count_only_its_own_readers(locker: Locker) -> Non
     reader.unlock()
 
 
+def test_a_reader_whose_row_runs_out_before_it_is_confirmed_says_so(locker: Locker) -> None:
+    """A reader whose own row is no longer valid once it has found no writer gives it back
+    and is refused: for want of time, not for a writer, which the message must not claim."""
+    rw = locker.rwlock("catalog")
+    with pytest.raises(LockBusy, match="no writer holds it, but its reader's row") as refused:
+        rw.read(expires=1e-6)
+    assert "a writer holds" not in str(refused.value)
+    assert count_rows(locker) == 0  # its row given back
+    writer = rw.write()
+    with pytest.raises(LockBusy, match="a writer holds or waits"):
+        rw.read(expires=1e-6)
+    writer.unlock()
+
+
 async def test_async_readers_and_writers_meet_sync_ones(
     url: str, make_locker: Callable[..., Locker], table_name: str
 ) -> None:

@@ -95,6 +95,7 @@ class AsyncRWLock:
     ) -> AsyncLock:
         backoff = Backoff.for_wait(wait)
         details = {**(locked_by or {}), "rwlock": READER}
+        ran_out = None  # the expiry of our last row, if it ran out before no writer was found
         while True:
             if not await self._writers():
                 with unrecorded():  # held only once no writer is found after it
@@ -114,10 +115,13 @@ class AsyncRWLock:
                     return reader
                 # A writer came in first (it goes before us), or we were held up so long that
                 # our row may have expired before we looked: try again.
+                ran_out = None if writers else reader.ttl
                 await _give_back(reader)
+            else:
+                ran_out = None
             attempted(None)  # a wait turn
             if backoff.expired():
-                raise refused(self.name, READER, wait)
+                raise refused(self.name, READER, wait, ran_out)
             await concurrency.sleep(backoff.next_delay())
 
     async def write(
