@@ -16,6 +16,8 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -848,15 +850,12 @@ def test_a_semaphore_acquire_whose_count_fails_gives_its_permit_back(
 
 async def _settled(lockers: list[AsyncLocker]) -> None:
     """Until nothing a cancelled caller left running runs any more: attempts and releases in
-    flight, and the ticket give-ups done in the background. (On this loop: an earlier test's
-    loop closed with a task of its own pending leaves it in ``tasks._running`` for good.)"""
+    flight, and the ticket give-ups done in the background."""
     from sqllocker.asyncio import tasks
 
     loop = asyncio.get_running_loop()
     deadline = time.monotonic() + 60
-    while any(task.get_loop() is loop for task in tasks._running) or any(
-        locker._tickets.leaving._tasks for locker in lockers
-    ):
+    while tasks.running(loop) or any(locker._tickets.leaving._tasks for locker in lockers):
         assert time.monotonic() < deadline, "background work still running"
         await asyncio.sleep(0.05)
 
@@ -1039,6 +1038,28 @@ holder.close()
 
 
 @pytest.mark.slow
+def test_a_loop_closed_with_a_library_task_pending_is_not_kept_for_good() -> None:
+    """The tasks the library starts to outlive their callers (a release after a cancellation,
+    an on_lost callback) are kept referenced until done: a loop closed by hand with one still
+    pending (no asyncio.run to cancel it) must go with it, not stay referenced for good."""
+    from sqllocker.asyncio import tasks
+
+    loop = asyncio.new_event_loop()
+
+    async def start() -> None:
+        tasks.spawn(asyncio.sleep(3600), "sleeps past its loop")
+
+    loop.run_until_complete(start())
+    assert len(tasks.running(loop)) == 1
+    loop.close()
+    gone = weakref.ref(loop)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        del loop
+        gc.collect()
+    assert gone() is None
+
+
 def test_loop_after_loop_leaves_no_connection_behind(url: str, table_name: str) -> None:
     """An AsyncLocker used by ``asyncio.run`` after ``asyncio.run``, never closed: each loop's
     connections are closed as that loop shuts down, while it still can. Forgotten instead,
