@@ -60,8 +60,10 @@ class LostCalls:
 def test_keep_alive_holds_a_short_lock_for_many_expiry_periods(make_locker: Any) -> None:
     holder, contender = make_locker(), make_locker()
     lost = LostCalls()
-    lock = holder.lock("job", expires=0.6, keep_alive=True, on_lost=lost)
-    until = time.monotonic() + 6  # ten expiry periods
+    # A renewal every third of a second, each with nearly 0.6 s to spare before the deadline
+    # (at 0.6 s, a loaded machine's MariaDB round trip sometimes outlasted the 0.34 s spare).
+    lock = holder.lock("job", expires=1.0, keep_alive=True, on_lost=lost)
+    until = time.monotonic() + 8  # eight expiry periods
     while time.monotonic() < until:
         assert contender.try_lock("job") is None  # grace=0: any lapse would let it in
         assert lock.is_valid()
