@@ -161,3 +161,54 @@ def test_a_run_whose_claim_was_broken_may_overlap_the_next_only_as_it_stops(
     settings = plan.Settings(backend="sqlite", seconds=20, seed=1)
     found = checker._run_families(events, settings, Counter(), 0.0)
     assert len(found) == violations, found
+
+
+OPERATOR_ENDS = [
+    ("release_force", {"status": 0, "stderr": "sqllocker: broke lock 'r0' (id 6) held by h:1"}, 0),
+    ("release_force", {"status": 1, "stderr": "sqllocker: lock 'r0' with id 6 is not held"}, 0),
+    ("release_force", {"status": 1, "stderr": "sqllocker: error: connection refused"}, 0),
+    ("purge", {"status": 0, "stderr": ""}, 0),
+    ("purge", {"status": 1, "stderr": "sqllocker: error: server closed the connection"}, 0),
+    ("purge", {"status": 1, "stderr": "sqllocker: lock 'r0' is not held"}, 1),
+    ("purge", {"status": 2, "stderr": "Usage: sqllocker purge-expired\nError: No such option"}, 1),
+    (
+        "release_force",
+        {
+            "status": 1,
+            "stderr": "Traceback (most recent call last):\n...\nsqllocker: error: x",
+            "traceback": True,
+        },
+        1,
+    ),
+    ("release_force", {"status": -9, "stderr": ""}, 1),
+    ("purge", {"status": -9, "stderr": "", "timed_out": 300.0}, 1),
+    ("purge", {"error": "OSError('the fork server could not start sqllocker')"}, 1),
+    ("purge", None, 1),
+]
+
+
+@pytest.mark.parametrize(("kind", "end", "violations"), OPERATOR_ENDS)
+def test_an_operator_command_must_end_as_the_command_line_says_it_may(
+    kind: str, end: dict[str, object] | None, violations: int
+) -> None:
+    """Exit 0, or 1 with sqllocker's one line (its LockError; for release, the lock not held):
+    anything else, or no end at all, is a violation naming the command, status and stderr."""
+    from collections import Counter
+
+    from tests.campaign import checker
+
+    command = f"sqllocker {kind}"
+    events: list[dict[str, object]] = [
+        {"t": 1.0, "pid": 9, "type": "fault", "kind": kind, "command": command, "operator": 1}
+    ]
+    if end is not None:
+        events.append({"t": 2.0, "pid": 9, "type": "fault_end", "kind": kind, "operator": 1, **end})
+    checks: Counter[str] = Counter()
+    found = checker._operators(events, checks, 0.0)
+    assert checks["operators: commands"] == 1
+    assert len(found) == violations, found
+    for violation in found:
+        assert violation.check == "operators"
+        assert f"`{command}`" in violation.message
+        if end is not None and "status" in end:
+            assert f"status {end['status']}" in violation.message

@@ -27,12 +27,17 @@
   more than ``NOBODY_SLACK`` before. A killed worker's rows may stay until they expire; so may
   the rows given up while the faults were in force (a release whose statement never reached
   the server), until the faults stopped and they expire after. Rows of other processes (a
-  ``run``'s sqllocker) are not judged.
+  ``run``'s sqllocker) are not judged;
+- ``operators``: every command an operator ran (``sqllocker release --force``, ``sqllocker
+  purge-expired``) ended as the command line says it may (``OPERATOR_ENDS``), not with a
+  traceback, a usage error, a signal or another status (a command that fails unnoticed would
+  leave the campaign testing less than it claims).
 """
 
 from __future__ import annotations
 
 import itertools
+import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +57,16 @@ ACQUIRES = {
     "liveness",
 }
 BREAKS = {"break", "release_force"}
+# How an operator's command may end besides exit status 0 (done: a lock broken, rows purged):
+# status 1 with, last on stderr, the one line of sqllocker's LockError (``sqllocker.cli.main``:
+# a database unreachable while the nemesis restarts it, a row a guarded transaction holds), or
+# for ``release`` the lock not held (``cli_inspect.release``: released, expired and taken
+# over, purged or broken already). Anything else (a traceback, click's usage error, exit 2, a
+# signal) is a failure the campaign would otherwise not see.
+OPERATOR_ENDS = {
+    "release_force": re.compile(r"sqllocker: (error: .+|lock '.*'( with id \d+)? is not held)"),
+    "purge": re.compile(r"sqllocker: error: .+"),
+}
 # How long a `run` may take to stop its command's family once its lock is broken, beyond a
 # renewal period and --kill-after: the margin for a loaded machine.
 RUN_STOP_MARGIN = 1.0
@@ -126,6 +141,7 @@ def check(
     violations += _held_by_nobody(
         events, snapshots or [], holdings, exits, settings, checks, origin
     )
+    violations += _operators(events, checks, origin)
     return Verdict(violations, checks)
 
 
@@ -687,3 +703,60 @@ def _asks_for(event: Event, lockstring: str) -> bool:
         )
     asked = event.get("ls")
     return lockstring in asked if isinstance(asked, list) else asked == lockstring
+
+
+# -- operators ------------------------------------------------------------------------------
+
+
+def _operators(events: list[Event], checks: Counter[str], origin: float) -> list[Violation]:
+    """Each operator's command (a ``fault`` with an ``operator`` number) ended as it may."""
+    ends = {
+        event["operator"]: event
+        for event in events
+        if event["type"] == "fault_end" and "operator" in event
+    }
+    violations = []
+    for fault in events:
+        if fault["type"] != "fault" or "operator" not in fault:
+            continue
+        checks["operators: commands"] += 1
+        end = ends.get(fault["operator"])
+        wrong = _operator_wrong(fault["kind"], end)
+        if wrong is None:
+            continue
+        violations.append(
+            Violation(
+                "operators",
+                f"the operator's `{fault['command']}` (started at {fault['t'] - origin:.3f}s) "
+                f"{wrong}",
+                fault["t"],
+                fault["t"] if end is None else end["t"],
+                {fault["ls"]} if "ls" in fault else set(),
+                {fault["id"]} if "id" in fault else set(),
+            )
+        )
+    return violations
+
+
+def _operator_wrong(kind: str, end: Event | None) -> str | None:
+    """What is wrong with how an operator's command ended (``end``: its ``fault_end``), if
+    anything."""
+    if end is None:
+        return "never ended (no exit status recorded)"
+    if "error" in end:
+        return f"could not be run: {end['error']}"
+    status = end.get("status")
+    stderr = str(end.get("stderr", ""))
+    said = f"; stderr: {' | '.join(stderr.splitlines()) or '(empty)'}"
+    if end.get("timed_out"):
+        return f"ran {end['timed_out']:g}s and was killed (exit status {status}){said}"
+    if end.get("traceback"):
+        return f"exited with status {status} after a Python traceback{said}"
+    last = stderr.splitlines()[-1] if stderr else ""
+    if status == 0 or (status == 1 and OPERATOR_ENDS[kind].fullmatch(last)):
+        return None
+    usage = " (click's usage error)" if status == 2 else ""
+    return (
+        f"exited with status {status}{usage}, not 0, nor 1 with the line "
+        f"/{OPERATOR_ENDS[kind].pattern}/ last on stderr{said}"
+    )

@@ -13,14 +13,20 @@ reaches the server, its answer is lost, and the network stays silent for a while
 whose row is in, or a release or renewal done, and a client that cannot know it); on a server
 the campaign started itself (``--private-server``): ``restart`` (the server stopped, fast or
 as a crash would stop it, and started again a while later).
+
+The operators' commands (``release_force`` and ``purge``: ``OPERATOR_COMMANDS``) each have a
+number (``operator``) and their command line (``command``) in their ``fault`` event, and their
+exit status (``status``), the start of their stderr (``stderr``, whose whole text is kept as
+``operator-N-KIND.stderr`` beside the history) and whether it holds a ``traceback`` in their
+``fault_end``; the checker judges them (``operators``).
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -38,12 +44,14 @@ from sqllocker.permits import permit_lockstring
 from tests.campaign import plan, processes
 from tests.campaign.database import LOCK_TABLE
 from tests.campaign.history import History, now
-from tests.fork_server import Child, Server, process_name
+from tests.fork_server import Server, process_name
 from tests.private_servers import PrivateMariaDB, PrivatePostgres
 from tests.stall_proxy import StallProxy
 
 T = TypeVar("T")
-OPERATOR_TIMEOUT = 300.0
+OPERATOR_TIMEOUT = 300.0  # seconds: an operator's command still running then is killed
+OPERATOR_COMMANDS = ("release_force", "purge")  # the faults that are a `sqllocker` command
+STDERR_LINES = 3  # the first lines of an operator's stderr kept in the history (and its last)
 SERVER_START_TIMEOUT = 60.0
 SERVER_BACK_BEFORE_END = 2.0  # seconds: a restarted server is started again this long before
 
@@ -96,6 +104,25 @@ def run_lock_id(runner: int) -> int | None:
     return None
 
 
+Outcome = dict[str, object]
+
+
+def stderr_outcome(path: Path) -> Outcome:
+    """What the history keeps of an operator's stderr: its first ``STDERR_LINES`` lines (and
+    its last, after ``...``), and whether it holds a Python traceback."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as error:
+        return {"stderr": f"(unread: {error})"}
+    lines = [line.rstrip()[:300] for line in text.splitlines() if line.strip()]
+    if len(lines) > STDERR_LINES + 1:
+        lines = [*lines[:STDERR_LINES], "...", lines[-1]]
+    outcome: Outcome = {"stderr": "\n".join(lines)}
+    if "Traceback (most recent call last)" in text:
+        outcome["traceback"] = True
+    return outcome
+
+
 class Nemesis:
     def __init__(
         self,
@@ -126,7 +153,8 @@ class Nemesis:
         self._fraction = 0.0
         self.counts: Counter[str] = Counter()
         self.undo: list[tuple[float, str, Callable[[], None], dict[str, object]]] = []
-        self.purges: list[Child] = []
+        self.directory = history_path.parent  # where each operator's stderr is kept
+        self.operated = 0  # operators' commands started
         self.operators: list[threading.Thread] = []
 
     def run(self, began: float, until: float) -> None:
@@ -166,9 +194,6 @@ class Nemesis:
         self.history.record("faults_undone")
         if self.on_undone is not None:
             self.on_undone()
-        for purge in self.purges:
-            with suppress(subprocess.TimeoutExpired):
-                purge.wait(30)
         for operator in self.operators:
             operator.join(OPERATOR_TIMEOUT)
         self.history.record("faults_stop", counts=dict(self.counts))
@@ -267,7 +292,8 @@ class Nemesis:
             return
         lockstring, lock_id = held
         self._count("break", ls=lockstring, id=lock_id)
-        self._beside("break", lockstring, lock_id, lambda: self._break(lockstring, lock_id))
+        fields = {"ls": lockstring, "id": lock_id}
+        self._beside("break", fields, lambda: self._break(lockstring, lock_id))
 
     def _break(self, lockstring: str, lock_id: int) -> dict[str, object]:
         try:
@@ -281,47 +307,52 @@ class Nemesis:
         if held is None:
             return
         lockstring, lock_id = held
-        self._count("release_force", ls=lockstring, id=lock_id)
-        command = [*self._cli(), "release", "--force", "--id", str(lock_id), lockstring]
+        arguments = ["release", "--force", "--id", str(lock_id), lockstring]
+        self._operator("release_force", arguments, ls=lockstring, id=lock_id)
 
-        def release() -> dict[str, object]:
-            with tempfile.NamedTemporaryFile("r", prefix="sqllocker-release-") as said:
-                files = (os.devnull, os.devnull, said.name)
-                process = self.launcher.spawn(command, "sqllocker", files=files)
-                try:
-                    status = process.wait(OPERATOR_TIMEOUT)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
-                    raise
-                return {"status": status, "said": said.read().strip()[-300:]}
+    def purge(self) -> None:
+        grace = str(self.settings.grace)
+        self._operator("purge", ["purge-expired", "--grace", grace, "--pause-ratio", "0"])
 
-        self._beside("release_force", lockstring, lock_id, release)
+    def _operator(self, kind: str, arguments: list[str], **fields: object) -> None:
+        """An operator's ``sqllocker ARGUMENTS``, run beside the nemesis's schedule: its exit
+        status and stderr recorded when it ends (killed if it runs ``OPERATOR_TIMEOUT``)."""
+        self.operated += 1
+        fields["operator"] = self.operated
+        self._count(kind, command=shlex.join(["sqllocker", *arguments]), **fields)
+        command = [*self._cli(), *arguments]
+        stderr = self.directory / f"operator-{self.operated}-{kind}.stderr"
 
-    def _beside(
-        self, kind: str, lockstring: str, lock_id: int, act: Callable[[], dict[str, object]]
-    ) -> None:
-        """An operator's break, run beside the nemesis's schedule (it waits as long as the
-        database makes it, behind a guarded transaction say), recorded when it ends."""
+        def operate() -> dict[str, object]:
+            files = (os.devnull, os.devnull, str(stderr))
+            process = self.launcher.spawn(command, "sqllocker", files=files)
+            outcome: dict[str, object] = {}
+            try:
+                outcome["status"] = process.wait(OPERATOR_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                outcome["status"] = process.wait()
+                outcome["timed_out"] = OPERATOR_TIMEOUT
+            return {**outcome, **stderr_outcome(stderr)}
+
+        self._beside(kind, fields, operate)
+
+    def _beside(self, kind: str, fields: dict[str, object], act: Callable[[], Outcome]) -> None:
+        """An operator's break, release or purge, run beside the nemesis's schedule (it waits
+        as long as the database makes it, behind a guarded transaction say), recorded when it
+        ends (``fault_end``, with ``fields`` and ``act``'s outcome, or the error it raised)."""
         began = now()
 
         def operate() -> None:
-            outcome = act()
-            self.history.record(
-                "fault_end", kind=kind, ls=lockstring, id=lock_id, seconds=now() - began, **outcome
-            )
+            try:
+                outcome = act()
+            except Exception as error:  # recorded: the checker judges an operator's command
+                outcome = {"error": repr(error)[:300]}
+            self.history.record("fault_end", kind=kind, seconds=now() - began, **fields, **outcome)
 
         thread = threading.Thread(target=operate, name=f"nemesis {kind}", daemon=True)
         thread.start()
         self.operators.append(thread)
-
-    def purge(self) -> None:
-        self._count("purge")
-        self.purges = [purge for purge in self.purges if purge.poll() is None]
-        grace = str(self.settings.grace)
-        command = [*self._cli(), "purge-expired", "--grace", grace, "--pause-ratio", "0"]
-        files = (os.devnull, os.devnull, os.devnull)
-        self.purges.append(self.launcher.spawn(command, "sqllocker", files=files))
 
     def stall(self) -> None:
         assert self.proxy is not None

@@ -12,7 +12,7 @@ from typing import Any
 from tests.campaign import plan
 from tests.campaign.checker import Verdict, Violation
 from tests.campaign.history import Event
-from tests.campaign.nemesis import schedule
+from tests.campaign.nemesis import OPERATOR_COMMANDS, schedule
 from tests.campaign.sections import next_operation
 
 WINDOW_LINES = 60
@@ -40,6 +40,22 @@ def faults(events: list[Event]) -> Counter[str]:
     return Counter(event["kind"] for event in events if event["type"] == "fault")
 
 
+def operator_ends(events: list[Event]) -> Counter[str]:
+    """How the operators' commands ended: by kind and exit status (``killed`` after the
+    timeout, ``unrun`` if none was started)."""
+    ends: Counter[str] = Counter()
+    for event in events:
+        if event["type"] == "fault_end" and "operator" in event:
+            if "error" in event:
+                how = "unrun"
+            elif event.get("timed_out"):
+                how = "killed"
+            else:
+                how = f"exit {event.get('status')}"
+            ends[f"{event['kind']} {how}"] += 1
+    return ends
+
+
 def summary(settings: plan.Settings, events: list[Event], violations: int) -> str:
     return (
         f"campaign: {settings.backend} seed {settings.seed}: {operations(events)} operations, "
@@ -61,6 +77,8 @@ def render(settings: plan.Settings, events: list[Event], verdict: Verdict, began
         + ", ".join(f"{op} {n}" for op, n in sorted(_operations_by_kind(events).items())),
         "outcomes: " + ", ".join(f"{kind} {n}" for kind, n in sorted(_outcomes(events).items())),
         "faults: " + (", ".join(f"{k} {n}" for k, n in sorted(faults(events).items())) or "none"),
+        "operator commands: "
+        + (", ".join(f"{k}: {n}" for k, n in sorted(operator_ends(events).items())) or "none"),
         "checks: " + ", ".join(f"{k} {n}" for k, n in sorted(verdict.checks.items())),
     ]
     slow = [
@@ -68,13 +86,19 @@ def render(settings: plan.Settings, events: list[Event], verdict: Verdict, began
         for event in events
         if event["type"] == "fault_end"
         and event.get("seconds", 0) > SLOW_OPERATOR
-        and event.get("kind") in {"break", "release_force"}
+        and event.get("kind") in {"break", *OPERATOR_COMMANDS}
     ]
     for event in slow:
-        outcome = event.get("said") or event.get("error") or f"broken: {event.get('broken')}"
+        if "error" in event:
+            outcome = event["error"]
+        elif "status" in event:
+            outcome = f"exit status {event['status']}; stderr: {event.get('stderr') or '(empty)'}"
+        else:
+            outcome = f"broken: {event.get('broken')}"
+        outcome = outcome.replace("\n", " | ")
+        of = f" of lock id {event['id']}" if "id" in event else ""
         lines.append(
-            f"note: the operator's {event['kind']} of lock id {event['id']} took "
-            f"{event['seconds']:.1f}s ({outcome})"
+            f"note: the operator's {event['kind']}{of} took {event['seconds']:.1f}s ({outcome})"
         )
     shown: Counter[str] = Counter()
     for number, violation in enumerate(verdict.violations, 1):
@@ -135,7 +159,7 @@ def window(events: list[Event], violation: Violation, began: float) -> list[str]
 
 def _line(event: Event, began: float) -> str:
     rest: dict[str, Any] = {k: v for k, v in event.items() if k not in {"t", "w", "pid", "type"}}
-    fields = " ".join(f"{k}={v}" for k, v in rest.items())
+    fields = " ".join(f"{k}={v}".replace("\n", " | ") for k, v in rest.items())
     return (
         f"{event['t'] - began:9.3f} {event['w']:>8} {event['pid']:>7} {event['type']:<10} {fields}"
     )
