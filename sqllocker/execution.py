@@ -182,6 +182,12 @@ def kept_cursor(pooled: Any) -> Any:
     return cursor
 
 
+def forget_cursor(pooled: Any) -> None:
+    """Make ``pooled``'s next operation use a cursor of its own: the kept one was closed with
+    an operation abandoned on a connection that serves on."""
+    pooled.info.pop(_CURSOR_KEY, None)
+
+
 class DriverSession:
     """A DBAPI connection and its cursor, for the length of one operation."""
 

@@ -25,7 +25,8 @@ LOSES_ROWS_ON_FAILOVER = (
 )
 SPLITS_THE_DATABASE = (
     "gives connections databases in memory of their own (each thread's, or each operation's), "
-    "which lets a second holder in; make the engine with poolclass=StaticPool"
+    "which lets a second holder in; pass sqllocker the URL, or an Engine with "
+    "poolclass=StaticPool that nothing else uses"
 )
 REORDERS_IDS = (
     "can hand out lock ids out of holding order, so a later holder may carry a smaller fencing "

@@ -24,7 +24,14 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import create_async_engine
-from sqlalchemy.pool import AsyncAdaptedQueuePool, StaticPool
+from sqlalchemy.pool import (
+    AsyncAdaptedQueuePool,
+    NullPool,
+    Pool,
+    QueuePool,
+    SingletonThreadPool,
+    StaticPool,
+)
 from sqlalchemy.util import greenlet_spawn
 
 from sqllocker import LockBusy, Locker, UnsafeDatabase, UnsafeDatabaseWarning, execution
@@ -290,6 +297,27 @@ def test_a_callers_pool_that_splits_a_database_in_memory_is_reported_or_refused(
 
 
 @pytest.mark.parametrize(
+    ("url", "pool"),
+    [
+        ("sqlite:///:memory:", SingletonThreadPool),
+        ("sqlite:///file:private?mode=memory&uri=true", SingletonThreadPool),  # no shared cache
+        ("sqlite:///file:shared?mode=memory&cache=shared&uri=True", NullPool),
+        ("sqlite:///file::memory:?uri=yes", QueuePool),
+    ],
+    ids=str,
+)
+def test_every_spelling_of_a_split_database_in_memory_is_refused_when_strict(
+    url: str, pool: type[Pool]
+) -> None:
+    engine = sa.create_engine(url, poolclass=pool)
+    try:
+        with pytest.raises(UnsafeDatabase, match=f"a {pool.__name__} gives connections"):
+            Locker(engine, strict=True).lock("refused")
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize(
     "url",
     [
         "sqlite+aiosqlite://",
@@ -328,6 +356,39 @@ async def test_the_tasks_of_an_async_locker_on_a_database_in_memory_run_one_oper
         await blocker.unlock()
         assert await locker.locks() == []
         assert seen_held == 300
+    finally:
+        await locker.aclose()
+
+
+async def test_operations_cut_short_on_a_database_in_memory_leave_its_locks_in_it() -> None:
+    """An AsyncLocker's database in memory is its one connection: an operation cancelled
+    mid-statement must not close that connection, as it would a server's, for the database
+    and every lock in it would go with it (and the ids start again at 1). Its statement is
+    ended, its transaction rolled back, and the connection serves on."""
+    locker = AsyncLocker("sqlite+aiosqlite://", grace=0)
+    try:
+        held = await locker.lock("held")
+        operations = [
+            lambda: locker.locks(),
+            lambda: locker.lock_all(["group a", "group b"]),
+            lambda: locker.lock("lone"),
+        ]
+        for n in range(60):
+            task = asyncio.ensure_future(operations[n % 3]())
+            for _ in range(n // 3 % 6):
+                await asyncio.sleep(0)  # cut short at a different step each time
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, LockBusy):
+                won = await task
+                if not isinstance(won, list):
+                    await won.unlock()
+            with pytest.raises(LockBusy):
+                await locker.lock("held")  # a second holder, if the database went
+        assert [info.lock_id for info in await locker.locks()] == [held.lock_id]
+        later = await locker.lock_all(["group a", "group b"])  # no transaction left open
+        assert min(lock.lock_id for lock in later.locks) > held.lock_id
+        await later.unlock()
+        await held.unlock()
     finally:
         await locker.aclose()
 

@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.engine import URL, AdaptedConnection, Connection, Dialect, Engine
-from sqlalchemy.pool import AsyncAdaptedQueuePool, NullPool, Pool, StaticPool
+from sqlalchemy.pool import AssertionPool, AsyncAdaptedQueuePool, NullPool, Pool, StaticPool
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.expression import Executable
 from sqlalchemy.types import TypeEngine
+from sqlalchemy.util import asbool
 
 from .. import file_queue
 from ..schema import UTCDateTime
@@ -69,6 +70,7 @@ class SQLiteBackend(Backend):
     # (an in-memory database's only one) serves on.
     interrupt_ends_connection = False
     connects_locally = True
+    keeps_abandoned = True
 
     @classmethod
     def for_dialect(cls, dialect: Dialect) -> Backend:
@@ -225,6 +227,20 @@ class SQLiteBackend(Backend):
             logger.debug("abandoning a connection: %s", error)
 
     @classmethod
+    def settle(cls, dbapi_connection: Any) -> None:
+        # Abandoned, an operation's statement is interrupted and its transaction rolled back;
+        # but that rollback may itself have been cut short.
+        raw = _sqlite3_of(dbapi_connection)
+        if raw is not None and raw.in_transaction:
+            logger.info("rolling back a transaction an abandoned lock operation left open")
+            try:
+                dbapi_connection.rollback()
+            except Exception as error:  # sqlite3's or aiosqlite's; the operation meets it too
+                logger.warning(
+                    "could not roll back an abandoned operation's transaction: %s", error
+                )
+
+    @classmethod
     def bound_waits(cls, dbapi_connection: Any, seconds: float) -> object | None:
         # The busy timeout, where it is longer than what is left: SQLite's interrupt() does not
         # end a wait in the busy handler (a backup, an operator's shell holding the write lock).
@@ -345,33 +361,45 @@ def _configure_connection(dbapi_connection: Any, _record: Any) -> None:
 
 def _splits_a_database_in_memory(url: URL, pool: Pool) -> bool:
     """Whether ``pool`` (a caller's engine's: sqllocker's own keep one connection) splits an
-    in-memory database: an unnamed one is each connection's own, so only a pool of one
-    connection (StaticPool) shares it; a named one lives while a connection to it is open,
-    which a NullPool closes after every operation."""
-    if _database_file(url) is not None or isinstance(pool, StaticPool):
+    in-memory database: one without a shared cache is each connection's own, so only a pool
+    of one connection shares it; one with a shared cache lives while a connection to it is
+    open, which a NullPool closes after every operation."""
+    if _database_file(url) is not None or isinstance(pool, (StaticPool, AssertionPool)):
         return False
-    return _unnamed(url) or isinstance(pool, NullPool)
+    uri = _sqlite_uri(url)
+    private = uri is None or uri[1].get("cache") != "shared"
+    return private or isinstance(pool, NullPool)
 
 
-def _unnamed(url: URL) -> bool:
-    """Whether ``url``'s in-memory database is each connection's own (not a named one, nor
-    ``file::memory:?cache=shared``, which every connection of the process shares)."""
+def _sqlite_uri(url: URL) -> tuple[str, dict[str, str]] | None:
+    """``url``'s database as an SQLite URI (``uri=true``, as SQLAlchemy reads it): its path
+    and its options (from the path, and from the URL's query, which SQLAlchemy passes on),
+    or None where it is a plain file name."""
     database = url.database or ""
-    if url.query.get("uri") in ("true", "1") and database.startswith("file:"):
-        name, _, options = database[len("file:") :].partition("?")
-        shared = "cache=shared" in options or url.query.get("cache") == "shared"
-        return name in ("", ":memory:") and not shared
-    return database in ("", ":memory:")
+    uri = url.query.get("uri")
+    if not isinstance(uri, str) or not database.startswith("file:"):
+        return None
+    try:
+        if not asbool(uri):
+            return None
+    except ValueError:  # as SQLAlchemy reads it: it refuses the URL on connecting
+        return None
+    path, _, inline = database[len("file:") :].partition("?")
+    options = dict(part.partition("=")[::2] for part in inline.split("&") if part)
+    options.update((key, value) for key, value in url.query.items() if isinstance(value, str))
+    return path, options
 
 
 def _database_file(url: URL) -> str | None:
     """The file of ``url``'s database as given (a URI's path without its options), or None for
     an in-memory one."""
-    database = url.database or ""
-    if url.query.get("uri") in ("true", "1") and database.startswith("file:"):
-        database, _, options = database[len("file:") :].partition("?")
-        if "mode=memory" in options or url.query.get("mode") == "memory":
-            return None
+    uri = _sqlite_uri(url)
+    if uri is None:
+        database = url.database or ""
+    elif uri[1].get("mode") == "memory":
+        return None
+    else:
+        database = uri[0]
     return None if database in ("", ":memory:") else database
 
 

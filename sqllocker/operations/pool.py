@@ -17,7 +17,7 @@ from ..backends import Backend, backend_class
 from ..connections import ConnectionStack
 from ..engine import describe_url
 from ..errors import DatabaseError, one_line
-from ..execution import DriverSession, PreparedCache, kept_cursor
+from ..execution import DriverSession, PreparedCache, forget_cursor, kept_cursor
 from ..sqlalchemy_internals import most_connections
 from .waits import THREADS, Waits
 
@@ -52,10 +52,9 @@ class Connections:
         # (into a group's transaction, say, and out with its rollback).
         direct = direct_connections and owns_engine and isinstance(engine.pool, QueuePool)
         self.stack = ConnectionStack(engine, waits.connection_changes) if direct else None
+        self.one_connection = isinstance(engine.pool, StaticPool)
         self.alone: contextlib.AbstractContextManager[Any] = (
-            waits.one_operation_at_a_time()
-            if isinstance(engine.pool, StaticPool)
-            else contextlib.nullcontext()
+            waits.one_operation_at_a_time() if self.one_connection else contextlib.nullcontext()
         )
         # Whether the pool can spare a connection for the release listener (see
         # Database.waits_by_ticket); the pool's limits never change.
@@ -82,10 +81,14 @@ class Connections:
         except self.connect_errors as error:
             raise self.unreachable(error) from error
         fairy = checkout if connection is None else connection.connection
+        # A database in memory lives in the pool's one connection: never closed here.
+        keeps_abandoned = self.one_connection and backend.keeps_abandoned
         cursor = None
         watch = None
         try:
             dbapi_connection = fairy.dbapi_connection
+            if keeps_abandoned:
+                backend.settle(dbapi_connection)
             one_call = backend.in_one_call(dbapi_connection)
             cursor = kept_cursor(fairy)
             watch = deadlines.interrupting(backend, dbapi_connection)
@@ -105,11 +108,16 @@ class Connections:
                 # Cancelled (async) or interrupted mid-statement: the connection's state is
                 # unknown (a statement may still be running), so it must not be reused;
                 # whatever it still runs is ended first, so that closing it frees its locks.
+                # (A database in memory's one connection serves on, settled before its next
+                # operation: closed, it would take every lock with it.)
                 try:
                     if cursor is not None:
                         backend.abandon(fairy.dbapi_connection, cursor)
                 finally:
-                    fairy.invalidate(error)
+                    if keeps_abandoned:
+                        forget_cursor(fairy)
+                    else:
+                        fairy.invalidate(error)
             elif watch is not None and watch.connection_ended:
                 fairy.invalidate(error)
             raise
