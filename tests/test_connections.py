@@ -34,8 +34,15 @@ from sqlalchemy.pool import (
 )
 from sqlalchemy.util import greenlet_spawn
 
-from sqllocker import LockBusy, Locker, UnsafeDatabase, UnsafeDatabaseWarning, execution
-from sqllocker.asyncio import AsyncLocker
+from sqllocker import (
+    LockBusy,
+    Locker,
+    LockLost,
+    UnsafeDatabase,
+    UnsafeDatabaseWarning,
+    execution,
+)
+from sqllocker.asyncio import AsyncLock, AsyncLocker
 from sqllocker.asyncio import concurrency as async_concurrency
 from sqllocker.backends import sqlite as sqlite_backend
 from sqllocker.connections import ConnectionStack, StackedConnection
@@ -391,6 +398,39 @@ async def test_operations_cut_short_on_a_database_in_memory_leave_its_locks_in_i
         await held.unlock()
     finally:
         await locker.aclose()
+
+
+def test_locks_held_in_a_database_in_memory_are_lost_with_it() -> None:
+    """A database in memory goes with its connection: when a Locker closes it, or an
+    AsyncLocker's loop ends (it is closed then) or it moves to another loop, the locks still
+    held in it are gone, and the same lockstrings free in the empty database that follows.
+    Their holders are told first: each lock is lost (``on_lost`` called, no longer valid),
+    before anyone can take it again."""
+    lost: list[LockLost] = []
+    locker = Locker("sqlite://", grace=0, on_lost=lost.append)
+    held = locker.lock("report")
+    locker.close()
+    assert not held.is_valid()
+    assert [error.lock_id for error in lost] == [held.lock_id]
+    assert locker.lock("report").lock_id == held.lock_id  # the database is a new one
+    locker.close()
+
+    alocker = AsyncLocker("sqlite+aiosqlite://", grace=0)
+
+    async def hold() -> AsyncLock:
+        return await alocker.lock("report")
+
+    first = asyncio.run(hold())  # the loop ends with the lock held
+
+    async def next_loop() -> None:
+        assert not first.is_valid()  # before this loop takes the lock again
+        again = await alocker.lock("report")
+        with pytest.raises(LockLost):
+            await first.unlock()
+        await again.unlock()
+        await alocker.aclose()
+
+    asyncio.run(next_loop())
 
 
 def test_threads_share_the_stack_without_sharing_a_connection(locker: Locker) -> None:

@@ -330,6 +330,12 @@ class Backend:
         """Anything an engine sqllocker made needs on each new connection."""
 
     @classmethod
+    def in_memory(cls, url: URL) -> bool:
+        """Whether ``url``'s database lives in its connections (SQLite's in memory): closed,
+        they take it with them, every lock in it."""
+        return False
+
+    @classmethod
     def queue_file(cls, url: URL) -> str | None:
         """The database file whose waiters queue in the kernel (SQLite on Linux: see
         ``sqllocker.file_queue``), or None."""

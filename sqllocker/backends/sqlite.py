@@ -155,6 +155,10 @@ class SQLiteBackend(Backend):
         return False
 
     @classmethod
+    def in_memory(cls, url: URL) -> bool:
+        return _database_file(url) is None
+
+    @classmethod
     def queue_file(cls, url: URL) -> str | None:
         database = _database_file(url)
         return os.path.abspath(database) if database and file_queue.AVAILABLE else None

@@ -4,9 +4,10 @@ or the pool of a caller's Engine; and the errors of a database that lends none."
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
@@ -16,10 +17,21 @@ from .. import deadlines
 from ..backends import Backend, backend_class
 from ..connections import ConnectionStack
 from ..engine import describe_url
-from ..errors import DatabaseError, one_line
+from ..errors import DatabaseError, LockLost, one_line
 from ..execution import DriverSession, PreparedCache, forget_cursor, kept_cursor
 from ..sqlalchemy_internals import most_connections
 from .waits import THREADS, Waits
+
+
+class HeldLock(Protocol):
+    """What ``Connections`` asks of a lock held in a database that lives in its connections."""
+
+    held: bool
+    lockstring: str
+    lock_id: int
+
+    def mark_lost(self, lost: LockLost) -> bool: ...
+
 
 # The fewest connections a pool must allow for a Locker to keep one listening for releases:
 # the lock operations must always have at least two of the rest.
@@ -53,6 +65,13 @@ class Connections:
         direct = direct_connections and owns_engine and isinstance(engine.pool, QueuePool)
         self.stack = ConnectionStack(engine, waits.connection_changes) if direct else None
         self.one_connection = isinstance(engine.pool, StaticPool)
+        # The locks held in a database that lives in the engine's connections (in memory, an
+        # engine sqllocker made): lost when they go (see ``close``).
+        self.held_here: weakref.WeakSet[HeldLock] | None = (
+            weakref.WeakSet()
+            if owns_engine and backend_class(engine.dialect.name).in_memory(engine.url)
+            else None
+        )
         self.alone: contextlib.AbstractContextManager[Any] = (
             waits.one_operation_at_a_time() if self.one_connection else contextlib.nullcontext()
         )
@@ -178,6 +197,7 @@ class Connections:
 
     def close(self) -> None:
         if self.owns_engine:
+            self._lose_what_lived_here("its Locker was closed")
             self.engine.dispose()
 
     def forget_connections(self) -> None:
@@ -186,7 +206,27 @@ class Connections:
         if self.stack is not None:
             self.stack.forget()
         if self.owns_engine:
+            self._lose_what_lived_here("its AsyncLocker moved to another event loop")
             self.engine.dispose(close=False)
+
+    def _lose_what_lived_here(self, why: str) -> None:
+        """The locks still held in a database that lives in these connections, about to go
+        with them: each is lost now (its holder told, ``on_lost``), before a lock of the next
+        database, empty, can be taken in its stead."""
+        if self.held_here is None:
+            return
+        held = list(self.held_here)
+        self.held_here.clear()
+        for state in held:
+            if state.held:
+                state.mark_lost(
+                    LockLost(
+                        f"lock {state.lockstring!r} (id {state.lock_id}) is lost: it was held in "
+                        f"a database in memory, which went with its connection as {why}",
+                        state.lockstring,
+                        state.lock_id,
+                    )
+                )
 
     @property
     def connection_budget(self) -> int | None:
