@@ -415,6 +415,19 @@ def test_locks_held_in_a_database_in_memory_are_lost_with_it() -> None:
     assert locker.lock("report").lock_id == held.lock_id  # the database is a new one
     locker.close()
 
+    # However the connection goes: closed by SQLAlchemy's pool, say, as an interrupt landed
+    # in its checkout. The next connection is a new database.
+    lost.clear()
+    locker = Locker("sqlite://", grace=0, on_lost=lost.append)
+    held = locker.lock("report")
+    with locker.engine.connect() as connection:
+        connection.invalidate()
+    again = locker.lock("report")
+    assert [error.lock_id for error in lost] == [held.lock_id]
+    assert not held.is_valid()
+    assert again.is_valid()
+    locker.close()
+
     alocker = AsyncLocker("sqlite+aiosqlite://", grace=0)
 
     async def hold() -> AsyncLock:

@@ -67,11 +67,11 @@ class Connections:
         self.one_connection = isinstance(engine.pool, StaticPool)
         # The locks held in a database that lives in the engine's connections (in memory, an
         # engine sqllocker made): lost when they go (see ``close``).
-        self.held_here: weakref.WeakSet[HeldLock] | None = (
-            weakref.WeakSet()
-            if owns_engine and backend_class(engine.dialect.name).in_memory(engine.url)
-            else None
-        )
+        self.held_here: weakref.WeakSet[HeldLock] | None = None
+        if owns_engine and backend_class(engine.dialect.name).in_memory(engine.url):
+            self.held_here = weakref.WeakSet()
+            self._databases = 0  # made: each new connection is a new database, empty
+            sa.event.listen(engine, "connect", self._new_database)
         self.alone: contextlib.AbstractContextManager[Any] = (
             waits.one_operation_at_a_time() if self.one_connection else contextlib.nullcontext()
         )
@@ -209,6 +209,14 @@ class Connections:
             self._lose_what_lived_here("its AsyncLocker moved to another event loop")
             self.engine.dispose(close=False)
 
+    def _new_database(self, _dbapi_connection: Any, _record: Any) -> None:
+        """A new connection to a database in memory, and so a new database: after the first,
+        the one before is gone, however its connection went (closed by SQLAlchemy's pool, say,
+        as an interrupt landed in it), with the locks held in it."""
+        self._databases += 1
+        if self._databases > 1:
+            self._lose_what_lived_here("the connection was closed")
+
     def _lose_what_lived_here(self, why: str) -> None:
         """The locks still held in a database that lives in these connections, about to go
         with them: each is lost now (its holder told, ``on_lost``), before a lock of the next
@@ -222,7 +230,7 @@ class Connections:
                 state.mark_lost(
                     LockLost(
                         f"lock {state.lockstring!r} (id {state.lock_id}) is lost: it was held in "
-                        f"a database in memory, which went with its connection as {why}",
+                        f"a database in memory, gone with its connection ({why})",
                         state.lockstring,
                         state.lock_id,
                     )
