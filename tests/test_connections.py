@@ -12,6 +12,7 @@ import shutil
 import sqlite3
 import ssl
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -35,6 +36,7 @@ from sqlalchemy.pool import (
 from sqlalchemy.util import greenlet_spawn
 
 from sqllocker import (
+    Lock,
     LockBusy,
     Locker,
     LockLost,
@@ -428,6 +430,17 @@ def test_locks_held_in_a_database_in_memory_are_lost_with_it() -> None:
     assert again.is_valid()
     locker.close()
 
+    # And on an Engine of the caller's that keeps the database's one connection.
+    lost.clear()
+    engine = sa.create_engine("sqlite://", poolclass=StaticPool)
+    locker = Locker(engine, grace=0, on_lost=lost.append)
+    held = locker.lock("report")
+    with engine.connect() as connection:
+        connection.invalidate()
+    locker.lock("report")
+    assert [error.lock_id for error in lost] == [held.lock_id]
+    engine.dispose()
+
     alocker = AsyncLocker("sqlite+aiosqlite://", grace=0)
 
     async def hold() -> AsyncLock:
@@ -444,6 +457,85 @@ def test_locks_held_in_a_database_in_memory_are_lost_with_it() -> None:
         await alocker.aclose()
 
     asyncio.run(next_loop())
+
+
+def test_an_on_lost_interrupted_as_a_database_in_memory_goes_leaves_no_lock_valid() -> None:
+    calls: list[str] = []
+
+    def interrupted(lost: LockLost) -> None:
+        calls.append(lost.lockstring)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+
+    locker = Locker("sqlite://", grace=0, on_lost=interrupted)
+    held = [locker.lock(f"job {n}") for n in range(3)]
+    with pytest.raises(KeyboardInterrupt):
+        locker.close()
+    assert sorted(calls) == ["job 0", "job 1", "job 2"]
+    assert not [lock for lock in held if lock.is_valid()]
+
+
+def test_a_lock_whose_database_in_memory_went_as_it_was_taken_is_never_handed_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The acquire's statement done, the Locker closed (by another thread, say) before the
+    acquire hands the lock over: its database is gone, so the lock is refused (LockLost),
+    not handed over valid while the same lockstring is free in the next database."""
+    locker = Locker("sqlite://", grace=0)
+    attempts = locker._acquirer.attempts
+    handle = attempts.handle
+
+    def closed_meanwhile(*args: Any) -> Lock:
+        locker.close()
+        return handle(*args)
+
+    monkeypatch.setattr(attempts, "handle", closed_meanwhile)
+    with pytest.raises(LockLost, match="before its acquire could hand it over"):
+        locker.lock("job")
+    monkeypatch.undo()
+    locker.lock("job").unlock()
+    locker.close()
+
+
+def test_closing_a_locker_in_memory_waits_for_its_threads_operations() -> None:
+    """Closing the one connection under another thread's statement crashed the interpreter;
+    close() waits for the operation, the locks taken before are lost with the database (or
+    refused, if it went as they were taken), and those taken after are held in the next."""
+    script = """
+import threading, warnings
+warnings.simplefilter("ignore")
+from sqllocker import Locker, LockError
+for trial in range(40):
+    locker = Locker("sqlite://")
+    locker.lock("warm").unlock()
+    taken, stop = [], threading.Event()
+    def take():
+        n = 0
+        while not stop.is_set():
+            try:
+                taken.append(locker.lock(f"n{n}"))
+            except LockError:
+                pass
+            n += 1
+    thread = threading.Thread(target=take)
+    thread.start()
+    locker.close()
+    stop.set()
+    thread.join()
+    for lock in taken:
+        if lock.is_valid():  # taken in the next database: held there
+            try:
+                locker.lock(lock.lockstring)
+            except LockError:
+                continue
+            raise AssertionError(f"two holders of {lock.lockstring!r}")
+    locker.close()
+print("ok")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "ok"), done.stderr[-2000:]
 
 
 def test_threads_share_the_stack_without_sharing_a_connection(locker: Locker) -> None:

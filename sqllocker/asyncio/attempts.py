@@ -55,7 +55,7 @@ class AsyncAttempts:
         self._call = run
         self._keep_alives = keep_alives
         self.file_queue = file_queue
-        self._held_in_memory = operations.database.pool.held_here
+        self._in_memory = operations.database.pool.in_memory
         self._offset = offsets(locker.table_name)  # of a lockstring's place in file_queue
 
     async def try_acquire(
@@ -112,8 +112,8 @@ class AsyncAttempts:
         )
         if self.file_queue is not None:
             state.place = self.file_queue.unplaced(self._offset(lockstring))
-        elif self._held_in_memory is not None:
-            self._held_in_memory.add(state)  # lost if the database goes (``Connections``)
+        elif self._in_memory is not None:
+            self._in_memory.hold(state, acquired.database)  # lost if its database goes
         lock = AsyncLock(
             self._locker,
             state,

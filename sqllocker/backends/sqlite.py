@@ -400,7 +400,7 @@ def _database_file(url: URL) -> str | None:
     uri = _sqlite_uri(url)
     if uri is None:
         database = url.database or ""
-    elif uri[1].get("mode") == "memory":
+    elif uri[1].get("mode") == "memory" or uri[1].get("vfs") == "memdb":
         return None
     else:
         database = uri[0]

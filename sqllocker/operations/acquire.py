@@ -50,6 +50,7 @@ class Acquirer:
         any INSERT (``Attempt._refused_by_holder``)."""
 
         sent_at = 0.0
+        in_memory = self._db.pool.in_memory
 
         def attempt(conn: DriverSession) -> Acquired | Refused:
             nonlocal sent_at
@@ -61,7 +62,9 @@ class Acquirer:
                 conn, lockstring, guid, ttl, details, queue_key, look_first, in_line
             )
             if self._db.lone_inserts_retried and isinstance(outcome, Acquired):
-                return self._attempt.as_stored(conn, lockstring, guid, outcome)
+                outcome = self._attempt.as_stored(conn, lockstring, guid, outcome)
+            if in_memory is not None and isinstance(outcome, Acquired):
+                outcome.database = in_memory.number  # read while the connection is ours
             return outcome
 
         for _attempt in range(_ATTEMPTS_PER_TRY):
@@ -87,10 +90,16 @@ class Acquirer:
         """
         sent_at = 0.0
 
+        in_memory = self._db.pool.in_memory
+
         def attempt(conn: DriverSession) -> list[Acquired] | Refused:
             nonlocal sent_at
             sent_at = clock.now()  # as for one lock: before this connection's statements
-            return self._acquire_all_on(conn, members, ttl, details)
+            outcome = self._acquire_all_on(conn, members, ttl, details)
+            if in_memory is not None and isinstance(outcome, list):
+                for acquired in outcome:
+                    acquired.database = in_memory.number  # read while the connection is ours
+            return outcome
 
         outcome = self._db.run(members[0][0], attempt)
         if isinstance(outcome, list):

@@ -57,7 +57,7 @@ class Acquired:
     copy was a measurable share of the library's own Python in an uncontended cycle.
     """
 
-    __slots__ = ("age", "created", "expires", "lock_id", "sent_at", "took_over")
+    __slots__ = ("age", "created", "database", "expires", "lock_id", "sent_at", "took_over")
 
     def __init__(self, lock_id: int, created: object, expires: object, age: float = 0.0) -> None:
         self.lock_id = lock_id
@@ -66,6 +66,7 @@ class Acquired:
         self.age = age
         self.sent_at = 0.0
         self.took_over = False  # an expired holder's row was replaced (sqllocker.telemetry)
+        self.database = 0  # in memory: the database it is in (``DatabaseInMemory.number``)
 
 
 class Joined(NamedTuple):

@@ -4,10 +4,9 @@ or the pool of a caller's Engine; and the errors of a database that lends none."
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
@@ -17,21 +16,11 @@ from .. import deadlines
 from ..backends import Backend, backend_class
 from ..connections import ConnectionStack
 from ..engine import describe_url
-from ..errors import DatabaseError, LockLost, one_line
+from ..errors import DatabaseError, one_line
 from ..execution import DriverSession, PreparedCache, forget_cursor, kept_cursor
 from ..sqlalchemy_internals import most_connections
+from .in_memory import DatabaseInMemory
 from .waits import THREADS, Waits
-
-
-class HeldLock(Protocol):
-    """What ``Connections`` asks of a lock held in a database that lives in its connections."""
-
-    held: bool
-    lockstring: str
-    lock_id: int
-
-    def mark_lost(self, lost: LockLost) -> bool: ...
-
 
 # The fewest connections a pool must allow for a Locker to keep one listening for releases:
 # the lock operations must always have at least two of the rest.
@@ -65,13 +54,11 @@ class Connections:
         direct = direct_connections and owns_engine and isinstance(engine.pool, QueuePool)
         self.stack = ConnectionStack(engine, waits.connection_changes) if direct else None
         self.one_connection = isinstance(engine.pool, StaticPool)
-        # The locks held in a database that lives in the engine's connections (in memory, an
-        # engine sqllocker made): lost when they go (see ``close``).
-        self.held_here: weakref.WeakSet[HeldLock] | None = None
-        if owns_engine and backend_class(engine.dialect.name).in_memory(engine.url):
-            self.held_here = weakref.WeakSet()
-            self._databases = 0  # made: each new connection is a new database, empty
-            sa.event.listen(engine, "connect", self._new_database)
+        # A database that lives in the pool's one connection, and goes with it.
+        self.in_memory: DatabaseInMemory | None = None
+        if self.one_connection and backend_class(engine.dialect.name).in_memory(engine.url):
+            self.in_memory = DatabaseInMemory()
+            sa.event.listen(engine, "connect", self._connected)
         self.alone: contextlib.AbstractContextManager[Any] = (
             waits.one_operation_at_a_time() if self.one_connection else contextlib.nullcontext()
         )
@@ -196,8 +183,13 @@ class Connections:
         return DatabaseError(f"cannot connect to {url}: {one_line(error)}; {advice}", outage=outage)
 
     def close(self) -> None:
-        if self.owns_engine:
-            self._lose_what_lived_here("its Locker was closed")
+        if not self.owns_engine:
+            return
+        # Between operations: one closing the connection under another's statement crashed
+        # the interpreter (SQLite in memory, its one connection shared by threads).
+        with self.alone:
+            if self.in_memory is not None:
+                self.in_memory.gone("its Locker was closed")
             self.engine.dispose()
 
     def forget_connections(self) -> None:
@@ -206,35 +198,15 @@ class Connections:
         if self.stack is not None:
             self.stack.forget()
         if self.owns_engine:
-            self._lose_what_lived_here("its AsyncLocker moved to another event loop")
+            if self.in_memory is not None:
+                self.in_memory.gone("its AsyncLocker moved to another event loop")
             self.engine.dispose(close=False)
 
-    def _new_database(self, _dbapi_connection: Any, _record: Any) -> None:
-        """A new connection to a database in memory, and so a new database: after the first,
-        the one before is gone, however its connection went (closed by SQLAlchemy's pool, say,
-        as an interrupt landed in it), with the locks held in it."""
-        self._databases += 1
-        if self._databases > 1:
-            self._lose_what_lived_here("the connection was closed")
-
-    def _lose_what_lived_here(self, why: str) -> None:
-        """The locks still held in a database that lives in these connections, about to go
-        with them: each is lost now (its holder told, ``on_lost``), before a lock of the next
-        database, empty, can be taken in its stead."""
-        if self.held_here is None:
-            return
-        held = list(self.held_here)
-        self.held_here.clear()
-        for state in held:
-            if state.held:
-                state.mark_lost(
-                    LockLost(
-                        f"lock {state.lockstring!r} (id {state.lock_id}) is lost: it was held in "
-                        f"a database in memory, gone with its connection ({why})",
-                        state.lockstring,
-                        state.lock_id,
-                    )
-                )
+    def _connected(self, _dbapi_connection: Any, _record: Any) -> None:
+        """A new connection to a database in memory, and so a new database: the one before is
+        gone, however its connection went."""
+        assert self.in_memory is not None
+        self.in_memory.connected()
 
     @property
     def connection_budget(self) -> int | None:
