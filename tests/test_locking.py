@@ -77,6 +77,31 @@ def test_a_row_found_under_our_own_guid_is_renewed_before_it_counts(locker: Lock
     first.unlock()
 
 
+def test_an_unlock_interrupted_after_its_delete_leaves_the_lock_invalid(
+    locker: Locker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KeyboardInterrupt between the release's DELETE and its bookkeeping: the row is gone
+    and anyone may take the lockstring, so the handle must not stay valid. unlock() again
+    finds the row gone (LockLost); it never deletes the next holder's."""
+    lock = locker.lock("job")
+    release = locker._operations.release
+
+    def deleted_then_interrupted(*args: object) -> None:
+        release(*args)  # type: ignore[arg-type]
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(locker._operations, "release", deleted_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        lock.unlock()
+    monkeypatch.undo()
+    assert not lock.is_valid()
+    other = locker.lock("job")
+    with pytest.raises(LockLost):
+        lock.unlock()
+    assert other.is_valid()
+    other.unlock()
+
+
 def test_relocking_after_unlock_gives_a_new_guid_and_a_higher_id(locker: Locker) -> None:
     first = locker.lock("Zombie Soup")
     first.unlock()

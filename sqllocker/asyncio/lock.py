@@ -224,6 +224,12 @@ class AsyncLockState(Holding):
                 except LockLost as lost:
                     self.released_lost(lost)
                     raise
+                except BaseException as error:
+                    if not isinstance(error, Exception):
+                        # Interrupted, its DELETE may have run, and the row be anyone's now:
+                        # valid no longer (unlock() again to make sure the row is gone).
+                        self.valid_until = 0.0
+                    raise
             self.held = False
             self.leave_place()
             if self.operations.checkpoint_due():
