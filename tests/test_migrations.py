@@ -3,8 +3,10 @@ wheel: tests/test_release.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -14,6 +16,7 @@ import sqlalchemy as sa
 from click.testing import CliRunner
 
 from sqllocker import Locker
+from sqllocker.asyncio import AsyncLocker
 from sqllocker.cli import cli
 from sqllocker.engine import resolve_url
 from sqllocker.migrations import (
@@ -290,3 +293,36 @@ def test_sqlite_processes_creating_the_table_at_once_do_not_collide(tmp_path: Pa
     for worker in workers:
         _, err = worker.communicate(timeout=120)
         assert worker.returncode == 0, err
+
+
+def test_lockers_creating_their_tables_at_once_in_one_process_take_turns(tmp_path: Path) -> None:
+    """alembic runs a migration through module-level proxies: two at once in one process,
+    in threads or in an event loop's tasks, took each other's (KeyError: 'config', a table
+    created twice), and every Locker that created its table on first use beside another
+    failed with an error that was not even a LockError."""
+    failed: list[BaseException] = []
+
+    def first_use(n: int) -> None:
+        try:
+            Locker(f"sqlite:///{tmp_path}/thread{n}.db").lock("first use").unlock()
+        except BaseException as error:
+            failed.append(error)
+
+    threads = [threading.Thread(target=first_use, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert failed == []
+
+    async def tasks() -> None:
+        lockers = [AsyncLocker(f"sqlite+aiosqlite:///{tmp_path}/task{n}.db") for n in range(8)]
+        try:
+            await asyncio.gather(*(locker.create_table() for locker in lockers))
+            for locker in lockers:
+                await (await locker.lock("first use")).unlock()
+        finally:
+            for locker in lockers:
+                await locker.aclose()
+
+    asyncio.run(tasks())

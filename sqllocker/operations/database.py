@@ -43,6 +43,32 @@ _SETUP_TURN_SECONDS = 0.001
 _FIRST_CONFLICT_DELAY = 0.005
 
 
+class _Migrations:
+    """The process's migrations, one at a time: alembic runs one through module-level proxies
+    (``alembic.context``, ``alembic.op``), and two at once, in threads or in the greenlets of
+    an event loop's tasks, take each other's (a KeyError, a table created twice). Waited for
+    by the caller's ``sleep``, as the setup lock is (``Database._setup_turn``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pid = forks.pid
+
+    @contextmanager
+    def turn(self, sleep: Callable[[float], None]) -> Iterator[None]:
+        if self._pid != forks.pid:  # held at a fork by a thread the child does not have
+            self._lock, self._pid = threading.Lock(), forks.pid
+        lock = self._lock
+        while not lock.acquire(blocking=False):
+            sleep(_SETUP_TURN_SECONDS)
+        try:
+            yield
+        finally:
+            lock.release()
+
+
+_migrations = _Migrations()
+
+
 def _nothing_more(session: DriverSession) -> None:
     """An operation that is only its set-up (``Database.ensure_setup``)."""
 
@@ -233,8 +259,15 @@ class Database:
         """Create or upgrade the table by applying the shipped migrations; safe to repeat."""
         from ..migrations import upgrade
 
-        with self.pool.alone:
-            upgrade(self.engine, self.table_name)
+        with self.pool.alone, _migrations.turn(self.sleep):
+            try:
+                upgrade(self.engine, self.table_name)
+            except sa.exc.SQLAlchemyError as error:
+                raise DatabaseError(
+                    f"could not create or upgrade lock table {self.table_name!r} in "
+                    f"{describe_url(self.url)}: {one_line(error)}",
+                    outage=isinstance(error, sa.exc.DBAPIError) and error.connection_invalidated,
+                ) from error
         # A migration may change what the settings check found (0006's stripes table).
         self.needs_setup = True
 
