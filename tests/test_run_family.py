@@ -267,9 +267,14 @@ def test_the_watchdog_is_a_subreaper_and_reaps(
     pids = tmp_path / "pids"
     runner = run_job(url, table_name, "", f"( sleep 1 & echo $! >> {pids} ); sleep 3")
     (orphan,) = pids_in(pids, 1)
-    stat = Path(f"/proc/{orphan}/stat").read_text().rsplit(")", 1)[1].split()
-    parent = int(stat[1])
-    assert Path(f"/proc/{parent}/cmdline").read_bytes().find(b"watchdog.py") > 0
+
+    def parents_command() -> bytes:
+        stat = Path(f"/proc/{orphan}/stat").read_text().rsplit(")", 1)[1].split()
+        return Path(f"/proc/{stat[1]}/cmdline").read_bytes()
+
+    # Once the subshell that started it has exited: until then, and for a moment as it exits
+    # (its command line already gone), the orphan's parent is the subshell.
+    wait_until(lambda: b"watchdog.py" in parents_command(), timeout=0.8)
     wait_until(lambda: not Path(f"/proc/{orphan}").exists(), timeout=10)  # reaped, no zombie
     assert runner.wait(30) == 0
 
