@@ -99,10 +99,6 @@ class Backend:
     # A new connection opens a file of this machine (SQLite): nothing to give up on, so no
     # ``cap_connect``, and a wait's acquire sets no deadline for its connections.
     connects_locally: ClassVar[bool] = False
-    # A connection abandoned mid-operation (``abandon``) serves on where it is a pool's only
-    # one, instead of being closed: a database in memory lives in it (SQLite), and would go
-    # with it, every lock in it. (On a server, closing it ends a session and no more.)
-    keeps_abandoned: ClassVar[bool] = False
 
     def __init__(self, insert_returning: bool, update_returning: bool) -> None:
         self.insert_returning = insert_returning
@@ -370,9 +366,10 @@ class Backend:
 
     @classmethod
     def settle(cls, dbapi_connection: Any) -> None:
-        """Before an operation on the one connection of a pool of one (``keeps_abandoned``):
-        roll back a transaction that an operation cut short left open, so that none of this
-        operation's statements falls into it (nor out with its rollback)."""
+        """Before an operation on the one connection a database in memory lives in (which an
+        operation cut short leaves open, ``abandon`` done): roll back a transaction it left
+        open, so that none of this operation's statements falls into it (nor out with its
+        rollback)."""
 
     @classmethod
     def bound_waits(cls, dbapi_connection: Any, seconds: float) -> object | None:

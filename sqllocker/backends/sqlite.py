@@ -70,7 +70,6 @@ class SQLiteBackend(Backend):
     # (an in-memory database's only one) serves on.
     interrupt_ends_connection = False
     connects_locally = True
-    keeps_abandoned = True
 
     @classmethod
     def for_dialect(cls, dialect: Dialect) -> Backend:

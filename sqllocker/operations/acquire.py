@@ -89,7 +89,6 @@ class Acquirer:
         rolls the whole attempt back and refuses it.
         """
         sent_at = 0.0
-
         in_memory = self._db.pool.in_memory
 
         def attempt(conn: DriverSession) -> list[Acquired] | Refused:

@@ -43,19 +43,20 @@ _SETUP_TURN_SECONDS = 0.001
 _FIRST_CONFLICT_DELAY = 0.005
 
 
-class _Migrations:
-    """The process's migrations, one at a time: alembic runs one through module-level proxies
-    (``alembic.context``, ``alembic.op``), and two at once, in threads or in the greenlets of
-    an event loop's tasks, take each other's (a KeyError, a table created twice). Waited for
-    by the caller's ``sleep``, as the setup lock is (``Database._setup_turn``)."""
+class _Turn:
+    """A lock waited for by the caller's ``sleep``: an AsyncLocker's tasks run this code in
+    greenlets on one thread, and a task blocked on a thread lock would stop the event loop, and
+    with it the task holding the lock across an await. A forked child takes a lock of its own:
+    the parent's may have been held at the fork by a thread the child does not have (one
+    releasing a lock the collector freed, say), which would hold it for ever."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pid = forks.pid
 
     @contextmanager
-    def turn(self, sleep: Callable[[float], None]) -> Iterator[None]:
-        if self._pid != forks.pid:  # held at a fork by a thread the child does not have
+    def __call__(self, sleep: Callable[[float], None]) -> Iterator[None]:
+        if self._pid != forks.pid:
             self._lock, self._pid = threading.Lock(), forks.pid
         lock = self._lock
         while not lock.acquire(blocking=False):
@@ -66,7 +67,10 @@ class _Migrations:
             lock.release()
 
 
-_migrations = _Migrations()
+# The process's migrations, one at a time: alembic runs one through module-level proxies
+# (``alembic.context``, ``alembic.op``), and two at once, in threads or in the greenlets of an
+# event loop's tasks, take each other's (a KeyError, a table created twice).
+_one_migration = _Turn()
 
 
 def _nothing_more(session: DriverSession) -> None:
@@ -150,8 +154,9 @@ class Database:
         self.lone_inserts_retried = False
         self._prepared: PreparedCache
         self.needs_setup = True  # see ensure_setup
-        self._setup_lock = threading.Lock()
-        self._setup_lock_pid = forks.pid  # a forked child makes its own (see _setup_turn)
+        # The set-up's turn: setup again after a lost connection, when several threads or
+        # tasks find it needed at once.
+        self._setup_turn = _Turn()
 
     # -- what the set-up learnt ------------------------------------------------------------------
 
@@ -223,7 +228,7 @@ class Database:
         if self.needs_setup:
             # The lock first: threads that all start at once must not each open a connection,
             # which the pool would then keep beside those of the lock operations.
-            with self._setup_turn():
+            with self._setup_turn(self.sleep):
                 if not self.needs_setup:
                     return
                 with self.pool.connection() as conn:
@@ -238,28 +243,11 @@ class Database:
                     self.pool.reached = True
                     self.needs_setup = False
 
-    @contextmanager
-    def _setup_turn(self) -> Iterator[None]:
-        """The setup lock, waited for by ``sleep``: an AsyncLocker's tasks run this code in
-        greenlets on one thread, and a task blocked on the lock would stop the event loop, and
-        with it the task holding the lock across an await (setup again after a lost connection,
-        when several tasks find it needed at once). A forked child takes a lock of its own: the
-        parent's may have been held at the fork by a thread the child does not have (one
-        releasing a lock the collector freed, say), which would hold it for ever."""
-        if self._setup_lock_pid != forks.pid:
-            self._setup_lock, self._setup_lock_pid = threading.Lock(), forks.pid
-        while not self._setup_lock.acquire(blocking=False):
-            self.sleep(_SETUP_TURN_SECONDS)
-        try:
-            yield
-        finally:
-            self._setup_lock.release()
-
     def create_table(self) -> None:
         """Create or upgrade the table by applying the shipped migrations; safe to repeat."""
         from ..migrations import upgrade
 
-        with self.pool.alone, _migrations.turn(self.sleep):
+        with self.pool.alone, _one_migration(self.sleep):
             try:
                 upgrade(self.engine, self.table_name)
             except sa.exc.SQLAlchemyError as error:

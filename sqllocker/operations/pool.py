@@ -88,7 +88,7 @@ class Connections:
             raise self.unreachable(error) from error
         fairy = checkout if connection is None else connection.connection
         # A database in memory lives in the pool's one connection: never closed here.
-        keeps_abandoned = self.one_connection and backend.keeps_abandoned
+        keeps_abandoned = self.in_memory is not None
         cursor = None
         watch = None
         try:
