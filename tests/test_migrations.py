@@ -326,3 +326,34 @@ def test_lockers_creating_their_tables_at_once_in_one_process_take_turns(tmp_pat
                 await locker.aclose()
 
     asyncio.run(tasks())
+
+
+def test_an_interrupted_migration_raises_the_interrupt_and_can_run_again(
+    url: str, table_name: str
+) -> None:
+    """Ctrl-C during a migration is a KeyboardInterrupt for the caller, not a DatabaseError
+    made of the cleanup that found its connection invalidated (SQLAlchemy's
+    PendingRollbackError); nothing is left half-done or held (MariaDB's migration lock, SQLite's
+    write lock), so the migration runs again at once. SQLite in memory too, whose database goes
+    with the connection the interrupt invalidated."""
+    for target in [url, "sqlite://"] if url.startswith("sqlite") else [url]:
+        locker = Locker(target, table=table_name)
+        sa.event.listen(locker.engine, "before_cursor_execute", _interrupt_create_table)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                locker.create_table()
+        finally:
+            sa.event.remove(locker.engine, "before_cursor_execute", _interrupt_create_table)
+        try:
+            locker.create_table()
+            with locker.lock("report") as lock:
+                assert lock.lock_id >= 1
+        finally:
+            if target == url:
+                downgrade(locker.engine, table_name)
+            locker.close()
+
+
+def _interrupt_create_table(_conn: object, _cursor: object, statement: str, *_: object) -> None:
+    if statement.lstrip().upper().startswith("CREATE TABLE"):
+        raise KeyboardInterrupt

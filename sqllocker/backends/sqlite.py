@@ -315,7 +315,11 @@ class SQLiteBackend(Backend):
             try:
                 yield conn
             except BaseException:
-                conn.exec_driver_sql("ROLLBACK")
+                # Never in place of the error: a connection invalidated by an interrupt has
+                # nothing left to roll back, and one that fails to is closed below.
+                with contextlib.suppress(sa.exc.SQLAlchemyError):
+                    if not conn.invalidated:
+                        conn.exec_driver_sql("ROLLBACK")
                 raise
             conn.exec_driver_sql("COMMIT")
 
