@@ -9,7 +9,6 @@ import contextvars
 import sqlite3
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -177,16 +176,14 @@ def test_an_in_memory_database_keeps_its_locks_through_an_interrupt_after_its_st
     """``sqlite://`` lives in its one connection: an interrupt that came as an operation's
     statements ended must not close it, which would drop every lock row and let a second
     holder in."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # journal_mode=MEMORY: UnsafeDatabaseWarning
-        locker = Locker("sqlite://", table="in_memory")
-        held = locker.lock("held", expires=600)
-        with deadlines.statements_end_by(clock.now() + 0.05):
-            assert locker._operations.database.run(None, _statement_then(0.5)) == "done"
-        with pytest.raises(LockBusy):
-            locker.lock("held", wait=0)
-        held.unlock()
-        locker.close()
+    locker = Locker("sqlite://", table="in_memory")
+    held = locker.lock("held", expires=600)
+    with deadlines.statements_end_by(clock.now() + 0.05):
+        assert locker._operations.database.run(None, _statement_then(0.5)) == "done"
+    with pytest.raises(LockBusy):
+        locker.lock("held", wait=0)
+    held.unlock()
+    locker.close()
 
 
 @pytest.mark.parametrize("ending", list(ENDINGS))

@@ -280,11 +280,15 @@ class SQLiteBackend(Backend):
 
     def read_settings(self, conn: Connection, table: str) -> ServerSettings:
         problems = []
-        if conn.exec_driver_sql("PRAGMA synchronous").scalar() == 0:
-            problems.append(UnsafeSetting("PRAGMA synchronous=OFF", LOSES_ROWS))
-        journal = str(conn.exec_driver_sql("PRAGMA journal_mode").scalar()).lower()
-        if journal in {"off", "memory"}:
-            problems.append(UnsafeSetting(f"PRAGMA journal_mode={journal.upper()}", LOSES_ROWS))
+        # A crash loses a database in memory whole, with every process that could hold its
+        # locks: its journal (MEMORY, always) and its syncing lose nothing that outlives them.
+        if not self.in_memory(conn.engine.url):
+            if conn.exec_driver_sql("PRAGMA synchronous").scalar() == 0:
+                problems.append(UnsafeSetting("PRAGMA synchronous=OFF", LOSES_ROWS))
+            journal = str(conn.exec_driver_sql("PRAGMA journal_mode").scalar()).lower()
+            if journal in {"off", "memory"}:
+                setting = f"PRAGMA journal_mode={journal.upper()}"
+                problems.append(UnsafeSetting(setting, LOSES_ROWS))
         pool = conn.engine.pool
         if _splits_a_database_in_memory(conn.engine.url, pool):
             problems.append(UnsafeSetting(f"a {type(pool).__name__}", SPLITS_THE_DATABASE))

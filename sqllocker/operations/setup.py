@@ -90,13 +90,12 @@ def report(problems: list[UnsafeSetting], options: Options) -> None:
         harm: ", ".join(p.setting for p in problems if p.harm == harm)
         for harm in dict.fromkeys(p.harm for p in problems)
     }
-    message = (
-        f"{describe_url(options.url)}: "
-        + "; ".join(f"{settings} {harm}" for harm, settings in harms.items())
-        + f"; change {'these settings' if len(problems) > 1 else 'the setting'}, or pass "
-        "strict=True to refuse such databases"
+    found = f"{describe_url(options.url)}: " + "; ".join(
+        f"{settings} {harm}" for harm, settings in harms.items()
     )
+    change = f"change {'these settings' if len(problems) > 1 else 'the setting'}"
     if options.strict:
-        raise UnsafeDatabase(message)
+        raise UnsafeDatabase(f"{found}; refused (strict=True): {change}")
+    message = f"{found}; {change}, or pass strict=True to refuse such databases"
     logger.warning("%s", message)
     warnings.warn(message, UnsafeDatabaseWarning, stacklevel=3)
