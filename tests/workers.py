@@ -25,7 +25,7 @@ from typing import TextIO
 
 import sqlalchemy as sa
 
-from sqllocker import Lock, LockBusy, Locker, LockError, LockLost, tickets
+from sqllocker import Lock, LockBusy, Locker, LockError, LockLost, clock, tickets
 from sqllocker.asyncio import AsyncLock, AsyncLocker
 from sqllocker.engine import resolve_url
 from tests.helpers import abandon
@@ -99,6 +99,7 @@ def counter(args: argparse.Namespace) -> int:
             lock = acquire(locker, lockstring, args, keep_alive)
             try:
                 entered = time.monotonic()
+                valid_for = _valid_for(lock)
                 value = work.enter(lockstring)
                 # Held beyond its expiry now and then: only its keep-alive keeps it ours.
                 time.sleep(args.expires * 2 if keep_alive else args.hold)
@@ -119,7 +120,7 @@ def counter(args: argparse.Namespace) -> int:
                         lock.unlock()
                     except LockLost as error:
                         lost += 1
-                        _tell_lost(lock, entered, unlocking, error)
+                        _tell_lost(lock, entered, valid_for, unlocking, error)
             record = {"ls": lockstring, "id": lock.lock_id, "in": entered, "out": left}
             log.write(json.dumps(record) + "\n")
     # PostgreSQL: how many of its locks a release handed over (migration 0005).
@@ -176,6 +177,7 @@ async def _async_counter(args: argparse.Namespace) -> int:
                 lock = await locker.lock(lockstring, wait=None, expires=args.expires)
             try:
                 entered = time.monotonic()
+                valid_for = _valid_for(lock)
                 value = work.enter(lockstring)
                 await asyncio.sleep(args.hold)  # other tasks run meanwhile
                 work.leave(lockstring, value)
@@ -189,7 +191,7 @@ async def _async_counter(args: argparse.Namespace) -> int:
                     await lock.unlock()  # waits for a release in flight, or releases
                 except LockLost as error:
                     lost += 1
-                    _tell_lost(lock, entered, unlocking, error)
+                    _tell_lost(lock, entered, valid_for, unlocking, error)
             record = {"ls": lockstring, "id": lock.lock_id, "in": entered, "out": left}
             log.write(json.dumps(record) + "\n")
 
@@ -454,14 +456,24 @@ def _print_tasks() -> None:
     sys.stderr.flush()
 
 
-def _tell_lost(lock: Lock | AsyncLock, entered: float, unlocking: float, error: LockLost) -> None:
-    """A lock lost at its release, on stderr (``LOST``), for the test to show: how long after
-    the work under it began its release began, and how long the release took."""
+def _valid_for(lock: Lock | AsyncLock) -> float:
+    """How long ``lock`` has left to be valid by its holder's reckoning (negative: handed over
+    already out of time, as on a machine too loaded for the lock's expiry)."""
+    return lock._state.valid_until - clock.now()
+
+
+def _tell_lost(
+    lock: Lock | AsyncLock, entered: float, valid_for: float, unlocking: float, error: LockLost
+) -> None:
+    """A lock lost at its release, on stderr (``LOST``), for the test to show: how long it had
+    left to be valid as the work under it began, how long after that its release began, and
+    how long the release took."""
     ended = time.monotonic()
     print(
         f"{LOST} {lock.lockstring!r} id {lock.lock_id} in process {os.getpid()} "
-        f"({'async' if isinstance(lock, AsyncLock) else 'sync'}): release began "
-        f"{unlocking - entered:.3f}s after the work, and took {ended - unlocking:.3f}s: {error}",
+        f"({'async' if isinstance(lock, AsyncLock) else 'sync'}): valid for {valid_for:.3f}s "
+        f"more as the work began; release began {unlocking - entered:.3f}s after the work, "
+        f"and took {ended - unlocking:.3f}s: {error}",
         file=sys.stderr,
     )
 
