@@ -51,6 +51,8 @@ class Finaliser:
         _pending[self._ref] = (callback, argument)
         if _deferred.pid != forks.pid:
             _deferred.start()  # here, not where the collector runs: see _Deferred
+        if _collecting not in gc.callbacks:  # cleared by another library since
+            gc.callbacks.append(_collecting)
 
     def detach(self) -> None:
         """Never call back."""

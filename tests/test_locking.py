@@ -148,15 +148,22 @@ def test_a_dropped_lock_in_a_reference_cycle_is_released_by_the_collector(locker
         wait_until(lambda: count_rows(locker) == 0)
 
 
+@pytest.mark.parametrize("callbacks", ["kept", "cleared"])
 def test_a_lock_the_collector_frees_inside_an_operation_is_released_after_it(
-    locker: Locker, monkeypatch: pytest.MonkeyPatch
+    locker: Locker, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest, callbacks: str
 ) -> None:
     """The cycle collector runs at any allocation, sqllocker's own code included: here while
     an acquire sets up its connection again (as after a lost one) with the set-up lock held.
     A dropped lock it frees is released once that is done, not in its middle, where its
-    release waited for the set-up lock for ever (seen in the fault campaign)."""
+    release waited for the set-up lock for ever (seen in the fault campaign). sqllocker learns
+    that the collector runs from ``gc.callbacks``, which another library may have cleared
+    since it was imported."""
     import sqllocker.operations.database as database
 
+    if callbacks == "cleared":
+        kept = list(gc.callbacks)
+        gc.callbacks.clear()  # before the lock is made, as at another library's import
+        request.addfinalizer(lambda: gc.callbacks.extend(c for c in kept if c not in gc.callbacks))
     dropped = locker.lock("dropped")
     dropped.itself = dropped  # type: ignore[attr-defined]  # only the collector frees it
     set_up = database.set_up
