@@ -73,6 +73,17 @@ class RunOptions:
     shared: bool = False  # the read side of the lock: with others that run --shared
 
 
+class _StartedTooLate(Exception):
+    """The watchdog found the lock's deadline passed when it was to start the command."""
+
+
+def _say(message: str) -> None:
+    """``sqllocker: MESSAGE`` on stderr; a stderr that cannot be written (a full disk, a
+    closed pipe) changes nothing of what the run does."""
+    with contextlib.suppress(OSError, ValueError):
+        print(f"sqllocker: {message}", file=sys.stderr)
+
+
 class _Interrupted(Exception):
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
@@ -93,7 +104,7 @@ def run_locked(locker: Locker, lockstring: str, command: Sequence[str], options:
             )
     except LockBusy as busy:
         if not options.quiet:
-            print(f"sqllocker: {busy}", file=sys.stderr)
+            _say(str(busy))
         return options.conflict_exit_code
     except _Interrupted as interrupted:
         return 128 + interrupted.signum
@@ -114,6 +125,7 @@ class _Family:
         control_read, self._control = os.pipe()
         status_read, status_write = os.pipe()
         valid_until, kill_by = _deadlines(lock)
+        self.valid_until = valid_until  # the watchdog's deadline until it is told a later one
         try:
             self.watchdog = _spawn_in_group(
                 [
@@ -156,6 +168,8 @@ class _Family:
             self.started = True
         elif line[:1] == ["missing"]:
             raise FileNotFoundError(program)
+        elif line[:1] == ["late"]:
+            raise _StartedTooLate
         else:
             raise PermissionError(line[1].strip() if len(line) > 1 else "the watchdog failed")
 
@@ -172,12 +186,11 @@ class _Family:
                 _say_why_stopping(words[1], int(words[2]))
         self.watchdog.wait()
         if status is None:
-            print(
-                "sqllocker: the watchdog ended before the command (it was killed): killing "
-                "the command and all it started",
-                file=sys.stderr,
-            )
             self._kill_orphans()
+            _say(
+                "the watchdog ended before the command (it was killed): killed the command "
+                "and all it started"
+            )
             self.stopped_by_watchdog.append("orphaned")
             return self.watchdog.returncode
         return status
@@ -223,15 +236,10 @@ class _Family:
 
 def _say_why_stopping(reason: str, count: int) -> None:
     if reason == "deadline":
-        print(
-            "sqllocker: stopping the command: its lock's deadline passed without renewal",
-            file=sys.stderr,
-        )
+        _say("stopping the command: its lock's deadline passed without renewal")
     elif reason == "leftovers" and count:
-        print(
-            f"sqllocker: stopping what the command left running ({count} processes) before "
-            "releasing the lock",
-            file=sys.stderr,
+        _say(
+            f"stopping what the command left running ({count} processes) before releasing the lock"
         )
 
 
@@ -268,7 +276,7 @@ class _DeadlineCourier:
 
     def _run(self) -> None:
         period = min(1.0, max(0.02, self._lock.ttl / 30))
-        sent = _deadlines(self._lock)[0]
+        sent = self._family.valid_until  # the watchdog's, which a renewal may have moved on
         while not self._done.wait(period):
             valid_until, kill_by = _deadlines(self._lock)
             if valid_until != sent:
@@ -335,25 +343,41 @@ def _supervise(lock: Lock, command: Sequence[str], options: RunOptions) -> int:
 
     def on_lost(error: LockLost) -> None:
         lost.set()
-        print(f"sqllocker: {error}", file=sys.stderr)
-        if options.on_lost == "stop" and forwarder.group is not None and not ended.is_set():
-            print("sqllocker: stopping the command: its lock is lost", file=sys.stderr)
-            forwarder.group.stop()
+        family = forwarder.group
+        stopping = options.on_lost == "stop" and family is not None and not ended.is_set()
+        if stopping and family is not None:
+            family.stop()  # first: nothing written to stderr (which may fail) comes before
+        _say(str(error))
+        if stopping:
+            _say("stopping the command: its lock is lost")
 
     try:
         with forwarder:
+            # Renewed from here on, and checked last before the command starts: a run stalled
+            # since its acquire (stopped, its database frozen) past the lock's deadline must not
+            # start the command beside the next holder (the watchdog checks again, last thing).
+            lock.keep_alive(on_lost=on_lost)
+            if not lock.is_valid():
+                _say("the lock's deadline passed before the command could start; not started")
+                lost.set()
+                return EXIT_LOCK_LOST
             family = _Family(command, environment, lock, options)
             try:
                 family.wait_started(command[0])
             except FileNotFoundError:
-                print(f"sqllocker: {command[0]}: command not found", file=sys.stderr)
+                _say(f"{command[0]}: command not found")
                 return EXIT_NOT_FOUND
             except PermissionError as error:
-                print(f"sqllocker: {command[0]}: cannot execute: {error}", file=sys.stderr)
+                _say(f"{command[0]}: cannot execute: {error}")
                 return EXIT_CANNOT_EXECUTE
+            except _StartedTooLate:
+                _say("the lock's deadline passed before the command could start; not started")
+                lost.set()
+                return EXIT_LOCK_LOST
             finally:
                 forwarder.attach(family)
-            lock.keep_alive(on_lost=on_lost)
+            if lost.is_set() and options.on_lost == "stop":
+                family.stop()  # lost as the command started, before on_lost could reach it
             with _DeadlineCourier(lock, family):
                 returncode = family.wait()
             if {"deadline", "orphaned"} & set(family.stopped_by_watchdog):
@@ -367,7 +391,7 @@ def _supervise(lock: Lock, command: Sequence[str], options: RunOptions) -> int:
             lock.unlock()
         except LockLost as error:
             if not lost.is_set():
-                print(f"sqllocker: {error}", file=sys.stderr)
+                _say(str(error))
             lost.set()
         if not was_valid:
             lost.set()

@@ -9,7 +9,8 @@ family it walks ``/proc`` for its own descendants and signals each of them; it r
 orphans handed to it.
 
 Two pipes join it to sqllocker. On the status pipe it says ``started PID`` (or ``missing`` /
-``refused MESSAGE`` if COMMAND cannot be run), ``exit STATUS`` when COMMAND ends (a negative
+``refused MESSAGE`` if COMMAND cannot be run, ``late`` if the lock's deadline has passed
+before it could start it), ``exit STATUS`` when COMMAND ends (a negative
 status: the signal that ended it), and ``stopping REASON COUNT`` when it stops the family (of
 COUNT processes) on its own account. On the control pipe sqllocker sends
 ``deadline VALID_UNTIL KILL_BY`` after each renewal of the lock and ``stop`` when the lock is
@@ -244,6 +245,11 @@ class Watchdog:
             os.write(self.status_fd, line.encode() + b"\n")
 
     def start(self, command: list[str]) -> bool:
+        if now() >= self.valid_until:
+            # Stalled since sqllocker last looked (stopped, or too slow to start): the next
+            # holder may have the lock by now.
+            self.tell("late")
+            return False
         try:
             self.command = os.posix_spawnp(
                 command[0], command, os.environ, setsigdef=DEFAULT_IN_COMMAND
@@ -337,7 +343,8 @@ class Watchdog:
         if not living and not self.family.has_children():  # the family is gone
             return None if self.status is not None else KILL_POLL  # COMMAND's status to come
         if moment < kill_at:
-            return min(LONGEST_NAP, kill_at - moment)
+            # From now: the walks of /proc since ``moment`` took their time.
+            return max(0.0, min(LONGEST_NAP, kill_at - now()))
         self.family.signal(signal.SIGKILL, living)
         self.family.kill_children()
         return KILL_POLL

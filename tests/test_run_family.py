@@ -18,7 +18,7 @@ import pytest
 
 from sqllocker import Lock, Locker
 from tests.helpers import stop_outside_a_write
-from tests.test_cli import Run, alive, migrated, popen, run_job, sqllocker, wait_until
+from tests.test_cli import SQLLOCKER, Run, alive, migrated, popen, run_job, sqllocker, wait_until
 
 __all__ = ["migrated", "sqllocker"]  # fixtures, used by name
 
@@ -481,3 +481,91 @@ def test_a_daemon_that_forks_faster_than_proc_is_read_is_stopped_all_the_same(
         runner.kill()
         with contextlib.suppress(ProcessLookupError, ValueError):
             os.killpg(int(group.read_text()), signal.SIGKILL)
+
+
+# ``sqllocker run ARGS`` that freezes itself (SIGSTOP: every thread, the keep-alive's too) at
+# POINT between its acquire and its command's start, until the file GO exists: a run stalled
+# there (a VM paused, a debugger, its database frozen) for longer than its lock's expiry.
+STALLED_RUN = """
+import os, signal, sys, time
+go, point, args = sys.argv[1], sys.argv[2], sys.argv[3:]
+import sqllocker.rwlock, sqllocker.watchdog
+from sqllocker.cli import main
+owner, name = {
+    "before its keep-alive": (sqllocker.rwlock.WriteLock, "keep_alive"),
+    "before its watchdog starts": (sqllocker.watchdog, "become_subreaper"),
+}[point]
+original = getattr(owner, name)
+def stalled(*arguments, **options):
+    while not os.path.exists(go):
+        os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(0.05)  # woken early (see the test): a renewal's write ends meanwhile
+    return original(*arguments, **options)
+setattr(owner, name, stalled)
+sys.argv = ["sqllocker", *args]
+sys.exit(main())
+"""
+
+
+def stopped(pid: int) -> bool:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
+@pytest.mark.parametrize("point", ["before its keep-alive", "before its watchdog starts"])
+def test_a_run_stalled_past_its_deadline_before_its_command_starts_never_starts_it(
+    migrated: Locker, url: str, table_name: str, tmp_path: Path, point: str
+) -> None:
+    """A run stalled between its acquire and its command's start until its lock's row expired
+    and another took the lock must not start the command when it goes on: sqllocker checks the
+    lock last before it starts the watchdog, and the watchdog last before it starts the
+    command; the run exits 75 and the other holder's lock is untouched."""
+    go, started = tmp_path / "go", tmp_path / "started"
+    run = ["--url", url, "--table", table_name, "run", "--expires", "2", "job", "--"]
+    runner = subprocess.Popen(
+        [sys.executable, "-c", STALLED_RUN, str(go), point, *run, "sh", "-c", f"> {started}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_until(lambda: stopped(runner.pid))
+        if url.startswith("sqlite"):  # not inside a renewal's write, holding SQLite's write lock
+            stop_outside_a_write(runner.pid, url)
+        second = take_over_at_expiry(migrated, "job")
+        go.touch()
+    finally:
+        os.kill(runner.pid, signal.SIGCONT)
+    _, err = runner.communicate(timeout=30)
+    assert not started.exists(), "the command ran beside the next holder"
+    assert runner.returncode == 75, err
+    assert "deadline passed before the command could start" in err
+    second.unlock()  # still ours: the stalled run did not touch it
+
+
+def test_a_broken_lock_stops_the_command_though_stderr_cannot_be_written(tmp_path: Path) -> None:
+    """A renewal that finds the lock broken stops the family at once, before anything is
+    written to stderr: with a stderr that fails (``/dev/full``), the stop waited for the lock's
+    deadline, and the run exited 1 instead of 75."""
+    url = f"sqlite:///{tmp_path / 'locks.db'}"
+    beats = tmp_path / "beats"
+    locker = Locker(url, grace=0)
+    locker.create_table()
+    beating = f"while :; do date +%s >> {beats}; sleep 0.1; done"
+    started = time.monotonic()
+    with open("/dev/full", "w") as full:
+        runner = subprocess.Popen(
+            [SQLLOCKER, "--url", url, "run", "--expires", "12", "job", "--", "sh", "-c", beating],
+            stderr=full,
+        )
+    try:
+        wait_until(lambda: beats.exists())
+        assert locker.break_lock("job") is not None
+        assert runner.wait(timeout=60) == 75
+        lasted = time.monotonic() - started
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+        locker.close()
+    # Renewed every 4 s, the lock is found broken 4 s after its acquire; its deadline is 10.8 s
+    # after it.
+    assert lasted < 9, f"the command ran {lasted:.1f} s: until the deadline, not the renewal"
