@@ -18,7 +18,7 @@ import pytest
 import sqlalchemy as sa
 import time_machine
 
-from sqllocker import Locker, LockError
+from sqllocker import LockBusy, Locker, LockError
 from sqllocker.engine import resolve_url
 from sqllocker.holding import CLOCK_DRIFT, safety_margin
 from tests.conftest import IN_CI
@@ -266,3 +266,56 @@ def test_the_safety_margin_grows_with_the_expiry_period(ttl: float) -> None:
     assert margin >= min(ttl / 10, ttl * CLOCK_DRIFT)  # and allows for a day's drift on a day
     if ttl >= 86400:
         assert margin > 60
+
+
+def summer_time_began_within_the_hour() -> str:
+    """A POSIX time zone (PostgreSQL reads them) whose summer time began at the start of this
+    hour, UTC: for the next day, its calendar's day is 23 hours long."""
+    now = time.gmtime()
+    return f"SQT0SQS,{now.tm_yday - 1}/{now.tm_hour},{(now.tm_yday + 180) % 365}/0"
+
+
+def test_a_session_on_a_day_that_changes_to_summer_time_keeps_every_expiry_exact(
+    postgresql_url: str, table_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL adds an interval's day part by the session's calendar. The grace (-1 s, a
+    day part of -1 as a timedelta) and expiries of a day or more were sent so: in a zone on the
+    day it changed to summer time, the grace came out as an hour ahead, so a live lock was
+    taken over (and purged, and not counted by a read-write lock or a semaphore), and a lock
+    of a day expired an hour short while its holder trusted it."""
+    holder = Locker(postgresql_url, table=table_name)  # the default grace, 1 s
+    holder.create_table()
+    held = holder.lock("report", expires=600)
+    permit = holder.semaphore("pool", limit=1).acquire(expires=600)
+    zone = summer_time_began_within_the_hour()
+    monkeypatch.setenv("PGTZ", zone)
+    summer = Locker(postgresql_url, table=table_name)
+    try:
+        with summer.engine.connect() as conn:
+            shift = conn.exec_driver_sql(
+                "SELECT extract(epoch FROM clock_timestamp() + interval '-1 day 23:59:59' "
+                "- clock_timestamp()), current_setting('TimeZone')"
+            ).one()
+        assert shift[1] == zone
+        assert shift[0] > 3000  # what went wrong: the grace's day, 23 hours long
+        assert summer.try_lock("report") is None
+        assert summer.purge_expired_locks() == 0
+        with pytest.raises(LockBusy):
+            summer.semaphore("pool", limit=1).acquire()
+        day = 86460.0
+        with summer.lock("day", expires=day) as lock:
+            assert (lock.expires - lock.created).total_seconds() == pytest.approx(day, abs=1)
+            extended = lock.extend(day)
+            (row,) = [info for info in summer.locks() if info.lockstring == "day"]
+            assert row.seconds_left == pytest.approx(day, abs=5)
+            assert extended == row.expires
+        window = summer.lock("window", hold_at_least=day)
+        window.unlock()
+        (kept,) = [info for info in summer.locks() if info.lockstring == "window"]
+        assert (kept.expires - kept.created).total_seconds() >= day - 1
+        summer.break_lock("window")
+    finally:
+        held.unlock()
+        permit.unlock()
+        summer.close()
+        holder.close()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -71,10 +70,16 @@ class PostgreSQLBackend(Backend):
         return self.shifted(self.now(), param)
 
     def shifted(self, moment: ColumnElement[Any], param: str) -> ColumnElement[Any]:
-        return moment + sa.cast(sa.bindparam(param, type_=sa.Interval()), sa.Interval())
-
-    def seconds_value(self, seconds: float) -> Any:
-        return timedelta(seconds=seconds)
+        # An interval of seconds only. One with a day part (which psycopg gives a timedelta of
+        # a day or more, or of less than nothing: -1 s is '-1 days +23:59:59') is added by the
+        # session's calendar, whose days that change to or from summer time last 23 or 25
+        # hours: a grace of 1 s then came out as an hour ahead, and live rows as expired.
+        seconds = sa.cast(sa.bindparam(param, type_=sa.Float()), postgresql.DOUBLE_PRECISION)
+        zero: ColumnElement[int] = sa.literal_column("0")
+        interval = sa.func.pg_catalog.make_interval(
+            zero, zero, zero, zero, zero, zero, seconds, type_=sa.Interval()
+        )
+        return moment + interval
 
     def with_json_key(
         self, document: ColumnElement[Any], key: str, text: ColumnElement[Any]
