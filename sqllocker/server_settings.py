@@ -8,7 +8,8 @@ that (each observed on this project's test machine): PostgreSQL ``synchronous_co
 SQLite ``synchronous=OFF`` or a journal that is off or in memory.
 
 MariaDB/MySQL ``innodb_autoinc_lock_mode=2`` can hand out lock ids out of holding order without
-the stripes table (see ``backends.mysql``).
+the stripes table (see ``backends.mysql``), and a session whose ``timestamp`` is set judges
+expiry by that clock, not the server's.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ SPLITS_THE_DATABASE = (
     "gives connections databases in memory of their own (each thread's, or each operation's), "
     "which lets a second holder in; pass sqllocker the URL, or an Engine with "
     "poolclass=StaticPool that nothing else uses"
+)
+MOVES_THE_CLOCK = (
+    "gives this session a clock of its own, by which it judges expiry: a live lock can look "
+    "expired to it, which lets a second holder in, or it writes locks expired already"
 )
 REORDERS_IDS = (
     "can hand out lock ids out of holding order, so a later holder may carry a smaller fencing "

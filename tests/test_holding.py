@@ -446,6 +446,28 @@ def test_settings_that_lose_rows_warn_or_refuse(url: str, table_name: str) -> No
         assert count_rows(Locker(database_url, table=table_name)) == 0  # strict wrote nothing
 
 
+def test_a_mariadb_session_whose_clock_is_set_is_reported_or_refused(
+    mysql_url: str, table_name: str
+) -> None:
+    """MariaDB's NOW() and UTC_TIMESTAMP(), the statements' clock, follow a session's
+    ``timestamp`` once something sets it (an init_command, a test's frozen clock): 100 s
+    behind, a holder's rows are written expired already, and taken at once by anyone else."""
+    Locker(mysql_url, table=table_name).create_table()
+    behind = {"init_command": "SET timestamp = UNIX_TIMESTAMP() - 100"}
+    engine = sa.create_engine(resolve_url(mysql_url), connect_args=behind)
+    try:
+        with pytest.raises(UnsafeDatabase, match="SET timestamp gives this session a clock"):
+            Locker(engine, table=table_name, strict=True).lock("refused")
+        with pytest.warns(UnsafeDatabaseWarning, match="SET timestamp"):
+            Locker(engine, table=table_name).lock("warned").unlock()
+        assert count_rows(Locker(mysql_url, table=table_name)) == 0  # strict wrote nothing
+    finally:
+        engine.dispose()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnsafeDatabaseWarning)
+        Locker(mysql_url, table=table_name).lock("the server's clock").unlock()
+
+
 @pytest.mark.slow
 def test_mariadb_autoinc_lock_mode_2_is_safe_only_with_the_id_order_table(
     table_name: str,

@@ -25,7 +25,13 @@ from ..schema import (
     set_aside_name,
     swap_name,
 )
-from ..server_settings import LOSES_ROWS, REORDERS_IDS, ServerSettings, UnsafeSetting
+from ..server_settings import (
+    LOSES_ROWS,
+    MOVES_THE_CLOCK,
+    REORDERS_IDS,
+    ServerSettings,
+    UnsafeSetting,
+)
 from ..timeouts import (
     CONNECT_TIMEOUT_SECONDS,
     ROW_LOCK_TIMEOUT_SECONDS,
@@ -40,6 +46,9 @@ if TYPE_CHECKING:
 
 # Serialises concurrent `sqllocker migrate` runs (a named lock, not a row).
 _MIGRATION_LOCK_NAME = "sqllocker_migrate"
+# How far the session's clock (NOW()) may be from the server's real time (SYSDATE()) in the
+# settings check: the two are read in one statement, microseconds apart.
+SESSION_CLOCK_TOLERANCE = 1.0
 
 
 # A ticket's liveness key, as the GET_LOCK name its Locker's listening connection holds
@@ -319,11 +328,16 @@ class MySQLBackend(Backend):
         session, so the check reports every multi-node cluster."""
         problems = []
         lock_stripes = False
-        flush, autoinc = conn.exec_driver_sql(
-            "SELECT @@innodb_flush_log_at_trx_commit, @@innodb_autoinc_lock_mode"
+        # NOW() (as UTC_TIMESTAMP(), the statements' clock) follows the session's ``timestamp``
+        # when something set it (an init_command, a test's frozen clock); SYSDATE() never does.
+        flush, autoinc, clock_set_apart = conn.exec_driver_sql(
+            "SELECT @@innodb_flush_log_at_trx_commit, @@innodb_autoinc_lock_mode, "
+            "ABS(TIMESTAMPDIFF(MICROSECOND, NOW(6), SYSDATE(6))) / 1e6"
         ).one()
         if flush is not None and int(flush) != 1:
             problems.append(UnsafeSetting(f"innodb_flush_log_at_trx_commit={flush}", LOSES_ROWS))
+        if clock_set_apart is not None and float(clock_set_apart) > SESSION_CLOCK_TOLERANCE:
+            problems.append(UnsafeSetting("SET timestamp", MOVES_THE_CLOCK))
         if autoinc is not None and int(autoinc) == 2:
             lock_stripes = _has_table(conn, id_order_table_name(table))
             if not lock_stripes:
