@@ -132,6 +132,12 @@ class Holding:
     def is_valid(self) -> bool:
         return self.held and self.lost is None and clock.now() < self.valid_until
 
+    def renewing(self, sent_at: float, ttl: float) -> None:
+        """An extend to ``ttl`` is sent (or about to be) at ``sent_at``: once it reaches the
+        server, the row expires ``ttl`` after it, which may be sooner than the deadline now
+        (a shorter ttl), whether or not its answer ever comes."""
+        self.valid_until = min(self.valid_until, sent_at + ttl - safety_margin(ttl))
+
     def renewed(self, sent_at: float, ttl: float) -> None:
         """An extend sent at ``sent_at`` succeeded: the deadline moves on from then."""
         self.ttl = ttl

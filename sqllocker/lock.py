@@ -115,6 +115,7 @@ class LockState(Holding):
         or if no answer came before the row expired as we reckon it (``release_patience``),
         whatever the driver's timeouts: behind a renewal in flight, or on a frozen connection.
         """
+        self.renewing(clock.now(), ttl)  # a shorter expiry counts from now on, sent or not
         patience = self.release_patience()
         deadline = clock.now() + patience
         try:
@@ -142,6 +143,7 @@ class LockState(Holding):
                 raise self.outlived("extended")
             self.check_extendable()
             sent_at = clock.now()
+            self.renewing(sent_at, ttl)
             with self.telemetry.extending():
                 try:
                     expires: datetime = self.run(
@@ -183,7 +185,8 @@ class LockState(Holding):
 
         If the DELETE fails otherwise (the database unreachable past the retries), the lock still
         counts as held, so that unlock() can be tried again, but it is no longer kept alive: a
-        holder that has stopped working must not keep others out beyond the expiry.
+        holder that has stopped working must not keep others out beyond the expiry. Nor is it
+        valid: the DELETE may have run, its answer lost.
         """
         # Waits for a renewal in flight, but not past the lock's expiry: one stuck on a frozen
         # server would hold the release for the driver's timeout, or for ever.
@@ -199,11 +202,11 @@ class LockState(Holding):
                 except LockLost as lost:
                     self.released_lost(lost)
                     raise
-                except BaseException as error:
-                    if not isinstance(error, Exception):
-                        # Interrupted, its DELETE may have run, and the row be anyone's now:
-                        # valid no longer (unlock() again to make sure the row is gone).
-                        self.valid_until = 0.0
+                except BaseException:
+                    # Failed or interrupted, its DELETE may have run (its answer lost), and the
+                    # row be anyone's now: valid no longer (unlock() again to make sure the row
+                    # is gone).
+                    self.valid_until = 0.0
                     raise
             self.held = False
             self.leave_place()
@@ -275,8 +278,8 @@ class Lock(LockHandle[LockState]):
 
         Raises LockLost if the row was no longer ours (purged, taken over or broken after it
         expired): whatever the lock protected may have been touched by someone else meanwhile.
-        Any other error leaves the lock held (no longer kept alive): call unlock() again, or let
-        it expire.
+        Any other error leaves the lock held (no longer kept alive, nor valid: the DELETE may
+        have run): call unlock() again, or let it expire.
         """
         self._refuse_in_forked_child("release")
         if not self._state.held:

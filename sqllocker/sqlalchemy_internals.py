@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
+from sqlalchemy.engine import Connection
 from sqlalchemy.pool import QueuePool
 from sqlalchemy.sql.compiler import SQLCompiler
 
@@ -22,6 +23,13 @@ def most_connections(pool: QueuePool) -> int | None:
     None for no limit: the ConnectionStack keeps the pool's limits without going through it."""
     overflow: int = pool._max_overflow
     return None if overflow < 0 else pool.size() + overflow
+
+
+def commits_each_statement(connection: Connection) -> bool:
+    """Whether ``connection`` runs in AUTOCOMMIT, by its own execution options or its engine's
+    ``isolation_level``: its "transaction" ends with each statement, and a row lock with it.
+    Asked of SQLAlchemy, not of the database (which would cost a round trip)."""
+    return bool(connection._is_autocommit_isolation())
 
 
 def bind_order(compiled: SQLCompiler) -> Sequence[str] | None:

@@ -30,6 +30,7 @@ from sqllocker import (
 from sqllocker.asyncio import AsyncLocker
 from sqllocker.engine import resolve_url
 from sqllocker.execution import DriverSession
+from sqllocker.holding import safety_margin
 from sqllocker.identity import holder_details, new_guid
 from sqllocker.migrations import upgrade
 from sqllocker.operations import Acquired, Refused
@@ -388,13 +389,33 @@ def test_breaking_a_guarded_lock_fails_soon_and_says_why(
     lock.unlock()
 
 
-def test_guard_needs_a_transaction(locker: Locker, app_engine: sa.Engine) -> None:
+def test_guard_needs_a_transaction(locker: Locker, app_engine: sa.Engine, url: str) -> None:
+    """A transaction that commits with the work: not none, not AUTOCOMMIT's (whose
+    ``begin()`` commits each statement, the row lock with it: the work would commit later
+    under nothing), not a savepoint's (rolled back, it lets the row lock go, and the
+    transaction around it may still commit)."""
     with (
         locker.lock("job") as lock,
         app_engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn,
-        pytest.raises(Exception, match="inside a transaction"),
     ):
-        lock.guard(conn)
+        with pytest.raises(LockError, match="inside a transaction"):
+            lock.guard(conn)
+        with conn.begin(), pytest.raises(LockError, match="not in AUTOCOMMIT"):
+            lock.guard(conn)
+    autocommitting = sa.create_engine(resolve_url(url), isolation_level="AUTOCOMMIT")
+    try:
+        with (
+            locker.lock("job") as lock,
+            autocommitting.begin() as conn,
+            pytest.raises(LockError, match="not in AUTOCOMMIT"),
+        ):
+            lock.guard(conn)
+    finally:
+        autocommitting.dispose()
+    with locker.lock("job") as lock, app_engine.begin() as conn:
+        with conn.begin_nested(), pytest.raises(LockError, match="savepoint"):
+            lock.guard(conn)
+        lock.guard(conn)  # the transaction itself
 
 
 # -- server settings ------------------------------------------------------------------------------
@@ -822,3 +843,56 @@ def test_an_acquire_counts_its_own_row_only_while_it_is_live(make_locker: Any) -
     [row] = locker.locks()
     assert row.lock_id == taken.lock_id
     assert not row.expired
+
+
+def _then_answer_lost(operation: Any) -> Any:
+    """``operation``, run to its end on the database, and then its answer lost."""
+
+    def answered_lost(*args: Any) -> Any:
+        operation(*args)
+        raise DatabaseError("the connection was lost before the answer came", outage=True)
+
+    return answered_lost
+
+
+def test_a_shorter_extend_whose_answer_is_lost_ends_the_lock_by_its_own_expiry(
+    make_locker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """extend(2) on a lock of 30 s reached the server (the row now expires 2 s on) and its
+    answer was lost: the holder kept the 30 s deadline, valid for 26 s more while anyone could
+    take the row. A deadline never outlasts an extend sent, answered or not."""
+    locker = make_locker()
+    lock = locker.lock("job", expires=30)
+    monkeypatch.setattr(locker._operations, "extend", _then_answer_lost(locker._operations.extend))
+    sent = clock.now()
+    with pytest.raises(DatabaseError):
+        lock.extend(2)
+    assert lock._state.valid_until <= sent + 2 - safety_margin(2) + (clock.now() - sent)
+    row = locker.lock_info("job")
+    assert row is not None
+    assert row.seconds_left < 2.5  # what the server holds it for
+    monkeypatch.undo()
+    lock.unlock()
+
+
+def test_an_unlock_whose_answer_is_lost_leaves_the_lock_no_longer_valid(
+    make_locker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The DELETE ran and its answer was lost (the retry could not connect): the row is gone,
+    anyone may hold the lockstring, and the lock must not say it is valid; it still counts as
+    held, so that unlock() can be tried again, and that says it found the row gone."""
+    locker = make_locker()
+    lock = locker.lock("job", expires=30)
+    monkeypatch.setattr(
+        locker._operations, "release", _then_answer_lost(locker._operations.release)
+    )
+    with pytest.raises(DatabaseError):
+        lock.unlock()
+    assert locker.lock_info("job") is None
+    assert not lock.is_valid()
+    with pytest.raises(LockLost):
+        lock.check()
+    assert lock.is_locked
+    monkeypatch.undo()
+    with pytest.raises(LockLost):
+        lock.unlock()

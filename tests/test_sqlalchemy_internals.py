@@ -11,7 +11,13 @@ from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.pool import QueuePool
 from sqlalchemy.util.concurrency import in_greenlet
 
-from sqllocker.sqlalchemy_internals import bind_order, lets_await, literal_binds, most_connections
+from sqllocker.sqlalchemy_internals import (
+    bind_order,
+    commits_each_statement,
+    lets_await,
+    literal_binds,
+    most_connections,
+)
 
 try:
     from sqlalchemy.util import await_
@@ -64,3 +70,20 @@ async def test_a_greenlet_marked_by_lets_await_may_await_through_its_parent() ->
     while not marked.dead:
         outcome = marked.switch(await outcome)
     assert outcome == (True, "awaited")
+
+
+def test_commits_each_statement_reads_the_connections_and_the_engines_isolation_level() -> None:
+    plain = sa.create_engine("sqlite://")
+    autocommitting = sa.create_engine("sqlite://", isolation_level="AUTOCOMMIT")
+    try:
+        with plain.connect() as conn:
+            assert not commits_each_statement(conn)
+            assert commits_each_statement(conn.execution_options(isolation_level="AUTOCOMMIT"))
+        with autocommitting.connect() as conn:
+            assert commits_each_statement(conn)
+            assert not commits_each_statement(
+                conn.execution_options(isolation_level="SERIALIZABLE")
+            )
+    finally:
+        plain.dispose()
+        autocommitting.dispose()

@@ -13,6 +13,7 @@ from sqlalchemy.engine import Connection
 from ..backends import backend_class
 from ..errors import LockError, LockLost
 from ..execution import DriverSession
+from ..sqlalchemy_internals import commits_each_statement
 from .database import Database
 
 logger = logging.getLogger("sqllocker")
@@ -136,10 +137,17 @@ class Releaser:
         """In ``connection``'s open transaction, whether our row is still ours and unexpired;
         if so, it stays so until that transaction ends, which the server brings about if the
         client is silent in it for ``silence`` seconds (see ``Lock.guard``)."""
-        if not connection.in_transaction():
+        if not connection.in_transaction() or commits_each_statement(connection):
             raise LockError(
-                "guard() needs a connection inside a transaction: the protection lasts until "
-                "that transaction ends",
+                "guard() needs a connection inside a transaction (not in AUTOCOMMIT): the "
+                "protection lasts until that transaction ends",
+                lockstring,
+            )
+        if connection.in_nested_transaction():
+            raise LockError(
+                "guard() in a savepoint (begin_nested) lasts only until the savepoint is rolled "
+                "back, while the transaction around it may still commit: guard the outer "
+                "transaction, before its savepoints",
                 lockstring,
             )
         self._db.ensure_setup()
