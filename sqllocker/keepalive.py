@@ -5,8 +5,9 @@ Each lock is renewed every ``fraction`` of its expiry period with the same state
 unless renewals overlap: ``RENEWERS``), apart from the scheduler, so that a renewal stuck on a
 stalled network delays neither the other locks' renewals nor the other duty of the scheduler:
 declaring a lock lost, and calling its ``on_lost``, the moment its validity deadline passes
-without a successful renewal. That moment always comes before anyone else can take the lock
-over (see ``lock.py``). A renewal stuck on a frozen connection ends at its lock's expiry
+without a successful renewal (each lock's ``on_lost`` on a thread of its own, so that a slow one
+delays no other). That moment always comes before anyone else can take the lock over (see
+``lock.py``). A renewal stuck on a frozen connection ends at its lock's expiry
 (``sqllocker.deadlines``).
 
 A transient database error is logged and retried with backoff until the deadline; a lock is
@@ -166,12 +167,21 @@ class KeepAlive:
                 self._condition.wait(max(0.0, wake - clock.now()))
 
     def _declare_lost_at_deadline(self, state: LockState) -> None:
-        # on_lost may take its time; let renewals of the other locks go on meanwhile.
-        self._condition.release()
+        # On a thread of its own: an on_lost that takes its time (or never returns) must not
+        # keep the next lock whose deadline passes from being declared lost on time, nor
+        # delay the other locks' renewals.
+        lost = state.deadline_passed()
+        declaring = threading.Thread(
+            target=state.mark_lost, args=(lost,), name=f"{self.name}-on-lost", daemon=True
+        )
         try:
-            state.mark_lost(state.deadline_passed())
-        finally:
-            self._condition.acquire()
+            declaring.start()
+        except RuntimeError:  # no thread to be had (interpreter shutdown): here, then
+            self._condition.release()
+            try:
+                state.mark_lost(lost)
+            finally:
+                self._condition.acquire()
 
     def _submit(self, entry: _Entry, now: float) -> Future[None] | None:
         """Start ``entry``'s renewal on an idle worker, or on a new one if every worker has

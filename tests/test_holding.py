@@ -35,7 +35,7 @@ from sqllocker.identity import holder_details, new_guid
 from sqllocker.migrations import upgrade
 from sqllocker.operations import Acquired, Refused
 from sqllocker.schema import ID_ORDER_STRIPES
-from tests.helpers import count_rows, figure
+from tests.helpers import count_rows, figure, wait_until
 from tests.private_servers import PrivateMariaDB, running_private_server
 from tests.workers import async_url
 
@@ -122,6 +122,35 @@ def test_on_lost_fires_at_the_deadline_when_renewals_keep_failing(
     _, _, when = lost.calls[0]
     assert when >= deadline  # told at the deadline (the margin is for a late thread), not before
     assert not lock.is_valid()
+
+
+def test_a_slow_on_lost_delays_no_other_locks_on_lost(
+    locker: Locker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two kept-alive locks whose renewals fail: the first one's on_lost does not return until
+    the second's has been called. Called on the keep-alive's scheduler, it kept the second lock
+    from being declared lost at its deadline, and its on_lost came after the lock could be
+    taken over (or never)."""
+    second_told = threading.Event()
+    first_saw: list[bool] = []
+
+    def first_on_lost(_error: LockLost) -> None:
+        first_saw.append(second_told.wait(30))
+
+    first = locker.lock("first", expires=1.0, keep_alive=True, on_lost=first_on_lost)
+    second = locker.lock(
+        "second", expires=1.5, keep_alive=True, on_lost=lambda _error: second_told.set()
+    )
+
+    def database_down(*_: object) -> None:
+        raise DatabaseError("simulated outage")
+
+    monkeypatch.setattr(locker._operations, "extend", database_down)
+    assert second_told.wait(30)
+    wait_until(lambda: bool(first_saw))
+    assert first_saw == [True]  # the second was told while the first's on_lost still ran
+    assert not first.is_valid()
+    assert not second.is_valid()
 
 
 @pytest.mark.slow
