@@ -1134,3 +1134,35 @@ def test_an_adoption_killed_at_any_moment_hands_no_lock_twice_and_can_be_finishe
     finally:
         locker.close()
     assert held.tell("unlock") == "unlocked"
+
+
+@pytest.mark.parametrize("backend", ["sqlite"])
+def test_sqlite_adoption_starts_above_the_ids_an_autoincrement_table_recorded(
+    url: str, table_name: str, db: sa.Engine
+) -> None:
+    """A DBIx::Locker table made by hand with AUTOINCREMENT recorded the highest id it handed
+    out (here 5,000,000, its rows since deleted by the Perl purge): a stale Perl holder may
+    carry it, so new ids start above it, not above the rows left."""
+    with db.begin() as conn:
+        conn.exec_driver_sql(
+            f"CREATE TABLE {table_name} (id INTEGER PRIMARY KEY AUTOINCREMENT, "
+            "lockstring varchar(128) UNIQUE, created datetime NOT NULL, "
+            "expires datetime NOT NULL, locked_by text NOT NULL)"
+        )
+        conn.exec_driver_sql(
+            f"INSERT INTO {table_name} (lockstring, created, expires, locked_by) "
+            "VALUES ('old', '2026-01-01 00:00:00', '2026-01-01 01:00:00', '{}')"
+        )
+        conn.exec_driver_sql(
+            "UPDATE sqlite_sequence SET seq = 5000000 WHERE name = ?", (table_name,)
+        )
+    code, output = sqllocker_cli(
+        url, table_name, "migrate", "--adopt-dbix-locker", "--perl-tz", "UTC"
+    )
+    assert code == 0, output
+    locker = Locker(url, table=table_name)
+    try:
+        with locker.lock("first") as lock:
+            assert lock.lock_id > 5_000_000 + ADOPTED_ID_GAP
+    finally:
+        locker.close()

@@ -40,7 +40,8 @@ T = TypeVar("T")
 TIMESTAMP_FORMAT = "%Y-%m-%d %H:%M:%f"
 # SQLite without AUTOINCREMENT (DBIx::Locker's DDL) keeps no record of the ids it handed out and
 # reuses the highest deleted one; an adopted table's new ids start this far above the highest row
-# left, past any id a stale Perl holder of a deleted row could still carry.
+# left (or the highest id handed out, where AUTOINCREMENT recorded it), past any id a stale Perl
+# holder of a deleted row could still carry.
 ADOPTED_ID_GAP = 1_000_000
 # The page size of a file sqllocker makes. Each commit writes every page it changed to the log
 # in full, and a lock's cycle changes seven (the row's, both indexes', the id sequence's): with
@@ -333,7 +334,17 @@ class SQLiteBackend(Backend):
         return [f"DROP TABLE {table}"]
 
     def ids_handed_out_below(self, conn: Connection, source: str, highest_row: int) -> int:
-        return highest_row + 1 + ADOPTED_ID_GAP
+        # A table made with AUTOINCREMENT (not by DBIx::Locker's DDL) recorded the highest id
+        # it ever handed out, which may be far above its rows.
+        recorded = 0
+        if conn.exec_driver_sql(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'sqlite_sequence'"
+        ).first():
+            seq = conn.exec_driver_sql(
+                "SELECT max(seq) FROM sqlite_sequence WHERE name = ?", (source,)
+            ).scalar()
+            recorded = int(seq or 0)
+        return max(highest_row, recorded) + 1 + ADOPTED_ID_GAP
 
     def next_id_at_least(self, table: str, first: int) -> list[Executable | str]:
         return [
