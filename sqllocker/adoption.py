@@ -86,6 +86,9 @@ def check_adoptable(conn: Connection, table: str, version_table: str) -> None:
                 f"table {table!r} has a migration recorded in {version_table!r}, yet no guid "
                 "column: it is neither DBIx::Locker's as made nor sqllocker's"
             )
+    refusal = backend_for(conn.dialect).adoption_refusal(conn, table)
+    if refusal is not None:
+        raise LockValueError(f"table {table!r} cannot be adopted as it is: {refusal}")
     existing = set(inspector.get_table_names()) | set(inspector.get_view_names())
     for name in backend_for(conn.dialect).adoption_names(table):
         if name in existing:
@@ -203,8 +206,8 @@ def _columns(conn: Connection, table: str) -> dict[str, Any]:
 
 
 def _utc(value: Any, zone: ZoneInfo, fold: int) -> datetime:
-    """A DBIx::Locker time (a local time of ``zone``, as text or a naive datetime) in UTC; an
-    aware one (a PostgreSQL timestamptz, which the session's zone already read right) as is.
+    """A DBIx::Locker time (a local time of ``zone``, as text or a naive datetime) in UTC (an
+    aware one, which no adoptable table holds, as is).
     An expiry in the hour a clock goes back is read as the later of its two instants."""
     if isinstance(value, str):
         value = datetime.fromisoformat(value.strip())

@@ -405,6 +405,41 @@ def test_adoption_refuses_what_is_not_a_dbix_locker_table(
     assert len(output.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("backend", ["postgresql"])
+@pytest.mark.parametrize("made", ["times with zones", "a sequence of its own"])
+def test_postgresql_adoption_refuses_a_table_whose_times_or_ids_it_cannot_follow(
+    url: str, table_name: str, db: sa.Engine, made: str
+) -> None:
+    """Made by hand otherwise than DBIx::Locker's DDL: timestamptz columns, which read each
+    Perl time in its session's TimeZone (a Los Angeles expiry put 17 hours early by a Tokyo
+    session); an id drawn from a sequence the column does not own, whose ids the adoption
+    missed, and which outlived the old table, still answering DBD::Pg's long-running Perl
+    processes with the id of their previous lock (then released by id: another's). Refused,
+    nothing written; with the sequence made the column's own, adopted."""
+    times = "timestamptz" if made == "times with zones" else "timestamp"
+    with db.begin() as conn:
+        if made == "a sequence of its own":
+            conn.exec_driver_sql(f"CREATE SEQUENCE {table_name}_ids")
+            ids = f"bigint PRIMARY KEY DEFAULT nextval('{table_name}_ids')"
+        else:
+            ids = "bigserial PRIMARY KEY"
+        conn.exec_driver_sql(
+            f"CREATE TABLE {table_name} (id {ids}, lockstring varchar(128) UNIQUE, "
+            f"created {times} NOT NULL, expires {times} NOT NULL, locked_by text NOT NULL)"
+        )
+    adopt = ("migrate", "--adopt-dbix-locker", "--perl-tz", "America/Los_Angeles")
+    code, output = sqllocker_cli(url, table_name, *adopt)
+    assert code != 0
+    assert "cannot be adopted as it is" in output
+    assert "guid" not in {c["name"] for c in sa.inspect(db).get_columns(table_name)}
+    assert current_revision(db, table_name) is None
+    if made == "a sequence of its own":
+        with db.begin() as conn:
+            conn.exec_driver_sql(f"ALTER SEQUENCE {table_name}_ids OWNED BY {table_name}.id")
+        code, output = sqllocker_cli(url, table_name, *adopt)
+        assert code == 0, output
+
+
 # -- side by side -------------------------------------------------------------------------------
 
 

@@ -417,6 +417,11 @@ class Backend:
         """A column's default as the database shows it, where SQLAlchemy reflects none."""
         return None
 
+    def adoption_refusal(self, conn: Connection, table: str) -> str | None:
+        """Why DBIx::Locker table ``table`` (its columns there) cannot be adopted safely as it
+        is, or None."""
+        return None
+
     def adoption_names(self, table: str) -> list[str]:
         """The tables and views an adoption of ``table`` makes beside it, which must not exist
         before it starts."""

@@ -458,6 +458,38 @@ class PostgreSQLBackend(Backend):
         # Perl processes that lock meanwhile wait for the lock, then find the new table by name.
         return [f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE", f"DROP TABLE {table}"]
 
+    def adoption_refusal(self, conn: Connection, table: str) -> str | None:
+        # DBIx::Locker writes local times without an offset: a timestamptz column read each
+        # one in its Perl session's TimeZone, which the adoption cannot know.
+        zoned = conn.exec_driver_sql(
+            "SELECT pg_catalog.string_agg(attname::text, ', ' ORDER BY attname) "
+            "FROM pg_catalog.pg_attribute WHERE attrelid = %(table)s::regclass "
+            "AND attname IN ('created', 'expires') "
+            "AND atttypid = 'pg_catalog.timestamptz'::regtype",
+            {"table": table},
+        ).scalar()
+        if zoned:
+            return (
+                f"its {zoned} hold time zones, each read in the TimeZone of the Perl session "
+                "that wrote it, which the adoption cannot know; make them plain timestamps "
+                "of the Perl processes' zone first (ALTER TABLE ... ALTER COLUMN expires TYPE "
+                "timestamp USING expires AT TIME ZONE 'ZONE')"
+            )
+        # The ids: the adoption starts above the last its sequence handed out, and DBD::Pg's
+        # long-running Perl processes keep asking that sequence for the id they just inserted,
+        # which must then fail (the sequence goes with the table), not answer an old one.
+        owned = conn.exec_driver_sql(
+            "SELECT pg_catalog.pg_get_serial_sequence(%(table)s::text, 'id'::text)",
+            {"table": table},
+        ).scalar()
+        if owned is None:
+            return (
+                "its id is not drawn from a sequence it owns, whose ids handed out, and whose "
+                "use by Perl processes after the adoption, cannot be followed; make it the "
+                "column's own (ALTER SEQUENCE ... OWNED BY TABLE.id) first"
+            )
+        return None
+
     def ids_handed_out_below(self, conn: Connection, source: str, highest_row: int) -> int:
         last = conn.exec_driver_sql(
             "SELECT pg_catalog.pg_sequence_last_value(pg_catalog.pg_get_serial_sequence("
