@@ -117,6 +117,9 @@ class Holding:
         # Seconds from the row's creation that a release keeps it for (see Locker.lock).
         self.hold_at_least: float | None = None
         self.valid_until = sent_at + ttl - safety_margin(ttl)
+        # A release that failed after its DELETE may have run (its answer lost, an interrupt):
+        # the row may be anyone's, and the lock not valid, until a retry or an extend says.
+        self.release_unsure = False
         self._lost_lock = threading.Lock()
         # Our place in the lockstring's queue in the kernel (SQLite: see file_queue), kept
         # while the row is ours, so that the next waiter wakes the moment it is not; or, for
@@ -130,7 +133,12 @@ class Holding:
             place.leave()
 
     def is_valid(self) -> bool:
-        return self.held and self.lost is None and clock.now() < self.valid_until
+        return (
+            self.held
+            and self.lost is None
+            and not self.release_unsure
+            and clock.now() < self.valid_until
+        )
 
     def renewing(self, sent_at: float, ttl: float) -> None:
         """An extend to ``ttl`` is sent (or about to be) at ``sent_at``: once it reaches the
@@ -139,9 +147,11 @@ class Holding:
         self.valid_until = min(self.valid_until, sent_at + ttl - safety_margin(ttl))
 
     def renewed(self, sent_at: float, ttl: float) -> None:
-        """An extend sent at ``sent_at`` succeeded: the deadline moves on from then."""
+        """An extend sent at ``sent_at`` succeeded: the deadline moves on from then (and the
+        row is ours, whatever a failed release left unsure)."""
         self.ttl = ttl
         self.valid_until = sent_at + ttl - safety_margin(ttl)
+        self.release_unsure = False
 
     def check_extendable(self) -> None:
         """Raise LockLost if the lock was released or is known lost."""
@@ -160,7 +170,13 @@ class Holding:
             return
         if self.lost is not None:
             raise self.lost
-        reason = "was released" if not self.held else "passed its deadline without renewal"
+        reason = (
+            "was released"
+            if not self.held
+            else "may be released: its release failed after its DELETE may have run"
+            if self.release_unsure
+            else "passed its deadline without renewal"
+        )
         raise LockLost(
             f"lock {self.lockstring!r} (id {self.lock_id}) {reason}; another process may hold "
             "it now",

@@ -115,7 +115,6 @@ class LockState(Holding):
         or if no answer came before the row expired as we reckon it (``release_patience``),
         whatever the driver's timeouts: behind a renewal in flight, or on a frozen connection.
         """
-        self.renewing(clock.now(), ttl)  # a shorter expiry counts from now on, sent or not
         patience = self.release_patience()
         deadline = clock.now() + patience
         try:
@@ -205,8 +204,8 @@ class LockState(Holding):
                 except BaseException:
                     # Failed or interrupted, its DELETE may have run (its answer lost), and the
                     # row be anyone's now: valid no longer (unlock() again to make sure the row
-                    # is gone).
-                    self.valid_until = 0.0
+                    # is gone, with the patience of the row's own expiry).
+                    self.release_unsure = True
                     raise
             self.held = False
             self.leave_place()

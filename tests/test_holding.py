@@ -884,6 +884,89 @@ def _then_answer_lost(operation: Any) -> Any:
     return answered_lost
 
 
+def test_unlock_tried_again_after_a_failure_has_the_patience_of_the_rows_own_expiry(
+    postgresql_url: str, table_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first unlock() failed before its DELETE reached the server (the row is still ours);
+    the one tried again waits behind another session's row lock (2.5 s) as long as the row
+    lives, not the second a lock past its deadline gets, and releases it: the lock was never
+    lost, and on_lost is not called."""
+    locker = Locker(postgresql_url, table=table_name)
+    locker.create_table()
+    lost = LostCalls()
+    lock = locker.lock("job", expires=30, on_lost=lost)
+
+    def unreachable(*_: object) -> None:
+        raise DatabaseError("cannot connect", outage=True)
+
+    monkeypatch.setattr(locker._operations, "release", unreachable)
+    with pytest.raises(DatabaseError):
+        lock.unlock()
+    assert not lock.is_valid()  # its DELETE might have run, for all the holder knows
+    monkeypatch.undo()
+    engine = sa.create_engine(resolve_url(postgresql_url))
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(f"SELECT id FROM {table_name} WHERE lockstring = 'job' FOR UPDATE")
+            errors: list[BaseException] = []
+
+            def unlock() -> None:
+                try:
+                    lock.unlock()
+                except LockError as error:
+                    errors.append(error)
+
+            unlocking = threading.Thread(target=unlock)
+            unlocking.start()
+            time.sleep(2.5)  # the row lock held, past the second a lock out of time gets
+        unlocking.join(30)
+        assert not unlocking.is_alive()
+        assert errors == []
+    finally:
+        engine.dispose()
+    assert locker.lock_info("job") is None
+    assert not lock.is_locked
+    assert lost.calls == []
+    locker.close()
+
+
+def test_a_shorter_extend_behind_a_renewal_in_flight_waits_as_long_as_the_row_lives(
+    postgresql_url: str, table_name: str
+) -> None:
+    """extend(3) behind an extend(30) held up 4 s by another session's row lock: nothing of
+    the shorter one is sent while it waits, and the row lives on by the longer one's answer,
+    so it waits for its turn as long as that, and succeeds (it gave up at 3 s, the lock
+    declared lost and its live row deleted)."""
+    locker = Locker(postgresql_url, table=table_name)
+    locker.create_table()
+    lock = locker.lock("job", expires=30)
+    engine = sa.create_engine(resolve_url(postgresql_url))
+    errors: list[BaseException] = []
+
+    def extend(seconds: float) -> None:
+        try:
+            lock.extend(seconds)
+        except LockError as error:
+            errors.append(error)
+
+    extends = [threading.Thread(target=extend, args=(seconds,)) for seconds in (30, 3)]
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(f"SELECT id FROM {table_name} WHERE lockstring = 'job' FOR UPDATE")
+            for thread in extends:
+                thread.start()
+                time.sleep(0.3)  # the long one first, then the shorter behind it
+            time.sleep(3.7)  # the row lock held 4 s in all
+        for thread in extends:
+            thread.join(30)
+        assert errors == []
+        assert lock.is_valid()
+    finally:
+        engine.dispose()
+    lock.unlock()
+    locker.close()
+
+
 def test_a_shorter_extend_whose_answer_is_lost_ends_the_lock_by_its_own_expiry(
     make_locker: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
