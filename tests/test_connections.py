@@ -358,6 +358,26 @@ def test_a_database_in_memory_is_not_reported_for_its_journal(url: str) -> None:
             shared.dispose()
 
 
+def test_a_file_opened_by_a_callers_creator_on_sqlite_url_is_still_checked(
+    tmp_path: Path,
+) -> None:
+    """The URL says ``sqlite://``, the caller's ``creator`` opens a file that syncs nothing:
+    what is checked is the database the connection has, not what the URL says."""
+    path = tmp_path / "locks.db"
+
+    def unsynced() -> sqlite3.Connection:
+        connection = sqlite3.connect(path, check_same_thread=False)
+        connection.execute("PRAGMA synchronous=OFF")
+        return connection
+
+    engine = sa.create_engine("sqlite://", creator=unsynced, poolclass=StaticPool)
+    try:
+        with pytest.raises(UnsafeDatabase, match="synchronous=OFF"):
+            Locker(engine, strict=True).lock("refused")
+    finally:
+        engine.dispose()
+
+
 def test_a_file_journalled_in_memory_is_reported_or_refused(tmp_path: Path) -> None:
     engine = sa.create_engine(f"sqlite:///{tmp_path / 'locks.db'}")
     sa.event.listen(engine, "connect", lambda dbapi, _: dbapi.execute("PRAGMA journal_mode=MEMORY"))

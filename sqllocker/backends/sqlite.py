@@ -283,7 +283,11 @@ class SQLiteBackend(Backend):
         problems = []
         # A crash loses a database in memory whole, with every process that could hold its
         # locks: its journal (MEMORY, always) and its syncing lose nothing that outlives them.
-        if not self.in_memory(conn.engine.url):
+        # Asked of the connection, not the URL: a caller's ``creator`` may open a file (and
+        # the memdb VFS names a database that is in memory all the same).
+        files = {row[1]: row[2] for row in conn.exec_driver_sql("PRAGMA database_list")}
+        main = files.get("main")
+        if main and os.path.exists(main):
             if conn.exec_driver_sql("PRAGMA synchronous").scalar() == 0:
                 problems.append(UnsafeSetting("PRAGMA synchronous=OFF", LOSES_ROWS))
             journal = str(conn.exec_driver_sql("PRAGMA journal_mode").scalar()).lower()
