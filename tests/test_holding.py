@@ -445,6 +445,19 @@ def test_guard_needs_a_transaction(locker: Locker, app_engine: sa.Engine, url: s
         with conn.begin_nested(), pytest.raises(LockError, match="savepoint"):
             lock.guard(conn)
         lock.guard(conn)  # the transaction itself
+    # Autocommit set on the driver, where SQLAlchemy does not see it.
+    sqlite = make_url(url).get_backend_name() == "sqlite"
+    driver_autocommit = {"isolation_level": None} if sqlite else {"autocommit": True}
+    committing = sa.create_engine(resolve_url(url), connect_args=driver_autocommit)
+    try:
+        with (
+            locker.lock("job") as lock,
+            committing.begin() as conn,
+            pytest.raises(LockError, match="driver commits each statement"),
+        ):
+            lock.guard(conn)
+    finally:
+        committing.dispose()
 
 
 # -- server settings ------------------------------------------------------------------------------

@@ -388,6 +388,13 @@ class Backend:
 
     # -- a guarded transaction ---------------------------------------------------------------
 
+    @classmethod
+    def in_transaction(cls, driver_connection: Any) -> bool | None:
+        """Whether the driver's connection is inside a transaction now (after a statement of
+        it), or None where the driver does not say: a "transaction" of SQLAlchemy's on a
+        driver in autocommit commits each statement, and a row lock with it."""
+        return None
+
     def bound_silence(self, conn: Connection, seconds: float) -> None:
         """Have the server end ``conn``'s open transaction, rolling it back, once its client
         has been silent in it for ``seconds`` (or less, if the session's own limit is less),

@@ -46,6 +46,8 @@ if TYPE_CHECKING:
 
 # Serialises concurrent `sqllocker migrate` runs (a named lock, not a row).
 _MIGRATION_LOCK_NAME = "sqllocker_migrate"
+# The server's status flags, on each answer: inside an explicit transaction; in autocommit.
+_SERVER_STATUS_IN_TRANS, _SERVER_STATUS_AUTOCOMMIT = 1, 2
 # How far the session's clock (NOW()) may be from the server's real time (SYSDATE()) in the
 # settings check: the two are read in one statement, microseconds apart.
 SESSION_CLOCK_TOLERANCE = 1.0
@@ -296,6 +298,15 @@ class MySQLBackend(Backend):
             shut_down_socket(sock.fileno())
 
     # -- settings ----------------------------------------------------------------------------------
+
+    @classmethod
+    def in_transaction(cls, driver_connection: Any) -> bool | None:
+        # PyMySQL's and aiomysql's: an explicit transaction, or none at all in autocommit (an
+        # implicit one, autocommit off, is not flagged as one).
+        status = getattr(driver_connection, "server_status", None)
+        if status is None:
+            return None
+        return bool(status & _SERVER_STATUS_IN_TRANS) or not status & _SERVER_STATUS_AUTOCOMMIT
 
     def bound_silence(self, conn: Connection, seconds: float) -> None:
         # MariaDB's idle_transaction_timeout counts only silence inside a transaction; MySQL

@@ -51,6 +51,8 @@ if TYPE_CHECKING:
 # How long an acquire waits for the lockstring's id-order key, which others hold only for their
 # INSERT: a wait this long means a session outside the protocol holds it.
 ID_ORDER_WAIT_MS = 1000
+# libpq's transaction statuses (psycopg.pq.TransactionStatus) inside a transaction.
+_INTRANS, _INERROR = 2, 3
 # Serialises concurrent `sqllocker migrate` runs ("SQLL").
 _MIGRATION_LOCK_KEY = 0x5351_4C4C
 
@@ -399,6 +401,12 @@ class PostgreSQLBackend(Backend):
         shut_down_socket(dbapi_connection.pgconn.socket)
 
     # -- settings ----------------------------------------------------------------------------------
+
+    @classmethod
+    def in_transaction(cls, driver_connection: Any) -> bool | None:
+        info = getattr(driver_connection, "info", None)  # psycopg's, sync and async
+        status = getattr(info, "transaction_status", None)
+        return None if status is None else int(status) in (_INTRANS, _INERROR)
 
     def bound_silence(self, conn: Connection, seconds: float) -> None:
         # SET LOCAL, as set_config(..., true): it ends with the transaction, whichever way, so

@@ -275,6 +275,11 @@ class SQLiteBackend(Backend):
             with contextlib.suppress(Exception):
                 dbapi_connection.close()
 
+    @classmethod
+    def in_transaction(cls, driver_connection: Any) -> bool | None:
+        within = getattr(driver_connection, "in_transaction", None)  # sqlite3's, aiosqlite's
+        return None if within is None else bool(within)
+
     def bound_silence(self, conn: Connection, seconds: float) -> None:
         """No network lies between SQLite and its client: a client that is silent in its
         transaction is a live process, and its file locks end with it."""

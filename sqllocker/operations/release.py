@@ -155,8 +155,23 @@ class Releaser:
         if not self._db.be.share_locks_rows:
             # SQLite: a write takes the database's write lock until the caller's transaction
             # ends, so nobody can take over or purge the row meanwhile.
-            return connection.execute(self._db.sql.guard_by_writing, params).rowcount == 1
+            proven = connection.execute(self._db.sql.guard_by_writing, params).rowcount == 1
+            self._check_driver_transaction(connection, lockstring)
+            return proven
         if connection.execute(self._db.sql.guard, params).first() is None:
             return False
+        self._check_driver_transaction(connection, lockstring)
         self._db.be.bound_silence(connection, silence)
         return True
+
+    def _check_driver_transaction(self, connection: Connection, lockstring: str) -> None:
+        """After the guard's statement: refused unless the driver is in a transaction (one in
+        autocommit, set on the driver where SQLAlchemy does not see it, has already committed
+        the statement and let its row lock go)."""
+        driver = connection.connection.driver_connection
+        if self._db.be.in_transaction(driver) is False:
+            raise LockError(
+                "guard() needs a connection inside a transaction: this one's driver commits "
+                "each statement (autocommit), so the protection would end with the guard's own",
+                lockstring,
+            )
