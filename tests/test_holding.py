@@ -529,6 +529,20 @@ def test_a_mariadb_session_whose_clock_is_set_is_reported_or_refused(
     with warnings.catch_warnings():
         warnings.simplefilter("error", UnsafeDatabaseWarning)
         Locker(mysql_url, table=table_name).lock("the server's clock").unlock()
+        # sqllocker's own connections set the clock back, whatever the URL's init_command:
+        # even one frozen at the moment of connecting, which the check cannot tell.
+        for frozen in ("UNIX_TIMESTAMP() - 100", "UNIX_TIMESTAMP()"):
+            url = make_url(mysql_url).update_query_dict(
+                {"init_command": f"SET timestamp = {frozen}"}
+            )
+            locker = Locker(url, table=table_name, strict=True)
+            time.sleep(1.1)  # a clock frozen at connect is now a second behind
+            with locker.lock("own connections") as lock:
+                assert (lock.expires - lock.created).total_seconds() == pytest.approx(3600, abs=2)
+                row = Locker(mysql_url, table=table_name).lock_info("own connections")
+                assert row is not None
+                assert row.seconds_left > 3590  # by the server's own clock
+            locker.close()
 
 
 @pytest.mark.slow
