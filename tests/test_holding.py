@@ -431,33 +431,28 @@ def test_guard_needs_a_transaction(locker: Locker, app_engine: sa.Engine, url: s
             lock.guard(conn)
         with conn.begin(), pytest.raises(LockError, match="not in AUTOCOMMIT"):
             lock.guard(conn)
-    autocommitting = sa.create_engine(resolve_url(url), isolation_level="AUTOCOMMIT")
-    try:
-        with (
-            locker.lock("job") as lock,
-            autocommitting.begin() as conn,
-            pytest.raises(LockError, match="not in AUTOCOMMIT"),
-        ):
-            lock.guard(conn)
-    finally:
-        autocommitting.dispose()
     with locker.lock("job") as lock, app_engine.begin() as conn:
         with conn.begin_nested(), pytest.raises(LockError, match="savepoint"):
             lock.guard(conn)
         lock.guard(conn)  # the transaction itself
-    # Autocommit set on the driver, where SQLAlchemy does not see it.
+    # Autocommit for every connection: SQLAlchemy's, and the driver's, which SQLAlchemy does
+    # not see.
     sqlite = make_url(url).get_backend_name() == "sqlite"
     driver_autocommit = {"isolation_level": None} if sqlite else {"autocommit": True}
-    committing = sa.create_engine(resolve_url(url), connect_args=driver_autocommit)
-    try:
-        with (
-            locker.lock("job") as lock,
-            committing.begin() as conn,
-            pytest.raises(LockError, match="driver commits each statement"),
-        ):
-            lock.guard(conn)
-    finally:
-        committing.dispose()
+    for options, refusal in [
+        ({"isolation_level": "AUTOCOMMIT"}, "not in AUTOCOMMIT"),
+        ({"connect_args": driver_autocommit}, "driver commits each statement"),
+    ]:
+        committing = sa.create_engine(resolve_url(url), **options)
+        try:
+            with (
+                locker.lock("job") as lock,
+                committing.begin() as conn,
+                pytest.raises(LockError, match=refusal),
+            ):
+                lock.guard(conn)
+        finally:
+            committing.dispose()
 
 
 # -- server settings ------------------------------------------------------------------------------
