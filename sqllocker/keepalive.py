@@ -46,11 +46,12 @@ _numbers = itertools.count(1)
 
 
 class _Entry:
-    __slots__ = ("failures", "in_flight", "next_renewal", "state")
+    __slots__ = ("failures", "in_flight", "next_renewal", "state", "ttl")
 
     def __init__(self, state: LockState, next_renewal: float) -> None:
         self.state = state
         self.next_renewal = next_renewal
+        self.ttl = state.ttl  # the expiry period next_renewal was reckoned by
         self.in_flight: Future[None] | None = None
         self.failures = 0
 
@@ -108,6 +109,22 @@ class KeepAlive:
         with self._condition:
             if self._entries.pop(id(state), None) is not None:
                 self._condition.notify()
+
+    def changed(self, state: LockState) -> None:
+        """``state``'s deadline came closer, or its expiry period changed (an extend() of
+        another length): the scheduler looks again, and a new period's renewals come by its
+        cadence."""
+        if self._pid != forks.pid or id(state) not in self._entries:
+            return
+        with self._condition:
+            entry = self._entries.get(id(state))
+            if entry is None:
+                return
+            if entry.ttl != state.ttl:
+                entry.ttl = state.ttl
+                cadence = state.valid_until - state.ttl * (1 - self.fraction)
+                entry.next_renewal = min(entry.next_renewal, cadence)
+            self._condition.notify()
 
     def __len__(self) -> int:
         with self._condition:
@@ -226,6 +243,7 @@ class KeepAlive:
             entry.next_renewal = clock.now() + state.ttl * self.fraction
         else:
             entry.failures = 0
+            entry.ttl = state.ttl
             entry.next_renewal = state.valid_until - state.ttl * (1 - self.fraction)
         finally:
             with self._condition:

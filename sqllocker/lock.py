@@ -57,6 +57,10 @@ class KeepAlives(Protocol):
     def remove(self, state: LockState) -> None:
         """Stop renewing ``state``."""
 
+    def changed(self, state: LockState) -> None:
+        """``state``'s deadline or expiry period changed (an extend() of another length than
+        it has): look again when to renew it, and when its deadline comes."""
+
 
 class LockTaker(Protocol):
     """The locker a lock came from (``Locker``), as the lock's handle, read-write locks
@@ -143,6 +147,9 @@ class LockState(Holding):
             self.check_extendable()
             sent_at = clock.now()
             self.renewing(sent_at, ttl)
+            other_length = ttl != self.ttl  # a caller's extend(), not the keep-alive's
+            if other_length and self.kept_alive:
+                self.keep_alives.changed(self)  # the deadline may have come closer
             with self.telemetry.extending():
                 try:
                     expires: datetime = self.run(
@@ -159,6 +166,8 @@ class LockState(Holding):
                 self._give_back_revived()
                 raise self.lost or self.release_gave_up()
             self.renewed(sent_at, ttl)
+            if other_length and self.kept_alive:
+                self.keep_alives.changed(self)  # renewed by the new length's cadence
             return expires
 
     def _give_back_revived(self) -> None:

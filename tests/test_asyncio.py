@@ -8,6 +8,7 @@ test_mutual_exclusion.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import random
@@ -522,6 +523,38 @@ async def test_on_lost_is_called_once_when_the_lock_is_broken(
     with pytest.raises(LockLost):
         async with lock:
             pass
+
+
+@pytest.mark.parametrize("answer", ["given", "lost"])
+async def test_a_kept_alive_lock_given_a_shorter_expiry_is_renewed_or_told_by_it(
+    alocker: AsyncLocker, monkeypatch: pytest.MonkeyPatch, answer: str
+) -> None:
+    """As the sync keep-alive: after extend(2) on a kept-alive lock of 30 s, renewals come by
+    the new period's cadence; an extend(2) whose answer is lost has on_lost called at its
+    shorter deadline (the task slept until the longer period's renewal, 10 s on)."""
+    told = asyncio.Event()
+    lock = await alocker.lock("job", expires=30, keep_alive=True, on_lost=lambda _: told.set())
+    if answer == "lost":
+        extend = alocker._operations.extend
+
+        def answered_lost(*args: Any) -> Any:
+            extend(*args)
+            raise DatabaseError("the connection was lost before the answer came", outage=True)
+
+        monkeypatch.setattr(alocker._operations, "extend", answered_lost)
+        with pytest.raises(DatabaseError):
+            await lock.extend(2)
+        await asyncio.wait_for(told.wait(), 6)
+        assert not lock.is_valid()
+        monkeypatch.undo()
+        with contextlib.suppress(LockLost):
+            await lock.unlock()
+        return
+    await lock.extend(2)
+    await asyncio.sleep(3)  # past the deadline extend(2) set: renewed meanwhile
+    assert lock.is_valid()
+    assert not told.is_set()
+    await lock.unlock()
 
 
 async def test_on_lost_fires_at_the_deadline_while_a_renewal_hangs(

@@ -153,6 +153,37 @@ def test_a_slow_on_lost_delays_no_other_locks_on_lost(
     assert not second.is_valid()
 
 
+@pytest.mark.parametrize("answer", ["given", "lost"])
+def test_a_kept_alive_lock_given_a_shorter_expiry_is_renewed_or_told_by_it(
+    locker: Locker, monkeypatch: pytest.MonkeyPatch, answer: str
+) -> None:
+    """extend(2) on a kept-alive lock of 30 s: the keep-alive renews it every two thirds of a
+    second from then on, not after the ten seconds the longer period gave; and if the extend's
+    answer is lost, its on_lost comes at the shorter deadline, not at the longer's renewal."""
+    lost = LostCalls()
+    lock = locker.lock("job", expires=30, keep_alive=True, on_lost=lost)
+    if answer == "lost":
+        monkeypatch.setattr(
+            locker._operations, "extend", _then_answer_lost(locker._operations.extend)
+        )
+        with pytest.raises(DatabaseError):
+            lock.extend(2)
+        assert lost.event.wait(6)  # by the 2 s deadline (the renewal was due in 10)
+        assert not lock.is_valid()
+        monkeypatch.undo()
+        with contextlib.suppress(LockLost):
+            lock.unlock()
+        return
+    lock.extend(2)
+    time.sleep(3)  # past the deadline extend(2) set: renewed meanwhile, by the new cadence
+    assert lock.is_valid()
+    assert lost.calls == []
+    row = locker.lock_info("job")
+    assert row is not None
+    assert row.seconds_left < 2.5
+    lock.unlock()
+
+
 @pytest.mark.slow
 def test_transient_renewal_errors_are_retried(
     locker: Locker, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture

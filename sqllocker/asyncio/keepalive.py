@@ -28,6 +28,7 @@ class AsyncKeepAlive:
     def __init__(self, fraction: float) -> None:
         self.fraction = fraction
         self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._wakes: dict[int, asyncio.Event] = {}  # each task's, set by ``changed``
 
     def add(self, state: AsyncLockState) -> None:
         if not state.held or state.lost is not None or id(state) in self._tasks:
@@ -35,6 +36,13 @@ class AsyncKeepAlive:
         task = spawn(self._keep(state), f"keep {state.lockstring!r} alive")
         self._tasks[id(state)] = task
         task.add_done_callback(lambda _: self._tasks.pop(id(state), None))
+
+    def changed(self, state: AsyncLockState) -> None:
+        """``state``'s deadline came closer, or its expiry period changed (an extend() of
+        another length): its task looks again."""
+        wake = self._wakes.get(id(state))
+        if wake is not None:
+            wake.set()
 
     def remove(self, state: AsyncLockState) -> None:
         task = self._tasks.pop(id(state), None)
@@ -45,6 +53,7 @@ class AsyncKeepAlive:
         """Drop the tasks of an event loop that has ended (they can be neither awaited nor
         cancelled from another loop); their locks are renewed no more and expire."""
         self._tasks.clear()
+        self._wakes.clear()
 
     def __len__(self) -> int:
         return len(self._tasks)
@@ -61,6 +70,8 @@ class AsyncKeepAlive:
 
     async def _keep(self, state: AsyncLockState) -> None:
         next_renewal = clock.now() + state.ttl * self.fraction
+        known_ttl = state.ttl  # the expiry period next_renewal was reckoned by
+        wake = self._wakes[id(state)] = asyncio.Event()
         failures = 0
         renewal: asyncio.Task[object] | None = None
         try:
@@ -72,7 +83,16 @@ class AsyncKeepAlive:
                 if renewal is None and now >= next_renewal:
                     renewal = asyncio.ensure_future(state.extend(state.ttl))
                 if renewal is None:
-                    await asyncio.sleep(min(next_renewal, state.valid_until) - now)
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(
+                            wake.wait(), min(next_renewal, state.valid_until) - now
+                        )
+                    if wake.is_set():
+                        wake.clear()
+                        if state.ttl != known_ttl:
+                            known_ttl = state.ttl
+                            cadence = state.valid_until - state.ttl * (1 - self.fraction)
+                            next_renewal = min(next_renewal, cadence)
                     continue
                 # Wait for the renewal, but never past the deadline.
                 await asyncio.wait({renewal}, timeout=max(0.0, state.valid_until - now))
@@ -103,7 +123,10 @@ class AsyncKeepAlive:
                     next_renewal = clock.now() + state.ttl * self.fraction
                 else:
                     failures = 0
+                    known_ttl = state.ttl
                     next_renewal = state.valid_until - state.ttl * (1 - self.fraction)
         finally:
+            if self._wakes.get(id(state)) is wake:
+                del self._wakes[id(state)]
             if renewal is not None and not renewal.done():
                 renewal.cancel()

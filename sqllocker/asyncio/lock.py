@@ -64,6 +64,10 @@ class AsyncKeepAlives(Protocol):
     def remove(self, state: AsyncLockState) -> None:
         """Stop renewing ``state``."""
 
+    def changed(self, state: AsyncLockState) -> None:
+        """``state``'s deadline or expiry period changed (an extend() of another length than
+        it has): look again when to renew it, and when its deadline comes."""
+
 
 class AsyncLockTaker(Protocol):
     """The locker a lock came from (``AsyncLocker``), as the lock's handle, read-write locks
@@ -168,6 +172,9 @@ class AsyncLockState(Holding):
             self.check_extendable()
             sent_at = clock.now()
             self.renewing(sent_at, ttl)
+            other_length = ttl != self.ttl  # a caller's extend(), not the keep-alive's
+            if other_length and self.kept_alive:
+                self.keep_alives.changed(self)  # the deadline may have come closer
             with self.telemetry.extending():
                 try:
                     expires: datetime = await self.run(
@@ -184,6 +191,8 @@ class AsyncLockState(Holding):
                 await self._give_back_revived()
                 raise self.lost or self.release_gave_up()
             self.renewed(sent_at, ttl)
+            if other_length and self.kept_alive:
+                self.keep_alives.changed(self)  # renewed by the new length's cadence
             return expires
 
     async def _give_back_revived(self) -> None:
