@@ -414,6 +414,32 @@ def test_guard_keeps_a_shorter_silence_limit_the_session_has(
     lock.unlock()
 
 
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_guard_bounds_the_silence_before_it_locks_the_row(
+    locker: Locker, app_engine: sa.Engine, backend: str
+) -> None:
+    """The server's limit on a silent guarded transaction is in place before the row is locked
+    for it: set after, a client cut off between the two statements held the row, and the
+    lock from anyone else, for as long as TCP took to give up."""
+    seen: list[str] = []
+
+    def record(_conn: object, _cursor: object, statement: str, *_: object) -> None:
+        if "FOR SHARE" in statement or "SHARE MODE" in statement:
+            seen.append("the row locked")
+        elif "idle_" in statement and ("SET" in statement or "set_config" in statement):
+            seen.append("the silence bounded")
+
+    lock = locker.lock("job", expires=600)
+    sa.event.listen(app_engine, "before_cursor_execute", record)
+    try:
+        with app_engine.begin() as conn:
+            lock.guard(conn)
+    finally:
+        sa.event.remove(app_engine, "before_cursor_execute", record)
+    assert seen[:2] == ["the silence bounded", "the row locked"], seen
+    lock.unlock()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["postgresql", "mysql"])
 def test_breaking_a_guarded_lock_fails_soon_and_says_why(

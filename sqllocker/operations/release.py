@@ -158,10 +158,13 @@ class Releaser:
             proven = connection.execute(self._db.sql.guard_by_writing, params).rowcount == 1
             self._check_driver_transaction(connection, lockstring)
             return proven
+        # The silence bound first: set after the row lock, a client cut off between the two
+        # statements kept the row locked, and the lock from being taken over, for as long as
+        # TCP took to give up.
+        self._db.be.bound_silence(connection, silence)
         if connection.execute(self._db.sql.guard, params).first() is None:
             return False
         self._check_driver_transaction(connection, lockstring)
-        self._db.be.bound_silence(connection, silence)
         return True
 
     def _check_driver_transaction(self, connection: Connection, lockstring: str) -> None:
