@@ -46,12 +46,11 @@ _numbers = itertools.count(1)
 
 
 class _Entry:
-    __slots__ = ("failures", "in_flight", "next_renewal", "state", "ttl")
+    __slots__ = ("failures", "in_flight", "next_renewal", "state")
 
     def __init__(self, state: LockState, next_renewal: float) -> None:
         self.state = state
         self.next_renewal = next_renewal
-        self.ttl = state.ttl  # the expiry period next_renewal was reckoned by
         self.in_flight: Future[None] | None = None
         self.failures = 0
 
@@ -112,18 +111,17 @@ class KeepAlive:
 
     def changed(self, state: LockState) -> None:
         """``state``'s deadline came closer, or its expiry period changed (an extend() of
-        another length): the scheduler looks again, and a new period's renewals come by its
-        cadence."""
+        another length): the scheduler looks again, and renews it by then, and by its period's
+        cadence from then on (a renewal queued behind the extend is sent by the period the
+        extend leaves)."""
         if self._pid != forks.pid or id(state) not in self._entries:
             return
         with self._condition:
             entry = self._entries.get(id(state))
             if entry is None:
                 return
-            if entry.ttl != state.ttl:
-                entry.ttl = state.ttl
-                cadence = state.valid_until - state.ttl * (1 - self.fraction)
-                entry.next_renewal = min(entry.next_renewal, cadence)
+            cadence = state.valid_until - state.ttl * (1 - self.fraction)
+            entry.next_renewal = min(entry.next_renewal, cadence)
             self._condition.notify()
 
     def __len__(self) -> int:
@@ -223,7 +221,7 @@ class KeepAlive:
     def _renew(self, entry: _Entry, worker: _Worker) -> None:
         state = entry.state
         try:
-            state.extend(state.ttl)
+            state.extend(None)  # by the lock's period as it is when sent
         except LockLost:
             pass  # extend() marked it lost and called on_lost; the scheduler drops it
         except LockError as error:
@@ -243,7 +241,6 @@ class KeepAlive:
             entry.next_renewal = clock.now() + state.ttl * self.fraction
         else:
             entry.failures = 0
-            entry.ttl = state.ttl
             entry.next_renewal = state.valid_until - state.ttl * (1 - self.fraction)
         finally:
             with self._condition:

@@ -114,11 +114,12 @@ class LockState(Holding):
         self.keep_alives = keep_alives
         self.op_lock = concurrency.OpLock()
 
-    def extend(self, ttl: float) -> datetime:
-        """Push the row's expiry to server now + ``ttl``; LockLost (and lost) if it is not ours,
-        or if no answer came before the row expired as we reckon it (``release_patience``),
-        whatever the driver's timeouts: behind a renewal in flight, or on a frozen connection.
-        """
+    def extend(self, ttl: float | None = None) -> datetime:
+        """Push the row's expiry to server now + ``ttl`` (None: the lock's expiry period as it
+        is when the statement is sent, the keep-alive's renewal); LockLost (and lost) if it is
+        not ours, or if no answer came before the row expired as we reckon it
+        (``release_patience``), whatever the driver's timeouts: behind a renewal in flight, or
+        on a frozen connection."""
         patience = self.release_patience()
         deadline = clock.now() + patience
         try:
@@ -140,11 +141,13 @@ class LockState(Holding):
         with deadlines.statements_end_by(clock.now() + RELEASE_PATIENCE):
             self._give_back_revived()
 
-    def _extend(self, ttl: float) -> datetime:
+    def _extend(self, ttl: float | None) -> datetime:
         with concurrency.turn_within(self.op_lock, self.release_patience) as turn:
             if not turn:
                 raise self.outlived("extended")
             self.check_extendable()
+            if ttl is None:  # a renewal: the period a caller's extend() may just have changed
+                ttl = self.ttl
             sent_at = clock.now()
             self.renewing(sent_at, ttl)
             other_length = ttl != self.ttl  # a caller's extend(), not the keep-alive's

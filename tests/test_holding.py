@@ -154,12 +154,13 @@ def test_a_slow_on_lost_delays_no_other_locks_on_lost(
 
 
 @pytest.mark.parametrize("answer", ["given", "lost"])
-def test_a_kept_alive_lock_given_a_shorter_expiry_is_renewed_or_told_by_it(
+def test_a_kept_alive_lock_given_a_shorter_expiry_is_renewed_by_it(
     locker: Locker, monkeypatch: pytest.MonkeyPatch, answer: str
 ) -> None:
     """extend(2) on a kept-alive lock of 30 s: the keep-alive renews it every two thirds of a
-    second from then on, not after the ten seconds the longer period gave; and if the extend's
-    answer is lost, its on_lost comes at the shorter deadline, not at the longer's renewal."""
+    second from then on, not after the ten seconds the longer period gave (it ran out between
+    two renewals). If the extend's answer is lost, the lock's deadline is the shorter one, and
+    the keep-alive renews it by then, by the period the lock still has: not told lost."""
     lost = LostCalls()
     lock = locker.lock("job", expires=30, keep_alive=True, on_lost=lost)
     if answer == "lost":
@@ -168,19 +169,15 @@ def test_a_kept_alive_lock_given_a_shorter_expiry_is_renewed_or_told_by_it(
         )
         with pytest.raises(DatabaseError):
             lock.extend(2)
-        assert lost.event.wait(6)  # by the 2 s deadline (the renewal was due in 10)
-        assert not lock.is_valid()
         monkeypatch.undo()
-        with contextlib.suppress(LockLost):
-            lock.unlock()
-        return
-    lock.extend(2)
-    time.sleep(3)  # past the deadline extend(2) set: renewed meanwhile, by the new cadence
+    else:
+        lock.extend(2)
+    time.sleep(3)  # past the deadline extend(2) set: renewed meanwhile
     assert lock.is_valid()
     assert lost.calls == []
     row = locker.lock_info("job")
     assert row is not None
-    assert row.seconds_left < 2.5
+    assert row.seconds_left < 2.5 if answer == "given" else row.seconds_left > 25
     lock.unlock()
 
 

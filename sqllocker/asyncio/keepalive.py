@@ -33,7 +33,10 @@ class AsyncKeepAlive:
     def add(self, state: AsyncLockState) -> None:
         if not state.held or state.lost is not None or id(state) in self._tasks:
             return
-        task = spawn(self._keep(state), f"keep {state.lockstring!r} alive")
+        # Made here, not as the task starts: an extend() right after keep_alive(), before the
+        # task has run, must find it.
+        wake = self._wakes[id(state)] = asyncio.Event()
+        task = spawn(self._keep(state, wake), f"keep {state.lockstring!r} alive")
         self._tasks[id(state)] = task
         task.add_done_callback(lambda _: self._tasks.pop(id(state), None))
 
@@ -45,6 +48,7 @@ class AsyncKeepAlive:
             wake.set()
 
     def remove(self, state: AsyncLockState) -> None:
+        self._wakes.pop(id(state), None)
         task = self._tasks.pop(id(state), None)
         if task is not None:
             task.cancel()
@@ -68,10 +72,8 @@ class AsyncKeepAlive:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    async def _keep(self, state: AsyncLockState) -> None:
+    async def _keep(self, state: AsyncLockState, wake: asyncio.Event) -> None:
         next_renewal = clock.now() + state.ttl * self.fraction
-        known_ttl = state.ttl  # the expiry period next_renewal was reckoned by
-        wake = self._wakes[id(state)] = asyncio.Event()
         failures = 0
         renewal: asyncio.Task[object] | None = None
         try:
@@ -81,18 +83,21 @@ class AsyncKeepAlive:
                     state.mark_lost(state.deadline_passed())
                     return
                 if renewal is None and now >= next_renewal:
-                    renewal = asyncio.ensure_future(state.extend(state.ttl))
+                    renewal = asyncio.ensure_future(state.extend(None))  # the period as sent
                 if renewal is None:
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(
-                            wake.wait(), min(next_renewal, state.valid_until) - now
+                    # Not wait_for: on Python 3.11 it returns, its cancellation lost, when
+                    # cancelled just as the event is set (unlock() right after an extend()).
+                    woken = asyncio.ensure_future(wake.wait())
+                    try:
+                        await asyncio.wait(
+                            {woken}, timeout=min(next_renewal, state.valid_until) - now
                         )
+                    finally:
+                        woken.cancel()
                     if wake.is_set():
                         wake.clear()
-                        if state.ttl != known_ttl:
-                            known_ttl = state.ttl
-                            cadence = state.valid_until - state.ttl * (1 - self.fraction)
-                            next_renewal = min(next_renewal, cadence)
+                        cadence = state.valid_until - state.ttl * (1 - self.fraction)
+                        next_renewal = min(next_renewal, cadence)
                     continue
                 # Wait for the renewal, but never past the deadline.
                 await asyncio.wait({renewal}, timeout=max(0.0, state.valid_until - now))
@@ -123,7 +128,6 @@ class AsyncKeepAlive:
                     next_renewal = clock.now() + state.ttl * self.fraction
                 else:
                     failures = 0
-                    known_ttl = state.ttl
                     next_renewal = state.valid_until - state.ttl * (1 - self.fraction)
         finally:
             if self._wakes.get(id(state)) is wake:

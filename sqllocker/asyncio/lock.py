@@ -124,11 +124,12 @@ class AsyncLockState(Holding):
             self.loop = asyncio.get_running_loop()
             self.releasing: concurrency.InFlight[None] | None = None
 
-    async def extend(self, ttl: float) -> datetime:
-        """Push the row's expiry to server now + ``ttl``; LockLost (and lost) if it is not ours,
-        or if no answer came before the row expired as we reckon it (``release_patience``),
-        whatever the driver's timeouts: behind a renewal in flight, or on a frozen connection.
-        """
+    async def extend(self, ttl: float | None = None) -> datetime:
+        """Push the row's expiry to server now + ``ttl`` (None: the lock's expiry period as it
+        is when the statement is sent, the keep-alive's renewal); LockLost (and lost) if it is
+        not ours, or if no answer came before the row expired as we reckon it
+        (``release_patience``), whatever the driver's timeouts: behind a renewal in flight, or
+        on a frozen connection."""
         patience = self.release_patience()
         if True:  # ASYNC
             try:
@@ -165,11 +166,13 @@ class AsyncLockState(Holding):
             with deadlines.statements_end_by(clock.now() + RELEASE_PATIENCE):
                 self._give_back_revived()
 
-    async def _extend(self, ttl: float) -> datetime:
+    async def _extend(self, ttl: float | None) -> datetime:
         async with concurrency.turn_within(self.op_lock, self.release_patience) as turn:
             if not turn:
                 raise self.outlived("extended")
             self.check_extendable()
+            if ttl is None:  # a renewal: the period a caller's extend() may just have changed
+                ttl = self.ttl
             sent_at = clock.now()
             self.renewing(sent_at, ttl)
             other_length = ttl != self.ttl  # a caller's extend(), not the keep-alive's
