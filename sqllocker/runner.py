@@ -73,6 +73,9 @@ class RunOptions:
     shared: bool = False  # the read side of the lock: with others that run --shared
 
 
+_NOT_STARTED = "the lock ran out or was lost before the command could start: it was not started"
+
+
 class _StartedTooLate(Exception):
     """The watchdog found the lock's deadline passed when it was to start the command."""
 
@@ -358,7 +361,7 @@ def _supervise(lock: Lock, command: Sequence[str], options: RunOptions) -> int:
             # start the command beside the next holder (the watchdog checks again, last thing).
             lock.keep_alive(on_lost=on_lost)
             if not lock.is_valid():
-                _say("the lock's deadline passed before the command could start; not started")
+                _say(_NOT_STARTED)
                 lost.set()
                 return EXIT_LOCK_LOST
             family = _Family(command, environment, lock, options)
@@ -371,7 +374,7 @@ def _supervise(lock: Lock, command: Sequence[str], options: RunOptions) -> int:
                 _say(f"{command[0]}: cannot execute: {error}")
                 return EXIT_CANNOT_EXECUTE
             except _StartedTooLate:
-                _say("the lock's deadline passed before the command could start; not started")
+                _say(_NOT_STARTED)
                 lost.set()
                 return EXIT_LOCK_LOST
             finally:
