@@ -346,12 +346,11 @@ def _supervise(lock: Lock, command: Sequence[str], options: RunOptions) -> int:
 
     def on_lost(error: LockLost) -> None:
         lost.set()
-        family = forwarder.group
-        stopping = options.on_lost == "stop" and family is not None and not ended.is_set()
-        if stopping and family is not None:
-            family.stop()  # first: nothing written to stderr (which may fail) comes before
+        stopping = forwarder.group if options.on_lost == "stop" and not ended.is_set() else None
+        if stopping is not None:
+            stopping.stop()  # first: nothing written to stderr (which may fail) comes before
         _say(str(error))
-        if stopping:
+        if stopping is not None:
             _say("stopping the command: its lock is lost")
 
     try:
