@@ -6,7 +6,8 @@
 #       lock; print "locked <id>" (or "refused <error>"); then, for each line on stdin:
 #       "unlock" -> print "unlocked" or "unlock failed <error>"; "leave" -> exit with the row
 #       left behind, as a crashed process leaves it; "extend SECONDS" -> move the expiry to
-#       SECONDS from now (the Lock's expires setter), print "extended".
+#       SECONDS from now (the Lock's expires setter), print "extended"; "push SECONDS" -> move
+#       the expiry SECONDS (which may be negative) from where it is, print "extended".
 #   dbix_locker.pl DSN USER TABLE count LOCKSTRING TIMES COUNTER MARKER
 #       TIMES turns of: take the lock (trying again until it is free), create MARKER (which must
 #       not exist: someone else inside means two holders), read COUNTER, pause, write it plus
@@ -51,6 +52,11 @@ if ($command eq 'hold') {
         }
         if ($line =~ /\Aextend (\d+)\z/) {
             $lock->expires(time + $1);
+            print "extended\n";
+            next;
+        }
+        if ($line =~ /\Apush (-?\d+)\z/) {
+            $lock->expires($lock->expires + $1);
             print "extended\n";
             next;
         }

@@ -170,6 +170,19 @@ def create_dbix_table(url: str, table: str) -> None:
 # -- fixtures and helpers -----------------------------------------------------------------------
 
 
+# Every function a lock table's migrations make beside it, at any revision, less its prefix.
+POSTGRESQL_FUNCTIONS = (
+    "notify_release",
+    "queue_join",
+    "anyone_ahead",
+    "queue_leave",
+    "sweep_requests",
+    "foreign_times",
+    "foreign_created",
+    "foreign_expires",
+)
+
+
 @pytest.fixture
 def db(url: str, table_name: str) -> Iterator[sa.Engine]:
     """An engine on the test's database; drops what the test made there."""
@@ -179,14 +192,7 @@ def db(url: str, table_name: str) -> Iterator[sa.Engine]:
         if engine.dialect.name == "postgresql":
             conn.exec_driver_sql(f"DROP TABLE IF EXISTS {table_name} CASCADE")
             conn.exec_driver_sql(f"DROP TABLE IF EXISTS {table_name}_requests")
-            for name in (
-                "notify_release",
-                "queue_join",
-                "anyone_ahead",
-                "queue_leave",
-                "sweep_requests",
-                "foreign_times",
-            ):
+            for name in POSTGRESQL_FUNCTIONS:
                 conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {table_name}_{name} CASCADE")
         else:
             conn.exec_driver_sql(f"DROP VIEW IF EXISTS {table_name}_held")
@@ -837,11 +843,19 @@ def test_a_perl_lock_is_never_taken_over_early_whatever_the_zones(
     assert answer.startswith("locked "), answer
     locker = Locker(url, table=table_name, grace=0)
     margin = timedelta(seconds=FOREIGN_CLOCK_MARGIN)
+    # A Perl lock pushed on by exactly the session's offset east of UTC: its new local text
+    # reads, in the session's zone, as the instant the old text was made (as UTC) by 0002.
+    session_offset = datetime.now(ZoneInfo(session_zone)).utcoffset() or timedelta()
+    pushes = [session_offset] if session_offset > timedelta() else []
     try:
-        for extended in (False, True):
-            if extended:
-                # DBIx::Locker's expires setter writes the same local text by an UPDATE.
-                perl.stdin.write("extend 7200\n")
+        for step, left in [
+            ("", timedelta(hours=1)),
+            # DBIx::Locker's expires setter writes the same local text by an UPDATE.
+            ("extend 7200", timedelta(hours=2)),
+            *[(f"push {int(p.total_seconds())}", timedelta(hours=2) + p) for p in pushes],
+        ]:
+            if step:
+                perl.stdin.write(step + "\n")
                 perl.stdin.flush()
                 assert perl.stdout.readline().strip() == "extended"
             with pytest.raises(LockBusy):
@@ -852,7 +866,6 @@ def test_a_perl_lock_is_never_taken_over_early_whatever_the_zones(
             assert info.dbix_locker
             # As the table reads it, within Perl's own offset of the truth (never more than
             # the margin early).
-            left = timedelta(hours=2 if extended else 1)
             assert info.expires > server_now(db) + left - margin
     finally:
         locker.close()
@@ -962,9 +975,7 @@ def test_the_commands_that_refusals_give_run(
             if db.dialect.name == "postgresql":
                 conn.exec_driver_sql(f"DROP TABLE IF EXISTS {missing} CASCADE")
                 conn.exec_driver_sql(f"DROP TABLE IF EXISTS {missing}_requests")
-                for name in ("notify_release", "queue_join", "anyone_ahead", "queue_leave"):
-                    conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {missing}_{name} CASCADE")
-                for name in ("sweep_requests", "foreign_times"):
+                for name in POSTGRESQL_FUNCTIONS:
                     conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {missing}_{name} CASCADE")
             else:
                 conn.exec_driver_sql(f"DROP VIEW IF EXISTS {missing}_held")

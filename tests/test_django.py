@@ -113,7 +113,7 @@ def test_migrate_brings_a_lock_table_made_before_0002_to_the_head(project: Proje
     try:
         assert current_revision(engine, project.table) == "0001"
         project.manage("migrate", "--verbosity=0")
-        assert current_revision(engine, project.table) == head_revision() == "0003"
+        assert current_revision(engine, project.table) == head_revision() == "0004"
         assert schema_differences(engine, project.table) == []
     finally:
         engine.dispose()

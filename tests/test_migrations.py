@@ -73,32 +73,38 @@ def test_upgrade_is_idempotent_and_uses_its_own_version_table(url: str) -> None:
     engine.dispose()
 
 
-def foreign_times_made(engine: sa.Engine, table: str) -> tuple[bool, bool]:
-    """Whether ``<table>_foreign_times`` exists as a trigger, and as a function."""
+def foreign_time_triggers(engine: sa.Engine, table: str) -> tuple[set[str], set[str]]:
+    """The names (less ``<table>_``) of the ``<table>_foreign_*`` triggers, and of the
+    functions, that exist."""
+    found = []
     with engine.connect() as conn:
-        trigger = conn.exec_driver_sql(
-            "SELECT count(*) FROM pg_catalog.pg_trigger WHERE tgname = %(name)s",
-            {"name": f"{table}_foreign_times"},
-        ).scalar()
-        function = conn.exec_driver_sql(
-            "SELECT count(*) FROM pg_catalog.pg_proc WHERE proname = %(name)s",
-            {"name": f"{table}_foreign_times"},
-        ).scalar()
-    return bool(trigger), bool(function)
+        for catalogue, column in (("pg_trigger", "tgname"), ("pg_proc", "proname")):
+            names = conn.exec_driver_sql(
+                f"SELECT {column} FROM pg_catalog.{catalogue} "
+                f"WHERE starts_with({column}::text, %(prefix)s)",
+                {"prefix": f"{table}_foreign_"},
+            ).scalars()
+            found.append({name.removeprefix(f"{table}_") for name in names})
+    return found[0], found[1]
+
+
+BY_COLUMN = {"foreign_created", "foreign_expires"}
 
 
 def test_a_table_at_0001_is_behind_and_migrate_brings_the_foreign_times(
     url: str, table_name: str
 ) -> None:
     """A table migrated before revision 0002 came is at 0001: ``migrate --check`` says it is
-    behind and what to run, and ``migrate`` brings it, on PostgreSQL the trigger that reads
+    behind and what to run, and ``migrate`` brings it, on PostgreSQL the triggers that read
     a DBIx::Locker row's offset-less times as UTC, whatever the inserting session's TimeZone
-    (without it, a Tokyo session reads Perl's 12:00 as 03:00 UTC: nine hours early)."""
+    (without them, a Tokyo session reads Perl's 12:00 as 03:00 UTC: nine hours early), and
+    every time such a row is written again, even one that the session reads as the instant the
+    row held (0002's trigger took that for no change)."""
     engine = sa.create_engine(resolve_url(url))
     postgresql = engine.dialect.name == "postgresql"
     upgrade(engine, table_name, "0001")
     if postgresql:
-        assert foreign_times_made(engine, table_name) == (False, False)
+        assert foreign_time_triggers(engine, table_name) == (set(), set())
     checked = CliRunner().invoke(cli, ["--url", url, "--table", table_name, "migrate", "--check"])
     assert checked.exit_code == 1, checked.output
     assert f"at revision 0001, behind {head_revision()}" in checked.output
@@ -106,40 +112,55 @@ def test_a_table_at_0001_is_behind_and_migrate_brings_the_foreign_times(
     migrated = CliRunner().invoke(cli, ["--url", url, "--table", table_name, "migrate"])
     assert migrated.exit_code == 0, migrated.output
     assert f"from 0001 to revision {head_revision()}" in migrated.output
-    assert current_revision(engine, table_name) == head_revision() == "0003"
+    assert current_revision(engine, table_name) == head_revision() == "0004"
     assert schema_differences(engine, table_name) == []
     if postgresql:
-        assert foreign_times_made(engine, table_name) == (True, True)
+        assert foreign_time_triggers(engine, table_name) == (BY_COLUMN, BY_COLUMN)
         with engine.connect() as conn:
-            pinned, public = conn.exec_driver_sql(
-                "SELECT proconfig, pg_catalog.has_function_privilege('public', oid, 'EXECUTE') "
-                "FROM pg_catalog.pg_proc WHERE proname = %(name)s",
-                {"name": f"{table_name}_foreign_times"},
-            ).one()
-        assert pinned == ["search_path=pg_catalog, public, pg_temp"]
-        assert not public
-    with engine.begin() as conn:
-        if postgresql:
-            conn.exec_driver_sql("SET LOCAL TIME ZONE 'Asia/Tokyo'")  # this session only
+            for name in BY_COLUMN:
+                pinned, public = conn.exec_driver_sql(
+                    "SELECT proconfig, "
+                    "pg_catalog.has_function_privilege('public', oid, 'EXECUTE') "
+                    "FROM pg_catalog.pg_proc WHERE proname = %(name)s",
+                    {"name": f"{table_name}_{name}"},
+                ).one()
+                assert pinned == ["search_path=pg_catalog, public, pg_temp"]
+                assert not public
+    for local_expires, expires in [
         # As DBIx::Locker inserts: no guid, local times without an offset.
-        conn.exec_driver_sql(
-            f"INSERT INTO {table_name} (lockstring, created, expires, locked_by) "
-            "VALUES ('perl job', '2030-01-01 11:00:00', '2030-01-01 12:00:00', '{}')"
-        )
-    locker = Locker(url, table=table_name, auto_create=False)
-    try:
-        info = locker.lock_info("perl job")
-    finally:
-        locker.close()
-    assert info is not None
-    assert info.dbix_locker
-    assert info.expires == datetime(2030, 1, 1, 12, tzinfo=timezone.utc)
+        (None, datetime(2030, 1, 1, 12, tzinfo=timezone.utc)),
+        # As its expires setter updates: by exactly Tokyo's offset, the text that Tokyo reads
+        # as 12:00 UTC, the instant the row holds.
+        ("2030-01-01 21:00:00", datetime(2030, 1, 1, 21, tzinfo=timezone.utc)),
+    ]:
+        with engine.begin() as conn:
+            if postgresql:
+                conn.exec_driver_sql("SET LOCAL TIME ZONE 'Asia/Tokyo'")  # this session only
+            if local_expires is None:
+                conn.exec_driver_sql(
+                    f"INSERT INTO {table_name} (lockstring, created, expires, locked_by) "
+                    "VALUES ('perl job', '2030-01-01 11:00:00', '2030-01-01 12:00:00', '{}')"
+                )
+            else:
+                conn.exec_driver_sql(
+                    f"UPDATE {table_name} SET expires = '{local_expires}' "
+                    "WHERE lockstring = 'perl job'"
+                )
+        locker = Locker(url, table=table_name, auto_create=False)
+        try:
+            info = locker.lock_info("perl job")
+        finally:
+            locker.close()
+        assert info is not None
+        assert info.dbix_locker
+        assert info.expires == expires
     with engine.begin() as conn:
         conn.exec_driver_sql(f"DELETE FROM {table_name}")
-    downgrade(engine, table_name, "0001")
-    assert current_revision(engine, table_name) == "0001"
-    if postgresql:
-        assert foreign_times_made(engine, table_name) == (False, False)
+    for revision, triggers in [("0003", {"foreign_times"}), ("0001", set())]:
+        downgrade(engine, table_name, revision)
+        assert current_revision(engine, table_name) == revision
+        if postgresql:
+            assert foreign_time_triggers(engine, table_name) == (triggers, triggers)
     downgrade(engine, table_name)
     assert not sa.inspect(engine).has_table(table_name)
     engine.dispose()

@@ -56,10 +56,8 @@ def _foreign_times(table: str) -> str:
         $$"""
 
 
-def upgrade() -> None:
-    if op.get_context().dialect.name != "postgresql":
-        return
-    table = check_table_name(context.config.attributes["table"])
+def create(table: str) -> None:
+    """The trigger and its function; also what 0004 goes back to."""
     create_pinned_functions(table, [_foreign_times(table)], _FUNCTION_SIGNATURES)
     op.execute(
         f"CREATE TRIGGER {table}_foreign_times BEFORE INSERT OR UPDATE OF created, expires "
@@ -68,9 +66,18 @@ def upgrade() -> None:
     )
 
 
+def drop(table: str) -> None:
+    op.execute(f"DROP TRIGGER {table}_foreign_times ON {table}")
+    drop_functions(table, _FUNCTION_SIGNATURES)
+
+
+def upgrade() -> None:
+    if op.get_context().dialect.name != "postgresql":
+        return
+    create(check_table_name(context.config.attributes["table"]))
+
+
 def downgrade() -> None:
     if op.get_context().dialect.name != "postgresql":
         return
-    table = check_table_name(context.config.attributes["table"])
-    op.execute(f"DROP TRIGGER {table}_foreign_times ON {table}")
-    drop_functions(table, _FUNCTION_SIGNATURES)
+    drop(check_table_name(context.config.attributes["table"]))
