@@ -14,6 +14,10 @@ if context.is_offline_mode():
     context.configure(
         url=config.attributes["url"],
         literal_binds=True,
+        # As alembic's own template: printed SQL has no placeholders, so a '%' (in a function's
+        # RAISE, a lockstring an adoption copies) stays one, not the '%%' of psycopg's and
+        # PyMySQL's format paramstyle.
+        dialect_opts={"paramstyle": "named"},
         version_table=version_table,
         transactional_ddl=True,
     )

@@ -13,6 +13,7 @@ import os
 import secrets
 import signal
 import sqlite3
+import subprocess
 import threading
 import time
 import uuid
@@ -35,6 +36,26 @@ def migrate(url: str | sa.URL, table: str) -> None:
     engine = sa.create_engine(resolve_url(url))
     upgrade(engine, table)
     engine.dispose()
+
+
+def apply_sql(url: str, script: str) -> None:
+    """Run ``script`` as a DBA applies what ``migrate --sql`` prints: PostgreSQL's by psql,
+    stopping at the first error; SQLite's by sqlite3's own script runner."""
+    parsed = sa.make_url(url)
+    if parsed.get_backend_name() == "postgresql":
+        target = parsed.set(drivername="postgresql").render_as_string(hide_password=False)
+        applied = subprocess.run(
+            ["psql", "-q", "-v", "ON_ERROR_STOP=1", "-d", target],
+            input=script,
+            text=True,
+            check=False,
+            capture_output=True,
+        )
+        assert applied.returncode == 0, applied.stderr
+    else:
+        assert parsed.get_backend_name() == "sqlite", url
+        with contextlib.closing(sqlite3.connect(str(parsed.database))) as conn:
+            conn.executescript(script)
 
 
 def count_rows(locker: Locker) -> int:

@@ -43,6 +43,7 @@ from sqllocker.schema import FOREIGN_CLOCK_MARGIN, version_table_for
 
 from . import forked_cli
 from .conftest import IN_CI
+from .helpers import apply_sql
 from .test_cli import SQLLOCKER
 from .workers import async_url
 
@@ -358,6 +359,33 @@ def test_adoption_keeps_rows_converts_times_and_the_rows_still_exclude(
             locker.lock("weekly report")
         assert fresh.tell("unlock") == "unlocked"
         lock.unlock()
+    finally:
+        locker.close()
+
+
+def test_the_adoption_sql_applied_by_hand_keeps_every_lockstring(
+    url: str, backend: str, table_name: str, db: sa.Engine
+) -> None:
+    """What ``--adopt-dbix-locker --sql`` prints, applied as a DBA does (psql), copies a Perl
+    lock whose lockstring has a '%' as it is: printed as '%%', it was another lockstring (and
+    on PostgreSQL the script stopped at a function's RAISE). MySQL's is only read: its offline
+    DDL is MySQL 8's, whose collation this MariaDB lacks."""
+    create_dbix_table(url, table_name)
+    perl_leaves_lock(url, table_name, "job 100%", 7200, "America/New_York")
+    code, printed = sqllocker_cli(
+        url, table_name, "migrate", "--adopt-dbix-locker", "--perl-tz", "America/New_York", "--sql"
+    )
+    assert code == 0, printed
+    assert "'job 100%'" in printed
+    if backend == "mysql":
+        return
+    apply_sql(url, printed)
+    assert current_revision(db, table_name) == head_revision()
+    locker = Locker(url, table=table_name, auto_create=False)
+    try:
+        assert [info.lockstring for info in locker.locks()] == ["job 100%"]
+        with pytest.raises(LockBusy):
+            locker.lock("job 100%")
     finally:
         locker.close()
 

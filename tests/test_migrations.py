@@ -15,7 +15,7 @@ import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner
 
-from sqllocker import Locker
+from sqllocker import LockBusy, Locker
 from sqllocker.asyncio import AsyncLocker
 from sqllocker.cli import cli
 from sqllocker.engine import resolve_url
@@ -269,6 +269,38 @@ def test_offline_sql_is_the_ddl_for_the_dialect(dialect: str) -> None:
         expected["mysql"] = "utf8mb4_0900_bin"
         assert "INSERT INTO semaphores_id_order (stripe) VALUES (0), (1), " in ddl
     assert expected[dialect] in ddl
+    # No placeholders in printed SQL: a '%' is one (psycopg's and PyMySQL's paramstyle doubled
+    # it, and broke queue_join's RAISE).
+    assert "%%" not in ddl
+    if dialect == "postgresql":
+        assert "a grant key is 128 bytes, not %'" in ddl
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "sqlite"], indirect=True)
+def test_the_offline_sql_applied_by_hand_makes_a_table_at_the_head(
+    url: str, backend: str, table_name: str
+) -> None:
+    """What ``migrate --sql`` prints, run as a DBA runs it (psql, stopping at the first error):
+    the table is at the head, as ``migrate`` makes it, and locks. PostgreSQL's printed '%' as
+    '%%' (the driver's paramstyle), which broke a function's RAISE. (MySQL's offline DDL is for
+    MySQL 8, whose collation this MariaDB lacks: its text is checked below.)"""
+    script = upgrade_sql(resolve_url(url), table_name)
+    helpers.apply_sql(url, script)
+    engine = sa.create_engine(resolve_url(url))
+    try:
+        assert current_revision(engine, table_name) == head_revision()
+        assert schema_differences(engine, table_name) == []
+        locker = Locker(url, table=table_name, auto_create=False)
+        try:
+            held = locker.lock("job")
+            with pytest.raises(LockBusy):
+                locker.lock("job", wait=0.5)  # on PostgreSQL, by a ticket: queue_join runs
+            held.unlock()
+        finally:
+            locker.close()
+    finally:
+        downgrade(engine, table_name)
+        engine.dispose()
 
 
 def test_mysql_migration_makes_the_stripes_table(mysql_url: str, table_name: str) -> None:
