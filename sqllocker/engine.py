@@ -39,9 +39,7 @@ def resolve_url(url: str | URL | None, *, asynchronous: bool = False) -> URL:
     """
     if url is None:
         url = os.environ.get(URL_ENVIRONMENT_VARIABLE) or f"sqlite:///{DEFAULT_SQLITE_FILE}"
-    drivers = {
-        name: cls.async_driver if asynchronous else cls.sync_driver for name, cls in url_names()
-    }
+    drivers = {name: cls.driver_scheme(name, asynchronous) for name, cls in url_names()}
     if isinstance(url, str):
         scheme, separator, rest = url.partition("://")
         backend_name = scheme.partition("+")[0]

@@ -13,6 +13,14 @@ from collections.abc import Sequence
 
 from alembic import op
 
+from .backends import backend_class
+
+
+def backend_name() -> str:
+    """The migrating connection's backend: ``postgresql``, ``mysql`` (MariaDB's dialect too,
+    which SQLAlchemy names ``mariadb``) or ``sqlite``."""
+    return backend_class(op.get_context().dialect.name).name
+
 
 def create_pinned_functions(
     table: str, functions: Sequence[str], signatures: Sequence[str]

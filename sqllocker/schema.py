@@ -108,6 +108,19 @@ def to_utc(value: Any) -> datetime | None:
     return value.astimezone(timezone.utc)
 
 
+# The prefixes of SQLAlchemy's options for its two MySQL dialects: ``mysql+pymysql://`` and
+# ``mariadb+pymysql://``, which takes only ``mariadb_`` ones without a warning (and a
+# statement's ``limit`` only so).
+_MYSQL_OPTION_PREFIXES = ("mysql_", "mariadb_")
+
+
+def mysql_options(**options: object) -> dict[str, Any]:
+    """SQLAlchemy's MySQL options (``engine=`` for ``mysql_engine``...), for both dialects."""
+    return {
+        prefix + name: value for prefix in _MYSQL_OPTION_PREFIXES for name, value in options.items()
+    }
+
+
 def lock_table(name: str = DEFAULT_TABLE, metadata: sa.MetaData | None = None) -> sa.Table:
     """The lock table named ``name``; a fresh MetaData unless one is given."""
     check_table_name(name)
@@ -133,8 +146,7 @@ def lock_table(name: str = DEFAULT_TABLE, metadata: sa.MetaData | None = None) -
         sa.UniqueConstraint("lockstring", name=unique_constraint_name(name)),
         sa.Index(expires_index_name(name), "expires"),
         sqlite_autoincrement=True,
-        mysql_engine="InnoDB",
-        mysql_charset="utf8mb4",
+        **mysql_options(engine="InnoDB", charset="utf8mb4"),
     )
 
 
@@ -222,7 +234,7 @@ def id_order_table(table: str) -> sa.Table:
         id_order_table_name(table),
         sa.MetaData(),
         sa.Column("stripe", sa.SmallInteger(), primary_key=True, autoincrement=False),
-        mysql_engine="InnoDB",
+        **mysql_options(engine="InnoDB"),
     )
 
 
@@ -243,5 +255,5 @@ def requests_table(table: str) -> sa.Table:
         sa.Column("lockstring", Lockstring(), nullable=False),
         sa.Column("guid_sha256", sa.String(64), nullable=False),
         sa.Column("liveness_key", sa.BigInteger(), nullable=False),
-        mysql_engine="MEMORY",
+        **mysql_options(engine="MEMORY"),
     )

@@ -39,13 +39,23 @@ def migrate(url: str | sa.URL, table: str) -> None:
 
 
 def apply_sql(url: str, script: str) -> None:
-    """Run ``script`` as a DBA applies what ``migrate --sql`` prints: PostgreSQL's by psql,
-    stopping at the first error; SQLite's by sqlite3's own script runner."""
+    """Run ``script`` as a DBA applies what ``migrate --sql`` prints: by psql or the mariadb
+    client, stopping at the first error; SQLite's by sqlite3's own script runner."""
     parsed = sa.make_url(url)
     if parsed.get_backend_name() == "postgresql":
         target = parsed.set(drivername="postgresql").render_as_string(hide_password=False)
         applied = subprocess.run(
             ["psql", "-q", "-v", "ON_ERROR_STOP=1", "-d", target],
+            input=script,
+            text=True,
+            check=False,
+            capture_output=True,
+        )
+        assert applied.returncode == 0, applied.stderr
+    elif parsed.get_backend_name() in {"mysql", "mariadb"}:
+        command = ["mariadb", "-h", str(parsed.host), "-P", str(parsed.port or 3306)]
+        applied = subprocess.run(
+            [*command, "-u", str(parsed.username), str(parsed.database)],
             input=script,
             text=True,
             check=False,

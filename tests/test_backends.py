@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import re
+import time
+import warnings
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 
-from sqllocker import LockValueError
+from sqllocker import LockBusy, Locker, LockValueError
+from sqllocker.asyncio import AsyncLocker
 from sqllocker.backends import Backend, backend_class
 from sqllocker.engine import resolve_url
+from sqllocker.migrations import downgrade, schema_differences, upgrade_sql
+from tests.helpers import abandon, apply_sql
 
 PACKAGE = Path(__file__).resolve().parents[1] / "sqllocker"
 # Asking which database this is: a dialect's or backend's name compared, or a database's name
@@ -96,3 +103,55 @@ def test_a_url_naming_several_postgresql_hosts_is_understood(
     assert url.database == "locks"
     assert {key: value for key, value in url.query.items() if key != "host"} == query
     assert url.username == "app"
+
+
+def test_a_mariadb_url_is_mariadb_from_the_printed_sql_to_the_lock(
+    mysql_url: str, table_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``mariadb://`` keeps SQLAlchemy's MariaDB dialect: ``migrate --sql`` prints MariaDB's
+    DDL without a server to ask (it printed MySQL 8's collation, which MariaDB lacks), which
+    applies; and on that dialect the lock table's options are used without a warning, a purge
+    deletes in batches (its LIMIT was left out) and a lock is taken, waited for and released,
+    sync and asyncio. (Migrations on ``mariadb+pymysql://`` raised KeyError.)"""
+    url = sa.make_url(mysql_url).set(drivername="mariadb").render_as_string(hide_password=False)
+    assert resolve_url(url).drivername == "mariadb+pymysql"
+    script = upgrade_sql(resolve_url(url), table_name)
+    assert "utf8mb4_nopad_bin" in script
+    assert "0900" not in script
+    apply_sql(url, script)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sa.exc.SADeprecationWarning)
+        locker = Locker(url, table=table_name, auto_create=False, grace=0)
+        try:
+            assert schema_differences(locker.engine, table_name) == []
+            held = locker.lock("job")
+            with pytest.raises(LockBusy):
+                locker.lock("job", wait=0.3)  # by a ticket
+            held.unlock()
+            for n in range(5):
+                abandon(locker.lock(f"dead {n}", expires=0.1))
+            time.sleep(0.3)
+            caplog.set_level(logging.DEBUG, logger="sqllocker.sql")
+            caplog.clear()
+            assert locker.purge_expired_locks(batch_size=2) == 5
+            purge = f"DELETE FROM {table_name} "
+            deleted = [r.getMessage() for r in caplog.records if r.getMessage().startswith(purge)]
+            assert len(deleted) == 3  # 2 + 2 + 1
+            assert all(" LIMIT 2" in sql for sql in deleted)
+        finally:
+            locker.close()
+
+        async def asynchronously() -> None:
+            async_locker = AsyncLocker(url, table=table_name, auto_create=False)
+            try:
+                assert async_locker.engine.dialect.name == "mariadb"
+                await (await async_locker.lock("job")).unlock()
+            finally:
+                await async_locker.aclose()
+
+        asyncio.run(asynchronously())
+    engine = sa.create_engine(resolve_url(url))
+    try:
+        downgrade(engine, table_name)
+    finally:
+        engine.dispose()

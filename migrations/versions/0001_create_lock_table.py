@@ -31,8 +31,8 @@ import sqlalchemy as sa
 from alembic import context, op
 from sqlalchemy.dialects import postgresql
 
-from sqllocker.migration_functions import create_pinned_functions, drop_functions
-from sqllocker.schema import ForeignGuidDefault, Lockstring, UTCDateTime
+from sqllocker.migration_functions import backend_name, create_pinned_functions, drop_functions
+from sqllocker.schema import ForeignGuidDefault, Lockstring, UTCDateTime, mysql_options
 from sqllocker.validation import check_table_name
 
 revision: str = "0001"
@@ -255,7 +255,7 @@ _FUNCTION_SIGNATURES = (
 
 def upgrade() -> None:
     table = check_table_name(context.config.attributes["table"])
-    dialect = op.get_context().dialect.name
+    dialect = backend_name()
     # Adopting a DBIx::Locker table (sqllocker/adoption.py): its statements that move the old
     # table out of the way, and those that bring its rows in once everything here exists.
     adoption = context.config.attributes.get("adoption")
@@ -282,8 +282,7 @@ def upgrade() -> None:
         ),
         sa.UniqueConstraint("lockstring", name=f"uq_{table}_lockstring"),
         sqlite_autoincrement=True,
-        mysql_engine="InnoDB",
-        mysql_charset="utf8mb4",
+        **mysql_options(engine="InnoDB", charset="utf8mb4"),
     )
     op.create_index(f"ix_{table}_expires", created_as, ["expires"])
     op.execute(f"CREATE VIEW {table}_held AS {_HELD_VIEWS[dialect].format(table=table)}")
@@ -293,7 +292,7 @@ def upgrade() -> None:
         op.create_table(
             f"{table}_id_order",
             sa.Column("stripe", sa.SmallInteger(), primary_key=True, autoincrement=False),
-            mysql_engine="InnoDB",
+            **mysql_options(engine="InnoDB"),
         )
         # One statement, also in the SQL that `sqllocker migrate --sql` prints for a DBA.
         stripes = ", ".join(f"({stripe})" for stripe in range(STRIPES))
@@ -309,14 +308,13 @@ def upgrade() -> None:
             sa.Column("lockstring", Lockstring(), nullable=False),
             sa.Column("guid_sha256", sa.String(64), nullable=False),
             sa.Column("liveness_key", sa.BigInteger(), nullable=False),
-            mysql_engine="MEMORY",
-            mysql_charset="utf8mb4",
+            **mysql_options(engine="MEMORY", charset="utf8mb4"),
         )
         op.create_index(
             f"ix_{table}_requests_line",
             f"{table}_requests",
             ["lockstring", "ticket"],
-            mysql_using="btree",
+            **mysql_options(using="btree"),
         )
     for step in adoption.after_create if adoption else ():
         _run(step)
@@ -355,7 +353,7 @@ def _upgrade_postgresql(table: str) -> None:
 
 def downgrade() -> None:
     table = check_table_name(context.config.attributes["table"])
-    dialect = op.get_context().dialect.name
+    dialect = backend_name()
     if dialect == "postgresql":
         op.execute(f"DROP TRIGGER {table}_released ON {table}")
         drop_functions(table, _FUNCTION_SIGNATURES)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from alembic import context, op
 
-from sqllocker.migration_functions import create_pinned_functions, drop_functions
+from sqllocker.migration_functions import backend_name, create_pinned_functions, drop_functions
 from sqllocker.schema import FOREIGN_GUID_PREFIX
 from sqllocker.validation import check_table_name
 
@@ -72,12 +72,12 @@ def drop(table: str) -> None:
 
 
 def upgrade() -> None:
-    if op.get_context().dialect.name != "postgresql":
+    if backend_name() != "postgresql":
         return
     create(check_table_name(context.config.attributes["table"]))
 
 
 def downgrade() -> None:
-    if op.get_context().dialect.name != "postgresql":
+    if backend_name() != "postgresql":
         return
     drop(check_table_name(context.config.attributes["table"]))

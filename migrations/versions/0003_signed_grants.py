@@ -30,6 +30,7 @@ from alembic import context, op
 from alembic.script import ScriptDirectory
 
 from sqllocker.migration_functions import (
+    backend_name,
     carry_execute_grants,
     create_pinned_functions,
     drop_functions,
@@ -191,7 +192,7 @@ def _release_trigger(table: str) -> None:
 
 
 def upgrade() -> None:
-    if op.get_context().dialect.name != "postgresql":
+    if backend_name() != "postgresql":
         return
     table = check_table_name(context.config.attributes["table"])
     op.execute(
@@ -206,7 +207,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    if op.get_context().dialect.name != "postgresql":
+    if backend_name() != "postgresql":
         return
     table = check_table_name(context.config.attributes["table"])
     # 0001's functions, as it made them.

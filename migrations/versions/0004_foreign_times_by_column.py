@@ -22,7 +22,7 @@ from types import ModuleType
 from alembic import context, op
 from alembic.script import ScriptDirectory
 
-from sqllocker.migration_functions import create_pinned_functions, drop_functions
+from sqllocker.migration_functions import backend_name, create_pinned_functions, drop_functions
 from sqllocker.schema import FOREIGN_GUID_PREFIX
 from sqllocker.validation import check_table_name
 
@@ -56,7 +56,7 @@ def _revision_0002() -> ModuleType:
 
 
 def upgrade() -> None:
-    if op.get_context().dialect.name != "postgresql":
+    if backend_name() != "postgresql":
         return
     table = check_table_name(context.config.attributes["table"])
     _revision_0002().drop(table)
@@ -72,7 +72,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    if op.get_context().dialect.name != "postgresql":
+    if backend_name() != "postgresql":
         return
     table = check_table_name(context.config.attributes["table"])
     for column in _COLUMNS:

@@ -295,6 +295,12 @@ class Backend:
     # -- connections ---------------------------------------------------------------------------
 
     @classmethod
+    def driver_scheme(cls, name: str, asynchronous: bool) -> str:
+        """The scheme that a URL naming no driver (``name://``, one of ``url_names``) gets:
+        sqllocker's driver for this backend."""
+        return cls.async_driver if asynchronous else cls.sync_driver
+
+    @classmethod
     def url_text(cls, text: str) -> str:
         """A URL as its users write it, in the form SQLAlchemy parses (PostgreSQL's several
         hosts); unchanged elsewhere."""

@@ -20,6 +20,7 @@ from ..schema import (
     UTCDateTime,
     current_revision_on,
     id_order_table_name,
+    mysql_options,
     requests_table,
     requests_table_name,
     set_aside_name,
@@ -86,6 +87,12 @@ class MySQLBackend(Backend):
     @classmethod
     def takes_tickets(cls, dialect: Dialect) -> bool:
         return True
+
+    @classmethod
+    def driver_scheme(cls, name: str, asynchronous: bool) -> str:
+        # mariadb:// keeps SQLAlchemy's MariaDB dialect, which knows its server before it
+        # connects (the SQL that `migrate --sql` prints is MariaDB's), and refuses a MySQL one.
+        return super().driver_scheme(name, asynchronous).replace("mysql+", f"{name}+", 1)
 
     @classmethod
     def for_dialect(cls, dialect: Dialect) -> Backend:
@@ -204,7 +211,7 @@ class MySQLBackend(Backend):
         return (
             sa.delete(statements.table)
             .where(statements.expired_beyond_grace)
-            .with_dialect_options(mysql_limit=batch_size)
+            .with_dialect_options(**mysql_options(limit=batch_size))
         )
 
     # -- schema ------------------------------------------------------------------------------------
