@@ -117,9 +117,15 @@ class Holding:
         # Seconds from the row's creation that a release keeps it for (see Locker.lock).
         self.hold_at_least: float | None = None
         self.valid_until = sent_at + ttl - safety_margin(ttl)
-        # A release that failed after its DELETE may have run (its answer lost, an interrupt):
-        # the row may be anyone's, and the lock not valid, until a retry or an extend says.
+        # A release that failed after its DELETE may have been sent (its answer lost, an
+        # interrupt): the DELETE may reach the server at any moment yet, so the lock is valid
+        # no more, though held until a retry deletes the row.
         self.release_unsure = False
+        # The shortest period of an extend of this lock whose fate is unknown (it failed, or
+        # was cut short, after it may have been sent): it may yet reach the server, after an
+        # extend that succeeded, and end the row that period after it lands. No deadline
+        # counts on a longer period from then on. (None: there is no such extend.)
+        self.unsure_ttl: float | None = None
         self._lost_lock = threading.Lock()
         # Our place in the lockstring's queue in the kernel (SQLite: see file_queue), kept
         # while the row is ours, so that the next waiter wakes the moment it is not; or, for
@@ -146,12 +152,19 @@ class Holding:
         (a shorter ttl), whether or not its answer ever comes."""
         self.valid_until = min(self.valid_until, sent_at + ttl - safety_margin(ttl))
 
+    def renewal_unsure(self, ttl: float) -> None:
+        """An extend to ``ttl`` failed or was cut short, after it may have been sent."""
+        self.unsure_ttl = ttl if self.unsure_ttl is None else min(self.unsure_ttl, ttl)
+
     def renewed(self, sent_at: float, ttl: float) -> None:
-        """An extend sent at ``sent_at`` succeeded: the deadline moves on from then (and the
-        row is ours, whatever a failed release left unsure)."""
+        """An extend to ``ttl`` sent at ``sent_at`` succeeded: the deadline moves on from then,
+        by no more than an extend of unknown fate may leave the row (``unsure_ttl``), which
+        becomes the lock's period. A release of unknown fate stays so: its DELETE may land
+        after this extend."""
+        if self.unsure_ttl is not None and self.unsure_ttl < ttl:
+            ttl = self.unsure_ttl
         self.ttl = ttl
         self.valid_until = sent_at + ttl - safety_margin(ttl)
-        self.release_unsure = False
 
     def check_extendable(self) -> None:
         """Raise LockLost if the lock was released or is known lost."""

@@ -161,6 +161,9 @@ class LockState(Holding):
                 except LockLost as lost:
                     self.mark_lost(lost)
                     raise
+                except BaseException:
+                    self.renewal_unsure(ttl)
+                    raise
             if not self.held:
                 # unlock() gave up waiting for this renewal and reported the lock lost, as it
                 # had expired by our reckoning; but the row expires later by the database's (by

@@ -10,6 +10,8 @@ cut_all() cuts every connection open now.
 stall_before() stalls as a client sends a chosen statement, before it reaches the server.
 freeze_connection_before() does so for that one connection only: the others flow on.
 answer_with_mysql_error() answers a chosen statement with a MySQL error in the server's stead.
+deliver_late() holds a chosen statement until deliver_held(), then delivers it, its client
+gone or not: as TCP delivers what a client sent before it closed, once a partition heals.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ class StallProxy:
         self.connections_frozen = 0
         self.errors_answered = 0
         self.stalled_before = threading.Event()
+        self._holding: bytes | None = None  # see deliver_late
+        self._held_release = threading.Event()
+        self.held_delivered = threading.Event()
         threading.Thread(target=self._accept, name="stall-proxy", daemon=True).start()
 
     def stall(self) -> None:
@@ -81,6 +86,59 @@ class StallProxy:
         frozen (a server session hung on it), the others flow on."""
         with self._lock:
             self._freezing = marker
+
+    def deliver_late(self, marker: bytes) -> None:
+        """The next statement a client sends that contains ``marker`` is held, with whatever
+        its connection sends after it, until ``deliver_held``: then it reaches the server
+        (``held_delivered`` is set), even if its client has closed the connection meanwhile;
+        the server's answers go to the client while it is there. The others flow on."""
+        with self._lock:
+            self._holding = marker
+            self._held_release.clear()
+            self.held_delivered.clear()
+
+    def deliver_held(self) -> None:
+        self._held_release.set()
+
+    def _holds(self, data: bytes) -> bool:
+        with self._lock:
+            if self._holding is None or self._holding not in data:
+                return False
+            self._holding = None
+            return True
+
+    def _deliver_late(self, client: socket.socket, server: socket.socket, held: bytes) -> None:
+        """The rest of a connection whose statement ``held`` is delivered late."""
+        chunks, client_open = [held], True
+        while not self._held_release.is_set() and not self._closed.is_set():
+            watched = [server, client] if client_open else [server]
+            readable, _, _ = select.select(watched, [], [], 0.05)
+            for sock in readable:
+                data = sock.recv(65536)
+                if sock is client:
+                    client_open = client_open and bool(data)
+                    chunks += [data] if data else []
+                elif not data:
+                    return
+                elif client_open:
+                    client.sendall(data)
+        if self._closed.is_set():
+            return
+        for chunk in chunks:
+            server.sendall(chunk)
+        self.held_delivered.set()
+        if not client_open:
+            server.shutdown(socket.SHUT_WR)
+        # The server's answers, to the client if it is still there, until either end closes.
+        peers = {client: server, server: client} if client_open else {server: client}
+        while not self._closed.is_set():
+            readable, _, _ = select.select(list(peers), [], [], 0.1)
+            for sock in readable:
+                data = sock.recv(65536)
+                if not data:
+                    return
+                if sock is client or client_open:
+                    peers[sock].sendall(data)
 
     def _freezes(self, data: bytes) -> bool:
         with self._lock:
@@ -193,6 +251,9 @@ class StallProxy:
                             self.stall()
                         self.answers_lost += 1
                         return  # the answer goes nowhere, and both ends are closed
+                    if sock is client and self._holds(data):
+                        self._deliver_late(client, server, data)
+                        return
                     if sock is client and self._freezes(data):
                         self._closed.wait()  # held, never sent; the connection stays open
                         return

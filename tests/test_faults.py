@@ -1162,3 +1162,83 @@ def test_a_renewal_held_up_by_a_row_lock_past_unlock_gives_the_revived_row_back(
         assert row.expires <= outcome["renewed_until"], outcome
     assert outcome["first_valid_at_takeover"] is False, outcome
     assert outcome["second_id"] > outcome["first_id"], outcome
+
+
+class _TimeLimit(BaseException):
+    """What a job's time limit raises from its signal handler (as gevent's Timeout does):
+    not an Exception, so nothing on the way catches it."""
+
+
+async def _interrupted(front: Front, method: Callable[[], Any], after: float) -> bool:
+    """``method()`` cut short ``after`` seconds in: cancelled by ``asyncio.timeout`` (asyncio),
+    or by an exception from SIGALRM's handler (sync); whether it was."""
+    if front.is_async:
+        try:
+            async with asyncio.timeout(after):
+                await method()
+        except TimeoutError:
+            return True
+        return False
+
+    def time_limit(*_: object) -> None:
+        raise _TimeLimit
+
+    previous = signal.signal(signal.SIGALRM, time_limit)
+    signal.setitimer(signal.ITIMER_REAL, after)
+    try:
+        method()
+    except _TimeLimit:
+        return True
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    return False
+
+
+@pytest.mark.parametrize("front", FRONTS, ids=str)
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+@pytest.mark.parametrize("step", ["shorter extend", "unlock"])
+def test_a_statement_that_lands_after_a_later_extend_leaves_no_second_holder(
+    url: str, table_name: str, make_locker: Any, front: Front, proxied: Proxied, step: str
+) -> None:
+    """A lock's ``extend(4)`` or ``unlock()`` is cut short (a job's time limit, a cancellation)
+    while its statement is on its way to the server; the holder extends the lock by its 30 s,
+    which succeeds (the sync front: asyncio's waits for the statement in flight, which runs to
+    its end); then the first statement reaches the server, as TCP delivers what a client sent
+    before it closed once a partition heals: the row now expires 4 s later, or is gone. The
+    holder must count on no more than that: not valid when another process gets the lock (it
+    counted on the 30 s, and a failed unlock was made good by the extend)."""
+    contender = make_locker(grace=0)  # creates the table
+    marker = b"DELETE FROM" if step == "unlock" else b"SET expires"
+    outcome: dict[str, Any] = {}
+
+    async def scenario() -> None:
+        locker = front.locker(proxied.url, table=table_name, grace=0)
+        try:
+            lock = await front.call(locker.lock, "job", expires=30)
+            outcome["first_id"] = lock.lock_id
+            proxied.proxy.deliver_late(marker)
+            if step == "unlock":
+                cut_short = await _interrupted(front, lock.unlock, 0.5)
+            else:
+                cut_short = await _interrupted(front, lambda: lock.extend(4), 0.5)
+            assert cut_short
+            # By its 30 s: the sync front's on a connection of its own at once; asyncio's after
+            # the statement in flight, which runs to its end (or until the row's expiry).
+            extending = front.in_background(lock.extend)
+            await asyncio.sleep(1.0)
+            proxied.proxy.deliver_held()
+            assert await asyncio.to_thread(proxied.proxy.held_delivered.wait, 30)
+            with contextlib.suppress(LockLost):
+                await extending
+            second = await asyncio.to_thread(contender.lock, "job", wait=30)
+            outcome["first_valid_at_takeover"] = lock.is_valid()
+            outcome["second_id"] = second.lock_id
+            second.unlock()
+        finally:
+            with contextlib.suppress(LockError):
+                await front.close(locker)
+
+    asyncio.run(scenario())
+    assert outcome["second_id"] > outcome["first_id"]
+    assert outcome["first_valid_at_takeover"] is False

@@ -160,7 +160,8 @@ def test_a_kept_alive_lock_given_a_shorter_expiry_is_renewed_by_it(
     """extend(2) on a kept-alive lock of 30 s: the keep-alive renews it every two thirds of a
     second from then on, not after the ten seconds the longer period gave (it ran out between
     two renewals). If the extend's answer is lost, the lock's deadline is the shorter one, and
-    the keep-alive renews it by then, by the period the lock still has: not told lost."""
+    the keep-alive renews it by then, not told lost; and by the shorter period from then on:
+    the extend may yet reach the server after a renewal, and leave the row no more."""
     lost = LostCalls()
     lock = locker.lock("job", expires=30, keep_alive=True, on_lost=lost)
     if answer == "lost":
@@ -177,7 +178,7 @@ def test_a_kept_alive_lock_given_a_shorter_expiry_is_renewed_by_it(
     assert lost.calls == []
     row = locker.lock_info("job")
     assert row is not None
-    assert row.seconds_left < 2.5 if answer == "given" else row.seconds_left > 25
+    assert row.seconds_left < 2.5
     lock.unlock()
 
 
