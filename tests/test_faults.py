@@ -1242,3 +1242,50 @@ def test_a_statement_that_lands_after_a_later_extend_leaves_no_second_holder(
     asyncio.run(scenario())
     assert outcome["second_id"] > outcome["first_id"]
     assert outcome["first_valid_at_takeover"] is False
+
+
+class _SoftTimeLimit(Exception):
+    """What Celery's soft time limit raises from its signal handler: an Exception."""
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+@pytest.mark.parametrize("engine", ["own", "caller's"])
+def test_an_exception_from_a_signal_handler_mid_statement_leaves_no_connection_behind(
+    url: str, table_name: str, make_locker: Any, proxied: Proxied, engine: str
+) -> None:
+    """An acquire cut short by an exception from a signal handler (Celery's soft time limit is
+    an Exception, not a BaseException) while its statement is on its way: its connection has
+    an answer still to come, or a command still in progress. Put back and used again, the next
+    acquire read the old answer as its own (PyMySQL: it "got" a lock another process held) or
+    failed for ever (psycopg: "another command is already in progress"). It must go."""
+    contender = make_locker()  # creates the table
+    held = contender.lock("held elsewhere")
+    target: Any = proxied.url if engine == "own" else sa.create_engine(proxied.url)
+    locker = Locker(target, table=table_name)
+    try:
+        locker.lock_info("warm up")  # the connection the acquire will take
+
+        def soft_time_limit(*_: object) -> None:
+            raise _SoftTimeLimit
+
+        previous = signal.signal(signal.SIGALRM, soft_time_limit)
+        proxied.proxy.stall_before(b"INSERT INTO")
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        try:
+            with pytest.raises(_SoftTimeLimit):
+                locker.lock("cut short")
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        proxied.proxy.resume()  # the statement reaches the server, and is answered
+        time.sleep(0.5)
+        with pytest.raises(LockBusy):
+            locker.lock("held elsewhere")
+        with locker.lock("free") as lock:
+            assert lock.is_valid()
+        assert held.is_valid()
+    finally:
+        locker.close()
+        held.unlock()
+        if engine != "own":
+            target.dispose()

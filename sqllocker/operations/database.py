@@ -376,13 +376,16 @@ class Database:
             else:
                 _put_back(stack, held, watch)
             raise
-        except Exception:
-            _put_back(stack, held, watch)
+        except LockError:
+            _put_back(stack, held, watch)  # the operation's own verdict, its statements ended
             raise
         except BaseException:
-            # Interrupted mid-statement: the connection's state is unknown (a statement may
-            # still be running), so it must not be reused; whatever it still runs is ended
-            # first, so that closing it frees its locks in the database at once.
+            # Interrupted mid-statement (a KeyboardInterrupt, a cancellation, or an exception
+            # that a signal handler raised, as a job's time limit does: an Exception, too):
+            # the connection's state is unknown (a statement may still be running, its answer
+            # still to come, to be read as the next statement's), so it must not be reused;
+            # whatever it still runs is ended first, so that closing it frees its locks in the
+            # database at once.
             try:
                 self.be.abandon(held.connection, held.cursor)
             finally:

@@ -16,7 +16,7 @@ from .. import deadlines
 from ..backends import Backend, backend_class
 from ..connections import ConnectionStack
 from ..engine import describe_url
-from ..errors import DatabaseError, one_line
+from ..errors import DatabaseError, LockError, one_line
 from ..execution import DriverSession, PreparedCache, forget_cursor, kept_cursor
 from ..sqlalchemy_internals import most_connections
 from .in_memory import DatabaseInMemory
@@ -110,12 +110,14 @@ class Connections:
                 fairy.invalidate(error.orig)
             raise
         except BaseException as error:
-            if not isinstance(error, Exception):
-                # Cancelled (async) or interrupted mid-statement: the connection's state is
-                # unknown (a statement may still be running), so it must not be reused;
-                # whatever it still runs is ended first, so that closing it frees its locks.
-                # (A database in memory's one connection serves on, settled before its next
-                # operation: closed, it would take every lock with it.)
+            if not isinstance(error, LockError):
+                # Cancelled (async) or interrupted mid-statement (an exception from a signal
+                # handler, such as a job's time limit, may be an Exception): the connection's
+                # state is unknown (a statement may still be running, its answer still to
+                # come), so it must not be reused; whatever it still runs is ended first, so
+                # that closing it frees its locks. (A database in memory's one connection
+                # serves on, settled before its next operation: closed, it would take every
+                # lock with it.)
                 try:
                     if cursor is not None:
                         backend.abandon(fairy.dbapi_connection, cursor)
