@@ -200,13 +200,23 @@ class RWLock:
                         locked_by={**(locked_by or {}), "rwlock": WRITER_FENCE},
                         on_lost=on_lost,
                     )
-                    return WriteLock(claim, token)
+                    # And still valid once the token is drawn: held up on the way past the
+                    # claim's expiry, the claim may have been taken over, and that writer's
+                    # token drawn before ours, lower than ours: a resource fenced by it would
+                    # take our writes and refuse the valid writer's.
+                    if claim.is_valid():
+                        return WriteLock(claim, token)
+                    _give_back(token)
             except LockLost:
                 pass  # held up past its expiry while it waited: start again
             except BaseException:
                 _give_back(claim)
                 raise
             _give_back(claim)
+            attempted(None)  # a wait turn
+            if backoff.expired():
+                raise refused(self.name, WRITER, wait, claim.ttl)
+            concurrency.sleep(backoff.next_delay())
 
     def holders(self) -> list[LockInfo]:
         """The live readers and writer, ordered by lockstring (``locked_by["rwlock"]`` says
@@ -315,6 +325,10 @@ def _announce(run: Run, operations: LockOperations, name: str) -> None:
 
 
 def _give_back(lock: Lock) -> None:
-    """Release a row we will not hold after all; if that fails, it expires."""
+    """Release a row we will not hold after all, at once (never held, it is kept for no
+    ``hold_at_least``); if that fails, it expires."""
+    lock._state.hold_at_least = None
+    if isinstance(lock, WriteLock):
+        lock.claim._state.hold_at_least = None
     with contextlib.suppress(LockError):
         lock.unlock()

@@ -90,13 +90,18 @@ def writer_pattern(name: str) -> tuple[str, str]:
 
 def refused(name: str, side: str, wait: float | None, ran_out: float | None = None) -> LockBusy:
     """The LockBusy of a side not taken within ``wait``: held by the other side, or (a reader
-    whose own row ran out before it found no writer) for want of time: ``ran_out``, its
-    expiry."""
+    whose own row ran out before it found no writer, a writer whose claim did before its
+    token was drawn) for want of time: ``ran_out``, its expiry."""
     busy = LockBusy(name, waited=0.0 if wait is None else wait)
-    if ran_out is not None:
+    if ran_out is not None and side == READER:
         other = (
             f"no writer holds it, but its reader's row, {ran_out:.3g}s long, ran out before "
             "that was confirmed: give it a longer expiry"
+        )
+    elif ran_out is not None:
+        other = (
+            f"its writer's claim, {ran_out:.3g}s long, ran out before the writer's token was "
+            "drawn: give it a longer expiry"
         )
     else:
         other = "a writer holds or waits for it" if side == READER else "readers hold it"

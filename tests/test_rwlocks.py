@@ -11,13 +11,14 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from sqllocker import Lock, LockBusy, Locker, LockValueError
 from sqllocker.asyncio import AsyncLocker
 from tests.fleet import Fleet
-from tests.helpers import abandon, count_rows, stop_outside_a_write
+from tests.helpers import Proxied, abandon, count_rows, stop_outside_a_write
 from tests.workers import async_url
 
 
@@ -350,3 +351,73 @@ def test_a_writer_stopped_past_its_expiry_while_it_waits_starts_again(
     token, valid = out.split()
     assert valid == "True"
     assert int(token) > second.lock_id
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+@pytest.mark.parametrize("kind", ["writer", "leader"])
+def test_a_writer_held_up_before_its_token_is_refused_not_handed_a_higher_one(
+    make_locker: Callable[..., Locker], table_name: str, proxied: Proxied, kind: str
+) -> None:
+    """A writer (or a candidate) whose claim was valid when it sent its token row's INSERT, held
+    up in the network past the claim's expiry: another writer takes the claim over and draws
+    its token, and then the first INSERT lands, with a higher id. A resource fenced by the
+    token would take the stale writer's writes and refuse the valid one's: the stale writer
+    must be refused, its rows given back."""
+    other = make_locker(grace=0)  # creates the table
+    locker = Locker(proxied.url, table=table_name, grace=0)
+    outcome: dict[str, Any] = {}
+
+    def stale_writer() -> None:
+        try:
+            if kind == "writer":
+                outcome["lock"] = locker.rwlock("catalog").write(wait=0, expires=2)
+            else:
+                outcome["lock"] = locker.election("catalog").campaign(wait=0, expires=2).lock
+        except LockBusy as error:
+            outcome["refused"] = error
+
+    try:
+        locker.locks()  # a connection through the proxy, before it stalls
+        proxied.proxy.stall_before(b"(writer ")
+        thread = threading.Thread(target=stale_writer)
+        thread.start()
+        assert proxied.proxy.stalled_before.wait(10)
+        if kind == "writer":
+            valid = other.rwlock("catalog").write(wait=30, expires=30)
+        else:
+            valid = other.election("catalog").campaign(wait=30, expires=30).lock
+        proxied.proxy.resume()
+        thread.join(30)
+        assert "refused" in outcome, outcome.get("lock")
+        assert valid.is_valid()
+        assert [info.lock_id for info in other.locks()] == [valid.claim.lock_id, valid.lock_id]
+        valid.unlock()
+    finally:
+        locker.close()
+
+
+def test_a_refused_reader_or_writer_leaves_no_row_for_its_window(locker: Locker) -> None:
+    """A read or write side refused (a writer by a reader, a reader by a writer that came
+    first) gives its row back at once: never held, it is kept for no ``hold_at_least``."""
+    rw = locker.rwlock("catalog")
+    reader = rw.read()
+    with pytest.raises(LockBusy):
+        rw.write(hold_at_least=3600)
+    reader.unlock()
+    assert count_rows(locker) == 0
+    writer = rw.write()
+    with pytest.raises(LockBusy):
+        rw.read(hold_at_least=3600)
+    writer.unlock()
+    assert count_rows(locker) == 0
+    rw.write().unlock()
+
+
+def test_a_writer_whose_claim_runs_out_at_once_stops_by_its_wait(locker: Locker) -> None:
+    """A claim too short to outlive the look for readers is given back and tried again: until
+    ``wait`` is out, not for ever."""
+    started = time.monotonic()
+    with pytest.raises(LockBusy):
+        locker.rwlock("catalog").write(wait=0.5, expires=0.0001)
+    assert time.monotonic() - started < 30
+    assert count_rows(locker) == 0
