@@ -22,10 +22,12 @@ pytest.importorskip("django")
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
+from sqllocker import Locker
 from sqllocker.engine import resolve_url
 from sqllocker.migrations import current_revision, head_revision, schema_differences
 from tests import forked_cli
 from tests.conftest import IN_CI, MYSQL_ADMIN_URL, POSTGRES_ADMIN_URL
+from tests.helpers import abandon
 
 pytestmark = pytest.mark.slow  # real workers, schedulers or processes
 
@@ -173,6 +175,36 @@ def test_guard_on_djangos_connection_commits_only_while_the_lock_is_held(
         "refused: LockLost",
         "after: 0",
         "outside atomic: LockError",
+    ]
+
+
+def test_manage_py_purge_expired_leaves_what_the_settings_grace_keeps(project: Project) -> None:
+    """A row expired a moment ago, within the setting's grace: the setting's Lockers would not
+    take it over yet, so the purge leaves it (it took the command line's own default)."""
+    project.env["SQLLOCKER_DJANGO_GRACE"] = "60"
+    locker = Locker(project.url, table=project.table)
+    try:
+        abandon(locker.lock("crashed job", expires=0.1))
+        time.sleep(1.5)  # past the command line's default grace
+        project.manage("sqllocker", "purge-expired")
+        assert [info.lockstring for info in locker.locks()] == ["crashed job"]
+        project.manage("sqllocker", "purge-expired", "--grace", "0")
+        assert locker.locks() == []
+    finally:
+        locker.close()
+
+
+def test_locked_refuses_what_it_cannot_protect(project: Project) -> None:
+    said = project.manage("decorated").stdout.splitlines()
+    assert said == [
+        "outside a transaction: ran",
+        "inside atomic: LockError",
+        "under ATOMIC_REQUESTS: LockError",
+        "non_atomic_requests: 200",
+        "coroutine function: LockTypeError",
+        "{'wait': -1}: LockValueError",
+        "{'expires': 0}: LockValueError",
+        "{'hold_at_least': -5}: LockValueError",
     ]
 
 

@@ -7,8 +7,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from ..concurrency import check_decorated
 from ..decorators import LockstringTemplate
-from ..errors import LockBusy, LockValueError
+from ..errors import LockBusy, LockError, LockValueError
+from ..validation import check_hold_at_least, check_seconds, check_wait
 from .configuration import get_locker
 
 logger = logging.getLogger("sqllocker.django")
@@ -33,16 +35,28 @@ def locked(
     (logged at INFO), ``"raise"`` raises LockBusy, ``"conflict"`` (for views) returns a 409
     response saying who holds it. The lock is kept alive while the function runs, and LockLost
     is raised at the end if it was lost meanwhile.
+
+    Called inside a transaction (``transaction.atomic()``, a view under ATOMIC_REQUESTS), it
+    raises LockError: the lock would be released before the transaction commits, and the next
+    holder would not see what this one wrote (``transaction.non_atomic_requests`` above it
+    leaves a view out of ATOMIC_REQUESTS). A coroutine function, which would run after the
+    release, and bad options are refused when the function is decorated.
     """
     if on_busy not in ON_BUSY:
         raise LockValueError(f"on_busy must be 'skip', 'raise' or 'conflict', not {on_busy!r}")
+    check_wait(wait)
+    if expires is not None:
+        check_seconds(expires, "expires")
+    check_hold_at_least(hold_at_least)
 
     def decorate(function: Callable[..., Any]) -> Callable[..., Any]:
+        check_decorated(function)
         template = LockstringTemplate(lockstring, function)
 
         @functools.wraps(function)
         def under_lock(*args: Any, **kwargs: Any) -> Any:
             name = template.render(args, kwargs)
+            _refuse_in_a_transaction(function, name)
             try:
                 lock = get_locker().lock(
                     name,
@@ -66,3 +80,22 @@ def locked(
         return under_lock
 
     return decorate
+
+
+def _refuse_in_a_transaction(function: Callable[..., Any], name: str) -> None:
+    from django.db import connections
+
+    inside = [
+        connection.alias
+        for connection in connections.all(initialized_only=True)
+        if connection.in_atomic_block
+    ]
+    if inside:
+        raise LockError(
+            f"{function.__qualname__} runs under @locked inside a transaction on {inside[0]!r} "
+            "(transaction.atomic(), or a view under ATOMIC_REQUESTS): its lock would be "
+            "released before that transaction commits, and the next holder would not see "
+            "what it wrote; take the lock outside the transaction (a view: put "
+            "@transaction.non_atomic_requests above @locked)",
+            name,
+        )

@@ -41,7 +41,11 @@ DATABASES = {
         "TEST": {"NAME": f"{_url.database}.test"} if _url.get_backend_name() == "sqlite" else {},
     }
 }
-SQLLOCKER = {"database": "default", "table": os.environ["SQLLOCKER_DJANGO_TABLE"], "grace": 0}
+SQLLOCKER = {
+    "database": "default",
+    "table": os.environ["SQLLOCKER_DJANGO_TABLE"],
+    "grace": float(os.environ.get("SQLLOCKER_DJANGO_GRACE", "0")),
+}
 STATE = os.environ.get("SQLLOCKER_DJANGO_STATE", ".")
 LOGGING = {
     "version": 1,

@@ -9,7 +9,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from sqllocker.cli import main
-from sqllocker.django.configuration import database_alias, database_url, table_name
+from sqllocker.django.configuration import database_alias, database_url, setting, table_name
 
 SUBCOMMANDS = ("purge-expired", "list", "show", "release")
 
@@ -27,8 +27,14 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         url = database_url(database_alias()).render_as_string(hide_password=False)
         command = ["--url", url, "--table", table_name(), options["subcommand"]]
+        arguments = list(options["arguments"])
+        grace = setting().get("grace")
+        given = any(word.partition("=")[0] == "--grace" for word in arguments)
+        if options["subcommand"] == "purge-expired" and grace is not None and not given:
+            # The grace the setting's Lockers take rows over after: purged no sooner.
+            arguments = ["--grace", str(grace), *arguments]
         try:
-            main([*command, *options["arguments"]])
+            main([*command, *arguments])
         except SystemExit as done:
             if done.code:
                 raise CommandError(

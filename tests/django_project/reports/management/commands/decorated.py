@@ -1,0 +1,54 @@
+"""``manage.py decorated``: ``locked`` refuses what it cannot protect. Inside a transaction
+(``atomic()``, a view under ATOMIC_REQUESTS) its lock would be released before the commit,
+and the next holder would not see the writes; a coroutine function would run unlocked, after
+the release; bad options fail when the function is decorated, not on each call. Prints one
+line per outcome."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.management.base import BaseCommand
+from django.db import connection, transaction
+from django.test import Client
+
+from sqllocker import LockError
+from sqllocker.django import locked
+
+
+@locked("counter")
+def count() -> str:
+    return "ran"
+
+
+async def coroutine_view() -> None:
+    """Never run."""
+
+
+class Command(BaseCommand):
+    def handle(self, *args: Any, **options: Any) -> None:
+        self.stdout.write(f"outside a transaction: {count()}")
+        try:
+            with transaction.atomic():
+                count()
+        except LockError as error:
+            self.stdout.write(f"inside atomic: {type(error).__name__}")
+        connection.settings_dict["ATOMIC_REQUESTS"] = True
+        try:
+            try:
+                Client().get("/reports/x")
+            except LockError as error:
+                self.stdout.write(f"under ATOMIC_REQUESTS: {type(error).__name__}")
+            status = Client().get("/reports/non-atomic/x").status_code
+            self.stdout.write(f"non_atomic_requests: {status}")
+        finally:
+            connection.settings_dict["ATOMIC_REQUESTS"] = False
+        try:
+            locked("coroutine")(coroutine_view)
+        except LockError as error:
+            self.stdout.write(f"coroutine function: {type(error).__name__}")
+        for option in ({"wait": -1}, {"expires": 0}, {"hold_at_least": -5}):
+            try:
+                locked("options", **option)
+            except LockError as error:
+                self.stdout.write(f"{option}: {type(error).__name__}")
