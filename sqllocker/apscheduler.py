@@ -129,6 +129,7 @@ class LockedThreadPoolExecutor(ThreadPoolExecutor):  # type: ignore[misc]
 
     def _under_lock(self, job: Any, run_time: datetime) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
+            _check_shared(job, run_time)
             lockstring = lockstring_for(job.id, run_time)
             window = self.hold_at_least + (job.misfire_grace_time or 0)
             try:
@@ -161,6 +162,20 @@ class LockedThreadPoolExecutor(ThreadPoolExecutor):  # type: ignore[misc]
             self.locker.purge_expired_locks()
         except LockError as error:
             logger.warning("could not purge the expired locks: %s", error)
+
+
+def _check_shared(job: Any, run_time: datetime) -> None:
+    """Refuse a fire time that is not the same in every scheduler: one that is not a whole
+    millisecond was drawn from a scheduler's own clock (an interval trigger anchored at the
+    moment it was added, a date trigger's default of now) or at random (``jitter``), and each
+    scheduler would take a lock of its own and run it."""
+    if run_time.microsecond % 1000:
+        raise LockValueError(
+            f"job {job.id!r}: its fire time {run_time.isoformat()} is not one every scheduler "
+            "computes (an interval trigger without start_date, a date trigger without "
+            "run_date, or jitter), so each would run it; give the trigger a start_date or "
+            "run_date of whole seconds, or use a cron trigger, and no jitter"
+        )
 
 
 class _LockedRun:

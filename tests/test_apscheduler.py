@@ -14,8 +14,9 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -140,7 +141,10 @@ def test_expired_rows_of_past_fire_times_are_purged(
     scheduler = BackgroundScheduler(
         executors={"default": LockedThreadPoolExecutor(locker, hold_at_least=1)}
     )
-    scheduler.add_job(lambda: runs.append(time.monotonic()), "interval", seconds=0.25, id="t")
+    start = datetime(2026, 1, 1, tzinfo=timezone.utc)  # the same in every scheduler
+    scheduler.add_job(
+        lambda: runs.append(time.monotonic()), "interval", seconds=0.25, start_date=start, id="t"
+    )
     scheduler.start()
     try:
         wait_until(lambda: len(runs) >= 32, timeout=60)
@@ -149,6 +153,43 @@ def test_expired_rows_of_past_fire_times_are_purged(
     rows = locker.locks("apscheduler t *")
     # a window (1 s + the job's misfire_grace_time, 1 s) and a purge interval (1 s) of rows
     assert len(rows) <= 3 / 0.25 + 2 < len(runs)
+
+
+@pytest.mark.parametrize("anchor", ["interval", "jitter", "date"])
+def test_a_fire_time_not_every_scheduler_computes_is_refused(
+    make_locker: Callable[..., Locker], anchor: str
+) -> None:
+    """An interval trigger anchored at the moment it was added (its default start_date), a date
+    trigger's default run_date (now) and jitter give each scheduler fire times of its own, so
+    each would take a lock of its own and run the job: the run fails instead, loudly."""
+    from apscheduler.events import EVENT_JOB_ERROR, EVENT_JOB_EXECUTED
+    from apscheduler.schedulers.background import BackgroundScheduler
+
+    from sqllocker import LockValueError
+    from sqllocker.apscheduler import LockedThreadPoolExecutor
+
+    ran: list[float] = []
+    outcomes: list[Any] = []
+    scheduler = BackgroundScheduler(executors={"default": LockedThreadPoolExecutor(make_locker())})
+    scheduler.add_listener(outcomes.append, EVENT_JOB_ERROR | EVENT_JOB_EXECUTED)
+    # As a scheduler's own clock draws them: not whole milliseconds (1 in 1,000 would be).
+    own = datetime.now(timezone.utc).replace(microsecond=123456) + timedelta(seconds=1)
+    if anchor == "interval":
+        scheduler.add_job(ran.append, "interval", seconds=1, start_date=own, args=[1], id="j")
+    elif anchor == "jitter":
+        scheduler.add_job(ran.append, "interval", seconds=1, jitter=0.5, args=[1], id="j")
+    else:
+        scheduler.add_job(ran.append, "date", run_date=own, args=[1], id="j")
+    # Jitter draws anew each time, a whole millisecond 1 time in 1,000: one of three may run.
+    runs, may_run = (3, 1) if anchor == "jitter" else (1, 0)
+    scheduler.start()
+    try:
+        wait_until(lambda: len(outcomes) >= runs, timeout=30)
+    finally:
+        scheduler.shutdown()
+    refused = [o for o in outcomes if isinstance(o.exception, LockValueError)]
+    assert len(refused) >= len(outcomes) - may_run, outcomes
+    assert len(ran) <= may_run
 
 
 def test_bad_options_are_refused(make_locker: Callable[..., Locker]) -> None:
