@@ -28,13 +28,15 @@ released when it returns or raises; a lock lost meanwhile is the task's failure 
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
+import math
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from celery import Task
@@ -45,6 +47,7 @@ from .decorators import LockstringTemplate
 from .errors import LockBusy, LockError, LockValueError
 from .lock import Lock
 from .locker import Locker
+from .validation import check_hold_at_least, check_seconds, check_wait
 
 logger = logging.getLogger("sqllocker.celery")
 
@@ -97,6 +100,20 @@ class LockedTask(Task[Any, Any]):
         hold = cls.lock_hold_at_least
         if isinstance(hold, str) and hold != SCHEDULE:
             raise LockValueError(f"lock_hold_at_least must be seconds or 'schedule', not {hold!r}")
+        if not isinstance(hold, str):
+            check_hold_at_least(hold)
+        check_wait(cls.lock_wait)
+        if cls.lock_expires is not None:
+            check_seconds(cls.lock_expires, "lock_expires")
+        countdown = cls.lock_retry_countdown
+        if countdown is not None and (
+            isinstance(countdown, bool)
+            or not isinstance(countdown, int | float)
+            or not 0 <= countdown < math.inf
+        ):
+            raise LockValueError(
+                f"lock_retry_countdown must be None or seconds >= 0, not {countdown!r}"
+            )
         run = cls.__dict__.get("run")
         if cls.lock is not None and run is not None:
             LockstringTemplate(cls.lock, getattr(run, "__func__", run))  # names its arguments
@@ -116,11 +133,20 @@ class LockedTask(Task[Any, Any]):
         except LockBusy as busy:
             return self._when_busy(lockstring, busy)
         with lock, _holding(lock):
-            return super().__call__(*args, **kwargs)
+            try:
+                return super().__call__(*args, **kwargs)
+            except BaseException:
+                # A run that failed, or asks to be retried, did not do its work: its window
+                # would keep its own retry (and every copy) from doing it.
+                lock._state.hold_at_least = None
+                raise
 
     def _when_busy(self, lockstring: str, busy: LockBusy) -> Any:
         behaviour = self.on_busy
-        if behaviour == "raise" or (behaviour == "retry" and self.request.called_directly):
+        # Called directly, or run eagerly (where retry() runs the task again at once, and again,
+        # until the recursion gives out): no worker to retry it later.
+        in_place = self.request.called_directly or self.request.is_eager
+        if behaviour == "raise" or (behaviour == "retry" and in_place):
             raise busy
         if behaviour == "retry":
             raise self.retry(exc=busy, countdown=self.lock_retry_countdown)
@@ -188,7 +214,14 @@ def schedule_window(
     if isinstance(given, int | float):
         given = timedelta(seconds=given)
     schedule = given if isinstance(given, BaseSchedule) else celery_schedule(run_every=given)
-    period = schedule.remaining_estimate(now).total_seconds()
+    left = schedule.remaining_estimate(now)
+    following = _gap_after(schedule, now + left)
+    if left < following / 4:
+        # This worker's clock is behind the beat's that sent the run (a crontab's next fire
+        # time, counted from this clock, is that run's own, a moment away): the next run is
+        # the one after it.
+        left += following
+    period = left.total_seconds()
     window = period * 0.75 - grace
     if window <= 0:
         raise LockValueError(
@@ -196,6 +229,15 @@ def schedule_window(
             f"that outlasts the locker's grace ({grace:g} s): give the window in seconds"
         )
     return window
+
+
+def _gap_after(schedule: BaseSchedule, at: datetime) -> timedelta:
+    """The time from ``at``, a run of ``schedule``, to its next run, as the schedule reckons it
+    at that moment (a copy of it, whose clock says ``at``)."""
+    probe = copy.copy(schedule)
+    probe.nowfun = lambda: at  # type: ignore[attr-defined]  # every schedule has it
+    gap: timedelta = probe.remaining_estimate(at)
+    return gap
 
 
 @contextmanager

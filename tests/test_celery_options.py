@@ -33,6 +33,10 @@ def app() -> Celery:
         {"on_busy": "wait"},
         {"lock_hold_at_least": "daily"},
         {"lock": "report {month}"},  # the task takes no argument 'month'
+        {"lock_wait": -1},
+        {"lock_expires": 0},
+        {"lock_hold_at_least": -5},
+        {"lock_retry_countdown": "soon"},
     ],
 )
 def test_bad_options_are_refused_when_the_task_is_made(
@@ -93,3 +97,72 @@ def test_the_beat_window_is_three_quarters_of_the_period_less_the_grace() -> Non
     hourly = crontab(minute=0)
     window = schedule_window({"a": {"task": "t", "schedule": hourly}}, "t", hourly.now(), 0)
     assert 0 < window <= 0.75 * 3600
+
+
+@pytest.mark.parametrize("behind", [0.01, 0.2, 2.0, -0.2])
+def test_the_beat_window_of_a_worker_whose_clock_is_off_the_beats(behind: float) -> None:
+    """A crontab run every minute, sent at the minute by the beat; the worker's clock ``behind``
+    seconds behind it (or ahead). Counted from the worker's clock, the next fire time was the
+    run's own, a moment away: the window came out too short to be given (or a fraction of a
+    second, letting a second beat's copy run again), not three quarters of the minute."""
+    fire = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
+    now = fire - timedelta(seconds=behind)
+    every_minute = crontab(minute="*", nowfun=lambda: now)
+    window = schedule_window({"a": {"task": "t", "schedule": every_minute}}, "t", now, 1.0)
+    assert window == pytest.approx(0.75 * 60 - 1.0, abs=0.75 * abs(behind) + 0.01)
+
+
+def test_a_failed_run_keeps_no_window_from_its_retry(
+    app: Celery, make_locker: Callable[..., Locker]
+) -> None:
+    """A run that raised (a retry's Retry, or an error) did not do its work: its lock keeps no
+    ``lock_hold_at_least`` window, which would have its own retry (the same task id) skipped,
+    and reported a success."""
+    locker = make_locker()
+    calls: list[str] = []
+
+    @app.task(
+        base=LockedTask,
+        locker=locker,
+        lock="report {day}",
+        lock_hold_at_least=3600,
+        shared=False,
+        lazy=False,
+    )
+    def report(day: str) -> str:
+        calls.append(day)
+        if len(calls) == 1:
+            raise RuntimeError("the report's database is down")
+        return day
+
+    with pytest.raises(RuntimeError):
+        report("2026-11-25")
+    assert locker.lock_info("report 2026-11-25") is None
+    assert report("2026-11-25") == "2026-11-25"
+    assert calls == ["2026-11-25", "2026-11-25"]
+    assert locker.lock_info("report 2026-11-25") is not None  # held for its window now
+
+
+def test_an_eager_task_that_would_retry_raises_instead(
+    app: Celery, make_locker: Callable[..., Locker]
+) -> None:
+    """Run eagerly, retry() runs the task again at once, and again: busy, it raises LockBusy
+    (as called directly), not a RecursionError."""
+    locker = make_locker()
+
+    @app.task(
+        base=LockedTask,
+        locker=locker,
+        lock="job",
+        on_busy="retry",
+        max_retries=None,  # for ever, as a worker would
+        shared=False,
+        lazy=False,
+    )
+    def job() -> str:
+        return "ran"
+
+    app.conf.task_always_eager = True
+    app.conf.task_eager_propagates = True
+    with locker.lock("job"), pytest.raises(LockBusy):
+        job.delay()
