@@ -332,6 +332,37 @@ def test_guard_refuses_a_stale_holder(locker: Locker, app_engine: sa.Engine) -> 
     fresh.unlock()
 
 
+@pytest.mark.parametrize("backend", ["postgresql"])
+@pytest.mark.parametrize("snapshot", ["before the renewal", "before the acquire"])
+def test_guard_in_a_snapshot_older_than_the_row_is_a_lock_error_and_no_loss(
+    locker: Locker, app_engine: sa.Engine, snapshot: str
+) -> None:
+    """PostgreSQL under REPEATABLE READ reads the snapshot its transaction took first: a row
+    renewed since cannot be share-locked (a serialization failure, which escaped as
+    SQLAlchemy's own error), and a row made since is not seen (the live lock was declared lost,
+    on_lost called). Either way guard() cannot prove the lock: a LockError that says why,
+    with the lock left valid."""
+    lost = LostCalls()
+    lock = None if snapshot == "before the acquire" else locker.lock("job", on_lost=lost)
+    with app_engine.connect() as conn:
+        conn.begin()
+        conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        conn.exec_driver_sql("SELECT 1")  # the snapshot
+        if lock is None:
+            lock = locker.lock("job", on_lost=lost)
+        else:
+            lock.extend()
+        with pytest.raises(LockError, match="snapshot it took first") as caught:
+            lock.guard(conn)
+        assert not isinstance(caught.value, LockLost)
+        conn.rollback()
+    assert lock.is_valid()
+    assert lost.calls == []
+    with app_engine.connect() as conn, conn.begin():
+        lock.guard(conn)  # READ COMMITTED: proven
+    lock.unlock()
+
+
 # How long the server lets the session sit silent in a transaction (0: for ever), as it says.
 SILENCE_SETTING = {
     "postgresql": "SHOW idle_in_transaction_session_timeout",

@@ -401,6 +401,14 @@ class Backend:
         driver in autocommit commits each statement, and a row lock with it."""
         return None
 
+    def reads_an_older_snapshot(self, conn: Connection, error: Exception | None) -> bool:
+        """After a guard statement that failed with ``error`` (a driver's) or found no row
+        (None): whether ``conn``'s transaction reads the snapshot it took first, in which a row
+        made or renewed since cannot be seen or share-locked, so that the guard proved nothing
+        either way (PostgreSQL above READ COMMITTED; MySQL's locking reads see the newest
+        rows at every level)."""
+        return False
+
     def bound_silence(self, conn: Connection, seconds: float) -> None:
         """Have the server end ``conn``'s open transaction, rolling it back, once its client
         has been silent in it for ``seconds`` (or less, if the session's own limit is less),

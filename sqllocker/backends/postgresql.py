@@ -408,6 +408,14 @@ class PostgreSQLBackend(Backend):
         status = getattr(info, "transaction_status", None)
         return None if status is None else int(status) in (_INTRANS, _INERROR)
 
+    def reads_an_older_snapshot(self, conn: Connection, error: Exception | None) -> bool:
+        if error is not None:
+            # serialization_failure: the row changed after the transaction's snapshot (a
+            # renewal), which cannot then lock it
+            return isinstance(error, sa.exc.DBAPIError) and _sqlstate(error) == "40001"
+        level = conn.exec_driver_sql(_ISOLATION).scalar()
+        return level != "read committed"
+
     def bound_silence(self, conn: Connection, seconds: float) -> None:
         # SET LOCAL, as set_config(..., true): it ends with the transaction, whichever way, so
         # the caller's pooled connection keeps its own setting; a shorter one is kept.
@@ -560,6 +568,9 @@ _COLUMNS = (
     "WHERE a.attrelid OPERATOR(pg_catalog.=) pg_catalog.to_regclass(%(table)s::text) "
     "AND a.attnum OPERATOR(pg_catalog.>) 0::smallint AND NOT a.attisdropped"
 )
+
+
+_ISOLATION = "SELECT pg_catalog.current_setting('transaction_isolation')"
 
 
 def _sqlstate(error: sa.exc.DBAPIError) -> str | None:

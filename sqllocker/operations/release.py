@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from ..backends import backend_class
-from ..errors import LockError, LockLost
+from ..errors import DatabaseError, LockError, LockLost, one_line
 from ..execution import DriverSession
 from ..sqlalchemy_internals import commits_each_statement
 from .database import Database
@@ -162,7 +162,17 @@ class Releaser:
         # statements kept the row locked, and the lock from being taken over, for as long as
         # TCP took to give up.
         self._db.be.bound_silence(connection, silence)
-        if connection.execute(self._db.sql.guard, params).first() is None:
+        try:
+            row = connection.execute(self._db.sql.guard, params).first()
+        except sa.exc.DBAPIError as error:
+            if self._db.be.reads_an_older_snapshot(connection, error):
+                raise _older_snapshot(lockstring) from error
+            raise DatabaseError(
+                f"guard() of lock {lockstring!r} failed: {one_line(error.orig)}", lockstring
+            ) from error
+        if row is None:
+            if self._db.be.reads_an_older_snapshot(connection, None):
+                raise _older_snapshot(lockstring)
             return False
         self._check_driver_transaction(connection, lockstring)
         return True
@@ -178,3 +188,12 @@ class Releaser:
                 "each statement (autocommit), so the protection would end with the guard's own",
                 lockstring,
             )
+
+
+def _older_snapshot(lockstring: str) -> LockError:
+    return LockError(
+        "guard() cannot prove the lock in this transaction: it reads the snapshot it took "
+        "first (REPEATABLE READ or SERIALIZABLE), older than the lock's row or its last "
+        "renewal; roll back, and guard first thing in the transaction, or use READ COMMITTED",
+        lockstring,
+    )
