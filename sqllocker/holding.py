@@ -296,6 +296,24 @@ class Holding:
         on_lost(lost)
 
 
+class OnLostOnce:
+    """One ``on_lost`` for the rows of one lock (a writer's claim and its token): called for
+    the first of them found lost, not again for the other (an async one's awaitable is
+    returned, as the callback's own would be)."""
+
+    def __init__(self, on_lost: OnLost) -> None:
+        self._on_lost = on_lost
+        self._called = False
+        self._calling = threading.Lock()
+
+    def __call__(self, lost: LockLost) -> object:
+        with self._calling:
+            if self._called:
+                return None
+            self._called = True
+        return self._on_lost(lost)
+
+
 HoldingT = TypeVar("HoldingT", bound=Holding)
 
 

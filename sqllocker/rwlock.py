@@ -15,10 +15,10 @@ from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from . import concurrency
+from . import clock, concurrency, deadlines
 from .backoff import Backoff
 from .errors import LockError, LockLost
-from .holding import OnLost
+from .holding import RELEASE_PATIENCE, OnLost, OnLostOnce
 from .lock import Lock
 from .rwlocks import (
     READER,
@@ -158,7 +158,8 @@ class RWLock:
         recording = self._telemetry.compound(kind, self.name, wait, mapped=True)
         try:
             with unrecorded():  # two rows, one lock: recorded once, below
-                lock = self._take_write(checked, expires, on_lost, locked_by, hold_at_least)
+                once = None if on_lost is None else OnLostOnce(on_lost)  # for both rows
+                lock = self._take_write(checked, expires, once, locked_by, hold_at_least)
         except BaseException as error:
             recording.failed(error)
             raise
@@ -288,8 +289,9 @@ class WriteLock(Lock):
         return super().extend(seconds)
 
     def keep_alive(self, on_lost: OnLost | None = None) -> WriteLock:
-        self.claim.keep_alive(on_lost)
-        super().keep_alive(on_lost)
+        once = None if on_lost is None else OnLostOnce(on_lost)  # for both rows
+        self.claim.keep_alive(once)
+        super().keep_alive(once)
         return self
 
     def guard(self, connection: Connection) -> None:
@@ -319,8 +321,11 @@ def _announce(run: Run, operations: LockOperations, name: str) -> None:
     locker's ``operations`` (each run by ``run``): only a hint (see ``Election.observe``),
     so one that fails is logged, and they poll."""
     try:
-        run(operations.announce_leader, name)
-    except LockError as error:
+        # Within a second: the rows are gone already, and a frozen connection must not keep
+        # the release (whose patience is the lock's expiry) from returning.
+        with deadlines.statements_end_by(clock.now() + RELEASE_PATIENCE):
+            run(operations.announce_leader, name)
+    except (LockError, TimeoutError) as error:
         logger.info("read-write lock %r: could not tell its observers (%s)", name, error)
 
 

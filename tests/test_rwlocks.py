@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -15,10 +17,18 @@ from typing import Any
 
 import pytest
 
-from sqllocker import Lock, LockBusy, Locker, LockValueError
+from sqllocker import Lock, LockBusy, Locker, LockError, LockValueError
 from sqllocker.asyncio import AsyncLocker
 from tests.fleet import Fleet
-from tests.helpers import Proxied, abandon, count_rows, stop_outside_a_write
+from tests.helpers import (
+    FRONTS,
+    Front,
+    Proxied,
+    abandon,
+    count_rows,
+    stop_outside_a_write,
+    wait_until,
+)
 from tests.workers import async_url
 
 
@@ -421,3 +431,61 @@ def test_a_writer_whose_claim_runs_out_at_once_stops_by_its_wait(locker: Locker)
         locker.rwlock("catalog").write(wait=0.5, expires=0.0001)
     assert time.monotonic() - started < 30
     assert count_rows(locker) == 0
+
+
+@pytest.mark.parametrize("front", FRONTS, ids=str)
+@pytest.mark.parametrize("backend", ["postgresql"])
+def test_a_writers_release_is_not_held_up_by_a_frozen_notice_to_observers(
+    make_locker: Callable[..., Locker], table_name: str, proxied: Proxied, front: Front
+) -> None:
+    """A writer's release deletes its rows, then tells an election's observers (a NOTIFY): a
+    hint, whose connection freezing (the proxy holds it for ever) kept unlock() from returning
+    for as long as the driver waited, past the lock's expiry. It returns within a second or two,
+    its rows gone."""
+    make_locker()  # creates the table
+    outcome: dict[str, Any] = {}
+
+    async def scenario() -> None:
+        locker = front.locker(proxied.url, table=table_name)
+        try:
+            writer = await front.call(locker.rwlock("catalog").write, expires=30)
+            proxied.proxy.freeze_connection_before(b"pg_notify")
+            started = time.monotonic()
+            await front.call(writer.unlock)
+            outcome["took"] = time.monotonic() - started
+            outcome["rows"] = await front.call(locker.locks)
+        finally:
+            proxied.proxy.close()  # ends the frozen connection
+            with contextlib.suppress(LockError):
+                await front.close(locker)
+
+    asyncio.run(scenario())
+    assert outcome["took"] < 10, outcome
+    assert outcome["rows"] == []
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+@pytest.mark.parametrize("kind", ["writer", "leader"])
+def test_a_writer_whose_rows_are_both_lost_is_told_once(
+    make_locker: Callable[..., Locker], table_name: str, proxied: Proxied, kind: str
+) -> None:
+    """A kept-alive writer (or leader) whose database falls silent loses both its rows, the
+    claim and the token: ``on_lost`` is called once, as for any lock, not once a row."""
+    make_locker()  # creates the table
+    locker = Locker(proxied.url, table=table_name)
+    calls: list[LockError] = []
+    try:
+        held: Any
+        if kind == "writer":
+            held = locker.rwlock("catalog").write(expires=2, keep_alive=True, on_lost=calls.append)
+        else:
+            held = locker.election("catalog").campaign(expires=2, on_lost=calls.append)
+        proxied.proxy.stall()
+        wait_until(lambda: len(calls) >= 1, timeout=30)
+        time.sleep(2)  # the other row's renewal has failed too by now
+        assert len(calls) == 1, calls
+        assert not held.is_valid()
+    finally:
+        proxied.proxy.close()
+        with contextlib.suppress(LockError):
+            locker.close()

@@ -13,9 +13,10 @@ from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from .. import clock, deadlines
 from ..backoff import Backoff
 from ..errors import LockError, LockLost
-from ..holding import OnLost
+from ..holding import RELEASE_PATIENCE, OnLost, OnLostOnce
 from ..rwlocks import (
     READER,
     WRITER,
@@ -156,7 +157,8 @@ class AsyncRWLock:
         recording = self._telemetry.compound(kind, self.name, wait, mapped=True)
         try:
             with unrecorded():  # two rows, one lock: recorded once, below
-                lock = await self._take_write(checked, expires, on_lost, locked_by, hold_at_least)
+                once = None if on_lost is None else OnLostOnce(on_lost)  # for both rows
+                lock = await self._take_write(checked, expires, once, locked_by, hold_at_least)
         except BaseException as error:
             recording.failed(error)
             raise
@@ -292,8 +294,9 @@ class AsyncWriteLock(AsyncLock):
         return await super().extend(seconds)
 
     def keep_alive(self, on_lost: OnLost | None = None) -> AsyncWriteLock:
-        self.claim.keep_alive(on_lost)
-        super().keep_alive(on_lost)
+        once = None if on_lost is None else OnLostOnce(on_lost)  # for both rows
+        self.claim.keep_alive(once)
+        super().keep_alive(once)
         return self
 
     async def guard(self, connection: AsyncConnection) -> None:
@@ -323,8 +326,16 @@ async def _announce(run: Run, operations: LockOperations, name: str) -> None:
     locker's ``operations`` (each run by ``run``): only a hint (see ``AsyncElection.observe``),
     so one that fails is logged, and they poll."""
     try:
-        await run(operations.announce_leader, name)
-    except LockError as error:
+        # Within a second: the rows are gone already, and a frozen connection must not keep
+        # the release (whose patience is the lock's expiry) from returning.
+        if True:  # ASYNC
+            await concurrency.within(
+                run(operations.announce_leader, name), RELEASE_PATIENCE, f"announce {name!r}"
+            )
+        else:
+            with deadlines.statements_end_by(clock.now() + RELEASE_PATIENCE):
+                run(operations.announce_leader, name)
+    except (LockError, TimeoutError) as error:
         logger.info("read-write lock %r: could not tell its observers (%s)", name, error)
 
 
