@@ -36,9 +36,16 @@ than the last writer's.
 from __future__ import annotations
 
 import secrets
+from typing import Any
 
 from .errors import LockBusy, LockValueError
-from .validation import MAX_LOCKSTRING_LENGTH
+from .validation import (
+    MAX_LOCKSTRING_LENGTH,
+    check_hold_at_least,
+    check_locked_by,
+    check_on_lost,
+    check_seconds,
+)
 
 READER = "reader"
 WRITER = "writer"
@@ -112,3 +119,15 @@ def refused(name: str, side: str, wait: float | None, ran_out: float | None = No
     )
     busy.args = (busy.message,)
     return busy
+
+
+def check_side_request(
+    name: str, expires: object, on_lost: object, locked_by: object, hold_at_least: object
+) -> dict[str, Any]:
+    """A read, write or campaign's options, checked before anything is read or written (they
+    reach ``lock()`` only after the table is set up and looked at); ``locked_by`` as a dict."""
+    check_on_lost(on_lost)
+    if expires is not None:
+        check_seconds(expires, "expires", name)
+    check_hold_at_least(hold_at_least, name)
+    return {} if locked_by is None else check_locked_by(locked_by, name)

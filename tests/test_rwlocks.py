@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -489,3 +490,30 @@ def test_a_writer_whose_rows_are_both_lost_is_told_once(
         proxied.proxy.close()
         with contextlib.suppress(LockError):
             locker.close()
+
+
+def test_bad_options_of_a_side_are_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """A read, write or campaign with a bad option is refused with a LockError before the
+    table is made or read (it was made first, and a bad ``locked_by`` was a TypeError)."""
+    database = tmp_path / "fresh.db"
+    locker = Locker(f"sqlite:///{database}")
+    rw, election = locker.rwlock("catalog"), locker.election("catalog")
+    calls: list[Callable[[], object]] = [
+        lambda: rw.read(expires=-1),
+        lambda: rw.read(hold_at_least=-5),
+        lambda: rw.read(locked_by=["not", "a", "mapping"]),  # type: ignore[arg-type]
+        lambda: rw.write(on_lost=3),  # type: ignore[arg-type]
+        lambda: rw.write(expires=float("nan")),
+        lambda: election.campaign(locked_by="x"),  # type: ignore[arg-type]
+        lambda: election.campaign(expires=0),
+        lambda: next(iter(election.observe(float("nan")))),
+    ]
+    try:
+        for call in calls:
+            with pytest.raises(LockError):
+                call()
+        if database.exists():
+            with contextlib.closing(sqlite3.connect(database)) as conn:
+                assert conn.execute("SELECT name FROM sqlite_master").fetchall() == []
+    finally:
+        locker.close()

@@ -11,9 +11,15 @@ from collections.abc import AsyncGenerator, Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from ..elections import HINTED_READ_GAP, OBSERVE_INTERVAL, Leader, leader_from
+from ..elections import (
+    HINTED_READ_GAP,
+    OBSERVE_INTERVAL,
+    Leader,
+    check_interval,
+    leader_from,
+)
 from ..holding import OnLost
-from ..rwlocks import writer_fence_pattern
+from ..rwlocks import check_side_request, writer_fence_pattern
 from ..validation import check_lockstring
 from . import concurrency
 from .rwlock import AsyncRWLock, AsyncWriteLock
@@ -97,14 +103,9 @@ class AsyncElection:
         ``on_lost`` (else the locker's) is called if it is lost, before anyone else can lead.
         Raises LockBusy once ``wait`` has passed."""
         rwlock = AsyncRWLock(self.locker, self._operations, self._run, self.name, self._telemetry)
+        details = check_side_request(self.name, expires, on_lost, locked_by, None)
         lock = await rwlock._write(
-            wait,
-            expires,
-            True,
-            on_lost,
-            {**(locked_by or {}), "election": "leader"},
-            None,
-            kind="election",
+            wait, expires, True, on_lost, {**details, "election": "leader"}, None, kind="election"
         )
         return AsyncLeadership(lock)
 
@@ -124,7 +125,7 @@ class AsyncElection:
         """The leader now, then each change of leader (None while there is none), read at
         most ``interval`` (at most a second) apart, and on PostgreSQL again at once when a
         candidate says it took or gave up the lead (a NOTIFY, taken as a hint to read)."""
-        interval = min(max(interval, 0.01), OBSERVE_INTERVAL)
+        interval = min(max(check_interval(interval, self.name), 0.01), OBSERVE_INTERVAL)
         await self._run(self._operations.ensure_setup)
         listener = self._release_listener()
         if listener is not None and not listener.hands_over:

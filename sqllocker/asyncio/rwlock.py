@@ -22,6 +22,7 @@ from ..rwlocks import (
     WRITER,
     WRITER_FENCE,
     check_reader_name,
+    check_side_request,
     reader_lockstring,
     reader_pattern,
     refused,
@@ -77,6 +78,7 @@ class AsyncRWLock:
         ``lock()``'s. Raises LockBusy once ``wait`` has passed."""
         check_reader_name(self.name)
         checked = check_wait(wait, self.name)
+        locked_by = check_side_request(self.name, expires, on_lost, locked_by, hold_at_least)
         recording = self._telemetry.compound("rwlock.reader", self.name, wait, mapped=True)
         try:
             reader = await self._read(checked, expires, on_lost, locked_by, hold_at_least)
@@ -154,6 +156,7 @@ class AsyncRWLock:
     ) -> AsyncWriteLock:
         """``write()``, recorded as ``kind`` (an election's campaign: ``election``)."""
         checked = check_wait(wait, self.name)
+        locked_by = check_side_request(self.name, expires, on_lost, locked_by, hold_at_least)
         recording = self._telemetry.compound(kind, self.name, wait, mapped=True)
         try:
             with unrecorded():  # two rows, one lock: recorded once, below
