@@ -28,6 +28,7 @@ from datetime import datetime
 
 from .errors import LockValueError
 from .operations import LockInfo
+from .rwlocks import FENCE_CLAIM
 
 # How often ``observe()`` reads the leader's row: a change is seen at most this late.
 OBSERVE_INTERVAL = 1.0
@@ -63,7 +64,13 @@ def leader_from(info: LockInfo | None, fences: list[LockInfo]) -> Leader | None:
     waiting for readers to leave, or a plain lock of the name, which leads nothing)."""
     if info is None or info.expired:
         return None
-    terms = [fence.lock_id for fence in fences if fence.lock_id > info.lock_id]
+    # A fence row drawn for this very claim (one of an older sqllocker's says not: any later).
+    terms = [
+        fence.lock_id
+        for fence in fences
+        if fence.lock_id > info.lock_id
+        and fence.locked_by.get(FENCE_CLAIM, info.lock_id) == info.lock_id
+    ]
     if not terms:
         return None
     details = info.locked_by

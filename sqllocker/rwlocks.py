@@ -79,6 +79,12 @@ def writer_lockstring(name: str) -> str:
     return name[: MAX_LOCKSTRING_LENGTH - len(suffix)] + suffix
 
 
+# In a writer's fence row's locked_by: the id of the claim it was drawn for (the row of the
+# name itself). Names longer than a fence row's lockstring leaves room for share a pattern:
+# this tells whose fence a row is.
+FENCE_CLAIM = "rwlock_claim"
+
+
 def writer_fence_pattern(name: str) -> tuple[str, str]:
     """Every writer's fence row of ``name``, as ``(literal prefix, wildcard suffix)``."""
     suffix = _WRITER_SUFFIX.format(suffix="*")

@@ -322,3 +322,23 @@ async def test_an_async_postgresql_observer_is_told_at_once(
         assert await asyncio.wait_for(changes.__anext__(), slow_observer_poll / 5) is None
         await changes.aclose()
         candidate.close()
+
+
+def test_elections_whose_long_names_share_a_prefix_keep_their_own_terms(locker: Locker) -> None:
+    """A fence row's lockstring has room for the first 102 characters of a name only: two
+    elections whose names share them read each other's fence rows. Each leader's term is its
+    own, and a plain lock of one name leads nothing, whatever the other does."""
+    a, b = "x" * 110 + " A", "x" * 110 + " B"
+    plain = locker.lock(a)
+    lead_b = locker.election(b).campaign(expires=30)
+    assert locker.election(a).leader() is None
+    plain.unlock()
+    lead_a = locker.election(a).campaign(expires=30)
+    lead_b.resign()
+    lead_b = locker.election(b).campaign(expires=30)
+    for lead, name in ((lead_a, a), (lead_b, b)):
+        leader = locker.election(name).leader()
+        assert leader is not None
+        assert leader.term == lead.term
+    lead_a.resign()
+    lead_b.resign()

@@ -18,6 +18,7 @@ from ..backoff import Backoff
 from ..errors import LockError, LockLost
 from ..holding import RELEASE_PATIENCE, OnLost, OnLostOnce
 from ..rwlocks import (
+    FENCE_CLAIM,
     READER,
     WRITER,
     WRITER_FENCE,
@@ -200,7 +201,11 @@ class AsyncRWLock:
                     token = await self.locker.lock(
                         writer_lockstring(self.name),
                         expires=expires,
-                        locked_by={**(locked_by or {}), "rwlock": WRITER_FENCE},
+                        locked_by={
+                            **(locked_by or {}),
+                            "rwlock": WRITER_FENCE,
+                            FENCE_CLAIM: claim.lock_id,
+                        },
                         on_lost=on_lost,
                     )
                     # And still valid once the token is drawn: held up on the way past the
