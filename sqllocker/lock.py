@@ -68,6 +68,7 @@ class LockTaker(Protocol):
 
     engine: Engine
     table_name: str
+    on_lost: OnLost | None  # its locks' on_lost unless given one
 
     def lock(
         self,

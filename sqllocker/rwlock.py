@@ -162,8 +162,7 @@ class RWLock:
         recording = self._telemetry.compound(kind, self.name, wait, mapped=True)
         try:
             with unrecorded():  # two rows, one lock: recorded once, below
-                once = None if on_lost is None else OnLostOnce(on_lost)  # for both rows
-                lock = self._take_write(checked, expires, once, locked_by, hold_at_least)
+                lock = self._take_write(checked, expires, on_lost, locked_by, hold_at_least)
         except BaseException as error:
             recording.failed(error)
             raise
@@ -191,7 +190,7 @@ class RWLock:
                 expires=expires,
                 wait=backoff.remaining(),
                 locked_by={**(locked_by or {}), "rwlock": WRITER},
-                on_lost=on_lost,
+                on_lost=_not_handed_out,
                 hold_at_least=hold_at_least,
             )
             try:
@@ -207,13 +206,18 @@ class RWLock:
                             "rwlock": WRITER_FENCE,
                             FENCE_CLAIM: claim.lock_id,
                         },
-                        on_lost=on_lost,
+                        on_lost=_not_handed_out,
                     )
                     # And still valid once the token is drawn: held up on the way past the
                     # claim's expiry, the claim may have been taken over, and that writer's
                     # token drawn before ours, lower than ours: a resource fenced by it would
                     # take our writes and refuse the valid writer's.
                     if claim.is_valid():
+                        # Told once, whichever row is found lost first (the locker's on_lost
+                        # unless given one); rows not handed out tell nobody.
+                        told = on_lost or self.locker.on_lost
+                        once = None if told is None else OnLostOnce(told)
+                        claim._state.on_lost = token._state.on_lost = once
                         return WriteLock(claim, token)
                     _give_back(token)
             except LockLost:
@@ -333,8 +337,13 @@ def _announce(run: Run, operations: LockOperations, name: str) -> None:
         # the release (whose patience is the lock's expiry) from returning.
         with deadlines.statements_end_by(clock.now() + RELEASE_PATIENCE):
             run(operations.announce_leader, name)
-    except (LockError, TimeoutError) as error:
+    except LockError as error:
         logger.info("read-write lock %r: could not tell its observers (%s)", name, error)
+
+
+def _not_handed_out(lost: LockLost) -> None:
+    """The on_lost of a writer's rows until they are handed out: a claim lost while it waits
+    for readers is taken again, and tells nobody."""
 
 
 def _give_back(lock: Lock) -> None:

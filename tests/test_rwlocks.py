@@ -467,20 +467,24 @@ def test_a_writers_release_is_not_held_up_by_a_frozen_notice_to_observers(
 
 @pytest.mark.parametrize("backend", ["postgresql", "mysql"])
 @pytest.mark.parametrize("kind", ["writer", "leader"])
+@pytest.mark.parametrize("given", ["to the call", "to the locker"])
 def test_a_writer_whose_rows_are_both_lost_is_told_once(
-    make_locker: Callable[..., Locker], table_name: str, proxied: Proxied, kind: str
+    make_locker: Callable[..., Locker], table_name: str, proxied: Proxied, kind: str, given: str
 ) -> None:
     """A kept-alive writer (or leader) whose database falls silent loses both its rows, the
-    claim and the token: ``on_lost`` is called once, as for any lock, not once a row."""
+    claim and the token: ``on_lost`` (the call's, or the locker's) is called once, as for any
+    lock, not once a row."""
     make_locker()  # creates the table
-    locker = Locker(proxied.url, table=table_name)
     calls: list[LockError] = []
+    to_locker = given == "to the locker"
+    locker = Locker(proxied.url, table=table_name, on_lost=calls.append if to_locker else None)
+    told = {} if to_locker else {"on_lost": calls.append}
     try:
         held: Any
         if kind == "writer":
-            held = locker.rwlock("catalog").write(expires=2, keep_alive=True, on_lost=calls.append)
+            held = locker.rwlock("catalog").write(expires=2, keep_alive=True, **told)
         else:
-            held = locker.election("catalog").campaign(expires=2, on_lost=calls.append)
+            held = locker.election("catalog").campaign(expires=2, **told)
         proxied.proxy.stall()
         wait_until(lambda: len(calls) >= 1, timeout=30)
         time.sleep(2)  # the other row's renewal has failed too by now
@@ -517,3 +521,35 @@ def test_bad_options_of_a_side_are_refused_before_anything_is_written(tmp_path: 
                 assert conn.execute("SELECT name FROM sqlite_master").fetchall() == []
     finally:
         locker.close()
+
+
+def test_a_claim_lost_while_waiting_for_readers_tells_nobody_and_the_real_loss_is_told(
+    make_locker: Callable[..., Locker],
+) -> None:
+    """A writer's claim broken while it waits for a reader to leave is taken again: it was never
+    handed out, so ``on_lost`` is not called for it (and not used up by it): the loss of the
+    lock handed out later is the one told."""
+    locker = make_locker(grace=0)
+    calls: list[LockError] = []
+    rw = locker.rwlock("catalog")
+    reader = rw.read()
+    outcome: dict[str, Any] = {}
+
+    def writer() -> None:
+        outcome["lock"] = rw.write(wait=30, expires=3, keep_alive=True, on_lost=calls.append)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    wait_until(lambda: locker.lock_info("catalog") is not None)
+    locker.break_lock("catalog")  # the waiting writer's claim
+    time.sleep(1.5)  # its renewal while waiting finds it gone, and claims again
+    reader.unlock()
+    thread.join(30)
+    lock = outcome["lock"]
+    assert calls == []
+    for info in locker.locks():
+        locker.break_lock(info.lockstring)
+    wait_until(lambda: len(calls) >= 1, timeout=30)
+    time.sleep(2)
+    assert len(calls) == 1
+    assert not lock.is_valid()

@@ -75,6 +75,7 @@ class AsyncLockTaker(Protocol):
 
     engine: AsyncEngine
     table_name: str
+    on_lost: OnLost | None  # its locks' on_lost unless given one
 
     def lock(
         self,

@@ -35,6 +35,9 @@ from ..validation import check_lockstring, check_wait
 from . import concurrency
 from .lock import AsyncLock
 
+if True:  # ASYNC
+    import asyncio
+
 logger = logging.getLogger("sqllocker")
 
 if TYPE_CHECKING:
@@ -161,8 +164,7 @@ class AsyncRWLock:
         recording = self._telemetry.compound(kind, self.name, wait, mapped=True)
         try:
             with unrecorded():  # two rows, one lock: recorded once, below
-                once = None if on_lost is None else OnLostOnce(on_lost)  # for both rows
-                lock = await self._take_write(checked, expires, once, locked_by, hold_at_least)
+                lock = await self._take_write(checked, expires, on_lost, locked_by, hold_at_least)
         except BaseException as error:
             recording.failed(error)
             raise
@@ -190,7 +192,7 @@ class AsyncRWLock:
                 expires=expires,
                 wait=backoff.remaining(),
                 locked_by={**(locked_by or {}), "rwlock": WRITER},
-                on_lost=on_lost,
+                on_lost=_not_handed_out,
                 hold_at_least=hold_at_least,
             )
             try:
@@ -206,13 +208,18 @@ class AsyncRWLock:
                             "rwlock": WRITER_FENCE,
                             FENCE_CLAIM: claim.lock_id,
                         },
-                        on_lost=on_lost,
+                        on_lost=_not_handed_out,
                     )
                     # And still valid once the token is drawn: held up on the way past the
                     # claim's expiry, the claim may have been taken over, and that writer's
                     # token drawn before ours, lower than ours: a resource fenced by it would
                     # take our writes and refuse the valid writer's.
                     if claim.is_valid():
+                        # Told once, whichever row is found lost first (the locker's on_lost
+                        # unless given one); rows not handed out tell nobody.
+                        told = on_lost or self.locker.on_lost
+                        once = None if told is None else OnLostOnce(told)
+                        claim._state.on_lost = token._state.on_lost = once
                         return AsyncWriteLock(claim, token)
                     await _give_back(token)
             except LockLost:
@@ -337,14 +344,22 @@ async def _announce(run: Run, operations: LockOperations, name: str) -> None:
         # Within a second: the rows are gone already, and a frozen connection must not keep
         # the release (whose patience is the lock's expiry) from returning.
         if True:  # ASYNC
-            await concurrency.within(
-                run(operations.announce_leader, name), RELEASE_PATIENCE, f"announce {name!r}"
-            )
+            try:
+                await concurrency.within(
+                    run(operations.announce_leader, name), RELEASE_PATIENCE, f"announce {name!r}"
+                )
+            except asyncio.TimeoutError:  # not TimeoutError itself before Python 3.11
+                raise LockError(f"no answer within {RELEASE_PATIENCE:g} s", name) from None
         else:
             with deadlines.statements_end_by(clock.now() + RELEASE_PATIENCE):
                 run(operations.announce_leader, name)
-    except (LockError, TimeoutError) as error:
+    except LockError as error:
         logger.info("read-write lock %r: could not tell its observers (%s)", name, error)
+
+
+def _not_handed_out(lost: LockLost) -> None:
+    """The on_lost of a writer's rows until they are handed out: a claim lost while it waits
+    for readers is taken again, and tells nobody."""
 
 
 async def _give_back(lock: AsyncLock) -> None:
