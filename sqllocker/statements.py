@@ -271,12 +271,14 @@ class Statements:
         """Push our row's expiry to server now + ttl, unless it is gone or has already expired.
 
         ``expires > now`` is what keeps an extend from reviving a lock that lapsed (DBIx::Locker's
-        setter revived them): once expired, someone else may already have acted.
+        setter revived them): once expired, someone else may already have acted. Nor does it
+        touch a row its holder finished (``finish_within_window``): an extend of the holder's
+        that reaches the server late would end the window early.
         """
         c = self.table.c
         update = (
             sa.update(self.table)
-            .where(self._ours_and_live)
+            .where(self._ours_and_live, self.backend.json_key_absent(c.locked_by, "finished"))
             .values(expires=self.backend.shifted_now("ttl"))
         )
         return update.returning(c.expires) if self.backend.update_returning else update

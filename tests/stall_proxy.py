@@ -47,6 +47,7 @@ class StallProxy:
         self.errors_answered = 0
         self.stalled_before = threading.Event()
         self._holding: bytes | None = None  # see deliver_late
+        self._cut_held_client = False
         self._held_release = threading.Event()
         self.held_delivered = threading.Event()
         threading.Thread(target=self._accept, name="stall-proxy", daemon=True).start()
@@ -87,13 +88,15 @@ class StallProxy:
         with self._lock:
             self._freezing = marker
 
-    def deliver_late(self, marker: bytes) -> None:
+    def deliver_late(self, marker: bytes, cut_client: bool = False) -> None:
         """The next statement a client sends that contains ``marker`` is held, with whatever
         its connection sends after it, until ``deliver_held``: then it reaches the server
         (``held_delivered`` is set), even if its client has closed the connection meanwhile;
-        the server's answers go to the client while it is there. The others flow on."""
+        the server's answers go to the client while it is there. The others flow on. With
+        ``cut_client``, the client's end is reset at once: it sees its connection lost."""
         with self._lock:
             self._holding = marker
+            self._cut_held_client = cut_client
             self._held_release.clear()
             self.held_delivered.clear()
 
@@ -110,6 +113,10 @@ class StallProxy:
     def _deliver_late(self, client: socket.socket, server: socket.socket, held: bytes) -> None:
         """The rest of a connection whose statement ``held`` is delivered late."""
         chunks, client_open = [held], True
+        if self._cut_held_client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            client.close()  # a reset: the client sees its connection lost
+            client_open = False
         while not self._held_release.is_set() and not self._closed.is_set():
             watched = [server, client] if client_open else [server]
             readable, _, _ = select.select(watched, [], [], 0.05)

@@ -1197,6 +1197,42 @@ async def _interrupted(front: Front, method: Callable[[], Any], after: float) ->
 
 @pytest.mark.parametrize("front", FRONTS, ids=str)
 @pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_an_extend_retried_on_a_new_connection_counts_on_no_more_than_its_first_try(
+    url: str, table_name: str, make_locker: Any, front: Front, proxied: Proxied
+) -> None:
+    """``extend(4)`` loses its connection as it sends its statement, which the network still
+    holds; it is tried again on a new connection, and succeeds; ``extend()`` by 30 s succeeds
+    after it; then the first try reaches the server, and the row expires 4 s later. A retry
+    after a lost connection leaves the first try's fate unknown: the holder must not count on
+    more than 4 s from then, and is not valid when another process gets the lock."""
+    contender = make_locker(grace=0)  # creates the table
+    outcome: dict[str, Any] = {}
+
+    async def scenario() -> None:
+        locker = front.locker(proxied.url, table=table_name, grace=0)
+        try:
+            lock = await front.call(locker.lock, "job", expires=30)
+            outcome["first_id"] = lock.lock_id
+            proxied.proxy.deliver_late(b"SET expires", cut_client=True)
+            await front.call(lock.extend, 4)  # its retry succeeds
+            await front.call(lock.extend, 30)
+            proxied.proxy.deliver_held()
+            assert await asyncio.to_thread(proxied.proxy.held_delivered.wait, 30)
+            second = await asyncio.to_thread(contender.lock, "job", wait=30)
+            outcome["first_valid_at_takeover"] = lock.is_valid()
+            outcome["second_id"] = second.lock_id
+            second.unlock()
+        finally:
+            with contextlib.suppress(LockError):
+                await front.close(locker)
+
+    asyncio.run(scenario())
+    assert outcome["second_id"] > outcome["first_id"]
+    assert outcome["first_valid_at_takeover"] is False
+
+
+@pytest.mark.parametrize("front", FRONTS, ids=str)
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
 @pytest.mark.parametrize("step", ["shorter extend", "unlock"])
 def test_a_statement_that_lands_after_a_later_extend_leaves_no_second_holder(
     url: str, table_name: str, make_locker: Any, front: Front, proxied: Proxied, step: str
@@ -1289,3 +1325,27 @@ def test_an_exception_from_a_signal_handler_mid_statement_leaves_no_connection_b
         held.unlock()
         if engine != "own":
             target.dispose()
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_a_late_extend_does_not_end_a_finished_holders_window(
+    url: str, table_name: str, make_locker: Any, proxied: Proxied
+) -> None:
+    """``extend(2)`` cut short while the network holds its statement; the holder finishes its
+    job and releases within its ``hold_at_least`` window, which keeps the row to the window's
+    end; then the extend reaches the server. It must not move that row's expiry: the window
+    holds, and the job does not run again in it."""
+    contender = make_locker(grace=0)  # creates the table
+    locker = Locker(proxied.url, table=table_name, grace=0)
+    try:
+        lock = locker.lock("nightly", expires=30, hold_at_least=10)
+        proxied.proxy.deliver_late(b"SET expires")
+        assert asyncio.run(_interrupted(FRONTS[0], lambda: lock.extend(2), 0.5))
+        lock.unlock()  # the row is kept to the window's end
+        proxied.proxy.deliver_held()
+        assert proxied.proxy.held_delivered.wait(30)
+        time.sleep(3)  # past the late extend's 2 s
+        with pytest.raises(LockBusy):
+            contender.lock("nightly")
+    finally:
+        locker.close()

@@ -14,6 +14,7 @@ release any more.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from datetime import datetime
@@ -181,8 +182,14 @@ class AsyncLockState(Holding):
                 self.keep_alives.changed(self)  # the deadline may have come closer
             with self.telemetry.extending():
                 try:
+                    # A try resent on a new connection leaves the first one's fate unknown.
                     expires: datetime = await self.run(
-                        self.operations.extend, self.lockstring, self.lock_id, self.guid, ttl
+                        self.operations.extend,
+                        self.lockstring,
+                        self.lock_id,
+                        self.guid,
+                        ttl,
+                        functools.partial(self.renewal_unsure, ttl),
                     )
                 except LockLost as lost:
                     self.mark_lost(lost)

@@ -134,6 +134,10 @@ class Backend:
         """JSON ``document`` with ``key`` set to the string ``text`` (an SQL expression)."""
         return sa.func.json_set(document, sa.literal(f"$.{key}"), sa.cast(text, sa.String))
 
+    def json_key_absent(self, document: ColumnElement[Any], key: str) -> ColumnElement[bool]:
+        """Whether JSON ``document`` has no ``key``."""
+        return sa.func.json_extract(document, sa.literal(f"$.{key}")).is_(None)
+
     def equal(self, left: ColumnElement[Any], right: ColumnElement[Any]) -> ColumnElement[bool]:
         """``left = right`` for strings."""
         return self.as_text(left) == self.as_text(right)

@@ -90,6 +90,9 @@ class PostgreSQLBackend(Backend):
         value = sa.func.pg_catalog.to_jsonb(sa.cast(text, sa.Text))
         return sa.func.pg_catalog.jsonb_set(document, path, value)
 
+    def json_key_absent(self, document: ColumnElement[Any], key: str) -> ColumnElement[bool]:
+        return sa.not_(sa.func.pg_catalog.jsonb_exists(document, sa.cast(sa.literal(key), sa.Text)))
+
     def as_text(self, value: ColumnElement[Any]) -> ColumnElement[Any]:
         # varchar has no ``=`` of its own, so an exact ``=(varchar, varchar)`` that another role
         # created in a schema on our path would be chosen over pg_catalog's; with text on both

@@ -266,6 +266,7 @@ class Database:
         lockstring: str | None,
         operation: Callable[[DriverSession], T],
         conflict_retries: int = CONFLICT_RETRIES,
+        resent: Callable[[], None] | None = None,
     ) -> T:
         """Run ``operation`` on a pooled connection, translating driver errors into LockErrors.
 
@@ -273,7 +274,9 @@ class Database:
         of failure are retried: a connection that turns out dead (the server restarted since it
         was pooled) is replaced once, and contention that the database resolved by rolling the
         statement back (a deadlock, a lock-wait timeout, SQLite busy) is retried with backoff,
-        so that, say, a release chosen as a deadlock victim still releases.
+        so that, say, a release chosen as a deadlock victim still releases. ``resent`` is
+        called before the retry on a new connection: the first try's statement may still reach
+        the server, later (an extend's would undo what the retry did).
         """
         created_table = False
         retried_connection = False
@@ -308,6 +311,8 @@ class Database:
                         logger.warning(
                             "database connection was lost (%s); reconnecting", error.orig
                         )
+                        if resent is not None:
+                            resent()
                         continue
                 if (
                     self._backend is not None

@@ -4,6 +4,7 @@ checkpoints after releases."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -64,13 +65,22 @@ class Releaser:
             )
         logger.debug("released %r (id %d)", lockstring, lock_id)
 
-    def extend(self, lockstring: str, lock_id: int, guid: str, ttl: float) -> datetime:
+    def extend(
+        self,
+        lockstring: str,
+        lock_id: int,
+        guid: str,
+        ttl: float,
+        resent: Callable[[], None] | None = None,
+    ) -> datetime:
         """Push our row's expiry to the server's now + ``ttl``; LockLost if it is gone or has
-        already expired (an expired lock is never revived)."""
+        already expired (an expired lock is never revived). ``resent``: see ``Database.run``."""
 
         params = {"lock_id": lock_id, "lock_guid": guid}
         expires = self._db.run(
-            lockstring, lambda conn: self.extend_on(conn, params, self._db.be.seconds_value(ttl))
+            lockstring,
+            lambda conn: self.extend_on(conn, params, self._db.be.seconds_value(ttl)),
+            resent=resent,
         )
         if expires is None:
             raise LockLost(
