@@ -40,6 +40,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from celery import Task
+from celery.exceptions import Ignore
 from celery.schedules import BaseSchedule
 from celery.schedules import schedule as celery_schedule
 
@@ -135,9 +136,11 @@ class LockedTask(Task[Any, Any]):
         with lock, _holding(lock):
             try:
                 return super().__call__(*args, **kwargs)
+            except Ignore:
+                raise  # control flow after the work (replace() ends so): the window stands
             except BaseException:
-                # A run that failed, or asks to be retried, did not do its work: its window
-                # would keep its own retry (and every copy) from doing it.
+                # A run that failed, asks to be retried, or was rejected did not do its work:
+                # its window would keep its own retry (and every copy) from doing it.
                 lock._state.hold_at_least = None
                 raise
 
@@ -193,6 +196,11 @@ class LockedTask(Task[Any, Any]):
         return hold
 
 
+# How far a worker's clock may be behind the beat's for a run to count as the fire time it is
+# a moment before (see schedule_window).
+CLOCK_SKEW = timedelta(seconds=5)
+
+
 def schedule_window(
     beat_schedule: Mapping[str, Any], task_name: str, now: Any, grace: float
 ) -> float:
@@ -214,9 +222,9 @@ def schedule_window(
     if isinstance(given, int | float):
         given = timedelta(seconds=given)
     schedule = given if isinstance(given, BaseSchedule) else celery_schedule(run_every=given)
-    left = schedule.remaining_estimate(now)
+    left = _gap_after(schedule, now)
     following = _gap_after(schedule, now + left)
-    if left < following / 4:
+    if left < min(CLOCK_SKEW, following / 4):
         # This worker's clock is behind the beat's that sent the run (a crontab's next fire
         # time, counted from this clock, is that run's own, a moment away): the next run is
         # the one after it.
@@ -232,8 +240,8 @@ def schedule_window(
 
 
 def _gap_after(schedule: BaseSchedule, at: datetime) -> timedelta:
-    """The time from ``at``, a run of ``schedule``, to its next run, as the schedule reckons it
-    at that moment (a copy of it, whose clock says ``at``)."""
+    """The time from ``at`` (a run of ``schedule``, or now) to its next run, as the schedule
+    reckons it at that moment (a copy of it, whose clock says ``at``)."""
     probe = copy.copy(schedule)
     probe.nowfun = lambda: at  # type: ignore[attr-defined]  # every schedule has it
     gap: timedelta = probe.remaining_estimate(at)

@@ -3,6 +3,7 @@ the beat window, and a task called directly (in the caller's process) under its 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 
@@ -99,6 +100,33 @@ def test_the_beat_window_is_three_quarters_of_the_period_less_the_grace() -> Non
     assert 0 < window <= 0.75 * 3600
 
 
+@pytest.mark.parametrize(
+    ("entry", "run_at", "next_run"),
+    [
+        (crontab(minute=0, hour="8-17"), "16:00", "17:00"),  # then 08:00 the next day
+        (crontab(minute="0,50"), "12:50", "13:00"),
+        (crontab(minute=0, hour="9,11"), "09:00", "11:00"),
+    ],
+)
+@pytest.mark.parametrize("ahead", [0.5, -0.5])
+def test_the_beat_window_ends_before_the_next_run_of_an_uneven_crontab(
+    entry: crontab, run_at: str, next_run: str, ahead: float
+) -> None:
+    """A crontab whose gaps differ: the window is three quarters of the gap to the next run,
+    whatever the one after it, with the worker's clock a moment ahead of the beat's or
+    behind (the gap after the next run was taken for this one's: the next run skipped)."""
+    day = "2026-11-30T"
+    now = datetime.fromisoformat(day + run_at).replace(tzinfo=timezone.utc)
+    now += timedelta(seconds=ahead)
+    gap = datetime.fromisoformat(day + next_run).replace(tzinfo=timezone.utc) - now
+    moving = iter(now + timedelta(microseconds=n) for n in itertools.count())
+    schedule = crontab(
+        minute=entry._orig_minute, hour=entry._orig_hour, nowfun=lambda: next(moving)
+    )
+    window = schedule_window({"a": {"task": "t", "schedule": schedule}}, "t", now, 1.0)
+    assert window == pytest.approx(0.75 * gap.total_seconds() - 1.0, abs=1.0)
+
+
 @pytest.mark.parametrize("behind", [0.01, 0.2, 2.0, -0.2])
 def test_the_beat_window_of_a_worker_whose_clock_is_off_the_beats(behind: float) -> None:
     """A crontab run every minute, sent at the minute by the beat; the worker's clock ``behind``
@@ -107,7 +135,9 @@ def test_the_beat_window_of_a_worker_whose_clock_is_off_the_beats(behind: float)
     second, letting a second beat's copy run again), not three quarters of the minute."""
     fire = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
     now = fire - timedelta(seconds=behind)
-    every_minute = crontab(minute="*", nowfun=lambda: now)
+    # A clock that moves on as it is read, as a live one does.
+    moving = iter(now + timedelta(microseconds=n) for n in itertools.count())
+    every_minute = crontab(minute="*", nowfun=lambda: next(moving))
     window = schedule_window({"a": {"task": "t", "schedule": every_minute}}, "t", now, 1.0)
     assert window == pytest.approx(0.75 * 60 - 1.0, abs=0.75 * abs(behind) + 0.01)
 
@@ -166,3 +196,28 @@ def test_an_eager_task_that_would_retry_raises_instead(
     app.conf.task_eager_propagates = True
     with locker.lock("job"), pytest.raises(LockBusy):
         job.delay()
+
+
+def test_a_run_that_ends_in_ignore_keeps_its_window(
+    app: Celery, make_locker: Callable[..., Locker]
+) -> None:
+    """``Ignore`` is Celery's control flow after the work is done (``self.replace()`` ends with
+    it): the window stands, and another copy of the period is skipped."""
+    from celery.exceptions import Ignore
+
+    locker = make_locker()
+
+    @app.task(
+        base=LockedTask,
+        locker=locker,
+        lock="report {day}",
+        lock_hold_at_least=3600,
+        shared=False,
+        lazy=False,
+    )
+    def report(day: str) -> str:
+        raise Ignore
+
+    with pytest.raises(Ignore):
+        report("2026-11-25")
+    assert locker.lock_info("report 2026-11-25") is not None
