@@ -83,19 +83,34 @@ def locked(
 
 
 def _refuse_in_a_transaction(function: Callable[..., Any], name: str) -> None:
-    from django.db import connections
+    from django.db import DEFAULT_DB_ALIAS, connections
 
     inside = [
         connection.alias
         for connection in connections.all(initialized_only=True)
-        if connection.in_atomic_block
+        if _in_a_transaction(connection)
     ]
     if inside:
+        alias = inside[0]
+        using = "" if alias == DEFAULT_DB_ALIAS else f"(using={alias!r})"
         raise LockError(
-            f"{function.__qualname__} runs under @locked inside a transaction on {inside[0]!r} "
-            "(transaction.atomic(), or a view under ATOMIC_REQUESTS): its lock would be "
-            "released before that transaction commits, and the next holder would not see "
-            "what it wrote; take the lock outside the transaction (a view: put "
-            "@transaction.non_atomic_requests above @locked)",
+            f"{function.__qualname__} runs under @locked inside a transaction on {alias!r} "
+            "(transaction.atomic(), a view under ATOMIC_REQUESTS, or autocommit turned off): "
+            "its lock would be released before that transaction commits, and the next holder "
+            "would not see what it wrote; take the lock outside the transaction (a view: put "
+            f"@transaction.non_atomic_requests{using} above @locked)",
             name,
         )
+
+
+def _in_a_transaction(connection: Any) -> bool:
+    """Whether Django's ``connection`` is in a transaction of the code's own: an atomic block
+    (not one a ``TestCase`` opened around its test, which is rolled back, never committed), or
+    autocommit turned off by hand."""
+    if any(not getattr(block, "_from_testcase", False) for block in connection.atomic_blocks):
+        return True
+    return (
+        connection.connection is not None
+        and not connection.in_atomic_block
+        and not connection.get_autocommit()
+    )

@@ -26,6 +26,11 @@ class LockerTests(TestCase):
             with transaction.atomic(), pytest.raises(LockError, match="outermost"):
                 guard(held)
 
+    def test_a_locked_view_runs_in_a_test_case(self) -> None:
+        """The TestCase's own transaction (rolled back, never committed) is not the code's:
+        ``@locked`` runs in it."""
+        assert self.client.get("/reports/2026-11-30").status_code == 200
+
 
 class GuardTests(TransactionTestCase):
     """Transactions that commit: guard() is for the outermost one."""

@@ -33,6 +33,14 @@ class Command(BaseCommand):
                 count()
         except LockError as error:
             self.stdout.write(f"inside atomic: {type(error).__name__}")
+        transaction.set_autocommit(False)
+        try:
+            count()
+        except LockError as error:
+            self.stdout.write(f"autocommit off: {type(error).__name__}")
+        finally:
+            transaction.rollback()
+            transaction.set_autocommit(True)
         connection.settings_dict["ATOMIC_REQUESTS"] = True
         try:
             try:
