@@ -176,16 +176,28 @@ class Releaser:
             row = connection.execute(self._db.sql.guard, params).first()
         except sa.exc.DBAPIError as error:
             if self._db.be.reads_an_older_snapshot(connection, error):
-                raise _older_snapshot(lockstring) from error
+                if self._ours_now(lockstring, params):
+                    raise _older_snapshot(lockstring) from error
+                return False
             raise DatabaseError(
                 f"guard() of lock {lockstring!r} failed: {one_line(error.orig)}", lockstring
             ) from error
         if row is None:
-            if self._db.be.reads_an_older_snapshot(connection, None):
+            if self._db.be.reads_an_older_snapshot(connection, None) and self._ours_now(
+                lockstring, params
+            ):
                 raise _older_snapshot(lockstring)
             return False
         self._check_driver_transaction(connection, lockstring)
         return True
+
+    def _ours_now(self, lockstring: str, params: dict[str, Any]) -> bool:
+        """Whether the row is ours and unexpired, read outside the caller's transaction (whose
+        snapshot may be older than the row): on one of the lock operations' own connections."""
+        return (
+            self._db.run(lockstring, lambda conn: conn.execute(self._db.sql.guard, params).first())
+            is not None
+        )
 
     def _check_driver_transaction(self, connection: Connection, lockstring: str) -> None:
         """After the guard's statement: refused unless the driver is in a transaction (one in
