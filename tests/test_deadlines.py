@@ -112,7 +112,8 @@ def _statement_then(pause: float, then: Callable[[], None] = lambda: None) -> An
 
 
 def _refused() -> None:
-    raise ValueError("refused after its statement")
+    """The operation's own verdict (a LockError), after its statements ended."""
+    raise LockError("refused after its statement")
 
 
 def _database_refused() -> None:
@@ -149,7 +150,7 @@ def test_a_connection_interrupted_as_its_statements_ended_serves_no_more(
             if ending == "returns":
                 assert database.run(None, operation) == "done"
             else:
-                with pytest.raises((ValueError, LockError), match="refused"):
+                with pytest.raises(LockError, match="refused"):
                     database.run(None, operation)
         # The connection the next operation gets: the one given back last, were it given back.
         stack = database.pool.stack
@@ -204,7 +205,7 @@ def test_sqlite_gives_the_busy_timeout_back_after_an_interrupt_after_its_stateme
         operation = _statement_then(0.5, ENDINGS[ending])
         with (
             deadlines.statements_end_by(clock.now() + 0.05),
-            contextlib.suppress(ValueError, LockError),
+            contextlib.suppress(LockError),
         ):
             database.run(None, operation)
         held = stack.take()

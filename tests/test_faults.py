@@ -1195,6 +1195,21 @@ async def _interrupted(front: Front, method: Callable[[], Any], after: float) ->
     return False
 
 
+async def _next_holder(contender: Locker, lock: Any, outcome: dict[str, Any]) -> None:
+    """``contender`` waits for the lock ``lock`` holds ("job"), takes it and gives it back:
+    whether ``lock`` said it was valid when the other had it, and both ids, in ``outcome``."""
+    outcome["first_id"] = lock.lock_id
+    second = await asyncio.to_thread(contender.lock, "job", wait=30)
+    outcome["first_valid_at_takeover"] = lock.is_valid()
+    outcome["second_id"] = second.lock_id
+    second.unlock()
+
+
+def _assert_one_holder_at_a_time(outcome: dict[str, Any]) -> None:
+    assert outcome["second_id"] > outcome["first_id"]
+    assert outcome["first_valid_at_takeover"] is False
+
+
 @pytest.mark.parametrize("front", FRONTS, ids=str)
 @pytest.mark.parametrize("backend", ["postgresql", "mysql"])
 def test_an_extend_retried_on_a_new_connection_counts_on_no_more_than_its_first_try(
@@ -1212,23 +1227,18 @@ def test_an_extend_retried_on_a_new_connection_counts_on_no_more_than_its_first_
         locker = front.locker(proxied.url, table=table_name, grace=0)
         try:
             lock = await front.call(locker.lock, "job", expires=30)
-            outcome["first_id"] = lock.lock_id
             proxied.proxy.deliver_late(b"SET expires", cut_client=True)
             await front.call(lock.extend, 4)  # its retry succeeds
             await front.call(lock.extend, 30)
             proxied.proxy.deliver_held()
             assert await asyncio.to_thread(proxied.proxy.held_delivered.wait, 30)
-            second = await asyncio.to_thread(contender.lock, "job", wait=30)
-            outcome["first_valid_at_takeover"] = lock.is_valid()
-            outcome["second_id"] = second.lock_id
-            second.unlock()
+            await _next_holder(contender, lock, outcome)
         finally:
             with contextlib.suppress(LockError):
                 await front.close(locker)
 
     asyncio.run(scenario())
-    assert outcome["second_id"] > outcome["first_id"]
-    assert outcome["first_valid_at_takeover"] is False
+    _assert_one_holder_at_a_time(outcome)
 
 
 @pytest.mark.parametrize("front", FRONTS, ids=str)
@@ -1252,7 +1262,6 @@ def test_a_statement_that_lands_after_a_later_extend_leaves_no_second_holder(
         locker = front.locker(proxied.url, table=table_name, grace=0)
         try:
             lock = await front.call(locker.lock, "job", expires=30)
-            outcome["first_id"] = lock.lock_id
             proxied.proxy.deliver_late(marker)
             if step == "unlock":
                 cut_short = await _interrupted(front, lock.unlock, 0.5)
@@ -1267,17 +1276,13 @@ def test_a_statement_that_lands_after_a_later_extend_leaves_no_second_holder(
             assert await asyncio.to_thread(proxied.proxy.held_delivered.wait, 30)
             with contextlib.suppress(LockLost):
                 await extending
-            second = await asyncio.to_thread(contender.lock, "job", wait=30)
-            outcome["first_valid_at_takeover"] = lock.is_valid()
-            outcome["second_id"] = second.lock_id
-            second.unlock()
+            await _next_holder(contender, lock, outcome)
         finally:
             with contextlib.suppress(LockError):
                 await front.close(locker)
 
     asyncio.run(scenario())
-    assert outcome["second_id"] > outcome["first_id"]
-    assert outcome["first_valid_at_takeover"] is False
+    _assert_one_holder_at_a_time(outcome)
 
 
 class _SoftTimeLimit(Exception):

@@ -466,8 +466,9 @@ def test_a_writers_release_is_not_held_up_by_a_frozen_notice_to_observers(
 
 
 @pytest.mark.parametrize("backend", ["postgresql", "mysql"])
-@pytest.mark.parametrize("kind", ["writer", "leader"])
-@pytest.mark.parametrize("given", ["to the call", "to the locker"])
+@pytest.mark.parametrize(
+    ("kind", "given"), [("writer", "to the call"), ("leader", "to the locker")]
+)
 def test_a_writer_whose_rows_are_both_lost_is_told_once(
     make_locker: Callable[..., Locker], table_name: str, proxied: Proxied, kind: str, given: str
 ) -> None:

@@ -61,7 +61,9 @@ def _release_skipping_guid(
     self._db.run(lockstring, lambda conn: conn.affected(statement, {"ls": lockstring}))
 
 
-def _extend_reviving(self: Any, lockstring: str, lock_id: int, guid: str, ttl: float) -> datetime:
+def _extend_reviving(
+    self: Any, lockstring: str, lock_id: int, guid: str, ttl: float, resent: Any = None
+) -> datetime:
     statements = _statements(self._db)
 
     def extend(conn: Any) -> Any:
