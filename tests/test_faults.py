@@ -1215,21 +1215,21 @@ def _assert_one_holder_at_a_time(outcome: dict[str, Any]) -> None:
 def test_an_extend_retried_on_a_new_connection_counts_on_no_more_than_its_first_try(
     url: str, table_name: str, make_locker: Any, front: Front, proxied: Proxied
 ) -> None:
-    """``extend(4)`` loses its connection as it sends its statement, which the network still
-    holds; it is tried again on a new connection, and succeeds; ``extend()`` by 30 s succeeds
-    after it; then the first try reaches the server, and the row expires 4 s later. A retry
+    """``extend(2)`` loses its connection as it sends its statement, which the network still
+    holds; it is tried again on a new connection, and succeeds; ``extend()`` by 10 s succeeds
+    after it; then the first try reaches the server, and the row expires 2 s later. A retry
     after a lost connection leaves the first try's fate unknown: the holder must not count on
-    more than 4 s from then, and is not valid when another process gets the lock."""
+    more than 2 s from then, and is not valid when another process gets the lock."""
     contender = make_locker(grace=0)  # creates the table
     outcome: dict[str, Any] = {}
 
     async def scenario() -> None:
         locker = front.locker(proxied.url, table=table_name, grace=0)
         try:
-            lock = await front.call(locker.lock, "job", expires=30)
+            lock = await front.call(locker.lock, "job", expires=10)
             proxied.proxy.deliver_late(b"SET expires", cut_client=True)
-            await front.call(lock.extend, 4)  # its retry succeeds
-            await front.call(lock.extend, 30)
+            await front.call(lock.extend, 2)  # its retry succeeds
+            await front.call(lock.extend, 10)
             proxied.proxy.deliver_held()
             assert await asyncio.to_thread(proxied.proxy.held_delivered.wait, 30)
             await _next_holder(contender, lock, outcome)
@@ -1247,13 +1247,13 @@ def test_an_extend_retried_on_a_new_connection_counts_on_no_more_than_its_first_
 def test_a_statement_that_lands_after_a_later_extend_leaves_no_second_holder(
     url: str, table_name: str, make_locker: Any, front: Front, proxied: Proxied, step: str
 ) -> None:
-    """A lock's ``extend(4)`` or ``unlock()`` is cut short (a job's time limit, a cancellation)
-    while its statement is on its way to the server; the holder extends the lock by its 30 s,
+    """A lock's ``extend(2)`` or ``unlock()`` is cut short (a job's time limit, a cancellation)
+    while its statement is on its way to the server; the holder extends the lock by its 10 s,
     which succeeds (the sync front: asyncio's waits for the statement in flight, which runs to
     its end); then the first statement reaches the server, as TCP delivers what a client sent
-    before it closed once a partition heals: the row now expires 4 s later, or is gone. The
+    before it closed once a partition heals: the row now expires 2 s later, or is gone. The
     holder must count on no more than that: not valid when another process gets the lock (it
-    counted on the 30 s, and a failed unlock was made good by the extend)."""
+    counted on the 10 s, and a failed unlock was made good by the extend)."""
     contender = make_locker(grace=0)  # creates the table
     marker = b"DELETE FROM" if step == "unlock" else b"SET expires"
     outcome: dict[str, Any] = {}
@@ -1261,14 +1261,14 @@ def test_a_statement_that_lands_after_a_later_extend_leaves_no_second_holder(
     async def scenario() -> None:
         locker = front.locker(proxied.url, table=table_name, grace=0)
         try:
-            lock = await front.call(locker.lock, "job", expires=30)
+            lock = await front.call(locker.lock, "job", expires=10)
             proxied.proxy.deliver_late(marker)
             if step == "unlock":
                 cut_short = await _interrupted(front, lock.unlock, 0.5)
             else:
-                cut_short = await _interrupted(front, lambda: lock.extend(4), 0.5)
+                cut_short = await _interrupted(front, lambda: lock.extend(2), 0.5)
             assert cut_short
-            # By its 30 s: the sync front's on a connection of its own at once; asyncio's after
+            # By its 10 s: the sync front's on a connection of its own at once; asyncio's after
             # the statement in flight, which runs to its end (or until the row's expiry).
             extending = front.in_background(lock.extend)
             await asyncio.sleep(1.0)
