@@ -34,11 +34,18 @@ ON_BUSY = ("skip", "raise")
 ACCEPTED = "str, int, bool, None, Decimal, date, datetime, time, UUID or an Enum of one of those"
 
 
-def check_decoration(on_busy: object, wait: object, expires: object, hold_at_least: object) -> str:
-    """The options of ``locked()``, checked when the function is decorated; returns
-    ``on_busy``."""
-    if on_busy not in ON_BUSY:
-        raise LockValueError(f"on_busy must be 'skip' or 'raise', not {on_busy!r}")
+def check_decoration(
+    on_busy: object,
+    wait: object,
+    expires: object,
+    hold_at_least: object,
+    choices: Sequence[str] = ON_BUSY,
+) -> str:
+    """The options of ``locked()`` (or of a framework's decorator, whose ``on_busy`` has the
+    ``choices`` given), checked when the function is decorated; returns ``on_busy``."""
+    if on_busy not in choices:
+        *others, last = (repr(choice) for choice in choices)
+        raise LockValueError(f"on_busy must be {', '.join(others)} or {last}, not {on_busy!r}")
     check_wait(wait)
     if expires is not None:
         check_seconds(expires, "expires")

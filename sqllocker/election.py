@@ -18,13 +18,12 @@ from .elections import (
     HINTED_READ_GAP,
     OBSERVE_INTERVAL,
     Leader,
-    check_interval,
     leader_from,
 )
 from .holding import OnLost
 from .rwlock import RWLock, WriteLock
 from .rwlocks import check_side_request, writer_fence_pattern
-from .validation import check_lockstring
+from .validation import check_lockstring, check_seconds_or_zero
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
@@ -125,7 +124,10 @@ class Election:
         """The leader now, then each change of leader (None while there is none), read at
         most ``interval`` (at most a second) apart, and on PostgreSQL again at once when a
         candidate says it took or gave up the lead (a NOTIFY, taken as a hint to read)."""
-        interval = min(max(check_interval(interval, self.name), 0.01), OBSERVE_INTERVAL)
+        interval = min(
+            max(check_seconds_or_zero(interval, "interval", self.name), 0.01),
+            OBSERVE_INTERVAL,
+        )
         self._run(self._operations.ensure_setup)
         listener = self._release_listener()
         if listener is not None and not listener.hands_over:

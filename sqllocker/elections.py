@@ -22,25 +22,14 @@ died, or one lost).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from datetime import datetime
 
-from .errors import LockValueError
 from .operations import LockInfo
 from .rwlocks import FENCE_CLAIM
 
 # How often ``observe()`` reads the leader's row: a change is seen at most this late.
 OBSERVE_INTERVAL = 1.0
-
-
-def check_interval(value: object, name: str) -> float:
-    """``observe()``'s interval: a finite number of seconds >= 0 (NaN would poll flat out)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
-        raise LockValueError(
-            f"interval must be a finite number of seconds >= 0, not {value!r}", name
-        )
-    return float(value)
 
 
 # On PostgreSQL, the least time between two reads of one observer's, however many NOTIFYs come.

@@ -87,11 +87,18 @@ def check_wait(value: object, lockstring: str | None = None) -> float | None:
     return None if math.isinf(number) else number
 
 
-def check_grace(value: object) -> float:
-    number = _number(value, "grace", None)
+def check_seconds_or_zero(value: object, name: str, lockstring: str | None = None) -> float:
+    """A finite number of seconds >= 0 (grace, an interval)."""
+    number = _number(value, name, lockstring)
     if not math.isfinite(number) or number < 0 or number > MAX_SECONDS:
-        raise LockValueError(f"grace must be a finite number of seconds >= 0, not {value!r}")
+        raise LockValueError(
+            f"{name} must be a finite number of seconds >= 0, not {value!r}", lockstring
+        )
     return number
+
+
+def check_grace(value: object) -> float:
+    return check_seconds_or_zero(value, "grace")
 
 
 def check_table_name(name: object) -> str:

@@ -8,9 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ..concurrency import check_decorated
-from ..decorators import LockstringTemplate
-from ..errors import LockBusy, LockError, LockValueError
-from ..validation import check_hold_at_least, check_seconds, check_wait
+from ..decorators import LockstringTemplate, check_decoration
+from ..errors import LockBusy, LockError
 from .configuration import get_locker
 
 logger = logging.getLogger("sqllocker.django")
@@ -42,12 +41,7 @@ def locked(
     leaves a view out of ATOMIC_REQUESTS). A coroutine function, which would run after the
     release, and bad options are refused when the function is decorated.
     """
-    if on_busy not in ON_BUSY:
-        raise LockValueError(f"on_busy must be 'skip', 'raise' or 'conflict', not {on_busy!r}")
-    check_wait(wait)
-    if expires is not None:
-        check_seconds(expires, "expires")
-    check_hold_at_least(hold_at_least)
+    check_decoration(on_busy, wait, expires, hold_at_least, ON_BUSY)
 
     def decorate(function: Callable[..., Any]) -> Callable[..., Any]:
         check_decorated(function)
