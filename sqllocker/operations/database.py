@@ -363,7 +363,7 @@ class Database:
             if held.session is None:
                 one_call = self.be.in_one_call(held.connection)
                 held.session = DriverSession(held.connection, held.cursor, self._prepared, one_call)
-            deadline = deadlines.current()
+            deadline = deadlines.statement_deadline()
             bound = self.be.operation_wait_bound
             if deadline is None or (bound is not None and clock.now() + bound < deadline):
                 result = operation(held.session)
