@@ -16,7 +16,6 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -36,6 +35,8 @@ HEAD_FIRST_DELAY = 0.00025
 # through had lasted, and a turn of a short hold cost twice the hold.
 HEAD_POLL_SHARE = 0.25
 MAX_DELAY = 0.25
+# Doublings of the first delay enough to pass any delay: past them the ceiling stays.
+_DOUBLINGS = 32
 
 
 @dataclass
@@ -76,26 +77,22 @@ class Backoff:
         remaining = self.remaining()
         return remaining is not None and remaining <= 0
 
-    def next_delay(
-        self,
-        holder_expires: datetime | None = None,
-        server_now: datetime | None = None,
-        grace: float = 0.0,
-    ) -> float:
-        """Seconds to sleep before the next attempt (0 if the deadline has passed)."""
+    def next_delay(self, until_takeable: float | None = None) -> float:
+        """Seconds to sleep before the next attempt (0 if the deadline has passed), no longer
+        than ``until_takeable`` (``Backoff.until_takeable``) and a first delay."""
         if self.awaiting_hand_off:
             ceiling = self.max_delay
         elif self.heading_since is not None:
             headed = time.monotonic() - self.heading_since
             ceiling = min(self.max_delay, max(self.first_delay, headed * HEAD_POLL_SHARE))
         else:
-            ceiling = min(self.max_delay, self.first_delay * 2**self.attempts)
+            # (The exponent capped: a float overflows past 2**1023, about 1,000 attempts on.)
+            ceiling = min(self.max_delay, self.first_delay * 2 ** min(self.attempts, _DOUBLINGS))
         self.attempts += 1
         delay = random.uniform(ceiling / 2, ceiling)
-        if holder_expires is not None and server_now is not None:
+        if until_takeable is not None:
             # Sleep no longer than until the holder's row becomes takeable.
-            until_takeover = (holder_expires - server_now).total_seconds() + grace
-            delay = min(delay, max(until_takeover, 0.0) + self.first_delay)
+            delay = min(delay, until_takeable + self.first_delay)
         remaining = self.remaining()
         return delay if remaining is None else min(delay, remaining)
 
@@ -132,8 +129,7 @@ class Backoff:
         if self.expired():
             held = refused.busy.lockstring if refused.busy is not None else None
             raise refused.busy_after(held or lockstring, wait)
-        busy = refused.busy
-        return self.next_delay(busy.expires if busy else None, refused.server_now, grace)
+        return self.next_delay(self.until_takeable(refused, grace))
 
     def sleep(self, delay: float) -> None:
         if delay > 0:

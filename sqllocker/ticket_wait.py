@@ -205,16 +205,19 @@ class TicketWait:
                     if ticket is None and key is not None:
                         continue  # refused: take a ticket
                     if first:
-                        busy = refused.busy
-                        delay = backoff.next_delay(
-                            busy.expires if busy else None, refused.server_now, self._grace
-                        )
+                        delay = backoff.next_delay(Backoff.until_takeable(refused, self._grace))
                     else:  # wakes when it is first, or is handed the row
                         remaining = backoff.remaining()
                         delay = LOOK_AGAIN if remaining is None else min(LOOK_AGAIN, remaining)
                     concurrency.wait(waiter.event, delay)
                     if waiter.grant is not None and ticket is not None:
-                        claimed = self._claim(lockstring, guid, ttl, waiter.grant, grant_key)
+                        try:
+                            claimed = self._claim(lockstring, guid, ttl, waiter.grant, grant_key)
+                        except DatabaseError as error:
+                            # The row handed over is ours (guid): the next attempt finds it so.
+                            wait_out(error, backoff, lockstring)
+                            try_now = True
+                            continue
                         if claimed is not None:
                             if not doubled:  # else given up below: it may be the one left
                                 line.leave(ticket)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 import time
 import types
-from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -100,9 +99,16 @@ def test_a_waiter_awaiting_a_hand_off_waits_the_longest_delay_but_not_past_a_tak
     backoff.await_hand_off()
     delays = [backoff.next_delay() for _ in range(50)]
     assert all(MAX_DELAY / 2 <= delay <= MAX_DELAY for delay in delays)
-    now = datetime.now(timezone.utc)
-    soon = backoff.next_delay(now + timedelta(seconds=0.01), now, grace=0.0)
+    soon = backoff.next_delay(until_takeable=0.01)
     assert soon <= 0.01 + FIRST_DELAY
+
+
+def test_a_wait_without_limit_backs_off_at_the_longest_delay_however_long_it_lasts() -> None:
+    """Over 192 s (1,025 attempts) of a waiter backing off, the doubling of its first delay
+    overflowed a float and raised OverflowError out of its lock()."""
+    backoff = Backoff.for_wait(None)
+    delays = [backoff.next_delay() for _ in range(3000)]
+    assert all(MAX_DELAY / 2 <= delay <= MAX_DELAY for delay in delays[-1000:])
 
 
 def test_a_polling_head_polls_at_a_share_of_the_time_it_has_headed_the_queue(

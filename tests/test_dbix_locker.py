@@ -31,6 +31,7 @@ import sqlalchemy as sa
 from sqllocker import ForeignTable, LockBusy, Locker, TableMissing
 from sqllocker.asyncio import AsyncLocker
 from sqllocker.backends.sqlite import ADOPTED_ID_GAP
+from sqllocker.backoff import Backoff
 from sqllocker.engine import resolve_url
 from sqllocker.migrations import (
     adopt_dbix_locker,
@@ -513,6 +514,35 @@ def test_perl_rows_are_taken_over_only_once_expired_in_every_time_zone(
         lock.unlock()
     finally:
         locker.close()
+
+
+def test_a_waiter_behind_a_perl_row_past_its_written_expiry_backs_off(
+    url: str, table_name: str, db: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Perl row whose written expiry has passed is still held for the clock margin (hours):
+    a waiter's pauses were capped at that written expiry, past already, and it asked again
+    every fraction of a millisecond, thousands of statements a second."""
+    upgrade(db, table_name)
+    perl = PerlHolder(url, table_name, "nightly report", 3600, "America/New_York")
+    assert perl.lock_id is not None, perl.answer
+    set_expiry(db, table_name, "nightly report", server_now(db) - timedelta(hours=5))
+    pauses: list[float] = []
+    next_delay = Backoff.next_delay
+
+    def recorded(backoff: Backoff, *args: Any, **kwargs: Any) -> float:
+        pauses.append(next_delay(backoff, *args, **kwargs))
+        return pauses[-1]
+
+    monkeypatch.setattr(Backoff, "next_delay", recorded)
+    locker = Locker(url, table=table_name)
+    try:
+        with pytest.raises(LockBusy):
+            locker.lock("nightly report", wait=2)
+    finally:
+        locker.close()
+    # Backing off to MAX_DELAY (a quarter of a second): a few dozen pauses in 2 s.
+    assert len(pauses) < 100, f"{len(pauses)} pauses in 2 s, the last {pauses[-5:]}"
+    perl.tell("unlock")
 
 
 def test_a_python_lock_is_not_taken_by_perl(url: str, table_name: str, db: sa.Engine) -> None:

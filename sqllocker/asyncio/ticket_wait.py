@@ -211,16 +211,21 @@ class AsyncTicketWait:
                     if ticket is None and key is not None:
                         continue  # refused: take a ticket
                     if first:
-                        busy = refused.busy
-                        delay = backoff.next_delay(
-                            busy.expires if busy else None, refused.server_now, self._grace
-                        )
+                        delay = backoff.next_delay(Backoff.until_takeable(refused, self._grace))
                     else:  # wakes when it is first, or is handed the row
                         remaining = backoff.remaining()
                         delay = LOOK_AGAIN if remaining is None else min(LOOK_AGAIN, remaining)
                     await concurrency.wait(waiter.event, delay)
                     if waiter.grant is not None and ticket is not None:
-                        claimed = await self._claim(lockstring, guid, ttl, waiter.grant, grant_key)
+                        try:
+                            claimed = await self._claim(
+                                lockstring, guid, ttl, waiter.grant, grant_key
+                            )
+                        except DatabaseError as error:
+                            # The row handed over is ours (guid): the next attempt finds it so.
+                            await wait_out(error, backoff, lockstring)
+                            try_now = True
+                            continue
                         if claimed is not None:
                             if not doubled:  # else given up below: it may be the one left
                                 line.leave(ticket)
