@@ -22,6 +22,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import SQLCompiler
 
+from .errors import DatabaseError, one_line
 from .identity import HolderDetails
 from .sqlalchemy_internals import bind_order, literal_binds
 
@@ -191,7 +192,7 @@ def forget_cursor(pooled: Any) -> None:
 class DriverSession:
     """A DBAPI connection and its cursor, for the length of one operation."""
 
-    __slots__ = ("_one_call", "_prepared", "cursor", "dbapi_connection", "dialect")
+    __slots__ = ("_one_call", "_prepared", "_warnings", "cursor", "dbapi_connection", "dialect")
 
     def __init__(
         self,
@@ -199,6 +200,7 @@ class DriverSession:
         cursor: Any,
         prepared: PreparedCache,
         one_call: OneCall | None = None,
+        warnings: list[str] | None = None,
     ) -> None:
         self.dbapi_connection = dbapi_connection
         self.cursor = cursor
@@ -207,6 +209,11 @@ class DriverSession:
         # Backend.in_one_call: for first_row and affected, whose callers read nothing but the
         # rows, or the count of rows changed.
         self._one_call = one_call
+        # Backend.statement_warnings: what the server warned of during a statement, which then
+        # does not count (``_check_warnings``).
+        self._warnings = warnings
+        if warnings:
+            warnings.clear()  # of statements not of this session's (an earlier operation's)
 
     def execute(self, statement: ClauseElement, values: Mapping[str, Any] | None = None) -> Result:
         prepared = self._prepared[statement]
@@ -225,6 +232,8 @@ class DriverSession:
             self.cursor.execute(sql)
         except self.dialect.loaded_dbapi.Error as error:
             raise self._wrap(error, sql) from error
+        if self._warnings:
+            raise self._warned(sql)
 
     def affected(self, statement: ClauseElement, values: Mapping[str, Any]) -> int:
         """How many rows ``statement`` (a DELETE or UPDATE without RETURNING) changed."""
@@ -256,9 +265,12 @@ class DriverSession:
             shown = _shown(values)
             sql_logger.debug("%s %r", prepared.sql, shown, extra={"sqllocker_values": shown})
         try:
-            return self._one_call(prepared.sql, prepared.parameters(values), prepared.returns_rows)
+            done = self._one_call(prepared.sql, prepared.parameters(values), prepared.returns_rows)
         except self.dialect.loaded_dbapi.Error as error:
             raise self._wrap(error, prepared.sql) from error
+        if self._warnings:
+            raise self._warned(prepared.sql)
+        return done
 
     def _send(self, prepared: Prepared, values: Mapping[str, Any]) -> list[Any]:
         """Run ``prepared`` on the cursor: its rows as the driver returned them, if any."""
@@ -268,11 +280,27 @@ class DriverSession:
             sql_logger.debug("%s %r", prepared.sql, shown, extra={"sqllocker_values": shown})
         try:
             cursor.execute(prepared.sql, prepared.parameters(values))
-            if prepared.returns_rows or cursor.description:
-                return cursor.fetchall()  # type: ignore[no-any-return]
-            return []
+            rows = cursor.fetchall() if prepared.returns_rows or cursor.description else []
         except self.dialect.loaded_dbapi.Error as error:
             raise self._wrap(error, prepared.sql) from error
+        if self._warnings:
+            raise self._warned(prepared.sql)
+        return rows
+
+    def _warned(self, sql: str) -> DatabaseError:
+        """The error of a statement the server warned of (``Backend.statement_warnings``): on
+        PostgreSQL, a commit whose wait for its synchronous standbys was cancelled, visible
+        here and maybe never on them, lost with a failover. What it wrote is not counted on:
+        a waiting acquire tries again (an outage), and finds a row it inserted ours."""
+        assert self._warnings is not None
+        said = "; ".join(one_line(warning) for warning in self._warnings)
+        self._warnings.clear()
+        first_words = " ".join(sql.split()[:2])
+        return DatabaseError(
+            f"the server warned of a lock statement ({first_words} ...): {said}; what it "
+            "wrote may be lost with a failover, and is not counted on",
+            outage=True,
+        )
 
     def _wrap(self, error: Exception, sql: str) -> sa.exc.DBAPIError:
         """The driver's exception as SQLAlchemy would have raised it (IntegrityError, ...),

@@ -71,3 +71,9 @@ class ServerSettings(NamedTuple):
     # both). A lone acquire's row is then read back by guid after commit too. sqllocker's own
     # connections turn the retries off (``backends.mysql``).
     retries_autocommit: bool = False
+    # PostgreSQL: standbys stream from this server, or it names synchronous ones. A commit
+    # waiting for a synchronous standby becomes visible without it if the wait is cancelled
+    # (by anyone: a job's time limit, Ctrl-C, pg_cancel_backend), so a waiter makes sure of a
+    # row a release handed it, by a commit of its own, before it counts on it
+    # (``Acquirer.confirm_grant``).
+    replicated: bool = False

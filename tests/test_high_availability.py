@@ -6,9 +6,12 @@ tests/test_galera.py.)
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import threading
 import time
 import warnings
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -201,3 +204,117 @@ def test_a_mariadb_server_that_takes_no_writes_is_one_clear_error() -> None:
         finally:
             locker.close()
             admin.dispose()
+
+
+# -- a commit whose wait for its synchronous standby was cancelled ---------------------------
+# PostgreSQL ends such a wait with the commit visible on the primary, and only a WARNING:
+# "canceling wait for synchronous replication due to user request ... The transaction has
+# already committed locally, but might not have been replicated to the standby." Whoever
+# cancels it (a job's time limit, Ctrl-C, an operator's pg_cancel_backend, a pooler passing a
+# cancel on), a failover may then lose the row. A standby that is named and never connects
+# makes every commit wait, for as long as a test needs.
+
+
+def name_a_standby(server: PrivatePostgres, name: str) -> None:
+    """Make commits wait for standby ``name`` (none connects), or for nobody if ``name`` is
+    empty."""
+    server.sql(f"ALTER SYSTEM SET synchronous_standby_names = '{name}'")
+    server.sql("SELECT pg_catalog.pg_reload_conf()")
+    deadline = time.monotonic() + 10
+    while server.sql("SHOW synchronous_standby_names") != name:
+        assert time.monotonic() < deadline, "the setting was not reloaded"
+        time.sleep(0.05)
+
+
+def waiting_for_the_standby(server: PrivatePostgres, count: int = 1) -> list[str]:
+    """The pids of the sessions whose commits wait for a synchronous standby, once ``count``
+    do."""
+    deadline = time.monotonic() + 30
+    while True:
+        pids = server.sql(
+            "SELECT pid FROM pg_catalog.pg_stat_activity WHERE wait_event = 'SyncRep'"
+        ).split()
+        if len(pids) >= count:
+            return pids
+        assert time.monotonic() < deadline, f"{len(pids)} commits wait for the standby"
+        time.sleep(0.05)
+
+
+def test_an_acquire_whose_wait_for_its_standby_is_cancelled_is_not_counted_on() -> None:
+    """The acquire's INSERT acknowledged with that WARNING: not a lock (``wait=0``: a
+    DatabaseError that says why); a waiting acquire tries again, finds the row its own and
+    has the lock once its renewal of it was replicated."""
+    with running_private_server("postgresql") as server:
+        assert isinstance(server, PrivatePostgres)
+        locker = Locker(server.url)
+        try:
+            upgrade(locker.engine, "semaphores")
+            locker.lock("warm").unlock()
+            name_a_standby(server, "nobody")
+            thread, once = wait_in_thread(locker, "report", wait=0)
+            server.sql(f"SELECT pg_catalog.pg_cancel_backend({waiting_for_the_standby(server)[0]})")
+            thread.join(30)
+            assert isinstance(once.get("error"), DatabaseError), once
+            assert "failover" in str(once["error"])
+
+            thread, waited = wait_in_thread(locker, "nightly", wait=60)
+            server.sql(f"SELECT pg_catalog.pg_cancel_backend({waiting_for_the_standby(server)[0]})")
+            waiting_for_the_standby(server)  # its own again: the renewal of the row it found
+            assert "lock" not in waited, "counted on a row the standby may never have"
+            replicated_at = time.monotonic()
+            name_a_standby(server, "")
+            thread.join(30)
+            assert waited["lock"].is_valid(), waited
+            assert waited["returned"] > replicated_at
+            waited["lock"].unlock()
+        finally:
+            name_a_standby(server, "")
+            locker.close()
+
+
+def test_a_row_handed_over_by_a_release_cancelled_in_its_wait_for_its_standby_is_made_sure_of() -> (
+    None
+):
+    """A release hands the row to the waiter with a ticket, its commit's wait for the standby is
+    cancelled, and its signed grant reaches the waiter at once: where the server replicates, the
+    waiter renews the row by a commit of its own before it counts on it, and so has the lock
+    only once the standby has the grant too."""
+    with running_private_server("postgresql") as server:
+        assert isinstance(server, PrivatePostgres)
+        holder, waiter = Locker(server.url), Locker(server.url)
+        try:
+            upgrade(holder.engine, "semaphores")
+            held = holder.lock("report")
+            name_a_standby(server, "nobody")
+            waiter.locks()  # set up while a standby is named: it replicates
+            name_a_standby(server, "")
+            thread, waited = wait_in_thread(waiter, "report", wait=60)
+            deadline = time.monotonic() + 30
+            while server.sql("SELECT count(*) FROM semaphores_requests") != "1":
+                assert time.monotonic() < deadline, "the waiter took no ticket"
+                time.sleep(0.05)
+            name_a_standby(server, "nobody")
+            releaser = threading.Thread(target=_unlock_quietly, args=(held,))
+            releaser.start()
+            server.sql(f"SELECT pg_catalog.pg_cancel_backend({waiting_for_the_standby(server)[0]})")
+            releaser.join(30)
+            granted = server.sql("SELECT id FROM semaphores WHERE lockstring = 'report'")
+            assert granted, "the release handed the row over"
+            waiting_for_the_standby(server)  # the waiter's renewal of the row handed over
+            assert "lock" not in waited, "counted on a grant the standby may never have"
+            replicated_at = time.monotonic()
+            name_a_standby(server, "")
+            thread.join(30)
+            assert waited["lock"].lock_id == int(granted), waited
+            assert waited["returned"] > replicated_at
+            waited["lock"].unlock()
+        finally:
+            name_a_standby(server, "")
+            holder.close()
+            waiter.close()
+
+
+def _unlock_quietly(lock: Any) -> None:
+    """Release ``lock``; its release, cancelled in its wait for the standby, may raise."""
+    with contextlib.suppress(DatabaseError):
+        lock.unlock()

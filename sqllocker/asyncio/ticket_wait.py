@@ -256,13 +256,20 @@ class AsyncTicketWait:
         self, lockstring: str, guid: str, ttl: float, grant: Grant, key: GrantKey | None
     ) -> Acquired | None:
         """The row ``grant`` says a release inserted for us, if it is so: signed with ``key``,
-        the key of our ticket, it is believed as it comes (``holding.signed_grant``); not
-        signed at all (a ticket taken by an older release of sqllocker's), it is read back
+        the key of our ticket, it is believed as it comes (``holding.signed_grant``), where the
+        server replicates once renewed by a commit of our own (``LockOperations.confirm_grant``);
+        not signed at all (a ticket taken by an older release of sqllocker's), it is read back
         from the table (``LockOperations.claim_grant``). A grant signed with another key is
         not ours, or not ours to keep: ignored."""
         signed = grant.signed
         if signed is not None:
             acquired = None if key is None else signed_grant(grant, key, ttl)
+            if acquired is not None and self._operations.confirms_grants:
+                acquired = await self._call(
+                    self._operations.confirm_grant, lockstring, acquired, guid, ttl
+                )
+                if acquired is None:
+                    return None
             if acquired is not None:
                 logger.debug("acquired %r (id %d), handed over", lockstring, grant.lock_id)
                 return acquired

@@ -368,6 +368,13 @@ class Backend:
         often as for a lost connection; the connection is not used again."""
 
     @classmethod
+    def statement_warnings(cls, dbapi_connection: Any) -> list[str] | None:
+        """The list the server's warnings on ``dbapi_connection`` are recorded in, where a
+        warning can mean that a statement that succeeded wrote what may not last (PostgreSQL:
+        ``DriverSession`` looks after each statement); None where none can."""
+        return None
+
+    @classmethod
     def abandon(cls, dbapi_connection: Any, cursor: Any) -> None:
         """Before ``dbapi_connection`` is closed in the middle of a lock operation (its caller
         cancelled, or interrupted), ``cursor`` the one the operation used: end what it still

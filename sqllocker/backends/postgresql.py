@@ -8,6 +8,7 @@ in a schema on the caller's path can run in its place (CVE-2018-1058).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -398,6 +399,20 @@ class PostgreSQLBackend(Backend):
         cparams["connect_timeout"] = capped if own <= 0 else min(own, capped)
 
     @classmethod
+    def statement_warnings(cls, dbapi_connection: Any) -> list[str] | None:
+        # A commit whose wait for a synchronous standby is cancelled (by anyone: a job's time
+        # limit, Ctrl-C, pg_cancel_backend) ends with a WARNING and is visible here, maybe never
+        # on the standbys: any plain WARNING (SQLSTATE 01000, whatever the language of the
+        # server's messages) on a lock statement is taken as that.
+        driver = getattr(dbapi_connection, "driver_connection", dbapi_connection)
+        warnings: list[str] | None = getattr(driver, _WARNINGS, None)
+        if warnings is None:
+            warnings = []
+            driver.add_notice_handler(functools.partial(_record_warning, warnings))
+            setattr(driver, _WARNINGS, warnings)
+        return warnings
+
+    @classmethod
     def interrupt(cls, dbapi_connection: Any) -> None:
         # A cancel request would need a new connection to the frozen server: the socket is
         # shut down instead (psycopg then reports the connection lost; the async one, as its
@@ -440,13 +455,15 @@ class PostgreSQLBackend(Backend):
         ).scalar()
         if persistence == "u":
             problems.append(UnsafeSetting(f"table {table} is UNLOGGED", LOSES_ROWS))
-        problems += _replication_problems(conn)
+        replication, replicated = _replication(conn)
+        problems += replication
         return ServerSettings(
             problems,
             lock_stripes=False,
             schema=schema,
             has_line=bool(has_functions),
             foreign=self.foreign_table(conn, table),
+            replicated=replicated,
         )
 
     def foreign_table(self, conn: Connection, table: str) -> str | None:
@@ -530,15 +547,28 @@ class PostgreSQLBackend(Backend):
         ]
 
 
-def _replication_problems(conn: Connection) -> list[UnsafeSetting]:
-    """A primary whose standbys are all asynchronous acknowledges a lock row before any standby
+_WARNINGS = "_sqllocker_warnings"
+
+
+def _record_warning(warnings: list[str], diagnostic: Any) -> None:
+    """psycopg's notice handler: a plain WARNING's message, recorded in ``warnings``."""
+    if diagnostic.severity_nonlocalized == "WARNING" and diagnostic.sqlstate == "01000":
+        warnings.append(diagnostic.message_primary or "a warning")
+
+
+def _replication(conn: Connection) -> tuple[list[UnsafeSetting], bool]:
+    """What is unsafe in this server's replication, and whether it replicates (standbys stream
+    from it, or it names synchronous ones: ``ServerSettings.replicated``).
+
+    A primary whose standbys are all asynchronous acknowledges a lock row before any standby
     has it: promote one (Patroni does, when the primary dies) and the row is gone, its lock free
     for a second holder, its id drawn again. So is a primary that waits for a synchronous
     standby but not for this session's commits (``synchronous_commit=local``)."""
     standbys, synchronous = conn.exec_driver_sql(_STANDBYS).one()
-    if not standbys:
-        return []
     names = conn.exec_driver_sql("SHOW synchronous_standby_names").scalar()
+    replicated = bool(standbys or names)
+    if not standbys:
+        return [], replicated
     # Without pg_monitor a role sees the standbys but not their sync_state; the setting that
     # makes one synchronous is visible to everyone.
     if not synchronous and not names:
@@ -546,11 +576,11 @@ def _replication_problems(conn: Connection) -> list[UnsafeSetting]:
             f"asynchronous replication ({standbys} standby{'s' if standbys != 1 else ''}, none "
             "synchronous: set synchronous_standby_names, or Patroni's synchronous_mode)"
         )
-        return [UnsafeSetting(setting, LOSES_ROWS_ON_FAILOVER)]
+        return [UnsafeSetting(setting, LOSES_ROWS_ON_FAILOVER)], replicated
     commit = conn.exec_driver_sql("SHOW synchronous_commit").scalar()
     if commit == "local":
-        return [UnsafeSetting("synchronous_commit=local", LOSES_ROWS_ON_FAILOVER)]
-    return []
+        return [UnsafeSetting("synchronous_commit=local", LOSES_ROWS_ON_FAILOVER)], replicated
+    return [], replicated
 
 
 _STANDBYS = (

@@ -72,13 +72,14 @@ class LockOperations:
         self.table = database.table
         self.auto_create = database.auto_create
         releaser = Releaser(database)
-        acquirer = Acquirer(database, Attempt(database, releaser))
+        acquirer = Acquirer(database, Attempt(database, releaser), releaser)
         line = WaitingLine(database)
         inspection = Inspection(database)
         # acquiring and taking over
         self.try_acquire = acquirer.try_acquire
         self.try_acquire_all = acquirer.try_acquire_all
         self.claim_grant = acquirer.claim_grant
+        self.confirm_grant = acquirer.confirm_grant
         # releasing, extending and guarding
         self.release = releaser.release
         self.forget_attempt = releaser.forget_attempt
@@ -126,6 +127,11 @@ class LockOperations:
     def waits_by_ticket(self) -> bool:
         """Whether waiters take tickets (``Database.waits_by_ticket``)."""
         return self.database.waits_by_ticket
+
+    @property
+    def confirms_grants(self) -> bool:
+        """Whether a waiter makes sure of a row handed to it (``Database.confirms_grants``)."""
+        return self.database.confirms_grants
 
     @property
     def hands_over(self) -> bool:

@@ -14,6 +14,7 @@ from ..execution import DriverSession
 from .attempt import Attempt
 from .database import Database
 from .outcomes import Acquired, Refused
+from .release import Releaser
 
 logger = logging.getLogger("sqllocker")
 
@@ -24,11 +25,13 @@ _ATTEMPTS_PER_TRY = 3
 
 class Acquirer:
     """The acquires of rows of ``database``'s table, each one attempt that never waits for a
-    holder (the front ends wait between attempts), run by ``attempt``'s statements."""
+    holder (the front ends wait between attempts), run by ``attempt``'s statements; a row
+    handed over is renewed by ``renewal``'s (``confirm_grant``)."""
 
-    def __init__(self, database: Database, attempt: Attempt) -> None:
+    def __init__(self, database: Database, attempt: Attempt, renewal: Releaser) -> None:
         self._db = database
         self._attempt = attempt
+        self._renewal = renewal
 
     def try_acquire(
         self,
@@ -169,3 +172,30 @@ class Acquirer:
         acquired.sent_at = sent_at - age
         logger.debug("acquired %r (id %d), handed over by its release", lockstring, row.id)
         return acquired
+
+    def confirm_grant(
+        self, lockstring: str, granted: Acquired, guid: str, ttl: float
+    ) -> Acquired | None:
+        """``granted``, a row a release handed us, made sure of where the server replicates
+        (``Database.confirms_grants``): renewed by a commit of our own, which the server
+        acknowledges only once its synchronous standbys have it, and so the release's commit
+        before it. That one may have been acknowledged without them: a wait for a standby that
+        anyone cancels ends with the commit visible (and its notification sent), and a failover
+        then loses the row while we would hold its lock. None if the row is not ours and
+        unexpired (lost in a failover, or run out meanwhile)."""
+        mine = {"lock_id": granted.lock_id, "lock_guid": guid}
+        ttl_value = self._db.be.seconds_value(ttl)
+        sent_at = clock.now()
+        expires = self._db.run(
+            lockstring, lambda conn: self._renewal.extend_on(conn, mine, ttl_value)
+        )
+        if expires is None:
+            logger.warning(
+                "the row handed over for %r (id %d) is no longer ours; not counted on",
+                lockstring,
+                granted.lock_id,
+            )
+            return None
+        confirmed = Acquired(granted.lock_id, granted.created, expires)
+        confirmed.sent_at = sent_at  # its expiry period begins with our renewal
+        return confirmed

@@ -152,6 +152,9 @@ class Database:
         # where a lone acquire's row, are read back after their commit.
         self.inserts_replayed = False
         self.lone_inserts_retried = False
+        # See ServerSettings.replicated: a waiter makes sure of a row handed to it
+        # (``Acquirer.confirm_grant``); read again at every set-up, after a lost connection too.
+        self.confirms_grants = False
         self._prepared: PreparedCache
         self.needs_setup = True  # see ensure_setup
         # The set-up's turn: setup again after a lost connection, when several threads or
@@ -239,6 +242,7 @@ class Database:
                     self._backend = self.be = setup.backend
                     self.inserts_replayed = setup.inserts_replayed
                     self.lone_inserts_retried = setup.lone_inserts_retried
+                    self.confirms_grants = setup.confirms_grants
                     self.expiry = setup.expiry
                     self.pool.reached = True
                     self.needs_setup = False
@@ -361,8 +365,14 @@ class Database:
         watch = None
         try:
             if held.session is None:
-                one_call = self.be.in_one_call(held.connection)
-                held.session = DriverSession(held.connection, held.cursor, self._prepared, one_call)
+                be, connection = self.be, held.connection
+                held.session = DriverSession(
+                    connection,
+                    held.cursor,
+                    self._prepared,
+                    be.in_one_call(connection),
+                    be.statement_warnings(connection),
+                )
             deadline = deadlines.statement_deadline()
             bound = self.be.operation_wait_bound
             if deadline is None or (bound is not None and clock.now() + bound < deadline):

@@ -96,10 +96,11 @@ class Connections:
             if keeps_abandoned:
                 backend.settle(dbapi_connection)
             one_call = backend.in_one_call(dbapi_connection)
+            warnings = backend.statement_warnings(dbapi_connection)
             cursor = kept_cursor(fairy)
             watch = deadlines.interrupting(backend, dbapi_connection)
             with watch:
-                yield DriverSession(dbapi_connection, cursor, prepared, one_call)
+                yield DriverSession(dbapi_connection, cursor, prepared, one_call, warnings)
         except sa.exc.DBAPIError as error:
             if error.connection_invalidated or backend.is_read_only(error):
                 fairy.invalidate(error.orig)

@@ -38,13 +38,15 @@ class Setup:
     the parameters of the test whether a row may be taken over or purged now (written by the
     backend, never changed by their users); ``inserts_replayed`` and ``lone_inserts_retried``
     (see ServerSettings.replays_inserts and retries_autocommit): where a group's rows, and
-    where a lone acquire's row, are read back after their commit."""
+    where a lone acquire's row, are read back after their commit; ``confirms_grants`` (see
+    ServerSettings.replicated): where a waiter makes sure of a row handed to it."""
 
     backend: Backend
     statements: Statements
     expiry: dict[str, Any]
     inserts_replayed: bool
     lone_inserts_retried: bool
+    confirms_grants: bool
 
 
 def set_up(conn: Connection, table: Any, options: Options) -> Setup:
@@ -67,7 +69,14 @@ def set_up(conn: Connection, table: Any, options: Options) -> Setup:
         "minus_grace": backend.seconds_value(-options.grace),
         "minus_foreign_grace": backend.seconds_value(-options.grace - FOREIGN_CLOCK_MARGIN),
     }
-    return Setup(backend, statements, expiry, settings.replays_inserts, lone_inserts_retried)
+    return Setup(
+        backend,
+        statements,
+        expiry,
+        settings.replays_inserts,
+        lone_inserts_retried,
+        settings.replicated,
+    )
 
 
 def check_pooled_connection(conn: Connection, options: Options) -> None:
