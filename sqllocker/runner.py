@@ -80,6 +80,10 @@ class _StartedTooLate(Exception):
     """The watchdog found the lock's deadline passed when it was to start the command."""
 
 
+class _WatchdogEnded(Exception):
+    """The watchdog ended before it said whether it started the command."""
+
+
 def _say(message: str) -> None:
     """``sqllocker: MESSAGE`` on stderr; a stderr that cannot be written (a full disk, a
     closed pipe) changes nothing of what the run does."""
@@ -166,7 +170,14 @@ class _Family:
     def wait_started(self, program: str) -> None:
         """Until the watchdog has started COMMAND; FileNotFoundError or PermissionError if it
         could not."""
-        line = self._status.readline().decode(errors="replace").split(maxsplit=1)
+        raw = self._status.readline()
+        if not raw:
+            # The watchdog ended without a word (killed): it may have started COMMAND, whose
+            # family comes to us (subreaper).
+            self.watchdog.wait()
+            self._kill_orphans()
+            raise _WatchdogEnded
+        line = raw.decode(errors="replace").split(maxsplit=1)
         if line[:1] == ["started"]:
             self.started = True
         elif line[:1] == ["missing"]:
@@ -178,8 +189,11 @@ class _Family:
 
     def wait(self) -> int:
         """COMMAND's exit status (negative: the signal that ended it), once the watchdog has
-        ended: COMMAND has ended, and nothing it started still runs."""
+        ended: COMMAND has ended, and nothing it started still runs. A watchdog that ended
+        before it said so (``done``: killed, while COMMAND ran or while what it left running
+        was being stopped) has what is left killed here."""
         status: int | None = None
+        done = False
         for raw in self._status:
             words = raw.decode(errors="replace").split()
             if words[:1] == ["exit"] and len(words) == 2:
@@ -187,15 +201,16 @@ class _Family:
             elif words[:1] == ["stopping"] and len(words) == 3:
                 self.stopped_by_watchdog.append(words[1])
                 _say_why_stopping(words[1], int(words[2]))
+            elif words == ["done"]:
+                done = True
         self.watchdog.wait()
-        if status is None:
+        if not done:
             self._kill_orphans()
-            _say(
-                "the watchdog ended before the command (it was killed): killed the command "
-                "and all it started"
-            )
+            what = "the command" if status is None else "what the command left running"
+            _say(f"the watchdog ended before {what} (it was killed): killed it and all it started")
             self.stopped_by_watchdog.append("orphaned")
-            return self.watchdog.returncode
+            return self.watchdog.returncode if status is None else status
+        assert status is not None  # the watchdog says "done" once COMMAND has ended
         return status
 
     def _kill_orphans(self) -> None:
@@ -374,6 +389,13 @@ def _supervise(lock: Lock, command: Sequence[str], options: RunOptions) -> int:
                 return EXIT_CANNOT_EXECUTE
             except _StartedTooLate:
                 _say(_NOT_STARTED)
+                lost.set()
+                return EXIT_LOCK_LOST
+            except _WatchdogEnded:
+                _say(
+                    "the watchdog ended before it said whether the command started (it was "
+                    "killed): killed all it may have started"
+                )
                 lost.set()
                 return EXIT_LOCK_LOST
             finally:

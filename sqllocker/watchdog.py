@@ -383,6 +383,10 @@ def watch(watchdog: Watchdog, control_fd: int, wake_read: int) -> None:
         wait = watchdog.step(now())
         if wait is None:
             watchdog.reap()
+            # The last word: sqllocker releases the lock only once it has read it. A watchdog
+            # killed before (however far the family's stop had come) has said nothing, and
+            # sqllocker kills what is left itself.
+            watchdog.tell("done")
             return
         readable = [wake_read] + ([control_fd] if watchdog.control_open else [])
         ready, _, _ = select.select(readable, [], [], wait)

@@ -312,6 +312,106 @@ def test_a_killed_watchdog_takes_the_family_with_it(
     assert migrated.lock_info("job") is None
 
 
+def test_a_watchdog_killed_while_it_stops_what_the_command_left_has_it_killed_first(
+    migrated: Locker,
+    url: str,
+    table_name: str,
+    tmp_path: Path,
+    reap_leftovers: list[int],
+) -> None:
+    """The command has exited and left a daemon that ignores SIGTERM; the watchdog has sent it
+    SIGTERM and waits ``--kill-after`` before SIGKILL, and is killed meanwhile (a second
+    holder before: sqllocker took the command's exit for the end, released the lock, and the
+    daemon, now init's, ran on beside the next holder)."""
+    pids, beats, shell = tmp_path / "pids", tmp_path / "beats", tmp_path / "shell"
+    script = f"( {daemon(pids, beats)} & ); echo $$ > {shell}; sleep 0.5"
+    runner = run_job(url, table_name, "--kill-after 30", script)
+    (stubborn,) = pids_in(pids, 1)
+    reap_leftovers.append(stubborn)
+    (command,) = pids_in(shell, 1)
+    wait_until(lambda: not alive(command))
+    watchdog = watchdog_of(runner.pid)
+    time.sleep(0.5)  # the command reaped, the daemon sent SIGTERM: --kill-after runs
+    os.kill(watchdog, signal.SIGKILL)
+    _, err = runner.communicate(timeout=30)
+    released = time.monotonic()
+    assert runner.returncode == 75, err
+    assert "watchdog ended before what the command left running" in err
+    assert not alive(stubborn)
+    assert float(beats.read_text().split()[-1]) < released
+    assert migrated.lock_info("job") is None
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+# A stand-in for the watchdog descheduled, stopped or killed between starting the command and
+# saying so: in the watchdog alone, posix_spawnp() stops the caller once the command is spawned.
+STOP_AFTER_SPAWN = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <string.h>
+#include <unistd.h>
+
+static int in_the_watchdog(void) {
+    char buf[4096];
+    int fd = open("/proc/self/cmdline", O_RDONLY);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    for (ssize_t i = 0; i < n; i++) if (!buf[i]) buf[i] = ' ';
+    buf[n] = 0;
+    return strstr(buf, "watchdog.py") != NULL;
+}
+
+int posix_spawnp(pid_t *pid, const char *file, const posix_spawn_file_actions_t *actions,
+                 const posix_spawnattr_t *attr, char *const argv[], char *const envp[]) {
+    int (*spawn)(pid_t *, const char *, const posix_spawn_file_actions_t *,
+                 const posix_spawnattr_t *, char *const[], char *const[]) =
+        dlsym(RTLD_NEXT, "posix_spawnp");
+    int done = spawn(pid, file, actions, attr, argv, envp);
+    if (done == 0 && in_the_watchdog()) raise(SIGSTOP);
+    return done;
+}
+"""
+
+
+def test_a_watchdog_killed_before_it_said_it_started_the_command_has_the_command_killed(
+    migrated: Locker,
+    url: str,
+    table_name: str,
+    tmp_path: Path,
+    reap_leftovers: list[int],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The watchdog killed once it has started the command and before it has said so: the
+    command runs (a second holder before: sqllocker read no word, took the command for never
+    started, exited 126 and released the lock)."""
+    source, shim = tmp_path / "stop_after_spawn.c", tmp_path / "stop_after_spawn.so"
+    source.write_text(STOP_AFTER_SPAWN)
+    subprocess.run(
+        ["gcc", "-shared", "-fPIC", "-o", str(shim), str(source), "-ldl"], check=True, timeout=60
+    )
+    monkeypatch.setenv("LD_PRELOAD", str(shim))
+    pids = tmp_path / "pids"
+    runner = run_job(url, table_name, "", f"echo $$ >> {pids}; sleep 60")
+    (command,) = pids_in(pids, 1)
+    reap_leftovers.append(command)
+    watchdog = watchdog_of(runner.pid)
+    wait_until(lambda: _state(watchdog) == "T")  # stopped by the shim
+    os.kill(watchdog, signal.SIGKILL)
+    _, err = runner.communicate(timeout=30)
+    assert runner.returncode == 75, err
+    assert "whether the command started" in err
+    assert not alive(command)
+    assert migrated.lock_info("job") is None
+
+
 def test_a_pid_used_again_is_not_signalled() -> None:
     """The watchdog signals a process only if it is still the one it found (same start time):
     a pid that has passed to another process meanwhile is left alone."""
