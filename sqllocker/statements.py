@@ -61,15 +61,18 @@ class Statements:
                 c.expires <= backend.shifted_now("minus_foreign_grace"),
             ),
         )
-        # One acquisition's row, named by id *and* guid: a stale holder can never match another's.
-        self.ours = sa.and_(
-            c.id == sa.bindparam("lock_id"),
-            backend.equal(c.guid, sa.bindparam("lock_guid", type_=c.guid.type)),
-        )
-        self._ours_and_live = sa.and_(self.ours, c.expires > self._now)
         self._this_lockstring = backend.equal(
             c.lockstring, sa.bindparam("ls", type_=c.lockstring.type)
         )
+        # One acquisition's row, named by id *and* guid: a stale holder can never match
+        # another's. And by its lockstring: a row an operator renamed (its lock then free for
+        # anyone) is no longer the holder's to renew or release, and the holder is told so.
+        self.ours = sa.and_(
+            c.id == sa.bindparam("lock_id"),
+            backend.equal(c.guid, sa.bindparam("lock_guid", type_=c.guid.type)),
+            self._this_lockstring,
+        )
+        self._ours_and_live = sa.and_(self.ours, c.expires > self._now)
 
     @cached_property
     def acquire(self) -> sa.Insert | ReturningInsert[Any]:

@@ -105,6 +105,42 @@ def test_on_lost_is_called_once_from_the_renewal_thread_when_the_lock_is_broken(
         lock.extend()
 
 
+def test_a_lock_whose_row_an_operator_renamed_is_lost_to_its_holder(
+    locker: Locker, make_locker: Any
+) -> None:
+    """An operator renames the row (``UPDATE ... SET lockstring``): the lock is anyone's under
+    its name, and its holder, renewing the renamed row, never learnt it had lost the lock (a
+    second holder), nor when its release deleted the renamed row."""
+    lost = LostCalls()
+    lock = locker.lock("job", expires=0.6, keep_alive=True, on_lost=lost)
+    with locker.engine.begin() as conn:
+        conn.execute(
+            sa.text(f"UPDATE {locker.table_name} SET lockstring = 'job old' WHERE id = :id"),
+            {"id": lock.lock_id},
+        )
+    other = make_locker().lock("job")
+    assert lost.event.wait(5), "the holder was not told"
+    assert not lock.is_valid()
+    with pytest.raises(LockLost):
+        lock.extend()
+    with pytest.raises(LockLost):
+        lock.unlock()
+    other.unlock()
+    held = make_locker().lock("job old", wait=10)  # the renamed row, nobody's: once it expires
+    held.unlock()
+
+
+def test_a_renamed_row_is_not_released_as_its_holders_lock(locker: Locker) -> None:
+    lock = locker.lock("job")
+    with locker.engine.begin() as conn:
+        conn.execute(
+            sa.text(f"UPDATE {locker.table_name} SET lockstring = 'job old' WHERE id = :id"),
+            {"id": lock.lock_id},
+        )
+    with pytest.raises(LockLost):
+        lock.unlock()
+
+
 def test_on_lost_fires_at_the_deadline_when_renewals_keep_failing(
     locker: Locker, monkeypatch: pytest.MonkeyPatch
 ) -> None:

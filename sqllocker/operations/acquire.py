@@ -154,7 +154,7 @@ class Acquirer:
         """The row a hand-off notification says a release inserted for us (``lock_id``), if
         the table bears it out: ours (by guid) and unexpired. None otherwise: anyone who can
         connect can send a NOTIFY, and a row is ours only if the table says so."""
-        params = {"lock_id": lock_id, "lock_guid": guid}
+        params = {"ls": lockstring, "lock_id": lock_id, "lock_guid": guid}
         sent_at = clock.now()
         row = self._db.run(
             lockstring, lambda conn: conn.execute(self._db.sql.own_row, params).first()
@@ -183,7 +183,7 @@ class Acquirer:
         anyone cancels ends with the commit visible (and its notification sent), and a failover
         then loses the row while we would hold its lock. None if the row is not ours and
         unexpired (lost in a failover, or run out meanwhile)."""
-        mine = {"lock_id": granted.lock_id, "lock_guid": guid}
+        mine = {"ls": lockstring, "lock_id": granted.lock_id, "lock_guid": guid}
         ttl_value = self._db.be.seconds_value(ttl)
         sent_at = clock.now()
         expires = self._db.run(

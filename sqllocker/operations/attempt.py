@@ -132,7 +132,7 @@ class Attempt:
             # an outage outlasted it, and it is taken over below, or refuses us, like anyone's.)
             # Renewed before it counts, so that its expiry starts from this attempt: an
             # outage may have left it a moment to live, less than the deadline's margin.
-            mine = {"lock_id": row.id, "lock_guid": params["lock_guid"]}
+            mine = {"ls": params["ls"], "lock_id": row.id, "lock_guid": params["lock_guid"]}
             expires = self._renewal.extend_on(conn, mine, params["ttl"])
             if expires is None:
                 return Refused(None, None)  # expired meanwhile: taken over on a later try
@@ -205,7 +205,7 @@ class Attempt:
         if result.rowcount != 1 or result.lastrowid is None:
             return False, None
         lock_id = result.lastrowid
-        mine = {"lock_id": lock_id, "lock_guid": params["lock_guid"]}
+        mine = {"ls": params["ls"], "lock_id": lock_id, "lock_guid": params["lock_guid"]}
         times = conn.execute(self._db.sql.times_of, mine).first()
         if times is None:
             logger.info("%r was inserted (id %d), and gone when read back", params["ls"], lock_id)
@@ -261,7 +261,8 @@ class Attempt:
         acquired = [outcome for outcome in stored if isinstance(outcome, Acquired)]
         if len(acquired) == len(stored):
             return acquired
-        for (_lockstring, guid), outcome in zip(members, stored, strict=True):
+        for (lockstring, guid), outcome in zip(members, stored, strict=True):
             if isinstance(outcome, Acquired):
-                conn.affected(self._db.sql.release, {"lock_id": outcome.lock_id, "lock_guid": guid})
+                mine = {"ls": lockstring, "lock_id": outcome.lock_id, "lock_guid": guid}
+                conn.affected(self._db.sql.release, mine)
         return next(outcome for outcome in stored if isinstance(outcome, Refused))

@@ -43,7 +43,7 @@ class Releaser:
         """Delete our row; LockLost if it was no longer ours. With ``hold_at_least``, a release
         within that many seconds of the row's creation keeps the row until then instead (see
         ``Statements.finish_within_window``)."""
-        params: dict[str, Any] = {"lock_id": lock_id, "lock_guid": guid}
+        params: dict[str, Any] = {"ls": lockstring, "lock_id": lock_id, "lock_guid": guid}
         if hold_at_least is not None:
             params["hold"] = self._db.be.seconds_value(hold_at_least)
             kept = self._db.run(
@@ -76,7 +76,7 @@ class Releaser:
         """Push our row's expiry to the server's now + ``ttl``; LockLost if it is gone or has
         already expired (an expired lock is never revived). ``resent``: see ``Database.run``."""
 
-        params = {"lock_id": lock_id, "lock_guid": guid}
+        params = {"ls": lockstring, "lock_id": lock_id, "lock_guid": guid}
         expires = self._db.run(
             lockstring,
             lambda conn: self.extend_on(conn, params, self._db.be.seconds_value(ttl)),
@@ -161,7 +161,7 @@ class Releaser:
                 lockstring,
             )
         self._db.ensure_setup()
-        params = {"lock_id": lock_id, "lock_guid": guid}
+        params = {"ls": lockstring, "lock_id": lock_id, "lock_guid": guid}
         if not self._db.be.share_locks_rows:
             # SQLite: a write takes the database's write lock until the caller's transaction
             # ends, so nobody can take over or purge the row meanwhile.
