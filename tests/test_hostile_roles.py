@@ -24,11 +24,12 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from sqllocker import LockBusy, Locker
+from sqllocker import LockBusy, Locker, UnsafeDatabase
 from sqllocker import tickets as ticketing
 from sqllocker.engine import resolve_url
 from sqllocker.migrations import upgrade
 from sqllocker.notifications import guid_digest
+from sqllocker.schema import lock_table
 from tests.helpers import RawTicket, in_line, tickets, wait_in_thread, wait_until
 
 _numbers = itertools.count(1)
@@ -614,3 +615,49 @@ def test_a_forged_leader_notification_changes_no_leader(
     assert seen[1] is None
     observer.close()
     leader_locker.close()
+
+
+def test_a_lock_table_made_in_a_schema_ahead_on_the_search_path_takes_no_locker_away(
+    postgresql_url: str, table_name: str
+) -> None:
+    """A role that may create schemas makes one named like another role, which comes first on
+    that role's search path (``"$user", public``), and a table of the lock table's name in it:
+    that role's statements would lock there, apart from everyone else's (a second holder), and
+    the schema's owner would read their secret guids. A Locker set up before goes on locking in
+    the table it found; one set up after refuses to pick."""
+    suffix = uuid.uuid4().hex[:8]
+    victim, hostile = f"sqllocker_victim_{suffix}", f"sqllocker_hostile_{suffix}"
+    database = sa.make_url(resolve_url(postgresql_url)).database
+    engine = sa.create_engine(resolve_url(postgresql_url))
+    upgrade(engine, table_name)
+    with connect(postgresql_url) as admin:
+        admin.execute(f"CREATE ROLE {victim} LOGIN SUPERUSER")
+        admin.execute(f"CREATE ROLE {hostile} LOGIN")
+        admin.execute(f"GRANT CREATE ON DATABASE {database} TO {hostile}")
+    victim_url = str(sa.make_url(resolve_url(postgresql_url)).set(username=victim))
+    others = Locker(with_options(postgresql_url, "-c search_path=public"), table=table_name)
+    running = Locker(victim_url, table=table_name)
+    late = Locker(victim_url, table=table_name)
+    try:
+        running.lock("warm").unlock()  # set up: one lock table on its path
+        with connect(postgresql_url, user=hostile) as conn:
+            conn.execute(f"CREATE SCHEMA {victim}")
+            conn.execute(f"GRANT USAGE ON SCHEMA {victim} TO PUBLIC")
+        hostile_engine = sa.create_engine(resolve_url(victim_url).set(username=hostile))
+        shadow = lock_table(table_name).to_metadata(sa.MetaData(), schema=victim)
+        shadow.create(hostile_engine)
+        hostile_engine.dispose()
+        with running.lock("job"), pytest.raises(LockBusy):
+            others.lock("job")
+        with pytest.raises(UnsafeDatabase, match="more than one schema"):
+            late.lock("job")
+    finally:
+        for locker in (running, late, others):
+            locker.close()
+        with connect(postgresql_url) as admin:
+            admin.execute(f"DROP SCHEMA IF EXISTS {victim} CASCADE")
+            for role in (hostile, victim):
+                admin.execute(f"REVOKE ALL ON DATABASE {database} FROM {role}")
+                admin.execute(f"DROP OWNED BY {role}")
+                admin.execute(f"DROP ROLE {role}")
+        engine.dispose()

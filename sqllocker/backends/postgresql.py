@@ -20,6 +20,7 @@ from sqlalchemy.engine import URL, Connection, Dialect, Engine
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.expression import Executable
 
+from ..errors import UnsafeDatabase
 from ..notifications import leaders_channel_for
 from ..schema import UTCDateTime, requests_table_name
 from ..server_settings import LOSES_ROWS, LOSES_ROWS_ON_FAILOVER, ServerSettings, UnsafeSetting
@@ -443,6 +444,17 @@ class PostgreSQLBackend(Backend):
 
     def read_settings(self, conn: Connection, table: str) -> ServerSettings:
         problems = []
+        found = conn.exec_driver_sql(_SCHEMAS_WITH, {"table": table}).scalars().all()
+        if len(found) > 1:
+            # Which one a role's statements reach depends on its search path ("$user" comes
+            # first): a role that may create a schema named like another role shadows the
+            # lock table for it, and the two lock apart.
+            raise UnsafeDatabase(
+                f"lock table {table!r} is in more than one schema of the search path "
+                f"({', '.join(found)}): roles whose search paths differ would lock in different "
+                "tables; drop the one that is not the lock table, or name the schema with "
+                "?options=-c%20search_path%3D<schema>"
+            )
         schema, has_functions = conn.exec_driver_sql(_TABLE_SCHEMA, {"table": table}).one()
         if conn.exec_driver_sql("SHOW synchronous_commit").scalar() == "off":
             problems.append(UnsafeSetting("synchronous_commit=off", LOSES_ROWS))
@@ -587,6 +599,16 @@ _STANDBYS = (
     "SELECT pg_catalog.count(*), pg_catalog.count(*) FILTER (WHERE r.sync_state::text "
     "OPERATOR(pg_catalog.=) ANY (ARRAY['sync', 'quorum']::text[])) "
     "FROM pg_catalog.pg_stat_replication AS r"
+)
+# The schemas of the search path (as the session resolves it, "$user" included) that hold a
+# table of that name, in the path's order.
+_SCHEMAS_WITH = (
+    "SELECT n.nspname::text FROM pg_catalog.unnest(pg_catalog.current_schemas(false)) "
+    "WITH ORDINALITY AS p(name, place) "
+    "JOIN pg_catalog.pg_namespace AS n ON n.nspname OPERATOR(pg_catalog.=) p.name "
+    "JOIN pg_catalog.pg_class AS c ON c.relnamespace OPERATOR(pg_catalog.=) n.oid "
+    "AND c.relname OPERATOR(pg_catalog.=) %(table)s::name "
+    "ORDER BY p.place"
 )
 _TABLE_SCHEMA = (
     "SELECT s.name, pg_catalog.to_regprocedure(pg_catalog.quote_ident(s.name) "

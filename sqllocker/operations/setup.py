@@ -8,6 +8,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import sqlalchemy as sa
 from sqlalchemy.engine import URL, Connection
 
 from ..backends import Backend, backend_for
@@ -59,6 +60,11 @@ def set_up(conn: Connection, table: Any, options: Options) -> Setup:
         raise ForeignTable.naming(options.table_name, describe_url(options.url), settings.foreign)
     report(settings.unsafe, options)
     id_order = id_order_table(options.table_name) if settings.lock_stripes else None
+    if settings.schema is not None:
+        # Named with the schema it was found in: a table of that name made later in a schema
+        # ahead on the search path (by a role that may) cannot take a running Locker's
+        # statements away from it.
+        table = table.to_metadata(sa.MetaData(), schema=settings.schema)
     statements = Statements(table, backend, id_order, settings.schema, has_line=settings.has_line)
     # Read off one connection: only sqllocker's own connections, each straight to the server,
     # are all set alike.
