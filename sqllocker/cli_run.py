@@ -151,6 +151,7 @@ def run(
         on_lost=on_lost,
         kill_after=kill_after,
         pass_url=pass_url,
+        names_database=settings.url is not None,
         record_args=record_args,
     )
     with joined_trace(default_name(lockstring)):

@@ -27,6 +27,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("sqllocker")
 
 URL_ENVIRONMENT_VARIABLE = "SQLLOCKER_URL"
+# Set by ``sqllocker run`` in the environment of a command it withheld $SQLLOCKER_URL from:
+# a sqllocker in it that is given no URL must not fall back to the local SQLite file, and so
+# lock apart from everyone else who locks the same names in the run's database.
+URL_WITHHELD_VARIABLE = "SQLLOCKER_URL_WITHHELD"
 DEFAULT_SQLITE_FILE = "sqllocker.db"
 _engines_we_own: weakref.WeakSet[Engine] = weakref.WeakSet()
 
@@ -38,7 +42,15 @@ def resolve_url(url: str | URL | None, *, asynchronous: bool = False) -> URL:
     ``asynchronous``); one that names a driver keeps it.
     """
     if url is None:
-        url = os.environ.get(URL_ENVIRONMENT_VARIABLE) or f"sqlite:///{DEFAULT_SQLITE_FILE}"
+        url = os.environ.get(URL_ENVIRONMENT_VARIABLE)
+        if not url and os.environ.get(URL_WITHHELD_VARIABLE):
+            raise LockValueError(
+                f"no database URL: `sqllocker run` withheld ${URL_ENVIRONMENT_VARIABLE} from "
+                "this command (it may hold a password), and the default, the local file "
+                f"{DEFAULT_SQLITE_FILE}, would lock apart from the run's database; pass the URL "
+                "(--url, or `sqllocker run --pass-url`)"
+            )
+        url = url or f"sqlite:///{DEFAULT_SQLITE_FILE}"
     drivers = {name: cls.driver_scheme(name, asynchronous) for name, cls in url_names()}
     if isinstance(url, str):
         scheme, separator, rest = url.partition("://")

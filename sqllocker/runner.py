@@ -42,7 +42,7 @@ from types import FrameType
 from typing import Any
 
 from . import watchdog as watchdog_script
-from .engine import URL_ENVIRONMENT_VARIABLE
+from .engine import URL_ENVIRONMENT_VARIABLE, URL_WITHHELD_VARIABLE
 from .errors import LockBusy, LockLost
 from .holding import CLOCK_DRIFT, safety_margin
 from .lock import Lock
@@ -69,6 +69,7 @@ class RunOptions:
     on_lost: str = "stop"
     kill_after: float = DEFAULT_KILL_AFTER
     pass_url: bool = False
+    names_database: bool = False  # the run was given a URL (--url or $SQLLOCKER_URL)
     record_args: bool = False
     shared: bool = False  # the read side of the lock: with others that run --shared
 
@@ -355,6 +356,9 @@ def _supervise(lock: Lock, command: Sequence[str], options: RunOptions) -> int:
     )
     if not options.pass_url:
         environment.pop(URL_ENVIRONMENT_VARIABLE, None)
+    if options.names_database and not environment.get(URL_ENVIRONMENT_VARIABLE):
+        # A sqllocker in COMMAND given no URL must not lock in the local default file instead.
+        environment[URL_WITHHELD_VARIABLE] = "1"
     lost = threading.Event()
     ended = threading.Event()  # the group is closed: nothing is left to stop
     forwarder = _Forwarder()

@@ -780,6 +780,43 @@ def test_run_keeps_the_url_and_the_arguments_to_itself_unless_asked(
     assert "password=hunter2" in str(locked_by["command"])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("given", ["SQLLOCKER_URL", "--url"])
+def test_a_sqllocker_in_a_run_given_no_url_does_not_lock_in_a_local_file(
+    migrated: Locker, url: str, table_name: str, tmp_path: Path, given: str
+) -> None:
+    """``run`` withholds $SQLLOCKER_URL from its command: a nested ``sqllocker run`` (or a
+    ``Locker()``) given no URL took the local default file ./sqllocker.db, and ran beside
+    whoever held the same lock in the run's database (a second holder). It refuses instead."""
+    environment = dict(os.environ, SQLLOCKER_TABLE=table_name)
+    environment.pop("SQLLOCKER_URL", None)
+    outer = ["--url", url] if given == "--url" else []
+    if given == "SQLLOCKER_URL":
+        environment["SQLLOCKER_URL"] = url
+    nested = f"{SQLLOCKER} run inner -- true"
+    done = subprocess.run(
+        [SQLLOCKER, *outer, "run", "outer", "--", "sh", "-c", nested],
+        env=environment,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0, done.stderr  # the nested sqllocker's error, passed on
+    assert "withheld" in done.stderr
+    assert not (tmp_path / "sqllocker.db").exists()
+    passed = subprocess.run(
+        [SQLLOCKER, *outer, "run", "--pass-url", "outer", "--", "sh", "-c", nested],
+        env=environment,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    # --pass-url passes the variable on; a --url is the run's own, still withheld.
+    assert (passed.returncode == 0) == (given == "SQLLOCKER_URL"), passed.stderr
+
+
 def test_resolve_url_maps_postgres_scheme_to_psycopg() -> None:
     assert resolve_url("postgres://u@h/db").drivername == "postgresql+psycopg"
     assert resolve_url("postgresql://u@h/db").drivername == "postgresql+psycopg"
