@@ -216,9 +216,12 @@ class FloorStatements:
         # paid for all of it.
         self.settings = ["PRAGMA wal_autocheckpoint=1000"] if backend.name == "sqlite" else []
 
+    def lockstring(self, n: int) -> str:
+        return f"floor {self._run} {n}"
+
     def acquire_parameters(self, n: int, guid: str) -> Any:
         values = {
-            "ls": f"floor {self._run} {n}",
+            "ls": self.lockstring(n),
             "lock_guid": guid,
             "ttl": self._ttl,
             "minus_grace": self._minus_grace,
@@ -226,8 +229,9 @@ class FloorStatements:
         }
         return self.acquire.parameters(values)
 
-    def release_parameters(self, lock_id: int, guid: str) -> Any:
-        return self.release.parameters({"lock_id": lock_id, "lock_guid": guid})
+    def release_parameters(self, lockstring: str, lock_id: int, guid: str) -> Any:
+        values = {"ls": lockstring, "lock_id": lock_id, "lock_guid": guid}
+        return self.release.parameters(values)
 
 
 def raw_floor_cycle(url: str) -> Cycle:
@@ -246,7 +250,8 @@ def raw_floor_cycle(url: str) -> Cycle:
         guid = os.urandom(16).hex()  # as sqllocker.identity.new_guid
         cursor.execute(floor.acquire.sql, floor.acquire_parameters(n, guid))
         lock_id = cursor.fetchall()[0][0]
-        cursor.execute(floor.release.sql, floor.release_parameters(lock_id, guid))
+        released = floor.release_parameters(floor.lockstring(n), lock_id, guid)
+        cursor.execute(floor.release.sql, released)
 
     def close() -> None:
         cursor.close()
@@ -325,7 +330,8 @@ def flat_cycle(url: str) -> Cycle:
             held = stack.take()
             try:
                 held.cursor.execute(
-                    statements.release.sql, statements.release_parameters(state.lock_id, state.guid)
+                    statements.release.sql,
+                    statements.release_parameters(state.lockstring, state.lock_id, state.guid),
                 )
                 deleted = held.cursor.rowcount
             finally:
@@ -387,7 +393,8 @@ async def async_raw_floor_cycle(url: str, layer: str = "driver") -> AsyncCycle:
         else:
             await cursor.execute(floor.acquire.sql, parameters)
             lock_id = (await cursor.fetchall())[0][0]
-        await cursor.execute(floor.release.sql, floor.release_parameters(lock_id, guid))
+        released = floor.release_parameters(floor.lockstring(n), lock_id, guid)
+        await cursor.execute(floor.release.sql, released)
 
     def acquire(n: int, guid: str) -> int:
         parameters = floor.acquire_parameters(n, guid)
@@ -396,8 +403,8 @@ async def async_raw_floor_cycle(url: str, layer: str = "driver") -> AsyncCycle:
         adapted.execute(floor.acquire.sql, parameters)
         return int(adapted.fetchall()[0][0])
 
-    def release(lock_id: int, guid: str) -> None:
-        parameters = floor.release_parameters(lock_id, guid)
+    def release(n: int, lock_id: int, guid: str) -> None:
+        parameters = floor.release_parameters(floor.lockstring(n), lock_id, guid)
         if one_call is not None:
             one_call(floor.release.sql, parameters, False)
         else:
@@ -406,12 +413,12 @@ async def async_raw_floor_cycle(url: str, layer: str = "driver") -> AsyncCycle:
     async def in_greenlets(n: int) -> None:
         guid = os.urandom(16).hex()
         lock_id = await in_greenlet(acquire, n, guid)
-        await in_greenlet(release, lock_id, guid)
+        await in_greenlet(release, n, lock_id, guid)
 
     async def run_to_its_end(n: int) -> None:
         guid = os.urandom(16).hex()
         lock_id = await shielded(in_greenlet(acquire, n, guid), "bench acquire", _kept)
-        await shielded(in_greenlet(release, lock_id, guid), "bench release", _kept)
+        await shielded(in_greenlet(release, n, lock_id, guid), "bench release", _kept)
 
     async def close() -> None:
         await in_greenlet(adapted.close)

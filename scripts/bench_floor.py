@@ -181,7 +181,7 @@ def _postgresql(floor: _Compiled) -> LockCalls:
 
     def give(token: tuple[int, str]) -> None:
         lock_id, guid = token
-        floor.run(release, {"lock_id": lock_id, "lock_guid": guid})
+        floor.run(release, {"ls": LOCKSTRING, "lock_id": lock_id, "lock_guid": guid})
 
     return take, give, floor.close
 
@@ -263,7 +263,7 @@ class _MariaDBLine:
 
     def give(self, token: tuple[int, str]) -> None:
         lock_id, guid = token
-        self.floor.run(self.release, {"lock_id": lock_id, "lock_guid": guid})
+        self.floor.run(self.release, {"ls": LOCKSTRING, "lock_id": lock_id, "lock_guid": guid})
 
     def close(self) -> None:
         if self._unread:
@@ -421,7 +421,7 @@ def _sqlite(floor: _Compiled) -> LockCalls:
 
     def give(token: tuple[int, str]) -> None:
         lock_id, guid = token
-        floor.run(release, {"lock_id": lock_id, "lock_guid": guid})
+        floor.run(release, {"ls": LOCKSTRING, "lock_id": lock_id, "lock_guid": guid})
         fcntl.fcntl(fd, fcntl.F_OFD_SETLK, leave)
 
     def close() -> None:
