@@ -51,10 +51,18 @@ from collections.abc import Callable
 Member = tuple[int, int]  # a process: its pid and its start time
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+# The other signals that end a process by default, which a command sends its own group (``kill
+# -USR1 0``) as readily as its children: the watchdog leads that group, and ignores them all.
+IGNORED_SIGNALS = tuple(
+    getattr(signal, name)
+    for name in ("SIGUSR1", "SIGUSR2", "SIGALRM", "SIGVTALRM", "SIGPROF", "SIGIO", "SIGPWR")
+    if hasattr(signal, name)
+)
 # Set back to their defaults in COMMAND: those this ignores, those Python ignores (SIGPIPE,
 # SIGXFSZ), and SIGCHLD, which this handles.
 DEFAULT_IN_COMMAND = (
     *FORWARDED_SIGNALS,
+    *IGNORED_SIGNALS,
     signal.SIGCHLD,
     signal.SIGPIPE,
     *([signal.SIGXFSZ] if hasattr(signal, "SIGXFSZ") else []),
@@ -358,7 +366,7 @@ def main() -> int:
     for fd in (control_fd, status_fd):
         os.set_inheritable(fd, False)
     os.set_blocking(control_fd, False)
-    for signum in FORWARDED_SIGNALS:
+    for signum in (*FORWARDED_SIGNALS, *IGNORED_SIGNALS):
         signal.signal(signum, signal.SIG_IGN)  # back to the default in COMMAND (setsigdef)
     wake_read, wake_write = os.pipe()
     for fd in (wake_read, wake_write):

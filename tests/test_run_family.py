@@ -288,6 +288,19 @@ def watchdog_of(runner: int) -> int:
     raise AssertionError("no watchdog")
 
 
+@pytest.mark.parametrize("signame", ["USR1", "USR2", "ALRM"])
+def test_a_command_that_signals_its_own_group_does_not_kill_its_watchdog(
+    migrated: Locker, url: str, table_name: str, signame: str
+) -> None:
+    """``kill -USR1 0`` from the command reaches its whole group, the watchdog (its leader)
+    included, which died of it: the job was killed and exited 75 with the lock never lost."""
+    script = f'trap "echo got it" {signame}; kill -{signame} 0; sleep 0.3; echo finished'
+    runner = run_job(url, table_name, "", script)
+    out, err = runner.communicate(timeout=30)
+    assert runner.returncode == 0, err
+    assert out.split() == ["got", "it", "finished"], out
+
+
 def test_a_killed_watchdog_takes_the_family_with_it(
     migrated: Locker,
     url: str,
