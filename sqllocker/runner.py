@@ -43,7 +43,7 @@ from typing import Any
 
 from . import watchdog as watchdog_script
 from .engine import URL_ENVIRONMENT_VARIABLE, URL_WITHHELD_VARIABLE
-from .errors import LockBusy, LockLost
+from .errors import LockBusy, LockError, LockLost
 from .holding import CLOCK_DRIFT, safety_margin
 from .lock import Lock
 from .locker import Locker
@@ -421,6 +421,11 @@ def _supervise(lock: Lock, command: Sequence[str], options: RunOptions) -> int:
             if not lost.is_set():
                 _say(str(error))
             lost.set()
+        except LockError as error:
+            # Not released (the database unreachable): the row expires, held by nobody. The
+            # command's status stands, unless the lock ran out before it ended (then 75, not
+            # 1, which says "busy").
+            _say(f"{error}; the lock will expire by itself")
         if not was_valid:
             lost.set()
     if lost.is_set():

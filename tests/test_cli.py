@@ -23,7 +23,7 @@ import sqlalchemy as sa
 from sqllocker import Locker
 from sqllocker.engine import resolve_url
 from tests import forked_cli
-from tests.helpers import abandon, migrate
+from tests.helpers import Proxied, abandon, migrate
 
 SQLLOCKER = str(Path(sys.executable).parent / "sqllocker")
 Run = Callable[..., subprocess.CompletedProcess[str]]
@@ -818,6 +818,23 @@ def test_a_sqllocker_in_a_run_given_no_url_does_not_lock_in_a_local_file(
     )
     # --pass-url passes the variable on; a --url is the run's own, still withheld.
     assert (passed.returncode == 0) == (given == "SQLLOCKER_URL"), passed.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_a_run_whose_release_finds_the_database_gone_keeps_the_commands_status(
+    migrated: Locker, proxied: Proxied, table_name: str, backend: str
+) -> None:
+    """The database refuses connections as the command ends, the lock still valid: the release
+    fails, and the row is left to expire. The exit status was sqllocker's 1 (which says "busy"
+    too), not the command's."""
+    command = ["sh", "-c", "sleep 1; exit 3"]
+    runner = popen(proxied.url, table_name, "run", "--expires", "60", "job", "--", *command)
+    wait_until(lambda: migrated.lock_info("job") is not None)
+    proxied.close()  # connections refused from now on
+    _, err = runner.communicate(timeout=60)
+    assert runner.returncode == 3, err
+    assert "will expire" in err
 
 
 def test_resolve_url_maps_postgres_scheme_to_psycopg() -> None:
