@@ -364,6 +364,47 @@ def test_adoption_keeps_rows_converts_times_and_the_rows_still_exclude(
         locker.close()
 
 
+@pytest.mark.parametrize("backend", ["postgresql"])
+def test_postgresql_adoption_keeps_what_other_roles_may_do_with_the_table(
+    url: str, backend: str, table_name: str, db: sa.Engine
+) -> None:
+    """Perl jobs of another role, granted what DBIx::Locker needs on its table and sequence:
+    the adoption drops and makes the table again, and they could no longer lock or unlock
+    ("permission denied"), their held rows left for the clock margin."""
+    create_dbix_table(url, table_name)
+    role = f"sqllocker_perl_{table_name}"
+    with db.begin() as conn:
+        conn.exec_driver_sql(f"CREATE ROLE {role} LOGIN")
+        conn.exec_driver_sql(f"GRANT SELECT, INSERT, UPDATE, DELETE ON {table_name} TO {role}")
+        conn.exec_driver_sql(f"GRANT USAGE ON SEQUENCE {table_name}_id_seq TO {role}")
+    perl_role = sa.create_engine(resolve_url(url).set(username=role))
+    try:
+        code, printed = sqllocker_cli(
+            url, table_name, "migrate", "--adopt-dbix-locker", "--perl-tz", "UTC", "--sql"
+        )
+        assert code == 0, printed
+        assert f"GRANT INSERT ON TABLE {table_name} TO {role}" in printed
+        code, output = sqllocker_cli(
+            url, table_name, "migrate", "--adopt-dbix-locker", "--perl-tz", "UTC"
+        )
+        assert code == 0, output
+        with perl_role.begin() as conn:  # what DBIx::Locker's lock and unlock send
+            conn.exec_driver_sql(
+                f"INSERT INTO {table_name} (lockstring, created, expires, locked_by) "
+                "VALUES ('perl job', now(), now() + interval '1 hour', '{}')"
+            )
+            lock_id = conn.exec_driver_sql(
+                f"SELECT currval(pg_get_serial_sequence('{table_name}', 'id'))"
+            ).scalar()
+            deleted = conn.exec_driver_sql(f"DELETE FROM {table_name} WHERE id = {lock_id}")
+            assert deleted.rowcount == 1
+    finally:
+        perl_role.dispose()
+        with db.begin() as conn:
+            conn.exec_driver_sql(f"DROP OWNED BY {role}")
+            conn.exec_driver_sql(f"DROP ROLE {role}")
+
+
 def test_the_adoption_sql_applied_by_hand_keeps_every_lockstring(
     url: str, backend: str, table_name: str, db: sa.Engine
 ) -> None:

@@ -469,6 +469,12 @@ class Backend:
         transaction, where ``adoption_swaps`` is false)."""
         raise NotImplementedError
 
+    def grants_kept(self, conn: Connection, table: str) -> list[Executable | str]:
+        """Statements that give the roles other than its owner what they may do with the
+        DBIx::Locker table ``table`` (and the sequence of its ids) on the new one that replaces
+        it (where ``adoption_swaps`` is false: a swap keeps the grants of the name)."""
+        return []
+
     def ids_handed_out_below(self, conn: Connection, source: str, highest_row: int) -> int:
         """An id above every id the DBIx::Locker table ``source`` has handed out."""
         return highest_row + 1

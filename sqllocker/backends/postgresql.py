@@ -540,6 +540,27 @@ class PostgreSQLBackend(Backend):
             )
         return None
 
+    def grants_kept(self, conn: Connection, table: str) -> list[Executable | str]:
+        # The Perl processes of other roles must go on inserting, reading the id they drew
+        # (currval) and deleting, in the new table, and with its new sequence.
+        steps: list[Executable | str] = []
+        for kind, grantee, privilege, grantable in conn.exec_driver_sql(
+            _GRANTS, {"table": table}
+        ).all():
+            if privilege not in _PRIVILEGES:
+                continue
+            option = " WITH GRANT OPTION" if grantable else ""
+            if kind == "table":
+                steps.append(f"GRANT {privilege} ON TABLE {table} TO {grantee}{option}")
+            else:  # the new table's sequence, named as PostgreSQL names it
+                sequence = f"pg_catalog.pg_get_serial_sequence({_literal(table)}, 'id')"
+                steps.append(
+                    f"DO $grant$BEGIN EXECUTE {_literal(f'GRANT {privilege} ON SEQUENCE ')} "
+                    f"OPERATOR(pg_catalog.||) {sequence} OPERATOR(pg_catalog.||) "
+                    f"{_literal(f' TO {grantee}{option}')}; END$grant$"
+                )
+        return steps
+
     def ids_handed_out_below(self, conn: Connection, source: str, highest_row: int) -> int:
         last = conn.exec_driver_sql(
             "SELECT pg_catalog.pg_sequence_last_value(pg_catalog.pg_get_serial_sequence("
@@ -557,6 +578,28 @@ class PostgreSQLBackend(Backend):
                 "CAST(:table AS text), 'id'::text)::regclass, CAST(:first AS bigint), false)"
             ).bindparams(table=table, first=first)
         ]
+
+
+# What roles other than the owner may do with a table and with the sequence of its ids: each
+# grantee quoted as an identifier (or PUBLIC), each privilege checked against _PRIVILEGES.
+_GRANTS = (
+    "SELECT k.kind, CASE WHEN a.grantee OPERATOR(pg_catalog.=) 0::oid THEN 'PUBLIC' "
+    "ELSE pg_catalog.quote_ident(r.rolname::text) END, a.privilege_type, a.is_grantable "
+    "FROM (SELECT 'table' AS kind, %(table)s::text::regclass AS oid UNION ALL "
+    "SELECT 'sequence', pg_catalog.pg_get_serial_sequence(%(table)s::text, 'id'::text)::regclass"
+    ") AS k JOIN pg_catalog.pg_class AS c ON c.oid OPERATOR(pg_catalog.=) k.oid "
+    "CROSS JOIN LATERAL pg_catalog.aclexplode(c.relacl) AS a "
+    "LEFT JOIN pg_catalog.pg_roles AS r ON r.oid OPERATOR(pg_catalog.=) a.grantee "
+    "WHERE a.grantee OPERATOR(pg_catalog.<>) c.relowner"
+)
+_PRIVILEGES = frozenset(
+    {"SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER", "USAGE"}
+)
+
+
+def _literal(text: str) -> str:
+    """``text`` as an SQL string literal."""
+    return "'" + text.replace("'", "''") + "'"
 
 
 _WARNINGS = "_sqllocker_warnings"
