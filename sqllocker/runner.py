@@ -147,6 +147,7 @@ class _Family:
                     options.on_lost,
                     repr(valid_until),
                     repr(kill_by),
+                    ",".join(str(int(signum)) for signum in _ignored()) or "-",
                     "--",
                     *command,
                 ],
@@ -433,6 +434,18 @@ def _supervise(lock: Lock, command: Sequence[str], options: RunOptions) -> int:
     return returncode if returncode >= 0 else 128 - returncode
 
 
+def _ignored() -> list[int]:
+    """The signals of FORWARDED_SIGNALS that sqllocker was started ignoring (``nohup`` ignores
+    HUP): neither acted on nor passed on, and ignored by COMMAND too, as a job under ``nohup``
+    would ignore them."""
+    return [sig for sig in FORWARDED_SIGNALS if signal.getsignal(sig) == signal.SIG_IGN]
+
+
+def _passed_on() -> list[int]:
+    ignored = _ignored()
+    return [sig for sig in FORWARDED_SIGNALS if sig not in ignored]
+
+
 class _Forwarder:
     """Passes INT, TERM, HUP and QUIT on to the command's group while it runs: installed
     before the group exists, so that none is missed; one that comes before the command has
@@ -444,7 +457,7 @@ class _Forwarder:
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> _Forwarder:
-        self._previous = {sig: signal.signal(sig, self._forward) for sig in FORWARDED_SIGNALS}
+        self._previous = {sig: signal.signal(sig, self._forward) for sig in _passed_on()}
         return self
 
     def attach(self, group: _Family) -> None:
@@ -473,7 +486,7 @@ def _signals_raise() -> Iterator[None]:
     def interrupt(signum: int, _frame: FrameType | None) -> None:
         raise _Interrupted(signum)
 
-    previous = {sig: signal.signal(sig, interrupt) for sig in FORWARDED_SIGNALS}
+    previous = {sig: signal.signal(sig, interrupt) for sig in _passed_on()}
     try:
         yield
     except KeyboardInterrupt as error:

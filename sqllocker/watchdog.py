@@ -252,16 +252,15 @@ class Watchdog:
         with contextlib.suppress(OSError):  # sqllocker is gone: the control pipe will say so
             os.write(self.status_fd, line.encode() + b"\n")
 
-    def start(self, command: list[str]) -> bool:
+    def start(self, command: list[str], kept_ignored: frozenset[int] = frozenset()) -> bool:
         if now() >= self.valid_until:
             # Stalled since sqllocker last looked (stopped, or too slow to start): the next
             # holder may have the lock by now.
             self.tell("late")
             return False
         try:
-            self.command = os.posix_spawnp(
-                command[0], command, os.environ, setsigdef=DEFAULT_IN_COMMAND
-            )
+            defaults = tuple(sig for sig in DEFAULT_IN_COMMAND if sig not in kept_ignored)
+            self.command = os.posix_spawnp(command[0], command, os.environ, setsigdef=defaults)
         except FileNotFoundError:
             self.tell("missing")
             return False
@@ -362,7 +361,9 @@ def main() -> int:
     control_fd, status_fd = int(sys.argv[1]), int(sys.argv[2])
     kill_after, mode = float(sys.argv[3]), sys.argv[4]
     valid_until, kill_by = float(sys.argv[5]), float(sys.argv[6])
-    command = sys.argv[8:]
+    # The signals sqllocker was started ignoring (nohup): COMMAND keeps ignoring them.
+    kept_ignored = frozenset(int(signum) for signum in sys.argv[7].split(",") if signum != "-")
+    command = sys.argv[9:]
     for fd in (control_fd, status_fd):
         os.set_inheritable(fd, False)
     os.set_blocking(control_fd, False)
@@ -374,7 +375,7 @@ def main() -> int:
     signal.set_wakeup_fd(wake_write)
     signal.signal(signal.SIGCHLD, lambda _signum, _frame: None)
     watchdog = Watchdog(status_fd, kill_after, mode == "stop", valid_until, kill_by)
-    if not watchdog.start(command):
+    if not watchdog.start(command, kept_ignored):
         return 0
     try:
         watch(watchdog, control_fd, wake_read)

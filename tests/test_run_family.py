@@ -301,6 +301,29 @@ def test_a_command_that_signals_its_own_group_does_not_kill_its_watchdog(
     assert out.split() == ["got", "it", "finished"], out
 
 
+def test_a_run_under_nohup_and_its_command_outlive_a_sighup(
+    migrated: Locker, url: str, table_name: str, tmp_path: Path
+) -> None:
+    """``nohup sqllocker run ...`` (sqllocker started with SIGHUP ignored), then the HUP that
+    an ssh session's end sends: it was passed on to the command, set back to its default
+    there, and the job died of it (129), where a plain ``nohup JOB`` lives on."""
+    shell = tmp_path / "shell"
+    script = f"echo $$ > {shell}; sleep 1; echo finished"
+    sqllocker = [SQLLOCKER, "--url", url, "--table", table_name]
+    runner = subprocess.Popen(
+        ["nohup", *sqllocker, "run", "job", "--", "sh", "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    (command,) = pids_in(shell, 1)
+    os.kill(runner.pid, signal.SIGHUP)
+    os.kill(command, signal.SIGHUP)
+    out, err = runner.communicate(timeout=30)
+    assert runner.returncode == 0, err
+    assert out.split() == ["finished"]
+
+
 def test_a_killed_watchdog_takes_the_family_with_it(
     migrated: Locker,
     url: str,
