@@ -931,7 +931,7 @@ def test_an_acquire_whose_answer_was_lost_never_returns_its_own_expired_row(
     # Long enough that the taken-over lock is still valid by the time a loaded machine has
     # reconnected and answered (its deadline runs from the take-over's sending).
     expires = 3.0
-    proxy.lose_answer_to(b"INSERT INTO " + table_name.encode(), then_stall=True)
+    proxy.lose_answer_to(table_name.encode() + b" (lockstring", then_stall=True)
     acquirer = AcquirerThroughProxy(proxied.url, table_name, front, expires=expires, wait=60)
     try:
         wait_until(lambda: proxy.answers_lost == 1, timeout=30)

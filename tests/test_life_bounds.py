@@ -304,7 +304,7 @@ def test_an_acquire_that_failed_after_its_insert_committed_leaves_no_row(
     contender = make_locker(grace=GRACE)
     proxy = proxied.proxy
     outcome: dict[str, Any] = {}
-    proxy.lose_answer_to(b"INSERT INTO " + table_name.encode(), then_stall=True)
+    proxy.lose_answer_to(table_name.encode() + b" (lockstring", then_stall=True)
 
     def taken_once_free() -> None:
         second = contender.lock("job", wait=20)
