@@ -45,10 +45,10 @@ def resolve_url(url: str | URL | None, *, asynchronous: bool = False) -> URL:
         url = os.environ.get(URL_ENVIRONMENT_VARIABLE)
         if not url and os.environ.get(URL_WITHHELD_VARIABLE):
             raise LockValueError(
-                f"no database URL: `sqllocker run` withheld ${URL_ENVIRONMENT_VARIABLE} from "
-                "this command (it may hold a password), and the default, the local file "
-                f"{DEFAULT_SQLITE_FILE}, would lock apart from the run's database; pass the URL "
-                "(--url, or `sqllocker run --pass-url`)"
+                "no database URL: `sqllocker run` passed its own on to this command only in "
+                f"${URL_ENVIRONMENT_VARIABLE} with --pass-url (it may hold a password), and the "
+                f"default, the local file {DEFAULT_SQLITE_FILE}, would lock apart from the "
+                "run's database; give this sqllocker its URL (--url)"
             )
         url = url or f"sqlite:///{DEFAULT_SQLITE_FILE}"
     drivers = {name: cls.driver_scheme(name, asynchronous) for name, cls in url_names()}

@@ -639,10 +639,17 @@ def test_a_lock_table_made_in_a_schema_ahead_on_the_search_path_takes_no_locker_
     running = Locker(victim_url, table=table_name)
     late = Locker(victim_url, table=table_name)
     try:
-        running.lock("warm").unlock()  # set up: one lock table on its path
         with connect(postgresql_url, user=hostile) as conn:
             conn.execute(f"CREATE SCHEMA {victim}")
             conn.execute(f"GRANT USAGE ON SCHEMA {victim} TO PUBLIC")
+            # What no INSERT or DELETE can be sent to may bear the name: not a second table.
+            conn.execute(f"CREATE SEQUENCE {victim}.{table_name}")
+        behind = with_options(postgresql_url, f"-c search_path=public,{victim}")
+        with Locker(behind, table=table_name) as beside_a_sequence:
+            beside_a_sequence.lock("warm").unlock()
+        with connect(postgresql_url, user=hostile) as conn:
+            conn.execute(f"DROP SEQUENCE {victim}.{table_name}")
+        running.lock("warm").unlock()  # set up: one lock table on its path
         hostile_engine = sa.create_engine(resolve_url(victim_url).set(username=hostile))
         shadow = lock_table(table_name).to_metadata(sa.MetaData(), schema=victim)
         shadow.create(hostile_engine)

@@ -452,8 +452,8 @@ class PostgreSQLBackend(Backend):
             raise UnsafeDatabase(
                 f"lock table {table!r} is in more than one schema of the search path "
                 f"({', '.join(found)}): roles whose search paths differ would lock in different "
-                "tables; drop the one that is not the lock table, or name the schema with "
-                "?options=-c%20search_path%3D<schema>"
+                "tables; drop the one that is not the lock table, or give this role a search "
+                "path with one of them (ALTER ROLE ... SET search_path)"
             )
         schema, has_functions = conn.exec_driver_sql(_TABLE_SCHEMA, {"table": table}).one()
         if conn.exec_driver_sql("SHOW synchronous_commit").scalar() == "off":
@@ -644,13 +644,16 @@ _STANDBYS = (
     "FROM pg_catalog.pg_stat_replication AS r"
 )
 # The schemas of the search path (as the session resolves it, "$user" included) that hold a
-# table of that name, in the path's order.
+# table of that name, or anything else a statement's INSERT or DELETE could be sent to (a view,
+# a foreign or partitioned table), in the path's order.
 _SCHEMAS_WITH = (
     "SELECT n.nspname::text FROM pg_catalog.unnest(pg_catalog.current_schemas(false)) "
     "WITH ORDINALITY AS p(name, place) "
     "JOIN pg_catalog.pg_namespace AS n ON n.nspname OPERATOR(pg_catalog.=) p.name "
     "JOIN pg_catalog.pg_class AS c ON c.relnamespace OPERATOR(pg_catalog.=) n.oid "
     "AND c.relname OPERATOR(pg_catalog.=) %(table)s::name "
+    "AND c.relkind OPERATOR(pg_catalog.=) "
+    "ANY (ARRAY['r', 'p', 'v', 'f', 'm']::pg_catalog.\"char\"[]) "
     "ORDER BY p.place"
 )
 _TABLE_SCHEMA = (
