@@ -130,6 +130,9 @@ class _Family:
     ) -> None:
         # Should the watchdog itself die, what it leaves comes to us, not to init (Linux).
         self._subreaper = watchdog_script.become_subreaper()
+        # Children we had before (sqllocker exec'd by a shell that started others): not ours
+        # to kill with the family.
+        self._spared = watchdog_script.children() if self._subreaper else frozenset()
         control_read, self._control = os.pipe()
         status_read, status_write = os.pipe()
         valid_until, kill_by = _deadlines(lock)
@@ -219,7 +222,7 @@ class _Family:
         """SIGKILL what the watchdog left: the group, and every descendant of ours (ours as a
         subreaper), until none is left."""
         self.signal(signal.SIGKILL)
-        family = watchdog_script.Family(self._subreaper)
+        family = watchdog_script.Family(self._subreaper, self._spared)
         while not family.gone():
             family.signal(signal.SIGKILL, family.living())
             family.kill_children()

@@ -130,12 +130,25 @@ def _children_of_self() -> list[int]:
     return pids
 
 
+def children() -> frozenset[Member]:
+    """This process's children now, each as (pid, start time)."""
+    found = set()
+    for pid in _children_of_self():
+        info = _stat(pid)
+        if info is not None:
+            found.add((pid, info[1]))
+    return frozenset(found)
+
+
 class Family:
     """The descendants of this process: found in /proc, each known by its pid and start time,
-    so that a pid used again by another process after ours ended is never signalled."""
+    so that a pid used again by another process after ours ended is never signalled. Those of
+    ``spared`` (children it had before its family began: sqllocker exec'd by a shell that had
+    started others) and theirs are not of the family."""
 
-    def __init__(self, subreaper: bool) -> None:
+    def __init__(self, subreaper: bool, spared: frozenset[Member] = frozenset()) -> None:
         self.subreaper = subreaper
+        self.spared = spared
         self.refused: set[Member] = (
             set()
         )  # (pid, start) that may not be signalled (setuid programs)
@@ -154,6 +167,8 @@ class Family:
         todo = [os.getpid()]
         while todo:
             for pid, start, state in children.get(todo.pop(), ()):
+                if (pid, start) in self.spared:
+                    continue
                 todo.append(pid)
                 if state not in (b"Z", b"X") or _threads_run_on(pid):
                     found.add((pid, start))
@@ -166,6 +181,8 @@ class Family:
         forks and exits faster than it is read slips through) may have missed."""
         if not self.subreaper:  # pragma: no cover
             return False
+        if self.spared:
+            return bool(children() - self.spared)
         try:
             os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         except ChildProcessError:
@@ -182,7 +199,7 @@ class Family:
         is reaped (by us, not meanwhile), so each pid read is still that child."""
         if not self.subreaper:  # pragma: no cover
             return
-        killed: set[int] = set()
+        killed: set[int] = {pid for pid, _ in self.spared}
         for _ in range(CHILD_KILL_ROUNDS):
             pids = set(_children_of_self()) - killed
             if not pids:  # none new: the rest are dying, ended, or may not be signalled

@@ -288,6 +288,30 @@ def watchdog_of(runner: int) -> int:
     raise AssertionError("no watchdog")
 
 
+def test_a_killed_watchdogs_family_is_killed_but_not_what_sqllocker_was_given(
+    migrated: Locker, url: str, table_name: str, tmp_path: Path, reap_leftovers: list[int]
+) -> None:
+    """sqllocker exec'd by a shell that had started another job, whose child it then is: when
+    the watchdog dies and sqllocker kills every descendant of its own, that job is not of the
+    command's family, and was killed with it."""
+    background, shell = tmp_path / "background", tmp_path / "shell"
+    inner = f"echo $$ > {shell}; sleep 60"
+    script = (
+        f"sleep 300 >/dev/null 2>&1 & echo $! > {background}; "
+        f"exec {SQLLOCKER} --url {url} --table {table_name} run job -- sh -c '{inner}'"
+    )
+    runner = subprocess.Popen(["sh", "-c", script], stderr=subprocess.PIPE, text=True)
+    (other,) = pids_in(background, 1)
+    reap_leftovers.append(other)
+    (command,) = pids_in(shell, 1)
+    reap_leftovers.append(command)
+    os.kill(watchdog_of(runner.pid), signal.SIGKILL)
+    _, err = runner.communicate(timeout=30)
+    assert runner.returncode == 75, err
+    assert not alive(command)
+    assert alive(other), "killed a process that was not the command's"
+
+
 @pytest.mark.parametrize("signame", ["USR1", "USR2", "ALRM"])
 def test_a_command_that_signals_its_own_group_does_not_kill_its_watchdog(
     migrated: Locker, url: str, table_name: str, signame: str
