@@ -28,7 +28,7 @@ from .operations import LockOperations, Refused
 from .queue_wait import QueueWait
 from .telemetry import Telemetry, attempted
 from .ticket_wait import TicketWait
-from .timeouts import CONNECT_SLACK_SECONDS, ROW_LOCK_TIMEOUT_SECONDS
+from .timeouts import CONNECT_SLACK_SECONDS
 
 logger = logging.getLogger("sqllocker")
 
@@ -36,12 +36,6 @@ logger = logging.getLogger("sqllocker")
 FORGET_PATIENCE = 2.0
 FORGET_FOR = 30.0
 
-
-# How long a statement of an acquire on a server may go unanswered before its connection is cut
-# (``deadlines.connections_by``): past the server's own bound on its waits for other sessions'
-# locks, only a connection frozen in its middle (a server, pooler or network hung on that
-# session; libpq never gives up) goes unanswered so long.
-ANSWER_PATIENCE = ROW_LOCK_TIMEOUT_SECONDS + CONNECT_SLACK_SECONDS
 
 # The block an acquire on SQLite runs in instead of ``deadlines.connections_by``.
 _CONNECTS_AT_ONCE = contextlib.nullcontext()
@@ -100,7 +94,7 @@ class Acquirer:
             with (
                 _CONNECTS_AT_ONCE
                 if self._connects_locally
-                else deadlines.connections_by(connect_by, ANSWER_PATIENCE)
+                else deadlines.connections_by(connect_by)
             ):
                 return self._acquire_within(
                     lockstring, guid, ttl, wait, extra, keep_alive, on_lost, hold_at_least, winnings

@@ -12,9 +12,7 @@ A wait that no interrupt ends (SQLite's for another connection's write lock) is 
 deadline before the statements start (``Backend.bound_waits``). The async front end bounds
 its awaits with ``asyncio.wait_for`` instead, within ``waits_end_by`` (the cut, no watcher).
 Within ``connections_by(deadline)`` (a lock's wait), a new connection's own timeout is cut to
-the deadline (``Backend.cap_connect``); with ``patience``, a statement of the block that has no
-deadline of its own is interrupted as above once it has gone that long unanswered (an acquire:
-a pooled connection frozen in the middle of its statement would hold it up for ever).
+the deadline (``Backend.cap_connect``).
 
 One watcher thread serves every deadline of the process: it looks at the statements in flight
 ten times a second, and ends when it has had none for a while.
@@ -23,7 +21,6 @@ ten times a second, and ends when it has had none for a while.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import itertools
 import logging
 import os
@@ -48,9 +45,6 @@ IDLE_SECONDS = 5.0
 _bounds: ContextVar[tuple[float | None, float | None, object, bool] | None] = ContextVar(
     "sqllocker_deadlines", default=None
 )
-
-# The patience of ``connections_by``: seconds a statement with no deadline may go unanswered.
-_patience: ContextVar[float | None] = ContextVar("sqllocker_patience", default=None)
 
 # Every lock operation's release enters these blocks, and every statement of one looks at them:
 # plain classes, not generator context managers, and no exception raised and caught on the way
@@ -96,18 +90,12 @@ class waits_end_by:
 class connections_by:
     """Within the block, a new connection gives up at ``deadline`` (on ``clock.now()``), or
     sooner, as the driver's connect timeout says (``Backend.cap_connect``): a wait for a lock
-    ends with its ``wait``, whatever a server that accepts and never answers does.
+    ends with its ``wait``, whatever a server that accepts and never answers does."""
 
-    ``patience``: each statement of a lock operation in the block that has no deadline of its
-    own (``statements_end_by``) is interrupted once it has gone that many seconds unanswered,
-    sync and asyncio alike: longer than any wait the server itself bounds (its lock timeout),
-    so that only a connection that stopped answering is cut."""
+    __slots__ = ("_deadline", "_token")
 
-    __slots__ = ("_deadline", "_patience", "_patience_token", "_token")
-
-    def __init__(self, deadline: float | None, patience: float | None = None) -> None:
+    def __init__(self, deadline: float | None) -> None:
         self._deadline = deadline
-        self._patience = patience
 
     def __enter__(self) -> None:
         outer = _bounds.get()
@@ -115,10 +103,8 @@ class connections_by:
         deadline = self._deadline
         owner = None if deadline is None else _owner()
         self._token = _bounds.set((statements, deadline, owner, watched))
-        self._patience_token = _patience.set(self._patience)
 
     def __exit__(self, *_exc: object) -> None:
-        _patience.reset(self._patience_token)
         _bounds.reset(self._token)
 
 
@@ -130,16 +116,6 @@ def connect_within() -> float | None:
     if bounds is None or bounds[1] is None or bounds[2] != _owner():
         return None
     return bounds[1] - clock.now()
-
-
-def unbounded() -> contextvars.Context:
-    """A copy of this context outside every block of this module's: the context of a task
-    started within one (a lock's keep-alive, a listener), which outlives it and must not end
-    its own statements by the block's deadline."""
-    context = contextvars.copy_context()
-    context.run(_bounds.set, None)
-    context.run(_patience.set, None)
-    return context
 
 
 def _owner() -> object:
@@ -155,17 +131,6 @@ def current() -> float | None:
     return None if bounds is None else bounds[0]
 
 
-def statement_deadline() -> float | None:
-    """When a statement sent now must have ended: the deadline of the ``statements_end_by``
-    (or ``waits_end_by``) block this runs in, else now plus the patience of
-    ``connections_by``'s, else None."""
-    bounds = _bounds.get()
-    if bounds is not None and bounds[0] is not None:
-        return bounds[0]
-    patience = _patience.get()
-    return None if patience is None else clock.now() + patience
-
-
 def passed() -> bool:
     """Whether the block's deadline (if any) has passed."""
     deadline = current()
@@ -174,8 +139,7 @@ def passed() -> bool:
 
 class interrupting:
     """Run the block (one statement or a few on ``connection``, a connection of ``backend``'s)
-    so that it ends by the deadline of ``statements_end_by`` (or within the patience of
-    ``connections_by``): its waits for other connections'
+    so that it ends by the deadline of ``statements_end_by``: its waits for other connections'
     locks cut to the deadline (``backend.bound_waits``, undone when it ends, unless it was
     cancelled: the connection is then discarded), and if the deadline passes before it ends,
     ``backend.interrupt(connection)`` called once, from the watcher (never after the block has
@@ -196,15 +160,10 @@ class interrupting:
         self.connection_ended = False
         bounds = _bounds.get()
         deadline = None if bounds is None else bounds[0]
-        watched = True
-        if deadline is not None:
-            watched = bounds[3]  # type: ignore[index]  # a deadline: bounds were set
-        else:
-            patience = _patience.get()
-            if patience is None:
-                self._key = self._undo = None
-                return
-            deadline = clock.now() + patience
+        if deadline is None:
+            self._key = self._undo = None
+            return
+        watched = bounds[3]  # type: ignore[index]  # a deadline: bounds were set
         self._undo = self._backend.bound_waits(self._connection, deadline - clock.now())
         self._key = (
             _watcher.arm(deadline, self._backend.interrupt, self._connection) if watched else None

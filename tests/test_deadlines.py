@@ -65,27 +65,6 @@ def test_a_thread_given_the_blocks_context_has_its_statements_deadline_not_its_c
     assert seen == [far, None]
 
 
-def test_a_task_that_outlives_its_blocks_deadline_runs_without_it() -> None:
-    """A lock's keep-alive started by an acquire bounded by its wait (``spawn`` with
-    ``outlives_deadline``) does not end its statements by that wait; a task that finishes the
-    block's own work (the rest of a statement in flight) keeps it."""
-    from sqllocker.asyncio.tasks import spawn
-
-    far = clock.now() + 1000
-
-    async def look() -> float | None:
-        return deadlines.current()
-
-    async def run() -> list[float | None]:
-        with deadlines.waits_end_by(far):
-            outliving = spawn(look(), "keep alive", outlives_deadline=True)
-            finishing = spawn(look(), "in flight")
-            assert deadlines.current() == far  # the block's own
-        return [await outliving, await finishing]
-
-    assert asyncio.run(run()) == [None, far]
-
-
 class Interrupted:
     """A backend whose statements only an interrupt ends: the connections it interrupted."""
 

@@ -22,8 +22,6 @@ from typing import Any
 import pytest
 
 from sqllocker import Locker, LockError, LockLost, clock
-from sqllocker import acquirer as sync_acquirer
-from sqllocker.asyncio import acquirer as async_acquirer
 from sqllocker.connections import ConnectionStack
 from tests.helpers import FRONTS, Front, Proxied, figure
 
@@ -241,54 +239,6 @@ def test_a_wait_against_an_unreachable_server_ends_with_the_wait(
         "a wait against an unreachable server",
         f"{backend} {front}",
         f"wait {wait}s: ended in {outcome['took']:.1f}s, {type(outcome['error']).__name__}",
-    )
-
-
-@pytest.mark.parametrize("wait", [0, None])
-@pytest.mark.parametrize("front", FRONTS, ids=str)
-@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
-def test_an_acquire_on_a_pooled_connection_frozen_mid_statement_goes_on_without_it(
-    proxied: Proxied,
-    table_name: str,
-    make_locker: Any,
-    backend: str,
-    front: Front,
-    wait: float | None,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The acquire's INSERT sent on a pooled connection that then freezes (the server, a
-    pooler or the network hung on that session; libpq never gives up, PyMySQL after a
-    minute): once it has gone unanswered past the server's own lock timeout (the patience,
-    cut short here), the connection is cut and the attempt made again on a new one, as after
-    any lost connection: the acquire, ``wait=0`` or without limit, ends with the lock, not
-    never; and nobody else has it meanwhile."""
-    patience = 2.0
-    for acquirer in (sync_acquirer, async_acquirer):
-        monkeypatch.setattr(acquirer, "ANSWER_PATIENCE", patience)
-    contender = make_locker(grace=GRACE)
-    proxy = proxied.proxy
-    outcome: dict[str, Any] = {}
-
-    async def scenario(locker: Any) -> None:
-        await front.call((await front.call(locker.lock, "warm")).unlock)  # a pooled connection
-        proxy.freeze_connection_before(b"frozen job")
-        outcome.update(await front.timed(locker.lock, "frozen job", wait=wait))
-        assert proxy.connections_frozen == 1, "the acquire never sent its statement"
-        outcome["contended"] = await asyncio.to_thread(contender.try_lock, "frozen job")
-        await front.call(outcome["result"].unlock)
-        second = await asyncio.to_thread(contender.lock, "frozen job")
-        outcome["second"] = second.lock_id
-        await asyncio.to_thread(second.unlock)
-
-    _through_proxy(front, proxied, table_name, scenario)
-    assert "error" not in outcome, outcome
-    assert patience <= outcome["took"] < patience + 8, outcome
-    assert outcome["contended"] is None, "two holders at once"
-    assert outcome["second"] > outcome["result"].lock_id
-    figure(
-        "an acquire on a frozen pooled connection",
-        f"{backend} {front} wait {wait}",
-        f"patience {patience}s: acquired in {outcome['took']:.1f}s",
     )
 
 

@@ -36,8 +36,7 @@ class AsyncKeepAlive:
         # Made here, not as the task starts: an extend() right after keep_alive(), before the
         # task has run, must find it.
         wake = self._wakes[id(state)] = asyncio.Event()
-        keep = self._keep(state, wake)
-        task = spawn(keep, f"keep {state.lockstring!r} alive", outlives_deadline=True)
+        task = spawn(self._keep(state, wake), f"keep {state.lockstring!r} alive")
         self._tasks[id(state)] = task
         task.add_done_callback(lambda _: self._tasks.pop(id(state), None))
 

@@ -36,8 +36,6 @@ from . import concurrency
 if True:  # ASYNC
     import asyncio
     import contextlib
-
-    from .. import deadlines
 else:
     import select
     import threading
@@ -126,11 +124,8 @@ class AsyncReleaseListener:
         def _start_listening(self) -> None:
             if self._task is None or self._task.done():
                 self._listening.clear()
-                # Started by a waiter, whose wait bounds its own statements, not these.
                 self._task = asyncio.get_running_loop().create_task(
-                    self._listen(),
-                    name=f"sqllocker: listen {self.channel}",
-                    context=deadlines.unbounded(),
+                    self._listen(), name=f"sqllocker: listen {self.channel}"
                 )
 
         async def stop(self) -> None:

@@ -8,8 +8,6 @@ import logging
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from .. import deadlines
-
 logger = logging.getLogger("sqllocker")
 
 T = TypeVar("T")
@@ -30,15 +28,10 @@ def running(loop: asyncio.AbstractEventLoop) -> set[asyncio.Task[Any]]:
     return {task for task in _kept_elsewhere if task.get_loop() is loop}
 
 
-def spawn(
-    coroutine: Coroutine[Any, Any, T], name: str, *, outlives_deadline: bool = False
-) -> asyncio.Task[T]:
-    """A task of ``coroutine``'s, kept until done. ``outlives_deadline``: it runs outside the
-    deadline of the block it is started in (``sqllocker.deadlines``), which it outlives (a
-    lock's keep-alive started by an acquire bounded by its wait)."""
+def spawn(coroutine: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
+    """A task of ``coroutine``'s, kept until done."""
     loop = asyncio.get_running_loop()
-    context = deadlines.unbounded() if outlives_deadline else None
-    task = loop.create_task(coroutine, name=f"sqllocker: {name}", context=context)
+    task = loop.create_task(coroutine, name=f"sqllocker: {name}")
     _kept(loop).add(task)
     task.add_done_callback(_finished)
     return task

@@ -362,10 +362,9 @@ class Backend:
 
     @classmethod
     def interrupt(cls, dbapi_connection: Any) -> None:
-        """End the statement ``dbapi_connection`` (a sync driver's, or an async one's adapted
-        by SQLAlchemy) is waiting on, from another thread, at once: its lock's life is over,
-        or it went unanswered too long (``sqllocker.deadlines``). The driver then raises, most
-        often as for a lost connection; the connection is not used again."""
+        """End the statement ``dbapi_connection`` (a sync driver's) is waiting on, from another
+        thread, at once: its lock's life is over (``sqllocker.deadlines``). The driver then
+        raises, most often as for a lost connection; the connection is not used again."""
 
     @classmethod
     def statement_warnings(cls, dbapi_connection: Any) -> list[str] | None:

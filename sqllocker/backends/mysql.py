@@ -300,13 +300,8 @@ class MySQLBackend(Backend):
 
     @classmethod
     def interrupt(cls, dbapi_connection: Any) -> None:
-        # PyMySQL's socket (read_timeout would end the wait only after a minute), or that of
-        # aiomysql's stream (no read timeout at all).
-        driver = getattr(dbapi_connection, "driver_connection", dbapi_connection)
-        sock = getattr(driver, "_sock", None)
-        writer = getattr(driver, "_writer", None)
-        if sock is None and writer is not None:
-            sock = writer.transport.get_extra_info("socket")
+        # PyMySQL's socket (read_timeout would end the wait only after a minute).
+        sock = getattr(dbapi_connection, "_sock", None)
         if sock is not None:
             shut_down_socket(sock.fileno())
 

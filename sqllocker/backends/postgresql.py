@@ -416,10 +416,8 @@ class PostgreSQLBackend(Backend):
     @classmethod
     def interrupt(cls, dbapi_connection: Any) -> None:
         # A cancel request would need a new connection to the frozen server: the socket is
-        # shut down instead (psycopg then reports the connection lost; the async one, as its
-        # event loop sees the socket readable).
-        driver = getattr(dbapi_connection, "driver_connection", dbapi_connection)
-        shut_down_socket(driver.pgconn.socket)
+        # shut down instead (psycopg then reports the connection lost).
+        shut_down_socket(dbapi_connection.pgconn.socket)
 
     # -- settings ----------------------------------------------------------------------------------
 

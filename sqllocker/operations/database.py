@@ -373,7 +373,7 @@ class Database:
                     be.in_one_call(connection),
                     be.statement_warnings(connection),
                 )
-            deadline = deadlines.statement_deadline()
+            deadline = deadlines.current()
             bound = self.be.operation_wait_bound
             if deadline is None or (bound is not None and clock.now() + bound < deadline):
                 result = operation(held.session)
