@@ -141,6 +141,15 @@ class DatabaseError(LockError):
         self.outage = outage
 
 
+class NotDurable(DatabaseError):
+    """A lock statement that succeeded on the server, whose commit may yet be lost with a
+    failover: PostgreSQL's wait for its synchronous standbys was cancelled. What it wrote is
+    not counted on (an outage: a waiting acquire tries again)."""
+
+    def __init__(self, message: str, lockstring: str | None = None) -> None:
+        super().__init__(message, lockstring, outage=True)
+
+
 def one_line(text: object) -> str:
     """A driver's message folded onto one line, for one-line errors and logs."""
     return " ".join(str(text).split())

@@ -22,7 +22,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import SQLCompiler
 
-from .errors import DatabaseError, one_line
+from .errors import NotDurable, one_line
 from .identity import HolderDetails
 from .sqlalchemy_internals import bind_order, literal_binds
 
@@ -287,7 +287,7 @@ class DriverSession:
             raise self._warned(prepared.sql)
         return rows
 
-    def _warned(self, sql: str) -> DatabaseError:
+    def _warned(self, sql: str) -> NotDurable:
         """The error of a statement the server warned of (``Backend.statement_warnings``): on
         PostgreSQL, a commit whose wait for its synchronous standbys was cancelled, visible
         here and maybe never on them, lost with a failover. What it wrote is not counted on:
@@ -296,10 +296,9 @@ class DriverSession:
         said = "; ".join(one_line(warning) for warning in self._warnings)
         self._warnings.clear()
         first_words = " ".join(sql.split()[:2])
-        return DatabaseError(
+        return NotDurable(
             f"the server warned of a lock statement ({first_words} ...): {said}; what it "
-            "wrote may be lost with a failover, and is not counted on",
-            outage=True,
+            "wrote may be lost with a failover, and is not counted on"
         )
 
     def _wrap(self, error: Exception, sql: str) -> sa.exc.DBAPIError:

@@ -256,15 +256,9 @@ class TicketWait:
         signed = grant.signed
         if signed is not None:
             acquired = None if key is None else signed_grant(grant, key, ttl)
-            if acquired is not None and self._operations.confirms_grants:
-                acquired = self._call(
-                    self._operations.confirm_grant, lockstring, acquired, guid, ttl
-                )
-                if acquired is None:
-                    return None
             if acquired is not None:
                 logger.debug("acquired %r (id %d), handed over", lockstring, grant.lock_id)
-                return acquired
+                return self._made_sure(lockstring, acquired, guid, ttl)
             if key is None or not key.signed(signed):
                 logger.warning(
                     "a hand-off notification for %r (id %d) is not signed with its ticket's "
@@ -277,7 +271,20 @@ class TicketWait:
         claimed: Acquired | None = self._call(
             self._operations.claim_grant, lockstring, grant.lock_id, guid
         )
-        return claimed
+        return None if claimed is None else self._made_sure(lockstring, claimed, guid, ttl)
+
+    def _made_sure(
+        self, lockstring: str, granted: Acquired, guid: str, ttl: float
+    ) -> Acquired | None:
+        """``granted``, where the server replicates renewed by a commit of our own first
+        (``LockOperations.confirm_grant``): a read of the row is no proof that a standby has
+        it. None if it is not ours any more."""
+        if not self._operations.confirms_grants:
+            return granted
+        confirmed: Acquired | None = self._call(
+            self._operations.confirm_grant, lockstring, granted, guid, ttl
+        )
+        return confirmed
 
     def _give_up(self, ticket: Ticket, guid: str, give_back: bool, wake_next: bool = True) -> None:
         """Give up ``ticket`` (``_leave_line``), then wake the next waiter of this Locker (if

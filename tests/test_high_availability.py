@@ -179,6 +179,22 @@ def test_asynchronous_replication_is_reported_and_refused_when_strict() -> None:
             finally:
                 synchronous.close()
 
+            # Without the WARNING of a cancelled wait for the standby, such a commit would
+            # count: sqllocker's own sessions ask for it; an Engine of the caller's is checked.
+            primary.sql("ALTER SYSTEM SET client_min_messages = error")
+            primary.sql("SELECT pg_catalog.pg_reload_conf()")
+            own = Locker(primary.url, strict=True)
+            engine = sa.create_engine(resolve_url(primary.url))
+            callers = Locker(engine, strict=True)
+            try:
+                own.lock("report").unlock()
+                with pytest.raises(UnsafeDatabase, match="client_min_messages=error"):
+                    callers.lock("report")
+            finally:
+                own.close()
+                callers.close()
+                engine.dispose()
+
 
 def test_a_mariadb_server_that_takes_no_writes_is_one_clear_error() -> None:
     """``read_only`` (a replica): connections dropped, tried again, then one line. (A role with
@@ -238,6 +254,32 @@ def waiting_for_the_standby(server: PrivatePostgres, count: int = 1) -> list[str
             return pids
         assert time.monotonic() < deadline, f"{len(pids)} commits wait for the standby"
         time.sleep(0.05)
+
+
+def test_a_warning_of_another_kind_on_a_lock_statement_is_no_concern(
+    postgresql_url: str, table_name: str
+) -> None:
+    """Only the warning of a cancelled wait for a standby makes a statement not count: a
+    server near transaction id wraparound warns on every write, a trigger may warn."""
+    engine = sa.create_engine(resolve_url(postgresql_url))
+    upgrade(engine, table_name)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            f"CREATE FUNCTION {table_name}_warns() RETURNS trigger LANGUAGE plpgsql AS "
+            "$$BEGIN RAISE WARNING 'database must be vacuumed'; RETURN NULL; END$$"
+        )
+        conn.exec_driver_sql(
+            f"CREATE TRIGGER {table_name}_warns AFTER INSERT OR DELETE ON {table_name} "
+            f"FOR EACH ROW EXECUTE FUNCTION {table_name}_warns()"
+        )
+    locker = Locker(postgresql_url, table=table_name)
+    try:
+        with locker.lock("report") as lock:
+            assert lock.is_valid()
+        assert locker.lock_info("report") is None
+    finally:
+        locker.close()
+        engine.dispose()
 
 
 def test_an_acquire_whose_wait_for_its_standby_is_cancelled_is_not_counted_on() -> None:

@@ -264,15 +264,9 @@ class AsyncTicketWait:
         signed = grant.signed
         if signed is not None:
             acquired = None if key is None else signed_grant(grant, key, ttl)
-            if acquired is not None and self._operations.confirms_grants:
-                acquired = await self._call(
-                    self._operations.confirm_grant, lockstring, acquired, guid, ttl
-                )
-                if acquired is None:
-                    return None
             if acquired is not None:
                 logger.debug("acquired %r (id %d), handed over", lockstring, grant.lock_id)
-                return acquired
+                return await self._made_sure(lockstring, acquired, guid, ttl)
             if key is None or not key.signed(signed):
                 logger.warning(
                     "a hand-off notification for %r (id %d) is not signed with its ticket's "
@@ -285,7 +279,20 @@ class AsyncTicketWait:
         claimed: Acquired | None = await self._call(
             self._operations.claim_grant, lockstring, grant.lock_id, guid
         )
-        return claimed
+        return None if claimed is None else await self._made_sure(lockstring, claimed, guid, ttl)
+
+    async def _made_sure(
+        self, lockstring: str, granted: Acquired, guid: str, ttl: float
+    ) -> Acquired | None:
+        """``granted``, where the server replicates renewed by a commit of our own first
+        (``LockOperations.confirm_grant``): a read of the row is no proof that a standby has
+        it. None if it is not ours any more."""
+        if not self._operations.confirms_grants:
+            return granted
+        confirmed: Acquired | None = await self._call(
+            self._operations.confirm_grant, lockstring, granted, guid, ttl
+        )
+        return confirmed
 
     async def _give_up(
         self, ticket: Ticket, guid: str, give_back: bool, wake_next: bool = True

@@ -378,7 +378,9 @@ class PostgreSQLBackend(Backend):
             # session.
             connect_args["options"] = (
                 f"-c synchronous_commit=on -c lock_timeout={ROW_LOCK_TIMEOUT_SECONDS * 1000} "
-                f"-c statement_timeout={STATEMENT_TIMEOUT_SECONDS * 1000}"
+                f"-c statement_timeout={STATEMENT_TIMEOUT_SECONDS * 1000} "
+                # the WARNING of a cancelled wait for a standby (``statement_warnings``)
+                "-c client_min_messages=warning"
             )
         if "application_name" not in url.query:
             connect_args["application_name"] = "sqllocker"
@@ -403,8 +405,8 @@ class PostgreSQLBackend(Backend):
     def statement_warnings(cls, dbapi_connection: Any) -> list[str] | None:
         # A commit whose wait for a synchronous standby is cancelled (by anyone: a job's time
         # limit, Ctrl-C, pg_cancel_backend) ends with a WARNING and is visible here, maybe never
-        # on the standbys: any plain WARNING (SQLSTATE 01000, whatever the language of the
-        # server's messages) on a lock statement is taken as that.
+        # on the standbys. Known by the server function that warns, which no language of its
+        # messages translates; other warnings (a wraparound's, a trigger's) are no concern.
         driver = getattr(dbapi_connection, "driver_connection", dbapi_connection)
         warnings: list[str] | None = getattr(driver, _WARNINGS, None)
         if warnings is None:
@@ -604,9 +606,14 @@ _WARNINGS = "_sqllocker_warnings"
 
 
 def _record_warning(warnings: list[str], diagnostic: Any) -> None:
-    """psycopg's notice handler: a plain WARNING's message, recorded in ``warnings``."""
-    if diagnostic.severity_nonlocalized == "WARNING" and diagnostic.sqlstate == "01000":
-        warnings.append(diagnostic.message_primary or "a warning")
+    """psycopg's notice handler: the message of a cancelled wait for a synchronous standby,
+    recorded in ``warnings``."""
+    if diagnostic.source_function == _SYNCHRONOUS_REPLICATION_WAIT:
+        warnings.append(diagnostic.message_primary or "a wait for the standby was cancelled")
+
+
+# The server function that waits for synchronous standbys, and warns when the wait is cancelled.
+_SYNCHRONOUS_REPLICATION_WAIT = "SyncRepWaitForLSN"
 
 
 def _replication(conn: Connection) -> tuple[list[UnsafeSetting], bool]:
@@ -633,6 +640,10 @@ def _replication(conn: Connection) -> tuple[list[UnsafeSetting], bool]:
     commit = conn.exec_driver_sql("SHOW synchronous_commit").scalar()
     if commit == "local":
         return [UnsafeSetting("synchronous_commit=local", LOSES_ROWS_ON_FAILOVER)], replicated
+    shown = conn.exec_driver_sql("SHOW client_min_messages").scalar()
+    if shown in ("error", "log", "fatal", "panic"):
+        # The WARNING of a commit whose wait for its standby was cancelled never comes.
+        return [UnsafeSetting(f"client_min_messages={shown}", LOSES_ROWS_ON_FAILOVER)], replicated
     return [], replicated
 
 

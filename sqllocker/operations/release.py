@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from ..backends import backend_class
-from ..errors import DatabaseError, LockError, LockLost, one_line
+from ..errors import DatabaseError, LockError, LockLost, NotDurable, one_line
 from ..execution import DriverSession
 from ..sqlalchemy_internals import commits_each_statement
 from .database import Database
@@ -44,6 +44,19 @@ class Releaser:
         within that many seconds of the row's creation keeps the row until then instead (see
         ``Statements.finish_within_window``)."""
         params: dict[str, Any] = {"ls": lockstring, "lock_id": lock_id, "lock_guid": guid}
+        try:
+            self._release(lockstring, lock_id, params, hold_at_least)
+        except NotDurable as error:
+            # Our row's DELETE (or its window's UPDATE) committed here: it wrote, so it matched
+            # our row. A failover may bring the row back, held by nobody till it expires; a
+            # waiter it was handed to makes sure of it itself (``Acquirer.confirm_grant``).
+            logger.warning(
+                "released %r (id %d), maybe not for good: %s", lockstring, lock_id, error
+            )
+
+    def _release(
+        self, lockstring: str, lock_id: int, params: dict[str, Any], hold_at_least: float | None
+    ) -> None:
         if hold_at_least is not None:
             params["hold"] = self._db.be.seconds_value(hold_at_least)
             kept = self._db.run(
