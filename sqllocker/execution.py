@@ -231,7 +231,7 @@ class DriverSession:
         try:
             self.cursor.execute(sql)
         except self.dialect.loaded_dbapi.Error as error:
-            raise self._wrap(error, sql) from error
+            raise self._failed(error, sql) from error
         if self._warnings:
             raise self._warned(sql)
 
@@ -267,7 +267,7 @@ class DriverSession:
         try:
             done = self._one_call(prepared.sql, prepared.parameters(values), prepared.returns_rows)
         except self.dialect.loaded_dbapi.Error as error:
-            raise self._wrap(error, prepared.sql) from error
+            raise self._failed(error, prepared.sql) from error
         if self._warnings:
             raise self._warned(prepared.sql)
         return done
@@ -282,7 +282,7 @@ class DriverSession:
             cursor.execute(prepared.sql, prepared.parameters(values))
             rows = cursor.fetchall() if prepared.returns_rows or cursor.description else []
         except self.dialect.loaded_dbapi.Error as error:
-            raise self._wrap(error, prepared.sql) from error
+            raise self._failed(error, prepared.sql) from error
         if self._warnings:
             raise self._warned(prepared.sql)
         return rows
@@ -300,6 +300,13 @@ class DriverSession:
             f"the server warned of a lock statement ({first_words} ...): {said}; what it "
             "wrote may be lost with a failover, and is not counted on"
         )
+
+    def _failed(self, error: Exception, sql: str) -> sa.exc.DBAPIError:
+        """``_wrap``, and what the server warned of during the failed statement forgotten: it
+        must not fail the next statement on this connection."""
+        if self._warnings:
+            self._warnings.clear()
+        return self._wrap(error, sql)
 
     def _wrap(self, error: Exception, sql: str) -> sa.exc.DBAPIError:
         """The driver's exception as SQLAlchemy would have raised it (IntegrityError, ...),

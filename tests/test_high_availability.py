@@ -360,3 +360,32 @@ def _unlock_quietly(lock: Any) -> None:
     """Release ``lock``; its release, cancelled in its wait for the standby, may raise."""
     with contextlib.suppress(DatabaseError):
         lock.unlock()
+
+
+def test_a_warning_heard_by_a_statement_that_failed_does_not_fail_the_next(
+    postgresql_url: str,
+) -> None:
+    """The connection's record of the standby's warning outlives one operation (a connection
+    serves many): a statement that failed after the warning came must leave no trace of it
+    for the next statement, which did nothing of the kind."""
+    from sqllocker.backends.postgresql import PostgreSQLBackend
+    from sqllocker.execution import DriverSession, PreparedCache
+
+    engine = sa.create_engine(resolve_url(postgresql_url))
+    try:
+        raw = engine.raw_connection()
+        warnings_of = PostgreSQLBackend.statement_warnings(raw.dbapi_connection)
+        assert warnings_of is not None
+        session = DriverSession(
+            raw.dbapi_connection, raw.cursor(), PreparedCache(engine.dialect), None, warnings_of
+        )
+        quotient = sa.cast(sa.literal(1) / sa.bindparam("n", type_=sa.Integer), sa.Integer)
+        divide = sa.select(quotient.label("q"))
+        warnings_of.append("canceling wait for synchronous replication due to user request")
+        with pytest.raises(sa.exc.DBAPIError):
+            session.execute(divide, {"n": 0})
+        raw.rollback()
+        assert session.execute(divide, {"n": 1}).rowcount == 1
+        raw.close()
+    finally:
+        engine.dispose()

@@ -408,6 +408,8 @@ class PostgreSQLBackend(Backend):
         # on the standbys. Known by the server function that warns, which no language of its
         # messages translates; other warnings (a wraparound's, a trigger's) are no concern.
         driver = getattr(dbapi_connection, "driver_connection", dbapi_connection)
+        if not hasattr(driver, "add_notice_handler"):
+            return None  # psycopg2, whose notices are text only: a psycopg 3 URL watches them
         warnings: list[str] | None = getattr(driver, _WARNINGS, None)
         if warnings is None:
             warnings = []
