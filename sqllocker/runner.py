@@ -387,6 +387,9 @@ def _supervise(lock: Lock, command: Sequence[str], options: RunOptions) -> int:
                 lost.set()
                 return EXIT_LOCK_LOST
             family = _Family(command, environment, lock, options)
+            # Stoppable from now on: a watchdog stopped (or slow) between starting the command
+            # and saying so must still be told if the lock is lost meanwhile.
+            forwarder.adopt(family)
             try:
                 family.wait_started(command[0])
             except FileNotFoundError:
@@ -462,6 +465,11 @@ class _Forwarder:
     def __enter__(self) -> _Forwarder:
         self._previous = {sig: signal.signal(sig, self._forward) for sig in _passed_on()}
         return self
+
+    def adopt(self, group: _Family) -> None:
+        """``group``, not yet started: a signal is kept for it until ``attach``, and a lost
+        lock stops it (``_Family.stop`` wakes its watchdog)."""
+        self.group = group
 
     def attach(self, group: _Family) -> None:
         self.group = group

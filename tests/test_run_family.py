@@ -441,23 +441,29 @@ int posix_spawnp(pid_t *pid, const char *file, const posix_spawn_file_actions_t 
 """
 
 
-def test_a_watchdog_killed_before_it_said_it_started_the_command_has_the_command_killed(
-    migrated: Locker,
-    url: str,
-    table_name: str,
-    tmp_path: Path,
-    reap_leftovers: list[int],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The watchdog killed once it has started the command and before it has said so: the
-    command runs (a second holder before: sqllocker read no word, took the command for never
-    started, exited 126 and released the lock)."""
+@pytest.fixture
+def stop_after_spawn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Watchdogs started from now on stop (SIGSTOP) once they have started the command, before
+    they say so (STOP_AFTER_SPAWN, built with gcc and preloaded)."""
     source, shim = tmp_path / "stop_after_spawn.c", tmp_path / "stop_after_spawn.so"
     source.write_text(STOP_AFTER_SPAWN)
     subprocess.run(
         ["gcc", "-shared", "-fPIC", "-o", str(shim), str(source), "-ldl"], check=True, timeout=60
     )
     monkeypatch.setenv("LD_PRELOAD", str(shim))
+
+
+def test_a_watchdog_killed_before_it_said_it_started_the_command_has_the_command_killed(
+    migrated: Locker,
+    url: str,
+    table_name: str,
+    tmp_path: Path,
+    reap_leftovers: list[int],
+    stop_after_spawn: None,
+) -> None:
+    """The watchdog killed once it has started the command and before it has said so: the
+    command runs (a second holder before: sqllocker read no word, took the command for never
+    started, exited 126 and released the lock)."""
     pids = tmp_path / "pids"
     runner = run_job(url, table_name, "", f"echo $$ >> {pids}; sleep 60")
     (command,) = pids_in(pids, 1)
@@ -470,6 +476,28 @@ def test_a_watchdog_killed_before_it_said_it_started_the_command_has_the_command
     assert "whether the command started" in err
     assert not alive(command)
     assert migrated.lock_info("job") is None
+
+
+def test_a_lock_lost_while_the_watchdog_has_not_said_it_started_stops_the_command(
+    migrated: Locker,
+    url: str,
+    table_name: str,
+    tmp_path: Path,
+    reap_leftovers: list[int],
+    stop_after_spawn: None,
+) -> None:
+    """The watchdog stopped between starting the command and saying so (descheduled, or a
+    SIGSTOP), and the lock broken meanwhile: sqllocker, still waiting for its word, had no
+    family to stop, and the command ran on without the lock, beside the next holder."""
+    pids = tmp_path / "pids"
+    runner = run_job(url, table_name, "--expires 3", f"echo $$ >> {pids}; sleep 60")
+    (command,) = pids_in(pids, 1)
+    reap_leftovers.append(command)
+    wait_until(lambda: _state(watchdog_of(runner.pid)) == "T")  # stopped by the shim
+    assert migrated.break_lock("job") is not None
+    _, err = runner.communicate(timeout=30)
+    assert runner.returncode == 75, err
+    assert not alive(command)
 
 
 def test_a_pid_used_again_is_not_signalled() -> None:
