@@ -18,7 +18,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .tickets import new_hold
+
 if TYPE_CHECKING:
+    from .errors import LockBusy
     from .operations import Refused
 
 # How long a waiter in the kernel's queue (SQLite: ``sqllocker.file_queue``) waits for its turn
@@ -134,3 +137,30 @@ class Backoff:
     def sleep(self, delay: float) -> None:
         if delay > 0:
             time.sleep(delay)
+
+
+class WakePacing:
+    """The pace of a waiter's attempts where a release's notification wakes it (PostgreSQL),
+    which anyone who can connect can send: each attempt refused by the hold that refused the
+    one before (no release came, or none that changed the holder) makes the next wait a little
+    longer, doubling up to ``MAX_DELAY``, while a forged flood of notifications would have the
+    waiter try thousands of times a second. A new holder, or a row handed over, is no such
+    wake-up, and the pace starts again."""
+
+    __slots__ = ("_not_before", "_pace")
+
+    def __init__(self) -> None:
+        self._pace = 0.0
+        self._not_before = 0.0  # monotonic
+
+    def pause(self) -> float:
+        """Seconds to wait before the next attempt."""
+        return max(0.0, self._not_before - time.monotonic())
+
+    def refused(self, busy: LockBusy | None, previous: LockBusy | None) -> None:
+        """After an attempt refused by ``busy``, the previous refusal's ``previous``."""
+        if busy is None or new_hold(busy, previous):
+            self._pace = 0.0
+            return
+        self._pace = min(MAX_DELAY, max(FIRST_DELAY, self._pace * 2))
+        self._not_before = time.monotonic() + self._pace

@@ -19,7 +19,7 @@ from sqlalchemy.engine import Engine
 from . import clock, concurrency, tickets
 from .acquiring import Winnings
 from .attempts import Attempts, wait_out
-from .backoff import Backoff
+from .backoff import Backoff, WakePacing
 from .errors import DatabaseError
 from .holding import OnLost, signed_grant
 from .listener import ReleaseListener
@@ -108,6 +108,7 @@ class TicketWait:
         # ticket already, it would be refused: take a ticket at once.
         gate: int | None = None if line.waiting(lockstring) else NEWCOMER
         try_now = True
+        wakes = WakePacing()  # attempts woken by notifications anyone can send
         free_since: float | None = None  # in line, refused a free row by a ticket ahead
         # A join failed, and may have taken a ticket all the same, kept alive by this key.
         unsure: int | None = None
@@ -165,6 +166,9 @@ class TicketWait:
                     first = ticket is None or line.watch(ticket, waiter.event.set)
                     if first:
                         listener.follow_releases(waiter)
+                    if first and try_now and not polls and (pause := wakes.pause()) > 0:
+                        left = backoff.remaining()
+                        concurrency.sleep(pause if left is None else min(pause, left))
                     if first and try_now:
                         waited = 0.0 if free_since is None else time.monotonic() - free_since
                         in_line = ticket is not None and waited < tickets.PATIENCE
@@ -193,6 +197,7 @@ class TicketWait:
                             free_since = None
                         elif free_since is None:
                             free_since = time.monotonic()
+                        wakes.refused(attempt.busy, refused.busy)
                         if attempt.busy is not None or refused.busy is None:
                             if tickets.new_hold(attempt.busy, refused.busy) and polls:
                                 backoff.heading()  # polls paced by the age of this hold

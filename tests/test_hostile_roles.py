@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
+from typing import Any
 from urllib.parse import quote
 
 import psycopg
@@ -668,3 +669,40 @@ def test_a_lock_table_made_in_a_schema_ahead_on_the_search_path_takes_no_locker_
                 admin.execute(f"DROP OWNED BY {role}")
                 admin.execute(f"DROP ROLE {role}")
         engine.dispose()
+
+
+def test_a_flood_of_forged_release_notifications_does_not_make_a_waiter_spin(
+    migrated_postgres: str,
+    table_name: str,
+    admin: sa.Engine,
+    intruder: psycopg.Connection[tuple[object, ...]],
+) -> None:
+    """A role that may only connect NOTIFYs the table's release channel with a lockstring, as
+    fast as it can: each notification woke the waiters of that lockstring, which tried their
+    INSERT every time (thousands of attempts a second). A waiter refused again by the same
+    holder now waits longer before its next try, up to a quarter of a second."""
+    holder = Locker(migrated_postgres, table=table_name)
+    waiter = Locker(migrated_postgres, table=table_name)
+    attempts: list[float] = []
+    try_acquire = waiter._operations.try_acquire
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        attempts.append(time.monotonic())
+        return try_acquire(*args, **kwargs)
+
+    waiter._operations.try_acquire = counted  # type: ignore[method-assign]
+    held = holder.lock("report")
+    try:
+        thread, result = wait_in_thread(waiter, wait=3)
+        in_line(admin, table_name)
+        deadline = time.monotonic() + 3
+        channel = f"sqllocker_{table_name}"
+        while time.monotonic() < deadline:
+            intruder.execute(f"NOTIFY \"{channel}\", 'report'")
+        thread.join(10)
+        assert isinstance(result.get("error"), LockBusy), result
+        assert len(attempts) < 60, f"{len(attempts)} attempts in 3 s of forged notifications"
+    finally:
+        held.unlock()
+        holder.close()
+        waiter.close()

@@ -16,7 +16,7 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from .. import clock, tickets
-from ..backoff import Backoff
+from ..backoff import Backoff, WakePacing
 from ..errors import DatabaseError
 from ..holding import OnLost, signed_grant
 from ..notifications import Grant, GrantKey, guid_digest
@@ -114,6 +114,7 @@ class AsyncTicketWait:
         # ticket already, it would be refused: take a ticket at once.
         gate: int | None = None if line.waiting(lockstring) else NEWCOMER
         try_now = True
+        wakes = WakePacing()  # attempts woken by notifications anyone can send
         free_since: float | None = None  # in line, refused a free row by a ticket ahead
         # A join failed, and may have taken a ticket all the same, kept alive by this key.
         unsure: int | None = None
@@ -171,6 +172,9 @@ class AsyncTicketWait:
                     first = ticket is None or line.watch(ticket, waiter.event.set)
                     if first:
                         listener.follow_releases(waiter)
+                    if first and try_now and not polls and (pause := wakes.pause()) > 0:
+                        left = backoff.remaining()
+                        await concurrency.sleep(pause if left is None else min(pause, left))
                     if first and try_now:
                         waited = 0.0 if free_since is None else time.monotonic() - free_since
                         in_line = ticket is not None and waited < tickets.PATIENCE
@@ -199,6 +203,7 @@ class AsyncTicketWait:
                             free_since = None
                         elif free_since is None:
                             free_since = time.monotonic()
+                        wakes.refused(attempt.busy, refused.busy)
                         if attempt.busy is not None or refused.busy is None:
                             if tickets.new_hold(attempt.busy, refused.busy) and polls:
                                 backoff.heading()  # polls paced by the age of this hold
