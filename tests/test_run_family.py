@@ -453,6 +453,19 @@ def stop_after_spawn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LD_PRELOAD", str(shim))
 
 
+def _held_up_before_started(
+    url: str, table_name: str, options: str, tmp_path: Path
+) -> tuple[subprocess.Popen[str], int, int]:
+    """A run whose watchdog ``stop_after_spawn`` stopped once it started the command: the run,
+    the command's pid and the watchdog's."""
+    pids = tmp_path / "pids"
+    runner = run_job(url, table_name, options, f"echo $$ >> {pids}; sleep 60")
+    (command,) = pids_in(pids, 1)
+    watchdog = watchdog_of(runner.pid)
+    wait_until(lambda: _state(watchdog) == "T")
+    return runner, command, watchdog
+
+
 def test_a_watchdog_killed_before_it_said_it_started_the_command_has_the_command_killed(
     migrated: Locker,
     url: str,
@@ -464,12 +477,8 @@ def test_a_watchdog_killed_before_it_said_it_started_the_command_has_the_command
     """The watchdog killed once it has started the command and before it has said so: the
     command runs (a second holder before: sqllocker read no word, took the command for never
     started, exited 126 and released the lock)."""
-    pids = tmp_path / "pids"
-    runner = run_job(url, table_name, "", f"echo $$ >> {pids}; sleep 60")
-    (command,) = pids_in(pids, 1)
+    runner, command, watchdog = _held_up_before_started(url, table_name, "", tmp_path)
     reap_leftovers.append(command)
-    watchdog = watchdog_of(runner.pid)
-    wait_until(lambda: _state(watchdog) == "T")  # stopped by the shim
     os.kill(watchdog, signal.SIGKILL)
     _, err = runner.communicate(timeout=30)
     assert runner.returncode == 75, err
@@ -489,11 +498,8 @@ def test_a_lock_lost_while_the_watchdog_has_not_said_it_started_stops_the_comman
     """The watchdog stopped between starting the command and saying so (descheduled, or a
     SIGSTOP), and the lock broken meanwhile: sqllocker, still waiting for its word, had no
     family to stop, and the command ran on without the lock, beside the next holder."""
-    pids = tmp_path / "pids"
-    runner = run_job(url, table_name, "--expires 3", f"echo $$ >> {pids}; sleep 60")
-    (command,) = pids_in(pids, 1)
+    runner, command, _ = _held_up_before_started(url, table_name, "--expires 3", tmp_path)
     reap_leftovers.append(command)
-    wait_until(lambda: _state(watchdog_of(runner.pid)) == "T")  # stopped by the shim
     assert migrated.break_lock("job") is not None
     _, err = runner.communicate(timeout=30)
     assert runner.returncode == 75, err
