@@ -46,8 +46,8 @@ def test_one_leader_at_a_time_and_resign_hands_the_lead_on(
 
 @pytest.mark.slow
 def test_a_leadership_is_kept_alive_past_its_expiry(locker: Locker) -> None:
-    # Two seconds, not one: a renewal a third of the way in, on a loaded machine (the whole
-    # suite's lanes), once came too late for a lease of one.
+    # Two seconds, not one: on a machine as loaded as the whole suite's lanes make it, a
+    # renewal a third of the way into a one-second lease can come too late.
     lead = locker.election("scheduler").campaign(expires=2)
     time.sleep(4.5)
     assert lead.is_valid()
