@@ -14,6 +14,7 @@ pass for the text between fields are percent-encoded in every field (``Lockstrin
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import string
@@ -109,7 +110,17 @@ class LockstringTemplate:
             )
         self.template = template
         self.function = function
-        self.signature = inspect.signature(function)
+        self.signature = call_signature(function)
+        # Fields may name what a ``**kwargs`` of the function takes (Django's views take the
+        # URL's values so): read from it when no parameter has the name.
+        self.keywords = next(
+            (
+                name
+                for name, parameter in self.signature.parameters.items()
+                if parameter.kind is inspect.Parameter.VAR_KEYWORD
+            ),
+            None,
+        )
         try:
             self.pieces = [
                 (literal, field)
@@ -120,7 +131,7 @@ class LockstringTemplate:
             raise LockValueError(f"lockstring template {template!r}: {error}") from error
         fields = [field for _, field in self.pieces if field is not None]
         missing = sorted({_root(field) for field in fields} - set(self.signature.parameters))
-        if missing:
+        if missing and (self.keywords is None or not all(missing)):
             what = ", ".join(missing) if all(missing) else "a field by position ('{}')"
             raise LockValueError(
                 f"lockstring template {template!r} names {what}, which "
@@ -152,6 +163,9 @@ class LockstringTemplate:
         value has no text that identifies it."""
         bound = self.signature.bind(*args, **kwargs)
         bound.apply_defaults()
+        arguments = bound.arguments
+        if self.keywords is not None:
+            arguments = {**arguments[self.keywords], **arguments}
         formatter = string.Formatter()
         parts: list[str] = []
         for literal, field in self.pieces:
@@ -159,7 +173,7 @@ class LockstringTemplate:
             if field is None:
                 continue
             try:
-                value, _ = formatter.get_field(field, (), bound.arguments)
+                value, _ = formatter.get_field(field, (), arguments)
             except (AttributeError, LookupError, TypeError) as error:
                 raise LockTypeError(
                     f"{self.function.__qualname__}: the field {{{field}}} of lockstring "
@@ -187,6 +201,16 @@ class LockstringTemplate:
         if not self.encoded:
             return text
         return "".join(_percent(c) if c in self.encoded else c for c in text)
+
+
+def call_signature(function: Callable[..., Any]) -> inspect.Signature:
+    """The signature ``function`` is called with. That of a ``functools.partial`` is the
+    partial's own, whatever its ``__wrapped__`` says: Django's ``method_decorator`` hands each
+    decorator a partial of the bound method made to look like the plain function, whose
+    ``self`` the calls do not pass."""
+    if isinstance(function, functools.partial):
+        function = functools.partial(function.func, *function.args, **function.keywords)
+    return inspect.signature(function)
 
 
 def field_text(value: object) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import decimal as dec
 import enum
+import functools
 import itertools
 import json
 import logging
@@ -384,6 +385,36 @@ def test_key_names_the_lock_from_the_calls_arguments(locker: Locker) -> None:
         def nothing() -> None:
             pass
 
+    assert count_rows(locker) == 0
+
+
+def test_a_field_may_name_what_a_functions_keywords_take(locker: Locker) -> None:
+    """A template's field that no parameter names is read from the function's ``**kwargs``, as
+    Django's views take the URL's values; a call without it is refused before any SQL."""
+
+    @locker.locked("page {day}", on_busy="raise")
+    def page(request: object, *args: object, **kwargs: object) -> str:
+        return locker.locks()[0].lockstring
+
+    assert page("request", day="2026-11-30") == "page 2026-11-30"
+    with pytest.raises(LockTypeError, match="cannot be read"):
+        page("request")
+    with pytest.raises(LockValueError, match="by position"):
+        locker.locked("page {}")(page)
+    assert count_rows(locker) == 0
+
+
+def test_a_partial_of_a_bound_method_is_named_by_its_own_arguments(locker: Locker) -> None:
+    """Django's ``method_decorator`` hands a decorator a partial of the bound method, its
+    ``__wrapped__`` the plain function, whose ``self`` the calls do not pass."""
+
+    class View:
+        def get(self, request: object, day: str) -> str:
+            return locker.locks()[0].lockstring
+
+    bound = functools.wraps(View.get)(functools.partial(View().get))
+    assert locker.locked("view {day}")(bound)("request", "2026-11-30") == "view 2026-11-30"
+    assert locker.locked("view {request}")(bound)(request="r", day="d") == "view r"
     assert count_rows(locker) == 0
 
 

@@ -171,7 +171,11 @@ def test_guard_on_djangos_connection_commits_only_while_the_lock_is_held(
         "break waits: True",
         "held: 1",
         "conflict: 409",
+        "conflict class: 409",  # method_decorator(locked(...), name="dispatch")
+        "conflict method: 409",
         "free: 200",
+        "free class: 200",
+        "free method: 200",
         "refused: LockLost",
         "after: 0",
         "outside atomic: LockError",

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 from django.db import transaction
 from django.http import HttpRequest, HttpResponse
+from django.utils.decorators import method_decorator
+from django.views import View
 
 from sqllocker.django import locked
 
@@ -16,3 +18,20 @@ def report(request: HttpRequest, day: str) -> HttpResponse:
 def non_atomic_report(request: HttpRequest, day: str) -> HttpResponse:
     """As ``report``, for a project under ATOMIC_REQUESTS: its lock outside the transaction."""
     return HttpResponse(f"report {day}")
+
+
+@method_decorator(locked("report {day}", on_busy="conflict"), name="dispatch")
+class ReportView(View):
+    """As ``report``, a class-based view locked around its ``dispatch``: the template's field is
+    one of the URL's values, which ``dispatch`` takes in its ``**kwargs``."""
+
+    def get(self, request: HttpRequest, day: str) -> HttpResponse:
+        return HttpResponse(f"report {day}")
+
+
+class ReportMethodView(View):
+    """As ``report``, its ``get`` locked by ``method_decorator``."""
+
+    @method_decorator(locked("report {day}", on_busy="conflict"))
+    def get(self, request: HttpRequest, day: str) -> HttpResponse:
+        return HttpResponse(f"report {day}")

@@ -1,6 +1,7 @@
 """``manage.py guarded``: the guard on Django's own connection. A write guarded while the lock is
 held commits; once the lock has been broken, the guard raises LockLost and the write is rolled
-back; guard outside transaction.atomic() is refused. Prints one line per outcome."""
+back; a view locked, as a function or a class (by `method_decorator`), answers 409 while
+the lock is held; guard outside transaction.atomic() is refused. Prints one line per outcome."""
 
 from __future__ import annotations
 
@@ -32,9 +33,13 @@ class Command(BaseCommand):
             self.stdout.write(f"held: {Entry.objects.filter(text='while held').count()}")
             with contextlib.suppress(LockLost):
                 held.unlock()
-            self.stdout.write(f"conflict: {Client().get('/reports/x').status_code}")
+            for view in ("", "class/", "method/"):
+                status = Client().get(f"/reports/{view}x").status_code
+                self.stdout.write(f"conflict{view and ' ' + view[:-1]}: {status}")
 
-        self.stdout.write(f"free: {Client().get('/reports/x').status_code}")
+        for view in ("", "class/", "method/"):
+            status = Client().get(f"/reports/{view}x").status_code
+            self.stdout.write(f"free{view and ' ' + view[:-1]}: {status}")
 
         broken = lock("account 2")
         get_locker().break_lock("account 2")
