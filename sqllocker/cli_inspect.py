@@ -17,6 +17,7 @@ from .cli_common import (
     print_json,
     when,
 )
+from .cli_waits import SECONDS
 from .defaults import DEFAULT_GRACE, DEFAULT_PURGE_BATCH, DEFAULT_PURGE_PAUSE_RATIO
 from .errors import describe_holder, printable
 from .row_kinds import kind_of
@@ -33,14 +34,14 @@ from .row_kinds import kind_of
 )
 @click.option(
     "--pause-ratio",
-    type=click.FloatRange(min=0),
+    type=SECONDS,
     default=DEFAULT_PURGE_PAUSE_RATIO,
     show_default=True,
     help="After each batch, rest this many times as long as it took (0: flat out).",
 )
 @click.option(
     "--grace",
-    type=click.FloatRange(min=0),
+    type=SECONDS,
     default=DEFAULT_GRACE,
     help="Leave rows that expired less than this many seconds ago. The table does not record "
     "the grace its Lockers use (each process sets its own): give the largest of theirs, so that "

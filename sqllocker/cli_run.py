@@ -11,7 +11,7 @@ from .cli_common import (
     Settings,
     pass_settings,
 )
-from .cli_waits import FOREVER, wait_seconds
+from .cli_waits import FOREVER, POSITIVE_SECONDS, SECONDS, wait_seconds
 from .engine import URL_ENVIRONMENT_VARIABLE
 from .runner import DEFAULT_KILL_AFTER, ON_LOST_CHOICES, RunOptions, run_locked
 from .telemetry import default_name
@@ -55,14 +55,14 @@ from .trace_context import joined_trace
 )
 @click.option(
     "--expires",
-    type=click.FloatRange(min=0, min_open=True),
+    type=POSITIVE_SECONDS,
     default=60.0,
     help="Expiry period; renewed every third of it while the command runs.",
 )
 @click.option("-q", "--quiet", is_flag=True, help="Say nothing when the lock is held.")
 @click.option(
     "--hold-at-least",
-    type=click.FloatRange(min=0, min_open=True),
+    type=POSITIVE_SECONDS,
     default=None,
     metavar="SECONDS",
     envvar="SQLLOCKER_HOLD_AT_LEAST",
@@ -81,7 +81,7 @@ from .trace_context import joined_trace
 )
 @click.option(
     "--kill-after",
-    type=click.FloatRange(min=0),
+    type=SECONDS,
     default=DEFAULT_KILL_AFTER,
     metavar="SECONDS",
     help="How long COMMAND has to end after SIGTERM before SIGKILL (0: SIGKILL at once); less "

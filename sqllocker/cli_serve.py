@@ -12,6 +12,7 @@ from .cli_common import (
     pass_settings,
 )
 from .cli_inspect import list_locks
+from .cli_waits import POSITIVE_SECONDS
 from .engine import create_locker_engine, resolve_url
 from .exporter import (
     DEFAULT_MAX_SERIES,
@@ -69,7 +70,7 @@ def top(context: click.Context, pattern: str | None) -> None:
 )
 @click.option(
     "--scrape-timeout",
-    type=click.FloatRange(min=0, min_open=True),
+    type=POSITIVE_SECONDS,
     default=DEFAULT_SCRAPE_TIMEOUT,
     metavar="SECONDS",
     help="A scrape whose census of the table takes longer answers sqllocker_up 0 (keep it "

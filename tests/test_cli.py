@@ -120,9 +120,15 @@ def test_usage_errors_exit_2(sqllocker: Run) -> None:
         ["run", "x"],
         ["purge-expired", "--batch-size", "0"],
         ["purge-expired", "--pause-ratio", "-1"],
+        ["purge-expired", "--grace", "nan"],
+        ["run", "--expires", "nan", "x", "--", "true"],
+        ["run", "--expires", "0", "x", "--", "true"],
+        ["run", "--hold-at-least", "inf", "x", "--", "true"],
+        ["run", "--kill-after", "nan", "x", "--", "true"],
+        ["exporter", "--scrape-timeout", "inf"],
     ):
         result = sqllocker(*args)
-        assert result.returncode == 2, args
+        assert result.returncode == 2, args  # not 1: that says the lock is held
         assert "Traceback" not in result.stderr
 
 
