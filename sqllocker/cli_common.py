@@ -62,6 +62,17 @@ def duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{minutes}m{seconds:02d}s"
 
 
+def time_left(info: LockInfo) -> str:
+    """How long ``info``'s lock has left, as ``list`` and ``show`` say it: "expired", a
+    duration, or "unknown*" for a DBIx::Locker row past its written expiry but not in every
+    time zone (its client's local time: see ``ROW_NOTES``)."""
+    if info.expired:
+        return "expired"
+    if info.dbix_locker and info.seconds_left <= 0:
+        return "unknown*"
+    return duration(info.seconds_left)
+
+
 # What `list` and `show` mark with "!" and "*".
 ROW_NOTES = (
     "! created in the future by the database's clock: written from a client's clock in another "

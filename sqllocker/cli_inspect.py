@@ -11,10 +11,10 @@ import click
 from .cli_common import (
     ROW_NOTES,
     Settings,
-    duration,
     info_json,
     pass_settings,
     print_json,
+    time_left,
     when,
 )
 from .cli_waits import SECONDS
@@ -112,7 +112,7 @@ def list_locks(settings: Settings, pattern: str | None, as_json: bool, expired_o
             printable(info.locked_by.get("program", "")),
             when(info.created) + ("!" if info.created_in_future else ""),
             when(info.expires) + ("*" if info.dbix_locker else ""),
-            "expired" if info.expired else duration(info.seconds_left),
+            time_left(info),
         )
         for info in infos
     ]
@@ -143,7 +143,8 @@ def show(settings: Settings, lockstring: str, as_json: bool) -> None:
     if as_json:
         print_json(info_json(info))
         return
-    state = "expired" if info.expired else f"held, {duration(info.seconds_left)} left"
+    left = time_left(info)
+    state = left if info.expired else f"held, {left} left"
     click.echo(f"lockstring: {printable(info.lockstring)}")
     click.echo(f"kind:       {kind_of(info.lockstring, info.locked_by)}")
     click.echo(f"lock id:    {info.lock_id}")

@@ -540,6 +540,14 @@ def test_perl_rows_are_taken_over_only_once_expired_in_every_time_zone(
         with pytest.raises(LockBusy):
             locker.lock("nightly report")
         assert locker.purge_expired_locks() == 0
+        # ... and shown so: its time left unknown, not "expired".
+        info = locker.lock_info("nightly report")
+        assert info is not None
+        assert not info.expired
+        code, output = sqllocker_cli(url, table_name, "show", "nightly report")
+        assert (code, "state:      held, unknown* left" in output) == (0, True), output
+        code, output = sqllocker_cli(url, table_name, "list", "--expired")
+        assert (code, "nightly report" in output) == (0, False), output
         margin = timedelta(seconds=FOREIGN_CLOCK_MARGIN)
         set_expiry(db, table_name, "nightly report", now - margin + timedelta(minutes=5))
         with pytest.raises(LockBusy):
@@ -547,6 +555,9 @@ def test_perl_rows_are_taken_over_only_once_expired_in_every_time_zone(
         # Past in every zone: taken over, with a new id, and the stale Perl holder cannot
         # release the new holder's lock.
         set_expiry(db, table_name, "nightly report", now - margin - timedelta(minutes=1))
+        info = locker.lock_info("nightly report")
+        assert info is not None
+        assert info.expired
         lock = locker.lock("nightly report")
         assert lock.lock_id > perl.lock_id
         assert perl.tell("unlock").startswith("unlock failed")

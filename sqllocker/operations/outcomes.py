@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 from ..errors import LockBusy
 from ..identity import public_details
+from ..schema import FOREIGN_CLOCK_MARGIN
 
 
 @dataclass(frozen=True)
@@ -19,8 +20,10 @@ class LockInfo:
     created: datetime
     expires: datetime
     locked_by: dict[str, Any]
+    # Expired by the server's clock; a row DBIx::Locker wrote, once its written expiry is past
+    # in every time zone (``schema.FOREIGN_CLOCK_MARGIN``), as sqllocker takes it over.
     expired: bool
-    seconds_left: float  # until expiry by the server's clock; negative once expired
+    seconds_left: float  # until the written expiry by the server's clock; negative once past
     # Written by DBIx::Locker (its guid is the column's default): its times are its client's
     # local times, so it is taken over or purged only once expired in every time zone.
     dbix_locker: bool = False
@@ -30,15 +33,17 @@ class LockInfo:
 
 
 def row_info(row: Any) -> LockInfo:
+    seconds_left = (row.expires - row.server_now).total_seconds()
+    dbix_locker = bool(row.dbix_locker)
     return LockInfo(
         lock_id=row.id,
         lockstring=row.lockstring,
         created=row.created,
         expires=row.expires,
         locked_by=public_details(row.locked_by),
-        expired=bool(row.expired),
-        seconds_left=(row.expires - row.server_now).total_seconds(),
-        dbix_locker=bool(row.dbix_locker),
+        expired=bool(row.expired) and (not dbix_locker or seconds_left <= -FOREIGN_CLOCK_MARGIN),
+        seconds_left=seconds_left,
+        dbix_locker=dbix_locker,
         created_in_future=row.created > row.server_now,
     )
 
