@@ -19,7 +19,8 @@ It fails closed, as a leader that loses its lease steps down:
 - what the command leaves running when it ends is stopped before the lock is released;
 - signals that would end sqllocker (INT, TERM, HUP, QUIT) are passed on to the group, handlers
   installed before the command starts. At a terminal, the group is made the foreground, so a
-  Ctrl-C there reaches the command directly, once;
+  Ctrl-C there reaches the command directly, once, and a Ctrl-Z that stops it stops
+  sqllocker too, as one job of the shell;
 - the command's environment has no database URL (it may hold a password) unless asked, and the
   row records the program's name, not its arguments (which may hold secrets), unless asked.
 """
@@ -34,7 +35,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,7 +151,7 @@ class _Family:
                     options.on_lost,
                     repr(valid_until),
                     repr(kill_by),
-                    ",".join(str(int(signum)) for signum in _ignored()) or "-",
+                    ",".join(str(int(signum)) for signum in _ignored(_KEPT_IGNORED)) or "-",
                     "--",
                     *command,
                 ],
@@ -167,7 +168,7 @@ class _Family:
             os.close(status_write)
         self.id = self.watchdog.pid
         self._status = os.fdopen(status_read, "rb")
-        self._terminal = _ForegroundTerminal(self.id)
+        self._terminal = _ForegroundTerminal(self.id, lock.is_valid)
         self._writing = threading.Lock()
         self.started = False
         self.stopped_by_watchdog: list[str] = []
@@ -206,6 +207,8 @@ class _Family:
             elif words[:1] == ["stopping"] and len(words) == 3:
                 self.stopped_by_watchdog.append(words[1])
                 _say_why_stopping(words[1], int(words[2]))
+            elif words[:1] == ["suspended"]:
+                self._terminal.suspend()
             elif words == ["done"]:
                 done = True
         self.watchdog.wait()
@@ -239,6 +242,10 @@ class _Family:
     def signal(self, signum: int) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.id, signum)
+
+    def follow_terminal(self) -> None:
+        """The terminal to the family, if sqllocker has the foreground (``_ForegroundTerminal``)."""
+        self._terminal.follow()
 
     def stop(self) -> None:
         """The lock is lost: the watchdog sends SIGTERM to the whole family now, and SIGKILL
@@ -285,7 +292,8 @@ def _deadlines(lock: Lock) -> tuple[float, float]:
 class _DeadlineCourier:
     """Sends the watchdog each new deadline of the lock as renewals move it on, looking a
     thirtieth of the expiry period apart (at most a second): a renewal comes two thirds of the
-    period before the deadline it moves on."""
+    period before the deadline it moves on. At each look, the terminal's foreground follows
+    sqllocker's to the family (the shell's ``fg`` of a run in the background)."""
 
     def __init__(self, lock: Lock, family: _Family) -> None:
         self._lock = lock
@@ -305,6 +313,7 @@ class _DeadlineCourier:
             if valid_until != sent:
                 self._family.tell(f"deadline {valid_until!r} {kill_by!r}")
                 sent = valid_until
+            self._family.follow_terminal()
 
     def __exit__(self, *_: object) -> None:
         self._done.set()
@@ -321,27 +330,69 @@ def _spawn_in_group(args: list[str], group: int, **options: Any) -> subprocess.P
 
 
 class _ForegroundTerminal:
-    """At a terminal where sqllocker runs in the foreground, the command's group takes the
-    foreground (as a shell gives it to a job), so that the terminal's keys reach the command
-    directly and its reads of the terminal are not stopped; given back at the end."""
+    """At a terminal, the command's group is a job within sqllocker's job. Where sqllocker runs
+    in the foreground, the group takes the foreground (as a shell gives it to a job), so that
+    the terminal's keys reach the command directly and its reads of the terminal are not
+    stopped; given back at the end.
 
-    def __init__(self, group: int) -> None:
+    A terminal's stop of the command (Ctrl-Z, or a read or write of the terminal from the
+    background) stops sqllocker's own job too (``suspend``), so that the shell gets the terminal
+    back; once the shell continues it (``fg``, ``bg``), the command's group is continued, if the
+    lock is still ``valid``, and given the foreground whenever sqllocker has it (``follow``).
+    The lock is not renewed meanwhile: stopped past its deadline, the family is stopped by its
+    watchdog."""
+
+    def __init__(self, group: int, valid: Callable[[], bool]) -> None:
+        self._group = group
+        self._valid = valid
         self._fd: int | None = None
         try:
             fd = sys.stdin.fileno()
-            if not os.isatty(fd) or os.tcgetpgrp(fd) != os.getpgrp():
+            if not os.isatty(fd):
                 return
-            with _ignoring(signal.SIGTTOU):
-                os.tcsetpgrp(fd, group)
-            self._fd = fd
+            if os.tcgetpgrp(fd) == os.getpgrp():
+                with _ignoring(signal.SIGTTOU):
+                    os.tcsetpgrp(fd, group)
         except (OSError, ValueError):  # no terminal, or it went away
             return
+        self._fd = fd
+
+    def suspend(self) -> None:
+        """The command was stopped by a terminal's stop: stop sqllocker's job as well (as the
+        shell's Ctrl-Z would have), the terminal given back to it first; once continued,
+        continue the command. Not without a terminal, nor where sqllocker ignores SIGTSTP
+        (it would not stop)."""
+        if self._fd is None or signal.getsignal(signal.SIGTSTP) == signal.SIG_IGN:
+            return
+        self._give_back()
+        with contextlib.suppress(OSError):
+            os.killpg(os.getpgrp(), signal.SIGTSTP)
+        # Continued (``fg``, ``bg``): the lock may have run out meanwhile, and the watchdog
+        # then stops the family (it has, or will at once).
+        if self._valid():
+            self.follow()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._group, signal.SIGCONT)
+
+    def follow(self) -> None:
+        """The foreground to the command's group if sqllocker's has it (the shell's ``fg``), as
+        long as the lock is valid. Any thread: it sends nothing from the background."""
+        if self._fd is None or not self._valid():
+            return
+        with contextlib.suppress(OSError):
+            if os.tcgetpgrp(self._fd) == os.getpgrp():
+                os.tcsetpgrp(self._fd, self._group)
+
+    def _give_back(self) -> None:
+        """The terminal back to sqllocker's group, if the command's has it."""
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                if os.tcgetpgrp(self._fd) == self._group:
+                    with _ignoring(signal.SIGTTOU):
+                        os.tcsetpgrp(self._fd, os.getpgrp())
 
     def restore(self) -> None:
-        if self._fd is None:
-            return
-        with contextlib.suppress(OSError), _ignoring(signal.SIGTTOU):
-            os.tcsetpgrp(self._fd, os.getpgrp())
+        self._give_back()
         self._fd = None
 
 
@@ -440,11 +491,15 @@ def _supervise(lock: Lock, command: Sequence[str], options: RunOptions) -> int:
     return returncode if returncode >= 0 else 128 - returncode
 
 
-def _ignored() -> list[int]:
-    """The signals of FORWARDED_SIGNALS that sqllocker was started ignoring (``nohup`` ignores
-    HUP): neither acted on nor passed on, and ignored by COMMAND too, as a job under ``nohup``
-    would ignore them."""
-    return [sig for sig in FORWARDED_SIGNALS if signal.getsignal(sig) == signal.SIG_IGN]
+# What COMMAND keeps ignoring if sqllocker was started ignoring it.
+_KEPT_IGNORED = (*FORWARDED_SIGNALS, *watchdog_script.TERMINAL_STOPS)
+
+
+def _ignored(signals: Sequence[int] = FORWARDED_SIGNALS) -> list[int]:
+    """The ``signals`` that sqllocker was started ignoring (``nohup`` ignores HUP): neither
+    acted on nor passed on, and ignored by COMMAND too, as a job under ``nohup`` would ignore
+    them."""
+    return [sig for sig in signals if signal.getsignal(sig) == signal.SIG_IGN]
 
 
 def _passed_on() -> list[int]:

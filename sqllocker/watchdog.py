@@ -11,7 +11,9 @@ orphans handed to it.
 Two pipes join it to sqllocker. On the status pipe it says ``started PID`` (or ``missing`` /
 ``refused MESSAGE`` if COMMAND cannot be run, ``late`` if the lock's deadline has passed
 before it could start it), ``exit STATUS`` when COMMAND ends (a negative
-status: the signal that ended it), and ``stopping REASON COUNT`` when it stops the family (of
+status: the signal that ended it), ``suspended SIGNAL`` when COMMAND has been stopped by a
+terminal's stop (Ctrl-Z, or a read or write of the terminal from the background: sqllocker then
+stops too, as a job of the shell), and ``stopping REASON COUNT`` when it stops the family (of
 COUNT processes) on its own account. On the control pipe sqllocker sends
 ``deadline VALID_UNTIL KILL_BY`` after each renewal of the lock and ``stop`` when the lock is
 lost; both times are on the clock the lock's deadline is kept on (``CLOCK_BOOTTIME``, which
@@ -37,7 +39,8 @@ signalled as a whole, and what leaves the group is out of reach.
 It is run as a script (``python -I -S watchdog.py``): it must start in milliseconds, and
 needs nothing of sqllocker's (which imports it for ``become_subreaper`` and ``Family``, to
 kill what a killed watchdog leaves). It ignores the signals sqllocker passes on to
-the group, which are meant for the command.
+the group, which are meant for the command, and a terminal's stops: it keeps watching the
+lock's deadline while COMMAND and sqllocker are stopped.
 """
 
 import contextlib
@@ -58,11 +61,15 @@ IGNORED_SIGNALS = tuple(
     for name in ("SIGUSR1", "SIGUSR2", "SIGALRM", "SIGVTALRM", "SIGPROF", "SIGIO", "SIGPWR")
     if hasattr(signal, name)
 )
+# A terminal's stops (Ctrl-Z, and a read or write of it from the background): they stop
+# COMMAND's group, and the watchdog ignores them.
+TERMINAL_STOPS = (signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU)
 # Set back to their defaults in COMMAND: those this ignores, those Python ignores (SIGPIPE,
 # SIGXFSZ), and SIGCHLD, which this handles.
 DEFAULT_IN_COMMAND = (
     *FORWARDED_SIGNALS,
     *IGNORED_SIGNALS,
+    *TERMINAL_STOPS,
     signal.SIGCHLD,
     signal.SIGPIPE,
     *([signal.SIGXFSZ] if hasattr(signal, "SIGXFSZ") else []),
@@ -288,14 +295,20 @@ class Watchdog:
         return True
 
     def reap(self) -> None:
-        """Reap every child that has ended: COMMAND, and orphans handed to this subreaper."""
+        """Reap every child that has ended: COMMAND, and orphans handed to this subreaper; and
+        say so when COMMAND has been stopped by a terminal's stop."""
         while True:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                pid, status = os.waitpid(-1, os.WNOHANG | os.WUNTRACED)
             except ChildProcessError:
                 return
             if pid == 0:
                 return
+            if os.WIFSTOPPED(status):
+                stop = os.WSTOPSIG(status)
+                if pid == self.command and stop in TERMINAL_STOPS and self.status is None:
+                    self.tell(f"suspended {stop}")
+                continue
             if pid == self.command:
                 self.status = os.waitstatus_to_exitcode(status)
                 self.tell(f"exit {self.status}")
@@ -384,7 +397,7 @@ def main() -> int:
     for fd in (control_fd, status_fd):
         os.set_inheritable(fd, False)
     os.set_blocking(control_fd, False)
-    for signum in (*FORWARDED_SIGNALS, *IGNORED_SIGNALS):
+    for signum in (*FORWARDED_SIGNALS, *IGNORED_SIGNALS, *TERMINAL_STOPS):
         signal.signal(signum, signal.SIG_IGN)  # back to the default in COMMAND (setsigdef)
     wake_read, wake_write = os.pipe()
     for fd in (wake_read, wake_write):

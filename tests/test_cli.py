@@ -3,6 +3,7 @@ console script itself where how a command starts or stops matters, else forked (
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -625,6 +626,99 @@ def test_ctrl_c_at_a_terminal_reaches_the_command_once(tmp_path: Path) -> None:
         reader.join(30)
         os.close(terminal)
     assert count == 1, output.decode(errors="replace")
+
+
+class ShellAtTerminal:
+    """An interactive bash, with job control, on a pseudo-terminal of its own: what is typed at
+    it, and what it printed."""
+
+    def __init__(self) -> None:
+        pty = pytest.importorskip("pty")
+        self.pid, self.terminal = pty.fork()
+        if self.pid == 0:
+            environment = {**os.environ, "PS1": "$ ", "TERM": "dumb"}
+            os.execvpe("bash", ["bash", "--norc", "--noprofile", "-i"], environment)
+        self.output = bytearray()
+        self.reader = threading.Thread(target=self._drain, daemon=True)
+        self.reader.start()
+
+    def _drain(self) -> None:
+        try:
+            while chunk := os.read(self.terminal, 4096):
+                self.output.extend(chunk)
+        except OSError:  # EIO: the terminal's last process has gone
+            pass
+
+    def type(self, keys: bytes) -> None:
+        os.write(self.terminal, keys)
+
+    def said(self, pattern: bytes) -> list[bytes]:
+        return re.findall(pattern, bytes(self.output))
+
+    def close(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)  # bash leads the terminal's session and group
+        os.waitpid(self.pid, 0)
+        self.reader.join(10)
+        os.close(self.terminal)
+
+
+# A command that writes its pid, then a tick every 0.1 s, 40 of them.
+TICKING = """
+import os, sys, time
+with open(sys.argv[1], "a") as out:
+    out.write(f"{os.getpid()}\\n")
+    for _ in range(40):
+        out.write("x")
+        out.flush()
+        time.sleep(0.1)
+"""
+
+
+def ticks(path: Path) -> int:
+    return path.read_text().count("x") if path.exists() else 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stopped_for", ["a while", "past the lock's expiry"])
+def test_ctrl_z_at_a_terminal_suspends_the_run_as_a_job(tmp_path: Path, stopped_for: str) -> None:
+    """Ctrl-Z stops the command's group, the foreground: sqllocker stops with it, so that the
+    shell has its terminal back (it waited for ever). ``fg`` continues the command under the
+    lock; stopped past the lock's expiry (not renewed meanwhile), the command is stopped by its
+    watchdog before anyone else can take the lock, and the run exits 75."""
+    url = f"sqlite:///{tmp_path / 'locks.db'}"
+    log = tmp_path / "ticks"
+    expires = "30" if stopped_for == "a while" else "2"
+    shell = ShellAtTerminal()
+    try:
+        command_line = f"{sys.executable} -c '{TICKING}' {log}"
+        run = f"{SQLLOCKER} --url {url} run --expires {expires} job -- {command_line}"
+        shell.type(run.encode() + b"\n")
+        wait_until(lambda: ticks(log) >= 3)
+        shell.type(b"\x1a")  # Ctrl-Z
+        wait_until(lambda: shell.said(rb"Stopped"), timeout=10)
+        stopped_at = ticks(log)
+        command = int(log.read_text().split()[0])
+        if stopped_for == "a while":
+            time.sleep(1)
+            assert ticks(log) == stopped_at  # stopped, and its lock still held
+            assert forked_cli.run(["--url", url, "run", "job", "--", "true"]).returncode == 1
+        else:
+            # The next holder gets the lock once its row has expired: by then the command,
+            # stopped as it was, has been ended by its watchdog.
+            taken = forked_cli.run(["--url", url, "run", "-w", "30", "job", "--", "true"])
+            assert taken.returncode == 0, taken.stderr
+            assert not Path(f"/proc/{command}").exists()
+            assert ticks(log) == stopped_at
+        shell.type(b"fg; echo status=$?\n")
+        wait_until(lambda: shell.said(rb"status=\d+"), timeout=30)
+        status = shell.said(rb"status=(\d+)")[-1]
+        if stopped_for == "a while":
+            assert (status, ticks(log)) == (b"0", 40), shell.output.decode(errors="replace")
+        else:
+            assert status == b"75", shell.output.decode(errors="replace")
+    finally:
+        shell.close()
 
 
 def test_run_reports_a_lost_lock(
