@@ -117,9 +117,9 @@ class Holding:
         # Seconds from the row's creation that a release keeps it for (see Locker.lock).
         self.hold_at_least: float | None = None
         self.valid_until = sent_at + ttl - safety_margin(ttl)
-        # A release that failed after its DELETE may have been sent (its answer lost, an
-        # interrupt): the DELETE may reach the server at any moment yet, so the lock is valid
-        # no more, though held until a retry deletes the row.
+        # A release has begun: its DELETE is on its way, or failed after it may have been sent
+        # (its answer lost, an interrupt), and may reach the server at any moment, so the lock
+        # is valid no more, though held until the release (or a retry) deletes the row.
         self.release_unsure = False
         # The shortest period of an extend of this lock whose fate is unknown (it failed, or
         # was cut short, after it may have been sent): it may yet reach the server, after an
@@ -139,12 +139,25 @@ class Holding:
             place.leave()
 
     def is_valid(self) -> bool:
+        """Held, not known lost, no release begun, before its deadline, and by this process:
+        a forked child shares the handle, not the lock."""
         return (
             self.held
             and self.lost is None
             and not self.release_unsure
             and clock.now() < self.valid_until
+            and self.pid == forks.pid
         )
+
+    def renewal_by(self, fraction: float) -> float:
+        """When a renewal every ``fraction`` of the period is due by the deadline: that much of
+        the period after the last acquire or extend was sent (a margin earlier)."""
+        return self.valid_until - self.ttl * (1 - fraction)
+
+    def first_renewal(self, fraction: float) -> float:
+        """When a lock kept alive from now is first renewed: ``fraction`` of its period from
+        now, or sooner, by its deadline (kept alive late in its life, it would run out first)."""
+        return min(clock.now() + self.ttl * fraction, self.renewal_by(fraction))
 
     def renewing(self, sent_at: float, ttl: float) -> None:
         """An extend to ``ttl`` is sent (or about to be) at ``sent_at``: once it reaches the
@@ -184,9 +197,13 @@ class Holding:
         if self.lost is not None:
             raise self.lost
         reason = (
-            "was released"
+            f"was acquired by process {self.pid}, which process {forks.pid} was forked from: "
+            "only that process holds it"
+            if self.pid != forks.pid
+            else "was released"
             if not self.held
-            else "may be released: its release failed after its DELETE may have run"
+            else "may be released: its release is under way, or failed after its DELETE may "
+            "have run"
             if self.release_unsure
             else "passed its deadline without renewal"
         )
@@ -379,8 +396,10 @@ class LockHandle(Generic[HoldingT]):
 
     @property
     def is_locked(self) -> bool:
-        """True until unlock(), or until the lock is found to be lost."""
-        return self._state.held and self._state.lost is None
+        """True until unlock(), or until the lock is found to be lost; never in a child forked
+        from the process that acquired it, which does not hold it."""
+        state = self._state
+        return state.held and state.lost is None and state.pid == forks.pid
 
     def is_valid(self) -> bool:
         """Whether the holder may still act: held, not known lost, and before its deadline.

@@ -90,8 +90,7 @@ class KeepAlive:
         with self._condition:
             if not state.held or state.lost is not None:
                 return
-            due = clock.now() + state.ttl * self.fraction
-            self._entries[id(state)] = _Entry(state, due)
+            self._entries[id(state)] = _Entry(state, state.first_renewal(self.fraction))
             self._stopping = False
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._schedule, name=self.name, daemon=True)
@@ -120,8 +119,7 @@ class KeepAlive:
             entry = self._entries.get(id(state))
             if entry is None:
                 return
-            cadence = state.valid_until - state.ttl * (1 - self.fraction)
-            entry.next_renewal = min(entry.next_renewal, cadence)
+            entry.next_renewal = min(entry.next_renewal, state.renewal_by(self.fraction))
             self._condition.notify()
 
     def __len__(self) -> int:
@@ -241,7 +239,7 @@ class KeepAlive:
             entry.next_renewal = clock.now() + state.ttl * self.fraction
         else:
             entry.failures = 0
-            entry.next_renewal = state.valid_until - state.ttl * (1 - self.fraction)
+            entry.next_renewal = state.renewal_by(self.fraction)
         finally:
             with self._condition:
                 entry.in_flight = None

@@ -218,17 +218,15 @@ class LockState(Holding):
             self.keep_alives.remove(self)
             if not turn:
                 raise self.release_gave_up()
+            # From here its DELETE may run, and the row be anyone's, whether or not its answer
+            # comes: valid no longer. (Failed or interrupted, unlock() again makes sure the row
+            # is gone, with the patience of the row's own expiry.)
+            self.release_unsure = True
             with self.telemetry.releasing():
                 try:
                     self._delete_within(self.release_patience())
                 except LockLost as lost:
                     self.released_lost(lost)
-                    raise
-                except BaseException:
-                    # Failed or interrupted, its DELETE may have run (its answer lost), and the
-                    # row be anyone's now: valid no longer (unlock() again to make sure the row
-                    # is gone, with the patience of the row's own expiry).
-                    self.release_unsure = True
                     raise
             self.held = False
             self.leave_place()
@@ -355,6 +353,7 @@ class Lock(LockHandle[LockState]):
         that a client cut off by the network cannot hold the lock past its expiry for as long
         as TCP takes to give up; pauses between the transaction's statements must be shorter.
         """
+        self._refuse_in_forked_child("guard")
         state = self._state
         guarding = (state.lockstring, state.lock_id, state.guid, state.guard_silence_limit())
         proven = state.operations.guard(connection, *guarding)

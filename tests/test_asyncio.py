@@ -496,6 +496,20 @@ async def test_keep_alive_task_holds_a_short_lock(make_async_locker: MakeAsync) 
     assert len(locker._keep_alives) == 0
 
 
+@pytest.mark.slow
+async def test_a_lock_kept_alive_late_in_its_life_is_renewed_before_its_deadline(
+    make_async_locker: MakeAsync,
+) -> None:
+    locker, other = make_async_locker(), make_async_locker()
+    lock = await locker.lock("job", expires=3)
+    await asyncio.sleep(2.3)  # less than a third of the period left
+    lock.keep_alive()
+    await asyncio.sleep(3.0)  # past the deadline it had
+    assert lock.is_valid()
+    assert await other.try_lock("job") is None
+    await lock.unlock()
+
+
 @pytest.mark.parametrize("kind", ["function", "coroutine function"])
 async def test_on_lost_is_called_once_when_the_lock_is_broken(
     make_async_locker: MakeAsync, kind: str

@@ -1285,6 +1285,38 @@ def test_a_statement_that_lands_after_a_later_extend_leaves_no_second_holder(
     _assert_one_holder_at_a_time(outcome)
 
 
+@pytest.mark.parametrize("front", FRONTS, ids=str)
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_a_lock_whose_release_is_under_way_is_valid_no_more(
+    url: str, table_name: str, make_locker: Any, front: Front, proxied: Proxied
+) -> None:
+    """``unlock()`` runs in the background (another thread, or a task its caller stopped waiting
+    for): its DELETE commits, its answer is lost and its retry stalls. Another process takes
+    the lock meanwhile: the holder's work, still going, must not be told the lock is valid."""
+    contender = make_locker(grace=0)  # creates the table
+    outcome: dict[str, Any] = {}
+
+    async def scenario() -> None:
+        locker = front.locker(proxied.url, table=table_name, grace=0)
+        try:
+            lock = await front.call(locker.lock, "job", expires=10)
+            proxied.proxy.lose_answer_to(b"DELETE FROM", then_stall=True)
+            releasing = front.in_background(lock.unlock)
+            await _next_holder(contender, lock, outcome)
+            assert not lock.is_locked or not lock.is_valid()
+            with pytest.raises(LockLost, match="release is under way"):
+                lock.check()
+            proxied.proxy.resume()
+            with contextlib.suppress(LockError):
+                await releasing
+        finally:
+            with contextlib.suppress(LockError):
+                await front.close(locker)
+
+    asyncio.run(scenario())
+    _assert_one_holder_at_a_time(outcome)
+
+
 class _SoftTimeLimit(Exception):
     """What Celery's soft time limit raises from its signal handler: an Exception."""
 

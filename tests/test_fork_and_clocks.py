@@ -18,7 +18,7 @@ import pytest
 import sqlalchemy as sa
 import time_machine
 
-from sqllocker import LockBusy, Locker, LockError
+from sqllocker import LockBusy, Locker, LockError, LockLost
 from sqllocker.engine import resolve_url
 from sqllocker.holding import CLOCK_DRIFT, safety_margin
 from tests.conftest import IN_CI
@@ -217,12 +217,21 @@ def test_client_clock_skew_changes_nothing(locker: Locker, skew: timedelta) -> N
 
 
 def test_a_forked_childs_unlock_of_its_parents_lock_is_refused(locker: Locker) -> None:
+    """A child forked from a holder shares its handle, not its lock: it may neither release
+    nor renew nor guard it, and is told the lock is not valid, not locked by it."""
     lock = locker.lock("parent's")
 
     def child() -> None:
         for action in (lock.unlock, lock.extend):
             with pytest.raises(LockError, match="forked from"):
                 action()
+        assert not lock.is_valid()
+        assert not lock.is_locked
+        with pytest.raises(LockLost, match="forked from"):
+            lock.check()
+        with locker.engine.begin() as conn, pytest.raises(LockError, match="forked from"):
+            lock.guard(conn)
+        locker.engine.dispose()  # the child's pool, not the parent's sockets
 
     assert run_in_child(child) == 0
     assert lock.is_valid()

@@ -74,6 +74,26 @@ def test_keep_alive_holds_a_short_lock_for_many_expiry_periods(make_locker: Any)
     assert count_rows(holder) == 0
 
 
+@pytest.mark.slow
+def test_a_lock_kept_alive_late_in_its_life_is_renewed_before_its_deadline(
+    make_locker: Any,
+) -> None:
+    """``keep_alive()`` with less than a renewal's interval (a third of the period) left: the
+    first renewal comes before the deadline, not a third of the period from now."""
+    holder, contender = make_locker(), make_locker()
+    lost = LostCalls()
+    lock = holder.lock("job", expires=3.0)
+    time.sleep(2.3)
+    lock.keep_alive(on_lost=lost)
+    until = time.monotonic() + 3  # past the deadline it had
+    while time.monotonic() < until:
+        assert contender.try_lock("job") is None
+        assert lock.is_valid()
+        time.sleep(0.1)
+    assert lost.calls == []
+    lock.unlock()
+
+
 def test_one_keep_alive_thread_serves_all_of_a_lockers_locks(locker: Locker) -> None:
     locks = [locker.lock(f"job {n}", expires=1, keep_alive=True) for n in range(20)]
     time.sleep(0.8)

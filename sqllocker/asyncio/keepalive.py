@@ -73,7 +73,7 @@ class AsyncKeepAlive:
                 await task
 
     async def _keep(self, state: AsyncLockState, wake: asyncio.Event) -> None:
-        next_renewal = clock.now() + state.ttl * self.fraction
+        next_renewal = state.first_renewal(self.fraction)
         failures = 0
         renewal: asyncio.Task[object] | None = None
         try:
@@ -96,8 +96,7 @@ class AsyncKeepAlive:
                         woken.cancel()
                     if wake.is_set():
                         wake.clear()
-                        cadence = state.valid_until - state.ttl * (1 - self.fraction)
-                        next_renewal = min(next_renewal, cadence)
+                        next_renewal = min(next_renewal, state.renewal_by(self.fraction))
                     continue
                 # Wait for the renewal, but never past the deadline.
                 await asyncio.wait({renewal}, timeout=max(0.0, state.valid_until - now))
@@ -125,10 +124,10 @@ class AsyncKeepAlive:
                     next_renewal = clock.now() + delay
                 elif error is not None:
                     logger.error("unexpected error renewing lock %r: %r", state.lockstring, error)
-                    next_renewal = clock.now() + state.ttl * self.fraction
+                    next_renewal = state.first_renewal(self.fraction)
                 else:
                     failures = 0
-                    next_renewal = state.valid_until - state.ttl * (1 - self.fraction)
+                    next_renewal = state.renewal_by(self.fraction)
         finally:
             if self._wakes.get(id(state)) is wake:
                 del self._wakes[id(state)]
