@@ -34,7 +34,9 @@ DEFAULT_FRACTION = 1 / 3
 FIRST_RETRY_DELAY = 0.05
 # Renewals that may run at once, each on a worker thread of its own: one, unless every worker
 # has been busy with a renewal for STUCK_SECONDS, so that other locks' renewals never wait
-# behind one stuck on a frozen connection.
+# behind one stuck on a frozen connection, or a renewal due has waited for a worker that long
+# (a quarter of its lock's time to spare, if less), so that renewals that each take their time
+# on a slow server do not fall behind.
 RENEWERS = 16
 STUCK_SECONDS = 0.5
 # How long the threads linger with nothing to renew before they end (and are started again by
@@ -53,6 +55,13 @@ class _Entry:
         self.next_renewal = next_renewal
         self.in_flight: Future[None] | None = None
         self.failures = 0
+
+
+def _late_at(entry: _Entry) -> float:
+    """When ``entry``'s renewal, due and waiting for a worker, is late: STUCK_SECONDS after it
+    was due, or a quarter of the time its lock had to spare then, if that is sooner."""
+    spare = entry.state.valid_until - entry.next_renewal
+    return entry.next_renewal + min(STUCK_SECONDS, spare / 4)
 
 
 class _Worker:
@@ -175,8 +184,9 @@ class KeepAlive:
                         wake = min(wake, entry.next_renewal)
                     elif entry.in_flight is None:
                         # Due, with no worker free yet: looked at again as one comes free
-                        # (notified), or once the busy ones count as stuck.
-                        wake = min(wake, now + STUCK_SECONDS)
+                        # (notified), or once the busy ones count as stuck, or it is late.
+                        late = _late_at(entry)
+                        wake = min(wake, now + STUCK_SECONDS, late if late > now else wake)
                 self._condition.wait(max(0.0, wake - clock.now()))
 
     def _declare_lost_at_deadline(self, state: LockState) -> None:
@@ -198,16 +208,18 @@ class KeepAlive:
 
     def _submit(self, entry: _Entry, now: float) -> Future[None] | None:
         """Start ``entry``'s renewal on an idle worker, or on a new one if every worker has
-        been busy for STUCK_SECONDS; None if none can take it now."""
+        been busy for STUCK_SECONDS or the renewal is late (``_late_at``); None if none can
+        take it now."""
         if self._stopping:
             return None
         idle = next((worker for worker in self._workers if worker.busy_since is None), None)
         if idle is None:
-            if len(self._workers) >= RENEWERS or any(
-                now - worker.busy_since < STUCK_SECONDS
+            stuck = all(
+                now - worker.busy_since >= STUCK_SECONDS
                 for worker in self._workers
                 if worker.busy_since is not None
-            ):
+            )
+            if len(self._workers) >= RENEWERS or not (stuck or now >= _late_at(entry)):
                 return None
             idle = _Worker(f"{self.name}-renew-{len(self._workers)}")
             self._workers.append(idle)
