@@ -21,7 +21,7 @@ from .backoff import Backoff
 from .errors import DatabaseError, LockError
 from .file_queue import FileQueue
 from .group import LockGroup
-from .holding import OnLost
+from .holding import OnLost, OnLostOnce
 from .identity import holder_details, new_guid
 from .lock import Call, KeepAlives, Lock, LockTaker
 from .operations import LockOperations, Refused
@@ -230,7 +230,8 @@ class Acquirer:
         )
         _, ttl, wait, extra = request
         on_lost = on_lost or default_on_lost
-        return acquisition(self._acquire_all, names, ttl, wait, extra, keep_alive, on_lost)
+        once = None if on_lost is None else OnLostOnce(on_lost)  # for the group, not each row
+        return acquisition(self._acquire_all, names, ttl, wait, extra, keep_alive, once)
 
     def _acquire_all(
         self,

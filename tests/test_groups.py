@@ -58,6 +58,18 @@ def test_unlock_releases_every_member_and_reports_a_lost_one(locker: Locker) -> 
     assert locker.locks() == []  # the other member was released all the same
 
 
+def test_a_groups_on_lost_is_called_once_however_many_members_are_lost(locker: Locker) -> None:
+    lost: list[LockLost] = []
+    group = locker.lock_all(
+        ["account 1", "account 2", "account 3"], keep_alive=True, on_lost=lost.append
+    )
+    for name in ("account 1", "account 2", "account 3"):
+        locker.break_lock(name)
+    with pytest.raises(LockLost):
+        group.unlock()
+    assert [error.lockstring for error in lost] == ["account 1"]
+
+
 @pytest.mark.parametrize(
     ("lockstrings", "error"),
     [

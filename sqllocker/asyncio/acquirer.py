@@ -17,7 +17,7 @@ from .. import clock, deadlines, tickets, validation
 from ..backoff import Backoff
 from ..errors import DatabaseError, LockError
 from ..file_queue import FileQueue
-from ..holding import OnLost
+from ..holding import OnLost, OnLostOnce
 from ..identity import holder_details, new_guid
 from ..operations import LockOperations, Refused
 from ..telemetry import Telemetry, attempted
@@ -252,7 +252,8 @@ class AsyncAcquirer:
         )
         _, ttl, wait, extra = request
         on_lost = on_lost or default_on_lost
-        return await acquisition(self._acquire_all, names, ttl, wait, extra, keep_alive, on_lost)
+        once = None if on_lost is None else OnLostOnce(on_lost)  # for the group, not each row
+        return await acquisition(self._acquire_all, names, ttl, wait, extra, keep_alive, once)
 
     async def _acquire_all(
         self,
