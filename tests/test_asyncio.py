@@ -8,6 +8,7 @@ test_mutual_exclusion.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import random
@@ -508,6 +509,27 @@ async def test_a_lock_kept_alive_late_in_its_life_is_renewed_before_its_deadline
     assert lock.is_valid()
     assert await other.try_lock("job") is None
     await lock.unlock()
+
+
+async def test_a_renewal_that_fails_unexpectedly_is_retried_a_period_later(
+    make_async_locker: MakeAsync, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not at once, again and again until the deadline."""
+    locker = make_async_locker()
+    lock = await locker.lock("job", expires=3)
+    tries: list[float] = []
+
+    async def failing(self: object, ttl: float | None) -> None:
+        tries.append(time.monotonic())
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(type(lock._state), "extend", failing)
+    lock.keep_alive()
+    await asyncio.sleep(2.5)
+    assert 1 <= len(tries) <= 3
+    monkeypatch.undo()
+    with contextlib.suppress(LockLost):
+        await lock.unlock()
 
 
 @pytest.mark.parametrize("kind", ["function", "coroutine function"])

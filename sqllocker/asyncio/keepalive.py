@@ -124,7 +124,7 @@ class AsyncKeepAlive:
                     next_renewal = clock.now() + delay
                 elif error is not None:
                     logger.error("unexpected error renewing lock %r: %r", state.lockstring, error)
-                    next_renewal = state.first_renewal(self.fraction)
+                    next_renewal = clock.now() + state.ttl * self.fraction
                 else:
                     failures = 0
                     next_renewal = state.renewal_by(self.fraction)
