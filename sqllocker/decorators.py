@@ -204,12 +204,14 @@ class LockstringTemplate:
 
 
 def call_signature(function: Callable[..., Any]) -> inspect.Signature:
-    """The signature ``function`` is called with. That of a ``functools.partial`` is the
-    partial's own, whatever its ``__wrapped__`` says: Django's ``method_decorator`` hands each
-    decorator a partial of the bound method made to look like the plain function, whose
-    ``self`` the calls do not pass."""
-    if isinstance(function, functools.partial):
-        function = functools.partial(function.func, *function.args, **function.keywords)
+    """The signature ``function`` is called with. That of a ``functools.partial``, or of a
+    decorator's wrapper of one, is the partial's own, whatever its ``__wrapped__`` says:
+    Django's ``method_decorator`` hands each decorator a partial of the bound method (or what
+    the decorators before it made of it) made to look like the plain function, whose ``self``
+    the calls do not pass."""
+    inner = inspect.unwrap(function, stop=lambda wrapped: isinstance(wrapped, functools.partial))
+    if isinstance(inner, functools.partial):
+        return inspect.signature(functools.partial(inner.func, *inner.args, **inner.keywords))
     return inspect.signature(function)
 
 

@@ -412,9 +412,19 @@ def test_a_partial_of_a_bound_method_is_named_by_its_own_arguments(locker: Locke
         def get(self, request: object, day: str) -> str:
             return locker.locks()[0].lockstring
 
+    def another(function: Callable[..., str]) -> Callable[..., str]:
+        """A decorator method_decorator applies before ``locked`` (listed after it)."""
+
+        @functools.wraps(function)
+        def wrapper(*args: object, **kwargs: object) -> str:
+            return function(*args, **kwargs)
+
+        return wrapper
+
     bound = functools.wraps(View.get)(functools.partial(View().get))
     assert locker.locked("view {day}")(bound)("request", "2026-11-30") == "view 2026-11-30"
     assert locker.locked("view {request}")(bound)(request="r", day="d") == "view r"
+    assert locker.locked("view {day}")(another(bound))("request", "12-01") == "view 12-01"
     assert count_rows(locker) == 0
 
 
