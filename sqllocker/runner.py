@@ -168,7 +168,10 @@ class _Family:
             os.close(status_write)
         self.id = self.watchdog.pid
         self._status = os.fdopen(status_read, "rb")
-        self._terminal = _ForegroundTerminal(self.id, lock.is_valid)
+        # Continued after a Ctrl-Z only while the lock is valid; with --on-lost=warn, whatever
+        # it is (nothing else would continue or end the family).
+        warn = options.on_lost == "warn"
+        self._terminal = _ForegroundTerminal(self.id, (lambda: True) if warn else lock.is_valid)
         self._writing = threading.Lock()
         self.started = False
         self.stopped_by_watchdog: list[str] = []
@@ -209,6 +212,7 @@ class _Family:
                 _say_why_stopping(words[1], int(words[2]))
             elif words[:1] == ["suspended"]:
                 self._terminal.suspend()
+                self.tell("resumed")  # the watchdog may say the next one
             elif words == ["done"]:
                 done = True
         self.watchdog.wait()

@@ -13,8 +13,10 @@ Two pipes join it to sqllocker. On the status pipe it says ``started PID`` (or `
 before it could start it), ``exit STATUS`` when COMMAND ends (a negative
 status: the signal that ended it), ``suspended SIGNAL`` when COMMAND has been stopped by a
 terminal's stop (Ctrl-Z, or a read or write of the terminal from the background: sqllocker then
-stops too, as a job of the shell), and ``stopping REASON COUNT`` when it stops the family (of
-COUNT processes) on its own account. On the control pipe sqllocker sends
+stops too, as a job of the shell, and says ``resumed`` once it goes on; no other ``suspended``
+comes before, so that a command stopped and continued over and over while sqllocker is stopped
+cannot fill the pipe and block this process), and ``stopping REASON COUNT`` when it stops the
+family (of COUNT processes) on its own account. On the control pipe sqllocker sends
 ``deadline VALID_UNTIL KILL_BY`` after each renewal of the lock and ``stop`` when the lock is
 lost; both times are on the clock the lock's deadline is kept on (``CLOCK_BOOTTIME``, which
 counts suspend; this is sqllocker's child, so it reads the same clock in the same time
@@ -271,6 +273,7 @@ class Watchdog:
         self.control_open = True
         self.stop_asked = False
         self.kill_at: float | None = None  # once the family is being stopped
+        self.suspension_told = False  # ``suspended`` said, and ``resumed`` not yet heard
 
     def tell(self, line: str) -> None:
         with contextlib.suppress(OSError):  # sqllocker is gone: the control pipe will say so
@@ -306,7 +309,13 @@ class Watchdog:
                 return
             if os.WIFSTOPPED(status):
                 stop = os.WSTOPSIG(status)
-                if pid == self.command and stop in TERMINAL_STOPS and self.status is None:
+                if (
+                    pid == self.command
+                    and stop in TERMINAL_STOPS
+                    and self.status is None
+                    and not self.suspension_told
+                ):
+                    self.suspension_told = True
                     self.tell(f"suspended {stop}")
                 continue
             if pid == self.command:
@@ -328,6 +337,8 @@ class Watchdog:
             try:
                 if words[0] == b"deadline":
                     self.valid_until, self.kill_by = float(words[1]), float(words[2])
+                elif words == [b"resumed"]:
+                    self.suspension_told = False
                 else:
                     self.stop_asked = True  # ``stop``, or anything we do not understand
             except (IndexError, ValueError):

@@ -680,15 +680,18 @@ def ticks(path: Path) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stopped_for", ["a while", "past the lock's expiry"])
+@pytest.mark.parametrize("stopped_for", ["a while", "past the lock's expiry", "past it, warn"])
 def test_ctrl_z_at_a_terminal_suspends_the_run_as_a_job(tmp_path: Path, stopped_for: str) -> None:
     """Ctrl-Z stops the command's group, the foreground: sqllocker stops with it, so that the
     shell has its terminal back (it waited for ever). ``fg`` continues the command under the
     lock; stopped past the lock's expiry (not renewed meanwhile), the command is stopped by its
-    watchdog before anyone else can take the lock, and the run exits 75."""
+    watchdog before anyone else can take the lock, and the run exits 75; with
+    ``--on-lost=warn``, ``fg`` continues it all the same (nothing else would)."""
     url = f"sqlite:///{tmp_path / 'locks.db'}"
     log = tmp_path / "ticks"
     expires = "30" if stopped_for == "a while" else "2"
+    if stopped_for == "past it, warn":
+        expires += " --on-lost warn"
     shell = ShellAtTerminal()
     try:
         command_line = f"{sys.executable} -c '{TICKING}' {log}"
@@ -703,6 +706,8 @@ def test_ctrl_z_at_a_terminal_suspends_the_run_as_a_job(tmp_path: Path, stopped_
             time.sleep(1)
             assert ticks(log) == stopped_at  # stopped, and its lock still held
             assert forked_cli.run(["--url", url, "run", "job", "--", "true"]).returncode == 1
+        elif stopped_for == "past it, warn":
+            time.sleep(4)
         else:
             # The next holder gets the lock once its row has expired: by then the command,
             # stopped as it was, has been ended by its watchdog.
@@ -715,6 +720,8 @@ def test_ctrl_z_at_a_terminal_suspends_the_run_as_a_job(tmp_path: Path, stopped_
         status = shell.said(rb"status=(\d+)")[-1]
         if stopped_for == "a while":
             assert (status, ticks(log)) == (b"0", 40), shell.output.decode(errors="replace")
+        elif stopped_for == "past it, warn":
+            assert (status, ticks(log)) == (b"75", 40), shell.output.decode(errors="replace")
         else:
             assert status == b"75", shell.output.decode(errors="replace")
     finally:

@@ -184,6 +184,63 @@ def test_a_stopped_or_killed_sqllocker_has_its_family_gone_before_anyone_else_ho
     assert runner.wait(timeout=30) == (75 if how == "stopped" else -signal.SIGKILL)
 
 
+# A command that stops itself (SIGTSTP) over and over, ticking in between, continued each time
+# by a process of a session of its own (argv[2]: that process's own code).
+STOPS_ITSELF = """
+import os, signal, subprocess, sys
+me = os.getpid()
+subprocess.Popen([sys.executable, "-c", sys.argv[2] % me], start_new_session=True)
+with open(sys.argv[1], "a") as out:
+    out.write(f"{me}\\n")
+    out.flush()
+    while True:
+        out.write("x")
+        out.flush()
+        os.kill(me, signal.SIGTSTP)
+"""
+CONTINUES_IT = """
+import os, signal, time
+while True:
+    try:
+        os.kill(%d, signal.SIGCONT)
+    except ProcessLookupError:
+        break
+    time.sleep(0.0005)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["sqlite"])  # the watchdog's doing: any backend
+def test_a_command_stopped_and_continued_over_and_over_never_holds_up_its_watchdog(
+    migrated: Locker,
+    url: str,
+    table_name: str,
+    tmp_path: Path,
+    reap_leftovers: list[int],
+) -> None:
+    """While sqllocker is stopped, its command is stopped (by a terminal's stop signal) and
+    continued thousands of times: the watchdog, which tells sqllocker of such a stop, must not
+    fill the pipe sqllocker does not read and block on it, and must stop the family at the
+    lock's deadline, before anyone else holds the lock."""
+    log, script, helper = tmp_path / "ticks", tmp_path / "stops_itself.py", tmp_path / "helper"
+    script.write_text(STOPS_ITSELF)
+    helper.write_text(CONTINUES_IT)
+    command_line = f'exec {sys.executable} {script} {log} "$(cat {helper})"'
+    runner = run_job(url, table_name, "--expires 8", command_line)  # the pipe filled in 4 s
+    wait_until(lambda: log.exists() and log.read_text().count("x") > 2)
+    command = int(log.read_text().split()[0])
+    reap_leftovers.append(command)
+    stop_outside_a_write(runner.pid, url)
+    try:
+        second = take_over_at_expiry(migrated, "job")
+        running = alive(command)
+        second.unlock()
+    finally:
+        os.kill(runner.pid, signal.SIGCONT)
+    assert not running
+    assert runner.wait(timeout=30) == 75
+
+
 def test_on_lost_warn_lets_a_stopped_sqllockers_command_run_on(
     migrated: Locker,
     url: str,
