@@ -27,6 +27,7 @@ from zoneinfo import ZoneInfo
 
 import pytest
 import sqlalchemy as sa
+from rich.console import Console
 
 from sqllocker import ForeignTable, LockBusy, Locker, TableMissing
 from sqllocker.asyncio import AsyncLocker
@@ -41,6 +42,7 @@ from sqllocker.migrations import (
     upgrade,
 )
 from sqllocker.schema import FOREIGN_CLOCK_MARGIN, version_table_for
+from sqllocker.top import render
 
 from . import forked_cli
 from .conftest import IN_CI
@@ -548,6 +550,9 @@ def test_perl_rows_are_taken_over_only_once_expired_in_every_time_zone(
         assert (code, "state:      held, unknown* left" in output) == (0, True), output
         code, output = sqllocker_cli(url, table_name, "list", "--expired")
         assert (code, "nightly report" in output) == (0, False), output
+        console = Console(width=200, record=True)
+        console.print(render(locker, None))
+        assert "unknown" in console.export_text()
         margin = timedelta(seconds=FOREIGN_CLOCK_MARGIN)
         set_expiry(db, table_name, "nightly report", now - margin + timedelta(minutes=5))
         with pytest.raises(LockBusy):
