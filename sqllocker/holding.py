@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -110,7 +111,9 @@ class Holding:
         self.pid = forks.pid
         self.held = True
         self.lost: LockLost | None = None
-        self.on_lost = on_lost
+        self._on_lost = on_lost
+        # The handle that keeps ``on_lost`` once there is one (``held_by``), weakly.
+        self._handle: weakref.ref[LockHandle[Any]] | None = None
         # Kept alive (``keep_alive()``): its on_lost is owed once for a loss, whoever meets it
         # first, the keep-alive or the holder's own release.
         self.kept_alive = False
@@ -131,6 +134,31 @@ class Holding:
         # while the row is ours, so that the next waiter wakes the moment it is not; or, for
         # a lock taken at once without it, what rings for a waiter that came meanwhile.
         self.place: Place | Unplaced | None = None
+
+    @property
+    def on_lost(self) -> OnLost | None:
+        """What to call when the lock is found lost: kept by its handle (``held_by``); None
+        once the handle is gone (its finaliser then releases the row)."""
+        if self._handle is None:
+            return self._on_lost
+        handle = self._handle()
+        return None if handle is None else handle._on_lost
+
+    @on_lost.setter
+    def on_lost(self, on_lost: OnLost | None) -> None:
+        handle = None if self._handle is None else self._handle()
+        if handle is not None:
+            handle._on_lost = on_lost
+        else:
+            self._on_lost = on_lost
+
+    def held_by(self, handle: LockHandle[Any]) -> None:
+        """``handle`` keeps ``on_lost`` from now on, and this state only a weak reference to
+        it: the keep-alive and the finaliser hold the state, and an ``on_lost`` that refers to
+        its own lock (a closure over it) would keep a dropped lock from ever being collected,
+        released and no longer renewed."""
+        handle._on_lost, self._on_lost = self._on_lost, None
+        self._handle = weakref.ref(handle)
 
     def leave_place(self) -> None:
         """Let the next waiter in the kernel's queue try for the row (once it is not ours)."""
@@ -366,6 +394,8 @@ class LockHandle(Generic[HoldingT]):
         self._created = created
         self._expires = expires
         self.locked_by = locked_by
+        self._on_lost: OnLost | None = None  # the state's, from here (``Holding.held_by``)
+        state.held_by(self)
         self._finalizer = Finaliser(self, release_abandoned, state)
 
     @property

@@ -303,6 +303,26 @@ async def test_a_dropped_lock_is_released_on_its_loop(alocker: AsyncLocker) -> N
     await eventually(released, 5)
 
 
+async def test_a_dropped_kept_alive_lock_whose_on_lost_refers_to_it_is_released(
+    alocker: AsyncLocker,
+) -> None:
+    class Alarm:
+        lock: AsyncLock
+
+        def __call__(self, lost: LockLost) -> None:
+            raise AssertionError(f"{self.lock.lockstring} was dropped, not lost")
+
+    alarm = Alarm()
+    alarm.lock = await alocker.lock("forgotten", expires=1, keep_alive=True, on_lost=alarm)
+    del alarm
+    gc.collect()  # a cycle: the lock, its state, its on_lost
+
+    async def released() -> bool:
+        return await alocker.lock_info("forgotten") is None and len(alocker._keep_alives) == 0
+
+    await eventually(released, 5)
+
+
 # -- bad input and errors -------------------------------------------------------------------------
 
 

@@ -18,6 +18,7 @@ from sqlalchemy.engine import make_url
 
 from sqllocker import (
     DatabaseError,
+    Lock,
     Locker,
     LockError,
     LockLost,
@@ -336,6 +337,27 @@ def test_locks_dropped_while_kept_alive_stop_being_renewed(locker: Locker) -> No
     time.sleep(0.3)
     assert count_rows(locker) == 0
     assert len(locker._keep_alives) == 0
+
+
+def test_a_dropped_lock_whose_on_lost_refers_to_it_is_released(locker: Locker) -> None:
+    """Its ``on_lost`` closes over the lock: the keep-alive and the finaliser, which hold the
+    lock's state, must not keep the lock itself from being collected (and so renewed for
+    ever, its row never given back)."""
+    told: list[str] = []
+
+    class Alarm:
+        lock: Lock
+
+        def __call__(self, lost: LockLost) -> None:
+            told.append(self.lock.lockstring)
+
+    alarm = Alarm()
+    alarm.lock = locker.lock("job", expires=0.6, keep_alive=True, on_lost=alarm)
+    del alarm
+    gc.collect()  # a cycle: the lock, its state, its on_lost
+    wait_until(lambda: count_rows(locker) == 0, timeout=5)
+    wait_until(lambda: len(locker._keep_alives) == 0, timeout=5)
+    assert told == []
 
 
 # -- guard -----------------------------------------------------------------------------------------
