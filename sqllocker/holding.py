@@ -252,6 +252,16 @@ class Holding:
             self.lock_id,
         )
 
+    def no_longer_renewed(self) -> LockLost:
+        """The error of a kept-alive lock whose Locker was closed while it was held."""
+        return LockLost(
+            f"lock {self.lockstring!r} (id {self.lock_id}) is no longer kept alive: its locker "
+            "was closed; it must be treated as lost (another process may take it over once it "
+            "expires)",
+            self.lockstring,
+            self.lock_id,
+        )
+
     def guard_silence_limit(self) -> float:
         """How long the server may keep a guarded transaction whose client is silent: the
         row's remaining life as we know it (from when the last acquire or extend was sent),

@@ -136,14 +136,19 @@ class KeepAlive:
             return len(self._entries)
 
     def stop(self) -> None:
-        """Stop renewing everything (the locks stay held until they expire); the threads end."""
+        """Stop renewing everything; the threads end. The locks it renewed stay held until they
+        expire, and are lost from now (their on_lost is called): nothing renews them."""
         if self._pid != forks.pid:
             return
         with self._condition:
+            states = [entry.state for entry in self._entries.values()]
             self._entries.clear()
             self._stopping = True
             self._condition.notify()
             thread = self._thread
+        for state in states:
+            if state.held and state.lost is None:
+                state.mark_lost(state.no_longer_renewed())
         if thread is not None and thread is not threading.current_thread():
             thread.join(IDLE_SECONDS)
 

@@ -406,8 +406,9 @@ class Locker:
         concurrency.run(self._operations.create_table)
 
     def close(self) -> None:
-        """Stop keeping locks alive and listening, and close the pooled connections of an
-        engine the locker created (not a caller's)."""
+        """Stop keeping locks alive (those still held are lost: their ``on_lost`` is called) and
+        listening, and close the pooled connections of an engine the locker created (not a
+        caller's)."""
         self._keep_alives.stop()
         self._tickets.close()
         if self._file_queue is not None:

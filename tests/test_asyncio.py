@@ -323,6 +323,17 @@ async def test_a_dropped_kept_alive_lock_whose_on_lost_refers_to_it_is_released(
     await eventually(released, 5)
 
 
+async def test_a_kept_alive_lock_whose_locker_is_closed_is_lost_and_its_holder_told(
+    make_async_locker: MakeAsync,
+) -> None:
+    locker = make_async_locker()
+    told: list[LockLost] = []
+    lock = await locker.lock("job", expires=5, keep_alive=True, on_lost=told.append)
+    await locker.aclose()
+    assert [error.lockstring for error in told] == ["job"]
+    assert not lock.is_valid()
+
+
 # -- bad input and errors -------------------------------------------------------------------------
 
 

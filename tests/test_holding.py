@@ -360,6 +360,20 @@ def test_a_dropped_lock_whose_on_lost_refers_to_it_is_released(locker: Locker) -
     assert told == []
 
 
+def test_a_kept_alive_lock_whose_locker_is_closed_is_lost_and_its_holder_told(
+    make_locker: Any,
+) -> None:
+    """Nothing renews it any more: it expires, and its holder, which counts on on_lost to
+    stop its work, must hear of it."""
+    locker = make_locker()
+    lost = LostCalls()
+    lock = locker.lock("job", expires=5, keep_alive=True, on_lost=lost)
+    locker.close()
+    assert [call[0].lockstring for call in lost.calls] == ["job"]
+    assert "its locker was closed" in str(lost.calls[0][0])
+    assert not lock.is_valid()
+
+
 # -- guard -----------------------------------------------------------------------------------------
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 
 from .. import clock
@@ -29,6 +30,7 @@ class AsyncKeepAlive:
         self.fraction = fraction
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._wakes: dict[int, asyncio.Event] = {}  # each task's, set by ``changed``
+        self._stopping = False  # ``stop``: the locks still held are lost
 
     def add(self, state: AsyncLockState) -> None:
         if not state.held or state.lost is not None or id(state) in self._tasks:
@@ -38,7 +40,14 @@ class AsyncKeepAlive:
         wake = self._wakes[id(state)] = asyncio.Event()
         task = spawn(self._keep(state, wake), f"keep {state.lockstring!r} alive")
         self._tasks[id(state)] = task
-        task.add_done_callback(lambda _: self._tasks.pop(id(state), None))
+        task.add_done_callback(functools.partial(self._ended, state))
+
+    def _ended(self, state: AsyncLockState, _task: asyncio.Task[None]) -> None:
+        """``state``'s task has ended (or was cancelled before it began): stopped, the lock is
+        lost."""
+        self._tasks.pop(id(state), None)
+        if self._stopping and state.held and state.lost is None:
+            state.mark_lost(state.no_longer_renewed())
 
     def changed(self, state: AsyncLockState) -> None:
         """``state``'s deadline came closer, or its expiry period changed (an extend() of
@@ -63,7 +72,9 @@ class AsyncKeepAlive:
         return len(self._tasks)
 
     async def stop(self) -> None:
-        """Stop renewing everything (the locks stay held until they expire)."""
+        """Stop renewing everything. The locks stay held until they expire, and are lost from
+        now (their on_lost is called): nothing renews them."""
+        self._stopping = True
         tasks = list(self._tasks.values())
         self._tasks.clear()
         for task in tasks:

@@ -427,8 +427,9 @@ class AsyncLocker:
         await concurrency.run(self._operations.create_table)
 
     async def aclose(self) -> None:
-        """Stop keeping locks alive and listening, and close the pooled connections of an
-        engine the locker created (not a caller's)."""
+        """Stop keeping locks alive (those still held are lost: their ``on_lost`` is called) and
+        listening, and close the pooled connections of an engine the locker created (not a
+        caller's)."""
         if True:  # ASYNC
             self._bind_to_running_loop()
         await self._keep_alives.stop()
