@@ -22,7 +22,9 @@ puts its row in first and only then looks at the other side's rows.
 Each statement sees every row committed before it, so of a reader and a writer that overlap,
 the later of the two to look sees the other's row: they never both go on. A writer's row,
 once in, refuses every new reader, so a stream of readers cannot starve a waiting writer, and
-the readers waiting behind it all get in together when it is released.
+the readers waiting behind it all get in together when it is released, unless another writer
+takes the row first: writers wait in line for it, readers in none, so writers that keep taking
+turns keep readers out (writer preference).
 
 Fencing: a writer's token must be greater than every token handed out before it, readers'
 included. The id of the row ``<name>`` is drawn before the writer waits for the readers, and
