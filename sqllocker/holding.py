@@ -157,7 +157,10 @@ class Holding:
         it: the keep-alive and the finaliser hold the state, and an ``on_lost`` that refers to
         its own lock (a closure over it) would keep a dropped lock from ever being collected,
         released and no longer renewed."""
-        handle._on_lost, self._on_lost = self._on_lost, None
+        previous = None if self._handle is None else self._handle()
+        # A second handle over the same row (a writer's, over its token's) takes it over.
+        handle._on_lost = self._on_lost if previous is None else previous._on_lost
+        self._on_lost = None
         self._handle = weakref.ref(handle)
 
     def leave_place(self) -> None:

@@ -497,6 +497,27 @@ def test_a_writer_whose_rows_are_both_lost_is_told_once(
             locker.close()
 
 
+@pytest.mark.parametrize("kind", ["writer", "leader"])
+@pytest.mark.parametrize("given", ["to the call", "to the locker"])
+def test_a_writer_whose_token_row_alone_is_lost_is_told(
+    make_locker: Callable[..., Locker], kind: str, given: str
+) -> None:
+    """Its token row broken (its claim still renewed): ``on_lost`` is called all the same."""
+    calls: list[LockError] = []
+    to_locker = given == "to the locker"
+    locker = make_locker(on_lost=calls.append if to_locker else None)
+    told = {} if to_locker else {"on_lost": calls.append}
+    held: Any
+    if kind == "writer":
+        held = locker.rwlock("catalog").write(expires=2, keep_alive=True, **told)
+    else:
+        held = locker.election("catalog").campaign(expires=2, **told)
+    token = held._state.lockstring if kind == "writer" else held.lock._state.lockstring
+    assert locker.break_lock(token) is not None
+    wait_until(lambda: len(calls) == 1, timeout=10)
+    assert not held.is_valid()
+
+
 def test_bad_options_of_a_side_are_refused_before_anything_is_written(tmp_path: Path) -> None:
     """A read, write or campaign with a bad option is refused with a LockError before the
     table is made or read (it was made first, and a bad ``locked_by`` was a TypeError)."""
