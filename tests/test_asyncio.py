@@ -1083,11 +1083,12 @@ def test_one_locker_serves_one_event_loop_after_another(
     loop's are unusable once it has closed."""
     holder = make_locker(grace=0)
     locker = AsyncLocker(async_url(url), table=table_name, grace=0)
+    told: list[LockLost] = []
 
     async def wait_for_a_release_and_keep_alive(name: str) -> int:
         held = holder.lock(name)
         asyncio.get_running_loop().call_later(0.2, held.unlock)
-        lock = await locker.lock(name, wait=10, expires=1, keep_alive=True)
+        lock = await locker.lock(name, wait=10, expires=1, keep_alive=True, on_lost=told.append)
         await asyncio.sleep(1.2)  # past the deadline, unless this loop's task renewed it
         assert lock.is_valid()
         await lock.unlock()
@@ -1096,6 +1097,7 @@ def test_one_locker_serves_one_event_loop_after_another(
     first = asyncio.run(wait_for_a_release_and_keep_alive("loop job"))
     second = asyncio.run(wait_for_a_release_and_keep_alive("loop job"))
     assert second > first
+    assert told == []  # the first loop's end closed the locker: nothing since was lost
     assert asyncio.run(locker.locks()) == []
     asyncio.run(locker.aclose())
 

@@ -30,7 +30,7 @@ class AsyncKeepAlive:
         self.fraction = fraction
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._wakes: dict[int, asyncio.Event] = {}  # each task's, set by ``changed``
-        self._stopping = False  # ``stop``: the locks still held are lost
+        self._stopping = False  # while ``stop`` runs: the locks it stops renewing are lost
 
     def add(self, state: AsyncLockState) -> None:
         if not state.held or state.lost is not None or id(state) in self._tasks:
@@ -77,11 +77,14 @@ class AsyncKeepAlive:
         self._stopping = True
         tasks = list(self._tasks.values())
         self._tasks.clear()
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        try:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task  # its ``_ended`` has run, as it was added first
+        finally:
+            self._stopping = False  # usable again (on the next event loop, say)
 
     async def _keep(self, state: AsyncLockState, wake: asyncio.Event) -> None:
         next_renewal = state.first_renewal(self.fraction)
