@@ -930,14 +930,15 @@ def test_a_sqllocker_in_a_run_given_no_url_does_not_lock_in_a_local_file(
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["postgresql", "mysql"])
 def test_a_run_whose_release_finds_the_database_gone_keeps_the_commands_status(
-    migrated: Locker, proxied: Proxied, table_name: str, backend: str
+    migrated: Locker, proxied: Proxied, table_name: str, backend: str, tmp_path: Path
 ) -> None:
     """The database refuses connections as the command ends, the lock still valid: the release
     fails, and the row is left to expire. The exit status was sqllocker's 1 (which says "busy"
     too), not the command's."""
-    command = ["sh", "-c", "sleep 1; exit 3"]
+    started = tmp_path / "started"
+    command = ["sh", "-c", f"touch {started}; sleep 1; exit 3"]
     runner = popen(proxied.url, table_name, "run", "--expires", "60", "job", "--", *command)
-    wait_until(lambda: migrated.lock_info("job") is not None)
+    wait_until(started.exists)  # the lock's rows all taken (a writer's claim comes first)
     proxied.close()  # connections refused from now on
     _, err = runner.communicate(timeout=60)
     assert runner.returncode == 3, err
