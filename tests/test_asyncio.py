@@ -532,6 +532,7 @@ async def test_keep_alive_task_holds_a_short_lock(make_async_locker: MakeAsync) 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", ["sqlite"])  # the keep-alive's doing: any backend
 async def test_a_lock_kept_alive_late_in_its_life_is_renewed_before_its_deadline(
     make_async_locker: MakeAsync,
 ) -> None:
@@ -545,6 +546,7 @@ async def test_a_lock_kept_alive_late_in_its_life_is_renewed_before_its_deadline
     await lock.unlock()
 
 
+@pytest.mark.parametrize("backend", ["sqlite"])  # the keep-alive's doing: any backend
 async def test_a_renewal_that_fails_unexpectedly_is_retried_a_period_later(
     make_async_locker: MakeAsync, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -76,6 +76,7 @@ def test_keep_alive_holds_a_short_lock_for_many_expiry_periods(make_locker: Any)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", ["sqlite"])  # the keep-alive's doing: any backend
 def test_a_lock_kept_alive_late_in_its_life_is_renewed_before_its_deadline(
     make_locker: Any,
 ) -> None:

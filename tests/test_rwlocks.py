@@ -497,6 +497,7 @@ def test_a_writer_whose_rows_are_both_lost_is_told_once(
             locker.close()
 
 
+@pytest.mark.parametrize("backend", ["sqlite"])  # the handles' doing: any backend
 @pytest.mark.parametrize("kind", ["writer", "leader"])
 @pytest.mark.parametrize("given", ["to the call", "to the locker"])
 def test_a_writer_whose_token_row_alone_is_lost_is_told(
