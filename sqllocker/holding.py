@@ -411,6 +411,11 @@ class LockHandle(Generic[HoldingT]):
         state.held_by(self)
         self._finalizer = Finaliser(self, release_abandoned, state)
 
+    def __copy__(self) -> LockHandle[HoldingT]:
+        """Refused, as pickling is: a copy would share the handle's finaliser, and dropping
+        the original would release the row under the copy."""
+        raise TypeError(f"a lock cannot be copied ({self.lockstring!r}): keep its one handle")
+
     @property
     def created(self) -> datetime:
         """When the row was inserted, by the server's clock (aware, UTC).

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import gc
 import logging
+import pickle
 import threading
 import time
 import warnings
@@ -338,6 +340,16 @@ def test_locks_dropped_while_kept_alive_stop_being_renewed(locker: Locker) -> No
     time.sleep(0.3)
     assert count_rows(locker) == 0
     assert len(locker._keep_alives) == 0
+
+
+def test_a_lock_is_neither_copied_nor_pickled(locker: Locker) -> None:
+    """A shallow copy shared the handle's finaliser: dropping the original released the row
+    under the copy, which went on as if it held the lock."""
+    lock = locker.lock("job")
+    for copying in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError):
+            copying(lock)
+    lock.unlock()
 
 
 def test_a_dropped_lock_whose_on_lost_refers_to_it_is_released(locker: Locker) -> None:
