@@ -68,7 +68,7 @@ def time_left(info: LockInfo) -> str:
     time zone (its client's local time: see ``ROW_NOTES``)."""
     if info.expired:
         return "expired"
-    if info.dbix_locker and info.seconds_left <= 0:
+    if info.expiry_unknown:
         return "unknown*"
     return duration(info.seconds_left)
 

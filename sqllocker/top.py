@@ -125,9 +125,7 @@ def render(locker: Locker, pattern: str | None) -> Any:
         info = row.info
         if info.expired:
             left, style = Text("expired", style="dim red"), "dim"
-        elif info.dbix_locker and info.seconds_left <= 0:
-            # DBIx::Locker's, past its written expiry (its client's local time), not yet in
-            # every time zone: held as far as any Locker knows.
+        elif info.expiry_unknown:
             left, style = Text("unknown"), ""
         else:
             left = Text(

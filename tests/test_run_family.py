@@ -226,7 +226,8 @@ def test_a_command_stopped_and_continued_over_and_over_never_holds_up_its_watchd
     script.write_text(STOPS_ITSELF)
     helper.write_text(CONTINUES_IT)
     command_line = f'exec {sys.executable} {script} {log} "$(cat {helper})"'
-    runner = run_job(url, table_name, "--expires 8", command_line)  # the pipe filled in 4 s
+    # An expiry longer than the stops take to fill the pipe, so that a blocked watchdog shows.
+    runner = run_job(url, table_name, "--expires 8", command_line)
     wait_until(lambda: log.exists() and log.read_text().count("x") > 2)
     command = int(log.read_text().split()[0])
     reap_leftovers.append(command)

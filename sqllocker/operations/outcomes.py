@@ -31,6 +31,12 @@ class LockInfo:
     # east of UTC writes times hours ahead).
     created_in_future: bool = False
 
+    @property
+    def expiry_unknown(self) -> bool:
+        """A DBIx::Locker row past its written expiry, not yet in every time zone: held, as far
+        as any Locker knows, for a time nobody can say (its client's local time)."""
+        return self.dbix_locker and not self.expired and self.seconds_left <= 0
+
 
 def row_info(row: Any) -> LockInfo:
     seconds_left = (row.expires - row.server_now).total_seconds()
