@@ -50,10 +50,18 @@ CLOCK_DRIFT = 1e-3
 GUARD_SILENCE_MARGIN = 1.0
 
 
+# How much earlier than the moment plus the period a row's expiry may read, from the server's
+# timestamps alone: SQLite's clock reads whole milliseconds (its ``now`` is up to one behind),
+# and its timestamps are rounded to the millisecond (half of one more). The other backends'
+# are in microseconds.
+TIMESTAMP_SLACK = 0.002
+
+
 def safety_margin(ttl: float) -> float:
     """How long before the row's expiry a holder stops trusting its lock: a second plus the
-    drift our clock may gather over the expiry period, and never more than a tenth of it."""
-    return min(ttl / 10, 1.0 + ttl * CLOCK_DRIFT)
+    drift our clock may gather over the expiry period, never more than a tenth of it, and
+    the slack of the server's timestamps (a lock of a few milliseconds is valid for less)."""
+    return min(ttl / 10, 1.0 + ttl * CLOCK_DRIFT) + TIMESTAMP_SLACK
 
 
 def signed_grant(grant: Grant, key: GrantKey, ttl: float) -> Acquired | None:
