@@ -274,6 +274,101 @@ def test_an_acquire_that_failed_after_its_insert_committed_leaves_no_row(
     assert outcome["second"] is not None, "the row stood, held by nobody"
 
 
+@pytest.mark.parametrize("front", FRONTS, ids=str)
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_a_release_whose_answer_was_lost_is_a_release(
+    proxied: Proxied, table_name: str, make_locker: Any, backend: str, front: Front
+) -> None:
+    """A release's DELETE commits and its answer is lost with the connection; the retry on a
+    new connection finds no row. The lock was valid, and no other row stands for the name:
+    the first DELETE did the work, and the release succeeded (it used to raise LockLost, and
+    `sqllocker run` exited 75 after a complete run)."""
+    observer = make_locker(grace=GRACE)
+    proxy = proxied.proxy
+    outcome: dict[str, Any] = {}
+
+    async def scenario(locker: Any) -> None:
+        lock = await front.call(locker.lock, "job", expires=60)
+        proxy.lose_answer_to(b"DELETE FROM")
+        outcome.update(await front.timed(lock.unlock))
+        outcome["held"] = lock.is_locked
+        outcome["rows"] = len(await asyncio.to_thread(observer.locks))
+
+    _through_proxy(front, proxied, table_name, scenario)
+    assert proxy.answers_lost == 1
+    assert "error" not in outcome, outcome
+    assert outcome["held"] is False
+    assert outcome["rows"] == 0
+
+
+@pytest.mark.parametrize("front", FRONTS, ids=str)
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_unlock_again_after_a_release_whose_answer_was_lost_and_retry_failed_is_a_release(
+    proxied: Proxied, table_name: str, make_locker: Any, backend: str, front: Front
+) -> None:
+    """The DELETE commits, its answer is lost, and its retry on a new connection is cut too:
+    unlock() fails, the lock still held. unlock() again finds no row, within the lock's life
+    and with no other row for the name: released, not lost."""
+    observer = make_locker(grace=GRACE)
+    proxy = proxied.proxy
+    outcome: dict[str, Any] = {}
+
+    def cut_the_retry() -> None:
+        deadline = time.monotonic() + 20
+        while proxy.answers_lost == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        proxy.cut_before(b"DELETE FROM", times=1)
+        proxy.resume()
+
+    async def scenario(locker: Any) -> None:
+        lock = await front.call(locker.lock, "job", expires=60)
+        proxy.lose_answer_to(b"DELETE FROM", then_stall=True)
+        cutter = threading.Thread(target=cut_the_retry)
+        cutter.start()
+        outcome["first"] = await front.timed(lock.unlock)
+        cutter.join()
+        outcome["held_after_first"] = lock.is_locked
+        outcome["second"] = await front.timed(lock.unlock)
+        outcome["held"] = lock.is_locked
+        outcome["rows"] = len(await asyncio.to_thread(observer.locks))
+
+    _through_proxy(front, proxied, table_name, scenario)
+    assert proxy.answers_lost == 1
+    assert proxy.statements_cut == 1
+    assert isinstance(outcome["first"].get("error"), LockError), outcome
+    assert not isinstance(outcome["first"]["error"], LockLost), outcome
+    assert outcome["held_after_first"] is True
+    assert "error" not in outcome["second"], outcome
+    assert outcome["held"] is False
+    assert outcome["rows"] == 0
+
+
+@pytest.mark.parametrize("front", FRONTS, ids=str)
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_a_release_whose_answer_was_lost_after_its_row_went_to_another_is_lost(
+    proxied: Proxied, table_name: str, make_locker: Any, backend: str, front: Front
+) -> None:
+    """As above, but an operator had broken the row and another process took the lock: the
+    first DELETE matched nothing either. The release reports LockLost, as without the loss."""
+    other = make_locker(grace=GRACE)
+    proxy = proxied.proxy
+    outcome: dict[str, Any] = {}
+
+    async def scenario(locker: Any) -> None:
+        lock = await front.call(locker.lock, "job", expires=60)
+        await asyncio.to_thread(other.break_lock, "job")
+        taker = await asyncio.to_thread(other.lock, "job")
+        proxy.lose_answer_to(b"DELETE FROM")
+        outcome.update(await front.timed(lock.unlock))
+        outcome["taker_valid"] = taker.is_valid()
+        await asyncio.to_thread(taker.unlock)
+
+    _through_proxy(front, proxied, table_name, scenario)
+    assert proxy.answers_lost == 1
+    assert isinstance(outcome.get("error"), LockLost), outcome
+    assert outcome["taker_valid"] is True
+
+
 class Writer:
     """Another connection to an SQLite file, holding its write lock (``BEGIN IMMEDIATE``) from
     ``hold()`` until ``commit()``, or until a rescue 40 s on, which ends the test's stuck
