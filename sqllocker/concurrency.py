@@ -9,6 +9,7 @@ for threads.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import queue
 import threading
@@ -19,6 +20,7 @@ from typing import Any, TypeVar
 from sqlalchemy.engine import URL, Engine
 
 from . import forks
+from .decorators import refuse_deferred_work
 from .engine import create_locker_engine, resolve_url
 from .errors import LockTypeError
 from .operations.waits import THREADS
@@ -72,11 +74,14 @@ def wrong_engine_hint(kind: str) -> str:
 
 
 def check_decorated(function: Callable[..., Any]) -> None:
-    if inspect.iscoroutinefunction(function):
+    """A function that does its work when called: not a coroutine function (nor one marked as
+    such, as Django marks an async view's ``as_view()``), nor a generator function."""
+    if inspect.iscoroutinefunction(function) or asyncio.iscoroutinefunction(function):
         raise LockTypeError(
             f"{function.__qualname__} is a coroutine function: decorate it with "
             "sqllocker.asyncio.AsyncLocker.locked"
         )
+    refuse_deferred_work(function)
 
 
 def task_name() -> str | None:

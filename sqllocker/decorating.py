@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
 from . import concurrency
-from .decorators import check_decoration, lock_namer, when_busy
+from .decorators import check_decoration, finished, lock_namer, when_busy
 from .errors import LockBusy
 from .lock import LockTaker
 from .telemetry import named
@@ -57,7 +57,7 @@ def lock_decorator(
                 when_busy(behaviour, function, busy)
                 return None
             with lock:
-                return function(*args, **kwargs)
+                return finished(function, function(*args, **kwargs))
 
         return under_lock
 

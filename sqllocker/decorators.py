@@ -22,11 +22,13 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import date, datetime, time, timezone
 from decimal import Decimal
 from enum import Enum
-from typing import Any
+from typing import Any, TypeVar
 from uuid import UUID
 
 from .errors import LockBusy, LockTypeError, LockValueError
 from .validation import check_hold_at_least, check_seconds, check_wait
+
+R = TypeVar("R")
 
 logger = logging.getLogger("sqllocker")
 
@@ -299,6 +301,35 @@ def _root(field: str) -> str:
     for separator in ".[":
         field = field.split(separator, 1)[0]
     return field
+
+
+def finished(function: Callable[..., Any], result: R) -> R:
+    """``result``, returned by ``function`` while its lock is held: LockTypeError instead if it
+    is work still to be done (a coroutine, a generator, any awaitable), which would run after
+    the release, beside the next holder. A coroutine or generator is closed unrun."""
+    if not (
+        inspect.isawaitable(result) or inspect.isgenerator(result) or inspect.isasyncgen(result)
+    ):
+        return result
+    if inspect.iscoroutine(result) or inspect.isgenerator(result):
+        result.close()  # never to run (an async generator not begun has nothing to close)
+    kind = type(result).__name__
+    raise LockTypeError(
+        f"{function.__qualname__} returned a {kind}: the work in it would run after the lock "
+        "is released, beside the next holder; lock where the work runs (an async function: "
+        "sqllocker.asyncio.AsyncLocker.locked, or `async with` a lock inside it)"
+    )
+
+
+def refuse_deferred_work(function: Callable[..., Any]) -> None:
+    """LockTypeError if ``function`` is a generator function (sync or async): its body runs as
+    its result is iterated, after the call has returned and the lock has been released."""
+    if inspect.isgeneratorfunction(function) or inspect.isasyncgenfunction(function):
+        raise LockTypeError(
+            f"{function.__qualname__} is a generator function: its body runs as it is "
+            "iterated, after the lock is released; take the lock inside it instead "
+            "(`with locker.lock(...)`, or `async with` for an async generator)"
+        )
 
 
 def when_busy(on_busy: str, function: Callable[..., Any], busy: LockBusy) -> None:

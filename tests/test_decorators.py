@@ -12,7 +12,8 @@ import json
 import logging
 import tempfile
 import uuid
-from collections.abc import Callable
+import warnings
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -130,6 +131,64 @@ def test_a_coroutine_function_needs_the_async_locker(locker: Locker) -> None:
         @locker.locked("job")
         async def job() -> None:
             pass
+
+
+def test_a_function_marked_as_a_coroutine_function_needs_the_async_locker(locker: Locker) -> None:
+    """Django marks an async view's ``as_view()`` so (asgiref's ``markcoroutinefunction``),
+    which ``inspect`` before Python 3.12 does not see: the lock was released before the view
+    ran, and the wrapper, marked too, was awaited from the event loop."""
+    from asgiref.sync import markcoroutinefunction
+
+    def view() -> None:
+        pass
+
+    with pytest.raises(LockTypeError, match="AsyncLocker"):
+        locker.locked("job")(markcoroutinefunction(view))
+
+
+@pytest.mark.parametrize("kind", ["generator", "async generator"])
+def test_a_generator_function_is_refused_as_its_body_would_run_after_the_release(
+    locker: Locker, kind: str
+) -> None:
+    def numbers() -> Iterator[int]:
+        yield 1
+
+    async def async_numbers() -> AsyncIterator[int]:
+        yield 1
+
+    function = numbers if kind == "generator" else async_numbers
+    with pytest.raises(LockTypeError, match="generator function"):
+        locker.locked("job")(function)  # type: ignore[arg-type]
+    with pytest.raises(LockTypeError, match="generator function"):
+        AsyncLocker("sqlite+aiosqlite://").locked("job")(function)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", ["coroutine", "generator"])
+def test_work_returned_to_run_later_is_refused_while_the_lock_is_held(
+    locker: Locker, kind: str
+) -> None:
+    """A function that returns its work undone (a partial of a coroutine function, Django's
+    ``dispatch`` of an async view) ran it after the release, beside the next holder, every
+    time. Refused at the call, the work closed unrun, and the lock released."""
+    ran: list[bool] = []
+
+    async def later() -> None:
+        ran.append(True)
+
+    def numbers() -> Iterator[int]:
+        ran.append(True)
+        yield 1
+
+    @locker.locked("job")
+    def job() -> object:
+        return later() if kind == "coroutine" else numbers()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a coroutine never awaited, not closed, warns
+        with pytest.raises(LockTypeError, match="would run after the lock is released"):
+            job()
+    assert ran == []
+    assert count_rows(locker) == 0
 
 
 async def test_a_coroutine_function_runs_under_an_async_lock(

@@ -36,6 +36,7 @@ except ImportError:  # SQLAlchemy 2.0 calls it await_only
 from greenlet import getcurrent
 
 from .. import clock, deadlines
+from ..decorators import refuse_deferred_work
 from ..engine import create_async_locker_engine, resolve_url
 from ..errors import LockTypeError
 from ..operations.waits import Waits
@@ -117,6 +118,7 @@ def wrong_engine_hint(kind: str) -> str:
 
 
 def check_decorated(function: Callable[..., Any]) -> None:
+    refuse_deferred_work(function)
     if not inspect.iscoroutinefunction(function):
         raise LockTypeError(
             f"{function.__qualname__} is not a coroutine function: decorate it with "

@@ -10,7 +10,7 @@ import functools
 from collections.abc import Awaitable, Callable
 from typing import ParamSpec, TypeVar
 
-from ..decorators import check_decoration, lock_namer, when_busy
+from ..decorators import check_decoration, finished, lock_namer, when_busy
 from ..errors import LockBusy
 from ..telemetry import named
 from . import concurrency
@@ -55,7 +55,7 @@ def lock_decorator(
                 when_busy(behaviour, function, busy)
                 return None
             async with lock:
-                return await function(*args, **kwargs)
+                return finished(function, await function(*args, **kwargs))
 
         return under_lock
 

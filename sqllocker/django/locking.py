@@ -8,8 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ..concurrency import check_decorated
-from ..decorators import LockstringTemplate, check_decoration
-from ..errors import LockBusy, LockError
+from ..decorators import LockstringTemplate, check_decoration, finished
+from ..errors import LockBusy, LockError, LockTypeError
 from .configuration import get_locker
 
 logger = logging.getLogger("sqllocker.django")
@@ -69,11 +69,24 @@ def locked(
                 logger.info("skipped %s: %s", function.__qualname__, busy)
                 return None
             with lock:
-                return function(*args, **kwargs)
+                return _finished_response(function, finished(function, function(*args, **kwargs)))
 
         return under_lock
 
     return decorate
+
+
+def _finished_response(function: Callable[..., Any], result: Any) -> Any:
+    """``result``, unless it is a streaming response, whose content would be made as it is
+    sent, after the release: refused (LockTypeError), and closed."""
+    if getattr(result, "streaming", False) is True:
+        result.close()
+        raise LockTypeError(
+            f"{function.__qualname__} returned a streaming response under @locked: its content "
+            "would be made after the lock is released, beside the next holder; make the "
+            "content under the lock, or take the lock inside its generator"
+        )
+    return result
 
 
 def _refuse_in_a_transaction(function: Callable[..., Any], name: str) -> None:

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from django.db import transaction
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from django.utils.decorators import method_decorator
 from django.views import View
 
@@ -35,3 +37,22 @@ class ReportMethodView(View):
     @method_decorator(locked("report {day}", on_busy="conflict"))
     def get(self, request: HttpRequest, day: str) -> HttpResponse:
         return HttpResponse(f"report {day}")
+
+
+@method_decorator(locked("report {day}", on_busy="conflict"), name="dispatch")
+class AsyncReportView(View):
+    """An async view under a lock around ``dispatch``, which returns the handler's coroutine
+    unrun: refused at the call (its body would run after the release)."""
+
+    async def get(self, request: HttpRequest, day: str) -> HttpResponse:
+        return HttpResponse(f"report {day}")
+
+
+@locked("report {day}", on_busy="conflict")
+def streamed_report(request: HttpRequest, day: str) -> StreamingHttpResponse:
+    """A streaming response's content is made as it is sent, after the release: refused."""
+
+    def lines() -> Iterator[str]:
+        yield f"report {day}"
+
+    return StreamingHttpResponse(lines())

@@ -1,11 +1,13 @@
 """``manage.py decorated``: ``locked`` refuses what it cannot protect. Inside a transaction
 (``atomic()``, a view under ATOMIC_REQUESTS) its lock would be released before the commit,
 and the next holder would not see the writes; a coroutine function would run unlocked, after
-the release; bad options fail when the function is decorated, not on each call. Prints one
-line per outcome."""
+the release, as would a generator's, an async view's under ``method_decorator`` and a
+streaming response's content; bad options fail when the function is decorated, not on each
+call. Prints one line per outcome."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from django.core.management.base import BaseCommand
@@ -13,7 +15,8 @@ from django.db import connection, transaction
 from django.test import Client
 
 from sqllocker import LockError
-from sqllocker.django import locked
+from sqllocker.django import get_locker, locked
+from tests.django_project.reports.views import AsyncReportView
 
 
 @locked("counter")
@@ -23,6 +26,11 @@ def count() -> str:
 
 async def coroutine_view() -> None:
     """Never run."""
+
+
+def generator_view() -> Iterator[None]:
+    """Never run."""
+    yield None
 
 
 class Command(BaseCommand):
@@ -55,6 +63,20 @@ class Command(BaseCommand):
             locked("coroutine")(coroutine_view)
         except LockError as error:
             self.stdout.write(f"coroutine function: {type(error).__name__}")
+        try:
+            locked("async view")(AsyncReportView.as_view())
+        except LockError as error:
+            self.stdout.write(f"async view's as_view(): {type(error).__name__}")
+        try:
+            locked("generator")(generator_view)
+        except LockError as error:
+            self.stdout.write(f"generator function: {type(error).__name__}")
+        for kind in ("async", "streamed"):
+            try:
+                Client().get(f"/reports/{kind}/x")
+            except LockError as error:
+                self.stdout.write(f"{kind} response: {type(error).__name__}")
+            self.stdout.write(f"{kind} response: rows left {len(get_locker().locks())}")
         for option in ({"wait": -1}, {"expires": 0}, {"hold_at_least": -5}):
             try:
                 locked("options", **option)
