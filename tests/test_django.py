@@ -204,6 +204,7 @@ def test_locked_refuses_what_it_cannot_protect(project: Project) -> None:
         "outside a transaction: ran",
         "inside atomic: LockError",
         "autocommit off: LockError",
+        "autocommit off in the settings, a new thread: LockError",
         "under ATOMIC_REQUESTS: LockError",
         "non_atomic_requests: 200",
         "coroutine function: LockTypeError",

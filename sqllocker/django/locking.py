@@ -97,6 +97,9 @@ def _refuse_in_a_transaction(function: Callable[..., Any], name: str) -> None:
         for connection in connections.all(initialized_only=True)
         if _in_a_transaction(connection)
     ]
+    # Autocommit turned off in the settings: a thread's first connection, not made yet, will
+    # begin a transaction of its own with its first statement.
+    inside += [alias for alias in connections if connections.settings[alias]["AUTOCOMMIT"] is False]
     if inside:
         alias = inside[0]
         using = "" if alias == DEFAULT_DB_ALIAS else f"(using={alias!r})"

@@ -7,11 +7,12 @@ call. Prints one line per outcome."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 from django.core.management.base import BaseCommand
-from django.db import connection, transaction
+from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
 from django.test import Client
 
 from sqllocker import LockError
@@ -33,6 +34,29 @@ def generator_view() -> Iterator[None]:
     yield None
 
 
+def _in_a_new_thread() -> str:
+    """``count()`` in a thread whose connection is not made yet, with autocommit turned off in
+    the settings: its first statement would begin a transaction left open past the release."""
+    said: list[str] = []
+
+    def call() -> None:
+        try:
+            said.append(count())
+        except LockError as error:
+            said.append(type(error).__name__)
+        finally:
+            connection.close()
+
+    connections.settings[DEFAULT_DB_ALIAS]["AUTOCOMMIT"] = False
+    try:
+        thread = threading.Thread(target=call)
+        thread.start()
+        thread.join()
+    finally:
+        connections.settings[DEFAULT_DB_ALIAS]["AUTOCOMMIT"] = True
+    return said[0]
+
+
 class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         self.stdout.write(f"outside a transaction: {count()}")
@@ -49,6 +73,7 @@ class Command(BaseCommand):
         finally:
             transaction.rollback()
             transaction.set_autocommit(True)
+        self.stdout.write(f"autocommit off in the settings, a new thread: {_in_a_new_thread()}")
         connection.settings_dict["ATOMIC_REQUESTS"] = True
         try:
             try:
