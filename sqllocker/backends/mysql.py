@@ -325,11 +325,11 @@ class MySQLBackend(Backend):
         limit = min(max(math.ceil(seconds), 1), _MOST_SECONDS)
         if 0 < now <= limit:
             return  # the session's own limit, or an earlier guard's in this transaction
-        if _SILENCE_KEY not in conn.info:
+        if SILENCE_KEY not in conn.info:
             for ending in _TRANSACTION_ENDS:
                 if not sa.event.contains(conn, ending, _restore_silence):
                     sa.event.listen(conn, ending, _restore_silence)
-            conn.info[_SILENCE_KEY] = (name, now)
+            conn.info[SILENCE_KEY] = (name, now)
         conn.execute(sa.text(f"SET SESSION {name} = :limit"), {"limit": limit})
 
     def read_settings(self, conn: Connection, table: str) -> ServerSettings:
@@ -515,7 +515,7 @@ _SILENCE_LIMIT = {True: "idle_transaction_timeout", False: "wait_timeout"}
 # Their largest value (a year, in seconds).
 _MOST_SECONDS = 31536000
 # In a connection's info while a guard's limit stands: (variable, the session's own value).
-_SILENCE_KEY = "sqllocker_silence_limit"
+SILENCE_KEY = "sqllocker_silence_limit"
 # The Connection events that end a transaction (each fires before it ends on the server).
 _TRANSACTION_ENDS = ("commit", "rollback", "commit_twophase", "rollback_twophase")
 
@@ -523,7 +523,7 @@ _TRANSACTION_ENDS = ("commit", "rollback", "commit_twophase", "rollback_twophase
 def _restore_silence(conn: Connection, *_: Any) -> None:
     """As a guarded transaction ends: give the session back its own silence limit, before the
     connection goes back to its pool. A connection that is gone has no session to restore."""
-    saved = conn.info.pop(_SILENCE_KEY, None)
+    saved = conn.info.pop(SILENCE_KEY, None)
     if saved is None:
         return
     name, before = saved
@@ -531,7 +531,7 @@ def _restore_silence(conn: Connection, *_: Any) -> None:
     try:
         cursor.execute(f"SET SESSION {name} = %s", (int(before),))
     except conn.dialect.loaded_dbapi.Error:
-        conn.info[_SILENCE_KEY] = saved  # not restored: the session is gone, or going
+        conn.info[SILENCE_KEY] = saved  # not restored: the session is gone, or going
     finally:
         with contextlib.suppress(conn.dialect.loaded_dbapi.Error):
             cursor.close()

@@ -15,6 +15,7 @@ import sqlalchemy as sa
 from django.db import DEFAULT_DB_ALIAS, connections
 from sqlalchemy.pool import StaticPool
 
+from ..backends.mysql import SILENCE_KEY
 from ..errors import LockError
 from ..lock import Lock
 from .configuration import database_alias
@@ -84,8 +85,30 @@ def guard(lock: Lock, using: str | None = None) -> None:
         with engine.connect() as sa_connection:
             sa_connection.begin()  # SQLAlchemy's view of the transaction Django has open
             lock.guard(sa_connection)
+            silence = sa_connection.info.pop(SILENCE_KEY, None)  # see _restore_on_commit
     finally:
         engine.dispose()
+    if silence is not None:
+        _restore_on_commit(connection, *silence)
+
+
+def _restore_on_commit(connection: Any, name: str, before: int) -> None:
+    """MySQL/MariaDB: the session's own silence limit, which the guard shortened for as long
+    as the transaction lasts, given back when Django commits it. (SQLAlchemy's connection
+    would give it back as it closes, at once, its transaction still open: the guarded
+    transaction was left unbounded.) After a rollback the session keeps the guard's limit, a
+    bound on silence inside a transaction (or the session's, on MySQL) longer than the
+    lock's life, until Django closes the connection."""
+
+    if any(getattr(due, "_sqllocker_silence", False) for _, due, _ in connection.run_on_commit):
+        return  # an earlier guard's in this transaction saved the session's own
+
+    def restore() -> None:
+        with connection.cursor() as cursor:
+            cursor.execute(f"SET SESSION {name} = %s", [int(before)])
+
+    restore._sqllocker_silence = True  # type: ignore[attr-defined]
+    connection.on_commit(restore, robust=True)
 
 
 class _Borrowed:

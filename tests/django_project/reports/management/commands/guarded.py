@@ -10,12 +10,27 @@ import threading
 from typing import Any
 
 from django.core.management.base import BaseCommand
-from django.db import transaction
+from django.db import connection, transaction
 from django.test import Client
 
 from sqllocker import LockError, LockLost
 from sqllocker.django import get_locker, guard, lock
 from tests.django_project.reports.models import Entry
+
+
+def _silence_limit() -> object:
+    """The session's bound on a client's silence in a transaction (MySQL: any silence)."""
+    if connection.vendor == "sqlite":
+        return "none"  # nothing to bound: SQLite's transactions are the process's own
+    if connection.vendor == "postgresql":
+        variable = "current_setting('idle_in_transaction_session_timeout')"
+    elif connection.mysql_is_mariadb:
+        variable = "@@session.idle_transaction_timeout"
+    else:
+        variable = "@@session.wait_timeout"
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT {variable}")
+        return cursor.fetchone()[0]
 
 
 class Command(BaseCommand):
@@ -52,6 +67,15 @@ class Command(BaseCommand):
         self.stdout.write(f"after: {Entry.objects.filter(text='after the break').count()}")
         with contextlib.suppress(LockLost):
             broken.unlock()
+
+        with lock("account 4", expires=60) as shorter, lock("account 5", expires=7200) as longer:
+            before = _silence_limit()
+            with transaction.atomic():
+                guard(shorter)
+                guard(longer)  # a longer limit: the session's own is still what comes back
+                during = _silence_limit()
+            self.stdout.write(f"silence bounded while guarded: {before != during != 0}")
+            self.stdout.write(f"silence limit after the commit: {_silence_limit() == before}")
 
         try:
             guard(lock("account 3"))
