@@ -104,6 +104,13 @@ class LockedTask(Task[Any, Any]):
         if not isinstance(hold, str):
             check_hold_at_least(hold)
         check_wait(cls.lock_wait)
+        if hold is not None and (cls.on_busy == "retry" or cls.lock_wait != 0):
+            raise LockValueError(
+                "lock_hold_at_least keeps a run's lock for a window so that other copies of the "
+                "task in it are skipped; with on_busy='retry' or a lock_wait, a copy waits for "
+                "the window to end and runs, so every copy runs: use on_busy='skip' (or "
+                "'raise') and lock_wait=0 with it"
+            )
         if cls.lock_expires is not None:
             check_seconds(cls.lock_expires, "lock_expires")
         countdown = cls.lock_retry_countdown

@@ -38,6 +38,11 @@ def app() -> Celery:
         {"lock_expires": 0},
         {"lock_hold_at_least": -5},
         {"lock_retry_countdown": "soon"},
+        # A copy that waits out another copy's window runs after it: every copy would run.
+        {"lock_hold_at_least": "schedule", "on_busy": "retry"},
+        {"lock_hold_at_least": 540, "on_busy": "retry"},
+        {"lock_hold_at_least": "schedule", "lock_wait": 30},
+        {"lock_hold_at_least": 540, "lock_wait": None},
     ],
 )
 def test_bad_options_are_refused_when_the_task_is_made(
