@@ -17,12 +17,14 @@ thread holds a database connection between renewals, and both end when no lock i
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
+import queue
 import threading
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
 
 from . import clock, forks
 from .errors import LockError, LockLost
@@ -53,7 +55,7 @@ class _Entry:
     def __init__(self, state: LockState, next_renewal: float) -> None:
         self.state = state
         self.next_renewal = next_renewal
-        self.in_flight: Future[None] | None = None
+        self.in_flight: object | None = None
         self.failures = 0
 
 
@@ -65,13 +67,32 @@ def _late_at(entry: _Entry) -> float:
 
 
 class _Worker:
-    """A thread that renews one lock at a time, and since when it is busy (None: idle)."""
+    """A thread that renews one lock at a time, and since when it is busy (None: idle).
 
-    __slots__ = ("busy_since", "executor")
+    A thread of its own, not a ``concurrent.futures`` executor's: those take no work once the
+    interpreter has begun to exit, from the moment the main thread returns, while other
+    threads, which may hold kept-alive locks, still run (their renewals stopped, and nobody
+    said so at the deadline)."""
+
+    __slots__ = ("_jobs", "busy_since")
 
     def __init__(self, name: str) -> None:
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix=name)
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self.busy_since: float | None = None
+        threading.Thread(target=self._work, name=name, daemon=True).start()
+
+    def submit(self, job: Callable[[], None]) -> object:
+        """Run ``job`` after the ones given before; a token of it (never None)."""
+        self._jobs.put(job)
+        return job
+
+    def shutdown(self) -> None:
+        """End the thread once the jobs given before have run."""
+        self._jobs.put(None)
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()
 
 
 class KeepAlive:
@@ -164,7 +185,7 @@ class KeepAlive:
                     if self._stopping or now - idle_since >= IDLE_SECONDS:
                         self._thread = None
                         for worker in self._workers:
-                            worker.executor.shutdown(wait=False)
+                            worker.shutdown()
                         self._workers = []
                         return
                     self._condition.wait(IDLE_SECONDS)
@@ -211,7 +232,7 @@ class KeepAlive:
             finally:
                 self._condition.acquire()
 
-    def _submit(self, entry: _Entry, now: float) -> Future[None] | None:
+    def _submit(self, entry: _Entry, now: float) -> object | None:
         """Start ``entry``'s renewal on an idle worker, or on a new one if every worker has
         been busy for STUCK_SECONDS or the renewal is late (``_late_at``); None if none can
         take it now."""
@@ -229,7 +250,7 @@ class KeepAlive:
             idle = _Worker(f"{self.name}-renew-{len(self._workers)}")
             self._workers.append(idle)
         idle.busy_since = now
-        return idle.executor.submit(self._renew, entry, idle)
+        return idle.submit(functools.partial(self._renew, entry, idle))
 
     # -- the worker thread ------------------------------------------------------------------------
 
@@ -259,7 +280,12 @@ class KeepAlive:
             entry.next_renewal = state.renewal_by(self.fraction)
         finally:
             with self._condition:
-                entry.in_flight = None
+                entry.in_flight = None  # its next renewal may be scheduled (on another worker)
+                self._condition.notify()
+            # A span processor that exports as a span ends, and takes its time, keeps this
+            # worker busy (and others are started), not the lock's renewals.
+            state.telemetry.end_spans()
+            with self._condition:
                 worker.busy_since = None
                 self._condition.notify()
 

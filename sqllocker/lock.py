@@ -325,7 +325,10 @@ class Lock(LockHandle[LockState]):
         """
         ttl = self.ttl if seconds is None else check_seconds(seconds, "expires", self.lockstring)
         self._refuse_in_forked_child("extend")
-        self.expires = self._state.extend(ttl)
+        try:
+            self.expires = self._state.extend(ttl)
+        finally:
+            self._state.telemetry.end_spans()  # its deadline moved, its turn given up
         return self.expires
 
     def keep_alive(self, on_lost: OnLost | None = None) -> Lock:

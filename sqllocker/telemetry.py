@@ -91,6 +91,11 @@ class Hold:
     def releasing(self) -> AbstractContextManager[Any]:
         return _NOTHING
 
+    def end_spans(self) -> None:
+        """End the renewals' spans left to end (``extending``): called once the renewal's
+        outcome is the lock's and its turn is given up, so that a span processor that exports
+        as a span ends (``SimpleSpanProcessor``), and takes its time, holds neither up."""
+
     def lost(self) -> None:
         pass
 
@@ -158,6 +163,16 @@ class Acquisition:
         pass
 
     def acquired(self, lock_id: int) -> Hold:
+        """``holding``, and the acquisition ends (``succeeded``)."""
+        hold = self.holding(lock_id)
+        self.succeeded()
+        return hold
+
+    def holding(self, lock_id: int) -> Hold:
+        """The hold of lock ``lock_id``, just acquired; the acquisition ends with
+        ``succeeded``, once the lock is its caller's (kept alive, if asked): a span processor
+        that exports as a span ends (``SimpleSpanProcessor``), and takes its time, holds up
+        nothing the lock needs."""
         return NO_HOLD
 
     def member(self, lock_id: int) -> Hold:
@@ -165,7 +180,8 @@ class Acquisition:
         return NO_HOLD
 
     def succeeded(self) -> None:
-        """The group or semaphore acquisition has its locks."""
+        """The acquisition (a group's or semaphore's: of all its locks) has ended with its
+        lock."""
 
 
 _NO_ACQUISITION = Acquisition()
@@ -182,7 +198,7 @@ class _Member(Acquisition):
     def attempted(self, outcome: object) -> None:
         self._compound.attempted(outcome)
 
-    def acquired(self, lock_id: int) -> Hold:
+    def holding(self, lock_id: int) -> Hold:
         return self._compound.member(lock_id)
 
 
@@ -254,8 +270,12 @@ class Telemetry:
 
     def purged(self, rows: int) -> None:
         instruments = self._instruments or self._look_for_providers()
-        if instruments is not None and rows:
+        if instruments is None or not rows:
+            return
+        try:
             instruments.purge_rows.add(rows, self._table_attributes())
+        except Exception:  # the rows are gone: the purge has succeeded
+            logger.exception("sqllocker: recording telemetry failed")
 
     def _table_attributes(self) -> dict[str, str]:
         return {"db.system.name": self._system_name(), "sqllocker.table": self._table}
@@ -271,12 +291,19 @@ class Telemetry:
             return None
         self._next_look = now + LOOK_AGAIN_SECONDS
         metrics, trace = _OPENTELEMETRY
-        meter_provider = self._meter_provider or metrics.get_meter_provider()
-        tracer_provider = self._tracer_provider or trace.get_tracer_provider()
-        if _is_proxy(meter_provider) and _is_proxy(tracer_provider):
-            return None  # nobody configured OpenTelemetry (yet): record nothing
-        self._instruments = _Instruments(meter_provider, tracer_provider, self._table_attributes)
-        return self._instruments
+        try:
+            meter_provider = self._meter_provider or metrics.get_meter_provider()
+            tracer_provider = self._tracer_provider or trace.get_tracer_provider()
+            if _is_proxy(meter_provider) and _is_proxy(tracer_provider):
+                return None  # nobody configured OpenTelemetry (yet): record nothing
+            instruments = _Instruments(meter_provider, tracer_provider, self._table_attributes)
+        except Exception:
+            # A provider that fails to make its instruments: the lock operations go on, unrecorded
+            # (and the look is tried again a while later).
+            logger.exception("sqllocker: recording telemetry failed")
+            return None
+        self._instruments = instruments
+        return instruments
 
 
 def _is_proxy(provider: Any) -> bool:
@@ -380,9 +407,8 @@ class _RecordedAcquisition(Acquisition):
             outcome = "timeout" if self._waits else "busy"
         self._end(outcome, error)
 
-    def acquired(self, lock_id: int) -> Hold:
+    def holding(self, lock_id: int) -> Hold:
         self._identify(lock_id)
-        self.succeeded()
         return self.member(lock_id)
 
     @_never_raising
@@ -413,13 +439,15 @@ class _RecordedAcquisition(Acquisition):
         if _COMPOUND.get() is self:
             _COMPOUND.set(None)
         elapsed = time.monotonic() - self._started
-        self._attributes = self._attributes_now()
-        self._span.set_attributes(self._attributes)
-        attributes = {**self._attributes, "sqllocker.outcome": outcome}
-        self._instruments.acquire_duration.record(elapsed, attributes)
-        self._span.set_attribute("sqllocker.outcome", outcome)
-        _status(self._span, error)
-        self._span.end()
+        try:
+            self._attributes = self._attributes_now()
+            attributes = {**self._attributes, "sqllocker.outcome": outcome}
+            self._instruments.acquire_duration.record(elapsed, attributes)
+        finally:  # the span ends whatever a metric does
+            self._span.set_attributes(self._attributes)
+            self._span.set_attribute("sqllocker.outcome", outcome)
+            _status(self._span, error)
+            self._span.end()
 
 
 class _RecordedHold(Hold):
@@ -431,10 +459,11 @@ class _RecordedHold(Hold):
         self._ended = False
         # A keep-alive's thread may find the lock lost as the caller releases it: one ends it.
         self._ending = threading.Lock()
+        self._unended: list[Any] = []  # renewals' spans, for end_spans
 
     @contextmanager
     def extending(self) -> Iterator[None]:
-        with self._span("sqllocker.extend") as span:
+        with self._span("sqllocker.extend", self._unended) as span:
             try:
                 yield
             except BaseException as error:
@@ -476,21 +505,35 @@ class _RecordedHold(Hold):
             self._ended = True
         elapsed = time.monotonic() - self._since
         attributes = {**self._attributes, "sqllocker.outcome": outcome}
-        self._instruments.hold_duration.record(elapsed, attributes)
-        self._instruments.held.add(-1, self._instruments.table_attributes())
+        try:
+            self._instruments.hold_duration.record(elapsed, attributes)
+        finally:  # the count of held locks comes down whatever the other metric does
+            self._instruments.held.add(-1, self._instruments.table_attributes())
         return True
 
+    def end_spans(self) -> None:
+        while self._unended:
+            try:
+                span = self._unended.pop()
+            except IndexError:  # ended by another thread meanwhile
+                return
+            _end_span(span)
+
     @contextmanager
-    def _span(self, name: str) -> Iterator[Any]:
-        """A span around a renewal or a release. A tracer or span processor that raises as the
-        span starts or ends must not keep the statement from running, nor report one that ran
-        as failed: the renewal would be retried until the lock is lost, and the release leave
-        a live row that nobody holds."""
+    def _span(self, name: str, unended: list[Any] | None = None) -> Iterator[Any]:
+        """A span around a renewal or a release (left in ``unended``, if given, for
+        ``end_spans``). A tracer or span processor that raises as the span starts or ends must
+        not keep the statement from running, nor report one that ran as failed: the renewal
+        would be retried until the lock is lost, and the release leave a live row that nobody
+        holds."""
         span = self._start_span(name) or _non_recording_span()
         try:
             yield span
         finally:
-            _end_span(span)
+            if unended is None:
+                _end_span(span)
+            else:
+                unended.append(span)
 
     @_never_raising
     def _start_span(self, name: str) -> Any:

@@ -11,9 +11,12 @@ gets its caller's context.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+logger = logging.getLogger("sqllocker")
 
 TRACEPARENT = "TRACEPARENT"
 TRACESTATE = "TRACESTATE"
@@ -36,14 +39,30 @@ def joined_trace(lockstring_name: str) -> Iterator[None]:
     parent = propagator.extract(carrier)
     token = context.attach(parent)
     try:
-        tracer = trace.get_tracer("sqllocker")
         attributes = {"sqllocker.kind": "lock", "sqllocker.name": lockstring_name}
-        with tracer.start_as_current_span("sqllocker.run", attributes=attributes):
+        try:
+            span = trace.get_tracer("sqllocker").start_span("sqllocker.run", attributes=attributes)
+        except Exception:
+            # A tracer or span processor that fails: the run goes on, unrecorded, and COMMAND
+            # gets its caller's context.
+            logger.exception("sqllocker: recording telemetry failed")
+            span = None
+        if span is None:
+            yield
+            return
+        with trace.use_span(span, end_on_exit=False):
             outgoing: dict[str, str] = {}
             propagator.inject(outgoing)
             for key in (TRACEPARENT, TRACESTATE):
+                os.environ.pop(key, None)  # the caller's state belongs to the caller's span
                 if key.lower() in outgoing:
                     os.environ[key] = outgoing[key.lower()]
-            yield
+            try:
+                yield
+            finally:
+                try:
+                    span.end()
+                except Exception:
+                    logger.exception("sqllocker: recording telemetry failed")
     finally:
         context.detach(token)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -65,3 +68,35 @@ def test_renewals_that_each_take_their_time_do_not_fall_behind(
         for lock in locks:
             with contextlib.suppress(LockLost):
                 lock.unlock()
+
+
+HELD_BY_A_THREAD_AS_THE_MAIN_ONE_RETURNS = """
+import sys, threading, time
+from sqllocker import Locker
+
+locker = Locker(sys.argv[1], table=sys.argv[2], grace=0)
+lost = []
+
+def work():
+    with locker.lock("job", expires=1, keep_alive=True, on_lost=lost.append) as lock:
+        time.sleep(3)  # three periods, after the main thread has returned
+        print(f"valid {lock.is_valid()} lost {len(lost)}", flush=True)
+
+threading.Thread(target=work).start()
+"""
+
+
+def test_a_thread_outliving_the_main_one_keeps_its_lock_renewed(
+    url: str, table_name: str, locker: Locker
+) -> None:
+    """Once the main thread returns, the interpreter waits for the other threads, and
+    ``concurrent.futures`` executors take no more work: the keep-alive's scheduler crashed
+    submitting a renewal, and a thread's kept-alive lock expired, unrenewed, its on_lost never
+    called (another process could take it over while the thread worked on)."""
+    done = subprocess.run(
+        [sys.executable, "-c", HELD_BY_A_THREAD_AS_THE_MAIN_ONE_RETURNS, url, table_name],
+        capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+    assert done.stdout.strip() == "valid True lost 0", done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert locker.lock_info("job") is None

@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
@@ -597,6 +597,96 @@ def test_a_failing_span_processor_never_stops_a_release_or_a_renewal(
 
     asyncio.run(scenario())
     tracer_provider.shutdown()
+
+
+class _SlowExporter(SpanExporter):
+    """A span exporter that takes its time (a collector that does not answer), as a
+    ``SimpleSpanProcessor`` calls it: as each span ends, on the thread that ends it."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def export(self, spans: Any) -> SpanExportResult:
+        if any(span.name in ("sqllocker.acquire", "sqllocker.extend") for span in spans):
+            time.sleep(self.seconds)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_a_slow_span_export_neither_loses_a_kept_alive_lock_nor_returns_it_expired(
+    make_locker: Callable[..., Locker],
+) -> None:
+    """Spans ended, and exported, where the lock's work waited for them: an acquire's before
+    its keep-alive began (lock() returned a lock another process had taken over meanwhile),
+    and a renewal's with its turn held and before its deadline moved (the lock was reported
+    lost though every renewal succeeded, and an unlock() meanwhile gave up, leaving the row)."""
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(_SlowExporter(3.0)))
+    locker = make_locker(tracer_provider=tracer_provider)
+    lost: list[LockLost] = []
+    lock = locker.lock("job", expires=2, keep_alive=True, on_lost=lost.append)
+    assert lock.is_valid()  # renewed while the acquire's span was exported
+    deadline = time.monotonic() + 7
+    while time.monotonic() < deadline:
+        assert lock.is_valid(), lost
+        time.sleep(0.25)
+    assert not lost
+    lock.unlock()
+    assert locker.lock_info("job") is None
+    tracer_provider.shutdown()
+
+
+class _ProviderThatFails:
+    def get_meter(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a broken provider")
+
+    def get_tracer(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a broken provider")
+
+
+def test_a_provider_that_fails_to_make_instruments_never_stops_a_lock_or_a_purge(
+    make_locker: Callable[..., Locker],
+) -> None:
+    broken = _ProviderThatFails()
+    locker = make_locker(meter_provider=broken, tracer_provider=broken)
+    for n in range(3):
+        locker.lock(f"job {n}").unlock()
+        abandoned = locker.lock(f"old {n}", expires=0.01)
+        abandoned._finalizer.detach()
+        time.sleep(0.05)
+        assert locker.purge_expired_locks() == 1
+
+
+RUN_WITH_A_FAILING_TRACER = """
+import sys
+from opentelemetry import trace
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+
+class Failing(SpanProcessor):
+    def on_start(self, span, parent_context=None):
+        raise RuntimeError("a broken span processor")
+
+provider = TracerProvider()
+provider.add_span_processor(Failing())
+trace.set_tracer_provider(provider)
+from sqllocker.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_run_with_a_failing_span_processor_runs_its_command(
+    url: str, table_name: str, make_locker: Callable[..., Locker]
+) -> None:
+    make_locker()  # the table
+    done = subprocess.run(
+        [sys.executable, "-c", RUN_WITH_A_FAILING_TRACER, "--url", url, "--table", table_name,
+         "run", "job", "--", sys.executable, "-c", "print('ran'); raise SystemExit(3)"],
+        capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+    assert done.returncode == 3, done.stderr
+    assert done.stdout.strip() == "ran"
 
 
 # -- options refused at creation, and the kinds beside plain locks -------------------------------

@@ -175,9 +175,12 @@ class AsyncAcquirer:
         except BaseException as error:
             acquisition.failed(error)
             raise
-        lock._state.telemetry = acquisition.acquired(lock._state.lock_id)
+        lock._state.telemetry = acquisition.holding(lock._state.lock_id)
         lock._state.hold_at_least = hold_at_least
-        return lock.keep_alive() if keep_alive else lock
+        try:
+            return lock.keep_alive() if keep_alive else lock
+        finally:
+            acquisition.succeeded()  # its span ends once the lock is kept alive
 
     async def _wait_for(
         self,

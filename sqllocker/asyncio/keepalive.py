@@ -122,6 +122,7 @@ class AsyncKeepAlive:
                     else renewal.exception()
                 )
                 renewal = None
+                state.telemetry.end_spans()
                 if isinstance(error, LockLost):
                     return  # extend() marked it lost (or it was released meanwhile)
                 if isinstance(error, LockError):

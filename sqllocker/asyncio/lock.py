@@ -460,7 +460,10 @@ class AsyncLock(LockHandle[AsyncLockState]):
         """
         ttl = self.ttl if seconds is None else check_seconds(seconds, "expires", self.lockstring)
         self._refuse_in_forked_child("extend")
-        self.expires = await self._state.extend(ttl)
+        try:
+            self.expires = await self._state.extend(ttl)
+        finally:
+            self._state.telemetry.end_spans()  # its deadline moved, its turn given up
         return self.expires
 
     def keep_alive(self, on_lost: OnLost | None = None) -> AsyncLock:
