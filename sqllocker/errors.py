@@ -7,7 +7,6 @@ pickles, so it survives being raised in a worker process and re-raised in its pa
 
 from __future__ import annotations
 
-import re
 import shlex
 import socket
 from collections.abc import Mapping
@@ -155,22 +154,26 @@ def one_line(text: object) -> str:
     return " ".join(str(text).split())
 
 
-# Characters that steer a terminal or reorder what it shows: C0 and C1 controls (escape
-# sequences), and the invisible and bidirectional formatting characters.
-_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
-
-
 def printable(text: object) -> str:
     """``text`` safe to show on a terminal or in a log line: whatever a lock row holds (its
-    lockstring, its locked_by) was written by someone else, and a control character in it must
-    not move the cursor, recolour the screen or forge a line. Each such character is shown as
-    its escape (``\\x1b``, ``\\u202e``)."""
-    return _UNPRINTABLE.sub(_escape, str(text))
+    lockstring, its locked_by) was written by someone else, and a character in it that is not
+    printable must not move the cursor, recolour the screen, forge a line, reorder what is
+    shown or hide itself (controls, formatting and invisible characters, separators other
+    than the space, unassigned code points: what ``str.isprintable`` refuses). Each such
+    character is shown as its escape (``\\x1b``, ``\\u202e``, ``\\U000e0020``)."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(
+        character if character.isprintable() else _escape(character) for character in text
+    )
 
 
-def _escape(match: re.Match[str]) -> str:
-    code = ord(match.group())
-    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
+def _escape(character: str) -> str:
+    code = ord(character)
+    if code <= 0xFF:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
 
 
 def describe_holder(holder: Mapping[str, Any] | None) -> str:

@@ -28,10 +28,9 @@ if TYPE_CHECKING:
     from .locker import Locker, LockInfo
 
 REFRESH_SECONDS = 1.0
-# An unexpired lock is shown as close to expiring when less than this share of its period, or
-# than CLOSE_SECONDS, is left: a keep-alive renews at a third of it, so a row this close has
-# missed a renewal or is about to be released.
-CLOSE_SHARE = 0.2
+# An unexpired lock is shown as close to expiring when less than this is left. (Not a share of
+# its period: the row does not say what that is, and ``expires - created`` is its whole life,
+# which grows with each renewal: every long-held lock would be shown close.)
 CLOSE_SECONDS = 5.0
 
 
@@ -55,8 +54,7 @@ class Row:
 
     @property
     def close_to_expiry(self) -> bool:
-        period = (self.info.expires - self.info.created).total_seconds()
-        return self.info.seconds_left < max(CLOSE_SECONDS, CLOSE_SHARE * period)
+        return self.info.seconds_left < CLOSE_SECONDS
 
 
 def read_rows(locker: Locker, pattern: str | None) -> tuple[list[Row], list[Row]]:
@@ -132,13 +130,15 @@ def render(locker: Locker, pattern: str | None) -> Any:
                 duration(info.seconds_left), style="bold red" if row.close_to_expiry else ""
             )
             style = "dim" if row.kind == TURN else ""
+        # Text, not str: rich reads a str as markup, and a lockstring or holder is anyone's
+        # text ("job [daily]" was shown as "job", "[link=...]" made a hyperlink).
         table.add_row(
-            printable(info.lockstring),
+            Text(printable(info.lockstring)),
             row.kind,
             str(info.lock_id),
-            printable(str(info.locked_by.get("host", "?"))),
-            printable(str(info.locked_by.get("pid", "?"))),
-            printable(str(info.locked_by.get("program", ""))),
+            Text(printable(str(info.locked_by.get("host", "?")))),
+            Text(printable(str(info.locked_by.get("pid", "?")))),
+            Text(printable(str(info.locked_by.get("program", "")))),
             duration(row.held_seconds),
             left,
             "-" if row.waiters is None else str(row.waiters),

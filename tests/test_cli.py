@@ -23,6 +23,7 @@ import sqlalchemy as sa
 
 from sqllocker import Locker
 from sqllocker.engine import resolve_url
+from sqllocker.errors import printable
 from tests import forked_cli
 from tests.helpers import Proxied, abandon, migrate
 
@@ -283,6 +284,24 @@ def test_list_and_show_in_text_and_json(sqllocker: Run, migrated: Locker) -> Non
 
 
 # -- release --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("hidden", "shown"),
+    [
+        ("\U000e0020\U000e0078", "\\U000e0020\\U000e0078"),  # tag characters
+        ("\u00ad", "\\xad"),  # a soft hyphen
+        ("\u180e", "\\u180e"),
+        ("\ufff9", "\\ufff9"),
+        ("\U0001d173", "\\U0001d173"),
+        ("\u00a0", "\\xa0"),  # a space that is not one
+    ],
+)
+def test_invisible_characters_are_shown_escaped(hidden: str, shown: str) -> None:
+    """``list`` showed "nightly report" and "nightly report" + two tag characters as two
+    identical rows."""
+    assert printable(f"nightly report{hidden}") == f"nightly report{shown}"
+    assert printable("nightly report é 中 ✓") == "nightly report é 中 ✓"
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ quits; and without a terminal it prints what ``list`` prints."""
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import os
 import shlex
 import shutil
@@ -151,11 +152,33 @@ def test_a_lock_close_to_expiry_is_marked(make_locker: Any) -> None:
         (info,) = locker.locks()
     far = Row(info=info, held_seconds=0.0, waiters=None)
     assert not far.close_to_expiry
-    near = Row(info=dataclasses.replace(info, seconds_left=11.0), held_seconds=49.0, waiters=None)
-    assert near.close_to_expiry  # less than a fifth of its 60 s period left
-    assert not dataclasses.replace(
-        near, info=dataclasses.replace(info, seconds_left=13.0)
-    ).close_to_expiry
+    near = Row(info=dataclasses.replace(info, seconds_left=4.0), held_seconds=56.0, waiters=None)
+    assert near.close_to_expiry  # less than 5 s left
+    # A lock kept alive for an hour: its row's life (expires - created) is an hour long, and
+    # as much of its 60 s period is left as after any renewal. It was shown red for good.
+    renewed = dataclasses.replace(
+        info, created=info.created - dt.timedelta(hours=1), seconds_left=45.0
+    )
+    assert not Row(info=renewed, held_seconds=3615.0, waiters=None).close_to_expiry
+
+
+def test_top_shows_what_rows_hold_as_text_not_markup(make_locker: Any) -> None:
+    """rich reads a str as markup: ``job [daily]`` was shown as ``job``, ``[link=...]`` made
+    a hyperlink, and ``sync [/srv/data]`` stopped top with a MarkupError."""
+    from rich.console import Console
+
+    from sqllocker.top import render
+
+    locker = make_locker()
+    names = ["job [daily]", "sync [/srv/data]", "[link=https://example.com/]click[/link]"]
+    held = [locker.lock(name) for name in names]
+    console = Console(width=300, record=True)
+    console.print(render(locker, None))
+    shown = console.export_text()
+    for name in names:
+        assert name in shown
+    for lock in held:
+        lock.unlock()
 
 
 def test_top_tells_readers_writers_and_turns_apart(make_locker: Any) -> None:
