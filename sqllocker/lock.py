@@ -221,10 +221,10 @@ class LockState(Holding):
             # From here its DELETE may run, and the row be anyone's, whether or not its answer
             # comes: valid no longer. (Failed or interrupted, unlock() again makes sure the row
             # is gone, with the patience of the row's own expiry.)
-            sent_before, self.release_unsure = self.release_unsure, True
+            self.release_unsure = True
             with self.telemetry.releasing():
                 try:
-                    self._delete_within(self.release_patience(), sent_before)
+                    self._delete_within(self.release_patience())
                 except LockLost as lost:
                     self.released_lost(lost)
                     raise
@@ -236,18 +236,13 @@ class LockState(Holding):
     # The DELETE itself ends by the row's expiry, as we reckon it, on a frozen connection too:
     # then nothing is left to release, and the lock is lost (``release_gave_up``).
 
-    def _delete_within(self, patience: float, sent_before: bool) -> None:
+    def _delete_within(self, patience: float) -> None:
         deadline = clock.now() + patience
         try:
             # Every cycle's release: called straight, not through ``run``.
             with deadlines.statements_end_by(deadline):
                 self.operations.release(
-                    self.lockstring,
-                    self.lock_id,
-                    self.guid,
-                    self.hold_at_least,
-                    self.valid_until,
-                    sent_before,
+                    self.lockstring, self.lock_id, self.guid, self.hold_at_least
                 )
         except LockLost:
             raise

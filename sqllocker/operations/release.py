@@ -11,7 +11,6 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from .. import clock
 from ..backends import backend_class
 from ..errors import DatabaseError, LockError, LockLost, NotDurable, one_line
 from ..execution import DriverSession
@@ -39,26 +38,14 @@ class Releaser:
         self._releases = 0
 
     def release(
-        self,
-        lockstring: str,
-        lock_id: int,
-        guid: str,
-        hold_at_least: float | None = None,
-        valid_until: float | None = None,
-        sent_before: bool = False,
+        self, lockstring: str, lock_id: int, guid: str, hold_at_least: float | None = None
     ) -> None:
         """Delete our row; LockLost if it was no longer ours. With ``hold_at_least``, a release
         within that many seconds of the row's creation keeps the row until then instead (see
-        ``Statements.finish_within_window``).
-
-        ``valid_until``: the holder's validity deadline (``clock.now()``), before which nobody
-        can have taken the row over; ``sent_before``: an earlier try of this release may have
-        deleted the row, its answer lost. A DELETE that finds no row after such a try (or
-        after ``Database.run`` resent it on a new connection) is the release done, if it is
-        answered, and the lockstring read free, before that deadline (``_deleted_before``)."""
+        ``Statements.finish_within_window``)."""
         params: dict[str, Any] = {"ls": lockstring, "lock_id": lock_id, "lock_guid": guid}
         try:
-            self._release(lockstring, lock_id, params, hold_at_least, valid_until, sent_before)
+            self._release(lockstring, lock_id, params, hold_at_least)
         except NotDurable as error:
             # Our row's DELETE (or its window's UPDATE) committed here: it wrote, so it matched
             # our row. A failover may bring the row back, held by nobody till it expires; a
@@ -68,13 +55,7 @@ class Releaser:
             )
 
     def _release(
-        self,
-        lockstring: str,
-        lock_id: int,
-        params: dict[str, Any],
-        hold_at_least: float | None,
-        valid_until: float | None,
-        sent_before: bool,
+        self, lockstring: str, lock_id: int, params: dict[str, Any], hold_at_least: float | None
     ) -> None:
         if hold_at_least is not None:
             params["hold"] = self._db.be.seconds_value(hold_at_least)
@@ -86,15 +67,8 @@ class Releaser:
                     "finished %r (id %d); it stays held till its window ends", lockstring, lock_id
                 )
                 return
-        resent = [sent_before]
-        deleted = self._db.run(
-            lockstring,
-            lambda conn: conn.affected(self._db.sql.release, params),
-            resent=lambda: resent.__setitem__(0, True),
-        )
+        deleted = self._db.run(lockstring, lambda conn: conn.affected(self._db.sql.release, params))
         if deleted != 1:
-            if resent[0] and self._deleted_before(lockstring, lock_id, valid_until):
-                return
             raise LockLost(
                 f"lock {lockstring!r} (id {lock_id}) was no longer ours at release: it expired "
                 "and was purged, taken over or broken; work done under it may have overlapped "
@@ -144,28 +118,6 @@ class Releaser:
         # Gone again already (released by another thread, or broken): not ours any more.
         times = conn.execute(self._db.sql.times_of, params).first()
         return None if times is None else times.expires
-
-    def _deleted_before(self, lockstring: str, lock_id: int, valid_until: float | None) -> bool:
-        """Whether a DELETE of ours that may have run before, its answer lost, removed our row:
-        none stands for ``lockstring`` now, and the holder's deadline ``valid_until`` has not
-        passed. Till then nobody could take the row over, so only that DELETE, or an operator's
-        break of it, removed it; a row of another's (after a break) is a loss."""
-        if valid_until is None:
-            return False
-        try:
-            row = self._db.run(
-                lockstring, lambda conn: conn.first_row(self._db.sql.holder, {"ls": lockstring})
-            )
-        except LockError:
-            return False
-        if row is not None or clock.now() >= valid_until:
-            return False
-        logger.info(
-            "released %r (id %d): an earlier DELETE had removed the row, its answer lost",
-            lockstring,
-            lock_id,
-        )
-        return True
 
     def forget_attempt(self, lockstring: str, guid: str) -> int:
         """Delete the row an acquire by ``guid`` that failed may have left (its INSERT
