@@ -132,7 +132,8 @@ def list_locks(settings: Settings, pattern: str | None, as_json: bool, expired_o
 @click.option("--json", "as_json", is_flag=True, help="A JSON object.")
 @pass_settings
 def show(settings: Settings, lockstring: str, as_json: bool) -> None:
-    """Show one lock in detail; exit 1 if nobody holds LOCKSTRING."""
+    """Show one lock in detail; exit 1 if nobody holds LOCKSTRING (its row, if it has one
+    that expired, is shown first)."""
     info = settings.locker().lock_info(lockstring)
     if info is None:
         if as_json:
@@ -142,6 +143,8 @@ def show(settings: Settings, lockstring: str, as_json: bool) -> None:
         sys.exit(1)
     if as_json:
         print_json(info_json(info))
+        if info.expired:
+            sys.exit(1)  # its row expired: nobody holds it
         return
     left = time_left(info)
     state = left if info.expired else f"held, {left} left"
@@ -158,6 +161,8 @@ def show(settings: Settings, lockstring: str, as_json: bool) -> None:
     for key, value in sorted(info.locked_by.items()):
         shown = value if isinstance(value, str) else json.dumps(value)
         click.echo(f"  {printable(key)}: {printable(shown)}")
+    if info.expired:
+        sys.exit(1)  # its row expired: nobody holds it
 
 
 # -- leader ---------------------------------------------------------------------------------------

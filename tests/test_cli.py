@@ -279,6 +279,13 @@ def test_list_and_show_in_text_and_json(sqllocker: Run, migrated: Locker) -> Non
     absent = sqllocker("show", "nobody holds this")
     assert absent.returncode == 1
     assert "not held" in absent.stderr
+    # An expired row is shown, and nobody holds it: exit 1 (it exited 0, as if held).
+    lapsed = sqllocker("show", "report 2")
+    assert lapsed.returncode == 1
+    assert "expired" in lapsed.stdout
+    lapsed_json = sqllocker("show", "report 2", "--json")
+    assert lapsed_json.returncode == 1
+    assert json.loads(lapsed_json.stdout)["expired"] is True
     live.unlock()
     other.unlock()
 
