@@ -313,6 +313,8 @@ def finished(function: Callable[..., Any], result: R) -> R:
         return result
     if inspect.iscoroutine(result) or inspect.isgenerator(result):
         result.close()  # never to run (an async generator not begun has nothing to close)
+    elif callable(cancel := getattr(result, "cancel", None)):
+        cancel()  # a task or future: cancelled, if it has not begun
     kind = type(result).__name__
     raise LockTypeError(
         f"{function.__qualname__} returned a {kind}: the work in it would run after the lock "

@@ -92,7 +92,10 @@ class _Worker:
 
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
-            job()
+            try:
+                job()
+            except BaseException:  # an on_lost that exits, say: the worker serves on
+                logger.exception("a renewal ended in an exception")
 
 
 class KeepAlive:

@@ -45,7 +45,7 @@ from typing import Any
 from . import watchdog as watchdog_script
 from .engine import URL_ENVIRONMENT_VARIABLE, URL_WITHHELD_VARIABLE
 from .errors import LockBusy, LockError, LockLost
-from .holding import CLOCK_DRIFT, safety_margin
+from .holding import CLOCK_DRIFT, TIMESTAMP_SLACK, safety_margin
 from .lock import Lock
 from .locker import Locker
 from .rwlock import WriteLock
@@ -281,13 +281,15 @@ def _deadlines(lock: Lock) -> tuple[float, float]:
     """The lock's validity deadline, and the moment by which its command's family must be
     gone if that passes without renewal (both on ``clock.now()``): halfway between the
     deadline and the earliest moment the row can expire by the server's clock (the expiry
-    period after the renewal was sent, less the clock drift the safety margin allows for).
+    period after the renewal was sent, less the clock drift the safety margin allows for and
+    the slack of the server's timestamps).
     Nobody, whatever their grace, can take the lock over before that. A writer's lock holds
     two rows (its claim on the name, and its token), and the earlier of theirs counts."""
     rows = [lock._state, lock.claim._state] if isinstance(lock, WriteLock) else [lock._state]
     valid_until = min(state.valid_until for state in rows)
     kill_by = min(
-        state.valid_until + (safety_margin(state.ttl) - state.ttl * CLOCK_DRIFT) / 2
+        state.valid_until
+        + (safety_margin(state.ttl) - TIMESTAMP_SLACK - state.ttl * CLOCK_DRIFT) / 2
         for state in rows
     )
     return valid_until, kill_by

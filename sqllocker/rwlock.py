@@ -87,8 +87,11 @@ class RWLock:
         except BaseException as error:
             recording.failed(error)
             raise
-        reader._state.telemetry = recording.acquired(reader.lock_id)
-        return reader.keep_alive() if keep_alive else reader
+        reader._state.telemetry = recording.holding(reader.lock_id)
+        try:
+            return reader.keep_alive() if keep_alive else reader
+        finally:
+            recording.succeeded()  # its span ends once the lock is kept alive
 
     def _read(
         self,
@@ -166,14 +169,17 @@ class RWLock:
         except BaseException as error:
             recording.failed(error)
             raise
-        lock._state.telemetry = hold = recording.acquired(lock.lock_id)
+        lock._state.telemetry = hold = recording.holding(lock.lock_id)
         lock.claim._state.telemetry = LostWith(hold)
         try:
-            _announce(self._run, self._operations, self.name)
-        except BaseException:  # cancelled meanwhile: the caller never gets the lock
-            _give_back(lock)
-            raise
-        return lock.keep_alive() if keep_alive else lock
+            try:
+                _announce(self._run, self._operations, self.name)
+            except BaseException:  # cancelled meanwhile: the caller never gets the lock
+                _give_back(lock)
+                raise
+            return lock.keep_alive() if keep_alive else lock
+        finally:
+            recording.succeeded()  # its span ends once the lock is kept alive
 
     def _take_write(
         self,

@@ -463,7 +463,7 @@ class _RecordedHold(Hold):
 
     @contextmanager
     def extending(self) -> Iterator[None]:
-        with self._span("sqllocker.extend", self._unended) as span:
+        with self._span("sqllocker.extend", deferred=True) as span:
             try:
                 yield
             except BaseException as error:
@@ -503,6 +503,7 @@ class _RecordedHold(Hold):
             if self._ended:
                 return False
             self._ended = True
+        self.end_spans()
         elapsed = time.monotonic() - self._since
         attributes = {**self._attributes, "sqllocker.outcome": outcome}
         try:
@@ -520,20 +521,29 @@ class _RecordedHold(Hold):
             _end_span(span)
 
     @contextmanager
-    def _span(self, name: str, unended: list[Any] | None = None) -> Iterator[Any]:
-        """A span around a renewal or a release (left in ``unended``, if given, for
-        ``end_spans``). A tracer or span processor that raises as the span starts or ends must
-        not keep the statement from running, nor report one that ran as failed: the renewal
-        would be retried until the lock is lost, and the release leave a live row that nobody
-        holds."""
+    def _span(self, name: str, deferred: bool = False) -> Iterator[Any]:
+        """A span around a renewal or a release (``deferred``: left for ``end_spans``, or
+        for the hold's end). A tracer or span processor that raises as the span starts or ends
+        must not keep the statement from running, nor report one that ran as failed: the
+        renewal would be retried until the lock is lost, and the release leave a live row that
+        nobody holds."""
         span = self._start_span(name) or _non_recording_span()
         try:
             yield span
         finally:
-            if unended is None:
-                _end_span(span)
+            if deferred:
+                self._leave_unended(span)
             else:
-                unended.append(span)
+                _end_span(span)
+
+    def _leave_unended(self, span: Any) -> None:
+        """``span``, for ``end_spans``; ended now if the hold has ended (a renewal that ran on
+        after its lock was released or lost: nothing would end it later)."""
+        with self._ending:
+            if not self._ended:
+                self._unended.append(span)
+                return
+        _end_span(span)
 
     @_never_raising
     def _start_span(self, name: str) -> Any:

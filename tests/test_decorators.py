@@ -3,6 +3,7 @@ its arguments."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import decimal as dec
 import enum
@@ -187,6 +188,28 @@ def test_work_returned_to_run_later_is_refused_while_the_lock_is_held(
         warnings.simplefilter("error")  # a coroutine never awaited, not closed, warns
         with pytest.raises(LockTypeError, match="would run after the lock is released"):
             job()
+    assert ran == []
+    assert count_rows(locker) == 0
+
+
+def test_a_task_returned_to_run_later_is_refused_and_cancelled(locker: Locker) -> None:
+    """A sync function that starts its work as a task and returns it: refused, and the task
+    cancelled before it ran (it ran after the release)."""
+    ran: list[bool] = []
+
+    async def later() -> None:
+        ran.append(True)
+
+    @locker.locked("job")
+    def job() -> object:
+        return asyncio.ensure_future(later())
+
+    async def main() -> None:
+        with pytest.raises(LockTypeError, match="would run after the lock is released"):
+            job()
+        await asyncio.sleep(0.1)
+
+    asyncio.run(main())
     assert ran == []
     assert count_rows(locker) == 0
 

@@ -183,6 +183,7 @@ def test_guard_on_djangos_connection_commits_only_while_the_lock_is_held(
         "after: 0",
         f"silence bounded while guarded: {backend != 'sqlite'}",
         "silence limit after the commit: True",
+        "silence limit after a rollback and a request: True",
         "outside atomic: LockError",
     ]
 
@@ -215,6 +216,7 @@ def test_locked_refuses_what_it_cannot_protect(project: Project) -> None:
         "coroutine function: LockTypeError",
         "async view's as_view(): LockTypeError",
         "generator function: LockTypeError",
+        "held while rendered: True",
         "async response: LockTypeError",
         "async response: rows left 0",
         "streamed response: LockTypeError",

@@ -100,3 +100,26 @@ def test_a_thread_outliving_the_main_one_keeps_its_lock_renewed(
     assert done.stdout.strip() == "valid True lost 0", done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     assert locker.lock_info("job") is None
+
+
+def test_an_on_lost_that_exits_leaves_the_other_locks_renewed(
+    make_locker: Callable[..., Locker],
+) -> None:
+    """An on_lost that raises SystemExit ran on a renewal's worker thread and ended it; the
+    dead worker, still counted idle, was handed every later renewal of every lock: a healthy
+    kept-alive lock expired unrenewed."""
+    locker, operator = make_locker(), make_locker()
+
+    def exits(lost: LockLost) -> None:
+        raise SystemExit(1)
+
+    told: list[LockLost] = []
+    first = locker.lock("A", expires=3, keep_alive=True, on_lost=exits)
+    second = locker.lock("B", expires=3, keep_alive=True, on_lost=told.append)
+    operator.break_lock("A")  # A's next renewal finds it gone, and its on_lost exits
+    time.sleep(6)  # two periods: only renewals keep B
+    assert not told
+    assert second.is_valid()
+    second.unlock()
+    with contextlib.suppress(LockLost):
+        first.unlock()

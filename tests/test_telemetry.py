@@ -4,6 +4,7 @@ reader and exporter, on every backend, sync and async."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -615,8 +616,13 @@ class _SlowExporter(SpanExporter):
         pass
 
 
+@pytest.mark.parametrize(
+    ("backend", "kind"),
+    [(backend, "lock") for backend in ("sqlite", "postgresql", "mysql")]
+    + [("sqlite", "reader"), ("sqlite", "writer")],
+)
 def test_a_slow_span_export_neither_loses_a_kept_alive_lock_nor_returns_it_expired(
-    make_locker: Callable[..., Locker],
+    make_locker: Callable[..., Locker], kind: str
 ) -> None:
     """Spans ended, and exported, where the lock's work waited for them: an acquire's before
     its keep-alive began (lock() returned a lock another process had taken over meanwhile),
@@ -626,15 +632,57 @@ def test_a_slow_span_export_neither_loses_a_kept_alive_lock_nor_returns_it_expir
     tracer_provider.add_span_processor(SimpleSpanProcessor(_SlowExporter(3.0)))
     locker = make_locker(tracer_provider=tracer_provider)
     lost: list[LockLost] = []
-    lock = locker.lock("job", expires=2, keep_alive=True, on_lost=lost.append)
+    options: dict[str, Any] = {"expires": 2, "keep_alive": True, "on_lost": lost.append}
+    lock: Any = (
+        locker.lock("job", **options)
+        if kind == "lock"
+        else getattr(locker.rwlock("job"), "read" if kind == "reader" else "write")(**options)
+    )
     assert lock.is_valid()  # renewed while the acquire's span was exported
-    deadline = time.monotonic() + 7
+    deadline = time.monotonic() + 5  # two and a half periods
     while time.monotonic() < deadline:
         assert lock.is_valid(), lost
         time.sleep(0.25)
     assert not lost
     lock.unlock()
-    assert locker.lock_info("job") is None
+    assert locker.locks() == []
+    tracer_provider.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_an_async_renewal_still_running_when_its_lock_is_lost_ends_its_span(
+    url: str, table_name: str, make_locker: Callable[..., Locker], proxied: Proxied
+) -> None:
+    """The span of a renewal that was still in flight when its lock's deadline passed was
+    left for a flush that never came: never ended, never exported."""
+    make_locker()  # the table
+    exporter = InMemorySpanExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+
+    async def scenario() -> None:
+        locker = AsyncLocker(
+            async_url(proxied.url), table=table_name, grace=0, tracer_provider=tracer_provider
+        )
+        try:
+            lost = asyncio.Event()
+            lock = await locker.lock(
+                "job", expires=1.5, keep_alive=True, on_lost=lambda _: lost.set()
+            )
+            proxied.proxy.stall()  # the first renewal hangs; the deadline passes
+            await asyncio.wait_for(lost.wait(), 10)
+            proxied.proxy.resume()  # the renewal ends, after its lock
+            await wait_until_async(
+                lambda: any(s.name == "sqllocker.extend" for s in exporter.get_finished_spans()),
+                10,
+            )
+            with contextlib.suppress(LockLost):
+                await lock.unlock()
+        finally:
+            proxied.close()
+            await locker.aclose()
+
+    asyncio.run(scenario())
     tracer_provider.shutdown()
 
 

@@ -148,3 +148,7 @@ class AsyncKeepAlive:
                 del self._wakes[id(state)]
             if renewal is not None and not renewal.done():
                 renewal.cancel()
+                # Its span ends once it does (it runs to its end: see concurrency.within).
+                renewal.add_done_callback(lambda _: state.telemetry.end_spans())
+            else:
+                state.telemetry.end_spans()

@@ -9,6 +9,7 @@ transaction or close its connection.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import sqlalchemy as sa
@@ -67,6 +68,7 @@ def guard(lock: Lock, using: str | None = None) -> None:
             lock.lockstring,
         )
     connection.ensure_connection()
+    restore_silence_limit(connection)  # a bound left by a guarded transaction rolled back
     raw = connection.connection
     module = type(raw).__module__.partition(".")[0]
     known = _DIALECTS.get(module)
@@ -92,23 +94,38 @@ def guard(lock: Lock, using: str | None = None) -> None:
         _restore_on_commit(connection, *silence)
 
 
+# On Django's connection: (variable, the session's own value) while a guard's bound stands.
+_PENDING = "_sqllocker_silence_limit"
+
+
 def _restore_on_commit(connection: Any, name: str, before: int) -> None:
     """MySQL/MariaDB: the session's own silence limit, which the guard shortened for as long
     as the transaction lasts, given back when Django commits it. (SQLAlchemy's connection
     would give it back as it closes, at once, its transaction still open: the guarded
-    transaction was left unbounded.) After a rollback the session keeps the guard's limit, a
-    bound on silence inside a transaction (or the session's, on MySQL) longer than the
-    lock's life, until Django closes the connection."""
-
-    if any(getattr(due, "_sqllocker_silence", False) for _, due, _ in connection.run_on_commit):
+    transaction was left unbounded.) After a rollback it is given back by the next
+    ``guard()`` or ``@locked`` call on the connection, or at the end of the request
+    (``restore_silence_limit``)."""
+    if getattr(connection, _PENDING, None) is not None:
         return  # an earlier guard's in this transaction saved the session's own
+    setattr(connection, _PENDING, (name, before))
+    connection.on_commit(functools.partial(restore_silence_limit, connection), robust=True)
 
-    def restore() -> None:
-        with connection.cursor() as cursor:
-            cursor.execute(f"SET SESSION {name} = %s", [int(before)])
 
-    restore._sqllocker_silence = True  # type: ignore[attr-defined]
-    connection.on_commit(restore, robust=True)
+def restore_silence_limit(connection: Any) -> None:
+    """Give the session of Django's ``connection`` back its own silence limit, if a guard's
+    bound still stands on it and its transaction has ended (committed, or rolled back)."""
+    pending = getattr(connection, _PENDING, None)
+    if pending is None or connection.connection is None:
+        return
+    if connection.in_atomic_block and any(
+        getattr(due, "func", None) is restore_silence_limit
+        for _, due, _ in connection.run_on_commit
+    ):
+        return  # the guarded transaction is still open: its commit gives it back
+    name, before = pending
+    with connection.cursor() as cursor:
+        cursor.execute(f"SET SESSION {name} = %s", [int(before)])
+    setattr(connection, _PENDING, None)
 
 
 class _Borrowed:

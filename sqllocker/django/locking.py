@@ -10,6 +10,7 @@ from typing import Any
 from ..concurrency import check_decorated
 from ..decorators import LockstringTemplate, check_decoration, finished
 from ..errors import LockBusy, LockError, LockTypeError
+from .apps import restore_silence_limits
 from .configuration import get_locker
 
 logger = logging.getLogger("sqllocker.django")
@@ -51,6 +52,7 @@ def locked(
         def under_lock(*args: Any, **kwargs: Any) -> Any:
             name = template.render(args, kwargs)
             _refuse_in_a_transaction(function, name)
+            restore_silence_limits()
             try:
                 lock = get_locker().lock(
                     name,
@@ -77,8 +79,12 @@ def locked(
 
 
 def _finished_response(function: Callable[..., Any], result: Any) -> Any:
-    """``result``, unless it is a streaming response, whose content would be made as it is
-    sent, after the release: refused (LockTypeError), and closed."""
+    """``result``, rendered now if it is a response still to be rendered (a
+    ``TemplateResponse``, as every generic view returns: Django renders it after the view
+    returns, its template's queries and code after the release); refused (LockTypeError, and
+    closed) if it is a streaming response, whose content would be made as it is sent."""
+    if getattr(result, "is_rendered", True) is False and callable(getattr(result, "render", None)):
+        result.render()
     if getattr(result, "streaming", False) is True:
         result.close()
         raise LockTypeError(

@@ -7,6 +7,7 @@ from tests.django_project.reports.views import (
     ReportMethodView,
     ReportView,
     non_atomic_report,
+    rendered_report,
     report,
     streamed_report,
 )
@@ -17,5 +18,6 @@ urlpatterns = [
     path("reports/method/<str:day>", ReportMethodView.as_view()),
     path("reports/async/<str:day>", AsyncReportView.as_view()),
     path("reports/streamed/<str:day>", streamed_report),
+    path("reports/rendered/<str:day>", rendered_report),
     path("reports/<str:day>", report),
 ]

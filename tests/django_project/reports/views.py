@@ -4,6 +4,7 @@ from collections.abc import Iterator
 
 from django.db import transaction
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
+from django.template.response import SimpleTemplateResponse
 from django.utils.decorators import method_decorator
 from django.views import View
 
@@ -56,3 +57,19 @@ def streamed_report(request: HttpRequest, day: str) -> StreamingHttpResponse:
         yield f"report {day}"
 
     return StreamingHttpResponse(lines())
+
+
+class _HeldWhileRendered:
+    """A template whose rendering says whether the view's lock is held then."""
+
+    def render(self, context: object = None, request: object = None) -> str:
+        from sqllocker.django import get_locker
+
+        return f"held while rendered: {get_locker().lock_info('report x') is not None}"
+
+
+@locked("report {day}", on_busy="conflict")
+def rendered_report(request: HttpRequest, day: str) -> SimpleTemplateResponse:
+    """A template response, which Django renders after the view returns: rendered under the
+    lock instead."""
+    return SimpleTemplateResponse(_HeldWhileRendered())

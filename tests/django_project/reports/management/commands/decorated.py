@@ -96,6 +96,7 @@ class Command(BaseCommand):
             locked("generator")(generator_view)
         except LockError as error:
             self.stdout.write(f"generator function: {type(error).__name__}")
+        self.stdout.write(Client().get("/reports/rendered/x").content.decode())
         for kind in ("async", "streamed"):
             try:
                 Client().get(f"/reports/{kind}/x")

@@ -76,6 +76,12 @@ class Command(BaseCommand):
                 during = _silence_limit()
             self.stdout.write(f"silence bounded while guarded: {before != during != 0}")
             self.stdout.write(f"silence limit after the commit: {_silence_limit() == before}")
+            with contextlib.suppress(RuntimeError), transaction.atomic():
+                guard(shorter)
+                raise RuntimeError("the guarded work failed: rolled back")
+            Client().get("/reports/class/y")  # a request ends: the bound is given back
+            restored = _silence_limit() == before
+            self.stdout.write(f"silence limit after a rollback and a request: {restored}")
 
         try:
             guard(lock("account 3"))
