@@ -102,7 +102,7 @@ def to_utc(value: Any) -> datetime | None:
     if isinstance(value, str):
         value = datetime.fromisoformat(value)
     if not isinstance(value, datetime):
-        raise TypeError(f"not a timestamp: {value!r}")
+        raise ValueError(f"not a timestamp: {value!r}")
     if value.tzinfo is None:
         return value.replace(tzinfo=timezone.utc)
     return value.astimezone(timezone.utc)

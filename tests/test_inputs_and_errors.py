@@ -377,3 +377,39 @@ def test_every_statement_and_connection_of_a_locker_is_bounded(url: str, backend
             assert driver._write_timeout == 60  # type: ignore[union-attr]
             assert driver.connect_timeout == 10  # type: ignore[union-attr]
     locker.close()
+
+
+# Rows another writer left that no Python value holds: (created, expires, locked_by) as SQL.
+UNREADABLE_ROWS = {
+    "sqlite": [
+        ("'yesterday'", "'tomorrow'", "'{}'"),
+        ("'2020-01-01 00:00:00.000'", "'2999-01-01 00:00:00.000'", "'{not json'"),
+    ],
+    "postgresql": [("now()", "'infinity'", "'{}'")],
+}
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_a_row_no_python_value_holds_is_a_lock_error(
+    make_locker: Callable[..., Locker], url: str, table_name: str, backend: str
+) -> None:
+    """A row an operator's SQL (or another program) wrote with a timestamp out of range or not
+    one, or locked_by that is not JSON: lock(), lock_info() and locks() raised ValueError or
+    JSONDecodeError, not a LockError, and the CLI printed a traceback."""
+    locker = make_locker()
+    engine = sa.create_engine(resolve_url(url))
+    with engine.begin() as conn:
+        for n, (created, expires, locked_by) in enumerate(UNREADABLE_ROWS[backend]):
+            conn.exec_driver_sql(
+                f"INSERT INTO {table_name} (lockstring, guid, created, expires, locked_by) "
+                f"VALUES ('written by hand {n}', 'guid {n}', {created}, {expires}, {locked_by})"
+            )
+    engine.dispose()
+    for n in range(len(UNREADABLE_ROWS[backend])):
+        with pytest.raises(LockError, match=r"cannot be read|out of range|too large|infinity"):
+            locker.lock(f"written by hand {n}")
+        with pytest.raises(LockError):
+            locker.lock_info(f"written by hand {n}")
+    with pytest.raises(LockError):
+        locker.locks()
+    locker.lock("another name").unlock()  # the rest of the table serves on

@@ -288,6 +288,18 @@ class Database:
         while True:
             try:
                 return self._run_once(operation)
+            except (ValueError, OverflowError, RecursionError) as error:
+                if isinstance(error, LockError):
+                    raise
+                # A value read back that no Python type holds: a row written by something
+                # other than sqllocker (an operator's SQL, another program) with a timestamp
+                # out of range or not one, or locked_by that is not JSON.
+                raise DatabaseError(
+                    f"a row of table {self.table_name!r} in {describe_url(self.url)} "
+                    + (f"for lock {lockstring!r} " if lockstring is not None else "")
+                    + f"cannot be read (not written by sqllocker?): {one_line(error)}",
+                    lockstring,
+                ) from error
             except sa.exc.DBAPIError as error:
                 if self._backend is not None and self.be.is_read_only(error):
                     # A standby, or a primary demoted by a failover: its connections were
