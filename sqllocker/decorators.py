@@ -313,8 +313,11 @@ def finished(function: Callable[..., Any], result: R) -> R:
         return result
     if inspect.iscoroutine(result) or inspect.isgenerator(result):
         result.close()  # never to run (an async generator not begun has nothing to close)
-    elif callable(cancel := getattr(result, "cancel", None)):
-        cancel()  # a task or future: cancelled, if it has not begun
+    elif inspect.isawaitable(result) and callable(cancel := getattr(result, "cancel", None)):
+        try:
+            cancel()  # a task or future: cancelled, if it has not begun
+        except Exception as error:  # a loop closed meanwhile, say: the refusal stands
+            logger.warning("could not cancel what %s returned: %s", function.__qualname__, error)
     kind = type(result).__name__
     raise LockTypeError(
         f"{function.__qualname__} returned a {kind}: the work in it would run after the lock "

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from . import clock, forks
 from .errors import LockError, LockLost
 from .lock import LockState
+from .telemetry import Hold
 
 logger = logging.getLogger("sqllocker")
 
@@ -98,6 +99,44 @@ class _Worker:
                 logger.exception("a renewal ended in an exception")
 
 
+class _SpanEnder:
+    """A thread that ends renewals' spans (``Hold.end_spans``), one hold after another, for
+    every KeepAlive of the process; started on first use (and again in a forked child)."""
+
+    def __init__(self) -> None:
+        self._holds: queue.SimpleQueue[Hold] = queue.SimpleQueue()
+        self._pid: int | None = None
+        self._starting = threading.Lock()
+
+    def end(self, hold: Hold) -> None:
+        if type(hold) is Hold:  # nothing recorded, nothing to end
+            return
+        if self._pid != forks.pid:
+            with self._starting:
+                if self._pid != forks.pid:
+                    self._holds = queue.SimpleQueue()
+                    try:
+                        threading.Thread(
+                            target=self._work, name="sqllocker-span-ender", daemon=True
+                        ).start()
+                    except RuntimeError:  # no thread to be had: ended here, then
+                        hold.end_spans()
+                        return
+                    self._pid = forks.pid
+        self._holds.put(hold)
+
+    def _work(self) -> None:
+        holds = self._holds
+        while True:
+            try:
+                holds.get().end_spans()
+            except Exception:  # recording never stops the thread (end_spans logs its own)
+                logger.exception("ending a renewal's spans failed")
+
+
+_span_ender = _SpanEnder()
+
+
 class KeepAlive:
     """The kept-alive locks of one Locker, and the threads that renew them."""
 
@@ -126,8 +165,17 @@ class KeepAlive:
             self._entries[id(state)] = _Entry(state, state.first_renewal(self.fraction))
             self._stopping = False
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._schedule, name=self.name, daemon=True)
-                self._thread.start()
+                thread = threading.Thread(target=self._schedule, name=self.name, daemon=True)
+                try:
+                    thread.start()
+                except RuntimeError as error:  # no thread to be had (a limit on processes)
+                    self._entries.pop(id(state), None)
+                    raise LockError(
+                        f"cannot keep lock {state.lockstring!r} alive: no thread to renew it "
+                        f"({error})",
+                        state.lockstring,
+                    ) from error
+                self._thread = thread
             self._condition.notify()
 
     def remove(self, state: LockState) -> None:
@@ -179,6 +227,22 @@ class KeepAlive:
     # -- the scheduler thread -------------------------------------------------------------------
 
     def _schedule(self) -> None:
+        try:
+            self._schedule_renewals()
+        except BaseException:
+            # Nothing renews these locks from now: each is lost, and told so, rather than
+            # left to expire unrenewed while its holder works on.
+            logger.exception("the keep-alive scheduler failed; its locks are lost")
+            with self._condition:
+                states = [entry.state for entry in self._entries.values()]
+                self._entries.clear()
+                self._thread = None
+            for state in states:
+                if state.held and state.lost is None:
+                    state.mark_lost(state.no_longer_renewed())
+            raise
+
+    def _schedule_renewals(self) -> None:
         idle_since: float | None = None
         with self._condition:
             while True:
@@ -250,7 +314,11 @@ class KeepAlive:
             )
             if len(self._workers) >= RENEWERS or not (stuck or now >= _late_at(entry)):
                 return None
-            idle = _Worker(f"{self.name}-renew-{len(self._workers)}")
+            try:
+                idle = _Worker(f"{self.name}-renew-{len(self._workers)}")
+            except RuntimeError as error:  # no thread to be had (a limit on processes)
+                logger.warning("could not start a renewal thread (%s); trying again", error)
+                return None  # tried again at the next look; the deadline still counts
             self._workers.append(idle)
         idle.busy_since = now
         return idle.submit(functools.partial(self._renew, entry, idle))
@@ -283,14 +351,12 @@ class KeepAlive:
             entry.next_renewal = state.renewal_by(self.fraction)
         finally:
             with self._condition:
-                entry.in_flight = None  # its next renewal may be scheduled (on another worker)
-                self._condition.notify()
-            # A span processor that exports as a span ends, and takes its time, keeps this
-            # worker busy (and others are started), not the lock's renewals.
-            state.telemetry.end_spans()
-            with self._condition:
+                entry.in_flight = None
                 worker.busy_since = None
                 self._condition.notify()
+            # Ended on a thread of their own: a span processor that exports as a span ends,
+            # and takes its time (or hangs), must hold up no renewal, nor every worker.
+            _span_ender.end(state.telemetry)
 
 
 def _reset_after_fork() -> None:

@@ -90,6 +90,9 @@ class RWLock:
         reader._state.telemetry = recording.holding(reader.lock_id)
         try:
             return reader.keep_alive() if keep_alive else reader
+        except BaseException:  # never handed over: given back
+            _give_back(reader)
+            raise
         finally:
             recording.succeeded()  # its span ends once the lock is kept alive
 
@@ -174,10 +177,10 @@ class RWLock:
         try:
             try:
                 _announce(self._run, self._operations, self.name)
-            except BaseException:  # cancelled meanwhile: the caller never gets the lock
+                return lock.keep_alive() if keep_alive else lock
+            except BaseException:  # cancelled meanwhile, say: the caller never gets the lock
                 _give_back(lock)
                 raise
-            return lock.keep_alive() if keep_alive else lock
         finally:
             recording.succeeded()  # its span ends once the lock is kept alive
 

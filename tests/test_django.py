@@ -217,6 +217,7 @@ def test_locked_refuses_what_it_cannot_protect(project: Project) -> None:
         "async view's as_view(): LockTypeError",
         "generator function: LockTypeError",
         "held while rendered: True",
+        "finished by its framework: 200",
         "async response: LockTypeError",
         "async response: rows left 0",
         "streamed response: LockTypeError",

@@ -123,3 +123,29 @@ def test_an_on_lost_that_exits_leaves_the_other_locks_renewed(
     second.unlock()
     with contextlib.suppress(LockLost):
         first.unlock()
+
+
+def test_a_renewal_thread_that_cannot_start_is_tried_again(
+    make_locker: Callable[..., Locker], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No thread to be had (a limit on processes) for a while: starting a renewal worker
+    raised out of the scheduler, which died; the locks then expired unrenewed, their on_lost
+    never called, while another process took them over."""
+    import sqllocker.keepalive as keepalive
+
+    locker = make_locker()
+    told: list[LockLost] = []
+    lock = locker.lock("job", expires=3, keep_alive=True, on_lost=told.append)
+    refusing = {"until": time.monotonic() + 0.8}
+    real_init = keepalive._Worker.__init__
+
+    def no_thread(self: object, name: str) -> None:
+        if time.monotonic() < refusing["until"]:
+            raise RuntimeError("can't start new thread")
+        real_init(self, name)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(keepalive._Worker, "__init__", no_thread)
+    time.sleep(7)  # two periods and more: only renewals keep it
+    assert not told
+    assert lock.is_valid()
+    lock.unlock()

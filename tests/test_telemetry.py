@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -683,6 +684,42 @@ def test_an_async_renewal_still_running_when_its_lock_is_lost_ends_its_span(
             await locker.aclose()
 
     asyncio.run(scenario())
+    tracer_provider.shutdown()
+
+
+class _HangingExporter(SpanExporter):
+    """A span exporter that never answers for renewals' spans (until told to)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def export(self, spans: Any) -> SpanExportResult:
+        if any(span.name == "sqllocker.extend" for span in spans):
+            self.release.wait(60)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        self.release.set()
+
+
+def test_a_hanging_span_export_holds_up_no_renewal(make_locker: Callable[..., Locker]) -> None:
+    """Renewals' spans ended on the renewal workers, each busy for as long as an export: a
+    hanging exporter took one worker per renewal, and once all 16 were taken, the locks were
+    lost."""
+    exporter = _HangingExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+    locker = make_locker(tracer_provider=tracer_provider)
+    lost: list[LockLost] = []
+    locks = [
+        locker.lock(f"job {n}", expires=1.5, keep_alive=True, on_lost=lost.append) for n in range(4)
+    ]
+    time.sleep(12)  # more than 16 renewals, each with a span whose export hangs
+    assert not lost
+    assert all(lock.is_valid() for lock in locks)
+    exporter.release.set()  # a SimpleSpanProcessor exports one span at a time: releases wait
+    for lock in locks:
+        lock.unlock()
     tracer_provider.shutdown()
 
 

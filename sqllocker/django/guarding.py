@@ -10,8 +10,10 @@ transaction or close its connection.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
+import django.db
 import sqlalchemy as sa
 from django.db import DEFAULT_DB_ALIAS, connections
 from sqlalchemy.pool import StaticPool
@@ -24,6 +26,8 @@ from .configuration import database_alias
 # The SQLAlchemy dialect for each DB-API module Django's backends use, and its options: the
 # PostgreSQL dialects would look hstore up on the connection, which is Django's to configure.
 _NO_HSTORE = {"use_native_hstore": False}
+logger = logging.getLogger("sqllocker.django")
+
 _DIALECTS: dict[str, tuple[str, dict[str, Any]]] = {
     "psycopg": ("postgresql+psycopg", _NO_HSTORE),
     "psycopg2": ("postgresql+psycopg2", _NO_HSTORE),
@@ -123,9 +127,12 @@ def restore_silence_limit(connection: Any) -> None:
     ):
         return  # the guarded transaction is still open: its commit gives it back
     name, before = pending
-    with connection.cursor() as cursor:
-        cursor.execute(f"SET SESSION {name} = %s", [int(before)])
     setattr(connection, _PENDING, None)
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(f"SET SESSION {name} = %s", [int(before)])
+    except django.db.Error as error:  # the session is gone (and its bound with it), or going
+        logger.warning("could not give a session its own silence limit back: %s", error)
 
 
 class _Borrowed:

@@ -83,7 +83,13 @@ def _finished_response(function: Callable[..., Any], result: Any) -> Any:
     ``TemplateResponse``, as every generic view returns: Django renders it after the view
     returns, its template's queries and code after the release); refused (LockTypeError, and
     closed) if it is a streaming response, whose content would be made as it is sent."""
-    if getattr(result, "is_rendered", True) is False and callable(getattr(result, "render", None)):
+    if (
+        getattr(result, "is_rendered", True) is False
+        and getattr(result, "template_name", None) is not None
+        and callable(getattr(result, "render", None))
+    ):
+        # (A template response without a template, Django REST framework's Response, is
+        # rendered by its framework's code once the view returns: left to it.)
         result.render()
     if getattr(result, "streaming", False) is True:
         result.close()

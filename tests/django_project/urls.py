@@ -6,6 +6,7 @@ from tests.django_project.reports.views import (
     AsyncReportView,
     ReportMethodView,
     ReportView,
+    framework_report,
     non_atomic_report,
     rendered_report,
     report,
@@ -19,5 +20,6 @@ urlpatterns = [
     path("reports/async/<str:day>", AsyncReportView.as_view()),
     path("reports/streamed/<str:day>", streamed_report),
     path("reports/rendered/<str:day>", rendered_report),
+    path("reports/framework/<str:day>", framework_report),
     path("reports/<str:day>", report),
 ]

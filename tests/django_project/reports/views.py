@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 
 from django.db import transaction
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
@@ -73,3 +74,35 @@ def rendered_report(request: HttpRequest, day: str) -> SimpleTemplateResponse:
     """A template response, which Django renders after the view returns: rendered under the
     lock instead."""
     return SimpleTemplateResponse(_HeldWhileRendered())
+
+
+class _FinishedByItsFramework(SimpleTemplateResponse):
+    """As Django REST framework's ``Response``: no template, and how to render it is set by
+    the framework's code once the view returns (``finishing``)."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.finished: str | None = None
+
+    @property
+    def rendered_content(self) -> str:
+        assert self.finished is not None, "rendered before its framework finished it"
+        return self.finished
+
+
+def finishing(view: Callable[..., _FinishedByItsFramework]) -> Callable[..., HttpResponse]:
+    """As DRF's ``@api_view`` around a view: finishes the response the view returned."""
+
+    @functools.wraps(view)
+    def finish(request: HttpRequest, day: str) -> HttpResponse:
+        response = view(request, day)
+        response.finished = f"report {day}"
+        return response
+
+    return finish
+
+
+@finishing
+@locked("report {day}", on_busy="conflict")
+def framework_report(request: HttpRequest, day: str) -> _FinishedByItsFramework:
+    return _FinishedByItsFramework()

@@ -97,6 +97,8 @@ class Command(BaseCommand):
         except LockError as error:
             self.stdout.write(f"generator function: {type(error).__name__}")
         self.stdout.write(Client().get("/reports/rendered/x").content.decode())
+        finished = Client().get("/reports/framework/x")
+        self.stdout.write(f"finished by its framework: {finished.status_code}")
         for kind in ("async", "streamed"):
             try:
                 Client().get(f"/reports/{kind}/x")
