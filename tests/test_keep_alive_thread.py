@@ -102,6 +102,7 @@ def test_a_thread_outliving_the_main_one_keeps_its_lock_renewed(
     assert locker.lock_info("job") is None
 
 
+@pytest.mark.parametrize("backend", ["sqlite"])  # the keep-alive's own threads
 def test_an_on_lost_that_exits_leaves_the_other_locks_renewed(
     make_locker: Callable[..., Locker],
 ) -> None:
@@ -125,6 +126,7 @@ def test_an_on_lost_that_exits_leaves_the_other_locks_renewed(
         first.unlock()
 
 
+@pytest.mark.parametrize("backend", ["sqlite"])  # the keep-alive's own threads
 def test_a_renewal_thread_that_cannot_start_is_tried_again(
     make_locker: Callable[..., Locker], monkeypatch: pytest.MonkeyPatch
 ) -> None:
