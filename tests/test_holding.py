@@ -99,8 +99,11 @@ def test_a_lock_kept_alive_late_in_its_life_is_renewed_before_its_deadline(
 
 
 def test_one_keep_alive_thread_serves_all_of_a_lockers_locks(locker: Locker) -> None:
-    locks = [locker.lock(f"job {n}", expires=1, keep_alive=True) for n in range(20)]
-    time.sleep(0.8)
+    # (A period of 3 s: a renewal is late, and starts another worker, once it has waited half
+    # a second, or a quarter of its lock's time to spare; 20 renewals on one worker took more
+    # than a 1 s lock's 0.17 s when MariaDB was slow under the suite's load.)
+    locks = [locker.lock(f"job {n}", expires=3, keep_alive=True) for n in range(20)]
+    time.sleep(1.5)  # the first renewals (at 0.7 s) done
     names = threads_of(locker)
     assert names.count(locker._keep_alives.name) == 1  # the scheduler
     assert len(names) <= 2  # and at most one worker for the statements
