@@ -9,6 +9,7 @@ version table, never in the application's ``alembic_version``.
 from __future__ import annotations
 
 import io
+import threading
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,13 @@ def head_revision() -> str:
     return head
 
 
+# Alembic keeps the migration running in a process in module globals (its ``context`` and
+# ``op`` proxies): two at once, on two databases from two threads (Lockers creating their tables
+# on first use), failed with KeyError, "table already exists", and crashed the interpreter.
+# Taken after the database's own migration lock (``_migration_connection``), never before it.
+_ALEMBIC = threading.RLock()
+
+
 def current_revision(engine: Engine, table: str = DEFAULT_TABLE) -> str | None:
     with engine.connect() as conn:
         return current_revision_on(conn, table)
@@ -75,7 +83,8 @@ def upgrade(engine: Engine, table: str = DEFAULT_TABLE, revision: str = "head") 
         reason = _foreign_reason(conn, table)
         if reason is not None:
             raise ForeignTable.naming(table, describe_url(engine.url), reason)
-        command.upgrade(alembic_config(table, connection=conn), revision)
+        with _ALEMBIC:
+            command.upgrade(alembic_config(table, connection=conn), revision)
 
 
 def foreign_reason(engine: Engine, table: str = DEFAULT_TABLE) -> str | None:
@@ -104,7 +113,8 @@ def adopt_dbix_locker(
     with _migration_connection(engine) as conn:
         if interrupted_after_swap(conn, table, version_table):
             # All but the record was made before the swap: record it; the old table goes below.
-            command.stamp(alembic_config(table, connection=conn), "head")
+            with _ALEMBIC:
+                command.stamp(alembic_config(table, connection=conn), "head")
             count = sa.select(sa.func.count()).select_from(sa.table(table))
             rows = int(conn.execute(count).scalar() or 0)
         else:
@@ -114,7 +124,8 @@ def adopt_dbix_locker(
             adoption = plan_adoption(conn, table, perl_tz, exact_lockstrings, online=True)
             try:
                 config = alembic_config(table, connection=conn, adoption=adoption)
-                command.upgrade(config, "head")
+                with _ALEMBIC:
+                    command.upgrade(config, "head")
             except Exception as error:
                 if not backend.adoption_swaps:
                     raise  # rolled back whole
@@ -176,21 +187,23 @@ def adoption_sql(
         adoption = plan_adoption(conn, table, perl_tz, exact_lockstrings, online=False)
     buffer = io.StringIO()
     config = alembic_config(table, url=engine.url, output_buffer=buffer, adoption=adoption)
-    command.upgrade(config, "head", sql=True)
+    with _ALEMBIC:
+        command.upgrade(config, "head", sql=True)
     return buffer.getvalue()
 
 
 def downgrade(engine: Engine, table: str = DEFAULT_TABLE, revision: str = "base") -> None:
     """Undo the migrations down to ``revision``: by default everything they made (the table,
     and on PostgreSQL its trigger, functions and requests table), for tearing a table down."""
-    with _migration_connection(engine) as conn:
+    with _migration_connection(engine) as conn, _ALEMBIC:
         command.downgrade(alembic_config(table, connection=conn), revision)
 
 
 def upgrade_sql(url: URL, table: str = DEFAULT_TABLE) -> str:
     """The DDL of a full upgrade for ``url``'s dialect, for DBAs who apply it themselves."""
     buffer = io.StringIO()
-    command.upgrade(alembic_config(table, url=url, output_buffer=buffer), "head", sql=True)
+    with _ALEMBIC:
+        command.upgrade(alembic_config(table, url=url, output_buffer=buffer), "head", sql=True)
     return buffer.getvalue()
 
 

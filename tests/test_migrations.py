@@ -410,3 +410,34 @@ def test_an_interrupted_migration_raises_the_interrupt_and_can_run_again(
 def _interrupt_create_table(_conn: object, _cursor: object, statement: str, *_: object) -> None:
     if statement.lstrip().upper().startswith("CREATE TABLE"):
         raise KeyboardInterrupt
+
+
+def test_tables_made_at_once_on_several_databases_by_threads_of_one_process(
+    tmp_path: Path,
+) -> None:
+    """Alembic keeps the migration it runs in module globals: ``upgrade()`` on several SQLite
+    files from several threads of one process (and beside a Locker making its table on first
+    use) failed with KeyError or "table already exists", or crashed the interpreter."""
+    failures: list[BaseException] = []
+
+    def create(thread: int) -> None:
+        for n in range(10):
+            url = f"sqlite:///{tmp_path / f'{thread}-{n}.db'}"
+            try:
+                if thread == 0:
+                    locker = Locker(url, table=f"t{thread}_{n}")
+                    locker.lock("job").unlock()  # the table made on first use
+                    locker.close()
+                else:
+                    engine = sa.create_engine(url)
+                    upgrade(engine, f"t{thread}_{n}")
+                    engine.dispose()
+            except BaseException as error:
+                failures.append(error)
+
+    threads = [threading.Thread(target=create, args=(thread,)) for thread in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
