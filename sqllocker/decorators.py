@@ -313,7 +313,7 @@ def finished(function: Callable[..., Any], result: R) -> R:
         return result
     if inspect.iscoroutine(result) or inspect.isgenerator(result):
         result.close()  # never to run (an async generator not begun has nothing to close)
-    elif inspect.isawaitable(result) and callable(cancel := getattr(result, "cancel", None)):
+    elif callable(cancel := getattr(result, "cancel", None)):
         try:
             cancel()  # a task or future: cancelled, if it has not begun
         except Exception as error:  # a loop closed meanwhile, say: the refusal stands

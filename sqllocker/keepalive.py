@@ -29,7 +29,7 @@ from collections.abc import Callable
 from . import clock, forks
 from .errors import LockError, LockLost
 from .lock import LockState
-from .telemetry import Hold
+from .telemetry import end_spans_in_background
 
 logger = logging.getLogger("sqllocker")
 
@@ -97,44 +97,6 @@ class _Worker:
                 job()
             except BaseException:  # an on_lost that exits, say: the worker serves on
                 logger.exception("a renewal ended in an exception")
-
-
-class _SpanEnder:
-    """A thread that ends renewals' spans (``Hold.end_spans``), one hold after another, for
-    every KeepAlive of the process; started on first use (and again in a forked child)."""
-
-    def __init__(self) -> None:
-        self._holds: queue.SimpleQueue[Hold] = queue.SimpleQueue()
-        self._pid: int | None = None
-        self._starting = threading.Lock()
-
-    def end(self, hold: Hold) -> None:
-        if type(hold) is Hold:  # nothing recorded, nothing to end
-            return
-        if self._pid != forks.pid:
-            with self._starting:
-                if self._pid != forks.pid:
-                    self._holds = queue.SimpleQueue()
-                    try:
-                        threading.Thread(
-                            target=self._work, name="sqllocker-span-ender", daemon=True
-                        ).start()
-                    except RuntimeError:  # no thread to be had: ended here, then
-                        hold.end_spans()
-                        return
-                    self._pid = forks.pid
-        self._holds.put(hold)
-
-    def _work(self) -> None:
-        holds = self._holds
-        while True:
-            try:
-                holds.get().end_spans()
-            except Exception:  # recording never stops the thread (end_spans logs its own)
-                logger.exception("ending a renewal's spans failed")
-
-
-_span_ender = _SpanEnder()
 
 
 class KeepAlive:
@@ -213,14 +175,10 @@ class KeepAlive:
         if self._pid != forks.pid:
             return
         with self._condition:
-            states = [entry.state for entry in self._entries.values()]
-            self._entries.clear()
             self._stopping = True
             self._condition.notify()
             thread = self._thread
-        for state in states:
-            if state.held and state.lost is None:
-                state.mark_lost(state.no_longer_renewed())
+        self._lose_all()
         if thread is not None and thread is not threading.current_thread():
             thread.join(IDLE_SECONDS)
 
@@ -234,13 +192,18 @@ class KeepAlive:
             # left to expire unrenewed while its holder works on.
             logger.exception("the keep-alive scheduler failed; its locks are lost")
             with self._condition:
-                states = [entry.state for entry in self._entries.values()]
-                self._entries.clear()
                 self._thread = None
-            for state in states:
-                if state.held and state.lost is None:
-                    state.mark_lost(state.no_longer_renewed())
+            self._lose_all()
             raise
+
+    def _lose_all(self) -> None:
+        """Renew nothing more: every lock still held is lost from now, and told so."""
+        with self._condition:
+            states = [entry.state for entry in self._entries.values()]
+            self._entries.clear()
+        for state in states:
+            if state.held and state.lost is None:
+                state.mark_lost(state.no_longer_renewed())
 
     def _schedule_renewals(self) -> None:
         idle_since: float | None = None
@@ -356,7 +319,7 @@ class KeepAlive:
                 self._condition.notify()
             # Ended on a thread of their own: a span processor that exports as a span ends,
             # and takes its time (or hangs), must hold up no renewal, nor every worker.
-            _span_ender.end(state.telemetry)
+            end_spans_in_background(state.telemetry)
 
 
 def _reset_after_fork() -> None:

@@ -63,8 +63,9 @@ def head_revision() -> str:
 
 
 # Alembic keeps the migration running in a process in module globals (its ``context`` and
-# ``op`` proxies): two at once, on two databases from two threads (Lockers creating their tables
-# on first use), failed with KeyError, "table already exists", and crashed the interpreter.
+# ``op`` proxies): two at once, on two databases from two threads (a ``migrate`` beside a Locker
+# making its table on first use), failed with KeyError, "table already exists", and crashed the
+# interpreter.
 # Taken after the database's own migration lock (``_migration_connection``), never before it.
 _ALEMBIC = threading.RLock()
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import queue
 import re
 import threading
 import time
@@ -35,6 +36,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from sqlalchemy.engine import Engine
 
+from . import forks
 from .backends import backend_class
 from .errors import LockBusy, LockLost
 from .version import __version__
@@ -560,3 +562,47 @@ def _non_recording_span() -> Any:
 @_never_raising
 def _end_span(span: Any) -> None:
     span.end()
+
+
+class _SpanEnder:
+    """A thread that ends renewals' spans (``Hold.end_spans``), one hold after another, for
+    every keep-alive of the process; started on first use (and again in a forked child)."""
+
+    def __init__(self) -> None:
+        self._holds: queue.SimpleQueue[Hold] = queue.SimpleQueue()
+        self._pid: int | None = None
+        self._starting = threading.Lock()
+
+    def end(self, hold: Hold) -> None:
+        if type(hold) is Hold:  # nothing recorded, nothing to end
+            return
+        if self._pid != forks.pid:
+            with self._starting:
+                if self._pid != forks.pid:
+                    self._holds = queue.SimpleQueue()
+                    try:
+                        threading.Thread(
+                            target=self._work, name="sqllocker-span-ender", daemon=True
+                        ).start()
+                    except RuntimeError:  # no thread to be had: ended here, then
+                        hold.end_spans()
+                        return
+                    self._pid = forks.pid
+        self._holds.put(hold)
+
+    def _work(self) -> None:
+        holds = self._holds
+        while True:
+            try:
+                holds.get().end_spans()
+            except Exception:  # recording never stops the thread (end_spans logs its own)
+                logger.exception("ending a renewal's spans failed")
+
+
+_span_ender = _SpanEnder()
+
+
+def end_spans_in_background(hold: Hold) -> None:
+    """``hold.end_spans()`` on a thread of its own: a renewal worker's, which a span processor
+    that exports as a span ends, and takes its time (or hangs), must not hold up."""
+    _span_ender.end(hold)

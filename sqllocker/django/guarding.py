@@ -115,6 +115,13 @@ def _restore_on_commit(connection: Any, name: str, before: int) -> None:
     connection.on_commit(functools.partial(restore_silence_limit, connection), robust=True)
 
 
+def restore_silence_limits(**_: object) -> None:
+    """``restore_silence_limit`` on every connection made in this thread: at the end of a
+    request, and before a ``@locked`` call."""
+    for connection in connections.all(initialized_only=True):
+        restore_silence_limit(connection)
+
+
 def restore_silence_limit(connection: Any) -> None:
     """Give the session of Django's ``connection`` back its own silence limit, if a guard's
     bound still stands on it and its transaction has ended (committed, or rolled back)."""

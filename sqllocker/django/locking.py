@@ -10,8 +10,8 @@ from typing import Any
 from ..concurrency import check_decorated
 from ..decorators import LockstringTemplate, check_decoration, finished
 from ..errors import LockBusy, LockError, LockTypeError
-from .apps import restore_silence_limits
 from .configuration import get_locker
+from .guarding import restore_silence_limits
 
 logger = logging.getLogger("sqllocker.django")
 
