@@ -1,13 +1,18 @@
 """The ``sqllocker`` command: cron's purge job, running commands under a lock, and inspection.
 
-Every command works on the embedded SQLite default with no set-up, and on a server given
-``--url`` or ``$SQLLOCKER_URL``. Errors are one line on stderr and exit 1; usage errors exit 2.
+Every command works on the embedded SQLite default with no set-up (``run`` and ``migrate`` make
+its file; the others make nothing), and on a server given ``--url`` or ``$SQLLOCKER_URL``.
+
+Exit statuses are grep's (``sqllocker.exit_statuses``): 0 the positive answer, or done; 1 the
+negative answer only (not held, no leader, behind, busy); 2 any error, a usage error or one that
+kept the command from answering, said in one line on stderr.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import traceback
 from collections.abc import Sequence
 
 import click
@@ -19,12 +24,17 @@ from .cli_run import run
 from .cli_serve import exporter, top
 from .engine import URL_ENVIRONMENT_VARIABLE
 from .errors import LockError
-from .runner import EXIT_LOCK_LOST
+from .exit_statuses import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_LOCK_LOST
 from .schema import DEFAULT_TABLE
 from .version import __version__
 
 
-@click.group(context_settings=CONTEXT_SETTINGS)
+@click.group(
+    context_settings=CONTEXT_SETTINGS,
+    epilog="Exit status: 0 yes, or done; 1 no (show, release: not held; leader: nobody leads; "
+    "migrate --check: behind; run: held by someone else); 2 an error, no answer (the database "
+    "unreachable, the table missing, a bad argument). run returns COMMAND's otherwise.",
+)
 @click.option(
     "--url",
     envvar=URL_ENVIRONMENT_VARIABLE,
@@ -59,20 +69,25 @@ for command in (purge_expired, list_locks, show, leader, release, run, top, expo
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """The console script: LockErrors become one line on stderr and exit status 1."""
+    """The console script: an error that kept the command from answering (a LockError, a usage
+    error) is one line on stderr and exit status 2, never 1: that is the negative answer."""
     try:
         cli.main(args=argv, prog_name="sqllocker", standalone_mode=False)
     except click.exceptions.Exit as done:
         sys.exit(done.exit_code)
     except click.ClickException as error:
         error.show()
-        sys.exit(error.exit_code)
+        sys.exit(EXIT_ERROR)
     except click.exceptions.Abort:
         click.echo("sqllocker: aborted", err=True)
-        sys.exit(130)
+        sys.exit(EXIT_INTERRUPTED)
     except LockError as error:
         click.echo(f"sqllocker: error: {error}", err=True)
-        sys.exit(1)
+        sys.exit(EXIT_ERROR)
+    except Exception:
+        # A bug of ours: its traceback, to report, and not the status of a negative answer.
+        traceback.print_exc()
+        sys.exit(EXIT_ERROR)
 
 
 __all__ = ["EXIT_LOCK_LOST", "cli", "main"]

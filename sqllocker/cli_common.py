@@ -10,7 +10,9 @@ from datetime import datetime
 from typing import Any
 
 import click
+from sqlalchemy.engine import URL
 
+from .engine import refuse_new_database, resolve_url
 from .errors import LockError, one_line
 from .locker import Locker, LockInfo
 from .row_kinds import kind_of
@@ -26,8 +28,14 @@ class Settings:
         self.transaction_pooling = transaction_pooling
         self._locker: Locker | None = None
 
-    def locker(self, **options: Any) -> Locker:
+    def locker(self, *, creates: bool = True, **options: Any) -> Locker:
+        """The Locker of the command. ``creates=False``, for a command that only reads or
+        deletes rows: it makes no database (see ``existing_url``) and no table, which is an
+        error instead, as on a server."""
         if self._locker is None:
+            if not creates:
+                self.existing_url()
+                options["auto_create"] = False
             self._locker = Locker(
                 self.url,
                 table=self.table,
@@ -35,6 +43,14 @@ class Settings:
                 **options,
             )
         return self._locker
+
+    def existing_url(self) -> URL:
+        """The database's URL; LockValueError if connecting would make the database (SQLite's
+        file that does not exist, a database in memory): a mistyped path must not answer from
+        an empty database made there."""
+        url = resolve_url(self.url)
+        refuse_new_database(url)
+        return url
 
 
 pass_settings = click.make_pass_decorator(Settings)

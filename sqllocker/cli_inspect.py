@@ -20,6 +20,7 @@ from .cli_common import (
 from .cli_waits import SECONDS
 from .defaults import DEFAULT_GRACE, DEFAULT_PURGE_BATCH, DEFAULT_PURGE_PAUSE_RATIO
 from .errors import describe_holder, printable
+from .exit_statuses import EXIT_NO
 from .row_kinds import kind_of
 
 # -- purge-expired --------------------------------------------------------------------------------
@@ -66,7 +67,7 @@ def purge_expired(
     whatever this machine's clock or time zone says. On PostgreSQL it also deletes the tickets
     left by waiters whose process died. Prints nothing on success unless asked.
     """
-    locker = settings.locker(grace=grace)
+    locker = settings.locker(creates=False, grace=grace)
     if dry_run:
         doomed = locker.expired_locks()
         if as_json:
@@ -96,7 +97,7 @@ def purge_expired(
 @pass_settings
 def list_locks(settings: Settings, pattern: str | None, as_json: bool, expired_only: bool) -> None:
     """List locks, optionally those matching PATTERN (a glob: * and ? are wildcards)."""
-    infos = settings.locker().locks(pattern)
+    infos = settings.locker(creates=False).locks(pattern)
     if expired_only:
         infos = [info for info in infos if info.expired]
     if as_json:
@@ -132,19 +133,19 @@ def list_locks(settings: Settings, pattern: str | None, as_json: bool, expired_o
 @click.option("--json", "as_json", is_flag=True, help="A JSON object.")
 @pass_settings
 def show(settings: Settings, lockstring: str, as_json: bool) -> None:
-    """Show one lock in detail; exit 1 if nobody holds LOCKSTRING (its row, if it has one
-    that expired, is shown first)."""
-    info = settings.locker().lock_info(lockstring)
+    """Show one lock in detail; exit status 1 if nobody holds LOCKSTRING (its row, if it has
+    one that expired, is shown first), 2 on an error."""
+    info = settings.locker(creates=False).lock_info(lockstring)
     if info is None:
         if as_json:
             print_json(None)
         else:
             click.echo(f"sqllocker: lock {lockstring!r} is not held", err=True)
-        sys.exit(1)
+        sys.exit(EXIT_NO)
     if as_json:
         print_json(info_json(info))
         if info.expired:
-            sys.exit(1)  # its row expired: nobody holds it
+            sys.exit(EXIT_NO)  # its row expired: nobody holds it
         return
     left = time_left(info)
     state = left if info.expired else f"held, {left} left"
@@ -162,7 +163,7 @@ def show(settings: Settings, lockstring: str, as_json: bool) -> None:
         shown = value if isinstance(value, str) else json.dumps(value)
         click.echo(f"  {printable(key)}: {printable(shown)}")
     if info.expired:
-        sys.exit(1)  # its row expired: nobody holds it
+        sys.exit(EXIT_NO)  # its row expired: nobody holds it
 
 
 # -- leader ---------------------------------------------------------------------------------------
@@ -174,8 +175,9 @@ def show(settings: Settings, lockstring: str, as_json: bool) -> None:
 @pass_settings
 def leader(settings: Settings, name: str, as_json: bool) -> None:
     """Print who leads the election NAME (the holder of its lock, e.g. a `run --standby NAME`):
-    host, pid, program, since when and its term (fencing token). Exit status 1 if none."""
-    current = settings.locker().election(name).leader()
+    host, pid, program, since when and its term (fencing token). Exit status 1 if none, 2 on
+    an error."""
+    current = settings.locker(creates=False).election(name).leader()
     if as_json:
         print_json(
             None
@@ -197,7 +199,7 @@ def leader(settings: Settings, name: str, as_json: bool) -> None:
         click.echo(f"since:   {when(current.since)}")
         click.echo(f"term:    {current.term}")
     if current is None:
-        sys.exit(1)
+        sys.exit(EXIT_NO)
 
 
 # -- release --------------------------------------------------------------------------------------
@@ -212,17 +214,18 @@ def release(settings: Settings, lockstring: str, force: bool, lock_id: int | Non
     """Break LOCKSTRING's lock, whoever holds it (for holders known to be dead).
 
     The holder is not told until it next extends or releases, when it gets LockLost; meanwhile
-    someone else may take the lock. Prefer waiting for the lock to expire.
+    someone else may take the lock. Prefer waiting for the lock to expire. Exit status 1 if
+    nobody holds it (nothing to break), 2 on an error.
     """
     if not force:
         raise click.UsageError(
             f"refusing to break lock {lockstring!r} without --force: its holder may be alive"
         )
-    broken = settings.locker().break_lock(lockstring, lock_id=lock_id)
+    broken = settings.locker(creates=False).break_lock(lockstring, lock_id=lock_id)
     if broken is None:
         which = f" with id {lock_id}" if lock_id is not None else ""
         click.echo(f"sqllocker: lock {lockstring!r}{which} is not held", err=True)
-        sys.exit(1)
+        sys.exit(EXIT_NO)
     click.echo(
         f"broke lock {lockstring!r} (id {broken.lock_id}) "
         f"held by {describe_holder(broken.locked_by)}"

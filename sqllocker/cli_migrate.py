@@ -16,6 +16,7 @@ from .cli_common import (
 )
 from .engine import describe_url
 from .errors import ForeignTable
+from .exit_statuses import EXIT_NO
 from .locker import Locker
 
 # -- migrate --------------------------------------------------------------------------------------
@@ -28,7 +29,11 @@ from .locker import Locker
     is_flag=True,
     help="Print the DDL instead of applying it (for DBAs who apply it themselves).",
 )
-@click.option("--check", is_flag=True, help="Exit 1 if the database is behind; change nothing.")
+@click.option(
+    "--check",
+    is_flag=True,
+    help="Exit status 1 if the table is behind (or not there), 0 if up to date; change nothing.",
+)
 @click.option(
     "--adopt-dbix-locker",
     "adopt",
@@ -92,7 +97,7 @@ def migrate(
                     f"--table {locker.table_name} migrate`",
                     err=True,
                 )
-                sys.exit(1)
+                sys.exit(EXIT_NO)
             click.echo(f"{locker.table_name} is up to date (revision {head})")
             return
         migrations.upgrade(locker.engine, locker.table_name)

@@ -13,6 +13,7 @@ from .cli_common import (
 )
 from .cli_waits import FOREVER, POSITIVE_SECONDS, SECONDS, wait_seconds
 from .engine import URL_ENVIRONMENT_VARIABLE
+from .exit_statuses import EXIT_NO
 from .runner import DEFAULT_KILL_AFTER, ON_LOST_CHOICES, RunOptions, run_locked
 from .telemetry import default_name
 from .trace_context import joined_trace
@@ -50,8 +51,8 @@ from .trace_context import joined_trace
     "-E",
     "--conflict-exit-code",
     type=click.IntRange(0, 255),
-    default=1,
-    help="Exit status when the lock is held by someone else.",
+    default=EXIT_NO,
+    help="Exit status when the lock is held by someone else (errors exit 2).",
 )
 @click.option(
     "--expires",
@@ -125,9 +126,10 @@ def run(
     Unlike flock(1), which waits by default, this fails at once if the lock is held (as the
     library's lock() does); -w waits. The lock is renewed for as long as COMMAND runs, so
     --expires only bounds how long a crashed sqllocker keeps others out. COMMAND's exit status
-    is returned (128+N if it died of signal N); INT, TERM, HUP and QUIT are passed on to its
-    process group (a Ctrl-C typed at the terminal reaches it directly, once); the lock is
-    released when it ends.
+    is returned (128+N if it died of signal N); 1 (-E) if the lock is held by someone else, 2
+    on an error (the database unreachable, say), COMMAND not run. INT, TERM, HUP and QUIT are
+    passed on to its process group (a Ctrl-C typed at the terminal reaches it directly, once);
+    the lock is released when it ends.
 
     It fails closed: a watchdog starts COMMAND and keeps all it starts in its family (on Linux,
     daemons that leave the process group too). If the lock is lost while it runs (broken, or

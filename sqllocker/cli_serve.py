@@ -13,7 +13,7 @@ from .cli_common import (
 )
 from .cli_inspect import list_locks
 from .cli_waits import POSITIVE_SECONDS
-from .engine import create_locker_engine, resolve_url
+from .engine import create_locker_engine
 from .exporter import (
     DEFAULT_MAX_SERIES,
     DEFAULT_SCRAPE_TIMEOUT,
@@ -44,7 +44,7 @@ def top(context: click.Context, pattern: str | None) -> None:
 
     settings = context.find_object(Settings)
     assert settings is not None
-    run_top(settings.locker(), pattern)
+    run_top(settings.locker(creates=False), pattern)
 
 
 # -- exporter -------------------------------------------------------------------------------------
@@ -94,6 +94,6 @@ def exporter(
         timeout=scrape_timeout,
     )
     engine = create_locker_engine(
-        resolve_url(settings.url), transaction_pooling=settings.transaction_pooling
+        settings.existing_url(), transaction_pooling=settings.transaction_pooling
     )
     serve(engine, options, host, port)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from .census import TableCensus, take_census
-from .errors import LockValueError, one_line
+from .errors import LockError, LockValueError, one_line
 
 if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry
@@ -189,7 +189,10 @@ def registry_for(engine: sa.Engine, options: ExporterOptions) -> CollectorRegist
 def serve(engine: sa.Engine, options: ExporterOptions, host: str, port: int) -> None:
     """Serve ``/metrics`` on ``host:port`` until the process is stopped."""
     prometheus = _prometheus()
-    server, thread = prometheus.start_http_server(port, host, registry_for(engine, options))
+    try:
+        server, thread = prometheus.start_http_server(port, host, registry_for(engine, options))
+    except OSError as error:  # the port taken, an address not this machine's
+        raise LockError(f"cannot serve on {host}:{port}: {one_line(error)}") from None
     logger.info("serving /metrics on %s:%d", host, server.server_port)
     thread.join()
 

@@ -45,15 +45,18 @@ from typing import Any
 from . import watchdog as watchdog_script
 from .engine import URL_ENVIRONMENT_VARIABLE, URL_WITHHELD_VARIABLE
 from .errors import LockBusy, LockError, LockLost
+from .exit_statuses import (
+    EXIT_CANNOT_EXECUTE,
+    EXIT_LOCK_LOST,
+    EXIT_NO,
+    EXIT_NOT_FOUND,
+    EXIT_SIGNAL,
+)
 from .holding import CLOCK_DRIFT, TIMESTAMP_SLACK, safety_margin
 from .lock import Lock
 from .locker import Locker
 from .rwlock import WriteLock
 
-# Exit statuses that are not the command's own, after the shells' and flock(1)'s conventions.
-EXIT_LOCK_LOST = 75  # EX_TEMPFAIL: the command ran, but not (all of it) under the lock
-EXIT_CANNOT_EXECUTE = 126
-EXIT_NOT_FOUND = 127
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 DEFAULT_KILL_AFTER = 10.0
 ON_LOST_CHOICES = ("stop", "warn")
@@ -64,7 +67,7 @@ WATCHDOG = Path(__file__).with_name("watchdog.py")
 class RunOptions:
     wait: float | None
     expires: float
-    conflict_exit_code: int = 1
+    conflict_exit_code: int = EXIT_NO
     quiet: bool = False
     hold_at_least: float | None = None
     on_lost: str = "stop"
@@ -116,7 +119,7 @@ def run_locked(locker: Locker, lockstring: str, command: Sequence[str], options:
             _say(str(busy))
         return options.conflict_exit_code
     except _Interrupted as interrupted:
-        return 128 + interrupted.signum
+        return EXIT_SIGNAL + interrupted.signum
     return _supervise(lock, command, options)
 
 
@@ -494,7 +497,7 @@ def _supervise(lock: Lock, command: Sequence[str], options: RunOptions) -> int:
             lost.set()
     if lost.is_set():
         return EXIT_LOCK_LOST
-    return returncode if returncode >= 0 else 128 - returncode
+    return returncode if returncode >= 0 else EXIT_SIGNAL - returncode
 
 
 # What COMMAND keeps ignoring if sqllocker was started ignoring it.

@@ -830,7 +830,7 @@ def test_adopting_an_adopted_table_refuses_and_changes_nothing(
         code, output = sqllocker_cli(
             url, table_name, "migrate", "--adopt-dbix-locker", "--perl-tz", "UTC"
         )
-        assert code == 1, output
+        assert code == 2, output
         assert "sqllocker's already" in output
         assert len(output.strip().splitlines()) == 1
         assert not sa.inspect(db).has_table(f"{table_name}_dbix_locker")
@@ -1063,7 +1063,7 @@ def test_the_commands_that_refusals_give_run(
     messages = [str(refused.value)]
     for args in (["migrate"], ["migrate", "--check"]):
         code, output = sqllocker_cli(url, table_name, *args)
-        assert code == 1, output
+        assert code == 2, output
         messages.append(output)
     suggested = [message_commands(message) for message in messages]
     assert all(len(commands) == 1 for commands in suggested), messages
@@ -1130,7 +1130,7 @@ def test_a_failed_adoption_leaves_the_table_untouched_and_nothing_beside_it(
     code, output = sqllocker_cli(
         url, table_name, "migrate", "--adopt-dbix-locker", "--perl-tz", "UTC"
     )
-    assert code == 1, output
+    assert code == 2, output
     assert len(output.strip().splitlines()) == 1, output
     assert dbix_rows(db, table_name) == before
     inspector = sa.inspect(db)
@@ -1163,7 +1163,7 @@ def test_a_name_the_adoption_needs_in_use_is_refused_before_anything_is_written(
     code, output = sqllocker_cli(
         url, table_name, "migrate", "--adopt-dbix-locker", "--perl-tz", "UTC"
     )
-    assert code == 1, output
+    assert code == 2, output
     assert f"{in_the_way!r} exists already" in output
     assert "drop it and adopt again" in output
     assert dbix_rows(db, table_name) == before
@@ -1198,7 +1198,7 @@ def test_an_adoption_stopped_after_its_swap_is_finished_by_the_adopt_command(
         conn.exec_driver_sql(f"CREATE TABLE {table_name}_dbix_locker (id bigint)")
     for args in (["migrate"], ["migrate", "--check"]):
         code, output = sqllocker_cli(url, table_name, *args)
-        assert code == 1, output
+        assert code == 2, output
         (command,) = message_commands(output)
         assert "--adopt-dbix-locker" in command
     result = run_suggested(command, url, table_name, tmp_path)

@@ -207,7 +207,7 @@ def test_a_bad_listen_address_is_a_one_line_error() -> None:
         timeout=60,
         check=False,
     )
-    assert done.returncode == 1
+    assert done.returncode == 2
     assert done.stderr == "sqllocker: error: --listen must be HOST:PORT, not 'nowhere'\n"
 
 

@@ -203,7 +203,7 @@ def test_the_command_line_through_the_pooler(pooler_url: str, direct: Locker) ->
         return subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=REPO)
 
     refused = sqllocker("run", "nightly", "--", "true")
-    assert refused.returncode == 1
+    assert refused.returncode == 2
     assert "--transaction-pooling" in refused.stderr
 
     migrated = sqllocker("--transaction-pooling", "--table", f"{direct.table_name}_m", "migrate")

@@ -342,6 +342,13 @@ class Backend:
         return False
 
     @classmethod
+    def new_database(cls, url: URL) -> str | None:
+        """Why connecting to ``url`` would make a database that is not there yet (SQLite's: a
+        file that does not exist, or one in memory), as an error message; None if it is there,
+        or a server's."""
+        return None
+
+    @classmethod
     def queue_file(cls, url: URL) -> str | None:
         """The database file whose waiters queue in the kernel (SQLite on Linux: see
         ``sqllocker.file_queue``), or None."""

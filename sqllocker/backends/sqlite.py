@@ -159,6 +159,18 @@ class SQLiteBackend(Backend):
         return _database_file(url) is None
 
     @classmethod
+    def new_database(cls, url: URL) -> str | None:
+        database = _database_file(url)
+        if database is None:
+            return "an SQLite database in memory is new and empty in each process; give a file"
+        if not os.path.exists(database):
+            return (
+                f"SQLite database {os.path.abspath(database)} does not exist, and this command "
+                "makes none (`sqllocker run` and `sqllocker migrate` do)"
+            )
+        return None
+
+    @classmethod
     def queue_file(cls, url: URL) -> str | None:
         database = _database_file(url)
         return os.path.abspath(database) if database and file_queue.AVAILABLE else None

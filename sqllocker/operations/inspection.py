@@ -110,8 +110,10 @@ class Inspection:
             broken = self._db.run(lockstring, delete, conflict_retries=1)
         except DatabaseError as error:
             cause = error.__cause__
-            if not (
-                isinstance(cause, sa.exc.DBAPIError) and self._db.be.is_transient_conflict(cause)
+            if not (  # never connected (the database unreachable): no backend to ask
+                self._db.is_set_up
+                and isinstance(cause, sa.exc.DBAPIError)
+                and self._db.be.is_transient_conflict(cause)
             ):
                 raise
             raise LockError(

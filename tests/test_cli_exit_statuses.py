@@ -1,0 +1,180 @@
+"""The command line's exit statuses, grep's: 0 the positive answer (or done), 1 the negative
+answer only (not held, no leader, behind, busy), 2 an error that kept the command from
+answering. A script's ``sqllocker show nightly || start_nightly`` started the job when the
+database was unreachable: that exited 1 as well.
+
+Each command is forked from one process that imported the command line (``forked_cli``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from sqllocker import Locker
+from sqllocker.engine import resolve_url
+from tests import forked_cli
+from tests.helpers import migrate
+
+# Every command that answers, with a lockstring where it takes one.
+ANSWERING = [
+    ["show", "nightly"],
+    ["leader", "nightly"],
+    ["list"],
+    ["run", "nightly", "--", "true"],
+    ["migrate", "--check"],
+    ["purge-expired"],
+    ["release", "nightly", "--force"],
+]
+# The commands that only read or delete rows: they create no database file, nor table.
+CREATING_NOTHING = [
+    ["show", "nightly"],
+    ["leader", "nightly"],
+    ["list"],
+    ["top"],  # stdout is no terminal: it prints what `list` prints
+    ["purge-expired"],
+    ["release", "nightly", "--force"],
+    ["exporter", "--listen", "127.0.0.1:0"],
+]
+
+
+def sqllocker(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("SQLLOCKER_")}
+    return forked_cli.run(list(args), env=environment, cwd=cwd, timeout=30)
+
+
+def has_table(url: str, table: str) -> bool:
+    engine = sa.create_engine(resolve_url(url))
+    try:
+        return sa.inspect(engine).has_table(table)
+    finally:
+        engine.dispose()
+
+
+def assert_error(result: subprocess.CompletedProcess[str], *words: str) -> None:
+    """Exit 2, one line on stderr (``sqllocker: error: ...``), nothing on stdout."""
+    assert result.returncode == 2, (result.args, result.stderr)
+    assert result.stderr.startswith("sqllocker: error: "), result.stderr
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stdout == ""
+    for word in words:
+        assert word in result.stderr
+
+
+@pytest.mark.parametrize(
+    "url", ["postgresql://postgres@127.0.0.1:9/test", "mysql://root@127.0.0.1:9/test"]
+)
+def test_an_unreachable_database_exits_2(url: str) -> None:
+    for args in ANSWERING:
+        assert_error(sqllocker("--url", url, "--table", "locks", *args), "127.0.0.1:9")
+
+
+def test_a_missing_table_exits_2(url: str, backend: str, table_name: str) -> None:
+    if backend == "sqlite":  # a database of another table: the file is there, not the table
+        migrate(url, f"{table_name}_other")
+    for args in ANSWERING:
+        result = sqllocker("--url", url, "--table", table_name, *args)
+        if args[0] == "migrate":  # its answer: a table not yet made is behind
+            assert result.returncode == 1, result.stderr
+            assert "is at revision none" in result.stderr
+        elif args[0] == "run" and backend == "sqlite":  # the zero-set-up default makes its table
+            assert result.returncode == 0, result.stderr
+            assert has_table(url, table_name)
+            return
+        else:
+            assert_error(result, f"lock table {table_name!r} does not exist", "migrate`")
+    if backend == "sqlite":  # ``top`` as well: `list` once, stdout being no terminal
+        assert_error(sqllocker("--url", url, "--table", table_name, "top"), "does not exist")
+
+
+def test_bad_input_exits_2_and_writes_nothing(
+    url: str, backend: str, table_name: str, tmp_path: Path
+) -> None:
+    migrate(url, table_name)
+    for args in (
+        ["show", ""],
+        ["leader", ""],
+        ["run", "", "--", "touch", str(tmp_path / "ran")],
+        ["release", "", "--force"],
+    ):
+        assert_error(sqllocker("--url", url, "--table", table_name, *args), "lockstring")
+    for args in (
+        ["list"],
+        ["show", "x"],
+        ["run", "x", "--", "touch", str(tmp_path / "ran")],
+        ["purge-expired"],
+        ["migrate"],
+        ["migrate", "--check"],
+        ["exporter"],
+    ):
+        assert_error(sqllocker("--url", url, "--table", "Bad-Name", *args), "table name")
+    assert_error(sqllocker("--url", url, "exporter", "--listen", "nowhere"), "--listen")
+    assert_error(sqllocker("--url", "nonsense", "list"), "not a database URL")
+    assert not (tmp_path / "ran").exists()
+    locker = Locker(url, table=table_name)
+    assert locker.locks() == []
+    locker.close()
+    if backend == "sqlite":  # nor does a run, which would, make the file of a bad lockstring
+        fresh = tmp_path / "fresh.db"
+        assert_error(sqllocker(f"--url=sqlite:///{fresh}", "run", "", "--", "true"), "lockstring")
+        assert not fresh.exists()
+
+
+def test_the_negative_answers_exit_1(url: str, table_name: str) -> None:
+    migrate(url, table_name)
+    locker = Locker(url, table=table_name, grace=0)
+    held = locker.lock("held", expires=600)
+    try:
+        table = ["--url", url, "--table", table_name]
+        assert sqllocker(*table, "show", "held").returncode == 0
+        assert sqllocker(*table, "migrate", "--check").returncode == 0
+        for args in (
+            ["show", "nightly"],
+            ["leader", "nightly"],
+            ["release", "nightly", "--force"],
+            ["run", "held", "--", "true"],
+        ):
+            result = sqllocker(*table, *args)
+            assert result.returncode == 1, (args, result.stderr)
+            assert "error" not in result.stderr
+        assert sqllocker(*table, "run", "-E", "7", "-q", "held", "--", "true").returncode == 7
+        behind = sqllocker("--url", url, "--table", f"{table_name}_new", "migrate", "--check")
+        assert behind.returncode == 1, behind.stderr
+    finally:
+        held.unlock()
+        locker.close()
+
+
+@pytest.mark.parametrize("where", ["a mistyped path", "the default file", "memory", "a URI"])
+def test_sqlite_commands_that_create_nothing_refuse_a_database_that_is_not_there(
+    tmp_path: Path, where: str
+) -> None:
+    """They created an empty database file where a mistyped path pointed, and answered from
+    it: nobody holds anything there."""
+    missing = tmp_path / "no" / "such.db" if where != "a URI" else tmp_path / "such.db"
+    url = {
+        "a mistyped path": [f"--url=sqlite:///{missing}"],
+        "the default file": [],  # sqlite:///sqllocker.db in the working directory
+        "memory": ["--url=sqlite://"],
+        "a URI": [f"--url=sqlite:///file:{missing}?uri=true"],
+    }[where]
+    if where == "a mistyped path":
+        missing.parent.mkdir()
+    for args in CREATING_NOTHING:
+        result = sqllocker(*url, *args, cwd=tmp_path)
+        assert_error(result, "memory" if where == "memory" else "does not exist")
+        assert not missing.exists()
+        assert sorted(p.name for p in tmp_path.rglob("*")) == (
+            ["no"] if where == "a mistyped path" else []
+        )
+    # What makes it, as before: migrate, and run (the zero-set-up default).
+    if where in ("a mistyped path", "the default file"):
+        made = tmp_path / "sqllocker.db" if where == "the default file" else missing
+        ran = sqllocker(*url, "run", "nightly", "--", "true", cwd=tmp_path)
+        assert ran.returncode == 0, ran.stderr
+        assert made.exists()
+        assert sqllocker(*url, "show", "nightly", cwd=tmp_path).returncode == 1
+        assert sqllocker(*url, "list", cwd=tmp_path).returncode == 0
