@@ -19,10 +19,10 @@ from typing import Any, TypeVar
 
 from sqlalchemy.engine import URL, Engine
 
-from . import forks
+from . import clock, deadlines, forks
 from .decorators import refuse_deferred_work
 from .engine import create_locker_engine, resolve_url
-from .errors import LockTypeError
+from .errors import DatabaseError, LockTypeError
 from .operations.waits import THREADS
 
 T = TypeVar("T")
@@ -55,6 +55,30 @@ class turn_within:
     def __exit__(self, *exc_info: object) -> None:
         if self._acquired:
             self._lock.release()
+
+
+class answered_by:
+    """Within the block, the lock statements this thread sends end by ``deadline`` (on
+    ``clock.now()``; ``deadlines.statements_end_by``: interrupted), and a database error past it
+    becomes ``timed_out()``, which says why. (In asyncio the task is cancelled at the deadline.)
+    """
+
+    __slots__ = ("_bound", "_deadline", "_timed_out")
+
+    def __init__(self, deadline: float, timed_out: Callable[[], BaseException]) -> None:
+        self._bound = deadlines.statements_end_by(deadline)
+        self._deadline = deadline
+        self._timed_out = timed_out
+
+    def __enter__(self) -> None:
+        self._bound.__enter__()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, _tb: Any
+    ) -> None:
+        self._bound.__exit__()
+        if kind is not None and issubclass(kind, DatabaseError) and clock.now() >= self._deadline:
+            raise self._timed_out() from error
 
 
 # How the lock operations of a Locker wait: for threads.

@@ -4,6 +4,10 @@ CONNECT_TIMEOUT_SECONDS = 10
 # Within a lock(wait=W), a new connection gives up after what is left of W plus this much, if
 # that is sooner (sqllocker.deadlines.connections_by); PostgreSQL's is at least 2 s.
 CONNECT_SLACK_SECONDS = 1.0
+# A lock(wait=W)'s statements on PostgreSQL or MySQL/MariaDB end by what is left of W plus this
+# much: on a frozen server or pooler (whose kernel still acknowledges) the acquire ends as an
+# outage instead of waiting for ever (libpq has no read timeout) or for the driver's minute.
+ACQUIRE_SLACK_SECONDS = 5.0
 # How long an SQLite connection waits for another process's write transaction. Lock operations
 # hold the write lock for microseconds; this only has to outlast a burst of 8+ writers or a purge
 # batch, and keeps "database is locked" from reaching users.

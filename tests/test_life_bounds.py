@@ -21,8 +21,9 @@ from typing import Any
 
 import pytest
 
-from sqllocker import Locker, LockError, LockLost, clock
+from sqllocker import DatabaseError, Locker, LockError, LockLost, clock
 from sqllocker.connections import ConnectionStack
+from sqllocker.timeouts import ACQUIRE_SLACK_SECONDS
 from tests.helpers import FRONTS, Front, Proxied, figure
 
 pytestmark = pytest.mark.slow  # stalls of several seconds
@@ -416,3 +417,35 @@ def test_a_renewal_behind_another_connections_write_lock_is_told_lost_within_the
     assert outcome["next"]["took"] < WITHIN_LIFE, outcome
     # The case above: the async renewal's connection was discarded mid-statement.
     assert discarded or front is SYNC
+
+
+@pytest.mark.parametrize(
+    ("front", "wait"), [(FRONTS[0], 0), (FRONTS[0], 2.0), (FRONTS[1], 0)], ids=str
+)
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_an_acquire_on_a_frozen_connection_ends_with_its_wait(
+    proxied: Proxied, table_name: str, make_locker: Any, backend: str, front: Front, wait: float
+) -> None:
+    """lock()'s INSERT on a pooled connection that froze (its server or pooler hung, the
+    kernel still acknowledging): the acquire ends by its wait plus ACQUIRE_SLACK_SECONDS with
+    an outage's DatabaseError, not for ever (libpq) or after the driver's minute (MariaDB);
+    nothing it began is left holding the lockstring, and a second acquirer gets it at once."""
+    contender = make_locker(grace=GRACE)
+    outcome: dict[str, Any] = {}
+
+    async def scenario(locker: Any) -> None:
+        await front.call((await front.call(locker.lock, "warm")).unlock)  # a pooled connection
+        proxied.proxy.freeze_connection_before(b"frozen job")
+        outcome.update(await front.timed(locker.lock, "frozen job", wait=wait))
+        second = await asyncio.to_thread(contender.lock, "frozen job")
+        second.unlock()
+
+    _through_proxy(front, proxied, table_name, scenario)
+    assert proxied.proxy.connections_frozen == 1, outcome
+    _ended_within(outcome, wait + ACQUIRE_SLACK_SECONDS + 3.0, DatabaseError)
+    assert outcome["error"].outage, outcome
+    figure(
+        "acquire on a frozen connection",
+        f"{backend} {front} wait={wait}",
+        f"lock() ended in {outcome['took']:.1f}s, {type(outcome['error']).__name__}",
+    )

@@ -15,13 +15,14 @@ from typing import Any
 
 from .. import clock, deadlines, tickets, validation
 from ..backoff import Backoff
+from ..engine import describe_url
 from ..errors import DatabaseError, LockError
 from ..file_queue import FileQueue
 from ..holding import OnLost, OnLostOnce
 from ..identity import holder_details, new_guid
 from ..operations import LockOperations, Refused
 from ..telemetry import Telemetry, attempted
-from ..timeouts import CONNECT_SLACK_SECONDS
+from ..timeouts import ACQUIRE_SLACK_SECONDS, CONNECT_SLACK_SECONDS
 from . import concurrency
 from .acquiring import Winnings, acquisition
 from .attempts import AsyncAttempts
@@ -45,6 +46,8 @@ FORGET_FOR = 30.0
 
 # The block an acquire on SQLite runs in instead of ``deadlines.connections_by``.
 _CONNECTS_AT_ONCE = contextlib.nullcontext()
+# The block of an acquire that waits for ever, or on SQLite, instead of ``_answered_by``.
+_UNBOUNDED = contextlib.nullcontext()
 
 
 class AsyncAcquirer:
@@ -94,15 +97,27 @@ class AsyncAcquirer:
         # A new connection gives up with the wait (a little after), not after the driver's
         # connect timeout: a server that accepts and never answers ends a wait on time too.
         # (SQLite's open a file: nothing to give up on, and no block to enter every cycle.)
-        connect_by = None if wait is None else clock.now() + wait + CONNECT_SLACK_SECONDS
+        # And its statements end with the wait (ACQUIRE_SLACK_SECONDS after): on a frozen server
+        # or pooler, whose kernel still acknowledges, they would wait for ever (libpq) or for
+        # the driver's minute (MariaDB). (SQLite's wait for another connection's write lock has
+        # its busy timeout.)
+        now = clock.now()
+        connect_by = None if wait is None else now + wait + CONNECT_SLACK_SECONDS
         # One guid for every attempt of this call: a release may hand the row to it (as our
         # ticket), and an attempt that finds the row under it knows the row is ours.
         guid = new_guid()
         try:
             with (
-                _CONNECTS_AT_ONCE
-                if self._connects_locally
-                else deadlines.connections_by(connect_by)
+                (
+                    _UNBOUNDED
+                    if wait is None or self._connects_locally
+                    else self._answered_by(lockstring, now + wait + ACQUIRE_SLACK_SECONDS, wait)
+                ),
+                (
+                    _CONNECTS_AT_ONCE
+                    if self._connects_locally
+                    else deadlines.connections_by(connect_by)
+                ),
             ):
                 return await self._acquire_within(
                     lockstring, guid, ttl, wait, extra, keep_alive, on_lost, hold_at_least, winnings
@@ -112,6 +127,25 @@ class AsyncAcquirer:
             # nobody, would keep everyone out until it expired.
             self.tickets.leaving.call_soon(self._forget_attempt, lockstring, guid, ttl)
             raise
+
+    def _answered_by(
+        self, lockstring: str, deadline: float, wait: float
+    ) -> concurrency.answered_by:
+        """The block of an acquire whose statements end by ``deadline``."""
+        return concurrency.answered_by(
+            deadline, functools.partial(self._no_answer, lockstring, wait)
+        )
+
+    def _no_answer(self, lockstring: str, wait: float) -> DatabaseError:
+        """The error of an acquire whose statements did not end by its wait plus
+        ACQUIRE_SLACK_SECONDS."""
+        return DatabaseError(
+            f"no answer from {describe_url(self._operations.database.url)} for lock "
+            f"{lockstring!r} within its wait ({wait:g} s) and {ACQUIRE_SLACK_SECONDS:g} s more: "
+            "the server or a pooler may be frozen",
+            lockstring,
+            outage=True,
+        )
 
     async def _forget_attempt(self, lockstring: str, guid: str, ttl: float) -> None:
         """Delete the row a failed acquire by ``guid`` may have left, once the database answers:

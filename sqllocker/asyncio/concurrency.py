@@ -81,6 +81,45 @@ class _Done:
 _DONE = _Done()
 
 
+class answered_by:
+    """Within the block, the running task is cancelled at ``deadline`` (on ``clock.now()``), as
+    by ``asyncio.timeout``, and the block then raises ``timed_out()`` instead of the
+    CancelledError, unless the task was cancelled by someone else as well. What the block
+    awaits is cancelled as by its caller (a statement in flight runs to its end, ``InFlight``).
+    On the loop's one alarm, not a timer of its own: every acquire from a server enters one.
+    (The threads' twin interrupts the thread's statements instead.)"""
+
+    __slots__ = ("_alarm", "_cancelling", "_deadline", "_expired", "_task", "_timed_out")
+
+    def __init__(self, deadline: float, timed_out: Callable[[], BaseException]) -> None:
+        self._deadline = deadline
+        self._timed_out = timed_out
+        self._expired = False
+
+    def __enter__(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._task, self._cancelling = _cancel_requests()
+        self._alarm = alarm.of(loop)
+        self._alarm.set(self, loop.time() + (self._deadline - clock.now()))
+
+    def expire(self) -> None:
+        """The deadline has come (``alarm``)."""
+        if self._task is not None and not self._task.done():
+            self._expired = True
+            self._task.cancel()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, _tb: Any
+    ) -> None:
+        self._alarm.clear(self)
+        if not self._expired:
+            return
+        uncancel = getattr(self._task, "uncancel", None)  # Python 3.11
+        others = uncancel() > self._cancelling if uncancel is not None else False
+        if kind is not None and issubclass(kind, asyncio.CancelledError) and not others:
+            raise self._timed_out() from error
+
+
 def within(
     work: Awaitable[T],
     seconds: float,
