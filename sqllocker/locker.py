@@ -103,8 +103,8 @@ class Locker:
     ``meter_provider``, ``tracer_provider``: OpenTelemetry's, to record metrics and spans
     through (``pip install 'sqllocker[otel]'``; default: the global ones, once set; nothing is
     recorded without any). ``telemetry_name``: makes the ``sqllocker.name`` attribute of a
-    lockstring (default: its runs of digits as ``<n>``; ``str`` for the exact lockstring, if
-    they are few). See ``sqllocker.telemetry``.
+    lockstring (default: its UUIDs and hex ids as ``<id>``, runs of digits as ``<n>``; ``str``
+    for the exact lockstring, if they are few). See ``sqllocker.telemetry``.
 
     ``transaction_pooling``: PostgreSQL is reached through a pooler that lends a server session
     per transaction (PgBouncer's ``pool_mode = transaction``), where no session setting, prepared

@@ -16,7 +16,7 @@ there, it records:
 and the spans ``sqllocker.acquire``, ``sqllocker.release`` and ``sqllocker.extend``. Their
 attributes are ``db.system.name``, ``sqllocker.table``, ``sqllocker.kind`` and
 ``sqllocker.name``: a decorator's template, a semaphore's name, a group's size (``group of
-3``), or else the lockstring with its runs of digits replaced by ``<n>`` (lockstrings carry
+3``), or else the lockstring with its ids replaced by ``<id>`` and ``<n>`` (lockstrings carry
 ids, and a metric's series must stay few), or what the Locker's ``telemetry_name`` makes of
 it. No guid, URL or password is ever an attribute.
 """
@@ -45,6 +45,13 @@ logger = logging.getLogger("sqllocker")
 P = ParamSpec("P")
 R = TypeVar("R")
 _DIGITS = re.compile(r"\d+")
+# A UUID, or a run of 8 or more hex digits with a decimal digit among them (a digest, a
+# short commit id), standing alone: an id whose letters vary too.
+_HEX_IDS = re.compile(
+    r"(?<![0-9A-Za-z])"
+    r"(?:[0-9A-Fa-f]{8}(?:-[0-9A-Fa-f]{4}){3}-[0-9A-Fa-f]{12}|(?=[0-9A-Fa-f]*[0-9])[0-9A-Fa-f]{8,})"
+    r"(?![0-9A-Za-z])"
+)
 # The acquisition this task or thread is recording, for the attempts deep in its wait.
 _CURRENT: ContextVar[Acquisition | None] = ContextVar("sqllocker_acquisition", default=None)
 _NOTHING: AbstractContextManager[None] = nullcontext()
@@ -80,8 +87,9 @@ def system_name(engine: Engine) -> str:
 
 
 def default_name(lockstring: str) -> str:
-    """A lockstring as ``sqllocker.name``: its runs of digits replaced by ``<n>``."""
-    return _DIGITS.sub("<n>", lockstring)
+    """A lockstring as ``sqllocker.name``: its UUIDs and hex ids replaced by ``<id>``, then its
+    runs of digits by ``<n>``."""
+    return _DIGITS.sub("<n>", _HEX_IDS.sub("<id>", lockstring))
 
 
 class Hold:

@@ -285,6 +285,23 @@ def test_the_default_name_replaces_runs_of_digits() -> None:
     assert default_name("digest 42") == "digest <n>"
     assert default_name("user 7 order 123456") == "user <n> order <n>"
     assert default_name("nightly") == "nightly"
+
+
+def test_the_default_name_replaces_hex_ids_whole() -> None:
+    """UUIDs and hex digests carry digits between letters: a series each, if only their
+    digits were replaced."""
+    assert default_name("order 550e8400-e29b-41d4-A716-446655440000") == "order <id>"
+    assert default_name("order 550e8400-e29b-41d4-a716-446655440000 step 2") == (
+        "order <id> step <n>"
+    )
+    assert default_name("blob sha256:9f86d081884c7d65") == "blob sha<n>:<id>"
+    assert default_name("build deadbeef0") == "build <id>"
+    assert default_name("job-1a2b3c4d5e") == "job-<id>"
+    # Words of hex letters without a digit, and short mixed runs, are not ids.
+    assert default_name("facade") == "facade"
+    assert default_name("deadbeefcafe") == "deadbeefcafe"
+    assert default_name("v2 abc123") == "v<n> abc<n>"
+    assert default_name("report2024") == "report<n>"
     assert Telemetry("t", lambda: "sqlite")._look_for_providers() is None
 
 
