@@ -166,6 +166,15 @@ class TableCollector:
             except sa.exc.SQLAlchemyError as error:
                 logger.warning("scrape: the database did not answer: %s", one_line(error))
                 result.append(None)
+            except (ValueError, OverflowError) as error:
+                # A value read back that no Python type holds: a row an operator's SQL or
+                # another program wrote (a timestamp out of range or not one, JSON that is not).
+                logger.warning(
+                    "scrape: a row of table %s cannot be read (not written by sqllocker?): %s",
+                    options.table,
+                    one_line(error),
+                )
+                result.append(None)
             finally:
                 self._turn.release()
 

@@ -358,3 +358,24 @@ def test_readers_writers_permits_and_turns_are_shown_as_what_they_are(
         lock.unlock()
     holder.close()
     other.close()
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_a_row_no_value_holds_fails_the_scrape_saying_so(
+    migrated: str, table_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A row an operator's SQL wrote with a timestamp that is not one: the scrape answers
+    up 0 and the log names the unreadable row, not a database that did not answer."""
+    engine = create_locker_engine(resolve_url(migrated))
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            f"INSERT INTO {table_name} (lockstring, guid, created, expires, locked_by) "
+            "VALUES ('bad row', 'x', 'not a time', 'not a time', '{}')"
+        )
+    engine.dispose()
+    for port in serve_in_thread(migrated, ExporterOptions(table=table_name)):
+        samples = scrape(port)
+    assert value(samples, "sqllocker_up", table=table_name) == 0
+    said = " ".join(record.getMessage() for record in caplog.records)
+    assert "cannot be read" in said, said
+    assert "did not answer" not in said, said
