@@ -32,6 +32,9 @@ REFRESH_SECONDS = 1.0
 # its period: the row does not say what that is, and ``expires - created`` is its whole life,
 # which grows with each renewal: every long-held lock would be shown close.)
 CLOSE_SECONDS = 5.0
+# Lines of the screen that are not rows: the heading's two, the table's borders and header,
+# and the caption that counts the rows not shown.
+_AROUND_ROWS = 7
 
 
 @dataclass(frozen=True)
@@ -86,8 +89,9 @@ def duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{minutes}m{seconds:02d}s"
 
 
-def render(locker: Locker, pattern: str | None) -> Any:
-    """The screen: a heading and the table of locks (or the error that kept them unread)."""
+def render(locker: Locker, pattern: str | None, most_rows: int | None = None) -> Any:
+    """The screen: a heading and the table of locks (or the error that kept them unread); at
+    most ``most_rows`` of them (held locks first), the rest counted below."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -119,7 +123,13 @@ def render(locker: Locker, pattern: str | None) -> Any:
     table.add_column("PROGRAM", overflow="ellipsis", no_wrap=True, ratio=1, max_width=32)
     for column in ("HELD FOR", "EXPIRES IN", "WAITERS"):
         table.add_column(column, no_wrap=True, justify="right")
-    for row in [*held, *expired]:
+    rows = [*held, *expired]
+    if most_rows is not None and len(rows) > most_rows:
+        # What the screen cannot show is not made: a table of 200,000 expired rows took rich
+        # 42 s to lay out.
+        table.caption = f"... {len(rows) - most_rows} more rows (sqllocker list shows them all)"
+        rows = rows[:most_rows]
+    for row in rows:
         info = row.info
         if info.expired:
             left, style = Text("expired", style="dim red"), "dim"
@@ -155,15 +165,19 @@ def run_top(locker: Locker, pattern: str | None) -> None:
     except ImportError:
         raise LockValueError("top needs rich: pip install 'sqllocker[top]'") from None
     console = Console()
+
+    def screen() -> Any:
+        return render(locker, pattern, max(1, console.size.height - _AROUND_ROWS))
+
     with (
         _keys() as key,
-        Live(render(locker, pattern), console=console, screen=True, auto_refresh=False) as live,
+        Live(screen(), console=console, screen=True, auto_refresh=False) as live,
     ):
         while True:
             pressed = key(REFRESH_SECONDS)
             if pressed in ("q", "Q"):
                 return
-            live.update(render(locker, pattern), refresh=True)
+            live.update(screen(), refresh=True)
 
 
 @contextlib.contextmanager

@@ -3,12 +3,14 @@ quits; and without a terminal it prints what ``list`` prints."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import os
 import shlex
 import shutil
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from sqllocker import Locker
+from sqllocker import Locker, LockError
 from tests.conftest import IN_CI
 from tests.helpers import migrate, wait_until
 from tests.test_cli import LIST_COLUMNS
@@ -205,3 +207,29 @@ def test_top_tells_readers_writers_and_turns_apart(make_locker: Any) -> None:
     assert "2 held, 1 waiting" in console.export_text()
     for lock in (reader, writer, turn):
         lock.unlock()
+
+
+def test_top_shows_what_fits_and_counts_the_rest(make_locker: Any) -> None:
+    """Every row of the table was made into the screen each second: 200,000 expired rows
+    took 42 s to the first frame. Only what fits is shown, held locks first, and the rest
+    counted."""
+    from rich.console import Console
+
+    from sqllocker.top import render
+
+    locker = make_locker()
+    held = [locker.lock(f"job {n}") for n in range(3)]
+    gone = [locker.lock(f"gone {n}", expires=0.05) for n in range(6)]
+    time.sleep(0.1)
+    console = Console(width=200, record=True)
+    console.print(render(locker, None, most_rows=4))
+    shown = console.export_text()
+    assert all(f"job {n}" in shown for n in range(3)), shown
+    assert sum(f"gone {n}" in shown for n in range(6)) == 1, shown
+    assert "5 more rows" in shown, shown
+    assert "3 held, 0 waiting, 6 expired not yet purged" in shown, shown
+    for lock in held:
+        lock.unlock()
+    for lock in gone:
+        with contextlib.suppress(LockError):
+            lock.unlock()
