@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable, Sequence, Sized
 from typing import Any
 
-from . import clock, concurrency, deadlines, tickets, validation
+from . import clock, concurrency, deadlines, tickets, timeouts, validation
 from .acquiring import Winnings, acquisition
 from .attempts import Attempts
 from .backoff import Backoff
@@ -30,7 +30,7 @@ from .operations import LockOperations, Refused
 from .queue_wait import QueueWait
 from .telemetry import Telemetry, attempted
 from .ticket_wait import TicketWait
-from .timeouts import ACQUIRE_SLACK_SECONDS, CONNECT_SLACK_SECONDS
+from .timeouts import CONNECT_SLACK_SECONDS
 
 logger = logging.getLogger("sqllocker")
 
@@ -39,10 +39,9 @@ FORGET_PATIENCE = 2.0
 FORGET_FOR = 30.0
 
 
-# The block an acquire on SQLite runs in instead of ``deadlines.connections_by``.
-_CONNECTS_AT_ONCE = contextlib.nullcontext()
-# The block of an acquire that waits for ever, or on SQLite, instead of ``_answered_by``.
-_UNBOUNDED = contextlib.nullcontext()
+# The block an acquire on SQLite runs in instead of ``deadlines.connections_by`` (its connections
+# open a local file) and of ``_answered_by``, and that of one that waits for ever.
+_NO_BOUND = contextlib.nullcontext()
 
 
 class Acquirer:
@@ -90,10 +89,9 @@ class Acquirer:
         # A new connection gives up with the wait (a little after), not after the driver's
         # connect timeout: a server that accepts and never answers ends a wait on time too.
         # (SQLite's open a file: nothing to give up on, and no block to enter every cycle.)
-        # And its statements end with the wait (ACQUIRE_SLACK_SECONDS after): on a frozen server
-        # or pooler, whose kernel still acknowledges, they would wait for ever (libpq) or for
-        # the driver's minute (MariaDB). (SQLite's wait for another connection's write lock has
-        # its busy timeout.)
+        # And its statements end with the wait (``timeouts.ACQUIRE_SLACK_SECONDS`` after): on a
+        # frozen server or pooler, whose kernel still acknowledges, libpq waits for ever.
+        # (SQLite's wait for another connection's write lock has its busy timeout.)
         now = clock.now()
         connect_by = None if wait is None else now + wait + CONNECT_SLACK_SECONDS
         # One guid for every attempt of this call: a release may hand the row to it (as our
@@ -102,15 +100,13 @@ class Acquirer:
         try:
             with (
                 (
-                    _UNBOUNDED
+                    _NO_BOUND
                     if wait is None or self._connects_locally
-                    else self._answered_by(lockstring, now + wait + ACQUIRE_SLACK_SECONDS, wait)
+                    else self._answered_by(
+                        lockstring, now + wait + timeouts.ACQUIRE_SLACK_SECONDS, wait
+                    )
                 ),
-                (
-                    _CONNECTS_AT_ONCE
-                    if self._connects_locally
-                    else deadlines.connections_by(connect_by)
-                ),
+                _NO_BOUND if self._connects_locally else deadlines.connections_by(connect_by),
             ):
                 return self._acquire_within(
                     lockstring, guid, ttl, wait, extra, keep_alive, on_lost, hold_at_least, winnings
@@ -131,10 +127,11 @@ class Acquirer:
 
     def _no_answer(self, lockstring: str, wait: float) -> DatabaseError:
         """The error of an acquire whose statements did not end by its wait plus
-        ACQUIRE_SLACK_SECONDS."""
+        ``timeouts.ACQUIRE_SLACK_SECONDS``."""
+        slack = timeouts.ACQUIRE_SLACK_SECONDS
         return DatabaseError(
             f"no answer from {describe_url(self._operations.database.url)} for lock "
-            f"{lockstring!r} within its wait ({wait:g} s) and {ACQUIRE_SLACK_SECONDS:g} s more: "
+            f"{lockstring!r} within its wait ({wait:g} s) and {slack:g} s more: "
             "the server or a pooler may be frozen",
             lockstring,
             outage=True,

@@ -59,7 +59,7 @@ class turn_within:
 
 class answered_by:
     """Within the block, the lock statements this thread sends end by ``deadline`` (on
-    ``clock.now()``; ``deadlines.statements_end_by``: interrupted), and a database error past it
+    ``clock.now()``; ``deadlines.statements_end_by``: interrupted), and a lost connection past it
     becomes ``timed_out()``, which says why. (In asyncio the task is cancelled at the deadline.)
     """
 
@@ -77,7 +77,7 @@ class answered_by:
         self, kind: type[BaseException] | None, error: BaseException | None, _tb: Any
     ) -> None:
         self._bound.__exit__()
-        if kind is not None and issubclass(kind, DatabaseError) and clock.now() >= self._deadline:
+        if isinstance(error, DatabaseError) and error.outage and clock.now() >= self._deadline:
             raise self._timed_out() from error
 
 

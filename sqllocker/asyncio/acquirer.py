@@ -13,7 +13,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence, Sized
 from typing import Any
 
-from .. import clock, deadlines, tickets, validation
+from .. import clock, deadlines, tickets, timeouts, validation
 from ..backoff import Backoff
 from ..engine import describe_url
 from ..errors import DatabaseError, LockError
@@ -22,7 +22,7 @@ from ..holding import OnLost, OnLostOnce
 from ..identity import holder_details, new_guid
 from ..operations import LockOperations, Refused
 from ..telemetry import Telemetry, attempted
-from ..timeouts import ACQUIRE_SLACK_SECONDS, CONNECT_SLACK_SECONDS
+from ..timeouts import CONNECT_SLACK_SECONDS
 from . import concurrency
 from .acquiring import Winnings, acquisition
 from .attempts import AsyncAttempts
@@ -44,10 +44,9 @@ FORGET_PATIENCE = 2.0
 FORGET_FOR = 30.0
 
 
-# The block an acquire on SQLite runs in instead of ``deadlines.connections_by``.
-_CONNECTS_AT_ONCE = contextlib.nullcontext()
-# The block of an acquire that waits for ever, or on SQLite, instead of ``_answered_by``.
-_UNBOUNDED = contextlib.nullcontext()
+# The block an acquire on SQLite runs in instead of ``deadlines.connections_by`` (its connections
+# open a local file) and of ``_answered_by``, and that of one that waits for ever.
+_NO_BOUND = contextlib.nullcontext()
 
 
 class AsyncAcquirer:
@@ -97,10 +96,9 @@ class AsyncAcquirer:
         # A new connection gives up with the wait (a little after), not after the driver's
         # connect timeout: a server that accepts and never answers ends a wait on time too.
         # (SQLite's open a file: nothing to give up on, and no block to enter every cycle.)
-        # And its statements end with the wait (ACQUIRE_SLACK_SECONDS after): on a frozen server
-        # or pooler, whose kernel still acknowledges, they would wait for ever (libpq) or for
-        # the driver's minute (MariaDB). (SQLite's wait for another connection's write lock has
-        # its busy timeout.)
+        # And its statements end with the wait (``timeouts.ACQUIRE_SLACK_SECONDS`` after): on a
+        # frozen server or pooler, whose kernel still acknowledges, libpq waits for ever.
+        # (SQLite's wait for another connection's write lock has its busy timeout.)
         now = clock.now()
         connect_by = None if wait is None else now + wait + CONNECT_SLACK_SECONDS
         # One guid for every attempt of this call: a release may hand the row to it (as our
@@ -109,15 +107,13 @@ class AsyncAcquirer:
         try:
             with (
                 (
-                    _UNBOUNDED
+                    _NO_BOUND
                     if wait is None or self._connects_locally
-                    else self._answered_by(lockstring, now + wait + ACQUIRE_SLACK_SECONDS, wait)
+                    else self._answered_by(
+                        lockstring, now + wait + timeouts.ACQUIRE_SLACK_SECONDS, wait
+                    )
                 ),
-                (
-                    _CONNECTS_AT_ONCE
-                    if self._connects_locally
-                    else deadlines.connections_by(connect_by)
-                ),
+                _NO_BOUND if self._connects_locally else deadlines.connections_by(connect_by),
             ):
                 return await self._acquire_within(
                     lockstring, guid, ttl, wait, extra, keep_alive, on_lost, hold_at_least, winnings
@@ -138,10 +134,11 @@ class AsyncAcquirer:
 
     def _no_answer(self, lockstring: str, wait: float) -> DatabaseError:
         """The error of an acquire whose statements did not end by its wait plus
-        ACQUIRE_SLACK_SECONDS."""
+        ``timeouts.ACQUIRE_SLACK_SECONDS``."""
+        slack = timeouts.ACQUIRE_SLACK_SECONDS
         return DatabaseError(
             f"no answer from {describe_url(self._operations.database.url)} for lock "
-            f"{lockstring!r} within its wait ({wait:g} s) and {ACQUIRE_SLACK_SECONDS:g} s more: "
+            f"{lockstring!r} within its wait ({wait:g} s) and {slack:g} s more: "
             "the server or a pooler may be frozen",
             lockstring,
             outage=True,

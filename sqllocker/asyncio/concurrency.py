@@ -87,7 +87,9 @@ class answered_by:
     CancelledError, unless the task was cancelled by someone else as well. What the block
     awaits is cancelled as by its caller (a statement in flight runs to its end, ``InFlight``).
     On the loop's one alarm, not a timer of its own: every acquire from a server enters one.
-    (The threads' twin interrupts the thread's statements instead.)"""
+    (The threads' twin interrupts the thread's statements instead.) Python 3.10 does not count
+    a task's cancellations: there, one by someone else in the turn the deadline passes, or while
+    the block ends after it, is taken for the deadline's."""
 
     __slots__ = ("_alarm", "_cancelling", "_deadline", "_expired", "_task", "_timed_out")
 
