@@ -12,8 +12,9 @@ from typing import Any
 import click
 from sqlalchemy.engine import URL
 
-from .engine import refuse_new_database, resolve_url
-from .errors import LockError, one_line
+from .backends import IN_MEMORY, backend_class
+from .engine import resolve_url
+from .errors import LockError, LockValueError, one_line
 from .locker import Locker, LockInfo
 from .row_kinds import kind_of
 from .schema import FOREIGN_CLOCK_MARGIN
@@ -49,7 +50,16 @@ class Settings:
         file that does not exist, a database in memory): a mistyped path must not answer from
         an empty database made there."""
         url = resolve_url(self.url)
-        refuse_new_database(url)
+        missing = backend_class(url.get_backend_name()).missing_database(url)
+        if missing == IN_MEMORY:
+            raise LockValueError(
+                "a database in memory is new and empty in each process; give a file"
+            )
+        if missing is not None:
+            raise LockValueError(
+                f"database {missing} does not exist, and this command makes none "
+                "(`sqllocker run` and `sqllocker migrate` do)"
+            )
         return url
 
 

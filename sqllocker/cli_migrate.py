@@ -66,7 +66,8 @@ def migrate(
     table."""
     from . import migrations
 
-    locker = settings.locker(auto_create=False)
+    # --check changes nothing: no database made at a mistyped path, answered as behind.
+    locker = settings.locker(creates=not check, auto_create=False)
     if adopt:
         if check:
             raise click.UsageError("--check and --adopt-dbix-locker contradict each other")

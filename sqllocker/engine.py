@@ -74,15 +74,6 @@ def resolve_url(url: str | URL | None, *, asynchronous: bool = False) -> URL:
     return url
 
 
-def refuse_new_database(url: URL) -> None:
-    """LockValueError if connecting to ``url`` would make its database (SQLite's file, or one in
-    memory): for what only reads or deletes rows, where a mistyped path must not answer from an
-    empty database made there, nor leave it behind."""
-    reason = backend_class(url.get_backend_name()).new_database(url)
-    if reason is not None:
-        raise LockValueError(reason)
-
-
 def create_locker_engine(
     url: URL, *, transaction_pooling: bool = False, max_connections: int | None = None
 ) -> Engine:

@@ -163,17 +163,21 @@ class TableCollector:
                 result.append(
                     take_census(self._engine, options.table, options.per_lock, options.max_series)
                 )
-            except sa.exc.SQLAlchemyError as error:
-                logger.warning("scrape: the database did not answer: %s", one_line(error))
-                result.append(None)
-            except (ValueError, OverflowError) as error:
-                # A value read back that no Python type holds: a row an operator's SQL or
-                # another program wrote (a timestamp out of range or not one, JSON that is not).
+            except (ValueError, OverflowError, sa.exc.DataError) as error:
+                # A value read back that no Python type holds (the driver's or SQLAlchemy's):
+                # a row an operator's SQL or another program wrote, with a timestamp out of
+                # range or not one (PostgreSQL's 'infinity').
                 logger.warning(
                     "scrape: a row of table %s cannot be read (not written by sqllocker?): %s",
                     options.table,
                     one_line(error),
                 )
+                result.append(None)
+            except sa.exc.SQLAlchemyError as error:
+                logger.warning("scrape: the database did not answer: %s", one_line(error))
+                result.append(None)
+            except Exception:
+                logger.exception("scrape: the census failed")
                 result.append(None)
             finally:
                 self._turn.release()
@@ -182,7 +186,8 @@ class TableCollector:
         worker.start()
         worker.join(max(0.0, deadline - time.monotonic()))
         if not result:
-            logger.warning("scrape: the database did not answer within %gs", options.timeout)
+            if worker.is_alive():
+                logger.warning("scrape: the database did not answer within %gs", options.timeout)
             return None
         return result[0]
 

@@ -45,11 +45,12 @@ logger = logging.getLogger("sqllocker")
 P = ParamSpec("P")
 R = TypeVar("R")
 _DIGITS = re.compile(r"\d+")
-# A UUID, or a run of 8 or more hex digits with a decimal digit among them (a digest, a
-# short commit id), standing alone: an id whose letters vary too.
+# A UUID, or a run of 8 or more hex digits with both a decimal digit and a letter among them (a
+# digest), standing alone: an id whose letters vary too. (Decimal numbers stay ``<n>``.)
 _HEX_IDS = re.compile(
     r"(?<![0-9A-Za-z])"
-    r"(?:[0-9A-Fa-f]{8}(?:-[0-9A-Fa-f]{4}){3}-[0-9A-Fa-f]{12}|(?=[0-9A-Fa-f]*[0-9])[0-9A-Fa-f]{8,})"
+    r"(?:[0-9A-Fa-f]{8}(?:-[0-9A-Fa-f]{4}){3}-[0-9A-Fa-f]{12}"
+    r"|(?=[0-9A-Fa-f]*[0-9])(?=[0-9A-Fa-f]*[A-Fa-f])[0-9A-Fa-f]{8,})"
     r"(?![0-9A-Za-z])"
 )
 # The acquisition this task or thread is recording, for the attempts deep in its wait.

@@ -32,8 +32,9 @@ REFRESH_SECONDS = 1.0
 # its period: the row does not say what that is, and ``expires - created`` is its whole life,
 # which grows with each renewal: every long-held lock would be shown close.)
 CLOSE_SECONDS = 5.0
-# Lines of the screen that are not rows: the heading's two, the table's borders and header,
-# and the caption that counts the rows not shown.
+# Lines of the screen that are not rows (each row and heading line is one line, cut to the
+# width): the heading's two, the table's borders and header, and the caption that counts the
+# rows not shown.
 _AROUND_ROWS = 7
 
 
@@ -112,10 +113,13 @@ def render(locker: Locker, pattern: str | None, most_rows: int | None = None) ->
         f"sqllocker top  {where}{shown}  {now}  (q quits)\n"
         f"{holding} held, {waiting} waiting, {len(expired)} expired not yet purged",
         style="bold",
+        no_wrap=True,
+        overflow="ellipsis",
     )
     table = Table(expand=True, header_style="bold")
-    # The lockstring folds onto more lines rather than being cut; the program is cut first.
-    table.add_column("LOCKSTRING", overflow="fold", min_width=16, ratio=3)
+    # One line a row, so that what fits the screen is counted in rows: a long lockstring is
+    # cut (``list`` and ``show`` print it whole); the program is cut first.
+    table.add_column("LOCKSTRING", overflow="ellipsis", no_wrap=True, min_width=16, ratio=3)
     table.add_column("KIND", no_wrap=True)
     table.add_column("ID", no_wrap=True)
     table.add_column("HOST", overflow="ellipsis", no_wrap=True, max_width=24)

@@ -360,17 +360,19 @@ def test_readers_writers_permits_and_turns_are_shown_as_what_they_are(
     other.close()
 
 
-@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True)
 def test_a_row_no_value_holds_fails_the_scrape_saying_so(
-    migrated: str, table_name: str, caplog: pytest.LogCaptureFixture
+    migrated: str, backend: str, table_name: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A row an operator's SQL wrote with a timestamp that is not one: the scrape answers
-    up 0 and the log names the unreadable row, not a database that did not answer."""
+    """A row an operator's SQL wrote with a timestamp that is not one (SQLite: text;
+    PostgreSQL: 'infinity'): the scrape answers up 0 and the log names the unreadable row, not
+    a database that did not answer."""
     engine = create_locker_engine(resolve_url(migrated))
+    bad = "'not a time'" if backend == "sqlite" else "'infinity'"
     with engine.begin() as conn:
         conn.exec_driver_sql(
             f"INSERT INTO {table_name} (lockstring, guid, created, expires, locked_by) "
-            "VALUES ('bad row', 'x', 'not a time', 'not a time', '{}')"
+            f"VALUES ('bad row', 'x', {bad}, {bad}, '{{}}')"
         )
     engine.dispose()
     for port in serve_in_thread(migrated, ExporterOptions(table=table_name)):

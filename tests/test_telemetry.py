@@ -285,6 +285,7 @@ def test_the_default_name_replaces_runs_of_digits() -> None:
     assert default_name("digest 42") == "digest <n>"
     assert default_name("user 7 order 123456") == "user <n> order <n>"
     assert default_name("nightly") == "nightly"
+    assert Telemetry("t", lambda: "sqlite")._look_for_providers() is None
 
 
 def test_the_default_name_replaces_hex_ids_whole() -> None:
@@ -302,7 +303,9 @@ def test_the_default_name_replaces_hex_ids_whole() -> None:
     assert default_name("deadbeefcafe") == "deadbeefcafe"
     assert default_name("v2 abc123") == "v<n> abc<n>"
     assert default_name("report2024") == "report<n>"
-    assert Telemetry("t", lambda: "sqlite")._look_for_providers() is None
+    # Decimal numbers, however long, are numbers: ``<n>`` as they grow past 8 digits too.
+    assert default_name("order 12345678") == "order <n>"
+    assert default_name("report 20241130") == "report <n>"
 
 
 def assert_no_secrets(recorded: Recorded, guid: str | None, url: str) -> None:

@@ -233,3 +233,23 @@ def test_top_shows_what_fits_and_counts_the_rest(make_locker: Any) -> None:
     for lock in gone:
         with contextlib.suppress(LockError):
             lock.unlock()
+
+
+def test_top_fits_long_lockstrings_on_a_small_screen(make_locker: Any) -> None:
+    """A row is one line, however long its lockstring, so the rows counted to fit the screen
+    do fit it, and the count of the rest is shown (it was cropped, a lockstring folding onto
+    several lines)."""
+    from rich.console import Console
+
+    from sqllocker.top import _AROUND_ROWS, render
+
+    locker = make_locker()
+    held = [locker.lock(f"job {n} " + "x" * 120) for n in range(20)]
+    console = Console(width=80, height=24)
+    screen = render(locker, None, console.size.height - _AROUND_ROWS)
+    lines = console.render_lines(screen, console.options, pad=False)
+    assert len(lines) <= 24, len(lines)
+    shown = "\n".join("".join(segment.text for segment in line) for line in lines)
+    assert "3 more rows" in shown, shown
+    for lock in held:
+        lock.unlock()

@@ -55,6 +55,11 @@ class StatementParts(Protocol):
         """PostgreSQL: the schema-qualified name of the table's function ``<table>_<name>``."""
 
 
+# What ``Backend.missing_database`` says of a database in memory (SQLite's), made anew by
+# every connection.
+IN_MEMORY = "in memory"
+
+
 class Backend:
     """One database family: its clock, statements, errors, connections and settings."""
 
@@ -342,10 +347,9 @@ class Backend:
         return False
 
     @classmethod
-    def new_database(cls, url: URL) -> str | None:
-        """Why connecting to ``url`` would make a database that is not there yet (SQLite's: a
-        file that does not exist, or one in memory), as an error message; None if it is there,
-        or a server's."""
+    def missing_database(cls, url: URL) -> str | None:
+        """What connecting to ``url`` would make, not being there yet (SQLite's: the path of a
+        file that does not exist, or "in memory"); None if it is there, or a server's."""
         return None
 
     @classmethod

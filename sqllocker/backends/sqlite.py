@@ -25,7 +25,7 @@ from .. import file_queue
 from ..schema import UTCDateTime
 from ..server_settings import LOSES_ROWS, SPLITS_THE_DATABASE, ServerSettings, UnsafeSetting
 from ..timeouts import SQLITE_BUSY_TIMEOUT_SECONDS
-from .base import Backend, StatementParts
+from .base import IN_MEMORY, Backend, StatementParts
 
 if TYPE_CHECKING:
     from sqlalchemy.sql import Insert
@@ -159,16 +159,11 @@ class SQLiteBackend(Backend):
         return _database_file(url) is None
 
     @classmethod
-    def new_database(cls, url: URL) -> str | None:
+    def missing_database(cls, url: URL) -> str | None:
         database = _database_file(url)
         if database is None:
-            return "an SQLite database in memory is new and empty in each process; give a file"
-        if not os.path.exists(database):
-            return (
-                f"SQLite database {os.path.abspath(database)} does not exist, and this command "
-                "makes none (`sqllocker run` and `sqllocker migrate` do)"
-            )
-        return None
+            return IN_MEMORY
+        return None if os.path.exists(database) else os.path.abspath(database)
 
     @classmethod
     def queue_file(cls, url: URL) -> str | None:
