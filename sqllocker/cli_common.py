@@ -12,7 +12,7 @@ from typing import Any
 import click
 from sqlalchemy.engine import URL
 
-from .backends import IN_MEMORY, backend_class
+from .backends import backend_class
 from .engine import resolve_url
 from .errors import LockError, LockValueError, one_line
 from .locker import Locker, LockInfo
@@ -49,18 +49,25 @@ class Settings:
         """The database's URL; LockValueError if connecting would make the database (SQLite's
         file that does not exist, a database in memory): a mistyped path must not answer from
         an empty database made there."""
-        url = resolve_url(self.url)
-        missing = backend_class(url.get_backend_name()).missing_database(url)
-        if missing == IN_MEMORY:
-            raise LockValueError(
-                "a database in memory is new and empty in each process; give a file"
-            )
+        url, missing = self.missing_file()
         if missing is not None:
             raise LockValueError(
                 f"database {missing} does not exist, and this command makes none "
                 "(`sqllocker run` and `sqllocker migrate` do)"
             )
         return url
+
+    def missing_file(self) -> tuple[URL, str | None]:
+        """The database's URL, and the file connecting to it would make, not being there yet
+        (SQLite's), or None; LockValueError for a database in memory, new and empty in each
+        process."""
+        url = resolve_url(self.url)
+        backend = backend_class(url.get_backend_name())
+        if backend.in_memory(url):
+            raise LockValueError(
+                "a database in memory is new and empty in each process; give a file"
+            )
+        return url, backend.missing_database(url)
 
 
 pass_settings = click.make_pass_decorator(Settings)

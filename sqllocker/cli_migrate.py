@@ -66,8 +66,18 @@ def migrate(
     table."""
     from . import migrations
 
-    # --check changes nothing: no database made at a mistyped path, answered as behind.
-    locker = settings.locker(creates=not check, auto_create=False)
+    if check:
+        # It changes nothing: no database file made where a mistyped path points.
+        _, missing = settings.missing_file()
+        if missing is not None:
+            click.echo(
+                f"sqllocker: database {missing} does not exist, so neither does table "
+                f"{settings.table!r}; run `sqllocker --url URL --table {settings.table} "
+                "migrate`",
+                err=True,
+            )
+            sys.exit(EXIT_NO)
+    locker = settings.locker(auto_create=False)
     if adopt:
         if check:
             raise click.UsageError("--check and --adopt-dbix-locker contradict each other")

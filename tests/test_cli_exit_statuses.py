@@ -38,7 +38,6 @@ CREATING_NOTHING = [
     ["purge-expired"],
     ["release", "nightly", "--force"],
     ["exporter", "--listen", "127.0.0.1:0"],
-    ["migrate", "--check"],  # "change nothing"
 ]
 
 
@@ -171,6 +170,14 @@ def test_sqlite_commands_that_create_nothing_refuse_a_database_that_is_not_there
         assert sorted(p.name for p in tmp_path.rglob("*")) == (
             ["no"] if where == "a mistyped path" else []
         )
+    # migrate --check changes nothing: a database not there is behind (in memory: an error).
+    checked = sqllocker(*url, "migrate", "--check", cwd=tmp_path)
+    if where == "memory":
+        assert_error(checked, "memory")
+    else:
+        assert checked.returncode == 1, checked.stderr
+        assert "does not exist" in checked.stderr
+    assert not missing.exists()
     # What makes it, as before: migrate, and run (the zero-set-up default).
     if where in ("a mistyped path", "the default file"):
         made = tmp_path / "sqllocker.db" if where == "the default file" else missing

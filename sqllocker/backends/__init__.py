@@ -17,12 +17,12 @@ from sqlalchemy.engine import Dialect
 
 from .. import schema
 from ..errors import LockValueError
-from .base import IN_MEMORY, Backend, StatementParts
+from .base import Backend, StatementParts
 from .mysql import MySQLBackend
 from .postgresql import PostgreSQLBackend
 from .sqlite import SQLiteBackend
 
-__all__ = ["IN_MEMORY", "Backend", "StatementParts", "backend_class", "backend_for", "url_names"]
+__all__ = ["Backend", "StatementParts", "backend_class", "backend_for", "url_names"]
 
 _BACKENDS: dict[str, type[Backend]] = {
     url_name: cls

@@ -55,11 +55,6 @@ class StatementParts(Protocol):
         """PostgreSQL: the schema-qualified name of the table's function ``<table>_<name>``."""
 
 
-# What ``Backend.missing_database`` says of a database in memory (SQLite's), made anew by
-# every connection.
-IN_MEMORY = "in memory"
-
-
 class Backend:
     """One database family: its clock, statements, errors, connections and settings."""
 
@@ -348,8 +343,8 @@ class Backend:
 
     @classmethod
     def missing_database(cls, url: URL) -> str | None:
-        """What connecting to ``url`` would make, not being there yet (SQLite's: the path of a
-        file that does not exist, or "in memory"); None if it is there, or a server's."""
+        """The file connecting to ``url`` would make, not being there yet (SQLite's); None if
+        it is there, or a server's (a database in memory: ``in_memory``)."""
         return None
 
     @classmethod

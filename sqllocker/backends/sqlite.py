@@ -25,7 +25,7 @@ from .. import file_queue
 from ..schema import UTCDateTime
 from ..server_settings import LOSES_ROWS, SPLITS_THE_DATABASE, ServerSettings, UnsafeSetting
 from ..timeouts import SQLITE_BUSY_TIMEOUT_SECONDS
-from .base import IN_MEMORY, Backend, StatementParts
+from .base import Backend, StatementParts
 
 if TYPE_CHECKING:
     from sqlalchemy.sql import Insert
@@ -161,9 +161,9 @@ class SQLiteBackend(Backend):
     @classmethod
     def missing_database(cls, url: URL) -> str | None:
         database = _database_file(url)
-        if database is None:
-            return IN_MEMORY
-        return None if os.path.exists(database) else os.path.abspath(database)
+        if database is None or os.path.exists(database):
+            return None
+        return os.path.abspath(database)
 
     @classmethod
     def queue_file(cls, url: URL) -> str | None:
