@@ -94,6 +94,7 @@ class Acquirer:
         # (SQLite's wait for another connection's write lock has its busy timeout.)
         now = clock.now()
         connect_by = None if wait is None else now + wait + CONNECT_SLACK_SECONDS
+        answer_by = None if wait is None else now + wait + timeouts.ACQUIRE_SLACK_SECONDS
         # One guid for every attempt of this call: a release may hand the row to it (as our
         # ticket), and an attempt that finds the row under it knows the row is ours.
         guid = new_guid()
@@ -101,10 +102,8 @@ class Acquirer:
             with (
                 (
                     _NO_BOUND
-                    if wait is None or self._connects_locally
-                    else self._answered_by(
-                        lockstring, now + wait + timeouts.ACQUIRE_SLACK_SECONDS, wait
-                    )
+                    if answer_by is None or wait is None or self._connects_locally
+                    else self._answered_by(lockstring, answer_by, wait)
                 ),
                 _NO_BOUND if self._connects_locally else deadlines.connections_by(connect_by),
             ):
@@ -113,8 +112,10 @@ class Acquirer:
                 )
         except DatabaseError:
             # An attempt's INSERT may have committed with its answer lost: that row, held by
-            # nobody, would keep everyone out until it expired.
-            self.tickets.leaving.call_soon(self._forget_attempt, lockstring, guid, ttl)
+            # nobody, would keep everyone out until it expired. Cut at the deadline, it may
+            # commit later still (its commit waiting, which no statement timeout ends).
+            cut = answer_by is not None and clock.now() >= answer_by
+            self.tickets.leaving.call_soon(self._forget_attempt, lockstring, guid, ttl, cut)
             raise
 
     def _answered_by(
@@ -137,12 +138,13 @@ class Acquirer:
             outage=True,
         )
 
-    def _forget_attempt(self, lockstring: str, guid: str, ttl: float) -> None:
+    def _forget_attempt(self, lockstring: str, guid: str, ttl: float, cut: bool = False) -> None:
         """Delete the row a failed acquire by ``guid`` may have left, once the database answers:
         tried every ``tickets.GIVE_UP_AGAIN`` seconds, each try ending by FORGET_PATIENCE,
         until the row would have expired, or for FORGET_FOR at most (the give-ups of tickets
         wait behind it); never another acquisition's row (see ``Statements.forget_attempt``).
-        """
+        An acquire ``cut`` at its deadline may still be committing its row, not yet there to
+        delete: none found, it is looked for again, through the same window."""
         until = clock.now() + min(ttl, FORGET_FOR)
         while not self.tickets.closing.is_set() and clock.now() < until:
             deleted: int | None = None
@@ -152,7 +154,7 @@ class Acquirer:
                     deleted = self._operations.forget_attempt(lockstring, guid)
             except LockError:
                 pass
-            if deleted is None:
+            if deleted is None or (cut and not deleted):
                 concurrency.wait(self.tickets.closing, tickets.GIVE_UP_AGAIN)
                 continue
             if deleted:

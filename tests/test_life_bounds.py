@@ -20,9 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from sqllocker import DatabaseError, Locker, LockError, LockLost, clock, timeouts
 from sqllocker.connections import ConnectionStack
+from sqllocker.engine import resolve_url
 from tests.helpers import FRONTS, Front, Proxied, figure
 
 pytestmark = pytest.mark.slow  # stalls of several seconds
@@ -460,4 +462,51 @@ def test_an_acquire_on_a_frozen_connection_ends_with_its_wait(
         "acquire on a frozen connection",
         f"{backend} {front} wait={wait}",
         f"lock() ended in {outcome['took']:.1f}s, {type(outcome['error']).__name__}",
+    )
+
+
+@pytest.mark.parametrize("backend", ["postgresql"])
+def test_an_acquire_cut_while_its_commit_waits_leaves_no_row_for_long(
+    url: str, table_name: str, make_locker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A commit that outlasts the acquire's cut (a synchronous standby gone; here a deferred
+    trigger that sleeps at the commit, which no statement timeout ends): the sync front shuts
+    its socket, the server commits the row anyway, after the forget's first DELETE found
+    nothing to delete. The forget goes on looking through its window, and deletes the row once
+    it is there: it was held by nobody for the lock's expiry."""
+    monkeypatch.setattr(timeouts, "ACQUIRE_SLACK_SECONDS", 1.0)
+    locker = make_locker(expires=120)
+    admin = sa.create_engine(resolve_url(url))
+    with admin.begin() as conn:
+        conn.exec_driver_sql(
+            f"CREATE FUNCTION {table_name}_slow() RETURNS trigger LANGUAGE plpgsql AS "
+            "$$ BEGIN PERFORM pg_sleep(4); RETURN NULL; END $$"
+        )
+        conn.exec_driver_sql(
+            f"CREATE CONSTRAINT TRIGGER {table_name}_slow AFTER INSERT ON {table_name} "
+            "DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (NEW.lockstring = 'slow job') "
+            f"EXECUTE FUNCTION {table_name}_slow()"
+        )
+    try:
+        locker.lock("warm").unlock()
+        started = time.monotonic()
+        with pytest.raises(DatabaseError, match="no answer from"):
+            locker.lock("slow job")
+        assert time.monotonic() - started < 3.5
+        contender = make_locker(expires=120)
+        contender.lock("slow job", wait=20).unlock()  # by the forget, not by the row's expiry
+    finally:
+        with admin.begin() as conn:
+            conn.exec_driver_sql(f"DROP TRIGGER IF EXISTS {table_name}_slow ON {table_name}")
+            conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {table_name}_slow()")
+        admin.dispose()
+
+
+def test_the_acquire_slack_outlasts_a_working_servers_own_timeouts() -> None:
+    """A working server ends a slow acquire statement first, rolled back (nothing left behind):
+    only a frozen one is cut by the acquire's own bound, which a slack of a few seconds put on
+    slow INSERTs and MariaDB's row lock waits too."""
+    assert (
+        max(timeouts.STATEMENT_TIMEOUT_SECONDS, timeouts.ROW_LOCK_TIMEOUT_SECONDS)
+        < timeouts.ACQUIRE_SLACK_SECONDS
     )
