@@ -290,6 +290,7 @@ def test_a_callers_pool_that_splits_a_database_in_memory_is_reported_or_refused(
         thread.join(30)
         assert len(taken) == 1  # what the warning is about: a second holder
         held.unlock()
+        del taken[:]  # its database is its thread's, gone with it: nothing left to release
         with pytest.raises(UnsafeDatabase, match="SingletonThreadPool"):
             Locker(engine, strict=True).lock("refused")
         assert "refused" not in {info.lockstring for info in locker.locks()}
@@ -300,7 +301,8 @@ def test_a_callers_pool_that_splits_a_database_in_memory_is_reported_or_refused(
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             Locker(shared).lock("report").unlock()
-        assert not caught
+        # (Not a warning of anything else: a garbage collection meanwhile may say what it freed.)
+        assert not [w for w in caught if issubclass(w.category, UnsafeDatabaseWarning)]
     finally:
         shared.dispose()
 
