@@ -94,7 +94,11 @@ class Acquirer:
         # (SQLite's wait for another connection's write lock has its busy timeout.)
         now = clock.now()
         connect_by = None if wait is None else now + wait + CONNECT_SLACK_SECONDS
-        answer_by = None if wait is None else now + wait + timeouts.ACQUIRE_SLACK_SECONDS
+        answer_by = (
+            None
+            if wait is None or self._connects_locally
+            else now + wait + timeouts.ACQUIRE_SLACK_SECONDS
+        )
         # One guid for every attempt of this call: a release may hand the row to it (as our
         # ticket), and an attempt that finds the row under it knows the row is ours.
         guid = new_guid()
@@ -102,8 +106,10 @@ class Acquirer:
             with (
                 (
                     _NO_BOUND
-                    if answer_by is None or wait is None or self._connects_locally
-                    else self._answered_by(lockstring, answer_by, wait)
+                    if answer_by is None
+                    else concurrency.answered_by(
+                        answer_by, functools.partial(self._no_answer, lockstring)
+                    )
                 ),
                 _NO_BOUND if self._connects_locally else deadlines.connections_by(connect_by),
             ):
@@ -118,22 +124,14 @@ class Acquirer:
             self.tickets.leaving.call_soon(self._forget_attempt, lockstring, guid, ttl, cut)
             raise
 
-    def _answered_by(
-        self, lockstring: str, deadline: float, wait: float
-    ) -> concurrency.answered_by:
-        """The block of an acquire whose statements end by ``deadline``."""
-        return concurrency.answered_by(
-            deadline, functools.partial(self._no_answer, lockstring, wait)
-        )
-
-    def _no_answer(self, lockstring: str, wait: float) -> DatabaseError:
+    def _no_answer(self, lockstring: str) -> DatabaseError:
         """The error of an acquire whose statements did not end by its wait plus
         ``timeouts.ACQUIRE_SLACK_SECONDS``."""
         slack = timeouts.ACQUIRE_SLACK_SECONDS
         return DatabaseError(
             f"no answer from {describe_url(self._operations.database.url)} for lock "
-            f"{lockstring!r} within its wait ({wait:g} s) and {slack:g} s more: "
-            "the server or a pooler may be frozen",
+            f"{lockstring!r} within its wait and {slack:g} s more: the server or a pooler "
+            "may be frozen",
             lockstring,
             outage=True,
         )

@@ -154,6 +154,20 @@ def one_line(text: object) -> str:
     return " ".join(str(text).split())
 
 
+# What reading back a value that no Python type holds raises: a row written by something other
+# than sqllocker (an operator's SQL, another program), with a timestamp out of range or not
+# one, or locked_by that is not JSON.
+UNREADABLE_VALUE = (ValueError, OverflowError, RecursionError)
+
+
+def unreadable_row(table: str, where: str, error: BaseException) -> str:
+    """The message of a row of ``table`` (in ``where``, "for lock ...") that cannot be read."""
+    return (
+        f"a row of table {table!r} {where}cannot be read (not written by sqllocker?): "
+        f"{one_line(error)}"
+    )
+
+
 def printable(text: object) -> str:
     """``text`` safe to show on a terminal or in a log line: whatever a lock row holds (its
     lockstring, its locked_by) was written by someone else, and a character in it that is not

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from .census import TableCensus, take_census
-from .errors import LockError, LockValueError, one_line
+from .errors import UNREADABLE_VALUE, LockError, LockValueError, one_line, unreadable_row
 
 if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry
@@ -163,15 +163,9 @@ class TableCollector:
                 result.append(
                     take_census(self._engine, options.table, options.per_lock, options.max_series)
                 )
-            except (ValueError, OverflowError, sa.exc.DataError) as error:
-                # A value read back that no Python type holds (the driver's or SQLAlchemy's):
-                # a row an operator's SQL or another program wrote, with a timestamp out of
-                # range or not one (PostgreSQL's 'infinity').
-                logger.warning(
-                    "scrape: a row of table %s cannot be read (not written by sqllocker?): %s",
-                    options.table,
-                    one_line(error),
-                )
+            except (*UNREADABLE_VALUE, sa.exc.DataError) as error:
+                # (DataError: the driver's own, PostgreSQL's 'infinity' to psycopg.)
+                logger.warning("scrape: %s", unreadable_row(options.table, "", error))
                 result.append(None)
             except sa.exc.SQLAlchemyError as error:
                 logger.warning("scrape: the database did not answer: %s", one_line(error))

@@ -129,8 +129,8 @@ def render(locker: Locker, pattern: str | None, most_rows: int | None = None) ->
         table.add_column(column, no_wrap=True, justify="right")
     rows = [*held, *expired]
     if most_rows is not None and len(rows) > most_rows:
-        # What the screen cannot show is not made: a table of 200,000 expired rows took rich
-        # 42 s to lay out.
+        # What the screen cannot show is not laid out: rich's time grows with every row, and a
+        # table of expired rows the purge has yet to delete can be long.
         table.caption = f"... {len(rows) - most_rows} more rows (sqllocker list shows them all)"
         rows = rows[:most_rows]
     for row in rows:

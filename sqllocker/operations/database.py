@@ -22,7 +22,14 @@ from .. import clock, deadlines, forks
 from ..backends import Backend, backend_class
 from ..connections import ConnectionStack, StackedConnection
 from ..engine import describe_url
-from ..errors import DatabaseError, LockError, TableMissing, one_line
+from ..errors import (
+    UNREADABLE_VALUE,
+    DatabaseError,
+    LockError,
+    TableMissing,
+    one_line,
+    unreadable_row,
+)
 from ..execution import DriverSession, PreparedCache
 from ..schema import lock_table
 from ..statements import Statements
@@ -288,17 +295,14 @@ class Database:
         while True:
             try:
                 return self._run_once(operation)
-            except (ValueError, OverflowError, RecursionError) as error:
+            except UNREADABLE_VALUE as error:
                 if isinstance(error, LockError):
                     raise
-                # A value read back that no Python type holds: a row written by something
-                # other than sqllocker (an operator's SQL, another program) with a timestamp
-                # out of range or not one, or locked_by that is not JSON.
+                where = f"in {describe_url(self.url)} " + (
+                    f"for lock {lockstring!r} " if lockstring is not None else ""
+                )
                 raise DatabaseError(
-                    f"a row of table {self.table_name!r} in {describe_url(self.url)} "
-                    + (f"for lock {lockstring!r} " if lockstring is not None else "")
-                    + f"cannot be read (not written by sqllocker?): {one_line(error)}",
-                    lockstring,
+                    unreadable_row(self.table_name, where, error), lockstring
                 ) from error
             except sa.exc.DBAPIError as error:
                 if self._backend is not None and self.be.is_read_only(error):
