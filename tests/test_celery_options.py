@@ -100,9 +100,12 @@ def test_the_beat_window_is_three_quarters_of_the_period_less_the_grace() -> Non
         schedule_window({**every, "b": {"task": "t", "schedule": 60}}, "t", now, 1.0)
     with pytest.raises(LockValueError):
         schedule_window(every, "other", now, 1.0)
-    hourly = crontab(minute=0)
-    window = schedule_window({"a": {"task": "t", "schedule": hourly}}, "t", hourly.now(), 0)
-    assert 0 < window <= 0.75 * 3600
+    # An hourly run sent at 12:00 (the clock's own now is no run's: in an hour's last five
+    # seconds it counts as a worker behind the beat's next run).
+    sent = datetime(2026, 11, 30, 12, 0, 0, 500000, tzinfo=timezone.utc)
+    hourly = crontab(minute=0, nowfun=lambda: sent)
+    window = schedule_window({"a": {"task": "t", "schedule": hourly}}, "t", sent, 0)
+    assert window == pytest.approx(0.75 * 3599.5, abs=0.1)
 
 
 @pytest.mark.parametrize(
