@@ -10,7 +10,9 @@ kept the command from answering, said in one line on stderr.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import sys
 import traceback
 from collections.abc import Sequence
@@ -29,7 +31,23 @@ from .schema import DEFAULT_TABLE
 from .version import __version__
 
 
+class _OutputClosed(Exception):
+    """What the command wrote to could not be written: the reader has gone (``| head``)."""
+
+
+class _Commands(click.Group):
+    """The commands, a broken pipe raised as ``_OutputClosed``: click's own handler for it
+    exits 1, which is the negative answer."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError as error:
+            raise _OutputClosed() from error
+
+
 @click.group(
+    cls=_Commands,
     context_settings=CONTEXT_SETTINGS,
     epilog="Exit status: 0 yes, or done; 1 no (show, release: not held; leader: nobody leads; "
     "migrate --check: behind; run: held by someone else); 2 an error, no answer (the database "
@@ -70,7 +88,20 @@ for command in (purge_expired, list_locks, show, leader, release, run, top, expo
 
 def main(argv: Sequence[str] | None = None) -> None:
     """The console script: an error that kept the command from answering (a LockError, a usage
-    error) is one line on stderr and exit status 2, never 1: that is the negative answer."""
+    error) is one line on stderr and exit status 2, never 1: that is the negative answer; so is
+    output nobody reads any longer (``| head``), said nowhere, as grep's SIGPIPE."""
+    try:
+        _answer(argv)
+    except (_OutputClosed, BrokenPipeError):  # stdout's reader gone, or stderr's
+        # What is left in a buffer goes nowhere at exit (not an error and exit status 120).
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.dup2(devnull, sys.stderr.fileno())
+        sys.exit(EXIT_ERROR)
+
+
+def _answer(argv: Sequence[str] | None) -> None:
     try:
         cli.main(args=argv, prog_name="sqllocker", standalone_mode=False)
     except click.exceptions.Exit as done:
@@ -84,6 +115,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     except LockError as error:
         click.echo(f"sqllocker: error: {error}", err=True)
         sys.exit(EXIT_ERROR)
+    except _OutputClosed:
+        raise
     except Exception:
         # A bug of ours: its traceback, to report, and not the status of a negative answer.
         traceback.print_exc()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -186,3 +187,37 @@ def test_sqlite_commands_that_create_nothing_refuse_a_database_that_is_not_there
         assert made.exists()
         assert sqllocker(*url, "show", "nightly", cwd=tmp_path).returncode == 1
         assert sqllocker(*url, "list", cwd=tmp_path).returncode == 0
+
+
+@pytest.mark.parametrize("backend", ["sqlite"])  # the output's: no database's
+def test_output_nobody_reads_exits_2_not_1(url: str, table_name: str, tmp_path: Path) -> None:
+    """``sqllocker show nightly | head`` whose reader has gone (``pipefail``): click's own
+    handler exited 1, the negative answer, though the lock was held; and an error said to a
+    closed stderr likewise."""
+    migrate(url, table_name)
+    locker = Locker(url, table=table_name)
+    held = locker.lock("nightly")
+    try:
+        for args, streams in [
+            (["show", "nightly"], ("stdout",)),
+            (["list"], ("stdout",)),
+            (["show", "nightly", "--table", "Bad"], ("stdout", "stderr")),
+        ]:
+            reader, writer = os.pipe()
+            os.close(reader)  # the reader gone before anything is written
+            command = [sys.executable, "-m", "sqllocker.cli", "--url", url]
+            pipes = {stream: writer for stream in streams}
+            try:
+                done = subprocess.run(
+                    [*command, "--table", table_name, *args],
+                    **{"stdout": subprocess.DEVNULL, "stderr": subprocess.PIPE, **pipes},
+                    timeout=60,
+                    check=False,
+                )
+            finally:
+                os.close(writer)
+            assert done.returncode == 2, (args, done.stderr)
+            assert not done.stderr, done.stderr  # said nowhere, no traceback
+    finally:
+        held.unlock()
+        locker.close()

@@ -255,3 +255,18 @@ def test_djangos_test_runner_gets_the_lock_table_in_its_test_database(project: P
     done = project.manage("test", "tests.django_project.reports", "--noinput", check=False)
     assert done.returncode == 0, done.stderr
     assert "Ran 3 tests" in done.stderr
+
+
+@pytest.mark.parametrize("backend", ["sqlite"])  # the setting's check: no database's
+def test_manage_py_sqllocker_with_a_bad_setting_says_so_in_one_line_and_exits_2(
+    project: Project,
+) -> None:
+    """``settings.SQLLOCKER`` naming a database Django does not have: the command line's
+    status for an error (it was Django's traceback and 1, the negative answer)."""
+    project.env["SQLLOCKER_DJANGO_DATABASE"] = "reports"
+    done = project.manage("sqllocker", "show", "nightly", check=False)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        "CommandError: settings.SQLLOCKER names the database 'reports', which "
+        "settings.DATABASES does not have"
+    ]

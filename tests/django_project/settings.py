@@ -42,7 +42,7 @@ DATABASES = {
     }
 }
 SQLLOCKER = {
-    "database": "default",
+    "database": os.environ.get("SQLLOCKER_DJANGO_DATABASE", "default"),
     "table": os.environ["SQLLOCKER_DJANGO_TABLE"],
     "grace": float(os.environ.get("SQLLOCKER_DJANGO_GRACE", "0")),
 }

@@ -10,6 +10,8 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from sqllocker.cli import main
 from sqllocker.django.configuration import database_alias, database_url, setting, table_name
+from sqllocker.errors import LockError
+from sqllocker.exit_statuses import EXIT_ERROR
 
 SUBCOMMANDS = ("purge-expired", "list", "show", "release")
 
@@ -25,10 +27,13 @@ class Command(BaseCommand):
         parser.add_argument("arguments", nargs=argparse.REMAINDER)
 
     def handle(self, *args: Any, **options: Any) -> None:
-        url = database_url(database_alias()).render_as_string(hide_password=False)
-        command = ["--url", url, "--table", table_name(), options["subcommand"]]
+        try:
+            url = database_url(database_alias()).render_as_string(hide_password=False)
+            table, grace = table_name(), setting().get("grace")
+        except LockError as error:  # the setting: one line and the command line's status
+            raise CommandError(str(error), returncode=EXIT_ERROR) from None
+        command = ["--url", url, "--table", table, options["subcommand"]]
         arguments = list(options["arguments"])
-        grace = setting().get("grace")
         given = any(word.partition("=")[0] == "--grace" for word in arguments)
         if options["subcommand"] == "purge-expired" and grace is not None and not given:
             # The grace the setting's Lockers take rows over after: purged no sooner.
