@@ -6,6 +6,11 @@ it is validated (``validation.check_table_name``) before the Table is built. Par
 ``ls`` lockstring, ``lock_guid`` the acquisition's secret, ``holder`` the locked_by JSON,
 ``lock_id`` the lock id; ``ttl``, ``minus_grace`` and ``minus_foreign_grace`` are seconds to
 add to the server's clock (the last two negative), converted by ``Backend.seconds_value``.
+
+Each statement object is made once and then reused (a ``cached_property``, or an ``lru_cache``
+holding every variant): the compiled form of each is kept by the statement object
+(``execution.PreparedCache``), and one made anew per call was compiled, and kept, anew each
+time, a leak in a process that lists the table every second.
 """
 
 from __future__ import annotations
@@ -194,11 +199,47 @@ class Statements:
         ours = sa.case((mine, True), else_=False).label("ours")
         return self.holder.add_columns(takeable, ours)
 
+    @lru_cache(maxsize=4)  # noqa: B019 -- made once each (module docstring)
     def list_locks(self, pattern: bool = False) -> Select[Any]:
         """Every row, or those whose lockstring matches the bound shell-style ``pattern``
         (converted by ``Backend.glob_value``)."""
         rows = self._rows.order_by(self.table.c.lockstring)
         return rows.where(self.backend.matches_glob(self.table.c.lockstring)) if pattern else rows
+
+    @lru_cache(maxsize=4)  # noqa: B019 -- made once each (module docstring)
+    def overview(self, *, expired: bool, pattern: bool = False) -> Select[Any]:
+        """``top``'s rows: those not expired (as ``row_info`` tells: a DBIx::Locker row within
+        its margin is not), oldest first; or the expired ones, longest expired first, at most
+        the bound ``most``. With ``pattern``, those whose lockstring matches it."""
+        c = self.table.c
+        rows = self._rows
+        if pattern:
+            rows = rows.where(self.backend.matches_glob(c.lockstring))
+        if not expired:
+            return rows.where(sa.not_(self._expired_now)).order_by(c.created, c.id)
+        return (
+            rows.where(self._expired_now)
+            .order_by(c.expires, c.id)
+            .limit(sa.bindparam("most", type_=sa.Integer()))
+        )
+
+    @lru_cache(maxsize=4)  # noqa: B019 -- made once each (module docstring)
+    def count_expired(self, pattern: bool = False) -> Select[Any]:
+        """How many rows ``overview(expired=True)`` has, unlimited."""
+        counted = sa.select(sa.func.count().label("expired")).where(self._expired_now)
+        if pattern:
+            counted = counted.where(self.backend.matches_glob(self.table.c.lockstring))
+        return counted
+
+    @cached_property
+    def _expired_now(self) -> sa.ColumnElement[bool]:
+        """Expired by the server's clock now (no grace); a DBIx::Locker row, once it is in every
+        time zone (``schema.FOREIGN_CLOCK_MARGIN``): what ``row_info`` calls expired."""
+        c = self.table.c
+        return sa.and_(
+            c.expires <= self._now,
+            sa.or_(sa.not_(self._foreign), c.expires <= self.backend.shifted_now("minus_margin")),
+        )
 
     @cached_property
     def count_live(self) -> Select[Any]:

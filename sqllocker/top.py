@@ -1,8 +1,10 @@
 """``sqllocker top``: the held locks, live in a terminal, with ``rich``.
 
-Every second it reads the table (``Locker.locks``) and the waiters' live tickets
-(``census.live_waiters``) and redraws: held locks oldest first, then the expired rows the
-purge has not deleted yet. ``q`` quits. Times are the database server's, as every expiry is.
+Every second it reads the held rows, as many expired ones as the screen has rows, the count of
+the rest (``operations.Inspection.overview``) and the waiters' live tickets
+(``census.live_waiters``), and redraws: held locks oldest first, then the expired rows the
+purge has not deleted yet, longest expired first. ``q`` quits. Times are the database server's,
+as every expiry is.
 """
 
 from __future__ import annotations
@@ -23,9 +25,14 @@ from .census import live_waiters
 from .engine import describe_url
 from .errors import LockError, LockValueError, one_line, printable
 from .row_kinds import TURN, kind_of, writer_name
+from .validation import check_pattern
 
 if TYPE_CHECKING:
     from .locker import Locker, LockInfo
+
+# Every expired row, where no screen's height bounds them (``top`` without a terminal prints
+# what ``list`` prints, and tests read them all).
+_ALL = 2**31 - 1
 
 REFRESH_SECONDS = 1.0
 # An unexpired lock is shown as close to expiring when less than this is left. (Not a share of
@@ -61,26 +68,31 @@ class Row:
         return self.info.seconds_left < CLOSE_SECONDS
 
 
-def read_rows(locker: Locker, pattern: str | None) -> tuple[list[Row], list[Row]]:
-    """The held rows, oldest first, and the expired ones, longest expired first."""
-    infos = locker.locks(pattern)
+def read_rows(
+    locker: Locker, pattern: str | None, most_expired: int | None = None
+) -> tuple[list[Row], list[Row], int]:
+    """The held rows, oldest first; the expired ones, longest expired first (at most
+    ``most_expired`` of them); and how many rows are expired in all."""
+    check_pattern(pattern)
+    # Read through the locker's operations, as its ``locks()`` is: only what a screen shows.
+    held_infos, expired_infos, expired_count = locker._operations.overview(
+        pattern, _ALL if most_expired is None else most_expired
+    )
     try:
         waiting = live_waiters(locker.engine, locker.table_name)
     except sa.exc.DBAPIError:
         # A role granted only what taking locks needs may not read the tickets (PostgreSQL):
         # the waiters are then unknown, shown as on SQLite.
         waiting = None
-    rows = [
-        Row(
+
+    def row(info: LockInfo) -> Row:
+        return Row(
             info=info,
             held_seconds=(info.expires - info.created).total_seconds() - info.seconds_left,
             waiters=None if waiting is None else waiting.get(info.lockstring, 0),
         )
-        for info in infos
-    ]
-    held = sorted((r for r in rows if not r.info.expired), key=lambda r: -r.held_seconds)
-    expired = sorted((r for r in rows if r.info.expired), key=lambda r: r.info.seconds_left)
-    return held, expired
+
+    return [row(info) for info in held_infos], [row(info) for info in expired_infos], expired_count
 
 
 def duration(seconds: float) -> str:
@@ -101,7 +113,8 @@ def render(locker: Locker, pattern: str | None, most_rows: int | None = None) ->
     where = f"{describe_url(locker.url)} table {locker.table_name}"
     shown = f"  filter {pattern!r}" if pattern else ""
     try:
-        held, expired = read_rows(locker, pattern)
+        # Held rows come first: no more expired ones than the screen has rows can show.
+        held, expired, expired_count = read_rows(locker, pattern, most_rows)
     except LockError as error:
         return Group(
             Text(f"sqllocker top  {where}{shown}  {now}  (q quits)", style="bold"),
@@ -111,7 +124,7 @@ def render(locker: Locker, pattern: str | None, most_rows: int | None = None) ->
     holding = sum(r.counts_as_held for r in held)
     heading = Text(
         f"sqllocker top  {where}{shown}  {now}  (q quits)\n"
-        f"{holding} held, {waiting} waiting, {len(expired)} expired not yet purged",
+        f"{holding} held, {waiting} waiting, {expired_count} expired not yet purged",
         style="bold",
         no_wrap=True,
         overflow="ellipsis",
@@ -128,10 +141,11 @@ def render(locker: Locker, pattern: str | None, most_rows: int | None = None) ->
     for column in ("HELD FOR", "EXPIRES IN", "WAITERS"):
         table.add_column(column, no_wrap=True, justify="right")
     rows = [*held, *expired]
-    if most_rows is not None and len(rows) > most_rows:
-        # What the screen cannot show is not laid out: rich's time grows with every row, and a
-        # table of expired rows the purge has yet to delete can be long.
-        table.caption = f"... {len(rows) - most_rows} more rows (sqllocker list shows them all)"
+    total = len(held) + expired_count
+    if most_rows is not None and total > most_rows:
+        # What the screen cannot show is neither read nor laid out: rich's time grows with
+        # every row, and a table of expired rows the purge has yet to delete can be long.
+        table.caption = f"... {total - most_rows} more rows (sqllocker list shows them all)"
         rows = rows[:most_rows]
     for row in rows:
         info = row.info

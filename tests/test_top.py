@@ -20,7 +20,7 @@ import pytest
 
 from sqllocker import Locker, LockError
 from tests.conftest import IN_CI
-from tests.helpers import migrate, wait_until
+from tests.helpers import abandon, migrate, wait_until
 from tests.test_cli import LIST_COLUMNS
 
 SQLLOCKER = str(Path(__file__).resolve().parents[1] / ".venv" / "bin" / "sqllocker")
@@ -190,7 +190,7 @@ def test_top_tells_readers_writers_and_turns_apart(make_locker: Any) -> None:
     reader = locker.rwlock("catalog").read()
     writer = locker.rwlock("orders").write()
     turn = locker.lock("crawl (turn)", locked_by={"semaphore_limit": 1})
-    held, expired = read_rows(locker, None)
+    held, expired, _ = read_rows(locker, None)
     assert not expired
     kinds = {row.info.lockstring: row.kind for row in held}
     assert kinds == {
@@ -253,3 +253,81 @@ def test_top_fits_long_lockstrings_on_a_small_screen(make_locker: Any) -> None:
     assert "3 more rows" in shown, shown
     for lock in held:
         lock.unlock()
+
+
+def test_top_reads_only_the_expired_rows_that_fit_and_counts_the_rest(
+    make_locker: Any, table_name: str, url: str
+) -> None:
+    """Every row was read each second, and sorted: 200,000 expired rows took seconds a frame.
+    The held rows are read, the expired ones only as many as the screen shows, the longest
+    expired first, and the rest counted by the database; a pattern counts what it matches. A
+    DBIx::Locker row expired within its margin (its clock may be another time zone's) is held,
+    as ``list`` shows it."""
+    import sqlalchemy as sa
+
+    from sqllocker.engine import resolve_url
+    from sqllocker.schema import FOREIGN_GUID_PREFIX, lock_table
+    from sqllocker.top import read_rows, render
+
+    locker = make_locker()
+    held = [locker.lock(f"job {n}") for n in range(3)]
+    for n in range(30):
+        abandon(locker.lock(f"gone {n}", expires=0.05))
+    abandon(locker.lock("perl job"))
+    table = lock_table(table_name)
+    engine = sa.create_engine(resolve_url(url))
+    try:
+        with engine.begin() as conn:
+            row = conn.execute(sa.select(table.c.expires).where(table.c.lockstring == "perl job"))
+            expires = row.scalar_one() - dt.timedelta(minutes=10)
+            conn.execute(
+                sa.update(table)
+                .where(table.c.lockstring == "perl job")
+                .values(guid=FOREIGN_GUID_PREFIX + "0" * 20, expires=expires)
+            )
+    finally:
+        engine.dispose()
+    time.sleep(0.1)
+    live, expired, count = read_rows(locker, None, 4)
+    assert [row.info.lockstring for row in live] == ["job 0", "job 1", "job 2", "perl job"]
+    assert [row.info.lockstring for row in expired] == [f"gone {n}" for n in range(4)]
+    assert count == 30
+    live, expired, count = read_rows(locker, "gone 1*", 2)
+    assert (live, [row.info.lockstring for row in expired], count) == (
+        [],
+        ["gone 1", "gone 10"],
+        11,
+    )
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(render(locker, None, most_rows=6))
+    shown = console.export_text()
+    assert "4 held, 0 waiting, 30 expired not yet purged" in shown, shown
+    assert "28 more rows" in shown, shown
+    for lock in held:
+        lock.unlock()
+
+
+def test_listing_the_table_again_and_again_compiles_nothing_new(make_locker: Any) -> None:
+    """``locks()`` and ``top``'s reads made a new statement each call, which the connection's
+    cache of compiled statements kept for ever: a process listing the table each second grew
+    without end."""
+    from sqllocker.top import read_rows
+
+    locker = make_locker()
+    semaphore = locker.semaphore("crawl", 2)
+
+    def list_everything() -> None:
+        locker.locks()
+        locker.locks("job*")
+        read_rows(locker, None, 10)
+        read_rows(locker, "job*", 10)
+        with semaphore.acquire():
+            semaphore.holders()
+
+    list_everything()
+    compiled = len(locker._operations.database._prepared._prepared)
+    for _ in range(20):
+        list_everything()
+    assert len(locker._operations.database._prepared._prepared) == compiled

@@ -92,6 +92,7 @@ class LockOperations:
         self.leave_line = line.leave_line
         # inspection and purge
         self.locks = inspection.locks
+        self.overview = inspection.overview
         self.lock_info = inspection.lock_info
         self.count_live = inspection.count_live
         self.announce_leader = inspection.announce_leader

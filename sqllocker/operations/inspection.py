@@ -10,6 +10,7 @@ import sqlalchemy as sa
 from ..errors import DatabaseError, LockError, describe_holder, one_line
 from ..execution import DriverSession
 from ..identity import holder_details
+from ..schema import FOREIGN_CLOCK_MARGIN
 from .database import Database
 from .outcomes import LockInfo, row_info
 
@@ -31,6 +32,31 @@ class Inspection:
                 glob = self._db.be.glob_value(pattern)
                 rows = conn.execute(self._db.sql.list_locks(pattern=True), {"pattern": glob})
             return [row_info(row) for row in rows]
+
+        return self._db.run(None, read)
+
+    def overview(
+        self, pattern: str | None, most_expired: int
+    ) -> tuple[list[LockInfo], list[LockInfo], int]:
+        """What ``top`` shows, read on one connection: the rows not expired, oldest first; at
+        most ``most_expired`` expired ones, longest expired first; and how many are expired.
+        Only what a screen shows is read: the expired rows a purge has yet to delete can be
+        many, the held ones are few."""
+        matching = pattern is not None
+
+        def read(conn: DriverSession) -> tuple[list[LockInfo], list[LockInfo], int]:
+            sql, be = self._db.sql, self._db.be  # set up by now
+            given = {} if pattern is None else {"pattern": be.glob_value(pattern)}
+            margin = {"minus_margin": be.seconds_value(-FOREIGN_CLOCK_MARGIN)}
+            live = conn.execute(sql.overview(expired=False, pattern=matching), given | margin)
+            held = [row_info(row) for row in live]
+            expired = conn.execute(
+                sql.overview(expired=True, pattern=matching),
+                given | margin | {"most": most_expired},
+            )
+            shown = [row_info(row) for row in expired]
+            count = conn.execute(sql.count_expired(matching), given | margin).one().expired
+            return held, shown, int(count)
 
         return self._db.run(None, read)
 
