@@ -325,7 +325,11 @@ class DriverSession:
 
 
 class PreparedCache:
-    """The Prepared form of each statement, made on first use, per dialect."""
+    """The Prepared form of each statement, made on first use, per dialect. Statements are made
+    once each (``statements``); should one be made per call all the same, the cache is
+    emptied at ``MOST`` entries rather than grow without end."""
+
+    MOST = 1024
 
     def __init__(self, dialect: Dialect) -> None:
         self.dialect = dialect
@@ -334,6 +338,8 @@ class PreparedCache:
     def __getitem__(self, statement: ClauseElement) -> Prepared:
         found = self._prepared.get(id(statement))
         if found is None or found[0] is not statement:
+            if len(self._prepared) >= self.MOST:
+                self._prepared.clear()
             found = (statement, Prepared(statement, self.dialect))
             self._prepared[id(statement)] = found
         return found[1]

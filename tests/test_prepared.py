@@ -8,7 +8,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 
-from sqllocker.execution import Prepared
+from sqllocker.execution import Prepared, PreparedCache
 
 
 class _Upper(sa.TypeDecorator[str]):
@@ -53,3 +53,15 @@ def test_values_by_name_processed_and_the_statements_own_where_none_is_given(
     with pytest.raises(KeyError):
         prepared.parameters({"a": "x"})
     assert prepared.parameters({"a": "x", "b": "y"}) == sent  # nothing kept between calls
+
+
+def test_the_cache_of_compiled_statements_stays_bounded() -> None:
+    """A statement made anew per call (as the table's listings were) is compiled and kept anew
+    each time: past ``MOST`` the cache starts again rather than grow without end."""
+    cache = PreparedCache(sqlite.dialect())
+    kept = _statement()
+    assert cache[kept] is cache[kept]
+    for _ in range(PreparedCache.MOST + 10):
+        cache[_statement()]
+    assert len(cache._prepared) <= PreparedCache.MOST
+    assert cache[kept].sql == Prepared(kept, sqlite.dialect()).sql
