@@ -16,7 +16,7 @@ from typing import Any
 
 from sqlalchemy.engine import Engine
 
-from . import clock, concurrency, tickets
+from . import clock, concurrency, deadlines, tickets
 from .acquiring import Winnings
 from .attempts import Attempts, wait_out
 from .backoff import Backoff, WakePacing
@@ -367,10 +367,13 @@ class TicketWait:
         ``LockOperations.leave_line``), whoever stops waiting for it. Whether it was: a failure
         is logged (at DEBUG if ``quiet``), not raised."""
         leave = (lockstring, number, guid, give_back)
+        log = logger.debug if quiet else logger.warning
         try:
-            self._operations.leave_line(*leave)
+            bound = clock.now() + tickets.GIVE_UP_PATIENCE
+            outer = deadlines.current()
+            with deadlines.statements_end_by(bound if outer is None else min(outer, bound)):
+                self._operations.leave_line(*leave)
         except DatabaseError as error:
-            log = logger.debug if quiet else logger.warning
             log("could not give up a ticket for %r (%s)", lockstring, error)
             return False
         return True

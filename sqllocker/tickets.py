@@ -81,6 +81,10 @@ LOOK_AGAIN = 1.0
 # a database that is away longer has, as a rule, ended the listener's session too.
 GIVE_UP_AGAIN = 1.0
 GIVE_UP_ATTEMPTS = 60
+# How long a waiter that stops waiting (its wait over, cancelled, an error) waits for its
+# ticket's give-up before it goes on, the give-up left to end (or fail, and be tried again) in
+# the background: on a frozen server or pooler it would not end (libpq), nor would the wait.
+GIVE_UP_PATIENCE = 5.0
 
 
 def new_hold(busy: LockBusy | None, previous: LockBusy | None) -> bool:

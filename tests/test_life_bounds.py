@@ -22,10 +22,11 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from sqllocker import DatabaseError, Locker, LockError, LockLost, clock, timeouts
+from sqllocker import DatabaseError, LockBusy, Locker, LockError, LockLost, clock, tickets, timeouts
 from sqllocker.connections import ConnectionStack
 from sqllocker.engine import resolve_url
-from tests.helpers import FRONTS, Front, Proxied, figure
+from tests.helpers import FRONTS, Front, Proxied, figure, migrate
+from tests.helpers import tickets as ticket_rows
 
 pytestmark = pytest.mark.slow  # stalls of several seconds
 
@@ -510,3 +511,72 @@ def test_the_acquire_slack_outlasts_a_working_servers_own_timeouts() -> None:
         max(timeouts.STATEMENT_TIMEOUT_SECONDS, timeouts.ROW_LOCK_TIMEOUT_SECONDS)
         < timeouts.ACQUIRE_SLACK_SECONDS
     )
+
+
+@pytest.mark.parametrize("front", FRONTS, ids=str)
+@pytest.mark.parametrize("backend", ["postgresql"])
+def test_a_waiter_whose_ticket_give_up_freezes_goes_on_and_gives_it_up_later(
+    proxied: Proxied, url: str, table_name: str, front: Front
+) -> None:
+    """lock(wait=1) behind a holder takes a ticket; its wait over, it gives the ticket up on a
+    connection that then froze. It waited for that give-up for ever (asyncio: the connection
+    never answers; sync: the acquire's deadline, its wait and 65 s); it now goes on after
+    GIVE_UP_PATIENCE with its LockBusy, and the ticket is given up in the background (on
+    another connection), not left standing to be handed the next release's row."""
+    migrate(url, table_name)
+    holder = Locker(url, table=table_name, grace=GRACE)
+    admin = sa.create_engine(resolve_url(url))
+    held = holder.lock("busy job")
+    outcome: dict[str, Any] = {}
+    standing: list[list[tuple[str, str]]] = []
+
+    async def scenario(locker: Any) -> None:
+        await front.call((await front.call(locker.lock, "warm")).unlock)  # the listener too
+        proxied.proxy.freeze_connection_before(b"queue_leave")
+        outcome.update(await front.timed(locker.lock, "busy job", wait=1.0))
+        await asyncio.sleep(tickets.GIVE_UP_AGAIN * 3)
+        standing.append(await asyncio.to_thread(ticket_rows, admin, table_name))
+
+    try:
+        _through_proxy(front, proxied, table_name, scenario)
+    finally:
+        held.unlock()
+        holder.close()
+        admin.dispose()
+    assert proxied.proxy.connections_frozen == 1, outcome
+    _ended_within(outcome, 1.0 + tickets.GIVE_UP_PATIENCE + 3.0, LockBusy)
+    assert standing == [[]], standing
+    figure(
+        "ticket give-up on a frozen connection",
+        f"postgresql {front}",
+        f"lock(wait=1) ended in {outcome['took']:.1f}s, {type(outcome['error']).__name__}",
+    )
+
+
+@pytest.mark.parametrize("backend", ["postgresql"])
+def test_a_cancelled_waiter_whose_ticket_give_up_freezes_is_not_held_up(
+    proxied: Proxied, url: str, table_name: str
+) -> None:
+    """asyncio: lock() (waiting for ever) behind a holder, cancelled by the caller's timeout;
+    its ticket's give-up goes out on a connection that then froze. The cancellation came once,
+    and the give-up awaited that connection for ever: the caller's timeout never returned."""
+    migrate(url, table_name)
+    holder = Locker(url, table=table_name, grace=GRACE)
+    held = holder.lock("busy job")
+    took: list[float] = []
+
+    async def scenario(locker: Any) -> None:
+        await (await locker.lock("warm")).unlock()  # the listener too
+        proxied.proxy.freeze_connection_before(b"queue_leave")
+        started = time.monotonic()
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(locker.lock("busy job", wait=None), 1.0)
+        took.append(time.monotonic() - started)
+
+    try:
+        _through_proxy(FRONTS[1], proxied, table_name, scenario)
+    finally:
+        held.unlock()
+        holder.close()
+    assert proxied.proxy.connections_frozen == 1
+    assert took[0] < 1.0 + tickets.GIVE_UP_PATIENCE + 3.0, took

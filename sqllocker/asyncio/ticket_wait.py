@@ -15,7 +15,7 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from .. import clock, tickets
+from .. import clock, deadlines, tickets
 from ..backoff import Backoff, WakePacing
 from ..errors import DatabaseError
 from ..holding import OnLost, signed_grant
@@ -384,13 +384,24 @@ class AsyncTicketWait:
         ``LockOperations.leave_line``), whoever stops waiting for it. Whether it was: a failure
         is logged (at DEBUG if ``quiet``), not raised."""
         leave = (lockstring, number, guid, give_back)
+        log = logger.debug if quiet else logger.warning
         try:
             if True:  # ASYNC
-                await asyncio.shield(self._call(self._operations.leave_line, *leave))
+                try:
+                    await concurrency.within(
+                        asyncio.shield(self._call(self._operations.leave_line, *leave)),
+                        tickets.GIVE_UP_PATIENCE,
+                        f"give up a ticket for {lockstring!r}",
+                    )
+                except asyncio.TimeoutError:
+                    log("no answer giving up a ticket for %r yet", lockstring)
+                    return False  # tried again in the background: idempotent
             else:
-                self._operations.leave_line(*leave)
+                bound = clock.now() + tickets.GIVE_UP_PATIENCE
+                outer = deadlines.current()
+                with deadlines.statements_end_by(bound if outer is None else min(outer, bound)):
+                    self._operations.leave_line(*leave)
         except DatabaseError as error:
-            log = logger.debug if quiet else logger.warning
             log("could not give up a ticket for %r (%s)", lockstring, error)
             return False
         return True
