@@ -7,16 +7,18 @@ it is validated (``validation.check_table_name``) before the Table is built. Par
 ``lock_id`` the lock id; ``ttl``, ``minus_grace`` and ``minus_foreign_grace`` are seconds to
 add to the server's clock (the last two negative), converted by ``Backend.seconds_value``.
 
-Each statement object is made once and then reused (a ``cached_property``, or an ``lru_cache``
-holding every variant): the compiled form of each is kept by the statement object
+Each statement object is made once and then reused (a ``cached_property``, or ``_made_once``
+for each variant): the compiled form of each is kept by the statement object
 (``execution.PreparedCache``), and one made anew per call was compiled, and kept, anew each
 time, a leak in a process that lists the table every second.
 """
 
 from __future__ import annotations
 
-from functools import cached_property, lru_cache
-from typing import Any
+import functools
+from collections.abc import Callable
+from functools import cached_property
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.sql import Delete, Select, Update
@@ -26,6 +28,24 @@ from sqlalchemy.sql.selectable import TextualSelect
 
 from .backends import Backend
 from .schema import FOREIGN_GUID_PREFIX, requests_table
+
+S = TypeVar("S")
+
+
+def _made_once(build: Callable[[Statements, Any], S]) -> Callable[[Statements, Any], S]:
+    """A method of ``Statements`` whose statement for each argument is made once, for each
+    Statements (an ``lru_cache`` is one for the class: Lockers evicted each other's)."""
+    name = build.__name__
+
+    @functools.wraps(build)
+    def made(self: Statements, argument: Any) -> S:
+        key = (name, argument)
+        found: S | None = self._made.get(key)
+        if found is None:
+            found = self._made.setdefault(key, build(self, argument))
+        return found
+
+    return made
 
 
 class Statements:
@@ -51,6 +71,7 @@ class Statements:
         self.id_order = id_order
         self.schema = schema
         self.has_line = has_line
+        self._made: dict[tuple[str, Any], Any] = {}  # see _made_once
         self.table_key = table.name if schema is None else f"{schema}.{table.name}"
         c = table.c
         self._now = backend.now()
@@ -199,37 +220,37 @@ class Statements:
         ours = sa.case((mine, True), else_=False).label("ours")
         return self.holder.add_columns(takeable, ours)
 
-    @lru_cache(maxsize=4)  # noqa: B019 -- made once each (module docstring)
-    def list_locks(self, pattern: bool = False) -> Select[Any]:
+    @_made_once
+    def list_locks(self, pattern: bool) -> Select[Any]:
         """Every row, or those whose lockstring matches the bound shell-style ``pattern``
         (converted by ``Backend.glob_value``)."""
         rows = self._rows.order_by(self.table.c.lockstring)
         return rows.where(self.backend.matches_glob(self.table.c.lockstring)) if pattern else rows
 
-    @lru_cache(maxsize=4)  # noqa: B019 -- made once each (module docstring)
-    def overview(self, *, expired: bool, pattern: bool = False) -> Select[Any]:
-        """``top``'s rows: those not expired (as ``row_info`` tells: a DBIx::Locker row within
-        its margin is not), oldest first; or the expired ones, longest expired first, at most
-        the bound ``most``. With ``pattern``, those whose lockstring matches it."""
+    @_made_once
+    def held_rows(self, pattern: bool) -> Select[Any]:
+        """``top``'s held rows: those not expired (as ``row_info`` tells: a DBIx::Locker row
+        within its margin is not), oldest first; with ``pattern``, those whose lockstring
+        matches it."""
         c = self.table.c
-        rows = self._rows
-        if pattern:
-            rows = rows.where(self.backend.matches_glob(c.lockstring))
-        if not expired:
-            return rows.where(sa.not_(self._expired_now)).order_by(c.created, c.id)
-        return (
-            rows.where(self._expired_now)
-            .order_by(c.expires, c.id)
-            .limit(sa.bindparam("most", type_=sa.Integer()))
-        )
+        rows = self._matching(self._rows, pattern)
+        return rows.where(sa.not_(self._expired_now)).order_by(c.created, c.id)
 
-    @lru_cache(maxsize=4)  # noqa: B019 -- made once each (module docstring)
-    def count_expired(self, pattern: bool = False) -> Select[Any]:
-        """How many rows ``overview(expired=True)`` has, unlimited."""
+    @_made_once
+    def expired_rows(self, pattern: bool) -> Select[Any]:
+        """``top``'s expired rows, longest expired first, at most the bound ``most``."""
+        c = self.table.c
+        rows = self._matching(self._rows, pattern).where(self._expired_now)
+        return rows.order_by(c.expires, c.id).limit(sa.bindparam("most", type_=sa.Integer()))
+
+    @_made_once
+    def count_expired(self, pattern: bool) -> Select[Any]:
+        """How many rows ``expired_rows`` has, unlimited."""
         counted = sa.select(sa.func.count().label("expired")).where(self._expired_now)
-        if pattern:
-            counted = counted.where(self.backend.matches_glob(self.table.c.lockstring))
-        return counted
+        return self._matching(counted, pattern)
+
+    def _matching(self, rows: Select[Any], pattern: bool) -> Select[Any]:
+        return rows.where(self.backend.matches_glob(self.table.c.lockstring)) if pattern else rows
 
     @cached_property
     def _expired_now(self) -> sa.ColumnElement[bool]:
@@ -327,7 +348,7 @@ class Statements:
         )
         return update.returning(c.expires) if self.backend.update_returning else update
 
-    @lru_cache(maxsize=8)  # noqa: B019 -- one entry per batch size; Statements live as long as their Locker
+    @_made_once
     def purge_batch(self, batch_size: int) -> Delete:
         """Delete at most ``batch_size`` rows expired beyond grace. Batches keep a purge of a
         million stale rows from holding one long transaction."""

@@ -311,23 +311,52 @@ def test_top_reads_only_the_expired_rows_that_fit_and_counts_the_rest(
 
 def test_listing_the_table_again_and_again_compiles_nothing_new(make_locker: Any) -> None:
     """``locks()`` and ``top``'s reads made a new statement each call, which the connection's
-    cache of compiled statements kept for ever: a process listing the table each second grew
-    without end."""
+    cache of compiled statements kept: a process listing the table each second grew without
+    end. Three Lockers, each listing in every way: a cache for the class would have them evict
+    each other's statements."""
+    from sqllocker.top import read_rows
+
+    lockers = [make_locker() for _ in range(3)]
+    semaphores = [locker.semaphore("crawl", 2) for locker in lockers]
+
+    def list_everything() -> None:
+        for locker, semaphore in zip(lockers, semaphores, strict=True):
+            locker.locks()
+            locker.locks("job*")
+            read_rows(locker, None, 10)
+            read_rows(locker, "job*", 10)
+            with semaphore.acquire():
+                semaphore.holders()
+
+    def compiled() -> list[int]:
+        return [len(locker._operations.database._prepared._prepared) for locker in lockers]
+
+    list_everything()
+    before = compiled()
+    for _ in range(10):
+        list_everything()
+    assert compiled() == before
+
+
+def test_top_shows_a_row_expiring_as_it_reads_once(make_locker: Any) -> None:
+    """``top`` reads the count, the expired rows and the held ones in three statements, each on
+    the server's clock of its own moment: rows expiring meanwhile were shown in both lists and
+    counted apart from the list. Rows expiring every 2.5 ms, read again and again."""
     from sqllocker.top import read_rows
 
     locker = make_locker()
-    semaphore = locker.semaphore("crawl", 2)
-
-    def list_everything() -> None:
-        locker.locks()
-        locker.locks("job*")
-        read_rows(locker, None, 10)
-        read_rows(locker, "job*", 10)
-        with semaphore.acquire():
-            semaphore.holders()
-
-    list_everything()
-    compiled = len(locker._operations.database._prepared._prepared)
-    for _ in range(20):
-        list_everything()
-    assert len(locker._operations.database._prepared._prepared) == compiled
+    for n in range(300):
+        abandon(locker.lock(f"row {n:03d}", expires=0.2 + n * 0.0025))
+    frames = 0
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        held, expired, count = read_rows(locker, None, 400)
+        frames += 1
+        held_names = {row.info.lockstring for row in held}
+        expired_names = [row.info.lockstring for row in expired]
+        assert not held_names & set(expired_names), held_names & set(expired_names)
+        assert not any(row.info.expired for row in held)
+        assert all(row.info.expired for row in expired)
+        assert count == len(expired), (count, len(expired))
+        assert expired_names == sorted(expired_names)  # longest expired first
+    assert frames > 20

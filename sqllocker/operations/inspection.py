@@ -27,10 +27,10 @@ class Inspection:
     def locks(self, pattern: str | None) -> list[LockInfo]:
         def read(conn: DriverSession) -> list[LockInfo]:
             if pattern is None:
-                rows = conn.execute(self._db.sql.list_locks())
+                rows = conn.execute(self._db.sql.list_locks(False))
             else:
                 glob = self._db.be.glob_value(pattern)
-                rows = conn.execute(self._db.sql.list_locks(pattern=True), {"pattern": glob})
+                rows = conn.execute(self._db.sql.list_locks(True), {"pattern": glob})
             return [row_info(row) for row in rows]
 
         return self._db.run(None, read)
@@ -41,22 +41,34 @@ class Inspection:
         """What ``top`` shows, read on one connection: the rows not expired, oldest first; at
         most ``most_expired`` expired ones, longest expired first; and how many are expired.
         Only what a screen shows is read: the expired rows a purge has yet to delete can be
-        many, the held ones are few."""
+        many, the held ones are few.
+
+        Three statements, each reading the server's clock anew: rows expire between them. So
+        the count comes first and the held rows last, and each row is placed as ``row_info``
+        finds it (PostgreSQL's clock moves within a statement too): never in both lists, and
+        the count never below what the list shows."""
         matching = pattern is not None
 
         def read(conn: DriverSession) -> tuple[list[LockInfo], list[LockInfo], int]:
             sql, be = self._db.sql, self._db.be  # set up by now
             given = {} if pattern is None else {"pattern": be.glob_value(pattern)}
-            margin = {"minus_margin": be.seconds_value(-FOREIGN_CLOCK_MARGIN)}
-            live = conn.execute(sql.overview(expired=False, pattern=matching), given | margin)
-            held = [row_info(row) for row in live]
-            expired = conn.execute(
-                sql.overview(expired=True, pattern=matching),
-                given | margin | {"most": most_expired},
-            )
-            shown = [row_info(row) for row in expired]
-            count = conn.execute(sql.count_expired(matching), given | margin).one().expired
-            return held, shown, int(count)
+            given["minus_margin"] = be.seconds_value(-FOREIGN_CLOCK_MARGIN)
+            count = int(conn.execute(sql.count_expired(matching), given).one().expired)
+            rows = conn.execute(sql.expired_rows(matching), given | {"most": most_expired})
+            expired = [row_info(row) for row in rows]
+            held: list[LockInfo] = []
+            shown = {info.lock_id for info in expired}
+            for info in map(row_info, conn.execute(sql.held_rows(matching), given)):
+                if info.lock_id in shown:
+                    continue
+                if not info.expired:
+                    held.append(info)
+                elif len(expired) < most_expired:  # expired since: the last to, shown last
+                    expired.append(info)
+                    count += 1
+                else:
+                    count += 1
+            return held, expired, max(count, len(expired))
 
         return self._db.run(None, read)
 
@@ -108,7 +120,7 @@ class Inspection:
 
         def read(conn: DriverSession) -> list[LockInfo]:
             pattern = self._db.be.literal_glob(literal) + self._db.be.glob_value(wildcard)
-            rows = conn.execute(self._db.sql.list_locks(pattern=True), {"pattern": pattern})
+            rows = conn.execute(self._db.sql.list_locks(True), {"pattern": pattern})
             return [info for info in map(row_info, rows) if not info.expired]
 
         return self._db.run(literal, read)
