@@ -16,6 +16,7 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
+from typing import Any
 
 import click
 
@@ -31,19 +32,31 @@ from .schema import DEFAULT_TABLE
 from .version import __version__
 
 
-class _OutputClosed(Exception):
+class OutputClosed(Exception):
     """What the command wrote to could not be written: the reader has gone (``| head``)."""
 
 
 class _Commands(click.Group):
-    """The commands, a broken pipe raised as ``_OutputClosed``: click's own handler for it
-    exits 1, which is the negative answer."""
+    """The commands, a broken pipe raised as ``OutputClosed`` (click's own handler for it exits
+    1, which is the negative answer), the group's own ``--help`` and ``--version`` included."""
+
+    def make_context(
+        self,
+        info_name: str | None,
+        args: list[str],
+        parent: click.Context | None = None,
+        **extra: Any,
+    ) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except BrokenPipeError as error:
+            raise OutputClosed() from error
 
     def invoke(self, ctx: click.Context) -> object:
         try:
             return super().invoke(ctx)
         except BrokenPipeError as error:
-            raise _OutputClosed() from error
+            raise OutputClosed() from error
 
 
 @click.group(
@@ -91,14 +104,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     error) is one line on stderr and exit status 2, never 1: that is the negative answer; so is
     output nobody reads any longer (``| head``), said nowhere, as grep's SIGPIPE."""
     try:
-        _answer(argv)
-    except (_OutputClosed, BrokenPipeError):  # stdout's reader gone, or stderr's
+        answer(argv)
+    except OutputClosed:
         # What is left in a buffer goes nowhere at exit (not an error and exit status 120).
         with contextlib.suppress(OSError, ValueError):
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
             os.dup2(devnull, sys.stderr.fileno())
         sys.exit(EXIT_ERROR)
+
+
+def answer(argv: Sequence[str] | None) -> None:
+    """The command line on ``argv``, in this process (``manage.py sqllocker``): exits
+    (``SystemExit``) with its status, an error said in one line on stderr; ``OutputClosed`` if
+    stdout's or stderr's reader has gone, the process's streams left as they are."""
+    try:
+        _answer(argv)
+    except BrokenPipeError as error:  # an error said to a closed stderr
+        raise OutputClosed() from error
 
 
 def _answer(argv: Sequence[str] | None) -> None:
@@ -115,7 +138,7 @@ def _answer(argv: Sequence[str] | None) -> None:
     except LockError as error:
         click.echo(f"sqllocker: error: {error}", err=True)
         sys.exit(EXIT_ERROR)
-    except _OutputClosed:
+    except OutputClosed:
         raise
     except Exception:
         # A bug of ours: its traceback, to report, and not the status of a negative answer.
@@ -123,7 +146,7 @@ def _answer(argv: Sequence[str] | None) -> None:
         sys.exit(EXIT_ERROR)
 
 
-__all__ = ["EXIT_LOCK_LOST", "cli", "main"]
+__all__ = ["EXIT_LOCK_LOST", "OutputClosed", "answer", "cli", "main"]
 
 if __name__ == "__main__":  # python -m sqllocker.cli, as the console script
     main()

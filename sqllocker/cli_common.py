@@ -78,7 +78,7 @@ def one_line_errors(what: str) -> Iterator[None]:
     """alembic's and the driver's errors as one line (a LockError), not a traceback."""
     try:
         yield
-    except LockError:
+    except (LockError, BrokenPipeError):  # the latter: its output's reader gone, no failure
         raise
     except Exception as error:
         raise LockError(f"{what} failed: {one_line(error)}") from error

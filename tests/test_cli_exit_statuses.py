@@ -201,6 +201,9 @@ def test_output_nobody_reads_exits_2_not_1(url: str, table_name: str, tmp_path: 
         for args, streams in [
             (["show", "nightly"], ("stdout",)),
             (["list"], ("stdout",)),
+            (["migrate", "--check"], ("stdout",)),  # up to date: said, to nobody
+            (["--version"], ("stdout",)),  # the group's own options
+            (["--help"], ("stdout",)),
             (["show", "nightly", "--table", "Bad"], ("stdout", "stderr")),
         ]:
             reader, writer = os.pipe()
@@ -221,3 +224,28 @@ def test_output_nobody_reads_exits_2_not_1(url: str, table_name: str, tmp_path: 
     finally:
         held.unlock()
         locker.close()
+
+
+@pytest.mark.parametrize("backend", ["sqlite"])  # the output's: no database's
+def test_output_nobody_reads_leaves_an_in_process_callers_streams_alone(
+    url: str, table_name: str
+) -> None:
+    """``manage.py sqllocker`` runs the command line in Django's process: a reader gone from
+    its stdout must not send that process's stderr to /dev/null for the rest of its life."""
+    migrate(url, table_name)
+    Locker(url, table=table_name).lock("nightly").unlock()
+    script = f"""
+import os, sys
+from sqllocker.cli import OutputClosed, answer
+reader, writer = os.pipe()
+os.close(reader)
+sys.stdout = os.fdopen(writer, "w")
+try:
+    answer(["--url", {url!r}, "--table", {table_name!r}, "list"])
+except OutputClosed:
+    os.write(2, b"told, and stderr still mine")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert "told, and stderr still mine" in done.stderr, done.stderr

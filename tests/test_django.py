@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -258,15 +259,26 @@ def test_djangos_test_runner_gets_the_lock_table_in_its_test_database(project: P
 
 
 @pytest.mark.parametrize("backend", ["sqlite"])  # the setting's check: no database's
+@pytest.mark.parametrize(
+    ("setting", "said"),
+    [
+        ({"database": "reports"}, "names the database 'reports', which settings.DATABASES"),
+        ({"database": ["default"]}, "database must be the name of one of settings.DATABASES"),
+        ({"table": None}, "a table name must be a str, not NoneType"),
+        ({"grace": "abc"}, "grace"),
+    ],
+    ids=["unknown database", "database not a name", "table None", "grace not a number"],
+)
 def test_manage_py_sqllocker_with_a_bad_setting_says_so_in_one_line_and_exits_2(
-    project: Project,
+    project: Project, setting: dict[str, Any], said: str
 ) -> None:
-    """``settings.SQLLOCKER`` naming a database Django does not have: the command line's
-    status for an error (it was Django's traceback and 1, the negative answer)."""
-    project.env["SQLLOCKER_DJANGO_DATABASE"] = "reports"
-    done = project.manage("sqllocker", "show", "nightly", check=False)
+    """A bad ``settings.SQLLOCKER``: the command line's status for an error, in one line (it was
+    Django's traceback and 1, the negative answer; a table None was the table 'None', a grace
+    that is no number a usage error of an option nobody typed)."""
+    project.env["SQLLOCKER_DJANGO_SETTING"] = json.dumps(setting)
+    done = project.manage("sqllocker", "purge-expired", check=False)
     assert done.returncode == 2, done.stderr
-    assert done.stderr.splitlines() == [
-        "CommandError: settings.SQLLOCKER names the database 'reports', which "
-        "settings.DATABASES does not have"
-    ]
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("CommandError: "), done.stderr
+    assert said in lines[0], done.stderr

@@ -12,6 +12,7 @@ from sqlalchemy.engine import URL
 from ..errors import LockValueError
 from ..locker import Locker
 from ..schema import DEFAULT_TABLE
+from ..validation import check_grace, check_table_name
 
 # The libpq connection parameters of a PostgreSQL entry's OPTIONS that the URL carries.
 _LIBPQ_OPTIONS = {
@@ -70,6 +71,14 @@ def setting() -> dict[str, Any]:
     if not isinstance(given, dict):
         raise LockValueError(f"settings.SQLLOCKER must be a dict, not {type(given).__name__}")
     options = {"database": "default", "table": DEFAULT_TABLE, **given}
+    if not isinstance(options["database"], str):
+        raise LockValueError(
+            "settings.SQLLOCKER's database must be the name of one of settings.DATABASES, not "
+            f"{options['database']!r}"
+        )
+    check_table_name(options["table"])
+    if "grace" in options:
+        check_grace(options["grace"])
     if options["database"] not in settings.DATABASES:
         raise LockValueError(
             f"settings.SQLLOCKER names the database {options['database']!r}, which "

@@ -3,6 +3,7 @@ the test fixtures' SQLAlchemy URLs), the lock table ``$SQLLOCKER_DJANGO_TABLE``.
 
 from __future__ import annotations
 
+import json
 import os
 
 import pymysql
@@ -42,10 +43,11 @@ DATABASES = {
     }
 }
 SQLLOCKER = {
-    "database": os.environ.get("SQLLOCKER_DJANGO_DATABASE", "default"),
+    "database": "default",
     "table": os.environ["SQLLOCKER_DJANGO_TABLE"],
     "grace": float(os.environ.get("SQLLOCKER_DJANGO_GRACE", "0")),
 }
+SQLLOCKER.update(json.loads(os.environ.get("SQLLOCKER_DJANGO_SETTING", "{}")))  # a test's
 STATE = os.environ.get("SQLLOCKER_DJANGO_STATE", ".")
 LOGGING = {
     "version": 1,

@@ -8,7 +8,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from sqllocker.cli import main
+from sqllocker.cli import OutputClosed, answer
 from sqllocker.django.configuration import database_alias, database_url, setting, table_name
 from sqllocker.errors import LockError
 from sqllocker.exit_statuses import EXIT_ERROR
@@ -39,7 +39,9 @@ class Command(BaseCommand):
             # The grace the setting's Lockers take rows over after: purged no sooner.
             arguments = ["--grace", str(grace), *arguments]
         try:
-            main([*command, *arguments])
+            answer([*command, *arguments])
+        except OutputClosed:
+            raise CommandError("output closed (broken pipe)", returncode=EXIT_ERROR) from None
         except SystemExit as done:
             if done.code:
                 raise CommandError(
