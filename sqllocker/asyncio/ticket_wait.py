@@ -7,6 +7,7 @@ Written once for asyncio; the sync ``sqllocker/ticket_wait.py`` is generated fro
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -136,7 +137,7 @@ class AsyncTicketWait:
                     # heard of), and take a new one. The waiters of our line behind us take
                     # theirs after us, in order.
                     dead, ticket = ticket, None
-                    await self._give_up(dead, guid, give_back=True, wake_next=False)
+                    await self._give_up(dead, guid, give_back=True, wake_next=False, bound=False)
                     rejoining = True
                     try_now = True
                 waiter = await listener.register(lockstring, digest, releases=False)
@@ -300,14 +301,24 @@ class AsyncTicketWait:
         return confirmed
 
     async def _give_up(
-        self, ticket: Ticket, guid: str, give_back: bool, wake_next: bool = True
+        self,
+        ticket: Ticket,
+        guid: str,
+        give_back: bool,
+        wake_next: bool = True,
+        bound: bool = True,
     ) -> None:
         """Give up ``ticket`` (``_leave_line``), then wake the next waiter of this Locker (if
         ``wake_next``): told sooner, it would find our ticket still ahead of its own. A give-up
-        that failed is tried again in the background (``_give_up_again``)."""
+        that failed is tried again in the background (``_give_up_again``). Not ``bound``, it
+        is awaited to its end (or failure) however long it takes: the caller goes on waiting
+        under the same guid, and a give-back that came after it had won the row by then would
+        delete that row under it."""
         given_up = False
         try:
-            given_up = await self._leave_line(ticket.lockstring, ticket.number, guid, give_back)
+            given_up = await self._leave_line(
+                ticket.lockstring, ticket.number, guid, give_back, bound=bound
+            )
         finally:
             self.line.leave(ticket, wake_next)
             if not given_up:
@@ -378,28 +389,46 @@ class AsyncTicketWait:
         return Ticket(lockstring, number, key), held, replaced
 
     async def _leave_line(
-        self, lockstring: str, number: int | None, guid: str, give_back: bool, quiet: bool = False
+        self,
+        lockstring: str,
+        number: int | None,
+        guid: str,
+        give_back: bool,
+        quiet: bool = False,
+        bound: bool = True,
     ) -> bool:
         """Give up ticket ``number`` (None: every ticket of ``guid``; see
         ``LockOperations.leave_line``), whoever stops waiting for it. Whether it was: a failure
-        is logged (at DEBUG if ``quiet``), not raised."""
+        is logged (at DEBUG if ``quiet``), not raised. ``bound``: given no answer within
+        ``tickets.GIVE_UP_PATIENCE``, it is left to end in the background, and counts as
+        failed (tried again: a ticket given up twice is given up once)."""
         leave = (lockstring, number, guid, give_back)
         log = logger.debug if quiet else logger.warning
         try:
             if True:  # ASYNC
-                try:
-                    await concurrency.within(
-                        asyncio.shield(self._call(self._operations.leave_line, *leave)),
-                        tickets.GIVE_UP_PATIENCE,
-                        f"give up a ticket for {lockstring!r}",
-                    )
-                except asyncio.TimeoutError:
-                    log("no answer giving up a ticket for %r yet", lockstring)
-                    return False  # tried again in the background: idempotent
+                leaving = asyncio.shield(self._call(self._operations.leave_line, *leave))
+                if not bound:
+                    await leaving
+                else:
+                    try:
+                        await concurrency.within(
+                            leaving,
+                            tickets.GIVE_UP_PATIENCE,
+                            f"give up a ticket for {lockstring!r}",
+                        )
+                    except asyncio.TimeoutError:
+                        log("no answer giving up a ticket for %r yet", lockstring)
+                        return False
             else:
-                bound = clock.now() + tickets.GIVE_UP_PATIENCE
-                outer = deadlines.current()
-                with deadlines.statements_end_by(bound if outer is None else min(outer, bound)):
+                end_by = deadlines.current()
+                if bound:
+                    patience = clock.now() + tickets.GIVE_UP_PATIENCE
+                    end_by = patience if end_by is None else min(end_by, patience)
+                with (
+                    contextlib.nullcontext()
+                    if end_by is None
+                    else deadlines.statements_end_by(end_by)
+                ):
                     self._operations.leave_line(*leave)
         except DatabaseError as error:
             log("could not give up a ticket for %r (%s)", lockstring, error)
