@@ -249,3 +249,31 @@ except OutputClosed:
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
     )
     assert "told, and stderr still mine" in done.stderr, done.stderr
+
+
+def test_sqlite_uris_name_the_file_sqlite_opens(tmp_path: Path) -> None:
+    """A URI's authority (``file://localhost/...``, ``file:///...``) and %HH escapes are
+    SQLite's to read: the file was taken to be ``//localhost/...`` or ``my%20locks.db`` and
+    refused as missing, and its waiters' queue file was not the one beside the database that
+    other spellings of it queue on."""
+    from sqlalchemy.engine import make_url
+
+    from sqllocker.backends.sqlite import SQLiteBackend
+
+    database = tmp_path / "my locks.db"
+    Locker(f"sqlite:///{database}").lock("nightly").unlock()
+    quoted = str(database).replace(" ", "%20")
+    spellings = [
+        f"sqlite:///{database}",
+        f"sqlite:///file:{quoted}?uri=true",
+        f"sqlite:///file://{quoted}?uri=true",
+        f"sqlite:///file://localhost{quoted}?uri=true",
+        f"sqlite:///file://localhost{quoted}?mode=rw&uri=true",
+    ]
+    for url in spellings:
+        assert SQLiteBackend.missing_database(make_url(url)) is None, url
+        assert SQLiteBackend.queue_file(make_url(url)) == SQLiteBackend.queue_file(
+            make_url(spellings[0])
+        ), url
+    listed = sqllocker(f"--url={spellings[3]}", "list", cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr

@@ -11,6 +11,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import unquote
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import sqlite
@@ -423,9 +424,17 @@ def _sqlite_uri(url: URL) -> tuple[str, dict[str, str]] | None:
     except ValueError:  # as SQLAlchemy reads it: it refuses the URL on connecting
         return None
     path, _, inline = database[len("file:") :].partition("?")
-    options = dict(part.partition("=")[::2] for part in inline.split("&") if part)
+    if path.startswith("//"):  # an authority, which SQLite takes empty or "localhost" only
+        authority, slash, rest = path[2:].partition("/")
+        if authority in ("", "localhost"):
+            path = slash + rest
+    options = dict(
+        (unquote(key), unquote(value))
+        for key, value in (part.partition("=")[::2] for part in inline.split("&") if part)
+    )
     options.update((key, value) for key, value in url.query.items() if isinstance(value, str))
-    return path, options
+    # The file SQLite opens: %HH escapes decoded (file:///tmp/my%20locks.db is "my locks.db").
+    return unquote(path), options
 
 
 def _database_file(url: URL) -> str | None:
