@@ -30,6 +30,9 @@ from .backends import Backend
 from .schema import FOREIGN_GUID_PREFIX, requests_table
 
 S = TypeVar("S")
+# The most statements _made_once keeps for one Statements: the listings' few variants, and
+# purge_batch's one a batch size, which a caller may vary.
+_MOST_MADE = 64
 
 
 def _made_once(build: Callable[[Statements, Any], S]) -> Callable[[Statements, Any], S]:
@@ -42,6 +45,8 @@ def _made_once(build: Callable[[Statements, Any], S]) -> Callable[[Statements, A
         key = (name, argument)
         found: S | None = self._made.get(key)
         if found is None:
+            if len(self._made) >= _MOST_MADE:  # purge_batch's: one a batch size asked for
+                self._made.clear()
             found = self._made.setdefault(key, build(self, argument))
         return found
 
@@ -229,12 +234,18 @@ class Statements:
 
     @_made_once
     def held_rows(self, pattern: bool) -> Select[Any]:
-        """``top``'s held rows: those not expired (as ``row_info`` tells: a DBIx::Locker row
-        within its margin is not), oldest first; with ``pattern``, those whose lockstring
-        matches it."""
+        """``top``'s held rows, oldest first: those not expired by the bound ``since`` (the
+        server's time as ``count_expired`` read it; ``since_foreign``, that time less
+        ``schema.FOREIGN_CLOCK_MARGIN``, for DBIx::Locker's rows), which ``row_info`` then
+        tells apart; with ``pattern``, those whose lockstring matches it."""
         c = self.table.c
+        since = sa.bindparam("since", type_=c.expires.type)
+        since_foreign = sa.bindparam("since_foreign", type_=c.expires.type)
+        expired = sa.and_(
+            c.expires <= since, sa.or_(sa.not_(self._foreign), c.expires <= since_foreign)
+        )
         rows = self._matching(self._rows, pattern)
-        return rows.where(sa.not_(self._expired_now)).order_by(c.created, c.id)
+        return rows.where(sa.not_(expired)).order_by(c.created, c.id)
 
     @_made_once
     def expired_rows(self, pattern: bool) -> Select[Any]:
@@ -245,9 +256,11 @@ class Statements:
 
     @_made_once
     def count_expired(self, pattern: bool) -> Select[Any]:
-        """How many rows ``expired_rows`` has, unlimited."""
-        counted = sa.select(sa.func.count().label("expired")).where(self._expired_now)
-        return self._matching(counted, pattern)
+        """How many rows ``expired_rows`` has, unlimited, and the server's time it counted at.
+        Expired as ``row_info`` tells: a DBIx::Locker row once ``schema.FOREIGN_CLOCK_MARGIN``
+        past its expiry."""
+        counted = sa.select(sa.func.count().label("expired"), self._now.label("server_now"))
+        return self._matching(counted.where(self._expired_now), pattern)
 
     def _matching(self, rows: Select[Any], pattern: bool) -> Select[Any]:
         return rows.where(self.backend.matches_glob(self.table.c.lockstring)) if pattern else rows

@@ -269,6 +269,7 @@ def test_sqlite_uris_name_the_file_sqlite_opens(tmp_path: Path) -> None:
         f"sqlite:///file://{quoted}?uri=true",
         f"sqlite:///file://localhost{quoted}?uri=true",
         f"sqlite:///file://localhost{quoted}?mode=rw&uri=true",
+        f"sqlite:///file:{quoted}%23fragment?uri=true",  # a fragment ends the URI
     ]
     for url in spellings:
         assert SQLiteBackend.missing_database(make_url(url)) is None, url
@@ -277,3 +278,5 @@ def test_sqlite_uris_name_the_file_sqlite_opens(tmp_path: Path) -> None:
         ), url
     listed = sqllocker(f"--url={spellings[3]}", "list", cwd=tmp_path)
     assert listed.returncode == 0, listed.stderr
+    # The URL's query goes into the URI as it is, and SQLite decodes it: "%6d" is "m".
+    assert SQLiteBackend.in_memory(make_url("sqlite:///file:x?mode=%256demory&uri=true"))

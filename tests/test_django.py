@@ -282,3 +282,27 @@ def test_manage_py_sqllocker_with_a_bad_setting_says_so_in_one_line_and_exits_2(
     assert len(lines) == 1, done.stderr
     assert lines[0].startswith("CommandError: "), done.stderr
     assert said in lines[0], done.stderr
+
+
+@pytest.mark.parametrize("backend", ["sqlite"])  # the streams': no database's
+def test_manage_py_sqllocker_whose_stderr_is_closed_still_exits_2_on_an_error(
+    project: Project,
+) -> None:
+    """The table missing, and stderr's reader gone: Django's own report of the error failed
+    too, and the process exited 1, a script's "not held"."""
+    project.env["SQLLOCKER_DJANGO_TABLE"] = "never_migrated"
+    reader, writer = os.pipe()
+    os.close(reader)
+    try:
+        done = subprocess.run(
+            project.command("sqllocker", "show", "job"),
+            env=project.env,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=writer,
+            timeout=120,
+            check=False,
+        )
+    finally:
+        os.close(writer)
+    assert done.returncode == 2

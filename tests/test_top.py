@@ -358,5 +358,33 @@ def test_top_shows_a_row_expiring_as_it_reads_once(make_locker: Any) -> None:
         assert not any(row.info.expired for row in held)
         assert all(row.info.expired for row in expired)
         assert count == len(expired), (count, len(expired))
+        assert len(held) + len(expired) == 300, (len(held), len(expired))
         assert expired_names == sorted(expired_names)  # longest expired first
     assert frames > 20
+
+
+def test_top_shows_a_row_that_expires_between_its_reads(
+    make_locker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A row that expires after ``top`` read the expired rows and before it read the held ones
+    was in neither list (the held rows were those not expired by then)."""
+    from sqllocker.statements import Statements
+    from sqllocker.top import read_rows
+
+    locker = make_locker()
+    abandon(locker.lock("short", expires=1.0))
+    held = locker.lock("long", expires=60)
+    expires_at = time.monotonic() + 1.0
+    time.sleep(0.7)
+    built = Statements.held_rows
+
+    def late(self: Statements, pattern: bool) -> Any:
+        time.sleep(max(0.0, expires_at + 0.3 - time.monotonic()))  # "short" expires meanwhile
+        return built(self, pattern)
+
+    monkeypatch.setattr(Statements, "held_rows", late)
+    live, expired, count = read_rows(locker, None, 10)
+    assert [row.info.lockstring for row in live] == ["long"]
+    assert [row.info.lockstring for row in expired] == ["short"]
+    assert count == 1
+    held.unlock()

@@ -11,7 +11,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import unquote
+from urllib.parse import unquote_to_bytes
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import sqlite
@@ -423,18 +423,24 @@ def _sqlite_uri(url: URL) -> tuple[str, dict[str, str]] | None:
             return None
     except ValueError:  # as SQLAlchemy reads it: it refuses the URL on connecting
         return None
-    path, _, inline = database[len("file:") :].partition("?")
-    if path.startswith("//"):  # an authority, which SQLite takes empty or "localhost" only
+    # As SQLite reads it: a fragment ends the URI, an authority is empty or "localhost", %HH
+    # escapes are decoded (file:///tmp/my%20locks.db is "my locks.db"), a NUL ends a value.
+    path, _, inline = database[len("file:") :].partition("#")[0].partition("?")
+    if path.startswith("//"):
         authority, slash, rest = path[2:].partition("/")
         if authority in ("", "localhost"):
             path = slash + rest
-    options = dict(
-        (unquote(key), unquote(value))
-        for key, value in (part.partition("=")[::2] for part in inline.split("&") if part)
-    )
-    options.update((key, value) for key, value in url.query.items() if isinstance(value, str))
-    # The file SQLite opens: %HH escapes decoded (file:///tmp/my%20locks.db is "my locks.db").
-    return unquote(path), options
+    pairs = [part.partition("=")[::2] for part in inline.split("&") if part]
+    # SQLAlchemy adds the URL's query to the URI as it is: SQLite decodes those too.
+    pairs += [(key, value) for key, value in url.query.items() if isinstance(value, str)]
+    options = {_uri_text(key): _uri_text(value) for key, value in pairs}
+    return _uri_text(path), options
+
+
+def _uri_text(text: str) -> str:
+    """A part of an SQLite URI as SQLite reads it: %HH escapes decoded to bytes (a file name's
+    bytes, whatever their encoding), up to a NUL."""
+    return os.fsdecode(unquote_to_bytes(text).partition(b"\0")[0])
 
 
 def _database_file(url: URL) -> str | None:

@@ -4,6 +4,7 @@ breaking a lock, the operator's tool for dead holders."""
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 
 import sqlalchemy as sa
 
@@ -43,31 +44,34 @@ class Inspection:
         Only what a screen shows is read: the expired rows a purge has yet to delete can be
         many, the held ones are few.
 
-        Three statements, each reading the server's clock anew: rows expire between them. So
-        the count comes first and the held rows last, and each row is placed as ``row_info``
-        finds it (PostgreSQL's clock moves within a statement too): never in both lists, and
-        the count never below what the list shows."""
+        Three statements, and rows expire between them: the count comes first, with the
+        server's time it counted at; the held rows are those not expired by then, each placed
+        as ``row_info`` finds it, one expired since counted too. A row is in one list or the
+        other, never both, and in one of them (unless a screen's worth of expired rows is
+        shown, and it is counted below)."""
         matching = pattern is not None
 
         def read(conn: DriverSession) -> tuple[list[LockInfo], list[LockInfo], int]:
             sql, be = self._db.sql, self._db.be  # set up by now
             given = {} if pattern is None else {"pattern": be.glob_value(pattern)}
-            given["minus_margin"] = be.seconds_value(-FOREIGN_CLOCK_MARGIN)
-            count = int(conn.execute(sql.count_expired(matching), given).one().expired)
-            rows = conn.execute(sql.expired_rows(matching), given | {"most": most_expired})
+            margin = {"minus_margin": be.seconds_value(-FOREIGN_CLOCK_MARGIN)}
+            counted = conn.execute(sql.count_expired(matching), given | margin).one()
+            count, since = int(counted.expired), counted.server_now
+            rows = conn.execute(sql.expired_rows(matching), given | margin | {"most": most_expired})
             expired = [row_info(row) for row in rows]
-            held: list[LockInfo] = []
             shown = {info.lock_id for info in expired}
-            for info in map(row_info, conn.execute(sql.held_rows(matching), given)):
-                if info.lock_id in shown:
-                    continue
+            held: list[LockInfo] = []
+            bounds = {
+                "since": since,
+                "since_foreign": since - timedelta(seconds=FOREIGN_CLOCK_MARGIN),
+            }
+            for info in map(row_info, conn.execute(sql.held_rows(matching), given | bounds)):
                 if not info.expired:
                     held.append(info)
-                elif len(expired) < most_expired:  # expired since: the last to, shown last
+                    continue
+                count += 1  # expired since it was counted: the last to, shown last
+                if info.lock_id not in shown and len(expired) < most_expired:
                     expired.append(info)
-                    count += 1
-                else:
-                    count += 1
             return held, expired, max(count, len(expired))
 
         return self._db.run(None, read)

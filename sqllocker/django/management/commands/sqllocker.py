@@ -4,9 +4,10 @@ on the lock table of the ``SQLLOCKER`` setting's database."""
 from __future__ import annotations
 
 import argparse
+import io
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser, OutputWrapper
 
 from sqllocker.cli import OutputClosed, answer
 from sqllocker.django.configuration import database_alias, database_url, setting, table_name
@@ -41,6 +42,9 @@ class Command(BaseCommand):
         try:
             answer([*command, *arguments])
         except OutputClosed:
+            # Django says a CommandError on stderr, which may be what was closed (its write
+            # failing would exit 1, the negative answer): said nowhere, as the command line's.
+            self.stderr = OutputWrapper(io.StringIO())
             raise CommandError("output closed (broken pipe)", returncode=EXIT_ERROR) from None
         except SystemExit as done:
             if done.code:
