@@ -25,7 +25,7 @@ import sqlalchemy as sa
 from sqllocker import DatabaseError, LockBusy, Locker, LockError, LockLost, clock, tickets, timeouts
 from sqllocker.connections import ConnectionStack
 from sqllocker.engine import resolve_url
-from tests.helpers import FRONTS, Front, Proxied, figure, migrate
+from tests.helpers import FRONTS, Front, Proxied, figure, migrate, wait_until
 from tests.helpers import tickets as ticket_rows
 
 pytestmark = pytest.mark.slow  # stalls of several seconds
@@ -580,3 +580,67 @@ def test_a_cancelled_waiter_whose_ticket_give_up_freezes_is_not_held_up(
         holder.close()
     assert proxied.proxy.connections_frozen == 1
     assert took[0] < 1.0 + tickets.GIVE_UP_PATIENCE + 3.0, took
+
+
+@pytest.mark.parametrize("front", FRONTS, ids=str)
+@pytest.mark.parametrize("backend", ["postgresql"])
+def test_a_waiter_that_cannot_give_up_its_dead_ticket_stops_rather_than_win_under_it(
+    proxied: Proxied,
+    url: str,
+    table_name: str,
+    front: Front,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A waiter's listener session ends (its ticket dead with it); its give-up of that ticket
+    (which deletes a row handed to it) is held up on the way to the server, past the acquire's
+    deadline. Sync went on waiting under the same guid, and won the row as the holder let go;
+    the give-up, delivered late, then deleted that row under it, and a second Locker took the
+    lockstring beside it. The waiter now stops with an outage's DatabaseError, and a second
+    Locker's lock is the only one."""
+    monkeypatch.setattr(timeouts, "ACQUIRE_SLACK_SECONDS", TEST_SLACK)
+    migrate(url, table_name)
+    admin = sa.create_engine(resolve_url(url), isolation_level="AUTOCOMMIT")
+    holder = Locker(url, table=table_name, grace=GRACE)
+    other = Locker(url, table=table_name, grace=GRACE)
+    held = holder.lock("job", expires=120)
+    outcome: dict[str, Any] = {}
+
+    async def scenario(locker: Any) -> None:
+        await front.call((await front.call(locker.lock, "warm")).unlock)  # the listener up
+        waiting = asyncio.ensure_future(
+            front.timed(locker.lock, "job", wait=2.0, expires=60)
+            if front.is_async  # the sync front's call blocks: on a thread, with its own loop
+            else asyncio.to_thread(
+                asyncio.run, front.timed(locker.lock, "job", wait=2.0, expires=60)
+            )
+        )
+        await asyncio.to_thread(wait_until, lambda: len(ticket_rows(admin, table_name)) == 1)
+        proxied.proxy.deliver_late(b"queue_leave")
+        key = locker._tickets.listener.liveness_key
+        with admin.connect() as conn:
+            conn.execute(
+                sa.text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = "
+                    "'advisory' AND granted AND objsubid = 1 AND classid = :high AND objid = :low"
+                ),
+                {"high": (key >> 32) & 0xFFFFFFFF, "low": key & 0xFFFFFFFF},
+            )
+        await asyncio.sleep(2.0)  # the dead ticket's give-up now held by the proxy
+        await asyncio.to_thread(held.unlock)
+        outcome.update(await waiting)
+        proxied.proxy.deliver_held()
+        await asyncio.to_thread(proxied.proxy.held_delivered.wait, 5)
+        await asyncio.sleep(0.5)
+        second = await asyncio.to_thread(other.lock, "job")
+        outcome["second_id"] = second.lock_id
+        second.unlock()
+
+    try:
+        _through_proxy(front, proxied, table_name, scenario)
+    finally:
+        holder.close()
+        other.close()
+        admin.dispose()
+    assert "result" not in outcome, outcome  # no lock its own give-up could delete
+    assert isinstance(outcome.get("error"), DatabaseError), outcome
+    assert outcome["error"].outage, outcome

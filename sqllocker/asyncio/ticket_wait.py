@@ -137,7 +137,18 @@ class AsyncTicketWait:
                     # heard of), and take a new one. The waiters of our line behind us take
                     # theirs after us, in order.
                     dead, ticket = ticket, None
-                    await self._give_up(dead, guid, give_back=True, wake_next=False, bound=False)
+                    if not await self._give_up(
+                        dead, guid, give_back=True, wake_next=False, bound=False
+                    ):
+                        # Not known to be given up: its statement may yet run, after a row
+                        # won under the same guid, and delete that row under us. Nothing more
+                        # is tried under this guid (the caller's forgets it).
+                        raise DatabaseError(
+                            f"could not give up a dead ticket for lock {lockstring!r}, which "
+                            "must be given up before waiting on: the database did not answer",
+                            lockstring,
+                            outage=True,
+                        )
                     rejoining = True
                     try_now = True
                 waiter = await listener.register(lockstring, digest, releases=False)
@@ -307,13 +318,13 @@ class AsyncTicketWait:
         give_back: bool,
         wake_next: bool = True,
         bound: bool = True,
-    ) -> None:
+    ) -> bool:
         """Give up ``ticket`` (``_leave_line``), then wake the next waiter of this Locker (if
         ``wake_next``): told sooner, it would find our ticket still ahead of its own. A give-up
         that failed is tried again in the background (``_give_up_again``). Not ``bound``, it
-        is awaited to its end (or failure) however long it takes: the caller goes on waiting
-        under the same guid, and a give-back that came after it had won the row by then would
-        delete that row under it."""
+        is awaited to its end (or failure, or the acquire's deadline) however long it takes:
+        for a caller that goes on waiting under the same guid, if it was given up. Whether it
+        was."""
         given_up = False
         try:
             given_up = await self._leave_line(
@@ -326,6 +337,7 @@ class AsyncTicketWait:
                 self.leaving.call_soon(
                     self._give_up_again, ticket.lockstring, number, key, guid, give_back
                 )
+        return given_up
 
     async def _give_up_every(
         self, lockstring: str, liveness_key: int, guid: str, give_back: bool
