@@ -30,8 +30,7 @@ from .validation import check_pattern
 if TYPE_CHECKING:
     from .locker import Locker, LockInfo
 
-# Every expired row, where no screen's height bounds them (``top`` without a terminal prints
-# what ``list`` prints, and tests read them all).
+# Every expired row: ``read_rows`` with no screen's height to bound them.
 _ALL = 2**31 - 1
 
 REFRESH_SECONDS = 1.0

@@ -582,7 +582,8 @@ def test_a_cancelled_waiter_whose_ticket_give_up_freezes_is_not_held_up(
     assert took[0] < 1.0 + tickets.GIVE_UP_PATIENCE + 3.0, took
 
 
-@pytest.mark.parametrize("front", FRONTS, ids=str)
+# The sync front: asyncio's give-up is cut by the acquire's deadline cancelling its task.
+@pytest.mark.parametrize("front", [SYNC], ids=str)
 @pytest.mark.parametrize("backend", ["postgresql"])
 def test_a_waiter_that_cannot_give_up_its_dead_ticket_stops_rather_than_win_under_it(
     proxied: Proxied,
