@@ -9,7 +9,6 @@ Written once for asyncio; the sync ``sqllocker/ticket_wait.py`` is generated fro
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -127,20 +126,14 @@ class TicketWait:
                     and line.first(ticket)
                 ):
                     # The listener's session ended, and the ticket's life with it: once it has
-                    # a new one, give the ticket up (with a row handed to it that we never
-                    # heard of), and take a new one. The waiters of our line behind us take
-                    # theirs after us, in order.
+                    # a new one, give the ticket up and take a new one. The waiters of our line
+                    # behind us take theirs after us, in order. A row handed to it before it
+                    # died, which we never heard of, is under our guid: the next attempt finds
+                    # it ours and takes it. Nothing is given back: a give-up under this guid
+                    # that reached the server late (held up, or sent again on a new connection)
+                    # would delete the row we had won by then.
                     dead, ticket = ticket, None
-                    if not self._give_up(dead, guid, give_back=True, wake_next=False, bound=False):
-                        # Not known to be given up: its statement may yet run, after a row
-                        # won under the same guid, and delete that row under us. Nothing more
-                        # is tried under this guid (the caller's forgets it).
-                        raise DatabaseError(
-                            f"could not give up a dead ticket for lock {lockstring!r}, which "
-                            "must be given up before waiting on: the database did not answer",
-                            lockstring,
-                            outage=True,
-                        )
+                    self._give_up(dead, guid, give_back=False, wake_next=False)
                     rejoining = True
                     try_now = True
                 waiter = listener.register(lockstring, digest, releases=False)
@@ -301,25 +294,13 @@ class TicketWait:
         )
         return confirmed
 
-    def _give_up(
-        self,
-        ticket: Ticket,
-        guid: str,
-        give_back: bool,
-        wake_next: bool = True,
-        bound: bool = True,
-    ) -> bool:
+    def _give_up(self, ticket: Ticket, guid: str, give_back: bool, wake_next: bool = True) -> None:
         """Give up ``ticket`` (``_leave_line``), then wake the next waiter of this Locker (if
         ``wake_next``): told sooner, it would find our ticket still ahead of its own. A give-up
-        that failed is tried again in the background (``_give_up_again``). Not ``bound``, it
-        is awaited to its end (or failure, or the acquire's deadline) however long it takes:
-        for a caller that goes on waiting under the same guid, if it was given up. Whether it
-        was."""
+        that failed is tried again in the background (``_give_up_again``)."""
         given_up = False
         try:
-            given_up = self._leave_line(
-                ticket.lockstring, ticket.number, guid, give_back, bound=bound
-            )
+            given_up = self._leave_line(ticket.lockstring, ticket.number, guid, give_back)
         finally:
             self.line.leave(ticket, wake_next)
             if not given_up:
@@ -327,7 +308,6 @@ class TicketWait:
                 self.leaving.call_soon(
                     self._give_up_again, ticket.lockstring, number, key, guid, give_back
                 )
-        return given_up
 
     def _give_up_every(
         self, lockstring: str, liveness_key: int, guid: str, give_back: bool
@@ -384,29 +364,21 @@ class TicketWait:
         return Ticket(lockstring, number, key), held, replaced
 
     def _leave_line(
-        self,
-        lockstring: str,
-        number: int | None,
-        guid: str,
-        give_back: bool,
-        quiet: bool = False,
-        bound: bool = True,
+        self, lockstring: str, number: int | None, guid: str, give_back: bool, quiet: bool = False
     ) -> bool:
         """Give up ticket ``number`` (None: every ticket of ``guid``; see
         ``LockOperations.leave_line``), whoever stops waiting for it. Whether it was: a failure
-        is logged (at DEBUG if ``quiet``), not raised. ``bound``: given no answer within
-        ``tickets.GIVE_UP_PATIENCE``, it is left to end in the background, and counts as
-        failed (tried again: a ticket given up twice is given up once)."""
+        is logged (at DEBUG if ``quiet``), not raised. Given no answer within
+        ``tickets.GIVE_UP_PATIENCE``, it is left to end in the background and counts as failed
+        (tried again: a ticket given up twice is given up once). Its caller stops waiting, or
+        gives nothing back: a give-up that reached the server late, given back a row its
+        caller had won by then under the same guid."""
         leave = (lockstring, number, guid, give_back)
         log = logger.debug if quiet else logger.warning
         try:
-            end_by = deadlines.current()
-            if bound:
-                patience = clock.now() + tickets.GIVE_UP_PATIENCE
-                end_by = patience if end_by is None else min(end_by, patience)
-            with (
-                contextlib.nullcontext() if end_by is None else deadlines.statements_end_by(end_by)
-            ):
+            bound = clock.now() + tickets.GIVE_UP_PATIENCE
+            outer = deadlines.current()
+            with deadlines.statements_end_by(bound if outer is None else min(outer, bound)):
                 self._operations.leave_line(*leave)
         except DatabaseError as error:
             log("could not give up a ticket for %r (%s)", lockstring, error)
