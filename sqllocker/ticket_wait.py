@@ -117,6 +117,7 @@ class TicketWait:
         grant_key: GrantKey | None = None
         doubled = False  # a ticket of ours may have been handed a row ahead of ``ticket``
         rejoining = False  # our dead ticket given up, the next of our line not yet woken
+        outlived = False  # a ticket of ours died with the listener's session (see below)
         outcome: Lock | None = None  # ours, once won by an attempt or handed over
         try:
             while True:
@@ -134,7 +135,7 @@ class TicketWait:
                     # would delete the row we had won by then.
                     dead, ticket = ticket, None
                     self._give_up(dead, guid, give_back=False, wake_next=False)
-                    rejoining = True
+                    rejoining = outlived = True
                     try_now = True
                 waiter = listener.register(lockstring, digest, releases=False)
                 try:
@@ -251,6 +252,11 @@ class TicketWait:
                 self._give_up(ticket, guid, outcome is None)
             elif unsure is not None:  # and, without the lock, a row handed to it goes back
                 self._give_up_every(lockstring, unsure, guid, outcome is None)
+            if outcome is None and outlived and listener.liveness_key is not None:
+                # A row handed to a dead ticket of ours, which no attempt took before the wait
+                # ended, stands under our guid: it goes back too, as the call ends without a
+                # lock (nothing of this call's can be deleted by it now).
+                self._give_up_every(lockstring, listener.liveness_key, guid, True)
 
     def _claim(
         self, lockstring: str, guid: str, ttl: float, grant: Grant, key: GrantKey | None

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from sqllocker import Lock, Locker, clock, notifications
+from sqllocker import Lock, LockBusy, Locker, clock, notifications
 from sqllocker import listener as listening
 from sqllocker import tickets as ticketing
 from sqllocker.asyncio import AsyncLocker
@@ -817,3 +817,80 @@ def test_a_table_behind_revision_0003_hands_over_unsigned_grants_read_back(
         waiter.close()
         downgrade(engine, table_name)
         engine.dispose()
+
+
+@pytest.mark.parametrize("deadline", ["after the next attempt", "before the next attempt"])
+def test_a_row_handed_to_a_ticket_whose_session_ended_is_taken_or_given_back(
+    migrated_postgres: str,
+    table_name: str,
+    admin: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+    deadline: str,
+) -> None:
+    """A release hands the row to a waiter's ticket, unheard (no NOTIFY), and the waiter's
+    listener session then ends: its ticket is dead, the row under its guid. The waiter gives
+    the dead ticket up and takes a new one; its next attempt finds the row its own and takes
+    it. Its wait over before that attempt (a slow give-up), the row goes back as the wait
+    ends: it stood, held by nobody, until it expired."""
+    from sqllocker import ticket_wait
+    from sqllocker.errors import DatabaseError
+
+    holder, waiter, other = (Locker(migrated_postgres, table=table_name) for _ in range(3))
+    held = holder.lock("job", expires=120)
+    waiter.lock("warm").unlock()  # its listener up
+    slow = deadline == "before the next attempt"
+    outage = threading.Event()
+    tried = waiter._acquirer.attempts.try_acquire
+
+    def try_acquire(*args: Any, **kwargs: Any) -> Any:
+        if outage.is_set():  # its attempts fail until the listener has its new key
+            raise DatabaseError("an outage", "job", outage=True)
+        return tried(*args, **kwargs)
+
+    given_up = ticket_wait.TicketWait._give_up
+
+    def give_up(self: Any, ticket: Any, guid: str, give_back: bool, wake_next: bool = True) -> None:
+        if slow and not give_back and not wake_next:  # the dead ticket's
+            time.sleep(3)
+        given_up(self, ticket, guid, give_back, wake_next)
+
+    monkeypatch.setattr(waiter._acquirer.attempts, "try_acquire", try_acquire)
+    monkeypatch.setattr(ticket_wait.TicketWait, "_give_up", give_up)
+    outcome = wait_in_thread(waiter, "job", wait=4.0 if slow else 30.0)
+    try:
+        in_line(admin, table_name)
+        assert waiter._tickets.listener is not None
+        key = waiter._tickets.listener.liveness_key
+        outage.set()
+        with admin.begin() as conn:  # the holder's release, its NOTIFY never sent
+            conn.exec_driver_sql("SET LOCAL sqllocker.notify_queue_limit = '0'")
+            conn.exec_driver_sql(f"DELETE FROM {table_name} WHERE id = {held.lock_id}")
+        held._state.held = False
+        assert row_guid(admin, table_name, "job") is not None  # handed to the waiter's ticket
+        with admin.connect() as conn:
+            conn.execute(
+                sa.text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = "
+                    "'advisory' AND granted AND objsubid = 1 AND classid = :high "
+                    "AND objid = :low"
+                ),
+                {"high": (key >> 32) & 0xFFFFFFFF, "low": key & 0xFFFFFFFF},
+            )
+        listener = waiter._tickets.listener
+        wait_until(lambda: listener.liveness_key not in (None, key))
+        outage.clear()
+        thread, result = outcome
+        thread.join(30)
+        if slow:
+            assert isinstance(result.get("error"), LockBusy), result
+            second = other.lock("job")  # the row went back as the wait ended
+            second.unlock()
+        else:
+            won = result["lock"]
+            assert row_guid(admin, table_name, "job") == won._state.guid
+            with pytest.raises(LockBusy):
+                other.lock("job")
+            won.unlock()
+    finally:
+        for locker in (holder, waiter, other):
+            locker.close()

@@ -123,6 +123,7 @@ class AsyncTicketWait:
         grant_key: GrantKey | None = None
         doubled = False  # a ticket of ours may have been handed a row ahead of ``ticket``
         rejoining = False  # our dead ticket given up, the next of our line not yet woken
+        outlived = False  # a ticket of ours died with the listener's session (see below)
         outcome: AsyncLock | None = None  # ours, once won by an attempt or handed over
         try:
             while True:
@@ -140,7 +141,7 @@ class AsyncTicketWait:
                     # would delete the row we had won by then.
                     dead, ticket = ticket, None
                     await self._give_up(dead, guid, give_back=False, wake_next=False)
-                    rejoining = True
+                    rejoining = outlived = True
                     try_now = True
                 waiter = await listener.register(lockstring, digest, releases=False)
                 try:
@@ -259,6 +260,11 @@ class AsyncTicketWait:
                 await self._give_up(ticket, guid, outcome is None)
             elif unsure is not None:  # and, without the lock, a row handed to it goes back
                 await self._give_up_every(lockstring, unsure, guid, outcome is None)
+            if outcome is None and outlived and listener.liveness_key is not None:
+                # A row handed to a dead ticket of ours, which no attempt took before the wait
+                # ended, stands under our guid: it goes back too, as the call ends without a
+                # lock (nothing of this call's can be deleted by it now).
+                await self._give_up_every(lockstring, listener.liveness_key, guid, True)
 
     async def _claim(
         self, lockstring: str, guid: str, ttl: float, grant: Grant, key: GrantKey | None
