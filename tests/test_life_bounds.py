@@ -424,6 +424,8 @@ def test_a_renewal_behind_another_connections_write_lock_is_told_lost_within_the
 # The slack of the test's acquires (``timeouts.ACQUIRE_SLACK_SECONDS``: the statement timeout
 # and 5 s, over a minute) cut to this.
 TEST_SLACK = 5.0
+# The ticket give-up's patience in the tests that wait it out (5 s): shorter, the same bound.
+GIVE_UP_PATIENCE = 2.0
 
 
 @pytest.mark.parametrize(
@@ -516,13 +518,14 @@ def test_the_acquire_slack_outlasts_a_working_servers_own_timeouts() -> None:
 @pytest.mark.parametrize("front", FRONTS, ids=str)
 @pytest.mark.parametrize("backend", ["postgresql"])
 def test_a_waiter_whose_ticket_give_up_freezes_goes_on_and_gives_it_up_later(
-    proxied: Proxied, url: str, table_name: str, front: Front
+    proxied: Proxied, url: str, table_name: str, front: Front, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """lock(wait=1) behind a holder takes a ticket; its wait over, it gives the ticket up on a
     connection that then froze. It waited for that give-up for ever (asyncio: the connection
     never answers; sync: the acquire's deadline, its wait and 65 s); it now goes on after
     GIVE_UP_PATIENCE with its LockBusy, and the ticket is given up in the background (on
     another connection), not left standing to be handed the next release's row."""
+    monkeypatch.setattr(tickets, "GIVE_UP_PATIENCE", GIVE_UP_PATIENCE)
     migrate(url, table_name)
     holder = Locker(url, table=table_name, grace=GRACE)
     admin = sa.create_engine(resolve_url(url))
@@ -534,7 +537,9 @@ def test_a_waiter_whose_ticket_give_up_freezes_goes_on_and_gives_it_up_later(
         await front.call((await front.call(locker.lock, "warm")).unlock)  # the listener too
         proxied.proxy.freeze_connection_before(b"queue_leave")
         outcome.update(await front.timed(locker.lock, "busy job", wait=1.0))
-        await asyncio.sleep(tickets.GIVE_UP_AGAIN * 3)
+        # Given up in the background within a few tries (each a second apart).
+        given_up = tickets.GIVE_UP_AGAIN * 5
+        await asyncio.to_thread(wait_until, lambda: not ticket_rows(admin, table_name), given_up)
         standing.append(await asyncio.to_thread(ticket_rows, admin, table_name))
 
     try:
@@ -555,11 +560,12 @@ def test_a_waiter_whose_ticket_give_up_freezes_goes_on_and_gives_it_up_later(
 
 @pytest.mark.parametrize("backend", ["postgresql"])
 def test_a_cancelled_waiter_whose_ticket_give_up_freezes_is_not_held_up(
-    proxied: Proxied, url: str, table_name: str
+    proxied: Proxied, url: str, table_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """asyncio: lock() (waiting for ever) behind a holder, cancelled by the caller's timeout;
     its ticket's give-up goes out on a connection that then froze. The cancellation came once,
     and the give-up awaited that connection for ever: the caller's timeout never returned."""
+    monkeypatch.setattr(tickets, "GIVE_UP_PATIENCE", GIVE_UP_PATIENCE)
     migrate(url, table_name)
     holder = Locker(url, table=table_name, grace=GRACE)
     held = holder.lock("busy job")
@@ -594,6 +600,7 @@ def test_a_waiters_dead_ticket_given_up_late_deletes_nothing_it_won(
     table_name: str,
     front: Front,
     cut_client: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A waiter's listener session ends (its ticket dead with it). Its give-up of that ticket
     reaches the server late: held up past its patience, or sent again on a new connection as
@@ -601,6 +608,7 @@ def test_a_waiters_dead_ticket_given_up_late_deletes_nothing_it_won(
     meanwhile takes a new ticket under the same guid and is handed the row as the holder lets
     go. The give-up gave back a row handed to the dead ticket, by guid: arriving late, it
     deleted the row the waiter held, and a second Locker took the lockstring beside it."""
+    monkeypatch.setattr(tickets, "GIVE_UP_PATIENCE", GIVE_UP_PATIENCE)
     migrate(url, table_name)
     admin = sa.create_engine(resolve_url(url), isolation_level="AUTOCOMMIT")
     holder = Locker(url, table=table_name, grace=GRACE)
