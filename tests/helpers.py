@@ -426,3 +426,30 @@ class Proxied:
     def close(self) -> None:
         self._rescue.cancel()
         self.proxy.close()
+
+
+def through_proxy(
+    front: Front,
+    proxied: Proxied,
+    table_name: str,
+    scenario: Callable[[Any], Awaitable[None]],
+    grace: float,
+) -> None:
+    """Run ``scenario`` with a Locker (or AsyncLocker) through the proxy; the proxy is closed
+    before the Locker, so that no statement it left stuck holds the closing up."""
+
+    async def run() -> None:
+        locker = front.locker(proxied.url, table=table_name, grace=grace)
+        try:
+            await scenario(locker)
+        finally:
+            proxied.close()
+            await front.close(locker)
+
+    asyncio.run(run())
+
+
+def ended_within(outcome: dict[str, Any], bound: float, error: type[LockError]) -> None:
+    """``Front.timed``'s ``outcome``: ``error`` raised, within ``bound`` seconds."""
+    assert outcome["took"] < bound, outcome
+    assert isinstance(outcome.get("error"), error), outcome

@@ -22,11 +22,10 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from sqllocker import DatabaseError, LockBusy, Locker, LockError, LockLost, clock, tickets, timeouts
+from sqllocker import DatabaseError, Locker, LockError, LockLost, clock, timeouts
 from sqllocker.connections import ConnectionStack
 from sqllocker.engine import resolve_url
-from tests.helpers import FRONTS, Front, Proxied, figure, migrate, wait_until
-from tests.helpers import tickets as ticket_rows
+from tests.helpers import FRONTS, Front, Proxied, ended_within, figure, through_proxy
 
 pytestmark = pytest.mark.slow  # stalls of several seconds
 
@@ -47,31 +46,6 @@ class Told:
     def __call__(self, lost: LockLost) -> None:
         self.count += 1
         self.at = self.at or time.monotonic()
-
-
-def _through_proxy(
-    front: Front,
-    proxied: Proxied,
-    table_name: str,
-    scenario: Callable[[Any], Awaitable[None]],
-) -> None:
-    """Run ``scenario`` with a Locker (or AsyncLocker) through the proxy; the proxy is closed
-    before the Locker, so that no statement it left stuck holds the closing up."""
-
-    async def run() -> None:
-        locker = front.locker(proxied.url, table=table_name, grace=GRACE)
-        try:
-            await scenario(locker)
-        finally:
-            proxied.close()
-            await front.close(locker)
-
-    asyncio.run(run())
-
-
-def _ended_within(outcome: dict[str, Any], bound: float, error: type[LockError]) -> None:
-    assert outcome["took"] < bound, outcome
-    assert isinstance(outcome.get("error"), error), outcome
 
 
 def _held_by(outcome: dict[str, Any], lock: Any) -> None:
@@ -126,8 +100,8 @@ def test_extend_behind_a_stuck_renewal_ends_within_the_locks_life(
         outcome.update(await front.timed(lock.extend))
         await asyncio.to_thread(_takes_over_after, contender, "job", outcome, told)
 
-    _through_proxy(front, proxied, table_name, scenario)
-    _ended_within(outcome, WITHIN_LIFE, LockLost)
+    through_proxy(front, proxied, table_name, scenario, GRACE)
+    ended_within(outcome, WITHIN_LIFE, LockLost)
     _release_figure("extend behind a stuck renewal", "extend()", backend, front, outcome)
 
 
@@ -148,8 +122,8 @@ def test_unlock_on_a_frozen_connection_ends_within_the_locks_life(
         outcome.update(await front.timed(lock.unlock))
         await asyncio.to_thread(_takes_over_after, contender, "job", outcome, None)
 
-    _through_proxy(front, proxied, table_name, scenario)
-    _ended_within(outcome, WITHIN_LIFE, LockLost)
+    through_proxy(front, proxied, table_name, scenario, GRACE)
+    ended_within(outcome, WITHIN_LIFE, LockLost)
     _release_figure("unlock on a frozen connection", "unlock()", backend, front, outcome)
 
 
@@ -171,10 +145,10 @@ def test_unlock_that_must_connect_to_a_frozen_server_ends_within_the_locks_life(
         outcome.update(await SYNC.timed(lock.unlock))
         _takes_over_after(contender, "job", outcome, None)
 
-    _through_proxy(SYNC, proxied, table_name, scenario)
+    through_proxy(SYNC, proxied, table_name, scenario, GRACE)
     # The lock's life (EXPIRES) and the smallest connect timeout a driver takes (2 s), with
     # room for a loaded machine; the driver's own 10 s would be past it.
-    _ended_within(outcome, EXPIRES + 5.0, LockLost)
+    ended_within(outcome, EXPIRES + 5.0, LockLost)
 
 
 @pytest.mark.parametrize("front", FRONTS, ids=str)
@@ -217,7 +191,7 @@ def test_a_stuck_renewal_delays_no_other_locks_renewals(
         await asyncio.to_thread(check, stuck, fine)
         await front.call(fine.unlock)
 
-    _through_proxy(front, proxied, table_name, scenario)
+    through_proxy(front, proxied, table_name, scenario, GRACE)
 
 
 @pytest.mark.parametrize("front", FRONTS, ids=str)
@@ -236,8 +210,8 @@ def test_a_wait_against_an_unreachable_server_ends_with_the_wait(
     async def scenario(locker: Any) -> None:
         outcome.update(await front.timed(locker.lock, "job", wait=wait))
 
-    _through_proxy(front, proxied, table_name, scenario)
-    _ended_within(outcome, 8, LockError)  # against the 10 s connect timeout
+    through_proxy(front, proxied, table_name, scenario, GRACE)
+    ended_within(outcome, 8, LockError)  # against the 10 s connect timeout
     figure(
         "a wait against an unreachable server",
         f"{backend} {front}",
@@ -270,7 +244,7 @@ def test_an_acquire_that_failed_after_its_insert_committed_leaves_no_row(
         proxy.resume()
         await asyncio.to_thread(taken_once_free)
 
-    _through_proxy(front, proxied, table_name, scenario)
+    through_proxy(front, proxied, table_name, scenario, GRACE)
     assert proxy.answers_lost == 1
     assert isinstance(outcome.get("error"), LockError), outcome
     assert outcome["rows"] == 1, "the INSERT had committed"
@@ -340,7 +314,7 @@ def test_unlock_behind_another_connections_write_lock_ends_within_the_locks_life
         await asyncio.to_thread(_takes_over_after, contender, "job", outcome, None)
 
     _beside_a_writer(front, url, table_name, scenario)
-    _ended_within(outcome, WITHIN_LIFE, LockLost)
+    ended_within(outcome, WITHIN_LIFE, LockLost)
     _release_figure("unlock behind a writer", "unlock()", backend, front, outcome)
 
 
@@ -365,7 +339,7 @@ def test_extend_behind_another_connections_write_lock_ends_within_the_locks_life
         await asyncio.to_thread(_takes_over_after, contender, "job", outcome, told)
 
     _beside_a_writer(front, url, table_name, scenario)
-    _ended_within(outcome, WITHIN_LIFE, LockLost)
+    ended_within(outcome, WITHIN_LIFE, LockLost)
     _release_figure("extend behind a writer", "extend()", backend, front, outcome)
 
 
@@ -424,8 +398,6 @@ def test_a_renewal_behind_another_connections_write_lock_is_told_lost_within_the
 # The slack of the test's acquires (``timeouts.ACQUIRE_SLACK_SECONDS``: the statement timeout
 # and 5 s, over a minute) cut to this.
 TEST_SLACK = 5.0
-# The ticket give-up's patience in the tests that wait it out (5 s): shorter, the same bound.
-GIVE_UP_PATIENCE = 2.0
 
 
 @pytest.mark.parametrize(
@@ -456,9 +428,9 @@ def test_an_acquire_on_a_frozen_connection_ends_with_its_wait(
         second = await asyncio.to_thread(contender.lock, "frozen job")
         second.unlock()
 
-    _through_proxy(front, proxied, table_name, scenario)
+    through_proxy(front, proxied, table_name, scenario, GRACE)
     assert proxied.proxy.connections_frozen == 1, outcome
-    _ended_within(outcome, wait + TEST_SLACK + 3.0, DatabaseError)
+    ended_within(outcome, wait + TEST_SLACK + 3.0, DatabaseError)
     assert outcome["error"].outage, outcome
     assert "no answer from" in str(outcome["error"]), outcome
     figure(
@@ -513,157 +485,3 @@ def test_the_acquire_slack_outlasts_a_working_servers_own_timeouts() -> None:
         max(timeouts.STATEMENT_TIMEOUT_SECONDS, timeouts.ROW_LOCK_TIMEOUT_SECONDS)
         < timeouts.ACQUIRE_SLACK_SECONDS
     )
-
-
-@pytest.mark.parametrize("front", FRONTS, ids=str)
-@pytest.mark.parametrize("backend", ["postgresql"])
-def test_a_waiter_whose_ticket_give_up_freezes_goes_on_and_gives_it_up_later(
-    proxied: Proxied, url: str, table_name: str, front: Front, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """lock(wait=1) behind a holder takes a ticket; its wait over, it gives the ticket up on a
-    connection that then froze. It waited for that give-up for ever (asyncio: the connection
-    never answers; sync: the acquire's deadline, its wait and 65 s); it now goes on after
-    GIVE_UP_PATIENCE with its LockBusy, and the ticket is given up in the background (on
-    another connection), not left standing to be handed the next release's row."""
-    monkeypatch.setattr(tickets, "GIVE_UP_PATIENCE", GIVE_UP_PATIENCE)
-    migrate(url, table_name)
-    holder = Locker(url, table=table_name, grace=GRACE)
-    admin = sa.create_engine(resolve_url(url))
-    held = holder.lock("busy job")
-    outcome: dict[str, Any] = {}
-    standing: list[list[tuple[str, str]]] = []
-
-    async def scenario(locker: Any) -> None:
-        await front.call((await front.call(locker.lock, "warm")).unlock)  # the listener too
-        proxied.proxy.freeze_connection_before(b"queue_leave")
-        outcome.update(await front.timed(locker.lock, "busy job", wait=1.0))
-        # Given up in the background within a few tries (each a second apart).
-        given_up = tickets.GIVE_UP_AGAIN * 5
-        await asyncio.to_thread(wait_until, lambda: not ticket_rows(admin, table_name), given_up)
-        standing.append(await asyncio.to_thread(ticket_rows, admin, table_name))
-
-    try:
-        _through_proxy(front, proxied, table_name, scenario)
-    finally:
-        held.unlock()
-        holder.close()
-        admin.dispose()
-    assert proxied.proxy.connections_frozen == 1, outcome
-    _ended_within(outcome, 1.0 + tickets.GIVE_UP_PATIENCE + 3.0, LockBusy)
-    assert standing == [[]], standing
-    figure(
-        "ticket give-up on a frozen connection",
-        f"postgresql {front}",
-        f"lock(wait=1) ended in {outcome['took']:.1f}s, {type(outcome['error']).__name__}",
-    )
-
-
-@pytest.mark.parametrize("backend", ["postgresql"])
-def test_a_cancelled_waiter_whose_ticket_give_up_freezes_is_not_held_up(
-    proxied: Proxied, url: str, table_name: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """asyncio: lock() (waiting for ever) behind a holder, cancelled by the caller's timeout;
-    its ticket's give-up goes out on a connection that then froze. The cancellation came once,
-    and the give-up awaited that connection for ever: the caller's timeout never returned."""
-    monkeypatch.setattr(tickets, "GIVE_UP_PATIENCE", GIVE_UP_PATIENCE)
-    migrate(url, table_name)
-    holder = Locker(url, table=table_name, grace=GRACE)
-    held = holder.lock("busy job")
-    took: list[float] = []
-
-    async def scenario(locker: Any) -> None:
-        await (await locker.lock("warm")).unlock()  # the listener too
-        proxied.proxy.freeze_connection_before(b"queue_leave")
-        started = time.monotonic()
-        with pytest.raises(asyncio.TimeoutError):
-            await asyncio.wait_for(locker.lock("busy job", wait=None), 1.0)
-        took.append(time.monotonic() - started)
-
-    try:
-        _through_proxy(FRONTS[1], proxied, table_name, scenario)
-    finally:
-        held.unlock()
-        holder.close()
-    assert proxied.proxy.connections_frozen == 1
-    assert took[0] < 1.0 + tickets.GIVE_UP_PATIENCE + 3.0, took
-
-
-@pytest.mark.parametrize(
-    ("front", "cut_client"),
-    [(SYNC, False), (SYNC, True), (FRONTS[1], True)],
-    ids=["sync held up", "sync sent again", "asyncio sent again"],
-)
-@pytest.mark.parametrize("backend", ["postgresql"])
-def test_a_waiters_dead_ticket_given_up_late_deletes_nothing_it_won(
-    proxied: Proxied,
-    url: str,
-    table_name: str,
-    front: Front,
-    cut_client: bool,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A waiter's listener session ends (its ticket dead with it). Its give-up of that ticket
-    reaches the server late: held up past its patience, or sent again on a new connection as
-    the first one's was reset (``cut_client``), the first copy delivered later. The waiter
-    meanwhile takes a new ticket under the same guid and is handed the row as the holder lets
-    go. The give-up gave back a row handed to the dead ticket, by guid: arriving late, it
-    deleted the row the waiter held, and a second Locker took the lockstring beside it."""
-    monkeypatch.setattr(tickets, "GIVE_UP_PATIENCE", GIVE_UP_PATIENCE)
-    migrate(url, table_name)
-    admin = sa.create_engine(resolve_url(url), isolation_level="AUTOCOMMIT")
-    holder = Locker(url, table=table_name, grace=GRACE)
-    other = Locker(url, table=table_name, grace=GRACE)
-    held = holder.lock("job", expires=120)
-    outcome: dict[str, Any] = {}
-
-    async def scenario(locker: Any) -> None:
-        await front.call((await front.call(locker.lock, "warm")).unlock)  # the listener up
-        waiting = asyncio.ensure_future(
-            front.timed(locker.lock, "job", wait=30.0, expires=60)
-            if front.is_async  # the sync front's call blocks: on a thread, with its own loop
-            else asyncio.to_thread(asyncio.run, front.timed(locker.lock, "job", wait=30.0))
-        )
-        await asyncio.to_thread(wait_until, lambda: len(ticket_rows(admin, table_name)) == 1)
-        proxied.proxy.deliver_late(b"queue_leave", cut_client=cut_client)
-        key = locker._tickets.listener.liveness_key
-        with admin.connect() as conn:
-            conn.execute(
-                sa.text(
-                    "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = "
-                    "'advisory' AND granted AND objsubid = 1 AND classid = :high AND objid = :low"
-                ),
-                {"high": (key >> 32) & 0xFFFFFFFF, "low": key & 0xFFFFFFFF},
-            )
-
-        # The dead ticket's give-up held by the proxy (or sent again), the waiter's new ticket
-        # stands, under the listener's new key.
-        def new_ticket() -> bool:
-            with admin.connect() as conn:
-                keys = conn.exec_driver_sql(f"SELECT liveness_key FROM {table_name}_requests")
-                return any(found != key for (found,) in keys)
-
-        await asyncio.to_thread(wait_until, new_ticket, tickets.GIVE_UP_PATIENCE + 10)
-        await asyncio.to_thread(held.unlock)
-        outcome.update(await waiting)
-        proxied.proxy.deliver_held()
-        await asyncio.to_thread(proxied.proxy.held_delivered.wait, 5)
-        await asyncio.sleep(0.5)
-        try:
-            second = await asyncio.to_thread(other.lock, "job")
-        except LockBusy:
-            outcome["second"] = "refused"
-        else:
-            outcome["second"] = second.lock_id
-            second.unlock()
-        won = outcome.get("result")
-        if won is not None:
-            await front.call(won.unlock)  # still its row: no LockLost
-
-    try:
-        _through_proxy(front, proxied, table_name, scenario)
-    finally:
-        holder.close()
-        other.close()
-        admin.dispose()
-    assert "result" in outcome, outcome  # served in its turn
-    assert outcome["second"] == "refused", outcome  # one holder

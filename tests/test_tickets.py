@@ -16,13 +16,21 @@ import sqlalchemy as sa
 from sqllocker import LockBusy, Locker, LockLost
 from sqllocker import tickets as ticketing
 from sqllocker.asyncio import AsyncLock, AsyncLocker
+from sqllocker.engine import resolve_url
 from sqllocker.errors import DatabaseError
 from sqllocker.operations import LockOperations, Refused
 from tests.helpers import (
+    FRONTS,
+    Front,
+    Proxied,
     RawTicket,
     abandon,
+    ended_within,
+    figure,
     in_line,
     in_line_async,
+    migrate,
+    through_proxy,
     tickets,
     wait_in_thread,
     wait_until,
@@ -462,3 +470,167 @@ async def test_an_async_waiter_cancelled_as_it_takes_its_ticket_leaves_none_behi
     assert holder.lock_info("report") is None  # handed to nobody, it would stay an hour
     await waiter.aclose()
     holder.close()
+
+
+# -- Giving a ticket up on a frozen connection, or late ------------------------------------
+
+GRACE = 1.0
+# The give-up's patience in the tests that wait it out (5 s): shorter, the same bound.
+GIVE_UP_PATIENCE = 2.0
+
+
+@pytest.mark.parametrize("front", FRONTS, ids=str)
+@pytest.mark.parametrize("backend", ["postgresql"])
+@pytest.mark.slow  # stalls of seconds behind a proxy
+def test_a_waiter_whose_ticket_give_up_freezes_goes_on_and_gives_it_up_later(
+    proxied: Proxied, url: str, table_name: str, front: Front, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """lock(wait=1) behind a holder takes a ticket; its wait over, it gives the ticket up on a
+    connection that then froze. It waited for that give-up for ever (asyncio: the connection
+    never answers; sync: the acquire's deadline, its wait and 65 s); it now goes on after
+    GIVE_UP_PATIENCE with its LockBusy, and the ticket is given up in the background (on
+    another connection), not left standing to be handed the next release's row."""
+    monkeypatch.setattr(ticketing, "GIVE_UP_PATIENCE", GIVE_UP_PATIENCE)
+    migrate(url, table_name)
+    holder = Locker(url, table=table_name, grace=GRACE)
+    admin = sa.create_engine(resolve_url(url))
+    held = holder.lock("busy job")
+    outcome: dict[str, Any] = {}
+    standing: list[list[tuple[str, str]]] = []
+
+    async def scenario(locker: Any) -> None:
+        await front.call((await front.call(locker.lock, "warm")).unlock)  # the listener too
+        proxied.proxy.freeze_connection_before(b"queue_leave")
+        outcome.update(await front.timed(locker.lock, "busy job", wait=1.0))
+        # Given up in the background within a few tries (each a second apart).
+        given_up = ticketing.GIVE_UP_AGAIN * 5
+        await asyncio.to_thread(wait_until, lambda: not tickets(admin, table_name), given_up)
+        standing.append(await asyncio.to_thread(tickets, admin, table_name))
+
+    try:
+        through_proxy(front, proxied, table_name, scenario, GRACE)
+    finally:
+        held.unlock()
+        holder.close()
+        admin.dispose()
+    assert proxied.proxy.connections_frozen == 1, outcome
+    ended_within(outcome, 1.0 + ticketing.GIVE_UP_PATIENCE + 3.0, LockBusy)
+    assert standing == [[]], standing
+    figure(
+        "ticket give-up on a frozen connection",
+        f"postgresql {front}",
+        f"lock(wait=1) ended in {outcome['took']:.1f}s, {type(outcome['error']).__name__}",
+    )
+
+
+@pytest.mark.parametrize("backend", ["postgresql"])
+@pytest.mark.slow  # stalls of seconds behind a proxy
+def test_a_cancelled_waiter_whose_ticket_give_up_freezes_is_not_held_up(
+    proxied: Proxied, url: str, table_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """asyncio: lock() (waiting for ever) behind a holder, cancelled by the caller's timeout;
+    its ticket's give-up goes out on a connection that then froze. The cancellation came once,
+    and the give-up awaited that connection for ever: the caller's timeout never returned."""
+    monkeypatch.setattr(ticketing, "GIVE_UP_PATIENCE", GIVE_UP_PATIENCE)
+    migrate(url, table_name)
+    holder = Locker(url, table=table_name, grace=GRACE)
+    held = holder.lock("busy job")
+    took: list[float] = []
+
+    async def scenario(locker: Any) -> None:
+        await (await locker.lock("warm")).unlock()  # the listener too
+        proxied.proxy.freeze_connection_before(b"queue_leave")
+        started = time.monotonic()
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(locker.lock("busy job", wait=None), 1.0)
+        took.append(time.monotonic() - started)
+
+    try:
+        through_proxy(FRONTS[1], proxied, table_name, scenario, GRACE)
+    finally:
+        held.unlock()
+        holder.close()
+    assert proxied.proxy.connections_frozen == 1
+    assert took[0] < 1.0 + ticketing.GIVE_UP_PATIENCE + 3.0, took
+
+
+@pytest.mark.parametrize(
+    ("front", "cut_client"),
+    [(FRONTS[0], False), (FRONTS[0], True), (FRONTS[1], True)],
+    ids=["sync held up", "sync sent again", "asyncio sent again"],
+)
+@pytest.mark.parametrize("backend", ["postgresql"])
+@pytest.mark.slow  # stalls of seconds behind a proxy
+def test_a_waiters_dead_ticket_given_up_late_deletes_nothing_it_won(
+    proxied: Proxied,
+    url: str,
+    table_name: str,
+    front: Front,
+    cut_client: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A waiter's listener session ends (its ticket dead with it). Its give-up of that ticket
+    reaches the server late: held up past its patience, or sent again on a new connection as
+    the first one's was reset (``cut_client``), the first copy delivered later. The waiter
+    meanwhile takes a new ticket under the same guid and is handed the row as the holder lets
+    go. The give-up gave back a row handed to the dead ticket, by guid: arriving late, it
+    deleted the row the waiter held, and a second Locker took the lockstring beside it."""
+    monkeypatch.setattr(ticketing, "GIVE_UP_PATIENCE", GIVE_UP_PATIENCE)
+    migrate(url, table_name)
+    admin = sa.create_engine(resolve_url(url), isolation_level="AUTOCOMMIT")
+    holder = Locker(url, table=table_name, grace=GRACE)
+    other = Locker(url, table=table_name, grace=GRACE)
+    held = holder.lock("job", expires=120)
+    outcome: dict[str, Any] = {}
+
+    async def scenario(locker: Any) -> None:
+        await front.call((await front.call(locker.lock, "warm")).unlock)  # the listener up
+        waiting = asyncio.ensure_future(
+            front.timed(locker.lock, "job", wait=30.0, expires=60)
+            if front.is_async  # the sync front's call blocks: on a thread, with its own loop
+            else asyncio.to_thread(asyncio.run, front.timed(locker.lock, "job", wait=30.0))
+        )
+        await asyncio.to_thread(wait_until, lambda: len(tickets(admin, table_name)) == 1)
+        proxied.proxy.deliver_late(b"queue_leave", cut_client=cut_client)
+        key = locker._tickets.listener.liveness_key
+        with admin.connect() as conn:
+            conn.execute(
+                sa.text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = "
+                    "'advisory' AND granted AND objsubid = 1 AND classid = :high AND objid = :low"
+                ),
+                {"high": (key >> 32) & 0xFFFFFFFF, "low": key & 0xFFFFFFFF},
+            )
+
+        # The dead ticket's give-up held by the proxy (or sent again), the waiter's new ticket
+        # stands, under the listener's new key.
+        def new_ticket() -> bool:
+            with admin.connect() as conn:
+                keys = conn.exec_driver_sql(f"SELECT liveness_key FROM {table_name}_requests")
+                return any(found != key for (found,) in keys)
+
+        await asyncio.to_thread(wait_until, new_ticket, ticketing.GIVE_UP_PATIENCE + 10)
+        await asyncio.to_thread(held.unlock)
+        outcome.update(await waiting)
+        proxied.proxy.deliver_held()
+        await asyncio.to_thread(proxied.proxy.held_delivered.wait, 5)
+        await asyncio.sleep(0.5)
+        try:
+            second = await asyncio.to_thread(other.lock, "job")
+        except LockBusy:
+            outcome["second"] = "refused"
+        else:
+            outcome["second"] = second.lock_id
+            second.unlock()
+        won = outcome.get("result")
+        if won is not None:
+            await front.call(won.unlock)  # still its row: no LockLost
+
+    try:
+        through_proxy(front, proxied, table_name, scenario, GRACE)
+    finally:
+        holder.close()
+        other.close()
+        admin.dispose()
+    assert "result" in outcome, outcome  # served in its turn
+    assert outcome["second"] == "refused", outcome  # one holder
