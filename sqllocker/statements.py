@@ -4,8 +4,9 @@ Statements take bound parameters only; the table name is the one identifier that
 it is validated (``validation.check_table_name``) before the Table is built. Parameter names:
 
 ``ls`` lockstring, ``lock_guid`` the acquisition's secret, ``holder`` the locked_by JSON,
-``lock_id`` the lock id; ``ttl``, ``minus_grace`` and ``minus_foreign_grace`` are seconds to
-add to the server's clock (the last two negative), converted by ``Backend.seconds_value``.
+``lock_id`` the lock id; ``ttl``, ``minus_grace``, ``minus_foreign_grace`` and ``minus_margin``
+are seconds to add to the server's clock (the last three negative), converted by
+``Backend.seconds_value``.
 
 Each statement object is made once and then reused (a ``cached_property``, or ``_made_once``
 for each variant): the compiled form of each is kept by the statement object
@@ -85,12 +86,8 @@ class Statements:
         # a row DBIx::Locker wrote, once its local-time expiry is past in every time zone
         # (``schema.FOREIGN_CLOCK_MARGIN``). The first test alone still bounds the index scan.
         self._foreign = backend.starts_with(c.guid, FOREIGN_GUID_PREFIX)
-        self.expired_beyond_grace = sa.and_(
-            c.expires <= backend.shifted_now("minus_grace"),
-            sa.or_(
-                sa.not_(self._foreign),
-                c.expires <= backend.shifted_now("minus_foreign_grace"),
-            ),
+        self.expired_beyond_grace = self._expired_by(
+            backend.shifted_now("minus_grace"), backend.shifted_now("minus_foreign_grace")
         )
         self._this_lockstring = backend.equal(
             c.lockstring, sa.bindparam("ls", type_=c.lockstring.type)
@@ -229,8 +226,7 @@ class Statements:
     def list_locks(self, pattern: bool) -> Select[Any]:
         """Every row, or those whose lockstring matches the bound shell-style ``pattern``
         (converted by ``Backend.glob_value``)."""
-        rows = self._rows.order_by(self.table.c.lockstring)
-        return rows.where(self.backend.matches_glob(self.table.c.lockstring)) if pattern else rows
+        return self._matching(self._rows, pattern).order_by(self.table.c.lockstring)
 
     @_made_once
     def held_rows(self, pattern: bool) -> Select[Any]:
@@ -239,10 +235,9 @@ class Statements:
         ``schema.FOREIGN_CLOCK_MARGIN``, for DBIx::Locker's rows), which ``row_info`` then
         tells apart; with ``pattern``, those whose lockstring matches it."""
         c = self.table.c
-        since = sa.bindparam("since", type_=c.expires.type)
-        since_foreign = sa.bindparam("since_foreign", type_=c.expires.type)
-        expired = sa.and_(
-            c.expires <= since, sa.or_(sa.not_(self._foreign), c.expires <= since_foreign)
+        expired = self._expired_by(
+            sa.bindparam("since", type_=c.expires.type),
+            sa.bindparam("since_foreign", type_=c.expires.type),
         )
         rows = self._matching(self._rows, pattern)
         return rows.where(sa.not_(expired)).order_by(c.created, c.id)
@@ -269,10 +264,16 @@ class Statements:
     def _expired_now(self) -> sa.ColumnElement[bool]:
         """Expired by the server's clock now (no grace); a DBIx::Locker row, once it is in every
         time zone (``schema.FOREIGN_CLOCK_MARGIN``): what ``row_info`` calls expired."""
+        return self._expired_by(self._now, self.backend.shifted_now("minus_margin"))
+
+    def _expired_by(
+        self, moment: sa.ColumnElement[Any], foreign_moment: sa.ColumnElement[Any]
+    ) -> sa.ColumnElement[bool]:
+        """The row expired by ``moment``; one DBIx::Locker wrote (its expiry in its client's
+        local time), by ``foreign_moment``, earlier by that time's margin."""
         c = self.table.c
         return sa.and_(
-            c.expires <= self._now,
-            sa.or_(sa.not_(self._foreign), c.expires <= self.backend.shifted_now("minus_margin")),
+            c.expires <= moment, sa.or_(sa.not_(self._foreign), c.expires <= foreign_moment)
         )
 
     @cached_property

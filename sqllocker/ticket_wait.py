@@ -376,9 +376,9 @@ class TicketWait:
         ``LockOperations.leave_line``), whoever stops waiting for it. Whether it was: a failure
         is logged (at DEBUG if ``quiet``), not raised. Given no answer within
         ``tickets.GIVE_UP_PATIENCE``, it is left to end in the background and counts as failed
-        (tried again: a ticket given up twice is given up once). Its caller stops waiting, or
-        gives nothing back: a give-up that reached the server late, given back a row its
-        caller had won by then under the same guid."""
+        (tried again: a ticket given up twice is given up once). So it may reach the server
+        late: one that gives a row back is sent only by a caller that has stopped waiting, or
+        it could delete a row the caller had won meanwhile under the same guid."""
         leave = (lockstring, number, guid, give_back)
         log = logger.debug if quiet else logger.warning
         try:

@@ -453,3 +453,28 @@ def ended_within(outcome: dict[str, Any], bound: float, error: type[LockError]) 
     """``Front.timed``'s ``outcome``: ``error`` raised, within ``bound`` seconds."""
     assert outcome["took"] < bound, outcome
     assert isinstance(outcome.get("error"), error), outcome
+
+
+def listener_pid(admin: sa.Engine, locker: Locker | AsyncLocker) -> int:
+    """The server session of ``locker``'s listener: the one holding its liveness key."""
+    assert locker._tickets.listener is not None
+    key = locker._tickets.listener.liveness_key
+    assert key is not None
+    with admin.connect() as conn:
+        return int(
+            conn.execute(
+                sa.text(
+                    "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
+                    "AND objsubid = 1 AND classid = :high AND objid = :low"
+                ),
+                {"high": (key >> 32) & 0xFFFFFFFF, "low": key & 0xFFFFFFFF},
+            ).scalar_one()
+        )
+
+
+def end_listener_session(admin: sa.Engine, locker: Locker | AsyncLocker) -> None:
+    """End ``locker``'s listener session on the server (a failover, a DBA's
+    ``pg_terminate_backend``): its liveness key, and its tickets' lives, go with it."""
+    pid = listener_pid(admin, locker)
+    with admin.connect() as conn:
+        conn.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})

@@ -28,8 +28,10 @@ from sqllocker.migrations import current_revision, downgrade, upgrade
 from tests.helpers import (
     RawTicket,
     abandon,
+    end_listener_session,
     in_line,
     in_line_async,
+    listener_pid,
     row_guid,
     served_in_turn,
     tickets,
@@ -312,23 +314,6 @@ def advisory_locks_of(admin: sa.Engine, backend_pid: int) -> int:
     return int(held)
 
 
-def listener_pid(admin: sa.Engine, locker: Locker | AsyncLocker) -> int:
-    """The server session of ``locker``'s listener: the one holding its liveness key."""
-    assert locker._tickets.listener is not None
-    key = locker._tickets.listener.liveness_key
-    assert key is not None
-    with admin.connect() as conn:
-        return int(
-            conn.execute(
-                sa.text(
-                    "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
-                    "AND objsubid = 1 AND classid = :high AND objid = :low"
-                ),
-                {"high": (key >> 32) & 0xFFFFFFFF, "low": key & 0xFFFFFFFF},
-            ).scalar_one()
-        )
-
-
 def test_a_lockers_tickets_live_by_its_listeners_one_key_given_up_with_its_session(
     holder_and_waiter: tuple[Locker, Locker], table_name: str, admin: sa.Engine
 ) -> None:
@@ -366,10 +351,7 @@ def test_a_listener_that_reconnects_has_its_waiters_take_new_tickets_and_be_serv
         in_line(admin, table_name, waiters=number + 1)
     assert waiter._tickets.listener is not None
     old_key = waiter._tickets.listener.liveness_key
-    with admin.connect() as conn:
-        conn.execute(
-            sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": listener_pid(admin, waiter)}
-        )
+    end_listener_session(admin, waiter)
     wait_until(
         lambda: (
             waiter._tickets.listener is not None
@@ -867,15 +849,7 @@ def test_a_row_handed_to_a_ticket_whose_session_ended_is_taken_or_given_back(
             conn.exec_driver_sql(f"DELETE FROM {table_name} WHERE id = {held.lock_id}")
         held._state.held = False
         assert row_guid(admin, table_name, "job") is not None  # handed to the waiter's ticket
-        with admin.connect() as conn:
-            conn.execute(
-                sa.text(
-                    "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = "
-                    "'advisory' AND granted AND objsubid = 1 AND classid = :high "
-                    "AND objid = :low"
-                ),
-                {"high": (key >> 32) & 0xFFFFFFFF, "low": key & 0xFFFFFFFF},
-            )
+        end_listener_session(admin, waiter)
         listener = waiter._tickets.listener
         wait_until(lambda: listener.liveness_key not in (None, key))
         outage.clear()

@@ -25,6 +25,7 @@ from tests.helpers import (
     Proxied,
     RawTicket,
     abandon,
+    end_listener_session,
     ended_within,
     figure,
     in_line,
@@ -593,14 +594,7 @@ def test_a_waiters_dead_ticket_given_up_late_deletes_nothing_it_won(
         await asyncio.to_thread(wait_until, lambda: len(tickets(admin, table_name)) == 1)
         proxied.proxy.deliver_late(b"queue_leave", cut_client=cut_client)
         key = locker._tickets.listener.liveness_key
-        with admin.connect() as conn:
-            conn.execute(
-                sa.text(
-                    "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = "
-                    "'advisory' AND granted AND objsubid = 1 AND classid = :high AND objid = :low"
-                ),
-                {"high": (key >> 32) & 0xFFFFFFFF, "low": key & 0xFFFFFFFF},
-            )
+        end_listener_session(admin, locker)
 
         # The dead ticket's give-up held by the proxy (or sent again), the waiter's new ticket
         # stands, under the listener's new key.
