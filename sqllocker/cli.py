@@ -140,6 +140,8 @@ def _answer(argv: Sequence[str] | None) -> None:
         sys.exit(EXIT_ERROR)
     except OutputClosed:
         raise
+    except BrokenPipeError as error:  # said to a closed stdout outside any command (completion)
+        raise OutputClosed() from error
     except Exception:
         # A bug of ours: its traceback, to report, and not the status of a negative answer.
         traceback.print_exc()

@@ -193,7 +193,7 @@ def test_sqlite_commands_that_create_nothing_refuse_a_database_that_is_not_there
 def test_output_nobody_reads_exits_2_not_1(url: str, table_name: str, tmp_path: Path) -> None:
     """``sqllocker show nightly | head`` whose reader has gone (``pipefail``): click's own
     handler exited 1, the negative answer, though the lock was held; and an error said to a
-    closed stderr likewise."""
+    closed stderr likewise. Shell completion's answer printed a traceback."""
     migrate(url, table_name)
     locker = Locker(url, table=table_name)
     held = locker.lock("nightly")
@@ -205,7 +205,11 @@ def test_output_nobody_reads_exits_2_not_1(url: str, table_name: str, tmp_path: 
             (["--version"], ("stdout",)),  # the group's own options
             (["--help"], ("stdout",)),
             (["show", "nightly", "--table", "Bad"], ("stdout", "stderr")),
+            (["completion"], ("stdout",)),  # the shell's: run with _SQLLOCKER_COMPLETE
         ]:
+            completing = {"_SQLLOCKER_COMPLETE": "bash_complete", "COMP_WORDS": "sqllocker "}
+            completing["COMP_CWORD"] = "1"
+            environment = {**os.environ, **completing} if args == ["completion"] else None
             reader, writer = os.pipe()
             os.close(reader)  # the reader gone before anything is written
             command = [sys.executable, "-m", "sqllocker.cli", "--url", url]
@@ -214,6 +218,7 @@ def test_output_nobody_reads_exits_2_not_1(url: str, table_name: str, tmp_path: 
                 done = subprocess.run(
                     [*command, "--table", table_name, *args],
                     **{"stdout": subprocess.DEVNULL, "stderr": subprocess.PIPE, **pipes},
+                    env=environment,
                     timeout=60,
                     check=False,
                 )
