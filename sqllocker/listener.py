@@ -26,6 +26,7 @@ from sqlalchemy.engine import Engine
 
 from . import concurrency, forks
 from .backends.mysql import liveness_name
+from .backends.postgresql import LISTENER_SESSION
 from .errors import LockError
 from .notifications import (
     Waiter,
@@ -177,6 +178,7 @@ class ReleaseListener:
 
     def _listen_on(self, connection: Any) -> None:
         """PostgreSQL: LISTEN, hold a liveness key, and hand each notification on."""
+        connection.execute(LISTENER_SESSION)
         connection.execute(f'LISTEN "{self.channel}"')
         connection.execute(f'LISTEN "{self.grants_channel}"')
         connection.execute(f'LISTEN "{self.leaders_channel}"')

@@ -252,11 +252,14 @@ class TicketWait:
                 self._give_up(ticket, guid, outcome is None)
             elif unsure is not None:  # and, without the lock, a row handed to it goes back
                 self._give_up_every(lockstring, unsure, guid, outcome is None)
-            if outcome is None and outlived and listener.liveness_key is not None:
-                # A row handed to a dead ticket of ours, which no attempt took before the wait
-                # ended, stands under our guid: it goes back too, as the call ends without a
-                # lock (nothing of this call's can be deleted by it now).
-                self._give_up_every(lockstring, listener.liveness_key, guid, True)
+            if outlived and listener.liveness_key is not None:
+                # A dead ticket of ours whose give-up failed may live on, its old session still
+                # holding the key on a server that has not noticed its client gone: the next
+                # release but ours would hand it a row, to stand held by nobody. Every ticket
+                # of our guid is given up as the call ends; without the lock, a row handed to a
+                # dead one, which no attempt took before the wait ended, goes back too (nothing
+                # of this call's can be deleted by it now).
+                self._give_up_every(lockstring, listener.liveness_key, guid, outcome is None)
 
     def _claim(
         self, lockstring: str, guid: str, ttl: float, grant: Grant, key: GrantKey | None
@@ -310,9 +313,13 @@ class TicketWait:
         finally:
             self.line.leave(ticket, wake_next)
             if not given_up:
-                number, key = ticket.number, ticket.liveness_key
+                # Tried again while the ticket's session lasts, or the listener's now: a ticket
+                # taken for dead (its listener's connection lost) may live on in its old session.
+                keys = {ticket.liveness_key}
+                if (listener := self.listener) is not None and listener.liveness_key is not None:
+                    keys.add(listener.liveness_key)
                 self.leaving.call_soon(
-                    self._give_up_again, ticket.lockstring, number, key, guid, give_back
+                    self._give_up_again, ticket.lockstring, ticket.number, keys, guid, give_back
                 )
 
     def _give_up_every(
@@ -323,26 +330,31 @@ class TicketWait:
         in the background, as for a known ticket."""
         if not self._leave_line(lockstring, None, guid, give_back):
             self.leaving.call_soon(
-                self._give_up_again, lockstring, None, liveness_key, guid, give_back
+                self._give_up_again, lockstring, None, {liveness_key}, guid, give_back
             )
 
     def _give_up_again(
         self,
         lockstring: str,
         number: int | None,
-        liveness_key: int,
+        liveness_keys: set[int],
         guid: str,
         give_back: bool,
     ) -> None:
-        """Try to give up ticket ``number`` (None: every ticket of ``guid``), alive while
-        ``liveness_key`` is held, again every ``tickets.GIVE_UP_AGAIN`` seconds while it may
-        live: left live with nobody waiting on it, it would be handed the next row, to stand
-        held by nobody until it expires (PostgreSQL), or hold every waiter behind it back from
-        a free row for PATIENCE at each turn (MariaDB)."""
+        """Try to give up ticket ``number`` (None: every ticket of ``guid``) again every
+        ``tickets.GIVE_UP_AGAIN`` seconds while it may live: while the listener holds one of
+        ``liveness_keys`` (the ticket's, and the listener's when the give-up failed). Left live
+        with nobody waiting on it, it would be handed the next row, to stand held by nobody
+        until it expires (PostgreSQL), or hold every waiter behind it back from a free row for
+        PATIENCE at each turn (MariaDB)."""
         for _attempt in range(tickets.GIVE_UP_ATTEMPTS):
             concurrency.wait(self.closing, tickets.GIVE_UP_AGAIN)
             listener = self.listener
-            if self.closing.is_set() or listener is None or listener.liveness_key != liveness_key:
+            if (
+                self.closing.is_set()
+                or listener is None
+                or listener.liveness_key not in liveness_keys
+            ):
                 return  # the ticket has died with the listener's session, or will with it
             if self._leave_line(lockstring, number, guid, give_back, quiet=True):
                 logger.info("gave up a ticket for %r after all", lockstring)

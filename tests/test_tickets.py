@@ -4,6 +4,9 @@ Locker's first waiter alone trying the row, and a refusal costs the holder nothi
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import re
+import subprocess
 import threading
 import time
 import uuid
@@ -19,6 +22,7 @@ from sqllocker.asyncio import AsyncLock, AsyncLocker
 from sqllocker.engine import resolve_url
 from sqllocker.errors import DatabaseError
 from sqllocker.operations import LockOperations, Refused
+from sqllocker.timeouts import DEAD_PEER_SECONDS
 from tests.helpers import (
     FRONTS,
     Front,
@@ -30,6 +34,7 @@ from tests.helpers import (
     figure,
     in_line,
     in_line_async,
+    listener_pid,
     migrate,
     through_proxy,
     tickets,
@@ -628,3 +633,134 @@ def test_a_waiters_dead_ticket_given_up_late_deletes_nothing_it_won(
         admin.dispose()
     assert "result" in outcome, outcome  # served in its turn
     assert outcome["second"] == "refused", outcome  # one holder
+
+
+@pytest.mark.parametrize(
+    ("front", "retried"),
+    [(FRONTS[0], True), (FRONTS[0], False), (FRONTS[1], False)],
+    ids=["sync tried again", "sync at the wait's end", "asyncio at the wait's end"],
+)
+@pytest.mark.parametrize("backend", ["postgresql"])
+@pytest.mark.slow  # a proxy, and a hold that expires
+def test_a_dead_ticket_that_lives_on_in_its_old_session_is_given_up_all_the_same(
+    proxied: Proxied,
+    url: str,
+    table_name: str,
+    front: Front,
+    retried: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A waiter's listener connection is lost while the server's session of it lives on (a
+    partition the server has not noticed yet): the old liveness key still held there, the
+    ticket the waiter takes for dead is live. Its give-up failed (its connection cut twice).
+    It was never tried again, the retry stopping as soon as it saw the listener's key changed;
+    the waiter won the row by its own INSERT (the holder's row expired), and the next release
+    but its own handed the row to that ticket: under the waiter's guid, after its call, held
+    by nobody until it expired. Now the give-up is tried again (``retried``), and, should
+    that not be soon enough, every ticket of the call's guid is given up as its wait ends."""
+    if not retried:
+        monkeypatch.setattr(ticketing, "GIVE_UP_AGAIN", 60.0)  # not within this test
+    migrate(url, table_name)
+    admin = sa.create_engine(resolve_url(url), isolation_level="AUTOCOMMIT")
+    holder = Locker(url, table=table_name, grace=GRACE)
+    other = Locker(url, table=table_name, grace=GRACE)
+    held = holder.lock("job", expires=120 if retried else 3)
+    zombie = admin.connect()  # the listener's old session, as a partition leaves it
+    outcome: dict[str, Any] = {}
+
+    def keys() -> set[int]:
+        with admin.connect() as conn:
+            found = conn.exec_driver_sql(f"SELECT liveness_key FROM {table_name}_requests")
+            return {key for (key,) in found}
+
+    async def scenario(locker: Any) -> None:
+        await front.call((await front.call(locker.lock, "warm")).unlock)  # the listener up
+        waiting = asyncio.ensure_future(
+            front.timed(locker.lock, "job", wait=30.0, expires=60)
+            if front.is_async  # the sync front's call blocks: on a thread, with its own loop
+            else asyncio.to_thread(asyncio.run, front.timed(locker.lock, "job", wait=30.0))
+        )
+        await asyncio.to_thread(wait_until, lambda: len(tickets(admin, table_name)) == 1)
+        proxied.proxy.cut_before(b"queue_leave", 2)  # the first try and its retry
+        old_key = locker._tickets.listener.liveness_key
+        end_listener_session(admin, locker)
+        zombie.execute(sa.text("SELECT pg_advisory_lock(:key)"), {"key": old_key})
+        # The dead ticket's give-up failed; the new ticket stands beside it.
+        await asyncio.to_thread(wait_until, lambda: len(keys()) == 2, 10)
+        if retried:
+            await asyncio.to_thread(wait_until, lambda: old_key not in keys(), 5)
+            await asyncio.to_thread(held.unlock)
+        outcome.update(await waiting)
+        won = outcome.get("result")
+        if won is not None:
+            await front.call(won.unlock)  # a release hands nothing to its own guid's tickets
+        for turn in ("first", "second"):  # the first one's release hands to a live ticket
+            try:
+                taken = await asyncio.to_thread(other.lock, "job")
+            except LockBusy as busy:
+                outcome[turn] = str(busy)
+            else:
+                outcome[turn] = "taken"
+                await asyncio.to_thread(taken.unlock)
+        outcome["tickets"] = await asyncio.to_thread(tickets, admin, table_name)
+
+    try:
+        through_proxy(front, proxied, table_name, scenario, GRACE)
+    finally:
+        with contextlib.suppress(LockLost):  # expired and taken over, unless ``retried``
+            held.unlock()
+        zombie.close()
+        holder.close()
+        other.close()
+        admin.dispose()
+    assert "result" in outcome, outcome
+    assert outcome["first"] == outcome["second"] == "taken", outcome  # none handed to the dead
+    assert outcome["tickets"] == [], outcome
+
+
+@pytest.mark.parametrize("front", FRONTS, ids=str)
+@pytest.mark.parametrize("backend", ["postgresql"])
+def test_the_server_soon_ends_a_listeners_session_whose_client_is_gone(
+    url: str, table_name: str, front: Front
+) -> None:
+    """The session of a Locker's listener keeps its tickets alive: where its client is gone
+    without a word (a partition, its host lost), the server ends it by its own keepalives, in
+    seconds (``LISTENER_SESSION``), not the kernel's two hours, which a dead ticket lived on
+    (the tests above). Read off the kernel: the server's keepalive timer of the connection."""
+    migrate(url, table_name)
+    admin = sa.create_engine(resolve_url(url))
+    port = sa.engine.make_url(url).port or 5432
+
+    async def scenario() -> str:
+        locker = front.locker(url, table=table_name)
+        try:
+            # A call that may wait starts the listener.
+            await front.call((await front.call(locker.lock, "warm", wait=5)).unlock)
+            listening = lambda: locker._tickets.listener.liveness_key is not None  # noqa: E731
+            await asyncio.to_thread(wait_until, listening)
+            pid = await asyncio.to_thread(listener_pid, admin, locker)
+            with admin.connect() as conn:
+                client_port = conn.execute(
+                    sa.text("SELECT client_port FROM pg_stat_activity WHERE pid = :pid"),
+                    {"pid": pid},
+                ).scalar_one()
+            sockets = ["ss", "-tnoH", "state", "established"]
+            sockets.append(f"( sport = :{port} and dport = :{client_port} )")
+            for _look in range(50):  # idle: while data is unacknowledged, another timer shows
+                listed = subprocess.run(sockets, capture_output=True, text=True, check=True)
+                if "keepalive" in listed.stdout:
+                    break
+                await asyncio.sleep(0.1)
+            return listed.stdout
+        finally:
+            await front.close(locker)
+
+    try:
+        listed = asyncio.run(scenario())
+    finally:
+        admin.dispose()
+    timer = re.search(r"timer:\(keepalive,([\d.]+)(ms|sec|min)", listed)
+    assert timer is not None, listed
+    number, unit = float(timer[1]), timer[2]
+    seconds = number / 1000 if unit == "ms" else number * 60 if unit == "min" else number
+    assert seconds <= DEAD_PEER_SECONDS // 3, listed  # the kernel's default: 7,200 s

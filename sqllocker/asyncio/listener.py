@@ -21,6 +21,7 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ..backends.mysql import liveness_name
+from ..backends.postgresql import LISTENER_SESSION
 from ..errors import LockError
 from ..notifications import (
     Waiter,
@@ -212,6 +213,7 @@ class AsyncReleaseListener:
 
     async def _listen_on(self, connection: Any) -> None:
         """PostgreSQL: LISTEN, hold a liveness key, and hand each notification on."""
+        await connection.execute(LISTENER_SESSION)
         await connection.execute(f'LISTEN "{self.channel}"')
         await connection.execute(f'LISTEN "{self.grants_channel}"')
         await connection.execute(f'LISTEN "{self.leaders_channel}"')

@@ -686,6 +686,19 @@ _COLUMNS = (
 
 _ISOLATION = "SELECT pg_catalog.current_setting('transaction_isolation')"
 
+# The session of a Locker's listener holds its tickets' liveness key: one whose client is gone
+# (a partition, its host lost) must end on the server too, or its tickets live on, to be handed
+# rows that nobody waits for. The server's keepalives for it as the client's own
+# (``connect_args``), each where the server has it (tcp_user_timeout: PostgreSQL 12 on).
+LISTENER_SESSION = (
+    "SELECT pg_catalog.set_config(s.name, s.value, false) FROM (VALUES "  # noqa: S608 (integer constants)
+    f"('tcp_keepalives_idle', '{DEAD_PEER_SECONDS // 3}'), "
+    f"('tcp_keepalives_interval', '{DEAD_PEER_SECONDS // 6}'), "
+    "('tcp_keepalives_count', '3'), "
+    f"('tcp_user_timeout', '{DEAD_PEER_SECONDS * 1000}')) AS s(name, value) "
+    "WHERE s.name OPERATOR(pg_catalog.=) ANY (SELECT p.name FROM pg_catalog.pg_settings AS p)"
+)
+
 
 def _sqlstate(error: sa.exc.DBAPIError) -> str | None:
     return getattr(error.orig, "sqlstate", None)
