@@ -8,6 +8,7 @@ version table, never in the application's ``alembic_version``.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import threading
 from contextlib import AbstractContextManager
@@ -119,6 +120,7 @@ def adopt_dbix_locker(
             count = sa.select(sa.func.count()).select_from(sa.table(table))
             rows = int(conn.execute(count).scalar() or 0)
         else:
+            backend.reopen_for_perl(conn, table)  # closed by an adoption killed in its swap
             check_adoptable(conn, table, version_table)
             had_version_table = sa.inspect(conn).has_table(version_table)
             backend.prepare_adoption(conn, table)
@@ -131,6 +133,10 @@ def adopt_dbix_locker(
                 if not backend.adoption_swaps:
                     raise  # rolled back whole
                 failure = error
+                # What is left of the transaction goes (its connection may have, killed or
+                # cut off: the adoption's own error is the one to tell).
+                with contextlib.suppress(sa.exc.SQLAlchemyError):
+                    conn.rollback()
             rows = adoption.rows
     if failure is not None:
         # Outside the migration's connection, whose transaction holds the version table.
@@ -170,6 +176,7 @@ def _after_failed_swap(
     if not had_version_table:
         made.append(version_table)
     with engine.begin() as conn:
+        backend.reopen_for_perl(conn, table)
         views = set(sa.inspect(conn).get_view_names())
         for name in made:
             kind = "VIEW" if name in views else "TABLE"

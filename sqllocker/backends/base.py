@@ -465,6 +465,10 @@ class Backend:
         before it starts."""
         return [f"{table}_held"]
 
+    def reopen_for_perl(self, conn: Connection, table: str) -> None:
+        """Where ``adoption_swaps``: let Perl write to the DBIx::Locker table ``table`` again,
+        which an adoption that stopped before its swap (``swap_in``) left closed."""
+
     def prepare_adoption(self, conn: Connection, table: str) -> None:
         """Before an adoption reads the rows: keep Perl processes from changing them until the
         migration's transaction ends (where ``adoption_swaps`` is false)."""

@@ -426,8 +426,13 @@ class MySQLBackend(Backend):
                 with conn.begin():
                     yield conn
             finally:
-                conn.execute(sa.select(sa.func.release_lock(_MIGRATION_LOCK_NAME)))
-                conn.commit()
+                try:
+                    conn.execute(sa.select(sa.func.release_lock(_MIGRATION_LOCK_NAME)))
+                    conn.commit()
+                except sa.exc.SQLAlchemyError:
+                    # The session ended (killed, cut off), its lock with it: the migration's
+                    # own error is the one to tell.
+                    conn.invalidate()
 
     def reflected_default(self, conn: Connection, table: str, column: str) -> str | None:
         # SQLAlchemy does not reflect MySQL's expression defaults at all.
@@ -446,6 +451,9 @@ class MySQLBackend(Backend):
             id_order_table_name(table),
             requests_table_name(table),
         ]
+
+    def reopen_for_perl(self, conn: Connection, table: str) -> None:
+        mysql_adoption.reopen(conn, table)
 
     def ids_handed_out_below(self, conn: Connection, source: str, highest_row: int) -> int:
         return max(highest_row + 1, mysql_adoption.next_auto_increment(conn, source))

@@ -3,6 +3,7 @@ collation carried over, and the names swapped while Perl's processes wait."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 import time
@@ -20,6 +21,9 @@ _ADOPTION_LOCK_WAIT_SECONDS = 60
 _NAME = re.compile(r"[A-Za-z0-9_]+")
 # MySQL 8 knows information_schema_stats_expiry; MariaDB answers "unknown system variable".
 _UNKNOWN_SYSTEM_VARIABLE = 1193
+# What the old table does, from the copy of its rows until the swap (``swap_in``), with each
+# kind of statement of Perl's: a new lock is refused, a release is made in the new table too.
+_CLOSED_TO = ("INSERT", "UPDATE", "DELETE")
 
 
 def lockstring_like(
@@ -66,10 +70,19 @@ def swap_in(
         ids = copy_rows(conn)
         next_id = max(max(ids, default=0) + 1, next_auto_increment(conn, table))
         conn.exec_driver_sql(f"ALTER TABLE {new} AUTO_INCREMENT = {int(next_id)}")
+        # Copied, the old table takes no new lock until the RENAME sets it aside: should this
+        # connection end before the RENAME waits (killed, cut off), its table locks go with
+        # it, and Perl's statements that waited for them would write to the old table, about
+        # to be set aside, and the RENAME follow: a Perl lock held there, and the same
+        # lockstring free in the new table. A lock is refused there instead (Perl is told to
+        # try again), and a release made in the new table too.
+        for statement in _closing(table, new):
+            conn.exec_driver_sql(statement)
         renamer = _Renamer(engine, f"RENAME TABLE {table} TO {aside}, {new} TO {table}")
         renamer.wait_until_queued(conn)
     finally:
-        conn.exec_driver_sql("UNLOCK TABLES")
+        with contextlib.suppress(sa.exc.SQLAlchemyError):  # a connection that ended holds none
+            conn.exec_driver_sql("UNLOCK TABLES")
         if renamer is not None:
             renamer.join()
     if renamer.error is not None:
@@ -84,6 +97,32 @@ def swap_in(
             f"they are in {aside!r}, and {table!r} is sqllocker's without them"
         )
     return len(ids)
+
+
+def closing_triggers(table: str) -> list[str]:
+    """The triggers by which the DBIx::Locker table ``table`` takes no new lock while it is
+    swapped out (``swap_in``)."""
+    return [f"{table}_sqllocker_closed_{event.lower()}" for event in _CLOSED_TO]
+
+
+def _closing(table: str, new: str) -> list[str]:
+    """The triggers on ``table``, its rows copied to ``new``: an INSERT or UPDATE fails, a
+    DELETE deletes the row's copy too."""
+    message = f"{table} is being adopted by sqllocker; if that stopped, run the adoption again"
+    refuse = f"SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = '{message}'"
+    copy_too = f"DELETE FROM {new} WHERE id = OLD.id"  # noqa: S608 (a checked table name)
+    return [
+        f"CREATE TRIGGER {name} BEFORE {event} ON {table} FOR EACH ROW "
+        f"{copy_too if event == 'DELETE' else refuse}"
+        for name, event in zip(closing_triggers(table), _CLOSED_TO, strict=True)
+    ]
+
+
+def reopen(conn: Connection, table: str) -> None:
+    """Drop the triggers that closed ``table`` to new locks, left by an adoption that
+    stopped before its swap: Perl locks in it again."""
+    for name in closing_triggers(table):
+        conn.exec_driver_sql(f"DROP TRIGGER IF EXISTS {name}")
 
 
 class _Renamer:
