@@ -367,18 +367,23 @@ def test_adoption_keeps_rows_converts_times_and_the_rows_still_exclude(
 
 
 @pytest.mark.parametrize("backend", ["postgresql"])
+@pytest.mark.parametrize("owns", [False, True], ids=["granted", "the owner"])
 def test_postgresql_adoption_keeps_what_other_roles_may_do_with_the_table(
-    url: str, backend: str, table_name: str, db: sa.Engine
+    url: str, backend: str, table_name: str, db: sa.Engine, owns: bool
 ) -> None:
-    """Perl jobs of another role, granted what DBIx::Locker needs on its table and sequence:
-    the adoption drops and makes the table again, and they could no longer lock or unlock
-    ("permission denied"), their held rows left for the clock margin."""
+    """Perl jobs of another role, granted what DBIx::Locker needs on its table and sequence,
+    or its owner (a DBA adopting the application's table): the adoption drops and makes the
+    table again, and they could no longer lock or unlock ("permission denied"), their held
+    rows left for the clock margin."""
     create_dbix_table(url, table_name)
     role = f"sqllocker_perl_{table_name}"
     with db.begin() as conn:
         conn.exec_driver_sql(f"CREATE ROLE {role} LOGIN")
-        conn.exec_driver_sql(f"GRANT SELECT, INSERT, UPDATE, DELETE ON {table_name} TO {role}")
-        conn.exec_driver_sql(f"GRANT USAGE ON SEQUENCE {table_name}_id_seq TO {role}")
+        if owns:
+            conn.exec_driver_sql(f"ALTER TABLE {table_name} OWNER TO {role}")
+        else:
+            conn.exec_driver_sql(f"GRANT SELECT, INSERT, UPDATE, DELETE ON {table_name} TO {role}")
+            conn.exec_driver_sql(f"GRANT USAGE ON SEQUENCE {table_name}_id_seq TO {role}")
     perl_role = sa.create_engine(resolve_url(url).set(username=role))
     try:
         code, printed = sqllocker_cli(

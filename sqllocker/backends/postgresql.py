@@ -544,11 +544,22 @@ class PostgreSQLBackend(Backend):
 
     def grants_kept(self, conn: Connection, table: str) -> list[Executable | str]:
         # The Perl processes of other roles must go on inserting, reading the id they drew
-        # (currval) and deleting, in the new table, and with its new sequence.
+        # (currval) and deleting, in the new table, and with its new sequence; so must those
+        # of the table's owner, where another role adopts it (a DBA's): the new table is the
+        # adopter's.
         steps: list[Executable | str] = []
-        for kind, grantee, privilege, grantable in conn.exec_driver_sql(
-            _GRANTS, {"table": table}
-        ).all():
+        grants: list[tuple[str, str, str, bool]] = [
+            (kind, grantee, privilege, grantable)
+            for kind, grantee, privilege, grantable in conn.exec_driver_sql(
+                _GRANTS, {"table": table}
+            )
+        ]
+        owner = conn.exec_driver_sql(_OTHER_OWNER, {"table": table}).scalar()
+        if owner is not None:
+            table_rights = ("SELECT", "INSERT", "UPDATE", "DELETE")
+            grants += [("table", owner, privilege, False) for privilege in table_rights]
+            grants += [("sequence", owner, privilege, False) for privilege in ("USAGE", "SELECT")]
+        for kind, grantee, privilege, grantable in grants:
             if privilege not in _PRIVILEGES:
                 continue
             option = " WITH GRANT OPTION" if grantable else ""
@@ -593,6 +604,13 @@ _GRANTS = (
     "CROSS JOIN LATERAL pg_catalog.aclexplode(c.relacl) AS a "
     "LEFT JOIN pg_catalog.pg_roles AS r ON r.oid OPERATOR(pg_catalog.=) a.grantee "
     "WHERE a.grantee OPERATOR(pg_catalog.<>) c.relowner"
+)
+# The table's owner, quoted as an identifier, if it is not the role adopting it.
+_OTHER_OWNER = (
+    "SELECT pg_catalog.quote_ident(r.rolname::text) FROM pg_catalog.pg_class AS c "
+    "JOIN pg_catalog.pg_roles AS r ON r.oid OPERATOR(pg_catalog.=) c.relowner "
+    "WHERE c.oid OPERATOR(pg_catalog.=) %(table)s::text::regclass "
+    "AND r.rolname OPERATOR(pg_catalog.<>) CURRENT_USER"
 )
 _PRIVILEGES = frozenset(
     {"SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER", "USAGE"}
