@@ -154,10 +154,12 @@ def plan_adoption(
         adoption.after_create.append(f"DROP TABLE {set_aside_name(table)}")
         return adoption
     grants = backend.grants_kept(conn, table)  # read before the table goes
+    sequence = backend.sequence_name_kept(conn, table)  # likewise
     adoption.before_create += backend.adoption_before_create(table)
     inserts, ids = _converted_inserts(conn, table, table, perl_tz)
     adoption.rows = len(ids)
     next_id = backend.ids_handed_out_below(conn, table, max(ids, default=0))
+    adoption.after_create += sequence
     adoption.after_create += inserts
     adoption.after_create += backend.next_id_at_least(table, next_id)
     adoption.after_create += grants

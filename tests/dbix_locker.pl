@@ -7,7 +7,9 @@
 #       "unlock" -> print "unlocked" or "unlock failed <error>"; "leave" -> exit with the row
 #       left behind, as a crashed process leaves it; "extend SECONDS" -> move the expiry to
 #       SECONDS from now (the Lock's expires setter), print "extended"; "push SECONDS" -> move
-#       the expiry SECONDS (which may be negative) from where it is, print "extended".
+#       the expiry SECONDS (which may be negative) from where it is, print "extended";
+#       "cycle OTHER" -> lock OTHER too, with the same locker, and unlock it: print
+#       "cycled <id>" (or "refused <error>", or "cycled <id>, unlock failed <error>").
 #   dbix_locker.pl DSN USER TABLE count LOCKSTRING TIMES COUNTER MARKER
 #       TIMES turns of: take the lock (trying again until it is free), create MARKER (which must
 #       not exist: someone else inside means two holders), read COUNTER, pause, write it plus
@@ -63,6 +65,23 @@ if ($command eq 'hold') {
         if ($line eq 'leave') {
             $lock->is_locked(0);    # no unlock on the way out: the row stays, as after a crash
             exit 0;
+        }
+        if ($line =~ /\Acycle (.+)\z/) {
+            my $other = eval { $locker->lock($1, { expires => $seconds }) };
+            if (!$other) {
+                (my $error = $@) =~ s/\s+/ /g;
+                print "refused $error\n";
+                next;
+            }
+            my $id = $other->lock_id // 'none';
+            if (eval { $other->unlock; 1 }) {
+                print "cycled $id\n";
+            } else {
+                (my $error = $@) =~ s/\s+/ /g;
+                print "cycled $id, unlock failed $error\n";
+                $other->is_locked(0);
+            }
+            next;
         }
     }
     exit 0;

@@ -134,6 +134,14 @@ class PerlHolder:
         self.answer = self.process.stdout.readline().strip()
         self.lock_id = int(self.answer.split()[1]) if self.answer.startswith("locked ") else None
 
+    def ask(self, line: str) -> str:
+        """Its answer to ``line`` (``cycle OTHER``), holding on."""
+        assert self.process.stdin is not None
+        assert self.process.stdout is not None
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+        return self.process.stdout.readline().strip()
+
     def tell(self, line: str) -> str:
         assert self.process.stdin is not None
         assert self.process.stdout is not None
@@ -410,6 +418,33 @@ def test_postgresql_adoption_keeps_what_other_roles_may_do_with_the_table(
         with db.begin() as conn:
             conn.exec_driver_sql(f"DROP OWNED BY {role}")
             conn.exec_driver_sql(f"DROP ROLE {role}")
+
+
+@pytest.mark.parametrize("backend", ["postgresql"])
+def test_a_perl_process_locks_on_after_adopting_a_table_renamed_since_it_was_made(
+    url: str, table_name: str, db: sa.Engine
+) -> None:
+    """A table renamed since it was made keeps its sequence's old name, which DBD::Pg
+    remembers per table once a Perl process has locked: asked for the id of its next lock
+    after the adoption, the sequence was gone with the old table, the lock taken with no id,
+    and its release failed, the row left for the clock margin. The new table's sequence now
+    takes the old one's name."""
+    create_dbix_table(url, f"{table_name}_was")
+    with db.begin() as conn:
+        conn.exec_driver_sql(f"ALTER TABLE {table_name}_was RENAME TO {table_name}")
+    perl = PerlHolder(url, table_name, "before", 3600, "UTC")  # DBD::Pg learns the sequence
+    assert perl.lock_id is not None, perl.answer
+    code, output = sqllocker_cli(
+        url, table_name, "migrate", "--adopt-dbix-locker", "--perl-tz", "UTC"
+    )
+    assert code == 0, output
+    answer = perl.ask("cycle after")
+    assert re.fullmatch(r"cycled \d+", answer), answer
+    assert int(answer.split()[1]) > perl.lock_id
+    assert perl.tell("unlock") == "unlocked"
+    with db.connect() as conn:
+        left = conn.exec_driver_sql(f"SELECT lockstring FROM {table_name}").scalars().all()
+    assert left == [], left
 
 
 def test_the_adoption_sql_applied_by_hand_keeps_every_lockstring(

@@ -484,6 +484,11 @@ class Backend:
         it (where ``adoption_swaps`` is false: a swap keeps the grants of the name)."""
         return []
 
+    def sequence_name_kept(self, conn: Connection, table: str) -> list[Executable | str]:
+        """Statements that give the new table's id sequence the name of the DBIx::Locker
+        table ``table``'s, where it has one (read before the table goes)."""
+        return []
+
     def ids_handed_out_below(self, conn: Connection, source: str, highest_row: int) -> int:
         """An id above every id the DBIx::Locker table ``source`` has handed out."""
         return highest_row + 1

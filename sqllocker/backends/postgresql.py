@@ -574,6 +574,27 @@ class PostgreSQLBackend(Backend):
                 )
         return steps
 
+    def sequence_name_kept(self, conn: Connection, table: str) -> list[Executable | str]:
+        # DBD::Pg remembers, per table, the name of the sequence it reads the id it drew from
+        # (currval): a long-running Perl process asks the old name after the adoption. The new
+        # table's sequence is named after the table; the old one may not be (a table renamed
+        # since it was made): without its name, the Perl process's lock is taken with no id,
+        # and its release fails, the row left for the clock margin.
+        old = conn.exec_driver_sql(
+            "SELECT c.relname::text FROM pg_catalog.pg_class AS c "
+            "WHERE c.oid OPERATOR(pg_catalog.=) "
+            "pg_catalog.pg_get_serial_sequence(%(table)s::text, 'id'::text)::regclass",
+            {"table": table},
+        ).scalar()
+        if old is None or old == f"{table}_id_seq":
+            return []
+        made = f"pg_catalog.pg_get_serial_sequence({_literal(table)}, 'id')"
+        return [
+            f"DO $sequence$BEGIN EXECUTE {_literal('ALTER SEQUENCE ')} OPERATOR(pg_catalog.||) "
+            f"{made} OPERATOR(pg_catalog.||) {_literal(' RENAME TO ')} OPERATOR(pg_catalog.||) "
+            f"pg_catalog.quote_ident({_literal(old)}); END$sequence$"
+        ]
+
     def ids_handed_out_below(self, conn: Connection, source: str, highest_row: int) -> int:
         last = conn.exec_driver_sql(
             "SELECT pg_catalog.pg_sequence_last_value(pg_catalog.pg_get_serial_sequence("
