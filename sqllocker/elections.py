@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from .operations import LockInfo
-from .rwlocks import FENCE_CLAIM
+from .row_kinds import writer_name
+from .rwlocks import FENCE_CLAIM, WRITER_FENCE
 
 # How often ``observe()`` reads the leader's row: a change is seen at most this late.
 OBSERVE_INTERVAL = 1.0
@@ -53,11 +54,15 @@ def leader_from(info: LockInfo | None, fences: list[LockInfo]) -> Leader | None:
     waiting for readers to leave, or a plain lock of the name, which leads nothing)."""
     if info is None or info.expired:
         return None
-    # A fence row drawn for this very claim (one of an older sqllocker's says not: any later).
+    # A fence row drawn for this very claim (one of an older sqllocker's says not: any later);
+    # not any row the fence rows' pattern matches (a semaphore's permits, a reader of a
+    # read-write lock, named ``<name> (writer ...``).
     terms = [
         fence.lock_id
         for fence in fences
         if fence.lock_id > info.lock_id
+        and fence.locked_by.get("rwlock") == WRITER_FENCE
+        and writer_name(fence.lockstring) is not None
         and fence.locked_by.get(FENCE_CLAIM, info.lock_id) == info.lock_id
     ]
     if not terms:

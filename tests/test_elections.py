@@ -344,3 +344,23 @@ def test_elections_whose_long_names_share_a_prefix_keep_their_own_terms(locker: 
         assert leader.term == lead.term
     lead_a.resign()
     lead_b.resign()
+
+
+def test_rows_named_like_a_fence_row_are_no_term(locker: Locker) -> None:
+    """An election's term is its fence row's id, a row named ``<name> (writer <16 hex>)``
+    that a writer drew: a semaphore named ``<name> (writer`` (its permits ``<name> (writer
+    (permit 0)``) or a read-write lock of that name made a plain lock of ``<name>`` a leader,
+    and gave a real leader a term that was not its own."""
+    name = "sched"
+    plain = locker.lock(name)
+    permit = locker.semaphore(f"{name} (writer", limit=2).acquire()  # a row drawn after it
+    assert locker.election(name).leader() is None
+    plain.unlock()
+    lead = locker.election(name).campaign(expires=30)
+    reading = locker.rwlock(f"{name} (writer").read()  # a row drawn after the fence row
+    leader = locker.election(name).leader()
+    assert leader is not None
+    assert leader.term == lead.term
+    reading.unlock()
+    lead.resign()
+    permit.unlock()
