@@ -265,7 +265,7 @@ class Acquirer:
         )
         _, ttl, wait, extra = request
         on_lost = on_lost or default_on_lost
-        once = None if on_lost is None else OnLostOnce(on_lost)  # for the group, not each row
+        once = OnLostOnce(on_lost)  # for the group, not each row
         return acquisition(self._acquire_all, names, ttl, wait, extra, keep_alive, once)
 
     def _acquire_all(
@@ -275,7 +275,7 @@ class Acquirer:
         wait: float | None,
         extra: dict[str, Any],
         keep_alive: bool,
-        on_lost: OnLost | None,
+        on_lost: OnLostOnce,
         winnings: Winnings,
     ) -> LockGroup:
         details = holder_details(extra, concurrency.task_name())
@@ -290,6 +290,7 @@ class Acquirer:
                     self.attempts.handle(winnings, name, guid, acquired, ttl, details, on_lost)
                     for (name, guid), acquired in zip(members, outcome, strict=True)
                 ]
+                on_lost.rows = [lock._state for lock in locks]
                 group = LockGroup(locks)
                 return group.keep_alive() if keep_alive else group
             concurrency.sleep(backoff.after_refusal(outcome, names[0], wait, self._grace))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -170,6 +170,11 @@ class Holding:
         handle._on_lost = self._on_lost if previous is None else previous._on_lost
         self._on_lost = None
         self._handle = weakref.ref(handle)
+
+    def stop_renewing(self) -> None:
+        """Renew the row no more, kept alive or not: it expires, or goes at the release
+        (another row of its lock was lost: ``OnLostOnce``)."""
+        raise NotImplementedError
 
     def leave_place(self) -> None:
         """Let the next waiter in the kernel's queue try for the row (once it is not ours)."""
@@ -363,12 +368,15 @@ class Holding:
 
 
 class OnLostOnce:
-    """One ``on_lost`` for the rows of one lock (a writer's claim and its token): called for
-    the first of them found lost, not again for the other (an async one's awaitable is
-    returned, as the callback's own would be)."""
+    """One ``on_lost`` for the ``rows`` of one lock (a writer's claim and its token, a group's
+    members): called for the first of them found lost, not again for the others (an async
+    one's awaitable is returned, as the callback's own would be), whose renewals stop then:
+    the lock is lost whole, and its other rows, renewed on, would keep their names held for as
+    long as its handle lives. They expire, or go at the release."""
 
-    def __init__(self, on_lost: OnLost) -> None:
+    def __init__(self, on_lost: OnLost | None, rows: Iterable[Holding] = ()) -> None:
         self._on_lost = on_lost
+        self.rows = list(rows)
         self._called = False
         self._calling = threading.Lock()
 
@@ -377,7 +385,10 @@ class OnLostOnce:
             if self._called:
                 return None
             self._called = True
-        return self._on_lost(lost)
+        for row in self.rows:
+            if row.lost is None:  # not the one lost, whose renewals have ended (in its task)
+                row.stop_renewing()
+        return None if self._on_lost is None else self._on_lost(lost)
 
 
 HoldingT = TypeVar("HoldingT", bound=Holding)

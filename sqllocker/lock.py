@@ -116,6 +116,9 @@ class LockState(Holding):
         self.keep_alives = keep_alives
         self.op_lock = concurrency.OpLock()
 
+    def stop_renewing(self) -> None:
+        self.keep_alives.remove(self)
+
     def extend(self, ttl: float | None = None) -> datetime:
         """Push the row's expiry to server now + ``ttl`` (None: the lock's expiry period as it
         is when the statement is sent, the keep-alive's renewal); LockLost (and lost) if it is

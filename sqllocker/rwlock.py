@@ -225,7 +225,7 @@ class RWLock:
                         # Told once, whichever row is found lost first (the locker's on_lost
                         # unless given one); rows not handed out tell nobody.
                         told = on_lost or self.locker.on_lost
-                        once = None if told is None else OnLostOnce(told)
+                        once = OnLostOnce(told, (claim._state, token._state))
                         claim._state.on_lost = token._state.on_lost = once
                         return WriteLock(claim, token)
                     _give_back(token)
@@ -310,7 +310,8 @@ class WriteLock(Lock):
         return super().extend(seconds)
 
     def keep_alive(self, on_lost: OnLost | None = None) -> WriteLock:
-        once = None if on_lost is None else OnLostOnce(on_lost)  # for both rows
+        rows = (self.claim._state, self._state)
+        once = None if on_lost is None else OnLostOnce(on_lost, rows)  # for both rows
         self.claim.keep_alive(once)
         super().keep_alive(once)
         return self

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from sqllocker import Lock, LockBusy, Locker, LockError, LockValueError
+from sqllocker import Lock, LockBusy, Locker, LockError, LockLost, LockValueError
 from sqllocker.asyncio import AsyncLocker
 from tests.fleet import Fleet
 from tests.helpers import (
@@ -576,3 +576,31 @@ def test_a_claim_lost_while_waiting_for_readers_tells_nobody_and_the_real_loss_i
     time.sleep(2)
     assert len(calls) == 1
     assert not lock.is_valid()
+
+
+@pytest.mark.parametrize("backend", ["sqlite"])  # the keep-alive's, the same on every backend
+@pytest.mark.parametrize("lost", ["claim", "token", "group member"])
+def test_a_lock_of_two_rows_one_lost_keeps_the_other_no_longer(
+    make_locker: Callable[..., Locker], lost: str
+) -> None:
+    """A writer's lock is two rows, kept alive together (a group, one row a member): one of
+    them broken by an operator, the lock was lost and told so, but the other was renewed on
+    for as long as its handle lived, keeping every other writer (or holder of the member's
+    name) out. It now expires."""
+    locker, other = make_locker(), make_locker()
+    told: list[LockLost] = []
+    if lost == "group member":
+        held: Any = locker.lock_all(["a", "b"], expires=1.5, keep_alive=True, on_lost=told.append)
+        rows = [lock.lockstring for lock in held.locks]
+    else:
+        held = locker.rwlock("catalog").write(expires=1.5).keep_alive(told.append)
+        claim, token = held.claim.lockstring, held._state.lockstring
+        rows = [claim, token] if lost == "claim" else [token, claim]
+    broken, survivor = rows
+    assert locker.break_lock(broken) is not None
+    wait_until(lambda: bool(told), 5)
+    try:
+        other.lock(survivor, wait=6).unlock()  # once it has expired
+    finally:
+        with contextlib.suppress(LockLost):
+            held.unlock()

@@ -288,7 +288,7 @@ class AsyncAcquirer:
         )
         _, ttl, wait, extra = request
         on_lost = on_lost or default_on_lost
-        once = None if on_lost is None else OnLostOnce(on_lost)  # for the group, not each row
+        once = OnLostOnce(on_lost)  # for the group, not each row
         return await acquisition(self._acquire_all, names, ttl, wait, extra, keep_alive, once)
 
     async def _acquire_all(
@@ -298,7 +298,7 @@ class AsyncAcquirer:
         wait: float | None,
         extra: dict[str, Any],
         keep_alive: bool,
-        on_lost: OnLost | None,
+        on_lost: OnLostOnce,
         winnings: Winnings,
     ) -> AsyncLockGroup:
         if True:  # ASYNC
@@ -324,6 +324,7 @@ class AsyncAcquirer:
                     self.attempts.handle(winnings, name, guid, acquired, ttl, details, on_lost)
                     for (name, guid), acquired in zip(members, outcome, strict=True)
                 ]
+                on_lost.rows = [lock._state for lock in locks]
                 group = AsyncLockGroup(locks)
                 return group.keep_alive() if keep_alive else group
             await concurrency.sleep(backoff.after_refusal(outcome, names[0], wait, self._grace))

@@ -126,6 +126,9 @@ class AsyncLockState(Holding):
             self.loop = asyncio.get_running_loop()
             self.releasing: concurrency.InFlight[None] | None = None
 
+    def stop_renewing(self) -> None:
+        self.keep_alives.remove(self)
+
     async def extend(self, ttl: float | None = None) -> datetime:
         """Push the row's expiry to server now + ``ttl`` (None: the lock's expiry period as it
         is when the statement is sent, the keep-alive's renewal); LockLost (and lost) if it is

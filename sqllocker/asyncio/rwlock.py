@@ -227,7 +227,7 @@ class AsyncRWLock:
                         # Told once, whichever row is found lost first (the locker's on_lost
                         # unless given one); rows not handed out tell nobody.
                         told = on_lost or self.locker.on_lost
-                        once = None if told is None else OnLostOnce(told)
+                        once = OnLostOnce(told, (claim._state, token._state))
                         claim._state.on_lost = token._state.on_lost = once
                         return AsyncWriteLock(claim, token)
                     await _give_back(token)
@@ -318,7 +318,8 @@ class AsyncWriteLock(AsyncLock):
         return await super().extend(seconds)
 
     def keep_alive(self, on_lost: OnLost | None = None) -> AsyncWriteLock:
-        once = None if on_lost is None else OnLostOnce(on_lost)  # for both rows
+        rows = (self.claim._state, self._state)
+        once = None if on_lost is None else OnLostOnce(on_lost, rows)  # for both rows
         self.claim.keep_alive(once)
         super().keep_alive(once)
         return self
