@@ -118,6 +118,7 @@ class TicketWait:
         doubled = False  # a ticket of ours may have been handed a row ahead of ``ticket``
         rejoining = False  # our dead ticket given up, the next of our line not yet woken
         outlived = False  # a ticket of ours died with the listener's session (see below)
+        dead_standing = False  # and its give-up failed: it may live on (see below)
         outcome: Lock | None = None  # ours, once won by an attempt or handed over
         try:
             while True:
@@ -134,7 +135,8 @@ class TicketWait:
                     # that reached the server late (held up, or sent again on a new connection)
                     # would delete the row we had won by then.
                     dead, ticket = ticket, None
-                    self._give_up(dead, guid, give_back=False, wake_next=False)
+                    given_up = self._give_up(dead, guid, give_back=False, wake_next=False)
+                    dead_standing = dead_standing or not given_up
                     rejoining = outlived = True
                     try_now = True
                 waiter = listener.register(lockstring, digest, releases=False)
@@ -253,13 +255,18 @@ class TicketWait:
             elif unsure is not None:  # and, without the lock, a row handed to it goes back
                 self._give_up_every(lockstring, unsure, guid, outcome is None)
             if outlived and listener.liveness_key is not None:
-                # A dead ticket of ours whose give-up failed may live on, its old session still
-                # holding the key on a server that has not noticed its client gone: the next
-                # release but ours would hand it a row, to stand held by nobody. Every ticket
-                # of our guid is given up as the call ends; without the lock, a row handed to a
-                # dead one, which no attempt took before the wait ended, goes back too (nothing
-                # of this call's can be deleted by it now).
-                self._give_up_every(lockstring, listener.liveness_key, guid, outcome is None)
+                # Every ticket of our guid goes as the call ends. Without the lock, a row handed
+                # to a dead ticket of ours, which no attempt took before the wait ended, stands
+                # under our guid: it goes back too (nothing of this call's can be deleted by it
+                # now). With it, a dead ticket whose give-up failed may live on, its old session
+                # still holding the key on a server that has not noticed its client gone: the
+                # next release but ours would hand it a row, to stand held by nobody. Given up
+                # in the background: it gives nothing back, and the caller has its lock.
+                key = listener.liveness_key
+                if outcome is None:
+                    self._give_up_every(lockstring, key, guid, True)
+                elif dead_standing:
+                    self.leaving.call_soon(self._give_up_every, lockstring, key, guid, False)
 
     def _claim(
         self, lockstring: str, guid: str, ttl: float, grant: Grant, key: GrantKey | None
@@ -303,23 +310,21 @@ class TicketWait:
         )
         return confirmed
 
-    def _give_up(self, ticket: Ticket, guid: str, give_back: bool, wake_next: bool = True) -> None:
+    def _give_up(self, ticket: Ticket, guid: str, give_back: bool, wake_next: bool = True) -> bool:
         """Give up ``ticket`` (``_leave_line``), then wake the next waiter of this Locker (if
         ``wake_next``): told sooner, it would find our ticket still ahead of its own. A give-up
-        that failed is tried again in the background (``_give_up_again``)."""
+        that failed is tried again in the background (``_give_up_again``). Whether it was
+        given up."""
         given_up = False
         try:
             given_up = self._leave_line(ticket.lockstring, ticket.number, guid, give_back)
+            return given_up
         finally:
             self.line.leave(ticket, wake_next)
             if not given_up:
-                # Tried again while the ticket's session lasts, or the listener's now: a ticket
-                # taken for dead (its listener's connection lost) may live on in its old session.
-                keys = {ticket.liveness_key}
-                if (listener := self.listener) is not None and listener.liveness_key is not None:
-                    keys.add(listener.liveness_key)
+                number, key = ticket.number, ticket.liveness_key
                 self.leaving.call_soon(
-                    self._give_up_again, ticket.lockstring, ticket.number, keys, guid, give_back
+                    self._give_up_again, ticket.lockstring, number, key, guid, give_back
                 )
 
     def _give_up_every(
@@ -330,31 +335,26 @@ class TicketWait:
         in the background, as for a known ticket."""
         if not self._leave_line(lockstring, None, guid, give_back):
             self.leaving.call_soon(
-                self._give_up_again, lockstring, None, {liveness_key}, guid, give_back
+                self._give_up_again, lockstring, None, liveness_key, guid, give_back
             )
 
     def _give_up_again(
         self,
         lockstring: str,
         number: int | None,
-        liveness_keys: set[int],
+        liveness_key: int,
         guid: str,
         give_back: bool,
     ) -> None:
-        """Try to give up ticket ``number`` (None: every ticket of ``guid``) again every
-        ``tickets.GIVE_UP_AGAIN`` seconds while it may live: while the listener holds one of
-        ``liveness_keys`` (the ticket's, and the listener's when the give-up failed). Left live
-        with nobody waiting on it, it would be handed the next row, to stand held by nobody
-        until it expires (PostgreSQL), or hold every waiter behind it back from a free row for
-        PATIENCE at each turn (MariaDB)."""
+        """Try to give up ticket ``number`` (None: every ticket of ``guid``), alive while
+        ``liveness_key`` is held, again every ``tickets.GIVE_UP_AGAIN`` seconds while it may
+        live: left live with nobody waiting on it, it would be handed the next row, to stand
+        held by nobody until it expires (PostgreSQL), or hold every waiter behind it back from
+        a free row for PATIENCE at each turn (MariaDB)."""
         for _attempt in range(tickets.GIVE_UP_ATTEMPTS):
             concurrency.wait(self.closing, tickets.GIVE_UP_AGAIN)
             listener = self.listener
-            if (
-                self.closing.is_set()
-                or listener is None
-                or listener.liveness_key not in liveness_keys
-            ):
+            if self.closing.is_set() or listener is None or listener.liveness_key != liveness_key:
                 return  # the ticket has died with the listener's session, or will with it
             if self._leave_line(lockstring, number, guid, give_back, quiet=True):
                 logger.info("gave up a ticket for %r after all", lockstring)

@@ -50,10 +50,10 @@ retrying, or its next attempt after a failed one) first gives up every ticket of
 one that claims a row after that gives up the ticket it holds, as a release may have handed the
 row to the earlier one. A give-up that fails (the connection lost as it was sent) is tried again
 every ``GIVE_UP_AGAIN`` seconds (by guid, where the waiter never learnt its ticket's number),
-for as long as the ticket may live: while its Locker is open and its listener's session lasts,
-or the session that followed it: a ticket taken for dead with its listener's connection may
-live on in the old session, on a server that has not noticed its client gone (PostgreSQL ends
-such a session by its own keepalives, which the listener sets, within seconds). A waiter whose
+for as long as the ticket may live: while the listener's session that keeps it alive lasts and
+its Locker is open. A ticket taken for dead with its listener's connection may live on all the
+same, in the old session on a server that has not noticed its client gone (PostgreSQL ends
+such a session by its own keepalives, which the listener sets, within seconds): a waiter whose
 ticket died so gives up every ticket of its guid as its call ends.
 
 The ticket decides only who is *handed* the row and who may *try* for it; who holds it is

@@ -635,36 +635,25 @@ def test_a_waiters_dead_ticket_given_up_late_deletes_nothing_it_won(
     assert outcome["second"] == "refused", outcome  # one holder
 
 
-@pytest.mark.parametrize(
-    ("front", "retried"),
-    [(FRONTS[0], True), (FRONTS[0], False), (FRONTS[1], False)],
-    ids=["sync tried again", "sync at the wait's end", "asyncio at the wait's end"],
-)
+@pytest.mark.parametrize("front", FRONTS, ids=str)
 @pytest.mark.parametrize("backend", ["postgresql"])
 @pytest.mark.slow  # a proxy, and a hold that expires
 def test_a_dead_ticket_that_lives_on_in_its_old_session_is_given_up_all_the_same(
-    proxied: Proxied,
-    url: str,
-    table_name: str,
-    front: Front,
-    retried: bool,
-    monkeypatch: pytest.MonkeyPatch,
+    proxied: Proxied, url: str, table_name: str, front: Front
 ) -> None:
     """A waiter's listener connection is lost while the server's session of it lives on (a
     partition the server has not noticed yet): the old liveness key still held there, the
     ticket the waiter takes for dead is live. Its give-up failed (its connection cut twice).
-    It was never tried again, the retry stopping as soon as it saw the listener's key changed;
-    the waiter won the row by its own INSERT (the holder's row expired), and the next release
-    but its own handed the row to that ticket: under the waiter's guid, after its call, held
-    by nobody until it expired. Now the give-up is tried again (``retried``), and, should
-    that not be soon enough, every ticket of the call's guid is given up as its wait ends."""
-    if not retried:
-        monkeypatch.setattr(ticketing, "GIVE_UP_AGAIN", 60.0)  # not within this test
+    It was not tried again (the retry stops once the listener's key has changed); the waiter
+    won the row by its own INSERT (the holder's row expired), and the next release but its
+    own handed the row to that ticket: under the waiter's guid, after its call, held by nobody
+    until it expired (an hour). Every ticket of the call's guid is now given up as its wait
+    ends (in the background, once it has the lock)."""
     migrate(url, table_name)
     admin = sa.create_engine(resolve_url(url), isolation_level="AUTOCOMMIT")
     holder = Locker(url, table=table_name, grace=GRACE)
     other = Locker(url, table=table_name, grace=GRACE)
-    held = holder.lock("job", expires=120 if retried else 3)
+    held = holder.lock("job", expires=3)
     zombie = admin.connect()  # the listener's old session, as a partition leaves it
     outcome: dict[str, Any] = {}
 
@@ -687,13 +676,11 @@ def test_a_dead_ticket_that_lives_on_in_its_old_session_is_given_up_all_the_same
         zombie.execute(sa.text("SELECT pg_advisory_lock(:key)"), {"key": old_key})
         # The dead ticket's give-up failed; the new ticket stands beside it.
         await asyncio.to_thread(wait_until, lambda: len(keys()) == 2, 10)
-        if retried:
-            await asyncio.to_thread(wait_until, lambda: old_key not in keys(), 5)
-            await asyncio.to_thread(held.unlock)
         outcome.update(await waiting)
         won = outcome.get("result")
         if won is not None:
             await front.call(won.unlock)  # a release hands nothing to its own guid's tickets
+        await asyncio.to_thread(wait_until, lambda: not keys(), 5)  # given up in the background
         for turn in ("first", "second"):  # the first one's release hands to a live ticket
             try:
                 taken = await asyncio.to_thread(other.lock, "job")
@@ -707,7 +694,7 @@ def test_a_dead_ticket_that_lives_on_in_its_old_session_is_given_up_all_the_same
     try:
         through_proxy(front, proxied, table_name, scenario, GRACE)
     finally:
-        with contextlib.suppress(LockLost):  # expired and taken over, unless ``retried``
+        with contextlib.suppress(LockLost):  # expired and taken over
             held.unlock()
         zombie.close()
         holder.close()
