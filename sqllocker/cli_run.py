@@ -21,7 +21,53 @@ from .trace_context import joined_trace
 # -- run ------------------------------------------------------------------------------------------
 
 
-@click.command(context_settings={"ignore_unknown_options": False})
+class _RunCommand(click.Command):
+    """``run``, whose options end where COMMAND begins, ``--`` or not, as flock(1)'s do: in
+    ``sqllocker run job ./report --shared``, ``--shared`` is the report's (click would take
+    it as run's own, the run a reader of the name beside other readers)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if "--" not in args:
+            start = _command_start(args, self._valued())
+            if start is not None:
+                args = [*args[:start], "--", *args[start:]]
+        return super().parse_args(ctx, args)
+
+    def _valued(self) -> set[str]:
+        """The option strings of run's that take a value (the next word, if not attached)."""
+        return {
+            name
+            for param in self.params
+            if isinstance(param, click.Option) and not param.is_flag and not param.count
+            for name in param.opts
+        }
+
+
+def _command_start(args: list[str], valued: set[str]) -> int | None:
+    """Where COMMAND's first word is in ``args`` (the second word that is neither an option nor
+    an option's value: the first is LOCKSTRING), or None."""
+    words = 0
+    index = 0
+    while index < len(args):
+        word = args[index]
+        index += 1
+        if word.startswith("--"):
+            index += word in valued  # ``--wait 10``; ``--wait=10`` holds its value
+        elif word.startswith("-") and word != "-":
+            # A cluster of short flags, the last of which may take the next word (``-qw 10``),
+            # or a short option with its value attached (``-w10``).
+            for position, letter in enumerate(word[1:], start=1):
+                if f"-{letter}" in valued:
+                    index += position == len(word) - 1
+                    break
+        else:
+            words += 1
+            if words == 2:
+                return index - 1
+    return None
+
+
+@click.command(cls=_RunCommand, context_settings={"ignore_unknown_options": False})
 @click.argument("lockstring")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 @click.option(
