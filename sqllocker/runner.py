@@ -56,6 +56,7 @@ from .holding import CLOCK_DRIFT, TIMESTAMP_SLACK, safety_margin
 from .lock import Lock
 from .locker import Locker
 from .rwlock import WriteLock
+from .unblocked_stderr import unblocked_stderr
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 DEFAULT_KILL_AFTER = 10.0
@@ -92,6 +93,8 @@ class _WatchdogEnded(Exception):
 def _say(message: str) -> None:
     """``sqllocker: MESSAGE`` on stderr; a stderr that cannot be written (a full disk, a
     closed pipe) changes nothing of what the run does."""
+    if sys.stderr is None:  # closed when sqllocker started (``2>&-``)
+        return
     with contextlib.suppress(OSError, ValueError):
         print(f"sqllocker: {message}", file=sys.stderr)
 
@@ -104,6 +107,13 @@ class _Interrupted(Exception):
 
 def run_locked(locker: Locker, lockstring: str, command: Sequence[str], options: RunOptions) -> int:
     """Run ``command`` under ``lockstring``; return the exit status sqllocker should exit with."""
+    with unblocked_stderr():
+        return _run_locked(locker, lockstring, command, options)
+
+
+def _run_locked(
+    locker: Locker, lockstring: str, command: Sequence[str], options: RunOptions
+) -> int:
     recorded = shlex.join(command) if options.record_args else command[0]
     try:
         with _signals_raise():
@@ -170,11 +180,20 @@ class _Family:
             os.close(control_read)
             os.close(status_write)
         self.id = self.watchdog.pid
-        self._status = os.fdopen(status_read, "rb")
-        # Continued after a Ctrl-Z only while the lock is valid; with --on-lost=warn, whatever
-        # it is (nothing else would continue or end the family).
-        warn = options.on_lost == "warn"
-        self._terminal = _ForegroundTerminal(self.id, (lambda: True) if warn else lock.is_valid)
+        try:
+            self._status = os.fdopen(status_read, "rb")
+            # Continued after a Ctrl-Z only while the lock is valid; with --on-lost=warn,
+            # whatever it is (nothing else would continue or end the family).
+            warn = options.on_lost == "warn"
+            valid = (lambda: True) if warn else lock.is_valid
+            self._terminal = _ForegroundTerminal(self.id, valid)
+        except BaseException:
+            # The command may have started already, and nothing here could stop it later:
+            # killed now, before the caller lets the lock go.
+            self._kill_orphans()
+            self.watchdog.wait()
+            os.close(self._control)
+            raise
         self._writing = threading.Lock()
         self.started = False
         self.stopped_by_watchdog: list[str] = []
@@ -355,6 +374,8 @@ class _ForegroundTerminal:
         self._group = group
         self._valid = valid
         self._fd: int | None = None
+        if sys.stdin is None:  # closed when sqllocker started (``<&-``): no terminal
+            return
         try:
             fd = sys.stdin.fileno()
             if not os.isatty(fd):

@@ -821,3 +821,69 @@ def test_a_broken_lock_stops_the_command_though_stderr_cannot_be_written(tmp_pat
     # Renewed every 4 s, the lock is found broken at most 4 s after the command started; its
     # deadline is 10.8 s after its acquire (a start on a busy machine counted no more).
     assert lasted < 9, f"the command ran {lasted:.1f} s: until the deadline, not the renewal"
+
+
+@pytest.mark.parametrize("backend", ["sqlite"])  # the run's own, the same on every backend
+@pytest.mark.parametrize("closed", ["<&-", ">&-", "2>&-"], ids=["stdin", "stdout", "stderr"])
+def test_a_run_started_with_a_stream_closed_holds_the_lock_until_its_command_ends(
+    migrated: Locker, url: str, table_name: str, tmp_path: Path, closed: str
+) -> None:
+    """``sqllocker run`` started with its stdin closed (``<&-``, a supervisor's way): it failed
+    after starting the command (``sys.stdin`` is None), printed a traceback and released the
+    lock while the command ran on; one that ignored SIGTERM ran beside the next holder until
+    the watchdog's SIGKILL, 10 s later. With stdout or stderr closed, a run is a run too."""
+    log = tmp_path / "log"
+    job = f"trap '' TERM; echo start >> {log}; sleep 2; echo end >> {log}"
+    sqllocker = [SQLLOCKER, "--url", url, "--table", table_name, "run"]
+    first = subprocess.Popen(
+        ["bash", "-c", f'exec "$@" {closed}', "-", *sqllocker, "job", "--", "sh", "-c", job],
+        stderr=subprocess.PIPE if closed != "2>&-" else None,
+        text=True,
+    )
+    wait_until(lambda: log.exists() and "start" in log.read_text())
+    second = subprocess.run(
+        [*sqllocker, "-w", "30", "job", "--", "sh", "-c", f"echo second >> {log}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    _, err = first.communicate(timeout=60)
+    assert first.returncode == 0, err
+    assert not err, err  # no traceback
+    assert second.returncode == 0, second.stderr
+    assert log.read_text().split() == ["start", "end", "second"]
+
+
+@pytest.mark.parametrize("backend", ["sqlite"])  # the run's own, the same on every backend
+def test_a_run_whose_stderr_is_full_still_stops_its_family_and_releases_the_lock(
+    migrated: Locker, url: str, table_name: str, tmp_path: Path, reap_leftovers: list[int]
+) -> None:
+    """sqllocker's stderr a pipe nobody reads, full: its line "stopping what the command left
+    running" blocked the run's main thread before it released the lock, which its keep-alive
+    renewed for ever (a second run waited in vain). Its lines are written by a thread of their
+    own now: the leftover is stopped, the lock released, and the next run gets it."""
+    reader, writer = os.pipe()
+    os.set_blocking(writer, False)
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            os.write(writer, b"x" * 65536)
+    os.set_blocking(writer, True)
+    pids = tmp_path / "pids"
+    job = f"sleep 60 & echo $! > {pids}"  # left running: stopped before the release, and said
+    sqllocker = [SQLLOCKER, "--url", url, "--table", table_name, "run"]
+    try:
+        first = subprocess.Popen([*sqllocker, "job", "--", "sh", "-c", job], stderr=writer)
+        reap_leftovers.extend(pids_in(pids, 1))
+        second = subprocess.run(
+            [*sqllocker, "-w", "20", "job", "--", "true"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert second.returncode == 0, second.stderr  # the first released it
+        assert first.wait(timeout=30) == 0
+    finally:
+        os.close(writer)
+        os.close(reader)
