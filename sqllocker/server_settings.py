@@ -24,6 +24,10 @@ LOSES_ROWS_ON_FAILOVER = (
     "can lose acknowledged lock rows when a replica is promoted, which lets a second holder in "
     "and reuses its lock id"
 )
+TAKES_NO_FILE_LOCKS = (
+    "takes no file locks (SQLite), so that two processes may write the database at once, which "
+    "lets a second holder in"
+)
 SPLITS_THE_DATABASE = (
     "gives connections databases in memory of their own (each thread's, or each operation's), "
     "which lets a second holder in; pass sqllocker the URL, or an Engine with "

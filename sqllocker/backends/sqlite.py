@@ -24,7 +24,13 @@ from sqlalchemy.util import asbool
 
 from .. import file_queue
 from ..schema import UTCDateTime
-from ..server_settings import LOSES_ROWS, SPLITS_THE_DATABASE, ServerSettings, UnsafeSetting
+from ..server_settings import (
+    LOSES_ROWS,
+    SPLITS_THE_DATABASE,
+    TAKES_NO_FILE_LOCKS,
+    ServerSettings,
+    UnsafeSetting,
+)
 from ..timeouts import SQLITE_BUSY_TIMEOUT_SECONDS
 from .base import Backend, StatementParts
 
@@ -307,6 +313,9 @@ class SQLiteBackend(Backend):
             if journal in {"off", "memory"}:
                 setting = f"PRAGMA journal_mode={journal.upper()}"
                 problems.append(UnsafeSetting(setting, LOSES_ROWS))
+        problems += [
+            UnsafeSetting(option, TAKES_NO_FILE_LOCKS) for option in _unlocked(conn.engine.url)
+        ]
         pool = conn.engine.pool
         if _splits_a_database_in_memory(conn.engine.url, pool):
             problems.append(UnsafeSetting(f"a {type(pool).__name__}", SPLITS_THE_DATABASE))
@@ -408,6 +417,23 @@ def _splits_a_database_in_memory(url: URL, pool: Pool) -> bool:
     uri = _sqlite_uri(url)
     private = uri is None or uri[1].get("cache") != "shared"
     return private or isinstance(pool, NullPool)
+
+
+# The URI options with which SQLite takes no file locks and still writes, each as SQLite
+# reads its value (``immutable`` takes none either, but writes nothing).
+_TRUE = frozenset({"1", "yes", "true", "on"})
+
+
+def _unlocked(url: URL) -> list[str]:
+    """The options of ``url``'s SQLite URI with which it takes no file locks, as written."""
+    uri = _sqlite_uri(url)
+    if uri is None:
+        return []
+    nolock, vfs = uri[1].get("nolock"), uri[1].get("vfs")
+    unlocked = [f"nolock={nolock}"] if nolock is not None and nolock.lower() in _TRUE else []
+    if vfs is not None and vfs.endswith("-none"):  # unix-none, win32-none
+        unlocked.append(f"vfs={vfs}")
+    return unlocked
 
 
 def _sqlite_uri(url: URL) -> tuple[str, dict[str, str]] | None:
