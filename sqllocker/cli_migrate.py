@@ -15,7 +15,7 @@ from .cli_common import (
     pass_settings,
 )
 from .engine import describe_url
-from .errors import ForeignTable
+from .errors import ForeignTable, LockError
 from .exit_statuses import EXIT_NO
 from .locker import Locker
 
@@ -100,6 +100,9 @@ def migrate(
             reason = migrations.foreign_reason(locker.engine, locker.table_name)
             if reason is not None:
                 raise ForeignTable.naming(locker.table_name, describe_url(locker.url), reason)
+            gone = migrations.recorded_but_gone(locker.engine, locker.table_name)
+            if gone is not None:
+                raise LockError(gone)
             head = migrations.head_revision()
             if current != head:
                 click.echo(

@@ -85,8 +85,31 @@ def upgrade(engine: Engine, table: str = DEFAULT_TABLE, revision: str = "head") 
         reason = _foreign_reason(conn, table)
         if reason is not None:
             raise ForeignTable.naming(table, describe_url(engine.url), reason)
+        gone = _recorded_but_gone(conn, table)
+        if gone is not None:
+            raise LockError(gone)
         with _ALEMBIC:
             command.upgrade(alembic_config(table, connection=conn), revision)
+
+
+def recorded_but_gone(engine: Engine, table: str = DEFAULT_TABLE) -> str | None:
+    """What to do where ``table``'s migrations are recorded but the table is gone (dropped by
+    hand): alembic would take it for up to date, and make nothing; else None."""
+    with engine.connect() as conn:
+        return _recorded_but_gone(conn, table)
+
+
+def _recorded_but_gone(conn: Connection, table: str) -> str | None:
+    version_table = version_table_for(table)
+    revision = current_revision_on(conn, table)
+    if revision is None or sa.inspect(conn).has_table(table):
+        return None
+    return (
+        f"table {table!r} is gone, but {version_table} records its migrations up to revision "
+        f"{revision} (was the table dropped by hand?); drop {version_table} too, and what the "
+        f"migrations made beside the table if it is left ({table}_held, {table}_requests, "
+        f"{table}_id_order, and on PostgreSQL the {table}_* functions), then migrate again"
+    )
 
 
 def foreign_reason(engine: Engine, table: str = DEFAULT_TABLE) -> str | None:

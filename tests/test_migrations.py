@@ -29,7 +29,7 @@ from sqllocker.migrations import (
 )
 from sqllocker.notifications import guid_digest
 from sqllocker.schema import ID_ORDER_STRIPES, VERSION_TABLE, version_table_for
-from tests import helpers
+from tests import forked_cli, helpers
 from tests.helpers import RawTicket
 
 REPO = Path(__file__).resolve().parent.parent
@@ -441,3 +441,26 @@ def test_tables_made_at_once_on_several_databases_by_threads_of_one_process(
     for thread in threads:
         thread.join()
     assert failures == []
+
+
+@pytest.mark.parametrize("backend", ["sqlite"])  # the version table's, any backend
+def test_a_table_dropped_by_hand_is_not_called_up_to_date(url: str, table_name: str) -> None:
+    """The lock table dropped by hand, its version table left: ``migrate`` made nothing and
+    ``migrate --check`` said "up to date", while every lock failed for want of the table.
+    Both now say what is left and what to do."""
+    engine = sa.create_engine(resolve_url(url))
+    Locker(engine, table=table_name).create_table()
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f"DROP VIEW {table_name}_held")
+        conn.exec_driver_sql(f"DROP TABLE {table_name}")
+    for check in ([], ["--check"]):
+        result = forked_cli.run(["--url", url, "--table", table_name, "migrate", *check])
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert f"table {table_name!r} is gone" in result.stderr, result.stderr
+        assert f"drop {version_table_for(table_name)}" in result.stderr
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f"DROP TABLE {version_table_for(table_name)}")
+    result = forked_cli.run(["--url", url, "--table", table_name, "migrate"])
+    assert result.returncode == 0, result.stderr
+    Locker(engine, table=table_name).lock("job").unlock()
+    engine.dispose()
