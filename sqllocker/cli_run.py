@@ -27,10 +27,9 @@ class _RunCommand(click.Command):
     it as run's own, the run a reader of the name beside other readers)."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        if "--" not in args:
-            start = _command_start(args, self._valued())
-            if start is not None:
-                args = [*args[:start], "--", *args[start:]]
+        start = _command_start(args, self._valued())
+        if start is not None:
+            args = [*args[:start], "--", *args[start:]]
         return super().parse_args(ctx, args)
 
     def _valued(self) -> set[str]:
@@ -45,12 +44,15 @@ class _RunCommand(click.Command):
 
 def _command_start(args: list[str], valued: set[str]) -> int | None:
     """Where COMMAND's first word is in ``args`` (the second word that is neither an option nor
-    an option's value: the first is LOCKSTRING), or None."""
+    an option's value: the first is LOCKSTRING), or None: none, or a ``--`` before it, which
+    says where COMMAND begins itself (one after it is COMMAND's own)."""
     words = 0
     index = 0
     while index < len(args):
         word = args[index]
         index += 1
+        if word == "--":
+            return None
         if word.startswith("--"):
             index += word in valued  # ``--wait 10``; ``--wait=10`` holds its value
         elif word.startswith("-") and word != "-":

@@ -986,16 +986,18 @@ def test_resolve_url_maps_postgres_scheme_to_psycopg() -> None:
 def test_run_options_end_where_the_command_begins(migrated: Locker, sqllocker: Run) -> None:
     """Without ``--``, run's own options written after COMMAND were taken as run's, not the
     command's: ``sqllocker run job ./report --shared`` ran as a reader of ``job``, beside
-    other readers (two such runs overlapped). They end where COMMAND begins, as flock(1)'s."""
+    other readers (two such runs overlapped), and so did one whose COMMAND had a ``--`` of its
+    own. They end where COMMAND begins, as flock(1)'s."""
     echo = ["sh", "-c", 'echo "$*"', "sh"]
     for before, after in [
         ([], ["--shared", "-w", "5"]),
         (["-w", "5"], ["-q", "--expires=9"]),
         (["-qw", "3"], ["--on-lost", "warn"]),
         (["-w3", "--wait=4"], ["-E", "3"]),
+        ([], ["--shared", "--", "-q"]),  # a "--" of the command's own
     ]:
         done = sqllocker("run", "job", *before, *echo, *after)
         assert done.returncode == 0, done.stderr
         assert done.stdout.split() == after, (before, after)
-    done = sqllocker("run", "job", "-w", "5", "--", *echo, "--shared")  # as before
-    assert done.stdout.split() == ["--shared"]
+    done = sqllocker("run", "job", "-w", "5", "--", *echo, "--shared", "--")  # as before
+    assert done.stdout.split() == ["--shared", "--"]
