@@ -1326,20 +1326,31 @@ def test_an_adoption_killed_at_any_moment_hands_no_lock_twice_and_can_be_finishe
     adoption.kill()
     adoption.communicate(timeout=60)
     print(f"killed at {moment}:", adoption.returncode, sorted(sa.inspect(db).get_table_names()))
+    adopt_as_the_refusals_say(url, table_name, db)
+    wait_for_churn(state, after=time.monotonic())
+    check_churn(churn, state)
+    held_throughout(url, table_name, db, held)
+
+
+def adopt_as_the_refusals_say(url: str, table_name: str, db: sa.Engine) -> None:
+    """Adopt ``table_name`` until it is adopted, dropping each table or view a refusal names
+    as in the way (left by an adoption that was stopped)."""
+    adopt = ["migrate", "--adopt-dbix-locker", "--perl-tz", "UTC"]
     for _ in range(10):
         code, output = sqllocker_cli(url, table_name, *adopt)
         if code == 0 or "sqllocker's already" in output:
-            break
+            return
         in_the_way = re.search(r"'(\w+)' exists already", output)
         assert in_the_way is not None, output
         name = in_the_way.group(1)
         kind = "VIEW" if name in sa.inspect(db).get_view_names() else "TABLE"
         with db.begin() as conn:
             conn.exec_driver_sql(f"DROP {kind} {name}")
-    else:
-        pytest.fail(f"never adopted: {output}")
-    wait_for_churn(state, after=time.monotonic())
-    check_churn(churn, state)
+    pytest.fail(f"never adopted: {output}")
+
+
+def held_throughout(url: str, table_name: str, db: sa.Engine, held: PerlHolder) -> None:
+    """The table adopted, at the head revision, and ``held``'s Perl lock still its own."""
     assert current_revision(db, table_name) == head_revision()
     locker = Locker(url, table=table_name)
     try:
@@ -1409,27 +1420,11 @@ def test_an_adoption_whose_connection_ends_as_it_swaps_hands_no_lock_twice(
     # Said as it is: the swap made or not (it had said "Can't reconnect until invalid
     # transaction is rolled back", SQLAlchemy's words as the migrations' lock was released).
     assert "took its place" in output or "is untouched" in output, output
-    for _ in range(10):
-        code, output = sqllocker_cli(url, table_name, *adopt)
-        if code == 0 or "sqllocker's already" in output:
-            break
-        in_the_way = re.search(r"'(\w+)' exists already", output)
-        assert in_the_way is not None, output
-        with db.begin() as conn:
-            conn.exec_driver_sql(f"DROP TABLE {in_the_way.group(1)}")
-    else:
-        pytest.fail(f"never adopted: {output}")
+    adopt_as_the_refusals_say(url, table_name, db)
     refused = "being adopted by sqllocker"
     wait_for_churn(state, after=time.monotonic(), refused=refused)
     check_churn(churn, state, refused=refused)
-    assert current_revision(db, table_name) == head_revision()
-    locker = Locker(url, table=table_name)
-    try:
-        with pytest.raises(LockBusy):
-            locker.lock("held throughout")
-    finally:
-        locker.close()
-    assert held.tell("unlock") == "unlocked"
+    held_throughout(url, table_name, db, held)
 
 
 @pytest.mark.parametrize("backend", ["sqlite"])

@@ -560,6 +560,22 @@ def test_a_cancelled_waiter_whose_ticket_give_up_freezes_is_not_held_up(
     assert took[0] < 1.0 + ticketing.GIVE_UP_PATIENCE + 3.0, took
 
 
+async def waiting_in_line(
+    front: Front, locker: Any, admin: sa.Engine, table_name: str
+) -> asyncio.Future[dict[str, Any]]:
+    """``locker``'s listener up, and a call of ``front.timed(locker.lock, "job", wait=30)``
+    started and holding its ticket (the sync front's call, which blocks, on a thread of its
+    own with a loop of its own): its outcome, once it ends."""
+    await front.call((await front.call(locker.lock, "warm")).unlock)
+    waiting = asyncio.ensure_future(
+        front.timed(locker.lock, "job", wait=30.0, expires=60)
+        if front.is_async
+        else asyncio.to_thread(asyncio.run, front.timed(locker.lock, "job", wait=30.0))
+    )
+    await asyncio.to_thread(wait_until, lambda: len(tickets(admin, table_name)) == 1)
+    return waiting
+
+
 @pytest.mark.parametrize(
     ("front", "cut_client"),
     [(FRONTS[0], False), (FRONTS[0], True), (FRONTS[1], True)],
@@ -590,13 +606,7 @@ def test_a_waiters_dead_ticket_given_up_late_deletes_nothing_it_won(
     outcome: dict[str, Any] = {}
 
     async def scenario(locker: Any) -> None:
-        await front.call((await front.call(locker.lock, "warm")).unlock)  # the listener up
-        waiting = asyncio.ensure_future(
-            front.timed(locker.lock, "job", wait=30.0, expires=60)
-            if front.is_async  # the sync front's call blocks: on a thread, with its own loop
-            else asyncio.to_thread(asyncio.run, front.timed(locker.lock, "job", wait=30.0))
-        )
-        await asyncio.to_thread(wait_until, lambda: len(tickets(admin, table_name)) == 1)
+        waiting = await waiting_in_line(front, locker, admin, table_name)
         proxied.proxy.deliver_late(b"queue_leave", cut_client=cut_client)
         key = locker._tickets.listener.liveness_key
         end_listener_session(admin, locker)
@@ -663,13 +673,7 @@ def test_a_dead_ticket_that_lives_on_in_its_old_session_is_given_up_all_the_same
             return {key for (key,) in found}
 
     async def scenario(locker: Any) -> None:
-        await front.call((await front.call(locker.lock, "warm")).unlock)  # the listener up
-        waiting = asyncio.ensure_future(
-            front.timed(locker.lock, "job", wait=30.0, expires=60)
-            if front.is_async  # the sync front's call blocks: on a thread, with its own loop
-            else asyncio.to_thread(asyncio.run, front.timed(locker.lock, "job", wait=30.0))
-        )
-        await asyncio.to_thread(wait_until, lambda: len(tickets(admin, table_name)) == 1)
+        waiting = await waiting_in_line(front, locker, admin, table_name)
         proxied.proxy.cut_before(b"queue_leave", 2)  # the first try and its retry
         old_key = locker._tickets.listener.liveness_key
         end_listener_session(admin, locker)
