@@ -57,6 +57,16 @@ class Settings:
             )
         return url
 
+    def shared_database(self) -> None:
+        """LockValueError for a database in memory: each process's own, so that a lock in it
+        keeps no other process out (two runs of one job ran at once)."""
+        url = resolve_url(self.url)
+        if backend_class(url.get_backend_name()).in_memory(url):
+            raise LockValueError(
+                "a database in memory is this process's own: a lock in it keeps no other "
+                "process out; give a file or a server"
+            )
+
     def missing_file(self) -> tuple[URL, str | None]:
         """The database's URL, and the file connecting to it would make, not being there yet
         (SQLite's), or None; LockValueError for a database in memory, new and empty in each

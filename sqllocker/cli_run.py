@@ -204,6 +204,7 @@ def run(
         names_database=settings.url is not None,
         record_args=record_args,
     )
+    settings.shared_database()
     with joined_trace(default_name(lockstring)):
         status = run_locked(settings.locker(), lockstring, command, options)
     sys.exit(status)

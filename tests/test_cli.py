@@ -1001,3 +1001,12 @@ def test_run_options_end_where_the_command_begins(migrated: Locker, sqllocker: R
         assert done.stdout.split() == after, (before, after)
     done = sqllocker("run", "job", "-w", "5", "--", *echo, "--shared", "--")  # as before
     assert done.stdout.split() == ["--shared", "--"]
+
+
+def test_run_refuses_a_database_in_memory(tmp_path: Path) -> None:
+    """``sqllocker --url sqlite:// run job -- ...``: each process's database in memory is its
+    own, and two runs of one job ran at once, each holding the lock in its own."""
+    for url in ("sqlite://", "sqlite:///file:jobs?mode=memory&cache=shared&uri=true"):
+        done = forked_cli.run(["--url", url, "run", "job", "--", "true"], cwd=tmp_path)
+        assert done.returncode == 2, done.stderr
+        assert "a database in memory is this process's own" in done.stderr, done.stderr

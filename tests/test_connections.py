@@ -856,12 +856,15 @@ def test_pymysql_connections_share_one_tls_context_and_still_speak_tls() -> None
         shutil.rmtree(certificates, ignore_errors=True)
 
 
-@pytest.mark.parametrize("option", ["nolock=1", "nolock=yes", "vfs=unix-none"])
+@pytest.mark.parametrize(
+    "option", ["nolock=1", "nolock=yes", "nolock=2", "nolock=01", "nolock=1x", "vfs=unix-none"]
+)
 def test_an_sqlite_uri_that_takes_no_file_locks_is_reported_or_refused(
     tmp_path: Path, option: str
 ) -> None:
     """``nolock=1`` (or a VFS without locks) in an SQLite URI: two processes may write the
-    database at once, and each take the lock. It was taken as any file."""
+    database at once, and each take the lock. It was taken as any file. Every spelling SQLite
+    reads as true counts (a number by its leading digits)."""
     url = f"sqlite:///file:{tmp_path / 'locks.db'}?uri=true&{option}"
     with pytest.raises(UnsafeDatabase, match=rf"{option} .*refused \(strict=True\)"):
         Locker(url, strict=True).lock("refused")

@@ -1300,12 +1300,7 @@ def test_an_adoption_killed_at_any_moment_hands_no_lock_twice_and_can_be_finishe
     what is named, adopt again) ends in an adopted table holding the Perl lock held
     throughout."""
     create_dbix_table(url, table_name)
-    held = PerlHolder(url, table_name, "held throughout", 3600, "UTC")
-    assert held.lock_id is not None, held.answer
-    state = tmp_path / "state"
-    state.mkdir()
-    churn = start_churn(url, table_name, state, seconds=120)
-    wait_for_churn(state)
+    held, churn, state = perl_at_work(url, table_name, tmp_path)
     adopt = ["migrate", "--adopt-dbix-locker", "--perl-tz", "UTC"]
     adoption = subprocess.Popen(
         [SQLLOCKER, "--url", url, "--table", table_name, *adopt],
@@ -1330,6 +1325,19 @@ def test_an_adoption_killed_at_any_moment_hands_no_lock_twice_and_can_be_finishe
     wait_for_churn(state, after=time.monotonic())
     check_churn(churn, state)
     held_throughout(url, table_name, db, held)
+
+
+def perl_at_work(
+    url: str, table_name: str, tmp_path: Path
+) -> tuple[PerlHolder, list[subprocess.Popen[str]], Path]:
+    """A Perl lock "held throughout", and a churn of Perl processes under way (its state)."""
+    held = PerlHolder(url, table_name, "held throughout", 3600, "UTC")
+    assert held.lock_id is not None, held.answer
+    state = tmp_path / "state"
+    state.mkdir()
+    churn = start_churn(url, table_name, state, seconds=120)
+    wait_for_churn(state)
+    return held, churn, state
 
 
 def adopt_as_the_refusals_say(url: str, table_name: str, db: sa.Engine) -> None:
@@ -1383,12 +1391,7 @@ def test_an_adoption_whose_connection_ends_as_it_swaps_hands_no_lock_twice(
             ),
             [{"ls": f"old {n}"} for n in range(20000)],
         )
-    held = PerlHolder(url, table_name, "held throughout", 3600, "UTC")
-    assert held.lock_id is not None, held.answer
-    state = tmp_path / "state"
-    state.mkdir()
-    churn = start_churn(url, table_name, state, seconds=120)
-    wait_for_churn(state)
+    held, churn, state = perl_at_work(url, table_name, tmp_path)
     adopt = ["migrate", "--adopt-dbix-locker", "--perl-tz", "UTC"]
     watcher = sa.create_engine(resolve_url(url), isolation_level="AUTOCOMMIT")
     with watcher.connect() as conn:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import sqlite3
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -419,27 +420,53 @@ def _splits_a_database_in_memory(url: URL, pool: Pool) -> bool:
     return private or isinstance(pool, NullPool)
 
 
-# The URI options with which SQLite takes no file locks and still writes, each as SQLite
-# reads its value (``immutable`` takes none either, but writes nothing).
-_TRUE = frozenset({"1", "yes", "true", "on"})
+# What SQLite reads as true in a URI's boolean option (``sqlite3_uri_boolean``), but a number.
+_TRUE_WORDS = frozenset({"yes", "true", "on"})
+_LEADING_DIGITS = re.compile(r"[0-9]+")
 
 
 def _unlocked(url: URL) -> list[str]:
-    """The options of ``url``'s SQLite URI with which it takes no file locks, as written."""
-    uri = _sqlite_uri(url)
-    if uri is None:
+    """The options of ``url``'s SQLite URI with which it takes no file locks and still writes
+    (``immutable`` takes none either, but writes nothing), as written. Any one of a repeated
+    option counts, whichever SQLite reads: the check errs on the side of a warning."""
+    pairs = _uri_pairs(url)
+    if pairs is None:
         return []
-    nolock, vfs = uri[1].get("nolock"), uri[1].get("vfs")
-    unlocked = [f"nolock={nolock}"] if nolock is not None and nolock.lower() in _TRUE else []
-    if vfs is not None and vfs.endswith("-none"):  # unix-none, win32-none
-        unlocked.append(f"vfs={vfs}")
+    unlocked = []
+    for name, value in pairs:
+        if name == "nolock" and _uri_boolean(value):
+            unlocked.append(f"nolock={value}")
+        elif name == "vfs" and value.endswith("-none"):  # unix-none, win32-none
+            unlocked.append(f"vfs={value}")
     return unlocked
+
+
+def _uri_boolean(value: str) -> bool:
+    """``value`` as SQLite reads a URI's boolean: a number by its leading digits (as a byte),
+    else yes, true or on, in any case."""
+    digits = _LEADING_DIGITS.match(value)
+    if digits is not None:
+        return int(digits.group()) % 256 != 0
+    return value.lower() in _TRUE_WORDS
 
 
 def _sqlite_uri(url: URL) -> tuple[str, dict[str, str]] | None:
     """``url``'s database as an SQLite URI (``uri=true``, as SQLAlchemy reads it): its path
     and its options (from the path, and from the URL's query, which SQLAlchemy passes on),
     or None where it is a plain file name."""
+    parsed = _uri_parts(url)
+    return None if parsed is None else (parsed[0], dict(parsed[1]))
+
+
+def _uri_pairs(url: URL) -> list[tuple[str, str]] | None:
+    """Every option of ``url``'s SQLite URI, in order, repeats and all; None for a file name.
+    A value runs up to the next ``&`` (SQLAlchemy adds the URL's query after a ``?``, which
+    SQLite reads as part of the value before it)."""
+    parsed = _uri_parts(url)
+    return None if parsed is None else parsed[1]
+
+
+def _uri_parts(url: URL) -> tuple[str, list[tuple[str, str]]] | None:
     database = url.database or ""
     uri = url.query.get("uri")
     if not isinstance(uri, str) or not database.startswith("file:"):
@@ -459,8 +486,7 @@ def _sqlite_uri(url: URL) -> tuple[str, dict[str, str]] | None:
     pairs = [part.partition("=")[::2] for part in inline.split("&") if part]
     # SQLAlchemy adds the URL's query to the URI as it is: SQLite decodes those too.
     pairs += [(key, value) for key, value in url.query.items() if isinstance(value, str)]
-    options = {_uri_text(key): _uri_text(value) for key, value in pairs}
-    return _uri_text(path), options
+    return _uri_text(path), [(_uri_text(key), _uri_text(value)) for key, value in pairs]
 
 
 def _uri_text(text: str) -> str:
