@@ -838,12 +838,7 @@ def test_adoption_while_perl_locks_and_unlocks_never_hands_a_lock_twice(
     ever finds the table missing (MySQL renamed it aside and made an empty one live)."""
     create_dbix_table(url, table_name)
     # Rows the adoption must carry over: one held by a Perl process throughout.
-    held = PerlHolder(url, table_name, "held throughout", 3600, "UTC")
-    assert held.lock_id is not None, held.answer
-    state = tmp_path / "state"
-    state.mkdir()
-    churn = start_churn(url, table_name, state, seconds=120)
-    wait_for_churn(state)
+    held, churn, state = perl_at_work(url, table_name, tmp_path)
     began = time.monotonic()  # CLOCK_MONOTONIC, as Perl's log
     code, output = sqllocker_cli(
         url, table_name, "migrate", "--adopt-dbix-locker", "--perl-tz", "UTC"
