@@ -33,7 +33,7 @@ from sqlalchemy.sql.expression import Executable
 
 from .backends import backend_for
 from .errors import LockValueError
-from .schema import UTCDateTime, lock_table, set_aside_name, swap_name
+from .schema import UTCDateTime, set_aside_name, swap_name
 from .validation import check_table_name
 
 _INSERT_BATCH = 500
@@ -191,7 +191,7 @@ def _converted_inserts(
         }
         for row in rows
     ]
-    plain = _plain(lock_table(target))
+    plain = _plain(target)
     inserts: list[Executable] = []
     for start in range(0, len(converted), _INSERT_BATCH):
         batch = converted[start : start + _INSERT_BATCH]
@@ -250,11 +250,12 @@ class _ServerReadText(sa.types.UserDefinedType[str]):
         return text.literal_processor(dialect)
 
 
-def _plain(target: sa.Table) -> sa.TableClause:
-    """The lock table with its values as text, so that the insert binds (or, for ``--sql``,
-    writes out) each value as the backend reads it in."""
+def _plain(target: str) -> sa.TableClause:
+    """The lock table ``target`` (a checked name, or the name MySQL builds it under, longer)
+    with its values as text, so that the insert binds (or, for ``--sql``, writes out) each
+    value as the backend reads it in."""
     return sa.table(
-        target.name,
+        target,
         sa.column("id", sa.BigInteger()),
         *(
             sa.column(name, _ServerReadText())

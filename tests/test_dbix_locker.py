@@ -1455,3 +1455,16 @@ def test_sqlite_adoption_starts_above_the_ids_an_autoincrement_table_recorded(
             assert lock.lock_id > 5_000_000 + ADOPTED_ID_GAP
     finally:
         locker.close()
+
+
+@pytest.mark.parametrize("backend", ["mysql"])
+def test_a_table_of_the_longest_name_is_adopted(url: str, db: sa.Engine) -> None:
+    """MySQL builds the new table under a longer name (``<table>_sqllocker_new``), which the
+    adoption refused as a table name past 18 characters, though names run to 32."""
+    table = "t" + "x" * 31
+    create_dbix_table(url, table)
+    held = PerlHolder(url, table, "held throughout", 3600, "UTC")
+    assert held.lock_id is not None, held.answer
+    code, output = sqllocker_cli(url, table, "migrate", "--adopt-dbix-locker", "--perl-tz", "UTC")
+    assert code == 0, output
+    held_throughout(url, table, db, held)
