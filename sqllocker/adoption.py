@@ -153,7 +153,7 @@ def plan_adoption(
         )
         adoption.after_create.append(f"DROP TABLE {set_aside_name(table)}")
         return adoption
-    grants = backend.grants_kept(conn, table)  # read before the table goes
+    grants = backend.grants_kept(conn, table, online)  # read before the table goes
     sequence = backend.sequence_name_kept(conn, table)  # likewise
     adoption.before_create += backend.adoption_before_create(table)
     inserts, ids = _converted_inserts(conn, table, table, perl_tz)

@@ -447,6 +447,38 @@ def test_a_perl_process_locks_on_after_adopting_a_table_renamed_since_it_was_mad
     assert left == [], left
 
 
+@pytest.mark.parametrize("backend", ["postgresql"])
+def test_the_adoption_sql_printed_by_the_owner_and_applied_by_a_dba_keeps_the_owner_locking(
+    url: str, table_name: str, db: sa.Engine
+) -> None:
+    """``--sql`` printed by the table's owner, applied by a DBA (psql as postgres): the grants
+    to the owner were left out, the owner being the role that printed them, and its Perl jobs
+    were locked out of the DBA's new table ("permission denied")."""
+    create_dbix_table(url, table_name)
+    role = f"sqllocker_owner_{table_name}"
+    with db.begin() as conn:
+        conn.exec_driver_sql(f"CREATE ROLE {role} LOGIN")
+        conn.exec_driver_sql(f"ALTER TABLE {table_name} OWNER TO {role}")
+    as_owner = str(sa.engine.make_url(url).set(username=role))
+    owner = sa.create_engine(resolve_url(as_owner))
+    try:
+        adopt = ["migrate", "--adopt-dbix-locker", "--perl-tz", "UTC", "--sql"]
+        code, printed = sqllocker_cli(as_owner, table_name, *adopt)
+        assert code == 0, printed
+        apply_sql(url, printed)
+        with owner.begin() as conn:  # what DBIx::Locker's lock and unlock send
+            conn.exec_driver_sql(
+                f"INSERT INTO {table_name} (lockstring, created, expires, locked_by) "
+                "VALUES ('perl job', now(), now() + interval '1 hour', '{}')"
+            )
+            conn.exec_driver_sql(f"DELETE FROM {table_name} WHERE lockstring = 'perl job'")
+    finally:
+        owner.dispose()
+        with db.begin() as conn:
+            conn.exec_driver_sql(f"DROP OWNED BY {role}")
+            conn.exec_driver_sql(f"DROP ROLE {role}")
+
+
 def test_the_adoption_sql_applied_by_hand_keeps_every_lockstring(
     url: str, backend: str, table_name: str, db: sa.Engine
 ) -> None:

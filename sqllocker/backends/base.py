@@ -478,10 +478,14 @@ class Backend:
         transaction, where ``adoption_swaps`` is false)."""
         raise NotImplementedError
 
-    def grants_kept(self, conn: Connection, table: str) -> list[Executable | str]:
+    def grants_kept(
+        self, conn: Connection, table: str, online: bool = True
+    ) -> list[Executable | str]:
         """Statements that give the roles other than its owner what they may do with the
         DBIx::Locker table ``table`` (and the sequence of its ids) on the new one that replaces
-        it (where ``adoption_swaps`` is false: a swap keeps the grants of the name)."""
+        it (where ``adoption_swaps`` is false: a swap keeps the grants of the name); and its
+        owner, where another role makes the new one: this connection's, if ``online``, else
+        whoever applies them."""
         return []
 
     def sequence_name_kept(self, conn: Connection, table: str) -> list[Executable | str]:

@@ -542,7 +542,9 @@ class PostgreSQLBackend(Backend):
             )
         return None
 
-    def grants_kept(self, conn: Connection, table: str) -> list[Executable | str]:
+    def grants_kept(
+        self, conn: Connection, table: str, online: bool = True
+    ) -> list[Executable | str]:
         # The Perl processes of other roles must go on inserting, reading the id they drew
         # (currval) and deleting, in the new table, and with its new sequence; so must those
         # of the table's owner, where another role adopts it (a DBA's): the new table is the
@@ -554,7 +556,8 @@ class PostgreSQLBackend(Backend):
                 _GRANTS, {"table": table}
             )
         ]
-        owner = conn.exec_driver_sql(_OTHER_OWNER, {"table": table}).scalar()
+        # Printed (``--sql``), they may be applied by another role than this one (a DBA's).
+        owner = conn.exec_driver_sql(_OTHER_OWNER if online else _OWNER, {"table": table}).scalar()
         if owner is not None:
             table_rights = ("SELECT", "INSERT", "UPDATE", "DELETE")
             grants += [("table", owner, privilege, False) for privilege in table_rights]
@@ -626,13 +629,13 @@ _GRANTS = (
     "LEFT JOIN pg_catalog.pg_roles AS r ON r.oid OPERATOR(pg_catalog.=) a.grantee "
     "WHERE a.grantee OPERATOR(pg_catalog.<>) c.relowner"
 )
-# The table's owner, quoted as an identifier, if it is not the role adopting it.
-_OTHER_OWNER = (
+# The table's owner, quoted as an identifier; and the same if it is not the role adopting it.
+_OWNER = (
     "SELECT pg_catalog.quote_ident(r.rolname::text) FROM pg_catalog.pg_class AS c "
     "JOIN pg_catalog.pg_roles AS r ON r.oid OPERATOR(pg_catalog.=) c.relowner "
-    "WHERE c.oid OPERATOR(pg_catalog.=) %(table)s::text::regclass "
-    "AND r.rolname OPERATOR(pg_catalog.<>) CURRENT_USER"
+    "WHERE c.oid OPERATOR(pg_catalog.=) %(table)s::text::regclass"
 )
+_OTHER_OWNER = _OWNER + " AND r.rolname OPERATOR(pg_catalog.<>) CURRENT_USER"
 _PRIVILEGES = frozenset(
     {"SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER", "USAGE"}
 )
