@@ -57,27 +57,23 @@ class Settings:
             )
         return url
 
-    def shared_database(self) -> None:
-        """LockValueError for a database in memory: each process's own, so that a lock in it
-        keeps no other process out (two runs of one job ran at once)."""
+    def shared_database(self) -> URL:
+        """The database's URL; LockValueError for a database in memory: each process's own,
+        new and empty, so that a lock in it keeps no other process out (two runs of one job
+        ran at once) and a read of it finds nothing."""
         url = resolve_url(self.url)
         if backend_class(url.get_backend_name()).in_memory(url):
             raise LockValueError(
-                "a database in memory is this process's own: a lock in it keeps no other "
-                "process out; give a file or a server"
+                "a database in memory is this process's own, new and empty: a lock in it keeps "
+                "no other process out; give a file or a server"
             )
+        return url
 
     def missing_file(self) -> tuple[URL, str | None]:
         """The database's URL, and the file connecting to it would make, not being there yet
-        (SQLite's), or None; LockValueError for a database in memory, new and empty in each
-        process."""
-        url = resolve_url(self.url)
-        backend = backend_class(url.get_backend_name())
-        if backend.in_memory(url):
-            raise LockValueError(
-                "a database in memory is new and empty in each process; give a file"
-            )
-        return url, backend.missing_database(url)
+        (SQLite's), or None; LockValueError for a database in memory (``shared_database``)."""
+        url = self.shared_database()
+        return url, backend_class(url.get_backend_name()).missing_database(url)
 
 
 pass_settings = click.make_pass_decorator(Settings)

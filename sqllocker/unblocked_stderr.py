@@ -28,6 +28,8 @@ class _Writer(io.TextIOBase):
     def __init__(self, stream: TextIO) -> None:
         super().__init__()
         self._stream = stream
+        with contextlib.suppress(OSError, ValueError):  # what was written to it before, first
+            stream.flush()
         try:
             self._fd: int | None = stream.fileno()
         except (OSError, ValueError):  # io.UnsupportedOperation: a StringIO, say
@@ -55,7 +57,6 @@ class _Writer(io.TextIOBase):
                     self._stream.write(text)
                     self._stream.flush()
                     continue
-                self._stream.flush()  # what was written to it before, first
                 data = text.encode(self._stream.encoding or "utf-8", "replace")
                 while data:
                     data = data[os.write(self._fd, data) :]

@@ -429,11 +429,11 @@ def _unlocked(url: URL) -> list[str]:
     """The options of ``url``'s SQLite URI with which it takes no file locks and still writes
     (``immutable`` takes none either, but writes nothing), as written. Any one of a repeated
     option counts, whichever SQLite reads: the check errs on the side of a warning."""
-    pairs = _uri_pairs(url)
-    if pairs is None:
+    parsed = _uri_parts(url)
+    if parsed is None:
         return []
     unlocked = []
-    for name, value in pairs:
+    for name, value in parsed[1]:
         if name == "nolock" and _uri_boolean(value):
             unlocked.append(f"nolock={value}")
         elif name == "vfs" and value.endswith("-none"):  # unix-none, win32-none
@@ -458,15 +458,10 @@ def _sqlite_uri(url: URL) -> tuple[str, dict[str, str]] | None:
     return None if parsed is None else (parsed[0], dict(parsed[1]))
 
 
-def _uri_pairs(url: URL) -> list[tuple[str, str]] | None:
-    """Every option of ``url``'s SQLite URI, in order, repeats and all; None for a file name.
-    A value runs up to the next ``&`` (SQLAlchemy adds the URL's query after a ``?``, which
-    SQLite reads as part of the value before it)."""
-    parsed = _uri_parts(url)
-    return None if parsed is None else parsed[1]
-
-
 def _uri_parts(url: URL) -> tuple[str, list[tuple[str, str]]] | None:
+    """``_sqlite_uri`` with every option, in order, repeats and all. A value runs up to the
+    next ``&`` (SQLAlchemy adds the URL's query after a ``?``, which SQLite reads as part of
+    the value before it)."""
     database = url.database or ""
     uri = url.query.get("uri")
     if not isinstance(uri, str) or not database.startswith("file:"):
