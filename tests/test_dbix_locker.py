@@ -1404,7 +1404,7 @@ def test_an_adoption_whose_connection_ends_as_it_swaps_hands_no_lock_twice(
     are copied, as its RENAME's connection opens: its table locks go with it before the
     RENAME waits for them. Perl's statements that waited wrote to the old table, which the
     RENAME then set aside: a Perl lock held there, its lockstring free in the new table, and
-    taken by another (3 of 3 runs), and a Perl release that reached it left the copied row
+    taken by another, and a Perl release that reached it left the copied row
     standing. The old table now refuses new locks from the copy on (Perl is told to try
     again), and makes a release in the new table too, so no lockstring ever has two holders,
     and adopting again finishes the adoption (or starts it again) with the Perl lock held
