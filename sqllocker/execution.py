@@ -207,7 +207,7 @@ class DriverSession:
         self.dialect = prepared.dialect
         self._prepared = prepared
         # Backend.in_one_call: for first_row and affected, whose callers read nothing but the
-        # rows, or the count of rows changed.
+        # rows, or the count of rows changed, of a statement of one lockstring's few rows.
         self._one_call = one_call
         # Backend.statement_warnings: what the server warned of during a statement, which then
         # does not count (``_check_warnings``).
@@ -236,7 +236,9 @@ class DriverSession:
             raise self._warned(sql)
 
     def affected(self, statement: ClauseElement, values: Mapping[str, Any]) -> int:
-        """How many rows ``statement`` (a DELETE or UPDATE without RETURNING) changed."""
+        """How many rows ``statement`` (a DELETE or UPDATE without RETURNING of one
+        lockstring's rows) changed. Like ``first_row``'s, a statement of a few rows: on
+        aiosqlite one that need not wait runs on the event loop's thread (``in_one_call``)."""
         prepared = self._prepared[statement]
         if self._one_call is not None and not prepared.returns_rows:
             return self._in_one_call(prepared, values)[1]

@@ -8,6 +8,7 @@ test_mutual_exclusion.py.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import gc
 import logging
@@ -72,6 +73,27 @@ async def make_async_locker(
 @pytest.fixture
 def alocker(make_async_locker: MakeAsync) -> AsyncLocker:
     return make_async_locker()
+
+
+@pytest.fixture
+async def hopping_alocker(
+    make_async_locker: MakeAsync, url: str, table_name: str
+) -> AsyncIterator[AsyncLocker]:
+    """``alocker``, but on SQLite one whose every statement goes to aiosqlite's thread and
+    back, an await where a cancellation can come mid-statement: on an engine of the caller's,
+    as a statement that finds the database busy does. (On the engine it makes, its
+    uncontended cycle awaits no statement.)"""
+    if not url.startswith("sqlite"):
+        yield make_async_locker()
+        return
+    make_async_locker()  # the table
+    engine = create_async_engine(async_url(url))
+    locker = AsyncLocker(engine, table=table_name, grace=0)
+    try:
+        yield locker
+    finally:
+        await locker.aclose()
+        await engine.dispose()
 
 
 @pytest.fixture
@@ -416,32 +438,117 @@ async def test_async_sqlite_keeps_its_connections_from_one_operation_to_the_next
         assert connects == []
 
 
-async def test_an_sqlite_acquire_takes_its_row_in_one_call_of_aiosqlites_thread(
+def _traced(engine: AsyncEngine, threads: list[tuple[int, str]]) -> None:
+    """Record each statement of ``engine``'s connections that writes a lock row (INSERT,
+    DELETE), with the thread that ran it: SQLite's trace callback runs on that thread."""
+
+    def trace(sql: str) -> None:
+        if sql.lstrip().upper().startswith(("INSERT", "DELETE")):
+            threads.append((threading.get_ident(), sql.split()[0].upper()))
+
+    def connected(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.driver_connection._connection.set_trace_callback(trace)
+
+    sa.event.listen(engine.sync_engine, "connect", connected)
+
+
+async def test_an_sqlite_cycle_that_need_not_wait_runs_on_the_event_loops_thread(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each call of an aiosqlite connection is a hop to its thread and back: the acquire's
-    INSERT and its row come in one (``execute_fetchall``, where SQLAlchemy's cursor executes,
-    then fetches), the release's DELETE in one (the connection's ``execute``, where SQLAlchemy
-    2.0's cursor also opens and closes a cursor of aiosqlite's), and on the connection kept
-    from the last operation a whole cycle is those two calls."""
+    """Each call of an aiosqlite connection is a hop to its thread and back, which costs more
+    than a lock cycle's statements: on a Locker's own engine an acquire's INSERT and a
+    release's DELETE that need not wait for another connection's write lock run on the event
+    loop's thread, and a whole cycle makes no call of aiosqlite's."""
     import aiosqlite.core
 
-    calls: list[tuple[str, str | None]] = []
+    calls: list[str] = []
     original = aiosqlite.core.Connection._execute
 
     async def counted(self: Any, function: Any, *args: Any, **kwargs: Any) -> Any:
-        calls.append((function.__name__, args[0] if args and isinstance(args[0], str) else None))
+        calls.append(function.__name__)
         return await original(self, function, *args, **kwargs)
 
+    threads: list[tuple[int, str]] = []
     async with AsyncLocker(f"sqlite:///{tmp_path / 'hops.db'}") as locker:
+        _traced(locker.engine, threads)
         await (await locker.lock("first")).unlock()  # the table, the connection, its settings
+        threads.clear()
         monkeypatch.setattr(aiosqlite.core.Connection, "_execute", counted)
         lock = await locker.lock("job")
         assert lock.lock_id == 2
+        with contextlib.closing(sqlite3.connect(tmp_path / "hops.db")) as other:
+            committed = other.execute("SELECT id FROM semaphores").fetchall()
+        assert committed == [(2,)]
         await lock.unlock()
-        inserts = [name for name, sql in calls if sql is not None and "INSERT" in sql.upper()]
-        assert inserts == ["_execute_fetchall"]
-        assert [name for name, _ in calls] == ["_execute_fetchall", "execute"]
+        assert calls == []
+        assert threads == [(threading.get_ident(), "INSERT"), (threading.get_ident(), "DELETE")]
+
+
+async def test_an_sqlite_statement_that_must_wait_waits_in_aiosqlites_thread(
+    tmp_path: Any,
+) -> None:
+    """An acquire's INSERT that finds another connection writing (an operator's transaction)
+    waits in aiosqlite's thread, for as long as the busy timeout, not on the event loop's:
+    the loop serves other callers meanwhile (the operator's thread asks it to run something
+    once the INSERT has begun, and commits), and the acquire takes the row once the writer is
+    done. Tried on the loop's thread first, it wrote nothing there."""
+    path = tmp_path / "waits.db"
+    threads: list[tuple[int, str]] = []
+    async with AsyncLocker(f"sqlite:///{path}") as locker:
+        _traced(locker.engine, threads)
+        await (await locker.lock("first")).unlock()
+        threads.clear()
+        loop = asyncio.get_running_loop()
+        writer = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        writer.execute("BEGIN IMMEDIATE")
+        served: list[bool] = []
+
+        def operator() -> None:
+            while not threads:  # the acquire's INSERT has begun
+                time.sleep(0.001)
+            try:
+                asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(timeout=30)
+                served.append(True)
+            except concurrent.futures.TimeoutError:
+                served.append(False)  # the loop was held by the INSERT's wait
+            writer.execute("COMMIT")
+
+        thread = threading.Thread(target=operator)
+        thread.start()
+        try:
+            lock = await locker.lock("job")
+        finally:
+            thread.join()
+            writer.close()
+        assert served == [True]
+        assert lock.lock_id == 2
+        await lock.unlock()
+        loop_thread = threading.get_ident()
+        inserts = [thread for thread, kind in threads if kind == "INSERT"]
+        assert len(inserts) == 2
+        assert inserts[0] == loop_thread  # found the database busy, and wrote nothing
+        assert inserts[1] != loop_thread  # waited for the writer in aiosqlite's thread
+        async with locker.engine.connect() as conn:
+            rows = (await conn.exec_driver_sql("SELECT lockstring FROM semaphores")).all()
+        assert rows == []
+
+
+async def test_a_callers_sqlite_engine_runs_every_statement_in_aiosqlites_thread(
+    tmp_path: Any,
+) -> None:
+    """A caller's engine may sync every commit (``synchronous=FULL``) or checkpoint inside
+    one: its statements never run on the event loop's thread."""
+    engine = create_async_engine(f"sqlite+aiosqlite:///{tmp_path / 'callers.db'}")
+    threads: list[tuple[int, str]] = []
+    _traced(engine, threads)
+    try:
+        async with AsyncLocker(engine) as locker:
+            await (await locker.lock("first")).unlock()
+            await (await locker.lock("job")).unlock()
+    finally:
+        await engine.dispose()
+    assert [kind for _, kind in threads][-2:] == ["INSERT", "DELETE"]
+    assert threading.get_ident() not in {thread for thread, _ in threads}
 
 
 async def test_a_closed_aiosqlite_connection_fails_the_one_call_as_a_dbapi_error(
@@ -457,7 +564,7 @@ async def test_a_closed_aiosqlite_connection_fails_the_one_call_as_a_dbapi_error
     async with AsyncLocker(f"sqlite:///{tmp_path / 'closed.db'}") as locker:
         await (await locker.lock("first")).unlock()
         pooled = await in_greenlet(locker.engine.sync_engine.raw_connection)
-        one_call = SQLiteBackend.in_one_call(pooled.dbapi_connection)
+        one_call = SQLiteBackend.in_one_call(pooled.dbapi_connection, False)
         assert one_call is not None
         assert await in_greenlet(one_call, "SELECT 1", (), True) == ([(1,)], -1)
         await pooled.driver_connection.close()  # behind the pool's back
@@ -747,11 +854,14 @@ async def test_cancelled_acquire_leaves_no_row(
         pass
 
 
-async def test_a_lock_cycle_cancelled_at_any_point_leaves_no_row(alocker: AsyncLocker) -> None:
+async def test_a_lock_cycle_cancelled_at_any_point_leaves_no_row(
+    hopping_alocker: AsyncLocker,
+) -> None:
     """An uncontended ``async with lock()`` cancelled at points spread over its acquire and its
     release (after a number of the event loop's turns, then after fractions of a cycle's
     time): whatever its statement in flight won is given back (the acquire's undo, the release
     run to its end), and no row is left that nobody holds."""
+    alocker = hopping_alocker
     await (await alocker.lock("warm up")).unlock()
     held: list[AsyncLock] = []
 

@@ -325,10 +325,11 @@ class Backend:
         return None
 
     @classmethod
-    def in_one_call(cls, dbapi_connection: Any) -> OneCall | None:
+    def in_one_call(cls, dbapi_connection: Any, configured: bool) -> OneCall | None:
         """A function that runs a statement on ``dbapi_connection`` in one call of the driver,
         where the cursor takes several (an execute and a fetch, a cursor opened and closed)
-        that cost more; None where it takes one."""
+        that cost more; None where it takes one. ``configured``: the connection is of an
+        engine sqllocker made, with the settings ``configure_engine`` gives it."""
         return None
 
     @classmethod

@@ -207,11 +207,12 @@ class SQLiteBackend(Backend):
         sa.event.listen(engine, "connect", _configure_connection)
 
     @classmethod
-    def in_one_call(cls, dbapi_connection: Any) -> OneCall | None:
+    def in_one_call(cls, dbapi_connection: Any, configured: bool) -> OneCall | None:
         # aiosqlite runs each call of a connection in its thread: a call is a thread's wake-up
-        # and the event loop's, a good part of an async cycle (CHANGELOG.md).
+        # and the event loop's, most of an async cycle (CHANGELOG.md). On the connections of
+        # an engine sqllocker made, a statement that need not wait runs without that trip.
         if isinstance(dbapi_connection, AdaptedConnection):
-            return _in_one_call_of_aiosqlite(dbapi_connection)
+            return _in_one_call_of_aiosqlite(dbapi_connection, configured)
         return None
 
     @classmethod
@@ -503,13 +504,18 @@ def _database_file(url: URL) -> str | None:
     return None if database in ("", ":memory:") else database
 
 
-def _in_one_call_of_aiosqlite(connection: AdaptedConnection) -> OneCall:
+def _in_one_call_of_aiosqlite(connection: AdaptedConnection, unwaited: bool) -> OneCall:
     """A statement in one hop to aiosqlite's thread: its rows by ``execute_fetchall``, where
     SQLAlchemy's cursor executes and fetches in two, or its count of rows changed by the
     connection's ``execute``, where SQLAlchemy 2.0's cursor also opens and closes a cursor of
-    aiosqlite's around it."""
+    aiosqlite's around it. ``unwaited`` (a connection of an engine sqllocker made): first
+    without the hop, if the statement need not wait (``_without_waiting``)."""
 
     def call(sql: str, parameters: Any, returns_rows: bool) -> tuple[list[Any], int]:
+        if unwaited:
+            done = _without_waiting(connection, sql, parameters, returns_rows)
+            if done is not None:
+                return done
         try:
             if returns_rows:
                 fetched = connection.run_async(
@@ -524,6 +530,57 @@ def _in_one_call_of_aiosqlite(connection: AdaptedConnection) -> OneCall:
             raise sqlite3.OperationalError(f"no active connection ({error})") from error
 
     return call
+
+
+def _without_waiting(
+    connection: AdaptedConnection, sql: str, parameters: Any, returns_rows: bool
+) -> tuple[list[Any], int] | None:
+    """``sql`` on aiosqlite's sqlite3 connection, from the event loop's thread, with no wait
+    for another connection's write lock: its rows, or how many rows it changed (as
+    ``_in_one_call_of_aiosqlite``); None if it would have waited (it wrote nothing), or
+    aiosqlite's connection is gone: it is then sent to aiosqlite's thread, to wait there.
+
+    A trip to aiosqlite's thread and back wakes that thread, then the event loop, and costs
+    more than a lock cycle's statements themselves (``scripts/bench.py``, the async cycle's
+    layers). Between an operation's calls aiosqlite's thread is idle; on a connection
+    sqllocker configured a commit writes the log without syncing it (WAL,
+    ``synchronous=NORMAL``) and runs no checkpoint (``wal_autocheckpoint=0``: the releases
+    checkpoint, in aiosqlite's thread), so the statement holds the loop for its own work
+    only; the first write after a checkpoint syncs the log's header, once per checkpoint. A
+    statement in a transaction (a group's) goes to aiosqlite's thread, where it began."""
+    raw = getattr(connection.driver_connection, "_connection", None)  # aiosqlite's, not public
+    if not isinstance(raw, sqlite3.Connection):
+        return None
+    try:
+        if raw.in_transaction:
+            return None  # a group's (BEGIN IMMEDIATE): its statements stay where it began
+        own = raw.execute("PRAGMA busy_timeout").fetchone()[0]
+    except sqlite3.ProgrammingError:  # closed meanwhile, or usable from its own thread only
+        return None
+    raw.execute("PRAGMA busy_timeout = 0")
+    try:
+        cursor = raw.execute(sql, parameters)
+        if returns_rows:
+            return cursor.fetchall(), -1
+        return [], cursor.rowcount
+    except sqlite3.OperationalError as error:
+        if not _busy(error):
+            raise
+        # SQLite rolls a statement that found the database busy back; one whose commit did
+        # (in a rollback journal, never in WAL mode) leaves its transaction open: nobody's.
+        if raw.in_transaction:
+            raw.rollback()
+        return None
+    finally:
+        raw.execute(f"PRAGMA busy_timeout = {int(own)}")
+
+
+def _busy(error: sqlite3.OperationalError) -> bool:
+    """Whether ``error`` is SQLITE_BUSY (another connection holds the lock it needed)."""
+    code = getattr(error, "sqlite_errorcode", None)  # Python 3.11 and later
+    if code is None:
+        return str(error).startswith("database is locked")
+    return code & 0xFF == sqlite3.SQLITE_BUSY  # type: ignore[no-any-return]
 
 
 def _on_sqlite3(

@@ -386,7 +386,7 @@ class Database:
                     connection,
                     held.cursor,
                     self._prepared,
-                    be.in_one_call(connection),
+                    be.in_one_call(connection, self.owns_engine),
                     be.statement_warnings(connection),
                 )
             deadline = deadlines.current()

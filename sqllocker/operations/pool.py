@@ -95,7 +95,7 @@ class Connections:
             dbapi_connection = fairy.dbapi_connection
             if keeps_abandoned:
                 backend.settle(dbapi_connection)
-            one_call = backend.in_one_call(dbapi_connection)
+            one_call = backend.in_one_call(dbapi_connection, self.owns_engine)
             warnings = backend.statement_warnings(dbapi_connection)
             cursor = kept_cursor(fairy)
             watch = deadlines.interrupting(backend, dbapi_connection)

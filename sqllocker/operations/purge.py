@@ -51,7 +51,9 @@ class Purge:
 
     def _purge_batch(self, conn: DriverSession, batch_size: int) -> int:
         params = self._db.expiry
-        deleted = conn.affected(self._db.sql.purge_batch(batch_size), params)
+        # Not ``affected``: a batch of many rows is no statement for the event loop's thread
+        # (``DriverSession.affected``).
+        deleted = conn.execute(self._db.sql.purge_batch(batch_size), params).rowcount
         if deleted:
             # The purge pays for its own WAL pages here, rather than the next lock operation.
             self._checkpoints.checkpoint_on(conn)
