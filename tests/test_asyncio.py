@@ -484,6 +484,32 @@ async def test_an_sqlite_cycle_that_need_not_wait_runs_on_the_event_loops_thread
         assert threads == [(threading.get_ident(), "INSERT"), (threading.get_ident(), "DELETE")]
 
 
+async def test_a_task_taking_sqlite_lock_after_lock_lets_the_others_run(tmp_path: Any) -> None:
+    """Run on the event loop's thread, a statement gives the loop a turn first, as the trip to
+    aiosqlite's thread did: a task that takes and releases lock after lock, and awaits
+    nothing else, does not keep the other tasks from running until it is done."""
+    async with AsyncLocker(f"sqlite:///{tmp_path / 'turns.db'}") as locker:
+        await (await locker.lock("first")).unlock()
+        turns = 0
+        done = False
+
+        async def other_task() -> None:
+            nonlocal turns
+            while not done:
+                turns += 1
+                await asyncio.sleep(0)
+
+        other = asyncio.ensure_future(other_task())
+        await asyncio.sleep(0)
+        turns = 0
+        for number in range(50):
+            async with locker.lock(f"item {number}"):
+                pass
+        done = True
+        await other
+        assert turns >= 50  # a turn before each of the 100 statements
+
+
 async def test_an_sqlite_statement_that_must_wait_waits_in_aiosqlites_thread(
     tmp_path: Any,
 ) -> None:
