@@ -1017,12 +1017,12 @@ def _async_layers_section(rows: list[dict[str, Any]], rounds: int) -> list[str]:
         "On SQLite each call to aiosqlite is a trip to its thread and back, which wakes that",
         "thread and then the event loop: the floor makes two a cycle, one per statement. On",
         "the connections of its own engine `sqllocker.asyncio` runs a statement that need not",
-        "wait on the event loop's thread instead, after a turn of the loop, with no wait for",
-        "another connection's write lock: there a commit writes the log without syncing it and",
-        "runs no checkpoint (the releases checkpoint, in aiosqlite's thread). A statement that",
-        "finds the database busy has written nothing, and goes to aiosqlite's thread to wait",
-        "there, as every statement of a caller's engine does. So its uncontended cycle makes",
-        "no trip at all, and runs faster than the floor's.",
+        "wait on the event loop's thread instead (an acquire gives the loop a turn first), with",
+        "no wait for another connection's write lock: a commit there writes the log without",
+        "syncing it and runs no checkpoint (the releases checkpoint, in aiosqlite's thread). A",
+        "statement that finds the database busy has written nothing, and goes to aiosqlite's",
+        "thread to wait there, as every statement of a caller's engine does. So its",
+        "uncontended cycle makes no trip at all, and runs faster than the floor's.",
     ]
 
 

@@ -485,9 +485,9 @@ async def test_an_sqlite_cycle_that_need_not_wait_runs_on_the_event_loops_thread
 
 
 async def test_a_task_taking_sqlite_lock_after_lock_lets_the_others_run(tmp_path: Any) -> None:
-    """Run on the event loop's thread, a statement gives the loop a turn first, as the trip to
-    aiosqlite's thread did: a task that takes and releases lock after lock, and awaits
-    nothing else, does not keep the other tasks from running until it is done."""
+    """Its statements run on the event loop's thread, an acquire gives the loop a turn before
+    it starts: a task that takes and releases lock after lock, and awaits nothing else, does
+    not keep the other tasks from running until it is done."""
     async with AsyncLocker(f"sqlite:///{tmp_path / 'turns.db'}") as locker:
         await (await locker.lock("first")).unlock()
         turns = 0
@@ -507,7 +507,52 @@ async def test_a_task_taking_sqlite_lock_after_lock_lets_the_others_run(tmp_path
                 pass
         done = True
         await other
-        assert turns >= 50  # a turn before each of the 100 statements
+        assert turns >= 50  # a turn before each of the 50 acquires
+
+
+_CANCELLED_AS_THE_LOOP_ENDS = """
+import asyncio, sqlite3, sys
+from sqllocker.asyncio import AsyncLocker
+
+async def body(url, turns):
+    locker = AsyncLocker(url)  # not closed: the loop's end cancels what it left running
+    await (await locker.lock("warm up")).unlock()
+
+    async def holder():
+        async with locker.lock("job", expires=60):
+            await asyncio.sleep(0)
+
+    task = asyncio.ensure_future(holder())
+    for _ in range(turns):
+        await asyncio.sleep(0)
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+
+for turns in range(8):
+    path = f"{sys.argv[1]}/{turns}.db"
+    asyncio.run(body(f"sqlite:///{path}", turns))
+    left = sqlite3.connect(path).execute("SELECT id FROM semaphores WHERE lockstring = 'job'")
+    print(turns, left.fetchall())
+"""
+
+
+def test_an_sqlite_cycle_cancelled_as_its_event_loop_ends_leaves_no_row(tmp_path: Any) -> None:
+    """A task in ``async with locker.lock()`` cancelled after a few turns of the loop, and the
+    loop then ended (``asyncio.run`` returning, the locker never closed, which cancels every
+    task left): on SQLite's own engine the acquire's turn comes before anything is sent, and
+    its statements, once started, give the loop none, so no cancellation lands where the row
+    is won and a task must still give it back."""
+    done = subprocess.run(
+        [sys.executable, "-c", _CANCELLED_AS_THE_LOOP_ENDS, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert done.stdout.splitlines() == [f"{turns} []" for turns in range(8)], done.stderr
 
 
 async def test_an_sqlite_statement_that_must_wait_waits_in_aiosqlites_thread(

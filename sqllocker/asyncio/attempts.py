@@ -11,6 +11,9 @@ import functools
 import logging
 from typing import Any
 
+if True:  # ASYNC
+    import asyncio
+
 from ..backoff import Backoff
 from ..errors import DatabaseError
 from ..file_queue import FileQueue, offsets
@@ -57,6 +60,7 @@ class AsyncAttempts:
         self.file_queue = file_queue
         self._in_memory = operations.database.pool.in_memory
         self._offset = offsets(locker.table_name)  # of a lockstring's place in file_queue
+        self._statements_await = operations.statements_await
 
     async def try_acquire(
         self,
@@ -72,6 +76,11 @@ class AsyncAttempts:
     ) -> AsyncLock | Refused:
         attempt = (lockstring, guid, ttl, details, queue_key, look_first, in_line)
         if True:  # ASYNC
+            if not self._statements_await:
+                # Its statements give the event loop no turn (SQLite, on the Locker's own
+                # engine): one first, before anything is sent, where a cancellation leaves
+                # nothing behind; a task that takes lock after lock lets the others run.
+                await asyncio.sleep(0)
             outcome = await concurrency.shielded(
                 self._call(self._operations.try_acquire, *attempt),
                 f"acquire {lockstring!r}",

@@ -333,6 +333,12 @@ class Backend:
         return None
 
     @classmethod
+    def statements_await(cls, configured: bool) -> bool:
+        """Whether, under asyncio, a lock statement awaits its driver (giving the event loop a
+        turn); ``configured`` as for ``in_one_call``."""
+        return True
+
+    @classmethod
     def configure_engine(cls, engine: Engine) -> None:
         """Anything an engine sqllocker made needs on each new connection."""
 

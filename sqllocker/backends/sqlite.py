@@ -216,6 +216,11 @@ class SQLiteBackend(Backend):
         return None
 
     @classmethod
+    def statements_await(cls, configured: bool) -> bool:
+        # On an engine sqllocker made, one that need not wait runs on the event loop's thread.
+        return not configured
+
+    @classmethod
     def interrupt(cls, dbapi_connection: Any) -> None:
         # A statement that runs ends at once; one waiting for another connection's write lock
         # (the busy timeout) only once that wait is over, which ``bound_waits`` cuts short.
@@ -513,9 +518,6 @@ def _in_one_call_of_aiosqlite(connection: AdaptedConnection, unwaited: bool) -> 
 
     def call(sql: str, parameters: Any, returns_rows: bool) -> tuple[list[Any], int]:
         if unwaited:
-            # A turn of the event loop first, as the trip would give it: a task that takes and
-            # releases lock after lock lets the others run between its statements.
-            connection.run_async(_a_turn)
             done = _without_waiting(connection, sql, parameters, returns_rows)
             if done is not None:
                 return done
@@ -535,10 +537,6 @@ def _in_one_call_of_aiosqlite(connection: AdaptedConnection, unwaited: bool) -> 
     return call
 
 
-async def _a_turn(_driver: Any) -> None:
-    await asyncio.sleep(0)
-
-
 def _without_waiting(
     connection: AdaptedConnection, sql: str, parameters: Any, returns_rows: bool
 ) -> tuple[list[Any], int] | None:
@@ -554,8 +552,9 @@ def _without_waiting(
     ``synchronous=NORMAL``) and runs no checkpoint (``wal_autocheckpoint=0``: the releases
     checkpoint, in aiosqlite's thread), so the statement holds the loop for its own work
     only; the first write after a checkpoint syncs the log's header, once per checkpoint. A
-    statement in a transaction (a group's) goes to aiosqlite's thread, where it began. (The
-    caller gives the loop a turn first, as the trip did: ``_in_one_call_of_aiosqlite``.)"""
+    statement in a transaction (a group's) goes to aiosqlite's thread, where it began. Such a
+    statement gives the loop no turn: an acquire gives it one before it starts
+    (``Backend.statements_await``)."""
     raw = getattr(connection.driver_connection, "_connection", None)  # aiosqlite's, not public
     if not isinstance(raw, sqlite3.Connection):
         return None

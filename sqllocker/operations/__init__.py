@@ -145,6 +145,12 @@ class LockOperations:
         return self.database.connects_locally
 
     @property
+    def statements_await(self) -> bool:
+        """Whether, under asyncio, a lock statement gives the event loop a turn
+        (``Backend.statements_await``)."""
+        return self.database.statements_await
+
+    @property
     def queue_file(self) -> str | None:
         """The database file beside which waiters queue in the kernel (SQLite), or None."""
         return self.database.queue_file

@@ -218,6 +218,12 @@ class Database:
         return backend_class(self.engine.dialect.name).connects_locally
 
     @property
+    def statements_await(self) -> bool:
+        """Whether, under asyncio, a lock statement gives the event loop a turn
+        (``Backend.statements_await``)."""
+        return backend_class(self.engine.dialect.name).statements_await(self.owns_engine)
+
+    @property
     def queue_file(self) -> str | None:
         """The database file beside which waiters queue in the kernel (SQLite), or None."""
         return backend_class(self.engine.dialect.name).queue_file(self.url)
