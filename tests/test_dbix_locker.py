@@ -1435,6 +1435,15 @@ def test_an_adoption_whose_connection_ends_as_it_swaps_hands_no_lock_twice(
             if main is None:  # the adoption's connection holds the migrations' lock
                 main = conn.exec_driver_sql("SELECT IS_USED_LOCK('sqllocker_migrate')").scalar()
                 continue
+            # Copied: its counter set (a moment's statement, missed by a watcher slowed by a
+            # loaded machine), or the old table closed behind it (until the swap).
+            copied = copied or bool(
+                conn.exec_driver_sql(
+                    "SELECT COUNT(*) FROM information_schema.triggers "
+                    "WHERE trigger_schema = DATABASE() AND trigger_name = %s",
+                    (f"{table_name}_sqllocker_closed_insert",),
+                ).scalar()
+            )
             sessions = conn.exec_driver_sql("SELECT id, info FROM information_schema.processlist")
             for session, info in sessions.all():
                 if session == main and str(info).startswith(f"ALTER TABLE {table_name}_sql"):
