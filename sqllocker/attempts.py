@@ -55,7 +55,6 @@ class Attempts:
         self.file_queue = file_queue
         self._in_memory = operations.database.pool.in_memory
         self._offset = offsets(locker.table_name)  # of a lockstring's place in file_queue
-        self._statements_await = operations.statements_await
 
     def try_acquire(
         self,
