@@ -635,7 +635,7 @@ def otel_cycle(url: str, mode: str) -> Cycle:
 
     installed, providers = telemetry._OPENTELEMETRY, dict[str, Any]()
     if mode == OTEL_MODES[0]:
-        telemetry._OPENTELEMETRY = None  # what the module finds without the package
+        telemetry._OPENTELEMETRY = False  # what the module finds without the package
     elif mode == OTEL_MODES[2]:
         tracer_provider = TracerProvider()
         tracer_provider.add_span_processor(SimpleSpanProcessor(InMemorySpanExporter()))

@@ -11,6 +11,7 @@ kept the command from answering, said in one line on stderr.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import sys
@@ -103,6 +104,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     """The console script: an error that kept the command from answering (a LockError, a usage
     error) is one line on stderr and exit status 2, never 1: that is the negative answer; so is
     output nobody reads any longer (``| head``), said nowhere, as grep's SIGPIPE."""
+    # What is imported by now lives as long as the process: no collection of the garbage
+    # collector's, nor the last one at exit, need go through it again.
+    gc.freeze()
     try:
         answer(argv)
     except OutputClosed:

@@ -51,15 +51,15 @@ def resolve_url(url: str | URL | None, *, asynchronous: bool = False) -> URL:
                 "run's database; give this sqllocker its URL (--url)"
             )
         url = url or f"sqlite:///{DEFAULT_SQLITE_FILE}"
-    drivers = {name: cls.driver_scheme(name, asynchronous) for name, cls in url_names()}
+    names = url_names()
     if isinstance(url, str):
         scheme, separator, rest = url.partition("://")
         backend_name = scheme.partition("+")[0]
-        if separator and backend_name in drivers:
+        if separator and backend_name in names:
             url = backend_class(backend_name).url_text(url)
             scheme, separator, rest = url.partition("://")
-        if separator and scheme in drivers:
-            url = f"{drivers[scheme]}://{rest}"
+        if separator and scheme in names:
+            url = f"{_driver_scheme(scheme, asynchronous)}://{rest}"
         try:
             url = make_url(url)
         except (sa.exc.ArgumentError, ValueError):
@@ -69,9 +69,13 @@ def resolve_url(url: str | URL | None, *, asynchronous: bool = False) -> URL:
                 "expected e.g. postgresql://user@host/db, mysql://user@host/db or "
                 "sqlite:///path/to.db"
             ) from None
-    elif asynchronous and "+" not in url.drivername and url.drivername in drivers:
-        url = url.set(drivername=drivers[url.drivername])
+    elif asynchronous and "+" not in url.drivername and url.drivername in names:
+        url = url.set(drivername=_driver_scheme(url.drivername, asynchronous))
     return url
+
+
+def _driver_scheme(name: str, asynchronous: bool) -> str:
+    return backend_class(name).driver_scheme(name, asynchronous)
 
 
 def create_locker_engine(

@@ -25,8 +25,6 @@ from typing import Any
 from sqlalchemy.engine import Engine
 
 from . import concurrency, forks
-from .backends.mysql import liveness_name
-from .backends.postgresql import LISTENER_SESSION
 from .errors import LockError
 from .notifications import (
     Waiter,
@@ -178,6 +176,8 @@ class ReleaseListener:
 
     def _listen_on(self, connection: Any) -> None:
         """PostgreSQL: LISTEN, hold a liveness key, and hand each notification on."""
+        from .backends.postgresql import LISTENER_SESSION  # the dialect of the database in use
+
         connection.execute(LISTENER_SESSION)
         connection.execute(f'LISTEN "{self.channel}"')
         connection.execute(f'LISTEN "{self.grants_channel}"')
@@ -192,6 +192,8 @@ class ReleaseListener:
     def _hold_liveness_on(self, connection: Any) -> None:
         """MySQL: hold a liveness key's ``GET_LOCK`` name, looking every READ_SECONDS that the
         session still does; a look that fails ends the session (the caller reconnects)."""
+        from .backends.mysql import liveness_name  # the dialect of the database in use
+
         key = _hold_a_name(connection)
         self.liveness_key = key
         self._failing = False
@@ -232,6 +234,8 @@ def _hold_a_key(connection: Any) -> int:
 def _hold_a_name(connection: Any) -> int:
     """MySQL: take the ``GET_LOCK`` name of a random liveness key nobody holds, on
     ``connection`` (PyMySQL's or aiomysql's)."""
+    from .backends.mysql import liveness_name  # the dialect of the database in use
+
     while True:
         key = secrets.randbits(64) - 2**63
         row = _fetch_one(connection, "SELECT GET_LOCK(%s, 0)", (liveness_name(key),))

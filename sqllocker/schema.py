@@ -23,7 +23,6 @@ from datetime import datetime, timezone
 from typing import Any, Protocol
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection, Dialect
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
@@ -68,6 +67,16 @@ class Lockstring(sa.TypeDecorator[str]):
 
     def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
         return _backend(dialect).lockstring_type(dialect, MAX_LOCKSTRING_LENGTH)
+
+
+class HolderDetails(sa.TypeDecorator[Any]):
+    """JSON: who holds a lock (``locked_by``); PostgreSQL's JSONB."""
+
+    impl = sa.JSON()
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
+        return _backend(dialect).holder_details_type(dialect)
 
 
 class UTCDateTime(sa.TypeDecorator[datetime]):
@@ -140,9 +149,7 @@ def lock_table(name: str = DEFAULT_TABLE, metadata: sa.MetaData | None = None) -
         ),
         sa.Column("created", UTCDateTime(), nullable=False),
         sa.Column("expires", UTCDateTime(), nullable=False),
-        sa.Column(
-            "locked_by", sa.JSON().with_variant(postgresql.JSONB(), "postgresql"), nullable=False
-        ),
+        sa.Column("locked_by", HolderDetails(), nullable=False),
         sa.UniqueConstraint("lockstring", name=unique_constraint_name(name)),
         sa.Index(expires_index_name(name), "expires"),
         sqlite_autoincrement=True,
@@ -167,6 +174,8 @@ class ColumnRules(Protocol):
     def lockstring_type(self, dialect: Dialect, length: int) -> TypeEngine[Any]: ...
 
     def timestamp_type(self, dialect: Dialect) -> TypeEngine[Any]: ...
+
+    def holder_details_type(self, dialect: Dialect) -> TypeEngine[Any]: ...
 
     def timestamp_bind(self, value: Any) -> Any: ...
 

@@ -25,14 +25,16 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import queue
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, Literal, ParamSpec, TypeVar
 
 from sqlalchemy.engine import Engine
 
@@ -70,15 +72,31 @@ SECONDS_BUCKETS = (
 LOOK_AGAIN_SECONDS = 1.0
 
 
-def _import_opentelemetry() -> tuple[Any, Any] | None:
-    try:
-        from opentelemetry import metrics, trace
-    except ImportError:
+# The environment's names of providers that OpenTelemetry's API makes on first use.
+_PROVIDERS_NAMED = ("OTEL_PYTHON_METER_PROVIDER", "OTEL_PYTHON_TRACER_PROVIDER")
+# The API's metrics and trace modules once ``_opentelemetry`` imported them; False: not
+# installed; None: not imported yet.
+_OPENTELEMETRY: tuple[Any, Any] | Literal[False] | None = None
+
+
+def _opentelemetry(provider_given: bool) -> tuple[Any, Any] | None:
+    """OpenTelemetry's metrics and trace API, imported only once a provider can be there: one
+    given to the Locker, the API imported by the application (a provider is set through it) or
+    a provider named in the environment. Importing sqllocker imports no OpenTelemetry."""
+    global _OPENTELEMETRY
+    if _OPENTELEMETRY is False:
         return None
-    return metrics, trace
-
-
-_OPENTELEMETRY = _import_opentelemetry()
+    if _OPENTELEMETRY is None:
+        imported = "opentelemetry.metrics" in sys.modules or "opentelemetry.trace" in sys.modules
+        if not (provider_given or imported or any(n in os.environ for n in _PROVIDERS_NAMED)):
+            return None
+        try:
+            from opentelemetry import metrics, trace
+        except ImportError:
+            _OPENTELEMETRY = False
+            return None
+        _OPENTELEMETRY = metrics, trace
+    return _OPENTELEMETRY
 
 
 def system_name(engine: Engine) -> str:
@@ -298,10 +316,13 @@ class Telemetry:
         """The instruments, once a provider is there; None (and no look again for a while:
         an acquisition must not pay for the look) while none is."""
         now = time.monotonic()
-        if now < self._next_look or _OPENTELEMETRY is None:
+        if now < self._next_look:
             return None
         self._next_look = now + LOOK_AGAIN_SECONDS
-        metrics, trace = _OPENTELEMETRY
+        api = _opentelemetry(bool(self._meter_provider or self._tracer_provider))
+        if api is None:
+            return None
+        metrics, trace = api
         try:
             meter_provider = self._meter_provider or metrics.get_meter_provider()
             tracer_provider = self._tracer_provider or trace.get_tracer_provider()

@@ -111,11 +111,16 @@ def check_table_name(name: object) -> str:
             f"table name {name!r} is not a plain identifier: use lower-case letters, digits and "
             f"underscores, not starting with a digit, at most {MAX_TABLE_NAME_LENGTH} characters"
         )
-    if name in _reserved_words():
+    if name not in _NOT_RESERVED and name in _reserved_words():
         raise LockValueError(
             f"table name {name!r} is a reserved word in SQL on some backend: choose another"
         )
     return name
+
+
+# The default table's name (``schema.DEFAULT_TABLE``), known to be no backend's reserved word:
+# checking it would import every backend's SQLAlchemy dialect, where one is used.
+_NOT_RESERVED = frozenset({"semaphores"})
 
 
 @functools.lru_cache(maxsize=1)

@@ -21,8 +21,10 @@ from sqllocker import (
     LockTypeError,
     LockValueError,
     TableMissing,
+    validation,
 )
 from sqllocker.engine import resolve_url
+from sqllocker.schema import DEFAULT_TABLE
 from tests.helpers import count_rows
 
 Sent = Callable[[], list[str]]
@@ -160,6 +162,11 @@ def test_bad_table_names_are_refused(table: str) -> None:
 def test_reserved_words_are_refused_as_table_names(table: str) -> None:
     with pytest.raises(LockValueError, match="reserved word"):
         Locker("sqlite://", table=table)
+
+
+def test_the_default_table_name_that_is_not_checked_against_them_is_no_reserved_word() -> None:
+    assert DEFAULT_TABLE in validation._NOT_RESERVED
+    assert validation._NOT_RESERVED.isdisjoint(validation._reserved_words())
 
 
 def test_locked_by_of_8_kib_is_accepted_and_one_byte_more_refused(locker: Locker) -> None:

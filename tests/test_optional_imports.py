@@ -1,14 +1,20 @@
 """The integrations are optional extras: importing sqllocker (its API, its command line, its
 asyncio front end) never imports a framework, which need not even be installed; each
-integration's module imports its own framework and what that brings along, no other."""
+integration's module imports its own framework and what that brings along, no other. Nor does
+a process import another database's SQLAlchemy dialect than its own, or OpenTelemetry before
+anything can have given it a provider: each is a good part of a command's start."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+from sqllocker import Locker
 
 # Each integration's module that uses its framework; that framework, and the framework's part
 # the module uses (which can bring others along: Celery's Task looks for Django).
@@ -43,3 +49,54 @@ def test_an_integration_imports_its_own_framework_only(integration: str) -> None
     pytest.importorskip(framework)
     expected = imported_frameworks(its_part) | {framework}
     assert imported_frameworks(f"import {integration}") == expected
+
+
+def modules_loaded(program: str, env: dict[str, str] | None = None) -> list[str]:
+    """``program``'s run, then the names of every module it has imported."""
+    program += "\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))\n"
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, check=True, env=env
+    )
+    return list(json.loads(done.stdout.splitlines()[-1]))
+
+
+def test_a_lock_on_sqlite_imports_no_other_databases_dialect_nor_opentelemetry(
+    tmp_path: Path,
+) -> None:
+    url = f"sqlite:///{tmp_path / 'locks.db'}"
+    Locker(url).lock("made").unlock()  # the table (a migration imports alembic's every dialect)
+    program = (
+        "import sqllocker.cli\n"
+        "from sqllocker import Locker\n"
+        f"with Locker({url!r}).lock('job') as lock: lock.extend(60)\n"
+    )
+    modules = modules_loaded(program)
+    assert "sqllocker.backends.sqlite" in modules
+    unwanted = (
+        "sqlalchemy.dialects.postgresql",
+        "sqllocker.backends.postgresql",
+        "sqllocker.backends.mysql",
+        "sqllocker.backends.pymysql",
+        "opentelemetry",
+    )
+    assert [m for m in modules if m.startswith(unwanted)] == []
+
+
+def test_a_provider_named_in_the_environment_is_found_without_the_api_imported_first(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("opentelemetry.sdk")
+    url = f"sqlite:///{tmp_path / 'locks.db'}"
+    Locker(url).lock("made").unlock()
+    program = (
+        "import sys\n"
+        "from sqllocker import Locker\n"
+        "assert 'opentelemetry.trace' not in sys.modules\n"
+        f"locker = Locker({url!r})\n"
+        "locker.lock('job').unlock()\n"
+        "from opentelemetry import trace\n"
+        "assert type(trace.get_tracer_provider()).__module__ == 'opentelemetry.sdk.trace'\n"
+        "assert locker._telemetry._instruments is not None, 'the provider was not found'\n"
+    )
+    env = {**os.environ, "OTEL_PYTHON_TRACER_PROVIDER": "sdk_tracer_provider"}
+    modules_loaded(program, env)

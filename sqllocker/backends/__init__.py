@@ -11,24 +11,28 @@ on; adding one means a module here, its branch in the migration, and its test fi
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import importlib
 
 from sqlalchemy.engine import Dialect
 
 from .. import schema
 from ..errors import LockValueError
 from .base import Backend, StatementParts
-from .mysql import MySQLBackend
-from .postgresql import PostgreSQLBackend
-from .sqlite import SQLiteBackend
 
 __all__ = ["Backend", "StatementParts", "backend_class", "backend_for", "url_names"]
 
-_BACKENDS: dict[str, type[Backend]] = {
-    url_name: cls
-    for cls in (SQLiteBackend, PostgreSQLBackend, MySQLBackend)
-    for url_name in cls.url_names
+# Each backend name a URL may give (SQLAlchemy's dialect names, and ``postgres``) and the module
+# and class of its Backend, imported when first asked for: a process imports the SQLAlchemy
+# dialect of the database it uses, no other.
+_WHERE: dict[str, tuple[str, str]] = {
+    "sqlite": ("sqlite", "SQLiteBackend"),
+    "postgresql": ("postgresql", "PostgreSQLBackend"),
+    "postgres": ("postgresql", "PostgreSQLBackend"),
+    "mysql": ("mysql", "MySQLBackend"),
+    "mariadb": ("mysql", "MySQLBackend"),
 }
+_URL_NAMES = frozenset(_WHERE)
+_BACKENDS: dict[str, type[Backend]] = {}
 
 
 def backend_class(name: str) -> type[Backend]:
@@ -36,9 +40,16 @@ def backend_class(name: str) -> type[Backend]:
     try:
         return _BACKENDS[name]
     except KeyError:
+        pass
+    try:
+        module, class_name = _WHERE[name]
+    except KeyError:
         raise LockValueError(
             f"sqllocker supports SQLite, PostgreSQL and MySQL/MariaDB, not {name!r}"
         ) from None
+    cls: type[Backend] = getattr(importlib.import_module(f".{module}", __name__), class_name)
+    _BACKENDS[name] = cls
+    return cls
 
 
 def backend_for(dialect: Dialect) -> Backend:
@@ -46,8 +57,9 @@ def backend_for(dialect: Dialect) -> Backend:
     return backend_class(dialect.name).for_dialect(dialect)
 
 
-def url_names() -> Iterator[tuple[str, type[Backend]]]:
-    return iter(_BACKENDS.items())
+def url_names() -> frozenset[str]:
+    """The backend names a URL may give (``sqlite``, ``postgres``, ``mariadb``, ...)."""
+    return _URL_NAMES
 
 
 # The table's column types ask the backend of the dialect they are compiled for.

@@ -59,8 +59,6 @@ class Backend:
     """One database family: its clock, statements, errors, connections and settings."""
 
     name: ClassVar[str]
-    # The URL backend names it serves (``postgres`` and ``postgresql``, ...).
-    url_names: ClassVar[frozenset[str]]
     sync_driver: ClassVar[str]
     async_driver: ClassVar[str]
     # PostgreSQL takes over an expired row in one statement (ON CONFLICT DO UPDATE ... WHERE
@@ -252,6 +250,11 @@ class Backend:
         return dialect.type_descriptor(sa.DateTime(timezone=True))
 
     @classmethod
+    def holder_details_type(cls, dialect: Dialect) -> TypeEngine[Any]:
+        """How the JSON of who holds a lock is stored."""
+        return dialect.type_descriptor(sa.JSON())
+
+    @classmethod
     def timestamp_bind(cls, value: Any) -> Any:
         """An aware UTC datetime as the driver takes it for :meth:`timestamp_type`."""
         return value
@@ -300,7 +303,7 @@ class Backend:
 
     @classmethod
     def driver_scheme(cls, name: str, asynchronous: bool) -> str:
-        """The scheme that a URL naming no driver (``name://``, one of ``url_names``) gets:
+        """The scheme that a URL naming no driver (``name://``, one of ``backends.URL_NAMES``) gets:
         sqllocker's driver for this backend."""
         return cls.async_driver if asynchronous else cls.sync_driver
 

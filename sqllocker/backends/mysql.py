@@ -78,7 +78,6 @@ def _sha256(guid: ColumnElement[Any]) -> ColumnElement[str]:
 
 class MySQLBackend(Backend):
     name = "mysql"
-    url_names = frozenset({"mysql", "mariadb"})
     sync_driver = "mysql+pymysql"
     # aiomysql speaks PyMySQL's protocol and raises PyMySQL's errors.
     async_driver = "mysql+aiomysql"

@@ -19,6 +19,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import URL, Connection, Dialect, Engine
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.expression import Executable
+from sqlalchemy.types import TypeEngine
 
 from ..errors import UnsafeDatabase
 from ..notifications import leaders_channel_for
@@ -61,7 +62,6 @@ _MIGRATION_LOCK_KEY = 0x5351_4C4C
 
 class PostgreSQLBackend(Backend):
     name = "postgresql"
-    url_names = frozenset({"postgresql", "postgres"})
     sync_driver = "postgresql+psycopg"
     async_driver = "postgresql+psycopg"
     atomic_takeover = True
@@ -303,6 +303,10 @@ class PostgreSQLBackend(Backend):
         )
 
     # -- schema ------------------------------------------------------------------------------------
+
+    @classmethod
+    def holder_details_type(cls, dialect: Dialect) -> TypeEngine[Any]:
+        return dialect.type_descriptor(postgresql.JSONB())
 
     @classmethod
     def foreign_guid_default(cls) -> str:

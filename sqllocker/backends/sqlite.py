@@ -59,7 +59,6 @@ NEW_FILE_PAGE_SIZE = 1024
 
 class SQLiteBackend(Backend):
     name = "sqlite"
-    url_names = frozenset({"sqlite"})
     sync_driver = "sqlite"
     async_driver = "sqlite+aiosqlite"
     share_locks_rows = False
