@@ -1317,6 +1317,38 @@ def test_a_lock_whose_release_is_under_way_is_valid_no_more(
     _assert_one_holder_at_a_time(outcome)
 
 
+@pytest.mark.parametrize("front", FRONTS, ids=str)
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_a_release_whose_answer_was_lost_says_its_first_try_may_have_deleted_the_row(
+    url: str, table_name: str, make_locker: Any, front: Front, proxied: Proxied
+) -> None:
+    """The release's DELETE commits and its answer is lost with its connection; the retry on
+    a new one finds no row. Nobody can tell the first try's DELETE from a break, so the lock
+    is reported lost (fail closed), but the report says the first try may have deleted it
+    rather than only that the lock was taken."""
+    contender = make_locker(grace=0)  # creates the table
+
+    async def scenario() -> None:
+        locker = front.locker(proxied.url, table=table_name, grace=0)
+        try:
+            lock = await front.call(locker.lock, "job", expires=30)
+            proxied.proxy.lose_answer_to(b"DELETE FROM")
+            with pytest.raises(LockLost, match="first try, whose answer was lost") as lost:
+                await front.call(lock.unlock)
+            assert proxied.proxy.answers_lost == 1
+            assert lost.value.lock_id == lock.lock_id
+            assert contender.locks() == []  # the first try's DELETE did it
+            with pytest.raises(LockLost, match="^(?!.*first try)"):  # a release sent once
+                lock2 = await front.call(locker.lock, "job", expires=30)
+                contender.break_lock("job")
+                await front.call(lock2.unlock)
+        finally:
+            with contextlib.suppress(LockError):
+                await front.close(locker)
+
+    asyncio.run(scenario())
+
+
 class _SoftTimeLimit(Exception):
     """What Celery's soft time limit raises from its signal handler: an Exception."""
 

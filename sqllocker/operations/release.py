@@ -67,12 +67,23 @@ class Releaser:
                     "finished %r (id %d); it stays held till its window ends", lockstring, lock_id
                 )
                 return
-        deleted = self._db.run(lockstring, lambda conn: conn.affected(self._db.sql.release, params))
+        resent: list[bool] = []
+        deleted = self._db.run(
+            lockstring,
+            lambda conn: conn.affected(self._db.sql.release, params),
+            resent=lambda: resent.append(True),
+        )
         if deleted != 1:
             raise LockLost(
-                f"lock {lockstring!r} (id {lock_id}) was no longer ours at release: it expired "
-                "and was purged, taken over or broken; work done under it may have overlapped "
-                "with another holder's",
+                f"lock {lockstring!r} (id {lock_id}) was no longer ours at release: "
+                + (
+                    "this release's first try, whose answer was lost with its connection, may "
+                    "have deleted it; or "
+                    if resent
+                    else ""
+                )
+                + "it expired and was purged, taken over or broken; work done under it may "
+                "have overlapped with another holder's",
                 lockstring,
                 lock_id,
             )
