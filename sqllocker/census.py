@@ -90,7 +90,12 @@ def take_census(
         more = False
         if pattern is not None and max_locks > 0:
             listed = conn.execute(
-                sa.select(c.lockstring, c.created, c.expires, now.label("server_now"))
+                sa.select(
+                    backend.readable_text(c.lockstring).label("lockstring"),
+                    c.created,
+                    c.expires,
+                    now.label("server_now"),
+                )
                 .where(backend.matches_glob(c.lockstring))
                 .order_by(c.lockstring)
                 .limit(max_locks + 1),

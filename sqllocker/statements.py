@@ -192,7 +192,7 @@ class Statements:
         c = self.table.c
         return sa.select(
             c.id,
-            c.lockstring,
+            self.backend.readable_text(c.lockstring).label("lockstring"),
             c.created,
             c.expires,
             c.locked_by,

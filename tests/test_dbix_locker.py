@@ -33,6 +33,7 @@ from sqllocker import ForeignTable, LockBusy, Locker, TableMissing
 from sqllocker.asyncio import AsyncLocker
 from sqllocker.backends.sqlite import ADOPTED_ID_GAP
 from sqllocker.backoff import Backoff
+from sqllocker.census import take_census
 from sqllocker.engine import resolve_url
 from sqllocker.migrations import (
     adopt_dbix_locker,
@@ -685,6 +686,44 @@ def test_a_python_lock_is_not_taken_by_perl(url: str, table_name: str, db: sa.En
                 perl.process.wait(timeout=30)
     finally:
         locker.close()
+
+
+@pytest.mark.parametrize("backend", ["sqlite"])
+def test_a_perl_lock_whose_lockstring_is_not_utf8_is_listed_and_purged(
+    url: str, table_name: str, db: sa.Engine
+) -> None:
+    """DBD::SQLite stores the bytes of a Perl byte string as they are: a lockstring written in
+    Latin-1 is no UTF-8, which sqlite3 cannot read as text, and one such row failed every
+    listing of the table (``sqllocker list``, ``top``, the exporter's census). It is listed,
+    its bytes that are no UTF-8 as escapes, beside the others; and purged once expired."""
+    upgrade(db, table_name)
+    perl = PerlHolder(url, table_name, "caf\udce9 report", 3600, "UTC")  # Latin-1 "café"
+    assert perl.lock_id is not None, perl.answer
+    locker = Locker(url, table=table_name)
+    try:
+        with locker.lock("other report"):
+            expected = {"caf\\xe9 report", "other report"}
+            assert {info.lockstring for info in locker.locks()} == expected
+            assert {info.lockstring for info in locker.locks("*report")} == expected
+            census = take_census(locker.engine, table_name, "*", 10)
+            assert {lock.lockstring for lock in census.locks} == expected
+            code, output = sqllocker_cli(url, table_name, "list")
+            assert (code, "caf\\xe9 report" in output) == (0, True), output
+            console = Console(width=200, record=True)
+            console.print(render(locker, None))
+            assert "caf\\xe9 report" in console.export_text()
+        with db.begin() as conn:
+            long_ago = "2000-01-01 00:00:00.000"
+            conn.execute(
+                sa.text(f"UPDATE {table_name} SET expires = :at WHERE id = :id"),
+                {"at": long_ago, "id": perl.lock_id},
+            )
+        assert locker.purge_expired_locks() == 1
+        assert locker.locks() == []
+    finally:
+        locker.close()
+    perl.process.kill()
+    perl.process.wait()
 
 
 def test_perl_and_python_processes_exclude_each_other(

@@ -144,6 +144,11 @@ class Backend:
         """``value`` as the type whose comparisons are the database's own."""
         return value
 
+    def readable_text(self, column: ColumnElement[str]) -> ColumnElement[str]:
+        """A text ``column`` that a writer other than sqllocker fills (a Perl job's
+        lockstring), read so that every value of it can be read: for listing, not matching."""
+        return column
+
     def quote_identifier(self, name: str) -> str:
         """``name`` as a quoted SQL identifier (PostgreSQL's rules)."""
         return '"' + name.replace('"', '""') + '"'

@@ -97,6 +97,11 @@ class SQLiteBackend(Backend):
             type_=UTCDateTime(),
         )
 
+    def readable_text(self, column: ColumnElement[str]) -> ColumnElement[str]:
+        # SQLite stores the bytes a client gives as text, UTF-8 or not (DBD::SQLite those of a
+        # Perl byte string), and sqlite3 cannot read a value that is not UTF-8 as text.
+        return sa.type_coerce(sa.cast(column, sa.LargeBinary()), _ForeignText())
+
     def matches_glob(self, column: ColumnElement[str]) -> ColumnElement[bool]:
         # SQLite's LIKE ignores ASCII case; GLOB does not, and is a glob already.
         return column.op("GLOB", is_comparison=True)(sa.bindparam("pattern", type_=sa.String()))
@@ -385,6 +390,16 @@ class SQLiteBackend(Backend):
                 table=table, last=first - 1
             ),
         ]
+
+
+class _ForeignText(sa.TypeDecorator[str]):
+    """Text read as its bytes: UTF-8, whatever is not shown as ``\\x..`` escapes."""
+
+    impl = sa.LargeBinary()
+    cache_ok = True
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> str | None:
+        return None if value is None else bytes(value).decode("utf-8", "backslashreplace")
 
 
 class _TimestampText(sa.types.UserDefinedType[str]):
