@@ -24,6 +24,7 @@ from sqlalchemy.sql.compiler import SQLCompiler
 
 from .errors import NotDurable, one_line
 from .identity import HolderDetails
+from .schema import HolderJSON
 from .sqlalchemy_internals import bind_order, literal_binds
 
 # A statement run in one call of the driver (``Backend.in_one_call``): given its SQL, its
@@ -50,7 +51,7 @@ class Prepared:
         for bind in compiled.binds.values():
             processor: Callable[[Any], Any] | None
             processor = bind.type.dialect_impl(dialect).bind_processor(dialect)
-            if processor is not None and isinstance(bind.type, sa.JSON):
+            if processor is not None and isinstance(bind.type, (HolderJSON, sa.JSON)):
                 processor = _sending_holder_json(processor)
             if processor is not None:
                 processors[compiled.bind_names[bind]] = processor

@@ -69,7 +69,7 @@ class Lockstring(sa.TypeDecorator[str]):
         return _backend(dialect).lockstring_type(dialect, MAX_LOCKSTRING_LENGTH)
 
 
-class HolderDetails(sa.TypeDecorator[Any]):
+class HolderJSON(sa.TypeDecorator[Any]):
     """JSON: who holds a lock (``locked_by``); PostgreSQL's JSONB."""
 
     impl = sa.JSON()
@@ -149,7 +149,7 @@ def lock_table(name: str = DEFAULT_TABLE, metadata: sa.MetaData | None = None) -
         ),
         sa.Column("created", UTCDateTime(), nullable=False),
         sa.Column("expires", UTCDateTime(), nullable=False),
-        sa.Column("locked_by", HolderDetails(), nullable=False),
+        sa.Column("locked_by", HolderJSON(), nullable=False),
         sa.UniqueConstraint("lockstring", name=unique_constraint_name(name)),
         sa.Index(expires_index_name(name), "expires"),
         sqlite_autoincrement=True,

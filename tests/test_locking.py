@@ -353,6 +353,33 @@ def test_a_holders_json_text_is_what_json_dumps_writes(task: str | None) -> None
     assert holder_details({"job": "report"}, task).json is None  # the engine's serialiser
 
 
+def test_an_acquire_sends_the_holders_own_json_text_and_serialises_only_the_callers_keys(
+    url: str, table_name: str, locker: Locker
+) -> None:
+    """The acquire's statement sends a holder's JSON text as it is, without the engine's
+    serialiser (``execution._sending_holder_json``): encoding the dict on every acquire was the
+    largest single cost of the library's own Python in a lock cycle. With keys of the
+    caller's own, the engine's serialiser writes it."""
+    serialised: list[object] = []
+
+    def serialiser(value: object) -> str:
+        serialised.append(value)
+        return json.dumps(value)
+
+    engine = sa.create_engine(url, json_serializer=serialiser)
+    mine = Locker(engine, table=table_name)
+    try:
+        with mine.lock("plain") as lock:
+            assert lock.locked_by["pid"] == os.getpid()
+        assert serialised == []
+        with mine.lock("own keys", locked_by={"job": "report"}) as lock:
+            assert mine.lock_info("own keys").locked_by["job"] == "report"  # type: ignore[union-attr]
+        assert len(serialised) == 1
+    finally:
+        mine.close()
+        engine.dispose()
+
+
 def test_locked_by_reads_back_as_the_handle_has_it_whatever_the_threads_name(
     locker: Locker,
 ) -> None:
