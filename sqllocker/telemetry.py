@@ -249,6 +249,9 @@ class Telemetry:
         self._name_of = name_of or default_name
         self._instruments: _Instruments | None = None
         self._next_look = 0.0
+        # Imported now, where it can be (usually at start-up), not by an acquisition in some
+        # thread: a fork by another thread meanwhile leaves the child the import's lock.
+        _opentelemetry(bool(meter_provider or tracer_provider))
 
     def acquiring(self, lockstring: str, wait: float | None, kind: str = "lock") -> Acquisition:
         instruments = self._instruments or self._look_for_providers()

@@ -85,6 +85,8 @@ def test_a_lock_on_sqlite_imports_no_other_databases_dialect_nor_opentelemetry(
 def test_a_provider_named_in_the_environment_is_found_without_the_api_imported_first(
     tmp_path: Path,
 ) -> None:
+    """Imported as the Locker is made, not by an acquisition in whatever thread: a fork by
+    another thread during the import would leave the child its lock."""
     pytest.importorskip("opentelemetry.sdk")
     url = f"sqlite:///{tmp_path / 'locks.db'}"
     Locker(url).lock("made").unlock()
@@ -93,6 +95,7 @@ def test_a_provider_named_in_the_environment_is_found_without_the_api_imported_f
         "from sqllocker import Locker\n"
         "assert 'opentelemetry.trace' not in sys.modules\n"
         f"locker = Locker({url!r})\n"
+        "assert 'opentelemetry.trace' in sys.modules, 'not imported by the Locker'\n"
         "locker.lock('job').unlock()\n"
         "from opentelemetry import trace\n"
         "assert type(trace.get_tracer_provider()).__module__ == 'opentelemetry.sdk.trace'\n"

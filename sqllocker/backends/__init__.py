@@ -6,7 +6,8 @@ purge in another time zone delete a live lock), which statements differ, how its
 the few errors sqllocker must tell apart, which connection settings and server settings the
 locks rely on, and how a migration and an adoption run there. ``sqlite``, ``postgresql`` and
 ``mysql`` answer for their database. Code outside this package never asks which database it is
-on; adding one means a module here, its branch in the migration, and its test fixture.
+on; adding one means a module here (and its names in ``_WHERE``), its branch in the migration,
+and its test fixture.
 """
 
 from __future__ import annotations

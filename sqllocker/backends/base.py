@@ -308,7 +308,7 @@ class Backend:
 
     @classmethod
     def driver_scheme(cls, name: str, asynchronous: bool) -> str:
-        """The scheme that a URL naming no driver (``name://``, one of ``backends.URL_NAMES``) gets:
+        """The scheme that a URL naming no driver (``name://``, one of ``backends.url_names``) gets:
         sqllocker's driver for this backend."""
         return cls.async_driver if asynchronous else cls.sync_driver
 

@@ -18,7 +18,6 @@ import sqlalchemy as sa
 from django.db import DEFAULT_DB_ALIAS, connections
 from sqlalchemy.pool import StaticPool
 
-from ..backends.mysql import SILENCE_KEY
 from ..errors import LockError
 from ..lock import Lock
 from .configuration import database_alias
@@ -87,6 +86,9 @@ def guard(lock: Lock, using: str | None = None) -> None:
         poolclass=StaticPool,
         pool_reset_on_return=None,
     )
+    # MySQL's (a project on another database imports no MySQL dialect).
+    from ..backends.mysql import SILENCE_KEY
+
     try:
         with engine.connect() as sa_connection:
             sa_connection.begin()  # SQLAlchemy's view of the transaction Django has open
