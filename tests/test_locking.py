@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -351,6 +352,35 @@ def test_a_holders_json_text_is_what_json_dumps_writes(task: str | None) -> None
         assert holder.json == json.dumps(dict(holder))
         assert holder["thread"] == name
     assert holder_details({"job": "report"}, task).json is None  # the engine's serialiser
+
+
+@pytest.mark.parametrize("encoding", ["UTF-8", "UTF-16le", "UTF-16be"])
+def test_an_sqlite_database_in_any_encoding_lists_its_lockstrings_as_they_are(
+    tmp_path: Path, encoding: str
+) -> None:
+    """The listings read a lockstring as its bytes on SQLite, where a Perl job may have written
+    bytes that are no UTF-8; in a database made in UTF-16 those bytes are UTF-16, and read as
+    UTF-8 they were garbage (and an election's leader, found by its rows' names, nobody)."""
+    path = tmp_path / "locks.db"
+    made = sqlite3.connect(path)
+    made.execute(f"PRAGMA encoding = '{encoding}'")
+    made.execute("CREATE TABLE made_by_someone_else (x)")
+    made.commit()
+    made.close()
+    locker = Locker(f"sqlite:///{path}")
+    try:
+        names = ["job-1", "naïve ☃ 𝄞", "back\\slash"]
+        held = [locker.lock(name) for name in names]
+        assert [info.lockstring for info in locker.locks()] == sorted(names)
+        assert locker.lock_info("naïve ☃ 𝄞").lockstring == "naïve ☃ 𝄞"  # type: ignore[union-attr]
+        with locker.election("el").campaign(wait=5) as leadership:
+            leader = locker.election("el").leader()
+            assert leader is not None
+            assert leader.term == leadership.term
+        for lock in held:
+            lock.unlock()
+    finally:
+        locker.close()
 
 
 def test_an_acquire_sends_the_holders_own_json_text_and_serialises_only_the_callers_keys(

@@ -98,9 +98,12 @@ class SQLiteBackend(Backend):
         )
 
     def readable_text(self, column: ColumnElement[str]) -> ColumnElement[str]:
-        # SQLite stores the bytes a client gives as text, UTF-8 or not (DBD::SQLite those of a
-        # Perl byte string), and sqlite3 cannot read a value that is not UTF-8 as text.
-        return sa.type_coerce(sa.cast(column, sa.LargeBinary()), _ForeignText())
+        # A database in UTF-8 keeps the bytes a client gives as text, UTF-8 or not (DBD::SQLite
+        # those of a Perl byte string), and sqlite3 cannot read a value that is not UTF-8 as
+        # text: read as its bytes. (One in UTF-16 converted the text as it was written, and its
+        # bytes are UTF-16.)
+        as_bytes = sa.case((_IN_UTF8, sa.cast(column, sa.LargeBinary())), else_=column)
+        return sa.type_coerce(as_bytes, _ForeignText())
 
     def matches_glob(self, column: ColumnElement[str]) -> ColumnElement[bool]:
         # SQLite's LIKE ignores ASCII case; GLOB does not, and is a glob already.
@@ -392,14 +395,19 @@ class SQLiteBackend(Backend):
         ]
 
 
-class _ForeignText(sa.TypeDecorator[str]):
-    """Text read as its bytes: UTF-8, whatever is not shown as ``\\x..`` escapes."""
+_IN_UTF8 = sa.literal_column("(SELECT encoding FROM pragma_encoding())") == "UTF-8"
 
-    impl = sa.LargeBinary()
+
+class _ForeignText(sa.TypeDecorator[str]):
+    """Text, or its bytes: UTF-8, whatever is not shown as ``\\x..`` escapes."""
+
+    impl = sa.String()
     cache_ok = True
 
     def process_result_value(self, value: Any, dialect: Dialect) -> str | None:
-        return None if value is None else bytes(value).decode("utf-8", "backslashreplace")
+        if value is None or isinstance(value, str):
+            return value
+        return bytes(value).decode("utf-8", "backslashreplace")
 
 
 class _TimestampText(sa.types.UserDefinedType[str]):
