@@ -399,7 +399,8 @@ _IN_UTF8 = sa.literal_column("(SELECT encoding FROM pragma_encoding())") == "UTF
 
 
 class _ForeignText(sa.TypeDecorator[str]):
-    """Text, or its bytes: UTF-8, whatever is not shown as ``\\x..`` escapes."""
+    """Text read as text, or as its bytes (``readable_text``): those decoded as UTF-8, a byte
+    that is no UTF-8 shown as a ``\\xNN`` escape."""
 
     impl = sa.String()
     cache_ok = True
