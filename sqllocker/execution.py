@@ -51,7 +51,7 @@ class Prepared:
         for bind in compiled.binds.values():
             processor: Callable[[Any], Any] | None
             processor = bind.type.dialect_impl(dialect).bind_processor(dialect)
-            if processor is not None and isinstance(bind.type, (HolderJSON, sa.JSON)):
+            if processor is not None and isinstance(bind.type, HolderJSON):
                 processor = _sending_holder_json(processor)
             if processor is not None:
                 processors[compiled.bind_names[bind]] = processor

@@ -76,7 +76,7 @@ class HolderJSON(sa.TypeDecorator[Any]):
     cache_ok = True
 
     def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
-        return _backend(dialect).holder_details_type(dialect)
+        return _backend(dialect).holder_json_type(dialect)
 
 
 class UTCDateTime(sa.TypeDecorator[datetime]):
@@ -175,7 +175,7 @@ class ColumnRules(Protocol):
 
     def timestamp_type(self, dialect: Dialect) -> TypeEngine[Any]: ...
 
-    def holder_details_type(self, dialect: Dialect) -> TypeEngine[Any]: ...
+    def holder_json_type(self, dialect: Dialect) -> TypeEngine[Any]: ...
 
     def timestamp_bind(self, value: Any) -> Any: ...
 

@@ -255,7 +255,7 @@ class Backend:
         return dialect.type_descriptor(sa.DateTime(timezone=True))
 
     @classmethod
-    def holder_details_type(cls, dialect: Dialect) -> TypeEngine[Any]:
+    def holder_json_type(cls, dialect: Dialect) -> TypeEngine[Any]:
         """How the JSON of who holds a lock is stored."""
         return dialect.type_descriptor(sa.JSON())
 
@@ -308,8 +308,8 @@ class Backend:
 
     @classmethod
     def driver_scheme(cls, name: str, asynchronous: bool) -> str:
-        """The scheme that a URL naming no driver (``name://``, one of ``backends.url_names``) gets:
-        sqllocker's driver for this backend."""
+        """The scheme that a URL naming no driver (``name://``, one of
+        ``backends.url_names``) gets: sqllocker's driver for this backend."""
         return cls.async_driver if asynchronous else cls.sync_driver
 
     @classmethod

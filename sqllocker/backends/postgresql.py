@@ -305,7 +305,7 @@ class PostgreSQLBackend(Backend):
     # -- schema ------------------------------------------------------------------------------------
 
     @classmethod
-    def holder_details_type(cls, dialect: Dialect) -> TypeEngine[Any]:
+    def holder_json_type(cls, dialect: Dialect) -> TypeEngine[Any]:
         return dialect.type_descriptor(postgresql.JSONB())
 
     @classmethod
