@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
+from tests import preloading
+
 REPO = Path(__file__).resolve().parent.parent
 _PR_SET_PDEATHSIG = 1
 
@@ -129,6 +131,7 @@ def _run_worker(main: object, argv: list[str], directory: Path, n: int, parent: 
 def launch(module_name: str, directory: Path, argvs: list[list[str]]) -> list[int]:
     """Fork one worker per argument list; each one's exit status once all have ended."""
     main = importlib.import_module(module_name).main
+    preloading.backends()
     parent = os.getpid()
     children: list[int] = []
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib
 import os
 import subprocess
 import sys
@@ -27,6 +28,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from tests import preloading
 from tests.fork_server import REPO, Channel, Server, run_module, serve
 
 _servers: dict[str, Server] = {}
@@ -72,11 +74,26 @@ atexit.register(_stop)
 def _sqllocker() -> Callable[[list[str]], None]:
     from sqllocker.cli import main
 
+    preloading.backends()
+
     def run(argv: list[str]) -> None:
         sys.argv = ["sqllocker", *argv]
         main(argv)
 
     return run
+
+
+# Imported by every command of tests/django_project, none reading the settings as it is imported
+# (MySQL's backend is not among them: it needs the settings' PyMySQL in place of MySQLdb).
+_DJANGO_PRELOADED = (
+    "django.core.management.commands.migrate",
+    "django.db.backends.postgresql.base",
+    "django.db.backends.sqlite3.base",
+    "django.db.migrations.autodetector",
+    "django.db.migrations.executor",
+    "django.db.models",
+    "django.views.generic",
+)
 
 
 def _django() -> Callable[[list[str]], None]:
@@ -85,6 +102,10 @@ def _django() -> Callable[[list[str]], None]:
     # Imported once: the settings ask for the app, whose commands run the command line.
     import sqllocker.cli
     import sqllocker.django  # noqa: F401
+
+    preloading.backends()
+    for module in _DJANGO_PRELOADED:  # what every command of the test project imports
+        importlib.import_module(module)
 
     def run(argv: list[str]) -> None:
         django.core.management.execute_from_command_line(["python -m django", *argv])

@@ -10,11 +10,15 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from sqllocker import Locker
+from tests.helpers import async_url
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Each integration's module that uses its framework; that framework, and the framework's part
 # the module uses (which can bring others along: Celery's Task looks for Django).
@@ -103,3 +107,40 @@ def test_a_provider_named_in_the_environment_is_found_without_the_api_imported_f
     )
     env = {**os.environ, "OTEL_PYTHON_TRACER_PROVIDER": "sdk_tracer_provider"}
     modules_loaded(program, env)
+
+
+def test_the_suites_fork_servers_import_every_backend_a_lock_or_command_needs(
+    url: str, table_name: str, make_locker: Callable[..., Locker]
+) -> None:
+    """``tests/preloading.py``, which the suite's fork servers and launchers run before they
+    fork: a child then imports no backend, dialect or driver of its own for a lock (sync or
+    asyncio) or a command (each such import costs a tenth of a second of CPU, and the suite
+    forks hundreds of children)."""
+    make_locker()  # the table
+    program = (
+        "import asyncio, json, sys\n"
+        "import sqllocker.cli\n"
+        "from sqllocker import Locker\n"
+        "from sqllocker.asyncio import AsyncLocker\n"
+        "from tests import preloading\n"
+        "preloading.backends()\n"
+        "before = set(sys.modules)\n"
+        f"with Locker({url!r}, table={table_name!r}).lock('job') as lock: lock.extend(60)\n"
+        "async def cycle():\n"
+        f"    locker = AsyncLocker({async_url(url)!r}, table={table_name!r})\n"
+        "    async with await locker.lock('job'):\n"
+        "        pass\n"
+        "    await locker.aclose()\n"
+        "asyncio.run(cycle())\n"
+        f"try: sqllocker.cli.main(['--url', {url!r}, '--table', {table_name!r}, 'list'])\n"
+        "except SystemExit: pass\n"
+        "print(json.dumps(sorted(set(sys.modules) - before)))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    imported = json.loads(done.stdout.splitlines()[-1])
+    drivers = ("psycopg", "pymysql", "aiomysql", "aiosqlite", "sqlite3", "asyncpg")
+    assert [
+        m for m in imported if m.startswith(("sqlalchemy.dialects", "sqllocker.backends", *drivers))
+    ] == []

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import importlib
 
-from sqlalchemy.engine import make_url
-
-from sqllocker.engine import resolve_url
+from tests import preloading
 from tests.fork_server import Server, module_name, run_module
 
 RUNNER = "tests.campaign.sqllocker_cli"  # the module a worker's ``sqllocker run`` runs
@@ -31,10 +29,7 @@ def preload(*backends: str) -> None:
     drivers of ``backends`` (sync and asyncio)."""
     for module in IMPORTED:
         importlib.import_module(module)
-    for backend in backends:
-        for asynchronous in (False, True):
-            url = make_url(resolve_url(f"{backend}://", asynchronous=asynchronous))
-            url.get_dialect().import_dbapi()
+    preloading.backends(*backends)
 
 
 def launcher(backend: str) -> Server:
