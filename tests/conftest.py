@@ -154,21 +154,21 @@ def admin(migrated_postgres: str) -> Iterator[sa.Engine]:
 # as they would alone, since beside many of the same kind they would find the machine slower
 # than their timings allow for. The lanes differ in what they load: the processes' and the
 # campaign's lanes run many processes at once (CPU), the faults' and the turns' lanes a few
-# threads and processes timed against expiries, keep-alives and turns, and the servers' lane
-# mostly waits for private servers and clusters to start, fail over and catch up, or for a
-# server frozen behind a proxy. The other modules, a thread or two at a time, fill whichever
-# worker is free.
+# threads and processes timed against expiries, keep-alives and turns, the clusters' lane
+# mostly waits for private servers and clusters to start, fail over and catch up, and the
+# commands' lane for `sqllocker run`'s process families and for servers frozen behind a proxy.
+# The other modules, a thread or two at a time, fill whichever worker is free.
 _LANES = {
     "the processes' lane": {
         "test_groups",
         "test_mutual_exclusion",
         "test_poolers",
+        "test_semaphores",
     },
     "the campaign's lane": {
         "test_campaign",
         "test_dbix_locker",
         "test_rwlocks",
-        "test_semaphores",
     },
     "the faults' lane": {
         "test_faults",
@@ -182,12 +182,14 @@ _LANES = {
         "test_elections",
         "test_holding",
     },
-    "the servers' lane": {
+    "the clusters' lane": {
         "test_fencing",
         "test_galera",
         "test_high_availability",
-        "test_life_bounds",
         "test_patroni",
+    },
+    "the commands' lane": {
+        "test_life_bounds",
         "test_run_family",
     },
 }
