@@ -1,19 +1,24 @@
 """Many worker processes forked from one launcher that imported their module once.
 
-``python -m tests.fleet MODULE DIRECTORY`` reads a JSON list of argument lists on stdin, imports
-``MODULE`` (``tests.workers``: SQLAlchemy, the drivers and both front ends, about a second of CPU
-per interpreter), then forks one worker per argument list, each running ``MODULE.main(argv)``
+A launcher reads a JSON list of argument lists on stdin, imports ``MODULE`` (``tests.workers``
+and the like), then forks one worker per argument list, each running ``MODULE.main(argv)``
 with its stdout and stderr in ``DIRECTORY/worker-<n>.out`` and ``.err``. The workers are
 separate processes as if each had been started alone: nothing is connected or started before
 the fork, and each seeds its own random numbers. The launcher passes ``DUMP_SIGNAL`` on to them,
 they die with it (``PR_SET_PDEATHSIG``), and it prints the workers' exit statuses as a JSON
 list once all have ended.
 
+Each launcher is itself forked from a server (``fork_server.py``, ``python -m tests.fleet``)
+that imported the library, SQLAlchemy, every backend's drivers and ``tests.workers`` once per
+process that starts fleets (an xdist worker): about a second of CPU a fleet, which a launcher
+started as a fresh interpreter spent on its imports.
+
 :class:`Fleet` starts one and reads what each worker said.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import importlib
@@ -22,15 +27,22 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
 from tests import preloading
+from tests.fork_server import Channel, Server, serve
 
 REPO = Path(__file__).resolve().parent.parent
 _PR_SET_PDEATHSIG = 1
+# What every launcher's workers import, imported once by the servers launchers are forked from.
+PRELOADED = ("tests.workers",)
+
+_servers: list[Server] = []
+_servers_guard = threading.Lock()
 
 
 @dataclass
@@ -49,35 +61,52 @@ class Fleet:
         self.directory = directory
         self.count = len(argvs)
         directory.mkdir(parents=True, exist_ok=True)
-        self.launcher = subprocess.Popen(
-            [sys.executable, "-m", "tests.fleet", module, str(directory)],
-            cwd=REPO,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        assert self.launcher.stdin is not None
-        self.launcher.stdin.write(json.dumps(argvs))
-        self.launcher.stdin.close()
+        plan = directory / "launcher.in"
+        plan.write_text(json.dumps(argvs))
+        self._out, self._err = directory / "launcher.out", directory / "launcher.err"
+        files = (str(plan), str(self._out), str(self._err))
+        self._launcher: int | None = None
+        self._pid_known = threading.Event()
+        self._ended: dict[str, object] = {}
+        server = _idle_server()
+
+        def started(pid: int) -> None:
+            self._launcher = pid
+            self._pid_known.set()
+
+        def launch_and_wait() -> None:
+            try:
+                argv = [module, str(directory)]
+                self._ended["code"] = server.run(
+                    argv, "fleet", None, REPO, files, None, True, started
+                )
+            except BaseException as error:  # told by wait()
+                self._ended["error"] = error
+            finally:
+                self._pid_known.set()
+
+        self._thread = threading.Thread(target=launch_and_wait, name="fleet", daemon=True)
+        self._thread.start()
+        self._pid_known.wait(60)
 
     def wait(self, timeout: float) -> list[Outcome]:
         """Each worker's outcome, in order, once all have ended (``subprocess.TimeoutExpired``
         if they have not after ``timeout`` seconds)."""
-        assert self.launcher.stdout is not None
-        assert self.launcher.stderr is not None
-        self.launcher.wait(timeout)
-        out, err = self.launcher.stdout.read(), self.launcher.stderr.read()
-        assert self.launcher.returncode == 0, f"the launcher failed:\n{err}"
-        codes = json.loads(out.strip().splitlines()[-1])
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise subprocess.TimeoutExpired(["fleet", str(self.directory)], timeout)
+        if "error" in self._ended:
+            raise AssertionError(f"the launcher could not run: {self._ended['error']!r}")
+        err = self._err.read_text() if self._err.exists() else ""
+        assert self._ended.get("code") == 0, f"the launcher failed:\n{err}"
+        codes = json.loads(self._out.read_text().strip().splitlines()[-1])
         return [Outcome(code, *self._output(n)) for n, code in enumerate(codes)]
 
     def stacks(self, signum: int) -> str:
         """Where each worker stands (sent ``signum``, which dumps their stacks), and what it
         wrote to stderr; they are all killed after."""
-        self.launcher.send_signal(signum)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.launcher.wait(5)
+        self._signal(signum)
+        self._thread.join(5)
         self.kill()
         return "\n".join(
             f"--- worker {n}:\n{self._output(n)[1][-20000:]}" for n in range(self.count)
@@ -85,9 +114,13 @@ class Fleet:
 
     def kill(self) -> None:
         """End the launcher, and with it every worker still running."""
-        if self.launcher.poll() is None:
-            self.launcher.kill()
-        self.launcher.wait()
+        self._signal(signal.SIGKILL)
+        self._thread.join()
+
+    def _signal(self, signum: int) -> None:
+        if self._launcher is not None and self._thread.is_alive():  # not reaped yet
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._launcher, signum)
 
     def _output(self, n: int) -> tuple[str, str]:
         def read(suffix: str) -> str:
@@ -95,6 +128,25 @@ class Fleet:
             return path.read_text() if path.exists() else ""
 
         return read("out"), read("err")
+
+
+def _idle_server() -> Server:
+    """A launchers' server of this process that serves no fleet now (one more if all do)."""
+    with _servers_guard:
+        for server in _servers:
+            if not server.busy() and server.process.poll() is None:
+                return server
+        server = Server.start([sys.executable, "-m", "tests.fleet"], cwd=REPO)
+        _servers.append(server)
+        return server
+
+
+def _stop() -> None:
+    for server in _servers:
+        server.kill()  # its launchers die with it, and their workers with them
+
+
+atexit.register(_stop)
 
 
 def _run_worker(main: object, argv: list[str], directory: Path, n: int, parent: int) -> None:
@@ -131,7 +183,6 @@ def _run_worker(main: object, argv: list[str], directory: Path, n: int, parent: 
 def launch(module_name: str, directory: Path, argvs: list[list[str]]) -> list[int]:
     """Fork one worker per argument list; each one's exit status once all have ended."""
     main = importlib.import_module(module_name).main
-    preloading.backends()
     parent = os.getpid()
     children: list[int] = []
 
@@ -153,6 +204,18 @@ def launch(module_name: str, directory: Path, argvs: list[list[str]]) -> list[in
     return [os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) for child in children]
 
 
+def _launcher(argv: list[str]) -> None:
+    """A launcher's main, forked from a server: ``[MODULE, DIRECTORY]``, the argument lists
+    on stdin, the workers' exit statuses printed."""
+    module_name, directory = argv
+    print(
+        json.dumps(launch(module_name, Path(directory), json.loads(sys.stdin.read()))), flush=True
+    )
+
+
 if __name__ == "__main__":
-    module_name, directory = sys.argv[1], Path(sys.argv[2])
-    print(json.dumps(launch(module_name, directory, json.loads(sys.stdin.read()))), flush=True)
+    for module in PRELOADED:
+        importlib.import_module(module)
+    preloading.backends()
+    with contextlib.suppress(KeyboardInterrupt, BrokenPipeError):
+        serve(_launcher, Channel(0, 1))

@@ -197,15 +197,18 @@ class Server:
         files: tuple[str | None, str | None, str | None] = (os.devnull, None, None),
         timeout: float | None = None,
         die_with_parent: bool = True,
+        started: Callable[[int], None] | None = None,
     ) -> int:
         """Fork a child of the server's that runs ``argv`` (``files``: its stdin, stdout and
-        stderr, ``None`` for the server's); its exit status once it has ended. After
-        ``timeout`` seconds the child is killed, and ``subprocess.TimeoutExpired`` raised once
-        the server has reaped it."""
+        stderr, ``None`` for the server's); its exit status once it has ended (``started`` is
+        told its pid first). After ``timeout`` seconds the child is killed, and
+        ``subprocess.TimeoutExpired`` raised once the server has reaped it."""
         request = _request(argv, name, env, cwd, files, die_with_parent=die_with_parent)
         with self._turn:
             self.channel.send(request)
             pid = int(self._answer()["pid"])
+            if started is not None:
+                started(pid)
             try:
                 return int(self._answer(timeout)["code"])
             except TimeoutError:
@@ -237,6 +240,10 @@ class Server:
         if "error" in answer:
             raise OSError(f"the fork server could not start {name}: {answer['error']}")
         return Child(int(answer["pid"]), argv)
+
+    def busy(self) -> bool:
+        """Whether a request is being served (a child run, or one being handed over)."""
+        return self._turn.locked()
 
     def close(self, timeout: float = 5.0) -> None:
         """End the server: at once if it waits for no child, else once that child ends
