@@ -42,6 +42,7 @@ _PR_SET_PDEATHSIG = 1
 PRELOADED = ("tests.workers",)
 
 _servers: list[Server] = []
+_taken: set[Server] = set()  # serving a fleet, or about to: each serves one at a time
 _servers_guard = threading.Lock()
 
 
@@ -83,6 +84,8 @@ class Fleet:
             except BaseException as error:  # told by wait()
                 self._ended["error"] = error
             finally:
+                with _servers_guard:
+                    _taken.discard(server)
                 self._pid_known.set()
 
         self._thread = threading.Thread(target=launch_and_wait, name="fleet", daemon=True)
@@ -131,13 +134,14 @@ class Fleet:
 
 
 def _idle_server() -> Server:
-    """A launchers' server of this process that serves no fleet now (one more if all do)."""
+    """A launchers' server of this process that serves no fleet now (one more if all do),
+    taken for the caller's fleet."""
     with _servers_guard:
-        for server in _servers:
-            if not server.busy() and server.process.poll() is None:
-                return server
-        server = Server.start([sys.executable, "-m", "tests.fleet"], cwd=REPO)
-        _servers.append(server)
+        idle = [s for s in _servers if s not in _taken and s.process.poll() is None]
+        server = idle[0] if idle else Server.start([sys.executable, "-m", "tests.fleet"], cwd=REPO)
+        if not idle:
+            _servers.append(server)
+        _taken.add(server)
         return server
 
 

@@ -241,10 +241,6 @@ class Server:
             raise OSError(f"the fork server could not start {name}: {answer['error']}")
         return Child(int(answer["pid"]), argv)
 
-    def busy(self) -> bool:
-        """Whether a request is being served (a child run, or one being handed over)."""
-        return self._turn.locked()
-
     def close(self, timeout: float = 5.0) -> None:
         """End the server: at once if it waits for no child, else once that child ends
         (waited for up to ``timeout`` seconds)."""
