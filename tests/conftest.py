@@ -24,12 +24,12 @@ from sqllocker import Locker, lock_table
 from sqllocker.backoff import Backoff
 from sqllocker.engine import resolve_url
 from tests.helpers import Proxied, migrate
+from tests.preloading import BACKENDS
 
 POSTGRES_ADMIN_URL = os.environ.get(
     "SQLLOCKER_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
 )
 MYSQL_ADMIN_URL = os.environ.get("SQLLOCKER_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/test")
-BACKENDS = ["sqlite", "postgresql", "mysql"]
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 
 _table_numbers = itertools.count(1)

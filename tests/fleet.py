@@ -66,23 +66,22 @@ class Fleet:
         plan.write_text(json.dumps(argvs))
         self._out, self._err = directory / "launcher.out", directory / "launcher.err"
         files = (str(plan), str(self._out), str(self._err))
-        self._launcher: int | None = None
+        self._launcher_pid: int | None = None
         self._pid_known = threading.Event()
-        self._ended: dict[str, object] = {}
+        self._code: int | None = None  # the launcher's exit status, once it has ended
+        self._error: BaseException | None = None  # why it could not run
         server = _idle_server()
 
         def started(pid: int) -> None:
-            self._launcher = pid
+            self._launcher_pid = pid
             self._pid_known.set()
 
         def launch_and_wait() -> None:
             try:
                 argv = [module, str(directory)]
-                self._ended["code"] = server.run(
-                    argv, "fleet", None, REPO, files, None, True, started
-                )
+                self._code = server.run(argv, "fleet", cwd=REPO, files=files, started=started)
             except BaseException as error:  # told by wait()
-                self._ended["error"] = error
+                self._error = error
             finally:
                 with _servers_guard:
                     _taken.discard(server)
@@ -98,10 +97,10 @@ class Fleet:
         self._thread.join(timeout)
         if self._thread.is_alive():
             raise subprocess.TimeoutExpired(["fleet", str(self.directory)], timeout)
-        if "error" in self._ended:
-            raise AssertionError(f"the launcher could not run: {self._ended['error']!r}")
+        if self._error is not None:
+            raise AssertionError(f"the launcher could not run: {self._error!r}")
         err = self._err.read_text() if self._err.exists() else ""
-        assert self._ended.get("code") == 0, f"the launcher failed:\n{err}"
+        assert self._code == 0, f"the launcher failed:\n{err}"
         codes = json.loads(self._out.read_text().strip().splitlines()[-1])
         return [Outcome(code, *self._output(n)) for n, code in enumerate(codes)]
 
@@ -121,9 +120,9 @@ class Fleet:
         self._thread.join()
 
     def _signal(self, signum: int) -> None:
-        if self._launcher is not None and self._thread.is_alive():  # not reaped yet
+        if self._launcher_pid is not None and self._thread.is_alive():  # not reaped yet
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self._launcher, signum)
+                os.kill(self._launcher_pid, signum)
 
     def _output(self, n: int) -> tuple[str, str]:
         def read(suffix: str) -> str:

@@ -13,7 +13,7 @@ from sqlalchemy.engine import make_url
 from sqllocker.backends import backend_class
 from sqllocker.engine import resolve_url
 
-BACKENDS = ("sqlite", "postgresql", "mysql")
+BACKENDS = ("sqlite", "postgresql", "mysql")  # every backend the suite tests
 
 
 def backends(*names: str) -> None:
