@@ -607,9 +607,11 @@ def test_a_failing_span_processor_never_stops_a_release_or_a_renewal(
         locker = front.locker(url, table=table_name, grace=0, tracer_provider=tracer_provider)
         try:
             lock = await front.call(
-                locker.lock, "job 1", expires=1, keep_alive=True, on_lost=lost.append
+                locker.lock, "job 1", expires=2, keep_alive=True, on_lost=lost.append
             )
-            await asyncio.sleep(2.5)  # past the lock's expiry: only its renewals keep it
+            # Past the lock's expiry: only its renewals keep it. An expiry of 1 s lost the
+            # lock on a loaded machine, a renewal still unanswered at its deadline.
+            await asyncio.sleep(3.0)
             assert not lost
             assert lock.is_valid()
             await front.call(lock.unlock)
