@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import select
 import threading
 from typing import Any
 
@@ -26,6 +25,7 @@ from sqlalchemy.engine import Engine
 
 from . import concurrency, forks
 from .errors import LockError
+from .notice_reading import NoticeReader
 from .notifications import (
     Waiter,
     WaiterQueues,
@@ -47,8 +47,6 @@ READ_SECONDS = 1.0
 # MySQL: how long that look may take before the connection is taken for lost (aiomysql has no
 # read timeout of its own).
 LOOK_SECONDS = 10.0
-# libpq's CONNECTION_OK: a session that has not failed.
-_CONNECTION_OK = 0
 # How long a stopping Locker waits for its listener to end before cancelling it again.
 STOP_RETRY_SECONDS = 0.5
 
@@ -76,6 +74,9 @@ class ReleaseListener:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._pid = forks.pid
+        # The reads of the listening session, while there is one: a waiting thread takes
+        # them over while it waits (``wait``).
+        self._reader: NoticeReader | None = None
 
     def register(
         self, lockstring: str, digest: str | None = None, releases: bool = True
@@ -90,7 +91,27 @@ class ReleaseListener:
         # make every attempt wait that long): the caller backs off, as if alone.
         if not self._failing:
             concurrency.wait(self._listening, SUBSCRIBE_SECONDS)
+        self._catch_up()
         return self._waiters.add(Waiter(lockstring, concurrency.Event(), digest, releases))
+
+    def wait(self, waiter: Waiter[concurrency.Event], seconds: float | None) -> None:
+        """Until ``waiter`` is woken or ``seconds`` (None: no bound) have passed. A thread
+        reads the listening connection itself meanwhile, unless another does (see
+        ``sqllocker.notice_reading``): a hand-off to it wakes it without a hand from the
+        listener's thread."""
+        reader = self._reader
+        if reader is None or self._pid != forks.pid:
+            concurrency.wait(waiter.event, seconds)
+        else:
+            reader.wait(waiter.event, seconds)
+
+    def _catch_up(self) -> None:
+        """Before a registration: a thread hands on the notices that came while nobody read
+        (see ``sqllocker.notice_reading``); a task has nothing to do, its listener's task reads
+        them as they come."""
+        reader = self._reader
+        if reader is not None and self._pid == forks.pid:
+            reader.catch_up()
 
     def unregister(self, waiter: Waiter[concurrency.Event]) -> None:
         self._waiters.remove(waiter)
@@ -101,6 +122,7 @@ class ReleaseListener:
         self._start_listening()
         if not self._failing:
             concurrency.wait(self._listening, SUBSCRIBE_SECONDS)
+        self._catch_up()
         return self._observers.add(Waiter(name, concurrency.Event()))
 
     def unobserve(self, waiter: Waiter[concurrency.Event]) -> None:
@@ -113,6 +135,7 @@ class ReleaseListener:
     def _start_listening(self) -> None:
         if self._pid != forks.pid:  # a forked child listens on a connection of its own
             self._pid, self._thread, self._stopping = forks.pid, None, False
+            self._reader = None
             self._listening.clear()
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
@@ -130,23 +153,6 @@ class ReleaseListener:
 
     def _listening_on(self) -> bool:
         return not self._stopping
-
-    def _read_notifications(self, connection: Any) -> None:
-        """Hand on each notification as it comes, until stopped, read from libpq itself:
-        psycopg's ``notifies()`` costs about as much again as the read itself, and every
-        listener wakes for every grant of the table, most of them to another's waiter. A
-        lost connection raises (``consume_input``): the caller reconnects."""
-        pgconn = connection.pgconn
-        encoding = connection.info.encoding
-        poller = select.poll()
-        poller.register(pgconn.socket, select.POLLIN)
-        while not self._stopping:
-            while (notice := pgconn.notifies()) is not None:
-                self._heard(notice.relname.decode(encoding), notice.extra.decode(encoding))
-            if poller.poll(READ_SECONDS * 1000):
-                pgconn.consume_input()
-                if pgconn.status != _CONNECTION_OK:
-                    raise LockError("the listening connection was closed")
 
     def _listen(self) -> None:
         while self._listening_on():
@@ -187,7 +193,11 @@ class ReleaseListener:
         self._listening.set()
         for notice in connection.notifies(timeout=0):  # heard while subscribing
             self._received(notice)
-        self._read_notifications(connection)
+        self._reader = NoticeReader(connection, self._heard, READ_SECONDS)
+        try:
+            self._reader.listen(self._listening_on)
+        finally:
+            self._reader = None
 
     def _hold_liveness_on(self, connection: Any) -> None:
         """MySQL: hold a liveness key's ``GET_LOCK`` name, looking every READ_SECONDS that the

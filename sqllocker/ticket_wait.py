@@ -220,7 +220,7 @@ class TicketWait:
                     else:  # wakes when it is first, or is handed the row
                         remaining = backoff.remaining()
                         delay = LOOK_AGAIN if remaining is None else min(LOOK_AGAIN, remaining)
-                    concurrency.wait(waiter.event, delay)
+                    listener.wait(waiter, delay)
                     if waiter.grant is not None and ticket is not None:
                         try:
                             claimed = self._claim(lockstring, guid, ttl, waiter.grant, grant_key)

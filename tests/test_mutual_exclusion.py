@@ -139,6 +139,9 @@ IMPATIENT = ("--queue-patience", "0.004", *ABANDONING)
 # release handed it one) must give it back, and one whose caller got the lock must not. A row
 # left behind would hold its lockstring for an expiry longer than the workers are given.
 CANCELLING = ("--cancel-some", "--expires", str(WORKER_SECONDS + 60))
+# Sync workers of four threads sharing one Locker: its line, its listener, and on PostgreSQL
+# the listening connection, which one waiting thread reads for all while it waits.
+THREADED = ("--threads", "4")
 
 
 @pytest.mark.parametrize(
@@ -152,6 +155,7 @@ CANCELLING = ("--cancel-some", "--expires", str(WORKER_SECONDS + 60))
         (0, False, OUTLIVING),
         (PROCESSES // 2, False, IMPATIENT),
         (PROCESSES // 2, False, CANCELLING),
+        (0, False, THREADED),
     ],
     ids=[
         "sync processes",
@@ -162,6 +166,7 @@ CANCELLING = ("--cancel-some", "--expires", str(WORKER_SECONDS + 60))
         "sync processes outliving expiry by keep-alive",
         "sync and async processes whose queued waits are ended often",
         "sync and async processes cancelling acquires and releases",
+        "sync processes of four threads each",
     ],
 )
 def test_many_processes_never_hold_one_lock_at_once(
@@ -271,6 +276,8 @@ def contend(
         if CANCELLING[0] in options
         else "contention, sync and async"
         if asyncio_processes
+        else "contention, threads sharing a Locker"
+        if THREADED[0] in options
         else "contention beside a purge"
         if purging
         else "contention with takeovers"

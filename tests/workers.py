@@ -19,6 +19,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TextIO
@@ -83,6 +84,8 @@ def acquire(locker: Locker, lockstring: str, args: argparse.Namespace, keep_aliv
 
 
 def counter(args: argparse.Namespace) -> int:
+    """The sync worker: ``--threads`` threads share one Locker, its listener and its line (on
+    PostgreSQL one of them reads the listening connection for all while it waits)."""
     locker = Locker(
         sa.create_engine(resolve_url(args.url)) if args.callers_engine else args.url,
         table=args.table,
@@ -91,9 +94,12 @@ def counter(args: argparse.Namespace) -> int:
     )
     work = CriticalSection(Path(args.state))
     lockstrings = args.lockstrings.split(",")
-    lost = abandoned = renewed = 0
-    with open(work.state / f"log-{os.getpid()}.jsonl", "w") as log:
-        for number in range(args.count):
+    tally = {"lost": 0, "abandoned": 0, "renewed": 0}
+    guard = threading.Lock()  # the tally's and the log's
+    failures: list[BaseException] = []
+
+    def turns(numbers: range, log: TextIO) -> None:
+        for number in numbers:
             lockstring = random.choice(lockstrings)
             keep_alive = bool(args.outlive_every) and number % args.outlive_every == 0
             lock = acquire(locker, lockstring, args, keep_alive)
@@ -107,31 +113,52 @@ def counter(args: argparse.Namespace) -> int:
                     # Still our row, pushed past the expiry the acquire set: renewed.
                     row = locker.lock_info(lockstring)
                     ours = row is not None and row.lock_id == lock.lock_id
-                    renewed += ours and row is not None and row.expires > lock.expires
+                    with guard:
+                        tally["renewed"] += ours and row is not None and row.expires > lock.expires
                 work.leave(lockstring, value)
                 left = time.monotonic()
             finally:
                 if args.abandon_every and number % args.abandon_every == 0:
                     abandon(lock)  # the row stays until the others take it over
-                    abandoned += 1
+                    with guard:
+                        tally["abandoned"] += 1
                 else:
                     unlocking = time.monotonic()
                     try:
                         lock.unlock()
                     except LockLost as error:
-                        lost += 1
+                        with guard:
+                            tally["lost"] += 1
                         _tell_lost(lock, entered, valid_for, unlocking, error)
             record = {"ls": lockstring, "id": lock.lock_id, "in": entered, "out": left}
-            log.write(json.dumps(record) + "\n")
+            with guard:
+                log.write(json.dumps(record) + "\n")
+
+    def thread_turns(numbers: range, log: TextIO) -> None:
+        try:
+            turns(numbers, log)
+        except BaseException as error:
+            failures.append(error)
+            raise
+
+    with open(work.state / f"log-{os.getpid()}.jsonl", "w") as log:
+        threads = [
+            threading.Thread(target=thread_turns, args=(range(n, args.count, args.threads), log))
+            for n in range(args.threads)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    if failures:
+        raise failures[0]
     # PostgreSQL: how many of its locks a release handed over (migration 0005).
     handed_over = locker._tickets.listener.grants if locker._tickets.listener is not None else 0
     report = {
         "pid": os.getpid(),
         "overlaps": work.overlaps,
-        "lost": lost,
-        "abandoned": abandoned,
+        **tally,
         "handed_over": handed_over,
-        "renewed": renewed,
         "ended_waits": ended_waits(locker),
     }
     print(json.dumps(report))
@@ -507,6 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     work = command("counter", "read-sleep-write a shared counter under locks", 60)
     work.add_argument("--asyncio", action="store_true", help="through AsyncLocker")
     work.add_argument("--tasks", type=int, default=4, help="concurrent tasks (with --asyncio)")
+    work.add_argument("--threads", type=int, default=1, help="threads sharing a Locker (sync)")
     work.add_argument("--lockstrings", required=True, help="comma-separated")
     work.add_argument("--count", type=int, default=200)
     work.add_argument("--hold", type=float, default=0.001)

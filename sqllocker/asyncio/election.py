@@ -148,10 +148,10 @@ class AsyncElection:
                     yield now
                     first, last = False, now
                 left = max(0.0, interval - (time.monotonic() - started))
-                if hint is None:
+                if hint is None or listener is None:
                     await concurrency.sleep(left)
                 else:
-                    await concurrency.wait(hint.event, left)
+                    await listener.wait(hint, left)
                     # A flood of NOTIFYs (anyone may send them) costs at most a read a tick.
                     gap = HINTED_READ_GAP - (time.monotonic() - started)
                     await concurrency.sleep(max(0.0, gap))

@@ -36,10 +36,10 @@ if True:  # ASYNC
     import asyncio
     import contextlib
 else:
-    import select
     import threading
 
     from .. import forks
+    from ..notice_reading import NoticeReader
 
 logger = logging.getLogger("sqllocker")
 
@@ -52,8 +52,6 @@ READ_SECONDS = 1.0
 # MySQL: how long that look may take before the connection is taken for lost (aiomysql has no
 # read timeout of its own).
 LOOK_SECONDS = 10.0
-# libpq's CONNECTION_OK: a session that has not failed.
-_CONNECTION_OK = 0
 # How long a stopping Locker waits for its listener to end before cancelling it again.
 STOP_RETRY_SECONDS = 0.5
 
@@ -84,6 +82,9 @@ class AsyncReleaseListener:
             self._thread: threading.Thread | None = None
             self._stopping = False
             self._pid = forks.pid
+            # The reads of the listening session, while there is one: a waiting thread takes
+            # them over while it waits (``wait``).
+            self._reader: NoticeReader | None = None
 
     async def register(
         self, lockstring: str, digest: str | None = None, releases: bool = True
@@ -98,7 +99,33 @@ class AsyncReleaseListener:
         # make every attempt wait that long): the caller backs off, as if alone.
         if not self._failing:
             await concurrency.wait(self._listening, SUBSCRIBE_SECONDS)
+        self._catch_up()
         return self._waiters.add(Waiter(lockstring, concurrency.Event(), digest, releases))
+
+    async def wait(self, waiter: Waiter[concurrency.Event], seconds: float | None) -> None:
+        """Until ``waiter`` is woken or ``seconds`` (None: no bound) have passed. A thread
+        reads the listening connection itself meanwhile, unless another does (see
+        ``sqllocker.notice_reading``): a hand-off to it wakes it without a hand from the
+        listener's thread."""
+        if True:  # ASYNC
+            await concurrency.wait(waiter.event, seconds)
+        else:
+            reader = self._reader
+            if reader is None or self._pid != forks.pid:
+                concurrency.wait(waiter.event, seconds)
+            else:
+                reader.wait(waiter.event, seconds)
+
+    def _catch_up(self) -> None:
+        """Before a registration: a thread hands on the notices that came while nobody read
+        (see ``sqllocker.notice_reading``); a task has nothing to do, its listener's task reads
+        them as they come."""
+        if True:  # ASYNC
+            pass
+        else:
+            reader = self._reader
+            if reader is not None and self._pid == forks.pid:
+                reader.catch_up()
 
     def unregister(self, waiter: Waiter[concurrency.Event]) -> None:
         self._waiters.remove(waiter)
@@ -109,6 +136,7 @@ class AsyncReleaseListener:
         self._start_listening()
         if not self._failing:
             await concurrency.wait(self._listening, SUBSCRIBE_SECONDS)
+        self._catch_up()
         return self._observers.add(Waiter(name, concurrency.Event()))
 
     def unobserve(self, waiter: Waiter[concurrency.Event]) -> None:
@@ -148,6 +176,7 @@ class AsyncReleaseListener:
         def _start_listening(self) -> None:
             if self._pid != forks.pid:  # a forked child listens on a connection of its own
                 self._pid, self._thread, self._stopping = forks.pid, None, False
+                self._reader = None
                 self._listening.clear()
             with self._lock:
                 if self._thread is None or not self._thread.is_alive():
@@ -165,23 +194,6 @@ class AsyncReleaseListener:
 
         def _listening_on(self) -> bool:
             return not self._stopping
-
-        def _read_notifications(self, connection: Any) -> None:
-            """Hand on each notification as it comes, until stopped, read from libpq itself:
-            psycopg's ``notifies()`` costs about as much again as the read itself, and every
-            listener wakes for every grant of the table, most of them to another's waiter. A
-            lost connection raises (``consume_input``): the caller reconnects."""
-            pgconn = connection.pgconn
-            encoding = connection.info.encoding
-            poller = select.poll()
-            poller.register(pgconn.socket, select.POLLIN)
-            while not self._stopping:
-                while (notice := pgconn.notifies()) is not None:
-                    self._heard(notice.relname.decode(encoding), notice.extra.decode(encoding))
-                if poller.poll(READ_SECONDS * 1000):
-                    pgconn.consume_input()
-                    if pgconn.status != _CONNECTION_OK:
-                        raise LockError("the listening connection was closed")
 
     async def _listen(self) -> None:
         while self._listening_on():
@@ -226,7 +238,11 @@ class AsyncReleaseListener:
         else:
             for notice in connection.notifies(timeout=0):  # heard while subscribing
                 self._received(notice)
-            self._read_notifications(connection)
+            self._reader = NoticeReader(connection, self._heard, READ_SECONDS)
+            try:
+                self._reader.listen(self._listening_on)
+            finally:
+                self._reader = None
 
     async def _hold_liveness_on(self, connection: Any) -> None:
         """MySQL: hold a liveness key's ``GET_LOCK`` name, looking every READ_SECONDS that the

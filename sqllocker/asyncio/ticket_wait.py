@@ -226,7 +226,7 @@ class AsyncTicketWait:
                     else:  # wakes when it is first, or is handed the row
                         remaining = backoff.remaining()
                         delay = LOOK_AGAIN if remaining is None else min(LOOK_AGAIN, remaining)
-                    await concurrency.wait(waiter.event, delay)
+                    await listener.wait(waiter, delay)
                     if waiter.grant is not None and ticket is not None:
                         try:
                             claimed = await self._claim(

@@ -1,0 +1,193 @@
+"""PostgreSQL, sync: a waiting thread reads its Locker's listening connection itself while it
+waits (``sqllocker.notice_reading``), so a hand-off wakes it without a hand from the listener's
+thread; the listener's thread reads the rest of the time, and gets the connection back
+whatever ends a wait."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from types import FrameType
+
+import pytest
+import sqlalchemy as sa
+
+from sqllocker import LockBusy, Locker
+from sqllocker import listener as listening
+from tests.helpers import in_line, tickets, wait_in_thread, wait_until
+
+
+@pytest.fixture
+def holder_and_waiter(migrated_postgres: str, table_name: str) -> Iterator[tuple[Locker, Locker]]:
+    lockers = (
+        Locker(migrated_postgres, table=table_name),
+        Locker(migrated_postgres, table=table_name),
+    )
+    yield lockers
+    for locker in lockers:
+        locker.close()
+
+
+@pytest.fixture
+def heard_on(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str]]:
+    """Every notice a listener hands on, as (the thread that read it, its channel)."""
+    heard: list[tuple[int, str]] = []
+    hear = listening.ReleaseListener._heard
+
+    def recording(self: listening.ReleaseListener, channel: str, payload: str) -> None:
+        heard.append((threading.get_ident(), channel))
+        hear(self, channel, payload)
+
+    monkeypatch.setattr(listening.ReleaseListener, "_heard", recording)
+    return heard
+
+
+def test_a_waiting_thread_reads_the_grant_of_its_hand_off_itself(
+    holder_and_waiter: tuple[Locker, Locker],
+    table_name: str,
+    admin: sa.Engine,
+    heard_on: list[tuple[int, str]],
+) -> None:
+    """The grant was read by the listener's thread, which then woke the waiting thread: that
+    hand was most of a hand-off's latency. Five hand-offs: a waiter in line still tries the
+    row now and then (``Backoff.await_hand_off``), and one whose try meets the release may
+    take the row by it, its grant then read by whichever thread reads."""
+    holder, waiter = holder_and_waiter
+    read_by_waiter = 0
+    for _ in range(5):
+        held = holder.lock("report")
+        thread, result = wait_in_thread(waiter, wait=60, expires=20)
+        in_line(admin, table_name)
+        heard_on.clear()
+        held.unlock()
+        thread.join(10)
+        assert result["lock"].lock_id > held.lock_id
+        listener = waiter._tickets.listener
+        assert listener is not None
+        read_by_waiter += (thread.ident, listener.grants_channel) in heard_on
+        result["lock"].unlock()
+    assert read_by_waiter >= 3
+
+
+def test_threads_of_one_locker_are_served_in_turn_while_one_of_them_reads_for_all(
+    holder_and_waiter: tuple[Locker, Locker],
+    table_name: str,
+    admin: sa.Engine,
+    heard_on: list[tuple[int, str]],
+) -> None:
+    """Four threads wait: one reads the listening connection, and hands the others' grants
+    on as the listener's thread would; each leaves it to the next, or to the listener's
+    thread, once served."""
+    holder, waiter = holder_and_waiter
+    held = holder.lock("report")
+    waits = []
+    for number in range(4):
+        waits.append(wait_in_thread(waiter, wait=60, expires=20))
+        in_line(admin, table_name, waiters=number + 1)
+    held.unlock()
+    for thread, result in waits:
+        thread.join(10)
+        assert "lock" in result, result
+        result["lock"].unlock()
+    listener = waiter._tickets.listener
+    assert listener is not None
+    waiting = {thread.ident for thread, _ in waits}
+    readers = {ident for ident, channel in heard_on if channel == listener.grants_channel}
+    assert readers & waiting  # some grants were read by a waiting thread
+    assert tickets(admin, table_name) == []
+
+
+def test_closing_a_locker_while_a_thread_reads_its_listening_connection_ends_the_listener(
+    holder_and_waiter: tuple[Locker, Locker], table_name: str, admin: sa.Engine
+) -> None:
+    """The listener's thread, ending, waits for the waiting thread to leave the connection
+    before it is closed; the waiting thread finds out at its next read, at once."""
+    holder, waiter = holder_and_waiter
+    held = holder.lock("report")
+    thread, result = wait_in_thread(waiter, wait=3, expires=20)
+    in_line(admin, table_name)
+    listener = waiter._tickets.listener
+    assert listener is not None
+    assert listener._thread is not None
+    listening_thread = listener._thread
+    waiter.close()
+    assert not listening_thread.is_alive()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert isinstance(result.get("error"), LockBusy), result
+    held.unlock()
+
+
+class Interrupted(Exception):
+    """What the test's signal handler raises in the waiting thread."""
+
+
+def test_what_a_signal_handler_raises_in_a_reading_thread_ends_its_wait_not_the_listener(
+    holder_and_waiter: tuple[Locker, Locker], table_name: str, admin: sa.Engine
+) -> None:
+    """The main thread waits, and reads the listening connection meanwhile, when a signal's
+    handler raises: lock() raises it, as it would from any wait, the ticket is given up, and
+    the listener's session lives on (its key, and the tickets of the Locker's other waiters,
+    with it): a read interrupted so is no lost connection. The next waiter is served."""
+    holder, waiter = holder_and_waiter
+    held = holder.lock("report")
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 1.5)
+        with pytest.raises(Interrupted):
+            waiter.lock("report", wait=30, expires=20)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    listener = waiter._tickets.listener
+    assert listener is not None
+    key = listener.liveness_key
+    assert key is not None
+    wait_until(lambda: tickets(admin, table_name) == [])
+    thread, result = wait_in_thread(waiter, wait=60, expires=20)
+    in_line(admin, table_name)
+    assert listener.liveness_key == key
+    held.unlock()
+    thread.join(10)
+    assert "lock" in result, result
+    result["lock"].unlock()
+
+
+def test_a_child_forked_while_a_thread_reads_the_listening_connection_listens_on_its_own(
+    holder_and_waiter: tuple[Locker, Locker], table_name: str, admin: sa.Engine
+) -> None:
+    """A process forked while a thread of its parent reads the listening connection: the
+    child waits on a listener of its own, never on its parent's reading (whose thread is not
+    in the child, and whose connection is the parent's)."""
+    holder, waiter = holder_and_waiter
+    held = holder.lock("report")
+    thread, result = wait_in_thread(waiter, wait=60, expires=20)
+    in_line(admin, table_name)
+    pid = os.fork()
+    if pid == 0:  # the child: its wait ends at its bound, refused
+        code = 1
+        try:
+            waiter.lock("report", wait=1.5, expires=20)
+        except LockBusy:
+            code = 0
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 30
+    while (ended := os.waitpid(pid, os.WNOHANG)) == (0, 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if ended == (0, 0):
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise AssertionError("the forked child's wait did not end")
+    assert os.waitstatus_to_exitcode(ended[1]) == 0
+    held.unlock()
+    thread.join(10)
+    assert "lock" in result, result
+    result["lock"].unlock()
