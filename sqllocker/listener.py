@@ -105,6 +105,15 @@ class ReleaseListener:
         else:
             reader.wait(waiter.event, seconds)
 
+    def wake(self, waiter: Waiter[concurrency.Event]) -> None:
+        """Wake ``waiter`` from another waiter of this Locker (its turn has come): a thread
+        reading the listening connection while it waits hears of it at once."""
+        reader = self._reader
+        if reader is None or self._pid != forks.pid:
+            waiter.event.set()
+        else:
+            reader.wake(waiter.event)
+
     def _catch_up(self) -> None:
         """Before a registration: a thread hands on the notices that came while nobody read
         (see ``sqllocker.notice_reading``); a task has nothing to do, its listener's task reads
@@ -189,14 +198,17 @@ class ReleaseListener:
         connection.execute(f'LISTEN "{self.grants_channel}"')
         connection.execute(f'LISTEN "{self.leaders_channel}"')
         self.liveness_key = _hold_a_key(connection)
-        self._failing = False
-        self._listening.set()
-        for notice in connection.notifies(timeout=0):  # heard while subscribing
-            self._received(notice)
-        self._reader = NoticeReader(connection, self._heard, READ_SECONDS)
+        # There before a waiter is told that the listener listens: one that found none
+        # would wait unheard, the listener's thread reading only once a second for it.
+        reader = self._reader = NoticeReader(connection, self._heard, READ_SECONDS)
         try:
-            self._reader.listen(self._listening_on)
+            self._failing = False
+            self._listening.set()
+            for notice in connection.notifies(timeout=0):  # heard while subscribing
+                self._received(notice)
+            reader.listen(self._listening_on)
         finally:
+            reader.end()
             self._reader = None
 
     def _hold_liveness_on(self, connection: Any) -> None:

@@ -11,21 +11,26 @@ notices come while anyone follows. While nobody waits, the listener's thread rea
 has come, once a second (the server keeps every notice for its slowest listener), and a waiter
 to come takes the lead without waking it.
 
-A waiter that finds the listener's thread reading rings a bell (a pipe) that it polls beside
-the connection, and leads once that thread has put the reading down. A leader that finds the
-connection lost leaves that to the listener's thread, which reconnects; a listener that ends
-(stopped, or its connection lost) waits for its leader to put the lead down before the
-connection is closed.
+Signals: a leader may be the main thread, where signal handlers run, and what one of them
+raises can come between any two steps of Python code. So no thread waits on a lock or
+condition shared with another: the state's lock is taken only by ``with`` on a C lock (no
+Python frame between taking and releasing it) around a few steps, and threads wait by polling
+pipes. Who leads, asks or follows is kept by thread, and forgotten once that thread is no
+longer in the call that made it so (``_prune``): an exception that skipped a call's last step
+would otherwise hold every other thread off for good.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import select
+import sys
 import threading
 import time
 from collections.abc import Callable
+from types import CodeType, FrameType
 from typing import Any
 
 from .errors import LockError
@@ -34,161 +39,235 @@ from .errors import LockError
 _CONNECTION_OK = 0
 
 
+class _Pipe:
+    """A pipe to wake a poll with: ``ring`` from any thread, ``silence`` by the one woken.
+    Never closed but by the garbage collector, once nothing can ring it any more: a thread
+    could otherwise ring a number that another file has been given since."""
+
+    def __init__(self) -> None:
+        read, write = os.pipe()
+        os.set_blocking(read, False)
+        os.set_blocking(write, False)
+        self._read = io.FileIO(read, "r")
+        self._write = io.FileIO(write, "w")
+        self.fd = read
+
+    def ring(self) -> None:
+        with contextlib.suppress(BlockingIOError):  # rung already, and not yet heard
+            self._write.write(b"\0")
+
+    def silence(self) -> None:
+        while self._read.read(512):  # None once empty (non-blocking)
+            pass
+
+    def take_one(self) -> None:
+        """One ring heard, of as many as were rung (one for each thread that waits)."""
+        self._read.read(1)
+
+
 class NoticeReader:
     """The reads of one listening session's ``connection`` (psycopg's), whose notices go to
-    ``hear(channel, payload)``; ``seconds``: the longest one read blocks (the listener's
-    thread looks between reads whether it should stop)."""
+    ``hear(channel, payload)``; ``seconds``: the longest one read or wait blocks."""
 
     def __init__(self, connection: Any, hear: Callable[[str, str], None], seconds: float) -> None:
         self._pgconn = connection.pgconn
         self._encoding = connection.info.encoding
         self._hear = hear
         self._seconds = seconds
-        self._bell, self._ringer = os.pipe()
-        os.set_blocking(self._bell, False)
-        os.set_blocking(self._ringer, False)
-        self._poller = select.poll()
-        self._poller.register(self._pgconn.socket, select.POLLIN)
-        self._poller.register(self._bell, select.POLLIN)
-        self._changed = threading.Condition()
+        self._alarm = _Pipe()  # to whoever reads: look at the state now
+        self._bell = _Pipe()  # to the listener's thread, while it does not read: likewise
+        self._yielded = _Pipe()  # to each waiter asking for the lead: the listener stopped
+        self._reading = select.poll()
+        self._reading.register(self._pgconn.socket, select.POLLIN)
+        self._reading.register(self._alarm.fd, select.POLLIN)
+        self._lock = threading.Lock()  # the state's; only ``with``, around assignments
         self._listener_reads = False  # the listener's thread is in a read
-        self._asking = 0  # waiters waiting for the listener's thread to put the lead down
-        self._led = False  # a waiter reads
-        self._following = 0  # waiters waiting while another thread reads
+        self._leader: int | None = None  # the thread that reads while it waits
+        self._leading: threading.Event | None = None  # what it waits for
+        self._askers: set[int] = set()  # threads waiting for the listener's thread to stop
+        self._followers: set[int] = set()  # threads waiting while another reads
         self._ending = False  # the session ends: nobody takes the lead again
         self._failure: Exception | None = None  # a leader's read that failed
+        self._pruned_at = 0.0
+
+    # -- the listener's thread ----------------------------------------------------------------
 
     def listen(self, listening: Callable[[], bool]) -> None:
         """The listener thread's reads, while ``listening()``: as notices come while waiters
         that do not lead wait (followers); what has come, every ``seconds``, while nobody
         waits (a waiter to come reads for itself, but the server keeps every notice for its
-        slowest listener); never while a waiter leads. Raises LockError once the connection
-        is lost (found by either thread), and, whatever ends it, waits for a leader to put
-        the lead down."""
+        slowest listener); never while a waiter leads or asks to. Raises LockError once the
+        connection is lost (found by either thread), and, whatever ends it, waits for a
+        leader to put the lead down."""
         try:
-            while True:
-                with self._changed:
-                    as_they_come = self._await_turn(listening)
-                    if as_they_come is None:
-                        return
-                    self._listener_reads = True
+            idle_since = time.monotonic()
+            while listening():
+                with self._lock:
+                    failure = self._failure
+                    turn = None if failure is not None else self._turn(idle_since)
+                    self._listener_reads = turn is not None
+                if failure is not None:
+                    raise failure
+                if turn is None:
+                    self._wait_for_the_bell()
+                    continue
                 try:
-                    self._read(self._seconds if as_they_come else 0)
+                    self._read(self._seconds if turn else 0)
                 finally:
-                    with self._changed:
+                    with self._lock:
                         self._listener_reads = False
-                        self._changed.notify_all()
+                        asking = len(self._askers)
+                    for _ in range(asking):  # a ring for each, each taking one
+                        self._yielded.ring()
+                idle_since = time.monotonic()
         finally:
-            self._end()
+            self.end()
 
-    def _await_turn(self, listening: Callable[[], bool]) -> bool | None:
-        """Under ``_changed``: until the listener's thread reads, whether as notices come
-        (followers wait) or only what has come (nobody waits, for ``seconds``); None once
-        it should stop."""
-        idle_since = time.monotonic()
+    def _turn(self, idle_since: float) -> bool | None:
+        """Under the lock: whether the listener's thread reads now as notices come (True:
+        followers wait), only what has come (False: nobody has for ``seconds``), or not at
+        all (None: a waiter leads or asks to, or nobody waits and a read is not due)."""
+        self._prune()
+        if self._leader is not None or self._askers:
+            return None
+        if self._followers:
+            return True
+        if time.monotonic() - idle_since >= self._seconds:
+            return False
+        return None
+
+    def _wait_for_the_bell(self) -> None:
+        select.select([self._bell.fd], [], [], self._seconds)
+        self._bell.silence()
+
+    def end(self) -> None:
+        """No lead taken from now on, and once a leader has put it down, nobody reads."""
+        with self._lock:
+            self._ending = True
         while True:
-            if self._failure is not None:
-                raise self._failure
-            if not listening():
-                return None
-            if not (self._led or self._asking):
-                if self._following:
-                    return True
-                if time.monotonic() - idle_since >= self._seconds:
-                    return False
-            self._changed.wait(self._seconds)
+            with self._lock:
+                self._prune(now=True)
+                leader = self._leader
+            if leader is None:
+                return
+            self._alarm.ring()
+            self._wait_for_the_bell()
+
+    # -- waiting threads ----------------------------------------------------------------------
 
     def wait(self, event: threading.Event, seconds: float | None) -> None:
         """Until ``event`` is set or ``seconds`` (None: no bound) have passed, reading the
-        connection meanwhile if no other waiter does."""
-        if seconds is not None and seconds <= 0:
+        connection meanwhile if no other thread does (else following)."""
+        if event.is_set() or (seconds is not None and seconds <= 0):
             return
         deadline = time.monotonic() + (float("inf") if seconds is None else seconds)
-        if not self._take_lead():
-            self._follow(event, seconds)
-            return
-        try:
-            while not event.is_set() and not self._ending:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._read(min(left, self._seconds))
-        except LockError as error:  # the connection is lost: the listener's thread reconnects
-            self._failure = error
-        finally:
-            with self._changed:
-                self._led = False
-                if self._following or self._asking or self._ending or self._failure:
-                    self._changed.notify_all()  # they need the listener's thread now
+        self._lead(event, deadline)
         left = deadline - time.monotonic()
-        if not event.is_set() and left > 0:  # the session ended first: the listener wakes us
+        if not event.is_set() and left > 0:  # another reads, or the session ended first
             self._follow(event, None if seconds is None else left)
 
     def catch_up(self) -> None:
         """Hand on what has come while nobody read (while nobody waited): before a waiter
         registers, so that it is not woken by notices older than its registration, as it
         was not while the listener's thread read them as they came."""
-        with self._changed:
-            if self._led or self._asking or self._listener_reads or self._ending:
-                return  # another reads as notices come, or the session ends
-            if self._failure is not None:
-                return
-            self._led = True
+        self._lead(None, 0.0)
+
+    def wake(self, event: threading.Event) -> None:
+        """Set ``event`` from another thread: if its waiter reads, the alarm rings too, or it
+        would not hear of it before its read's end."""
+        event.set()
+        if self._leading is event:
+            self._alarm.ring()
+
+    def _lead(self, event: threading.Event | None, deadline: float) -> bool:
+        """Read until ``event`` is set or ``deadline`` (monotonic) passes, if this thread may
+        lead (``_may_lead``); None: only what has come. Whether it led."""
+        if not self._may_lead(threading.get_ident(), event, deadline):
+            return False
         try:
-            self._read(0)
+            if event is None:
+                self._read(0)
+            else:
+                while not event.is_set() and not self._ending:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._read(min(left, self._seconds))
         except LockError as error:  # the connection is lost: the listener's thread reconnects
             self._failure = error
         finally:
-            with self._changed:
-                self._led = False
-                if self._following or self._asking or self._ending or self._failure:
-                    self._changed.notify_all()
+            with self._lock:
+                self._leader = self._leading = None
+                needed = bool(self._followers or self._ending or self._failure)
+            if needed:
+                self._bell.ring()  # the listener's thread reads for the followers, or ends
+        return True
 
-    def _take_lead(self) -> bool:
-        """Whether this thread now leads: at once if the listener's thread is not reading,
-        else once it has, rung, put the lead down; not while another waiter leads (it
-        follows), nor once the session ends."""
-        with self._changed:
-            if self._led or self._ending or self._failure is not None:
-                return False
-            if self._listener_reads:
-                self._asking += 1
-                try:
-                    while self._listener_reads and not self._ending:
-                        self._ring()
-                        self._changed.wait(self._seconds)
-                except BaseException:  # a signal handler's: the listener's thread reads on
-                    self._changed.notify_all()
-                    raise
-                finally:
-                    self._asking -= 1
-                if self._led or self._ending or self._failure is not None:
-                    self._changed.notify_all()  # the listener's thread reads on
+    def _may_lead(self, me: int, event: threading.Event | None, deadline: float) -> bool:
+        """Whether this thread, waiting for ``event``, leads now (then it is the leader): at
+        once if nobody reads, else once the listener's thread has, alarmed, stopped reading
+        (or, without an event, not at all: it reads as notices come). Not while another
+        leads, nor once the session ends: it follows."""
+        while True:
+            with self._lock:
+                if self._ending or self._failure is not None:
                     return False
-            self._led = True
-            return True
+                if self._leader is not None:
+                    self._prune()
+                if self._leader is not None:
+                    return False
+                if not self._listener_reads:
+                    self._leader, self._leading = me, event
+                    self._askers.discard(me)
+                    return True
+                if event is None or time.monotonic() >= deadline:
+                    self._askers.discard(me)
+                    return False
+                self._askers.add(me)
+            self._alarm.ring()
+            # One ring is ours (a ring left by an asker that has gone costs a look more).
+            select.select([self._yielded.fd], [], [], self._seconds)
+            self._yielded.take_one()
 
     def _follow(self, event: threading.Event, seconds: float | None) -> None:
         """Wait for ``event`` while another thread reads: the leader, or, if none, the
         listener's thread, which a follower calls to read as notices come."""
-        with self._changed:
-            self._following += 1
-            if not (self._led or self._asking):
-                self._changed.notify_all()
+        me = threading.get_ident()
+        with self._lock:
+            self._followers.add(me)
+            alone = self._leader is None and not self._askers
         try:
+            if alone:
+                self._bell.ring()
             event.wait(seconds)
         finally:
-            with self._changed:
-                self._following -= 1
+            with self._lock:
+                self._followers.discard(me)
+
+    def _prune(self, now: bool = False) -> None:
+        """Under the lock, once a ``seconds`` at most (or ``now``): forget the leader, askers
+        and followers that are no longer in the calls that made them so."""
+        if not (now or time.monotonic() >= self._pruned_at + self._seconds):
+            return
+        self._pruned_at = time.monotonic()
+        if self._leader is None and not self._askers and not self._followers:
+            return
+        frames = sys._current_frames()
+        if self._leader is not None and not _inside(frames.get(self._leader), _LEADING):
+            self._leader = self._leading = None
+        self._askers = {t for t in self._askers if _inside(frames.get(t), _ASKING)}
+        self._followers = {t for t in self._followers if _inside(frames.get(t), _FOLLOWING)}
+
+    # -- reading --------------------------------------------------------------------------------
 
     def _read(self, seconds: float) -> None:
-        """Hand on every notice come, waiting up to ``seconds`` for one or for the bell. A
+        """Hand on every notice come, waiting up to ``seconds`` for one or for the alarm. A
         lost connection raises LockError; what a signal handler raises goes through."""
         pgconn = self._pgconn
         self._hand_on()
-        for fd, _ in self._poller.poll(seconds * 1000):
-            if fd == self._bell:
-                self._silence()
+        for fd, _ in self._reading.poll(seconds * 1000):
+            if fd == self._alarm.fd:
+                self._alarm.silence()
                 continue
             try:
                 pgconn.consume_input()
@@ -205,22 +284,16 @@ class NoticeReader:
         while (notice := pgconn.notifies()) is not None:
             self._hear(notice.relname.decode(encoding), notice.extra.decode(encoding))
 
-    def _ring(self) -> None:
-        with contextlib.suppress(BlockingIOError):  # rung already, and not yet heard
-            os.write(self._ringer, b"\0")
 
-    def _silence(self) -> None:
-        with contextlib.suppress(BlockingIOError):
-            while os.read(self._bell, 512):
-                pass
+def _inside(frame: FrameType | None, code: CodeType) -> bool:
+    """Whether a thread whose innermost frame is ``frame`` is inside a call of ``code``."""
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
 
-    def _end(self) -> None:
-        """No lead taken from now on; once a leader has put it down, the bell goes."""
-        with self._changed:
-            self._ending = True
-            while self._led:
-                self._ring()
-                self._changed.wait(self._seconds)
-            self._changed.notify_all()
-        os.close(self._bell)
-        os.close(self._ringer)
+
+_LEADING = NoticeReader._lead.__code__
+_ASKING = NoticeReader._may_lead.__code__
+_FOLLOWING = NoticeReader._follow.__code__

@@ -9,6 +9,7 @@ Written once for asyncio; the sync ``sqllocker/ticket_wait.py`` is generated fro
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -169,7 +170,8 @@ class TicketWait:
                         # A release may have come before our ticket: try at once, unless the
                         # row is polled anyway, as soon (Backoff.heading).
                         try_now = not held and not polls
-                    first = ticket is None or line.watch(ticket, waiter.event.set)
+                    wake = functools.partial(listener.wake, waiter)  # once it is first
+                    first = ticket is None or line.watch(ticket, wake)
                     if first:
                         listener.follow_releases(waiter)
                     if first and try_now and not polls and (pause := wakes.pause()) > 0:

@@ -5,17 +5,22 @@ whatever ends a wait."""
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import os
+import random
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from types import FrameType
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
-from sqllocker import LockBusy, Locker
+from sqllocker import LockBusy, Locker, notice_reading
 from sqllocker import listener as listening
 from tests.helpers import in_line, tickets, wait_in_thread, wait_until
 
@@ -191,3 +196,145 @@ def test_a_child_forked_while_a_thread_reads_the_listening_connection_listens_on
     thread.join(10)
     assert "lock" in result, result
     result["lock"].unlock()
+
+
+def _raise_in_lead_as_it_ends(frame: FrameType, event: str, arg: object) -> Any:
+    """A trace function that raises KeyboardInterrupt once, in NoticeReader._lead, as the
+    step that puts the lead down is about to run: where a signal handler's exception can
+    land."""
+    if frame.f_code is not notice_reading.NoticeReader._lead.__code__:
+        return None
+
+    def local(frame: FrameType, event: str, arg: object) -> Any:
+        line = inspect.getframeinfo(frame).code_context or [""]
+        if event == "line" and "self._leader = self._leading = None" in line[0]:
+            sys.settrace(None)
+            frame.f_trace = None
+            raise KeyboardInterrupt
+        return local
+
+    return local
+
+
+def test_a_lead_left_without_putting_it_down_is_taken_back(
+    holder_and_waiter: tuple[Locker, Locker], table_name: str, admin: sa.Engine
+) -> None:
+    """A signal handler's exception lands in the step that puts the lead down, which never
+    runs: the thread has left its wait, but its Locker's reader still named it as the one
+    reading. No thread led again, the listener's thread read for nobody, and closing the
+    Locker left that thread waiting for the lead for good. Now the lead of a thread no longer
+    in its call is taken back."""
+    holder, waiter = holder_and_waiter
+    held = holder.lock("report")
+    sys.settrace(_raise_in_lead_as_it_ends)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            waiter.lock("report", wait=1, expires=20)
+    finally:
+        sys.settrace(None)
+    held.unlock()
+    for _ in range(3):  # hand-offs read by the waiting thread again
+        held = holder.lock("report")
+        thread, result = wait_in_thread(waiter, wait=30, expires=20)
+        in_line(admin, table_name)
+        held.unlock()
+        thread.join(10)
+        assert "lock" in result, result
+        result["lock"].unlock()
+    listener = waiter._tickets.listener
+    assert listener is not None
+    assert listener._thread is not None
+    listening_thread = listener._thread
+    waiter.close()
+    assert not listening_thread.is_alive()
+
+
+def test_a_storm_of_raising_signal_handlers_in_the_reading_thread_leaves_its_locker_working(
+    holder_and_waiter: tuple[Locker, Locker], table_name: str, admin: sa.Engine
+) -> None:
+    """SIGALRM every fraction of a millisecond while the main thread waits for a lock that
+    other threads of its Locker wait for too, its handler raising whenever the main thread
+    runs a step of the reader's: whatever step each exception cut short, the Locker's threads
+    are served within their bounds, hand-offs are read by the waiting thread afterwards, and
+    closing the Locker ends its listener."""
+    holder, waiter = holder_and_waiter
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def holding() -> None:
+        while not stop.is_set():
+            held = holder.lock("report", wait=30, expires=20)
+            time.sleep(0.02)
+            held.unlock()
+            time.sleep(0.001)
+
+    def waiting() -> None:
+        try:
+            while not stop.is_set():
+                with contextlib.suppress(LockBusy):
+                    waiter.lock("report", wait=5, expires=20).unlock()
+        except BaseException as error:
+            failures.append(error)
+
+    threads = [threading.Thread(target=holding)] + [
+        threading.Thread(target=waiting) for _ in range(3)
+    ]
+    for thread in threads:
+        thread.start()
+    armed = False
+    interrupted = 0
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        # In the reader's own steps, and in what it enters and leaves a lock by: one within
+        # threading's Event.wait can leave a RuntimeError of its own, as it could before
+        # the reader was there.
+        nonlocal interrupted
+        if not armed or frame is None:
+            return
+        caller = frame.f_back
+        if frame.f_code.co_filename == notice_reading.__file__ or (
+            frame.f_code.co_name in ("__enter__", "__exit__")
+            and caller is not None
+            and caller.f_code.co_filename == notice_reading.__file__
+        ):
+            interrupted += 1
+            raise Interrupted
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        storm_ends = time.monotonic() + 4
+        while time.monotonic() < storm_ends:
+            signal.setitimer(signal.ITIMER_REAL, random.uniform(0.0001, 0.0005), 0.0003)
+            armed = True
+            try:
+                waiter.lock("report", wait=1, expires=20).unlock()
+            except (Interrupted, LockBusy):
+                pass
+            finally:
+                armed = False
+                signal.setitimer(signal.ITIMER_REAL, 0)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+    assert interrupted > 0
+    assert not [thread for thread in threads if thread.is_alive()]
+    assert not failures, failures
+    read_by_waiter = 0
+    for _ in range(3):
+        held = holder.lock("report")
+        thread, result = wait_in_thread(waiter, wait=30, expires=20)
+        in_line(admin, table_name)
+        listener = waiter._tickets.listener
+        assert listener is not None
+        held.unlock()
+        thread.join(10)
+        assert "lock" in result, result
+        result["lock"].unlock()
+        read_by_waiter += listener.grants > 0
+    assert listener._thread is not None
+    listening_thread = listener._thread
+    waiter.close()
+    assert not listening_thread.is_alive()

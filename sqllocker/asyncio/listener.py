@@ -116,6 +116,18 @@ class AsyncReleaseListener:
             else:
                 reader.wait(waiter.event, seconds)
 
+    def wake(self, waiter: Waiter[concurrency.Event]) -> None:
+        """Wake ``waiter`` from another waiter of this Locker (its turn has come): a thread
+        reading the listening connection while it waits hears of it at once."""
+        if True:  # ASYNC
+            waiter.event.set()
+        else:
+            reader = self._reader
+            if reader is None or self._pid != forks.pid:
+                waiter.event.set()
+            else:
+                reader.wake(waiter.event)
+
     def _catch_up(self) -> None:
         """Before a registration: a thread hands on the notices that came while nobody read
         (see ``sqllocker.notice_reading``); a task has nothing to do, its listener's task reads
@@ -230,18 +242,23 @@ class AsyncReleaseListener:
         await connection.execute(f'LISTEN "{self.grants_channel}"')
         await connection.execute(f'LISTEN "{self.leaders_channel}"')
         self.liveness_key = await _hold_a_key(connection)
-        self._failing = False
-        self._listening.set()
         if True:  # ASYNC
+            self._failing = False
+            self._listening.set()
             async for notice in connection.notifies():
                 self._received(notice)
         else:
-            for notice in connection.notifies(timeout=0):  # heard while subscribing
-                self._received(notice)
-            self._reader = NoticeReader(connection, self._heard, READ_SECONDS)
+            # There before a waiter is told that the listener listens: one that found none
+            # would wait unheard, the listener's thread reading only once a second for it.
+            reader = self._reader = NoticeReader(connection, self._heard, READ_SECONDS)
             try:
-                self._reader.listen(self._listening_on)
+                self._failing = False
+                self._listening.set()
+                for notice in connection.notifies(timeout=0):  # heard while subscribing
+                    self._received(notice)
+                reader.listen(self._listening_on)
             finally:
+                reader.end()
                 self._reader = None
 
     async def _hold_liveness_on(self, connection: Any) -> None:

@@ -175,7 +175,8 @@ class AsyncTicketWait:
                         # A release may have come before our ticket: try at once, unless the
                         # row is polled anyway, as soon (Backoff.heading).
                         try_now = not held and not polls
-                    first = ticket is None or line.watch(ticket, waiter.event.set)
+                    wake = functools.partial(listener.wake, waiter)  # once it is first
+                    first = ticket is None or line.watch(ticket, wake)
                     if first:
                         listener.follow_releases(waiter)
                     if first and try_now and not polls and (pause := wakes.pause()) > 0:
