@@ -61,8 +61,8 @@ class ReleaseListener:
         self.channel = channel_for(table)
         self.grants_channel = grants_channel_for(table)
         self.leaders_channel = leaders_channel_for(table)
-        self._waiters = WaiterQueues()
-        self._observers = WaiterQueues()  # of elections, by name (``sqllocker.elections``)
+        self._waiters = WaiterQueues(self._set)
+        self._observers = WaiterQueues(self._set)  # of elections, by name
         self._listening = concurrency.Event()
         self._failing = False  # its last session ended in an error, and no new one has begun
         # The session advisory lock the listening connection holds: the liveness key of this
@@ -108,11 +108,15 @@ class ReleaseListener:
     def wake(self, waiter: Waiter[concurrency.Event]) -> None:
         """Wake ``waiter`` from another waiter of this Locker (its turn has come): a thread
         reading the listening connection while it waits hears of it at once."""
+        self._set(waiter.event)
+
+    def _set(self, event: threading.Event) -> None:
+        """Set a waiter's ``event`` (see ``NoticeReader.wake``)."""
         reader = self._reader
         if reader is None or self._pid != forks.pid:
-            waiter.event.set()
+            event.set()
         else:
-            reader.wake(waiter.event)
+            reader.wake(event)
 
     def _catch_up(self) -> None:
         """Before a registration: a thread hands on the notices that came while nobody read
@@ -198,14 +202,15 @@ class ReleaseListener:
         connection.execute(f'LISTEN "{self.grants_channel}"')
         connection.execute(f'LISTEN "{self.leaders_channel}"')
         self.liveness_key = _hold_a_key(connection)
+        for notice in connection.notifies(timeout=0):  # heard while subscribing
+            self._received(notice)
         # There before a waiter is told that the listener listens: one that found none
         # would wait unheard, the listener's thread reading only once a second for it.
+        # (And not before the notices above were read: a waiter would read beside it.)
         reader = self._reader = NoticeReader(connection, self._heard, READ_SECONDS)
         try:
             self._failing = False
             self._listening.set()
-            for notice in connection.notifies(timeout=0):  # heard while subscribing
-                self._received(notice)
             reader.listen(self._listening_on)
         finally:
             reader.end()

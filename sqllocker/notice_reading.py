@@ -29,6 +29,7 @@ import select
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any
@@ -52,6 +53,13 @@ class _Pipe:
         self._write = io.FileIO(write, "w")
         self.fd = read
 
+    def wait(self, seconds: float) -> None:
+        """Until it is rung, or ``seconds`` have passed. By a poll object of the call's own
+        (one is not for two threads at once), not select() (fds past 1,023)."""
+        poller = select.poll()
+        poller.register(self.fd, select.POLLIN)
+        poller.poll(seconds * 1000)
+
     def ring(self) -> None:
         with contextlib.suppress(BlockingIOError):  # rung already, and not yet heard
             self._write.write(b"\0")
@@ -70,6 +78,9 @@ class NoticeReader:
     ``hear(channel, payload)``; ``seconds``: the longest one read or wait blocks."""
 
     def __init__(self, connection: Any, hear: Callable[[str, str], None], seconds: float) -> None:
+        import psycopg  # the connection's driver, imported already
+
+        self._lost: type[Exception] = psycopg.Error  # what a lost connection raises
         self._pgconn = connection.pgconn
         self._encoding = connection.info.encoding
         self._hear = hear
@@ -89,6 +100,7 @@ class NoticeReader:
         self._ending = False  # the session ends: nobody takes the lead again
         self._failure: Exception | None = None  # a leader's read that failed
         self._pruned_at = 0.0
+        self._deferred: deque[threading.Event] = deque()  # to set (``wake``)
 
     # -- the listener's thread ----------------------------------------------------------------
 
@@ -102,6 +114,7 @@ class NoticeReader:
         try:
             idle_since = time.monotonic()
             while listening():
+                self._set_deferred()
                 with self._lock:
                     failure = self._failure
                     turn = None if failure is not None else self._turn(idle_since)
@@ -122,6 +135,7 @@ class NoticeReader:
                 idle_since = time.monotonic()
         finally:
             self.end()
+            self._set_deferred()
 
     def _turn(self, idle_since: float) -> bool | None:
         """Under the lock: whether the listener's thread reads now as notices come (True:
@@ -137,7 +151,7 @@ class NoticeReader:
         return None
 
     def _wait_for_the_bell(self) -> None:
-        select.select([self._bell.fd], [], [], self._seconds)
+        self._bell.wait(self._seconds)
         self._bell.silence()
 
     def end(self) -> None:
@@ -173,11 +187,26 @@ class NoticeReader:
         self._lead(None, 0.0)
 
     def wake(self, event: threading.Event) -> None:
-        """Set ``event`` from another thread: if its waiter reads, the alarm rings too, or it
-        would not hear of it before its read's end."""
+        """Set a waiter's ``event``, from whichever thread reads or leaves the Locker's line.
+        The main thread, where signal handlers run, sets none but its own: ``Event.set`` is
+        Python code, and a handler's exception between its taking the event's lock and its
+        releasing it would leave the lock held, and the event's thread waiting for good; the
+        listener's thread sets the others (a hand from one thread to another, as before the
+        waiting threads read). If the event's waiter reads, the alarm rings too, or it would
+        not hear of it before its read's end."""
+        if event is not self._leading and threading.current_thread() is threading.main_thread():
+            self._deferred.append(event)
+            self._bell.ring()
+            self._alarm.ring()
+            return
         event.set()
         if self._leading is event:
             self._alarm.ring()
+
+    def _set_deferred(self) -> None:
+        """The listener's thread: set the events the main thread left to it (``wake``)."""
+        while self._deferred:
+            self._deferred.popleft().set()
 
     def _lead(self, event: threading.Event | None, deadline: float) -> bool:
         """Read until ``event`` is set or ``deadline`` (monotonic) passes, if this thread may
@@ -226,7 +255,7 @@ class NoticeReader:
                 self._askers.add(me)
             self._alarm.ring()
             # One ring is ours (a ring left by an asker that has gone costs a look more).
-            select.select([self._yielded.fd], [], [], self._seconds)
+            self._yielded.wait(self._seconds)
             self._yielded.take_one()
 
     def _follow(self, event: threading.Event, seconds: float | None) -> None:
@@ -271,7 +300,7 @@ class NoticeReader:
                 continue
             try:
                 pgconn.consume_input()
-            except Exception as error:
+            except self._lost as error:  # not what a signal handler raised: that goes on
                 raise LockError(f"the listening connection failed ({error})") from error
             if pgconn.status != _CONNECTION_OK:
                 raise LockError("the listening connection was closed")

@@ -28,6 +28,7 @@ import logging
 import os
 import threading
 from collections import defaultdict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Generic, TypeVar
@@ -156,10 +157,12 @@ class WaiterQueues:
     and by digest those a grant may name (shared by the thread and the asyncio listeners; the
     lock is never held across a wait)."""
 
-    def __init__(self) -> None:
+    def __init__(self, wake: Callable[[Any], None] | None = None) -> None:
         self._lock = threading.Lock()
         self._waiters: dict[str, deque[Waiter[Any]]] = defaultdict(deque)
         self._heads: dict[str, Waiter[Any]] = {}
+        # How a waiter's event is set (the sync listener's may leave it to its own thread).
+        self._wake: Callable[[Any], None] = wake or _set
 
     def add(self, waiter: Waiter[Event]) -> Waiter[Event]:
         with self._lock:
@@ -193,7 +196,7 @@ class WaiterQueues:
         with self._lock:
             queue = self._waiters.pop(lockstring, None)
             for waiter in queue or ():
-                waiter.event.set()
+                self._wake(waiter.event)
 
     def names_a_head(self, digest: str | None) -> bool:
         """Whether a head of ``digest`` is registered here now: a grant to anyone else is not
@@ -208,7 +211,7 @@ class WaiterQueues:
             if waiter is None:
                 return False
             waiter.grant = grant
-            waiter.event.set()
+            self._wake(waiter.event)
             return True
 
     def wake_everyone(self) -> None:
@@ -220,6 +223,10 @@ class WaiterQueues:
                 waiter.event.set()
             self._waiters.clear()
             self._heads.clear()
+
+
+def _set(event: Any) -> None:
+    event.set()
 
 
 def channel_for(table: str) -> str:

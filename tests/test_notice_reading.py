@@ -9,6 +9,7 @@ import contextlib
 import inspect
 import os
 import random
+import resource
 import signal
 import sys
 import threading
@@ -338,3 +339,124 @@ def test_a_storm_of_raising_signal_handlers_in_the_reading_thread_leaves_its_loc
     listening_thread = listener._thread
     waiter.close()
     assert not listening_thread.is_alive()
+
+
+def test_a_thread_woken_by_a_grant_the_main_thread_read_is_woken_by_the_listeners_thread(
+    holder_and_waiter: tuple[Locker, Locker],
+    table_name: str,
+    admin: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The main thread leads while another thread of its Locker waits for another lock: the
+    grant of that lock, read by the main thread, is set by the listener's thread, never by
+    the main thread, where a signal handler's exception inside Event.set would leave the
+    event's lock held and its thread waiting for good."""
+    holder, waiter = holder_and_waiter
+    set_by: list[int] = []
+    set_deferred = notice_reading.NoticeReader._set_deferred
+
+    def recording(self: notice_reading.NoticeReader) -> None:
+        if self._deferred:
+            set_by.append(threading.get_ident())
+        set_deferred(self)
+
+    monkeypatch.setattr(notice_reading.NoticeReader, "_set_deferred", recording)
+    held_a, held_b = holder.lock("a"), holder.lock("b")
+    result: dict[str, Any] = {}
+
+    def then_b() -> None:  # once the main thread leads: another thread waits, and is served
+        in_line(admin, table_name)
+        thread, got = wait_in_thread(waiter, "b", wait=60, expires=20)
+        in_line(admin, table_name, waiters=2)
+        held_b.unlock()
+        thread.join(10)
+        result.update(got)
+        if "lock" in got:
+            got["lock"].unlock()
+        held_a.unlock()
+
+    other = threading.Thread(target=then_b)
+    other.start()
+    lock_a = waiter.lock("a", wait=30, expires=20)  # the main thread leads meanwhile
+    other.join(20)
+    lock_a.unlock()
+    assert "lock" in result, result
+    assert set_by
+    assert threading.get_ident() not in set_by
+
+
+class _Lost(Exception):
+    """What the test's stand-in for a signal handler raises as the connection is read."""
+
+
+def test_what_a_signal_handler_raises_as_the_connection_is_read_is_not_a_lost_connection(
+    holder_and_waiter: tuple[Locker, Locker], table_name: str, admin: sa.Engine
+) -> None:
+    """A handler's exception that came as libpq read the connection was taken for the
+    connection lost: the caller never saw it, its wait ran to its bound, and the listener
+    reconnected (a new session, its tickets dead)."""
+    holder, waiter = holder_and_waiter
+    held = holder.lock("report")
+    waiter.lock("warm", wait=5).unlock()
+    listener = waiter._tickets.listener
+    assert listener is not None
+    wait_until(lambda: listener._reader is not None)
+    reader = listener._reader
+    assert reader is not None
+    key = listener.liveness_key
+
+    class Interrupting:
+        def __init__(self, pgconn: Any) -> None:
+            self._pgconn = pgconn
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._pgconn, name)
+
+        def consume_input(self) -> None:
+            self._pgconn.consume_input()
+            if threading.current_thread() is threading.main_thread():
+                raise _Lost
+
+    reader._pgconn = Interrupting(reader._pgconn)
+    releaser = threading.Timer(1.0, held.unlock)
+    releaser.start()
+    try:
+        with pytest.raises(_Lost):
+            waiter.lock("report", wait=10, expires=20)
+    finally:
+        releaser.join()
+    assert listener.liveness_key == key
+    assert reader._failure is None
+
+
+def test_a_process_with_more_than_1024_files_open_still_hands_off(
+    holder_and_waiter: tuple[Locker, Locker], table_name: str, admin: sa.Engine
+) -> None:
+    """The reader's pipes get numbers past 1,023, which select() refuses: the listener's
+    thread failed at its first wait, and reconnected every second."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = 1200
+    if soft < needed:
+        assert hard >= needed, "this test needs RLIMIT_NOFILE of 1200"
+        resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+    opened = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        holder, waiter = holder_and_waiter
+        waiter.lock("warm", wait=5).unlock()  # the reader made now: its pipes past 1,023
+        listener = waiter._tickets.listener
+        assert listener is not None
+        key = listener.liveness_key
+        for _ in range(2):
+            held = holder.lock("report")
+            thread, result = wait_in_thread(waiter, wait=30, expires=20)
+            in_line(admin, table_name)
+            held.unlock()
+            thread.join(10)
+            assert "lock" in result, result
+            result["lock"].unlock()
+        time.sleep(2.5)  # the listener's thread waited, idle, twice meanwhile
+        assert listener.liveness_key == key
+    finally:
+        for fd in opened:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -66,8 +66,12 @@ class AsyncReleaseListener:
         self.channel = channel_for(table)
         self.grants_channel = grants_channel_for(table)
         self.leaders_channel = leaders_channel_for(table)
-        self._waiters = WaiterQueues()
-        self._observers = WaiterQueues()  # of elections, by name (``sqllocker.elections``)
+        if True:  # ASYNC
+            self._waiters = WaiterQueues()
+            self._observers = WaiterQueues()  # of elections, by name (``sqllocker.elections``)
+        else:
+            self._waiters = WaiterQueues(self._set)
+            self._observers = WaiterQueues(self._set)  # of elections, by name
         self._listening = concurrency.Event()
         self._failing = False  # its last session ended in an error, and no new one has begun
         # The session advisory lock the listening connection holds: the liveness key of this
@@ -122,11 +126,19 @@ class AsyncReleaseListener:
         if True:  # ASYNC
             waiter.event.set()
         else:
+            self._set(waiter.event)
+
+    if True:  # ASYNC
+        pass
+    else:
+
+        def _set(self, event: threading.Event) -> None:
+            """Set a waiter's ``event`` (see ``NoticeReader.wake``)."""
             reader = self._reader
             if reader is None or self._pid != forks.pid:
-                waiter.event.set()
+                event.set()
             else:
-                reader.wake(waiter.event)
+                reader.wake(event)
 
     def _catch_up(self) -> None:
         """Before a registration: a thread hands on the notices that came while nobody read
@@ -248,14 +260,15 @@ class AsyncReleaseListener:
             async for notice in connection.notifies():
                 self._received(notice)
         else:
+            for notice in connection.notifies(timeout=0):  # heard while subscribing
+                self._received(notice)
             # There before a waiter is told that the listener listens: one that found none
             # would wait unheard, the listener's thread reading only once a second for it.
+            # (And not before the notices above were read: a waiter would read beside it.)
             reader = self._reader = NoticeReader(connection, self._heard, READ_SECONDS)
             try:
                 self._failing = False
                 self._listening.set()
-                for notice in connection.notifies(timeout=0):  # heard while subscribing
-                    self._received(notice)
                 reader.listen(self._listening_on)
             finally:
                 reader.end()
