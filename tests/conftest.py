@@ -142,6 +142,18 @@ def slow_polling(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
+def holder_and_waiter(migrated_postgres: str, table_name: str) -> Iterator[tuple[Locker, Locker]]:
+    """Two Lockers of one PostgreSQL table made by the migrations (tickets, hand-offs)."""
+    lockers = (
+        Locker(migrated_postgres, table=table_name),
+        Locker(migrated_postgres, table=table_name),
+    )
+    yield lockers
+    for locker in lockers:
+        locker.close()
+
+
+@pytest.fixture
 def admin(migrated_postgres: str) -> Iterator[sa.Engine]:
     engine = sa.create_engine(resolve_url(migrated_postgres))
     yield engine

@@ -9,7 +9,6 @@ import hashlib
 import hmac
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,17 +60,6 @@ def hand_off(holder: Locker, waiter: Locker, admin: sa.Engine, table: str) -> Ha
     released = time.monotonic()
     thread.join(10)
     return HandOff(held, result["lock"], released, result["returned"])
-
-
-@pytest.fixture
-def holder_and_waiter(migrated_postgres: str, table_name: str) -> Iterator[tuple[Locker, Locker]]:
-    lockers = (
-        Locker(migrated_postgres, table=table_name),
-        Locker(migrated_postgres, table=table_name),
-    )
-    yield lockers
-    for locker in lockers:
-        locker.close()
 
 
 def test_a_release_hands_the_row_to_the_waiter_with_the_first_ticket(

@@ -14,7 +14,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
@@ -26,15 +25,26 @@ from sqllocker import listener as listening
 from tests.helpers import in_line, tickets, wait_in_thread, wait_until
 
 
-@pytest.fixture
-def holder_and_waiter(migrated_postgres: str, table_name: str) -> Iterator[tuple[Locker, Locker]]:
-    lockers = (
-        Locker(migrated_postgres, table=table_name),
-        Locker(migrated_postgres, table=table_name),
-    )
-    yield lockers
-    for locker in lockers:
-        locker.close()
+def closing_ends_the_listener(waiter: Locker) -> None:
+    """``waiter.close()`` leaves its listener's thread ended."""
+    listener = waiter._tickets.listener
+    assert listener is not None
+    assert listener._thread is not None
+    listening_thread = listener._thread
+    waiter.close()
+    assert not listening_thread.is_alive()
+
+
+def handed_over(holder: Locker, waiter: Locker, admin: sa.Engine, table: str, times: int) -> None:
+    """``times`` hand-offs of "report" from ``holder`` to a thread of ``waiter``'s."""
+    for _ in range(times):
+        held = holder.lock("report")
+        thread, result = wait_in_thread(waiter, wait=30, expires=20)
+        in_line(admin, table)
+        held.unlock()
+        thread.join(10)
+        assert "lock" in result, result
+        result["lock"].unlock()
 
 
 @pytest.fixture
@@ -115,12 +125,7 @@ def test_closing_a_locker_while_a_thread_reads_its_listening_connection_ends_the
     held = holder.lock("report")
     thread, result = wait_in_thread(waiter, wait=3, expires=20)
     in_line(admin, table_name)
-    listener = waiter._tickets.listener
-    assert listener is not None
-    assert listener._thread is not None
-    listening_thread = listener._thread
-    waiter.close()
-    assert not listening_thread.is_alive()
+    closing_ends_the_listener(waiter)
     thread.join(10)
     assert not thread.is_alive()
     assert isinstance(result.get("error"), LockBusy), result
@@ -234,20 +239,8 @@ def test_a_lead_left_without_putting_it_down_is_taken_back(
     finally:
         sys.settrace(None)
     held.unlock()
-    for _ in range(3):  # hand-offs read by the waiting thread again
-        held = holder.lock("report")
-        thread, result = wait_in_thread(waiter, wait=30, expires=20)
-        in_line(admin, table_name)
-        held.unlock()
-        thread.join(10)
-        assert "lock" in result, result
-        result["lock"].unlock()
-    listener = waiter._tickets.listener
-    assert listener is not None
-    assert listener._thread is not None
-    listening_thread = listener._thread
-    waiter.close()
-    assert not listening_thread.is_alive()
+    handed_over(holder, waiter, admin, table_name, times=3)
+    closing_ends_the_listener(waiter)
 
 
 def test_a_storm_of_raising_signal_handlers_in_the_reading_thread_leaves_its_locker_working(
@@ -323,22 +316,8 @@ def test_a_storm_of_raising_signal_handlers_in_the_reading_thread_leaves_its_loc
     assert interrupted > 0
     assert not [thread for thread in threads if thread.is_alive()]
     assert not failures, failures
-    read_by_waiter = 0
-    for _ in range(3):
-        held = holder.lock("report")
-        thread, result = wait_in_thread(waiter, wait=30, expires=20)
-        in_line(admin, table_name)
-        listener = waiter._tickets.listener
-        assert listener is not None
-        held.unlock()
-        thread.join(10)
-        assert "lock" in result, result
-        result["lock"].unlock()
-        read_by_waiter += listener.grants > 0
-    assert listener._thread is not None
-    listening_thread = listener._thread
-    waiter.close()
-    assert not listening_thread.is_alive()
+    handed_over(holder, waiter, admin, table_name, times=3)
+    closing_ends_the_listener(waiter)
 
 
 def test_a_thread_woken_by_a_grant_the_main_thread_read_is_woken_by_the_listeners_thread(
@@ -446,14 +425,7 @@ def test_a_process_with_more_than_1024_files_open_still_hands_off(
         listener = waiter._tickets.listener
         assert listener is not None
         key = listener.liveness_key
-        for _ in range(2):
-            held = holder.lock("report")
-            thread, result = wait_in_thread(waiter, wait=30, expires=20)
-            in_line(admin, table_name)
-            held.unlock()
-            thread.join(10)
-            assert "lock" in result, result
-            result["lock"].unlock()
+        handed_over(holder, waiter, admin, table_name, times=2)
         time.sleep(2.5)  # the listener's thread waited, idle, twice meanwhile
         assert listener.liveness_key == key
     finally:
