@@ -99,8 +99,8 @@ class ReleaseListener:
         reads the listening connection itself meanwhile, unless another does (see
         ``sqllocker.notice_reading``): a hand-off to it wakes it without a hand from the
         listener's thread."""
-        reader = self._reader
-        if reader is None or self._pid != forks.pid:
+        reader = self._live_reader()
+        if reader is None:
             concurrency.wait(waiter.event, seconds)
         else:
             reader.wait(waiter.event, seconds)
@@ -110,10 +110,15 @@ class ReleaseListener:
         reading the listening connection while it waits hears of it at once."""
         self._set(waiter.event)
 
+    def _live_reader(self) -> NoticeReader | None:
+        """The reads of this process's listening session, if it has one now (a forked
+        child's is not its parent's)."""
+        return self._reader if self._pid == forks.pid else None
+
     def _set(self, event: threading.Event) -> None:
         """Set a waiter's ``event`` (see ``NoticeReader.wake``)."""
-        reader = self._reader
-        if reader is None or self._pid != forks.pid:
+        reader = self._live_reader()
+        if reader is None:
             event.set()
         else:
             reader.wake(event)
@@ -122,8 +127,8 @@ class ReleaseListener:
         """Before a registration: a thread hands on the notices that came while nobody read
         (see ``sqllocker.notice_reading``); a task has nothing to do, its listener's task reads
         them as they come."""
-        reader = self._reader
-        if reader is not None and self._pid == forks.pid:
+        reader = self._live_reader()
+        if reader is not None:
             reader.catch_up()
 
     def unregister(self, waiter: Waiter[concurrency.Event]) -> None:

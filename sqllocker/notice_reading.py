@@ -191,9 +191,8 @@ class NoticeReader:
         The main thread, where signal handlers run, sets none but its own: ``Event.set`` is
         Python code, and a handler's exception between its taking the event's lock and its
         releasing it would leave the lock held, and the event's thread waiting for good; the
-        listener's thread sets the others (a hand from one thread to another, as before the
-        waiting threads read). If the event's waiter reads, the alarm rings too, or it would
-        not hear of it before its read's end."""
+        listener's thread sets the others (a hand from one thread to another). If the event's
+        waiter reads, the alarm rings too, or it would not hear of it before its read's end."""
         if event is not self._leading and threading.current_thread() is threading.main_thread():
             self._deferred.append(event)
             self._bell.ring()

@@ -363,7 +363,8 @@ def test_top_shows_a_row_expiring_as_it_reads_once(make_locker: Any) -> None:
         if len(expired) == 300:
             break
     # The last row expires 0.95 s after the last lock: reads by the score on a fast machine,
-    # a few on one so loaded that a read takes a quarter of a second (20 in 1 s failed so).
+    # a few on one so loaded that a read takes a quarter of a second; a count of reads in a
+    # given time would test the machine's pace, not top's.
     assert mixed >= 3
 
 

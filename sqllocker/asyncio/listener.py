@@ -114,8 +114,8 @@ class AsyncReleaseListener:
         if True:  # ASYNC
             await concurrency.wait(waiter.event, seconds)
         else:
-            reader = self._reader
-            if reader is None or self._pid != forks.pid:
+            reader = self._live_reader()
+            if reader is None:
                 concurrency.wait(waiter.event, seconds)
             else:
                 reader.wait(waiter.event, seconds)
@@ -132,10 +132,15 @@ class AsyncReleaseListener:
         pass
     else:
 
+        def _live_reader(self) -> NoticeReader | None:
+            """The reads of this process's listening session, if it has one now (a forked
+            child's is not its parent's)."""
+            return self._reader if self._pid == forks.pid else None
+
         def _set(self, event: threading.Event) -> None:
             """Set a waiter's ``event`` (see ``NoticeReader.wake``)."""
-            reader = self._reader
-            if reader is None or self._pid != forks.pid:
+            reader = self._live_reader()
+            if reader is None:
                 event.set()
             else:
                 reader.wake(event)
@@ -147,8 +152,8 @@ class AsyncReleaseListener:
         if True:  # ASYNC
             pass
         else:
-            reader = self._reader
-            if reader is not None and self._pid == forks.pid:
+            reader = self._live_reader()
+            if reader is not None:
                 reader.catch_up()
 
     def unregister(self, waiter: Waiter[concurrency.Event]) -> None:
