@@ -76,6 +76,8 @@ KEEP_SPARE = 4
 # lock on a byte, which its content does not touch.
 BELL_SIZE = 8
 BELL_INTERVAL = 0.05
+# How long a thread whose wait for a place has ended stays for the next request.
+PLACER_IDLE_SECONDS = 5.0
 
 
 _pack = struct.Struct(_FLOCK).pack
@@ -116,6 +118,7 @@ class FileQueue:
         self._listeners: set[BellListener] = set()
         self._bell_watched = False  # a thread reads the bell for this process's listeners
         self._looker: int | None = None  # see _open_looker
+        self._placers = _Placers(self.thread_name)
 
     @staticmethod
     def offset(table: str, lockstring: str) -> int:
@@ -171,6 +174,8 @@ class FileQueue:
         is granted (None if the queue file cannot be opened). A request another waiter of this
         process gave up is taken over."""
         with self._lock:
+            if self._pid != forks.pid:
+                self._after_fork()  # the parent's requests are not this process's to take
             unwanted = self._unwanted.get(offset)
             if unwanted:
                 request = unwanted.pop()
@@ -180,7 +185,7 @@ class FileQueue:
         if fd is None:
             return None
         request = PlaceRequest(self, fd, offset)
-        threading.Thread(target=request.wait, name=self.thread_name, daemon=True).start()
+        self._placers.serve(request)
         return request
 
     def ring(self, turn: int | None = None) -> None:
@@ -271,6 +276,7 @@ class FileQueue:
             if self._looker is not None:
                 spare.append(self._looker)
                 self._looker = None
+        self._placers.close()
         if self._pid == forks.pid:
             for fd in spare:
                 os.close(fd)
@@ -311,6 +317,7 @@ class FileQueue:
                 with contextlib.suppress(OSError):
                     os.close(fd)
             self._pid, self._spare, self._unwanted = forks.pid, [], {}
+            self._placers = _Placers(self.thread_name)  # the parent's threads are not here
             # Nor was the bell's reader: the child's first listener starts its own.
             self._listeners, self._bell_watched = set(), False
 
@@ -421,8 +428,72 @@ class Unplaced:
             queue.ring(turn=self._offset)
 
 
+class _Placers:
+    """The threads that wait for places (``PlaceRequest.wait``). One whose wait has ended stays
+    ``PLACER_IDLE_SECONDS`` for the next request: a wait starts no thread, whose start (and
+    join) cost more CPU than a contended turn's statements, on the machine every waiter of the
+    database shares. A waiting thread has the queue's ``thread_name``, an idle one that and
+    " idle"."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._lock = threading.Lock()
+        self._idle: list[_Slot] = []
+        self._closed = False
+
+    def serve(self, request: PlaceRequest) -> None:
+        """Have a thread wait for ``request``: an idle one, else a new one."""
+        with self._lock:
+            if self._idle:
+                slot = self._idle.pop()
+                slot.request = request
+                slot.handed.release()
+                return
+        threading.Thread(target=self._run, args=(request,), name=self._name, daemon=True).start()
+
+    def close(self) -> None:
+        """Idle threads end now (a waiting one, once its wait has)."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for slot in idle:
+            slot.handed.release()  # with no request: the thread ends
+
+    def _run(self, request: PlaceRequest | None) -> None:
+        slot = _Slot()
+        thread = threading.current_thread()
+        while request is not None:
+            request.wait()
+            thread.name = f"{self._name} idle"
+            with self._lock:
+                if self._closed:
+                    return
+                self._idle.append(slot)
+            if not slot.handed.acquire(timeout=PLACER_IDLE_SECONDS):
+                with self._lock:
+                    if slot in self._idle:
+                        self._idle.remove(slot)
+                        return
+                # Taken by a request as the wait ran out: it is handed over next.
+                slot.handed.acquire()
+            request, slot.request = slot.request, None
+            thread.name = self._name
+
+
+class _Slot:
+    """An idle placer's: ``handed`` (a lock held until then) is released once ``request`` is
+    set, or with none, to end the thread."""
+
+    __slots__ = ("handed", "request")
+
+    def __init__(self) -> None:
+        self.handed = threading.Lock()
+        self.handed.acquire()
+        self.request: PlaceRequest | None = None
+
+
 class PlaceRequest:
-    """A place asked for, waited for by a thread of its own: ``granted`` is set once the
+    """A place asked for, waited for by a thread (``_Placers``): ``granted`` is set once the
     place is ours (``take()`` then hands it over), or the wait failed."""
 
     def __init__(self, queue: FileQueue, fd: int, offset: int) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from sqllocker import LockBusy, Locker, LockLost, backoff
+from sqllocker import LockBusy, Locker, LockLost, backoff, file_queue
 from sqllocker.file_queue import AVAILABLE, SUFFIX, FileQueue
 from sqllocker.operations import release as releasing
 from tests.helpers import wait_in_thread, wait_until
@@ -114,6 +114,76 @@ def test_waiters_that_give_up_leave_one_request_behind_for_the_next(
     wait_until(lambda: place_threads(tmp_path) == 0)
     with waiter.lock("report", wait=0) as lock:
         assert lock.is_valid()
+
+
+def placers(tmp_path: Path) -> list[threading.Thread]:
+    """The threads that waited for a place of the test's database, now idle."""
+    name = FileQueue(str(tmp_path / "locks.db")).thread_name + " idle"
+    return [thread for thread in threading.enumerate() if thread.name == name]
+
+
+def waited_for_the_place(holder: Locker, waiter: Locker, tmp_path: Path) -> threading.Thread:
+    """A wait of ``waiter``'s behind ``holder``'s lock, served by the kernel's queue: the
+    thread that waited for the place."""
+    held = holder.lock("report", wait=1, expires=30)
+    thread, result = wait_in_thread(waiter, wait=30, expires=30)
+    wait_until(lambda: place_threads(tmp_path) == 1)
+    name = FileQueue(str(tmp_path / "locks.db")).thread_name
+    [placer] = [thread for thread in threading.enumerate() if thread.name == name]
+    held.unlock()
+    thread.join(10)
+    result["lock"].unlock()
+    return placer
+
+
+def test_a_wait_is_served_by_the_thread_of_the_last_not_a_new_one(
+    lockers: Callable[[], Locker], tmp_path: Path
+) -> None:
+    """A thread's start and end cost more CPU than a contended turn's statements: the thread
+    that waited for a place stays a while for the next request, and serves it."""
+    holder, waiter = lockers(), lockers()
+    first = waited_for_the_place(holder, waiter, tmp_path)
+    wait_until(lambda: placers(tmp_path) == [first])
+    assert waited_for_the_place(holder, waiter, tmp_path) is first
+
+
+def test_idle_placers_end_when_their_while_is_over_or_their_locker_closes(
+    lockers: Callable[[], Locker], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    holder, waiter = lockers(), lockers()
+    monkeypatch.setattr(file_queue, "PLACER_IDLE_SECONDS", 0.3)
+    placer = waited_for_the_place(holder, waiter, tmp_path)
+    placer.join(5)
+    assert not placer.is_alive()
+    monkeypatch.setattr(file_queue, "PLACER_IDLE_SECONDS", 60)
+    placer = waited_for_the_place(holder, waiter, tmp_path)
+    wait_until(lambda: placers(tmp_path) == [placer])
+    waiter.close()
+    placer.join(5)
+    assert not placer.is_alive()
+
+
+def test_a_forked_childs_wait_has_a_thread_of_its_own(
+    lockers: Callable[[], Locker], tmp_path: Path
+) -> None:
+    """Its parent's idle threads were not forked with it: a child handed its request to one
+    would wait for a grant that never comes (and find the row free at its next look only)."""
+    holder, waiter = lockers(), lockers()
+    waited_for_the_place(holder, waiter, tmp_path)
+    assert placers(tmp_path)
+    held = holder.lock("report", wait=1, expires=30)
+    pid = os.fork()
+    if pid == 0:  # the child: its wait's request must be waited for by a thread of its own
+        code = 1
+        try:
+            wait_in_thread(waiter, wait=2, expires=30)
+            wait_until(lambda: place_threads(tmp_path) == 1, timeout=5)
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    held.unlock()
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def test_waiters_of_other_lockstrings_do_not_wait_for_each_other(
