@@ -76,8 +76,9 @@ KEEP_SPARE = 4
 # lock on a byte, which its content does not touch.
 BELL_SIZE = 8
 BELL_INTERVAL = 0.05
-# How long a thread whose wait for a place has ended stays for the next request.
-PLACER_IDLE_SECONDS = 5.0
+# How long a thread of the queue's with nothing left to do (one that waited for a place, the
+# bell's reader) stays for more: a thread's start and end cost more CPU than a contended turn.
+IDLE_SECONDS = 5.0
 
 
 _pack = struct.Struct(_FLOCK).pack
@@ -230,9 +231,11 @@ class FileQueue:
 
     def _watch_bell(self, fd: int, heard: bytes | None) -> None:
         """The bell's reader: wakes this process's listeners whenever the bell changes (at
-        once where the kernel says when the file is written, else at its next poll); ends when
-        none is left."""
+        once where the kernel says when the file is written, else at its next poll); ends once
+        none has been left for ``IDLE_SECONDS`` (a process taking turns listens again within
+        milliseconds), or the queue is closed."""
         watch = FileWatch.of(self.path)
+        idle_since: float | None = None
         try:
             while True:
                 if watch is None:
@@ -244,8 +247,12 @@ class FileQueue:
                 now = _read_bell(fd)
                 with self._lock:
                     if not self._listeners:
-                        self._bell_watched = False
-                        return
+                        idle_since = idle_since or time.monotonic()
+                        if self._closed or time.monotonic() - idle_since >= IDLE_SECONDS:
+                            self._bell_watched = False
+                            return
+                    else:
+                        idle_since = None
                     listeners = list(self._listeners)
                 if now == heard:
                     continue
@@ -430,7 +437,7 @@ class Unplaced:
 
 class _Placers:
     """The threads that wait for places (``PlaceRequest.wait``). One whose wait has ended stays
-    ``PLACER_IDLE_SECONDS`` for the next request: a wait starts no thread, whose start (and
+    ``IDLE_SECONDS`` for the next request: a wait starts no thread, whose start (and
     join) cost more CPU than a contended turn's statements, on the machine every waiter of the
     database shares. A waiting thread has the queue's ``thread_name``, an idle one that and
     " idle"."""
@@ -469,7 +476,7 @@ class _Placers:
                 if self._closed:
                     return
                 self._idle.append(slot)
-            if not slot.handed.acquire(timeout=PLACER_IDLE_SECONDS):
+            if not slot.handed.acquire(timeout=IDLE_SECONDS):
                 with self._lock:
                     if slot in self._idle:
                         self._idle.remove(slot)

@@ -151,11 +151,11 @@ def test_idle_placers_end_when_their_while_is_over_or_their_locker_closes(
     lockers: Callable[[], Locker], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     holder, waiter = lockers(), lockers()
-    monkeypatch.setattr(file_queue, "PLACER_IDLE_SECONDS", 0.3)
+    monkeypatch.setattr(file_queue, "IDLE_SECONDS", 0.3)
     placer = waited_for_the_place(holder, waiter, tmp_path)
     placer.join(5)
     assert not placer.is_alive()
-    monkeypatch.setattr(file_queue, "PLACER_IDLE_SECONDS", 60)
+    monkeypatch.setattr(file_queue, "IDLE_SECONDS", 60)
     placer = waited_for_the_place(holder, waiter, tmp_path)
     wait_until(lambda: placers(tmp_path) == [placer])
     waiter.close()
@@ -461,7 +461,7 @@ def test_a_queued_waiter_hears_release_force_from_another_process(
         held.unlock()
 
 
-def test_the_bell_wakes_every_listener_of_every_queue_and_its_reader_ends_with_them(
+def test_the_bell_wakes_every_listener_of_every_queue_and_its_reader_ends_with_the_queue(
     tmp_path: Path,
 ) -> None:
     """One queue rings (a breaker's Locker); two other queues of the same database (two
@@ -485,10 +485,32 @@ def test_the_bell_wakes_every_listener_of_every_queue_and_its_reader_ends_with_t
     assert not woken[2].is_set()  # heard() forgot it
     for listener in listeners:
         listener.close()
-    bells = f"{first.thread_name} bell"
-    wait_until(lambda: not any(thread.name == bells for thread in threading.enumerate()))
     for queue in (breaker, first, second):
         queue.close()
+    bells = f"{first.thread_name} bell"
+    wait_until(lambda: not any(thread.name == bells for thread in threading.enumerate()))
+
+
+def test_the_bells_reader_stays_a_while_for_the_next_listener_then_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process taking turns listens for each wait, milliseconds apart: one reader serves
+    them all, rather than a thread started for each wait."""
+    queue = FileQueue(str(tmp_path / "locks.db"))
+    bells = f"{queue.thread_name} bell"
+
+    def readers() -> list[threading.Thread]:
+        return [thread for thread in threading.enumerate() if thread.name == bells]
+
+    queue.listen().close()
+    [reader] = readers()
+    time.sleep(0.2)  # past a few of its reads with nobody listening
+    queue.listen().close()
+    assert readers() == [reader]
+    monkeypatch.setattr(file_queue, "IDLE_SECONDS", 0.3)
+    reader.join(5)
+    assert not reader.is_alive()
+    queue.close()
 
 
 # -- locks taken at once, without their places (file_queue.Unplaced) ----------------------------
