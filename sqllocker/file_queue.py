@@ -276,14 +276,16 @@ class FileQueue:
         return f"sqllocker-place {self.path}"
 
     def close(self) -> None:
-        """Close the spare files; places held and requests queued end with their own."""
+        """Close the spare files, and end the threads that wait for nothing; places held and
+        requests queued end with their own."""
         with self._lock:
             self._closed = True
             spare, self._spare = self._spare, []
             if self._looker is not None:
                 spare.append(self._looker)
                 self._looker = None
-        self._placers.close()
+        if self._pid == forks.pid:  # a forked child's copy is its parent's (its lock too)
+            self._placers.close()
         if self._pid == forks.pid:
             for fd in spare:
                 os.close(fd)
@@ -437,10 +439,10 @@ class Unplaced:
 
 class _Placers:
     """The threads that wait for places (``PlaceRequest.wait``). One whose wait has ended stays
-    ``IDLE_SECONDS`` for the next request: a wait starts no thread, whose start (and
-    join) cost more CPU than a contended turn's statements, on the machine every waiter of the
-    database shares. A waiting thread has the queue's ``thread_name``, an idle one that and
-    " idle"."""
+    ``IDLE_SECONDS`` for the next request, so that a wait starts no thread while one is idle:
+    a thread's start and end cost more CPU than a contended turn's statements, on the machine
+    every waiter of the database shares. A waiting thread has the queue's ``thread_name``, an
+    idle one that and " idle"."""
 
     def __init__(self, name: str) -> None:
         self._name = name
@@ -471,6 +473,7 @@ class _Placers:
         thread = threading.current_thread()
         while request is not None:
             request.wait()
+            request = None  # nor its queue kept alive by an idle thread
             thread.name = f"{self._name} idle"
             with self._lock:
                 if self._closed:

@@ -166,12 +166,16 @@ def test_idle_placers_end_when_their_while_is_over_or_their_locker_closes(
 def test_a_forked_childs_wait_has_a_thread_of_its_own(
     lockers: Callable[[], Locker], tmp_path: Path
 ) -> None:
-    """Its parent's idle threads were not forked with it: a child handed its request to one
-    would wait for a grant that never comes (and find the row free at its next look only)."""
+    """Its parent's threads were not forked with it, neither an idle one nor one still waiting
+    for a request its waiter gave up: a child handed its request to one, or taking over the
+    other's, would wait for a grant that never comes (and find the row free at its next look
+    only)."""
     holder, waiter = lockers(), lockers()
     waited_for_the_place(holder, waiter, tmp_path)
     assert placers(tmp_path)
     held = holder.lock("report", wait=1, expires=30)
+    with pytest.raises(LockBusy):
+        waiter.lock("report", wait=0.05)  # its request is left queued, for the next wait
     pid = os.fork()
     if pid == 0:  # the child: its wait's request must be waited for by a thread of its own
         code = 1
