@@ -284,9 +284,8 @@ class FileQueue:
             if self._looker is not None:
                 spare.append(self._looker)
                 self._looker = None
-        if self._pid == forks.pid:  # a forked child's copy is its parent's (its lock too)
+        if self._pid == forks.pid:  # a forked child's copies are its parent's (the locks too)
             self._placers.close()
-        if self._pid == forks.pid:
             for fd in spare:
                 os.close(fd)
 
