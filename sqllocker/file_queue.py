@@ -48,6 +48,7 @@ import struct
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 from . import forks
@@ -120,6 +121,7 @@ class FileQueue:
         self._bell_watched = False  # a thread reads the bell for this process's listeners
         self._looker: int | None = None  # see _open_looker
         self._placers = _Placers(self.thread_name)
+        _QUEUES.add(self)
 
     @staticmethod
     def offset(table: str, lockstring: str) -> int:
@@ -328,6 +330,22 @@ class FileQueue:
             self._placers = _Placers(self.thread_name)  # the parent's threads are not here
             # Nor was the bell's reader: the child's first listener starts its own.
             self._listeners, self._bell_watched = set(), False
+
+
+# Every queue of this process, for ``_after_fork_in_child``.
+_QUEUES: weakref.WeakSet[FileQueue] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child's queues get locks of their own before its Python runs on: a parent's
+    thread may have held one at the fork, which nobody would then release (the rest of what
+    the child inherited is let go of when it first uses the queue: ``_after_fork``)."""
+    for queue in list(_QUEUES):
+        queue._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _read_bell(fd: int) -> bytes | None:

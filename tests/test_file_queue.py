@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import signal
 import sqlite3
 import subprocess
 import threading
@@ -187,6 +188,33 @@ def test_a_forked_childs_wait_has_a_thread_of_its_own(
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     held.unlock()
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_child_forked_while_a_thread_held_its_queues_lock_closes_it(tmp_path: Path) -> None:
+    """The lock a parent's thread held at the fork is held in the child for good, by nobody:
+    the child's queue gets one of its own before the child runs on."""
+    queue = FileQueue(str(tmp_path / "locks.db"))
+    queue.listen().close()  # the queue in use: a reader thread, a spare file
+    taken, forked = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with queue._lock:
+            taken.set()
+            forked.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    taken.wait(10)
+    pid = os.fork()
+    if pid == 0:  # the child: close() must return, or the alarm ends the child
+        signal.alarm(5)
+        queue.close()
+        os._exit(0)
+    forked.set()
+    holder.join(10)
+    _, status = os.waitpid(pid, 0)
+    queue.close()
     assert os.waitstatus_to_exitcode(status) == 0
 
 
