@@ -320,13 +320,16 @@ def test_a_row_handed_over_is_durable_before_its_new_holder_has_it(private_serve
     thread, result = wait_in_thread(waiter, "job", wait=60, expires=30)
     admin = sa.create_engine(resolve_url(url))
     in_line(admin, "semaphores")
+    listener = waiter._tickets.listener
+    assert listener is not None
+    # Its ticket's grant is for a waiter waiting for it: on a loaded machine one can still be
+    # between its attempt and its wait, when the release hands the row over unheard and the
+    # waiter's next attempt takes it by its own hand.
+    wait_until(lambda: bool(listener._waiters._heads))
     held.unlock()
     thread.join(10)
     handed = result["lock"]
-    assert waiter._tickets.listener is not None
-    assert (
-        waiter._tickets.listener.grants == 1
-    )  # handed over by the release, not taken by the waiter
+    assert listener.grants == 1  # handed over by the release, not taken by the waiter
     private_server.stop(crash=True)
     private_server.start()
 
