@@ -344,3 +344,26 @@ def test_sqlite_abandons_a_connection_with_its_unfinished_statement_rolled_back(
     finally:
         probe.close()
     assert kept
+
+
+def test_sqlite_a_wait_cut_to_a_deadline_ends_after_it(tmp_path: Path) -> None:
+    """A wait for another connection's write lock, cut to a deadline (``bound_waits``), ends
+    no sooner than the deadline, whatever fraction of a millisecond it falls on: the deadline
+    (the watcher, the async alarm) ends it, so that its error is judged as the deadline's."""
+    path = tmp_path / "locks.db"
+    writer = sqlite3.connect(path, isolation_level=None)
+    waiter = sqlite3.connect(path, isolation_level=None, timeout=SQLITE_BUSY_TIMEOUT_SECONDS)
+    writer.execute("BEGIN IMMEDIATE")
+    try:
+        for n in range(20):
+            deadline = clock.now() + 0.0209 + n / 1000
+            undo = SQLiteBackend.bound_waits(waiter, deadline - clock.now())
+            assert undo is not None
+            with pytest.raises(sqlite3.OperationalError, match="database is locked"):
+                waiter.execute("BEGIN IMMEDIATE")
+            ended = clock.now()
+            SQLiteBackend.unbound_waits(waiter, undo)
+            assert ended >= deadline, (n, ended - deadline)
+    finally:
+        writer.close()
+        waiter.close()

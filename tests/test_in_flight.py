@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any
 
 import pytest
 
+from sqllocker import DatabaseError, LockError, LockLost
 from sqllocker.asyncio import concurrency
 from sqllocker.asyncio.concurrency import InFlight, shielded, within
 
@@ -493,3 +495,31 @@ async def test_a_failing_expiry_keeps_no_other_work_past_its_deadline(
     await asyncio.sleep(0.05)
     assert sorted(expired) == ["first", "second"]
     assert "a deadline's expiry failed" in caplog.text
+
+
+@pytest.mark.parametrize("error", [DatabaseError("database is locked"), LockLost("gone")], ids=str)
+async def test_within_a_works_error_after_the_deadline_is_the_deadlines_unless_lost(
+    error: LockError,
+) -> None:
+    """The work's wait ends with an error in the deadline's turn or later (the loop was busy
+    meanwhile): a database error is then the deadline's (what ``timed_out`` makes), as the sync
+    front end judges it by the clock; LockLost stays what it says."""
+    loop = asyncio.get_running_loop()
+    gate: asyncio.Future[None] = loop.create_future()
+
+    async def work() -> None:
+        await gate
+
+    def fail_and_stall() -> None:
+        gate.set_exception(error)
+        time.sleep(0.05)  # past the deadline, before the work's task resumes
+
+    loop.call_later(0.01, fail_and_stall)
+    timed_out = LockLost("the deadline's")
+    with pytest.raises(LockError) as raised:
+        await within(work(), 0.03, "test", lambda: timed_out)
+    if isinstance(error, LockLost):
+        assert raised.value is error
+    else:
+        assert raised.value is timed_out
+        assert raised.value.__cause__ is error

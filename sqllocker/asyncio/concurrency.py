@@ -38,7 +38,7 @@ from greenlet import getcurrent
 from .. import clock, deadlines
 from ..decorators import refuse_deferred_work
 from ..engine import create_async_locker_engine, resolve_url
-from ..errors import LockTypeError
+from ..errors import LockError, LockLost, LockTypeError
 from ..operations.waits import Waits
 from . import alarm
 from .greenlets import run as run  # sync database code, its driver calls awaited
@@ -693,7 +693,9 @@ class _Bounded(Generic[T]):
         requests = _cancel_requests()  # to tell the caller's cancellation from the deadline
         loop = asyncio.get_running_loop()
         timer = alarm.of(loop)
-        timer.set(self, loop.time() + max(self._seconds, 0.0))
+        deadline = loop.time() + max(self._seconds, 0.0)
+        timer.set(self, deadline)
+        made: BaseException | None = None  # the deadline's error, once made
         # Each step of the work sees the deadline (the caller's task runs it, and goes on
         # without it): its statements' waits end by then too (SQLite's busy handler, which
         # a cancellation does not end), and a contention is not tried again past it.
@@ -707,7 +709,8 @@ class _Bounded(Generic[T]):
             while True:
                 if self._expired:  # past the deadline, and the work waits again
                     spawn(_resumed(work, yielded, cancel=True), self._name)
-                    raise self._timeout()
+                    made = self._timeout()
+                    raise made
                 waited = self._waited = _seen_by_caller(yielded)
                 thrown: BaseException | None = None
                 try:
@@ -729,9 +732,9 @@ class _Bounded(Generic[T]):
                             # Made either way: the bound's own error may record what its
                             # deadline means (a release's: the lock lost), which holds when
                             # the caller's cancellation in that turn wins.
-                            timed_out = self._timeout()
+                            made = self._timeout()
                             if not _cancelled_since(requests):
-                                raise timed_out from None
+                                raise made from None
                         raise
                     thrown = cancelled  # the work's own future was cancelled: it is told so
                 except BaseException as error:
@@ -742,6 +745,17 @@ class _Bounded(Generic[T]):
                         yielded = work.send(None) if thrown is None else work.throw(thrown)
                 except StopIteration as finished:
                     return finished.value  # type: ignore[no-any-return]
+        except LockError as error:
+            # The work's error, met in the deadline's turn or after it (the loop was busy): the
+            # deadline's, as the sync front end judges a statement's error by the clock
+            # (SQLite's busy handler, cut to the deadline, ends in the same turn as the alarm).
+            # LockLost says more than the deadline does.
+            if error is made or isinstance(error, LockLost):
+                raise
+            if not (self._expired or loop.time() >= deadline):
+                raise
+            made = self._timeout()
+            raise made from error
         finally:
             timer.clear(self)
 

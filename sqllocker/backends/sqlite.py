@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import re
 import sqlite3
@@ -55,6 +56,9 @@ ADOPTED_ID_GAP = 1_000_000
 # in full, and a lock's cycle changes seven (the row's, both indexes', the id sequence's): with
 # SQLite's default of 4 KiB, writing them out was most of a cycle's time.
 NEW_FILE_PAGE_SIZE = 1024
+
+# How far past a deadline a wait for another connection's write lock is cut (``bound_waits``).
+BUSY_WAIT_PAST_DEADLINE_MS = 10
 
 
 class SQLiteBackend(Backend):
@@ -276,9 +280,12 @@ class SQLiteBackend(Backend):
     def bound_waits(cls, dbapi_connection: Any, seconds: float) -> object | None:
         # The busy timeout, where it is longer than what is left: SQLite's interrupt() does not
         # end a wait in the busy handler (a backup, an operator's shell holding the write lock).
+        # Cut to a little past the deadline, not short of it by a fraction of a millisecond:
+        # the deadline's own end (the watcher, the async alarm) comes first, and the wait's
+        # error is then judged as the deadline's (the lock lost), not as the database's.
         if seconds >= SQLITE_BUSY_TIMEOUT_SECONDS:
             return None  # no connection sqllocker's operations run on waits longer
-        cut = max(0, int(seconds * 1000))
+        cut = max(0, math.ceil(seconds * 1000) + BUSY_WAIT_PAST_DEADLINE_MS)
         try:
             return _on_sqlite3(
                 dbapi_connection,
