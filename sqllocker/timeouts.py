@@ -17,10 +17,11 @@ ROW_LOCK_TIMEOUT_SECONDS = 10
 # hung server fails, and an unlock() queued behind it gets its turn. A URL parameter of the same
 # name (statement_timeout, read_timeout, ...) overrides it.
 STATEMENT_TIMEOUT_SECONDS = 60
-# A lock(wait=W)'s statements on PostgreSQL or MySQL/MariaDB end by what is left of W plus this
-# much. A server that works ends a statement sooner, by the statement timeout above (and a row
-# lock's wait by ROW_LOCK_TIMEOUT_SECONDS), rolled back; this ends one on a frozen server or
-# pooler, whose kernel still acknowledges, where libpq would wait for ever.
+# A lock(wait=W)'s statements end by what is left of W plus this much. A server that works ends
+# a statement sooner, by the statement timeout above (and a row lock's wait by
+# ROW_LOCK_TIMEOUT_SECONDS), rolled back; this ends one on a frozen server or pooler, whose
+# kernel still acknowledges, where libpq would wait for ever. On SQLite it ends the waits for
+# another connection's write lock, each as long as the busy timeout, and tried again.
 ACQUIRE_SLACK_SECONDS = STATEMENT_TIMEOUT_SECONDS + 5.0
 # PostgreSQL: a connection whose peer stopped answering is given up after this long (TCP
 # keepalives for an idle one, tcp_user_timeout for unacknowledged data).

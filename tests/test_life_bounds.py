@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from sqllocker import DatabaseError, Locker, LockError, LockLost, clock, timeouts
+from sqllocker import DatabaseError, LockBusy, Locker, LockError, LockLost, clock, timeouts
 from sqllocker.connections import ConnectionStack
 from sqllocker.engine import resolve_url
 from tests.helpers import FRONTS, Front, Proxied, ended_within, figure, through_proxy
@@ -316,6 +316,44 @@ def test_unlock_behind_another_connections_write_lock_ends_within_the_locks_life
     _beside_a_writer(front, url, table_name, scenario)
     ended_within(outcome, WITHIN_LIFE, LockLost)
     _release_figure("unlock behind a writer", "unlock()", backend, front, outcome)
+
+
+@pytest.mark.parametrize("first_use", [False, True], ids=["used", "first use"])
+@pytest.mark.parametrize("wait", [0, 1.0])
+@pytest.mark.parametrize("front", FRONTS, ids=str)
+@pytest.mark.parametrize("backend", ["sqlite"])
+def test_lock_behind_another_connections_write_lock_ends_by_its_wait_and_the_slack(
+    url: str,
+    table_name: str,
+    make_locker: Any,
+    backend: str,
+    front: Front,
+    wait: float,
+    first_use: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """lock(wait=W) while another connection holds SQLite's write lock for longer: the acquire
+    ends by W and ``timeouts.ACQUIRE_SLACK_SECONDS``, refused (LockBusy), as it is on a server
+    whose row lock another transaction holds, instead of waiting out one busy timeout (60 s)
+    after another, each retried as contention. It leaves no row: once the writer commits, the
+    lock is free. So does a Locker's first lock, which sets up its connection and table."""
+    slack = 1.5  # the servers' 65 s, shortened for the test
+    monkeypatch.setattr(timeouts, "ACQUIRE_SLACK_SECONDS", slack)
+    make_locker().lock("warm up").unlock()  # the table and the file's settings
+    outcome: dict[str, Any] = {}
+
+    async def scenario(locker: Any, writer: Writer) -> None:
+        if not first_use:
+            await front.call((await front.call(locker.lock, "warm up")).unlock)
+        writer.hold()
+        outcome.update(await front.timed(locker.lock, "job", wait=wait))
+        writer.commit()
+        lock = await front.call(locker.lock, "job")  # free: wait=0
+        await front.call(lock.unlock)
+
+    _beside_a_writer(front, url, table_name, scenario)
+    ended_within(outcome, wait + slack + 5.0, LockBusy)
+    assert outcome["took"] >= wait, outcome
 
 
 @pytest.mark.parametrize("front", FRONTS, ids=str)

@@ -45,7 +45,7 @@ FORGET_FOR = 30.0
 
 
 # The block an acquire on SQLite runs in instead of ``deadlines.connections_by`` (its connections
-# open a local file) and of ``_answered_by``, and that of one that waits for ever.
+# open a local file), and that of one that waits for ever instead of its statements' bound.
 _NO_BOUND = contextlib.nullcontext()
 
 
@@ -97,15 +97,13 @@ class AsyncAcquirer:
         # connect timeout: a server that accepts and never answers ends a wait on time too.
         # (SQLite's open a file: nothing to give up on, and no block to enter every cycle.)
         # And its statements end with the wait (``timeouts.ACQUIRE_SLACK_SECONDS`` after): on a
-        # frozen server or pooler, whose kernel still acknowledges, libpq waits for ever.
-        # (SQLite's wait for another connection's write lock has its busy timeout.)
+        # frozen server or pooler, whose kernel still acknowledges, libpq waits for ever. On
+        # SQLite, so do their waits for another connection's write lock (an operator's shell,
+        # a stopped process in its transaction), each of which would otherwise last the busy
+        # timeout, and be tried again as contention: cut, with no watcher (nothing else waits).
         now = clock.now()
         connect_by = None if wait is None else now + wait + CONNECT_SLACK_SECONDS
-        answer_by = (
-            None
-            if wait is None or self._connects_locally
-            else now + wait + timeouts.ACQUIRE_SLACK_SECONDS
-        )
+        answer_by = None if wait is None else now + wait + timeouts.ACQUIRE_SLACK_SECONDS
         # One guid for every attempt of this call: a release may hand the row to it (as our
         # ticket), and an attempt that finds the row under it knows the row is ours.
         guid = new_guid()
@@ -114,6 +112,8 @@ class AsyncAcquirer:
                 (
                     _NO_BOUND
                     if answer_by is None
+                    else deadlines.waits_end_by(answer_by)
+                    if self._connects_locally
                     else concurrency.answered_by(
                         answer_by, functools.partial(self._no_answer, lockstring)
                     )
@@ -126,8 +126,9 @@ class AsyncAcquirer:
         except DatabaseError:
             # An attempt's INSERT may have committed with its answer lost: that row, held by
             # nobody, would keep everyone out until it expired. Cut at the deadline, it may
-            # commit later still (its commit waiting, which no statement timeout ends).
-            cut = answer_by is not None and clock.now() >= answer_by
+            # commit later still (its commit waiting, which no statement timeout ends); on
+            # SQLite, a wait for the write lock cut short has written nothing.
+            cut = answer_by is not None and not self._connects_locally and clock.now() >= answer_by
             self.tickets.leaving.call_soon(self._forget_attempt, lockstring, guid, ttl, cut)
             raise
 
