@@ -358,6 +358,38 @@ def test_lock_behind_another_connections_write_lock_ends_by_its_wait_and_the_sla
 
 @pytest.mark.parametrize("front", FRONTS, ids=str)
 @pytest.mark.parametrize("backend", ["sqlite"])
+def test_lock_all_behind_another_connections_write_lock_ends_by_its_wait_and_the_slack(
+    url: str,
+    table_name: str,
+    make_locker: Any,
+    backend: str,
+    front: Front,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """lock_all(wait=W) behind SQLite's write lock held by another connection: as lock()'s,
+    its attempts end by W and the slack (a DatabaseError: the database is locked), and leave
+    no row; its keep-alive, started
+    once the group is taken, renews it as ever."""
+    slack = 1.5
+    monkeypatch.setattr(timeouts, "ACQUIRE_SLACK_SECONDS", slack)
+    make_locker().lock("warm up").unlock()
+    outcome: dict[str, Any] = {}
+
+    async def scenario(locker: Any, writer: Writer) -> None:
+        writer.hold()
+        outcome.update(await front.timed(locker.lock_all, ["a", "b"], wait=0.5))
+        writer.commit()
+        group = await front.call(locker.lock_all, ["a", "b"], expires=1.5, keep_alive=True)
+        await asyncio.sleep(3 * slack)  # past the slack, and the expiry: renewed meanwhile
+        assert all(lock.is_valid() for lock in group.locks)
+        await front.call(group.unlock)
+
+    _beside_a_writer(front, url, table_name, scenario)
+    ended_within(outcome, 0.5 + slack + 5.0, DatabaseError)
+
+
+@pytest.mark.parametrize("front", FRONTS, ids=str)
+@pytest.mark.parametrize("backend", ["sqlite"])
 def test_extend_behind_another_connections_write_lock_ends_within_the_locks_life(
     url: str, table_name: str, make_locker: Any, backend: str, front: Front
 ) -> None:

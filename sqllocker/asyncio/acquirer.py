@@ -107,13 +107,17 @@ class AsyncAcquirer:
         # One guid for every attempt of this call: a release may hand the row to it (as our
         # ticket), and an attempt that finds the row under it knows the row is ours.
         guid = new_guid()
+        # SQLite's bound ends with the attempts: a task the keep-alive starts would carry it.
+        attempts_bound = (
+            deadlines.waits_end_by(answer_by)
+            if answer_by is not None and self._connects_locally
+            else _NO_BOUND
+        )
         try:
             with (
                 (
                     _NO_BOUND
-                    if answer_by is None
-                    else deadlines.waits_end_by(answer_by)
-                    if self._connects_locally
+                    if answer_by is None or self._connects_locally
                     else concurrency.answered_by(
                         answer_by, functools.partial(self._no_answer, lockstring)
                     )
@@ -121,7 +125,16 @@ class AsyncAcquirer:
                 _NO_BOUND if self._connects_locally else deadlines.connections_by(connect_by),
             ):
                 return await self._acquire_within(
-                    lockstring, guid, ttl, wait, extra, keep_alive, on_lost, hold_at_least, winnings
+                    lockstring,
+                    guid,
+                    ttl,
+                    wait,
+                    extra,
+                    keep_alive,
+                    on_lost,
+                    hold_at_least,
+                    winnings,
+                    attempts_bound,
                 )
         except DatabaseError:
             # An attempt's INSERT may have committed with its answer lost: that row, held by
@@ -192,23 +205,27 @@ class AsyncAcquirer:
         on_lost: OnLost | None,
         hold_at_least: float | None,
         winnings: Winnings,
+        attempts_bound: contextlib.AbstractContextManager[object],
     ) -> AsyncLock:
-        if True:  # ASYNC
-            readying = self._ready()
-            if readying is not None:
-                await readying
-        details = holder_details(extra, concurrency.task_name())
-        acquisition = self._telemetry.acquiring(lockstring, wait)
-        try:
-            if wait == 0:
-                lock = await self.attempts.try_once(
-                    winnings, lockstring, guid, details, ttl, on_lost
-                )
-            else:
-                lock = await self._wait_for(winnings, lockstring, guid, details, ttl, wait, on_lost)
-        except BaseException as error:
-            acquisition.failed(error)
-            raise
+        with attempts_bound:
+            if True:  # ASYNC
+                readying = self._ready()
+                if readying is not None:
+                    await readying
+            details = holder_details(extra, concurrency.task_name())
+            acquisition = self._telemetry.acquiring(lockstring, wait)
+            try:
+                if wait == 0:
+                    lock = await self.attempts.try_once(
+                        winnings, lockstring, guid, details, ttl, on_lost
+                    )
+                else:
+                    lock = await self._wait_for(
+                        winnings, lockstring, guid, details, ttl, wait, on_lost
+                    )
+            except BaseException as error:
+                acquisition.failed(error)
+                raise
         lock._state.telemetry = acquisition.holding(lock._state.lock_id)
         lock._state.hold_at_least = hold_at_least
         try:
@@ -309,26 +326,35 @@ class AsyncAcquirer:
         details = holder_details(extra, concurrency.task_name())
         members = [(name, new_guid()) for name in names]
         backoff = Backoff.for_wait(wait)
-        while True:
-            if True:  # ASYNC
-                outcome = await concurrency.shielded(
-                    self._call(self._operations.try_acquire_all, members, ttl, details),
-                    f"acquire {len(names)} locks",
-                    functools.partial(self._release_group_won, members),
-                )
-            else:
-                outcome = self._operations.try_acquire_all(members, ttl, details)
-            for attempt in [outcome] if isinstance(outcome, Refused) else outcome:
-                attempted(attempt)  # a wait turn, or a member taken (over)
-            if not isinstance(outcome, Refused):
-                locks = [
-                    self.attempts.handle(winnings, name, guid, acquired, ttl, details, on_lost)
-                    for (name, guid), acquired in zip(members, outcome, strict=True)
-                ]
-                on_lost.rows = [lock._state for lock in locks]
-                group = AsyncLockGroup(locks)
-                return group.keep_alive() if keep_alive else group
-            await concurrency.sleep(backoff.after_refusal(outcome, names[0], wait, self._grace))
+        # On SQLite, its waits for another connection's write lock end as a lock()'s do (the
+        # attempts' alone: see ``acquire``).
+        bound = (
+            deadlines.waits_end_by(clock.now() + wait + timeouts.ACQUIRE_SLACK_SECONDS)
+            if self._connects_locally and wait is not None
+            else _NO_BOUND
+        )
+        with bound:
+            while True:
+                if True:  # ASYNC
+                    outcome = await concurrency.shielded(
+                        self._call(self._operations.try_acquire_all, members, ttl, details),
+                        f"acquire {len(names)} locks",
+                        functools.partial(self._release_group_won, members),
+                    )
+                else:
+                    outcome = self._operations.try_acquire_all(members, ttl, details)
+                for attempt in [outcome] if isinstance(outcome, Refused) else outcome:
+                    attempted(attempt)  # a wait turn, or a member taken (over)
+                if not isinstance(outcome, Refused):
+                    break
+                await concurrency.sleep(backoff.after_refusal(outcome, names[0], wait, self._grace))
+        locks = [
+            self.attempts.handle(winnings, name, guid, acquired, ttl, details, on_lost)
+            for (name, guid), acquired in zip(members, outcome, strict=True)
+        ]
+        on_lost.rows = [lock._state for lock in locks]
+        group = AsyncLockGroup(locks)
+        return group.keep_alive() if keep_alive else group
 
     if True:  # ASYNC
 
