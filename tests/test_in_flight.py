@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from sqllocker import DatabaseError, LockError, LockLost
+from sqllocker import DatabaseError, LockError, LockLost, TableMissing
 from sqllocker.asyncio import concurrency
 from sqllocker.asyncio.concurrency import InFlight, shielded, within
 
@@ -497,13 +497,17 @@ async def test_a_failing_expiry_keeps_no_other_work_past_its_deadline(
     assert "a deadline's expiry failed" in caplog.text
 
 
-@pytest.mark.parametrize("error", [DatabaseError("database is locked"), LockLost("gone")], ids=str)
-async def test_within_a_works_error_after_the_deadline_is_the_deadlines_unless_lost(
+@pytest.mark.parametrize(
+    "error",
+    [DatabaseError("database is locked"), LockLost("gone"), TableMissing("no table")],
+    ids=str,
+)
+async def test_within_a_database_error_after_the_deadline_is_the_deadlines(
     error: LockError,
 ) -> None:
     """The work's wait ends with an error in the deadline's turn or later (the loop was busy
-    meanwhile): a database error is then the deadline's (what ``timed_out`` makes), as the sync
-    front end judges it by the clock; LockLost stays what it says."""
+    meanwhile): a database error is then the deadline's (what ``timed_out`` makes, caused by
+    it), as the sync front end judges it by the clock; another LockError stays what it says."""
     loop = asyncio.get_running_loop()
     gate: asyncio.Future[None] = loop.create_future()
 
@@ -518,7 +522,7 @@ async def test_within_a_works_error_after_the_deadline_is_the_deadlines_unless_l
     timed_out = LockLost("the deadline's")
     with pytest.raises(LockError) as raised:
         await within(work(), 0.03, "test", lambda: timed_out)
-    if isinstance(error, LockLost):
+    if not isinstance(error, DatabaseError):
         assert raised.value is error
     else:
         assert raised.value is timed_out

@@ -38,7 +38,7 @@ from greenlet import getcurrent
 from .. import clock, deadlines
 from ..decorators import refuse_deferred_work
 from ..engine import create_async_locker_engine, resolve_url
-from ..errors import LockError, LockLost, LockTypeError
+from ..errors import DatabaseError, LockTypeError
 from ..operations.waits import Waits
 from . import alarm
 from .greenlets import run as run  # sync database code, its driver calls awaited
@@ -745,14 +745,11 @@ class _Bounded(Generic[T]):
                         yielded = work.send(None) if thrown is None else work.throw(thrown)
                 except StopIteration as finished:
                     return finished.value  # type: ignore[no-any-return]
-        except LockError as error:
-            # The work's error, met in the deadline's turn or after it (the loop was busy): the
-            # deadline's, as the sync front end judges a statement's error by the clock
-            # (SQLite's busy handler, cut to the deadline, ends in the same turn as the alarm).
-            # LockLost says more than the deadline does.
-            if error is made or isinstance(error, LockLost):
-                raise
-            if not (self._expired or loop.time() >= deadline):
+        except DatabaseError as error:
+            # The database's error, met in the deadline's turn or after it (the loop was busy):
+            # the deadline's, as the sync front end judges a statement's error by the clock
+            # (SQLite's busy handler, cut to the deadline, ends as the alarm rings).
+            if error is made or not (self._expired or loop.time() >= deadline):
                 raise
             made = self._timeout()
             raise made from error

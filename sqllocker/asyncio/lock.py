@@ -141,9 +141,11 @@ class AsyncLockState(Holding):
                 return await concurrency.within(
                     self._extend(ttl), patience, f"extend {self.lockstring!r}"
                 )
-            except asyncio.TimeoutError:
+            except asyncio.TimeoutError as timeout:
                 lost = self.outlived("extended")
-                cause: LockError | None = None
+                # A database error met at the deadline, if that is what ended it (``within``).
+                error = timeout.__cause__
+                cause: LockError | None = error if isinstance(error, LockError) else None
         else:
             deadline = clock.now() + patience
             try:

@@ -57,9 +57,6 @@ ADOPTED_ID_GAP = 1_000_000
 # SQLite's default of 4 KiB, writing them out was most of a cycle's time.
 NEW_FILE_PAGE_SIZE = 1024
 
-# How far past a deadline a wait for another connection's write lock is cut (``bound_waits``).
-BUSY_WAIT_PAST_DEADLINE_MS = 10
-
 
 class SQLiteBackend(Backend):
     name = "sqlite"
@@ -280,12 +277,13 @@ class SQLiteBackend(Backend):
     def bound_waits(cls, dbapi_connection: Any, seconds: float) -> object | None:
         # The busy timeout, where it is longer than what is left: SQLite's interrupt() does not
         # end a wait in the busy handler (a backup, an operator's shell holding the write lock).
-        # Cut to a little past the deadline, not short of it by a fraction of a millisecond:
-        # the deadline's own end (the watcher, the async alarm) comes first, and the wait's
-        # error is then judged as the deadline's (the lock lost), not as the database's.
+        # Rounded up: a wait cut short of the deadline by a fraction of a millisecond would
+        # end in an error judged as the database's, not as the deadline's (the lock lost).
+        # No further: past the deadline, the watcher's interrupt, which the wait ignores, ends
+        # the statement it lets run (a release that would have succeeded).
         if seconds >= SQLITE_BUSY_TIMEOUT_SECONDS:
             return None  # no connection sqllocker's operations run on waits longer
-        cut = max(0, math.ceil(seconds * 1000) + BUSY_WAIT_PAST_DEADLINE_MS)
+        cut = max(0, math.ceil(seconds * 1000))
         try:
             return _on_sqlite3(
                 dbapi_connection,
