@@ -9,7 +9,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from .. import clock
+from .. import clock, deadlines
 from ..execution import DriverSession
 from .attempt import Attempt
 from .database import Database
@@ -132,8 +132,9 @@ class Acquirer:
             conn.transaction_control("COMMIT")
         except sa.exc.DBAPIError as error:
             self._roll_back_quietly(conn)
-            if be.is_transient_conflict(error):
-                # As for one lock: a wait for a member's key that ran out names who holds it.
+            if be.is_transient_conflict(error) and not deadlines.passed():
+                # As for one lock (``Attempt.acquire_on``): a refusal, until the deadline; a
+                # wait for a member's key that ran out names who holds it.
                 return Refused(self._attempt.key_blocker(conn, lockstring), None)
             raise
         except BaseException:

@@ -9,6 +9,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.sql import ClauseElement
 
+from .. import deadlines
 from ..errors import LockBusy, TableMissing
 from ..execution import DriverSession
 from ..identity import public_details
@@ -61,7 +62,10 @@ class Attempt:
                 return refused
             return self.insert_or_learn_holder(conn, params)
         except sa.exc.DBAPIError as error:
-            if not be.is_transient_conflict(error):
+            # Contention is a refusal, tried again; past the acquire's deadline (its wait and
+            # the slack) it is the database's error: a transaction that holds a row, or
+            # SQLite's file, that long is no holder of the lock.
+            if not be.is_transient_conflict(error) or deadlines.passed():
                 raise
             logger.debug("acquire of %r met contention (%s); retrying", lockstring, error.orig)
             return Refused(self.key_blocker(conn, lockstring), None)
