@@ -206,8 +206,9 @@ class AsyncLockState(Holding):
                 # unlock() gave up waiting for this renewal and reported the lock lost, as it
                 # had expired by our reckoning; but the row expires later by the database's (by
                 # the time our last renewal took to reach it), and this one came in between: it
-                # revived the row, for a whole expiry period, for nobody. Given back, and lost.
-                await self._give_back_revived()
+                # revived the row, for a whole expiry period, for nobody. Given back, and lost:
+                # with a deadline of its own, as the extend's own has about passed.
+                await self._give_back_outlived()
                 raise self.lost or self.release_gave_up()
             self.renewed(sent_at, ttl)
             if other_length and self.kept_alive:
