@@ -5,6 +5,8 @@ A ``candidate`` campaigns without limit, and while it leads appends a line to it
 processes of one machine), measured *before* the check, so that each line is a moment it was
 a valid leader; once it finds the lead lost, it says so and campaigns again. An ``observer``
 appends each change that ``observe()`` yields.
+
+The tests fork them from a launcher (``tests/fleet.py``), which calls ``main(argv)``.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ async def async_observer(args: argparse.Namespace) -> int:
     return 0
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.election_workers")
     parser.add_argument("role", choices=["candidate", "observer"])
     parser.add_argument("--url", required=True)
@@ -107,7 +109,7 @@ def main() -> int:
     parser.add_argument("--grace", type=float, default=0.5)
     parser.add_argument("--asyncio", action="store_true")
     parser.add_argument("--go", help="a file to wait for before campaigning")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.asyncio:
         run = async_candidate if args.role == "candidate" else async_observer
         return asyncio.run(run(args))

@@ -23,6 +23,7 @@ import pytest
 pytest.importorskip("apscheduler")
 
 from sqllocker import Locker, LockError
+from tests import forked_cli
 from tests.helpers import stop_outside_a_write, wait_until
 
 pytestmark = pytest.mark.slow  # real workers, schedulers or processes
@@ -34,21 +35,22 @@ def test_three_schedulers_run_a_cron_job_once_per_fire_time(
     url: str, table_name: str, tmp_path: Path, make_locker: Callable[..., Locker]
 ) -> None:
     make_locker()  # creates the table
-    command = [sys.executable, "-m", "tests.apscheduler_worker", url, table_name, str(tmp_path)]
-    command.append("12")  # seconds
+    command = [url, table_name, str(tmp_path), "12"]  # 12 s
+    # python -m tests.apscheduler_worker, each a process of its own forked from a server that
+    # imported it once (``tests/forked_cli.py``).
     schedulers = [
-        subprocess.Popen(
+        forked_cli.Popen(
             [*command, *(["catch-up"] if number == 1 else [])],
+            program="apscheduler",
             cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=(tmp_path / f"scheduler-{number}.log").open("w"),
+            stderr=tmp_path / f"scheduler-{number}.log",
         )
         for number in range(3)
     ]
     try:
         for scheduler in schedulers:
             assert scheduler.stdout is not None
-            assert scheduler.stdout.readline() == b"ready\n"
+            assert scheduler.stdout.readline() == "ready\n"
         all_ready = datetime.now().astimezone()
         time.sleep(2)
         stop_outside_a_write(schedulers[1].pid, url)  # misses fire times, then catches up

@@ -26,6 +26,7 @@ from celery.result import AsyncResult  # noqa: E402
 
 from sqllocker import Locker  # noqa: E402
 from sqllocker.celery import is_skipped  # noqa: E402
+from tests import forked_cli  # noqa: E402
 from tests.conftest import IN_CI  # noqa: E402
 from tests.helpers import wait_until  # noqa: E402
 
@@ -52,7 +53,7 @@ class Cluster:
             "CELERY_TEST_REDIS": REDIS_URL,
             "PYTHONPATH": str(ROOT),
         }
-        self.processes: list[tuple[subprocess.Popen[bytes], Path]] = []
+        self.processes: list[tuple[forked_cli.Popen, Path]] = []
         # tests/celery_app.py reads its settings when imported, here as in the workers.
         self.saved = {k: v for k, v in os.environ.items() if k.startswith("CELERY_TEST_")}
         os.environ.update({k: v for k, v in self.env.items() if k.startswith("CELERY_TEST_")})
@@ -62,23 +63,25 @@ class Cluster:
 
         self.app = app_module
 
-    def start(self, *arguments: str, ready: str, wait: bool = True) -> subprocess.Popen[bytes]:
-        """Start a celery process; with ``wait``, return once its log says ``ready``."""
+    def start(self, *arguments: str, ready: str, wait: bool = True) -> forked_cli.Popen:
+        """Start a celery process (in a session of its own, forked from a server that imported
+        Celery once: ``tests/forked_cli.py``); with ``wait``, return once its log says
+        ``ready``."""
         log = self.state / f"process-{len(self.processes)}.log"
-        process = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "tests.celery_app", *arguments],
+        process = forked_cli.Popen(
+            ["-A", "tests.celery_app", *arguments],
+            program="celery",
             env=self.env,
             cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=log.open("wb"),
-            start_new_session=True,
+            stdout=os.devnull,
+            stderr=log,
         )
         self.processes.append((process, log))
         if wait:
             wait_until(lambda: ready in log.read_text(errors="replace"), timeout=90)
         return process
 
-    def workers(self, pool: str, *names: str) -> list[subprocess.Popen[bytes]]:
+    def workers(self, pool: str, *names: str) -> list[forked_cli.Popen]:
         """Worker processes, started together; returned once each is ready."""
         started = [
             self.start(
@@ -101,7 +104,7 @@ class Cluster:
         )
         return started
 
-    def beat(self, number: int) -> subprocess.Popen[bytes]:
+    def beat(self, number: int) -> forked_cli.Popen:
         return self.start(
             "beat",
             f"--schedule={self.state / f'beat-{number}'}",
@@ -320,11 +323,9 @@ def test_the_docs_example_runs(
         f"task_default_queue={cluster.prefix + 'tasks'!r})\n"
     )
     (cluster.state / "tasks.py").write_text(example)
-    worker = subprocess.Popen(
+    log = cluster.state / "docs-worker.log"
+    worker = forked_cli.Popen(  # python -m celery, as Cluster.start starts it
         [
-            sys.executable,
-            "-m",
-            "celery",
             "-A",
             "tasks",
             "worker",
@@ -335,13 +336,12 @@ def test_the_docs_example_runs(
             "--without-heartbeat",
             "--loglevel=INFO",
         ],
+        program="celery",
         env={**cluster.env, "PYTHONPATH": f"{cluster.state}:{ROOT}"},
         cwd=cluster.state,
-        stdout=subprocess.DEVNULL,
-        stderr=(cluster.state / "docs-worker.log").open("wb"),
-        start_new_session=True,
+        stdout=os.devnull,
+        stderr=log,
     )
-    log = cluster.state / "docs-worker.log"
     cluster.processes.append((worker, log))
     wait_until(lambda: "ready." in log.read_text(errors="replace"), timeout=90)
     sys.path.insert(0, str(cluster.state))

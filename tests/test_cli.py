@@ -385,37 +385,48 @@ def test_purge_expired_output_modes(sqllocker: Run, migrated: Locker) -> None:
 def test_purge_of_100000_expired_rows_interleaved_with_live_ones(
     sqllocker: Run, migrated: Locker
 ) -> None:
-    table = migrated.table
-    dead, live = 100_000, 1_000
-    past = "2000-01-01 00:00:00"
-    future = "2999-01-01 00:00:00"
-    rows = [
-        {
-            "lockstring": f"row {n}",
-            "guid": f"guid-{n}",
-            "created": past,
-            "expires": future if n % 101 == 0 else past,  # every 101st row is live
-            "locked_by": {"pid": n},
-        }
-        for n in range(dead + live)
-    ]
-    expected_live = sorted(r["lockstring"] for r in rows if r["expires"] == future)
     from datetime import datetime, timezone
 
-    for row in rows:
-        row["created"] = datetime.fromisoformat(row["created"]).replace(tzinfo=timezone.utc)
-        row["expires"] = datetime.fromisoformat(row["expires"]).replace(tzinfo=timezone.utc)
-    engine = sa.create_engine(migrated.url)
+    table = migrated.table
+    dead, live = 100_000, 1_000
+    past = datetime(2000, 1, 1, tzinfo=timezone.utc)
+    future = datetime(2999, 1, 1, tzinfo=timezone.utc)
+    # Rows n = 0 .. 100,999: "row n", "guid-n", {"pid": n}, created in the past, and expired
+    # but every 101st (live). Made by the server in one INSERT ... SELECT (n from a CTE of
+    # 0 .. 999 taken twice) rather than sent from here a row at a time: the rows are the
+    # purge's to find, and sending them took longer than the purge itself.
+    digits = sa.union_all(*(sa.select(sa.literal(d).label("d")) for d in range(10))).subquery()
+    ones, tens, hundreds = digits.alias("ones"), digits.alias("tens"), digits.alias("hundreds")
+    thousand = sa.select((ones.c.d + 10 * tens.c.d + 100 * hundreds.c.d).label("n")).cte()
+    low, high = thousand.alias("low"), thousand.alias("high")
+    n = high.c.n * 1000 + low.c.n
+    times = table.c.created.type
+    holder = {
+        "postgresql": sa.func.jsonb_build_object,
+        "mysql": sa.func.json_object,
+        "sqlite": sa.func.json_object,
+    }[migrated.engine.dialect.name](sa.literal_column("'pid'"), n)
+    rows = sa.select(
+        sa.literal("row ") + sa.cast(n, sa.String),
+        sa.literal("guid-") + sa.cast(n, sa.String),
+        sa.literal(past, times),
+        sa.case((n % 101 == 0, sa.literal(future, times)), else_=sa.literal(past, times)),
+        holder,
+    ).where(high.c.n < (dead + live) // 1000)
+    columns = ["lockstring", "guid", "created", "expires", "locked_by"]
+    engine = sa.create_engine(migrated.url, enable_from_linting=False)  # the products are meant
     with engine.begin() as conn:
-        conn.execute(sa.insert(table), rows)
+        conn.execute(sa.insert(table).from_select(columns, rows))
+        assert conn.execute(sa.select(sa.func.count()).select_from(table)).scalar() == dead + live
     engine.dispose()
+    expected_live = sorted(f"row {i}" for i in range(0, dead + live, 101))
 
     started = time.monotonic()
     result = sqllocker("purge-expired", "--json", "--batch-size", "5000", timeout=600)
     elapsed = time.monotonic() - started
     assert result.returncode == 0, result.stderr
     purged = json.loads(result.stdout)["purged"]
-    assert purged == len(rows) - len(expected_live)
+    assert purged == dead + live - len(expected_live)
     assert sorted(info.lockstring for info in migrated.locks()) == expected_live
     print(f"\npurged {purged} rows in batches of 5000 in {elapsed:.1f}s")
 

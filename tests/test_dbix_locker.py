@@ -16,7 +16,6 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -754,12 +753,9 @@ def test_perl_and_python_processes_exclude_each_other(
         )
         for zone in ("America/New_York", "Asia/Tokyo")
     ]
-    pythons = [
-        subprocess.Popen(
+    pythons = [  # python -m tests.workers, forked from a server that imported it once
+        forked_cli.Popen(
             [
-                sys.executable,
-                "-m",
-                "tests.workers",
                 "counter",
                 f"--url={url}",
                 f"--table={table_name}",
@@ -770,9 +766,6 @@ def test_perl_and_python_processes_exclude_each_other(
                 "--expires=60",
             ],
             cwd=HERE.parent,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
         )
         for _ in range(2)
     ]

@@ -85,6 +85,10 @@ class Project:
             assert done.returncode == 0, done.stderr
         return done
 
+    def popen(self, *arguments: str) -> forked_cli.Popen:
+        """``python -m django ARGUMENTS`` started, forked as ``manage`` forks its commands."""
+        return forked_cli.Popen(list(arguments), program="django", cwd=ROOT, env=self.env)
+
 
 @pytest.fixture
 def project(database: str, table_name: str, tmp_path: Path) -> Project:
@@ -123,9 +127,7 @@ def test_migrate_brings_a_lock_table_made_before_0002_to_the_head(project: Proje
 
 
 def test_manage_py_sqllocker_is_the_command_line_on_the_table(project: Project) -> None:
-    holder = subprocess.Popen(
-        project.command("report", "2026-11-25", "30"), env=project.env, cwd=ROOT
-    )
+    holder = project.popen("report", "2026-11-25", "30")
     try:
         deadline = time.monotonic() + 60
         while "report 2026-11-25" not in project.manage("sqllocker", "list").stdout:
@@ -147,16 +149,7 @@ def test_manage_py_sqllocker_is_the_command_line_on_the_table(project: Project) 
 def test_two_management_commands_on_one_lockstring_run_one_at_a_time(
     project: Project, tmp_path: Path
 ) -> None:
-    commands = [
-        subprocess.Popen(
-            project.command("report", "2026-11-26", "3"),
-            env=project.env,
-            cwd=ROOT,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(2)
-    ]
+    commands = [project.popen("report", "2026-11-26", "3") for _ in range(2)]
     errors = [command.communicate(timeout=120)[1] for command in commands]
     assert [command.returncode for command in commands] == [0, 0]
     assert not (tmp_path / "overlaps").exists()

@@ -6,8 +6,6 @@ import itertools
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +16,8 @@ import sqlalchemy as sa
 
 from sqllocker import LockBusy, Locker, LockLost
 from sqllocker.asyncio import AsyncLocker
+from tests import forked_cli
+from tests.fleet import Fleet
 from tests.helpers import abandon, stop_outside_a_write, wait_until
 from tests.workers import async_url
 
@@ -113,14 +113,14 @@ async def test_async_election_and_observer(
 def test_sqllocker_leader_names_the_holder_or_exits_1(
     url: str, locker: Locker, table_name: str
 ) -> None:
-    command = [str(Path(sys.executable).parent / "sqllocker"), "--url", url, "--table", table_name]
-    none = subprocess.run([*command, "leader", "scheduler"], capture_output=True, text=True)
+    # Each command forked from a process that imported the command line once
+    # (``tests/forked_cli.py``): what ``leader`` says, not how the console script starts.
+    command = ["--url", url, "--table", table_name]
+    none = forked_cli.run([*command, "leader", "scheduler"])
     assert none.returncode == 1
     assert "has no leader" in none.stderr
     lead = locker.election("scheduler").campaign()
-    shown = subprocess.run(
-        [*command, "leader", "--json", "scheduler"], capture_output=True, text=True
-    )
+    shown = forked_cli.run([*command, "leader", "--json", "scheduler"])
     assert shown.returncode == 0, shown.stderr
     leader = json.loads(shown.stdout)
     assert (leader["pid"], leader["term"]) == (os.getpid(), lead.term)
@@ -181,15 +181,16 @@ def test_five_candidates_one_valid_leader_through_a_kill_and_a_stop(
     url: str, make_locker: Callable[..., Locker], table_name: str, tmp_path: Path, front_end: str
 ) -> None:
     locker = make_locker()
-    worker = [sys.executable, "-m", "tests.election_workers"]
     options = [f"--url={url}", f"--table={table_name}", f"--state={tmp_path}"]
     options += ["--asyncio"] if front_end == "asyncio" else []
-    observer = subprocess.Popen([*worker, "observer", *options])
-    # The candidates start meanwhile, and campaign once told to.
+    # The observer and the five candidates, each a process of its own, forked from a launcher
+    # that imported them once (``tests/fleet.py``); the candidates campaign once told to.
     go = tmp_path / "go"
-    candidates = [
-        subprocess.Popen([*worker, "candidate", *options, f"--go={go}"]) for _ in range(5)
-    ]
+    fleet = Fleet(
+        "tests.election_workers",
+        [["observer", *options], *(["candidate", *options, f"--go={go}"] for _ in range(5))],
+        tmp_path / "workers",
+    )
     expires, grace = 2.0, 0.5
     stopped: int | None = None
     try:
@@ -226,10 +227,7 @@ def test_five_candidates_one_valid_leader_through_a_kill_and_a_stop(
     finally:
         if stopped is not None:
             os.kill(stopped, signal.SIGCONT)
-        for process in [*candidates, observer]:
-            if process.poll() is None:
-                process.kill()
-            process.wait(30)
+        fleet.kill()  # the launcher, and with it every worker still running
     spans: dict[int, list[float]] = {}
     for records in _records(tmp_path, "candidate").values():
         for record in records:

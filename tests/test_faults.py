@@ -16,8 +16,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -31,6 +29,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from sqllocker import LockBusy, Locker, LockError, LockLost, lock_table
 from sqllocker.asyncio import AsyncLocker
 from sqllocker.engine import resolve_url
+from tests import forked_cli
 from tests.helpers import (
     FRONTS,
     Front,
@@ -56,14 +55,12 @@ POLL = 0.25  # the waiters' longest backoff step (sqllocker.backoff.MAX_DELAY)
 
 
 class Holder:
-    """A `python -m tests.workers hold` process."""
+    """A `python -m tests.workers hold` process, forked from a server that imported
+    tests.workers once (``tests/forked_cli.py``): a process of its own, as if started alone."""
 
     def __init__(self, url: str, table: str, lockstring: str, *extra: str) -> None:
-        self.process = subprocess.Popen(
+        self.process = forked_cli.Popen(
             [
-                sys.executable,
-                "-m",
-                "tests.workers",
                 "hold",
                 "--url",
                 url,
@@ -76,10 +73,6 @@ class Holder:
                 *extra,
             ],
             cwd=REPO,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
         )
 
     def read(self) -> dict[str, Any]:

@@ -11,9 +11,8 @@ else took it. It prints the time from the fault to the first successful acquire.
 
 from __future__ import annotations
 
+import itertools
 import json
-import subprocess
-import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -23,6 +22,7 @@ from typing import Any
 import pytest
 
 from sqllocker import Locker, UnsafeDatabase, UnsafeDatabaseWarning
+from tests import forked_cli
 from tests.helpers import holding_faults, wait_in_thread, worker_records
 from tests.patroni_cluster import PatroniCluster, running_patroni_cluster
 
@@ -47,25 +47,16 @@ def cluster() -> Iterator[PatroniCluster]:
         yield started
 
 
-def _spawn(command: str, url: str, state: Path, *options: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tests.workers",
-            command,
-            "--url",
-            url,
-            "--table",
-            TABLE,
-            "--state",
-            str(state),
-            *options,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=(state / f"{command}.log").open("a"),  # the retries' warnings, for a failure
-        text=True,
+def _spawn(command: str, url: str, state: Path, *options: str) -> forked_cli.Popen:
+    """A ``python -m tests.workers COMMAND`` process of its own, forked from one that imported
+    tests.workers once (``tests/forked_cli.py``)."""
+    return forked_cli.Popen(
+        [command, "--url", url, "--table", TABLE, "--state", str(state), *options],
+        stderr=state / f"{command}-{next(_logs)}.log",  # the retries' warnings, for a failure
     )
+
+
+_logs = itertools.count()
 
 
 def contend_through(

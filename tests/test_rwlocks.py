@@ -8,8 +8,6 @@ import json
 import os
 import signal
 import sqlite3
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +18,7 @@ import pytest
 
 from sqllocker import Lock, LockBusy, Locker, LockError, LockLost, LockValueError
 from sqllocker.asyncio import AsyncLocker
+from tests import forked_cli
 from tests.fleet import Fleet
 from tests.helpers import (
     FRONTS,
@@ -187,16 +186,14 @@ def test_a_crashed_writer_is_taken_over_by_a_writer_and_passed_by_readers(
 def test_a_sigkilled_holder_is_taken_over_after_it_expires(
     url: str, locker: Locker, table_name: str, side: str
 ) -> None:
-    holder = subprocess.Popen(
+    holder = forked_cli.Popen(  # a process of its own, forked from one that imported sqllocker
         [
-            sys.executable,
             "-c",
             "import time; from sqllocker import Locker\n"
             f"lock = Locker({url!r}, table={table_name!r}).rwlock('catalog').{side}(expires=1)\n"
             "print(lock.lock_id, flush=True); time.sleep(60)",
         ],
-        stdout=subprocess.PIPE,
-        text=True,
+        program="python",
     )
     assert holder.stdout is not None
     killed_id = int(holder.stdout.readline())
@@ -329,17 +326,15 @@ def test_a_writer_stopped_past_its_expiry_while_it_waits_starts_again(
 ) -> None:
     rw = locker.rwlock("catalog")
     first = rw.read(keep_alive=True)
-    writer = subprocess.Popen(
+    writer = forked_cli.Popen(  # a process of its own, forked from one that imported sqllocker
         [
-            sys.executable,
             "-c",
             "from sqllocker import Locker\n"
             f"locker = Locker({url!r}, table={table_name!r}, grace=0)\n"
             "lock = locker.rwlock('catalog').write(wait=60, expires=1)\n"
             "print(lock.lock_id, lock.is_valid(), flush=True); lock.unlock()",
         ],
-        stdout=subprocess.PIPE,
-        text=True,
+        program="python",
     )
     try:
         deadline = time.monotonic() + 20

@@ -7,8 +7,6 @@ import itertools
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +17,7 @@ import pytest
 
 from sqllocker import Lock, LockBusy, Locker, LockTypeError, LockValueError
 from sqllocker.asyncio import AsyncLocker
+from tests import forked_cli
 from tests.fleet import Fleet
 from tests.helpers import abandon, count_rows, figure
 from tests.workers import async_url
@@ -77,17 +76,15 @@ def test_a_crashed_permit_holders_slot_is_taken_over_after_it_expires(locker: Lo
 def test_a_sigkilled_permit_holders_slot_is_taken_over_after_it_expires(
     url: str, locker: Locker, table_name: str
 ) -> None:
-    holder = subprocess.Popen(
+    holder = forked_cli.Popen(  # a process of its own, forked from one that imported sqllocker
         [
-            sys.executable,
             "-c",
             "import sys, time; from sqllocker import Locker\n"
             f"permit = Locker({url!r}, table={table_name!r}).semaphore('worker', 1)"
             ".acquire(expires=1)\n"
             "print(permit.lock_id, flush=True); time.sleep(60)",
         ],
-        stdout=subprocess.PIPE,
-        text=True,
+        program="python",
     )
     assert holder.stdout is not None
     killed_id = int(holder.stdout.readline())
