@@ -369,8 +369,7 @@ def test_lock_all_behind_another_connections_write_lock_ends_by_its_wait_and_the
 ) -> None:
     """lock_all(wait=W) behind SQLite's write lock held by another connection: as lock()'s,
     its attempts end by W and the slack (a DatabaseError: the database is locked), and leave
-    no row; its keep-alive, started
-    once the group is taken, renews it as ever."""
+    no row; its keep-alive, started once the group is taken, renews it as ever."""
     slack = 1.5
     monkeypatch.setattr(timeouts, "ACQUIRE_SLACK_SECONDS", slack)
     make_locker().lock("warm up").unlock()
