@@ -100,12 +100,7 @@ class Acquirer:
         # One guid for every attempt of this call: a release may hand the row to it (as our
         # ticket), and an attempt that finds the row under it knows the row is ours.
         guid = new_guid()
-        # SQLite's bound ends with the attempts: a task the keep-alive starts would carry it.
-        attempts_bound = (
-            deadlines.waits_end_by(answer_by)
-            if answer_by is not None and self._connects_locally
-            else _NO_BOUND
-        )
+        attempts_bound = self._local_bound(answer_by)
         try:
             with (
                 (
@@ -137,6 +132,16 @@ class Acquirer:
             cut = answer_by is not None and not self._connects_locally and clock.now() >= answer_by
             self.tickets.leaving.call_soon(self._forget_attempt, lockstring, guid, ttl, cut)
             raise
+
+    def _local_bound(self, answer_by: float | None) -> contextlib.AbstractContextManager[object]:
+        """On SQLite, the block an acquire's attempts run in: their waits for another
+        connection's write lock end by ``answer_by``, and contention is not tried again past
+        it (the servers' acquires are bounded by ``answered_by`` instead). Around the attempts
+        alone, not the keep-alive their lock starts: an asyncio task copies the context it is
+        made in, and a renewal must not carry the acquire's deadline for its life."""
+        if answer_by is None or not self._connects_locally:
+            return _NO_BOUND
+        return deadlines.waits_end_by(answer_by)
 
     def _no_answer(self, lockstring: str) -> DatabaseError:
         """The error of an acquire whose statements did not end by its wait plus
@@ -297,14 +302,8 @@ class Acquirer:
         details = holder_details(extra, concurrency.task_name())
         members = [(name, new_guid()) for name in names]
         backoff = Backoff.for_wait(wait)
-        # On SQLite, its waits for another connection's write lock end as a lock()'s do (the
-        # attempts' alone: see ``acquire``).
-        bound = (
-            deadlines.waits_end_by(clock.now() + wait + timeouts.ACQUIRE_SLACK_SECONDS)
-            if self._connects_locally and wait is not None
-            else _NO_BOUND
-        )
-        with bound:
+        answer_by = None if wait is None else clock.now() + wait + timeouts.ACQUIRE_SLACK_SECONDS
+        with self._local_bound(answer_by):
             while True:
                 outcome = self._operations.try_acquire_all(members, ttl, details)
                 for attempt in [outcome] if isinstance(outcome, Refused) else outcome:

@@ -349,8 +349,8 @@ def test_sqlite_abandons_a_connection_with_its_unfinished_statement_rolled_back(
 def test_sqlite_a_wait_cut_to_a_deadline_ends_after_it(tmp_path: Path) -> None:
     """A wait for another connection's write lock, cut to a deadline (``bound_waits``), ends
     no sooner than the deadline, whatever fraction of a millisecond it falls on, so that its
-    error is judged as the deadline's. (Cut to 1 ms, a wait of 1.5 to 1.9 ms ended in about
-    1.1: SQLite's busy handler sleeps little longer than it is told.)"""
+    error is judged as the deadline's. (Waits of 1.5 to 1.9 ms: rounded down, each would be
+    cut to 1 ms, and SQLite's busy handler sleeps little longer than it is told.)"""
     path = tmp_path / "locks.db"
     writer = sqlite3.connect(path, isolation_level=None)
     waiter = sqlite3.connect(path, isolation_level=None, timeout=SQLITE_BUSY_TIMEOUT_SECONDS)
