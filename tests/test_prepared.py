@@ -8,7 +8,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 
-from sqllocker.execution import Prepared, PreparedCache
+from sqllocker.execution import _REQUIRED, Prepared, PreparedCache
 
 
 class _Upper(sa.TypeDecorator[str]):
@@ -65,3 +65,47 @@ def test_the_cache_of_compiled_statements_stays_bounded() -> None:
         cache[_statement()]
     assert len(cache._prepared) <= PreparedCache.MOST
     assert cache[kept].sql == Prepared(kept, sqlite.dialect()).sql
+
+
+def _by_the_plan(prepared: Prepared, values: dict[str, object]) -> object:
+    """What ``parameters`` must send, step by step from the plan."""
+    sent = []
+    for name, process, constant in prepared._plan:
+        if name in values:
+            value = values[name]
+            sent.append(value if process is None else process(value))
+        else:
+            assert constant is not _REQUIRED, name
+            sent.append(constant)
+    if prepared._positions is not None:
+        return tuple(sent)
+    return dict(zip(prepared._names, sent, strict=True))
+
+
+@pytest.mark.parametrize(
+    "dialect",
+    [sqlite.dialect(), postgresql.psycopg.dialect(), mysql.pymysql.dialect()],
+    ids=["sqlite", "postgresql", "mysql"],
+)
+def test_the_parameters_made_in_one_expression_are_the_plans(dialect: sa.Dialect) -> None:
+    """Values that give none of the statement's constants take the expression made once per
+    statement: the same parameters, in the same order, as the plan gives them; a name used
+    twice (twice in the driver's order where it takes them by place), and no parameter at all,
+    too."""
+    twice = sa.select(_TABLE.c.a).where(
+        sa.or_(_TABLE.c.a == sa.bindparam("a"), _TABLE.c.b == sa.bindparam("a", type_=_Upper)),
+        _TABLE.c.c == sa.bindparam("c", "fixed"),
+    )
+    none = sa.select(_TABLE.c.a).where(_TABLE.c.a.is_(None))
+    for statement, values in [
+        (_statement(), {"a": "x", "b": "y"}),
+        (twice, {"a": "q"}),
+        (none, {}),
+        (none, {"unused": 1}),
+    ]:
+        prepared = Prepared(statement, dialect)
+        sent = prepared.parameters(values)
+        assert sent == _by_the_plan(prepared, values)
+        assert type(sent) is type(_by_the_plan(prepared, values))
+        if isinstance(sent, dict):
+            assert list(sent) == list(prepared._names)
