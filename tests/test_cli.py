@@ -580,11 +580,11 @@ def test_run_keeps_the_lock_for_several_expiry_periods(
 def test_run_forwards_sigterm_and_releases(
     migrated: Locker, url: str, table_name: str, tmp_path: Path
 ) -> None:
-    marker = tmp_path / "got-term"
-    script = f"trap 'touch {marker}; kill $!; exit 9' TERM; sleep 30 & wait"
+    marker, trapping = tmp_path / "got-term", tmp_path / "trapping"
+    script = f"trap 'touch {marker}; kill $!; exit 9' TERM; touch {trapping}; sleep 30 & wait"
     runner = run_job(url, table_name, "", script)
     wait_until(lambda: migrated.lock_info("job") is not None)
-    time.sleep(0.3)  # let the shell install its trap
+    wait_until(trapping.exists)  # the shell has installed its trap
     runner.send_signal(signal.SIGTERM)
     runner.communicate(timeout=30)
     assert marker.exists()  # the command got the signal
