@@ -143,14 +143,14 @@ class Acquirer:
             return _NO_BOUND
         return deadlines.waits_end_by(answer_by)
 
-    def _no_answer(self, lockstring: str) -> DatabaseError:
+    def _no_answer(self, lockstring: str, group: int = 1) -> DatabaseError:
         """The error of an acquire whose statements did not end by its wait plus
-        ``timeouts.ACQUIRE_SLACK_SECONDS``."""
+        ``timeouts.ACQUIRE_SLACK_SECONDS`` (of a ``group`` of locks, ``lockstring`` first)."""
         slack = timeouts.ACQUIRE_SLACK_SECONDS
+        what = f"lock {lockstring!r}" if group == 1 else f"{group} locks from {lockstring!r}"
         return DatabaseError(
-            f"no answer from {describe_url(self._operations.database.url)} for lock "
-            f"{lockstring!r} within its wait and {slack:g} s more: the server or a pooler "
-            "may be frozen",
+            f"no answer from {describe_url(self._operations.database.url)} for {what} within "
+            f"its wait and {slack:g} s more: the server or a pooler may be frozen",
             lockstring,
             outage=True,
         )
@@ -299,10 +299,47 @@ class Acquirer:
         on_lost: OnLostOnce,
         winnings: Winnings,
     ) -> LockGroup:
-        details = holder_details(extra, concurrency.task_name())
+        # Bounded as lock()'s acquire is (see ``acquire``): on the servers, its new connections
+        # give up with the wait and its statements end by the wait and the slack; the rows an
+        # attempt may have committed with its answer lost are deleted in the background.
+        now = clock.now()
+        connect_by = None if wait is None else now + wait + CONNECT_SLACK_SECONDS
+        answer_by = None if wait is None else now + wait + timeouts.ACQUIRE_SLACK_SECONDS
         members = [(name, new_guid()) for name in names]
+        try:
+            with (
+                (
+                    _NO_BOUND
+                    if answer_by is None or self._connects_locally
+                    else concurrency.answered_by(
+                        answer_by, functools.partial(self._no_answer, names[0], len(names))
+                    )
+                ),
+                _NO_BOUND if self._connects_locally else deadlines.connections_by(connect_by),
+            ):
+                return self._acquire_all_within(
+                    members, ttl, wait, extra, keep_alive, on_lost, winnings, answer_by
+                )
+        except DatabaseError:
+            cut = answer_by is not None and not self._connects_locally and clock.now() >= answer_by
+            for name, guid in members:  # one transaction: every row committed, or none
+                self.tickets.leaving.call_soon(self._forget_attempt, name, guid, ttl, cut)
+            raise
+
+    def _acquire_all_within(
+        self,
+        members: list[tuple[str, str]],
+        ttl: float,
+        wait: float | None,
+        extra: dict[str, Any],
+        keep_alive: bool,
+        on_lost: OnLostOnce,
+        winnings: Winnings,
+        answer_by: float | None,
+    ) -> LockGroup:
+        names = [name for name, _ in members]
+        details = holder_details(extra, concurrency.task_name())
         backoff = Backoff.for_wait(wait)
-        answer_by = None if wait is None else clock.now() + wait + timeouts.ACQUIRE_SLACK_SECONDS
         with self._local_bound(answer_by):
             while True:
                 outcome = self._operations.try_acquire_all(members, ttl, details)

@@ -510,6 +510,45 @@ def test_an_acquire_on_a_frozen_connection_ends_with_its_wait(
     )
 
 
+@pytest.mark.parametrize(("front", "wait"), [(FRONTS[0], 0), (FRONTS[1], 1.0)], ids=str)
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_a_lock_all_on_a_frozen_connection_ends_with_its_wait(
+    proxied: Proxied,
+    table_name: str,
+    make_locker: Any,
+    backend: str,
+    front: Front,
+    wait: float,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """lock_all()'s transaction on a pooled connection that froze: as lock()'s acquire, it
+    ends by its wait plus ACQUIRE_SLACK_SECONDS with an outage's DatabaseError naming the
+    group, not for ever; a second acquirer then gets every member at once."""
+    monkeypatch.setattr(timeouts, "ACQUIRE_SLACK_SECONDS", TEST_SLACK)
+    contender = make_locker(grace=GRACE)
+    outcome: dict[str, Any] = {}
+    members = ["frozen a", "frozen b"]
+
+    async def scenario(locker: Any) -> None:
+        await front.call((await front.call(locker.lock, "warm")).unlock)  # a pooled connection
+        proxied.proxy.freeze_connection_before(b"frozen a")
+        outcome.update(await front.timed(locker.lock_all, members, wait=wait))
+        second = await asyncio.to_thread(contender.lock_all, members)
+        second.unlock()
+
+    through_proxy(front, proxied, table_name, scenario, GRACE)
+    assert proxied.proxy.connections_frozen == 1, outcome
+    ended_within(outcome, wait + TEST_SLACK + 3.0, DatabaseError)
+    assert outcome["error"].outage, outcome
+    assert "no answer from" in str(outcome["error"]), outcome
+    assert "2 locks from 'frozen a'" in str(outcome["error"]), outcome
+    figure(
+        "lock_all on a frozen connection",
+        f"{backend} {front} wait={wait}",
+        f"lock_all() ended in {outcome['took']:.1f}s, {type(outcome['error']).__name__}",
+    )
+
+
 @pytest.mark.parametrize("backend", ["postgresql"])
 def test_an_acquire_cut_while_its_commit_waits_leaves_no_row_for_long(
     url: str, table_name: str, make_locker: Any, monkeypatch: pytest.MonkeyPatch

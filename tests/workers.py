@@ -302,15 +302,16 @@ def hold(args: argparse.Namespace) -> int:
 
 
 def pairs(args: argparse.Namespace) -> int:
-    """Take random pairs of the lockstrings together (``lock_all``) ``--count`` times; under
+    """Take random pairs of the lockstrings together (``lock_all``) ``--count`` times, waiting
+    for ever and for a minute in turn (a finite wait bounds the attempts' statements); under
     each pair, the read-sleep-write of both lockstrings' counters, and a log line per member."""
     locker = Locker(args.url, table=args.table, grace=args.grace)
     work = CriticalSection(Path(args.state))
     lockstrings = args.lockstrings.split(",")
     with open(work.state / f"log-{os.getpid()}.jsonl", "w") as log:
-        for _ in range(args.count):
+        for n in range(args.count):
             pair = random.sample(lockstrings, 2)
-            group = locker.lock_all(pair, wait=None, expires=args.expires)
+            group = locker.lock_all(pair, wait=None if n % 2 else 60.0, expires=args.expires)
             entered = time.monotonic()
             values = {lockstring: work.enter(lockstring) for lockstring in pair}
             time.sleep(args.hold)
