@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from sqllocker import DatabaseError, Locker, LockError, LockLost, clock, timeouts
+from sqllocker import DatabaseError, Locker, LockError, LockLost, acquirer, clock, timeouts
 from sqllocker.connections import ConnectionStack
 from sqllocker.engine import resolve_url
 from tests.helpers import FRONTS, Front, Proxied, ended_within, figure, through_proxy
@@ -584,6 +584,54 @@ def test_an_acquire_cut_while_its_commit_waits_leaves_no_row_for_long(
             conn.exec_driver_sql(f"DROP TRIGGER IF EXISTS {table_name}_slow ON {table_name}")
             conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {table_name}_slow()")
         admin.dispose()
+
+
+@pytest.mark.parametrize("backend", ["postgresql"])
+def test_a_cut_group_forgets_its_rows_in_one_go(
+    url: str, table_name: str, make_locker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two groups cut at the acquire's deadline: one whose first INSERT outlasts it (rolled
+    back: nothing is ever committed), then one whose commit does (committed after the cut). The
+    first's forget looks for its rows as one, through its window (FORGET_FOR, 6 s here), not
+    once per member, each in turn on the Locker's one background thread (3 x 6 s before); the
+    second's then deletes both of its rows, which a contender gets long before they expire."""
+    monkeypatch.setattr(timeouts, "ACQUIRE_SLACK_SECONDS", 1.0)
+    monkeypatch.setattr(acquirer, "FORGET_FOR", 6.0)
+    locker = make_locker(expires=120)
+    admin = sa.create_engine(resolve_url(url))
+    with admin.begin() as conn:
+        conn.exec_driver_sql(
+            f"CREATE FUNCTION {table_name}_slow() RETURNS trigger LANGUAGE plpgsql AS "
+            "$$ BEGIN PERFORM pg_sleep(2); RETURN NEW; END $$"
+        )
+        conn.exec_driver_sql(
+            f"CREATE TRIGGER {table_name}_never BEFORE INSERT ON {table_name} FOR EACH ROW "
+            f"WHEN (left(NEW.lockstring, 6) = 'never ') EXECUTE FUNCTION {table_name}_slow()"
+        )
+        conn.exec_driver_sql(
+            f"CREATE CONSTRAINT TRIGGER {table_name}_late AFTER INSERT ON {table_name} "
+            "DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (left(NEW.lockstring, 5) = 'late ') "
+            f"EXECUTE FUNCTION {table_name}_slow()"
+        )
+    try:
+        locker.lock("warm").unlock()
+        started = time.monotonic()
+        with pytest.raises(DatabaseError, match="for 3 locks from 'never a'"):
+            locker.lock_all(["never a", "never b", "never c"])
+        with pytest.raises(DatabaseError, match="for 2 locks from 'late a'"):
+            locker.lock_all(["late a", "late b"])
+        assert time.monotonic() - started < 4
+        contender = make_locker(expires=120)
+        contender.lock_all(["late a", "late b"], wait=30).unlock()
+        took = time.monotonic() - started
+        assert took < 17, took  # the first group's forget (6 s), then the second's
+    finally:
+        with admin.begin() as conn:
+            conn.exec_driver_sql(f"DROP TRIGGER IF EXISTS {table_name}_never ON {table_name}")
+            conn.exec_driver_sql(f"DROP TRIGGER IF EXISTS {table_name}_late ON {table_name}")
+            conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {table_name}_slow()")
+        admin.dispose()
+    figure("a cut group's forget", "postgresql", f"the late group's rows taken after {took:.1f}s")
 
 
 def test_the_acquire_slack_outlasts_a_working_servers_own_timeouts() -> None:

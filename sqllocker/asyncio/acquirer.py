@@ -49,6 +49,12 @@ FORGET_FOR = 30.0
 _NO_BOUND = contextlib.nullcontext()
 
 
+def _attempt_name(members: list[tuple[str, str]]) -> str:
+    """An acquire of ``members`` as its log lines name it."""
+    first = members[0][0]
+    return repr(first) if len(members) == 1 else f"a group of {len(members)} from {first!r}"
+
+
 class AsyncAcquirer:
     """The acquires of ``locker``'s locks: ``attempts`` at rows, and waits in line by ticket
     (``tickets``) or in the kernel's queue of ``file_queue`` and backing off; one lock or a
@@ -137,7 +143,7 @@ class AsyncAcquirer:
             # commit later still (its commit waiting, which no statement timeout ends); on
             # SQLite, a wait for the write lock cut short has written nothing.
             cut = answer_by is not None and not self._connects_locally and clock.now() >= answer_by
-            self.tickets.leaving.call_soon(self._forget_attempt, lockstring, guid, ttl, cut)
+            self.tickets.leaving.call_soon(self._forget_attempt, [(lockstring, guid)], ttl, cut)
             raise
 
     def _local_bound(self, answer_by: float | None) -> contextlib.AbstractContextManager[object]:
@@ -163,41 +169,51 @@ class AsyncAcquirer:
         )
 
     async def _forget_attempt(
-        self, lockstring: str, guid: str, ttl: float, cut: bool = False
+        self, members: list[tuple[str, str]], ttl: float, cut: bool = False
     ) -> None:
-        """Delete the row a failed acquire by ``guid`` may have left, once the database answers:
+        """Delete the rows a failed acquire of ``members`` (each lockstring with its guid; a
+        group's commit together or not at all) may have left, once the database answers:
         tried every ``tickets.GIVE_UP_AGAIN`` seconds, each try ending by FORGET_PATIENCE,
-        until the row would have expired, or for FORGET_FOR at most (the give-ups of tickets
+        until the rows would have expired, or for FORGET_FOR at most (the give-ups of tickets
         wait behind it); never another acquisition's row (see ``Statements.forget_attempt``).
-        An acquire ``cut`` at its deadline may still be committing its row, not yet there to
-        delete: none found, it is looked for again, through the same window."""
+        An acquire ``cut`` at its deadline may still be committing its rows, not yet there to
+        delete: none found, they are looked for again, through the same window."""
+        what = _attempt_name(members)
         until = clock.now() + min(ttl, FORGET_FOR)
+        answered = False
         while not self.tickets.closing.is_set() and clock.now() < until:
             deleted: int | None = None
             try:
                 if True:  # ASYNC
                     with contextlib.suppress(asyncio.TimeoutError):
                         deleted = await concurrency.within(
-                            self._call(self._operations.forget_attempt, lockstring, guid),
+                            self._call(self._operations.forget_attempt, members),
                             FORGET_PATIENCE,
-                            f"forget a failed acquire of {lockstring!r}",
+                            f"forget a failed acquire of {what}",
                         )
                 else:
                     bound = clock.now() + FORGET_PATIENCE
                     with deadlines.statements_end_by(bound):
-                        deleted = self._operations.forget_attempt(lockstring, guid)
+                        deleted = self._operations.forget_attempt(members)
             except LockError:
                 pass
+            answered = answered or deleted is not None
             if deleted is None or (cut and not deleted):
                 await concurrency.wait(self.tickets.closing, tickets.GIVE_UP_AGAIN)
                 continue
             if deleted:
-                logger.info("deleted the row of a failed acquire of %r", lockstring)
+                logger.info("deleted the row(s) of a failed acquire of %s", what)
             return
-        logger.warning(
-            "the row a failed acquire of %r may have left could not be deleted; it will expire",
-            lockstring,
-        )
+        if answered:  # cut, and none turned up while it was looked for
+            logger.info(
+                "no row of a failed acquire of %s turned up; one committed later will expire",
+                what,
+            )
+        else:
+            logger.warning(
+                "the row a failed acquire of %s may have left could not be deleted; it will expire",
+                what,
+            )
 
     async def _acquire_within(
         self,
@@ -347,8 +363,7 @@ class AsyncAcquirer:
                 )
         except DatabaseError:
             cut = answer_by is not None and not self._connects_locally and clock.now() >= answer_by
-            for name, guid in members:  # one transaction: every row committed, or none
-                self.tickets.leaving.call_soon(self._forget_attempt, name, guid, ttl, cut)
+            self.tickets.leaving.call_soon(self._forget_attempt, members, ttl, cut)
             raise
 
     async def _acquire_all_within(

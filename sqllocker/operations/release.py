@@ -4,7 +4,7 @@ checkpoints after releases."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -130,13 +130,18 @@ class Releaser:
         times = conn.execute(self._db.sql.times_of, params).first()
         return None if times is None else times.expires
 
-    def forget_attempt(self, lockstring: str, guid: str) -> int:
-        """Delete the row an acquire by ``guid`` that failed may have left (its INSERT
-        committed, its answer lost); how many were deleted."""
-        params = {"ls": lockstring, "lock_guid": guid}
-        return self._db.run(
-            lockstring, lambda conn: conn.affected(self._db.sql.forget_attempt, params)
-        )
+    def forget_attempt(self, members: Sequence[tuple[str, str]]) -> int:
+        """Delete the rows an acquire that failed may have left (its INSERTs committed, its
+        answer lost), each lockstring's by the guid it was tried with; how many were deleted."""
+
+        def forget(conn: DriverSession) -> int:
+            statement = self._db.sql.forget_attempt
+            return sum(
+                conn.affected(statement, {"ls": lockstring, "lock_guid": guid})
+                for lockstring, guid in members
+            )
+
+        return self._db.run(members[0][0], forget)
 
     def checkpoint_due(self) -> bool:
         """Counts a release; whether the log is due a checkpoint (``checkpoint``) now. Counted
