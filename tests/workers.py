@@ -108,7 +108,7 @@ def counter(args: argparse.Namespace) -> int:
                 valid_for = _valid_for(lock)
                 value = work.enter(lockstring)
                 # Held beyond its expiry now and then: only its keep-alive keeps it ours.
-                time.sleep(args.expires * 2 if keep_alive else args.hold)
+                time.sleep(args.expires * 1.5 if keep_alive else args.hold)
                 if keep_alive:
                     # Still our row, pushed past the expiry the acquire set: renewed.
                     row = locker.lock_info(lockstring)
@@ -549,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
         "--outlive-every",
         type=int,
         default=0,
-        help="keep every Nth lock alive and hold it for two expiry periods (sync only)",
+        help="keep every Nth lock alive and hold it for 1.5 expiry periods (sync only)",
     )
     work.add_argument(
         "--queue-patience",
