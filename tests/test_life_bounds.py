@@ -12,10 +12,11 @@ the first was told.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -549,6 +550,39 @@ def test_a_lock_all_on_a_frozen_connection_ends_with_its_wait(
     )
 
 
+@contextlib.contextmanager
+def sleeping_triggers(
+    url: str, table_name: str, seconds: float, triggers: dict[str, str]
+) -> Iterator[None]:
+    """Within the block, PostgreSQL triggers on the lock table that sleep ``seconds`` where
+    they fire: each of ``triggers`` by its name's suffix and the text between ``CREATE TRIGGER
+    name`` and ``EXECUTE FUNCTION`` (with ``{table}``; one of a ``DEFERRABLE`` kind is made a
+    constraint trigger, which fires at the commit)."""
+    admin = sa.create_engine(resolve_url(url))
+    function = f"{table_name}_slow"
+    with admin.begin() as conn:
+        conn.exec_driver_sql(
+            f"CREATE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS "
+            f"$$ BEGIN PERFORM pg_sleep({float(seconds)}); RETURN NEW; END $$"
+        )
+        for suffix, when in triggers.items():
+            kind = "CONSTRAINT TRIGGER" if "DEFERRABLE" in when else "TRIGGER"
+            conn.exec_driver_sql(
+                f"CREATE {kind} {table_name}_{suffix} {when.format(table=table_name)} "
+                f"EXECUTE FUNCTION {function}()"
+            )
+    try:
+        yield
+    finally:
+        with admin.begin() as conn:
+            for suffix in triggers:
+                conn.exec_driver_sql(
+                    f"DROP TRIGGER IF EXISTS {table_name}_{suffix} ON {table_name}"
+                )
+            conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {function}()")
+        admin.dispose()
+
+
 @pytest.mark.parametrize("backend", ["postgresql"])
 def test_an_acquire_cut_while_its_commit_waits_leaves_no_row_for_long(
     url: str, table_name: str, make_locker: Any, monkeypatch: pytest.MonkeyPatch
@@ -560,18 +594,10 @@ def test_an_acquire_cut_while_its_commit_waits_leaves_no_row_for_long(
     it is there: it was held by nobody for the lock's expiry."""
     monkeypatch.setattr(timeouts, "ACQUIRE_SLACK_SECONDS", 1.0)
     locker = make_locker(expires=120)
-    admin = sa.create_engine(resolve_url(url))
-    with admin.begin() as conn:
-        conn.exec_driver_sql(
-            f"CREATE FUNCTION {table_name}_slow() RETURNS trigger LANGUAGE plpgsql AS "
-            "$$ BEGIN PERFORM pg_sleep(4); RETURN NULL; END $$"
-        )
-        conn.exec_driver_sql(
-            f"CREATE CONSTRAINT TRIGGER {table_name}_slow AFTER INSERT ON {table_name} "
-            "DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (NEW.lockstring = 'slow job') "
-            f"EXECUTE FUNCTION {table_name}_slow()"
-        )
-    try:
+    late = "AFTER INSERT ON {table} DEFERRABLE INITIALLY DEFERRED FOR EACH ROW"
+    with sleeping_triggers(
+        url, table_name, 4, {"slow": f"{late} WHEN (NEW.lockstring = 'slow job')"}
+    ):
         locker.lock("warm").unlock()
         started = time.monotonic()
         with pytest.raises(DatabaseError, match="no answer from"):
@@ -579,11 +605,6 @@ def test_an_acquire_cut_while_its_commit_waits_leaves_no_row_for_long(
         assert time.monotonic() - started < 3.5
         contender = make_locker(expires=120)
         contender.lock("slow job", wait=20).unlock()  # by the forget, not by the row's expiry
-    finally:
-        with admin.begin() as conn:
-            conn.exec_driver_sql(f"DROP TRIGGER IF EXISTS {table_name}_slow ON {table_name}")
-            conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {table_name}_slow()")
-        admin.dispose()
 
 
 @pytest.mark.parametrize("backend", ["postgresql"])
@@ -598,22 +619,12 @@ def test_a_cut_group_forgets_its_rows_in_one_go(
     monkeypatch.setattr(timeouts, "ACQUIRE_SLACK_SECONDS", 1.0)
     monkeypatch.setattr(acquirer, "FORGET_FOR", 6.0)
     locker = make_locker(expires=120)
-    admin = sa.create_engine(resolve_url(url))
-    with admin.begin() as conn:
-        conn.exec_driver_sql(
-            f"CREATE FUNCTION {table_name}_slow() RETURNS trigger LANGUAGE plpgsql AS "
-            "$$ BEGIN PERFORM pg_sleep(2); RETURN NEW; END $$"
-        )
-        conn.exec_driver_sql(
-            f"CREATE TRIGGER {table_name}_never BEFORE INSERT ON {table_name} FOR EACH ROW "
-            f"WHEN (left(NEW.lockstring, 6) = 'never ') EXECUTE FUNCTION {table_name}_slow()"
-        )
-        conn.exec_driver_sql(
-            f"CREATE CONSTRAINT TRIGGER {table_name}_late AFTER INSERT ON {table_name} "
-            "DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (left(NEW.lockstring, 5) = 'late ') "
-            f"EXECUTE FUNCTION {table_name}_slow()"
-        )
-    try:
+    triggers = {
+        "never": "BEFORE INSERT ON {table} FOR EACH ROW WHEN (left(NEW.lockstring, 6) = 'never ')",
+        "late": "AFTER INSERT ON {table} DEFERRABLE INITIALLY DEFERRED FOR EACH ROW "
+        "WHEN (left(NEW.lockstring, 5) = 'late ')",
+    }
+    with sleeping_triggers(url, table_name, 2, triggers):
         locker.lock("warm").unlock()
         started = time.monotonic()
         with pytest.raises(DatabaseError, match="for 3 locks from 'never a'"):
@@ -625,12 +636,6 @@ def test_a_cut_group_forgets_its_rows_in_one_go(
         contender.lock_all(["late a", "late b"], wait=30).unlock()
         took = time.monotonic() - started
         assert took < 17, took  # the first group's forget (6 s), then the second's
-    finally:
-        with admin.begin() as conn:
-            conn.exec_driver_sql(f"DROP TRIGGER IF EXISTS {table_name}_never ON {table_name}")
-            conn.exec_driver_sql(f"DROP TRIGGER IF EXISTS {table_name}_late ON {table_name}")
-            conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {table_name}_slow()")
-        admin.dispose()
     figure("a cut group's forget", "postgresql", f"the late group's rows taken after {took:.1f}s")
 
 
