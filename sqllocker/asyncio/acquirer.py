@@ -107,24 +107,13 @@ class AsyncAcquirer:
         # SQLite, so do their waits for another connection's write lock (an operator's shell,
         # a stopped process in its transaction), each of which would otherwise last the busy
         # timeout, and be tried again as contention: cut, with no watcher (nothing else waits).
-        now = clock.now()
-        connect_by = None if wait is None else now + wait + CONNECT_SLACK_SECONDS
-        answer_by = None if wait is None else now + wait + timeouts.ACQUIRE_SLACK_SECONDS
+        answer_by, answered, connecting = self._bounds(wait, lockstring)
         # One guid for every attempt of this call: a release may hand the row to it (as our
         # ticket), and an attempt that finds the row under it knows the row is ours.
         guid = new_guid()
         attempts_bound = self._local_bound(answer_by)
         try:
-            with (
-                (
-                    _NO_BOUND
-                    if answer_by is None or self._connects_locally
-                    else concurrency.answered_by(
-                        answer_by, functools.partial(self._no_answer, lockstring)
-                    )
-                ),
-                _NO_BOUND if self._connects_locally else deadlines.connections_by(connect_by),
-            ):
+            with answered, connecting:
                 return await self._acquire_within(
                     lockstring,
                     guid,
@@ -138,13 +127,41 @@ class AsyncAcquirer:
                     attempts_bound,
                 )
         except DatabaseError:
-            # An attempt's INSERT may have committed with its answer lost: that row, held by
-            # nobody, would keep everyone out until it expired. Cut at the deadline, it may
-            # commit later still (its commit waiting, which no statement timeout ends); on
-            # SQLite, a wait for the write lock cut short has written nothing.
-            cut = answer_by is not None and not self._connects_locally and clock.now() >= answer_by
-            self.tickets.leaving.call_soon(self._forget_attempt, [(lockstring, guid)], ttl, cut)
+            self._forget_after_failure([(lockstring, guid)], ttl, answer_by)
             raise
+
+    def _bounds(
+        self, wait: float | None, lockstring: str, group: int = 1
+    ) -> tuple[
+        float | None,
+        contextlib.AbstractContextManager[object],
+        contextlib.AbstractContextManager[object],
+    ]:
+        """An acquire's deadline for its statements (its wait plus
+        ``timeouts.ACQUIRE_SLACK_SECONDS``; None for ``wait=None``), and on the servers the
+        blocks that keep it and its new connections' (the wait plus CONNECT_SLACK_SECONDS;
+        for ``wait=None``, the driver's connect timeout, whatever an outer block said)."""
+        if wait is None:
+            connects = _NO_BOUND if self._connects_locally else deadlines.connections_by(None)
+            return None, _NO_BOUND, connects
+        now = clock.now()
+        answer_by = now + wait + timeouts.ACQUIRE_SLACK_SECONDS
+        if self._connects_locally:
+            return answer_by, _NO_BOUND, _NO_BOUND
+        no_answer = functools.partial(self._no_answer, lockstring, group)
+        connecting = deadlines.connections_by(now + wait + CONNECT_SLACK_SECONDS)
+        return answer_by, concurrency.answered_by(answer_by, no_answer), connecting
+
+    def _forget_after_failure(
+        self, members: list[tuple[str, str]], ttl: float, answer_by: float | None
+    ) -> None:
+        """After an acquire of ``members`` failed with a DatabaseError: its INSERTs may have
+        committed with the answer lost, rows held by nobody that would keep everyone out until
+        they expired, so they are deleted in the background (``_forget_attempt``). Cut at the
+        deadline, they may commit later still (a commit waiting, which no statement timeout
+        ends); on SQLite, a wait for the write lock cut short has written nothing."""
+        cut = answer_by is not None and not self._connects_locally and clock.now() >= answer_by
+        self.tickets.leaving.call_soon(self._forget_attempt, members, ttl, cut)
 
     def _local_bound(self, answer_by: float | None) -> contextlib.AbstractContextManager[object]:
         """On SQLite, the block an acquire's attempts run in: their waits for another
@@ -340,30 +357,16 @@ class AsyncAcquirer:
         on_lost: OnLostOnce,
         winnings: Winnings,
     ) -> AsyncLockGroup:
-        # Bounded as lock()'s acquire is (see ``acquire``): on the servers, its new connections
-        # give up with the wait and its statements end by the wait and the slack; the rows an
-        # attempt may have committed with its answer lost are deleted in the background.
-        now = clock.now()
-        connect_by = None if wait is None else now + wait + CONNECT_SLACK_SECONDS
-        answer_by = None if wait is None else now + wait + timeouts.ACQUIRE_SLACK_SECONDS
+        # Bounded as lock()'s acquire is (see ``acquire``).
+        answer_by, answered, connecting = self._bounds(wait, names[0], len(names))
         members = [(name, new_guid()) for name in names]
         try:
-            with (
-                (
-                    _NO_BOUND
-                    if answer_by is None or self._connects_locally
-                    else concurrency.answered_by(
-                        answer_by, functools.partial(self._no_answer, names[0], len(names))
-                    )
-                ),
-                _NO_BOUND if self._connects_locally else deadlines.connections_by(connect_by),
-            ):
+            with answered, connecting:
                 return await self._acquire_all_within(
                     members, ttl, wait, extra, keep_alive, on_lost, winnings, answer_by
                 )
         except DatabaseError:
-            cut = answer_by is not None and not self._connects_locally and clock.now() >= answer_by
-            self.tickets.leaving.call_soon(self._forget_attempt, members, ttl, cut)
+            self._forget_after_failure(members, ttl, answer_by)
             raise
 
     async def _acquire_all_within(
