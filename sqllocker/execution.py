@@ -112,8 +112,8 @@ class Prepared:
 
     def _filler(self) -> Callable[[Mapping[str, Any]], Sequence[Any] | dict[str, Any]]:
         """``parameters`` where ``values`` give none of the statement's constants: one
-        expression, made once per statement as ``collections.namedtuple`` makes its methods,
-        where a loop over the plan cost each of a lock cycle's statements a few microseconds.
+        expression, made once per statement as ``collections.namedtuple`` makes its methods:
+        a loop over the plan was a measurable share of a lock cycle's own work (CHANGELOG.md).
         Its source holds no name or value, only places: each is looked up in its namespace."""
         namespace: dict[str, Any] = {}
         items = []
