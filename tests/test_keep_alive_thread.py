@@ -78,8 +78,9 @@ locker = Locker(sys.argv[1], table=sys.argv[2], grace=0)
 lost = []
 
 def work():
-    with locker.lock("job", expires=1, keep_alive=True, on_lost=lost.append) as lock:
-        time.sleep(3)  # three periods, after the main thread has returned
+    # A 2 s period gives each renewal over a second to land on a loaded machine.
+    with locker.lock("job", expires=2, keep_alive=True, on_lost=lost.append) as lock:
+        time.sleep(4.5)  # over two periods, after the main thread has returned
         print(f"valid {lock.is_valid()} lost {len(lost)}", flush=True)
 
 threading.Thread(target=work).start()
