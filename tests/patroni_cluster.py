@@ -135,6 +135,9 @@ class PatroniCluster:
                     "replication": {"username": "postgres"},
                 },
                 "parameters": {"unix_socket_directories": str(self.home)},
+                # A replica that replayed WAL the promoted node never got cannot follow it
+                # (a CI run waited on one for two minutes): Patroni copies it afresh.
+                "remove_data_directory_on_diverged_timelines": True,
             },
             "tags": {"nofailover": False, "noloadbalance": False, "clonefrom": False},
         }

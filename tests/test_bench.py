@@ -129,7 +129,12 @@ def test_the_durable_fifo_floor_takes_turns_in_line_one_holder_at_a_time(
         if backend != "sqlite":  # there the kernel wakes the waiters, in an order of its own
             # No one passed by each of the others more than twice (one may ask after a
             # waiter, yet draw its ticket first); a free-for-all passes a waiter by dozens.
-            assert row["overtaken_max"] <= 2 * 2
+            # A turn counts from before its first statement: a contender the loaded machine
+            # stops before it draws its ticket is passed by every turn meanwhile, so a few
+            # turns in a hundred may count more.
+            counts = row["overtaken_counts"]
+            beyond = sum(turns for others, turns in counts.items() if int(others) > 2 * 2)
+            assert beyond <= 0.05 * sum(counts.values()), counts
     bench.drop_table(url, bench.TABLE)
 
 
