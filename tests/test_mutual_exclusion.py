@@ -121,14 +121,14 @@ ABANDON_EVERY = 35
 ABANDONING = ("--abandon-every", str(ABANDON_EVERY), "--expires", "1.0", "--grace", "0")
 # Workers that never wait: each acquisition tries again and again (the one-attempt path).
 TRYING = ("--try-only",)
-# Workers that hold every 35th lock (two each) for one and a half expiry periods (several
-# renewals each), kept alive, with no grace: a renewal that failed to happen would let a waiter
-# take the row over mid-hold.
+# Workers that hold one lock each, halfway through their turns, for one and a half expiry
+# periods (several renewals each), kept alive, with no grace: a renewal that failed to happen
+# would let a waiter take the row over mid-hold.
 # The expiry gives each renewal 1.3 s to complete: with 0.4 s (under 0.27 s each), MariaDB runs
 # on this 2-core VM now and then lost a lock or three to a renewal that came too late, which the
 # library declared lost (LockLost) while the worker, heeding nothing, held on; with 1 s, a
 # PostgreSQL run beside the whole suite once lost three so.
-OUTLIVE_EVERY = 35
+OUTLIVE_EVERY = ACQUISITIONS_EACH
 OUTLIVING = ("--outlive-every", str(OUTLIVE_EVERY), "--expires", "2.0", "--grace", "0")
 # Workers that give up on a line standing still on a free row after 4 ms, beside abandoned rows
 # that are takeable until a waiter takes them over: the first waiter of a Locker takes a free

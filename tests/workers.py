@@ -101,7 +101,9 @@ def counter(args: argparse.Namespace) -> int:
     def turns(numbers: range, log: TextIO) -> None:
         for number in numbers:
             lockstring = random.choice(lockstrings)
-            keep_alive = bool(args.outlive_every) and number % args.outlive_every == 0
+            # The middle turn of every N: held past its expiry while the others contend.
+            every = args.outlive_every
+            keep_alive = bool(every) and number % every == every // 2
             lock = acquire(locker, lockstring, args, keep_alive)
             try:
                 entered = time.monotonic()
@@ -549,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
         "--outlive-every",
         type=int,
         default=0,
-        help="keep every Nth lock alive and hold it for 1.5 expiry periods (sync only)",
+        help="keep the middle lock of every N alive and hold it for 1.5 expiry periods (sync only)",
     )
     work.add_argument(
         "--queue-patience",
