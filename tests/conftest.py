@@ -160,7 +160,8 @@ def admin(migrated_postgres: str) -> Iterator[sa.Engine]:
     engine.dispose()
 
 
-# README's test command runs the suite on five pytest-xdist workers. The tests of the modules
+# README's test command runs the suite on six pytest-xdist workers, one per lane below from the
+# start (with five, the sixth lane began only once another had ended). The tests of the modules
 # below load the machine, time what they check against expiries and turns, or start private
 # servers and clusters: each group (a "lane") runs its modules one after another on one worker,
 # as they would alone, since beside many of the same kind they would find the machine slower
