@@ -10,16 +10,18 @@ for threads.
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
-import queue
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from sqlalchemy.engine import URL, Engine
 
-from . import clock, deadlines, forks
+from . import clock, deadlines
 from .decorators import refuse_deferred_work
 from .engine import create_locker_engine, resolve_url
 from .errors import DatabaseError, LockTypeError
@@ -162,37 +164,79 @@ def pooled_connection(engine: Engine, autocommit: bool = True) -> PooledConnecti
 
 
 class Background:
-    """Calls that must not hold up their caller, run one after another on a thread of their
-    own (started on first use, and again in a forked child). The calls must not raise: the
-    tickets' give-up (``_leave_line``) logs a failure instead."""
+    """Calls that must not hold up their caller, each run as soon as it is asked for, as
+    asyncio's each run in a task of its own: on an idle thread of this Background's, or on a
+    new one while every thread is busy (a forget of a failed acquire's rows looks for them
+    again for up to 30 s; a ticket's give-up asked for meanwhile must not wait behind it).
+    A thread idle for ``KEEP_IDLE`` seconds ends. A forked child starts afresh, its lock new
+    (a thread of the parent's, which does not exist in the child, may have held it as it
+    forked): the parent's calls and threads are not the child's. The calls must not raise:
+    the tickets' give-up (``_leave_line``) logs a failure instead."""
+
+    KEEP_IDLE = 30.0
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._calls: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None]
-        self._calls = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-        self._pid = forks.pid
+        self._start_afresh()
+        _backgrounds.add(self)
+
+    def _start_afresh(self) -> None:
+        self._turn = threading.Condition(threading.Lock())
+        self._pending: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]]
+        self._pending = collections.deque()
+        self._idle = 0  # threads waiting for a call
+        self._threads: set[threading.Thread] = set()
+        self._closing = False
 
     def call_soon(self, function: Callable[..., Any], *args: Any) -> None:
-        with self._lock:
-            if self._pid != forks.pid:  # the parent's thread does not exist in a child
-                self._pid, self._thread, self._calls = forks.pid, None, queue.SimpleQueue()
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                self._thread.start()
-            self._calls.put((function, args))
+        with self._turn:
+            self._pending.append((function, args))
+            if len(self._pending) > self._idle:
+                thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
+                self._threads.add(thread)
+                thread.start()
+            else:
+                self._turn.notify()
 
-    def _run(self) -> None:
-        while (call := self._calls.get()) is not None:
-            function, args = call
-            function(*args)
+    def _serve(self) -> None:
+        with self._turn:
+            try:
+                while True:
+                    while self._pending:
+                        function, args = self._pending.popleft()
+                        self._turn.release()
+                        try:
+                            function(*args)
+                        finally:
+                            function = args = None  # type: ignore[assignment]
+                            self._turn.acquire()
+                    if self._closing:
+                        return
+                    self._idle += 1
+                    called = self._turn.wait(self.KEEP_IDLE)
+                    self._idle -= 1
+                    if not called and not self._pending:
+                        return
+            finally:
+                self._threads.discard(threading.current_thread())
 
     def close(self) -> None:
         """Wait (a while) for the calls already asked for."""
-        with self._lock:
-            thread = self._thread if self._pid == forks.pid else None
-            if thread is not None:
-                self._calls.put(None)
-        if thread is not None:
-            thread.join(10)
+        with self._turn:
+            self._closing = True
+            self._turn.notify_all()
+            threads = list(self._threads)
+        until = time.monotonic() + 10
+        for thread in threads:
+            thread.join(max(0.0, until - time.monotonic()))
+
+
+_backgrounds: weakref.WeakSet[Background] = weakref.WeakSet()
+
+
+def _start_afresh_in_child() -> None:
+    for background in list(_backgrounds):
+        background._start_afresh()
+
+
+os.register_at_fork(after_in_child=_start_afresh_in_child)
