@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import inspect
+import logging
 import os
 import threading
 import time
@@ -28,6 +29,8 @@ from .errors import DatabaseError, LockTypeError
 from .operations.waits import THREADS
 
 T = TypeVar("T")
+
+logger = logging.getLogger("sqllocker")
 
 Event = threading.Event
 # Reentrant: an on_lost callback, called while an extend holds the lock, may unlock().
@@ -165,15 +168,18 @@ def pooled_connection(engine: Engine, autocommit: bool = True) -> PooledConnecti
 
 class Background:
     """Calls that must not hold up their caller, each run as soon as it is asked for, as
-    asyncio's each run in a task of its own: on an idle thread of this Background's, or on a
-    new one while every thread is busy (a forget of a failed acquire's rows looks for them
-    again for up to 30 s; a ticket's give-up asked for meanwhile must not wait behind it).
-    A thread idle for ``KEEP_IDLE`` seconds ends. A forked child starts afresh, its lock new
-    (a thread of the parent's, which does not exist in the child, may have held it as it
-    forked): the parent's calls and threads are not the child's. The calls must not raise:
-    the tickets' give-up (``_leave_line``) logs a failure instead."""
+    asyncio's each run in a task of its own: on the thread of this Background's that came
+    idle last, or on a new one while every thread is busy (a forget of a failed acquire's rows
+    looks for them again for up to 30 s; a ticket's give-up asked for meanwhile must not wait
+    behind it), up to ``MOST`` threads, beyond which a call waits for one to come free. A
+    thread idle for ``KEEP_IDLE`` seconds ends. A forked child starts afresh, with a lock of
+    its own (a thread of the parent's, which does not exist in the child, may have held the
+    old one as it forked): the parent's calls and threads are not the child's. A call that
+    raises is logged; the calls' own errors are their business (the tickets' give-up,
+    ``_leave_line``, logs a failure itself)."""
 
     KEEP_IDLE = 30.0
+    MOST = 16
 
     def __init__(self, name: str) -> None:
         self._name = name
@@ -181,51 +187,81 @@ class Background:
         _backgrounds.add(self)
 
     def _start_afresh(self) -> None:
-        self._turn = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
         self._pending: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]]
         self._pending = collections.deque()
-        self._idle = 0  # threads waiting for a call
+        self._idle: list[threading.Event] = []  # each idle thread's wake-up, the last idle last
         self._threads: set[threading.Thread] = set()
         self._closing = False
 
     def call_soon(self, function: Callable[..., Any], *args: Any) -> None:
-        with self._turn:
+        lock = self._lock
+        with lock:
             self._pending.append((function, args))
-            if len(self._pending) > self._idle:
-                thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
-                self._threads.add(thread)
-                thread.start()
-            else:
-                self._turn.notify()
-
-    def _serve(self) -> None:
-        with self._turn:
+            if self._idle:
+                self._idle.pop().set()
+                return
+            if len(self._threads) >= self.MOST:
+                return  # run by the first thread to come free
+            thread = threading.Thread(
+                target=self._serve, args=(lock,), name=self._name, daemon=True
+            )
+            self._threads.add(thread)
             try:
-                while True:
-                    while self._pending:
+                thread.start()
+            except RuntimeError:  # no thread can start (a limit of the process's)
+                self._threads.discard(thread)
+                if self._threads:
+                    return  # run by the first thread to come free
+                self._pending.pop()
+            else:
+                return
+        function(*args)  # nobody else to run it: run here rather than never
+
+    def _serve(self, lock: threading.Lock) -> None:
+        """Run calls while there are any, then wait for more. ``lock``: the lock this thread
+        was started under; forked within a call, this thread is the child's, whose Background
+        has a lock of its own: it leaves both alone and ends once the call returns."""
+        wake = threading.Event()
+        try:
+            while self._lock is lock:
+                with lock:
+                    if self._pending:
                         function, args = self._pending.popleft()
-                        self._turn.release()
-                        try:
-                            function(*args)
-                        finally:
-                            function = args = None  # type: ignore[assignment]
-                            self._turn.acquire()
-                    if self._closing:
+                    elif self._closing:
                         return
-                    self._idle += 1
-                    called = self._turn.wait(self.KEEP_IDLE)
-                    self._idle -= 1
-                    if not called and not self._pending:
-                        return
-            finally:
-                self._threads.discard(threading.current_thread())
+                    else:
+                        wake.clear()
+                        self._idle.append(wake)
+                        function = None
+                if function is not None:
+                    try:
+                        function(*args)
+                    except Exception:
+                        logger.exception("a background call of %s failed", self._name)
+                    function = args = None  # type: ignore[assignment]  # hold nothing idle
+                elif not wake.wait(self.KEEP_IDLE) and self._lock is lock:
+                    with lock:
+                        if wake in self._idle:  # idle for KEEP_IDLE, nobody asked: it ends
+                            return
+                    # Woken as it timed out: a call was handed to it.
+        finally:
+            if self._lock is lock:
+                with lock:
+                    self._threads.discard(threading.current_thread())
+                    if wake in self._idle:
+                        self._idle.remove(wake)
 
     def close(self) -> None:
         """Wait (a while) for the calls already asked for."""
-        with self._turn:
+        with self._lock:
             self._closing = True
-            self._turn.notify_all()
-            threads = list(self._threads)
+            for wake in self._idle:
+                wake.set()
+            self._idle.clear()
+            threads = [
+                thread for thread in self._threads if thread is not threading.current_thread()
+            ]
         until = time.monotonic() + 10
         for thread in threads:
             thread.join(max(0.0, until - time.monotonic()))

@@ -191,8 +191,8 @@ class AsyncAcquirer:
         """Delete the rows a failed acquire of ``members`` (each lockstring with its guid; a
         group's commit together or not at all) may have left, once the database answers:
         tried every ``tickets.GIVE_UP_AGAIN`` seconds, each try ending by FORGET_PATIENCE,
-        until the rows would have expired, or for FORGET_FOR at most (the give-ups of tickets
-        wait behind it); never another acquisition's row (see ``Statements.forget_attempt``).
+        until the rows would have expired, or for FORGET_FOR at most, in the background beside
+        the tickets' give-ups; never another acquisition's row (``Statements.forget_attempt``).
         An acquire ``cut`` at its deadline may still be committing its rows, not yet there to
         delete: none found, they are looked for again, through the same window."""
         what = _attempt_name(members)
