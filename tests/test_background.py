@@ -65,12 +65,12 @@ def test_threads_stop_at_most_and_every_call_runs(monkeypatch: pytest.MonkeyPatc
     """An outage's forgets and give-ups, each waiting between its tries, start no thread
     beyond MOST: the calls beyond wait for one to come free."""
     monkeypatch.setattr(Background, "MOST", 4)
-    background = Background("test-background")
+    background = Background("test-most")
     ran, free = [], threading.Event()
     for number in range(40):
         background.call_soon(lambda number=number: (free.wait(5), ran.append(number)))
     time.sleep(0.2)
-    assert sum(t.name == "test-background" for t in threading.enumerate()) == 4
+    assert sum(t.name == "test-most" for t in threading.enumerate()) == 4
     free.set()
     background.close()
     assert sorted(ran) == list(range(40))
@@ -80,7 +80,7 @@ def test_idle_threads_beyond_a_trickles_need_end(monkeypatch: pytest.MonkeyPatch
     """The thread that came idle last takes the next call: a trickle of calls keeps one busy,
     and the others of a burst end once idle for KEEP_IDLE (woken in turn, none would)."""
     monkeypatch.setattr(Background, "KEEP_IDLE", 0.5)
-    background = Background("test-background")
+    background = Background("test-trickle")
     free = threading.Event()
     for _ in range(8):
         background.call_soon(free.wait, 5)
@@ -91,7 +91,9 @@ def test_idle_threads_beyond_a_trickles_need_end(monkeypatch: pytest.MonkeyPatch
         background.call_soon(done.set)
         assert done.wait(5)
         time.sleep(0.1)
-    assert sum(t.name == "test-background" for t in threading.enumerate()) == 1
+    # One, or two if a call came before the last call's thread was idle again (a loaded
+    # machine): with the longest idle woken first, all eight stayed.
+    assert sum(t.name == "test-trickle" for t in threading.enumerate()) <= 2
     background.close()
 
 
