@@ -135,8 +135,8 @@ class PatroniCluster:
                     "replication": {"username": "postgres"},
                 },
                 "parameters": {"unix_socket_directories": str(self.home)},
-                # A replica that replayed WAL the promoted node never got cannot follow it
-                # (a CI run waited on one for two minutes): Patroni copies it afresh.
+                # A replica that replayed WAL the promoted node never got cannot follow it:
+                # Patroni copies it afresh.
                 "remove_data_directory_on_diverged_timelines": True,
             },
             "tags": {"nofailover": False, "noloadbalance": False, "clonefrom": False},

@@ -205,7 +205,7 @@ def test_a_role_that_can_only_connect_learns_no_guid(
             break
         # No grant: an INSERT of the waiter's own (it tries the row again now and then) held
         # the lockstring's key as the release ran, so the release handed nothing over and the
-        # waiter took the free row itself (a full run met it once). Hand it over once more.
+        # waiter took the free row itself. Hand it over once more.
         held = lock
         thread, result = wait_in_thread(holder, wait=30)
         in_line(admin, table_name)

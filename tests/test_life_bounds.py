@@ -615,9 +615,8 @@ def test_cut_groups_forget_their_rows_without_waiting_on_each_other(
     back: nothing is ever committed), then one whose commit does (committed after the cut). The
     first's forget looks for its rows through its window (FORGET_FOR, 30 s) and finds none;
     the second's deletes both of its rows meanwhile (their commit takes 4 s), which a
-    contender gets long before they expire. On the sync Locker's one background thread the
-    second forget waited for the first's window to end (after 31 s), and before that each
-    member's forget for the one before."""
+    contender gets long before they expire. A forget that waited for the first's window to
+    end would find them after 31 s."""
     monkeypatch.setattr(timeouts, "ACQUIRE_SLACK_SECONDS", 1.0)
     locker = make_locker(expires=120)
     triggers = {
