@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import inspect
 import logging
 import os
@@ -127,15 +128,36 @@ def sleep(seconds: float) -> None:
         time.sleep(seconds)
 
 
-def wait(event: threading.Event, timeout: float | None) -> None:
+def wait(event: threading.Event | Wakeup, timeout: float | None) -> None:
     """Until ``event`` is set or ``timeout`` (seconds) has passed."""
     event.wait(timeout)
 
 
-def woken_from_thread() -> tuple[threading.Event, Callable[[], None]]:
-    """An event to ``wait`` for, and a function that sets it from any thread."""
-    event = threading.Event()
-    return event, event.set
+class Wakeup:
+    """What ``woken_from_thread`` gives: ``set()``, from any thread and any number of times,
+    ends the one ``wait``. A bare lock, released by the first ``set()``: a thread woken by a
+    ``threading.Event`` must then take the Event's own lock, which the setter may still hold,
+    and sleep and wake once more; a contended SQLite turn waits on one of these."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def set(self) -> None:
+        with contextlib.suppress(RuntimeError):  # set already
+            self._lock.release()
+
+    def wait(self, timeout: float | None) -> None:
+        # Taken, and not given back: a later set() would find it free and raise.
+        self._lock.acquire(True, -1 if timeout is None else max(timeout, 0.0))
+
+
+def woken_from_thread() -> tuple[Wakeup, Callable[[], None]]:
+    """Something to ``wait`` for once, and a function that ends that wait from any thread."""
+    wakeup = Wakeup()
+    return wakeup, wakeup.set
 
 
 class PooledConnection:
