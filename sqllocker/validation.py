@@ -7,7 +7,6 @@ sqllocker decides here, identically for all of them, and a refused call writes n
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import re
@@ -15,6 +14,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .errors import LockTypeError, LockValueError
+from .reserved_words import RESERVED_WORDS
 
 MAX_LOCKSTRING_LENGTH = 128
 # Longer expiries than ten years are almost certainly unit mistakes (milliseconds passed as
@@ -111,31 +111,11 @@ def check_table_name(name: object) -> str:
             f"table name {name!r} is not a plain identifier: use lower-case letters, digits and "
             f"underscores, not starting with a digit, at most {MAX_TABLE_NAME_LENGTH} characters"
         )
-    if name not in _NOT_RESERVED and name in _reserved_words():
+    if name in RESERVED_WORDS:
         raise LockValueError(
             f"table name {name!r} is a reserved word in SQL on some backend: choose another"
         )
     return name
-
-
-# The default table's name (``schema.DEFAULT_TABLE``), known to be no backend's reserved word:
-# checking it would import every backend's SQLAlchemy dialect, where one is used.
-_NOT_RESERVED = frozenset({"semaphores"})
-
-
-@functools.lru_cache(maxsize=1)
-def _reserved_words() -> frozenset[str]:
-    """The words that some supported database reserves (and so refuses as a bare table name)."""
-    from sqlalchemy.dialects.mysql import reserved_words
-    from sqlalchemy.dialects.postgresql.base import RESERVED_WORDS as POSTGRESQL
-    from sqlalchemy.dialects.sqlite.base import SQLiteIdentifierPreparer
-
-    return frozenset(
-        POSTGRESQL
-        | reserved_words.RESERVED_WORDS_MARIADB
-        | reserved_words.RESERVED_WORDS_MYSQL
-        | SQLiteIdentifierPreparer.reserved_words
-    )
 
 
 def check_locked_by(details: object, lockstring: str | None = None) -> dict[str, Any]:
