@@ -642,8 +642,8 @@ def test_cut_groups_forget_their_rows_without_waiting_on_each_other(
         try:
             contender.lock_all(["late a", "late b"], wait=30).unlock()
         except LockBusy as refused:
-            # Once in a full run (and once in three beside two busy loops) the contender was
-            # still refused after 30 s, though the forget said it deleted the rows: when?
+            # The forget deletes the rows about 4 s in: a refusal for 30 s says what held the
+            # contender off, and when the forget's rows went.
             heard = [(round(r.created - wall_started, 1), r.getMessage()) for r in caplog.records]
             took = time.monotonic() - started
             pytest.fail(f"refused after {took:.1f}s ({refused}); log: {heard}")
