@@ -27,7 +27,16 @@ import sqlalchemy as sa
 from sqllocker import DatabaseError, LockBusy, Locker, LockError, LockLost, clock, timeouts
 from sqllocker.connections import ConnectionStack
 from sqllocker.engine import resolve_url
-from tests.helpers import FRONTS, Front, Proxied, ended_within, figure, through_proxy
+from tests.helpers import (
+    FRONTS,
+    Front,
+    Proxied,
+    abandon,
+    count_rows,
+    ended_within,
+    figure,
+    through_proxy,
+)
 
 pytestmark = pytest.mark.slow  # stalls of several seconds
 
@@ -650,6 +659,30 @@ def test_cut_groups_forget_their_rows_without_waiting_on_each_other(
         took = time.monotonic() - started
         assert took < 20, took  # the second group's forget, not behind the first's 30 s
     figure("a cut group's forget", "postgresql", f"the late group's rows taken after {took:.1f}s")
+
+
+def test_a_cut_groups_forget_deletes_every_row_though_a_try_finds_some(locker: Locker) -> None:
+    """A forget's try deletes a cut group's rows one statement a lockstring, and the group's
+    commit may land between two of them: the try finds one row of two. The other is there
+    by the next try, and is deleted then; the forget ended at the first (deleting one
+    counted as done), and left the other held by nobody until it expired. Here the second
+    row, under the group's guid, comes a second and a half after the first."""
+    guid = abandon(locker.lock("cut b", expires=60)).guid
+
+    def commit_the_other() -> None:
+        time.sleep(1.5)
+        abandon(locker.lock("cut a", expires=60))
+        with locker.engine.begin() as conn:
+            rows = locker.table.update().where(locker.table.c.lockstring == "cut a")
+            conn.execute(rows.values(guid=guid))
+
+    other = threading.Thread(target=commit_the_other)
+    other.start()
+    try:
+        locker._acquirer._forget_attempt([("cut a", guid), ("cut b", guid)], 60, cut=True)
+    finally:
+        other.join()
+    assert count_rows(locker) == 0
 
 
 def test_the_acquire_slack_outlasts_a_working_servers_own_timeouts() -> None:

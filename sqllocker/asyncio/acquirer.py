@@ -194,10 +194,12 @@ class AsyncAcquirer:
         until the rows would have expired, or for FORGET_FOR at most, in the background beside
         the tickets' give-ups; never another acquisition's row (``Statements.forget_attempt``).
         An acquire ``cut`` at its deadline may still be committing its rows, not yet there to
-        delete: none found, they are looked for again, through the same window."""
+        delete: until all are found, they are looked for again, through the same window (a try
+        deletes a group's rows one by one, and its commit may land between two of them)."""
         what = _attempt_name(members)
         until = clock.now() + min(ttl, FORGET_FOR)
         answered = False
+        found = 0
         while not self.tickets.closing.is_set() and clock.now() < until:
             deleted: int | None = None
             try:
@@ -215,13 +217,22 @@ class AsyncAcquirer:
             except LockError:
                 pass
             answered = answered or deleted is not None
-            if deleted is None or (cut and not deleted):
+            found += deleted or 0
+            if deleted is None or (cut and found < len(members)):
                 await concurrency.wait(self.tickets.closing, tickets.GIVE_UP_AGAIN)
                 continue
-            if deleted:
+            if found:
                 logger.info("deleted the row(s) of a failed acquire of %s", what)
             return
-        if answered:  # cut, and none turned up while it was looked for
+        if found:  # cut, and some did not turn up while they were looked for
+            logger.info(
+                "deleted %d of the %d rows of a failed acquire of %s; one committed later will "
+                "expire",
+                found,
+                len(members),
+                what,
+            )
+        elif answered:  # cut, and none turned up while it was looked for
             logger.info(
                 "no row of a failed acquire of %s turned up; one committed later will expire",
                 what,
