@@ -1,9 +1,10 @@
 """The words that some supported database reserves, and so refuses as a bare table name
 (``validation.check_table_name``): PostgreSQL's, MariaDB's, MySQL's and SQLite's, as
 SQLAlchemy's dialects list them. Kept here rather than read from the dialects, whose packages
-import every driver's dialect with them: some 60 ms of CPU in each process on SQLite or MariaDB
-that opens a Locker on a table of its own name. ``tests/test_inputs_and_errors.py`` checks that
-every word the installed SQLAlchemy lists is here.
+import every driver's dialect with them, which each process on SQLite or MariaDB that opens a
+Locker on a table of its own name would otherwise load at its start.
+``tests/test_inputs_and_errors.py`` checks that every word the installed SQLAlchemy lists is
+here.
 """
 
 # One string, split: a literal of one word a line would be 356 lines.

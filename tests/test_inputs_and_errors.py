@@ -186,8 +186,8 @@ def test_every_word_a_dialect_reserves_is_refused_and_the_default_table_name_is_
 
 
 def test_a_locker_on_a_table_of_its_own_name_imports_no_postgresql_dialect(tmp_path: Path) -> None:
-    """The PostgreSQL dialect's package imports every PostgreSQL driver's dialect: some 60 ms
-    of CPU that every process on SQLite or MariaDB paid to check a table name of its own
+    """The PostgreSQL dialect's package imports every PostgreSQL driver's dialect: a start-up
+    cost that a process on SQLite or MariaDB must not pay to check a table name of its own
     against the words PostgreSQL reserves."""
     url = f"sqlite:///{tmp_path}/jobs.db"
     maker = Locker(url, table="jobs")
